@@ -1,0 +1,214 @@
+//! The command line: clap definitions (the source of truth for flags, env names and help) and
+//! the dispatch to each subcommand.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::{self, Backend, BackendKind, Config, FileConfig, LogFormat, Overrides};
+use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
+
+/// Exit code for invalid configuration (EX_USAGE).
+pub const EXIT_CONFIG: u8 = 64;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "nvdra",
+    version,
+    about = "NVIDIA GPUs for Kubernetes: a DRA kubelet plugin with a device-plugin fallback",
+    long_about = "nvdra publishes a node's NVIDIA GPUs and MIG devices as resource.k8s.io/v1 \
+ResourceSlices, prepares ResourceClaims for the kubelet through CDI, and serves the legacy \
+device-plugin API from the same inventory.\n\nWithout a GPU, try: nvdra inventory --profile dgx-h100"
+)]
+pub struct Cli {
+    /// Optional YAML config file (version: v1); flags and environment override it.
+    #[arg(long, env = "NVDRA_CONFIG", global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Log format on stderr.
+    #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
+    pub log_format: Option<LogFormat>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Show the node's GPUs, MIG devices and topology.
+    Inventory(InventoryArgs),
+}
+
+/// Where GPUs come from.
+#[derive(Debug, Clone, Args)]
+pub struct BackendArgs {
+    /// auto: NVML when it loads. --profile or --topology imply simulated.
+    #[arg(long, env = "NVDRA_BACKEND", value_enum)]
+    pub backend: Option<BackendKind>,
+
+    /// A built-in simulated node: dgx-a100, dgx-h100, hgx-h200, l40s-pcie, a100-mig-mixed, pcie-pairs.
+    #[arg(
+        long,
+        env = "NVDRA_PROFILE",
+        value_name = "NAME",
+        conflicts_with = "topology"
+    )]
+    pub profile: Option<String>,
+
+    /// A simulated topology file (YAML, version: v1).
+    #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
+    pub topology: Option<PathBuf>,
+
+    /// Root of the NVIDIA driver installation (where libnvidia-ml.so.1 and the device nodes are).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
+    pub driver_root: Option<PathBuf>,
+
+    /// This node's name; defaults to the host name.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InventoryOutput {
+    Table,
+    Json,
+    Yaml,
+}
+
+#[derive(Debug, Args)]
+pub struct InventoryArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: InventoryOutput,
+}
+
+impl BackendArgs {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            backend: self.backend,
+            profile: self.profile.clone(),
+            topology: self.topology.clone(),
+            driver_root: self.driver_root.clone(),
+            node_name: self.node_name.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Parses arguments and runs the command; the process exit code comes back.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return match e.kind() {
+                clap::error::ErrorKind::DisplayHelp
+                | clap::error::ErrorKind::DisplayVersion
+                | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    ExitCode::SUCCESS
+                }
+                _ => ExitCode::from(EXIT_CONFIG),
+            };
+        }
+    };
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Config(e)) => {
+            eprintln!("nvdra: {e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+        Err(Failure::Other(e)) => {
+            eprintln!("nvdra: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+enum Failure {
+    Config(config::Error),
+    Other(anyhow::Error),
+}
+
+impl From<config::Error> for Failure {
+    fn from(e: config::Error) -> Self {
+        Failure::Config(e)
+    }
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(e: anyhow::Error) -> Self {
+        Failure::Other(e)
+    }
+}
+
+impl From<inventory::Error> for Failure {
+    fn from(e: inventory::Error) -> Self {
+        Failure::Other(e.into())
+    }
+}
+
+fn load_config(cli: &Cli, mut overrides: Overrides) -> Result<Config, config::Error> {
+    let file = cli.config.as_deref().map(FileConfig::load).transpose()?;
+    overrides.log_format = cli.log_format;
+    config::resolve(overrides, file)
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NVDRA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Plain => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Opens the backend the configuration names.
+pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>> {
+    Ok(match &config.backend {
+        Backend::Nvml { .. } => Arc::new(NvmlBackend::open(&config.driver_root)?),
+        Backend::Profile(name) => Arc::new(SimBackend::from_profile(name, &config.node_name)?),
+        Backend::Topology(path) => Arc::new(SimBackend::from_file(path, &config.node_name)?),
+    })
+}
+
+fn run(cli: Cli) -> Result<(), Failure> {
+    match &cli.command {
+        Command::Inventory(args) => {
+            let config = load_config(&cli, args.backend.overrides())?;
+            init_logging(config.log_format);
+            let backend = open_backend(&config)?;
+            let inv = backend.snapshot()?;
+            let text = match args.output {
+                InventoryOutput::Table => inventory::table::render(&inv),
+                InventoryOutput::Json => {
+                    let mut s = serde_json::to_string_pretty(&inv).map_err(anyhow::Error::from)?;
+                    s.push('\n');
+                    s
+                }
+                InventoryOutput::Yaml => {
+                    serde_yaml::to_string(&inv).map_err(anyhow::Error::from)?
+                }
+            };
+            write_stdout(&text)?;
+            Ok(())
+        }
+    }
+}
+
+fn write_stdout(text: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        // `nvdra inventory | head` closes the pipe early; that is not an error.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}

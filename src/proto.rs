@@ -1,0 +1,31 @@
+//! Generated gRPC code for the kubelet APIs nvdra speaks. Nothing but `include_proto!` lives here;
+//! conversions to domain types are in each API's `wire.rs`.
+#![allow(clippy::all, missing_docs)]
+
+pub mod dra {
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+}
+
+pub mod health {
+    pub mod v1alpha1 {
+        tonic::include_proto!("v1alpha1");
+    }
+    pub mod v1 {
+        tonic::include_proto!("v1");
+    }
+}
+
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+pub mod deviceplugin {
+    pub mod v1beta1 {
+        tonic::include_proto!("v1beta1");
+    }
+}

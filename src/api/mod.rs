@@ -1,0 +1,81 @@
+//! The API server as nvdra sees it: ResourceSlices to publish, ResourceClaims to read, the Node to
+//! own slices. One trait, two implementations: `kube` (a real API server through kube-rs) and
+//! `dir` (a directory of YAML files, the embedded default for runs without a cluster). The
+//! publisher and the plugin are written against [`ClusterApi`] only.
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+
+/// Errors from the API, classified by what the caller should do about them.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The object changed since it was read (HTTP 409): re-read and retry.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The object does not exist (HTTP 404).
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The server rejected the object (HTTP 422/400): a bug in what we sent; retrying is futile.
+    #[error("rejected by the API server: {0}")]
+    Invalid(String),
+    /// Anything that may pass: connection refused, 5xx, timeouts. Retry with backoff.
+    #[error("API server unavailable: {0}")]
+    Transient(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Something changed among the watched slices; the publisher re-lists and reconciles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceEvent {
+    /// A slice was added or modified (name).
+    Applied(String),
+    /// A slice was deleted (name).
+    Deleted(String),
+    /// The watch was (re)started; state may have changed while it was down.
+    Restarted,
+}
+
+/// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`.
+pub trait ClusterApi: Send + Sync + 'static {
+    /// Slices with `spec.driver == driver` and `spec.nodeName == node`.
+    fn list_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<ResourceSlice>>>;
+
+    /// Creates a slice (`metadata.generateName` honoured); returns it as stored.
+    fn create_slice<'a>(&'a self, slice: &'a ResourceSlice)
+    -> BoxFuture<'a, Result<ResourceSlice>>;
+
+    /// Replaces a slice; `metadata.resourceVersion` must match the stored one, else `Conflict`.
+    fn replace_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, Result<ResourceSlice>>;
+
+    /// Deletes a slice by name; deleting a missing slice is `NotFound`.
+    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>>;
+
+    /// Changes to this driver's slices on this node. The stream ends or yields errors when the
+    /// connection drops; callers restart it.
+    fn watch_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxStream<'a, Result<SliceEvent>>;
+
+    /// Reads a ResourceClaim.
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim>>;
+
+    /// Reads a Node (for the owner reference of published slices). `NotFound` is normal for the
+    /// directory API without a `nodes/` entry.
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>>;
+}

@@ -34,6 +34,15 @@ pub enum Error {
     Topology(#[from] topology::Error),
     #[error("invalid inventory: {0}")]
     Invalid(String),
+    /// The backend cannot do this (e.g. MIG reconfiguration through a backend without it).
+    #[error("the {backend} backend does not support {operation}")]
+    Unsupported {
+        backend: &'static str,
+        operation: &'static str,
+    },
+    /// A reconfiguration request the hardware refuses (bad placement, unknown GPU, ...).
+    #[error("{0}")]
+    Refused(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -405,13 +414,71 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
     value.checked_mul(mult)
 }
 
-/// A source of inventory snapshots. Implementations block (NVML is synchronous); async callers
-/// go through [`snapshot`], which runs them on the blocking pool.
+/// A compute time-slice length for GPUs shared by time-slicing (`nvidia-smi compute-policy
+/// --set-timeslice`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TimeSlice {
+    #[default]
+    Default,
+    Short,
+    Medium,
+    Long,
+}
+
+impl fmt::Display for TimeSlice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TimeSlice::Default => "Default",
+            TimeSlice::Short => "Short",
+            TimeSlice::Medium => "Medium",
+            TimeSlice::Long => "Long",
+        })
+    }
+}
+
+/// A source of inventory snapshots, and the few reconfigurations prepare needs. Implementations
+/// block (NVML is synchronous); async callers run them on the blocking pool ([`snapshot`]).
+///
+/// The reconfiguration methods default to [`Error::Unsupported`], so a backend opts in to each.
 pub trait DeviceBackend: Send + Sync + 'static {
     /// A short name for logs (`nvml`, `simulated`).
     fn name(&self) -> &'static str;
     /// Reads the current inventory.
     fn snapshot(&self) -> Result<Inventory>;
+
+    /// Sets the compute time slice of a whole GPU.
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        let _ = (gpu, interval);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "setting the time slice",
+        })
+    }
+
+    /// Creates a MIG device (GPU instance plus one compute instance spanning it) of the GPU-instance
+    /// profile `gi_profile_id` at `placement`, and returns it.
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        let _ = (gpu, gi_profile_id, placement);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "creating MIG devices",
+        })
+    }
+
+    /// Destroys a MIG device created by [`DeviceBackend::create_mig`]. Destroying one that no
+    /// longer exists succeeds, so rollbacks can repeat it.
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &GpuUuid) -> Result<()> {
+        let _ = (gpu, mig);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "destroying MIG devices",
+        })
+    }
 }
 
 /// Reads a snapshot off the async runtime.

@@ -4,18 +4,52 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{DeviceBackend, Inventory, Result, topology};
+use super::{
+    DeviceBackend, Error, GpuUuid, Health, Inventory, MigDevice, Placement, Result, TimeSlice,
+    topology,
+};
+
+/// A reconfiguration the simulated hardware went through, in order; tests read them with
+/// [`SimBackend::actions`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SimAction {
+    SetTimeSlice {
+        gpu: GpuUuid,
+        interval: TimeSlice,
+    },
+    CreateMig {
+        gpu: GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+        uuid: GpuUuid,
+    },
+    DestroyMig {
+        gpu: GpuUuid,
+        uuid: GpuUuid,
+    },
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    inventory: Inventory,
+    actions: Vec<SimAction>,
+    /// Current time slice per GPU (absent: `Default`).
+    time_slices: std::collections::BTreeMap<GpuUuid, TimeSlice>,
+}
 
 /// Simulated GPUs. Cloning shares the same model.
 #[derive(Clone, Debug)]
 pub struct SimBackend {
-    model: Arc<Mutex<Inventory>>,
+    model: Arc<Mutex<Model>>,
 }
 
 impl SimBackend {
     pub fn new(inventory: Inventory) -> Self {
         Self {
-            model: Arc::new(Mutex::new(inventory)),
+            model: Arc::new(Mutex::new(Model {
+                inventory,
+                ..Model::default()
+            })),
         }
     }
 
@@ -32,10 +66,24 @@ impl SimBackend {
     /// Changes the simulated hardware, e.g. to mark a GPU unhealthy in a test. The change is seen
     /// by the next snapshot.
     pub fn update<R>(&self, f: impl FnOnce(&mut Inventory) -> R) -> R {
-        f(&mut self.lock())
+        f(&mut self.lock().inventory)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inventory> {
+    /// Every reconfiguration so far, oldest first.
+    pub fn actions(&self) -> Vec<SimAction> {
+        self.lock().actions.clone()
+    }
+
+    /// The time slice a GPU is set to.
+    pub fn time_slice(&self, gpu: &GpuUuid) -> TimeSlice {
+        self.lock()
+            .time_slices
+            .get(gpu)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Model> {
         // A panic while holding the lock cannot leave the inventory half-written in a way that
         // matters more than the panic itself; keep serving the last state.
         self.model.lock().unwrap_or_else(|e| e.into_inner())
@@ -48,14 +96,122 @@ impl DeviceBackend for SimBackend {
     }
 
     fn snapshot(&self) -> Result<Inventory> {
-        Ok(self.lock().clone())
+        Ok(self.lock().inventory.clone())
+    }
+
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        let mut m = self.lock();
+        if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
+            return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
+        }
+        m.time_slices.insert(gpu.clone(), interval);
+        m.actions.push(SimAction::SetTimeSlice {
+            gpu: gpu.clone(),
+            interval,
+        });
+        Ok(())
+    }
+
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        let mut m = self.lock();
+        let g = m
+            .inventory
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == *gpu)
+            .ok_or_else(|| Error::Refused(format!("no GPU with UUID {gpu}")))?;
+        if !g.in_mig_mode() {
+            return Err(Error::Refused(format!(
+                "GPU {gpu} is not in MIG mode; enable MIG mode before creating MIG devices"
+            )));
+        }
+        let profile = g
+            .mig
+            .profiles
+            .iter()
+            .find(|p| p.gi_profile_id == gi_profile_id)
+            .ok_or_else(|| {
+                Error::Refused(format!(
+                    "GPU {gpu} has no GPU-instance profile {gi_profile_id}"
+                ))
+            })?
+            .clone();
+        if !profile.placements.contains(&placement) {
+            return Err(Error::Refused(format!(
+                "{} cannot be placed at {}..{} on GPU {gpu}",
+                profile.name,
+                placement.start,
+                placement.start + placement.size
+            )));
+        }
+        if let Some(other) = g
+            .mig
+            .devices
+            .iter()
+            .find(|d| d.placement.overlaps(&placement))
+        {
+            return Err(Error::Refused(format!(
+                "insufficient resources: {} at {} overlaps the existing {} at {} on GPU {gpu}",
+                profile.name, placement.start, other.profile, other.placement.start
+            )));
+        }
+        let gi_id = (1..)
+            .find(|id| g.mig.devices.iter().all(|d| d.gi_id != *id))
+            .unwrap_or(1);
+        let uuid = GpuUuid(format!(
+            "MIG-{}",
+            topology::uuid_from(&[gpu.as_str(), &profile.name, &placement.start.to_string()])
+        ));
+        let device = MigDevice {
+            uuid: uuid.clone(),
+            profile: profile.name.clone(),
+            gi_profile_id,
+            gi_id,
+            ci_id: 0,
+            placement,
+            memory_bytes: profile.memory_bytes,
+            multiprocessors: profile.multiprocessors,
+            engines: profile.engines,
+            health: Health::Healthy,
+        };
+        g.mig.devices.push(device.clone());
+        m.actions.push(SimAction::CreateMig {
+            gpu: gpu.clone(),
+            gi_profile_id,
+            placement,
+            uuid,
+        });
+        Ok(device)
+    }
+
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &GpuUuid) -> Result<()> {
+        let mut m = self.lock();
+        let g = m
+            .inventory
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == *gpu)
+            .ok_or_else(|| Error::Refused(format!("no GPU with UUID {gpu}")))?;
+        let before = g.mig.devices.len();
+        g.mig.devices.retain(|d| d.uuid != *mig);
+        if g.mig.devices.len() != before {
+            m.actions.push(SimAction::DestroyMig {
+                gpu: gpu.clone(),
+                uuid: mig.clone(),
+            });
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::Health;
 
     #[test]
     fn updates_show_in_next_snapshot() {
@@ -70,5 +226,61 @@ mod tests {
         assert!(before.gpus[1].health.is_healthy());
         assert!(!after.gpus[1].health.is_healthy());
         assert_eq!(before.gpus[0], after.gpus[0]);
+    }
+
+    #[test]
+    fn mig_devices_are_created_and_destroyed() {
+        let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+        let inv = sim.snapshot().unwrap();
+        // GPU 2 holds 1g.10gb at 0, 2 and 4; slot 6 is free.
+        let gpu = inv.gpus[2].clone();
+        let profile = gpu
+            .mig
+            .profiles
+            .iter()
+            .find(|p| p.name == "1g.10gb")
+            .unwrap();
+        let free = Placement { start: 6, size: 2 };
+        assert!(
+            profile.placements.contains(&free),
+            "{:?}",
+            profile.placements
+        );
+        let taken = Placement { start: 0, size: 2 };
+        let e = sim
+            .create_mig(&gpu.uuid, profile.gi_profile_id, taken)
+            .unwrap_err();
+        assert!(e.to_string().contains("overlaps"), "{e}");
+        let dev = sim
+            .create_mig(&gpu.uuid, profile.gi_profile_id, free)
+            .unwrap();
+        assert_eq!(dev.placement, free);
+        assert!(dev.uuid.as_str().starts_with("MIG-"));
+        let after = sim.snapshot().unwrap();
+        assert_eq!(after.gpus[2].mig.devices.len(), gpu.mig.devices.len() + 1);
+        sim.destroy_mig(&gpu.uuid, &dev.uuid).unwrap();
+        // A second destroy is a no-op, so rollbacks can repeat it.
+        sim.destroy_mig(&gpu.uuid, &dev.uuid).unwrap();
+        assert_eq!(sim.snapshot().unwrap(), inv);
+        assert_eq!(sim.actions().len(), 2);
+        assert!(matches!(sim.actions()[1], SimAction::DestroyMig { .. }));
+        // Whole GPUs outside MIG mode refuse.
+        let e = sim
+            .create_mig(&inv.gpus[0].uuid, profile.gi_profile_id, free)
+            .unwrap_err();
+        assert!(e.to_string().contains("not in MIG mode"), "{e}");
+    }
+
+    #[test]
+    fn time_slices_are_recorded() {
+        let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+        let g = sim.snapshot().unwrap().gpus[0].uuid.clone();
+        assert_eq!(sim.time_slice(&g), TimeSlice::Default);
+        sim.set_time_slice(&g, TimeSlice::Long).unwrap();
+        assert_eq!(sim.time_slice(&g), TimeSlice::Long);
+        let e = sim
+            .set_time_slice(&GpuUuid("GPU-nope".into()), TimeSlice::Short)
+            .unwrap_err();
+        assert!(e.to_string().contains("GPU-nope"), "{e}");
     }
 }

@@ -584,7 +584,7 @@ fn fnv1a(parts: &[&str], salt: u8) -> u64 {
 }
 
 /// A deterministic UUID-shaped string from `parts`.
-fn uuid_from(parts: &[&str]) -> String {
+pub(crate) fn uuid_from(parts: &[&str]) -> String {
     let hex = format!("{:016x}{:016x}", fnv1a(parts, 1), fnv1a(parts, 2));
     format!(
         "{}-{}-{}-{}-{}",

@@ -7,4 +7,5 @@ pub mod api;
 pub mod cli;
 pub mod config;
 pub mod inventory;
+pub mod metrics;
 pub mod proto;

@@ -8,4 +8,5 @@ pub mod cli;
 pub mod config;
 pub mod inventory;
 pub mod ledger;
+pub mod metrics;
 pub mod proto;

@@ -225,7 +225,7 @@ pub struct Mig {
 
 /// What the far end of an NVLink is.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", tag = "kind", content = "id")]
 pub enum NvLinkPeer {
     /// Another GPU, by PCI bus id.
     Gpu(PciBusId),

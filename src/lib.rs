@@ -6,6 +6,7 @@
 pub mod api;
 pub mod cli;
 pub mod config;
+pub mod dra;
 pub mod inventory;
 pub mod ledger;
 pub mod metrics;

@@ -1,0 +1,129 @@
+//! The kubelet-facing gRPC servers of the DRA plugin: `v1.DRAPlugin` and `v1beta1.DRAPlugin` on
+//! one Unix socket. Errors of a claim travel in its response entry; the RPC itself fails only for
+//! requests that cannot be answered at all (never, today).
+
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::plugin::Plugin;
+use super::wire;
+use crate::proto::dra::{v1, v1beta1};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot listen on {path}: {source}")]
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "socket path {path} is {len} bytes, over the 107-byte limit of Unix sockets; use a shorter --kubelet-root"
+    )]
+    PathTooLong { path: PathBuf, len: usize },
+    #[error("gRPC server on {path} failed: {source}")]
+    Serve {
+        path: PathBuf,
+        source: tonic::transport::Error,
+    },
+}
+
+/// Unlinks a stale socket and binds a new one (creating the directory).
+pub fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
+    let len = path.as_os_str().len();
+    if len > 107 {
+        return Err(Error::PathTooLong {
+            path: path.to_path_buf(),
+            len,
+        });
+    }
+    let berr = |source| Error::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(berr)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(berr(e)),
+    }
+    UnixListener::bind(path).map_err(berr)
+}
+
+#[derive(Clone)]
+struct V1(Plugin);
+
+#[derive(Clone)]
+struct V1beta1(Plugin);
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for V1 {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        let v1::NodePrepareResourcesRequest { claims } = request.into_inner();
+        tracing::debug!(claims = claims.len(), "v1 NodePrepareResources");
+        let results = self.0.prepare(wire::claims_v1(claims)).await;
+        Ok(Response::new(wire::prepare_response_v1(results)))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        let v1::NodeUnprepareResourcesRequest { claims } = request.into_inner();
+        tracing::debug!(claims = claims.len(), "v1 NodeUnprepareResources");
+        let results = self.0.unprepare(wire::claims_v1(claims)).await;
+        Ok(Response::new(wire::unprepare_response_v1(results)))
+    }
+}
+
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let v1beta1::NodePrepareResourcesRequest { claims } = request.into_inner();
+        tracing::debug!(claims = claims.len(), "v1beta1 NodePrepareResources");
+        let results = self.0.prepare(wire::claims_v1beta1(claims)).await;
+        Ok(Response::new(wire::prepare_response_v1beta1(results)))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let v1beta1::NodeUnprepareResourcesRequest { claims } = request.into_inner();
+        tracing::debug!(claims = claims.len(), "v1beta1 NodeUnprepareResources");
+        let results = self.0.unprepare(wire::claims_v1beta1(claims)).await;
+        Ok(Response::new(wire::unprepare_response_v1beta1(results)))
+    }
+}
+
+/// Serves both DRA versions on `listener` until `shutdown`, then removes the socket at `path`.
+pub async fn serve_dra(
+    plugin: Plugin,
+    listener: UnixListener,
+    path: PathBuf,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let result = tonic::transport::Server::builder()
+        .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(
+            plugin.clone()
+        )))
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(
+            plugin,
+        )))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown.cancelled())
+        .await;
+    let _ = std::fs::remove_file(&path);
+    tracing::info!(socket = %path.display(), "DRA server stopped");
+    result.map_err(|source| Error::Serve { path, source })
+}

@@ -1,0 +1,953 @@
+//! The prepare/unprepare state machine of the DRA kubelet plugin, free of gRPC (see `grpc` and
+//! `wire` for the edge).
+//!
+//! Prepare of one claim: read the ResourceClaim from the API server, check its UID and
+//! allocation, take the results whose driver is ours, resolve each device in the inventory
+//! (GPUs, existing MIG devices, and in partitionable mode MIG placements to create), resolve its
+//! opaque config, then
+//! 1. record the claim `PrepareStarted` with its devices in the ledger — atomically with the check
+//!    that none of its devices is held by another claim — and make that durable;
+//! 2. reconfigure (create MIG devices, set time slices, start MPS daemons);
+//! 3. write the claim's CDI spec;
+//! 4. record `PrepareCompleted` and make it durable.
+//!
+//! Any failure after step 1 rolls back what was done. A crash anywhere is repaired at start-up by
+//! [`Plugin::recover`]: `Started` claims are rolled back, completed claims get their CDI spec
+//! rewritten if it is missing, CDI specs of ours without a ledger entry are removed.
+//!
+//! Invariants:
+//! - A device (a whole GPU, or overlapping MIG placements of one GPU) is never held by two claims
+//!   at once, unless one of them has admin access or both are shared allocations (`shareID`).
+//! - Operations on one claim are serialized; different claims run concurrently.
+//! - A prepared claim re-prepared returns the same devices and CDI ids without rewriting anything.
+//! - Unprepare of an unknown claim succeeds.
+//! - One claim's failure is that claim's error, never the batch's.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
+
+use super::cdi_step::{self, CdiContext, SpecDevice};
+use super::config_step::{self, Target};
+use super::mps::{self, Mps};
+use super::nodelock::{self, NodeLock};
+use crate::api::{self, ClusterApi};
+use crate::inventory::{self, DeviceBackend, Gpu, Inventory, MigDevice, Placement, TimeSlice};
+use crate::ledger::{
+    self, ClaimEntry, ClaimState, ClaimUid, DeviceRecord, Ledger, MigRecord, SharingRecord,
+};
+use crate::metrics::Metrics;
+
+/// Environment variable naming a [`CrashPoint`]: the process aborts there. For crash tests only.
+pub const CRASH_ENV: &str = "NVDRA_TEST_CRASH_AT";
+
+/// Where a crash test makes prepare abort.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// The `PrepareStarted` record is durable; nothing else is done.
+    AfterStarted,
+    /// The CDI spec is written; the claim is not completed.
+    AfterCdi,
+    /// `PrepareCompleted` is recorded in memory but not yet on disk.
+    BeforeCompleted,
+    /// Everything is durable; the reply was not sent.
+    AfterCompleted,
+}
+
+impl std::str::FromStr for CrashPoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "after-started" => Self::AfterStarted,
+            "after-cdi" => Self::AfterCdi,
+            "before-completed" => Self::BeforeCompleted,
+            "after-completed" => Self::AfterCompleted,
+            _ => {
+                return Err(format!(
+                    "{s:?}: expected after-started, after-cdi, before-completed or after-completed"
+                ));
+            }
+        })
+    }
+}
+
+/// Why one claim could not be prepared or unprepared. Reported in that claim's response entry.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("resource claim {namespace}/{name} not found in the API server (deleted?)")]
+    NotFound { namespace: String, name: String },
+    #[error("cannot read resource claim {namespace}/{name}: {source}")]
+    Api {
+        namespace: String,
+        name: String,
+        source: api::Error,
+    },
+    #[error(
+        "resource claim {namespace}/{name} now has UID {found}, not {expected}: it was deleted and \
+         re-created; the kubelet retries with the new claim"
+    )]
+    UidChanged {
+        namespace: String,
+        name: String,
+        expected: String,
+        found: String,
+    },
+    #[error(
+        "resource claim {namespace}/{name} is not allocated; the scheduler has not placed it yet"
+    )]
+    NotAllocated { namespace: String, name: String },
+    #[error("device {device} of pool {pool} is not on this node (pool {ours}): {reason}")]
+    UnknownDevice {
+        pool: String,
+        device: String,
+        ours: String,
+        reason: String,
+    },
+    #[error(
+        "device {device} is already prepared for claim {namespace}/{name} ({uid}); it must be \
+         unprepared first (was a pod force-deleted?)"
+    )]
+    DeviceInUse {
+        device: String,
+        namespace: String,
+        name: String,
+        uid: ClaimUid,
+    },
+    #[error("{0}")]
+    Config(#[from] config_step::Error),
+    #[error("{0}")]
+    Backend(#[from] inventory::Error),
+    #[error("{0}")]
+    Mps(#[from] mps::Error),
+    #[error("{0}")]
+    Cdi(#[from] cdi_step::Error),
+    #[error("{0}")]
+    Ledger(#[from] ledger::Error),
+    #[error("{0}")]
+    Lock(#[from] nodelock::Error),
+    #[error("internal task failed: {0}")]
+    Task(String),
+}
+
+/// The claim a kubelet names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: ClaimUid,
+}
+
+/// Fixed settings of a plugin instance.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub driver: String,
+    /// The pool devices are published in: the node name.
+    pub pool: String,
+    /// `<kubelet root>/plugins/<driver>`: checkpoint, lock, MPS directories.
+    pub plugin_dir: PathBuf,
+    pub cdi_root: PathBuf,
+    pub driver_root: PathBuf,
+    pub boot_id: String,
+    pub crash_at: Option<CrashPoint>,
+}
+
+struct Inner {
+    opts: Options,
+    api: Arc<dyn ClusterApi>,
+    backend: Arc<dyn DeviceBackend>,
+    ledger: Ledger,
+    cdi: CdiContext,
+    mps: Mps,
+    node_lock: NodeLock,
+    metrics: Arc<Metrics>,
+    /// One async mutex per claim being worked on.
+    claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// The plugin; cheap to clone.
+#[derive(Clone)]
+pub struct Plugin {
+    inner: Arc<Inner>,
+}
+
+/// What start-up repaired.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recovery {
+    pub loaded: Option<ledger::LoadOutcome>,
+    pub rolled_back: Vec<ClaimUid>,
+    pub cdi_rewritten: Vec<ClaimUid>,
+    pub orphans_removed: Vec<ClaimUid>,
+}
+
+/// The hardware a ledger record occupies.
+fn occupies(r: &DeviceRecord) -> (&inventory::GpuUuid, Option<Placement>) {
+    (&r.gpu, r.mig.as_ref().map(|m| m.placement))
+}
+
+fn conflicts(a: &DeviceRecord, b: &DeviceRecord) -> bool {
+    if a.admin_access || b.admin_access || (a.share_id.is_some() && b.share_id.is_some()) {
+        return false;
+    }
+    let (ga, pa) = occupies(a);
+    let (gb, pb) = occupies(b);
+    ga == gb
+        && match (pa, pb) {
+            (Some(x), Some(y)) => x.overlaps(&y),
+            _ => true,
+        }
+}
+
+/// `gpu-<minor>-mig-<profile without dots>-<giProfileId>-<start>`.
+pub fn mig_device_name(gpu: &Gpu, profile: &str, gi_profile_id: u32, start: u32) -> String {
+    let profile: String = profile
+        .chars()
+        .filter(|c| *c != '.')
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    format!("gpu-{}-mig-{profile}-{gi_profile_id}-{start}", gpu.minor)
+}
+
+/// What an allocated device name stands for on this node.
+enum Resolved<'a> {
+    Gpu(&'a Gpu),
+    Mig(&'a Gpu, &'a MigDevice),
+    /// A placement with no instance yet: created at prepare (partitionable mode).
+    MigToCreate(&'a Gpu, &'a inventory::MigProfile, Placement),
+}
+
+fn resolve_device<'a>(inv: &'a Inventory, name: &str) -> Result<Resolved<'a>, String> {
+    let rest = name
+        .strip_prefix("gpu-")
+        .ok_or_else(|| "device names look like gpu-<minor>[-mig-…]".to_string())?;
+    let minor_str = rest.split('-').next().unwrap_or_default();
+    let minor: u32 = minor_str
+        .parse()
+        .map_err(|_| format!("{minor_str:?} is not a GPU minor number"))?;
+    let gpu = inv
+        .gpu_by_minor(minor)
+        .ok_or_else(|| format!("no GPU with minor {minor}"))?;
+    if rest == minor_str {
+        if gpu.in_mig_mode() {
+            return Err(format!(
+                "GPU {minor} is in MIG mode and is handed out only as MIG devices"
+            ));
+        }
+        return Ok(Resolved::Gpu(gpu));
+    }
+    if let Some(m) = gpu
+        .mig
+        .devices
+        .iter()
+        .find(|m| mig_device_name(gpu, &m.profile, m.gi_profile_id, m.placement.start) == name)
+    {
+        return Ok(Resolved::Mig(gpu, m));
+    }
+    for p in &gpu.mig.profiles {
+        for placement in &p.placements {
+            if mig_device_name(gpu, &p.name, p.gi_profile_id, placement.start) == name {
+                if !gpu.in_mig_mode() {
+                    return Err(format!("GPU {minor} is not in MIG mode"));
+                }
+                return Ok(Resolved::MigToCreate(gpu, p, *placement));
+            }
+        }
+    }
+    Err("no such MIG device or placement".into())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Map inserts/removes only; a panic elsewhere cannot leave a half-done change.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Plugin {
+    /// Opens the ledger in `opts.plugin_dir`. Spawn the returned writer, then call
+    /// [`Plugin::recover`] before serving.
+    pub fn new(
+        opts: Options,
+        api: Arc<dyn ClusterApi>,
+        backend: Arc<dyn DeviceBackend>,
+        metrics: Arc<Metrics>,
+    ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), ledger::Error> {
+        let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
+        let cdi = CdiContext {
+            root: opts.cdi_root.clone(),
+            driver: opts.driver.clone(),
+            driver_root: opts.driver_root.clone(),
+        };
+        let mps = Mps::new(opts.plugin_dir.join("mps"), opts.driver_root.clone());
+        let node_lock = NodeLock::new(&opts.plugin_dir);
+        Ok((
+            Plugin {
+                inner: Arc::new(Inner {
+                    opts,
+                    api,
+                    backend,
+                    ledger,
+                    cdi,
+                    mps,
+                    node_lock,
+                    metrics,
+                    claim_locks: Mutex::new(HashMap::new()),
+                }),
+            },
+            writer,
+            outcome,
+        ))
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.inner.ledger
+    }
+
+    pub fn driver(&self) -> &str {
+        &self.inner.opts.driver
+    }
+
+    async fn enter(&self) -> Result<nodelock::Guard, ClaimError> {
+        let ledger = self.inner.ledger.clone();
+        self.inner
+            .node_lock
+            .enter(move || {
+                ledger
+                    .reload_if_changed()
+                    .map(|_| ())
+                    .map_err(ClaimError::from)
+            })
+            .await
+    }
+
+    async fn snapshot(&self) -> Result<Inventory, ClaimError> {
+        Ok(inventory::snapshot(self.inner.backend.clone()).await?)
+    }
+
+    async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Inner) -> R + Send + 'static,
+    ) -> Result<R, ClaimError> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || f(&inner))
+            .await
+            .map_err(|e| ClaimError::Task(e.to_string()))
+    }
+
+    fn crash(&self, at: CrashPoint) {
+        if self.inner.opts.crash_at == Some(at) {
+            tracing::error!(?at, "{CRASH_ENV} reached; aborting");
+            std::process::abort();
+        }
+    }
+
+    fn claim_lock(&self, uid: &ClaimUid) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.inner.claim_locks)
+            .entry(uid.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn release_claim_lock(&self, uid: &ClaimUid, l: Arc<tokio::sync::Mutex<()>>) {
+        let mut locks = lock(&self.inner.claim_locks);
+        drop(l);
+        // The map's own reference is the last one: nobody else waits on this claim.
+        if locks.get(uid).is_some_and(|l| Arc::strong_count(l) == 1) {
+            locks.remove(uid);
+        }
+    }
+
+    /// Repairs what a crash or reboot left behind. Call once before serving.
+    pub async fn recover(&self) -> Result<Recovery, ClaimError> {
+        let _g = self.enter().await?;
+        let mut rec = Recovery::default();
+        let entries = self.inner.ledger.read(|c| c.claims.clone());
+        let inv = self.snapshot().await?;
+        for (uid, entry) in &entries {
+            match entry.state {
+                ClaimState::PrepareStarted => {
+                    tracing::warn!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name),
+                        "prepare was interrupted; rolling back");
+                    self.rollback(uid, &entry.devices).await?;
+                    rec.rolled_back.push(uid.clone());
+                }
+                ClaimState::PrepareCompleted => {
+                    for d in &entry.devices {
+                        if let SharingRecord::Mps {
+                            active_thread_percentage,
+                            pinned_memory_limit,
+                        } = d.sharing
+                        {
+                            let (gpu, uid) = (d.gpu.clone(), uid.clone());
+                            self.blocking(move |i| {
+                                i.mps.adopt(
+                                    &gpu,
+                                    &uid,
+                                    mps::Limits {
+                                        active_thread_percentage,
+                                        pinned_memory_limit,
+                                    },
+                                )
+                            })
+                            .await??;
+                        }
+                    }
+                    if !self.inner.cdi.spec_exists(uid) {
+                        self.write_cdi(uid, &entry.devices, &inv)?;
+                        tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
+                        rec.cdi_rewritten.push(uid.clone());
+                    }
+                }
+            }
+        }
+        let known = self.inner.ledger.read(|c| c.claims.clone());
+        for uid in self.inner.cdi.list_claim_specs()? {
+            if !known.contains_key(&uid) {
+                self.inner.cdi.remove_spec(&uid)?;
+                tracing::warn!(claim.uid = %uid, "removed orphan CDI spec with no checkpoint entry");
+                rec.orphans_removed.push(uid);
+            }
+        }
+        self.inner.ledger.flush().await?;
+        Ok(rec)
+    }
+
+    /// Prepares a batch; one result per claim, in order.
+    pub async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
+        if claims.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let results = match self.enter().await {
+            Err(e) => {
+                let msg = e.to_string();
+                claims
+                    .into_iter()
+                    .map(|c| (c.uid, Err(ClaimError::Task(msg.clone()))))
+                    .collect()
+            }
+            Ok(_guard) => {
+                // One snapshot per batch: MIG devices created by this batch are tracked in the
+                // ledger, which is what conflict checks read.
+                let inv = match self.snapshot().await {
+                    Ok(inv) => Arc::new(inv),
+                    Err(e) => {
+                        let msg = e.to_string();
+                        return claims
+                            .into_iter()
+                            .map(|c| (c.uid, Err(ClaimError::Task(msg.clone()))))
+                            .collect();
+                    }
+                };
+                let futs = claims.into_iter().map(|c| {
+                    let inv = inv.clone();
+                    async move {
+                        let uid = c.uid.clone();
+                        let l = self.claim_lock(&uid);
+                        let r = {
+                            let _held = l.lock().await;
+                            self.prepare_one(&c, &inv).await
+                        };
+                        self.release_claim_lock(&uid, l);
+                        if let Err(e) = &r {
+                            tracing::warn!(claim.uid = %uid, claim = %format!("{}/{}", c.namespace, c.name),
+                                error = %e, "prepare failed");
+                        }
+                        (uid, r)
+                    }
+                });
+                futures::future::join_all(futs).await
+            }
+        };
+        let m = &self.inner.metrics;
+        for (_, r) in &results {
+            let c = if r.is_ok() {
+                &m.prepare_ok
+            } else {
+                &m.prepare_failed
+            };
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        m.prepare_seconds.observe(started.elapsed());
+        results
+    }
+
+    /// Unprepares a batch; one result per claim, in order.
+    pub async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimUid, Result<(), ClaimError>)> {
+        if claims.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let results = match self.enter().await {
+            Err(e) => {
+                let msg = e.to_string();
+                claims
+                    .into_iter()
+                    .map(|c| (c.uid, Err(ClaimError::Task(msg.clone()))))
+                    .collect()
+            }
+            Ok(_guard) => {
+                let futs = claims.into_iter().map(|c| async move {
+                    let uid = c.uid.clone();
+                    let l = self.claim_lock(&uid);
+                    let r = {
+                        let _held = l.lock().await;
+                        self.unprepare_one(&uid).await
+                    };
+                    self.release_claim_lock(&uid, l);
+                    if let Err(e) = &r {
+                        tracing::warn!(claim.uid = %uid, error = %e, "unprepare failed");
+                    }
+                    (uid, r)
+                });
+                futures::future::join_all(futs).await
+            }
+        };
+        let m = &self.inner.metrics;
+        for (_, r) in &results {
+            let c = if r.is_ok() {
+                &m.unprepare_ok
+            } else {
+                &m.unprepare_failed
+            };
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        m.unprepare_seconds.observe(started.elapsed());
+        results
+    }
+
+    async fn prepare_one(
+        &self,
+        claim: &ClaimRef,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, ClaimError> {
+        let uid = &claim.uid;
+        // Idempotency: a completed claim is answered from the ledger.
+        if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
+            if entry.state == ClaimState::PrepareCompleted {
+                if !self.inner.cdi.spec_exists(uid) {
+                    self.write_cdi(uid, &entry.devices, inv)?;
+                    tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten");
+                }
+                tracing::debug!(claim.uid = %uid, "already prepared");
+                return Ok(entry.devices);
+            }
+            // A `Started` entry outside recovery is a prepare that failed and could not roll
+            // back completely; roll back again before starting over.
+            self.rollback(uid, &entry.devices).await?;
+        }
+
+        let rc = self.read_claim(claim).await?;
+        let planned = self.plan(claim, &rc, inv)?;
+
+        // Step 1: reserve, atomically with the conflict check.
+        self.inner.ledger.update(|claims| {
+            for d in &planned {
+                for (other_uid, other) in claims.iter() {
+                    if other_uid == uid {
+                        continue;
+                    }
+                    if other.devices.iter().any(|o| conflicts(d, o)) {
+                        return Err(ClaimError::DeviceInUse {
+                            device: d.device.clone(),
+                            namespace: other.namespace.clone(),
+                            name: other.name.clone(),
+                            uid: other_uid.clone(),
+                        });
+                    }
+                }
+            }
+            claims.insert(
+                uid.clone(),
+                ClaimEntry {
+                    state: ClaimState::PrepareStarted,
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    devices: planned.clone(),
+                },
+            );
+            Ok(())
+        })?;
+        if let Err(e) = self.inner.ledger.flush().await {
+            self.inner.ledger.update(|c| c.remove(uid));
+            return Err(e.into());
+        }
+        self.crash(CrashPoint::AfterStarted);
+
+        match self.apply(uid, planned, inv).await {
+            Ok(devices) => Ok(devices),
+            Err((e, devices)) => {
+                if let Err(re) = self.rollback(uid, &devices).await {
+                    tracing::error!(claim.uid = %uid, error = %re, "rollback after a failed prepare failed; retried on the next prepare or restart");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Steps 2–4; on failure returns the devices as far as they got, for the rollback.
+    async fn apply(
+        &self,
+        uid: &ClaimUid,
+        mut devices: Vec<DeviceRecord>,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, (ClaimError, Vec<DeviceRecord>)> {
+        let mut created: Vec<MigDevice> = Vec::new();
+        for i in 0..devices.len() {
+            let d = devices[i].clone();
+            let step: Result<(), ClaimError> = async {
+                if let Some(m) = &d.mig
+                    && m.created
+                {
+                    let (gpu, gi, placement) = (d.gpu.clone(), m.gi_profile_id, m.placement);
+                    let dev = self
+                        .blocking(move |i| i.backend.create_mig(&gpu, gi, placement))
+                        .await??;
+                    tracing::info!(claim.uid = %uid, device = %d.device, mig.uuid = %dev.uuid, "MIG device created");
+                    if let Some(rec) = devices[i].mig.as_mut() {
+                        rec.uuid = Some(dev.uuid.clone());
+                    }
+                    created.push(dev);
+                }
+                match d.sharing {
+                    SharingRecord::Exclusive => {}
+                    SharingRecord::TimeSlicing { interval } => {
+                        let gpu = d.gpu.clone();
+                        self.blocking(move |i| i.backend.set_time_slice(&gpu, interval))
+                            .await??;
+                    }
+                    SharingRecord::Mps {
+                        active_thread_percentage,
+                        pinned_memory_limit,
+                    } => {
+                        let (gpu, uid) = (d.gpu.clone(), uid.clone());
+                        self.blocking(move |i| {
+                            i.mps.acquire(
+                                &gpu,
+                                &uid,
+                                mps::Limits {
+                                    active_thread_percentage,
+                                    pinned_memory_limit,
+                                },
+                            )
+                        })
+                        .await??;
+                    }
+                }
+                Ok(())
+            }
+            .await;
+            if let Err(e) = step {
+                return Err((e, devices));
+            }
+        }
+        // Record created MIG UUIDs so a rollback finds them (not yet durable; the rollback also
+        // finds instances by placement).
+        self.inner.ledger.update(|c| {
+            if let Some(e) = c.get_mut(uid) {
+                e.devices = devices.clone();
+            }
+        });
+
+        let mut inv_now;
+        let inv = if created.is_empty() {
+            inv
+        } else {
+            inv_now = inv.clone();
+            for m in &created {
+                if let Some(g) = devices
+                    .iter()
+                    .find(|d| d.mig.as_ref().and_then(|r| r.uuid.as_ref()) == Some(&m.uuid))
+                    .and_then(|d| inv_now.gpus.iter_mut().find(|g| g.uuid == d.gpu))
+                {
+                    g.mig.devices.push(m.clone());
+                }
+            }
+            &inv_now
+        };
+        if let Err(e) = self.write_cdi(uid, &devices, inv) {
+            return Err((e, devices));
+        }
+        self.crash(CrashPoint::AfterCdi);
+
+        self.inner.ledger.update(|c| {
+            if let Some(e) = c.get_mut(uid) {
+                e.state = ClaimState::PrepareCompleted;
+            }
+        });
+        self.crash(CrashPoint::BeforeCompleted);
+        if let Err(e) = self.inner.ledger.flush().await {
+            return Err((e.into(), devices));
+        }
+        self.crash(CrashPoint::AfterCompleted);
+        tracing::info!(claim.uid = %uid, devices = devices.len(), "claim prepared");
+        Ok(devices)
+    }
+
+    async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
+        let rc = self
+            .inner
+            .api
+            .get_claim(&claim.namespace, &claim.name)
+            .await
+            .map_err(|e| match e {
+                api::Error::NotFound(_) => ClaimError::NotFound {
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                },
+                source => ClaimError::Api {
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    source,
+                },
+            })?;
+        let found = rc.metadata.uid.clone().unwrap_or_default();
+        if found != claim.uid.as_str() {
+            return Err(ClaimError::UidChanged {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                expected: claim.uid.to_string(),
+                found,
+            });
+        }
+        Ok(rc)
+    }
+
+    /// The device records a claim's allocation asks for.
+    fn plan(
+        &self,
+        claim: &ClaimRef,
+        rc: &ResourceClaim,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, ClaimError> {
+        let opts = &self.inner.opts;
+        let devices = rc
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .ok_or_else(|| ClaimError::NotAllocated {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+            })?;
+        let config: &[DeviceAllocationConfiguration] = devices.config.as_deref().unwrap_or(&[]);
+        let mut out: Vec<DeviceRecord> = Vec::new();
+        let mut index: BTreeMap<(String, String), usize> = BTreeMap::new();
+        for r in devices.results.iter().flatten() {
+            if r.driver != opts.driver {
+                continue;
+            }
+            let unknown = |reason: String| ClaimError::UnknownDevice {
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+                ours: opts.pool.clone(),
+                reason,
+            };
+            if r.pool != opts.pool {
+                return Err(unknown("the pool is another node's".into()));
+            }
+            let base = r
+                .request
+                .split('/')
+                .next()
+                .unwrap_or(&r.request)
+                .to_string();
+            if let Some(&i) = index.get(&(r.pool.clone(), r.device.clone())) {
+                let d: &mut DeviceRecord = &mut out[i];
+                if !d.requests.contains(&base) {
+                    d.requests.push(base);
+                }
+                continue;
+            }
+            let resolved = resolve_device(inv, &r.device).map_err(unknown)?;
+            let (gpu, mig, target) = match resolved {
+                Resolved::Gpu(g) => (g, None, Target::Gpu),
+                Resolved::Mig(g, m) => (
+                    g,
+                    Some(MigRecord {
+                        uuid: Some(m.uuid.clone()),
+                        profile: m.profile.clone(),
+                        gi_profile_id: m.gi_profile_id,
+                        placement: m.placement,
+                        created: false,
+                    }),
+                    Target::Mig,
+                ),
+                Resolved::MigToCreate(g, p, placement) => (
+                    g,
+                    Some(MigRecord {
+                        uuid: None,
+                        profile: p.name.clone(),
+                        gi_profile_id: p.gi_profile_id,
+                        placement,
+                        created: true,
+                    }),
+                    Target::Mig,
+                ),
+            };
+            let sharing = config_step::resolve(config, &opts.driver, &r.request, target)?;
+            index.insert((r.pool.clone(), r.device.clone()), out.len());
+            out.push(DeviceRecord {
+                requests: vec![base],
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+                cdi_ids: vec![self.inner.cdi.device_id(&claim.uid, &r.device)],
+                share_id: r.share_id.clone(),
+                admin_access: r.admin_access.unwrap_or(false),
+                gpu: gpu.uuid.clone(),
+                mig,
+                sharing,
+            });
+        }
+        Ok(out)
+    }
+
+    fn write_cdi(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+    ) -> Result<(), ClaimError> {
+        let mut specs = Vec::with_capacity(devices.len());
+        let pipes: Vec<Option<PathBuf>> = devices
+            .iter()
+            .map(|d| {
+                matches!(d.sharing, SharingRecord::Mps { .. })
+                    .then(|| self.inner.mps.pipe_dir(&d.gpu))
+            })
+            .collect();
+        for (d, pipe) in devices.iter().zip(&pipes) {
+            let gpu = inv
+                .gpu_by_uuid(d.gpu.as_str())
+                .ok_or_else(|| ClaimError::UnknownDevice {
+                    pool: d.pool.clone(),
+                    device: d.device.clone(),
+                    ours: self.inner.opts.pool.clone(),
+                    reason: format!("GPU {} is gone", d.gpu),
+                })?;
+            let mig = match &d.mig {
+                None => None,
+                Some(m) => Some(
+                    gpu.mig
+                        .devices
+                        .iter()
+                        .find(|x| Some(&x.uuid) == m.uuid.as_ref())
+                        .ok_or_else(|| ClaimError::UnknownDevice {
+                            pool: d.pool.clone(),
+                            device: d.device.clone(),
+                            ours: self.inner.opts.pool.clone(),
+                            reason: "the MIG device is gone".into(),
+                        })?,
+                ),
+            };
+            specs.push(SpecDevice {
+                name: &d.device,
+                gpu,
+                mig,
+                sharing: &d.sharing,
+                mps_pipe_dir: pipe.as_deref(),
+            });
+        }
+        self.inner.cdi.write_spec(uid, &specs)?;
+        Ok(())
+    }
+
+    /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be
+    /// repeated safely.
+    async fn rollback(&self, uid: &ClaimUid, devices: &[DeviceRecord]) -> Result<(), ClaimError> {
+        self.undo_devices(uid, devices).await?;
+        self.inner.cdi.remove_spec(uid)?;
+        self.inner.ledger.update(|c| c.remove(uid));
+        self.inner.ledger.flush().await?;
+        Ok(())
+    }
+
+    async fn undo_devices(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        for d in devices {
+            match d.sharing {
+                SharingRecord::Mps { .. } => {
+                    let (gpu, uid) = (d.gpu.clone(), uid.clone());
+                    self.blocking(move |i| i.mps.release(&gpu, &uid)).await??;
+                }
+                SharingRecord::TimeSlicing { .. } => {
+                    // Back to the default unless another claim time-slices this GPU.
+                    let others = self.inner.ledger.read(|c| {
+                        c.claims.iter().any(|(u, e)| {
+                            u != uid
+                                && e.devices.iter().any(|o| {
+                                    o.gpu == d.gpu
+                                        && matches!(o.sharing, SharingRecord::TimeSlicing { .. })
+                                })
+                        })
+                    });
+                    if !others {
+                        let gpu = d.gpu.clone();
+                        self.blocking(move |i| i.backend.set_time_slice(&gpu, TimeSlice::Default))
+                            .await??;
+                    }
+                }
+                SharingRecord::Exclusive => {}
+            }
+            if let Some(m) = &d.mig
+                && m.created
+            {
+                let mig_uuid = match &m.uuid {
+                    Some(u) => Some(u.clone()),
+                    // Created but not recorded (crash in between): find it by placement.
+                    None => self
+                        .snapshot()
+                        .await?
+                        .gpu_by_uuid(d.gpu.as_str())
+                        .and_then(|g| {
+                            g.mig
+                                .devices
+                                .iter()
+                                .find(|x| {
+                                    x.placement == m.placement && x.gi_profile_id == m.gi_profile_id
+                                })
+                                .map(|x| x.uuid.clone())
+                        }),
+                };
+                if let Some(mig_uuid) = mig_uuid {
+                    let gpu = d.gpu.clone();
+                    self.blocking(move |i| i.backend.destroy_mig(&gpu, &mig_uuid))
+                        .await??;
+                    tracing::info!(claim.uid = %uid, device = %d.device, "MIG device destroyed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
+        let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
+            // Unknown claims succeed; a stray spec of ours for it goes too.
+            if self.inner.cdi.remove_spec(uid)? {
+                tracing::warn!(claim.uid = %uid, "removed a CDI spec of a claim not in the checkpoint");
+            }
+            return Ok(());
+        };
+        self.rollback(uid, &entry.devices).await?;
+        tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,633 @@
+use super::*;
+use crate::api::SliceEvent;
+use crate::inventory::sim::{SimAction, SimBackend};
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult,
+    OpaqueDeviceConfiguration, ResourceClaimStatus, ResourceSlice,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tokio_util::sync::CancellationToken;
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+
+/// Claims by namespace/name; counts GETs.
+#[derive(Default)]
+struct FakeApi {
+    claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
+    gets: AtomicUsize,
+}
+
+impl ClusterApi for FakeApi {
+    fn list_slices<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+    fn create_slice<'a>(
+        &'a self,
+        s: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        Box::pin(async move { Ok(s.clone()) })
+    }
+    fn replace_slice<'a>(
+        &'a self,
+        s: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        Box::pin(async move { Ok(s.clone()) })
+    }
+    fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn watch_slices<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxStream<'a, api::Result<SliceEvent>> {
+        Box::pin(futures::stream::pending())
+    }
+    fn get_claim<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+        self.gets.fetch_add(1, Ordering::SeqCst);
+        let r = lock(&self.claims)
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
+            .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}")));
+        Box::pin(async move { r })
+    }
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
+        Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
+    }
+}
+
+struct Env {
+    plugin: Plugin,
+    api: Arc<FakeApi>,
+    sim: SimBackend,
+    dir: tempfile::TempDir,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+impl Env {
+    fn cdi_root(&self) -> PathBuf {
+        self.dir.path().join("cdi")
+    }
+    fn spec(&self, uid: &str) -> PathBuf {
+        self.cdi_root()
+            .join(format!("k8s.{DRIVER}-claim_{uid}.json"))
+    }
+    fn add(&self, c: ResourceClaim) {
+        let key = (
+            c.metadata.namespace.clone().unwrap(),
+            c.metadata.name.clone().unwrap(),
+        );
+        lock(&self.api.claims).insert(key, c);
+    }
+    fn state(&self, uid: &str) -> Option<ClaimState> {
+        self.plugin
+            .ledger()
+            .read(|c| c.claims.get(&ClaimUid(uid.into())).map(|e| e.state))
+    }
+    async fn prepare(&self, uid: &str) -> Result<Vec<DeviceRecord>, ClaimError> {
+        let mut r = self.plugin.prepare(vec![cref(uid)]).await;
+        assert_eq!(r.len(), 1);
+        r.pop().unwrap().1
+    }
+    async fn unprepare(&self, uid: &str) -> Result<(), ClaimError> {
+        let mut r = self.plugin.unprepare(vec![cref(uid)]).await;
+        r.pop().unwrap().1
+    }
+    /// A second plugin on the same directories, as after a restart.
+    async fn restart(&self, sim: SimBackend) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+        start(self.dir.path(), self.api.clone(), sim).await
+    }
+}
+
+fn cref(uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "default".into(),
+        name: format!("claim-{uid}"),
+        uid: ClaimUid(uid.into()),
+    }
+}
+
+async fn start(
+    dir: &std::path::Path,
+    api: Arc<FakeApi>,
+    sim: SimBackend,
+) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+    let opts = Options {
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        plugin_dir: dir.join("plugin"),
+        cdi_root: dir.join("cdi"),
+        driver_root: dir.join("driver"),
+        boot_id: "boot-1".into(),
+        crash_at: None,
+    };
+    let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(writer.run(stop.clone()));
+    let mut rec = plugin.recover().await.unwrap();
+    rec.loaded = Some(outcome);
+    (plugin, rec, stop.drop_guard())
+}
+
+async fn env(profile: &str) -> Env {
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile(profile, NODE).unwrap();
+    let (plugin, _, stop) = start(dir.path(), api.clone(), sim.clone()).await;
+    Env {
+        plugin,
+        api,
+        sim,
+        dir,
+        _stop: stop,
+    }
+}
+
+fn result(request: &str, device: &str) -> DeviceRequestAllocationResult {
+    DeviceRequestAllocationResult {
+        request: request.into(),
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        device: device.into(),
+        ..Default::default()
+    }
+}
+
+fn claim(uid: &str, results: Vec<DeviceRequestAllocationResult>) -> ResourceClaim {
+    claim_with(uid, results, vec![])
+}
+
+fn claim_with(
+    uid: &str,
+    results: Vec<DeviceRequestAllocationResult>,
+    config: Vec<DeviceAllocationConfiguration>,
+) -> ResourceClaim {
+    ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some("default".into()),
+            name: Some(format!("claim-{uid}")),
+            uid: Some(uid.into()),
+            ..Default::default()
+        },
+        status: Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(results),
+                    config: Some(config),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn opaque(requests: &[&str], params: serde_json::Value) -> DeviceAllocationConfiguration {
+    DeviceAllocationConfiguration {
+        source: "FromClaim".into(),
+        requests: Some(requests.iter().map(|s| s.to_string()).collect()),
+        opaque: Some(OpaqueDeviceConfiguration {
+            driver: DRIVER.into(),
+            parameters: RawExtension(params),
+        }),
+    }
+}
+
+#[tokio::test]
+async fn prepares_single_and_multi_device_claims() {
+    let e = env("dgx-h100").await;
+    e.add(claim("u1", vec![result("gpu", "gpu-0")]));
+    let d = e.prepare("u1").await.unwrap();
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].device, "gpu-0");
+    assert_eq!(d[0].pool, NODE);
+    assert_eq!(d[0].requests, vec!["gpu".to_string()]);
+    assert_eq!(d[0].cdi_ids, vec![format!("k8s.{DRIVER}/claim=u1-gpu-0")]);
+    assert!(e.spec("u1").exists());
+    assert_eq!(e.state("u1"), Some(ClaimState::PrepareCompleted));
+
+    // Subrequests are reported under their base request; other drivers' results are skipped.
+    let mut foreign = result("nic", "eth0");
+    foreign.driver = "net.example.com".into();
+    e.add(claim(
+        "u2",
+        vec![
+            result("pair/a100", "gpu-1"),
+            result("pair/a100", "gpu-2"),
+            foreign,
+            result("x", "gpu-1"),
+        ],
+    ));
+    let d = e.prepare("u2").await.unwrap();
+    let names: Vec<_> = d
+        .iter()
+        .map(|d| (d.device.as_str(), d.requests.clone()))
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            ("gpu-1", vec!["pair".to_string(), "x".to_string()]),
+            ("gpu-2", vec!["pair".to_string()])
+        ]
+    );
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(e.spec("u2")).unwrap()).unwrap();
+    let devs: Vec<_> = spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(devs, vec!["u2-gpu-1", "u2-gpu-2"]);
+}
+
+#[tokio::test]
+async fn prepare_is_idempotent_without_rewriting() {
+    let e = env("dgx-h100").await;
+    e.add(claim("u1", vec![result("gpu", "gpu-3")]));
+    let first = e.prepare("u1").await.unwrap();
+    let meta = std::fs::metadata(e.spec("u1")).unwrap();
+    let writes = e.plugin.ledger().writes();
+    let second = e.prepare("u1").await.unwrap();
+    assert_eq!(first, second);
+    assert_eq!(
+        e.api.gets.load(Ordering::SeqCst),
+        1,
+        "answered from the ledger"
+    );
+    assert_eq!(e.plugin.ledger().writes(), writes, "no checkpoint write");
+    let again = std::fs::metadata(e.spec("u1")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        (meta.ino(), meta.mtime_nsec()),
+        (again.ino(), again.mtime_nsec())
+    );
+
+    // A vanished spec (tmpfs after a crash of the runtime) is rewritten on re-prepare.
+    std::fs::remove_file(e.spec("u1")).unwrap();
+    assert_eq!(e.prepare("u1").await.unwrap(), first);
+    assert!(e.spec("u1").exists());
+}
+
+#[tokio::test]
+async fn every_error_names_the_problem() {
+    let e = env("a100-mig-mixed").await;
+    // Not found.
+    let err = e.prepare("nope").await.unwrap_err();
+    assert!(
+        err.to_string().contains("default/claim-nope not found"),
+        "{err}"
+    );
+    // UID changed.
+    let mut c = claim("u-new", vec![result("gpu", "gpu-0")]);
+    c.metadata.name = Some("claim-old".into());
+    e.add(c);
+    let err = e.prepare("old").await.unwrap_err();
+    assert!(matches!(err, ClaimError::UidChanged { .. }), "{err}");
+    assert!(
+        err.to_string().contains("now has UID u-new, not old"),
+        "{err}"
+    );
+    // Not allocated.
+    let mut c = claim("na", vec![]);
+    c.status = None;
+    e.add(c);
+    let err = e.prepare("na").await.unwrap_err();
+    assert!(err.to_string().contains("is not allocated"), "{err}");
+    // Unknown devices, with the reason.
+    for (dev, why) in [
+        ("gpu-9", "no GPU with minor 9"),
+        ("eth0", "gpu-<minor>"),
+        ("gpu-1", "is in MIG mode"),
+        ("gpu-1-mig-9g99gb-1-0", "no such MIG device"),
+        ("gpu-0-mig-1g5gb-19-0", "not in MIG mode"),
+    ] {
+        let uid = format!("unk-{dev}");
+        e.add(claim(&uid, vec![result("gpu", dev)]));
+        let err = e.prepare(&uid).await.unwrap_err();
+        assert!(err.to_string().contains(why), "{dev}: {err}");
+        assert!(err.to_string().contains(dev), "{dev}: {err}");
+        assert_eq!(e.state(&uid), None);
+    }
+    // Another node's pool.
+    let mut r = result("gpu", "gpu-0");
+    r.pool = "node-b".into();
+    e.add(claim("pool", vec![r]));
+    let err = e.prepare("pool").await.unwrap_err();
+    assert!(err.to_string().contains("another node"), "{err}");
+    // Bad config, naming the key; nothing is left behind.
+    e.add(claim_with(
+        "cfg",
+        vec![result("gpu", "gpu-0")],
+        vec![opaque(&[], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "Sometimes"}}))],
+    ));
+    let err = e.prepare("cfg").await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("config[0].opaque.parameters.sharing.strategy"),
+        "{err}"
+    );
+    assert_eq!(e.state("cfg"), None);
+    assert!(!e.spec("cfg").exists());
+}
+
+#[tokio::test]
+async fn a_device_is_never_prepared_for_two_claims() {
+    let e = env("a100-mig-mixed").await;
+    e.add(claim("a", vec![result("gpu", "gpu-0")]));
+    e.add(claim(
+        "b",
+        vec![result("gpu", "gpu-3"), result("gpu", "gpu-0")],
+    ));
+    e.prepare("a").await.unwrap();
+    let err = e.prepare("b").await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("gpu-0 is already prepared for claim default/claim-a (a)"),
+        "{err}"
+    );
+    // b left nothing behind, so gpu-3 is still free.
+    assert_eq!(e.state("b"), None);
+    e.add(claim("c", vec![result("gpu", "gpu-3")]));
+    e.prepare("c").await.unwrap();
+
+    // After a is unprepared, b's devices... gpu-3 is c's now; a fresh claim gets gpu-0.
+    e.unprepare("a").await.unwrap();
+    e.add(claim("d", vec![result("gpu", "gpu-0")]));
+    e.prepare("d").await.unwrap();
+
+    // Admin access and shared allocations may overlap.
+    let mut admin = result("gpu", "gpu-0");
+    admin.admin_access = Some(true);
+    e.add(claim("admin", vec![admin]));
+    e.prepare("admin").await.unwrap();
+}
+
+#[tokio::test]
+async fn shared_allocations_carry_share_ids_and_may_overlap() {
+    let e = env("dgx-h100").await;
+    let shared = |id: &str| {
+        let mut r = result("gpu", "gpu-0");
+        r.share_id = Some(id.into());
+        r
+    };
+    e.add(claim("s1", vec![shared("aaa")]));
+    e.add(claim("s2", vec![shared("bbb")]));
+    let d1 = e.prepare("s1").await.unwrap();
+    let d2 = e.prepare("s2").await.unwrap();
+    assert_eq!(d1[0].share_id.as_deref(), Some("aaa"));
+    assert_eq!(d2[0].share_id.as_deref(), Some("bbb"));
+    // An exclusive claim on the same GPU is refused.
+    e.add(claim("x", vec![result("gpu", "gpu-0")]));
+    assert!(matches!(
+        e.prepare("x").await.unwrap_err(),
+        ClaimError::DeviceInUse { .. }
+    ));
+}
+
+#[tokio::test]
+async fn concurrent_claims_race_for_one_device_and_one_wins() {
+    let e = env("dgx-h100").await;
+    let uids: Vec<String> = (0..8).map(|i| format!("r{i}")).collect();
+    for u in &uids {
+        e.add(claim(u, vec![result("gpu", "gpu-5")]));
+    }
+    let results = e
+        .plugin
+        .prepare(uids.iter().map(|u| cref(u)).collect())
+        .await;
+    assert_eq!(results.len(), 8);
+    let ok = results.iter().filter(|(_, r)| r.is_ok()).count();
+    assert_eq!(ok, 1, "{results:?}");
+    let specs = std::fs::read_dir(e.cdi_root()).unwrap().count();
+    assert_eq!(specs, 1);
+}
+
+#[tokio::test]
+async fn unprepare_removes_everything_and_unknown_claims_succeed() {
+    let e = env("dgx-h100").await;
+    e.unprepare("never-seen").await.unwrap();
+    e.add(claim("u", vec![result("gpu", "gpu-0")]));
+    e.prepare("u").await.unwrap();
+    e.unprepare("u").await.unwrap();
+    assert_eq!(e.state("u"), None);
+    assert!(!e.spec("u").exists());
+    e.unprepare("u").await.unwrap();
+    // Unprepare works from the ledger alone: the claim may be gone from the API.
+    e.add(claim("v", vec![result("gpu", "gpu-1")]));
+    e.prepare("v").await.unwrap();
+    lock(&e.api.claims).clear();
+    e.unprepare("v").await.unwrap();
+    assert!(!e.spec("v").exists());
+}
+
+#[tokio::test]
+async fn existing_and_created_mig_devices() {
+    let e = env("a100-mig-mixed").await;
+    let inv = e.sim.snapshot().unwrap();
+    let existing = &inv.gpus[1].mig.devices[0];
+    let name = mig_device_name(
+        &inv.gpus[1],
+        &existing.profile,
+        existing.gi_profile_id,
+        existing.placement.start,
+    );
+    assert_eq!(name, "gpu-1-mig-3g20gb-9-4");
+    e.add(claim("m1", vec![result("mig", &name)]));
+    let d = e.prepare("m1").await.unwrap();
+    assert_eq!(
+        d[0].mig.as_ref().unwrap().uuid.as_ref(),
+        Some(&existing.uuid)
+    );
+    assert!(!d[0].mig.as_ref().unwrap().created);
+
+    // A placement with no instance is created at prepare and destroyed at unprepare.
+    e.add(claim("m2", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]));
+    let d = e.prepare("m2").await.unwrap();
+    let rec = d[0].mig.clone().unwrap();
+    assert!(rec.created);
+    let uuid = rec.uuid.clone().unwrap();
+    assert!(
+        e.sim.snapshot().unwrap().gpus[2]
+            .mig
+            .devices
+            .iter()
+            .any(|m| m.uuid == uuid)
+    );
+    let spec = std::fs::read_to_string(e.spec("m2")).unwrap();
+    assert!(spec.contains(uuid.as_str()), "{spec}");
+    // An overlapping placement is refused while it is held.
+    e.add(claim("m3", vec![result("mig", "gpu-2-mig-1g5gb-19-6")]));
+    let err = e.prepare("m3").await.unwrap_err();
+    assert!(matches!(err, ClaimError::DeviceInUse { .. }), "{err}");
+    e.unprepare("m2").await.unwrap();
+    assert!(
+        !e.sim.snapshot().unwrap().gpus[2]
+            .mig
+            .devices
+            .iter()
+            .any(|m| m.uuid == uuid)
+    );
+    assert_eq!(
+        e.sim
+            .actions()
+            .into_iter()
+            .filter(|a| matches!(
+                a,
+                SimAction::CreateMig { .. } | SimAction::DestroyMig { .. }
+            ))
+            .count(),
+        2
+    );
+    // Existing devices are not destroyed at unprepare.
+    e.unprepare("m1").await.unwrap();
+    assert!(
+        e.sim.snapshot().unwrap().gpus[1]
+            .mig
+            .devices
+            .iter()
+            .any(|m| m.uuid == existing.uuid)
+    );
+}
+
+#[tokio::test]
+async fn failed_prepare_rolls_back_created_mig_devices() {
+    let e = env("a100-mig-mixed").await;
+    // The second device's MPS needs a control binary that is not there.
+    e.add(claim_with(
+        "f",
+        vec![result("a", "gpu-2-mig-1g10gb-15-6"), result("b", "gpu-1-mig-1g5gb-19-2")],
+        vec![opaque(&["b"], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}))],
+    ));
+    let err = e.prepare("f").await.unwrap_err();
+    assert!(err.to_string().contains("nvidia-cuda-mps-control"), "{err}");
+    let actions = e.sim.actions();
+    assert!(
+        matches!(
+            actions.as_slice(),
+            [SimAction::CreateMig { .. }, SimAction::DestroyMig { .. }]
+        ),
+        "{actions:?}"
+    );
+    assert_eq!(e.state("f"), None);
+    assert!(!e.spec("f").exists());
+}
+
+#[tokio::test]
+async fn time_slicing_is_applied_and_reset() {
+    let e = env("dgx-h100").await;
+    let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
+    e.add(claim_with(
+        "t",
+        vec![result("gpu", "gpu-0")],
+        vec![
+            DeviceAllocationConfiguration {
+                source: "FromClass".into(),
+                ..opaque(&[], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}}))
+            },
+            opaque(&["gpu"], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}})),
+        ],
+    ));
+    let d = e.prepare("t").await.unwrap();
+    assert_eq!(
+        d[0].sharing,
+        SharingRecord::TimeSlicing {
+            interval: TimeSlice::Long
+        }
+    );
+    assert_eq!(e.sim.time_slice(&gpu), TimeSlice::Long);
+    e.unprepare("t").await.unwrap();
+    assert_eq!(e.sim.time_slice(&gpu), TimeSlice::Default);
+}
+
+#[tokio::test]
+async fn mps_daemon_per_gpu() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let cfg = || {
+        opaque(
+            &[],
+            serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 25}}}),
+        )
+    };
+    e.add(claim_with("p", vec![result("gpu", "gpu-4")], vec![cfg()]));
+    e.prepare("p").await.unwrap();
+    let spec = std::fs::read_to_string(e.spec("p")).unwrap();
+    assert!(spec.contains("CUDA_MPS_PIPE_DIRECTORY="), "{spec}");
+    assert!(
+        spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
+        "{spec}"
+    );
+    e.unprepare("p").await.unwrap();
+    let log = std::fs::read_to_string(e.dir.path().join("driver/mps.log")).unwrap();
+    let gpu = e.sim.snapshot().unwrap().gpus[4].uuid.clone();
+    assert!(log.starts_with(&format!("start {gpu}")), "{log}");
+    assert!(
+        log.contains(&format!(
+            "cmd {gpu} set_default_active_thread_percentage 25"
+        )),
+        "{log}"
+    );
+    assert!(
+        log.trim_end().ends_with(&format!("cmd {gpu} quit")),
+        "{log}"
+    );
+}
+
+#[tokio::test]
+async fn restart_recovers_started_completed_and_orphans() {
+    let e = env("a100-mig-mixed").await;
+    e.add(claim("done", vec![result("gpu", "gpu-0")]));
+    e.add(claim("half", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]));
+    e.prepare("done").await.unwrap();
+    e.prepare("half").await.unwrap();
+    // Make "half" look interrupted, as a crash between the steps would leave it, and drop the
+    // spec of "done" as a reboot of a tmpfs CDI root would (same boot id: the runtime's dir was
+    // wiped by hand).
+    e.plugin.ledger().update(|c| {
+        c.get_mut(&ClaimUid("half".into())).unwrap().state = ClaimState::PrepareStarted;
+    });
+    e.plugin.ledger().flush().await.unwrap();
+    std::fs::remove_file(e.spec("done")).unwrap();
+    std::fs::write(e.spec("stray"), "{}").unwrap();
+
+    let (p2, rec, _g) = e.restart(e.sim.clone()).await;
+    assert_eq!(rec.rolled_back, vec![ClaimUid("half".into())]);
+    assert_eq!(rec.cdi_rewritten, vec![ClaimUid("done".into())]);
+    assert_eq!(rec.orphans_removed, vec![ClaimUid("stray".into())]);
+    assert!(e.spec("done").exists());
+    assert!(!e.spec("half").exists());
+    assert!(!e.spec("stray").exists());
+    assert!(matches!(
+        e.sim.actions().last(),
+        Some(SimAction::DestroyMig { .. })
+    ));
+    assert_eq!(p2.ledger().read(|c| c.claims.len()), 1);
+    // The completed claim is served from the checkpoint without the API.
+    lock(&e.api.claims).clear();
+    let r = p2.prepare(vec![cref("done")]).await;
+    assert!(r[0].1.is_ok());
+}
+
+#[tokio::test]
+async fn empty_requests_are_cheap() {
+    let e = env("dgx-h100").await;
+    assert!(e.plugin.prepare(vec![]).await.is_empty());
+    assert!(e.plugin.unprepare(vec![]).await.is_empty());
+    assert_eq!(e.plugin.ledger().writes(), 1, "only recovery wrote");
+}

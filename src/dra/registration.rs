@@ -1,0 +1,185 @@
+//! Kubelet plugin registration: a `pluginregistration.Registration` server on a socket in
+//! `<kubelet root>/plugins_registry/`, which the kubelet discovers by inotify.
+//!
+//! `GetInfo` answers type `DRAPlugin`, the driver name, the absolute DRA socket path and the
+//! served versions in the kubelet's preference order. The DRA socket must already be serving when
+//! the registration socket appears (the daemon starts this server second). Each instance removes
+//! only its own socket.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::grpc::Error;
+use crate::metrics::Metrics;
+use crate::proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+    registration_server::{Registration, RegistrationServer},
+};
+
+/// `supported_versions`, in the order the kubelet should pick from.
+pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+
+/// The kubelet's verdict on our registration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegistrationState {
+    Pending,
+    Registered,
+    Refused(String),
+}
+
+/// Socket paths of one plugin instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sockets {
+    pub registration: PathBuf,
+    pub dra: PathBuf,
+}
+
+impl Sockets {
+    /// `<registry>/<driver>-reg.sock` and `<plugin dir>/dra.sock`; with a pod UID (rolling
+    /// updates) `<driver>-<uid>-reg.sock` and `dra-<uid>.sock`, so two instances never share one.
+    pub fn new(
+        registry_dir: &Path,
+        plugin_dir: &Path,
+        driver: &str,
+        pod_uid: Option<&str>,
+    ) -> Self {
+        match pod_uid {
+            None => Sockets {
+                registration: registry_dir.join(format!("{driver}-reg.sock")),
+                dra: plugin_dir.join("dra.sock"),
+            },
+            Some(uid) => Sockets {
+                registration: registry_dir.join(format!("{driver}-{uid}-reg.sock")),
+                dra: plugin_dir.join(format!("dra-{uid}.sock")),
+            },
+        }
+    }
+}
+
+struct Service {
+    driver: String,
+    endpoint: String,
+    status: watch::Sender<RegistrationState>,
+    metrics: Arc<Metrics>,
+}
+
+#[tonic::async_trait]
+impl Registration for Service {
+    async fn get_info(
+        &self,
+        _request: Request<InfoRequest>,
+    ) -> Result<Response<PluginInfo>, Status> {
+        tracing::debug!("registration GetInfo");
+        Ok(Response::new(PluginInfo {
+            r#type: "DRAPlugin".into(),
+            name: self.driver.clone(),
+            endpoint: self.endpoint.clone(),
+            supported_versions: SUPPORTED_VERSIONS.iter().map(|s| s.to_string()).collect(),
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let RegistrationStatus {
+            plugin_registered,
+            error,
+        } = request.into_inner();
+        let status = if plugin_registered {
+            tracing::info!(driver = %self.driver, endpoint = %self.endpoint, "registered with the kubelet");
+            RegistrationState::Registered
+        } else {
+            tracing::error!(driver = %self.driver, %error,
+                "the kubelet refused the registration; check the kubelet's DRA support and its log");
+            RegistrationState::Refused(error)
+        };
+        self.metrics
+            .registered
+            .store(plugin_registered, Ordering::Relaxed);
+        self.status.send_replace(status);
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// The registration server of one instance.
+pub struct Registrar {
+    pub driver: String,
+    pub sockets: Sockets,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Registrar {
+    /// Binds the registration socket (unlinking a stale one). Call once the DRA socket serves.
+    pub fn bind(&self) -> Result<UnixListener, Error> {
+        super::grpc::bind_unix(&self.sockets.registration)
+    }
+
+    /// Serves until shutdown, then removes the socket; `status` follows the kubelet's verdicts.
+    pub async fn run(
+        self,
+        listener: UnixListener,
+        status: watch::Sender<RegistrationState>,
+        shutdown: CancellationToken,
+    ) -> Result<(), Error> {
+        let path = self.sockets.registration.clone();
+        let service = Service {
+            driver: self.driver,
+            endpoint: self.sockets.dra.display().to_string(),
+            status,
+            metrics: self.metrics,
+        };
+        let result = tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(service))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown.cancelled())
+            .await;
+        let _ = std::fs::remove_file(&path);
+        tracing::info!(socket = %path.display(), "registration server stopped");
+        result.map_err(|source| Error::Serve { path, source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_names() {
+        let s = Sockets::new(
+            Path::new("/var/lib/kubelet/plugins_registry"),
+            Path::new("/var/lib/kubelet/plugins/gpu.nvidia.com"),
+            "gpu.nvidia.com",
+            None,
+        );
+        assert_eq!(
+            s.registration,
+            PathBuf::from("/var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock")
+        );
+        assert_eq!(
+            s.dra,
+            PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock")
+        );
+        let uid = "0f2d5a3c-1234-4bcd-9876-0123456789ab";
+        let s = Sockets::new(
+            Path::new("/var/lib/kubelet/plugins_registry"),
+            Path::new("/var/lib/kubelet/plugins/gpu.nvidia.com"),
+            "gpu.nvidia.com",
+            Some(uid),
+        );
+        assert!(
+            s.registration
+                .ends_with(format!("gpu.nvidia.com-{uid}-reg.sock"))
+        );
+        assert!(s.dra.ends_with(format!("dra-{uid}.sock")));
+        // The default layout fits the Unix socket limit with room to spare.
+        assert!(s.registration.as_os_str().len() < 108);
+        assert!(s.dra.as_os_str().len() < 108);
+    }
+}

@@ -4,7 +4,9 @@
 //! a function of it. Domain modules know nothing of gRPC, kube or NVML; adapters depend on them.
 
 pub mod api;
+pub mod cdi;
 pub mod cli;
 pub mod config;
 pub mod inventory;
 pub mod proto;
+pub mod sharing;

@@ -466,3 +466,24 @@ fn allocation_configs_are_converted_in_order() {
     );
     assert!(from_allocation(&AllocationResult::default()).is_empty());
 }
+
+#[test]
+fn decoded_configs_round_trip_through_serde() {
+    // The checkpoint may persist decoded sharing; it must read back identically.
+    for sharing in [
+        Sharing::Exclusive,
+        Sharing::TimeSlicing {
+            interval: TimeSliceInterval::Medium,
+        },
+        Sharing::Mps(MpsSettings {
+            active_thread_percentage: Some(10),
+            pinned_memory_limit: Some(1 << 30),
+            per_device_pinned_memory_limit: BTreeMap::from([("GPU-x".to_string(), 2 << 30)]),
+        }),
+    ] {
+        let config = DeviceConfig::Mig { sharing };
+        let text = serde_json::to_string(&config).unwrap();
+        let back: DeviceConfig = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, config, "{text}");
+    }
+}

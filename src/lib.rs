@@ -4,8 +4,10 @@
 //! a function of it. Domain modules know nothing of gRPC, kube or NVML; adapters depend on them.
 
 pub mod api;
+pub mod cdi;
 pub mod cli;
 pub mod config;
 pub mod inventory;
 pub mod metrics;
 pub mod proto;
+pub mod sharing;

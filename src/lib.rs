@@ -4,6 +4,7 @@
 //! a function of it. Domain modules know nothing of gRPC, kube or NVML; adapters depend on them.
 
 pub mod api;
+pub mod cdi;
 pub mod cli;
 pub mod config;
 pub mod dra;
@@ -11,3 +12,4 @@ pub mod inventory;
 pub mod ledger;
 pub mod metrics;
 pub mod proto;
+pub mod sharing;

@@ -616,6 +616,25 @@ gpus:
     }
 
     #[test]
+    fn catalog_mig_names_follow_nvidias_naming_rule() {
+        // NVIDIA derives "<G>g.<GB>gb" from the profile's memory share; a catalog entry whose
+        // figures contradict its name would publish a name a real GPU never has.
+        let catalog: BTreeMap<String, ModelSpec> = parse_yaml("catalog", CATALOG).unwrap();
+        let mut checked = 0;
+        for (model, spec) in &catalog {
+            for p in spec.mig.iter().flat_map(|m| &m.profiles) {
+                let gb = crate::inventory::nvml::mig_memory_gb(spec.memory.0, p.memory.0 >> 20);
+                let base = p.name.split('+').next().unwrap();
+                let slices = base.split('g').next().unwrap();
+                assert_eq!(base, format!("{slices}g.{gb}gb"), "{model} {}", p.name);
+                assert!(p.memory.0 <= spec.memory.0, "{model} {}", p.name);
+                checked += 1;
+            }
+        }
+        assert!(checked >= 28, "{checked}");
+    }
+
+    #[test]
     fn every_builtin_profile_parses() {
         for (name, _, _) in PROFILES {
             let inv = load_profile(name, "node-a").unwrap_or_else(|e| panic!("{name}: {e}"));

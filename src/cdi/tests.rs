@@ -1,0 +1,793 @@
+use std::os::unix::fs::symlink;
+
+use super::*;
+use crate::inventory::topology::load_profile;
+use crate::sharing::TimeSliceInterval;
+
+const UID: &str = "dab5ab50-1111-2222-3333-444455556666";
+
+/// A fake host: a driver root with device nodes (symlinks to /dev/null, a real char device),
+/// driver libraries and binaries.
+struct Host {
+    dir: tempfile::TempDir,
+    opts: CdiOptions,
+}
+
+impl Host {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        fs::create_dir_all(root.join("dev")).unwrap();
+        let opts = CdiOptions::resolve("gpu.nvidia.com", &root).unwrap();
+        Self { dir, opts }
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn node(&self, rel: &str) {
+        let path = self.root().join("dev").join(rel);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        symlink("/dev/null", path).unwrap();
+    }
+
+    fn file(&self, rel: &str) -> PathBuf {
+        let path = self.root().join(rel);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, rel).unwrap();
+        path
+    }
+}
+
+fn null_numbers() -> (i64, i64, u32) {
+    let m = fs::metadata("/dev/null").unwrap();
+    let (major, minor) = split_dev(m.rdev());
+    (major, minor, m.mode() & 0o777)
+}
+
+fn h100(index: usize) -> Gpu {
+    load_profile("dgx-h100", "n").unwrap().gpus[index].clone()
+}
+
+fn gpu_device(index: usize, sharing: Sharing) -> PreparedDevice {
+    let gpu = h100(index);
+    PreparedDevice {
+        name: format!("gpu-{}", gpu.minor),
+        gpu,
+        mig: None,
+        sharing,
+        mps_pipe_dir: None,
+    }
+}
+
+fn mig_device(mig_index: usize) -> PreparedDevice {
+    let inv = load_profile("a100-mig-mixed", "n").unwrap();
+    let gpu = inv.gpus[1].clone();
+    let mig = gpu.mig.devices[mig_index].clone();
+    PreparedDevice {
+        name: format!(
+            "gpu-{}-mig-{}-{}-{}",
+            gpu.minor,
+            mig.profile.replace('.', ""),
+            mig.gi_profile_id,
+            mig.placement.start
+        ),
+        gpu,
+        mig: Some(mig),
+        sharing: Sharing::Exclusive,
+        mps_pipe_dir: None,
+    }
+}
+
+fn env_of<'a>(edits: &'a ContainerEdits, name: &str) -> Vec<&'a str> {
+    edits
+        .env
+        .iter()
+        .filter_map(|e| e.strip_prefix(name)?.strip_prefix('='))
+        .collect()
+}
+
+#[test]
+fn full_gpu_spec_has_nodes_env_mounts_and_hook() {
+    let host = Host::new();
+    for n in ["nvidia0", "nvidiactl", "nvidia-uvm"] {
+        host.node(n);
+    }
+    let nvml = host.file("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01");
+    let cuda = host.file("usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01");
+    let smi = host.file("usr/bin/nvidia-smi");
+    let hook = host.file("usr/bin/nvidia-cdi-hook");
+    let files = discover_driver_files(host.root());
+    assert_eq!(files.libraries, vec![cuda.clone(), nvml.clone()]);
+    assert_eq!(files.binaries, vec![hook.clone(), smi.clone()]);
+
+    let dev = gpu_device(0, Sharing::Exclusive);
+    let spec = claim_spec(&host.opts, UID, std::slice::from_ref(&dev), &files).unwrap();
+    let (major, minor, mode) = null_numbers();
+
+    assert_eq!(spec.cdi_version, "0.5.0");
+    assert_eq!(spec.kind, "k8s.gpu.nvidia.com/claim");
+    assert_eq!(spec.devices.len(), 1);
+    let d = &spec.devices[0];
+    assert_eq!(d.name, format!("{UID}-gpu-0"));
+    assert_eq!(
+        d.container_edits,
+        ContainerEdits {
+            device_nodes: vec![DeviceNode {
+                path: "/dev/nvidia0".into(),
+                host_path: Some(host.root().join("dev/nvidia0").display().to_string()),
+                node_type: Some("c".into()),
+                major: Some(major),
+                minor: Some(minor),
+                file_mode: Some(mode),
+                permissions: Some("rwm".into()),
+            }],
+            ..Default::default()
+        }
+    );
+
+    let common = &spec.container_edits;
+    assert_eq!(
+        common.env,
+        vec![
+            format!("NVIDIA_VISIBLE_DEVICES={}", dev.gpu.uuid),
+            "NVIDIA_CTK_LIBCUDA_DIR=/usr/lib/x86_64-linux-gnu".to_string(),
+        ]
+    );
+    let paths: Vec<&str> = common
+        .device_nodes
+        .iter()
+        .map(|n| n.path.as_str())
+        .collect();
+    // nvidia-uvm-tools and nvidia-modeset are absent on this host and skipped.
+    assert_eq!(paths, vec!["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+    let mounts: Vec<(&str, &str)> = common
+        .mounts
+        .iter()
+        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+        .collect();
+    let s = |p: &Path| p.display().to_string();
+    assert_eq!(
+        mounts,
+        vec![
+            (s(&smi).as_str(), "/usr/bin/nvidia-smi"),
+            (
+                s(&cuda).as_str(),
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01"
+            ),
+            (
+                s(&nvml).as_str(),
+                "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01"
+            ),
+        ]
+    );
+    for m in &common.mounts {
+        assert_eq!(m.options, ["ro", "nosuid", "nodev", "rbind", "rprivate"]);
+    }
+    assert_eq!(
+        common.hooks,
+        vec![Hook {
+            hook_name: "createContainer".into(),
+            path: s(&hook),
+            args: vec![
+                "nvidia-cdi-hook".into(),
+                "update-ldcache".into(),
+                "--folder".into(),
+                "/usr/lib/x86_64-linux-gnu".into()
+            ],
+            env: vec![],
+        }]
+    );
+}
+
+#[test]
+fn missing_gpu_node_is_described_by_number_and_optional_nodes_are_skipped() {
+    let host = Host::new();
+    let dev = gpu_device(3, Sharing::Exclusive);
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        std::slice::from_ref(&dev),
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        spec.devices[0].container_edits.device_nodes,
+        vec![DeviceNode {
+            path: format!("/dev/nvidia{}", dev.gpu.minor),
+            host_path: None,
+            node_type: Some("c".into()),
+            major: Some(195),
+            minor: Some(i64::from(dev.gpu.minor)),
+            file_mode: Some(0o666),
+            permissions: Some("rwm".into()),
+        }]
+    );
+    assert!(spec.container_edits.device_nodes.is_empty());
+    assert!(spec.container_edits.mounts.is_empty());
+    assert!(spec.container_edits.hooks.is_empty());
+    assert_eq!(
+        spec.container_edits.env,
+        vec![format!("NVIDIA_VISIBLE_DEVICES={}", dev.gpu.uuid)]
+    );
+}
+
+#[test]
+fn non_device_files_are_not_device_nodes() {
+    let host = Host::new();
+    host.file("dev/nvidiactl");
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(0, Sharing::Exclusive)],
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    assert!(spec.container_edits.device_nodes.is_empty());
+}
+
+#[test]
+fn mig_device_gets_parent_and_capability_nodes() {
+    let host = Host::new();
+    let dev = mig_device(0);
+    let mig = dev.mig.clone().unwrap();
+    let m = dev.gpu.minor;
+    host.node(&format!("nvidia{m}"));
+    fs::create_dir_all(host.root().join("proc/driver/nvidia-caps")).unwrap();
+    fs::write(
+        host.root().join("proc/driver/nvidia-caps/mig-minors"),
+        format!(
+            "config 1\nmonitor 2\ngpu{m}/gi{g}/access 21\ngpu{m}/gi{g}/ci{c}/access 22\n\
+             gpu{m}/gi99/access 30\n",
+            g = mig.gi_id,
+            c = mig.ci_id
+        ),
+    )
+    .unwrap();
+    host.node("nvidia-caps/nvidia-cap21");
+    host.node("nvidia-caps/nvidia-cap22");
+    host.node("nvidia-caps/nvidia-cap30");
+
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        std::slice::from_ref(&dev),
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    assert_eq!(spec.devices[0].name, format!("{UID}-{}", dev.name));
+    let nodes: Vec<(&str, Option<&str>)> = spec.devices[0]
+        .container_edits
+        .device_nodes
+        .iter()
+        .map(|n| (n.path.as_str(), n.host_path.as_deref()))
+        .collect();
+    let host_path = |rel: &str| host.root().join("dev").join(rel).display().to_string();
+    assert_eq!(
+        nodes,
+        vec![
+            (
+                format!("/dev/nvidia{m}").as_str(),
+                Some(host_path(&format!("nvidia{m}")).as_str())
+            ),
+            (
+                "/dev/nvidia-caps/nvidia-cap21",
+                Some(host_path("nvidia-caps/nvidia-cap21").as_str())
+            ),
+            (
+                "/dev/nvidia-caps/nvidia-cap22",
+                Some(host_path("nvidia-caps/nvidia-cap22").as_str())
+            ),
+        ]
+    );
+    assert_eq!(
+        env_of(&spec.container_edits, "NVIDIA_VISIBLE_DEVICES"),
+        vec![mig.uuid.as_str()]
+    );
+
+    // A capability node missing on the host is skipped; the rest stays.
+    fs::remove_file(host.root().join("dev/nvidia-caps/nvidia-cap22")).unwrap();
+    let spec = claim_spec(&host.opts, UID, &[dev], &DriverFiles::default()).unwrap();
+    let paths: Vec<&str> = spec.devices[0]
+        .container_edits
+        .device_nodes
+        .iter()
+        .map(|n| n.path.as_str())
+        .collect();
+    assert_eq!(
+        paths,
+        vec![
+            format!("/dev/nvidia{m}").as_str(),
+            "/dev/nvidia-caps/nvidia-cap21"
+        ]
+    );
+}
+
+#[test]
+fn mig_without_capability_table_gets_only_the_parent_node() {
+    let host = Host::new();
+    host.node("nvidia-caps/nvidia-cap21");
+    let dev = mig_device(1);
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        std::slice::from_ref(&dev),
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    let nodes = &spec.devices[0].container_edits.device_nodes;
+    assert_eq!(nodes.len(), 1);
+    assert_eq!(nodes[0].path, format!("/dev/nvidia{}", dev.gpu.minor));
+}
+
+#[test]
+fn parses_mig_minors() {
+    let t = parse_mig_minors("config 1\nmonitor 2\ngpu0/gi1/access 12\n\ngarbage\nbad x\n");
+    assert_eq!(
+        t,
+        BTreeMap::from([
+            ("config".to_string(), 1),
+            ("monitor".to_string(), 2),
+            ("gpu0/gi1/access".to_string(), 12),
+        ])
+    );
+}
+
+fn mps(pct: Option<u32>, default: Option<u64>, per: &[(&str, u64)]) -> Sharing {
+    Sharing::Mps(MpsSettings {
+        active_thread_percentage: pct,
+        pinned_memory_limit: default,
+        per_device_pinned_memory_limit: per.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+    })
+}
+
+#[test]
+fn mps_sets_client_environment_and_pipe_mount() {
+    let host = Host::new();
+    let pipe = host.root().join("mps/pipe");
+    let sharing = mps(Some(50), Some(10 << 30), &[("1", 5 << 30)]);
+    let mut a = gpu_device(0, sharing.clone());
+    let mut b = gpu_device(1, sharing);
+    a.mps_pipe_dir = Some(pipe.clone());
+    b.mps_pipe_dir = Some(pipe.clone());
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        &[a.clone(), b.clone()],
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        spec.container_edits.env,
+        vec![
+            format!("NVIDIA_VISIBLE_DEVICES={},{}", a.gpu.uuid, b.gpu.uuid),
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string(),
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50".to_string(),
+            format!(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={}=10240M,{}=5120M",
+                a.gpu.uuid, b.gpu.uuid
+            ),
+        ]
+    );
+    assert_eq!(
+        spec.container_edits.mounts,
+        vec![Mount {
+            host_path: pipe.display().to_string(),
+            container_path: "/tmp/nvidia-mps".into(),
+            options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                .map(String::from)
+                .to_vec(),
+        }]
+    );
+    // Per-device env never conflicts: devices carry only nodes.
+    for d in &spec.devices {
+        assert!(d.container_edits.env.is_empty());
+    }
+
+    // Limits keyed by UUID; no percentage, no default: only the named device gets a limit.
+    let mut c = gpu_device(2, mps(None, None, &[]));
+    c.sharing = mps(None, None, &[(c.gpu.uuid.as_str(), 3 << 30)]);
+    c.mps_pipe_dir = Some(pipe);
+    let spec = claim_spec(&host.opts, UID, &[c.clone()], &DriverFiles::default()).unwrap();
+    assert_eq!(
+        env_of(&spec.container_edits, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+        vec![format!("{}=3072M", c.gpu.uuid)]
+    );
+    assert!(env_of(&spec.container_edits, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").is_empty());
+}
+
+#[test]
+fn mps_misconfigurations_are_errors() {
+    let host = Host::new();
+    let pipe = PathBuf::from("/run/nvdra/mps/x");
+    let with_pipe = |mut d: PreparedDevice, dir: &str| {
+        d.mps_pipe_dir = Some(PathBuf::from(dir));
+        d
+    };
+    let build = |devs: &[PreparedDevice]| {
+        claim_spec(&host.opts, UID, devs, &DriverFiles::default())
+            .unwrap_err()
+            .to_string()
+    };
+
+    let e = build(&[gpu_device(0, mps(None, None, &[]))]);
+    assert!(e.contains("has no MPS pipe directory"), "{e}");
+
+    let e = build(&[
+        with_pipe(gpu_device(0, mps(None, None, &[])), "/a"),
+        gpu_device(1, Sharing::Exclusive),
+    ]);
+    assert!(e.contains("device gpu-1 is not shared with MPS"), "{e}");
+
+    let e = build(&[
+        with_pipe(gpu_device(0, mps(Some(20), None, &[])), "/a"),
+        with_pipe(gpu_device(1, mps(Some(30), None, &[])), "/a"),
+    ]);
+    assert!(e.contains("gpu-0 (20) and gpu-1 (30)"), "{e}");
+
+    let e = build(&[
+        with_pipe(gpu_device(0, mps(None, None, &[])), "/a"),
+        with_pipe(gpu_device(1, mps(None, None, &[])), "/b"),
+    ]);
+    assert!(e.contains("different pipe directories /a and /b"), "{e}");
+
+    let mut d = gpu_device(0, mps(None, None, &[("1", 1 << 30)]));
+    d.mps_pipe_dir = Some(pipe.clone());
+    let e = build(&[d]);
+    assert!(e.contains("device \"1\" matches no device"), "{e}");
+    let mut d = gpu_device(0, mps(None, None, &[("GPU-nope", 1 << 30)]));
+    d.mps_pipe_dir = Some(pipe);
+    let e = build(&[d]);
+    assert!(e.contains("\"GPU-nope\" matches no device"), "{e}");
+}
+
+#[test]
+fn time_slicing_adds_nothing() {
+    let host = Host::new();
+    let exclusive = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(0, Sharing::Exclusive)],
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    let sliced = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(
+            0,
+            Sharing::TimeSlicing {
+                interval: TimeSliceInterval::Long,
+            },
+        )],
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    assert_eq!(exclusive, sliced);
+}
+
+#[test]
+fn multiple_devices_keep_their_order_and_duplicates_fail() {
+    let host = Host::new();
+    host.node("nvidia2");
+    host.node("nvidia5");
+    let devs = [
+        gpu_device(5, Sharing::Exclusive),
+        gpu_device(2, Sharing::Exclusive),
+    ];
+    let spec = claim_spec(&host.opts, UID, &devs, &DriverFiles::default()).unwrap();
+    let names: Vec<&str> = spec.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            format!("{UID}-gpu-{}", devs[0].gpu.minor).as_str(),
+            format!("{UID}-gpu-{}", devs[1].gpu.minor).as_str()
+        ]
+    );
+    assert_eq!(
+        spec.devices[1].container_edits.device_nodes[0].path,
+        format!("/dev/nvidia{}", devs[1].gpu.minor)
+    );
+    assert_eq!(
+        env_of(&spec.container_edits, "NVIDIA_VISIBLE_DEVICES"),
+        vec![format!("{},{}", devs[0].gpu.uuid, devs[1].gpu.uuid).as_str()]
+    );
+
+    let e = claim_spec(
+        &host.opts,
+        UID,
+        &[devs[0].clone(), devs[0].clone()],
+        &DriverFiles::default(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("lists device gpu-"), "{e}");
+    let e = claim_spec(&host.opts, UID, &[], &DriverFiles::default()).unwrap_err();
+    assert!(e.to_string().contains("has no devices"), "{e}");
+}
+
+#[test]
+fn output_is_deterministic_and_round_trips() {
+    let host = Host::new();
+    host.node("nvidia0");
+    host.node("nvidiactl");
+    host.file("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01");
+    host.file("usr/bin/nvidia-smi");
+    let build = || {
+        let files = discover_driver_files(host.root());
+        claim_spec(
+            &host.opts,
+            UID,
+            &[gpu_device(0, Sharing::Exclusive), mig_device(2)],
+            &files,
+        )
+        .unwrap()
+        .to_yaml()
+        .unwrap()
+    };
+    let first = build();
+    assert_eq!(first, build());
+    let parsed: Spec = serde_yaml::from_str(&first).unwrap();
+    assert_eq!(parsed.to_yaml().unwrap(), first);
+    assert!(
+        first.starts_with("cdiVersion: 0.5.0\nkind: k8s.gpu.nvidia.com/claim\n"),
+        "{first}"
+    );
+    assert!(first.contains("containerEdits:"), "{first}");
+    assert!(first.contains("hostPath:"), "{first}");
+    assert!(first.contains("deviceNodes:"), "{first}");
+}
+
+#[test]
+fn cdi_names_follow_the_grammar() {
+    for ok in ["k8s.gpu.nvidia.com", "nvidia.com", "a1", "x_y-z.w"] {
+        validate_vendor(ok).unwrap();
+    }
+    for bad in ["", "k", "1k8s", "k8s.gpu.", "-x", "a/b", "k8s gpu"] {
+        let e = validate_vendor(bad).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("invalid CDI vendor {bad:?}")), "{e}");
+    }
+    for ok in ["claim", "gpu", "mig_dev-1"] {
+        validate_class(ok).unwrap();
+    }
+    for bad in ["", "c", "claim.x", "9claim", "claim-"] {
+        assert!(validate_class(bad).is_err(), "{bad}");
+    }
+    for ok in ["0", "a", "uid-gpu-0", "x:y.z_1", "GPU-0"] {
+        validate_device_name(ok).unwrap();
+    }
+    for bad in ["", "-a", "a-", "a/b", "a b", "a=b", ".a"] {
+        assert!(validate_device_name(bad).is_err(), "{bad}");
+    }
+
+    let e = CdiOptions::resolve("gpu.nvidia.com.", Path::new("/")).unwrap_err();
+    assert!(e.to_string().contains("k8s.gpu.nvidia.com."), "{e}");
+
+    let host = Host::new();
+    let dev = gpu_device(0, Sharing::Exclusive);
+    let e = claim_spec(
+        &host.opts,
+        "../etc",
+        std::slice::from_ref(&dev),
+        &DriverFiles::default(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("invalid CDI claim UID \"../etc\""),
+        "{e}"
+    );
+    let mut bad = dev.clone();
+    bad.name = "gpu 0".into();
+    let e = claim_spec(&host.opts, UID, &[bad], &DriverFiles::default()).unwrap_err();
+    assert!(e.to_string().contains(&format!("{UID}-gpu 0")), "{e}");
+    let mut opts = host.opts.clone();
+    opts.class = "cl.aim".into();
+    let e = claim_spec(&opts, UID, &[dev], &DriverFiles::default()).unwrap_err();
+    assert!(
+        e.to_string().starts_with("invalid CDI class \"cl.aim\""),
+        "{e}"
+    );
+}
+
+#[test]
+fn ids_and_paths_follow_nvidia() {
+    let opts = CdiOptions::resolve("gpu.nvidia.com", Path::new("/nonexistent-root")).unwrap();
+    assert_eq!(opts.dev_root, PathBuf::from("/dev"));
+    assert_eq!(
+        device_id(&opts, UID, "gpu-0"),
+        format!("k8s.gpu.nvidia.com/claim={UID}-gpu-0")
+    );
+    assert_eq!(
+        spec_path(Path::new("/var/run/cdi"), &opts, UID),
+        PathBuf::from(format!("/var/run/cdi/k8s.gpu.nvidia.com-claim_{UID}.yaml"))
+    );
+    let host = Host::new();
+    assert_eq!(host.opts.dev_root, host.root().join("dev"));
+}
+
+#[test]
+fn dev_numbers_decode_like_glibc() {
+    fn makedev(major: u64, minor: u64) -> u64 {
+        ((major & 0xffff_f000) << 32)
+            | ((major & 0xfff) << 8)
+            | ((minor & 0xffff_ff00) << 12)
+            | (minor & 0xff)
+    }
+    for (ma, mi) in [
+        (195, 255),
+        (1, 3),
+        (511, 0),
+        (4095, 1 << 20),
+        (0x12345, 0xabcdef),
+    ] {
+        assert_eq!(split_dev(makedev(ma, mi)), (ma as i64, mi as i64));
+    }
+    let (major, minor, _) = null_numbers();
+    assert_eq!((major, minor), (1, 3));
+}
+
+#[test]
+fn discovery_finds_driver_files_once() {
+    let host = Host::new();
+    let versioned = host.file("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01");
+    let soname = host
+        .root()
+        .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+    symlink("libnvidia-ml.so.550.163.01", &soname).unwrap();
+    // The development link, other libraries and dangling links are not driver files.
+    symlink(
+        "libnvidia-ml.so.1",
+        host.root().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so"),
+    )
+    .unwrap();
+    host.file("usr/lib/x86_64-linux-gnu/libfoo.so.1");
+    host.file("usr/lib/x86_64-linux-gnu/libcudart.so.12");
+    symlink(
+        "missing",
+        host.root().join("usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+    )
+    .unwrap();
+    let smi = host.file("usr/bin/nvidia-smi");
+    host.file("usr/bin/nvidia-smi-helper");
+    // Merged /usr: /lib and /bin are links into /usr and must not yield duplicates.
+    symlink("usr/lib", host.root().join("lib")).unwrap();
+    symlink("usr/bin", host.root().join("bin")).unwrap();
+
+    let files = discover_driver_files(host.root());
+    assert_eq!(files.libraries, vec![soname, versioned]);
+    assert_eq!(files.binaries, vec![smi]);
+    assert_eq!(
+        discover_driver_files(Path::new("/nonexistent-root")),
+        DriverFiles::default()
+    );
+}
+
+#[test]
+fn files_outside_the_driver_root_are_not_mounted() {
+    let host = Host::new();
+    let files = DriverFiles {
+        libraries: vec![PathBuf::from("/elsewhere/libcuda.so.1")],
+        binaries: vec![],
+    };
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(0, Sharing::Exclusive)],
+        &files,
+    )
+    .unwrap();
+    assert!(spec.container_edits.mounts.is_empty());
+}
+
+// ------------------------------------------------------------------ writer
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+fn sample_spec(host: &Host, uid: &str, device: usize) -> Spec {
+    claim_spec(
+        &host.opts,
+        uid,
+        &[gpu_device(device, Sharing::Exclusive)],
+        &DriverFiles::default(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn writer_writes_overwrites_lists_and_removes() {
+    let host = Host::new();
+    let cdi_root = host.root().join("run/cdi");
+    let other = "0b1c2d3e-0000-0000-0000-000000000000";
+
+    assert_eq!(
+        list_claim_specs(&cdi_root, &host.opts).unwrap(),
+        Vec::<String>::new()
+    );
+    let first = sample_spec(&host, UID, 0);
+    let path = write_spec(&cdi_root, &host.opts, UID, &first).unwrap();
+    assert_eq!(path, spec_path(&cdi_root, &host.opts, UID));
+    let read: Spec = serde_yaml::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(read, first);
+    assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o644);
+
+    let second = sample_spec(&host, UID, 1);
+    write_spec(&cdi_root, &host.opts, UID, &second).unwrap();
+    let read: Spec = serde_yaml::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(read, second);
+    write_spec(&cdi_root, &host.opts, other, &sample_spec(&host, other, 2)).unwrap();
+
+    // Files of other vendors, temp files and stray names are not claim specs.
+    fs::write(cdi_root.join("nvidia.com-gpu.yaml"), "x").unwrap();
+    fs::write(
+        cdi_root.join(format!(".k8s.gpu.nvidia.com-claim_{UID}.1.2.tmp")),
+        "x",
+    )
+    .unwrap();
+    fs::write(cdi_root.join("k8s.gpu.nvidia.com-claim_abc.json"), "x").unwrap();
+    fs::write(cdi_root.join("k8s.gpu.nvidia.com-claim_-bad.yaml"), "x").unwrap();
+    let mut expected = vec![UID.to_string(), other.to_string()];
+    expected.sort();
+    assert_eq!(list_claim_specs(&cdi_root, &host.opts).unwrap(), expected);
+
+    assert!(remove_spec(&cdi_root, &host.opts, UID).unwrap());
+    assert!(!path.exists());
+    assert!(!remove_spec(&cdi_root, &host.opts, UID).unwrap());
+    assert_eq!(
+        list_claim_specs(&cdi_root, &host.opts).unwrap(),
+        vec![other.to_string()]
+    );
+}
+
+#[test]
+fn writer_leaves_no_temp_files() {
+    let host = Host::new();
+    let cdi_root = host.root().join("cdi");
+    for device in 0..3 {
+        write_spec(&cdi_root, &host.opts, UID, &sample_spec(&host, UID, device)).unwrap();
+    }
+    assert_eq!(
+        entries(&cdi_root),
+        vec![format!("k8s.gpu.nvidia.com-claim_{UID}.yaml")]
+    );
+}
+
+#[test]
+fn writer_failure_leaves_old_spec_and_no_temp_file() {
+    let host = Host::new();
+    let cdi_root = host.root().join("cdi");
+    let spec = sample_spec(&host, UID, 0);
+    let path = write_spec(&cdi_root, &host.opts, UID, &spec).unwrap();
+    // Replace the target with a non-empty directory: the rename fails.
+    fs::remove_file(&path).unwrap();
+    fs::create_dir_all(path.join("blocker")).unwrap();
+    let e = write_spec(&cdi_root, &host.opts, UID, &spec).unwrap_err();
+    assert!(e.to_string().starts_with("cannot rename into place"), "{e}");
+    assert_eq!(
+        entries(&cdi_root),
+        vec![format!("k8s.gpu.nvidia.com-claim_{UID}.yaml")]
+    );
+    assert!(path.is_dir());
+}
+
+#[test]
+fn writer_rejects_bad_claim_uids() {
+    let host = Host::new();
+    let cdi_root = host.root().join("cdi");
+    let spec = sample_spec(&host, UID, 0);
+    for bad in ["../x", "a/b", "", "-x"] {
+        assert!(
+            write_spec(&cdi_root, &host.opts, bad, &spec).is_err(),
+            "{bad}"
+        );
+        assert!(remove_spec(&cdi_root, &host.opts, bad).is_err(), "{bad}");
+    }
+    assert!(!cdi_root.exists());
+}

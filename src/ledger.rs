@@ -30,7 +30,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::inventory::{GpuUuid, Placement, TimeSlice};
+use crate::inventory::{GpuUuid, Placement};
+use crate::sharing::Sharing;
 
 /// The checkpoint format this build reads and writes.
 pub const VERSION: u32 = 1;
@@ -92,29 +93,8 @@ pub enum ClaimState {
     PrepareCompleted,
 }
 
-/// How a prepared device is shared, as recorded (enough to undo it and to rebuild the CDI spec).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "strategy")]
-pub enum SharingRecord {
-    #[default]
-    Exclusive,
-    TimeSlicing {
-        interval: TimeSlice,
-    },
-    #[serde(rename = "MPS", rename_all = "camelCase")]
-    Mps {
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        active_thread_percentage: Option<u32>,
-        /// Bytes, for every GPU of the daemon.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        pinned_memory_limit: Option<u64>,
-    },
-}
-
-impl SharingRecord {
-    fn is_exclusive(&self) -> bool {
-        matches!(self, SharingRecord::Exclusive)
-    }
+fn is_exclusive(s: &Sharing) -> bool {
+    matches!(s, Sharing::Exclusive)
 }
 
 /// A MIG device of a prepared claim.
@@ -149,8 +129,9 @@ pub struct DeviceRecord {
     pub gpu: GpuUuid,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRecord>,
-    #[serde(default, skip_serializing_if = "SharingRecord::is_exclusive")]
-    pub sharing: SharingRecord,
+    /// How the device is shared (enough to undo it and to rebuild the CDI spec).
+    #[serde(default, skip_serializing_if = "is_exclusive")]
+    pub sharing: Sharing,
 }
 
 /// One claim in the ledger.
@@ -495,7 +476,7 @@ mod tests {
                     admin_access: false,
                     gpu: GpuUuid("GPU-1".into()),
                     mig: None,
-                    sharing: SharingRecord::Exclusive,
+                    sharing: Sharing::Exclusive,
                 })
                 .collect(),
         }
@@ -650,24 +631,27 @@ mod tests {
         assert!(!a.reload_if_changed().unwrap());
     }
 
-    fn arb_sharing() -> impl Strategy<Value = SharingRecord> {
+    fn arb_sharing() -> impl Strategy<Value = Sharing> {
+        use crate::sharing::{MpsSettings, TimeSliceInterval};
         prop_oneof![
-            Just(SharingRecord::Exclusive),
+            Just(Sharing::Exclusive),
             prop_oneof![
-                Just(TimeSlice::Default),
-                Just(TimeSlice::Short),
-                Just(TimeSlice::Medium),
-                Just(TimeSlice::Long)
+                Just(TimeSliceInterval::Default),
+                Just(TimeSliceInterval::Short),
+                Just(TimeSliceInterval::Medium),
+                Just(TimeSliceInterval::Long)
             ]
-            .prop_map(|interval| SharingRecord::TimeSlicing { interval }),
+            .prop_map(|interval| Sharing::TimeSlicing { interval }),
             (
                 proptest::option::of(0u32..=100),
-                proptest::option::of(any::<u64>())
+                proptest::option::of(any::<u64>()),
+                proptest::collection::btree_map("[0-9]|GPU-[a-f0-9]{4}", any::<u64>(), 0..3),
             )
-                .prop_map(|(a, p)| SharingRecord::Mps {
+                .prop_map(|(a, p, per)| Sharing::Mps(MpsSettings {
                     active_thread_percentage: a,
-                    pinned_memory_limit: p
-                }),
+                    pinned_memory_limit: p,
+                    per_device_pinned_memory_limit: per,
+                })),
         ]
     }
 

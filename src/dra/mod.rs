@@ -1,8 +1,6 @@
 //! The DRA kubelet plugin: registration with the kubelet, the `DRAPlugin` gRPC service (v1 and
 //! v1beta1) and the prepare/unprepare state machine behind it.
 
-pub mod cdi_step;
-pub mod config_step;
 pub mod grpc;
 pub mod mps;
 pub mod nodelock;

@@ -1,17 +1,20 @@
-//! MPS control daemons: one per GPU shared with the MPS strategy, started when the first claim
-//! using it is prepared and stopped (`echo quit | nvidia-cuda-mps-control`) when the last one is
-//! unprepared.
+//! MPS control daemons for claims shared with the MPS strategy.
 //!
-//! Each daemon lives in `<plugin dir>/mps/<gpu-uuid>/{pipe,log}` (its `CUDA_MPS_PIPE_DIRECTORY`
-//! and `CUDA_MPS_LOG_DIRECTORY`); containers get the pipe directory through CDI. The users of each
-//! daemon are counted in memory and rebuilt from the checkpoint at start-up ([`Mps::adopt`]).
-//! All methods block (they run processes): call them off the async runtime.
+//! One daemon per claim, serving all of the claim's MPS devices: a container has one
+//! `CUDA_MPS_PIPE_DIRECTORY`, so every MPS device it sees must sit behind one daemon. Since a
+//! device belongs to one claim at a time, this is also one daemon per shared GPU. The daemon is
+//! started (`nvidia-cuda-mps-control -d`, found under the driver root) when the claim is prepared
+//! and stopped (`echo quit | nvidia-cuda-mps-control`) when it is unprepared.
+//!
+//! Each daemon lives in `<plugin dir>/mps/<claim-uid>/{pipe,log}` (its `CUDA_MPS_PIPE_DIRECTORY`
+//! and `CUDA_MPS_LOG_DIRECTORY`); the CDI spec mounts the pipe directory into containers and sets
+//! the per-client limits. The directory's existence is the record that a daemon was started, so
+//! stop is idempotent and survives restarts. All methods block (they run processes): call them
+//! off the async runtime.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 
 use crate::inventory::GpuUuid;
 use crate::ledger::ClaimUid;
@@ -30,44 +33,37 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{CONTROL} {action} for GPU {gpu} failed: {reason}")]
+    #[error("{CONTROL} {action} for claim {claim} failed: {reason}")]
     Control {
         action: &'static str,
-        gpu: GpuUuid,
+        claim: ClaimUid,
         reason: String,
     },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Settings a daemon starts with.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Limits {
-    pub active_thread_percentage: Option<u32>,
-    pub pinned_memory_limit: Option<u64>,
-}
-
 pub struct Mps {
     root: PathBuf,
     driver_root: PathBuf,
-    users: Mutex<BTreeMap<GpuUuid, BTreeSet<ClaimUid>>>,
 }
 
 impl Mps {
     pub fn new(root: PathBuf, driver_root: PathBuf) -> Self {
-        Self {
-            root,
-            driver_root,
-            users: Mutex::new(BTreeMap::new()),
-        }
+        Self { root, driver_root }
     }
 
-    pub fn pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.root.join(gpu.as_str()).join("pipe")
+    fn claim_dir(&self, claim: &ClaimUid) -> PathBuf {
+        self.root.join(claim.as_str())
     }
 
-    fn log_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.root.join(gpu.as_str()).join("log")
+    /// The claim's `CUDA_MPS_PIPE_DIRECTORY` on the host.
+    pub fn pipe_dir(&self, claim: &ClaimUid) -> PathBuf {
+        self.claim_dir(claim).join("pipe")
+    }
+
+    fn log_dir(&self, claim: &ClaimUid) -> PathBuf {
+        self.claim_dir(claim).join("log")
     }
 
     fn control(&self) -> Result<PathBuf> {
@@ -80,139 +76,105 @@ impl Mps {
             })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<GpuUuid, BTreeSet<ClaimUid>>> {
-        // Each change is one insert or remove; a panic cannot leave a half-done change.
-        self.users.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Whether a daemon for `gpu` is in use by any claim.
-    pub fn users(&self, gpu: &GpuUuid) -> usize {
-        self.lock().get(gpu).map_or(0, BTreeSet::len)
-    }
-
-    /// Registers `claim` as a user of `gpu`'s daemon, starting it if it is the first; returns the
-    /// pipe directory.
-    pub fn acquire(&self, gpu: &GpuUuid, claim: &ClaimUid, limits: Limits) -> Result<PathBuf> {
-        let mut users = self.lock();
-        let set = users.entry(gpu.clone()).or_default();
-        if set.is_empty()
-            && let Err(e) = self.start(gpu, limits)
-        {
-            users.remove(gpu);
-            return Err(e);
-        }
-        set.insert(claim.clone());
-        Ok(self.pipe_dir(gpu))
-    }
-
-    /// Records a user found in the checkpoint at start-up; starts the daemon only if it is not
-    /// running (its control pipe is missing, e.g. after the daemon died with the old process).
-    pub fn adopt(&self, gpu: &GpuUuid, claim: &ClaimUid, limits: Limits) -> Result<PathBuf> {
-        let mut users = self.lock();
-        let set = users.entry(gpu.clone()).or_default();
-        if set.is_empty() && !self.pipe_dir(gpu).join("control").exists() {
-            self.start(gpu, limits)?;
-        }
-        set.insert(claim.clone());
-        Ok(self.pipe_dir(gpu))
-    }
-
-    /// Drops `claim` as a user of `gpu`'s daemon and stops the daemon when it was the last.
-    /// Releasing a claim that is not a user does nothing.
-    pub fn release(&self, gpu: &GpuUuid, claim: &ClaimUid) -> Result<()> {
-        let mut users = self.lock();
-        let Some(set) = users.get_mut(gpu) else {
-            return Ok(());
-        };
-        if !set.remove(claim) || !set.is_empty() {
-            return Ok(());
-        }
-        users.remove(gpu);
-        self.send(gpu, "stop", "quit\n")
-    }
-
-    fn start(&self, gpu: &GpuUuid, limits: Limits) -> Result<()> {
+    /// Starts the claim's daemon for `devices` (GPU or MIG UUIDs); returns the pipe directory.
+    pub fn start(&self, claim: &ClaimUid, devices: &[GpuUuid]) -> Result<PathBuf> {
         let control = self.control()?;
-        for dir in [self.pipe_dir(gpu), self.log_dir(gpu)] {
+        for dir in [self.pipe_dir(claim), self.log_dir(claim)] {
             std::fs::create_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })?;
         }
+        let visible: Vec<&str> = devices.iter().map(GpuUuid::as_str).collect();
         let out = self
-            .command(&control, gpu)
+            .command(&control, claim)
+            .env("CUDA_VISIBLE_DEVICES", visible.join(","))
             .arg("-d")
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| Error::Control {
-                action: "start",
-                gpu: gpu.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| self.fail("start", claim, e.to_string()))?;
         if !out.status.success() {
-            return Err(Error::Control {
-                action: "start",
-                gpu: gpu.clone(),
-                reason: format!(
+            return Err(self.fail(
+                "start",
+                claim,
+                format!(
                     "{}: {}",
                     out.status,
                     String::from_utf8_lossy(&out.stderr).trim()
                 ),
-            });
-        }
-        let mut script = String::new();
-        if let Some(p) = limits.active_thread_percentage {
-            script.push_str(&format!("set_default_active_thread_percentage {p}\n"));
-        }
-        if let Some(bytes) = limits.pinned_memory_limit {
-            script.push_str(&format!(
-                "set_default_device_pinned_mem_limit 0 {}M\n",
-                bytes.div_ceil(1 << 20)
             ));
         }
-        if !script.is_empty() {
-            self.send(gpu, "configure", &script)?;
+        tracing::info!(claim.uid = %claim, devices = %visible.join(","), "MPS control daemon started");
+        Ok(self.pipe_dir(claim))
+    }
+
+    /// At start-up, for a prepared claim: starts the daemon only when its control pipe is
+    /// missing (the daemon died, e.g. with the node's previous boot).
+    pub fn ensure(&self, claim: &ClaimUid, devices: &[GpuUuid]) -> Result<PathBuf> {
+        if self.pipe_dir(claim).join("control").exists() {
+            return Ok(self.pipe_dir(claim));
         }
-        tracing::info!(gpu = %gpu, pipe = %self.pipe_dir(gpu).display(), "MPS control daemon started");
+        self.start(claim, devices)
+    }
+
+    /// Stops the claim's daemon and removes its directory. A claim without one is a no-op; a
+    /// daemon that is already gone is logged, not an error, so unprepare can always finish.
+    pub fn stop(&self, claim: &ClaimUid) -> Result<()> {
+        let dir = self.claim_dir(claim);
+        if !dir.exists() {
+            return Ok(());
+        }
+        match self.quit(claim) {
+            Ok(()) => tracing::info!(claim.uid = %claim, "MPS control daemon stopped"),
+            Err(e @ Error::NoControl { .. }) => return Err(e),
+            Err(e) => {
+                tracing::warn!(claim.uid = %claim, error = %e, "MPS control daemon did not stop cleanly; assuming it is gone")
+            }
+        }
+        std::fs::remove_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })
+    }
+
+    fn quit(&self, claim: &ClaimUid) -> Result<()> {
+        let control = self.control()?;
+        let mut child = self
+            .command(&control, claim)
+            .stdin(Stdio::piped())
+            .spawn()
+            .map_err(|e| self.fail("stop", claim, e.to_string()))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(b"quit\n")
+                .map_err(|e| self.fail("stop", claim, e.to_string()))?;
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|e| self.fail("stop", claim, e.to_string()))?;
+        if !out.status.success() {
+            return Err(self.fail(
+                "stop",
+                claim,
+                format!(
+                    "{}: {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
+        }
         Ok(())
     }
 
-    fn command(&self, control: &Path, gpu: &GpuUuid) -> Command {
+    fn fail(&self, action: &'static str, claim: &ClaimUid, reason: String) -> Error {
+        Error::Control {
+            action,
+            claim: claim.clone(),
+            reason,
+        }
+    }
+
+    fn command(&self, control: &Path, claim: &ClaimUid) -> Command {
         let mut c = Command::new(control);
-        c.env("CUDA_MPS_PIPE_DIRECTORY", self.pipe_dir(gpu))
-            .env("CUDA_MPS_LOG_DIRECTORY", self.log_dir(gpu))
-            .env("CUDA_VISIBLE_DEVICES", gpu.as_str())
+        c.env("CUDA_MPS_PIPE_DIRECTORY", self.pipe_dir(claim))
+            .env("CUDA_MPS_LOG_DIRECTORY", self.log_dir(claim))
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         c
-    }
-
-    fn send(&self, gpu: &GpuUuid, action: &'static str, input: &str) -> Result<()> {
-        let fail = |reason: String| Error::Control {
-            action,
-            gpu: gpu.clone(),
-            reason,
-        };
-        let control = self.control()?;
-        let mut child = self
-            .command(&control, gpu)
-            .stdin(Stdio::piped())
-            .spawn()
-            .map_err(|e| fail(e.to_string()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(input.as_bytes())
-                .map_err(|e| fail(e.to_string()))?;
-        }
-        let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
-        if !out.status.success() {
-            return Err(fail(format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        if action == "stop" {
-            tracing::info!(gpu = %gpu, "MPS control daemon stopped");
-        }
-        Ok(())
     }
 }
 
@@ -221,15 +183,15 @@ pub(crate) mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    /// A fake `nvidia-cuda-mps-control` under `driver_root` that appends its arguments, stdin and
-    /// pipe directory to `<driver_root>/mps.log`.
+    /// A fake `nvidia-cuda-mps-control` under `driver_root` that appends what it was asked to
+    /// `<driver_root>/mps.log`.
     pub(crate) fn fake_control(driver_root: &Path) {
         let bin = driver_root.join("usr/bin");
         std::fs::create_dir_all(&bin).unwrap();
         let log = driver_root.join("mps.log");
         let script = format!(
             "#!/bin/sh\nif [ \"$1\" = -d ]; then echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; \
-             else while read l; do echo \"cmd $CUDA_VISIBLE_DEVICES $l\" >> {log}; done; fi\n",
+             else while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; done; fi\n",
             log = log.display()
         );
         let p = bin.join(CONTROL);
@@ -238,31 +200,26 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn one_daemon_per_gpu_stopped_with_the_last_user() {
+    fn daemon_started_for_the_claims_devices_and_stopped_once() {
         let dir = tempfile::tempdir().unwrap();
         let driver_root = dir.path().join("driver");
         fake_control(&driver_root);
         let mps = Mps::new(dir.path().join("mps"), driver_root.clone());
-        let gpu = GpuUuid("GPU-a".into());
-        let limits = Limits {
-            active_thread_percentage: Some(40),
-            pinned_memory_limit: None,
-        };
-        let pipe = mps.acquire(&gpu, &ClaimUid("c1".into()), limits).unwrap();
+        let claim = ClaimUid("c1".into());
+        let pipe = mps
+            .start(&claim, &[GpuUuid("GPU-a".into()), GpuUuid("GPU-b".into())])
+            .unwrap();
         assert!(pipe.is_dir());
-        mps.acquire(&gpu, &ClaimUid("c2".into()), limits).unwrap();
-        mps.release(&gpu, &ClaimUid("c1".into())).unwrap();
-        assert_eq!(mps.users(&gpu), 1);
-        mps.release(&gpu, &ClaimUid("c2".into())).unwrap();
-        mps.release(&gpu, &ClaimUid("c2".into())).unwrap();
+        mps.stop(&claim).unwrap();
+        mps.stop(&claim).unwrap();
+        assert!(!pipe.exists());
         let log = std::fs::read_to_string(driver_root.join("mps.log")).unwrap();
         let lines: Vec<&str> = log.lines().collect();
         assert_eq!(
             lines,
             vec![
-                format!("start GPU-a {}", pipe.display()).as_str(),
-                "cmd GPU-a set_default_active_thread_percentage 40",
-                "cmd GPU-a quit",
+                format!("start GPU-a,GPU-b {}", pipe.display()),
+                format!("quit {}", pipe.display())
             ]
         );
     }
@@ -272,13 +229,8 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mps = Mps::new(dir.path().join("mps"), dir.path().to_path_buf());
         let e = mps
-            .acquire(
-                &GpuUuid("GPU-a".into()),
-                &ClaimUid("c".into()),
-                Limits::default(),
-            )
+            .start(&ClaimUid("c".into()), &[GpuUuid("GPU-a".into())])
             .unwrap_err();
         assert!(e.to_string().contains("nvidia-cuda-mps-control"), "{e}");
-        assert_eq!(mps.users(&GpuUuid("GPU-a".into())), 0);
     }
 }

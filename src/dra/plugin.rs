@@ -28,18 +28,18 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use super::cdi_step::{self, CdiContext, SpecDevice};
-use super::config_step::{self, Target};
 use super::mps::{self, Mps};
 use super::nodelock::{self, NodeLock};
 use crate::api::{self, ClusterApi};
-use crate::inventory::{self, DeviceBackend, Gpu, Inventory, MigDevice, Placement, TimeSlice};
-use crate::ledger::{
-    self, ClaimEntry, ClaimState, ClaimUid, DeviceRecord, Ledger, MigRecord, SharingRecord,
+use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
+use crate::inventory::{
+    self, DeviceBackend, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
 };
+use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid, DeviceRecord, Ledger, MigRecord};
 use crate::metrics::Metrics;
+use crate::sharing::{self, DeviceKind, Sharing, TimeSliceInterval};
 
 /// Environment variable naming a [`CrashPoint`]: the process aborts there. For crash tests only.
 pub const CRASH_ENV: &str = "NVDRA_TEST_CRASH_AT";
@@ -116,14 +116,19 @@ pub enum ClaimError {
         name: String,
         uid: ClaimUid,
     },
-    #[error("{0}")]
-    Config(#[from] config_step::Error),
+    #[error("invalid device configuration for request {request}: {source}")]
+    Config {
+        request: String,
+        source: sharing::Error,
+    },
+    #[error("claim UID {uid:?} cannot name a CDI device: {source}")]
+    BadUid { uid: String, source: cdi::Error },
     #[error("{0}")]
     Backend(#[from] inventory::Error),
     #[error("{0}")]
     Mps(#[from] mps::Error),
     #[error("{0}")]
-    Cdi(#[from] cdi_step::Error),
+    Cdi(#[from] cdi::Error),
     #[error("{0}")]
     Ledger(#[from] ledger::Error),
     #[error("{0}")]
@@ -159,12 +164,22 @@ struct Inner {
     api: Arc<dyn ClusterApi>,
     backend: Arc<dyn DeviceBackend>,
     ledger: Ledger,
-    cdi: CdiContext,
+    cdi: CdiOptions,
+    driver_files: DriverFiles,
     mps: Mps,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
     /// One async mutex per claim being worked on.
     claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Why a plugin could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Ledger(#[from] ledger::Error),
+    #[error("{0}")]
+    Cdi(#[from] cdi::Error),
 }
 
 /// The plugin; cheap to clone.
@@ -198,6 +213,29 @@ fn conflicts(a: &DeviceRecord, b: &DeviceRecord) -> bool {
             (Some(x), Some(y)) => x.overlaps(&y),
             _ => true,
         }
+}
+
+/// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its MPS daemon.
+fn mps_devices(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
+    devices
+        .iter()
+        .filter(|d| matches!(d.sharing, Sharing::Mps(_)))
+        .map(|d| {
+            d.mig
+                .as_ref()
+                .and_then(|m| m.uuid.clone())
+                .unwrap_or_else(|| d.gpu.clone())
+        })
+        .collect()
+}
+
+fn time_slice(i: TimeSliceInterval) -> TimeSlice {
+    match i {
+        TimeSliceInterval::Default => TimeSlice::Default,
+        TimeSliceInterval::Short => TimeSlice::Short,
+        TimeSliceInterval::Medium => TimeSlice::Medium,
+        TimeSliceInterval::Long => TimeSlice::Long,
+    }
 }
 
 /// `gpu-<minor>-mig-<profile without dots>-<giProfileId>-<start>`.
@@ -277,13 +315,10 @@ impl Plugin {
         api: Arc<dyn ClusterApi>,
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
-    ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), ledger::Error> {
+    ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
+        let cdi = CdiOptions::resolve(&opts.driver, &opts.driver_root)?;
+        let driver_files = cdi::discover_driver_files(&opts.driver_root);
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
-        let cdi = CdiContext {
-            root: opts.cdi_root.clone(),
-            driver: opts.driver.clone(),
-            driver_root: opts.driver_root.clone(),
-        };
         let mps = Mps::new(opts.plugin_dir.join("mps"), opts.driver_root.clone());
         let node_lock = NodeLock::new(&opts.plugin_dir);
         Ok((
@@ -294,6 +329,7 @@ impl Plugin {
                     backend,
                     ledger,
                     cdi,
+                    driver_files,
                     mps,
                     node_lock,
                     metrics,
@@ -378,28 +414,13 @@ impl Plugin {
                     rec.rolled_back.push(uid.clone());
                 }
                 ClaimState::PrepareCompleted => {
-                    for d in &entry.devices {
-                        if let SharingRecord::Mps {
-                            active_thread_percentage,
-                            pinned_memory_limit,
-                        } = d.sharing
-                        {
-                            let (gpu, uid) = (d.gpu.clone(), uid.clone());
-                            self.blocking(move |i| {
-                                i.mps.adopt(
-                                    &gpu,
-                                    &uid,
-                                    mps::Limits {
-                                        active_thread_percentage,
-                                        pinned_memory_limit,
-                                    },
-                                )
-                            })
-                            .await??;
-                        }
+                    let mps: Vec<GpuUuid> = mps_devices(&entry.devices);
+                    if !mps.is_empty() {
+                        let uid = uid.clone();
+                        self.blocking(move |i| i.mps.ensure(&uid, &mps)).await??;
                     }
-                    if !self.inner.cdi.spec_exists(uid) {
-                        self.write_cdi(uid, &entry.devices, &inv)?;
+                    if !entry.devices.is_empty() && !self.spec_exists(uid) {
+                        self.write_cdi(uid, &entry.devices, &inv).await?;
                         tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
                         rec.cdi_rewritten.push(uid.clone());
                     }
@@ -407,9 +428,10 @@ impl Plugin {
             }
         }
         let known = self.inner.ledger.read(|c| c.claims.clone());
-        for uid in self.inner.cdi.list_claim_specs()? {
+        for uid in cdi::list_claim_specs(&self.inner.opts.cdi_root, &self.inner.cdi)? {
+            let uid = ClaimUid(uid);
             if !known.contains_key(&uid) {
-                self.inner.cdi.remove_spec(&uid)?;
+                self.remove_spec(&uid)?;
                 tracing::warn!(claim.uid = %uid, "removed orphan CDI spec with no checkpoint entry");
                 rec.orphans_removed.push(uid);
             }
@@ -537,8 +559,8 @@ impl Plugin {
         // Idempotency: a completed claim is answered from the ledger.
         if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
             if entry.state == ClaimState::PrepareCompleted {
-                if !self.inner.cdi.spec_exists(uid) {
-                    self.write_cdi(uid, &entry.devices, inv)?;
+                if !entry.devices.is_empty() && !self.spec_exists(uid) {
+                    self.write_cdi(uid, &entry.devices, inv).await?;
                     tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten");
                 }
                 tracing::debug!(claim.uid = %uid, "already prepared");
@@ -621,35 +643,27 @@ impl Plugin {
                     }
                     created.push(dev);
                 }
-                match d.sharing {
-                    SharingRecord::Exclusive => {}
-                    SharingRecord::TimeSlicing { interval } => {
-                        let gpu = d.gpu.clone();
-                        self.blocking(move |i| i.backend.set_time_slice(&gpu, interval))
-                            .await??;
-                    }
-                    SharingRecord::Mps {
-                        active_thread_percentage,
-                        pinned_memory_limit,
-                    } => {
-                        let (gpu, uid) = (d.gpu.clone(), uid.clone());
-                        self.blocking(move |i| {
-                            i.mps.acquire(
-                                &gpu,
-                                &uid,
-                                mps::Limits {
-                                    active_thread_percentage,
-                                    pinned_memory_limit,
-                                },
-                            )
-                        })
+                if let (Sharing::TimeSlicing { interval }, None) = (&d.sharing, &d.mig) {
+                    // MIG devices are not time-sliced by interval; only whole GPUs are.
+                    let (gpu, interval) = (d.gpu.clone(), time_slice(*interval));
+                    self.blocking(move |i| i.backend.set_time_slice(&gpu, interval))
                         .await??;
-                    }
                 }
                 Ok(())
             }
             .await;
             if let Err(e) = step {
+                return Err((e, devices));
+            }
+        }
+        let mps = mps_devices(&devices);
+        if !mps.is_empty() {
+            let owner = uid.clone();
+            let started = self
+                .blocking(move |i| i.mps.start(&owner, &mps))
+                .await
+                .and_then(|r| r.map_err(ClaimError::from));
+            if let Err(e) = started {
                 return Err((e, devices));
             }
         }
@@ -677,7 +691,9 @@ impl Plugin {
             }
             &inv_now
         };
-        if let Err(e) = self.write_cdi(uid, &devices, inv) {
+        if !devices.is_empty()
+            && let Err(e) = self.write_cdi(uid, &devices, inv).await
+        {
             return Err((e, devices));
         }
         self.crash(CrashPoint::AfterCdi);
@@ -742,7 +758,16 @@ impl Plugin {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
             })?;
-        let config: &[DeviceAllocationConfiguration] = devices.config.as_deref().unwrap_or(&[]);
+        let entries = rc
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .map(sharing::from_allocation)
+            .unwrap_or_default();
+        cdi::validate_device_name(claim.uid.as_str()).map_err(|source| ClaimError::BadUid {
+            uid: claim.uid.to_string(),
+            source,
+        })?;
         let mut out: Vec<DeviceRecord> = Vec::new();
         let mut index: BTreeMap<(String, String), usize> = BTreeMap::new();
         for r in devices.results.iter().flatten() {
@@ -772,8 +797,8 @@ impl Plugin {
                 continue;
             }
             let resolved = resolve_device(inv, &r.device).map_err(unknown)?;
-            let (gpu, mig, target) = match resolved {
-                Resolved::Gpu(g) => (g, None, Target::Gpu),
+            let (gpu, mig, kind) = match resolved {
+                Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
                 Resolved::Mig(g, m) => (
                     g,
                     Some(MigRecord {
@@ -783,7 +808,7 @@ impl Plugin {
                         placement: m.placement,
                         created: false,
                     }),
-                    Target::Mig,
+                    DeviceKind::Mig,
                 ),
                 Resolved::MigToCreate(g, p, placement) => (
                     g,
@@ -794,16 +819,27 @@ impl Plugin {
                         placement,
                         created: true,
                     }),
-                    Target::Mig,
+                    DeviceKind::Mig,
                 ),
             };
-            let sharing = config_step::resolve(config, &opts.driver, &r.request, target)?;
+            let config_err = |source| ClaimError::Config {
+                request: r.request.clone(),
+                source,
+            };
+            let config =
+                sharing::config_for_device(&entries, &opts.driver, &r.request, kind, &r.device)
+                    .map_err(config_err)?;
+            let sharing = sharing::sharing_for(config, kind, &r.device).map_err(config_err)?;
             index.insert((r.pool.clone(), r.device.clone()), out.len());
             out.push(DeviceRecord {
                 requests: vec![base],
                 pool: r.pool.clone(),
                 device: r.device.clone(),
-                cdi_ids: vec![self.inner.cdi.device_id(&claim.uid, &r.device)],
+                cdi_ids: vec![cdi::device_id(
+                    &self.inner.cdi,
+                    claim.uid.as_str(),
+                    &r.device,
+                )],
                 share_id: r.share_id.clone(),
                 admin_access: r.admin_access.unwrap_or(false),
                 gpu: gpu.uuid.clone(),
@@ -814,29 +850,36 @@ impl Plugin {
         Ok(out)
     }
 
-    fn write_cdi(
+    fn spec_exists(&self, uid: &ClaimUid) -> bool {
+        cdi::spec_path(&self.inner.opts.cdi_root, &self.inner.cdi, uid.as_str()).exists()
+    }
+
+    fn remove_spec(&self, uid: &ClaimUid) -> Result<bool, ClaimError> {
+        Ok(cdi::remove_spec(
+            &self.inner.opts.cdi_root,
+            &self.inner.cdi,
+            uid.as_str(),
+        )?)
+    }
+
+    /// Builds and writes the claim's CDI spec on the blocking pool (it reads the host).
+    async fn write_cdi(
         &self,
         uid: &ClaimUid,
         devices: &[DeviceRecord],
         inv: &Inventory,
     ) -> Result<(), ClaimError> {
-        let mut specs = Vec::with_capacity(devices.len());
-        let pipes: Vec<Option<PathBuf>> = devices
-            .iter()
-            .map(|d| {
-                matches!(d.sharing, SharingRecord::Mps { .. })
-                    .then(|| self.inner.mps.pipe_dir(&d.gpu))
-            })
-            .collect();
-        for (d, pipe) in devices.iter().zip(&pipes) {
+        let gone = |d: &DeviceRecord, reason: String| ClaimError::UnknownDevice {
+            pool: d.pool.clone(),
+            device: d.device.clone(),
+            ours: self.inner.opts.pool.clone(),
+            reason,
+        };
+        let mut prepared = Vec::with_capacity(devices.len());
+        for d in devices {
             let gpu = inv
                 .gpu_by_uuid(d.gpu.as_str())
-                .ok_or_else(|| ClaimError::UnknownDevice {
-                    pool: d.pool.clone(),
-                    device: d.device.clone(),
-                    ours: self.inner.opts.pool.clone(),
-                    reason: format!("GPU {} is gone", d.gpu),
-                })?;
+                .ok_or_else(|| gone(d, format!("GPU {} is gone", d.gpu)))?;
             let mig = match &d.mig {
                 None => None,
                 Some(m) => Some(
@@ -844,31 +887,33 @@ impl Plugin {
                         .devices
                         .iter()
                         .find(|x| Some(&x.uuid) == m.uuid.as_ref())
-                        .ok_or_else(|| ClaimError::UnknownDevice {
-                            pool: d.pool.clone(),
-                            device: d.device.clone(),
-                            ours: self.inner.opts.pool.clone(),
-                            reason: "the MIG device is gone".into(),
-                        })?,
+                        .ok_or_else(|| gone(d, "the MIG device is gone".into()))?
+                        .clone(),
                 ),
             };
-            specs.push(SpecDevice {
-                name: &d.device,
-                gpu,
+            prepared.push(PreparedDevice {
+                name: d.device.clone(),
+                gpu: gpu.clone(),
                 mig,
-                sharing: &d.sharing,
-                mps_pipe_dir: pipe.as_deref(),
+                mps_pipe_dir: matches!(d.sharing, Sharing::Mps(_))
+                    .then(|| self.inner.mps.pipe_dir(uid)),
+                sharing: d.sharing.clone(),
             });
         }
-        self.inner.cdi.write_spec(uid, &specs)?;
-        Ok(())
+        let uid = uid.clone();
+        self.blocking(move |i| {
+            let spec = cdi::claim_spec(&i.cdi, uid.as_str(), &prepared, &i.driver_files)?;
+            cdi::write_spec(&i.opts.cdi_root, &i.cdi, uid.as_str(), &spec)?;
+            Ok::<_, ClaimError>(())
+        })
+        .await?
     }
 
     /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be
     /// repeated safely.
     async fn rollback(&self, uid: &ClaimUid, devices: &[DeviceRecord]) -> Result<(), ClaimError> {
         self.undo_devices(uid, devices).await?;
-        self.inner.cdi.remove_spec(uid)?;
+        self.remove_spec(uid)?;
         self.inner.ledger.update(|c| c.remove(uid));
         self.inner.ledger.flush().await?;
         Ok(())
@@ -879,30 +924,28 @@ impl Plugin {
         uid: &ClaimUid,
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
+        if devices.iter().any(|d| matches!(d.sharing, Sharing::Mps(_))) {
+            let uid = uid.clone();
+            self.blocking(move |i| i.mps.stop(&uid)).await??;
+        }
         for d in devices {
-            match d.sharing {
-                SharingRecord::Mps { .. } => {
-                    let (gpu, uid) = (d.gpu.clone(), uid.clone());
-                    self.blocking(move |i| i.mps.release(&gpu, &uid)).await??;
+            if let (Sharing::TimeSlicing { .. }, None) = (&d.sharing, &d.mig) {
+                // Back to the default unless another claim time-slices this GPU.
+                let others = self.inner.ledger.read(|c| {
+                    c.claims.iter().any(|(u, e)| {
+                        u != uid
+                            && e.devices.iter().any(|o| {
+                                o.gpu == d.gpu
+                                    && o.mig.is_none()
+                                    && matches!(o.sharing, Sharing::TimeSlicing { .. })
+                            })
+                    })
+                });
+                if !others {
+                    let gpu = d.gpu.clone();
+                    self.blocking(move |i| i.backend.set_time_slice(&gpu, TimeSlice::Default))
+                        .await??;
                 }
-                SharingRecord::TimeSlicing { .. } => {
-                    // Back to the default unless another claim time-slices this GPU.
-                    let others = self.inner.ledger.read(|c| {
-                        c.claims.iter().any(|(u, e)| {
-                            u != uid
-                                && e.devices.iter().any(|o| {
-                                    o.gpu == d.gpu
-                                        && matches!(o.sharing, SharingRecord::TimeSlicing { .. })
-                                })
-                        })
-                    });
-                    if !others {
-                        let gpu = d.gpu.clone();
-                        self.blocking(move |i| i.backend.set_time_slice(&gpu, TimeSlice::Default))
-                            .await??;
-                    }
-                }
-                SharingRecord::Exclusive => {}
             }
             if let Some(m) = &d.mig
                 && m.created
@@ -938,7 +981,7 @@ impl Plugin {
     async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
         let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
             // Unknown claims succeed; a stray spec of ours for it goes too.
-            if self.inner.cdi.remove_spec(uid)? {
+            if cdi::validate_device_name(uid.as_str()).is_ok() && self.remove_spec(uid)? {
                 tracing::warn!(claim.uid = %uid, "removed a CDI spec of a claim not in the checkpoint");
             }
             return Ok(());

@@ -157,7 +157,7 @@ pub fn unprepare_response_v1beta1(
 mod tests {
     use super::*;
     use crate::inventory::GpuUuid;
-    use crate::ledger::SharingRecord;
+    use crate::sharing::Sharing;
 
     fn record(share: Option<&str>) -> DeviceRecord {
         DeviceRecord {
@@ -169,7 +169,7 @@ mod tests {
             admin_access: false,
             gpu: GpuUuid("GPU-0".into()),
             mig: None,
-            sharing: SharingRecord::Exclusive,
+            sharing: Sharing::Exclusive,
         }
     }
 

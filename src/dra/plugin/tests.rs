@@ -5,8 +5,8 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult,
-    OpaqueDeviceConfiguration, ResourceClaimStatus, ResourceSlice,
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaimStatus, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
@@ -84,7 +84,7 @@ impl Env {
     }
     fn spec(&self, uid: &str) -> PathBuf {
         self.cdi_root()
-            .join(format!("k8s.{DRIVER}-claim_{uid}.json"))
+            .join(format!("k8s.{DRIVER}-claim_{uid}.yaml"))
     }
     fn add(&self, c: ResourceClaim) {
         let key = (
@@ -245,14 +245,10 @@ async fn prepares_single_and_multi_device_claims() {
             ("gpu-2", vec!["pair".to_string()])
         ]
     );
-    let spec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(e.spec("u2")).unwrap()).unwrap();
-    let devs: Vec<_> = spec["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["name"].as_str().unwrap().to_string())
-        .collect();
+    let spec: crate::cdi::Spec =
+        serde_yaml::from_slice(&std::fs::read(e.spec("u2")).unwrap()).unwrap();
+    assert_eq!(spec.kind, format!("k8s.{DRIVER}/claim"));
+    let devs: Vec<_> = spec.devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(devs, vec!["u2-gpu-1", "u2-gpu-2"]);
 }
 
@@ -337,9 +333,10 @@ async fn every_error_names_the_problem() {
         vec![opaque(&[], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "Sometimes"}}))],
     ));
     let err = e.prepare("cfg").await.unwrap_err();
+    assert!(err.to_string().contains("request gpu"), "{err}");
     assert!(
         err.to_string()
-            .contains("config[0].opaque.parameters.sharing.strategy"),
+            .contains("claim config #0: sharing.strategy"),
         "{err}"
     );
     assert_eq!(e.state("cfg"), None);
@@ -546,8 +543,8 @@ async fn time_slicing_is_applied_and_reset() {
     let d = e.prepare("t").await.unwrap();
     assert_eq!(
         d[0].sharing,
-        SharingRecord::TimeSlicing {
-            interval: TimeSlice::Long
+        Sharing::TimeSlicing {
+            interval: TimeSliceInterval::Long
         }
     );
     assert_eq!(e.sim.time_slice(&gpu), TimeSlice::Long);
@@ -556,7 +553,7 @@ async fn time_slicing_is_applied_and_reset() {
 }
 
 #[tokio::test]
-async fn mps_daemon_per_gpu() {
+async fn mps_daemon_per_claim() {
     let e = env("dgx-h100").await;
     mps::tests::fake_control(&e.dir.path().join("driver"));
     let cfg = || {
@@ -565,7 +562,11 @@ async fn mps_daemon_per_gpu() {
             serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 25}}}),
         )
     };
-    e.add(claim_with("p", vec![result("gpu", "gpu-4")], vec![cfg()]));
+    e.add(claim_with(
+        "p",
+        vec![result("gpu", "gpu-4"), result("gpu", "gpu-5")],
+        vec![cfg()],
+    ));
     e.prepare("p").await.unwrap();
     let spec = std::fs::read_to_string(e.spec("p")).unwrap();
     assert!(spec.contains("CUDA_MPS_PIPE_DIRECTORY="), "{spec}");
@@ -573,20 +574,27 @@ async fn mps_daemon_per_gpu() {
         spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
         "{spec}"
     );
+    let pipe = e.dir.path().join("plugin/mps/p/pipe");
+    assert!(
+        spec.contains(pipe.to_str().unwrap()),
+        "the pipe directory is mounted: {spec}"
+    );
     e.unprepare("p").await.unwrap();
     let log = std::fs::read_to_string(e.dir.path().join("driver/mps.log")).unwrap();
-    let gpu = e.sim.snapshot().unwrap().gpus[4].uuid.clone();
-    assert!(log.starts_with(&format!("start {gpu}")), "{log}");
-    assert!(
-        log.contains(&format!(
-            "cmd {gpu} set_default_active_thread_percentage 25"
-        )),
-        "{log}"
+    let inv = e.sim.snapshot().unwrap();
+    assert_eq!(
+        log.lines().collect::<Vec<_>>(),
+        vec![
+            format!(
+                "start {},{} {}",
+                inv.gpus[4].uuid,
+                inv.gpus[5].uuid,
+                pipe.display()
+            ),
+            format!("quit {}", pipe.display()),
+        ]
     );
-    assert!(
-        log.trim_end().ends_with(&format!("cmd {gpu} quit")),
-        "{log}"
-    );
+    assert!(!pipe.exists());
 }
 
 #[tokio::test]

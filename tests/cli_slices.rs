@@ -29,27 +29,49 @@ fn nvdra(args: &[&str], env: &[(&str, &str)]) -> Output {
 
 /// Parses every YAML document into a ResourceSlice, failing on any field the type does not know
 /// (a parse → serialize round trip must give back exactly the document).
+fn strict_parse(text: &str) -> Result<Vec<ResourceSlice>, String> {
+    let mut slices = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = serde_json::Value::deserialize(doc)
+            .map_err(|e| format!("document {i} is not YAML: {e}"))?;
+        let slice: ResourceSlice = serde_path_to_error::deserialize(value.clone())
+            .map_err(|e| format!("document {i} at {}: {}", e.path(), e.inner()))?;
+        let back = serde_json::to_value(&slice).unwrap();
+        if back != value {
+            return Err(format!(
+                "document {i} has fields ResourceSlice does not know:\n{value}\nre-serialized:\n{back}"
+            ));
+        }
+        slices.push(slice);
+    }
+    Ok(slices)
+}
+
 fn parse_slices(out: &Output) -> Vec<ResourceSlice> {
     assert!(
         out.status.success(),
         "nvdra failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8(out.stdout.clone()).unwrap();
-    let mut slices = Vec::new();
-    for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-        let value = serde_json::Value::deserialize(doc)
-            .unwrap_or_else(|e| panic!("document {i} is not YAML: {e}"));
-        let slice: ResourceSlice = serde_path_to_error::deserialize(value.clone())
-            .unwrap_or_else(|e| panic!("document {i} at {}: {}", e.path(), e.inner()));
-        let back = serde_json::to_value(&slice).unwrap();
-        assert_eq!(
-            back, value,
-            "document {i} has fields ResourceSlice does not know"
-        );
-        slices.push(slice);
-    }
-    slices
+    strict_parse(std::str::from_utf8(&out.stdout).unwrap()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn the_strict_parse_catches_unknown_and_mistyped_fields() {
+    let good = "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {generateName: n-}\n\
+                spec: {driver: d.example.com, nodeName: n, pool: {name: n, generation: 1, resourceSliceCount: 1}}\n";
+    assert_eq!(strict_parse(good).unwrap().len(), 1);
+    let two = format!("---\n{good}---\n{good}");
+    assert_eq!(strict_parse(&two).unwrap().len(), 2);
+    let unknown = good.replace("nodeName: n,", "nodeName: n, nodeNmae: n,");
+    assert!(
+        strict_parse(&unknown)
+            .unwrap_err()
+            .contains("does not know")
+    );
+    let mistyped = good.replace("generation: 1", "generation: one");
+    let err = strict_parse(&mistyped).unwrap_err();
+    assert!(err.contains("spec.pool.generation"), "{err}");
 }
 
 fn attr_int(d: &k8s_openapi::api::resource::v1::Device, name: &str) -> i64 {

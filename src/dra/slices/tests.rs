@@ -462,6 +462,42 @@ fn no_gpus_still_publishes_one_empty_slice() {
 }
 
 #[test]
+fn results_are_deterministic_and_local_to_each_gpu() {
+    // The publisher compares desired with existing slices; any needless difference is churn.
+    let o = opts(true, CounterLayout::Separate);
+    let inv = profile("dgx-a100");
+    let a = desired_slices(&inv, &o).unwrap();
+    let mut shuffled = inv.gpus.clone();
+    shuffled.reverse();
+    let b = desired_slices(&Inventory::new(shuffled).unwrap(), &o).unwrap();
+    assert_eq!(a, b);
+    // One GPU's MIG change touches only its own device slice (and the counters slice stays).
+    let mut changed = inv.clone();
+    let p = changed.gpus[4].mig.profiles[0].clone();
+    changed.gpus[4].mig.enabled = true;
+    changed.gpus[4].mig.devices.push(MigDevice {
+        uuid: GpuUuid("MIG-x".into()),
+        profile: p.name.clone(),
+        gi_profile_id: p.gi_profile_id,
+        gi_id: 1,
+        ci_id: 0,
+        placement: p.placements[0],
+        memory_bytes: p.memory_bytes,
+        multiprocessors: p.multiprocessors,
+        engines: p.engines,
+        health: Health::Healthy,
+    });
+    let c = desired_slices(&changed, &o).unwrap();
+    assert_eq!(a.len(), c.len());
+    let differing: Vec<usize> = (0..a.len()).filter(|&i| a[i] != c[i]).collect();
+    assert_eq!(
+        differing,
+        vec![5],
+        "only gpu-4's device slice (after the counters slice)"
+    );
+}
+
+#[test]
 fn pool_bookkeeping() {
     let specs = desired_slices(&profile("dgx-h100"), &plain()).unwrap();
     assert_eq!(specs.len(), 1);

@@ -32,6 +32,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::mps::{self, Mps};
 use super::nodelock::{self, NodeLock};
+use super::slices::{self, PublishedDevice};
 use crate::api::{self, ClusterApi};
 use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
 use crate::inventory::{
@@ -156,6 +157,8 @@ pub struct Options {
     pub cdi_root: PathBuf,
     pub driver_root: PathBuf,
     pub boot_id: String,
+    /// MIG placements without an instance may be prepared (the instance is created).
+    pub partitionable: bool,
     pub crash_at: Option<CrashPoint>,
 }
 
@@ -238,22 +241,6 @@ fn time_slice(i: TimeSliceInterval) -> TimeSlice {
     }
 }
 
-/// `gpu-<minor>-mig-<profile without dots>-<giProfileId>-<start>`.
-pub fn mig_device_name(gpu: &Gpu, profile: &str, gi_profile_id: u32, start: u32) -> String {
-    let profile: String = profile
-        .chars()
-        .filter(|c| *c != '.')
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    format!("gpu-{}-mig-{profile}-{gi_profile_id}-{start}", gpu.minor)
-}
-
 /// What an allocated device name stands for on this node.
 enum Resolved<'a> {
     Gpu(&'a Gpu),
@@ -262,44 +249,47 @@ enum Resolved<'a> {
     MigToCreate(&'a Gpu, &'a inventory::MigProfile, Placement),
 }
 
-fn resolve_device<'a>(inv: &'a Inventory, name: &str) -> Result<Resolved<'a>, String> {
-    let rest = name
-        .strip_prefix("gpu-")
-        .ok_or_else(|| "device names look like gpu-<minor>[-mig-…]".to_string())?;
-    let minor_str = rest.split('-').next().unwrap_or_default();
-    let minor: u32 = minor_str
-        .parse()
-        .map_err(|_| format!("{minor_str:?} is not a GPU minor number"))?;
-    let gpu = inv
-        .gpu_by_minor(minor)
-        .ok_or_else(|| format!("no GPU with minor {minor}"))?;
-    if rest == minor_str {
-        if gpu.in_mig_mode() {
-            return Err(format!(
-                "GPU {minor} is in MIG mode and is handed out only as MIG devices"
-            ));
+/// Resolves a device name (named as [`slices::DeviceName`] does) to hardware that can be
+/// prepared now, or says why not.
+fn resolve_device<'a>(
+    inv: &'a Inventory,
+    name: &str,
+    partitionable: bool,
+) -> Result<Resolved<'a>, String> {
+    match slices::find_device(inv, name) {
+        None => Err(
+            "no such GPU, MIG device or MIG placement (names look like gpu-<minor> \
+                     or gpu-<minor>-mig-<profile>-<giProfileId>-<start>)"
+                .into(),
+        ),
+        Some(PublishedDevice::Gpu(g)) if g.in_mig_mode() => Err(format!(
+            "GPU {} is in MIG mode and is handed out only as MIG devices",
+            g.minor
+        )),
+        Some(PublishedDevice::Gpu(g)) => Ok(Resolved::Gpu(g)),
+        Some(PublishedDevice::Mig {
+            parent,
+            existing: Some(m),
+            ..
+        }) => Ok(Resolved::Mig(parent, m)),
+        Some(PublishedDevice::Mig { parent, .. }) if !parent.in_mig_mode() => {
+            Err(format!("GPU {} is not in MIG mode", parent.minor))
         }
-        return Ok(Resolved::Gpu(gpu));
-    }
-    if let Some(m) = gpu
-        .mig
-        .devices
-        .iter()
-        .find(|m| mig_device_name(gpu, &m.profile, m.gi_profile_id, m.placement.start) == name)
-    {
-        return Ok(Resolved::Mig(gpu, m));
-    }
-    for p in &gpu.mig.profiles {
-        for placement in &p.placements {
-            if mig_device_name(gpu, &p.name, p.gi_profile_id, placement.start) == name {
-                if !gpu.in_mig_mode() {
-                    return Err(format!("GPU {minor} is not in MIG mode"));
-                }
-                return Ok(Resolved::MigToCreate(gpu, p, *placement));
-            }
+        Some(PublishedDevice::Mig { .. }) if !partitionable => Err(
+            "no MIG device exists at this placement, and creating MIG devices at prepare needs \
+             partitionable mode"
+                .into(),
+        ),
+        Some(PublishedDevice::Mig {
+            parent,
+            existing: None,
+            profile: Some(p),
+            placement,
+        }) => Ok(Resolved::MigToCreate(parent, p, placement)),
+        Some(PublishedDevice::Mig { profile: None, .. }) => {
+            Err("the GPU does not list this MIG profile".into())
         }
     }
-    Err("no such MIG device or placement".into())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -796,7 +786,7 @@ impl Plugin {
                 }
                 continue;
             }
-            let resolved = resolve_device(inv, &r.device).map_err(unknown)?;
+            let resolved = resolve_device(inv, &r.device, opts.partitionable).map_err(unknown)?;
             let (gpu, mig, kind) = match resolved {
                 Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
                 Resolved::Mig(g, m) => (

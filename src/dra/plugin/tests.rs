@@ -133,6 +133,7 @@ async fn start(
         cdi_root: dir.join("cdi"),
         driver_root: dir.join("driver"),
         boot_id: "boot-1".into(),
+        partitionable: true,
         crash_at: None,
     };
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
@@ -307,10 +308,10 @@ async fn every_error_names_the_problem() {
     assert!(err.to_string().contains("is not allocated"), "{err}");
     // Unknown devices, with the reason.
     for (dev, why) in [
-        ("gpu-9", "no GPU with minor 9"),
-        ("eth0", "gpu-<minor>"),
+        ("gpu-9", "no such GPU"),
+        ("eth0", "names look like"),
         ("gpu-1", "is in MIG mode"),
-        ("gpu-1-mig-9g99gb-1-0", "no such MIG device"),
+        ("gpu-1-mig-9g99gb-1-0", "no such GPU, MIG device"),
         ("gpu-0-mig-1g5gb-19-0", "not in MIG mode"),
     ] {
         let uid = format!("unk-{dev}");
@@ -438,14 +439,14 @@ async fn existing_and_created_mig_devices() {
     let e = env("a100-mig-mixed").await;
     let inv = e.sim.snapshot().unwrap();
     let existing = &inv.gpus[1].mig.devices[0];
-    let name = mig_device_name(
-        &inv.gpus[1],
+    let name = slices::DeviceName::mig(
+        inv.gpus[1].minor,
         &existing.profile,
         existing.gi_profile_id,
         existing.placement.start,
     );
-    assert_eq!(name, "gpu-1-mig-3g20gb-9-4");
-    e.add(claim("m1", vec![result("mig", &name)]));
+    assert_eq!(name.as_str(), "gpu-1-mig-3g20gb-9-4");
+    e.add(claim("m1", vec![result("mig", name.as_str())]));
     let d = e.prepare("m1").await.unwrap();
     assert_eq!(
         d[0].mig.as_ref().unwrap().uuid.as_ref(),

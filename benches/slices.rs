@@ -1,0 +1,56 @@
+//! How long `desired_slices` takes for a DGX A100 in partitionable mode (8 GPUs, 208 devices,
+//! every placement of every MIG profile), the largest built-in case. The publisher recomputes
+//! slices on every inventory or health change, so this bounds its reaction time.
+//!
+//! Run with `cargo bench --bench slices`; prints median and p99 over the runs.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::inventory::topology::load_profile;
+
+const WARMUP: usize = 20;
+const RUNS: usize = 500;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn bench(label: &str, layout: CounterLayout, partitionable: bool) {
+    let inv = load_profile("dgx-a100", "bench-node").expect("built-in profile");
+    let opts = SliceOptions {
+        driver: "gpu.nvidia.com".into(),
+        node_name: "bench-node".into(),
+        partitionable,
+        layout,
+    };
+    let mut devices = 0;
+    for _ in 0..WARMUP {
+        let specs = desired_slices(black_box(&inv), black_box(&opts)).expect("valid slices");
+        devices = specs
+            .iter()
+            .map(|s| s.devices.as_ref().map_or(0, Vec::len))
+            .sum();
+    }
+    let mut times = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let start = Instant::now();
+        let specs = desired_slices(black_box(&inv), black_box(&opts)).expect("valid slices");
+        times.push(start.elapsed());
+        black_box(specs);
+    }
+    times.sort();
+    println!(
+        "desired_slices dgx-a100 {label:<28} {devices:>4} devices  median {:>9.3?}  p99 {:>9.3?}  (n={RUNS})",
+        percentile(&times, 0.5),
+        percentile(&times, 0.99),
+    );
+}
+
+fn main() {
+    bench("partitionable, separate", CounterLayout::Separate, true);
+    bench("partitionable, together", CounterLayout::Together, true);
+    bench("plain", CounterLayout::Separate, false);
+}

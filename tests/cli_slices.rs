@@ -1,0 +1,277 @@
+//! `nvdra inventory -o slices` end to end: the built binary's output must be ResourceSlice objects
+//! the API server accepts as they are — every field known to `resource.k8s.io/v1`, nothing lost
+//! in a parse and re-serialize round trip.
+
+use std::collections::BTreeSet;
+use std::process::{Command, Output};
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use serde::Deserialize;
+
+fn nvdra(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+    for var in [
+        "NODE_NAME",
+        "NVDRA_CONFIG",
+        "NVDRA_BACKEND",
+        "NVDRA_PROFILE",
+        "NVDRA_TOPOLOGY",
+        "NVDRA_DRIVER_NAME",
+        "NVDRA_PARTITIONABLE",
+        "NVDRA_COUNTER_LAYOUT",
+        "NVDRA_LOG_FORMAT",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.args(args).envs(env.iter().copied());
+    cmd.output().expect("run nvdra")
+}
+
+/// Parses every YAML document into a ResourceSlice, failing on any field the type does not know
+/// (a parse → serialize round trip must give back exactly the document).
+fn strict_parse(text: &str) -> Result<Vec<ResourceSlice>, String> {
+    let mut slices = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = serde_json::Value::deserialize(doc)
+            .map_err(|e| format!("document {i} is not YAML: {e}"))?;
+        let slice: ResourceSlice = serde_path_to_error::deserialize(value.clone())
+            .map_err(|e| format!("document {i} at {}: {}", e.path(), e.inner()))?;
+        let back = serde_json::to_value(&slice).unwrap();
+        if back != value {
+            return Err(format!(
+                "document {i} has fields ResourceSlice does not know:\n{value}\nre-serialized:\n{back}"
+            ));
+        }
+        slices.push(slice);
+    }
+    Ok(slices)
+}
+
+fn parse_slices(out: &Output) -> Vec<ResourceSlice> {
+    assert!(
+        out.status.success(),
+        "nvdra failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    strict_parse(std::str::from_utf8(&out.stdout).unwrap()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn the_strict_parse_catches_unknown_and_mistyped_fields() {
+    let good = "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {generateName: n-}\n\
+                spec: {driver: d.example.com, nodeName: n, pool: {name: n, generation: 1, resourceSliceCount: 1}}\n";
+    assert_eq!(strict_parse(good).unwrap().len(), 1);
+    let two = format!("---\n{good}---\n{good}");
+    assert_eq!(strict_parse(&two).unwrap().len(), 2);
+    let unknown = good.replace("nodeName: n,", "nodeName: n, nodeNmae: n,");
+    assert!(
+        strict_parse(&unknown)
+            .unwrap_err()
+            .contains("does not know")
+    );
+    let mistyped = good.replace("generation: 1", "generation: one");
+    let err = strict_parse(&mistyped).unwrap_err();
+    assert!(err.contains("spec.pool.generation"), "{err}");
+}
+
+fn attr_int(d: &k8s_openapi::api::resource::v1::Device, name: &str) -> i64 {
+    d.attributes.as_ref().unwrap()[name].int.unwrap()
+}
+
+#[test]
+fn dgx_h100_slices_are_valid_resource_slices() {
+    let out = nvdra(
+        &[
+            "inventory",
+            "--profile",
+            "dgx-h100",
+            "--node-name",
+            "node-a",
+            "-o",
+            "slices",
+        ],
+        &[],
+    );
+    let slices = parse_slices(&out);
+    assert_eq!(slices.len(), 1);
+    let raw: serde_json::Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    assert_eq!(raw["apiVersion"], "resource.k8s.io/v1");
+    assert_eq!(raw["kind"], "ResourceSlice");
+
+    let s = &slices[0];
+    assert_eq!(
+        s.metadata.generate_name.as_deref(),
+        Some("node-a-gpu.nvidia.com-")
+    );
+    assert!(s.metadata.name.is_none());
+    assert_eq!(s.spec.driver, "gpu.nvidia.com");
+    assert_eq!(s.spec.node_name.as_deref(), Some("node-a"));
+    assert_eq!(s.spec.pool.name, "node-a");
+    assert_eq!(s.spec.pool.generation, 1);
+    assert_eq!(s.spec.pool.resource_slice_count, 1);
+    assert!(s.spec.shared_counters.is_none());
+
+    let devices = s.spec.devices.as_ref().unwrap();
+    let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(
+        names,
+        (0..8)
+            .map(|i| format!("gpu-{i}"))
+            .collect::<Vec<_>>()
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+    );
+    for d in devices {
+        assert_eq!(d.capacity.as_ref().unwrap()["memory"].value.0, "80Gi");
+        let attrs = d.attributes.as_ref().unwrap();
+        assert_eq!(attrs["type"].string.as_deref(), Some("gpu"));
+        assert_eq!(attrs["driverVersion"].version.as_deref(), Some("570.124.6"));
+        assert_eq!(
+            attrs["productName"].string.as_deref(),
+            Some("NVIDIA H100 80GB HBM3")
+        );
+    }
+    let domains: BTreeSet<i64> = devices
+        .iter()
+        .map(|d| attr_int(d, "nvlinkDomain"))
+        .collect();
+    assert_eq!(domains.len(), 1, "all eight GPUs share the NVSwitch fabric");
+    let uuids: BTreeSet<&str> = devices
+        .iter()
+        .map(|d| {
+            d.attributes.as_ref().unwrap()["uuid"]
+                .string
+                .as_deref()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(uuids.len(), 8);
+}
+
+#[test]
+fn partitionable_layouts() {
+    let base = [
+        "inventory",
+        "--profile",
+        "dgx-a100",
+        "--node-name",
+        "node-a",
+        "-o",
+        "slices",
+    ];
+    let separate = parse_slices(&nvdra(&[&base[..], &["--partitionable"]].concat(), &[]));
+    assert_eq!(separate.len(), 9);
+    assert_eq!(
+        separate[0].spec.shared_counters.as_ref().unwrap().len(),
+        8,
+        "one counters-only slice first"
+    );
+    assert!(separate[0].spec.devices.is_none());
+    let devices: usize = separate
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(devices, 8 * 26);
+    assert!(
+        separate
+            .iter()
+            .all(|s| s.spec.pool.resource_slice_count == 9 && s.spec.pool.generation == 1)
+    );
+
+    let together = parse_slices(&nvdra(
+        &[
+            &base[..],
+            &["--partitionable", "--counter-layout", "together"],
+        ]
+        .concat(),
+        &[],
+    ));
+    assert_eq!(together.len(), 8);
+    assert!(together.iter().all(|s| {
+        s.spec.shared_counters.as_ref().unwrap().len() == 1
+            && s.spec.devices.as_ref().unwrap().len() == 26
+    }));
+
+    // The same through the environment.
+    let env = parse_slices(&nvdra(
+        &base,
+        &[
+            ("NVDRA_PARTITIONABLE", "true"),
+            ("NVDRA_COUNTER_LAYOUT", "together"),
+        ],
+    ));
+    assert_eq!(env.len(), 8);
+    let off = parse_slices(&nvdra(
+        &[&base[..], &["--partitionable=false"]].concat(),
+        &[("NVDRA_PARTITIONABLE", "true")],
+    ));
+    assert_eq!(off.len(), 1, "the flag overrides the environment");
+}
+
+#[test]
+fn driver_name_is_configurable() {
+    let out = nvdra(
+        &[
+            "inventory",
+            "--profile",
+            "l40s-pcie",
+            "--node-name",
+            "node-b",
+            "-o",
+            "slices",
+        ],
+        &[("NVDRA_DRIVER_NAME", "gpu.example.com")],
+    );
+    let slices = parse_slices(&out);
+    assert_eq!(slices[0].spec.driver, "gpu.example.com");
+    assert_eq!(
+        slices[0].metadata.generate_name.as_deref(),
+        Some("node-b-gpu.example.com-")
+    );
+
+    let bad = nvdra(
+        &[
+            "inventory",
+            "--profile",
+            "l40s-pcie",
+            "--node-name",
+            "node-b",
+            "--driver-name",
+            "GPU_NVIDIA",
+            "-o",
+            "slices",
+        ],
+        &[],
+    );
+    assert_eq!(bad.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--driver-name"), "{err}");
+}
+
+#[test]
+fn mig_mode_gpus_are_published_as_mig_devices_only() {
+    let slices = parse_slices(&nvdra(
+        &[
+            "inventory",
+            "--profile",
+            "a100-mig-mixed",
+            "--node-name",
+            "node-c",
+            "-o",
+            "slices",
+        ],
+        &[],
+    ));
+    let names: Vec<String> = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect();
+    assert!(!names.contains(&"gpu-1".to_string()) && !names.contains(&"gpu-2".to_string()));
+    assert!(
+        names.contains(&"gpu-1-mig-3g20gb-9-4".to_string()),
+        "{names:?}"
+    );
+    assert!(names.contains(&"gpu-0".to_string()) && names.contains(&"gpu-3".to_string()));
+}

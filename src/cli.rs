@@ -41,6 +41,92 @@ pub struct Cli {
 pub enum Command {
     /// Show the node's GPUs, MIG devices and topology.
     Inventory(InventoryArgs),
+    /// Run the node agent: the DRA kubelet plugin and the ResourceSlice publisher.
+    Run(Box<RunArgs>),
+}
+
+/// Flags of `nvdra run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
+    #[arg(long, env = "NVDRA_MODE", value_enum)]
+    pub mode: Option<config::Mode>,
+
+    #[command(flatten)]
+    pub backend: BackendArgs,
+
+    /// DRA driver name (also the CDI vendor suffix and the plugin directory name).
+    #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
+    pub driver_name: Option<String>,
+
+    /// The kubelet's --root-dir; sockets go to its plugins/ and plugins_registry/.
+    #[arg(long, env = "NVDRA_KUBELET_ROOT", value_name = "DIR")]
+    pub kubelet_root: Option<PathBuf>,
+
+    /// Where claim CDI specs are written (the container runtime's CDI spec directory).
+    #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
+    pub cdi_root: Option<PathBuf>,
+
+    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
+    #[arg(
+        long,
+        env = "NVDRA_KUBECONFIG",
+        value_name = "FILE",
+        conflicts_with = "api_dir"
+    )]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
+    /// DIR/resourceslices), for runs without a cluster.
+    #[arg(long, env = "NVDRA_API_DIR", value_name = "DIR")]
+    pub api_dir: Option<PathBuf>,
+
+    /// This pod's UID (downward API), for rolling updates: socket names carry it so two
+    /// instances can serve side by side.
+    #[arg(long, env = "POD_UID", value_name = "UID")]
+    pub pod_uid: Option<String>,
+
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
+    pub metrics_address: Option<String>,
+
+    /// Publish shared counters and every possible MIG placement, creating MIG devices at
+    /// prepare (needs the DRAPartitionableDevices feature gate).
+    #[arg(
+        long,
+        env = "NVDRA_PARTITIONABLE",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub partitionable: Option<bool>,
+
+    /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
+    #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
+    pub boot_id_file: Option<PathBuf>,
+
+    /// Crash tests only: abort at this point of prepare (after-started, after-cdi,
+    /// before-completed, after-completed).
+    #[arg(long, env = "NVDRA_TEST_CRASH_AT", value_name = "POINT", hide = true)]
+    pub test_crash_at: Option<crate::dra::plugin::CrashPoint>,
+}
+
+impl RunArgs {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            mode: self.mode,
+            driver_name: self.driver_name.clone(),
+            kubelet_root: self.kubelet_root.clone(),
+            cdi_root: self.cdi_root.clone(),
+            kubeconfig: self.kubeconfig.clone(),
+            api_dir: self.api_dir.clone(),
+            pod_uid: self.pod_uid.clone(),
+            metrics_address: self.metrics_address.clone(),
+            partitionable: self.partitionable,
+            ..self.backend.overrides()
+        }
+    }
 }
 
 /// Where GPUs come from.
@@ -253,6 +339,38 @@ fn run(cli: Cli) -> Result<(), Failure> {
             };
             write_stdout(&text)?;
             Ok(())
+        }
+        Command::Run(args) => {
+            let config = load_config(&cli, args.overrides())?;
+            init_logging(config.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(anyhow::Error::from)?;
+            runtime.block_on(async {
+                let backend = open_backend(&config)?;
+                let api = open_api(&config).await?;
+                let extras = crate::daemon::Extras {
+                    boot_id_file: args.boot_id_file.clone(),
+                    crash_at: args.test_crash_at,
+                };
+                crate::daemon::run(config, extras, backend, api, Default::default())
+                    .await
+                    .map_err(|e| Failure::Other(e.into()))
+            })
+        }
+    }
+}
+
+/// Connects to the API the configuration names.
+async fn open_api(config: &Config) -> anyhow::Result<Arc<dyn crate::api::ClusterApi>> {
+    match &config.api {
+        config::Api::Dir(dir) => anyhow::bail!(
+            "--api-dir {}: the directory API is not in this build yet",
+            dir.display()
+        ),
+        config::Api::Kube { .. } => {
+            anyhow::bail!("the Kubernetes API client is not in this build yet; use --api-dir")
         }
     }
 }

@@ -7,6 +7,7 @@ pub mod api;
 pub mod cdi;
 pub mod cli;
 pub mod config;
+pub mod daemon;
 pub mod dra;
 pub mod inventory;
 pub mod ledger;

@@ -1,0 +1,265 @@
+//! `nvdra run`: wires the long-lived tasks of a node agent and owns their shutdown.
+//!
+//! Start order (each step only once the previous one works, so the kubelet never sees a
+//! registration without a serving endpoint):
+//! 1. the checkpoint writer, then recovery of what a crash or reboot left behind;
+//! 2. the DRA gRPC server (`v1` + `v1beta1`) on its socket;
+//! 3. the registration server in `plugins_registry/`;
+//! 4. the ResourceSlice publisher and the metrics endpoint.
+//!
+//! Shutdown: the first SIGTERM or SIGINT cancels every task; the servers stop accepting, remove
+//! their sockets and finish in-flight calls; then the checkpoint writer flushes and stops. A
+//! second signal exits at once. A critical task ending by itself is a failure: everything else is
+//! stopped and [`run`] returns an error, so the process exits non-zero and the DaemonSet restarts
+//! it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::ClusterApi;
+use crate::config::{Config, Mode};
+use crate::dra::grpc;
+use crate::dra::plugin::{self, CrashPoint, Plugin};
+use crate::dra::registration::{Registrar, RegistrationState, Sockets};
+use crate::inventory::DeviceBackend;
+use crate::ledger;
+use crate::metrics::{self, Metrics};
+
+/// How long in-flight work may take to finish after the first signal.
+pub const GRACE: Duration = Duration::from_secs(20);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("mode {0:?} is not available in this build; use --mode dra")]
+    Mode(Mode),
+    #[error("cannot start the DRA plugin: {0}")]
+    Start(#[from] plugin::StartError),
+    #[error("recovering the checkpoint failed: {0}")]
+    Recover(#[from] plugin::ClaimError),
+    #[error("{0}")]
+    Boot(#[from] ledger::Error),
+    #[error("{0}")]
+    Socket(#[from] grpc::Error),
+    #[error("cannot listen for metrics on {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+    #[error("task {task} stopped unexpectedly: {reason}")]
+    TaskDied { task: &'static str, reason: String },
+    #[error("second signal: exiting without waiting for in-flight work")]
+    Forced,
+    #[error("tasks did not finish within {0:?} of the shutdown signal")]
+    GraceExceeded(Duration),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Settings that are not part of the user-facing configuration.
+#[derive(Clone, Debug, Default)]
+pub struct Extras {
+    /// Where the boot id is read (default `/proc/sys/kernel/random/boot_id`); tests point it at
+    /// a file they control to simulate a reboot.
+    pub boot_id_file: Option<PathBuf>,
+    /// Crash tests only: abort at this point of prepare.
+    pub crash_at: Option<CrashPoint>,
+}
+
+type TaskResult = (&'static str, Result<(), String>);
+
+/// Runs the node agent until a signal (or `stop`, for tests) ends it.
+pub async fn run(
+    config: Config,
+    extras: Extras,
+    backend: Arc<dyn DeviceBackend>,
+    api: Arc<dyn ClusterApi>,
+    stop: CancellationToken,
+) -> Result<()> {
+    match config.mode {
+        Mode::Dra | Mode::Auto => {}
+        Mode::Both => {
+            tracing::warn!(
+                "mode both: the device-plugin half is not in this build; serving DRA only"
+            )
+        }
+        Mode::DevicePlugin => return Err(Error::Mode(config.mode)),
+    }
+    let metrics = Metrics::new();
+    metrics.set_info("backend", backend.name());
+    metrics.set_info("driver", config.driver_name.clone());
+
+    let boot_id_file = extras
+        .boot_id_file
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(ledger::BOOT_ID_PATH));
+    let boot_id = ledger::read_boot_id(&boot_id_file)?;
+    let plugin_dir = config.plugin_dir();
+    let (plugin, writer, outcome) = Plugin::new(
+        plugin::Options {
+            driver: config.driver_name.clone(),
+            pool: config.node_name.clone(),
+            plugin_dir: plugin_dir.clone(),
+            cdi_root: config.cdi_root.clone(),
+            driver_root: config.driver_root.clone(),
+            boot_id,
+            partitionable: config.partitionable,
+            crash_at: extras.crash_at,
+        },
+        api.clone(),
+        backend.clone(),
+        metrics.clone(),
+    )?;
+    tracing::info!(checkpoint = %plugin.ledger().path().display(), ?outcome, "checkpoint loaded");
+
+    // The writer outlives the servers: it stops only after they drained.
+    let writer_stop = CancellationToken::new();
+    let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
+    let shutdown = stop.child_token();
+    let result = serve(&config, plugin, api, backend, metrics, shutdown.clone()).await;
+    shutdown.cancel();
+    writer_stop.cancel();
+    match writer_task.await {
+        Ok(Ok(())) => tracing::info!("checkpoint flushed"),
+        Ok(Err(e)) => tracing::error!(error = %e, "checkpoint writer failed"),
+        Err(e) => tracing::error!(error = %e, "checkpoint writer panicked"),
+    }
+    result
+}
+
+async fn serve(
+    config: &Config,
+    plugin: Plugin,
+    api: Arc<dyn ClusterApi>,
+    backend: Arc<dyn DeviceBackend>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let rec = plugin.recover().await?;
+    tracing::info!(
+        rolled_back = rec.rolled_back.len(),
+        cdi_rewritten = rec.cdi_rewritten.len(),
+        orphans_removed = rec.orphans_removed.len(),
+        "recovered state from the checkpoint"
+    );
+
+    let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
+
+    let sockets = Sockets::new(
+        &config.registry_dir(),
+        &config.plugin_dir(),
+        &config.driver_name,
+        config.pod_uid.as_deref(),
+    );
+    let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+
+    let dra_listener = grpc::bind_unix(&sockets.dra)?;
+    tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
+    {
+        let (plugin, path, token) = (plugin.clone(), sockets.dra.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            let r = grpc::serve_dra(plugin, dra_listener, path, token).await;
+            ("dra-server", r.map_err(|e| e.to_string()))
+        });
+    }
+
+    let registrar = Registrar {
+        driver: config.driver_name.clone(),
+        sockets: sockets.clone(),
+        metrics: metrics.clone(),
+    };
+    let reg_listener = registrar.bind()?;
+    tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
+    let (reg_tx, _reg_rx) = watch::channel(RegistrationState::Pending);
+    {
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            let r = registrar.run(reg_listener, reg_tx, token).await;
+            ("registration", r.map_err(|e| e.to_string()))
+        });
+    }
+
+    publish(config, &api, &backend, &metrics, &mut tasks, &shutdown).await;
+
+    match metrics::bind(config.metrics_address).await {
+        Ok(listener) => {
+            let (m, token) = (metrics.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                metrics::serve(listener, m, token).await;
+                ("metrics", Ok(()))
+            });
+        }
+        Err(source) => {
+            return Err(Error::Metrics {
+                addr: config.metrics_address,
+                source,
+            });
+        }
+    }
+
+    // Run until a signal, a stop request, or a task ending on its own.
+    let failure = tokio::select! {
+        _ = sigterm.recv() => { tracing::info!("SIGTERM: shutting down"); None }
+        _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); None }
+        () = shutdown.cancelled() => { tracing::info!("stop requested: shutting down"); None }
+        Some(done) = tasks.join_next() => {
+            let (task, reason) = match done {
+                Ok((task, Ok(()))) => (task, "ended".to_string()),
+                Ok((task, Err(e))) => (task, e),
+                Err(e) => ("unknown", format!("panicked: {e}")),
+            };
+            tracing::error!(task, %reason, "critical task stopped; shutting down");
+            Some(Error::TaskDied { task, reason })
+        }
+    };
+    shutdown.cancel();
+
+    // Drain, unless a second signal says not to wait.
+    let drain = async {
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok((task, Err(e))) => {
+                    tracing::warn!(task, error = %e, "task ended with an error while stopping")
+                }
+                Ok((task, Ok(()))) => tracing::debug!(task, "task stopped"),
+                Err(e) => tracing::warn!(error = %e, "task panicked while stopping"),
+            }
+        }
+    };
+    let drained = tokio::select! {
+        () = drain => Ok(()),
+        _ = sigterm.recv() => Err(Error::Forced),
+        _ = sigint.recv() => Err(Error::Forced),
+        () = tokio::time::sleep(GRACE) => Err(Error::GraceExceeded(GRACE)),
+    };
+    // Sockets are removed by the servers; make sure even a forced exit leaves none of ours.
+    let _ = std::fs::remove_file(&sockets.registration);
+    let _ = std::fs::remove_file(&sockets.dra);
+    match (failure, drained) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) => Err(e),
+        (None, Ok(())) => {
+            tracing::info!("stopped");
+            Ok(())
+        }
+    }
+}
+
+/// Starts the ResourceSlice publisher with the current inventory.
+async fn publish(
+    _config: &Config,
+    _api: &Arc<dyn ClusterApi>,
+    _backend: &Arc<dyn DeviceBackend>,
+    _metrics: &Arc<Metrics>,
+    _tasks: &mut JoinSet<TaskResult>,
+    _shutdown: &CancellationToken,
+) {
+}

@@ -1,0 +1,504 @@
+//! The DRA kubelet plugin end to end, with a kubelet stand-in: real tonic clients over the Unix
+//! sockets `nvdra::daemon::run` creates in a temp dir, a simulated backend and an in-memory API.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
+    ResourceSlice,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use nvdra::api::{self, ClusterApi, SliceEvent};
+use nvdra::config::{self, Overrides};
+use nvdra::inventory::sim::{SimAction, SimBackend};
+use nvdra::proto::dra::{v1, v1beta1};
+use nvdra::proto::pluginregistration::{
+    InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
+};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+
+#[derive(Default)]
+struct FakeApi {
+    claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
+}
+
+impl ClusterApi for FakeApi {
+    fn list_slices<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+    fn create_slice<'a>(
+        &'a self,
+        s: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        Box::pin(async move { Ok(s.clone()) })
+    }
+    fn replace_slice<'a>(
+        &'a self,
+        s: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        Box::pin(async move { Ok(s.clone()) })
+    }
+    fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn watch_slices<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxStream<'a, api::Result<SliceEvent>> {
+        Box::pin(futures::stream::pending())
+    }
+    fn get_claim<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+        let r = self
+            .claims
+            .lock()
+            .unwrap()
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
+            .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}")));
+        Box::pin(async move { r })
+    }
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
+        Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
+    }
+}
+
+struct TestNode {
+    dir: tempfile::TempDir,
+    api: Arc<FakeApi>,
+    sim: SimBackend,
+    stop: CancellationToken,
+    daemon: tokio::task::JoinHandle<nvdra::daemon::Result<()>>,
+    reg_socket: PathBuf,
+    dra_socket: PathBuf,
+}
+
+async fn unix_channel(path: &Path) -> Channel {
+    let path = path.to_path_buf();
+    Endpoint::try_from("http://[::]:50051")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+        .unwrap()
+}
+
+/// Waits until `path` exists (the daemon creates it once it serves), failing after 20 s.
+async fn wait_for(path: &Path) {
+    for _ in 0..2000 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{} did not appear", path.display());
+}
+
+async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> TestNode {
+    let dir = tempfile::tempdir().unwrap();
+    let boot = dir.path().join("boot_id");
+    std::fs::write(&boot, "boot-1\n").unwrap();
+    let config = config::resolve(
+        Overrides {
+            mode: Some(config::Mode::Dra),
+            profile: Some(profile.into()),
+            node_name: Some(NODE.into()),
+            kubelet_root: Some(dir.path().join("kubelet")),
+            cdi_root: Some(dir.path().join("cdi")),
+            driver_root: Some(dir.path().join("driver")),
+            api_dir: Some(dir.path().join("api")),
+            metrics_address: Some("127.0.0.1:0".into()),
+            pod_uid: pod_uid.map(String::from),
+            partitionable: Some(partitionable),
+            ..Default::default()
+        },
+        None,
+    )
+    .unwrap();
+    let sockets = nvdra::dra::registration::Sockets::new(
+        &config.registry_dir(),
+        &config.plugin_dir(),
+        DRIVER,
+        pod_uid,
+    );
+    let sim = SimBackend::from_profile(profile, NODE).unwrap();
+    let api = Arc::new(FakeApi::default());
+    let stop = CancellationToken::new();
+    let daemon = tokio::spawn(nvdra::daemon::run(
+        config,
+        nvdra::daemon::Extras {
+            boot_id_file: Some(boot),
+            crash_at: None,
+        },
+        Arc::new(sim.clone()),
+        api.clone(),
+        stop.clone(),
+    ));
+    wait_for(&sockets.registration).await;
+    TestNode {
+        dir,
+        api,
+        sim,
+        stop,
+        daemon,
+        reg_socket: sockets.registration,
+        dra_socket: sockets.dra,
+    }
+}
+
+impl TestNode {
+    fn add(&self, c: ResourceClaim) {
+        let key = (
+            c.metadata.namespace.clone().unwrap(),
+            c.metadata.name.clone().unwrap(),
+        );
+        self.api.claims.lock().unwrap().insert(key, c);
+    }
+    fn spec(&self, uid: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("cdi")
+            .join(format!("k8s.{DRIVER}-claim_{uid}.yaml"))
+    }
+    async fn v1(&self) -> v1::dra_plugin_client::DraPluginClient<Channel> {
+        v1::dra_plugin_client::DraPluginClient::new(unix_channel(&self.dra_socket).await)
+    }
+    async fn v1beta1(&self) -> v1beta1::dra_plugin_client::DraPluginClient<Channel> {
+        v1beta1::dra_plugin_client::DraPluginClient::new(unix_channel(&self.dra_socket).await)
+    }
+    /// Stops the daemon and checks it removed its sockets; returns the directory to inspect.
+    async fn shutdown(self) -> tempfile::TempDir {
+        self.stop.cancel();
+        self.daemon.await.unwrap().unwrap();
+        assert!(!self.reg_socket.exists(), "registration socket removed");
+        assert!(!self.dra_socket.exists(), "DRA socket removed");
+        self.dir
+    }
+}
+
+fn result(request: &str, device: &str) -> DeviceRequestAllocationResult {
+    DeviceRequestAllocationResult {
+        request: request.into(),
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        device: device.into(),
+        ..Default::default()
+    }
+}
+
+fn claim(
+    uid: &str,
+    results: Vec<DeviceRequestAllocationResult>,
+    config: Vec<DeviceAllocationConfiguration>,
+) -> ResourceClaim {
+    ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some("default".into()),
+            name: Some(format!("claim-{uid}")),
+            uid: Some(uid.into()),
+            ..Default::default()
+        },
+        status: Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(results),
+                    config: Some(config),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn v1_claim(uid: &str) -> v1::Claim {
+    v1::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: format!("claim-{uid}"),
+    }
+}
+
+fn v1beta1_claim(uid: &str) -> v1beta1::Claim {
+    v1beta1::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: format!("claim-{uid}"),
+    }
+}
+
+#[tokio::test]
+async fn registration_handshake() {
+    let node = start("l40s-pcie", None, false).await;
+    let mut reg = RegistrationClient::new(unix_channel(&node.reg_socket).await);
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, DRIVER);
+    assert_eq!(PathBuf::from(&info.endpoint), node.dra_socket);
+    assert!(Path::new(&info.endpoint).is_absolute());
+    assert_eq!(
+        info.supported_versions,
+        vec!["v1.DRAPlugin".to_string(), "v1beta1.DRAPlugin".to_string()]
+    );
+    // The endpoint it names already serves: an empty prepare answers.
+    let r = node
+        .v1()
+        .await
+        .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![] })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.claims.is_empty());
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .unwrap();
+    // A refusal is logged, not fatal: the socket keeps serving.
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: false,
+        error: "no handler for DRAPlugin".into(),
+    })
+    .await
+    .unwrap();
+    reg.get_info(InfoRequest {}).await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn rolling_update_sockets_carry_the_pod_uid() {
+    let uid = "5e8f6a2b-0c1d-4e5f-8a9b-0c1d2e3f4a5b";
+    let node = start("l40s-pcie", Some(uid), false).await;
+    assert!(
+        node.reg_socket
+            .ends_with(format!("plugins_registry/{DRIVER}-{uid}-reg.sock"))
+    );
+    let mut reg = RegistrationClient::new(unix_channel(&node.reg_socket).await);
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert!(
+        info.endpoint.ends_with(&format!("dra-{uid}.sock")),
+        "{}",
+        info.endpoint
+    );
+    // Another instance's socket in the same directory is left alone at shutdown.
+    let other = node
+        .reg_socket
+        .with_file_name(format!("{DRIVER}-other-reg.sock"));
+    std::fs::write(&other, "").unwrap();
+    let _dir = node.shutdown().await;
+    assert!(other.exists());
+}
+
+#[tokio::test]
+async fn v1_prepare_and_unprepare_of_single_multi_mig_and_configured_claims() {
+    let node = start("a100-mig-mixed", None, true).await;
+    node.add(claim("single", vec![result("gpu", "gpu-0")], vec![]));
+    node.add(claim(
+        "multi",
+        vec![
+            result("gpus/a", "gpu-3"),
+            result("mig", "gpu-1-mig-3g20gb-9-4"),
+        ],
+        vec![],
+    ));
+    node.add(claim(
+        "created",
+        vec![result("mig", "gpu-2-mig-1g10gb-15-6")],
+        vec![],
+    ));
+    node.add(claim(
+        "sliced",
+        vec![result("mig", "gpu-2-mig-1g10gb-15-0")],
+        vec![DeviceAllocationConfiguration {
+            source: "FromClaim".into(),
+            requests: None,
+            opaque: Some(OpaqueDeviceConfiguration {
+                driver: DRIVER.into(),
+                parameters: RawExtension(serde_json::json!({
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "MigDeviceConfig",
+                    "sharing": {"strategy": "TimeSlicing"}
+                })),
+            }),
+        }],
+    ));
+    let mut client = node.v1().await;
+    let uids = ["single", "multi", "created", "sliced"];
+    let resp = client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: uids.iter().map(|u| v1_claim(u)).collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims.len(), 4);
+    for u in uids {
+        assert_eq!(resp.claims[u].error, "", "{u}");
+        assert!(node.spec(u).exists(), "{u}");
+    }
+    let multi = &resp.claims["multi"].devices;
+    assert_eq!(multi.len(), 2);
+    assert_eq!(multi[0].request_names, vec!["gpus".to_string()]);
+    assert_eq!(multi[0].pool_name, NODE);
+    assert_eq!(multi[0].device_name, "gpu-3");
+    assert_eq!(
+        multi[1].cdi_device_ids,
+        vec![format!("k8s.{DRIVER}/claim=multi-gpu-1-mig-3g20gb-9-4")]
+    );
+    assert_eq!(multi[0].share_id, None);
+    assert!(matches!(
+        node.sim.actions().as_slice(),
+        [SimAction::CreateMig { .. }]
+    ));
+
+    // Idempotent: the same answer again.
+    let again = client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1_claim("multi")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(&again.claims["multi"].devices, multi);
+
+    let resp = client
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: uids
+                .iter()
+                .map(|u| v1_claim(u))
+                .chain([v1_claim("unknown")])
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims.len(), 5);
+    for (uid, r) in &resp.claims {
+        assert_eq!(r.error, "", "{uid}");
+    }
+    for u in uids {
+        assert!(!node.spec(u).exists(), "{u}");
+    }
+    assert!(matches!(
+        node.sim.actions().as_slice(),
+        [SimAction::CreateMig { .. }, SimAction::DestroyMig { .. }]
+    ));
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_bad_claim_fails_alone_in_its_batch_on_both_versions() {
+    let node = start("dgx-h100", None, false).await;
+    node.add(claim("good1", vec![result("gpu", "gpu-0")], vec![]));
+    node.add(claim("good2", vec![result("gpu", "gpu-1")], vec![]));
+    node.add(claim("bad", vec![result("gpu", "gpu-42")], vec![]));
+    let mut notalloc = claim("notalloc", vec![], vec![]);
+    notalloc.status = None;
+    node.add(notalloc);
+    let resp = node
+        .v1beta1()
+        .await
+        .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
+            claims: ["good1", "bad", "missing", "good2", "notalloc"]
+                .iter()
+                .map(|u| v1beta1_claim(u))
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims.len(), 5, "one entry per claim");
+    assert_eq!(resp.claims["good1"].error, "");
+    assert_eq!(resp.claims["good2"].error, "");
+    assert_eq!(resp.claims["good2"].devices[0].device_name, "gpu-1");
+    assert!(
+        resp.claims["bad"].error.contains("gpu-42"),
+        "{:?}",
+        resp.claims["bad"]
+    );
+    assert!(resp.claims["bad"].devices.is_empty());
+    assert!(resp.claims["missing"].error.contains("not found"));
+    assert!(resp.claims["notalloc"].error.contains("not allocated"));
+
+    // A device already held: the v1 API names the holder.
+    node.add(claim("thief", vec![result("gpu", "gpu-0")], vec![]));
+    let resp = node
+        .v1()
+        .await
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1_claim("thief")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        resp.claims["thief"]
+            .error
+            .contains("already prepared for claim default/claim-good1"),
+        "{}",
+        resp.claims["thief"].error
+    );
+
+    let resp = node
+        .v1beta1()
+        .await
+        .node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest {
+            claims: vec![v1beta1_claim("good1"), v1beta1_claim("bad")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims.len(), 2);
+    assert!(resp.claims.values().all(|r| r.error.is_empty()));
+    assert!(!node.spec("good1").exists());
+    assert!(node.spec("good2").exists());
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn shared_allocations_report_share_ids_on_v1() {
+    let node = start("dgx-h100", None, false).await;
+    let mut r = result("gpu", "gpu-2");
+    r.share_id = Some("7f3c".into());
+    node.add(claim("shared", vec![r], vec![]));
+    let resp = node
+        .v1()
+        .await
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1_claim("shared")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        resp.claims["shared"].devices[0].share_id.as_deref(),
+        Some("7f3c")
+    );
+    node.shutdown().await;
+}

@@ -1,0 +1,388 @@
+//! Prepare/unprepare through the kubelet's gRPC API, beside the floors it cannot beat, all
+//! measured in the same run on the same machine:
+//!
+//! - the empty `NodePrepareResources` round trip on the same Unix socket (gRPC + tonic);
+//! - one ResourceClaim GET from the API the plugin uses;
+//! - one fsync'd atomic file write (what a durable checkpoint update costs).
+//!
+//! Workloads: sequential one-GPU claims (p50/p99 of prepare, unprepare, and both), and 64 claims
+//! prepared concurrently as 64 separate RPCs (like 64 pods starting at once), reporting wall
+//! time, claims per second and how many checkpoint writes group commit needed.
+//!
+//! The node is a DGX A100 profile widened to 64 GPUs, simulated. Run with
+//! `cargo bench --bench prepare`.
+
+/// The API the plugin reads claims from during the benchmark.
+mod bench_api {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+
+    use futures::future::BoxFuture;
+    use futures::stream::BoxStream;
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::resource::v1::{
+        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+        ResourceClaimStatus, ResourceSlice,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use nvdra::api::{self, ClusterApi, SliceEvent};
+
+    /// Claims held in memory: the floor of any API.
+    #[derive(Default)]
+    pub struct MemApi {
+        claims: Mutex<BTreeMap<String, ResourceClaim>>,
+    }
+
+    impl ClusterApi for MemApi {
+        fn list_slices<'a>(
+            &'a self,
+            _: &'a str,
+            _: &'a str,
+        ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+        fn create_slice<'a>(
+            &'a self,
+            s: &'a ResourceSlice,
+        ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+            Box::pin(async move { Ok(s.clone()) })
+        }
+        fn replace_slice<'a>(
+            &'a self,
+            s: &'a ResourceSlice,
+        ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+            Box::pin(async move { Ok(s.clone()) })
+        }
+        fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn watch_slices<'a>(
+            &'a self,
+            _: &'a str,
+            _: &'a str,
+        ) -> BoxStream<'a, api::Result<SliceEvent>> {
+            Box::pin(futures::stream::pending())
+        }
+        fn get_claim<'a>(
+            &'a self,
+            _ns: &'a str,
+            name: &'a str,
+        ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+            let r = self
+                .claims
+                .lock()
+                .expect("lock")
+                .get(name)
+                .cloned()
+                .ok_or_else(|| api::Error::NotFound(name.to_string()));
+            Box::pin(async move { r })
+        }
+        fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
+            Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
+        }
+    }
+
+    pub struct BenchApi {
+        mem: Arc<MemApi>,
+        node: String,
+        driver: String,
+    }
+
+    pub async fn start(node: &str, driver: &str) -> BenchApi {
+        BenchApi {
+            mem: Arc::new(MemApi::default()),
+            node: node.into(),
+            driver: driver.into(),
+        }
+    }
+
+    impl BenchApi {
+        pub fn describe(&self) -> &'static str {
+            "in-memory"
+        }
+        pub fn cluster_api(&self) -> Arc<dyn ClusterApi> {
+            self.mem.clone()
+        }
+        pub async fn add_claim(&self, uid: &str, device: &str) {
+            let c = ResourceClaim {
+                metadata: ObjectMeta {
+                    namespace: Some("default".into()),
+                    name: Some(format!("claim-{uid}")),
+                    uid: Some(uid.into()),
+                    ..Default::default()
+                },
+                status: Some(ResourceClaimStatus {
+                    allocation: Some(AllocationResult {
+                        devices: Some(DeviceAllocationResult {
+                            results: Some(vec![DeviceRequestAllocationResult {
+                                request: "gpu".into(),
+                                driver: self.driver.clone(),
+                                pool: self.node.clone(),
+                                device: device.into(),
+                                ..Default::default()
+                            }]),
+                            config: None,
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            self.mem
+                .claims
+                .lock()
+                .expect("lock")
+                .insert(format!("claim-{uid}"), c);
+        }
+        pub async fn stop(self) {}
+    }
+}
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::TokioIo;
+use nvdra::dra::grpc;
+use nvdra::dra::plugin::{self, Plugin};
+use nvdra::inventory::sim::SimBackend;
+use nvdra::inventory::{GpuUuid, Inventory, PciBusId, topology};
+use nvdra::ledger;
+use nvdra::metrics::Metrics;
+use nvdra::proto::dra::v1;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "bench-node";
+const GPUS: u32 = 64;
+const SEQ_RUNS: usize = 300;
+const FLOOR_RUNS: usize = 500;
+const BURSTS: usize = 10;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn report(label: &str, mut times: Vec<Duration>) {
+    times.sort();
+    println!(
+        "{label:<44} p50 {:>10.3?}  p99 {:>10.3?}  (n={})",
+        percentile(&times, 0.5),
+        percentile(&times, 0.99),
+        times.len()
+    );
+}
+
+/// The DGX A100 profile with its 8 GPUs repeated to `GPUS`.
+fn wide_inventory() -> Inventory {
+    let base = topology::load_profile("dgx-a100", NODE).expect("built-in profile");
+    let mut gpus = Vec::new();
+    for i in 0..GPUS {
+        let mut g = base.gpus[(i % 8) as usize].clone();
+        g.index = i;
+        g.minor = i;
+        g.uuid = GpuUuid(format!("GPU-bench-{i:04}"));
+        g.pci_bus_id = PciBusId(format!("0000:{:02x}:00.0", i + 1));
+        g.nvlink_peers.clear();
+        gpus.push(g);
+    }
+    Inventory::new(gpus).expect("valid inventory")
+}
+
+async fn unix_channel(path: &Path) -> Channel {
+    let path = path.to_path_buf();
+    Endpoint::try_from("http://[::]:50051")
+        .expect("static uri")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+        .expect("connect")
+}
+
+fn claim_ref(uid: &str) -> v1::Claim {
+    v1::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: format!("claim-{uid}"),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let api = bench_api::start(NODE, DRIVER).await;
+    let inv = wide_inventory();
+    let sim = SimBackend::new(inv);
+    let (plugin, writer, _) = Plugin::new(
+        plugin::Options {
+            driver: DRIVER.into(),
+            pool: NODE.into(),
+            plugin_dir: dir.path().join("plugin"),
+            cdi_root: dir.path().join("cdi"),
+            driver_root: dir.path().join("driver"),
+            boot_id: "bench".into(),
+            partitionable: false,
+            crash_at: None,
+        },
+        api.cluster_api(),
+        Arc::new(sim),
+        Metrics::new(),
+    )
+    .expect("plugin");
+    let stop = CancellationToken::new();
+    tokio::spawn(writer.run(stop.clone()));
+    plugin.recover().await.expect("recover");
+    let socket = dir.path().join("dra.sock");
+    let listener = grpc::bind_unix(&socket).expect("bind");
+    tokio::spawn(grpc::serve_dra(
+        plugin.clone(),
+        listener,
+        socket.clone(),
+        stop.clone(),
+    ));
+    let mut client = v1::dra_plugin_client::DraPluginClient::new(unix_channel(&socket).await);
+
+    println!(
+        "nvdra prepare benchmark: {GPUS} simulated A100 GPUs, API: {}, files in {}",
+        api.describe(),
+        dir.path().display()
+    );
+
+    // Floors.
+    let mut t = Vec::new();
+    for _ in 0..FLOOR_RUNS {
+        let s = Instant::now();
+        client
+            .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![] })
+            .await
+            .expect("empty prepare");
+        t.push(s.elapsed());
+    }
+    report("floor: empty gRPC prepare round trip", t);
+
+    api.add_claim("floor", "gpu-0").await;
+    let cluster = api.cluster_api();
+    let mut t = Vec::new();
+    for _ in 0..FLOOR_RUNS {
+        let s = Instant::now();
+        cluster
+            .get_claim("default", "claim-floor")
+            .await
+            .expect("claim GET");
+        t.push(s.elapsed());
+    }
+    report("floor: one claim GET", t);
+
+    let cp_path = dir.path().join("floor-checkpoint.json");
+    let mut cp = ledger::Checkpoint::empty("bench");
+    cp.claims.insert(
+        ledger::ClaimUid("x".into()),
+        ledger::ClaimEntry {
+            state: ledger::ClaimState::PrepareCompleted,
+            namespace: "default".into(),
+            name: "x".into(),
+            devices: vec![],
+        },
+    );
+    let mut t = Vec::new();
+    for _ in 0..FLOOR_RUNS / 5 {
+        let s = Instant::now();
+        ledger::write_file(&cp_path, &cp).expect("write");
+        t.push(s.elapsed());
+    }
+    report("floor: one fsync'd atomic file write", t);
+
+    // Sequential one-GPU claims.
+    for i in 0..SEQ_RUNS {
+        api.add_claim(&format!("seq-{i}"), &format!("gpu-{}", i as u32 % GPUS))
+            .await;
+    }
+    let (mut prep, mut unprep, mut both) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..SEQ_RUNS {
+        let uid = format!("seq-{i}");
+        let s = Instant::now();
+        let r = client
+            .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                claims: vec![claim_ref(&uid)],
+            })
+            .await
+            .expect("prepare")
+            .into_inner();
+        let p = s.elapsed();
+        assert_eq!(r.claims[&uid].error, "", "{uid}");
+        let s2 = Instant::now();
+        let r = client
+            .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                claims: vec![claim_ref(&uid)],
+            })
+            .await
+            .expect("unprepare")
+            .into_inner();
+        let u = s2.elapsed();
+        assert_eq!(r.claims[&uid].error, "", "{uid}");
+        prep.push(p);
+        unprep.push(u);
+        both.push(p + u);
+    }
+    report("1-GPU claim: prepare", prep);
+    report("1-GPU claim: unprepare", unprep);
+    report("1-GPU claim: prepare + unprepare", both);
+
+    // 64 claims at once, one RPC each, on separate connections like separate pods would share
+    // one kubelet connection: use clones of one channel (HTTP/2 multiplexing).
+    let mut walls = Vec::new();
+    let mut writes_per_burst = Vec::new();
+    for b in 0..BURSTS {
+        for g in 0..GPUS {
+            api.add_claim(&format!("burst-{b}-{g}"), &format!("gpu-{g}"))
+                .await;
+        }
+        let writes_before = plugin.ledger().writes();
+        let s = Instant::now();
+        let futs = (0..GPUS).map(|g| {
+            let mut c = client.clone();
+            let uid = format!("burst-{b}-{g}");
+            async move {
+                let r = c
+                    .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                        claims: vec![claim_ref(&uid)],
+                    })
+                    .await
+                    .expect("prepare")
+                    .into_inner();
+                assert_eq!(r.claims[&uid].error, "", "{uid}");
+            }
+        });
+        futures::future::join_all(futs).await;
+        walls.push(s.elapsed());
+        writes_per_burst.push(plugin.ledger().writes() - writes_before);
+        let r = client
+            .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                claims: (0..GPUS)
+                    .map(|g| claim_ref(&format!("burst-{b}-{g}")))
+                    .collect(),
+            })
+            .await
+            .expect("unprepare")
+            .into_inner();
+        assert!(r.claims.values().all(|c| c.error.is_empty()));
+    }
+    walls.sort();
+    let p50 = percentile(&walls, 0.5);
+    println!(
+        "64 concurrent 1-GPU prepares (64 RPCs)        wall p50 {:>10.3?}  max {:>10.3?}  => {:.0} claims/s; checkpoint writes per 64 prepares: {:?} (2 per claim without group commit = 128)",
+        p50,
+        walls[walls.len() - 1],
+        f64::from(GPUS) / p50.as_secs_f64(),
+        writes_per_burst
+    );
+    stop.cancel();
+    api.stop().await;
+}

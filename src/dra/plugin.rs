@@ -198,6 +198,8 @@ pub struct Recovery {
     pub rolled_back: Vec<ClaimUid>,
     pub cdi_rewritten: Vec<ClaimUid>,
     pub orphans_removed: Vec<ClaimUid>,
+    /// Claims that could not be recovered (logged); their entries stay.
+    pub failed: Vec<ClaimUid>,
 }
 
 /// The hardware a ledger record occupies.
@@ -395,26 +397,25 @@ impl Plugin {
         let mut rec = Recovery::default();
         let entries = self.inner.ledger.read(|c| c.claims.clone());
         let inv = self.snapshot().await?;
+        // One claim's trouble (hardware gone, a daemon that will not start) must not keep the
+        // plugin from serving the others: log it, keep its entry, and go on. Its next prepare or
+        // unprepare retries.
         for (uid, entry) in &entries {
-            match entry.state {
+            let claim = format!("{}/{}", entry.namespace, entry.name);
+            let result = match entry.state {
                 ClaimState::PrepareStarted => {
-                    tracing::warn!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name),
-                        "prepare was interrupted; rolling back");
-                    self.rollback(uid, &entry.devices).await?;
-                    rec.rolled_back.push(uid.clone());
-                }
-                ClaimState::PrepareCompleted => {
-                    let mps: Vec<GpuUuid> = mps_devices(&entry.devices);
-                    if !mps.is_empty() {
-                        let uid = uid.clone();
-                        self.blocking(move |i| i.mps.ensure(&uid, &mps)).await??;
+                    tracing::warn!(claim.uid = %uid, %claim, "prepare was interrupted; rolling back");
+                    let r = self.rollback(uid, &entry.devices).await;
+                    if r.is_ok() {
+                        rec.rolled_back.push(uid.clone());
                     }
-                    if !entry.devices.is_empty() && !self.spec_exists(uid) {
-                        self.write_cdi(uid, &entry.devices, &inv).await?;
-                        tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
-                        rec.cdi_rewritten.push(uid.clone());
-                    }
+                    r
                 }
+                ClaimState::PrepareCompleted => self.restore(uid, entry, &inv, &mut rec).await,
+            };
+            if let Err(e) = result {
+                tracing::error!(claim.uid = %uid, %claim, error = %e, "cannot recover claim; left for its next prepare or unprepare");
+                rec.failed.push(uid.clone());
             }
         }
         let known = self.inner.ledger.read(|c| c.claims.clone());
@@ -428,6 +429,27 @@ impl Plugin {
         }
         self.inner.ledger.flush().await?;
         Ok(rec)
+    }
+
+    /// Brings a completed claim's host state back: its MPS daemon and its CDI spec.
+    async fn restore(
+        &self,
+        uid: &ClaimUid,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+        rec: &mut Recovery,
+    ) -> Result<(), ClaimError> {
+        let mps: Vec<GpuUuid> = mps_devices(&entry.devices);
+        if !mps.is_empty() {
+            let owner = uid.clone();
+            self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
+        }
+        if !entry.devices.is_empty() && !self.spec_exists(uid) {
+            self.write_cdi(uid, &entry.devices, inv).await?;
+            tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
+            rec.cdi_rewritten.push(uid.clone());
+        }
+        Ok(())
     }
 
     /// Prepares a batch; one result per claim, in order.

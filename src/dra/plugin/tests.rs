@@ -640,3 +640,53 @@ async fn empty_requests_are_cheap() {
     assert!(e.plugin.unprepare(vec![]).await.is_empty());
     assert_eq!(e.plugin.ledger().writes(), 1, "only recovery wrote");
 }
+
+#[tokio::test]
+async fn a_claim_that_cannot_be_recovered_does_not_stop_the_others() {
+    let e = env("a100-mig-mixed").await;
+    e.add(claim("mig", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]));
+    e.add(claim("gpu", vec![result("gpu", "gpu-0")]));
+    e.prepare("mig").await.unwrap();
+    e.prepare("gpu").await.unwrap();
+    std::fs::remove_file(e.spec("mig")).unwrap();
+    std::fs::remove_file(e.spec("gpu")).unwrap();
+    // A restart on hardware that lost the created MIG device (a fresh simulated node).
+    let fresh = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
+    let (p2, rec, _g) = e.restart(fresh).await;
+    assert_eq!(rec.failed, vec![ClaimUid("mig".into())]);
+    assert_eq!(rec.cdi_rewritten, vec![ClaimUid("gpu".into())]);
+    assert!(e.spec("gpu").exists());
+    // The failed claim stays known, so its unprepare still cleans up.
+    assert_eq!(p2.ledger().read(|c| c.claims.len()), 2);
+    let r = p2.unprepare(vec![cref("mig")]).await;
+    assert!(r[0].1.is_ok(), "{:?}", r[0].1);
+    assert_eq!(p2.ledger().read(|c| c.claims.len()), 1);
+}
+
+#[tokio::test]
+async fn mig_placements_are_created_only_in_partitionable_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
+    let opts = Options {
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        plugin_dir: dir.path().join("plugin"),
+        cdi_root: dir.path().join("cdi"),
+        driver_root: dir.path().join("driver"),
+        boot_id: "b".into(),
+        partitionable: false,
+        crash_at: None,
+    };
+    let (plugin, writer, _) =
+        Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(writer.run(stop.clone()));
+    let c = claim("x", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]);
+    lock(&api.claims).insert(("default".into(), "claim-x".into()), c);
+    let r = plugin.prepare(vec![cref("x")]).await;
+    let err = r[0].1.as_ref().unwrap_err();
+    assert!(err.to_string().contains("partitionable mode"), "{err}");
+    assert!(sim.actions().is_empty());
+    stop.cancel();
+}

@@ -1,0 +1,339 @@
+//! Crash safety of prepare with the real binary: `nvdra run` is made to abort at each step of a
+//! prepare (`NVDRA_TEST_CRASH_AT`), restarted, and the kubelet's retry must then leave the claim
+//! prepared exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry.
+//! Also: a reboot (new boot id) and a corrupt checkpoint at start-up.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+    ResourceClaimStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use nvdra::proto::dra::v1;
+use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
+use tonic::transport::{Channel, Endpoint};
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+
+struct Dirs {
+    root: tempfile::TempDir,
+}
+
+impl Dirs {
+    fn new() -> Self {
+        let d = Dirs {
+            root: tempfile::tempdir().unwrap(),
+        };
+        std::fs::write(d.boot_file(), "boot-1\n").unwrap();
+        d
+    }
+    fn p(&self, s: &str) -> PathBuf {
+        self.root.path().join(s)
+    }
+    fn boot_file(&self) -> PathBuf {
+        self.p("boot_id")
+    }
+    fn reg_socket(&self) -> PathBuf {
+        self.p(&format!("kubelet/plugins_registry/{DRIVER}-reg.sock"))
+    }
+    fn dra_socket(&self) -> PathBuf {
+        self.p(&format!("kubelet/plugins/{DRIVER}/dra.sock"))
+    }
+    fn checkpoint(&self) -> PathBuf {
+        self.p(&format!("kubelet/plugins/{DRIVER}/checkpoint.json"))
+    }
+    fn specs(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.p("cdi"))
+            .map(|rd| {
+                rd.map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+    fn spec_name(uid: &str) -> String {
+        format!("k8s.{DRIVER}-claim_{uid}.yaml")
+    }
+    fn checkpoint_json(&self) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(self.checkpoint()).unwrap()).unwrap()
+    }
+
+    fn add_claim(&self, uid: &str, device: &str) {
+        let c = ResourceClaim {
+            metadata: ObjectMeta {
+                namespace: Some("default".into()),
+                name: Some(format!("claim-{uid}")),
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            status: Some(ResourceClaimStatus {
+                allocation: Some(AllocationResult {
+                    devices: Some(DeviceAllocationResult {
+                        results: Some(vec![DeviceRequestAllocationResult {
+                            request: "gpu".into(),
+                            driver: DRIVER.into(),
+                            pool: NODE.into(),
+                            device: device.into(),
+                            ..Default::default()
+                        }]),
+                        config: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let dir = self.p("api/resourceclaims/default");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join(format!("claim-{uid}.yaml")),
+            serde_yaml::to_string(&c).unwrap(),
+        )
+        .unwrap();
+    }
+
+    fn spawn(&self, crash_at: Option<&str>) -> Child {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+        cmd.args(["run", "--mode", "dra", "--profile", "dgx-h100"])
+            .args(["--node-name", NODE])
+            .arg("--api-dir")
+            .arg(self.p("api"))
+            .arg("--kubelet-root")
+            .arg(self.p("kubelet"))
+            .arg("--cdi-root")
+            .arg(self.p("cdi"))
+            .arg("--driver-root")
+            .arg(self.p("driver"))
+            .args(["--metrics-address", "127.0.0.1:0"])
+            .env("NVDRA_BOOT_ID_FILE", self.boot_file())
+            .env_remove("NVDRA_TEST_CRASH_AT")
+            .env("NVDRA_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        if let Some(at) = crash_at {
+            cmd.env("NVDRA_TEST_CRASH_AT", at);
+        }
+        cmd.spawn().unwrap()
+    }
+}
+
+async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    Endpoint::try_from("http://[::]:50051")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+}
+
+/// Waits until the process answers GetInfo on its registration socket (so its DRA socket
+/// serves), failing if it exits or 30 s pass.
+async fn wait_ready(d: &Dirs, child: &mut Child) {
+    for _ in 0..3000 {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("nvdra exited before serving: {status}");
+        }
+        if let Ok(ch) = unix_channel(&d.reg_socket()).await
+            && RegistrationClient::new(ch)
+                .get_info(InfoRequest {})
+                .await
+                .is_ok()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("nvdra did not serve within 30 s");
+}
+
+async fn prepare(d: &Dirs, uid: &str) -> Result<v1::NodePrepareResourceResponse, tonic::Status> {
+    let ch = unix_channel(&d.dra_socket()).await.unwrap();
+    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
+    let mut r = c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1::Claim {
+                namespace: "default".into(),
+                uid: uid.into(),
+                name: format!("claim-{uid}"),
+            }],
+        })
+        .await?
+        .into_inner();
+    Ok(r.claims.remove(uid).expect("an entry for the claim"))
+}
+
+async fn unprepare(d: &Dirs, uid: &str) -> String {
+    let ch = unix_channel(&d.dra_socket()).await.unwrap();
+    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
+    let mut r = c
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: vec![v1::Claim {
+                namespace: "default".into(),
+                uid: uid.into(),
+                name: format!("claim-{uid}"),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    r.claims.remove(uid).unwrap().error
+}
+
+fn terminate(child: &mut Child) -> std::process::ExitStatus {
+    // SIGTERM through kill(1): the test must not depend on libc for a signal.
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    child.wait().unwrap()
+}
+
+async fn crash_then_retry(point: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    let d = Dirs::new();
+    d.add_claim("a", "gpu-2");
+    d.add_claim("b", "gpu-2");
+
+    let mut first = d.spawn(Some(point));
+    wait_ready(&d, &mut first).await;
+    let r = prepare(&d, "a").await;
+    assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
+    let status = first.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc_sigabrt()), "{point}: {status}");
+
+    // What the crash left: the claim recorded (started, or completed for the last point).
+    let cp = d.checkpoint_json();
+    let state = cp["claims"]["a"]["state"].as_str().unwrap().to_string();
+    let expected = if point == "after-completed" {
+        "PrepareCompleted"
+    } else {
+        "PrepareStarted"
+    };
+    assert_eq!(state, expected, "{point}");
+
+    let mut second = d.spawn(None);
+    wait_ready(&d, &mut second).await;
+    if point != "after-completed" {
+        // Recovery rolled the interrupted prepare back before serving.
+        assert!(d.specs().is_empty(), "{point}: {:?}", d.specs());
+        assert!(
+            d.checkpoint_json()["claims"]
+                .as_object()
+                .unwrap()
+                .is_empty()
+        );
+    }
+    // The kubelet retries.
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "", "{point}");
+    assert_eq!(r.devices.len(), 1);
+    assert_eq!(
+        r.devices[0].cdi_device_ids,
+        vec![format!("k8s.{DRIVER}/claim=a-gpu-2")]
+    );
+    assert_eq!(d.specs(), vec![Dirs::spec_name("a")], "{point}");
+    let cp = d.checkpoint_json();
+    let claims = cp["claims"].as_object().unwrap();
+    assert_eq!(claims.len(), 1, "{point}: {cp}");
+    assert_eq!(claims["a"]["state"], "PrepareCompleted");
+    // The device is not handed to a second claim.
+    let r = prepare(&d, "b").await.unwrap();
+    assert!(
+        r.error
+            .contains("already prepared for claim default/claim-a"),
+        "{point}: {}",
+        r.error
+    );
+    assert_eq!(d.specs(), vec![Dirs::spec_name("a")]);
+
+    assert_eq!(unprepare(&d, "a").await, "");
+    assert!(d.specs().is_empty());
+    let r = prepare(&d, "b").await.unwrap();
+    assert_eq!(r.error, "", "{point}: freed by the unprepare");
+    let status = terminate(&mut second);
+    assert!(status.success(), "{point}: clean exit on SIGTERM: {status}");
+    assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
+}
+
+fn libc_sigabrt() -> i32 {
+    // SIGABRT is 6 on every Linux architecture.
+    6
+}
+
+#[tokio::test]
+async fn crash_after_started() {
+    crash_then_retry("after-started").await;
+}
+
+#[tokio::test]
+async fn crash_after_cdi() {
+    crash_then_retry("after-cdi").await;
+}
+
+#[tokio::test]
+async fn crash_before_completed() {
+    crash_then_retry("before-completed").await;
+}
+
+#[tokio::test]
+async fn crash_after_completed() {
+    crash_then_retry("after-completed").await;
+}
+
+#[tokio::test]
+async fn reboot_clears_claims_and_orphan_specs() {
+    let d = Dirs::new();
+    d.add_claim("a", "gpu-0");
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    assert_eq!(prepare(&d, "a").await.unwrap().error, "");
+    assert_eq!(d.specs(), vec![Dirs::spec_name("a")]);
+    assert!(terminate(&mut p).success());
+
+    // Same boot: the claim survives a restart and is served from the checkpoint.
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    assert_eq!(d.checkpoint_json()["claims"].as_object().unwrap().len(), 1);
+    assert!(terminate(&mut p).success());
+
+    // New boot: the checkpoint's claims and the CDI spec are gone.
+    std::fs::write(d.boot_file(), "boot-2\n").unwrap();
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    assert!(d.specs().is_empty(), "{:?}", d.specs());
+    let cp = d.checkpoint_json();
+    assert_eq!(cp["bootId"], "boot-2");
+    assert!(cp["claims"].as_object().unwrap().is_empty());
+    assert!(terminate(&mut p).success());
+}
+
+#[tokio::test]
+async fn corrupt_checkpoint_is_moved_aside() {
+    let d = Dirs::new();
+    std::fs::create_dir_all(d.checkpoint().parent().unwrap()).unwrap();
+    std::fs::write(d.checkpoint(), "{\"version\": 1, \"claims\": {\"a\": tru").unwrap();
+    d.add_claim("a", "gpu-1");
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    let aside: Vec<_> = std::fs::read_dir(d.checkpoint().parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("checkpoint.json.corrupt-"))
+        .collect();
+    assert_eq!(aside.len(), 1);
+    assert_eq!(prepare(&d, "a").await.unwrap().error, "");
+    assert!(terminate(&mut p).success());
+}

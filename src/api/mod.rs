@@ -3,6 +3,9 @@
 //! `dir` (a directory of YAML files, the embedded default for runs without a cluster). The
 //! publisher and the plugin are written against [`ClusterApi`] only.
 
+pub mod dir;
+pub mod kube;
+
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;

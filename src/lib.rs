@@ -6,5 +6,6 @@
 pub mod api;
 pub mod cli;
 pub mod config;
+pub mod dra;
 pub mod inventory;
 pub mod proto;

@@ -1,0 +1,3 @@
+//! The DRA side of nvdra: desired ResourceSlices from the inventory, and publishing them.
+
+pub mod publisher;

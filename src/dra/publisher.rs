@@ -317,9 +317,9 @@ impl Publisher {
         let mut watch_retry: Option<Instant> = None;
         let mut watch_backoff = Backoff::new(self.opts.backoff_base, self.opts.backoff_cap);
         let mut backoff = Backoff::new(self.opts.backoff_base, self.opts.backoff_cap);
-        // When to reconcile next, and whether that time is a backoff (not to be brought forward).
+        // When to reconcile next. A desired change or a watch event brings a backoff forward:
+        // they show the API answering again, or give a failing reconcile something new to try.
         let mut due: Option<Instant> = None;
-        let mut backing_off = false;
         let mut conflicts_in_a_row = 0;
         let mut desired_open = true;
         tracing::info!(driver = %self.driver, node = %self.node, "resourceslice publisher started");
@@ -333,7 +333,7 @@ impl Publisher {
                     if changed.is_err() {
                         // Every handle is gone: keep publishing the last desired state.
                         desired_open = false;
-                    } else if !backing_off {
+                    } else {
                         due = Some(earliest(due, Instant::now() + self.opts.settle));
                     }
                 }
@@ -341,9 +341,7 @@ impl Publisher {
                     Some(Ok(ev)) => {
                         tracing::debug!(?ev, "resourceslice watch event");
                         watch_backoff.reset();
-                        if !backing_off {
-                            due = Some(earliest(due, Instant::now() + self.opts.settle));
-                        }
+                        due = Some(earliest(due, Instant::now() + self.opts.settle));
                     }
                     end => {
                         let delay = watch_backoff.next_delay();
@@ -361,7 +359,6 @@ impl Publisher {
                 }
                 _ = sleep_until(due), if has_desired => {
                     due = None;
-                    backing_off = false;
                     let result = tokio::select! {
                         biased;
                         _ = shutdown.cancelled() => break,
@@ -387,7 +384,6 @@ impl Publisher {
                                     let delay = backoff.next_delay();
                                     tracing::warn!(error = %e, retry_in = ?delay, "publishing resourceslices failed");
                                     due = Some(Instant::now() + delay);
-                                    backing_off = true;
                                 }
                             }
                         }

@@ -282,3 +282,30 @@ async fn a_burst_of_desired_changes_costs_one_reconcile() {
     token.cancel();
     task.await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_desired_change_is_tried_at_once_even_during_a_long_backoff() {
+    let api = Arc::new(MemApi::default());
+    api.lock().fail = u32::MAX;
+    let (handle, token, task) = start(api.clone());
+    handle.set_desired(vec![spec(&["gpu-0"])]).unwrap();
+    // Ten minutes of outage: the retry delay is at its 30 s cap.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let attempts = api.lock().lists.len();
+    assert!(
+        (20..=50).contains(&attempts),
+        "{attempts} attempts in 10 minutes"
+    );
+
+    api.lock().fail = 0;
+    let t = Instant::now();
+    let seq = handle.set_desired(vec![spec(&["gpu-1"])]).unwrap();
+    handle.wait_synced(seq).await;
+    assert!(
+        t.elapsed() <= Options::default().settle,
+        "{:?}",
+        t.elapsed()
+    );
+    token.cancel();
+    task.await.unwrap();
+}

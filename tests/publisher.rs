@@ -350,6 +350,31 @@ async fn server_errors_are_retried_until_the_server_recovers() {
 }
 
 #[tokio::test]
+async fn an_api_server_that_is_down_is_waited_for_and_published_to_when_back() {
+    let first = TestApiServer::start().await;
+    let addr = first.addr();
+    drop(first);
+    let api = KubeApi::from_url(&format!("http://{addr}")).unwrap();
+    let running = Running::start(Arc::new(api));
+    running.handle.set_desired(two_slices()).unwrap();
+    eventually("failed attempts while the server is down", || {
+        running.handle.counters().errors >= 2
+    })
+    .await;
+    let err = running.handle.status().borrow().last_error.clone().unwrap();
+    assert!(err.contains("unavailable"), "{err}");
+    assert!(!running.task.is_finished());
+
+    let server = TestApiServer::start_on(addr).await;
+    server.seed_node(NODE, NODE_UID);
+    server
+        .wait_for(SOON, |s| complete(s, 2, &all_device_names()))
+        .await;
+    assert_eq!(server.counts().creates, 2);
+    running.stop().await;
+}
+
+#[tokio::test]
 async fn a_conflict_on_update_is_re_read_and_retried() {
     let (server, running) = kube_setup().await;
     let mut desired = two_slices();

@@ -118,9 +118,24 @@ impl Drop for TestApiServer {
 impl TestApiServer {
     /// Binds 127.0.0.1:0 and serves on the current runtime.
     pub async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind 127.0.0.1:0");
+        Self::start_on("127.0.0.1:0".parse().expect("an address")).await
+    }
+
+    /// Serves on `addr`, e.g. the address of a server that was stopped (to test an API server
+    /// coming back); retries the bind for a while, as the old listener may still be closing.
+    pub async fn start_on(addr: std::net::SocketAddr) -> Self {
+        let mut tries = 0;
+        let listener = loop {
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => break l,
+                Err(e) if tries < 100 => {
+                    tries += 1;
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("bind {addr}: {e}"),
+            }
+        };
         let url = format!("http://{}", listener.local_addr().expect("local addr"));
         let state = Arc::new(Mutex::new(State::default()));
         let changed = Arc::new(watch::channel(0).0);
@@ -165,6 +180,13 @@ impl TestApiServer {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.url
+            .trim_start_matches("http://")
+            .parse()
+            .expect("the url holds an address")
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

@@ -10,4 +10,5 @@
 //! - `plugin` — the kubelet side: registration, the DRA gRPC services (`v1` and `v1beta1`),
 //!   prepare/unprepare through CDI, the health stream.
 
+pub mod publisher;
 pub mod slices;

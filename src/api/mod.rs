@@ -3,6 +3,9 @@
 //! `dir` (a directory of YAML files, the embedded default for runs without a cluster). The
 //! publisher and the plugin are written against [`ClusterApi`] only.
 
+pub mod dir;
+pub mod kube;
+
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
@@ -60,8 +63,9 @@ pub trait ClusterApi: Send + Sync + 'static {
     /// Deletes a slice by name; deleting a missing slice is `NotFound`.
     fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>>;
 
-    /// Changes to this driver's slices on this node. The stream ends or yields errors when the
-    /// connection drops; callers restart it.
+    /// Changes to this driver's slices on this node, by anyone. The first item is `Restarted`,
+    /// and so is any item after which events may have been missed (e.g. a re-list after 410
+    /// Gone). The stream ends or yields errors when the connection drops; callers restart it.
     fn watch_slices<'a>(
         &'a self,
         driver: &'a str,
@@ -78,4 +82,15 @@ pub trait ClusterApi: Send + Sync + 'static {
     /// Reads a Node (for the owner reference of published slices). `NotFound` is normal for the
     /// directory API without a `nodes/` entry.
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>>;
+}
+
+/// Connects to the API the configuration names: a directory, the given kubeconfig, or the
+/// in-cluster config (falling back to the default kubeconfig).
+pub async fn connect(api: &crate::config::Api) -> Result<std::sync::Arc<dyn ClusterApi>> {
+    Ok(match api {
+        crate::config::Api::Kube { kubeconfig } => {
+            std::sync::Arc::new(self::kube::KubeApi::new(kubeconfig.as_deref()).await?)
+        }
+        crate::config::Api::Dir(dir) => std::sync::Arc::new(dir::DirApi::new(dir.clone())?),
+    })
 }

@@ -1,0 +1,774 @@
+//! [`ClusterApi`] over a directory of YAML files: the API for runs without a cluster.
+//!
+//! Layout: `DIR/resourceslices/<name>.yaml` (written here), `DIR/resourceclaims/<ns>/<name>.yaml`
+//! (read), `DIR/nodes/<name>.yaml` (optional, read).
+//!
+//! Invariants:
+//! - A slice file is replaced atomically (temp file in the same directory, fsync, rename, fsync
+//!   the directory), so a reader or a crash never sees half a file.
+//! - Each write stores a new, increasing `metadata.resourceVersion` in the file; `replace_slice`
+//!   fails with `Conflict` unless the caller's resourceVersion equals the stored one. The check and
+//!   the write are atomic within this process (one lock); across processes they are not.
+//! - The watch polls the directory every [`POLL_INTERVAL`] and reports any change of a slice
+//!   file (written here or by anyone else, including hand edits that keep the resourceVersion).
+//! - Files that are not valid YAML for their kind are errors naming the file.
+//! - All file-system work runs on the blocking pool, never on the async runtime.
+
+use futures::future::BoxFuture;
+use futures::stream::{BoxStream, StreamExt};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use rand::Rng;
+use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::{ClusterApi, Error, Result, SliceEvent};
+
+/// How often the watch looks at the directory.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The characters the API server uses for generateName suffixes (no vowels, no look-alikes).
+const NAME_ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+/// Longest generateName prefix the API server keeps (63 − 5 random characters).
+const MAX_GENERATE_PREFIX: usize = 58;
+
+/// The directory-backed API. Cheap to clone.
+#[derive(Clone)]
+pub struct DirApi {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    root: PathBuf,
+    /// Serialises read-check-write sequences on slice files within this process.
+    write_lock: Mutex<()>,
+    /// The last resourceVersion handed out (a nanosecond clock, forced to increase).
+    last_rv: AtomicU64,
+}
+
+impl DirApi {
+    /// Uses `root`, creating `root/resourceslices/` if needed.
+    pub fn new(root: impl Into<PathBuf>) -> Result<Self> {
+        let root = root.into();
+        let slices = root.join("resourceslices");
+        std::fs::create_dir_all(&slices).map_err(|e| {
+            Error::Invalid(format!(
+                "cannot create {}: {e}; check --api-dir and its permissions",
+                slices.display()
+            ))
+        })?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                root,
+                write_lock: Mutex::new(()),
+                last_rv: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The directory's root.
+    pub fn root(&self) -> &Path {
+        &self.inner.root
+    }
+
+    /// Where slice files live.
+    pub fn slices_dir(&self) -> PathBuf {
+        self.inner.root.join("resourceslices")
+    }
+
+    /// Runs blocking file work on the blocking pool.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Inner) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || f(&inner))
+            .await
+            .map_err(|e| Error::Transient(format!("directory API task failed: {e}")))?
+    }
+}
+
+impl Inner {
+    fn slices_dir(&self) -> PathBuf {
+        self.root.join("resourceslices")
+    }
+
+    fn slice_path(&self, name: &str) -> PathBuf {
+        self.slices_dir().join(format!("{name}.yaml"))
+    }
+
+    fn next_rv(&self) -> String {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        let mut prev = self.last_rv.load(Ordering::Relaxed);
+        loop {
+            let next = now.max(prev + 1);
+            match self
+                .last_rv
+                .compare_exchange(prev, next, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return next.to_string(),
+                Err(actual) => prev = actual,
+            }
+        }
+    }
+
+    fn list_slices(&self, driver: &str, node: &str) -> Result<Vec<ResourceSlice>> {
+        let mut out = Vec::new();
+        for (_, path) in slice_files(&self.slices_dir())? {
+            // A file deleted between listing and reading is simply gone.
+            let Some(slice) = read_yaml_opt::<ResourceSlice>(&path)? else {
+                continue;
+            };
+            if slice.spec.driver == driver && slice.spec.node_name.as_deref() == Some(node) {
+                out.push(slice);
+            }
+        }
+        Ok(out)
+    }
+
+    fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice> {
+        let _guard = lock(&self.write_lock);
+        let mut stored = slice.clone();
+        let name = match (&slice.metadata.name, &slice.metadata.generate_name) {
+            (Some(name), _) => {
+                check_slice_name(name)?;
+                if self.slice_path(name).exists() {
+                    return Err(Error::Conflict(format!(
+                        "resourceslice {name} already exists ({})",
+                        self.slice_path(name).display()
+                    )));
+                }
+                name.clone()
+            }
+            (None, Some(prefix)) => self.generate_name(prefix)?,
+            (None, None) => {
+                return Err(Error::Invalid(
+                    "create resourceslice: neither metadata.name nor metadata.generateName is set"
+                        .into(),
+                ));
+            }
+        };
+        stored.metadata.name = Some(name.clone());
+        stored.metadata.resource_version = Some(self.next_rv());
+        stored.metadata.uid = Some(random_uid());
+        stored.metadata.creation_timestamp = Some(now_seconds());
+        stored.metadata.generation = Some(1);
+        write_atomic(&self.slice_path(&name), &to_yaml(&stored)?)?;
+        Ok(stored)
+    }
+
+    fn generate_name(&self, prefix: &str) -> Result<String> {
+        let base: String = prefix.chars().take(MAX_GENERATE_PREFIX).collect();
+        let mut rng = rand::rng();
+        for _ in 0..16 {
+            let suffix: String = (0..5)
+                .map(|_| char::from(NAME_ALPHABET[rng.random_range(0..NAME_ALPHABET.len())]))
+                .collect();
+            let name = format!("{base}{suffix}");
+            check_slice_name(&name)?;
+            if !self.slice_path(&name).exists() {
+                return Ok(name);
+            }
+        }
+        Err(Error::Conflict(format!(
+            "no free name with generateName {prefix:?} after 16 tries"
+        )))
+    }
+
+    fn replace_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice> {
+        let _guard = lock(&self.write_lock);
+        let name = slice.metadata.name.as_deref().ok_or_else(|| {
+            Error::Invalid("replace resourceslice: the slice has no metadata.name".into())
+        })?;
+        check_slice_name(name)?;
+        let path = self.slice_path(name);
+        let current = read_yaml_opt::<ResourceSlice>(&path)?
+            .ok_or_else(|| Error::NotFound(format!("resourceslice {name} ({})", path.display())))?;
+        let have = current.metadata.resource_version.as_deref().unwrap_or("");
+        let want = slice.metadata.resource_version.as_deref().unwrap_or("");
+        if have != want {
+            return Err(Error::Conflict(format!(
+                "resourceslice {name} has resourceVersion {have:?}, the update was based on \
+                 {want:?}; re-read and retry"
+            )));
+        }
+        let mut stored = slice.clone();
+        stored.metadata.uid = current.metadata.uid.clone();
+        stored.metadata.creation_timestamp = current.metadata.creation_timestamp.clone();
+        stored.metadata.resource_version = Some(self.next_rv());
+        let spec_changed =
+            serde_json::to_value(&current.spec).ok() != serde_json::to_value(&stored.spec).ok();
+        let generation = current.metadata.generation.unwrap_or(1);
+        stored.metadata.generation = Some(generation + i64::from(spec_changed));
+        write_atomic(&path, &to_yaml(&stored)?)?;
+        Ok(stored)
+    }
+
+    fn delete_slice(&self, name: &str) -> Result<()> {
+        let _guard = lock(&self.write_lock);
+        check_slice_name(name)?;
+        let path = self.slice_path(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => fsync_dir(&self.slices_dir()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::NotFound(format!(
+                "resourceslice {name} ({})",
+                path.display()
+            ))),
+            Err(e) => Err(io_error("remove", &path, e)),
+        }
+    }
+
+    fn get<T: DeserializeOwned>(&self, what: &str, path: PathBuf) -> Result<T> {
+        read_yaml_opt(&path)?
+            .ok_or_else(|| Error::NotFound(format!("{what} ({} does not exist)", path.display())))
+    }
+}
+
+fn lock(m: &Mutex<()>) -> std::sync::MutexGuard<'_, ()> {
+    // The lock guards no data, so a poisoned lock is as good as a healthy one.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Slice names become file names: insist on a DNS subdomain so no name escapes the directory.
+fn check_slice_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "resourceslice name {name:?} is not a DNS subdomain (lower-case letters, digits, '-', '.')"
+        )))
+    }
+}
+
+/// Now, at the one-second precision a `metav1.Time` keeps on the wire.
+fn now_seconds() -> Time {
+    use k8s_openapi::jiff::Timestamp;
+    let now = Timestamp::now();
+    Time(Timestamp::from_second(now.as_second()).unwrap_or(now))
+}
+
+fn random_uid() -> String {
+    let b: [u8; 16] = rand::random();
+    format!(
+        "{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        b[0],
+        b[1],
+        b[2],
+        b[3],
+        b[4],
+        b[5],
+        b[6],
+        b[7],
+        b[8],
+        b[9],
+        b[10],
+        b[11],
+        b[12],
+        b[13],
+        b[14],
+        b[15]
+    )
+}
+
+fn io_error(op: &str, path: &Path, e: std::io::Error) -> Error {
+    Error::Transient(format!("cannot {op} {}: {e}", path.display()))
+}
+
+fn to_yaml(slice: &ResourceSlice) -> Result<String> {
+    serde_yaml::to_string(slice)
+        .map_err(|e| Error::Invalid(format!("cannot encode resourceslice as YAML: {e}")))
+}
+
+/// Reads and parses a YAML file; `None` if it does not exist.
+fn read_yaml_opt<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_error("read", path, e)),
+    };
+    let de = serde_yaml::Deserializer::from_str(&text);
+    serde_path_to_error::deserialize(de).map(Some).map_err(|e| {
+        let at = e.path().to_string();
+        Error::Invalid(format!(
+            "{}: not a valid {} at {at}: {}; fix or remove the file",
+            path.display(),
+            std::any::type_name::<T>()
+                .rsplit("::")
+                .next()
+                .unwrap_or("object"),
+            e.into_inner()
+        ))
+    })
+}
+
+/// `(name, path)` of each `*.yaml` in `dir`, skipping hidden (temporary) files.
+fn slice_files(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| io_error("list", dir, e))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| io_error("list", dir, e))?;
+        let file_name = entry.file_name();
+        let Some(file_name) = file_name.to_str() else {
+            continue;
+        };
+        if file_name.starts_with('.') {
+            continue;
+        }
+        if let Some(name) = file_name.strip_suffix(".yaml") {
+            out.push((name.to_string(), entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Temp file in the same directory, fsync, rename over `path`, fsync the directory.
+fn write_atomic(path: &Path, contents: &str) -> Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| Error::Invalid(format!("{} has no parent directory", path.display())))?;
+    let file_name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("slice.yaml");
+    let tmp = dir.join(format!(".{file_name}.tmp-{:08x}", rand::random::<u32>()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| io_error("create", &tmp, e))?;
+        f.write_all(contents.as_bytes())
+            .map_err(|e| io_error("write", &tmp, e))?;
+        f.sync_all().map_err(|e| io_error("fsync", &tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_error("rename into place", path, e))?;
+        fsync_dir(dir)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_error("fsync directory", dir, e))
+}
+
+/// What the watch remembers of one slice file to notice changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct FileStamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+    /// Whether the file belongs to the watched driver and node (unparseable files count as ours,
+    /// so the caller's next list surfaces the error).
+    ours: bool,
+}
+
+fn inode(meta: &std::fs::Metadata) -> u64 {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::MetadataExt::ino(meta)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = meta;
+        0
+    }
+}
+
+/// One scan of the slice directory; reuses `prev`'s ownership verdict for unchanged files.
+fn scan(
+    dir: &Path,
+    driver: &str,
+    node: &str,
+    prev: &BTreeMap<String, FileStamp>,
+) -> Result<BTreeMap<String, FileStamp>> {
+    let mut out = BTreeMap::new();
+    for (name, path) in slice_files(dir)? {
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        let mut stamp = FileStamp {
+            modified: meta.modified().ok(),
+            len: meta.len(),
+            inode: inode(&meta),
+            ours: true,
+        };
+        stamp.ours = match prev.get(&name) {
+            Some(old)
+                if FileStamp {
+                    ours: old.ours,
+                    ..stamp.clone()
+                } == *old =>
+            {
+                old.ours
+            }
+            _ => match read_yaml_opt::<ResourceSlice>(&path) {
+                Ok(Some(s)) => s.spec.driver == driver && s.spec.node_name.as_deref() == Some(node),
+                Ok(None) => continue,
+                Err(_) => true,
+            },
+        };
+        out.insert(name, stamp);
+    }
+    Ok(out)
+}
+
+/// Events that turn `prev` into `next` (only for files of the watched driver and node).
+fn diff(prev: &BTreeMap<String, FileStamp>, next: &BTreeMap<String, FileStamp>) -> Vec<SliceEvent> {
+    let mut events = Vec::new();
+    for (name, stamp) in next {
+        if prev.get(name) != Some(stamp) && (stamp.ours || prev.get(name).is_some_and(|p| p.ours)) {
+            events.push(SliceEvent::Applied(name.clone()));
+        }
+    }
+    for (name, stamp) in prev {
+        if stamp.ours && !next.contains_key(name) {
+            events.push(SliceEvent::Deleted(name.clone()));
+        }
+    }
+    events
+}
+
+struct WatchState {
+    api: DirApi,
+    driver: String,
+    node: String,
+    known: Option<BTreeMap<String, FileStamp>>,
+    pending: std::collections::VecDeque<SliceEvent>,
+}
+
+impl ClusterApi for DirApi {
+    fn list_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<ResourceSlice>>> {
+        let (driver, node) = (driver.to_string(), node.to_string());
+        Box::pin(self.blocking(move |i| i.list_slices(&driver, &node)))
+    }
+
+    fn create_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, Result<ResourceSlice>> {
+        let slice = slice.clone();
+        Box::pin(self.blocking(move |i| i.create_slice(&slice)))
+    }
+
+    fn replace_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, Result<ResourceSlice>> {
+        let slice = slice.clone();
+        Box::pin(self.blocking(move |i| i.replace_slice(&slice)))
+    }
+
+    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>> {
+        let name = name.to_string();
+        Box::pin(self.blocking(move |i| i.delete_slice(&name)))
+    }
+
+    fn watch_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxStream<'a, Result<SliceEvent>> {
+        let state = WatchState {
+            api: self.clone(),
+            driver: driver.to_string(),
+            node: node.to_string(),
+            known: None,
+            pending: Default::default(),
+        };
+        futures::stream::unfold(state, |mut st| async move {
+            loop {
+                if let Some(ev) = st.pending.pop_front() {
+                    return Some((Ok(ev), st));
+                }
+                let first = st.known.is_none();
+                if !first {
+                    tokio::time::sleep(POLL_INTERVAL).await;
+                }
+                let prev = st.known.clone().unwrap_or_default();
+                let (driver, node) = (st.driver.clone(), st.node.clone());
+                let scanned = st
+                    .api
+                    .blocking(move |i| scan(&i.slices_dir(), &driver, &node, &prev))
+                    .await;
+                match scanned {
+                    Ok(next) => {
+                        if first {
+                            st.pending.push_back(SliceEvent::Restarted);
+                        } else {
+                            let prev = st.known.as_ref().map(|k| diff(k, &next));
+                            st.pending.extend(prev.unwrap_or_default());
+                        }
+                        st.known = Some(next);
+                    }
+                    Err(e) => return Some((Err(e), st)),
+                }
+            }
+        })
+        .boxed()
+    }
+
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim>> {
+        let (namespace, name) = (namespace.to_string(), name.to_string());
+        Box::pin(self.blocking(move |i| {
+            let path = i
+                .root
+                .join("resourceclaims")
+                .join(&namespace)
+                .join(format!("{name}.yaml"));
+            i.get(&format!("resourceclaim {namespace}/{name}"), path)
+        }))
+    }
+
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>> {
+        let name = name.to_string();
+        Box::pin(self.blocking(move |i| {
+            let path = i.root.join("nodes").join(format!("{name}.yaml"));
+            i.get(&format!("node {name}"), path)
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSliceSpec};
+    use kube::api::ObjectMeta;
+
+    fn slice(driver: &str, node: &str, devices: &[&str]) -> ResourceSlice {
+        ResourceSlice {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{node}-{driver}-")),
+                ..Default::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: driver.into(),
+                node_name: Some(node.into()),
+                pool: ResourcePool {
+                    name: node.into(),
+                    generation: 1,
+                    resource_slice_count: 1,
+                },
+                devices: Some(
+                    devices
+                        .iter()
+                        .map(|d| Device {
+                            name: d.to_string(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn create_generates_a_name_and_list_filters_by_driver_and_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        let a = api
+            .create_slice(&slice("gpu.nvidia.com", "n1", &["gpu-0"]))
+            .await
+            .unwrap();
+        api.create_slice(&slice("other.example.com", "n1", &["x"]))
+            .await
+            .unwrap();
+        api.create_slice(&slice("gpu.nvidia.com", "n2", &["y"]))
+            .await
+            .unwrap();
+        let name = a.metadata.name.clone().unwrap();
+        let suffix = name.strip_prefix("n1-gpu.nvidia.com-").unwrap();
+        assert_eq!(suffix.len(), 5, "{name}");
+        assert!(suffix.bytes().all(|b| NAME_ALPHABET.contains(&b)), "{name}");
+        assert!(
+            dir.path()
+                .join(format!("resourceslices/{name}.yaml"))
+                .exists()
+        );
+        let listed = api.list_slices("gpu.nvidia.com", "n1").await.unwrap();
+        assert_eq!(listed, vec![a]);
+        let hidden: Vec<_> = std::fs::read_dir(api.slices_dir())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
+            .collect();
+        assert!(hidden.is_empty(), "temp files left behind: {hidden:?}");
+    }
+
+    #[tokio::test]
+    async fn replace_checks_the_resource_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        let created = api
+            .create_slice(&slice("d.example.com", "n1", &["a"]))
+            .await
+            .unwrap();
+        let mut edit = created.clone();
+        edit.spec.pool.generation = 2;
+        let updated = api.replace_slice(&edit).await.unwrap();
+        let (rv1, rv2) = (
+            created.metadata.resource_version.clone().unwrap(),
+            updated.metadata.resource_version.clone().unwrap(),
+        );
+        assert!(rv2.parse::<u64>().unwrap() > rv1.parse::<u64>().unwrap());
+        assert_eq!(updated.metadata.generation, Some(2));
+        // `edit` still carries the old resourceVersion: a stale update.
+        assert!(matches!(
+            api.replace_slice(&edit).await,
+            Err(Error::Conflict(_))
+        ));
+        api.delete_slice(created.metadata.name.as_deref().unwrap())
+            .await
+            .unwrap();
+        assert!(matches!(
+            api.replace_slice(&updated).await,
+            Err(Error::NotFound(_))
+        ));
+        assert!(matches!(
+            api.delete_slice(created.metadata.name.as_deref().unwrap())
+                .await,
+            Err(Error::NotFound(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn names_that_are_not_dns_subdomains_are_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        let mut s = slice("d.example.com", "n1", &["a"]);
+        s.metadata.name = Some("../escape".into());
+        assert!(matches!(api.create_slice(&s).await, Err(Error::Invalid(_))));
+        assert!(matches!(
+            api.delete_slice("../../etc/passwd").await,
+            Err(Error::Invalid(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn unparseable_yaml_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        let bad = api.slices_dir().join("broken.yaml");
+        std::fs::write(&bad, "spec: [not, a, spec]\n").unwrap();
+        let err = api.list_slices("d", "n").await.unwrap_err().to_string();
+        assert!(err.contains("broken.yaml"), "{err}");
+        assert!(err.contains("spec"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn claims_and_nodes_are_read_from_their_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        assert!(matches!(api.get_node("n1").await, Err(Error::NotFound(_))));
+        std::fs::create_dir_all(dir.path().join("nodes")).unwrap();
+        std::fs::write(
+            dir.path().join("nodes/n1.yaml"),
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: n1\n  uid: 1234\n",
+        )
+        .unwrap();
+        let node = api.get_node("n1").await.unwrap();
+        assert_eq!(node.metadata.uid.as_deref(), Some("1234"));
+
+        std::fs::create_dir_all(dir.path().join("resourceclaims/ns1")).unwrap();
+        std::fs::write(
+            dir.path().join("resourceclaims/ns1/c1.yaml"),
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: c1\n  \
+             namespace: ns1\n  uid: u-1\nspec:\n  devices: {}\n",
+        )
+        .unwrap();
+        let claim = api.get_claim("ns1", "c1").await.unwrap();
+        assert_eq!(claim.metadata.uid.as_deref(), Some("u-1"));
+        let missing = api.get_claim("ns1", "nope").await.unwrap_err().to_string();
+        assert!(missing.contains("ns1/nope"), "{missing}");
+    }
+
+    #[tokio::test]
+    async fn watch_reports_external_edits_and_deletes_of_our_slices_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        let ours = api
+            .create_slice(&slice("d.example.com", "n1", &["a"]))
+            .await
+            .unwrap();
+        let name = ours.metadata.name.clone().unwrap();
+        let mut watch = api.watch_slices("d.example.com", "n1");
+        assert_eq!(watch.next().await.unwrap().unwrap(), SliceEvent::Restarted);
+
+        // Someone else's slice: no event. Then a hand edit of ours that keeps the
+        // resourceVersion (a longer file), then a delete.
+        api.create_slice(&slice("other.example.com", "n1", &["x"]))
+            .await
+            .unwrap();
+        let path = api.slices_dir().join(format!("{name}.yaml"));
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text.push_str("# edited by hand\n");
+        std::fs::write(&path, text).unwrap();
+        assert_eq!(
+            watch.next().await.unwrap().unwrap(),
+            SliceEvent::Applied(name.clone())
+        );
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(
+            watch.next().await.unwrap().unwrap(),
+            SliceEvent::Deleted(name.clone())
+        );
+    }
+
+    #[test]
+    fn diff_reports_new_changed_and_removed_files() {
+        let stamp = |len, ours| FileStamp {
+            modified: None,
+            len,
+            inode: 1,
+            ours,
+        };
+        let prev = BTreeMap::from([
+            ("kept".to_string(), stamp(1, true)),
+            ("changed".to_string(), stamp(1, true)),
+            ("gone".to_string(), stamp(1, true)),
+            ("foreign".to_string(), stamp(1, false)),
+        ]);
+        let next = BTreeMap::from([
+            ("kept".to_string(), stamp(1, true)),
+            ("changed".to_string(), stamp(2, true)),
+            ("new".to_string(), stamp(1, true)),
+            ("foreign".to_string(), stamp(5, false)),
+        ]);
+        assert_eq!(
+            diff(&prev, &next),
+            vec![
+                SliceEvent::Applied("changed".into()),
+                SliceEvent::Applied("new".into()),
+                SliceEvent::Deleted("gone".into()),
+            ]
+        );
+    }
+}

@@ -1,0 +1,362 @@
+//! [`ClusterApi`] over a real API server, through kube-rs.
+//!
+//! Invariants: every call is one HTTP request (no client-side rate limiting, no retries here: the
+//! caller owns backoff); HTTP status codes map onto [`Error`]'s classes (409 → `Conflict`,
+//! 404 → `NotFound`, 400/422 and other 4xx → `Invalid`, 401/403/429/5xx and transport failures →
+//! `Transient`); the slice watch starts with a list, follows `resourceVersion` across reconnects,
+//! and re-lists (yielding [`SliceEvent::Restarted`]) when the server answers 410 Gone.
+
+use futures::future::BoxFuture;
+use futures::stream::{BoxStream, StreamExt};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, WatchEvent, WatchParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use std::path::Path;
+
+use super::{ClusterApi, Error, Result, SliceEvent};
+
+/// How long one watch request may stay open before the server closes it and we re-watch.
+const WATCH_TIMEOUT_SECS: u32 = 290;
+
+/// The API server through kube-rs.
+#[derive(Clone)]
+pub struct KubeApi {
+    client: Client,
+}
+
+impl KubeApi {
+    /// Uses the given kubeconfig, or (without one) the in-cluster config, falling back to the
+    /// default kubeconfig (`$KUBECONFIG`, `~/.kube/config`).
+    pub async fn new(kubeconfig: Option<&Path>) -> Result<Self> {
+        let config = match kubeconfig {
+            Some(path) => {
+                let file = Kubeconfig::read_from(path).map_err(|e| {
+                    Error::Invalid(format!(
+                        "cannot read kubeconfig {}: {e}; pass a readable file with --kubeconfig",
+                        path.display()
+                    ))
+                })?;
+                Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|e| {
+                        Error::Invalid(format!("kubeconfig {} is not usable: {e}", path.display()))
+                    })?
+            }
+            None => Config::infer().await.map_err(|e| {
+                Error::Invalid(format!(
+                    "no in-cluster config and no usable kubeconfig: {e}; \
+                     run in a pod, pass --kubeconfig, or use --api-dir"
+                ))
+            })?,
+        };
+        Self::from_config(config)
+    }
+
+    /// Talks plain HTTP (or HTTPS without client auth) to `url`, e.g. a test server.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| Error::Invalid(format!("bad API server url {url:?}: {e}")))?;
+        Self::from_config(Config::new(uri))
+    }
+
+    fn from_config(config: Config) -> Result<Self> {
+        let client = Client::try_from(config)
+            .map_err(|e| Error::Invalid(format!("cannot build a kube client: {e}")))?;
+        Ok(Self { client })
+    }
+
+    /// Wraps an existing client.
+    pub fn from_client(client: Client) -> Self {
+        Self { client }
+    }
+
+    fn slices(&self) -> Api<ResourceSlice> {
+        Api::all(self.client.clone())
+    }
+}
+
+/// `spec.driver=…,spec.nodeName=…`, the field selector the API server indexes for slices.
+fn slice_selector(driver: &str, node: &str) -> String {
+    format!("spec.driver={driver},spec.nodeName={node}")
+}
+
+/// Classifies a kube-rs error; `what` names the operation and object for the message.
+fn classify(what: &str, err: kube::Error) -> Error {
+    match err {
+        kube::Error::Api(status) => classify_status(what, &status),
+        kube::Error::SerdeError(e) => Error::Invalid(format!(
+            "{what}: unexpected response from the API server: {e}"
+        )),
+        kube::Error::BuildRequest(e) => Error::Invalid(format!("{what}: {e}")),
+        other => Error::Transient(format!("{what}: {other}")),
+    }
+}
+
+fn classify_status(what: &str, status: &kube::core::Status) -> Error {
+    let msg = format!(
+        "{what}: {} (HTTP {}, {})",
+        status.message, status.code, status.reason
+    );
+    match status.code {
+        409 => Error::Conflict(msg),
+        404 => Error::NotFound(msg),
+        401 | 403 | 408 | 429 => Error::Transient(msg),
+        c if c >= 500 => Error::Transient(msg),
+        _ => Error::Invalid(msg),
+    }
+}
+
+fn name_of(slice: &ResourceSlice) -> String {
+    match (&slice.metadata.name, &slice.metadata.generate_name) {
+        (Some(n), _) => n.clone(),
+        (None, Some(g)) => format!("{g}*"),
+        (None, None) => "<unnamed>".into(),
+    }
+}
+
+/// Where the slice watch is.
+enum WatchState {
+    /// Next: list to learn the current resourceVersion.
+    List,
+    /// Next: open a watch from this resourceVersion.
+    Watch(String),
+    /// Reading events; the string is the last resourceVersion seen.
+    Streaming(
+        String,
+        BoxStream<'static, kube::Result<WatchEvent<ResourceSlice>>>,
+    ),
+    /// An error was yielded; the stream ends.
+    Done,
+}
+
+fn is_gone(status: &kube::core::Status) -> bool {
+    status.code == 410 || status.reason == "Expired" || status.reason == "Gone"
+}
+
+impl ClusterApi for KubeApi {
+    fn list_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<ResourceSlice>>> {
+        Box::pin(async move {
+            let lp = ListParams::default().fields(&slice_selector(driver, node));
+            let list = self
+                .slices()
+                .list(&lp)
+                .await
+                .map_err(|e| classify("list resourceslices", e))?;
+            Ok(list.items)
+        })
+    }
+
+    fn create_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, Result<ResourceSlice>> {
+        Box::pin(async move {
+            self.slices()
+                .create(&PostParams::default(), slice)
+                .await
+                .map_err(|e| classify(&format!("create resourceslice {}", name_of(slice)), e))
+        })
+    }
+
+    fn replace_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, Result<ResourceSlice>> {
+        Box::pin(async move {
+            let name = slice.metadata.name.as_deref().ok_or_else(|| {
+                Error::Invalid("replace resourceslice: the slice has no metadata.name".into())
+            })?;
+            self.slices()
+                .replace(name, &PostParams::default(), slice)
+                .await
+                .map_err(|e| classify(&format!("replace resourceslice {name}"), e))
+        })
+    }
+
+    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.slices()
+                .delete(name, &DeleteParams::default())
+                .await
+                .map(|_| ())
+                .map_err(|e| classify(&format!("delete resourceslice {name}"), e))
+        })
+    }
+
+    fn watch_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxStream<'a, Result<SliceEvent>> {
+        let api = self.slices();
+        let selector = slice_selector(driver, node);
+        futures::stream::unfold(WatchState::List, move |mut state| {
+            let api = api.clone();
+            let selector = selector.clone();
+            async move {
+                loop {
+                    state = match state {
+                        WatchState::Done => return None,
+                        WatchState::List => {
+                            let lp = ListParams::default().fields(&selector).limit(1);
+                            match api.list(&lp).await {
+                                Ok(list) => {
+                                    let rv = list.metadata.resource_version.unwrap_or_default();
+                                    return Some((
+                                        Ok(SliceEvent::Restarted),
+                                        WatchState::Watch(rv),
+                                    ));
+                                }
+                                Err(e) => {
+                                    let err = classify("list resourceslices for a watch", e);
+                                    return Some((Err(err), WatchState::Done));
+                                }
+                            }
+                        }
+                        WatchState::Watch(rv) => {
+                            let wp = WatchParams::default()
+                                .fields(&selector)
+                                .timeout(WATCH_TIMEOUT_SECS);
+                            match api.watch(&wp, &rv).await {
+                                Ok(stream) => WatchState::Streaming(rv, stream.boxed()),
+                                Err(kube::Error::Api(s)) if is_gone(&s) => WatchState::List,
+                                Err(e) => {
+                                    let err = classify("watch resourceslices", e);
+                                    return Some((Err(err), WatchState::Done));
+                                }
+                            }
+                        }
+                        WatchState::Streaming(rv, mut stream) => match stream.next().await {
+                            None => WatchState::Watch(rv),
+                            Some(Ok(WatchEvent::Added(s) | WatchEvent::Modified(s))) => {
+                                let next = s.metadata.resource_version.clone().unwrap_or(rv);
+                                let name = s.metadata.name.unwrap_or_default();
+                                return Some((
+                                    Ok(SliceEvent::Applied(name)),
+                                    WatchState::Streaming(next, stream),
+                                ));
+                            }
+                            Some(Ok(WatchEvent::Deleted(s))) => {
+                                let next = s.metadata.resource_version.clone().unwrap_or(rv);
+                                let name = s.metadata.name.unwrap_or_default();
+                                return Some((
+                                    Ok(SliceEvent::Deleted(name)),
+                                    WatchState::Streaming(next, stream),
+                                ));
+                            }
+                            Some(Ok(WatchEvent::Bookmark(b))) => {
+                                WatchState::Streaming(b.metadata.resource_version, stream)
+                            }
+                            Some(Ok(WatchEvent::Error(s))) if is_gone(&s) => WatchState::List,
+                            Some(Ok(WatchEvent::Error(s))) => {
+                                let err = classify_status("watch resourceslices", &s);
+                                return Some((Err(err), WatchState::Done));
+                            }
+                            Some(Err(e)) => {
+                                let err = classify("watch resourceslices", e);
+                                return Some((Err(err), WatchState::Done));
+                            }
+                        },
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim>> {
+        Box::pin(async move {
+            Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+                .get(name)
+                .await
+                .map_err(|e| classify(&format!("get resourceclaim {namespace}/{name}"), e))
+        })
+    }
+
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>> {
+        Box::pin(async move {
+            Api::<Node>::all(self.client.clone())
+                .get(name)
+                .await
+                .map_err(|e| classify(&format!("get node {name}"), e))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16, reason: &str) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("boom", reason)
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn status_codes_map_to_error_classes() {
+        assert!(matches!(
+            classify("x", status(409, "Conflict")),
+            Error::Conflict(_)
+        ));
+        assert!(matches!(
+            classify("x", status(404, "NotFound")),
+            Error::NotFound(_)
+        ));
+        assert!(matches!(
+            classify("x", status(422, "Invalid")),
+            Error::Invalid(_)
+        ));
+        assert!(matches!(
+            classify("x", status(400, "BadRequest")),
+            Error::Invalid(_)
+        ));
+        for code in [401, 403, 429, 500, 503, 504] {
+            assert!(
+                matches!(classify("x", status(code, "")), Error::Transient(_)),
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn messages_name_the_operation_and_the_server_message() {
+        let e = classify("replace resourceslice s1", status(409, "Conflict"));
+        let text = e.to_string();
+        assert!(text.contains("replace resourceslice s1"), "{text}");
+        assert!(text.contains("boom"), "{text}");
+        assert!(text.contains("409"), "{text}");
+    }
+
+    #[test]
+    fn gone_is_recognised_by_code_or_reason() {
+        assert!(is_gone(
+            &kube::core::Status::failure("old", "Expired").with_code(410)
+        ));
+        assert!(is_gone(&kube::core::Status::failure("old", "Gone")));
+        assert!(!is_gone(
+            &kube::core::Status::failure("x", "Conflict").with_code(409)
+        ));
+    }
+
+    #[test]
+    fn selector_names_driver_and_node() {
+        assert_eq!(
+            slice_selector("gpu.nvidia.com", "node-a"),
+            "spec.driver=gpu.nvidia.com,spec.nodeName=node-a"
+        );
+    }
+}

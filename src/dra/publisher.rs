@@ -1,0 +1,565 @@
+//! Keeps the API server's ResourceSlices for this driver and node exactly equal to the desired
+//! ones, without churn.
+//!
+//! [`Publisher::run`] reconciles: list this driver's slices on this node, [`plan::plan`] the
+//! difference (matching, generation, owner reference), write it. It reconciles when the desired
+//! slices change, when the watch reports a change by anyone (the kubelet wipes slices on restart,
+//! admins delete or edit them), and after a failure (exponential backoff with jitter).
+//!
+//! Invariants:
+//! - Nothing is published before the first [`PublisherHandle::set_desired`].
+//! - The steady state writes nothing: there is no periodic republish, and comparisons are
+//!   semantic (see [`plan`]).
+//! - Errors never end the task: transient ones back off (base 0.5 s, ×2, cap 30 s, jitter),
+//!   conflicts re-read and retry at once (a few times, then back off).
+//! - Fields the server drops (a feature gate is off) are logged once each, exposed through
+//!   [`PublisherHandle::dropped_fields`], and ignored in later comparisons.
+
+mod plan;
+
+pub use plan::FieldPath;
+
+use crate::api::{self, ClusterApi, SliceEvent};
+use futures::stream::{BoxStream, StreamExt};
+use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use plan::{Inputs, Plan, Written};
+use rand::Rng;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Errors of the publisher's handle.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A desired slice is not for this publisher's driver and node.
+    #[error(
+        "desired slice {index} is for driver {driver:?} on node {node:?}, but this publisher \
+         publishes driver {want_driver:?} on node {want_node:?}; build slices with the same names"
+    )]
+    ForeignSlice {
+        index: usize,
+        driver: String,
+        node: String,
+        want_driver: String,
+        want_node: String,
+    },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Timings; the defaults suit production, tests shorten them.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How long to wait after a watch event or a desired change for more to arrive, so a burst
+    /// (e.g. the echo of our own writes) costs one reconcile.
+    pub settle: Duration,
+    /// First retry delay after a failure.
+    pub backoff_base: Duration,
+    /// Longest retry delay.
+    pub backoff_cap: Duration,
+    /// Immediate re-reads after conflicts before backing off.
+    pub conflict_retries: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            settle: Duration::from_millis(100),
+            backoff_base: Duration::from_millis(500),
+            backoff_cap: Duration::from_secs(30),
+            conflict_retries: 5,
+        }
+    }
+}
+
+/// Cumulative counts, for metrics and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub creates: u64,
+    pub updates: u64,
+    pub deletes: u64,
+    /// Reconciles run (lists of the API server's slices), successful or not.
+    pub reconciles: u64,
+    /// Conflicts (409) and vanished slices met while writing.
+    pub conflicts: u64,
+    /// Failed reconciles, conflicts included.
+    pub errors: u64,
+}
+
+impl Counters {
+    /// Creates, updates and deletes.
+    pub fn writes(&self) -> u64 {
+        self.creates + self.updates + self.deletes
+    }
+}
+
+#[derive(Default)]
+struct AtomicCounters {
+    creates: AtomicU64,
+    updates: AtomicU64,
+    deletes: AtomicU64,
+    reconciles: AtomicU64,
+    conflicts: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl AtomicCounters {
+    fn snapshot(&self) -> Counters {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Counters {
+            creates: get(&self.creates),
+            updates: get(&self.updates),
+            deletes: get(&self.deletes),
+            reconciles: get(&self.reconciles),
+            conflicts: get(&self.conflicts),
+            errors: get(&self.errors),
+        }
+    }
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Where publishing stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Status {
+    /// The sequence number of the desired state most recently published in full (see
+    /// [`PublisherHandle::set_desired`]); `None` before the first success.
+    pub synced: Option<u64>,
+    /// Slices published by that success.
+    pub slices: usize,
+    /// The last reconcile's error; `None` after a success.
+    pub last_error: Option<String>,
+}
+
+/// The desired slices with their sequence number.
+type Desired = Option<(u64, Arc<Vec<ResourceSliceSpec>>)>;
+
+struct Shared {
+    counters: AtomicCounters,
+    dropped: watch::Sender<BTreeSet<FieldPath>>,
+    status: watch::Sender<Status>,
+}
+
+/// Sets what to publish and observes the publisher. Cheap to clone.
+#[derive(Clone)]
+pub struct PublisherHandle {
+    driver: Arc<str>,
+    node: Arc<str>,
+    desired: Arc<watch::Sender<Desired>>,
+    shared: Arc<Shared>,
+}
+
+impl PublisherHandle {
+    /// Replaces the desired slices (`pool.generation` and `resourceSliceCount` are the
+    /// publisher's to set). Returns the sequence number that [`Status::synced`] reaches once they
+    /// are published.
+    pub fn set_desired(&self, specs: Vec<ResourceSliceSpec>) -> Result<u64> {
+        for (index, s) in specs.iter().enumerate() {
+            if s.driver != *self.driver || s.node_name.as_deref() != Some(&*self.node) {
+                return Err(Error::ForeignSlice {
+                    index,
+                    driver: s.driver.clone(),
+                    node: s.node_name.clone().unwrap_or_default(),
+                    want_driver: self.driver.to_string(),
+                    want_node: self.node.to_string(),
+                });
+            }
+        }
+        let specs = Arc::new(specs);
+        let mut seq = 0;
+        self.desired.send_modify(|d| {
+            seq = d.as_ref().map_or(1, |(n, _)| n + 1);
+            *d = Some((seq, specs));
+        });
+        Ok(seq)
+    }
+
+    /// Fields the API server dropped from what we sent (e.g. `spec.sharedCounters`,
+    /// `spec.devices[].consumesCounters`, `spec.devices[].taints` when the feature gates
+    /// `DRAPartitionableDevices` or `DRADeviceTaints` are off). Grows only. The caller can react by
+    /// publishing a plain layout.
+    pub fn dropped_fields(&self) -> watch::Receiver<BTreeSet<FieldPath>> {
+        self.shared.dropped.subscribe()
+    }
+
+    pub fn status(&self) -> watch::Receiver<Status> {
+        self.shared.status.subscribe()
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.shared.counters.snapshot()
+    }
+
+    /// Waits until the desired state with sequence number `seq` (or a later one) is published.
+    pub async fn wait_synced(&self, seq: u64) {
+        let mut rx = self.status();
+        // The sender lives in `self.shared`, so this never sees a closed channel.
+        let _ = rx.wait_for(|s| s.synced >= Some(seq)).await;
+    }
+}
+
+/// Exponential backoff with jitter (each delay uniformly in [½d, d]).
+struct Backoff {
+    base: Duration,
+    cap: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    fn new(base: Duration, cap: Duration) -> Self {
+        Self {
+            base,
+            cap,
+            attempt: 0,
+        }
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let exp = self.base.saturating_mul(1u32 << self.attempt.min(20));
+        self.attempt = self.attempt.saturating_add(1);
+        let d = exp.min(self.cap);
+        d.mul_f64(rand::rng().random_range(0.5..=1.0))
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+/// How a reconcile failed.
+enum Failure {
+    /// The world changed under us (409, a slice vanished): re-read now.
+    Retry(api::Error),
+    /// Anything else: back off.
+    Backoff(api::Error),
+}
+
+impl Failure {
+    fn error(&self) -> &api::Error {
+        match self {
+            Failure::Retry(e) | Failure::Backoff(e) => e,
+        }
+    }
+}
+
+/// The reconciler. Construct with [`Publisher::new`], then spawn [`Publisher::run`].
+pub struct Publisher {
+    api: Arc<dyn ClusterApi>,
+    driver: Arc<str>,
+    node: Arc<str>,
+    opts: Options,
+    desired: watch::Receiver<Desired>,
+    shared: Arc<Shared>,
+    /// Our own writes by slice name: what we sent and the resourceVersion we got.
+    written: HashMap<String, Written>,
+    /// Fields the server dropped (mirrors `shared.dropped`).
+    dropped: BTreeSet<FieldPath>,
+    /// The Node as owner, once found.
+    owner: Option<OwnerReference>,
+}
+
+impl Publisher {
+    pub fn new(
+        api: Arc<dyn ClusterApi>,
+        driver: impl Into<String>,
+        node: impl Into<String>,
+    ) -> (Publisher, PublisherHandle) {
+        Self::with_options(api, driver, node, Options::default())
+    }
+
+    pub fn with_options(
+        api: Arc<dyn ClusterApi>,
+        driver: impl Into<String>,
+        node: impl Into<String>,
+        opts: Options,
+    ) -> (Publisher, PublisherHandle) {
+        let driver: Arc<str> = driver.into().into();
+        let node: Arc<str> = node.into().into();
+        let (desired_tx, desired_rx) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            counters: AtomicCounters::default(),
+            dropped: watch::channel(BTreeSet::new()).0,
+            status: watch::channel(Status::default()).0,
+        });
+        let publisher = Publisher {
+            api,
+            driver: driver.clone(),
+            node: node.clone(),
+            opts,
+            desired: desired_rx,
+            shared: shared.clone(),
+            written: HashMap::new(),
+            dropped: BTreeSet::new(),
+            owner: None,
+        };
+        let handle = PublisherHandle {
+            driver,
+            node,
+            desired: Arc::new(desired_tx),
+            shared,
+        };
+        (publisher, handle)
+    }
+
+    /// Reconciles until `shutdown` is cancelled. Never fails: errors are retried.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let api = self.api.clone();
+        let (driver, node) = (self.driver.clone(), self.node.clone());
+        let open_watch = || api.watch_slices(&driver, &node);
+        let mut watch: Option<BoxStream<'_, api::Result<SliceEvent>>> = Some(open_watch());
+        let mut watch_retry: Option<Instant> = None;
+        let mut watch_backoff = Backoff::new(self.opts.backoff_base, self.opts.backoff_cap);
+        let mut backoff = Backoff::new(self.opts.backoff_base, self.opts.backoff_cap);
+        // When to reconcile next. A desired change or a watch event brings a backoff forward:
+        // they show the API answering again, or give a failing reconcile something new to try.
+        let mut due: Option<Instant> = None;
+        let mut conflicts_in_a_row = 0;
+        let mut desired_open = true;
+        tracing::info!(driver = %self.driver, node = %self.node, "resourceslice publisher started");
+
+        loop {
+            let has_desired = self.desired.borrow().is_some();
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                changed = self.desired.changed(), if desired_open => {
+                    if changed.is_err() {
+                        // Every handle is gone: keep publishing the last desired state.
+                        desired_open = false;
+                    } else {
+                        due = Some(earliest(due, Instant::now() + self.opts.settle));
+                    }
+                }
+                ev = next_event(&mut watch) => match ev {
+                    Some(Ok(ev)) => {
+                        tracing::debug!(?ev, "resourceslice watch event");
+                        watch_backoff.reset();
+                        due = Some(earliest(due, Instant::now() + self.opts.settle));
+                    }
+                    end => {
+                        let delay = watch_backoff.next_delay();
+                        match end {
+                            Some(Err(e)) => tracing::warn!(error = %e, retry_in = ?delay, "resourceslice watch failed"),
+                            _ => tracing::debug!(retry_in = ?delay, "resourceslice watch ended"),
+                        }
+                        watch = None;
+                        watch_retry = Some(Instant::now() + delay);
+                    }
+                },
+                _ = sleep_until(watch_retry) => {
+                    watch_retry = None;
+                    watch = Some(open_watch());
+                }
+                _ = sleep_until(due), if has_desired => {
+                    due = None;
+                    let result = tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => break,
+                        r = self.reconcile() => r,
+                    };
+                    match result {
+                        Ok(()) => {
+                            backoff.reset();
+                            conflicts_in_a_row = 0;
+                        }
+                        Err(failure) => {
+                            bump(&self.shared.counters.errors);
+                            let msg = failure.error().to_string();
+                            self.shared.status.send_modify(|s| s.last_error = Some(msg));
+                            match failure {
+                                Failure::Retry(e) if conflicts_in_a_row < self.opts.conflict_retries => {
+                                    conflicts_in_a_row += 1;
+                                    tracing::info!(error = %e, "resourceslices changed while publishing; re-reading");
+                                    due = Some(Instant::now());
+                                }
+                                Failure::Retry(e) | Failure::Backoff(e) => {
+                                    conflicts_in_a_row = 0;
+                                    let delay = backoff.next_delay();
+                                    tracing::warn!(error = %e, retry_in = ?delay, "publishing resourceslices failed");
+                                    due = Some(Instant::now() + delay);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        tracing::info!(driver = %self.driver, node = %self.node, "resourceslice publisher stopped");
+    }
+
+    /// One pass: list, plan, write.
+    async fn reconcile(&mut self) -> Result<(), Failure> {
+        let Some((seq, desired)) = self.desired.borrow_and_update().clone() else {
+            return Ok(());
+        };
+        bump(&self.shared.counters.reconciles);
+        let existing = self
+            .api
+            .list_slices(&self.driver, &self.node)
+            .await
+            .map_err(Failure::Backoff)?;
+        let names: BTreeSet<String> = existing
+            .iter()
+            .filter_map(|s| s.metadata.name.clone())
+            .collect();
+        self.written.retain(|n, _| names.contains(n));
+        let owner = self.owner().await.map_err(Failure::Backoff)?;
+        let plan = plan::plan(&Inputs {
+            driver: &self.driver,
+            node: &self.node,
+            desired: &desired,
+            existing: &existing,
+            owner: owner.as_ref(),
+            written: &self.written,
+            dropped: &self.dropped,
+        });
+        if plan.is_empty() {
+            tracing::debug!(slices = desired.len(), "resourceslices up to date");
+        } else {
+            self.execute(plan).await?;
+        }
+        self.shared.status.send_replace(Status {
+            synced: Some(seq),
+            slices: desired.len(),
+            last_error: None,
+        });
+        Ok(())
+    }
+
+    async fn execute(&mut self, plan: Plan) -> Result<(), Failure> {
+        let generation = plan
+            .updates
+            .iter()
+            .chain(&plan.creates)
+            .map(|s| s.spec.pool.generation)
+            .max();
+        let (u, c, d) = (plan.updates.len(), plan.creates.len(), plan.deletes.len());
+        for slice in plan.updates {
+            match self.api.replace_slice(&slice).await {
+                Ok(got) => {
+                    bump(&self.shared.counters.updates);
+                    self.record(&slice, &got);
+                }
+                Err(e @ (api::Error::Conflict(_) | api::Error::NotFound(_))) => {
+                    bump(&self.shared.counters.conflicts);
+                    return Err(Failure::Retry(e));
+                }
+                Err(e) => return Err(Failure::Backoff(e)),
+            }
+        }
+        for slice in plan.creates {
+            match self.api.create_slice(&slice).await {
+                Ok(got) => {
+                    bump(&self.shared.counters.creates);
+                    self.record(&slice, &got);
+                }
+                Err(e @ api::Error::Conflict(_)) => {
+                    bump(&self.shared.counters.conflicts);
+                    return Err(Failure::Retry(e));
+                }
+                Err(e) => return Err(Failure::Backoff(e)),
+            }
+        }
+        for name in plan.deletes {
+            match self.api.delete_slice(&name).await {
+                Ok(()) => bump(&self.shared.counters.deletes),
+                Err(api::Error::NotFound(_)) => {}
+                Err(e) => return Err(Failure::Backoff(e)),
+            }
+            self.written.remove(&name);
+        }
+        tracing::info!(
+            updates = u,
+            creates = c,
+            deletes = d,
+            generation = ?generation,
+            "published resourceslices"
+        );
+        Ok(())
+    }
+
+    /// Remembers a write and checks what the server kept of it.
+    fn record(&mut self, sent: &ResourceSlice, got: &ResourceSlice) {
+        let sent_json = plan::normalized_spec(&sent.spec);
+        let name = got.metadata.name.clone().unwrap_or_default();
+        let dropped = plan::dropped_fields(&sent_json, &plan::normalized_spec(&got.spec));
+        let new: Vec<FieldPath> = dropped
+            .into_iter()
+            .filter(|p| !self.dropped.contains(p))
+            .collect();
+        for path in &new {
+            tracing::warn!(
+                field = %path,
+                slice = %name,
+                "the API server dropped a field of a published resourceslice; the feature gate \
+                 for it (DRAPartitionableDevices, DRADeviceTaints, DRAConsumableCapacity, ...) is \
+                 probably off in this cluster"
+            );
+        }
+        if !new.is_empty() {
+            self.dropped.extend(new);
+            let all = self.dropped.clone();
+            self.shared.dropped.send_replace(all);
+        }
+        if let Some(rv) = got.metadata.resource_version.clone() {
+            self.written.insert(
+                name,
+                Written {
+                    resource_version: rv,
+                    sent: sent_json,
+                },
+            );
+        }
+    }
+
+    /// The controller reference to our Node; `None` while the Node does not exist.
+    async fn owner(&mut self) -> api::Result<Option<OwnerReference>> {
+        if self.owner.is_none() {
+            match self.api.get_node(&self.node).await {
+                Ok(node) => {
+                    self.owner = node.metadata.uid.map(|uid| OwnerReference {
+                        api_version: "v1".into(),
+                        kind: "Node".into(),
+                        name: self.node.to_string(),
+                        uid,
+                        controller: Some(true),
+                        block_owner_deletion: None,
+                    });
+                }
+                Err(api::Error::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(self.owner.clone())
+    }
+}
+
+fn earliest(a: Option<Instant>, b: Instant) -> Instant {
+    a.map_or(b, |a| a.min(b))
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn next_event(
+    watch: &mut Option<BoxStream<'_, api::Result<SliceEvent>>>,
+) -> Option<api::Result<SliceEvent>> {
+    match watch {
+        Some(w) => w.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests;

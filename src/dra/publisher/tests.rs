@@ -1,0 +1,311 @@
+//! Publisher loop tests on an in-memory API with paused time (timings are exact here); the
+//! HTTP-level behaviour is tested in `tests/publisher.rs` against the test API server.
+
+use super::*;
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourcePool};
+use std::sync::Mutex;
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+
+/// A minimal in-memory API: slices by name, a failure budget, a call log with times.
+#[derive(Default)]
+struct MemApi {
+    state: Mutex<MemState>,
+}
+
+#[derive(Default)]
+struct MemState {
+    slices: std::collections::BTreeMap<String, ResourceSlice>,
+    rv: u64,
+    /// The next this many calls fail with `Transient`.
+    fail: u32,
+    /// Times of list calls.
+    lists: Vec<Instant>,
+    writes: u64,
+}
+
+impl MemApi {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemState> {
+        self.state.lock().unwrap()
+    }
+
+    fn check_fail(&self) -> api::Result<()> {
+        let mut st = self.lock();
+        if st.fail > 0 {
+            st.fail -= 1;
+            return Err(api::Error::Transient("injected".into()));
+        }
+        Ok(())
+    }
+}
+
+impl ClusterApi for MemApi {
+    fn list_slices<'a>(
+        &'a self,
+        _driver: &'a str,
+        _node: &'a str,
+    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
+        Box::pin(async move {
+            self.lock().lists.push(Instant::now());
+            self.check_fail()?;
+            Ok(self.lock().slices.values().cloned().collect())
+        })
+    }
+
+    fn create_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        Box::pin(async move {
+            self.check_fail()?;
+            let mut st = self.lock();
+            st.rv += 1;
+            st.writes += 1;
+            let mut s = slice.clone();
+            s.metadata.name = Some(format!("s{}", st.rv));
+            s.metadata.resource_version = Some(st.rv.to_string());
+            st.slices
+                .insert(s.metadata.name.clone().unwrap(), s.clone());
+            Ok(s)
+        })
+    }
+
+    fn replace_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        Box::pin(async move {
+            self.check_fail()?;
+            let mut st = self.lock();
+            st.rv += 1;
+            st.writes += 1;
+            let mut s = slice.clone();
+            s.metadata.resource_version = Some(st.rv.to_string());
+            st.slices
+                .insert(s.metadata.name.clone().unwrap(), s.clone());
+            Ok(s)
+        })
+    }
+
+    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<()>> {
+        Box::pin(async move {
+            self.check_fail()?;
+            let mut st = self.lock();
+            st.writes += 1;
+            st.slices
+                .remove(name)
+                .map(|_| ())
+                .ok_or_else(|| api::Error::NotFound(name.into()))
+        })
+    }
+
+    fn watch_slices<'a>(
+        &'a self,
+        _driver: &'a str,
+        _node: &'a str,
+    ) -> BoxStream<'a, api::Result<SliceEvent>> {
+        // A watch that starts and then stays quiet.
+        futures::stream::once(async { Ok(SliceEvent::Restarted) })
+            .chain(futures::stream::pending())
+            .boxed()
+    }
+
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+        Box::pin(async move { Err(api::Error::NotFound(format!("{namespace}/{name}"))) })
+    }
+
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
+        Box::pin(async move { Err(api::Error::NotFound(name.into())) })
+    }
+}
+
+fn spec(devices: &[&str]) -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        driver: DRIVER.into(),
+        node_name: Some(NODE.into()),
+        pool: ResourcePool {
+            name: NODE.into(),
+            generation: 0,
+            resource_slice_count: 0,
+        },
+        devices: Some(
+            devices
+                .iter()
+                .map(|d| Device {
+                    name: d.to_string(),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+        ..Default::default()
+    }
+}
+
+fn start(
+    api: Arc<MemApi>,
+) -> (
+    PublisherHandle,
+    CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let (publisher, handle) = Publisher::new(api, DRIVER, NODE);
+    let token = CancellationToken::new();
+    let task = tokio::spawn(publisher.run(token.clone()));
+    (handle, token, task)
+}
+
+#[test]
+fn backoff_doubles_with_jitter_up_to_the_cap() {
+    let mut b = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let mut nominal = Duration::from_millis(500);
+    for _ in 0..12 {
+        let d = b.next_delay();
+        assert!(
+            d >= nominal / 2 && d <= nominal,
+            "{d:?} not in [{nominal:?}/2, {nominal:?}]"
+        );
+        nominal = (nominal * 2).min(Duration::from_secs(30));
+    }
+    b.reset();
+    assert!(b.next_delay() <= Duration::from_millis(500));
+}
+
+#[tokio::test(start_paused = true)]
+async fn nothing_is_published_before_the_desired_state_is_set() {
+    let api = Arc::new(MemApi::default());
+    let (handle, token, task) = start(api.clone());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(handle.counters(), Counters::default());
+    assert!(api.lock().lists.is_empty());
+    token.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn slices_for_another_driver_or_node_are_refused() {
+    let api = Arc::new(MemApi::default());
+    let (_publisher, handle) = Publisher::new(api, DRIVER, NODE);
+    let mut other = spec(&["gpu-0"]);
+    other.node_name = Some("node-b".into());
+    let err = handle
+        .set_desired(vec![spec(&["gpu-1"]), other])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("desired slice 1") && err.contains("node-b"),
+        "{err}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unavailable_api_is_retried_with_growing_capped_delays_then_published() {
+    let api = Arc::new(MemApi::default());
+    api.lock().fail = 12;
+    let (handle, token, task) = start(api.clone());
+    let seq = handle.set_desired(vec![spec(&["gpu-0"])]).unwrap();
+    handle.wait_synced(seq).await;
+
+    let lists = api.lock().lists.clone();
+    assert_eq!(lists.len(), 13, "12 failed lists, then one that worked");
+    let gaps: Vec<Duration> = lists.windows(2).map(|w| w[1] - w[0]).collect();
+    let mut nominal = Duration::from_millis(500);
+    for gap in &gaps {
+        assert!(
+            *gap >= nominal / 2 && *gap <= nominal,
+            "gap {gap:?} for nominal {nominal:?}; all gaps {gaps:?}"
+        );
+        nominal = (nominal * 2).min(Duration::from_secs(30));
+    }
+    assert!(gaps.last().unwrap() >= &Duration::from_secs(15), "{gaps:?}");
+    let c = handle.counters();
+    assert_eq!((c.creates, c.errors), (1, 12));
+    assert_eq!(api.lock().slices.len(), 1);
+    let status = handle.status().borrow().clone();
+    assert_eq!(status.last_error, None);
+    assert_eq!(status.slices, 1);
+
+    // A quiet hour later: not one more write or list.
+    let lists_before = api.lock().lists.len();
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    assert_eq!(api.lock().lists.len(), lists_before);
+    assert_eq!(api.lock().writes, 1);
+    token.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_every_handle_keeps_the_publisher_quietly_running() {
+    let api = Arc::new(MemApi::default());
+    let (handle, token, task) = start(api.clone());
+    let seq = handle.set_desired(vec![spec(&["gpu-0"])]).unwrap();
+    handle.wait_synced(seq).await;
+    drop(handle);
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert!(!task.is_finished());
+    assert_eq!(
+        api.lock().lists.len(),
+        1,
+        "no busy loop on a closed channel"
+    );
+    token.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_desired_changes_costs_one_reconcile() {
+    let api = Arc::new(MemApi::default());
+    let (handle, token, task) = start(api.clone());
+    let mut seq = 0;
+    for n in 0..10 {
+        seq = handle
+            .set_desired(vec![spec(&[&format!("gpu-{n}")])])
+            .unwrap();
+        // Let the publisher see each change (time stands still, so all within the settle time).
+        tokio::task::yield_now().await;
+    }
+    handle.wait_synced(seq).await;
+    assert_eq!(api.lock().lists.len(), 1);
+    let only: Vec<String> = api
+        .lock()
+        .slices
+        .values()
+        .map(|s| s.spec.devices.as_ref().unwrap()[0].name.clone())
+        .collect();
+    assert_eq!(only, ["gpu-9"]);
+    token.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_desired_change_is_tried_at_once_even_during_a_long_backoff() {
+    let api = Arc::new(MemApi::default());
+    api.lock().fail = u32::MAX;
+    let (handle, token, task) = start(api.clone());
+    handle.set_desired(vec![spec(&["gpu-0"])]).unwrap();
+    // Ten minutes of outage: the retry delay is at its 30 s cap.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let attempts = api.lock().lists.len();
+    assert!(
+        (20..=50).contains(&attempts),
+        "{attempts} attempts in 10 minutes"
+    );
+
+    api.lock().fail = 0;
+    let t = Instant::now();
+    let seq = handle.set_desired(vec![spec(&["gpu-1"])]).unwrap();
+    handle.wait_synced(seq).await;
+    assert!(
+        t.elapsed() <= Options::default().settle,
+        "{:?}",
+        t.elapsed()
+    );
+    token.cancel();
+    task.await.unwrap();
+}

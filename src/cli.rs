@@ -349,7 +349,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 .map_err(anyhow::Error::from)?;
             runtime.block_on(async {
                 let backend = open_backend(&config)?;
-                let api = open_api(&config).await?;
+                let api = crate::api::connect(&config.api)
+                    .await
+                    .map_err(anyhow::Error::from)?;
                 let extras = crate::daemon::Extras {
                     boot_id_file: args.boot_id_file.clone(),
                     crash_at: args.test_crash_at,
@@ -358,19 +360,6 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     .await
                     .map_err(|e| Failure::Other(e.into()))
             })
-        }
-    }
-}
-
-/// Connects to the API the configuration names.
-async fn open_api(config: &Config) -> anyhow::Result<Arc<dyn crate::api::ClusterApi>> {
-    match &config.api {
-        config::Api::Dir(dir) => anyhow::bail!(
-            "--api-dir {}: the directory API is not in this build yet",
-            dir.display()
-        ),
-        config::Api::Kube { .. } => {
-            anyhow::bail!("the Kubernetes API client is not in this build yet; use --api-dir")
         }
     }
 }

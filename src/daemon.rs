@@ -26,8 +26,10 @@ use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::dra::grpc;
 use crate::dra::plugin::{self, CrashPoint, Plugin};
+use crate::dra::publisher::{self, Publisher};
 use crate::dra::registration::{Registrar, RegistrationState, Sockets};
-use crate::inventory::DeviceBackend;
+use crate::dra::slices;
+use crate::inventory::{self, DeviceBackend};
 use crate::ledger;
 use crate::metrics::{self, Metrics};
 
@@ -51,6 +53,12 @@ pub enum Error {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    #[error("cannot read the GPUs: {0}")]
+    Inventory(#[from] inventory::Error),
+    #[error("{0}")]
+    Slices(#[from] slices::Error),
+    #[error("{0}")]
+    Publisher(#[from] publisher::Error),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     #[error("task {task} stopped unexpectedly: {reason}")]
@@ -187,7 +195,7 @@ async fn serve(
         });
     }
 
-    publish(config, &api, &backend, &metrics, &mut tasks, &shutdown).await;
+    publish(config, &api, &backend, &metrics, &mut tasks, &shutdown).await?;
 
     match metrics::bind(config.metrics_address).await {
         Ok(listener) => {
@@ -253,13 +261,48 @@ async fn serve(
     }
 }
 
-/// Starts the ResourceSlice publisher with the current inventory.
+/// Starts the ResourceSlice publisher with the current inventory, and a task that marks the
+/// metrics `published` once the first publish went through.
 async fn publish(
-    _config: &Config,
-    _api: &Arc<dyn ClusterApi>,
-    _backend: &Arc<dyn DeviceBackend>,
-    _metrics: &Arc<Metrics>,
-    _tasks: &mut JoinSet<TaskResult>,
-    _shutdown: &CancellationToken,
-) {
+    config: &Config,
+    api: &Arc<dyn ClusterApi>,
+    backend: &Arc<dyn DeviceBackend>,
+    metrics: &Arc<Metrics>,
+    tasks: &mut JoinSet<TaskResult>,
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    let inv = inventory::snapshot(backend.clone()).await?;
+    metrics
+        .gpus
+        .store(inv.gpus.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    let opts = slices::SliceOptions {
+        driver: config.driver_name.clone(),
+        node_name: config.node_name.clone(),
+        partitionable: config.partitionable,
+        layout: slices::CounterLayout::default(),
+    };
+    let desired = slices::desired_slices(&inv, &opts)?;
+    let (publisher, handle) = Publisher::new(api.clone(), &config.driver_name, &config.node_name);
+    let seq = handle.set_desired(desired)?;
+    {
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            publisher.run(token).await;
+            ("publisher", Ok(()))
+        });
+    }
+    let (m, token) = (metrics.clone(), shutdown.clone());
+    tasks.spawn(async move {
+        tokio::select! {
+            () = token.cancelled() => {}
+            () = handle.wait_synced(seq) => {
+                m.published.store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!("ResourceSlices published");
+                // This task's work is done; stay alive so its end does not read as a failure.
+                token.cancelled().await;
+            }
+        }
+        ("publish-status", Ok(()))
+    });
+    Ok(())
 }

@@ -114,7 +114,7 @@ impl Dirs {
             .args(["--metrics-address", "127.0.0.1:0"])
             .env("NVDRA_BOOT_ID_FILE", self.boot_file())
             .env_remove("NVDRA_TEST_CRASH_AT")
-            .env("NVDRA_LOG", "info")
+            .env("NVDRA_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -191,14 +191,26 @@ async fn unprepare(d: &Dirs, uid: &str) -> String {
     r.claims.remove(uid).unwrap().error
 }
 
-fn terminate(child: &mut Child) -> std::process::ExitStatus {
-    // SIGTERM through kill(1): the test must not depend on libc for a signal.
+/// Waits for the process to exit without blocking the runtime, which must keep serving the
+/// test's client connections while the daemon drains them.
+async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    for _ in 0..6000 {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("nvdra did not exit within 60 s");
+}
+
+async fn terminate(child: &mut Child) -> std::process::ExitStatus {
+    // SIGTERM through kill(1), so the test needs no unsafe libc call.
     let ok = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
         .unwrap();
     assert!(ok.success());
-    child.wait().unwrap()
+    wait_exit(child).await
 }
 
 async fn crash_then_retry(point: &str) {
@@ -211,7 +223,7 @@ async fn crash_then_retry(point: &str) {
     wait_ready(&d, &mut first).await;
     let r = prepare(&d, "a").await;
     assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
-    let status = first.wait().unwrap();
+    let status = wait_exit(&mut first).await;
     assert_eq!(status.signal(), Some(libc_sigabrt()), "{point}: {status}");
 
     // What the crash left: the claim recorded (started, or completed for the last point).
@@ -263,7 +275,7 @@ async fn crash_then_retry(point: &str) {
     assert!(d.specs().is_empty());
     let r = prepare(&d, "b").await.unwrap();
     assert_eq!(r.error, "", "{point}: freed by the unprepare");
-    let status = terminate(&mut second);
+    let status = terminate(&mut second).await;
     assert!(status.success(), "{point}: clean exit on SIGTERM: {status}");
     assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
 }
@@ -301,13 +313,13 @@ async fn reboot_clears_claims_and_orphan_specs() {
     wait_ready(&d, &mut p).await;
     assert_eq!(prepare(&d, "a").await.unwrap().error, "");
     assert_eq!(d.specs(), vec![Dirs::spec_name("a")]);
-    assert!(terminate(&mut p).success());
+    assert!(terminate(&mut p).await.success());
 
     // Same boot: the claim survives a restart and is served from the checkpoint.
     let mut p = d.spawn(None);
     wait_ready(&d, &mut p).await;
     assert_eq!(d.checkpoint_json()["claims"].as_object().unwrap().len(), 1);
-    assert!(terminate(&mut p).success());
+    assert!(terminate(&mut p).await.success());
 
     // New boot: the checkpoint's claims and the CDI spec are gone.
     std::fs::write(d.boot_file(), "boot-2\n").unwrap();
@@ -317,7 +329,7 @@ async fn reboot_clears_claims_and_orphan_specs() {
     let cp = d.checkpoint_json();
     assert_eq!(cp["bootId"], "boot-2");
     assert!(cp["claims"].as_object().unwrap().is_empty());
-    assert!(terminate(&mut p).success());
+    assert!(terminate(&mut p).await.success());
 }
 
 #[tokio::test]
@@ -335,5 +347,5 @@ async fn corrupt_checkpoint_is_moved_aside() {
         .collect();
     assert_eq!(aside.len(), 1);
     assert_eq!(prepare(&d, "a").await.unwrap().error, "");
-    assert!(terminate(&mut p).success());
+    assert!(terminate(&mut p).await.success());
 }

@@ -1,91 +1,36 @@
 //! The DRA kubelet plugin end to end, with a kubelet stand-in: real tonic clients over the Unix
-//! sockets `nvdra::daemon::run` creates in a temp dir, a simulated backend and an in-memory API.
+//! sockets `nvdra::daemon::run` creates in a temp dir, a simulated backend, and the test API
+//! server reached through the real `KubeApi` client.
 
-use std::collections::BTreeMap;
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use futures::future::BoxFuture;
-use futures::stream::BoxStream;
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
     DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
-    ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
-use nvdra::api::{self, ClusterApi, SliceEvent};
+use nvdra::api::kube::KubeApi;
 use nvdra::config::{self, Overrides};
 use nvdra::inventory::sim::{SimAction, SimBackend};
 use nvdra::proto::dra::{v1, v1beta1};
 use nvdra::proto::pluginregistration::{
     InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
 };
+use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 
-#[derive(Default)]
-struct FakeApi {
-    claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
-}
-
-impl ClusterApi for FakeApi {
-    fn list_slices<'a>(
-        &'a self,
-        _: &'a str,
-        _: &'a str,
-    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-    fn create_slice<'a>(
-        &'a self,
-        s: &'a ResourceSlice,
-    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-        Box::pin(async move { Ok(s.clone()) })
-    }
-    fn replace_slice<'a>(
-        &'a self,
-        s: &'a ResourceSlice,
-    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-        Box::pin(async move { Ok(s.clone()) })
-    }
-    fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn watch_slices<'a>(
-        &'a self,
-        _: &'a str,
-        _: &'a str,
-    ) -> BoxStream<'a, api::Result<SliceEvent>> {
-        Box::pin(futures::stream::pending())
-    }
-    fn get_claim<'a>(
-        &'a self,
-        ns: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
-        let r = self
-            .claims
-            .lock()
-            .unwrap()
-            .get(&(ns.to_string(), name.to_string()))
-            .cloned()
-            .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}")));
-        Box::pin(async move { r })
-    }
-    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
-        Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
-    }
-}
-
 struct TestNode {
     dir: tempfile::TempDir,
-    api: Arc<FakeApi>,
+    api: TestApiServer,
     sim: SimBackend,
     stop: CancellationToken,
     daemon: tokio::task::JoinHandle<nvdra::daemon::Result<()>>,
@@ -130,7 +75,6 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
             kubelet_root: Some(dir.path().join("kubelet")),
             cdi_root: Some(dir.path().join("cdi")),
             driver_root: Some(dir.path().join("driver")),
-            api_dir: Some(dir.path().join("api")),
             metrics_address: Some("127.0.0.1:0".into()),
             pod_uid: pod_uid.map(String::from),
             partitionable: Some(partitionable),
@@ -146,7 +90,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
         pod_uid,
     );
     let sim = SimBackend::from_profile(profile, NODE).unwrap();
-    let api = Arc::new(FakeApi::default());
+    let api = TestApiServer::start().await;
     let stop = CancellationToken::new();
     let daemon = tokio::spawn(nvdra::daemon::run(
         config,
@@ -155,7 +99,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
             crash_at: None,
         },
         Arc::new(sim.clone()),
-        api.clone(),
+        Arc::new(KubeApi::from_url(api.url()).unwrap()),
         stop.clone(),
     ));
     wait_for(&sockets.registration).await;
@@ -172,11 +116,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
 
 impl TestNode {
     fn add(&self, c: ResourceClaim) {
-        let key = (
-            c.metadata.namespace.clone().unwrap(),
-            c.metadata.name.clone().unwrap(),
-        );
-        self.api.claims.lock().unwrap().insert(key, c);
+        self.api.seed_claim(c);
     }
     fn spec(&self, uid: &str) -> PathBuf {
         self.dir
@@ -288,6 +228,21 @@ async fn registration_handshake() {
     .await
     .unwrap();
     reg.get_info(InfoRequest {}).await.unwrap();
+    // The node's GPUs are published as ResourceSlices.
+    let slices = node
+        .api
+        .wait_for(std::time::Duration::from_secs(20), |s| !s.is_empty())
+        .await;
+    let names: Vec<String> = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
+        .collect();
+    assert_eq!(names, vec!["gpu-0", "gpu-1", "gpu-2", "gpu-3"]);
+    assert!(
+        slices
+            .iter()
+            .all(|s| s.spec.node_name.as_deref() == Some(NODE))
+    );
     node.shutdown().await;
 }
 

@@ -12,99 +12,51 @@
 //! The node is a DGX A100 profile widened to 64 GPUs, simulated. Run with
 //! `cargo bench --bench prepare`.
 
-/// The API the plugin reads claims from during the benchmark.
-mod bench_api {
-    use std::collections::BTreeMap;
-    use std::sync::{Arc, Mutex};
+#[path = "../tests/support/apiserver.rs"]
+mod apiserver;
 
-    use futures::future::BoxFuture;
-    use futures::stream::BoxStream;
-    use k8s_openapi::api::core::v1::Node;
+/// The API the plugin reads claims from: the test API server over HTTP through the real
+/// `KubeApi` client (no client-side rate limit), as a kubelet plugin in a cluster would.
+mod bench_api {
+    use std::sync::Arc;
+
     use k8s_openapi::api::resource::v1::{
         AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-        ResourceClaimStatus, ResourceSlice,
+        ResourceClaimStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-    use nvdra::api::{self, ClusterApi, SliceEvent};
+    use nvdra::api::ClusterApi;
+    use nvdra::api::kube::KubeApi;
 
-    /// Claims held in memory: the floor of any API.
-    #[derive(Default)]
-    pub struct MemApi {
-        claims: Mutex<BTreeMap<String, ResourceClaim>>,
-    }
-
-    impl ClusterApi for MemApi {
-        fn list_slices<'a>(
-            &'a self,
-            _: &'a str,
-            _: &'a str,
-        ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
-            Box::pin(async { Ok(Vec::new()) })
-        }
-        fn create_slice<'a>(
-            &'a self,
-            s: &'a ResourceSlice,
-        ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-            Box::pin(async move { Ok(s.clone()) })
-        }
-        fn replace_slice<'a>(
-            &'a self,
-            s: &'a ResourceSlice,
-        ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-            Box::pin(async move { Ok(s.clone()) })
-        }
-        fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
-            Box::pin(async { Ok(()) })
-        }
-        fn watch_slices<'a>(
-            &'a self,
-            _: &'a str,
-            _: &'a str,
-        ) -> BoxStream<'a, api::Result<SliceEvent>> {
-            Box::pin(futures::stream::pending())
-        }
-        fn get_claim<'a>(
-            &'a self,
-            _ns: &'a str,
-            name: &'a str,
-        ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
-            let r = self
-                .claims
-                .lock()
-                .expect("lock")
-                .get(name)
-                .cloned()
-                .ok_or_else(|| api::Error::NotFound(name.to_string()));
-            Box::pin(async move { r })
-        }
-        fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
-            Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
-        }
-    }
+    use super::apiserver::TestApiServer;
 
     pub struct BenchApi {
-        mem: Arc<MemApi>,
+        server: TestApiServer,
+        client: Arc<KubeApi>,
         node: String,
         driver: String,
     }
 
     pub async fn start(node: &str, driver: &str) -> BenchApi {
+        let server = TestApiServer::start().await;
+        let client = Arc::new(KubeApi::from_url(server.url()).expect("client"));
         BenchApi {
-            mem: Arc::new(MemApi::default()),
+            server,
+            client,
             node: node.into(),
             driver: driver.into(),
         }
     }
 
     impl BenchApi {
-        pub fn describe(&self) -> &'static str {
-            "in-memory"
+        pub fn describe(&self) -> String {
+            format!("test API server at {} via KubeApi", self.server.url())
         }
         pub fn cluster_api(&self) -> Arc<dyn ClusterApi> {
-            self.mem.clone()
+            self.client.clone()
         }
         pub async fn add_claim(&self, uid: &str, device: &str) {
-            let c = ResourceClaim {
+            self.server.seed_claim(ResourceClaim {
                 metadata: ObjectMeta {
                     namespace: Some("default".into()),
                     name: Some(format!("claim-{uid}")),
@@ -128,12 +80,7 @@ mod bench_api {
                     ..Default::default()
                 }),
                 ..Default::default()
-            };
-            self.mem
-                .claims
-                .lock()
-                .expect("lock")
-                .insert(format!("claim-{uid}"), c);
+            });
         }
         pub async fn stop(self) {}
     }

@@ -12,3 +12,4 @@
 
 pub mod publisher;
 pub mod slices;
+pub mod sync;

@@ -292,6 +292,17 @@ impl ClusterApi for KubeApi {
                 .map_err(|e| classify(&format!("get node {name}"), e))
         })
     }
+
+    fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
+        Box::pin(async move {
+            let info = self
+                .client
+                .apiserver_version()
+                .await
+                .map_err(|e| classify("get /version", e))?;
+            Ok(super::parse_minor(&info.minor))
+        })
+    }
 }
 
 #[cfg(test)]

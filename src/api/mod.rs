@@ -82,6 +82,19 @@ pub trait ClusterApi: Send + Sync + 'static {
     /// Reads a Node (for the owner reference of published slices). `NotFound` is normal for the
     /// directory API without a `nodes/` entry.
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>>;
+
+    /// The API server's Kubernetes minor version (34 for 1.34), which decides the slice layout
+    /// for shared counters. `None` when there is no server to ask (the directory API), meaning
+    /// the newest rules apply.
+    fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// Parses the `minor` of a `/version` answer: `"35"`, or `"35+"` as some distributions report.
+pub fn parse_minor(minor: &str) -> Option<u32> {
+    let digits: String = minor.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
 }
 
 /// Connects to the API the configuration names: a directory, the given kubeconfig, or the
@@ -93,4 +106,15 @@ pub async fn connect(api: &crate::config::Api) -> Result<std::sync::Arc<dyn Clus
         }
         crate::config::Api::Dir(dir) => std::sync::Arc::new(dir::DirApi::new(dir.clone())?),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn minor_versions_parse() {
+        assert_eq!(super::parse_minor("35"), Some(35));
+        assert_eq!(super::parse_minor("34+"), Some(34));
+        assert_eq!(super::parse_minor(""), None);
+        assert_eq!(super::parse_minor("x"), None);
+    }
 }

@@ -18,4 +18,5 @@ pub mod plugin;
 pub mod publisher;
 pub mod registration;
 pub mod slices;
+pub mod sync;
 pub mod wire;

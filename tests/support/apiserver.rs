@@ -76,6 +76,8 @@ struct State {
     conflict_next_update: bool,
     dropped_fields: Vec<String>,
     counts: Counts,
+    /// What `/version` reports as the minor version.
+    server_minor: u32,
 }
 
 impl State {
@@ -137,7 +139,10 @@ impl TestApiServer {
             }
         };
         let url = format!("http://{}", listener.local_addr().expect("local addr"));
-        let state = Arc::new(Mutex::new(State::default()));
+        let state = Arc::new(Mutex::new(State {
+            server_minor: 35,
+            ..State::default()
+        }));
         let changed = Arc::new(watch::channel(0).0);
         let shutdown = CancellationToken::new();
         let server = Server {
@@ -286,6 +291,11 @@ impl TestApiServer {
             .expect("no such slice");
         edit(&mut slice);
         self.insert_slice(slice);
+    }
+
+    /// Makes `/version` report Kubernetes 1.`minor` (default 1.35).
+    pub fn set_server_minor(&self, minor: u32) {
+        self.lock().server_minor = minor;
     }
 
     /// The next `n` requests (of any kind) fail with 500.
@@ -602,6 +612,23 @@ impl Server {
             (Method::DELETE, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
                 self.delete(name)
             }
+            (Method::GET, ["version"]) => {
+                let minor = self.lock().server_minor;
+                ok_json(
+                    StatusCode::OK,
+                    &serde_json::json!({
+                        "major": "1",
+                        "minor": minor.to_string(),
+                        "gitVersion": format!("v1.{minor}.0"),
+                        "gitCommit": "",
+                        "gitTreeState": "clean",
+                        "buildDate": "2026-01-01T00:00:00Z",
+                        "goVersion": "go1.25",
+                        "compiler": "gc",
+                        "platform": "linux/amd64",
+                    }),
+                )
+            }
             (Method::GET, ["api", "v1", "nodes", name]) => match self.lock().nodes.get(*name) {
                 Some(n) => ok_json(StatusCode::OK, n),
                 None => not_found("nodes", name),
@@ -743,7 +770,7 @@ impl Server {
             );
         }
         s.metadata.name = Some(name.clone());
-        let causes = validate(&s);
+        let causes = validate(&s, st.server_minor);
         if !causes.is_empty() {
             return invalid(&name, causes);
         }
@@ -786,7 +813,7 @@ impl Server {
             return conflict(name);
         }
         drop_fields(&mut s, &st.dropped_fields);
-        let mut causes = validate(&s);
+        let mut causes = validate(&s, st.server_minor);
         for (field, old, new) in [
             (
                 "spec.driver",
@@ -965,8 +992,9 @@ fn is_qualified_name(s: &str) -> bool {
     }
 }
 
-/// The `resource.k8s.io/v1` validation nvdra can run into (Kubernetes 1.35 limits).
-fn validate(s: &ResourceSlice) -> Vec<(String, String)> {
+/// The `resource.k8s.io/v1` validation nvdra can run into: Kubernetes 1.35 limits, except that a
+/// 1.34 server (`minor` 34) still takes shared counters in the same slice as devices.
+fn validate(s: &ResourceSlice, minor: u32) -> Vec<(String, String)> {
     let mut causes: Vec<(String, String)> = Vec::new();
     let mut bad = |field: String, msg: String| causes.push((field, msg));
     let name = s.metadata.name.as_deref().unwrap_or("");
@@ -1024,7 +1052,7 @@ fn validate(s: &ResourceSlice) -> Vec<(String, String)> {
     }
     let devices = spec.devices.as_deref().unwrap_or(&[]);
     let counters = spec.shared_counters.as_deref().unwrap_or(&[]);
-    if !devices.is_empty() && !counters.is_empty() {
+    if minor >= 35 && !devices.is_empty() && !counters.is_empty() {
         bad(
             "spec".into(),
             "only one of `devices` and `sharedCounters` may be set".into(),

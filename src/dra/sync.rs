@@ -1,0 +1,188 @@
+//! Keeps the published slices a function of the inventory.
+//!
+//! [`SliceSync`] re-reads the inventory when told it may have changed (a MIG instance created or
+//! destroyed at prepare, a health event) and on a slow rescan, recomputes the desired slices with
+//! [`slices::desired_slices`], and hands them to the publisher only when they differ from the last
+//! ones — so an unchanged node costs one inventory read per rescan and no API writes.
+//!
+//! It also owns the one decision that needs the API server's answers: when the server drops the
+//! partitionable fields (`sharedCounters`, `consumesCounters`: the DRAPartitionableDevices gate is
+//! off), it logs that once and falls back to the plain layout, so the node stays schedulable.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::ResourceSliceSpec;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::publisher::PublisherHandle;
+use super::slices::{self, CounterLayout, SliceOptions};
+use crate::inventory::{self, DeviceBackend, Inventory};
+
+/// The fields whose loss means partitionable devices cannot work on this cluster.
+const PARTITIONABLE_FIELDS: [&str; 2] = ["sharedCounters", "consumesCounters"];
+
+/// The counter layout a server of this Kubernetes minor version accepts: 1.34 wants shared
+/// counters in the same slice as the devices using them, 1.35+ in a slice of their own. Unknown
+/// (the directory API) gets the newest rules.
+pub fn layout_for(minor: Option<u32>) -> CounterLayout {
+    match minor {
+        Some(m) if m <= 34 => CounterLayout::Together,
+        _ => CounterLayout::Separate,
+    }
+}
+
+/// Tells a running [`SliceSync`] to re-read the inventory now.
+#[derive(Clone, Debug)]
+pub struct SyncHandle {
+    trigger: Arc<Notify>,
+}
+
+impl SyncHandle {
+    /// The hardware may have changed (MIG instance created, health event): re-read it soon.
+    pub fn inventory_changed(&self) {
+        self.trigger.notify_one();
+    }
+}
+
+/// The task that feeds the publisher.
+pub struct SliceSync {
+    backend: Arc<dyn DeviceBackend>,
+    publisher: PublisherHandle,
+    options: SliceOptions,
+    rescan: Duration,
+    trigger: Arc<Notify>,
+    last_inventory: Option<Inventory>,
+    last_desired: Option<Vec<ResourceSliceSpec>>,
+    /// Set once the partitionable layout was abandoned.
+    fell_back: bool,
+}
+
+impl SliceSync {
+    /// `rescan` bounds how long a change nobody announced (a GPU falling off the bus under NVML)
+    /// takes to reach the API server.
+    pub fn new(
+        backend: Arc<dyn DeviceBackend>,
+        publisher: PublisherHandle,
+        options: SliceOptions,
+        rescan: Duration,
+    ) -> (Self, SyncHandle) {
+        let trigger = Arc::new(Notify::new());
+        (
+            Self {
+                backend,
+                publisher,
+                options,
+                rescan,
+                trigger: trigger.clone(),
+                last_inventory: None,
+                last_desired: None,
+                fell_back: false,
+            },
+            SyncHandle { trigger },
+        )
+    }
+
+    /// Runs until `shutdown`. Failures to read the inventory or to build slices are logged and
+    /// retried at the next trigger or rescan; the last published state stays in place meanwhile.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut dropped = self.publisher.dropped_fields();
+        let mut tick = tokio::time::interval(self.rescan);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                changed = dropped.changed() => {
+                    if changed.is_err() {
+                        // The publisher is gone; nothing left to feed.
+                        return;
+                    }
+                    let fields: Vec<String> = dropped
+                        .borrow_and_update()
+                        .iter()
+                        .map(|f| f.field().to_string())
+                        .collect();
+                    self.on_dropped(&fields);
+                }
+                () = self.trigger.notified() => {}
+                _ = tick.tick() => {}
+            }
+            self.sync_once().await;
+        }
+    }
+
+    fn on_dropped(&mut self, fields: &[String]) {
+        let lost: Vec<&str> = fields
+            .iter()
+            .map(String::as_str)
+            .filter(|f| PARTITIONABLE_FIELDS.contains(f))
+            .collect();
+        if self.options.partitionable && !self.fell_back && !lost.is_empty() {
+            tracing::warn!(
+                fields = ?lost,
+                "the API server drops the partitionable-device fields (feature gate \
+                 DRAPartitionableDevices is off); publishing whole GPUs and existing MIG devices \
+                 instead. Enable the gate or run without --partitionable to silence this"
+            );
+            self.options.partitionable = false;
+            self.fell_back = true;
+            // Force a recompute even though the inventory did not change.
+            self.last_desired = None;
+        }
+    }
+
+    /// Reads the inventory and publishes new desired slices if anything changed.
+    pub async fn sync_once(&mut self) {
+        let inv = match inventory::snapshot(self.backend.clone()).await {
+            Ok(inv) => inv,
+            Err(e) => {
+                tracing::warn!(error = %e, backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
+                return;
+            }
+        };
+        if self.last_desired.is_some() && self.last_inventory.as_ref() == Some(&inv) {
+            return;
+        }
+        let desired = match slices::desired_slices(&inv, &self.options) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(error = %e, "bug: the desired slices break an API rule; keeping the published ones (please report this)");
+                return;
+            }
+        };
+        self.last_inventory = Some(inv);
+        if self.last_desired.as_ref() == Some(&desired) {
+            return;
+        }
+        match self.publisher.set_desired(desired.clone()) {
+            Ok(_) => {
+                tracing::info!(
+                    slices = desired.len(),
+                    devices = desired
+                        .iter()
+                        .map(|s| s.devices.as_ref().map_or(0, Vec::len))
+                        .sum::<usize>(),
+                    "desired ResourceSlices updated"
+                );
+                self.last_desired = Some(desired);
+            }
+            Err(e) => tracing::error!(error = %e, "bug: the publisher refused the desired slices"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_follows_the_server_version() {
+        assert_eq!(layout_for(Some(34)), CounterLayout::Together);
+        assert_eq!(layout_for(Some(33)), CounterLayout::Together);
+        assert_eq!(layout_for(Some(35)), CounterLayout::Separate);
+        assert_eq!(layout_for(Some(37)), CounterLayout::Separate);
+        assert_eq!(layout_for(None), CounterLayout::Separate);
+    }
+}

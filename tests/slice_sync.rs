@@ -1,0 +1,229 @@
+//! Inventory → slices → publisher → test API server: changes in the (simulated) hardware reach the
+//! API server as one update, and a server that drops the partitionable fields gets the plain
+//! layout instead.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use nvdra::api::ClusterApi;
+use nvdra::api::kube::KubeApi;
+use nvdra::dra::publisher::{Options, Publisher};
+use nvdra::dra::slices::{CounterLayout, SliceOptions};
+use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
+use nvdra::inventory::sim::SimBackend;
+use nvdra::inventory::{GpuUuid, Health, MigDevice, Placement};
+use support::apiserver::TestApiServer;
+use tokio_util::sync::CancellationToken;
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+/// Generous bound for things that take milliseconds; only hit when something is broken.
+const SOON: Duration = Duration::from_secs(10);
+
+struct Node {
+    server: TestApiServer,
+    sim: SimBackend,
+    sync: SyncHandle,
+    token: CancellationToken,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+async fn start(profile: &str, partitionable: bool, prepare: impl FnOnce(&TestApiServer)) -> Node {
+    let server = TestApiServer::start().await;
+    server.seed_node(NODE, "uid-node-a");
+    prepare(&server);
+    let api = Arc::new(KubeApi::from_url(server.url()).unwrap());
+    let layout = layout_for(api.server_minor().await.unwrap());
+    let options = Options {
+        settle: Duration::from_millis(20),
+        backoff_base: Duration::from_millis(20),
+        backoff_cap: Duration::from_millis(200),
+        conflict_retries: 5,
+    };
+    let (publisher, handle) = Publisher::with_options(api, DRIVER, NODE, options);
+    let sim = SimBackend::from_profile(profile, NODE).unwrap();
+    let (sync, sync_handle) = SliceSync::new(
+        Arc::new(sim.clone()),
+        handle,
+        SliceOptions {
+            driver: DRIVER.into(),
+            node_name: NODE.into(),
+            partitionable,
+            layout,
+        },
+        // Long enough that only announced changes are picked up during a test.
+        Duration::from_secs(3600),
+    );
+    let token = CancellationToken::new();
+    tokio::spawn(publisher.run(token.clone()));
+    tokio::spawn(sync.run(token.clone()));
+    Node {
+        server,
+        sim,
+        sync: sync_handle,
+        token,
+    }
+}
+
+fn device_names(slices: &[ResourceSlice]) -> BTreeSet<String> {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect()
+}
+
+fn generations(slices: &[ResourceSlice]) -> BTreeSet<i64> {
+    slices.iter().map(|s| s.spec.pool.generation).collect()
+}
+
+async fn eventually(what: &str, cond: impl Fn() -> bool) {
+    let wait = async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    if tokio::time::timeout(SOON, wait).await.is_err() {
+        panic!("timed out waiting for {what}");
+    }
+}
+
+fn gpus(n: u32) -> BTreeSet<String> {
+    (0..n).map(|i| format!("gpu-{i}")).collect()
+}
+
+#[tokio::test]
+async fn an_unhealthy_gpu_is_one_update_with_a_generation_bump() {
+    let node = start("dgx-h100", false, |_| {}).await;
+    eventually("first publish", || {
+        device_names(&node.server.slices()) == gpus(8)
+    })
+    .await;
+    let before = node.server.counts();
+    assert_eq!(generations(&node.server.slices()), BTreeSet::from([1]));
+
+    node.sim.update(|inv| {
+        inv.gpus[3].health = Health::Unhealthy {
+            reason: "XID 79".into(),
+        }
+    });
+    node.sync.inventory_changed();
+    let mut expected = gpus(8);
+    expected.remove("gpu-3");
+    eventually("gpu-3 withdrawn", || {
+        device_names(&node.server.slices()) == expected
+    })
+    .await;
+    let after = node.server.counts();
+    assert_eq!(after.updates - before.updates, 1, "{after:?}");
+    assert_eq!(after.creates, before.creates);
+    assert_eq!(after.deletes, before.deletes);
+    assert_eq!(generations(&node.server.slices()), BTreeSet::from([2]));
+
+    // Announcing a change that is not one writes nothing.
+    node.sync.inventory_changed();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(node.server.counts().write_requests, after.write_requests);
+}
+
+#[tokio::test]
+async fn a_new_mig_device_is_published() {
+    let node = start("a100-mig-mixed", false, |_| {}).await;
+    eventually("first publish", || {
+        device_names(&node.server.slices()).contains("gpu-2-mig-1g10gb-15-4")
+    })
+    .await;
+    let before = node.server.counts();
+
+    node.sim.update(|inv| {
+        let gpu = &mut inv.gpus[2];
+        let profile = gpu
+            .mig
+            .profiles
+            .iter()
+            .find(|p| p.name == "1g.10gb")
+            .unwrap()
+            .clone();
+        gpu.mig.devices.push(MigDevice {
+            uuid: GpuUuid("MIG-new".into()),
+            profile: profile.name,
+            gi_profile_id: profile.gi_profile_id,
+            gi_id: 9,
+            ci_id: 0,
+            placement: Placement { start: 6, size: 2 },
+            memory_bytes: profile.memory_bytes,
+            multiprocessors: profile.multiprocessors,
+            engines: profile.engines,
+            health: Health::Healthy,
+        });
+    });
+    node.sync.inventory_changed();
+    eventually("the new MIG device", || {
+        device_names(&node.server.slices()).contains("gpu-2-mig-1g10gb-15-6")
+    })
+    .await;
+    let after = node.server.counts();
+    assert_eq!(after.updates - before.updates, 1, "{after:?}");
+    assert_eq!(after.creates, before.creates);
+}
+
+#[tokio::test]
+async fn dropped_partitionable_fields_fall_back_to_whole_gpus() {
+    let node = start("dgx-a100", true, |server| {
+        server.drop_field("sharedCounters");
+        server.drop_field("devices[].consumesCounters");
+    })
+    .await;
+    eventually("the plain layout", || {
+        device_names(&node.server.slices()) == gpus(8)
+    })
+    .await;
+    let slices = node.server.slices();
+    assert!(slices.iter().all(|s| s.spec.shared_counters.is_none()));
+    // Settled: no further writes.
+    let writes = node.server.counts().write_requests;
+    node.sync.inventory_changed();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(node.server.counts().write_requests, writes);
+}
+
+#[tokio::test]
+async fn partitionable_devices_are_published_where_the_server_keeps_them() {
+    let node = start("dgx-a100", true, |_| {}).await;
+    eventually("placements of every GPU", || {
+        let names = device_names(&node.server.slices());
+        names.len() == 8 * 26 && names.contains("gpu-7-mig-7g80gb-0-0")
+    })
+    .await;
+    let slices = node.server.slices();
+    assert!(slices.iter().any(|s| s.spec.shared_counters.is_some()));
+    // 1.35 (the test server's default): counters never share a slice with devices.
+    assert!(
+        slices
+            .iter()
+            .all(|s| s.spec.shared_counters.is_none() || s.spec.devices.is_none())
+    );
+}
+
+#[tokio::test]
+async fn a_1_34_server_gets_counters_and_devices_together() {
+    let node = start("dgx-a100", true, |server| server.set_server_minor(34)).await;
+    eventually("placements of every GPU", || {
+        device_names(&node.server.slices()).len() == 8 * 26
+    })
+    .await;
+    let slices = node.server.slices();
+    assert!(slices.iter().any(|s| {
+        s.spec.shared_counters.is_some() && s.spec.devices.as_ref().is_some_and(|d| !d.is_empty())
+    }));
+    assert_eq!(layout_for(Some(34)), CounterLayout::Together);
+}

@@ -26,10 +26,11 @@ use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::dra::grpc;
 use crate::dra::plugin::{self, CrashPoint, Plugin};
-use crate::dra::publisher::{self, Publisher};
+use crate::dra::publisher::Publisher;
 use crate::dra::registration::{Registrar, RegistrationState, Sockets};
 use crate::dra::slices;
-use crate::inventory::{self, DeviceBackend};
+use crate::dra::sync::{self, SliceSync};
+use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::{self, Metrics};
 
@@ -53,12 +54,6 @@ pub enum Error {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
-    #[error("cannot read the GPUs: {0}")]
-    Inventory(#[from] inventory::Error),
-    #[error("{0}")]
-    Slices(#[from] slices::Error),
-    #[error("{0}")]
-    Publisher(#[from] publisher::Error),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     #[error("task {task} stopped unexpectedly: {reason}")]
@@ -195,7 +190,10 @@ async fn serve(
         });
     }
 
-    publish(config, &api, &backend, &metrics, &mut tasks, &shutdown).await?;
+    publish(
+        config, &plugin, &api, &backend, &metrics, &mut tasks, &shutdown,
+    )
+    .await;
 
     match metrics::bind(config.metrics_address).await {
         Ok(listener) => {
@@ -215,18 +213,11 @@ async fn serve(
 
     // Run until a signal, a stop request, or a task ending on its own.
     let failure = tokio::select! {
+        biased;
         _ = sigterm.recv() => { tracing::info!("SIGTERM: shutting down"); None }
         _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); None }
         () = shutdown.cancelled() => { tracing::info!("stop requested: shutting down"); None }
-        Some(done) = tasks.join_next() => {
-            let (task, reason) = match done {
-                Ok((task, Ok(()))) => (task, "ended".to_string()),
-                Ok((task, Err(e))) => (task, e),
-                Err(e) => ("unknown", format!("panicked: {e}")),
-            };
-            tracing::error!(task, %reason, "critical task stopped; shutting down");
-            Some(Error::TaskDied { task, reason })
-        }
+        Some(done) = tasks.join_next() => task_failure(done, &shutdown),
     };
     shutdown.cancel();
 
@@ -261,48 +252,73 @@ async fn serve(
     }
 }
 
-/// Starts the ResourceSlice publisher with the current inventory, and a task that marks the
-/// metrics `published` once the first publish went through.
+/// A task that ended before shutdown was asked for is a failure; one that ended because of it
+/// (the select saw the task first) is not.
+fn task_failure(
+    done: Result<TaskResult, tokio::task::JoinError>,
+    shutdown: &CancellationToken,
+) -> Option<Error> {
+    let (task, reason) = match done {
+        Ok((_, Ok(()))) if shutdown.is_cancelled() => return None,
+        Ok((task, Ok(()))) => (task, "ended".to_string()),
+        Ok((task, Err(e))) => (task, e),
+        Err(e) => ("unknown", format!("panicked: {e}")),
+    };
+    tracing::error!(task, %reason, "critical task stopped; shutting down");
+    Some(Error::TaskDied { task, reason })
+}
+
+/// How often the inventory is re-read for changes nobody announced.
+pub const RESCAN: Duration = Duration::from_secs(60);
+
+/// Starts the ResourceSlice publisher and the task feeding it the inventory (told about MIG
+/// changes by the plugin), and one that marks the metrics `published` after the first publish.
 async fn publish(
     config: &Config,
+    plugin: &Plugin,
     api: &Arc<dyn ClusterApi>,
     backend: &Arc<dyn DeviceBackend>,
     metrics: &Arc<Metrics>,
     tasks: &mut JoinSet<TaskResult>,
     shutdown: &CancellationToken,
-) -> Result<()> {
-    let inv = inventory::snapshot(backend.clone()).await?;
-    metrics
-        .gpus
-        .store(inv.gpus.len() as u64, std::sync::atomic::Ordering::Relaxed);
+) {
+    let minor = api.server_minor().await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "cannot read the API server version; assuming the newest slice rules");
+        None
+    });
     let opts = slices::SliceOptions {
         driver: config.driver_name.clone(),
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
-        layout: slices::CounterLayout::default(),
+        layout: sync::layout_for(minor),
     };
-    let desired = slices::desired_slices(&inv, &opts)?;
     let (publisher, handle) = Publisher::new(api.clone(), &config.driver_name, &config.node_name);
-    let seq = handle.set_desired(desired)?;
-    {
-        let token = shutdown.clone();
-        tasks.spawn(async move {
-            publisher.run(token).await;
-            ("publisher", Ok(()))
-        });
-    }
+    let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle.clone(), opts, RESCAN);
+    plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        publisher.run(token).await;
+        ("publisher", Ok(()))
+    });
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        slice_sync.run(token).await;
+        ("slice-sync", Ok(()))
+    });
     let (m, token) = (metrics.clone(), shutdown.clone());
+    let mut status = handle.status();
     tasks.spawn(async move {
         tokio::select! {
             () = token.cancelled() => {}
-            () = handle.wait_synced(seq) => {
-                m.published.store(true, std::sync::atomic::Ordering::Relaxed);
-                tracing::info!("ResourceSlices published");
-                // This task's work is done; stay alive so its end does not read as a failure.
+            ok = async { status.wait_for(|s| s.synced.is_some()).await.is_ok() } => {
+                if ok {
+                    m.published.store(true, std::sync::atomic::Ordering::Relaxed);
+                    tracing::info!("ResourceSlices published");
+                }
+                // Done; stay alive so this task's end does not read as a failure.
                 token.cancelled().await;
             }
         }
         ("publish-status", Ok(()))
     });
-    Ok(())
 }

@@ -172,6 +172,8 @@ struct Inner {
     mps: Mps,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
+    /// Told when prepare or unprepare changed the hardware (MIG devices), so slices follow.
+    inventory_listener: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     /// One async mutex per claim being worked on.
     claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -325,12 +327,26 @@ impl Plugin {
                     mps,
                     node_lock,
                     metrics,
+                    inventory_listener: std::sync::OnceLock::new(),
                     claim_locks: Mutex::new(HashMap::new()),
                 }),
             },
             writer,
             outcome,
         ))
+    }
+
+    /// Sets the function called after MIG devices were created or destroyed (once).
+    pub fn on_inventory_change(&self, f: Arc<dyn Fn() + Send + Sync>) {
+        if self.inner.inventory_listener.set(f).is_err() {
+            tracing::warn!("inventory listener already set; keeping the first");
+        }
+    }
+
+    fn inventory_changed(&self) {
+        if let Some(f) = self.inner.inventory_listener.get() {
+            f();
+        }
     }
 
     pub fn ledger(&self) -> &Ledger {
@@ -650,6 +666,7 @@ impl Plugin {
                         .blocking(move |i| i.backend.create_mig(&gpu, gi, placement))
                         .await??;
                     tracing::info!(claim.uid = %uid, device = %d.device, mig.uuid = %dev.uuid, "MIG device created");
+                    self.inventory_changed();
                     if let Some(rec) = devices[i].mig.as_mut() {
                         rec.uuid = Some(dev.uuid.clone());
                     }
@@ -984,6 +1001,7 @@ impl Plugin {
                     self.blocking(move |i| i.backend.destroy_mig(&gpu, &mig_uuid))
                         .await??;
                     tracing::info!(claim.uid = %uid, device = %d.device, "MIG device destroyed");
+                    self.inventory_changed();
                 }
             }
         }

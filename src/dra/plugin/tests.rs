@@ -690,3 +690,29 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
     assert!(sim.actions().is_empty());
     stop.cancel();
 }
+
+/// Two instances on one node (a rolling update): each sees the other's claims through the
+/// checkpoint, so neither hands out a device the other prepared, and either can unprepare.
+#[tokio::test]
+async fn two_instances_share_the_checkpoint() {
+    let e = env("dgx-h100").await;
+    let (b, _, _g) = e.restart(e.sim.clone()).await;
+    e.add(claim("x", vec![result("gpu", "gpu-0")]));
+    e.add(claim("y", vec![result("gpu", "gpu-0")]));
+    e.prepare("x").await.unwrap();
+    // The second instance was started before x existed; it reloads on taking the lock.
+    let r = b.prepare(vec![cref("y")]).await;
+    let err = r[0].1.as_ref().unwrap_err();
+    assert!(matches!(err, ClaimError::DeviceInUse { .. }), "{err}");
+    // The kubelet may send the unprepare to the other instance.
+    assert!(b.unprepare(vec![cref("x")]).await[0].1.is_ok());
+    assert!(!e.spec("x").exists());
+    // And the first instance sees that too.
+    e.prepare("y").await.unwrap();
+    assert_eq!(
+        e.plugin
+            .ledger()
+            .read(|c| c.claims.keys().cloned().collect::<Vec<_>>()),
+        vec![ClaimUid("y".into())]
+    );
+}

@@ -188,8 +188,15 @@ async fn main() {
     plugin.recover().await.expect("recover");
     let socket = dir.path().join("dra.sock");
     let listener = grpc::bind_unix(&socket).expect("bind");
+    let health = nvdra::dra::health::HealthService::new(
+        Arc::new(SimBackend::new(wide_inventory())),
+        NODE.into(),
+        nvdra::dra::health::INTERVAL,
+        stop.clone(),
+    );
     tokio::spawn(grpc::serve_dra(
         plugin.clone(),
+        health,
         listener,
         socket.clone(),
         stop.clone(),

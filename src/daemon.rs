@@ -3,7 +3,7 @@
 //! Start order (each step only once the previous one works, so the kubelet never sees a
 //! registration without a serving endpoint):
 //! 1. the checkpoint writer, then recovery of what a crash or reboot left behind;
-//! 2. the DRA gRPC server (`v1` + `v1beta1`) on its socket;
+//! 2. the DRA gRPC server (`v1` + `v1beta1` + health) on its socket;
 //! 3. the registration server in `plugins_registry/`;
 //! 4. the ResourceSlice publisher and the metrics endpoint.
 //!
@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::dra::grpc;
+use crate::dra::health::{self, HealthService};
 use crate::dra::plugin::{self, CrashPoint, Plugin};
 use crate::dra::publisher::Publisher;
 use crate::dra::registration::{Registrar, RegistrationState, Sockets};
@@ -168,8 +169,14 @@ async fn serve(
     tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     {
         let (plugin, path, token) = (plugin.clone(), sockets.dra.clone(), shutdown.clone());
+        let health = HealthService::new(
+            backend.clone(),
+            config.node_name.clone(),
+            health::INTERVAL,
+            shutdown.clone(),
+        );
         tasks.spawn(async move {
-            let r = grpc::serve_dra(plugin, dra_listener, path, token).await;
+            let r = grpc::serve_dra(plugin, health, dra_listener, path, token).await;
             ("dra-server", r.map_err(|e| e.to_string()))
         });
     }

@@ -203,7 +203,11 @@ async fn registration_handshake() {
     assert!(Path::new(&info.endpoint).is_absolute());
     assert_eq!(
         info.supported_versions,
-        vec!["v1.DRAPlugin".to_string(), "v1beta1.DRAPlugin".to_string()]
+        vec![
+            "v1.DRAPlugin".to_string(),
+            "v1beta1.DRAPlugin".to_string(),
+            "v1alpha1.DRAResourceHealth".to_string()
+        ]
     );
     // The endpoint it names already serves: an empty prepare answers.
     let r = node
@@ -456,4 +460,38 @@ async fn shared_allocations_report_share_ids_on_v1() {
         Some("7f3c")
     );
     node.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_stream_lists_devices_and_ends_at_shutdown() {
+    use futures::StreamExt;
+    use nvdra::proto::health::v1alpha1::{
+        HealthStatus, NodeWatchResourcesRequest,
+        dra_resource_health_client::DraResourceHealthClient,
+    };
+    let node = start("a100-mig-mixed", None, false).await;
+    node.sim.update(|inv| {
+        inv.gpus[3].health = nvdra::inventory::Health::Unhealthy {
+            reason: "XID 79: fallen off the bus".into(),
+        }
+    });
+    let mut client = DraResourceHealthClient::new(unix_channel(&node.dra_socket).await);
+    let mut stream = client
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert_eq!(first.devices.len(), 9);
+    let gpu3 = first
+        .devices
+        .iter()
+        .find(|d| d.device.as_ref().unwrap().device_name == "gpu-3")
+        .unwrap();
+    assert_eq!(gpu3.health, HealthStatus::Unhealthy as i32);
+    assert!(gpu3.message.contains("XID 79"));
+    assert_eq!(gpu3.device.as_ref().unwrap().pool_name, NODE);
+    // An open stream does not hold up shutdown, and it ends cleanly.
+    let _dir = node.shutdown().await;
+    assert!(stream.next().await.is_none());
 }

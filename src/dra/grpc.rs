@@ -1,5 +1,5 @@
-//! The kubelet-facing gRPC servers of the DRA plugin: `v1.DRAPlugin` and `v1beta1.DRAPlugin` on
-//! one Unix socket. Errors of a claim travel in its response entry; the RPC itself fails only for
+//! The kubelet-facing gRPC servers of the DRA plugin: `v1.DRAPlugin`, `v1beta1.DRAPlugin` and
+//! `v1alpha1.DRAResourceHealth` on one Unix socket. Errors of a claim travel in its response entry; the RPC itself fails only for
 //! requests that cannot be answered at all (never, today).
 
 use std::path::{Path, PathBuf};
@@ -9,9 +9,11 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use super::health::HealthService;
 use super::plugin::Plugin;
 use super::wire;
 use crate::proto::dra::{v1, v1beta1};
+use crate::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -107,9 +109,11 @@ impl v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
     }
 }
 
-/// Serves both DRA versions on `listener` until `shutdown`, then removes the socket at `path`.
+/// Serves both DRA versions and the health stream on `listener` until `shutdown`, then removes
+/// the socket at `path`.
 pub async fn serve_dra(
     plugin: Plugin,
+    health: HealthService,
     listener: UnixListener,
     path: PathBuf,
     shutdown: CancellationToken,
@@ -121,6 +125,7 @@ pub async fn serve_dra(
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(
             plugin,
         )))
+        .add_service(DraResourceHealthServer::new(health))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown.cancelled())
         .await;
     let _ = std::fs::remove_file(&path);

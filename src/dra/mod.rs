@@ -9,9 +9,10 @@
 //!   pool generation, re-publishing after the kubelet wipes them).
 //! - [`plugin`] — the kubelet side: the prepare/unprepare state machine (with [`mps`] daemons and
 //!   the cross-instance [`nodelock`]), the DRA gRPC services `v1` and `v1beta1` ([`grpc`], with
-//!   proto conversions in [`wire`]) and kubelet [`registration`].
+//!   proto conversions in [`wire`]), device [`health`] streaming and kubelet [`registration`].
 
 pub mod grpc;
+pub mod health;
 pub mod mps;
 pub mod nodelock;
 pub mod plugin;

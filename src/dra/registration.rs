@@ -23,8 +23,10 @@ use crate::proto::pluginregistration::{
     registration_server::{Registration, RegistrationServer},
 };
 
-/// `supported_versions`, in the order the kubelet should pick from.
-pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+/// `supported_versions`, in the order the kubelet should pick from: the DRA services, then the
+/// health service.
+pub const SUPPORTED_VERSIONS: [&str; 3] =
+    ["v1.DRAPlugin", "v1beta1.DRAPlugin", super::health::SERVICE];
 
 /// The kubelet's verdict on our registration.
 #[derive(Clone, Debug, PartialEq, Eq)]

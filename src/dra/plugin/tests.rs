@@ -716,3 +716,37 @@ async fn two_instances_share_the_checkpoint() {
         vec![ClaimUid("y".into())]
     );
 }
+
+#[tokio::test]
+async fn outcomes_are_counted_in_metrics() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("l40s-pcie", NODE).unwrap();
+    let metrics = Metrics::new();
+    let opts = Options {
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        plugin_dir: dir.path().join("plugin"),
+        cdi_root: dir.path().join("cdi"),
+        driver_root: dir.path().join("driver"),
+        boot_id: "b".into(),
+        partitionable: false,
+        crash_at: None,
+    };
+    let (plugin, writer, _) =
+        Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(writer.run(stop.clone()));
+    let c = claim("ok", vec![result("gpu", "gpu-1")]);
+    lock(&api.claims).insert(("default".into(), "claim-ok".into()), c);
+    plugin.prepare(vec![cref("ok"), cref("missing")]).await;
+    plugin.unprepare(vec![cref("ok")]).await;
+    assert_eq!(metrics.prepare_ok.load(Relaxed), 1);
+    assert_eq!(metrics.prepare_failed.load(Relaxed), 1);
+    assert_eq!(metrics.unprepare_ok.load(Relaxed), 1);
+    assert_eq!(metrics.unprepare_failed.load(Relaxed), 0);
+    let text = metrics.render();
+    assert!(text.contains("prepare"), "{text}");
+    stop.cancel();
+}

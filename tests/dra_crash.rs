@@ -100,6 +100,10 @@ impl Dirs {
     }
 
     fn spawn(&self, crash_at: Option<&str>) -> Child {
+        self.command(crash_at).spawn().unwrap()
+    }
+
+    fn command(&self, crash_at: Option<&str>) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
         cmd.args(["run", "--mode", "dra", "--profile", "dgx-h100"])
             .args(["--node-name", NODE])
@@ -121,7 +125,7 @@ impl Dirs {
         if let Some(at) = crash_at {
             cmd.env("NVDRA_TEST_CRASH_AT", at);
         }
-        cmd.spawn().unwrap()
+        cmd
     }
 }
 
@@ -348,4 +352,58 @@ async fn corrupt_checkpoint_is_moved_aside() {
     assert_eq!(aside.len(), 1);
     assert_eq!(prepare(&d, "a").await.unwrap().error, "");
     assert!(terminate(&mut p).await.success());
+}
+
+#[tokio::test]
+async fn a_second_signal_exits_without_waiting_for_a_stuck_client() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let d = Dirs::new();
+    let mut p = d
+        .command(None)
+        .env("NVDRA_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let stderr = p.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    wait_ready(&d, &mut p).await;
+    // A client that connects and never speaks holds up the graceful drain.
+    let _stuck = std::os::unix::net::UnixStream::connect(d.dra_socket()).unwrap();
+    let term = || {
+        let ok = Command::new("kill")
+            .args(["-TERM", &p.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    };
+    term();
+    // Wait until the first signal was taken, so the second is a separate event.
+    while let Some(line) = rx.recv().await {
+        if line.contains("SIGTERM: shutting down") {
+            break;
+        }
+    }
+    term();
+    let mut forced = false;
+    while let Some(line) = rx.recv().await {
+        forced |= line.contains("second signal");
+    }
+    let status = wait_exit(&mut p).await;
+    assert!(forced, "the exit names the second signal");
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "a forced exit is a failure: {status}"
+    );
+    assert_eq!(status.signal(), None);
+    assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
 }

@@ -36,7 +36,7 @@ pub enum Error {
 /// Unlinks a stale socket and binds a new one (creating the directory).
 pub fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
     let len = path.as_os_str().len();
-    if len > 107 {
+    if len > super::registration::MAX_SOCKET_PATH {
         return Err(Error::PathTooLong {
             path: path.to_path_buf(),
             len,

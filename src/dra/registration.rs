@@ -46,23 +46,42 @@ pub struct Sockets {
 impl Sockets {
     /// `<registry>/<driver>-reg.sock` and `<plugin dir>/dra.sock`; with a pod UID (rolling
     /// updates) `<driver>-<uid>-reg.sock` and `dra-<uid>.sock`, so two instances never share one.
+    /// A path that would exceed the 107 bytes a Unix socket address holds uses a 16-hex-digit
+    /// hash of the UID instead (`<driver>-<hash>-reg.sock`, `dra-<hash>.sock`); if even that is
+    /// too long, binding reports it.
     pub fn new(
         registry_dir: &Path,
         plugin_dir: &Path,
         driver: &str,
         pod_uid: Option<&str>,
     ) -> Self {
-        match pod_uid {
-            None => Sockets {
+        let Some(uid) = pod_uid else {
+            return Sockets {
                 registration: registry_dir.join(format!("{driver}-reg.sock")),
                 dra: plugin_dir.join("dra.sock"),
-            },
-            Some(uid) => Sockets {
-                registration: registry_dir.join(format!("{driver}-{uid}-reg.sock")),
-                dra: plugin_dir.join(format!("dra-{uid}.sock")),
-            },
+            };
+        };
+        let fits = |p: &PathBuf| p.as_os_str().len() <= MAX_SOCKET_PATH;
+        let short = format!("{:016x}", fnv1a64(uid.as_bytes()));
+        let pick = |make: &dyn Fn(&str) -> PathBuf| {
+            let full = make(uid);
+            if fits(&full) { full } else { make(&short) }
+        };
+        Sockets {
+            registration: pick(&|id| registry_dir.join(format!("{driver}-{id}-reg.sock"))),
+            dra: pick(&|id| plugin_dir.join(format!("dra-{id}.sock"))),
         }
     }
+}
+
+/// The longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// FNV-1a, 64 bits: a stable short name for a long pod UID (not a security boundary).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 struct Service {
@@ -183,5 +202,36 @@ mod tests {
         // The default layout fits the Unix socket limit with room to spare.
         assert!(s.registration.as_os_str().len() < 108);
         assert!(s.dra.as_os_str().len() < 108);
+    }
+
+    #[test]
+    fn long_paths_use_a_hash_of_the_uid() {
+        let deep = PathBuf::from(format!("/{}", "k".repeat(40)));
+        let uid = "0f2d5a3c-1234-4bcd-9876-0123456789ab";
+        let s = Sockets::new(
+            &deep.join("plugins_registry"),
+            &deep.join("plugins/gpu.nvidia.com"),
+            "gpu.nvidia.com",
+            Some(uid),
+        );
+        for p in [&s.registration, &s.dra] {
+            assert!(p.as_os_str().len() <= MAX_SOCKET_PATH, "{}", p.display());
+            assert!(!p.to_str().unwrap().contains(uid), "{}", p.display());
+        }
+        // Stable, and different for another pod.
+        let again = Sockets::new(
+            &deep.join("plugins_registry"),
+            &deep.join("plugins/gpu.nvidia.com"),
+            "gpu.nvidia.com",
+            Some(uid),
+        );
+        assert_eq!(s, again);
+        let other = Sockets::new(
+            &deep.join("plugins_registry"),
+            &deep.join("plugins/gpu.nvidia.com"),
+            "gpu.nvidia.com",
+            Some("another-pod"),
+        );
+        assert_ne!(s.registration, other.registration);
     }
 }

@@ -407,3 +407,43 @@ async fn a_second_signal_exits_without_waiting_for_a_stuck_client() {
     assert_eq!(status.signal(), None);
     assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
 }
+
+#[test]
+fn bad_flags_exit_64_naming_the_flag() {
+    let d = Dirs::new();
+    let out = d
+        .command(None)
+        .args(["--pod-uid", "a/b"])
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--pod-uid"), "{err}");
+
+    let out = d
+        .command(Some("sometime"))
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("after-started"), "{err}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args(["run", "--mode", "device-plugin", "--profile", "l40s-pcie"])
+        .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
+        .arg("--api-dir")
+        .arg(d.p("api"))
+        .arg("--kubelet-root")
+        .arg(d.p("kubelet"))
+        .env("NVDRA_BOOT_ID_FILE", d.boot_file())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("device-plugin") || err.contains("DevicePlugin"),
+        "{err}"
+    );
+}

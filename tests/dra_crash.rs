@@ -145,11 +145,15 @@ async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
 /// Waits until the process answers GetInfo on its registration socket (so its DRA socket
 /// serves), failing if it exits or 30 s pass.
 async fn wait_ready(d: &Dirs, child: &mut Child) {
+    wait_ready_at(&d.reg_socket(), child).await
+}
+
+async fn wait_ready_at(reg_socket: &Path, child: &mut Child) {
     for _ in 0..3000 {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("nvdra exited before serving: {status}");
         }
-        if let Ok(ch) = unix_channel(&d.reg_socket()).await
+        if let Ok(ch) = unix_channel(reg_socket).await
             && RegistrationClient::new(ch)
                 .get_info(InfoRequest {})
                 .await
@@ -163,7 +167,14 @@ async fn wait_ready(d: &Dirs, child: &mut Child) {
 }
 
 async fn prepare(d: &Dirs, uid: &str) -> Result<v1::NodePrepareResourceResponse, tonic::Status> {
-    let ch = unix_channel(&d.dra_socket()).await.unwrap();
+    prepare_at(&d.dra_socket(), uid).await
+}
+
+async fn prepare_at(
+    dra_socket: &Path,
+    uid: &str,
+) -> Result<v1::NodePrepareResourceResponse, tonic::Status> {
+    let ch = unix_channel(dra_socket).await.unwrap();
     let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
     let mut r = c
         .node_prepare_resources(v1::NodePrepareResourcesRequest {
@@ -179,7 +190,11 @@ async fn prepare(d: &Dirs, uid: &str) -> Result<v1::NodePrepareResourceResponse,
 }
 
 async fn unprepare(d: &Dirs, uid: &str) -> String {
-    let ch = unix_channel(&d.dra_socket()).await.unwrap();
+    unprepare_at(&d.dra_socket(), uid).await
+}
+
+async fn unprepare_at(dra_socket: &Path, uid: &str) -> String {
+    let ch = unix_channel(dra_socket).await.unwrap();
     let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
     let mut r = c
         .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
@@ -446,4 +461,47 @@ fn bad_flags_exit_64_naming_the_flag() {
         err.contains("device-plugin") || err.contains("DevicePlugin"),
         "{err}"
     );
+}
+
+/// A rolling update: the old and the new pod serve side by side (sockets named by pod UID),
+/// share one checkpoint, and the kubelet may unprepare through either.
+#[tokio::test]
+async fn two_instances_during_a_rolling_update() {
+    let d = Dirs::new();
+    d.add_claim("a", "gpu-4");
+    d.add_claim("b", "gpu-4");
+    let reg = |pod: &str| d.p(&format!("kubelet/plugins_registry/{DRIVER}-{pod}-reg.sock"));
+    let dra = |pod: &str| d.p(&format!("kubelet/plugins/{DRIVER}/dra-{pod}.sock"));
+    let mut old = d
+        .command(None)
+        .args(["--pod-uid", "old-pod"])
+        .spawn()
+        .unwrap();
+    wait_ready_at(&reg("old-pod"), &mut old).await;
+    assert_eq!(prepare_at(&dra("old-pod"), "a").await.unwrap().error, "");
+
+    let mut new = d
+        .command(None)
+        .args(["--pod-uid", "new-pod"])
+        .spawn()
+        .unwrap();
+    wait_ready_at(&reg("new-pod"), &mut new).await;
+    // The new instance knows the old one's claim: the device is taken, the claim is prepared.
+    let r = prepare_at(&dra("new-pod"), "b").await.unwrap();
+    assert!(
+        r.error
+            .contains("already prepared for claim default/claim-a"),
+        "{}",
+        r.error
+    );
+    let r = prepare_at(&dra("new-pod"), "a").await.unwrap();
+    assert_eq!(r.error, "");
+    assert_eq!(d.specs(), vec![Dirs::spec_name("a")]);
+    // The old pod goes away, removing only its own sockets.
+    assert!(terminate(&mut old).await.success());
+    assert!(!reg("old-pod").exists() && !dra("old-pod").exists());
+    assert!(reg("new-pod").exists() && dra("new-pod").exists());
+    assert_eq!(unprepare_at(&dra("new-pod"), "a").await, "");
+    assert_eq!(prepare_at(&dra("new-pod"), "b").await.unwrap().error, "");
+    assert!(terminate(&mut new).await.success());
 }

@@ -1,7 +1,8 @@
-//! Crash safety of prepare with the real binary: `nvdra run` is made to abort at each step of a
-//! prepare (`NVDRA_TEST_CRASH_AT`), restarted, and the kubelet's retry must then leave the claim
-//! prepared exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry.
-//! Also: a reboot (new boot id) and a corrupt checkpoint at start-up.
+//! The real binary as a process: `nvdra run` is made to abort at each step of a prepare
+//! (`NVDRA_TEST_CRASH_AT`), restarted, and the kubelet's retry must then leave the claim prepared
+//! exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry. Also: a
+//! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
+//! SIGTERM twice, and bad flags.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -1,15 +1,17 @@
 //! Serialization between plugin instances on one node (rolling updates): prepare and unprepare
 //! hold an exclusive `flock` (`File::lock`) on `<plugin data dir>/serialize.lock`.
 //!
-//! Within one process the lock is shared: the first operation to start takes the flock (on the
-//! blocking pool, since `flock` waits), later ones join it, and the last to finish releases it.
+//! Within one process the lock is shared: the first operation to start takes the flock (polling
+//! a non-blocking `flock`, giving up with a clear error after [`TIMEOUT`]), later ones join it,
+//! and the last to finish releases it.
 //! So claims of one process are still prepared concurrently, while two processes take turns.
 //! Whenever the lock is newly taken, `on_acquire` runs (the plugin reloads the checkpoint, which
 //! the other instance may have changed meanwhile).
 
-use std::fs::File;
+use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 pub const FILE_NAME: &str = "serialize.lock";
 
@@ -20,9 +22,17 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "another plugin instance has held {path} for {waited:?}; is an old nvdra pod stuck? \
+         The kubelet retries"
+    )]
+    Busy { path: PathBuf, waited: Duration },
     #[error("lock task failed: {0}")]
     Task(String),
 }
+
+/// How long an operation waits for another instance before failing.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
 struct State {
@@ -32,6 +42,7 @@ struct State {
 
 pub struct NodeLock {
     path: PathBuf,
+    timeout: Duration,
     state: Arc<Mutex<State>>,
     /// Serializes taking the flock, so only one task waits on it.
     acquiring: tokio::sync::Mutex<()>,
@@ -49,8 +60,13 @@ fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
 
 impl NodeLock {
     pub fn new(dir: &Path) -> Self {
+        Self::with_timeout(dir, TIMEOUT)
+    }
+
+    pub fn with_timeout(dir: &Path, timeout: Duration) -> Self {
         Self {
             path: dir.join(FILE_NAME),
+            timeout,
             state: Arc::new(Mutex::new(State::default())),
             acquiring: tokio::sync::Mutex::new(()),
         }
@@ -73,21 +89,42 @@ impl NodeLock {
         }
         let path = self.path.clone();
         let file = tokio::task::spawn_blocking(move || {
-            let f = File::options()
+            File::options()
                 .create(true)
                 .truncate(false)
                 .write(true)
                 .open(&path)
-                .map_err(|source| Error::Lock {
-                    path: path.clone(),
-                    source,
-                })?;
-            // Blocks until the other instance releases it (flock(2) under the hood).
-            f.lock().map_err(|source| Error::Lock { path, source })?;
-            Ok(f)
+                .map_err(|source| Error::Lock { path, source })
         })
         .await
         .map_err(|e| Error::Task(e.to_string()))??;
+        // Poll with a non-blocking flock instead of blocking a thread, so a stuck peer costs a
+        // clear error after `timeout` rather than a hung call.
+        let started = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) if started.elapsed() < self.timeout => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    return Err(Error::Busy {
+                        path: self.path.clone(),
+                        waited: self.timeout,
+                    }
+                    .into());
+                }
+                Err(TryLockError::Error(source)) => {
+                    return Err(Error::Lock {
+                        path: self.path.clone(),
+                        source,
+                    }
+                    .into());
+                }
+            }
+        }
         let guard = {
             let mut s = lock(&self.state);
             s.holders = 1;
@@ -143,5 +180,26 @@ mod tests {
         drop(other);
         let _g3 = a.enter(on).await.unwrap();
         assert_eq!(acquired.load(Ordering::SeqCst), 2, "re-taken, so reloaded");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_never_lets_go_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(FILE_NAME), "").unwrap();
+        let peer = File::options()
+            .write(true)
+            .open(dir.path().join(FILE_NAME))
+            .unwrap();
+        peer.try_lock().unwrap();
+        let lock = NodeLock::with_timeout(dir.path(), Duration::from_secs(10));
+        let e = match lock.enter(|| Ok::<(), Error>(())).await {
+            Err(e) => e,
+            Ok(_) => panic!("took a lock the peer holds"),
+        };
+        assert!(matches!(e, Error::Busy { .. }), "{e}");
+        assert!(e.to_string().contains(FILE_NAME), "{e}");
+        // Once the peer lets go, the next operation proceeds.
+        drop(peer);
+        lock.enter(|| Ok::<(), Error>(())).await.unwrap();
     }
 }

@@ -136,6 +136,9 @@ pub enum ClaimError {
     Lock(#[from] nodelock::Error),
     #[error("internal task failed: {0}")]
     Task(String),
+    /// The whole batch could not start (node lock, inventory); the kubelet retries.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 /// The claim a kubelet names.
@@ -482,7 +485,7 @@ impl Plugin {
                 let msg = e.to_string();
                 claims
                     .into_iter()
-                    .map(|c| (c.uid, Err(ClaimError::Task(msg.clone()))))
+                    .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
                     .collect()
             }
             Ok(_guard) => {
@@ -494,7 +497,7 @@ impl Plugin {
                         let msg = e.to_string();
                         return claims
                             .into_iter()
-                            .map(|c| (c.uid, Err(ClaimError::Task(msg.clone()))))
+                            .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
                             .collect();
                     }
                 };
@@ -545,7 +548,7 @@ impl Plugin {
                 let msg = e.to_string();
                 claims
                     .into_iter()
-                    .map(|c| (c.uid, Err(ClaimError::Task(msg.clone()))))
+                    .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
                     .collect()
             }
             Ok(_guard) => {

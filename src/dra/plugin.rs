@@ -239,6 +239,14 @@ fn mps_devices(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
         .collect()
 }
 
+/// Whether preparing these devices changes GPU state (creates a MIG instance, starts an MPS
+/// daemon, sets a time slice), which must be recorded durably before it happens.
+fn touches_hardware(devices: &[DeviceRecord]) -> bool {
+    devices.iter().any(|d| {
+        d.mig.as_ref().is_some_and(|m| m.created) || !matches!(d.sharing, Sharing::Exclusive)
+    })
+}
+
 fn time_slice(i: TimeSliceInterval) -> TimeSlice {
     match i {
         TimeSliceInterval::Default => TimeSlice::Default,
@@ -633,13 +641,33 @@ impl Plugin {
             );
             Ok(())
         })?;
-        if let Err(e) = self.inner.ledger.flush().await {
-            self.inner.ledger.update(|c| c.remove(uid));
-            return Err(e.into());
-        }
+        // A claim that changes nothing on the GPU (no MIG instance, no MPS daemon, no time
+        // slice) may write its CDI spec while the started record is being made durable: if the
+        // process dies before both are on disk, the spec has no checkpoint entry and recovery
+        // removes it as an orphan. That takes one fsync'd write off the critical path. Claims
+        // that change the hardware record their intent durably first, so a crash can be undone.
+        let cdi_written = if touches_hardware(&planned) || planned.is_empty() {
+            if let Err(e) = self.inner.ledger.flush().await {
+                self.inner.ledger.update(|c| c.remove(uid));
+                return Err(e.into());
+            }
+            false
+        } else {
+            let (flushed, written) = tokio::join!(
+                self.inner.ledger.flush(),
+                self.write_cdi(uid, &planned, inv)
+            );
+            if let Err(e) = flushed.map_err(ClaimError::from).and(written) {
+                if let Err(re) = self.rollback(uid, &planned).await {
+                    tracing::error!(claim.uid = %uid, error = %re, "rollback after a failed prepare failed; retried on the next prepare or restart");
+                }
+                return Err(e);
+            }
+            true
+        };
         self.crash(CrashPoint::AfterStarted);
 
-        match self.apply(uid, planned, inv).await {
+        match self.apply(uid, planned, inv, cdi_written).await {
             Ok(devices) => Ok(devices),
             Err((e, devices)) => {
                 if let Err(re) = self.rollback(uid, &devices).await {
@@ -656,6 +684,7 @@ impl Plugin {
         uid: &ClaimUid,
         mut devices: Vec<DeviceRecord>,
         inv: &Inventory,
+        cdi_written: bool,
     ) -> Result<Vec<DeviceRecord>, (ClaimError, Vec<DeviceRecord>)> {
         let mut created: Vec<MigDevice> = Vec::new();
         for i in 0..devices.len() {
@@ -724,6 +753,7 @@ impl Plugin {
             &inv_now
         };
         if !devices.is_empty()
+            && !cdi_written
             && let Err(e) = self.write_cdi(uid, &devices, inv).await
         {
             return Err((e, devices));
@@ -945,9 +975,22 @@ impl Plugin {
     /// repeated safely.
     async fn rollback(&self, uid: &ClaimUid, devices: &[DeviceRecord]) -> Result<(), ClaimError> {
         self.undo_devices(uid, devices).await?;
-        self.remove_spec(uid)?;
-        self.inner.ledger.update(|c| c.remove(uid));
-        self.inner.ledger.flush().await?;
+        // The GPU is back to its old state; the spec and the entry may now go in parallel. A
+        // crash in between leaves either an orphan spec (removed at start) or a completed entry
+        // without a spec (rewritten at start, then unprepared again by the kubelet).
+        let spec_uid = uid.clone();
+        let (removed, flushed) = tokio::join!(
+            self.blocking(move |i| {
+                cdi::remove_spec(&i.opts.cdi_root, &i.cdi, spec_uid.as_str())
+                    .map_err(ClaimError::from)
+            }),
+            async {
+                self.inner.ledger.update(|c| c.remove(uid));
+                self.inner.ledger.flush().await
+            }
+        );
+        removed??;
+        flushed?;
         Ok(())
     }
 

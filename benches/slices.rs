@@ -1,5 +1,5 @@
-//! How long `desired_slices` takes for a DGX A100 in partitionable mode (8 GPUs, 208 devices,
-//! every placement of every MIG profile), the largest built-in case. The publisher recomputes
+//! How long `desired_slices` takes for a DGX A100 in partitionable mode (`dgx-a100-mig`: 8 GPUs in
+//! MIG mode, 200 devices, every placement of every MIG profile), the largest built-in case. The publisher recomputes
 //! slices on every inventory or health change, so this bounds its reaction time.
 //!
 //! Run with `cargo bench --bench slices`; prints median and p99 over the runs.
@@ -18,8 +18,8 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i]
 }
 
-fn bench(label: &str, layout: CounterLayout, partitionable: bool) {
-    let inv = load_profile("dgx-a100", "bench-node").expect("built-in profile");
+fn bench(label: &str, profile: &str, layout: CounterLayout, partitionable: bool) {
+    let inv = load_profile(profile, "bench-node").expect("built-in profile");
     let opts = SliceOptions {
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
@@ -50,7 +50,17 @@ fn bench(label: &str, layout: CounterLayout, partitionable: bool) {
 }
 
 fn main() {
-    bench("partitionable, separate", CounterLayout::Separate, true);
-    bench("partitionable, together", CounterLayout::Together, true);
-    bench("plain", CounterLayout::Separate, false);
+    bench(
+        "partitionable, separate",
+        "dgx-a100-mig",
+        CounterLayout::Separate,
+        true,
+    );
+    bench(
+        "partitionable, together",
+        "dgx-a100-mig",
+        CounterLayout::Together,
+        true,
+    );
+    bench("plain", "dgx-a100", CounterLayout::Separate, false);
 }

@@ -154,7 +154,7 @@ fn partitionable_layouts() {
     let base = [
         "inventory",
         "--profile",
-        "dgx-a100",
+        "dgx-a100-mig",
         "--node-name",
         "node-a",
         "-o",
@@ -172,7 +172,7 @@ fn partitionable_layouts() {
         .iter()
         .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
         .sum();
-    assert_eq!(devices, 8 * 26);
+    assert_eq!(devices, 8 * 25);
     assert!(
         separate
             .iter()
@@ -190,7 +190,7 @@ fn partitionable_layouts() {
     assert_eq!(together.len(), 8);
     assert!(together.iter().all(|s| {
         s.spec.shared_counters.as_ref().unwrap().len() == 1
-            && s.spec.devices.as_ref().unwrap().len() == 26
+            && s.spec.devices.as_ref().unwrap().len() == 25
     }));
 
     // The same through the environment.
@@ -207,6 +207,10 @@ fn partitionable_layouts() {
         &[("NVDRA_PARTITIONABLE", "true")],
     ));
     assert_eq!(off.len(), 1, "the flag overrides the environment");
+    assert!(
+        off[0].spec.devices.as_ref().is_none_or(Vec::is_empty),
+        "GPUs in MIG mode without instances offer nothing unless partitionable"
+    );
 }
 
 #[test]

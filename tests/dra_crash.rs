@@ -23,12 +23,17 @@ const NODE: &str = "node-a";
 
 struct Dirs {
     root: tempfile::TempDir,
+    /// Run with `--partitionable`.
+    partitionable: bool,
+    profile: &'static str,
 }
 
 impl Dirs {
     fn new() -> Self {
         let d = Dirs {
             root: tempfile::tempdir().unwrap(),
+            partitionable: false,
+            profile: "dgx-h100",
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -106,7 +111,7 @@ impl Dirs {
 
     fn command(&self, crash_at: Option<&str>) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
-        cmd.args(["run", "--mode", "dra", "--profile", "dgx-h100"])
+        cmd.args(["run", "--mode", "dra", "--profile", self.profile])
             .args(["--node-name", NODE])
             .arg("--api-dir")
             .arg(self.p("api"))
@@ -125,6 +130,9 @@ impl Dirs {
             .stderr(Stdio::inherit());
         if let Some(at) = crash_at {
             cmd.env("NVDRA_TEST_CRASH_AT", at);
+        }
+        if self.partitionable {
+            cmd.arg("--partitionable");
         }
         cmd
     }
@@ -233,18 +241,51 @@ async fn terminate(child: &mut Child) -> std::process::ExitStatus {
     wait_exit(child).await
 }
 
-async fn crash_then_retry(point: &str) {
+/// Kills the daemon at `point` while it prepares claim `a` for `device`, restarts it, and checks
+/// the kubelet's retry prepares `a` exactly once and keeps `device` from claim `b`.
+/// `partitionable` devices are MIG placements whose instance prepare creates: the slow path that
+/// records its intent durably before touching the GPU.
+async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
     use std::os::unix::process::ExitStatusExt;
-    let d = Dirs::new();
-    d.add_claim("a", "gpu-2");
-    d.add_claim("b", "gpu-2");
+    let mut d = Dirs::new();
+    if partitionable {
+        // GPU 2 of this profile is in MIG mode with slices 0-5 in use; 6-7 are free.
+        d.partitionable = true;
+        d.profile = "a100-mig-mixed";
+    }
+    d.add_claim("a", device);
+    d.add_claim("b", device);
 
     let mut first = d.spawn(Some(point));
     wait_ready(&d, &mut first).await;
-    let r = prepare(&d, "a").await;
-    assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
+    let dra_socket = d.dra_socket();
+    let call = tokio::spawn(async move { prepare_at(&dra_socket, "a").await });
+    // The process stops at the crash point; kill it there, as the kernel's OOM killer or a node
+    // failure would: SIGKILL, no chance to clean up.
+    let marker = d.p(&format!(
+        "kubelet/plugins/{DRIVER}/{}",
+        nvdra::dra::plugin::CRASH_MARKER
+    ));
+    for _ in 0..3000 {
+        if marker.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        marker.exists(),
+        "{point}: the crash point was never reached"
+    );
+    let killed = Command::new("kill")
+        .args(["-KILL", &first.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
     let status = wait_exit(&mut first).await;
-    assert_eq!(status.signal(), Some(libc_sigabrt()), "{point}: {status}");
+    assert_eq!(status.signal(), Some(SIGKILL), "{point}: {status}");
+    let r = call.await.unwrap();
+    assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
+    std::fs::remove_file(&marker).unwrap();
 
     // What the crash left: the claim recorded (started, or completed for the last point).
     let cp = d.checkpoint_json();
@@ -274,7 +315,7 @@ async fn crash_then_retry(point: &str) {
     assert_eq!(r.devices.len(), 1);
     assert_eq!(
         r.devices[0].cdi_device_ids,
-        vec![format!("k8s.{DRIVER}/claim=a-gpu-2")]
+        vec![format!("k8s.{DRIVER}/claim=a-{device}")]
     );
     assert_eq!(d.specs(), vec![Dirs::spec_name("a")], "{point}");
     let cp = d.checkpoint_json();
@@ -300,29 +341,47 @@ async fn crash_then_retry(point: &str) {
     assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
 }
 
-fn libc_sigabrt() -> i32 {
-    // SIGABRT is 6 on every Linux architecture.
-    6
-}
+/// SIGKILL is 9 on every Linux architecture.
+const SIGKILL: i32 = 9;
 
 #[tokio::test]
 async fn crash_after_started() {
-    crash_then_retry("after-started").await;
+    crash_then_retry("after-started", "gpu-2", false).await;
+}
+
+#[tokio::test]
+async fn crash_after_started_creating_a_mig_instance() {
+    crash_then_retry("after-started", "gpu-2-mig-1g10gb-15-6", true).await;
 }
 
 #[tokio::test]
 async fn crash_after_cdi() {
-    crash_then_retry("after-cdi").await;
+    crash_then_retry("after-cdi", "gpu-2", false).await;
+}
+
+#[tokio::test]
+async fn crash_after_cdi_creating_a_mig_instance() {
+    crash_then_retry("after-cdi", "gpu-2-mig-1g10gb-15-6", true).await;
 }
 
 #[tokio::test]
 async fn crash_before_completed() {
-    crash_then_retry("before-completed").await;
+    crash_then_retry("before-completed", "gpu-2", false).await;
+}
+
+#[tokio::test]
+async fn crash_before_completed_creating_a_mig_instance() {
+    crash_then_retry("before-completed", "gpu-2-mig-1g10gb-15-6", true).await;
 }
 
 #[tokio::test]
 async fn crash_after_completed() {
-    crash_then_retry("after-completed").await;
+    crash_then_retry("after-completed", "gpu-2", false).await;
+}
+
+#[tokio::test]
+async fn crash_after_completed_creating_a_mig_instance() {
+    crash_then_retry("after-completed", "gpu-2-mig-1g10gb-15-6", true).await;
 }
 
 #[tokio::test]

@@ -12,10 +12,10 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::publisher::{Options, Publisher};
-use nvdra::dra::slices::{CounterLayout, SliceOptions};
+use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
-use nvdra::inventory::{GpuUuid, Health, MigDevice, Placement};
+use nvdra::inventory::{DeviceBackend, GpuUuid, Health, MigDevice, Placement};
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
 
@@ -177,16 +177,33 @@ async fn a_new_mig_device_is_published() {
 }
 
 #[tokio::test]
-async fn dropped_partitionable_fields_fall_back_to_whole_gpus() {
-    let node = start("dgx-a100", true, |server| {
+async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
+    let node = start("a100-mig-mixed", true, |server| {
         server.drop_field("sharedCounters");
         server.drop_field("devices[].consumesCounters");
     })
     .await;
+    // The plain layout: whole GPUs not in MIG mode and the existing MIG devices.
+    let plain = desired_slices(
+        &node.sim.snapshot().unwrap(),
+        &SliceOptions {
+            driver: DRIVER.into(),
+            node_name: NODE.into(),
+            partitionable: false,
+            layout: CounterLayout::Separate,
+        },
+    )
+    .unwrap();
+    let expected: BTreeSet<String> = plain
+        .iter()
+        .flat_map(|s| s.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect();
+    assert!(expected.contains("gpu-0") && expected.contains("gpu-1-mig-3g20gb-9-4"));
     // Settled means the plain layout only: the counter slices of the first attempt are gone too.
     eventually("the plain layout", || {
         let slices = node.server.slices();
-        slices.len() == 1 && device_names(&slices) == gpus(8)
+        slices.len() == 1 && device_names(&slices) == expected
     })
     .await;
     let slices = node.server.slices();
@@ -200,10 +217,10 @@ async fn dropped_partitionable_fields_fall_back_to_whole_gpus() {
 
 #[tokio::test]
 async fn partitionable_devices_are_published_where_the_server_keeps_them() {
-    let node = start("dgx-a100", true, |_| {}).await;
+    let node = start("dgx-a100-mig", true, |_| {}).await;
     eventually("placements of every GPU", || {
         let names = device_names(&node.server.slices());
-        names.len() == 8 * 26 && names.contains("gpu-7-mig-7g80gb-0-0")
+        names.len() == 8 * 25 && names.contains("gpu-7-mig-7g80gb-0-0")
     })
     .await;
     let slices = node.server.slices();
@@ -218,9 +235,9 @@ async fn partitionable_devices_are_published_where_the_server_keeps_them() {
 
 #[tokio::test]
 async fn a_1_34_server_gets_counters_and_devices_together() {
-    let node = start("dgx-a100", true, |server| server.set_server_minor(34)).await;
+    let node = start("dgx-a100-mig", true, |server| server.set_server_minor(34)).await;
     eventually("placements of every GPU", || {
-        device_names(&node.server.slices()).len() == 8 * 26
+        device_names(&node.server.slices()).len() == 8 * 25
     })
     .await;
     let slices = node.server.slices();

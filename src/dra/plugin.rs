@@ -42,8 +42,11 @@ use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid, DeviceRecord, Ledger
 use crate::metrics::Metrics;
 use crate::sharing::{self, DeviceKind, Sharing, TimeSliceInterval};
 
-/// Environment variable naming a [`CrashPoint`]: the process aborts there. For crash tests only.
+/// Environment variable naming a [`CrashPoint`]: the process stops there to be killed. For crash
+/// tests only.
 pub const CRASH_ENV: &str = "NVDRA_TEST_CRASH_AT";
+/// The file (in the plugin directory) a process stopped at its crash point leaves behind.
+pub const CRASH_MARKER: &str = "test-crash-point-reached";
 
 /// Where a crash test makes prepare abort.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -395,10 +398,19 @@ impl Plugin {
             .map_err(|e| ClaimError::Task(e.to_string()))
     }
 
+    /// Crash tests only: stops dead at `at` (the thread never returns), after dropping a marker
+    /// file, so the test can SIGKILL the process exactly there.
     fn crash(&self, at: CrashPoint) {
         if self.inner.opts.crash_at == Some(at) {
-            tracing::error!(?at, "{CRASH_ENV} reached; aborting");
-            std::process::abort();
+            tracing::error!(?at, "{CRASH_ENV} reached; waiting to be killed");
+            let marker = self.inner.opts.plugin_dir.join(CRASH_MARKER);
+            if let Err(e) = std::fs::write(&marker, format!("{at:?}\n")) {
+                tracing::error!(error = %e, "cannot write {}; aborting instead", marker.display());
+                std::process::abort();
+            }
+            loop {
+                std::thread::park();
+            }
         }
     }
 

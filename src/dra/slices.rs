@@ -423,16 +423,13 @@ fn engine_capacities(c: &mut Capacities, e: &Engines) {
     }
 }
 
-fn gpu_device(gpu: &Gpu, with_engines: bool) -> Device {
+fn gpu_device(gpu: &Gpu) -> Device {
     let mut c = Capacities::new();
     c.insert("memory".into(), capacity(quantity(gpu.memory_bytes)));
     c.insert(
         "multiprocessors".into(),
         capacity(gpu.multiprocessors.to_string()),
     );
-    if with_engines {
-        engine_capacities(&mut c, &gpu.engines);
-    }
     Device {
         name: DeviceName::gpu(gpu.minor).0,
         attributes: Some(gpu_attributes(gpu)),
@@ -616,17 +613,6 @@ impl GpuCounters {
             .collect()
     }
 
-    /// The whole GPU consumes every counter.
-    fn consume_all(&self) -> Vec<DeviceCounterConsumption> {
-        self.sets
-            .iter()
-            .map(|s| DeviceCounterConsumption {
-                counter_set: s.name.clone(),
-                counters: s.counters.clone(),
-            })
-            .collect()
-    }
-
     fn consume_mig(&self, m: &MigShape<'_>) -> Vec<DeviceCounterConsumption> {
         let mut counters = resource_counters(m.memory_bytes, m.multiprocessors, &m.engines);
         counters.extend(
@@ -645,25 +631,18 @@ struct Partitioned {
     devices: Vec<Device>,
 }
 
-/// The devices of a MIG-capable GPU in partitionable mode.
+/// The devices of a GPU in MIG mode, in partitionable mode.
 ///
 /// Existing MIG devices (created outside nvdra, or left over) are published as they are, and
-/// placements overlapping one are not, nor the whole GPU: the counters only know what the
-/// scheduler allocated, not what already exists. Without existing devices, the whole GPU and
-/// every placement of every profile are published.
+/// placements overlapping one are not: the counters only know what the scheduler allocated, not
+/// what already exists. Every other placement of every profile is published; the largest
+/// (`7g.*` at 0) covers the whole GPU. The GPU itself is not: in MIG mode CUDA cannot use it
+/// whole, and switching MIG mode at prepare time would need the GPU idle (and on some models a
+/// reset), which a kubelet plugin must not impose on a node.
 fn partitioned(gpu: &Gpu) -> Result<Partitioned> {
     let counters = GpuCounters::new(gpu)?;
-    let existing: &[MigDevice] = if gpu.mig.enabled {
-        &gpu.mig.devices
-    } else {
-        &[]
-    };
+    let existing: &[MigDevice] = &gpu.mig.devices;
     let mut devices = Vec::new();
-    if existing.is_empty() {
-        let mut whole = gpu_device(gpu, true);
-        whole.consumes_counters = Some(counters.consume_all());
-        devices.push(whole);
-    }
     for d in existing.iter().filter(|d| d.health.is_healthy()) {
         let shape = MigShape::existing(d);
         let mut dev = mig_device(gpu, &shape);
@@ -742,10 +721,10 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
         let mut groups = Vec::new();
         let mut plain = Vec::new();
         for gpu in healthy {
-            if gpu.mig.capable {
+            if gpu.in_mig_mode() {
                 groups.push(partitioned(gpu)?);
             } else {
-                plain.push(gpu_device(gpu, false));
+                plain.push(gpu_device(gpu));
             }
         }
         match opts.layout {
@@ -800,7 +779,7 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
                     devices.push(mig_device(gpu, &MigShape::existing(d)));
                 }
             } else {
-                devices.push(gpu_device(gpu, false));
+                devices.push(gpu_device(gpu));
             }
         }
         sort_devices(&mut devices);

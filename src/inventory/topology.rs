@@ -30,6 +30,11 @@ pub const PROFILES: &[(&str, &str, &str)] = &[
         include_str!("profiles/dgx-a100.yaml"),
     ),
     (
+        "dgx-a100-mig",
+        "dgx-a100 with every GPU in MIG mode and no instances, for --partitionable",
+        include_str!("profiles/dgx-a100-mig.yaml"),
+    ),
+    (
         "dgx-h100",
         "8x H100-SXM5-80GB, 4 NVSwitches, 2 NUMA nodes",
         include_str!("profiles/dgx-h100.yaml"),

@@ -27,6 +27,19 @@ fn profile(name: &str) -> Inventory {
     load_profile(name, "node-a").unwrap()
 }
 
+/// A profile whose MIG-capable GPUs are in MIG mode with no instances yet: a node set up for
+/// partitionable devices.
+fn mig_ready(name: &str) -> Inventory {
+    in_mig_mode(profile(name))
+}
+
+fn in_mig_mode(mut inv: Inventory) -> Inventory {
+    for g in &mut inv.gpus {
+        g.mig.enabled = g.mig.capable;
+    }
+    inv
+}
+
 fn all_devices(specs: &[ResourceSliceSpec]) -> Vec<&Device> {
     specs
         .iter()
@@ -465,7 +478,7 @@ fn no_gpus_still_publishes_one_empty_slice() {
 fn results_are_deterministic_and_local_to_each_gpu() {
     // The publisher compares desired with existing slices; any needless difference is churn.
     let o = opts(true, CounterLayout::Separate);
-    let inv = profile("dgx-a100");
+    let inv = mig_ready("dgx-a100");
     let a = desired_slices(&inv, &o).unwrap();
     let mut shuffled = inv.gpus.clone();
     shuffled.reverse();
@@ -531,7 +544,7 @@ fn consumed(d: &Device) -> BTreeMap<(String, String), String> {
 
 #[test]
 fn partitionable_dgx_a100_publishes_every_placement() {
-    let inv = profile("dgx-a100");
+    let inv = mig_ready("dgx-a100");
     let specs = desired_slices(&inv, &opts(true, CounterLayout::Separate)).unwrap();
     let per_gpu: usize = inv.gpus[0]
         .mig
@@ -541,7 +554,7 @@ fn partitionable_dgx_a100_publishes_every_placement() {
         .sum();
     assert_eq!(per_gpu, 7 + 7 + 4 + 3 + 2 + 1 + 1);
     let devices = all_devices(&specs);
-    assert_eq!(devices.len(), 8 * (per_gpu + 1));
+    assert_eq!(devices.len(), 8 * per_gpu);
 
     let sets: Vec<&CounterSet> = specs
         .iter()
@@ -572,15 +585,16 @@ fn partitionable_dgx_a100_publishes_every_placement() {
         "A100 has no encoders, so no encoder counter"
     );
 
-    // The whole GPU consumes everything and carries the engine capacities.
-    let whole = device(&specs, "gpu-0");
-    assert_eq!(consumed(whole).len(), want.len());
+    // The GPU in MIG mode is not published whole; its largest placement covers all of it.
+    assert!(!names(&specs).contains(&"gpu-0".to_string()));
+    let full = device(&specs, "gpu-0-mig-7g80gb-0-0");
+    assert_eq!(consumed(full).len(), want.len());
     assert_eq!(
-        consumed(whole)[&("gpu-0-counter-set".into(), "memory".into())],
-        "80Gi"
+        consumed(full)[&("gpu-0-counter-set".into(), "memory".into())],
+        "80384Mi"
     );
-    assert_eq!(cap(whole, "copyEngines"), "7");
-    assert_eq!(attr(whole, "type"), &s("gpu"));
+    assert_eq!(cap(full, "copyEngines"), "7");
+    assert_eq!(attr(full, "type"), &s("mig"));
 
     // A placement consumes its share and exactly its memory slices.
     let d = device(&specs, "gpu-5-mig-2g20gb-14-4");
@@ -624,19 +638,20 @@ fn partitionable_dgx_a100_publishes_every_placement() {
 
 #[test]
 fn separate_layout_puts_counters_first() {
-    let specs = desired_slices(&profile("dgx-a100"), &opts(true, CounterLayout::Separate)).unwrap();
+    let specs =
+        desired_slices(&mig_ready("dgx-a100"), &opts(true, CounterLayout::Separate)).unwrap();
     assert_eq!(specs.len(), 9);
     assert!(specs[0].devices.is_none());
     assert_eq!(specs[0].shared_counters.as_ref().unwrap().len(), 8);
     for (i, s) in specs.iter().enumerate().skip(1) {
         assert!(s.shared_counters.is_none());
         let devices = s.devices.as_ref().unwrap();
-        assert_eq!(devices.len(), 26);
+        assert_eq!(devices.len(), 25);
         let prefix = format!("gpu-{}", i - 1);
         assert!(
             devices
                 .iter()
-                .all(|d| d.name == prefix || d.name.starts_with(&format!("{prefix}-"))),
+                .all(|d| d.name.starts_with(&format!("{prefix}-"))),
             "slice {i}"
         );
         assert!(devices.is_sorted_by(|a, b| a.name <= b.name));
@@ -646,14 +661,15 @@ fn separate_layout_puts_counters_first() {
 
 #[test]
 fn together_layout_has_one_slice_per_gpu() {
-    let specs = desired_slices(&profile("dgx-a100"), &opts(true, CounterLayout::Together)).unwrap();
+    let specs =
+        desired_slices(&mig_ready("dgx-a100"), &opts(true, CounterLayout::Together)).unwrap();
     assert_eq!(specs.len(), 8);
     for (i, s) in specs.iter().enumerate() {
         let sets = s.shared_counters.as_ref().unwrap();
         assert_eq!(sets.len(), 1);
         assert_eq!(sets[0].name, format!("gpu-{i}-counter-set"));
         let devices = s.devices.as_ref().unwrap();
-        assert_eq!(devices.len(), 26);
+        assert_eq!(devices.len(), 25);
         assert!(
             devices
                 .iter()
@@ -695,12 +711,11 @@ fn partitionable_keeps_existing_mig_devices_and_their_silicon() {
             "gpu-2-mig-1g5gbme-20-6",
         ]
     );
-    // GPU 3 is MIG-capable but not in MIG mode: whole GPU plus every placement.
+    // GPU 3 is MIG-capable but not in MIG mode: the whole GPU, plainly, without placements
+    // (prepare never switches MIG mode).
     assert!(got.contains(&"gpu-3".to_string()));
-    assert_eq!(
-        got.iter().filter(|n| n.starts_with("gpu-3-mig-")).count(),
-        25
-    );
+    assert!(!got.iter().any(|n| n.starts_with("gpu-3-mig-")));
+    assert!(device(&specs, "gpu-3").consumes_counters.is_none());
 }
 
 #[test]
@@ -729,7 +744,7 @@ fn non_mig_gpus_are_published_plainly_in_partitionable_mode() {
 
 #[test]
 fn many_gpus_spread_counter_sets_over_slices_of_eight() {
-    let inv = synthetic("dgx-a100", 20);
+    let inv = in_mig_mode(synthetic("dgx-a100", 20));
     let specs = desired_slices(&inv, &opts(true, CounterLayout::Separate)).unwrap();
     let counter_slices: Vec<usize> = specs
         .iter()
@@ -743,7 +758,7 @@ fn many_gpus_spread_counter_sets_over_slices_of_eight() {
 }
 
 fn with_memory_slices(n: u32) -> Inventory {
-    let mut inv = synthetic("dgx-a100", 1);
+    let mut inv = in_mig_mode(synthetic("dgx-a100", 1));
     let g = &mut inv.gpus[0];
     g.mig.memory_slices = n;
     g.mig.profiles.retain(|p| p.name == "1g.10gb");
@@ -766,14 +781,8 @@ fn counters_beyond_one_set_split_into_a_second() {
     );
     assert_eq!(sets[0].counters.len(), 32);
     assert_eq!(sets[1].counters.len(), 14);
-    assert_eq!(
-        device(&specs, "gpu-0")
-            .consumes_counters
-            .as_ref()
-            .unwrap()
-            .len(),
-        2
-    );
+    // A GPU in MIG mode is handed out only as MIG devices.
+    assert!(!names(&specs).contains(&"gpu-0".to_string()));
     // A placement in the second set's slices consumes from both sets (resources from the first).
     let last = device(&specs, "gpu-0-mig-1g10gb-19-39");
     let sets_used: Vec<&str> = last
@@ -786,7 +795,7 @@ fn counters_beyond_one_set_split_into_a_second() {
     assert_eq!(sets_used, vec!["gpu-0-counter-set", "gpu-0-counter-set-2"]);
     let first = device(&specs, "gpu-0-mig-1g10gb-19-0");
     assert_eq!(first.consumes_counters.as_ref().unwrap().len(), 1);
-    // 46 devices consuming counters need a single devices slice below 64.
+    // 40 devices consuming counters need a single devices slice below 64.
     assert_eq!(specs.len(), 2);
 
     // The 1.34 layout allows only 32 counters in a slice with devices.
@@ -819,7 +828,7 @@ fn counters_beyond_two_sets_are_refused() {
 
 #[test]
 fn partitionable_gpu_with_many_placements_splits_or_refuses() {
-    // The whole GPU and 4 profiles x 20 placements: 81 devices for one GPU, over 64.
+    // 4 profiles x 20 placements: 80 devices for one GPU, over 64.
     let mut inv = with_memory_slices(20);
     let base = inv.gpus[0].mig.profiles[0].clone();
     for k in 0..3u32 {
@@ -833,14 +842,14 @@ fn partitionable_gpu_with_many_placements_splits_or_refuses() {
         .iter()
         .filter_map(|s| s.devices.as_ref().map(Vec::len))
         .collect();
-    assert_eq!(device_slices, vec![64, 17]);
+    assert_eq!(device_slices, vec![64, 16]);
     let err = desired_slices(&inv, &opts(true, CounterLayout::Together)).unwrap_err();
     assert!(
         matches!(
             err,
             Error::TooManyDevicesTogether {
                 minor: 0,
-                devices: 81,
+                devices: 80,
                 max: 64
             }
         ),
@@ -897,10 +906,12 @@ proptest! {
         profile_idx in 0usize..3,
         partitionable in any::<bool>(),
         together in any::<bool>(),
+        mig_mode in any::<bool>(),
     ) {
         let profile_name = ["l40s-pcie", "dgx-a100", "a100-mig-mixed"][profile_idx];
         let n = if profile_name == "l40s-pcie" { n } else { n % 40 };
         let inv = synthetic(profile_name, n);
+        let inv = if mig_mode { in_mig_mode(inv) } else { inv };
         let layout = if together { CounterLayout::Together } else { CounterLayout::Separate };
         let specs = desired_slices(&inv, &opts(partitionable, layout)).unwrap();
         prop_assert!(!specs.is_empty());
@@ -917,10 +928,12 @@ proptest! {
         let names = names(&specs);
         let unique: BTreeSet<&String> = names.iter().collect();
         prop_assert_eq!(unique.len(), names.len());
-        let per_gpu = if partitionable && inv.gpus.first().is_some_and(|g| g.mig.capable) {
-            1 + inv.gpus[0].mig.profiles.iter().map(|p| p.placements.len()).sum::<usize>()
-        } else {
-            1
+        // A GPU in MIG mode (here without instances) is only its placements when partitionable,
+        // and nothing otherwise; any other GPU is itself.
+        let per_gpu = match (inv.gpus.first().is_some_and(|g| g.in_mig_mode()), partitionable) {
+            (true, true) => inv.gpus[0].mig.profiles.iter().map(|p| p.placements.len()).sum(),
+            (true, false) => 0,
+            (false, _) => 1,
         };
         prop_assert_eq!(names.len(), n as usize * per_gpu);
     }
@@ -957,7 +970,7 @@ fn valid_spec() -> ResourceSliceSpec {
 }
 
 fn valid_together() -> ResourceSliceSpec {
-    desired_slices(&profile("dgx-a100"), &opts(true, CounterLayout::Together))
+    desired_slices(&mig_ready("dgx-a100"), &opts(true, CounterLayout::Together))
         .unwrap()
         .remove(0)
 }
@@ -1278,7 +1291,7 @@ fn rule_counter_consumption() {
 #[test]
 fn rule_counter_sets() {
     let counters_only = desired_slices(
-        &synthetic("dgx-a100", 8),
+        &in_mig_mode(synthetic("dgx-a100", 8)),
         &opts(true, CounterLayout::Separate),
     )
     .unwrap()
@@ -1389,7 +1402,8 @@ fn rule_per_device_node_selection() {
 
 #[test]
 fn pool_rules() {
-    let good = desired_slices(&profile("dgx-a100"), &opts(true, CounterLayout::Separate)).unwrap();
+    let good =
+        desired_slices(&mig_ready("dgx-a100"), &opts(true, CounterLayout::Separate)).unwrap();
     assert!(validate_pool(&good).is_empty());
     let expect = |id: &str, mutate: &dyn Fn(&mut Vec<ResourceSliceSpec>)| {
         let mut specs = good.clone();

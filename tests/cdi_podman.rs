@@ -2,7 +2,8 @@
 //! fake driver root (device nodes made with `mknod`, a fake `nvidia-smi` and NVML library) is
 //! written where podman reads CDI specs, and a container started with the claim's CDI device id
 //! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES` with the GPU's UUID
-//! and the driver files mounted read-only.
+//! and the driver files mounted read-only. A third test runs the daemon itself: the spec podman
+//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket.
 //!
 //! Needs root, `podman`, `runc` and `busybox-static` (see `.ci/run`). Without them the test says
 //! why and passes — unless `NVDRA_REQUIRE_PODMAN` is set (CI sets it to 1), in which case an
@@ -386,5 +387,216 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
         &out,
         &format!("LIMITS={}=2048M,{}=1024M", uuids[0], uuids[1]),
     )?;
+    Ok(())
+}
+
+#[test]
+fn podman_runs_a_claim_prepared_by_the_daemon() {
+    with_engine(check_prepared_by_daemon);
+}
+
+/// The whole path a pod's GPU takes: `nvdra run` (simulated DGX H100, directory API, fake driver
+/// root) prepares an allocated claim over its DRA socket, and podman runs a container with the
+/// CDI id prepare returned, reading the spec prepare wrote. Unprepare then removes the spec.
+fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
+    use k8s_openapi::api::resource::v1::{
+        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+        ResourceClaimStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use nvdra::proto::dra::v1;
+
+    // Its own driver name, so that this daemon's orphan clean-up in a shared CDI directory never
+    // touches the specs of the other tests.
+    const DRIVER: &str = "podman-test.nvdra.io";
+    const NODE: &str = "node-a";
+    let claim_uid = format!("podman-{:016x}", rand::random::<u64>());
+
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path();
+    let driver_root = root.join("driver");
+    let gpu = load_profile("dgx-h100", NODE)?.gpus[0].clone();
+    mknod(&driver_root.join(format!("dev/nvidia{}", gpu.minor)))?;
+    mknod(&driver_root.join("dev/nvidiactl"))?;
+    mknod(&driver_root.join("dev/nvidia-uvm"))?;
+    let cdi_root = if engine.has_spec_dir_flag {
+        root.join("cdi")
+    } else {
+        PathBuf::from(SYSTEM_CDI_DIR)
+    };
+
+    let claim = ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some("default".into()),
+            name: Some("podman".into()),
+            uid: Some(claim_uid.clone()),
+            ..Default::default()
+        },
+        status: Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(vec![DeviceRequestAllocationResult {
+                        request: "gpu".into(),
+                        driver: DRIVER.into(),
+                        pool: NODE.into(),
+                        device: format!("gpu-{}", gpu.minor),
+                        ..Default::default()
+                    }]),
+                    config: None,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let claims = root.join("api/resourceclaims/default");
+    std::fs::create_dir_all(&claims)?;
+    std::fs::write(claims.join("podman.yaml"), serde_yaml::to_string(&claim)?)?;
+
+    let kubelet = root.join("kubelet");
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
+        .args(["--node-name", NODE, "--driver-name", DRIVER])
+        .arg("--api-dir")
+        .arg(root.join("api"))
+        .arg("--kubelet-root")
+        .arg(&kubelet)
+        .arg("--cdi-root")
+        .arg(&cdi_root)
+        .arg("--driver-root")
+        .arg(&driver_root)
+        .args(["--metrics-address", "127.0.0.1:0"])
+        .env("NVDRA_LOG", "warn")
+        .spawn()
+        .context("cannot start nvdra run")?;
+    let dra_socket = kubelet.join(format!("plugins/{DRIVER}/dra.sock"));
+    let spec_file = cdi_root.join(format!("k8s.{DRIVER}-claim_{claim_uid}.yaml"));
+
+    let result = (|| -> Result<()> {
+        let rt = tokio::runtime::Runtime::new()?;
+        let call = |prepare: bool| -> Result<(Vec<String>, String)> {
+            rt.block_on(async {
+                let path = dra_socket.clone();
+                let channel = tonic::transport::Endpoint::try_from("http://[::]:50051")?
+                    .connect_with_connector(tower::service_fn(move |_| {
+                        let path = path.clone();
+                        async move {
+                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                                tokio::net::UnixStream::connect(path).await?,
+                            ))
+                        }
+                    }))
+                    .await?;
+                let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
+                let claims = vec![v1::Claim {
+                    namespace: "default".into(),
+                    uid: claim_uid.clone(),
+                    name: "podman".into(),
+                }];
+                if prepare {
+                    let mut r = client
+                        .node_prepare_resources(v1::NodePrepareResourcesRequest { claims })
+                        .await?
+                        .into_inner();
+                    let entry = r
+                        .claims
+                        .remove(&claim_uid)
+                        .context("no entry for the claim")?;
+                    let ids = entry
+                        .devices
+                        .into_iter()
+                        .flat_map(|d| d.cdi_device_ids)
+                        .collect();
+                    Ok((ids, entry.error))
+                } else {
+                    let mut r = client
+                        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims })
+                        .await?
+                        .into_inner();
+                    let entry = r
+                        .claims
+                        .remove(&claim_uid)
+                        .context("no entry for the claim")?;
+                    Ok((Vec::new(), entry.error))
+                }
+            })
+        };
+        // The DRA socket serves before registration; wait for it.
+        let mut prepared = None;
+        for _ in 0..300 {
+            ensure!(daemon.try_wait()?.is_none(), "nvdra exited before serving");
+            if dra_socket.exists()
+                && let Ok(r) = call(true)
+            {
+                prepared = Some(r);
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let (ids, error) = prepared.context("nvdra did not serve its DRA socket within 30 s")?;
+        ensure!(error.is_empty(), "prepare failed: {error}");
+        ensure!(
+            ids == vec![format!("k8s.{DRIVER}/claim={claim_uid}-gpu-{}", gpu.minor)],
+            "CDI ids {ids:?}"
+        );
+        ensure!(
+            spec_file.exists(),
+            "prepare wrote no spec at {}",
+            spec_file.display()
+        );
+
+        let dir_arg = cdi_root.display().to_string();
+        let global: Vec<&str> = if engine.has_spec_dir_flag {
+            vec!["--cdi-spec-dir", &dir_arg]
+        } else {
+            vec![]
+        };
+        let script = format!(
+            "ls -l /dev/nvidia{} /dev/nvidiactl; echo VISIBLE=$NVIDIA_VISIBLE_DEVICES",
+            gpu.minor
+        );
+        let out = podman(
+            &global,
+            &[
+                "run",
+                "--rm",
+                "--network",
+                "none",
+                "--device",
+                &ids[0],
+                IMAGE,
+                "sh",
+                "-c",
+                &script,
+            ],
+        )?;
+        let out = ok(&out, &format!("podman run --device {}", ids[0]))?;
+        assert_null_node(&out, &format!("/dev/nvidia{}", gpu.minor))?;
+        assert_null_node(&out, "/dev/nvidiactl")?;
+        assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+
+        let (_, error) = call(false)?;
+        ensure!(error.is_empty(), "unprepare failed: {error}");
+        ensure!(
+            !spec_file.exists(),
+            "unprepare left {}",
+            spec_file.display()
+        );
+        Ok(())
+    })();
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status();
+    let status = daemon.wait()?;
+    if spec_file.exists() {
+        let _ = std::fs::remove_file(&spec_file);
+    }
+    result?;
+    ensure!(
+        status.success(),
+        "nvdra run did not exit cleanly on SIGTERM: {status}"
+    );
     Ok(())
 }

@@ -90,7 +90,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyper_util::rt::TokioIo;
 use nvdra::dra::grpc;
 use nvdra::dra::plugin::{self, Plugin};
 use nvdra::inventory::sim::SimBackend;
@@ -99,7 +98,7 @@ use nvdra::ledger;
 use nvdra::metrics::Metrics;
 use nvdra::proto::dra::v1;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "bench-node";
@@ -140,17 +139,9 @@ fn wide_inventory() -> Inventory {
 }
 
 async fn unix_channel(path: &Path) -> Channel {
-    let path = path.to_path_buf();
-    Endpoint::try_from("http://[::]:50051")
-        .expect("static uri")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
-            }
-        }))
+    nvdra::dra::grpc::connect_unix(path)
         .await
-        .expect("connect")
+        .expect("connect to the socket")
 }
 
 fn claim_ref(uid: &str) -> v1::Claim {

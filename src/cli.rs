@@ -43,6 +43,9 @@ pub enum Command {
     Inventory(InventoryArgs),
     /// Run the node agent: the DRA kubelet plugin and the ResourceSlice publisher.
     Run(Box<RunArgs>),
+    /// The whole DRA flow on simulated GPUs in a temporary directory, narrated (no cluster,
+    /// no GPU).
+    Demo,
 }
 
 /// Flags of `nvdra run`.
@@ -339,6 +342,23 @@ fn run(cli: Cli) -> Result<(), Failure> {
             };
             write_stdout(&text)?;
             Ok(())
+        }
+        Command::Demo => {
+            // Only problems are worth seeing next to the narration.
+            let filter = tracing_subscriber::EnvFilter::try_from_env("NVDRA_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .try_init();
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(anyhow::Error::from)?;
+            let mut out = std::io::stdout();
+            runtime
+                .block_on(crate::demo::run(&mut out))
+                .map_err(Failure::Other)
         }
         Command::Run(args) => {
             let config = load_config(&cli, args.overrides())?;

@@ -8,6 +8,7 @@ pub mod cdi;
 pub mod cli;
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod dra;
 pub mod inventory;
 pub mod ledger;

@@ -477,17 +477,7 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         let rt = tokio::runtime::Runtime::new()?;
         let call = |prepare: bool| -> Result<(Vec<String>, String)> {
             rt.block_on(async {
-                let path = dra_socket.clone();
-                let channel = tonic::transport::Endpoint::try_from("http://[::]:50051")?
-                    .connect_with_connector(tower::service_fn(move |_| {
-                        let path = path.clone();
-                        async move {
-                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                                tokio::net::UnixStream::connect(path).await?,
-                            ))
-                        }
-                    }))
-                    .await?;
+                let channel = nvdra::dra::grpc::connect_unix(&dra_socket).await?;
                 let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
                 let claims = vec![v1::Claim {
                     namespace: "default".into(),

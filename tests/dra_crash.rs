@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
     ResourceClaimStatus,
@@ -16,7 +15,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use nvdra::proto::dra::v1;
 use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
@@ -139,16 +138,7 @@ impl Dirs {
 }
 
 async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    let path = path.to_path_buf();
-    Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
-            }
-        }))
-        .await
+    nvdra::dra::grpc::connect_unix(path).await
 }
 
 /// Waits until the process answers GetInfo on its registration socket (so its DRA socket

@@ -7,7 +7,6 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
     DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
@@ -23,7 +22,7 @@ use nvdra::proto::pluginregistration::{
 };
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
@@ -39,17 +38,9 @@ struct TestNode {
 }
 
 async fn unix_channel(path: &Path) -> Channel {
-    let path = path.to_path_buf();
-    Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
-            }
-        }))
+    nvdra::dra::grpc::connect_unix(path)
         .await
-        .unwrap()
+        .expect("connect to the socket")
 }
 
 /// Waits until `path` exists (the daemon creates it once it serves), failing after 20 s.

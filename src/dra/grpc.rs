@@ -33,6 +33,24 @@ pub enum Error {
     },
 }
 
+/// A client channel to a gRPC server on a Unix socket, as the kubelet opens one (the URI is a
+/// placeholder tonic requires; the connector ignores it). For `nvdra demo`, tests and benchmarks.
+pub async fn connect_unix(
+    path: &Path,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    tonic::transport::Endpoint::from_static("http://[::]:50051")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+}
+
 /// Unlinks a stale socket and binds a new one (creating the directory).
 pub fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
     let len = path.as_os_str().len();

@@ -29,6 +29,30 @@ pub enum SimAction {
     },
 }
 
+impl std::fmt::Display for SimAction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SimAction::SetTimeSlice { gpu, interval } => {
+                write!(f, "time slice {interval} on {gpu}")
+            }
+            SimAction::CreateMig {
+                gpu,
+                gi_profile_id,
+                placement,
+                uuid,
+            } => write!(
+                f,
+                "MIG instance {uuid} (profile {gi_profile_id}, slices {}..{}) created on {gpu}",
+                placement.start,
+                placement.start + placement.size
+            ),
+            SimAction::DestroyMig { gpu, uuid } => {
+                write!(f, "MIG instance {uuid} destroyed on {gpu}")
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Model {
     inventory: Inventory,

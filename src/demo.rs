@@ -1,0 +1,384 @@
+//! `nvdra demo`: the whole DRA flow on simulated GPUs, narrated, with no cluster and no GPU.
+//!
+//! It runs the real daemon ([`crate::daemon::run`]) on a simulated DGX H100 with the directory
+//! API in a temporary directory, and plays the kubelet's part over the real sockets: the
+//! registration handshake, reading the published ResourceSlices, preparing two claims that want
+//! the same GPU (the second is refused until the first is released), and unpreparing. Everything
+//! it prints comes from what the daemon wrote or answered.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
+    ResourceSlice,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Api, Backend, Config, LogFormat, Mode};
+use crate::dra::grpc::connect_unix;
+use crate::inventory::DeviceBackend;
+use crate::inventory::sim::SimBackend;
+use crate::proto::dra::v1;
+use crate::proto::pluginregistration::{
+    InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
+};
+
+const PROFILE: &str = "dgx-h100";
+const NODE: &str = "demo-node";
+const DRIVER: &str = "gpu.nvidia.com";
+const NAMESPACE: &str = "demo";
+
+/// How long the demo waits for the daemon to reach a step before giving up.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Runs the demo, printing to `out`.
+pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("nvdra-demo-")
+        .tempdir()
+        .context("cannot create a temporary directory")?;
+    let root = dir.path();
+    let config = Config {
+        mode: Mode::Dra,
+        backend: Backend::Profile(PROFILE.into()),
+        node_name: NODE.into(),
+        driver_name: DRIVER.into(),
+        driver_root: root.join("driver"),
+        kubelet_root: root.join("kubelet"),
+        cdi_root: root.join("cdi"),
+        api: Api::Dir(root.join("api")),
+        metrics_address: "127.0.0.1:0".parse().context("loopback address")?,
+        log_format: LogFormat::Plain,
+        partitionable: false,
+        pod_uid: None,
+    };
+    let sim = SimBackend::from_profile(PROFILE, NODE)?;
+    let uuid_of = |minor: u32| -> Result<String> {
+        Ok(sim
+            .snapshot()?
+            .gpu_by_minor(minor)
+            .context("the simulated GPU")?
+            .uuid
+            .to_string())
+    };
+
+    writeln!(
+        out,
+        "nvdra demo: a simulated {PROFILE} node named {NODE}, no cluster needed"
+    )?;
+    writeln!(out, "  working directory: {}", root.display())?;
+    writeln!(
+        out,
+        "  (the API server is the directory {}/api)\n",
+        root.display()
+    )?;
+
+    // Two claims the scheduler allocated: both got gpu-0, as after a force-deleted pod.
+    write_claim(root, "train", "uid-train", &["gpu-0", "gpu-1"], true)?;
+    write_claim(root, "notebook", "uid-notebook", &["gpu-0"], false)?;
+
+    let api = crate::api::connect(&config.api).await?;
+    let stop = CancellationToken::new();
+    let reg_socket = config.registry_dir().join(format!("{DRIVER}-reg.sock"));
+    let dra_socket = config.plugin_dir().join("dra.sock");
+    let slices_dir = root.join("api/resourceslices");
+    let daemon = tokio::spawn(crate::daemon::run(
+        config,
+        crate::daemon::Extras::default(),
+        Arc::new(sim.clone()),
+        api,
+        stop.clone(),
+    ));
+
+    let result = async {
+        // 1. Registration, as the kubelet's plugin watcher does it.
+        wait_for(&reg_socket, &daemon).await?;
+        let mut reg = RegistrationClient::new(connect_unix(&reg_socket).await?);
+        let info = reg.get_info(InfoRequest {}).await?.into_inner();
+        writeln!(out, "1. The kubelet finds {} and asks who is there:", reg_socket.display())?;
+        writeln!(
+            out,
+            "   {} plugin {:?} at {} speaking {:?}",
+            info.r#type, info.name, info.endpoint, info.supported_versions
+        )?;
+        reg.notify_registration_status(RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await?;
+        writeln!(out, "   registered.\n")?;
+
+        // 2. The published slices.
+        let slices = wait_for_slices(&slices_dir, &daemon).await?;
+        let devices: Vec<&k8s_openapi::api::resource::v1::Device> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .collect();
+        writeln!(
+            out,
+            "2. nvdra published {} ResourceSlice(s) with {} devices for pool {NODE}:",
+            slices.len(),
+            devices.len()
+        )?;
+        for d in devices.iter().take(2) {
+            let attrs = d.attributes.as_ref();
+            let text = |k: &str| {
+                attrs
+                    .and_then(|a| a.get(k))
+                    .map(|v| {
+                        v.string
+                            .clone()
+                            .or(v.version.clone())
+                            .or(v.int.map(|i| i.to_string()))
+                            .or(v.bool.map(|b| b.to_string()))
+                            .unwrap_or_default()
+                    })
+                    .unwrap_or_default()
+            };
+            let memory = d
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .map(|q| q.value.0.clone())
+                .unwrap_or_default();
+            writeln!(
+                out,
+                "   {}: {} {memory}, CUDA {}, driver {}, NUMA {}, nvlinkDomain {}",
+                d.name,
+                text("productName"),
+                text("cudaComputeCapability"),
+                text("driverVersion"),
+                text("numaNode"),
+                text("nvlinkDomain")
+            )?;
+        }
+        writeln!(out, "   ... (nvdra inventory --profile {PROFILE} -o slices shows them all)\n")?;
+
+        // 3. Prepare.
+        let mut dra = v1::dra_plugin_client::DraPluginClient::new(connect_unix(&dra_socket).await?);
+        let train = prepare(&mut dra, "train", "uid-train").await?;
+        ensure!(train.error.is_empty(), "preparing demo/train failed: {}", train.error);
+        writeln!(out, "3. The kubelet prepares claim {NAMESPACE}/train (two GPUs, time-sliced):")?;
+        for d in &train.devices {
+            writeln!(out, "   {} -> {}", d.device_name, d.cdi_device_ids.join(", "))?;
+        }
+        let spec_path = root
+            .join("cdi")
+            .join(format!("k8s.{DRIVER}-claim_uid-train.yaml"));
+        let spec = std::fs::read_to_string(&spec_path)
+            .with_context(|| format!("prepare wrote no CDI spec at {}", spec_path.display()))?;
+        let visible = spec
+            .lines()
+            .find(|l| l.contains("NVIDIA_VISIBLE_DEVICES="))
+            .map(str::trim)
+            .unwrap_or("(no NVIDIA_VISIBLE_DEVICES)");
+        writeln!(out, "   CDI spec {}:", spec_path.display())?;
+        writeln!(out, "     {visible}")?;
+        ensure!(
+            visible.contains(&uuid_of(0)?),
+            "the CDI spec does not name gpu-0's UUID"
+        );
+        let actions = sim.actions();
+        writeln!(
+            out,
+            "   the simulated GPUs recorded: {}\n",
+            actions
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        )?;
+
+        // 4. A second claim for the same GPU is refused, with the reason.
+        let notebook = prepare(&mut dra, "notebook", "uid-notebook").await?;
+        ensure!(
+            !notebook.error.is_empty(),
+            "gpu-0 was handed to two claims"
+        );
+        writeln!(out, "4. Claim {NAMESPACE}/notebook also wants gpu-0; nvdra refuses:")?;
+        writeln!(out, "   {}\n", notebook.error)?;
+
+        // 5. Unprepare frees it.
+        let un = unprepare(&mut dra, "train", "uid-train").await?;
+        ensure!(un.is_empty(), "unpreparing demo/train failed: {un}");
+        ensure!(!spec_path.exists(), "unprepare left the CDI spec");
+        let notebook = prepare(&mut dra, "notebook", "uid-notebook").await?;
+        ensure!(notebook.error.is_empty(), "preparing demo/notebook failed: {}", notebook.error);
+        writeln!(
+            out,
+            "5. After {NAMESPACE}/train is unprepared (its CDI spec removed), {NAMESPACE}/notebook gets {}.",
+            notebook
+                .devices
+                .iter()
+                .map(|d| d.device_name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )?;
+        let un = unprepare(&mut dra, "notebook", "uid-notebook").await?;
+        ensure!(un.is_empty(), "unpreparing demo/notebook failed: {un}");
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+
+    stop.cancel();
+    let stopped = daemon.await.context("the daemon task panicked")?;
+    result?;
+    stopped?;
+    writeln!(
+        out,
+        "\nThe daemon shut down cleanly and removed its sockets. Next: nvdra run (see README)."
+    )?;
+    Ok(())
+}
+
+fn write_claim(
+    root: &Path,
+    name: &str,
+    uid: &str,
+    devices: &[&str],
+    time_sliced: bool,
+) -> Result<()> {
+    let results = devices
+        .iter()
+        .map(|d| DeviceRequestAllocationResult {
+            request: "gpus".into(),
+            driver: DRIVER.into(),
+            pool: NODE.into(),
+            device: (*d).into(),
+            ..Default::default()
+        })
+        .collect();
+    let config = time_sliced.then(|| {
+        vec![DeviceAllocationConfiguration {
+            source: "FromClaim".into(),
+            requests: None,
+            opaque: Some(OpaqueDeviceConfiguration {
+                driver: DRIVER.into(),
+                parameters: RawExtension(serde_json::json!({
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
+                })),
+            }),
+        }]
+    });
+    let claim = ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some(NAMESPACE.into()),
+            name: Some(name.into()),
+            uid: Some(uid.into()),
+            ..Default::default()
+        },
+        status: Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(results),
+                    config,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let dir = root.join("api/resourceclaims").join(NAMESPACE);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join(format!("{name}.yaml")),
+        serde_yaml::to_string(&claim)?,
+    )?;
+    Ok(())
+}
+
+fn claim(name: &str, uid: &str) -> Vec<v1::Claim> {
+    vec![v1::Claim {
+        namespace: NAMESPACE.into(),
+        uid: uid.into(),
+        name: name.into(),
+    }]
+}
+
+async fn prepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    name: &str,
+    uid: &str,
+) -> Result<v1::NodePrepareResourceResponse> {
+    let mut r = dra
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: claim(name, uid),
+        })
+        .await?
+        .into_inner();
+    r.claims
+        .remove(uid)
+        .context("no response entry for the claim")
+}
+
+async fn unprepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    name: &str,
+    uid: &str,
+) -> Result<String> {
+    let mut r = dra
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: claim(name, uid),
+        })
+        .await?
+        .into_inner();
+    Ok(r.claims
+        .remove(uid)
+        .context("no response entry for the claim")?
+        .error)
+}
+
+async fn wait_for<T>(path: &Path, daemon: &tokio::task::JoinHandle<T>) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !path.exists() {
+        if daemon.is_finished() {
+            bail!("the daemon stopped before creating {}", path.display());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{} did not appear within {PATIENCE:?}", path.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+async fn wait_for_slices<T>(
+    dir: &PathBuf,
+    daemon: &tokio::task::JoinHandle<T>,
+) -> Result<Vec<ResourceSlice>> {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let mut slices = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let path = e.path();
+                let hidden = e.file_name().to_string_lossy().starts_with('.');
+                if !hidden && path.extension().is_some_and(|x| x == "yaml") {
+                    let text = std::fs::read_to_string(&path)?;
+                    slices.push(serde_yaml::from_str::<ResourceSlice>(&text)?);
+                }
+            }
+        }
+        if !slices.is_empty() {
+            slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+            return Ok(slices);
+        }
+        if daemon.is_finished() {
+            bail!("the daemon stopped before publishing slices");
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no ResourceSlices in {} within {PATIENCE:?}", dir.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,55 @@
+//! `nvdra demo` end to end: the real daemon on simulated GPUs, driven by the demo's kubelet.
+
+use std::process::Command;
+
+#[test]
+fn the_demo_runs_the_whole_flow_and_cleans_up() {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .arg("demo")
+        .env_remove("NVDRA_LOG")
+        .output()
+        .expect("run nvdra demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+
+    // Registration answered with both DRA versions.
+    assert!(
+        stdout.contains("DRAPlugin plugin \"gpu.nvidia.com\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\"v1.DRAPlugin\", \"v1beta1.DRAPlugin\""),
+        "{stdout}"
+    );
+    // Eight H100s published.
+    assert!(
+        stdout.contains("with 8 devices for pool demo-node"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("gpu-0: NVIDIA H100 80GB HBM3 80Gi"),
+        "{stdout}"
+    );
+    // Prepare returned CDI ids and applied the time slice through the backend.
+    assert!(
+        stdout.contains("gpu-1 -> k8s.gpu.nvidia.com/claim=uid-train-gpu-1"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=GPU-"), "{stdout}");
+    assert!(stdout.contains("time slice Short on GPU-"), "{stdout}");
+    // The double allocation was refused with the reason, then allowed after unprepare.
+    assert!(
+        stdout.contains("device gpu-0 is already prepared for claim demo/train"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("demo/notebook gets gpu-0"), "{stdout}");
+    assert!(stdout.contains("shut down cleanly"), "{stdout}");
+
+    // The working directory is gone afterwards.
+    let dir = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("working directory: "))
+        .expect("the demo names its directory");
+    assert!(!std::path::Path::new(dir).exists(), "{dir} left behind");
+}

@@ -1,6 +1,6 @@
-//! How long the publisher takes to put a DGX A100-sized partitionable pool (8 slices of 64 MIG
-//! placements each, plus one shared-counters slice) on an API server, from empty and after a
-//! kubelet-style wipe; and what a no-change reconcile costs. KubeApi over HTTP against the test
+//! How long the publisher takes to put a DGX A100's partitionable pool (`dgx-a100-mig`: every MIG
+//! placement of 8 GPUs, 200 devices in 8 slices plus one shared-counters slice, as computed by
+//! `dra::slices`) on an API server, from empty and after a kubelet-style wipe; and what a no-change reconcile costs. KubeApi over HTTP against the test
 //! API server on 127.0.0.1. Median of several runs.
 //!
 //! Run: `cargo bench --bench publish`
@@ -9,201 +9,33 @@
 mod apiserver;
 
 use apiserver::TestApiServer;
-use k8s_openapi::api::resource::v1::{
-    Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
-    ResourcePool, ResourceSlice, ResourceSliceSpec,
-};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::publisher::{Options, Publisher};
-use std::collections::BTreeMap;
+use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::inventory::topology::load_profile;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "dgx-a100-0";
-const GPUS: usize = 8;
-const PLACEMENTS_PER_GPU: usize = 64;
 const RUNS: usize = 9;
 
-fn string(v: &str) -> DeviceAttribute {
-    DeviceAttribute {
-        string: Some(v.into()),
-        ..Default::default()
-    }
-}
-
-fn int(v: i64) -> DeviceAttribute {
-    DeviceAttribute {
-        int: Some(v),
-        ..Default::default()
-    }
-}
-
-fn version(v: &str) -> DeviceAttribute {
-    DeviceAttribute {
-        version: Some(v.into()),
-        ..Default::default()
-    }
-}
-
-fn quantity(v: &str) -> Quantity {
-    Quantity(v.into())
-}
-
-/// One MIG placement of GPU `gpu`, in the style of a partitionable layout.
-fn placement(gpu: usize, i: usize) -> Device {
-    let profiles = [
-        ("1g.10gb", 19, 1),
-        ("2g.20gb", 14, 2),
-        ("3g.40gb", 9, 3),
-        ("4g.40gb", 5, 4),
-    ];
-    let (profile, gi, slices) = profiles[i % profiles.len()];
-    let start = i % 7;
-    let attributes = BTreeMap::from([
-        ("type".to_string(), string("mig")),
-        (
-            "uuid".to_string(),
-            string(&format!("MIG-{gpu:02}{i:03}-5f0e-4c4d-9d7b-0242ac120002")),
-        ),
-        (
-            "parentUUID".to_string(),
-            string(&format!("GPU-{gpu:02}6f3c2e-9b1a-4b2c-8d3e-1f2a3b4c5d6e")),
-        ),
-        ("profile".to_string(), string(profile)),
-        ("parentIndex".to_string(), int(gpu as i64)),
-        ("productName".to_string(), string("NVIDIA A100-SXM4-80GB")),
-        ("brand".to_string(), string("Nvidia")),
-        ("architecture".to_string(), string("Ampere")),
-        ("cudaComputeCapability".to_string(), version("8.0.0")),
-        ("driverVersion".to_string(), version("570.124.6")),
-        ("cudaDriverVersion".to_string(), version("12.8.0")),
-        (
-            "resource.kubernetes.io/pcieRoot".to_string(),
-            string(&format!("pci0000:{:02x}", gpu * 16)),
-        ),
-        ("numaNode".to_string(), int((gpu / 4) as i64)),
-    ]);
-    let capacity = BTreeMap::from([
-        (
-            "memory".to_string(),
-            DeviceCapacity {
-                value: quantity(&format!("{}Gi", 10 * slices)),
-                request_policy: None,
-            },
-        ),
-        (
-            "multiprocessors".to_string(),
-            DeviceCapacity {
-                value: quantity(&format!("{}", 14 * slices)),
-                request_policy: None,
-            },
-        ),
-        (
-            "copyEngines".to_string(),
-            DeviceCapacity {
-                value: quantity(&format!("{slices}")),
-                request_policy: None,
-            },
-        ),
-        (
-            "decoders".to_string(),
-            DeviceCapacity {
-                value: quantity("0"),
-                request_policy: None,
-            },
-        ),
-    ]);
-    let counters = BTreeMap::from([
-        (
-            "memory".to_string(),
-            Counter {
-                value: quantity(&format!("{}Gi", 10 * slices)),
-            },
-        ),
-        (
-            format!("memorySlice{start}"),
-            Counter {
-                value: quantity("1"),
-            },
-        ),
-        (
-            format!("computeSlice{start}"),
-            Counter {
-                value: quantity("1"),
-            },
-        ),
-    ]);
-    Device {
-        name: format!(
-            "gpu-{gpu}-mig-{}-{gi}-{start}-{i}",
-            profile.replace('.', "")
-        ),
-        attributes: Some(attributes),
-        capacity: Some(capacity),
-        consumes_counters: Some(vec![DeviceCounterConsumption {
-            counter_set: format!("gpu-{gpu}-counter-set"),
-            counters,
-        }]),
-        ..Default::default()
-    }
-}
-
-fn spec() -> ResourceSliceSpec {
-    ResourceSliceSpec {
-        driver: DRIVER.into(),
-        node_name: Some(NODE.into()),
-        pool: ResourcePool {
-            name: NODE.into(),
-            generation: 0,
-            resource_slice_count: 0,
-        },
-        ..Default::default()
-    }
-}
-
+/// What `nvdra run --partitionable` publishes for a DGX A100 with every GPU in MIG mode: every
+/// placement of every profile, with per-GPU shared counters, in the 1.35 layout.
 fn desired() -> Vec<ResourceSliceSpec> {
-    let mut out: Vec<ResourceSliceSpec> = (0..GPUS)
-        .map(|gpu| ResourceSliceSpec {
-            devices: Some((0..PLACEMENTS_PER_GPU).map(|i| placement(gpu, i)).collect()),
-            ..spec()
-        })
-        .collect();
-    let sets = (0..GPUS)
-        .map(|gpu| {
-            let mut counters = BTreeMap::from([(
-                "memory".to_string(),
-                Counter {
-                    value: quantity("80Gi"),
-                },
-            )]);
-            for s in 0..7 {
-                counters.insert(
-                    format!("memorySlice{s}"),
-                    Counter {
-                        value: quantity("1"),
-                    },
-                );
-                counters.insert(
-                    format!("computeSlice{s}"),
-                    Counter {
-                        value: quantity("1"),
-                    },
-                );
-            }
-            CounterSet {
-                name: format!("gpu-{gpu}-counter-set"),
-                counters,
-            }
-        })
-        .collect();
-    out.push(ResourceSliceSpec {
-        shared_counters: Some(sets),
-        ..spec()
-    });
-    out
+    let inv = load_profile("dgx-a100-mig", NODE).expect("built-in profile");
+    desired_slices(
+        &inv,
+        &SliceOptions {
+            driver: DRIVER.into(),
+            node_name: NODE.into(),
+            partitionable: true,
+            layout: CounterLayout::Separate,
+        },
+    )
+    .expect("valid slices")
 }
 
 fn complete(slices: &[ResourceSlice], n: usize) -> bool {

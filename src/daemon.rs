@@ -301,6 +301,7 @@ async fn publish(
     };
     let (publisher, handle) = Publisher::new(api.clone(), &config.driver_name, &config.node_name);
     let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle.clone(), opts, RESCAN);
+    let slice_sync = slice_sync.with_metrics(metrics.clone());
     plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
     let token = shutdown.clone();
     tasks.spawn(async move {
@@ -315,15 +316,25 @@ async fn publish(
     let (m, token) = (metrics.clone(), shutdown.clone());
     let mut status = handle.status();
     tasks.spawn(async move {
-        tokio::select! {
-            () = token.cancelled() => {}
-            ok = async { status.wait_for(|s| s.synced.is_some()).await.is_ok() } => {
-                if ok {
-                    m.published.store(true, std::sync::atomic::Ordering::Relaxed);
-                    tracing::info!("ResourceSlices published");
-                }
-                // Done; stay alive so this task's end does not read as a failure.
-                token.cancelled().await;
+        use std::sync::atomic::Ordering::Relaxed;
+        // Every reconcile moves the status; the metrics follow it (readiness after the first
+        // complete publish, and the publisher's write and error counts).
+        loop {
+            let counters = handle.counters();
+            m.slice_creates.store(counters.creates, Relaxed);
+            m.slice_updates.store(counters.updates, Relaxed);
+            m.slice_deletes.store(counters.deletes, Relaxed);
+            m.api_errors.store(counters.errors, Relaxed);
+            if status.borrow_and_update().synced.is_some() && !m.published.swap(true, Relaxed) {
+                tracing::info!("ResourceSlices published");
+            }
+            tokio::select! {
+                () = token.cancelled() => break,
+                changed = status.changed() => if changed.is_err() {
+                    // The publisher is gone (shutting down); its own task reports why.
+                    token.cancelled().await;
+                    break;
+                },
             }
         }
         ("publish-status", Ok(()))

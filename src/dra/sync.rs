@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::publisher::PublisherHandle;
 use super::slices::{self, CounterLayout, SliceOptions};
 use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::metrics::Metrics;
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
 const PARTITIONABLE_FIELDS: [&str; 2] = ["sharedCounters", "consumesCounters"];
@@ -57,6 +58,7 @@ pub struct SliceSync {
     last_desired: Option<Vec<ResourceSliceSpec>>,
     /// Set once the partitionable layout was abandoned.
     fell_back: bool,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl SliceSync {
@@ -79,9 +81,16 @@ impl SliceSync {
                 last_inventory: None,
                 last_desired: None,
                 fell_back: false,
+                metrics: None,
             },
             SyncHandle { trigger },
         )
+    }
+
+    /// Reports the GPU count and unhealthy devices of every inventory read.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Runs until `shutdown`. Failures to read the inventory or to build slices are logged and
@@ -142,6 +151,23 @@ impl SliceSync {
                 return;
             }
         };
+        if let Some(m) = &self.metrics {
+            use std::sync::atomic::Ordering::Relaxed;
+            let unhealthy = inv
+                .gpus
+                .iter()
+                .map(|g| {
+                    usize::from(!g.health.is_healthy())
+                        + g.mig
+                            .devices
+                            .iter()
+                            .filter(|d| !d.health.is_healthy())
+                            .count()
+                })
+                .sum::<usize>();
+            m.gpus.store(inv.gpus.len() as u64, Relaxed);
+            m.unhealthy_devices.store(unhealthy as u64, Relaxed);
+        }
         if self.last_desired.is_some() && self.last_inventory.as_ref() == Some(&inv) {
             return;
         }
@@ -176,6 +202,54 @@ impl SliceSync {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::dir::DirApi;
+    use crate::dra::publisher::Publisher;
+    use crate::inventory::Health;
+    use crate::inventory::sim::SimBackend;
+    use std::sync::atomic::Ordering::Relaxed;
+
+    #[tokio::test]
+    async fn each_inventory_read_updates_the_gpu_metrics() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = Arc::new(DirApi::new(dir.path().to_path_buf()).unwrap());
+        let (_publisher, handle) = Publisher::new(api, "gpu.nvidia.com", "n1");
+        let sim = SimBackend::from_profile("a100-mig-mixed", "n1").unwrap();
+        let metrics = Metrics::new();
+        let options = SliceOptions {
+            driver: "gpu.nvidia.com".into(),
+            node_name: "n1".into(),
+            partitionable: false,
+            layout: CounterLayout::Separate,
+        };
+        let (sync, _) = SliceSync::new(
+            Arc::new(sim.clone()),
+            handle,
+            options,
+            Duration::from_secs(60),
+        );
+        let mut sync = sync.with_metrics(metrics.clone());
+        sync.sync_once().await;
+        assert_eq!(metrics.gpus.load(Relaxed), 4);
+        assert_eq!(metrics.unhealthy_devices.load(Relaxed), 0);
+
+        sim.update(|inv| {
+            inv.gpus[0].health = Health::Unhealthy {
+                reason: "XID 79".into(),
+            };
+            inv.gpus[1].mig.devices[0].health = Health::Unhealthy {
+                reason: "XID 94".into(),
+            };
+        });
+        sync.sync_once().await;
+        assert_eq!(metrics.unhealthy_devices.load(Relaxed), 2);
+        let desired = sync.last_desired.as_ref().unwrap();
+        let names: Vec<&str> = desired
+            .iter()
+            .flat_map(|s| s.devices.iter().flatten())
+            .map(|d| d.name.as_str())
+            .collect();
+        assert!(!names.contains(&"gpu-0"), "{names:?}");
+    }
 
     #[test]
     fn layout_follows_the_server_version() {

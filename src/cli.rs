@@ -260,7 +260,7 @@ pub fn main() -> ExitCode {
             ExitCode::from(EXIT_CONFIG)
         }
         Err(Failure::Other(e)) => {
-            eprintln!("nvdra: {e:#}");
+            eprintln!("nvdra: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
@@ -422,5 +422,32 @@ fn write_stdout(text: &str) -> anyhow::Result<()> {
         // `nvdra inventory | head` closes the pipe early; that is not an error.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         r => Ok(r?),
+    }
+}
+
+/// An error and its causes on one line, skipping a cause whose text the message already
+/// includes (most of ours interpolate their source), so nothing is said twice.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn causes_already_in_the_message_are_not_repeated() {
+        let io = std::io::Error::other("disk on fire");
+        let e = anyhow::Error::new(io).context("cannot write /x");
+        assert_eq!(super::one_line(&e), "cannot write /x: disk on fire");
+        let inner = anyhow::anyhow!("bad placement");
+        let e = inner.context("topology t.yaml: bad placement");
+        assert_eq!(super::one_line(&e), "topology t.yaml: bad placement");
     }
 }

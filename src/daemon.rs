@@ -46,9 +46,9 @@ pub enum Error {
     Start(#[from] plugin::StartError),
     #[error("recovering the checkpoint failed: {0}")]
     Recover(#[from] plugin::ClaimError),
-    #[error("{0}")]
+    #[error(transparent)]
     Boot(#[from] ledger::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Socket(#[from] grpc::Error),
     #[error("cannot listen for metrics on {addr}: {source}")]
     Metrics {

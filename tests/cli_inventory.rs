@@ -234,6 +234,31 @@ fn bad_topology_file_names_file_line_and_key() {
     assert!(err.contains(&format!("{}:8:", path.display())), "{err}");
     assert!(err.contains("gpus[0]"), "{err}");
     assert!(err.contains("unknown field `numa`"), "{err}");
+
+    // An error found after parsing names the line too, and says it once.
+    std::fs::write(
+        &path,
+        "version: v1\ndriverVersion: \"1\"\ncudaDriverVersion: \"12.4\"\ngpus:\n  - index: 0\n    model: A100-SXM4-40GB\n    pciBusId: \"0000:17:00.0\"\n    mig:\n      enabled: true\n      devices:\n        - profile: 3g.20gb\n          placement: 1\n",
+    )
+    .unwrap();
+    let out = nvdra(
+        &[
+            "inventory",
+            "--topology",
+            path.to_str().unwrap(),
+            "--node-name",
+            "n1",
+        ],
+        &[],
+    );
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(
+        err.trim_end(),
+        format!(
+            "nvdra: {}:12: gpus[0].mig.devices[0].placement: 3g.20gb cannot start at memory slice 1; valid starts: 0, 4",
+            path.display()
+        )
+    );
 }
 
 #[test]

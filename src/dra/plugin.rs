@@ -127,15 +127,15 @@ pub enum ClaimError {
     },
     #[error("claim UID {uid:?} cannot name a CDI device: {source}")]
     BadUid { uid: String, source: cdi::Error },
-    #[error("{0}")]
+    #[error(transparent)]
     Backend(#[from] inventory::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Mps(#[from] mps::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Cdi(#[from] cdi::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Ledger(#[from] ledger::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Lock(#[from] nodelock::Error),
     #[error("internal task failed: {0}")]
     Task(String),
@@ -187,9 +187,9 @@ struct Inner {
 /// Why a plugin could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("{0}")]
+    #[error(transparent)]
     Ledger(#[from] ledger::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Cdi(#[from] cdi::Error),
 }
 

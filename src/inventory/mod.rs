@@ -30,7 +30,7 @@ pub enum Error {
     NvmlMissing { library: String, reason: String },
     #[error("NVML call {call} failed: {reason}")]
     Nvml { call: String, reason: String },
-    #[error("{0}")]
+    #[error(transparent)]
     Topology(#[from] topology::Error),
     #[error("invalid inventory: {0}")]
     Invalid(String),

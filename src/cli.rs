@@ -139,7 +139,8 @@ pub struct BackendArgs {
     #[arg(long, env = "NVDRA_BACKEND", value_enum)]
     pub backend: Option<BackendKind>,
 
-    /// A built-in simulated node: dgx-a100, dgx-h100, hgx-h200, l40s-pcie, a100-mig-mixed, pcie-pairs.
+    /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
+    /// a100-mig-mixed, pcie-pairs.
     #[arg(
         long,
         env = "NVDRA_PROFILE",

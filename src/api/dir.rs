@@ -58,7 +58,7 @@ impl DirApi {
         let root = root.into();
         let slices = root.join("resourceslices");
         std::fs::create_dir_all(&slices).map_err(|e| {
-            Error::Invalid(format!(
+            Error::Setup(format!(
                 "cannot create {}: {e}; check --api-dir and its permissions",
                 slices.display()
             ))

@@ -33,7 +33,7 @@ impl KubeApi {
         let config = match kubeconfig {
             Some(path) => {
                 let file = Kubeconfig::read_from(path).map_err(|e| {
-                    Error::Invalid(format!(
+                    Error::Setup(format!(
                         "cannot read kubeconfig {}: {e}; pass a readable file with --kubeconfig",
                         path.display()
                     ))
@@ -41,11 +41,11 @@ impl KubeApi {
                 Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
                     .await
                     .map_err(|e| {
-                        Error::Invalid(format!("kubeconfig {} is not usable: {e}", path.display()))
+                        Error::Setup(format!("kubeconfig {} is not usable: {e}", path.display()))
                     })?
             }
             None => Config::infer().await.map_err(|e| {
-                Error::Invalid(format!(
+                Error::Setup(format!(
                     "no in-cluster config and no usable kubeconfig: {e}; \
                      run in a pod, pass --kubeconfig, or use --api-dir"
                 ))
@@ -58,13 +58,13 @@ impl KubeApi {
     pub fn from_url(url: &str) -> Result<Self> {
         let uri: http::Uri = url
             .parse()
-            .map_err(|e| Error::Invalid(format!("bad API server url {url:?}: {e}")))?;
+            .map_err(|e| Error::Setup(format!("bad API server url {url:?}: {e}")))?;
         Self::from_config(Config::new(uri))
     }
 
     fn from_config(config: Config) -> Result<Self> {
         let client = Client::try_from(config)
-            .map_err(|e| Error::Invalid(format!("cannot build a kube client: {e}")))?;
+            .map_err(|e| Error::Setup(format!("cannot build a kube client: {e}")))?;
         Ok(Self { client })
     }
 

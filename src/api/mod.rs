@@ -23,6 +23,9 @@ pub enum Error {
     /// The server rejected the object (HTTP 422/400): a bug in what we sent; retrying is futile.
     #[error("rejected by the API server: {0}")]
     Invalid(String),
+    /// No API client could be built (no in-cluster config, unreadable kubeconfig, bad URL).
+    #[error("cannot set up the API client: {0}")]
+    Setup(String),
     /// Anything that may pass: connection refused, 5xx, timeouts. Retry with backoff.
     #[error("API server unavailable: {0}")]
     Transient(String),

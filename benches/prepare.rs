@@ -20,11 +20,8 @@ mod apiserver;
 mod bench_api {
     use std::sync::Arc;
 
-    use k8s_openapi::api::resource::v1::{
-        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-        ResourceClaimStatus,
-    };
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+
     use nvdra::api::ClusterApi;
     use nvdra::api::kube::KubeApi;
 
@@ -56,31 +53,19 @@ mod bench_api {
             self.client.clone()
         }
         pub async fn add_claim(&self, uid: &str, device: &str) {
-            self.server.seed_claim(ResourceClaim {
-                metadata: ObjectMeta {
-                    namespace: Some("default".into()),
-                    name: Some(format!("claim-{uid}")),
-                    uid: Some(uid.into()),
+            self.server.seed_claim(nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![DeviceRequestAllocationResult {
+                    request: "gpu".into(),
+                    driver: self.driver.clone(),
+                    pool: self.node.clone(),
+                    device: device.into(),
                     ..Default::default()
-                },
-                status: Some(ResourceClaimStatus {
-                    allocation: Some(AllocationResult {
-                        devices: Some(DeviceAllocationResult {
-                            results: Some(vec![DeviceRequestAllocationResult {
-                                request: "gpu".into(),
-                                driver: self.driver.clone(),
-                                pool: self.node.clone(),
-                                device: device.into(),
-                                ..Default::default()
-                            }]),
-                            config: None,
-                        }),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            });
+                }],
+                vec![],
+            ));
         }
         pub async fn stop(self) {}
     }

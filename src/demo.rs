@@ -13,11 +13,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
-    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
+    DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
     ResourceSlice,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use tokio_util::sync::CancellationToken;
 
@@ -269,25 +267,8 @@ fn write_claim(
             }),
         }]
     });
-    let claim = ResourceClaim {
-        metadata: ObjectMeta {
-            namespace: Some(NAMESPACE.into()),
-            name: Some(name.into()),
-            uid: Some(uid.into()),
-            ..Default::default()
-        },
-        status: Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult {
-                devices: Some(DeviceAllocationResult {
-                    results: Some(results),
-                    config,
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+    let claim =
+        crate::api::allocated_claim(NAMESPACE, name, uid, results, config.unwrap_or_default());
     let dir = root.join("api/resourceclaims").join(NAMESPACE);
     std::fs::create_dir_all(&dir)?;
     std::fs::write(

@@ -399,11 +399,8 @@ fn podman_runs_a_claim_prepared_by_the_daemon() {
 /// root) prepares an allocated claim over its DRA socket, and podman runs a container with the
 /// CDI id prepare returned, reading the spec prepare wrote. Unprepare then removes the spec.
 fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
-    use k8s_openapi::api::resource::v1::{
-        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-        ResourceClaimStatus,
-    };
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+
     use nvdra::proto::dra::v1;
 
     // Its own driver name, so that this daemon's orphan clean-up in a shared CDI directory never
@@ -425,31 +422,19 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         PathBuf::from(SYSTEM_CDI_DIR)
     };
 
-    let claim = ResourceClaim {
-        metadata: ObjectMeta {
-            namespace: Some("default".into()),
-            name: Some("podman".into()),
-            uid: Some(claim_uid.clone()),
+    let claim = nvdra::api::allocated_claim(
+        "default",
+        "podman",
+        &claim_uid,
+        vec![DeviceRequestAllocationResult {
+            request: "gpu".into(),
+            driver: DRIVER.into(),
+            pool: NODE.into(),
+            device: format!("gpu-{}", gpu.minor),
             ..Default::default()
-        },
-        status: Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult {
-                devices: Some(DeviceAllocationResult {
-                    results: Some(vec![DeviceRequestAllocationResult {
-                        request: "gpu".into(),
-                        driver: DRIVER.into(),
-                        pool: NODE.into(),
-                        device: format!("gpu-{}", gpu.minor),
-                        ..Default::default()
-                    }]),
-                    config: None,
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+        }],
+        vec![],
+    );
     let claims = root.join("api/resourceclaims/default");
     std::fs::create_dir_all(&claims)?;
     std::fs::write(claims.join("podman.yaml"), serde_yaml::to_string(&claim)?)?;

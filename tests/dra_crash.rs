@@ -8,11 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-    ResourceClaimStatus,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::proto::dra::v1;
 use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
 use tonic::transport::Channel;
@@ -70,31 +66,19 @@ impl Dirs {
     }
 
     fn add_claim(&self, uid: &str, device: &str) {
-        let c = ResourceClaim {
-            metadata: ObjectMeta {
-                namespace: Some("default".into()),
-                name: Some(format!("claim-{uid}")),
-                uid: Some(uid.into()),
+        let c = nvdra::api::allocated_claim(
+            "default",
+            &format!("claim-{uid}"),
+            uid,
+            vec![DeviceRequestAllocationResult {
+                request: "gpu".into(),
+                driver: DRIVER.into(),
+                pool: NODE.into(),
+                device: device.into(),
                 ..Default::default()
-            },
-            status: Some(ResourceClaimStatus {
-                allocation: Some(AllocationResult {
-                    devices: Some(DeviceAllocationResult {
-                        results: Some(vec![DeviceRequestAllocationResult {
-                            request: "gpu".into(),
-                            driver: DRIVER.into(),
-                            pool: NODE.into(),
-                            device: device.into(),
-                            ..Default::default()
-                        }]),
-                        config: None,
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
+            }],
+            vec![],
+        );
         let dir = self.p("api/resourceclaims/default");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(

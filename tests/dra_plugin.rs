@@ -8,10 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
-    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
+    DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
+    ResourceClaim,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use nvdra::api::kube::KubeApi;
 use nvdra::config::{self, Overrides};
@@ -146,25 +145,7 @@ fn claim(
     results: Vec<DeviceRequestAllocationResult>,
     config: Vec<DeviceAllocationConfiguration>,
 ) -> ResourceClaim {
-    ResourceClaim {
-        metadata: ObjectMeta {
-            namespace: Some("default".into()),
-            name: Some(format!("claim-{uid}")),
-            uid: Some(uid.into()),
-            ..Default::default()
-        },
-        status: Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult {
-                devices: Some(DeviceAllocationResult {
-                    results: Some(results),
-                    config: Some(config),
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    nvdra::api::allocated_claim("default", &format!("claim-{uid}"), uid, results, config)
 }
 
 fn v1_claim(uid: &str) -> v1::Claim {

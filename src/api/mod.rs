@@ -9,7 +9,11 @@ pub mod kube;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    DeviceRequestAllocationResult, ResourceClaim, ResourceClaimStatus, ResourceSlice,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 /// Errors from the API, classified by what the caller should do about them.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +95,36 @@ pub trait ClusterApi: Send + Sync + 'static {
     /// the newest rules apply.
     fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
         Box::pin(async { Ok(None) })
+    }
+}
+
+/// A ResourceClaim as the scheduler leaves it: allocated `results`, with the opaque `config` the
+/// allocation carries. What prepare reads; `nvdra demo`, tests and benchmarks write such claims.
+pub fn allocated_claim(
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    results: Vec<DeviceRequestAllocationResult>,
+    config: Vec<DeviceAllocationConfiguration>,
+) -> ResourceClaim {
+    ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some(namespace.into()),
+            name: Some(name.into()),
+            uid: Some(uid.into()),
+            ..Default::default()
+        },
+        status: Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(results),
+                    config: (!config.is_empty()).then_some(config),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
     }
 }
 

@@ -11,42 +11,6 @@ use crate::proto::dra::{v1, v1beta1};
 pub type PrepareResults = Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)>;
 pub type UnprepareResults = Vec<(ClaimUid, Result<(), ClaimError>)>;
 
-pub fn claims_v1(claims: Vec<v1::Claim>) -> Vec<ClaimRef> {
-    claims
-        .into_iter()
-        .map(|c| {
-            let v1::Claim {
-                namespace,
-                uid,
-                name,
-            } = c;
-            ClaimRef {
-                namespace,
-                name,
-                uid: ClaimUid(uid),
-            }
-        })
-        .collect()
-}
-
-pub fn claims_v1beta1(claims: Vec<v1beta1::Claim>) -> Vec<ClaimRef> {
-    claims
-        .into_iter()
-        .map(|c| {
-            let v1beta1::Claim {
-                namespace,
-                uid,
-                name,
-            } = c;
-            ClaimRef {
-                namespace,
-                name,
-                uid: ClaimUid(uid),
-            }
-        })
-        .collect()
-}
-
 fn device_v1(d: DeviceRecord) -> v1::Device {
     let DeviceRecord {
         requests,
@@ -89,69 +53,75 @@ fn device_v1beta1(d: DeviceRecord) -> v1beta1::Device {
     }
 }
 
-pub fn prepare_response_v1(results: PrepareResults) -> v1::NodePrepareResourcesResponse {
-    let claims: HashMap<String, v1::NodePrepareResourceResponse> = results
-        .into_iter()
-        .map(|(uid, r)| {
-            let entry = match r {
-                Ok(devices) => v1::NodePrepareResourceResponse {
-                    devices: devices.into_iter().map(device_v1).collect(),
-                    error: String::new(),
-                },
-                Err(e) => v1::NodePrepareResourceResponse {
-                    devices: Vec::new(),
-                    error: e.to_string(),
-                },
-            };
-            (uid.0, entry)
-        })
-        .collect();
-    v1::NodePrepareResourcesResponse { claims }
+/// Apart from `Device` (v1 has `share_id`), the messages are field for field the same in v1 and
+/// v1beta1; one definition serves both.
+macro_rules! same_in_both {
+    ($ver:ident, $claims:ident, $prepare:ident, $unprepare:ident, $device:ident) => {
+        pub fn $claims(claims: Vec<$ver::Claim>) -> Vec<ClaimRef> {
+            claims
+                .into_iter()
+                .map(|c| {
+                    let $ver::Claim {
+                        namespace,
+                        uid,
+                        name,
+                    } = c;
+                    ClaimRef {
+                        namespace,
+                        name,
+                        uid: ClaimUid(uid),
+                    }
+                })
+                .collect()
+        }
+
+        pub fn $prepare(results: PrepareResults) -> $ver::NodePrepareResourcesResponse {
+            let claims: HashMap<String, $ver::NodePrepareResourceResponse> = results
+                .into_iter()
+                .map(|(uid, r)| {
+                    let entry = match r {
+                        Ok(devices) => $ver::NodePrepareResourceResponse {
+                            devices: devices.into_iter().map($device).collect(),
+                            error: String::new(),
+                        },
+                        Err(e) => $ver::NodePrepareResourceResponse {
+                            devices: Vec::new(),
+                            error: e.to_string(),
+                        },
+                    };
+                    (uid.0, entry)
+                })
+                .collect();
+            $ver::NodePrepareResourcesResponse { claims }
+        }
+
+        pub fn $unprepare(results: UnprepareResults) -> $ver::NodeUnprepareResourcesResponse {
+            let claims = results
+                .into_iter()
+                .map(|(uid, r)| {
+                    let error = r.err().map(|e| e.to_string()).unwrap_or_default();
+                    (uid.0, $ver::NodeUnprepareResourceResponse { error })
+                })
+                .collect();
+            $ver::NodeUnprepareResourcesResponse { claims }
+        }
+    };
 }
 
-pub fn prepare_response_v1beta1(results: PrepareResults) -> v1beta1::NodePrepareResourcesResponse {
-    let claims = results
-        .into_iter()
-        .map(|(uid, r)| {
-            let entry = match r {
-                Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                    devices: devices.into_iter().map(device_v1beta1).collect(),
-                    error: String::new(),
-                },
-                Err(e) => v1beta1::NodePrepareResourceResponse {
-                    devices: Vec::new(),
-                    error: e.to_string(),
-                },
-            };
-            (uid.0, entry)
-        })
-        .collect();
-    v1beta1::NodePrepareResourcesResponse { claims }
-}
-
-pub fn unprepare_response_v1(results: UnprepareResults) -> v1::NodeUnprepareResourcesResponse {
-    let claims = results
-        .into_iter()
-        .map(|(uid, r)| {
-            let error = r.err().map(|e| e.to_string()).unwrap_or_default();
-            (uid.0, v1::NodeUnprepareResourceResponse { error })
-        })
-        .collect();
-    v1::NodeUnprepareResourcesResponse { claims }
-}
-
-pub fn unprepare_response_v1beta1(
-    results: UnprepareResults,
-) -> v1beta1::NodeUnprepareResourcesResponse {
-    let claims = results
-        .into_iter()
-        .map(|(uid, r)| {
-            let error = r.err().map(|e| e.to_string()).unwrap_or_default();
-            (uid.0, v1beta1::NodeUnprepareResourceResponse { error })
-        })
-        .collect();
-    v1beta1::NodeUnprepareResourcesResponse { claims }
-}
+same_in_both!(
+    v1,
+    claims_v1,
+    prepare_response_v1,
+    unprepare_response_v1,
+    device_v1
+);
+same_in_both!(
+    v1beta1,
+    claims_v1beta1,
+    prepare_response_v1beta1,
+    unprepare_response_v1beta1,
+    device_v1beta1
+);
 
 #[cfg(test)]
 mod tests {

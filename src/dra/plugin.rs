@@ -25,6 +25,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -39,7 +40,7 @@ use crate::inventory::{
     self, DeviceBackend, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
 };
 use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid, DeviceRecord, Ledger, MigRecord};
-use crate::metrics::Metrics;
+use crate::metrics::{Histogram, Metrics};
 use crate::sharing::{self, DeviceKind, Sharing, TimeSliceInterval};
 
 /// Environment variable naming a [`CrashPoint`]: the process stops there to be killed. For crash
@@ -496,62 +497,15 @@ impl Plugin {
         &self,
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
-        if claims.is_empty() {
-            return Vec::new();
-        }
-        let started = Instant::now();
-        let results = match self.enter().await {
-            Err(e) => {
-                let msg = e.to_string();
-                claims
-                    .into_iter()
-                    .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
-                    .collect()
-            }
-            Ok(_guard) => {
-                // One snapshot per batch: MIG devices created by this batch are tracked in the
-                // ledger, which is what conflict checks read.
-                let inv = match self.snapshot().await {
-                    Ok(inv) => Arc::new(inv),
-                    Err(e) => {
-                        let msg = e.to_string();
-                        return claims
-                            .into_iter()
-                            .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
-                            .collect();
-                    }
-                };
-                let futs = claims.into_iter().map(|c| {
-                    let inv = inv.clone();
-                    async move {
-                        let uid = c.uid.clone();
-                        let l = self.claim_lock(&uid);
-                        let r = {
-                            let _held = l.lock().await;
-                            self.prepare_one(&c, &inv).await
-                        };
-                        self.release_claim_lock(&uid, l);
-                        if let Err(e) = &r {
-                            tracing::warn!(claim.uid = %uid, claim = %format!("{}/{}", c.namespace, c.name),
-                                error = %e, "prepare failed");
-                        }
-                        (uid, r)
-                    }
-                });
-                futures::future::join_all(futs).await
-            }
-        };
+        // One snapshot per batch: MIG devices created by this batch are tracked in the ledger,
+        // which is what conflict checks read.
+        let setup = async { Ok(Arc::new(self.snapshot().await?)) };
         let m = &self.inner.metrics;
-        for (_, r) in &results {
-            let c = if r.is_ok() {
-                &m.prepare_ok
-            } else {
-                &m.prepare_failed
-            };
-            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        m.prepare_seconds.observe(started.elapsed());
-        results
+        let outcome = (&m.prepare_ok, &m.prepare_failed, &m.prepare_seconds);
+        self.batch(claims, "prepare", outcome, setup, |c, inv| async move {
+            self.prepare_one(&c, &inv).await
+        })
+        .await
     }
 
     /// Unprepares a batch; one result per claim, in order.
@@ -559,11 +513,45 @@ impl Plugin {
         &self,
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimUid, Result<(), ClaimError>)> {
+        let m = &self.inner.metrics;
+        let outcome = (&m.unprepare_ok, &m.unprepare_failed, &m.unprepare_seconds);
+        self.batch(
+            claims,
+            "unprepare",
+            outcome,
+            async { Ok(()) },
+            |c, ()| async move { self.unprepare_one(&c.uid).await },
+        )
+        .await
+    }
+
+    /// Runs `op` for each claim of a batch: under the node lock, each claim under its own lock,
+    /// different claims concurrently, after `setup` (whose value every claim gets). When the
+    /// batch cannot start (lock, setup), every claim fails with that reason, so the kubelet still
+    /// gets an entry per claim. Counts outcomes and the batch's duration.
+    async fn batch<S, T, Setup, Op, Fut>(
+        &self,
+        claims: Vec<ClaimRef>,
+        what: &'static str,
+        (ok, failed, seconds): (&AtomicU64, &AtomicU64, &Histogram),
+        setup: Setup,
+        op: Op,
+    ) -> Vec<(ClaimUid, Result<T, ClaimError>)>
+    where
+        S: Clone,
+        Setup: Future<Output = Result<S, ClaimError>>,
+        Op: Fn(ClaimRef, S) -> Fut,
+        Fut: Future<Output = Result<T, ClaimError>>,
+    {
         if claims.is_empty() {
             return Vec::new();
         }
         let started = Instant::now();
-        let results = match self.enter().await {
+        let state = match self.enter().await {
+            Ok(guard) => setup.await.map(|s| (guard, s)),
+            Err(e) => Err(e),
+        };
+        let results = match state {
             Err(e) => {
                 let msg = e.to_string();
                 claims
@@ -571,33 +559,32 @@ impl Plugin {
                     .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
                     .collect()
             }
-            Ok(_guard) => {
-                let futs = claims.into_iter().map(|c| async move {
-                    let uid = c.uid.clone();
-                    let l = self.claim_lock(&uid);
-                    let r = {
-                        let _held = l.lock().await;
-                        self.unprepare_one(&uid).await
-                    };
-                    self.release_claim_lock(&uid, l);
-                    if let Err(e) = &r {
-                        tracing::warn!(claim.uid = %uid, error = %e, "unprepare failed");
+            Ok((_guard, shared)) => {
+                let futs = claims.into_iter().map(|c| {
+                    let (shared, op) = (shared.clone(), &op);
+                    async move {
+                        let uid = c.uid.clone();
+                        let who = format!("{}/{}", c.namespace, c.name);
+                        let l = self.claim_lock(&uid);
+                        let r = {
+                            let _held = l.lock().await;
+                            op(c, shared).await
+                        };
+                        self.release_claim_lock(&uid, l);
+                        if let Err(e) = &r {
+                            tracing::warn!(claim.uid = %uid, claim = %who, error = %e, "{what} failed");
+                        }
+                        (uid, r)
                     }
-                    (uid, r)
                 });
                 futures::future::join_all(futs).await
             }
         };
-        let m = &self.inner.metrics;
         for (_, r) in &results {
-            let c = if r.is_ok() {
-                &m.unprepare_ok
-            } else {
-                &m.unprepare_failed
-            };
+            let c = if r.is_ok() { ok } else { failed };
             c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        m.unprepare_seconds.observe(started.elapsed());
+        seconds.observe(started.elapsed());
         results
     }
 

@@ -96,6 +96,8 @@ pub async fn run(
         }
         Mode::DevicePlugin => return Err(Error::Mode(config.mode)),
     }
+    // Prepare reads the cached inventory; the slice sync and health stream refresh it.
+    let backend: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
     let metrics = Metrics::new();
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());

@@ -100,7 +100,7 @@ impl HealthService {
     }
 
     async fn message(&self) -> Result<NodeWatchResourcesResponse, inventory::Error> {
-        let inv = inventory::snapshot(self.backend.clone()).await?;
+        let inv = inventory::refresh(self.backend.clone()).await?;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))

@@ -144,7 +144,7 @@ impl SliceSync {
 
     /// Reads the inventory and publishes new desired slices if anything changed.
     pub async fn sync_once(&mut self) {
-        let inv = match inventory::snapshot(self.backend.clone()).await {
+        let inv = match inventory::refresh(self.backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
                 tracing::warn!(error = %e, backend = self.backend.name(), "cannot read the inventory; keeping the published slices");

@@ -10,6 +10,7 @@
 //! PCI bus ids are unique; `nvlink_domain` is computed from the NVLink peers (see
 //! [`assign_nvlink_domains`]).
 
+pub mod cache;
 pub mod nvml;
 pub mod sim;
 pub mod table;
@@ -443,8 +444,13 @@ impl fmt::Display for TimeSlice {
 pub trait DeviceBackend: Send + Sync + 'static {
     /// A short name for logs (`nvml`, `simulated`).
     fn name(&self) -> &'static str;
-    /// Reads the current inventory.
+    /// The current inventory. May come from a cache (see [`cache::Cached`]).
     fn snapshot(&self) -> Result<Inventory>;
+
+    /// Reads the inventory from the hardware, bypassing any cache.
+    fn refresh(&self) -> Result<Inventory> {
+        self.snapshot()
+    }
 
     /// Sets the compute time slice of a whole GPU.
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
@@ -481,9 +487,16 @@ pub trait DeviceBackend: Send + Sync + 'static {
     }
 }
 
-/// Reads a snapshot off the async runtime.
+/// [`DeviceBackend::snapshot`] off the async runtime.
 pub async fn snapshot(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
     tokio::task::spawn_blocking(move || backend.snapshot())
+        .await
+        .map_err(|e| Error::Invalid(format!("inventory task failed: {e}")))?
+}
+
+/// [`DeviceBackend::refresh`] off the async runtime.
+pub async fn refresh(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
+    tokio::task::spawn_blocking(move || backend.refresh())
         .await
         .map_err(|e| Error::Invalid(format!("inventory task failed: {e}")))?
 }

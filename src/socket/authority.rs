@@ -17,7 +17,7 @@
 //!   limit h2 advertises) — is handed to h2 byte for byte, after which the connection is passed
 //!   through untouched: all of these are connection errors that h2 reports as it would have.
 
-use loona_hpack::Decoder;
+use super::hpack::Decoder;
 
 /// What every HTTP/2 client sends first (RFC 9113 §3.4).
 const PREFACE_LEN: usize = 24;
@@ -49,7 +49,7 @@ pub struct Rewriter {
     frame: Vec<u8>,
     /// A header block whose HEADERS frame lacked END_HEADERS.
     block: Option<Block>,
-    decoder: Decoder<'static>,
+    decoder: Decoder,
     /// The re-encoded block, reused between blocks.
     encoded: Vec<u8>,
     replaced: u64,
@@ -80,8 +80,7 @@ struct Block {
 impl Rewriter {
     /// The server side of a new connection: the next bytes are the client's preface.
     pub fn server() -> Self {
-        let mut decoder = Decoder::new();
-        decoder.set_max_allowed_table_size(TABLE_SIZE);
+        let decoder = Decoder::new(TABLE_SIZE);
         Rewriter {
             state: State::Preface(PREFACE_LEN),
             frame: Vec::with_capacity(FRAME_HEADER),
@@ -241,12 +240,12 @@ impl Rewriter {
             ..
         } = self;
         encoded.clear();
-        let decoded = decoder.decode_with_cb(fragment, |name, value| {
-            if &*name == b":authority" && http::uri::Authority::try_from(&*value).is_err() {
+        let decoded = decoder.decode(fragment, |name, value| {
+            if name == b":authority" && http::uri::Authority::try_from(value).is_err() {
                 *replaced += 1;
-                encode_literal(encoded, &name, STAND_IN);
+                encode_literal(encoded, name, STAND_IN);
             } else {
-                encode_literal(encoded, &name, &value);
+                encode_literal(encoded, name, value);
             }
         });
         decoded.is_ok()

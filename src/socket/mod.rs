@@ -10,6 +10,7 @@
 //! [`incoming`], so the fix exists once; this module knows no gRPC service.
 
 pub mod authority;
+mod hpack;
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;

@@ -1,6 +1,7 @@
 //! The rewriter on header blocks recorded from real clients (byte strings below), and h2 itself
 //! (a tonic server) reading what the rewriter hands it — with and without the adapter, so these
-//! tests show the bug they guard against.
+//! tests show the bug they guard against. What the rewriter emits is read back with
+//! loona-hpack, a decoder we did not write.
 
 use super::*;
 use crate::proto::pluginregistration::{
@@ -104,7 +105,7 @@ fn client_start() -> Vec<u8> {
 /// the fields of each header block, with the frames that carried it.
 fn decode_output(bytes: &[u8]) -> Vec<(u32, Vec<(String, String)>)> {
     assert!(bytes.starts_with(PREFACE));
-    let mut decoder = Decoder::new();
+    let mut decoder = loona_hpack::Decoder::new();
     // Size 0: any reference into a dynamic table is an error, proving the output needs none.
     decoder.set_max_table_size(0);
     let mut blocks = Vec::new();
@@ -482,7 +483,7 @@ async fn serve_one(adapted: bool, input: Vec<u8>, streams: &[u32]) -> Vec<(u32, 
     // Acknowledge the server's SETTINGS so it proceeds.
     wr.write_all(&frame(0x4, 0x1, 0, &[])).await.unwrap();
 
-    let mut decoder = Decoder::new();
+    let mut decoder = loona_hpack::Decoder::new();
     let mut outcomes = Vec::new();
     let mut buf = Vec::new();
     let mut fragment = Vec::new();

@@ -124,7 +124,7 @@ fn wide_inventory() -> Inventory {
 }
 
 async fn unix_channel(path: &Path) -> Channel {
-    nvdra::dra::grpc::connect_unix(path)
+    nvdra::socket::connect(path)
         .await
         .expect("connect to the socket")
 }
@@ -163,7 +163,7 @@ async fn main() {
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.expect("recover");
     let socket = dir.path().join("dra.sock");
-    let listener = grpc::bind_unix(&socket).expect("bind");
+    let listener = nvdra::socket::bind(&socket).expect("bind");
     let health = nvdra::dra::health::HealthService::new(
         Arc::new(SimBackend::new(wide_inventory())),
         NODE.into(),

@@ -34,6 +34,7 @@ use crate::dra::sync::{self, SliceSync};
 use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::{self, Metrics};
+use crate::socket;
 
 /// How long in-flight work may take to finish after the first signal.
 pub const GRACE: Duration = Duration::from_secs(20);
@@ -167,7 +168,7 @@ async fn serve(
     );
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
 
-    let dra_listener = grpc::bind_unix(&sockets.dra)?;
+    let dra_listener = socket::bind(&sockets.dra).map_err(grpc::Error::from)?;
     tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     {
         let (plugin, path, token) = (plugin.clone(), sockets.dra.clone(), shutdown.clone());

@@ -20,13 +20,13 @@ use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Api, Backend, Config, LogFormat, Mode};
-use crate::dra::grpc::connect_unix;
 use crate::inventory::DeviceBackend;
 use crate::inventory::sim::SimBackend;
 use crate::proto::dra::v1;
 use crate::proto::pluginregistration::{
     InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
 };
+use crate::socket::connect as connect_unix;
 
 const PROFILE: &str = "dgx-h100";
 const NODE: &str = "demo-node";

@@ -462,7 +462,7 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         let rt = tokio::runtime::Runtime::new()?;
         let call = |prepare: bool| -> Result<(Vec<String>, String)> {
             rt.block_on(async {
-                let channel = nvdra::dra::grpc::connect_unix(&dra_socket).await?;
+                let channel = nvdra::socket::connect(&dra_socket).await?;
                 let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
                 let claims = vec![v1::Claim {
                     namespace: "default".into(),

@@ -122,7 +122,7 @@ impl Dirs {
 }
 
 async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    nvdra::dra::grpc::connect_unix(path).await
+    nvdra::socket::connect(path).await
 }
 
 /// Waits until the process answers GetInfo on its registration socket (so its DRA socket

@@ -37,7 +37,7 @@ struct TestNode {
 }
 
 async fn unix_channel(path: &Path) -> Channel {
-    nvdra::dra::grpc::connect_unix(path)
+    nvdra::socket::connect(path)
         .await
         .expect("connect to the socket")
 }

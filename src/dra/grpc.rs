@@ -2,10 +2,9 @@
 //! `v1alpha1.DRAResourceHealth` on one Unix socket. Errors of a claim travel in its response entry; the RPC itself fails only for
 //! requests that cannot be answered at all (never, today).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -14,65 +13,18 @@ use super::plugin::Plugin;
 use super::wire;
 use crate::proto::dra::{v1, v1beta1};
 use crate::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
+use crate::socket;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot listen on {path}: {source}")]
-    Bind {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(
-        "socket path {path} is {len} bytes, over the 107-byte limit of Unix sockets; use a shorter --kubelet-root"
-    )]
-    PathTooLong { path: PathBuf, len: usize },
-    #[error("gRPC server on {path} failed: {source}")]
+    #[error(transparent)]
+    Socket(#[from] socket::Error),
+    #[error("gRPC server on {path} failed")]
     Serve {
         path: PathBuf,
+        #[source]
         source: tonic::transport::Error,
     },
-}
-
-/// A client channel to a gRPC server on a Unix socket, as the kubelet opens one (the URI is a
-/// placeholder tonic requires; the connector ignores it). For `nvdra demo`, tests and benchmarks.
-pub async fn connect_unix(
-    path: &Path,
-) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    let path = path.to_path_buf();
-    tonic::transport::Endpoint::from_static("http://[::]:50051")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await
-}
-
-/// Unlinks a stale socket and binds a new one (creating the directory).
-pub fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
-    let len = path.as_os_str().len();
-    if len > super::registration::MAX_SOCKET_PATH {
-        return Err(Error::PathTooLong {
-            path: path.to_path_buf(),
-            len,
-        });
-    }
-    let berr = |source| Error::Bind {
-        path: path.to_path_buf(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(berr)?;
-    }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(berr(e)),
-    }
-    UnixListener::bind(path).map_err(berr)
 }
 
 #[derive(Clone)]
@@ -144,7 +96,7 @@ pub async fn serve_dra(
             plugin,
         )))
         .add_service(DraResourceHealthServer::new(health))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown.cancelled())
+        .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
         .await;
     let _ = std::fs::remove_file(&path);
     tracing::info!(socket = %path.display(), "DRA server stopped");

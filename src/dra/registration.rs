@@ -12,7 +12,6 @@ use std::sync::atomic::Ordering;
 
 use tokio::net::UnixListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -22,6 +21,7 @@ use crate::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     registration_server::{Registration, RegistrationServer},
 };
+use crate::socket::{self, MAX_SOCKET_PATH};
 
 /// `supported_versions`, in the order the kubelet should pick from: the DRA services, then the
 /// health service.
@@ -73,9 +73,6 @@ impl Sockets {
         }
     }
 }
-
-/// The longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
-pub const MAX_SOCKET_PATH: usize = 107;
 
 /// FNV-1a, 64 bits: a stable short name for a long pod UID (not a security boundary).
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -140,7 +137,7 @@ pub struct Registrar {
 impl Registrar {
     /// Binds the registration socket (unlinking a stale one). Call once the DRA socket serves.
     pub fn bind(&self) -> Result<UnixListener, Error> {
-        super::grpc::bind_unix(&self.sockets.registration)
+        Ok(socket::bind(&self.sockets.registration)?)
     }
 
     /// Serves until shutdown, then removes the socket; `status` follows the kubelet's verdicts.
@@ -159,7 +156,7 @@ impl Registrar {
         };
         let result = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(service))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown.cancelled())
+            .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
             .await;
         let _ = std::fs::remove_file(&path);
         tracing::info!(socket = %path.display(), "registration server stopped");

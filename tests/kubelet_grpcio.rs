@@ -160,7 +160,7 @@ impl Daemon {
             if let Some(status) = self.child.try_wait().unwrap() {
                 panic!("nvdra exited before serving: {status}");
             }
-            if let Ok(ch) = nvdra::dra::grpc::connect_unix(&self.reg_socket()).await
+            if let Ok(ch) = nvdra::socket::connect(&self.reg_socket()).await
                 && RegistrationClient::new(ch)
                     .get_info(InfoRequest {})
                     .await
@@ -410,9 +410,10 @@ async fn no_authority_raw_http2() {
     assert!(d.cdi_specs().is_empty(), "{:?}", d.cdi_specs());
 }
 
-/// The grpc-go authority in every encoding HPACK allows: plain and Huffman-coded strings, a block
-/// cut into HEADERS + CONTINUATION frames inside the field, references into the dynamic table on
-/// later requests of one connection, table size updates that empty and refill it.
+/// The grpc-go authority in every encoding HPACK and the framing allow: plain and Huffman-coded
+/// strings, a block cut into HEADERS + CONTINUATION frames inside the field, a padded HEADERS
+/// frame with priority fields, requests written one byte per write, references into the dynamic
+/// table on later requests of one connection, table size updates that empty and refill it.
 #[tokio::test]
 async fn hpack_encodings_of_the_kubelet_authority() {
     if !have_grpcio() {
@@ -420,22 +421,16 @@ async fn hpack_encodings_of_the_kubelet_authority() {
     }
     let d = Daemon::start().await;
     let run = d.standin(&["hpack"]);
-    run.assert_all_ok(&[
-        ("registration", "GetInfo, plain strings"),
-        ("registration", "GetInfo, Huffman-coded strings"),
-        (
-            "registration",
-            "GetInfo over HEADERS + CONTINUATION (plain)",
-        ),
-        (
-            "registration",
-            "GetInfo over HEADERS + CONTINUATION (Huffman)",
-        ),
-        (
-            "registration",
-            "GetInfo x7 on one connection (dynamic table)",
-        ),
-    ]);
+    let checks = [
+        "GetInfo, plain strings",
+        "GetInfo, Huffman-coded strings",
+        "GetInfo over HEADERS + CONTINUATION (plain)",
+        "GetInfo over HEADERS + CONTINUATION (Huffman)",
+        "GetInfo, HEADERS with padding and priority",
+        "GetInfo x2 written one byte per write",
+        "GetInfo x7 on one connection (dynamic table)",
+    ];
+    run.assert_all_ok(&checks.map(|rpc| ("registration", rpc)));
     let steps = run.detail(
         "registration",
         "GetInfo x7 on one connection (dynamic table)",
@@ -451,9 +446,10 @@ async fn hpack_encodings_of_the_kubelet_authority() {
     }
 }
 
-/// Requests malformed for reasons other than `:authority` stay refused, with the kubelet's
-/// authority as with `localhost`: accepting the kubelet's authority must not switch h2's other
-/// checks off.
+/// Requests malformed for reasons other than `:authority` stay refused (RST_STREAM or GOAWAY with
+/// PROTOCOL_ERROR; 431 for an over-size header list, after which the connection still serves),
+/// with the kubelet's authority as with `localhost`: accepting the kubelet's authority must not
+/// switch h2's other checks off.
 #[tokio::test]
 async fn requests_malformed_otherwise_are_still_refused() {
     if !have_grpcio() {
@@ -462,6 +458,7 @@ async fn requests_malformed_otherwise_are_still_refused() {
     let d = Daemon::start().await;
     let run = d.standin(&["malformed"]);
     let cases = [
+        "a header list over 16 KiB",
         "uppercase header name",
         "connection: keep-alive",
         "te: gzip",

@@ -17,10 +17,13 @@ Forms (`--form`, repeatable):
   localhost       grpcio with grpc.default_authority = localhost (the device-plugin client)
   none            the raw HTTP/2 client, with no :authority field at all
   hpack           the raw HTTP/2 client with the grpc-go authority: plain and Huffman strings, a
-                  header block over HEADERS + CONTINUATION frames, dynamic-table references and
-                  table size updates on one connection
+                  header block over HEADERS + CONTINUATION frames, a padded HEADERS frame with
+                  priority, one byte per write, dynamic-table references and table size updates
+                  on one connection
   malformed       the raw HTTP/2 client: requests malformed for reasons other than :authority,
-                  each of which the server must still refuse (RST_STREAM PROTOCOL_ERROR or GOAWAY)
+                  each of which the server must still refuse (RST_STREAM PROTOCOL_ERROR or
+                  GOAWAY; 431 for an over-size header list), with the grpc-go authority and
+                  with localhost
 
 Stubs are generated from the repository's proto/ with grpc_tools.protoc at run time, into a
 temporary directory, or into `--stubs-cache DIR`/<hash of protos and tool version>, reused while
@@ -405,15 +408,22 @@ class H2:
         n = int.from_bytes(h[:3], "big")
         return h[3], h[4], struct.unpack(">I", h[5:9])[0] & 0x7FFFFFFF, self.recv_exact(n)
 
-    def headers_frames(self, stream, block, cuts=(), end_stream=False):
-        """HEADERS, then one CONTINUATION per cut offset into `block`: (bytes, CONTINUATIONs)."""
+    def headers_frames(self, stream, block, cuts=(), pad=None, priority=False):
+        """HEADERS (with `pad` bytes of padding, with the PRIORITY fields), then one
+        CONTINUATION per cut offset into `block`: (bytes, CONTINUATIONs)."""
         bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(block)), len(block)]
         parts = [block[a:b] for a, b in zip(bounds, bounds[1:])]
         out = b""
         for i, part in enumerate(parts):
             flags = END_HEADERS if i == len(parts) - 1 else 0
             if i == 0:
-                flags |= END_STREAM if end_stream else 0
+                if priority:
+                    # Depends on stream 0, not exclusive, weight 16.
+                    flags |= PRIORITY_FLAG
+                    part = struct.pack(">IB", 0, 15) + part
+                if pad is not None:
+                    flags |= PADDED
+                    part = bytes([pad]) + part + b"\0" * pad
                 out += self.frame(HEADERS, flags, stream, part)
             else:
                 out += self.frame(CONTINUATION, flags, stream, part)
@@ -427,19 +437,25 @@ class H2:
               ("te", "trailers"), ("grpc-timeout", "20S")]
         return h + list(extra)
 
-    def call(self, path, message, authority, *, headers=None, huffman=True, cuts=()):
-        """Sends one unary gRPC request; returns (Response, header block bytes, CONTINUATION count)."""
+    def call(self, path, message, authority, *, headers=None, huffman=True, cuts=(), pad=None,
+             priority=False, bytewise=False):
+        """Sends one unary gRPC request (`bytewise`: one byte per write); returns (Response,
+        header block bytes, CONTINUATION count)."""
         stream = self.next_stream
         self.next_stream += 2
         if headers is None:
             headers = self.request_headers(path, authority)
         block = self.enc.encode(headers, huffman=huffman)
-        frames, continuations = self.headers_frames(stream, block, cuts)
+        frames, continuations = self.headers_frames(stream, block, cuts, pad, priority)
         frames += self.frame(DATA, END_STREAM, stream, b"\0" + struct.pack(">I", len(message)) + message)
         try:
-            # One write: a server that refuses the headers with a GOAWAY and closes has then
-            # read everything, and its GOAWAY is not lost to a reset.
-            self.sock.sendall(frames)
+            if bytewise:
+                for i in range(len(frames)):
+                    self.sock.sendall(frames[i:i + 1])
+            else:
+                # One write: a server that refuses the headers with a GOAWAY and closes has
+                # then read everything, and its GOAWAY is not lost to a reset.
+                self.sock.sendall(frames)
         except (BrokenPipeError, ConnectionResetError):
             pass  # what it answered before closing is still to be read
         return self.read_response(stream), block, continuations
@@ -627,6 +643,30 @@ class Raw:
             self.checked(form, authority, "registration",
                          f"GetInfo over HEADERS + CONTINUATION ({'Huffman' if huffman else 'plain'})", continuation)
 
+        def padded_with_priority():
+            c = H2(path)
+            try:
+                r, _, _ = c.call(method, self.info_request(), authority, pad=7, priority=True)
+                self.expect_ok(r, "GetInfo, HEADERS padded and with PRIORITY")
+                self.parse_info(r)
+                return {}
+            finally:
+                c.close()
+        self.checked(form, authority, "registration", "GetInfo, HEADERS with padding and priority",
+                     padded_with_priority)
+
+        def bytewise():
+            c = H2(path)
+            try:
+                for i in range(2):
+                    r, _, _ = c.call(method, self.info_request(), authority, bytewise=True)
+                    self.expect_ok(r, f"GetInfo {i + 1} written one byte at a time")
+                    self.parse_info(r)
+                return {"requests": 2}
+            finally:
+                c.close()
+        self.checked(form, authority, "registration", "GetInfo x2 written one byte per write", bytewise)
+
         def dynamic_table():
             c = H2(path)
             try:
@@ -695,6 +735,26 @@ class Raw:
             ("no :path", lambda h: [x for x in h if x[0] != ":path"]),
         ]
         for authority in (grpc_go_authority(path), "localhost"):
+            def oversize(authority=authority):
+                c = H2(path)
+                try:
+                    # 20000 bytes of metadata: one frame Huffman-coded, over the server's 16 KiB
+                    # header list limit once decoded (and more than one frame written plain).
+                    headers = c.request_headers(method, authority, [("x-big", "0" * 20000)])
+                    r, block, _ = c.call(method, self.info_request(), authority, headers=headers)
+                    expect(len(block) < 16384, f"the block is {len(block)} bytes, meant one frame")
+                    status = r.field(":status")
+                    expect(status == "431" or r.rst in (1, 7),
+                           f"an over-size header list was not refused: {r.describe()}; frames {r.frames}")
+                    answer = r.describe() if status != "431" else "431"
+                    # The connection's HPACK state survived: a valid request still works.
+                    r, _, _ = c.call(method, self.info_request(), authority)
+                    self.expect_ok(r, "the valid request after the over-size one")
+                    return {"answer": answer}
+                finally:
+                    c.close()
+            self.checked(form, authority, "registration",
+                         "GetInfo with a header list over 16 KiB is refused", oversize)
             for name, mangle in cases:
                 def one(mangle=mangle, name=name, authority=authority):
                     c = H2(path)

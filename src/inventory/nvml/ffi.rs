@@ -10,15 +10,18 @@ use std::ptr;
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
-    nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t,
+    nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as LINK_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU as LINK_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as LINK_SWITCH,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_UNKNOWN as LINK_UNKNOWN,
     nvmlIntNvLinkDeviceType_t,
+    nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH as VERSION_MISMATCH,
+    nvmlReturn_enum_NVML_ERROR_FUNCTION_NOT_FOUND as FUNCTION_NOT_FOUND, nvmlReturn_t,
 };
 
-use super::{Placement, RawGpuInstance, RemoteDevice};
+use super::{FabricState, Placement, RawFabric, RawGpuInstance, RemoteDevice, raw};
 
 /// `nvmlDeviceGetGpuInstanceId` of a MIG device handle.
 pub fn gpu_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
@@ -123,4 +126,76 @@ pub fn nvlink_remote_type(
         LINK_IBMNPU => RemoteDevice::IbmNpu,
         _ => RemoteDevice::Unknown,
     })
+}
+
+/// `NVML_STRUCT_VERSION(GpuFabricInfo, v)`: the struct's size in the low bits, `v` in the top byte.
+const fn fabric_info_version<T>(v: u32) -> u32 {
+    size_of::<T>() as u32 | (v << 24)
+}
+pub(super) const FABRIC_INFO_V3: u32 = fabric_info_version::<nvmlGpuFabricInfo_v3_t>(3);
+pub(super) const FABRIC_INFO_V2: u32 = fabric_info_version::<nvmlGpuFabricInfo_v2_t>(2);
+
+/// The GPU's NVLink fabric registration.
+///
+/// `nvmlDeviceGetGpuFabricInfoV` first, with the newest struct version this build knows (v3,
+/// R570+), then v2 when the driver answers "argument version mismatch" (R550); the unversioned
+/// `nvmlDeviceGetGpuFabricInfo` (R535) only when the driver lacks the `V` function. Only the
+/// fields all versions share are read.
+pub fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> Result<RawFabric, NvmlError> {
+    let lib = nvml.lib();
+    if let Ok(f) = lib.nvmlDeviceGetGpuFabricInfoV.as_ref() {
+        for version in [FABRIC_INFO_V3, FABRIC_INFO_V2] {
+            // The v3 layout is v2's plus a trailing field, so one v3 buffer serves both.
+            let mut info = nvmlGpuFabricInfo_v3_t {
+                version,
+                clusterUuid: [0; 16],
+                status: 0,
+                cliqueId: 0,
+                state: NVML_GPU_FABRIC_STATE_NOT_SUPPORTED as u8,
+                healthMask: 0,
+                healthSummary: 0,
+            };
+            // SAFETY: declared signature (`nvmlGpuFabricInfoV_t` is the v3 struct); live handle;
+            // `info` is an initialized v3 struct, large enough for whichever version `version`
+            // announces, and NVML writes at most that version's size.
+            let code = unsafe { f(device.handle(), &mut info) };
+            match code {
+                VERSION_MISMATCH => continue,
+                FUNCTION_NOT_FOUND => break,
+                code => {
+                    nvml_try(code)?;
+                    return Ok(fabric(
+                        info.clusterUuid,
+                        info.cliqueId,
+                        info.state,
+                        info.status,
+                    ));
+                }
+            }
+        }
+    }
+    let f = nvml_sym(lib.nvmlDeviceGetGpuFabricInfo.as_ref())?;
+    let mut info = nvmlGpuFabricInfo_t {
+        clusterUuid: [0; 16],
+        status: 0,
+        cliqueId: 0,
+        state: NVML_GPU_FABRIC_STATE_NOT_SUPPORTED as u8,
+    };
+    // SAFETY: declared signature; live handle; `info` is an initialized struct NVML writes into.
+    nvml_try(unsafe { f(device.handle(), &mut info) })?;
+    Ok(fabric(
+        info.clusterUuid,
+        info.cliqueId,
+        info.state,
+        info.status,
+    ))
+}
+
+fn fabric(cluster_uuid: [u8; 16], clique_id: u32, state: u8, status: nvmlReturn_t) -> RawFabric {
+    RawFabric {
+        cluster_uuid,
+        clique_id,
+        state: FabricState::from_raw(state),
+        status: raw(nvml_try(status)),
+    }
 }

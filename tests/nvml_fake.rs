@@ -1,11 +1,20 @@
-//! The NVML backend end to end against `tests/fake-nvml`, a fake `libnvidia-ml.so` with a fixed
-//! three-GPU node: library loading under a driver root, every NVML call `read_raw` makes
-//! (including the raw MIG and NVLink calls), and the mapping to an `Inventory`.
+//! The NVML backend end to end against `tests/fake-nvml`, a fake `libnvidia-ml.so`: library
+//! loading under a driver root, every NVML call `read_raw` makes (including the raw MIG, NVLink
+//! and fabric calls), the mapping to an `Inventory`, and the ResourceSlices `nvdra inventory`
+//! computes from it.
+//!
+//! In this process the fake serves its default three-GPU node. The HGX H100 node with NVSwitches
+//! at the invalid PCI address is chosen by `FAKE_NVML_NODE`, which only the `nvdra` child
+//! processes get: the library (and so its node) is shared by every test of this process.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::process::Command;
 
+use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use nvdra::inventory::nvml::{self, CallError, LIBRARY, NvmlBackend, RemoteDevice};
-use nvdra::inventory::{DeviceBackend, NvLinkPeer, Placement};
+use nvdra::inventory::{DeviceBackend, NODE_NVSWITCHES, NvLinkPeer, Placement};
+use serde_json::Value;
 
 /// The fake library cargo built for this test: `fake-nvml` is a dev-dependency, so its cdylib
 /// lands in `target/<profile>/deps` beside this test binary (or one level up when built alone).
@@ -122,11 +131,20 @@ fn read_raw_captures_every_answer_including_failures() {
     assert_eq!(gi.placement, Placement { start: 6, size: 1 });
     // 12 active links, then InvalidArg for links 12..18 is not an error.
     assert_eq!(a100.nvlinks.len(), 12);
+    let remote = a100.nvlinks[7].remote_pci.as_ref().unwrap();
     assert_eq!(
-        a100.nvlinks[7].remote_pci_bus_id.as_deref(),
-        Ok("00000000:02:00.0")
+        (
+            remote.bus_id.as_str(),
+            remote.domain,
+            remote.bus,
+            remote.device
+        ),
+        ("00000000:02:00.0", 0, 2, 0)
     );
+    assert!(!remote.is_sentinel());
     assert_eq!(a100.nvlinks[7].remote_type, Ok(RemoteDevice::Switch));
+    // Ampere has no fabric registration: the versioned call answers NotSupported.
+    assert_eq!(a100.fabric, Err(CallError::NotSupported));
 
     let l40s = &raw.gpus[2];
     assert_eq!(l40s.mig_mode, Err(CallError::NotSupported));
@@ -145,8 +163,8 @@ fn snapshot_of_the_fake_node() {
     let g0 = &inv.gpus[0];
     assert_eq!(g0.product_name, "NVIDIA A100-SXM4-40GB");
     assert_eq!(
-        (g0.brand.as_str(), g0.architecture.as_str()),
-        ("Nvidia", "Ampere")
+        (g0.brand.as_deref(), g0.architecture.as_deref()),
+        (Some("Nvidia"), Some("Ampere"))
     );
     assert_eq!(g0.cuda_compute_capability.to_string(), "8.0");
     assert_eq!(
@@ -157,7 +175,8 @@ fn snapshot_of_the_fake_node() {
     assert_eq!(g0.pcie_root.as_deref(), Some("pci0000:00"));
     assert_eq!(g0.numa_node, Some(0));
     assert_eq!(g0.memory_bytes, 40 << 30);
-    assert_eq!(g0.multiprocessors, 108);
+    assert_eq!(g0.multiprocessors, Some(108));
+    assert_eq!(g0.fabric, None);
     assert_eq!(g0.nvlink_peers.len(), 6);
     assert!(
         g0.nvlink_peers
@@ -222,8 +241,8 @@ fn snapshot_of_the_fake_node() {
 
     let g2 = &inv.gpus[2];
     assert_eq!((g2.index, g2.minor), (2, 5));
-    assert_eq!(g2.architecture, "Ada Lovelace");
-    assert_eq!(g2.multiprocessors, 142);
+    assert_eq!(g2.architecture.as_deref(), Some("Ada Lovelace"));
+    assert_eq!(g2.multiprocessors, Some(142));
     assert_eq!(
         (g2.pcie_root.as_deref(), g2.numa_node),
         (Some("pci0000:80"), Some(1))
@@ -233,4 +252,190 @@ fn snapshot_of_the_fake_node() {
     // The A100s share the NVSwitch fabric; the L40S is on its own.
     let domains: Vec<u32> = inv.gpus.iter().map(|g| g.nvlink_domain).collect();
     assert_eq!(domains, [0, 0, 2]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The HGX H100 node: NVSwitches at the invalid PCI address, fabric registrations, SM counts
+// ------------------------------------------------------------------------------------------------
+
+/// `nvdra inventory --backend nvml` against the fake under a driver root, its node chosen by
+/// `FAKE_NVML_NODE` (and its fabric API by `FAKE_NVML_FABRIC_API`) in the child only. Returns
+/// stdout and stderr.
+fn nvdra_inventory(node: &str, fabric_api: &str, output: &str) -> (String, String) {
+    let root = fake_node();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+    cmd.args([
+        "inventory",
+        "--backend",
+        "nvml",
+        "--node-name",
+        "hgx-1",
+        "-o",
+        output,
+    ])
+    .arg("--driver-root")
+    .arg(root.driver_root.path());
+    for var in [
+        "NVDRA_CONFIG",
+        "NVDRA_BACKEND",
+        "NVDRA_PROFILE",
+        "NVDRA_TOPOLOGY",
+        "NVDRA_DRIVER_NAME",
+        "NVDRA_PARTITIONABLE",
+        "NODE_NAME",
+        "NVIDIA_DRIVER_ROOT",
+        "NVDRA_LOG_FORMAT",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("FAKE_NVML_NODE", node)
+        .env("FAKE_NVML_FABRIC_API", fabric_api)
+        .env("NVDRA_LOG", "info")
+        .env("NVDRA_LOG_FORMAT", "json");
+    let out = cmd.output().expect("run nvdra");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "nvdra inventory failed: {stderr}");
+    (stdout, stderr)
+}
+
+/// The devices of `nvdra inventory -o slices`, by name.
+fn published_devices(node: &str, fabric_api: &str) -> (BTreeMap<String, Device>, String) {
+    let (yaml, stderr) = nvdra_inventory(node, fabric_api, "slices");
+    let mut devices = BTreeMap::new();
+    for doc in serde_yaml::Deserializer::from_str(&yaml) {
+        let slice: ResourceSlice = serde::Deserialize::deserialize(doc).expect("a ResourceSlice");
+        for d in slice.spec.devices.into_iter().flatten() {
+            devices.insert(d.name.clone(), d);
+        }
+    }
+    (devices, stderr)
+}
+
+/// The NVSwitch sentinel test: on an HGX H100 whose every switch link reports the remote PCI
+/// address `FFFFFFFF:FF:FF.0` with remote type SWITCH (the bus-id string reading three different
+/// ways), all eight GPUs form ONE NVLink domain, as `nvdra inventory` shows and publishes it.
+#[test]
+fn nvswitch_sentinel_links_form_one_domain() {
+    let (json, _) = nvdra_inventory("hgx-h100-sentinel", "v3", "json");
+    let inv: Value = serde_json::from_str(&json).expect("inventory JSON");
+    let gpus = inv["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 8);
+    let domains: Vec<u64> = gpus
+        .iter()
+        .map(|g| g["nvlinkDomain"].as_u64().unwrap())
+        .collect();
+    assert_eq!(domains, [0; 8], "one domain for the whole baseboard");
+    for g in gpus {
+        assert_eq!(
+            g["nvlinkPeers"],
+            serde_json::json!([{"kind": "switch", "id": NODE_NVSWITCHES}]),
+            "{}",
+            g["uuid"]
+        );
+    }
+
+    let (devices, _) = published_devices("hgx-h100-sentinel", "v3");
+    assert_eq!(devices.len(), 8);
+    for (name, d) in &devices {
+        let attrs = d.attributes.as_ref().unwrap();
+        assert_eq!(attrs["nvlinkDomain"].int, Some(0), "{name}");
+    }
+}
+
+#[test]
+fn completed_fabric_registrations_are_published_through_every_fabric_api() {
+    // v3: the driver takes the newest struct; v2: it refuses v3 (as R550 does) and the backend
+    // retries with v2; v1: it lacks the versioned call and the backend uses the old one.
+    for api in ["v3", "v2", "v1"] {
+        let (devices, _) = published_devices("hgx-h100-sentinel", api);
+        for minor in 0..8 {
+            let name = format!("gpu-{minor}");
+            let attrs = devices[&name].attributes.as_ref().unwrap();
+            let uuid = attrs
+                .get("fabricClusterUUID")
+                .and_then(|a| a.string.clone());
+            let clique = attrs.get("fabricCliqueID").and_then(|a| a.int);
+            if minor < 6 {
+                assert_eq!(
+                    uuid.as_deref(),
+                    Some("6c1f3a52-8d2e-4b7a-9f10-0123456789ab"),
+                    "{api} {name}"
+                );
+                assert_eq!(
+                    clique,
+                    Some(i64::from(fake_nvml::CLIQUE_ID)),
+                    "{api} {name}"
+                );
+            } else {
+                // GPU 6 is still registering, GPU 7 has no fabric support: nothing invented.
+                assert_eq!((uuid, clique), (None, None), "{api} {name}");
+            }
+        }
+    }
+    let (json, _) = nvdra_inventory("hgx-h100-sentinel", "v3", "json");
+    let inv: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        inv["gpus"][0]["fabric"],
+        serde_json::json!({
+            "clusterUuid": "6c1f3a52-8d2e-4b7a-9f10-0123456789ab",
+            "cliqueId": fake_nvml::CLIQUE_ID,
+        })
+    );
+    assert!(inv["gpus"][6].get("fabric").is_none());
+    let (table, _) = nvdra_inventory("hgx-h100-sentinel", "v3", "table");
+    let gpu0 = table.lines().find(|l| l.starts_with("gpu-0 ")).unwrap();
+    assert!(
+        gpu0.contains("6c1f3a52-8d2e-4b7a-9f10-0123456789ab.32766"),
+        "{table}"
+    );
+}
+
+#[test]
+fn sm_counts_nvml_cannot_give_are_omitted_never_zero() {
+    let (devices, stderr) = published_devices("hgx-h100-sentinel", "v3");
+    let sms = |name: &str| {
+        devices[name]
+            .capacity
+            .as_ref()
+            .unwrap()
+            .get("multiprocessors")
+            .map(|c| c.value.0.clone())
+    };
+    for minor in 0..6 {
+        assert_eq!(
+            sms(&format!("gpu-{minor}")).as_deref(),
+            Some("132"),
+            "from CUDA cores"
+        );
+    }
+    assert_eq!(
+        sms("gpu-6").as_deref(),
+        Some("132"),
+        "no cores, but the device's attributes"
+    );
+    assert_eq!(sms("gpu-7"), None, "neither: omitted");
+    for (name, d) in &devices {
+        for (cap, v) in d.capacity.iter().flatten() {
+            assert_ne!(v.value.0, "0", "{name} publishes {cap}: 0");
+        }
+    }
+    // Said once, as a warning naming the GPU and the field.
+    let omitted: Vec<Value> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["fields"]["field"] == "multiprocessors")
+        .collect();
+    assert_eq!(omitted.len(), 1, "{stderr}");
+    assert_eq!(omitted[0]["level"], "WARN", "{stderr}");
+    assert_eq!(omitted[0]["fields"]["gpu.index"], 7, "{stderr}");
+    // The default node's slices have no zero SM count either.
+    let (devices, _) = published_devices("a100-l40s", "v3");
+    for (name, d) in &devices {
+        if let Some(c) = d.capacity.as_ref().and_then(|c| c.get("multiprocessors")) {
+            assert_ne!(c.value.0, "0", "{name}");
+        }
+    }
 }

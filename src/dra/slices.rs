@@ -66,6 +66,12 @@ pub const MAX_COUNTERS_PER_CONSUMPTION: usize = 32;
 pub const ATTR_PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// The standard attribute for a device's PCIe root complex (`pci<domain>:<bus>`).
 pub const ATTR_PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// The NVLink fabric cluster a GPU (and its MIG devices) registered with, a canonical UUID.
+/// NVIDIA's DRA driver publishes no fabric attribute (its clique is only the
+/// `nvidia.com/gpu.clique` node label, `<clusterUUID>.<cliqueID>`), so the name is ours.
+pub const ATTR_FABRIC_CLUSTER_UUID: &str = "fabricClusterUUID";
+/// The NVLink fabric clique within [`ATTR_FABRIC_CLUSTER_UUID`] (an int).
+pub const ATTR_FABRIC_CLIQUE_ID: &str = "fabricCliqueID";
 
 /// Why no slices could be computed.
 #[derive(Debug, thiserror::Error)]
@@ -367,11 +373,16 @@ fn capacity(value: String) -> DeviceCapacity {
 }
 
 /// Attributes a GPU and each of its MIG devices share: what the silicon is and where it sits.
+/// What the backend could not learn is left out, never published as a placeholder.
 fn silicon_attributes(gpu: &Gpu) -> Attributes {
     let mut a = Attributes::new();
     a.insert("productName".into(), string(&gpu.product_name));
-    a.insert("brand".into(), string(&gpu.brand));
-    a.insert("architecture".into(), string(&gpu.architecture));
+    if let Some(brand) = &gpu.brand {
+        a.insert("brand".into(), string(brand));
+    }
+    if let Some(architecture) = &gpu.architecture {
+        a.insert("architecture".into(), string(architecture));
+    }
     let cc = gpu.cuda_compute_capability;
     a.insert(
         "cudaComputeCapability".into(),
@@ -391,6 +402,13 @@ fn silicon_attributes(gpu: &Gpu) -> Attributes {
         a.insert("numaNode".into(), int(numa));
     }
     a.insert("nvlinkDomain".into(), int(gpu.nvlink_domain));
+    if let Some(f) = &gpu.fabric {
+        a.insert(
+            ATTR_FABRIC_CLUSTER_UUID.into(),
+            string(f.cluster_uuid.as_str()),
+        );
+        a.insert(ATTR_FABRIC_CLIQUE_ID.into(), int(f.clique_id));
+    }
     a
 }
 
@@ -400,7 +418,9 @@ fn gpu_attributes(gpu: &Gpu) -> Attributes {
     a.insert("uuid".into(), string(gpu.uuid.as_str()));
     a.insert("index".into(), int(gpu.index));
     a.insert("minor".into(), int(gpu.minor));
-    a.insert("migCapable".into(), boolean(gpu.mig.capable));
+    if !gpu.mig.mode_unknown {
+        a.insert("migCapable".into(), boolean(gpu.mig.capable));
+    }
     a
 }
 
@@ -426,10 +446,9 @@ fn engine_capacities(c: &mut Capacities, e: &Engines) {
 fn gpu_device(gpu: &Gpu) -> Device {
     let mut c = Capacities::new();
     c.insert("memory".into(), capacity(quantity(gpu.memory_bytes)));
-    c.insert(
-        "multiprocessors".into(),
-        capacity(gpu.multiprocessors.to_string()),
-    );
+    if let Some(sms) = gpu.multiprocessors {
+        c.insert("multiprocessors".into(), capacity(sms.to_string()));
+    }
     Device {
         name: DeviceName::gpu(gpu.minor).0,
         attributes: Some(gpu_attributes(gpu)),
@@ -483,8 +502,10 @@ fn mig_device(gpu: &Gpu, m: &MigShape<'_>) -> Device {
     }
     a.insert("parentUUID".into(), string(gpu.uuid.as_str()));
     a.insert("profile".into(), string(m.profile));
+    // No `parentMinor`: the device name carries it, NVIDIA's driver does not publish it, and a
+    // 7g device on an 8-slice GPU needs the room (16 attributes + 15 capacities + 2 fabric
+    // attributes would break the limit of 32).
     a.insert("parentIndex".into(), int(gpu.index));
-    a.insert("parentMinor".into(), int(gpu.minor));
 
     let mut c = Capacities::new();
     c.insert("memory".into(), capacity(quantity(m.memory_bytes)));
@@ -511,6 +532,9 @@ struct GpuCounters {
     sets: Vec<CounterSet>,
     /// Counter name → index into `sets`.
     set_of: BTreeMap<String, usize>,
+    /// False when the GPU's SM count is unknown: it then offers no `multiprocessors` counter,
+    /// and its MIG devices consume none (the memory slices still keep them apart).
+    has_multiprocessors: bool,
 }
 
 fn resource_counters(
@@ -553,7 +577,11 @@ impl GpuCounters {
     /// and the first memory slices in `gpu-<minor>-counter-set`, further memory slices in
     /// `gpu-<minor>-counter-set-2`. Every GPU made so far needs one set (15 counters at most).
     fn new(gpu: &Gpu) -> Result<Self> {
-        let mut all = resource_counters(gpu.memory_bytes, gpu.multiprocessors, &gpu.engines);
+        let mut all = resource_counters(
+            gpu.memory_bytes,
+            gpu.multiprocessors.unwrap_or(0),
+            &gpu.engines,
+        );
         all.extend((0..gpu.mig.memory_slices).map(|i| (memory_slice_counter(i), "1".to_string())));
         let needed = all.len();
         let max = MAX_CONSUMPTIONS_PER_DEVICE * MAX_COUNTERS_PER_SET;
@@ -587,7 +615,11 @@ impl GpuCounters {
             }
             sets.push(CounterSet { name, counters });
         }
-        Ok(Self { sets, set_of })
+        Ok(Self {
+            sets,
+            set_of,
+            has_multiprocessors: gpu.multiprocessors.is_some(),
+        })
     }
 
     /// Consumptions of the given counters, one per set touched, in set order.
@@ -614,7 +646,12 @@ impl GpuCounters {
     }
 
     fn consume_mig(&self, m: &MigShape<'_>) -> Vec<DeviceCounterConsumption> {
-        let mut counters = resource_counters(m.memory_bytes, m.multiprocessors, &m.engines);
+        let sms = if self.has_multiprocessors {
+            m.multiprocessors
+        } else {
+            0
+        };
+        let mut counters = resource_counters(m.memory_bytes, sms, &m.engines);
         counters.extend(
             m.placement
                 .slices()

@@ -216,6 +216,11 @@ pub struct MigDevice {
 #[serde(rename_all = "camelCase")]
 pub struct Mig {
     pub capable: bool,
+    /// NVML could not say whether this GPU does MIG (its MIG-mode query failed). `capable` and
+    /// `enabled` are then false, so the GPU is handled whole, but `migCapable` is not published:
+    /// "no" would be a value NVML never gave.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mode_unknown: bool,
     /// Current MIG mode; a GPU in MIG mode is handed out only as MIG devices.
     pub enabled: bool,
     /// Number of memory slices a placement indexes into (8 on A100/H100/H200).
@@ -230,8 +235,76 @@ pub struct Mig {
 pub enum NvLinkPeer {
     /// Another GPU, by PCI bus id.
     Gpu(PciBusId),
-    /// An NVSwitch, by an id unique on the node (its PCI bus id on real hardware).
+    /// An NVSwitch, by an id unique on the node: its PCI bus id where NVML reports one, or
+    /// [`NODE_NVSWITCHES`] where NVML reports only "a switch" (the invalid-address sentinel of
+    /// DGX/HGX baseboards, whose NVSwitches are not PCI functions of the host).
     Switch(String),
+}
+
+/// The switch id of NVLinks whose remote end NVML reports as an NVSwitch at the invalid PCI
+/// address (`FFFFFFFF:FF:FF.0`): every such switch is one of this node's NVSwitches, and a
+/// baseboard's NVSwitches form one fabric, so they share this id and join one NVLink domain.
+pub const NODE_NVSWITCHES: &str = "node-nvswitches";
+
+/// The id of an NVLink fabric cluster (a multi-node NVLink system, e.g. one GB200 NVL72 rack),
+/// in canonical UUID form: 8-4-4-4-12 lower-case hex digits.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ClusterUuid(String);
+
+impl ClusterUuid {
+    /// The 16 bytes NVML reports, in order, as a canonical UUID.
+    pub fn from_bytes(b: [u8; 16]) -> Self {
+        let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        Self(format!(
+            "{}-{}-{}-{}-{}",
+            &hex[0..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..32]
+        ))
+    }
+
+    /// Accepts the canonical form in either case (`6C1F…` reads as `6c1f…`); anything else
+    /// (braces, a `urn:uuid:` prefix, missing dashes) is `None`.
+    pub fn parse(s: &str) -> Option<Self> {
+        let groups: Vec<&str> = s.split('-').collect();
+        let lens = [8, 4, 4, 4, 12];
+        let ok = groups.len() == lens.len()
+            && groups
+                .iter()
+                .zip(lens)
+                .all(|(g, n)| g.len() == n && g.bytes().all(|c| c.is_ascii_hexdigit()));
+        ok.then(|| Self(s.to_ascii_lowercase()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ClusterUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The NVLink fabric a GPU completed registration with (Hopper and later, through the fabric
+/// manager): GPUs with the same cluster and clique can share memory over NVLink across nodes
+/// (IMEX). Only ever set from a registration NVML reports as completed and successful.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Fabric {
+    pub cluster_uuid: ClusterUuid,
+    pub clique_id: u32,
+}
+
+impl fmt::Display for Fabric {
+    /// `<clusterUUID>.<cliqueID>`, the form of NVIDIA's `nvidia.com/gpu.clique` node label.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.cluster_uuid, self.clique_id)
+    }
 }
 
 /// One physical GPU.
@@ -243,15 +316,22 @@ pub struct Gpu {
     pub minor: u32,
     pub uuid: GpuUuid,
     pub product_name: String,
-    pub brand: String,
-    pub architecture: String,
+    /// `None` when NVML does not know it (the attribute is then not published).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub brand: Option<String>,
+    /// `None` when neither NVML nor the compute capability tells it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
     pub cuda_compute_capability: ComputeCapability,
     /// As the driver reports it, e.g. `570.124.06`.
     pub driver_version: String,
     /// e.g. `12.8`.
     pub cuda_driver_version: String,
     pub memory_bytes: u64,
-    pub multiprocessors: u32,
+    /// The SM count; `None` when NVML cannot tell it (the capacity is then not published,
+    /// never published as 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiprocessors: Option<u32>,
     pub engines: Engines,
     pub pci_bus_id: PciBusId,
     /// `pci<domain>:<bus>` of the PCIe root complex, when known.
@@ -263,6 +343,9 @@ pub struct Gpu {
     /// GPUs reachable from each other over NVLink (directly or through NVSwitches) share this id:
     /// the lowest GPU index in the island. A GPU without NVLink is an island of its own.
     pub nvlink_domain: u32,
+    /// The NVLink fabric registration, where NVML reports a completed one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<Fabric>,
     pub health: Health,
 }
 
@@ -511,13 +594,13 @@ mod tests {
             minor: index,
             uuid: GpuUuid(format!("GPU-{index}")),
             product_name: "NVIDIA Test".into(),
-            brand: "Nvidia".into(),
-            architecture: "Hopper".into(),
+            brand: Some("Nvidia".into()),
+            architecture: Some("Hopper".into()),
             cuda_compute_capability: ComputeCapability { major: 9, minor: 0 },
             driver_version: "570.124.06".into(),
             cuda_driver_version: "12.8".into(),
             memory_bytes: 80 << 30,
-            multiprocessors: 132,
+            multiprocessors: Some(132),
             engines: Engines::default(),
             pci_bus_id: PciBusId(bus.into()),
             pcie_root: None,
@@ -525,6 +608,7 @@ mod tests {
             mig: Mig::default(),
             nvlink_peers: peers.iter().cloned().collect(),
             nvlink_domain: u32::MAX,
+            fabric: None,
             health: Health::Healthy,
         }
     }
@@ -619,6 +703,35 @@ mod tests {
         assert!(PciBusId::normalize("0000:zz:00.0").is_none());
         let id = PciBusId::normalize("0001:87:00.0").unwrap();
         assert_eq!(id.domain_and_bus(), ("0001", "87"));
+    }
+
+    #[test]
+    fn cluster_uuids_are_canonical() {
+        let bytes = [
+            0x6c, 0x1f, 0x3a, 0x52, 0x8d, 0x2e, 0x4b, 0x7a, 0x9f, 0x10, 0x01, 0x23, 0x45, 0x67,
+            0x89, 0xab,
+        ];
+        let u = ClusterUuid::from_bytes(bytes);
+        assert_eq!(u.as_str(), "6c1f3a52-8d2e-4b7a-9f10-0123456789ab");
+        assert_eq!(
+            ClusterUuid::parse("6C1F3A52-8D2E-4B7A-9F10-0123456789AB"),
+            Some(u.clone())
+        );
+        for bad in [
+            "",
+            "6c1f3a528d2e4b7a9f100123456789ab",
+            "{6c1f3a52-8d2e-4b7a-9f10-0123456789ab}",
+            "6c1f3a52-8d2e-4b7a-9f10-0123456789a",
+            "6c1f3a52-8d2e-4b7a-9f10-0123456789ag",
+            "6c1f3a5-28d2e-4b7a-9f10-0123456789ab",
+        ] {
+            assert_eq!(ClusterUuid::parse(bad), None, "{bad:?}");
+        }
+        let f = Fabric {
+            cluster_uuid: u,
+            clique_id: 7,
+        };
+        assert_eq!(f.to_string(), "6c1f3a52-8d2e-4b7a-9f10-0123456789ab.7");
     }
 
     #[test]

@@ -9,36 +9,44 @@
 //!    values ([`RawNode`], [`RawGpu`], …). It decides nothing beyond which calls to make.
 //! 2. [`map`] is pure: it turns a [`RawNode`] plus what sysfs says about PCI placement into an
 //!    [`Inventory`] — version strings, architecture and brand names, PCI ids, PCIe roots, NUMA
-//!    nodes, MIG profile names, NVLink peers.
+//!    nodes, MIG profile names, NVLink peers (`nvml/fabric.rs`: NVSwitches at the invalid PCI
+//!    address, fabric registrations) — and lists every fact it had to leave out ([`Omission`]).
 //!
 //! Invariants: one unsupported or failing call never sinks the snapshot. A GPU whose identity
 //! (UUID, minor, PCI bus id, name, memory, compute capability) cannot be read is left out with a
 //! warning; a MIG device whose GPU-instance ids or placement cannot be read is left out with a
-//! warning naming its UUID; every other gap degrades to "unknown" (`None`, empty, zero). Only the
-//! node-wide driver and CUDA versions are required.
+//! warning naming its UUID. Any other fact NVML does not give is `None` (so its attribute or
+//! capacity is not published), never a made-up 0, `false` or "Unknown"; the backend logs each
+//! such omission once per GPU and field. Only the node-wide driver and CUDA versions are required.
 //!
 //! nvml-wrapper 0.13 does not wrap the MIG identity calls (GPU/compute-instance ids, GPU-instance
-//! info), and its `possible_placements` and `NvLink::remote_device_type` return nothing useful
-//! (the first never sets the vector's length, the second writes into a temporary). Those four
-//! calls go through the raw symbol table in the private [`ffi`] module — the only `unsafe` code
-//! here — using the `Result` fields of `nvml.lib()`, so a driver without a symbol yields an error
-//! value instead of a panic.
+//! info) nor the fabric registration, and its `possible_placements` and
+//! `NvLink::remote_device_type` return nothing useful (the first never sets the vector's length,
+//! the second writes into a temporary). Those calls go through the raw symbol table in the private
+//! `ffi` module (`nvml/ffi.rs`), the only `unsafe` code here, using the `Result` fields of
+//! `nvml.lib()`, so a driver without a symbol yields an error value instead of a panic.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use nvml_wrapper::enum_wrappers::device::Brand;
 use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::{DeviceAttributes, ProfileInfo};
 use nvml_wrapper::{Device, Nvml};
-use tracing::{debug, warn};
+use tracing::{Level, debug, info, warn};
 
 use super::{
     ComputeCapability, DeviceBackend, Engines, Error, Gpu, GpuUuid, Health, Inventory, Mig,
-    MigDevice, MigProfile, NvLinkPeer, PciBusId, Placement, Result,
+    MigDevice, MigProfile, PciBusId, Placement, Result,
 };
+
+mod fabric;
+mod ffi;
+
+pub use fabric::{FabricState, RawFabric, RawNvLink, RawPci, RemoteDevice};
 
 /// The library NVML is loaded from.
 pub const LIBRARY: &str = "libnvidia-ml.so.1";
@@ -62,6 +70,7 @@ const NVLINK_MAX_LINKS: u32 = nvml_wrapper_sys::bindings::NVML_NVLINK_MAX_LINKS;
 pub struct NvmlBackend {
     nvml: Nvml,
     sysfs: HostSysfs,
+    logged: OmissionLog,
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -87,6 +96,7 @@ impl NvmlBackend {
                     return Ok(Self {
                         nvml,
                         sysfs: HostSysfs::new(SYSFS_ROOT),
+                        logged: OmissionLog::default(),
                     });
                 }
                 Err(NvmlError::LibloadingError(e)) => tried.push(match &candidate {
@@ -145,7 +155,78 @@ impl DeviceBackend for NvmlBackend {
     }
 
     fn snapshot(&self) -> Result<Inventory> {
-        map(read_raw(&self.nvml)?, &self.sysfs)
+        let (inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
+        self.logged.log_new(&omissions);
+        Ok(inv)
+    }
+}
+
+/// A fact NVML did not give for one GPU, left out of the inventory instead of guessed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Omission {
+    pub gpu_index: u32,
+    pub gpu: GpuUuid,
+    /// What is left out, named as published (`multiprocessors`, `brand`, `fabric`, …).
+    pub field: &'static str,
+    pub reason: String,
+    /// How loudly to say it: `WARN` for a gap on hardware that should have the value, `INFO`
+    /// for a transient or harmless one, `DEBUG` for what a GPU simply does not have.
+    pub level: Level,
+}
+
+impl Omission {
+    fn log(&self) {
+        let (index, uuid, field, reason) =
+            (self.gpu_index, self.gpu.as_str(), self.field, &self.reason);
+        match self.level {
+            Level::ERROR | Level::WARN => {
+                warn!(
+                    gpu.index = index,
+                    gpu.uuid = uuid,
+                    field,
+                    "{field} not published: {reason}"
+                )
+            }
+            Level::INFO => {
+                info!(
+                    gpu.index = index,
+                    gpu.uuid = uuid,
+                    field,
+                    "{field} not published: {reason}"
+                )
+            }
+            _ => debug!(
+                gpu.index = index,
+                gpu.uuid = uuid,
+                field,
+                "{field} not published: {reason}"
+            ),
+        }
+    }
+}
+
+/// Logs each omission once per GPU and field while it lasts: again only when its reason changes,
+/// or when it comes back after the value was seen.
+#[derive(Debug, Default)]
+struct OmissionLog(Mutex<BTreeMap<(GpuUuid, &'static str), String>>);
+
+impl OmissionLog {
+    /// Logs the omissions not logged before (or whose reason changed) and returns them.
+    fn log_new<'a>(&self, omissions: &'a [Omission]) -> Vec<&'a Omission> {
+        // A panic while logging cannot leave the map torn; keep using it.
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut now = BTreeMap::new();
+        let mut logged = Vec::new();
+        for o in omissions {
+            let key = (o.gpu.clone(), o.field);
+            if seen.get(&key) != Some(&o.reason) {
+                o.log();
+                logged.push(o);
+            }
+            now.insert(key, o.reason.clone());
+        }
+        *seen = now;
+        logged
     }
 }
 
@@ -236,6 +317,8 @@ pub struct RawGpu {
     pub mig_devices: Vec<RawMigDevice>,
     /// Active NVLinks.
     pub nvlinks: Vec<RawNvLink>,
+    /// The NVLink fabric registration (`nvmlDeviceGetGpuFabricInfoV`).
+    pub fabric: RawResult<RawFabric>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -273,24 +356,6 @@ pub struct RawGpuInstance {
     /// Matches [`ProfileInfo::id`] of one of the parent's profiles.
     pub profile_id: u32,
     pub placement: Placement,
-}
-
-/// What NVML says is at the far end of a link.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RemoteDevice {
-    Gpu,
-    Switch,
-    IbmNpu,
-    Unknown,
-}
-
-/// One active NVLink.
-#[derive(Clone, Debug)]
-pub struct RawNvLink {
-    pub link: u32,
-    /// The remote end's PCI bus id as NVML formats it.
-    pub remote_pci_bus_id: RawResult<String>,
-    pub remote_type: RawResult<RemoteDevice>,
 }
 
 /// Makes every NVML call a snapshot needs. Fails only when NVML cannot count the GPUs.
@@ -356,6 +421,7 @@ fn read_gpu(nvml: &Nvml, index: u32, d: &Device<'_>) -> RawGpu {
         gi_profiles,
         mig_devices,
         nvlinks: read_nvlinks(nvml, d),
+        fabric: raw(ffi::gpu_fabric_info(nvml, d)),
     }
 }
 
@@ -422,7 +488,12 @@ fn read_nvlinks(nvml: &Nvml, d: &Device<'_>) -> Vec<RawNvLink> {
         match wrapper.is_active() {
             Ok(true) => out.push(RawNvLink {
                 link,
-                remote_pci_bus_id: raw(wrapper.remote_pci_info()).map(|p| p.bus_id),
+                remote_pci: raw(wrapper.remote_pci_info()).map(|p| RawPci {
+                    bus_id: p.bus_id,
+                    domain: p.domain,
+                    bus: p.bus,
+                    device: p.device,
+                }),
                 remote_type: raw(ffi::nvlink_remote_type(nvml, d, link)),
             }),
             Ok(false) => {}
@@ -498,9 +569,18 @@ fn parse_numa(text: &str) -> Option<u32> {
 // Mapping: RawNode → Inventory (pure)
 // ------------------------------------------------------------------------------------------------
 
-/// Turns what NVML and sysfs said into an [`Inventory`]. See the module doc for what is required
-/// and what degrades.
+/// Turns what NVML and sysfs said into an [`Inventory`], logging every omission. See the module
+/// doc for what is required and what degrades.
 pub fn map(raw: RawNode, sysfs: &impl Sysfs) -> Result<Inventory> {
+    let (inv, omissions) = map_with_omissions(raw, sysfs)?;
+    for o in &omissions {
+        o.log();
+    }
+    Ok(inv)
+}
+
+/// [`map`], returning the omissions instead of logging them (the backend logs each once).
+pub fn map_with_omissions(raw: RawNode, sysfs: &impl Sysfs) -> Result<(Inventory, Vec<Omission>)> {
     let RawNode {
         driver_version,
         cuda_driver_version,
@@ -535,11 +615,12 @@ pub fn map(raw: RawNode, sysfs: &impl Sysfs) -> Result<Inventory> {
         driver: driver_version,
         cuda: cuda_driver_version,
     };
+    let mut omissions = Vec::new();
     let mapped = gpus
         .into_iter()
-        .filter_map(|g| map_gpu(g, &versions, &node_buses, sysfs))
+        .filter_map(|g| map_gpu(g, &versions, &node_buses, sysfs, &mut omissions))
         .collect();
-    Inventory::new(mapped)
+    Ok((Inventory::new(mapped)?, omissions))
 }
 
 struct Versions {
@@ -592,8 +673,8 @@ pub fn architecture_name(a: &DeviceArchitecture) -> Option<&'static str> {
 }
 
 /// The architecture a compute capability belongs to, for drivers older than the GPU.
-pub fn architecture_from_cc(cc: ComputeCapability) -> &'static str {
-    match (cc.major, cc.minor) {
+pub fn architecture_from_cc(cc: ComputeCapability) -> Option<&'static str> {
+    Some(match (cc.major, cc.minor) {
         (3, _) => "Kepler",
         (5, _) => "Maxwell",
         (6, _) => "Pascal",
@@ -603,8 +684,8 @@ pub fn architecture_from_cc(cc: ComputeCapability) -> &'static str {
         (8, _) => "Ampere",
         (9, _) => "Hopper",
         (10.., _) => "Blackwell",
-        _ => "Unknown",
-    }
+        _ => return None,
+    })
 }
 
 /// CUDA cores per SM, to turn `nvmlDeviceGetNumGpuCores` into an SM count.
@@ -696,6 +777,7 @@ fn map_gpu(
     versions: &Versions,
     node_buses: &BTreeSet<PciBusId>,
     sysfs: &impl Sysfs,
+    notes: &mut Vec<Omission>,
 ) -> Option<Gpu> {
     let RawGpu {
         index,
@@ -714,6 +796,7 @@ fn map_gpu(
         gi_profiles,
         mig_devices,
         nvlinks,
+        fabric,
     } = raw;
     let uuid = required(index, "nvmlDeviceGetUUID", uuid)?;
     let minor = required(index, "nvmlDeviceGetMinorNumber", minor)?;
@@ -730,27 +813,77 @@ fn map_gpu(
         return None;
     };
 
+    let gpu = GpuUuid(uuid);
+    let mut omit = |field: &'static str, level: Level, reason: String| {
+        notes.push(Omission {
+            gpu_index: index,
+            gpu: gpu.clone(),
+            field,
+            reason,
+            level,
+        });
+    };
+
     let brand = match &brand {
-        Ok(b) => brand_name(b).to_string(),
+        Ok(Brand::Unknown) => {
+            omit(
+                "brand",
+                Level::INFO,
+                "NVML reports the brand as unknown".into(),
+            );
+            None
+        }
+        Ok(b) => Some(brand_name(b).to_string()),
         Err(e) => {
-            debug!(gpu.index = index, error = %e, "brand unknown");
-            "Unknown".to_string()
+            omit("brand", Level::INFO, format!("nvmlDeviceGetBrand: {e}"));
+            None
         }
     };
-    let architecture = architecture
+    let architecture = match architecture.as_ref().ok().and_then(architecture_name) {
+        Some(name) => Some(name),
+        None => {
+            let from_cc = architecture_from_cc(cc);
+            if from_cc.is_none() {
+                let nvml = match &architecture {
+                    Ok(a) => format!("{a:?}"),
+                    Err(e) => e.to_string(),
+                };
+                omit(
+                    "architecture",
+                    Level::INFO,
+                    format!("NVML says {nvml}, and compute capability {cc} names none"),
+                );
+            }
+            from_cc
+        }
+    }
+    .map(String::from);
+
+    // The SM count: the device's attributes (as for MIG devices), else CUDA cores per SM of the
+    // architecture; never a made-up 0.
+    let cores = cuda_cores
         .as_ref()
         .ok()
-        .and_then(architecture_name)
-        .unwrap_or_else(|| architecture_from_cc(cc))
-        .to_string();
-
-    let cores = cuda_cores.as_ref().ok().zip(cores_per_sm(cc));
+        .filter(|&&c| c > 0)
+        .zip(cores_per_sm(cc));
     let multiprocessors = match (&attributes, cores) {
-        (Ok(a), _) if a.multiprocessor_count > 0 => a.multiprocessor_count,
-        (_, Some((cores, per_sm))) => cores / per_sm,
+        (Ok(a), _) if a.multiprocessor_count > 0 => Some(a.multiprocessor_count),
+        (_, Some((cores, per_sm))) => Some(cores / per_sm),
         _ => {
-            warn!(gpu.index = index, cores = ?cuda_cores, %cc, "multiprocessor count unknown; publishing 0");
-            0
+            let attrs = match &attributes {
+                Ok(a) => format!("{} multiprocessors", a.multiprocessor_count),
+                Err(e) => e.to_string(),
+            };
+            let cores = match &cuda_cores {
+                Ok(c) => format!("{c} cores at compute capability {cc}"),
+                Err(e) => e.to_string(),
+            };
+            omit(
+                "multiprocessors",
+                Level::WARN,
+                format!("nvmlDeviceGetAttributes_v2: {attrs}; nvmlDeviceGetNumGpuCores: {cores}"),
+            );
+            None
         }
     };
 
@@ -768,12 +901,12 @@ fn map_gpu(
     };
 
     let mig = map_mig(
-        index,
-        &uuid,
+        (index, &gpu),
         mig_mode,
         &gi_profiles,
         mig_devices,
         memory_bytes,
+        notes,
     );
     let engines = gi_profiles
         .iter()
@@ -781,35 +914,13 @@ fn map_gpu(
         .map(|p| profile_engines(&p.info))
         .unwrap_or_default();
 
-    let mut nvlink_peers = BTreeSet::new();
-    for l in nvlinks {
-        let remote = match l.remote_pci_bus_id.as_deref().map(PciBusId::normalize) {
-            Ok(Some(bus)) => bus,
-            Ok(None) | Err(_) => {
-                debug!(gpu.index = index, link = l.link, remote = ?l.remote_pci_bus_id, "NVLink remote unknown; ignoring link");
-                continue;
-            }
-        };
-        if remote == pci_bus_id {
-            continue;
-        }
-        let peer = match l.remote_type {
-            Ok(RemoteDevice::Gpu) => NvLinkPeer::Gpu(remote),
-            Ok(RemoteDevice::Switch) => NvLinkPeer::Switch(remote.0),
-            Ok(RemoteDevice::IbmNpu) => continue,
-            // Older drivers cannot say: a GPU of this node is a GPU, anything else a switch.
-            Ok(RemoteDevice::Unknown) | Err(_) if node_buses.contains(&remote) => {
-                NvLinkPeer::Gpu(remote)
-            }
-            Ok(RemoteDevice::Unknown) | Err(_) => NvLinkPeer::Switch(remote.0),
-        };
-        nvlink_peers.insert(peer);
-    }
+    let nvlink_peers = fabric::map_nvlinks((index, &gpu), &pci_bus_id, &nvlinks, node_buses, notes);
+    let fabric = fabric::map_fabric((index, &gpu), fabric, notes);
 
     Some(Gpu {
         index,
         minor,
-        uuid: GpuUuid(uuid),
+        uuid: gpu,
         product_name,
         brand,
         architecture,
@@ -825,24 +936,36 @@ fn map_gpu(
         mig,
         nvlink_peers,
         nvlink_domain: index,
+        fabric,
         health: Health::Healthy,
     })
 }
 
 fn map_mig(
-    index: u32,
-    parent_uuid: &str,
+    (index, parent): (u32, &GpuUuid),
     mode: RawResult<RawMigMode>,
     profiles: &[RawGiProfile],
     devices: Vec<RawMigDevice>,
     total_bytes: u64,
+    notes: &mut Vec<Omission>,
 ) -> Mig {
+    let parent_uuid = parent.as_str();
     let mode = match mode {
         Ok(m) => m,
-        Err(CallError::NotSupported) => return Mig::default(),
+        // A driver without the MIG API predates MIG: under it no GPU is MIG-capable.
+        Err(CallError::NotSupported | CallError::Missing(_)) => return Mig::default(),
         Err(e) => {
-            debug!(gpu.index = index, error = %e, "MIG mode unknown; treating the GPU as not MIG-capable");
-            return Mig::default();
+            notes.push(Omission {
+                gpu_index: index,
+                gpu: parent.clone(),
+                field: "migCapable",
+                reason: format!("nvmlDeviceGetMigMode: {e}; the GPU is handled as not in MIG mode"),
+                level: Level::WARN,
+            });
+            return Mig {
+                mode_unknown: true,
+                ..Mig::default()
+            };
         }
     };
     if mode.pending != mode.current {
@@ -899,9 +1022,14 @@ fn map_mig(
         );
     }
     mig_devices.sort_by_key(|m| (m.placement, m.gi_id, m.ci_id));
+    // Existing instances count too, should the profiles' placements be unreadable.
+    for d in &mig_devices {
+        memory_slices = memory_slices.max(d.placement.start + d.placement.size);
+    }
 
     Mig {
         capable: true,
+        mode_unknown: false,
         enabled: mode.current,
         memory_slices,
         devices: mig_devices,
@@ -1003,136 +1131,6 @@ fn map_mig_device(
             .map_or(profile_engines_, attribute_engines),
         health: Health::Healthy,
     })
-}
-
-// ------------------------------------------------------------------------------------------------
-// Raw NVML calls nvml-wrapper 0.13 lacks or gets wrong
-// ------------------------------------------------------------------------------------------------
-
-/// The only `unsafe` code of the NVML backend. Each function resolves its symbol from the loaded
-/// library's table (`Result` fields: a symbol the driver lacks is an error, not a panic), calls
-/// it with out-pointers to locals, and converts the answer to owned values.
-mod ffi {
-    use std::os::raw::c_uint;
-    use std::ptr;
-
-    use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
-    use nvml_wrapper::{Device, Nvml};
-    use nvml_wrapper_sys::bindings::{
-        nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as LINK_GPU,
-        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU as LINK_IBMNPU,
-        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as LINK_SWITCH,
-        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_UNKNOWN as LINK_UNKNOWN,
-        nvmlIntNvLinkDeviceType_t,
-    };
-
-    use super::{Placement, RawGpuInstance, RemoteDevice};
-
-    /// `nvmlDeviceGetGpuInstanceId` of a MIG device handle.
-    pub fn gpu_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
-        let f = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref())?;
-        let mut id: c_uint = 0;
-        // SAFETY: `f` has the C signature nvml-wrapper-sys declares for this symbol; the handle
-        // comes from a live `Device` borrowed for the call (its `Nvml` outlives it), and `id` is
-        // a valid, writable `c_uint` for the duration of the call.
-        nvml_try(unsafe { f(mig.handle(), &mut id) })?;
-        Ok(id)
-    }
-
-    /// `nvmlDeviceGetComputeInstanceId` of a MIG device handle.
-    pub fn compute_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
-        let f = nvml_sym(nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref())?;
-        let mut id: c_uint = 0;
-        // SAFETY: as in `gpu_instance_id`: declared signature, live handle, valid out-pointer.
-        nvml_try(unsafe { f(mig.handle(), &mut id) })?;
-        Ok(id)
-    }
-
-    /// The profile id and placement of GPU instance `gi_id` on `parent`
-    /// (`nvmlDeviceGetGpuInstanceById` + `nvmlGpuInstanceGetInfo`).
-    pub fn gpu_instance_info(
-        nvml: &Nvml,
-        parent: &Device<'_>,
-        gi_id: u32,
-    ) -> Result<RawGpuInstance, NvmlError> {
-        let lib = nvml.lib();
-        let by_id = nvml_sym(lib.nvmlDeviceGetGpuInstanceById.as_ref())?;
-        let get_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref())?;
-        let mut gi: nvmlGpuInstance_t = ptr::null_mut();
-        // SAFETY: declared signature; `parent` is a live device handle; `gi` is a valid
-        // out-pointer. The returned instance handle is owned by NVML and needs no release.
-        nvml_try(unsafe { by_id(parent.handle(), gi_id, &mut gi) })?;
-        if gi.is_null() {
-            return Err(NvmlError::Unknown);
-        }
-        let mut info = nvmlGpuInstanceInfo_t {
-            device: ptr::null_mut(),
-            id: 0,
-            profileId: 0,
-            placement: nvmlGpuInstancePlacement_t { start: 0, size: 0 },
-        };
-        // SAFETY: declared signature; `gi` is the non-null handle NVML just returned for a
-        // device that is still open; `info` is a fully initialized struct NVML writes into.
-        nvml_try(unsafe { get_info(gi, &mut info) })?;
-        Ok(RawGpuInstance {
-            profile_id: info.profileId,
-            placement: Placement {
-                start: info.placement.start,
-                size: info.placement.size,
-            },
-        })
-    }
-
-    /// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` for a profile (by its `info.id`).
-    pub fn possible_placements(
-        nvml: &Nvml,
-        device: &Device<'_>,
-        profile_id: u32,
-    ) -> Result<Vec<Placement>, NvmlError> {
-        let f = nvml_sym(
-            nvml.lib()
-                .nvmlDeviceGetGpuInstancePossiblePlacements_v2
-                .as_ref(),
-        )?;
-        let mut count: c_uint = 0;
-        // SAFETY: declared signature; a null buffer asks NVML only for the count, which it
-        // writes to the valid `count`.
-        nvml_try(unsafe { f(device.handle(), profile_id, ptr::null_mut(), &mut count) })?;
-        if count == 0 {
-            return Ok(Vec::new());
-        }
-        let mut buf = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
-        // SAFETY: `buf` holds `count` initialized elements and `count` tells NVML its capacity;
-        // NVML writes at most that many and stores the number written back into `count`.
-        nvml_try(unsafe { f(device.handle(), profile_id, buf.as_mut_ptr(), &mut count) })?;
-        buf.truncate(count as usize);
-        Ok(buf
-            .into_iter()
-            .map(|p| Placement {
-                start: p.start,
-                size: p.size,
-            })
-            .collect())
-    }
-
-    /// `nvmlDeviceGetNvLinkRemoteDeviceType` for one link.
-    pub fn nvlink_remote_type(
-        nvml: &Nvml,
-        device: &Device<'_>,
-        link: u32,
-    ) -> Result<RemoteDevice, NvmlError> {
-        let f = nvml_sym(nvml.lib().nvmlDeviceGetNvLinkRemoteDeviceType.as_ref())?;
-        let mut kind: nvmlIntNvLinkDeviceType_t = LINK_UNKNOWN;
-        // SAFETY: declared signature; live handle; `kind` is a valid, writable enum slot.
-        nvml_try(unsafe { f(device.handle(), link, &mut kind) })?;
-        Ok(match kind {
-            LINK_GPU => RemoteDevice::Gpu,
-            LINK_SWITCH => RemoteDevice::Switch,
-            LINK_IBMNPU => RemoteDevice::IbmNpu,
-            _ => RemoteDevice::Unknown,
-        })
-    }
 }
 
 #[cfg(test)]

@@ -4,25 +4,36 @@ use std::fmt::Write;
 
 use super::{Inventory, quantity};
 
-/// One line per GPU and per MIG device, columns aligned.
+/// One line per GPU and per MIG device, columns aligned. The FABRIC column
+/// (`<clusterUUID>.<cliqueID>`) appears only when some GPU completed an NVLink fabric
+/// registration.
 pub fn render(inv: &Inventory) -> String {
-    let mut rows: Vec<[String; 8]> = vec![[
-        "DEVICE".into(),
-        "UUID".into(),
-        "MODEL / PROFILE".into(),
-        "MEMORY".into(),
-        "NUMA".into(),
-        "NVLINK".into(),
-        "MIG".into(),
-        "HEALTH".into(),
-    ]];
+    let with_fabric = inv.gpus.iter().any(|g| g.fabric.is_some());
+    let mut header: Vec<String> = [
+        "DEVICE",
+        "UUID",
+        "MODEL / PROFILE",
+        "MEMORY",
+        "NUMA",
+        "NVLINK",
+        "MIG",
+        "HEALTH",
+    ]
+    .map(String::from)
+    .into();
+    if with_fabric {
+        header.insert(6, "FABRIC".into());
+    }
+    let mut rows: Vec<Vec<String>> = vec![header];
     for g in &inv.gpus {
-        let mig = match (g.mig.capable, g.mig.enabled) {
-            (false, _) => "-".to_string(),
-            (true, false) => "off".to_string(),
-            (true, true) => format!("on ({})", g.mig.devices.len()),
+        let mig = match (g.mig.mode_unknown, g.mig.capable, g.mig.enabled) {
+            (true, _, _) => "?".to_string(),
+            (false, false, _) => "-".to_string(),
+            (false, true, false) => "off".to_string(),
+            (false, true, true) => format!("on ({})", g.mig.devices.len()),
         };
-        rows.push([
+        let fabric = g.fabric.as_ref().map_or("-".into(), |f| f.to_string());
+        let mut row = vec![
             format!("gpu-{}", g.minor),
             g.uuid.to_string(),
             g.product_name.clone(),
@@ -31,9 +42,13 @@ pub fn render(inv: &Inventory) -> String {
             g.nvlink_domain.to_string(),
             mig,
             g.health.to_string(),
-        ]);
+        ];
+        if with_fabric {
+            row.insert(6, fabric.clone());
+        }
+        rows.push(row);
         for m in &g.mig.devices {
-            rows.push([
+            let mut row = vec![
                 format!("  └ mig {}/{}", m.gi_id, m.ci_id),
                 m.uuid.to_string(),
                 format!("{} @{}", m.profile, m.placement.start),
@@ -42,10 +57,14 @@ pub fn render(inv: &Inventory) -> String {
                 g.nvlink_domain.to_string(),
                 String::new(),
                 m.health.to_string(),
-            ]);
+            ];
+            if with_fabric {
+                row.insert(6, fabric.clone());
+            }
+            rows.push(row);
         }
     }
-    let mut widths = [0usize; 8];
+    let mut widths = vec![0usize; rows[0].len()];
     for r in &rows {
         for (w, c) in widths.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
@@ -54,7 +73,7 @@ pub fn render(inv: &Inventory) -> String {
     let mut out = String::new();
     for r in &rows {
         let mut line = String::new();
-        for (i, (c, w)) in r.iter().zip(widths).enumerate() {
+        for (i, (c, w)) in r.iter().zip(&widths).enumerate() {
             if i + 1 == r.len() {
                 line.push_str(c);
             } else {
@@ -72,6 +91,7 @@ pub fn render(inv: &Inventory) -> String {
 mod tests {
     use super::*;
     use crate::inventory::topology::load_profile;
+    use crate::inventory::{ClusterUuid, Fabric};
 
     #[test]
     fn mig_devices_are_listed_under_their_parent() {
@@ -79,11 +99,39 @@ mod tests {
         let text = render(&inv);
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[0].starts_with("DEVICE"));
+        assert!(!lines[0].contains("FABRIC"), "no GPU has a fabric: {text}");
         // 4 GPUs + 4 + 3 MIG devices + header.
         assert_eq!(lines.len(), 1 + 4 + 7, "{text}");
         let gpu1 = lines.iter().position(|l| l.starts_with("gpu-1 ")).unwrap();
         assert!(lines[gpu1].contains("on (4)"), "{text}");
         assert!(lines[gpu1 + 1].contains("3g.20gb @4"), "{text}");
         assert!(lines[gpu1 + 1].contains("19968Mi"), "{text}");
+    }
+
+    #[test]
+    fn fabric_column_appears_when_a_gpu_has_one() {
+        let mut inv = load_profile("a100-mig-mixed", "n").unwrap();
+        inv.gpus[1].fabric = Some(Fabric {
+            cluster_uuid: ClusterUuid::parse("6c1f3a52-8d2e-4b7a-9f10-0123456789ab").unwrap(),
+            clique_id: 7,
+        });
+        inv.gpus[2].mig.mode_unknown = true;
+        inv.gpus[2].mig.capable = false;
+        let text = render(&inv);
+        let lines: Vec<&str> = text.lines().collect();
+        let col = lines[0].find("FABRIC").expect("FABRIC header");
+        // Columns are aligned by characters (MIG rows start with a multi-byte `└`).
+        let at = |line: &str| line.chars().skip(col).collect::<String>();
+        let gpu1 = lines.iter().position(|l| l.starts_with("gpu-1 ")).unwrap();
+        assert!(
+            at(lines[gpu1]).starts_with("6c1f3a52-8d2e-4b7a-9f10-0123456789ab.7 "),
+            "{text}"
+        );
+        // Its MIG devices carry the parent's fabric; other GPUs show none.
+        assert!(at(lines[gpu1 + 1]).starts_with("6c1f3a52-"), "{text}");
+        let gpu0 = lines.iter().position(|l| l.starts_with("gpu-0 ")).unwrap();
+        assert!(at(lines[gpu0]).starts_with("- "), "{text}");
+        let gpu2 = lines.iter().position(|l| l.starts_with("gpu-2 ")).unwrap();
+        assert!(lines[gpu2].contains(" ? "), "unknown MIG mode: {text}");
     }
 }

@@ -13,8 +13,8 @@ use std::path::Path;
 use serde::{Deserialize, Deserializer};
 
 use super::{
-    ComputeCapability, Engines, Gpu, GpuUuid, Health, Inventory, Mig, MigDevice, MigProfile,
-    NvLinkPeer, PciBusId, Placement,
+    ClusterUuid, ComputeCapability, Engines, Fabric, Gpu, GpuUuid, Health, Inventory, Mig,
+    MigDevice, MigProfile, NvLinkPeer, PciBusId, Placement,
 };
 
 /// The only topology file version this build reads.
@@ -191,9 +191,20 @@ struct GpuSpec {
     nvlink_switches: Vec<String>,
     #[serde(default)]
     mig: Option<GpuMigSpec>,
+    /// The NVLink fabric registration NVML would report as completed (multi-node NVLink).
+    #[serde(default)]
+    fabric: Option<FabricSpec>,
     /// When set, the GPU is unhealthy for this reason.
     #[serde(default)]
     unhealthy: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct FabricSpec {
+    /// The fabric cluster's UUID, 8-4-4-4-12 hex digits.
+    cluster_uuid: String,
+    clique_id: u32,
 }
 
 #[derive(Debug, Deserialize)]
@@ -412,8 +423,26 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
             })
             .collect();
 
+        let fabric = match &spec.fabric {
+            None => None,
+            Some(f) => Some(Fabric {
+                cluster_uuid: ClusterUuid::parse(&f.cluster_uuid).ok_or_else(|| {
+                    err(
+                        at("fabric.clusterUuid"),
+                        format!(
+                            "invalid fabric cluster UUID {:?}: expected 8-4-4-4-12 hex digits \
+                             such as 6c1f3a52-8d2e-4b7a-9f10-0123456789ab",
+                            f.cluster_uuid
+                        ),
+                    )
+                })?,
+                clique_id: f.clique_id,
+            }),
+        };
+
         let mut mig = Mig {
             capable: model.mig.is_some(),
+            mode_unknown: false,
             enabled: false,
             memory_slices: model.mig.as_ref().map_or(0, |m| m.memory_slices),
             devices: Vec::new(),
@@ -525,13 +554,13 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
             minor: spec.minor.unwrap_or(spec.index),
             uuid,
             product_name: model.product_name.clone(),
-            brand: model.brand.clone(),
-            architecture: model.architecture.clone(),
+            brand: Some(model.brand.clone()),
+            architecture: Some(model.architecture.clone()),
             cuda_compute_capability: cc,
             driver_version: file.driver_version.clone(),
             cuda_driver_version: file.cuda_driver_version.clone(),
             memory_bytes: model.memory.0,
-            multiprocessors: model.multiprocessors,
+            multiprocessors: Some(model.multiprocessors),
             engines: model.engines,
             pcie_root: Some(
                 spec.pcie_root
@@ -543,6 +572,7 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
             mig,
             nvlink_peers,
             nvlink_domain: 0,
+            fabric,
             health: match &spec.unhealthy {
                 Some(reason) => Health::Unhealthy {
                     reason: reason.clone(),
@@ -929,6 +959,34 @@ gpus:
         assert_eq!(m.devices[0].gi_id, 1);
         assert_eq!(m.devices[1].placement, Placement { start: 0, size: 1 });
         assert!(m.devices[1].uuid.as_str().starts_with("MIG-"));
+    }
+
+    #[test]
+    fn fabric_registration_is_optional_and_validated() {
+        let inv = parse("t.yaml", MINIMAL, "n").unwrap();
+        assert_eq!(inv.gpus[0].fabric, None);
+
+        let text = MINIMAL.replace(
+            "numaNode: 0",
+            "numaNode: 0\n    fabric: {clusterUuid: 6C1F3A52-8D2E-4B7A-9F10-0123456789AB, cliqueId: 7}",
+        );
+        let inv = parse("t.yaml", &text, "n").unwrap();
+        let f = inv.gpus[0].fabric.as_ref().unwrap();
+        assert_eq!(
+            f.cluster_uuid.as_str(),
+            "6c1f3a52-8d2e-4b7a-9f10-0123456789ab",
+            "normalized to lower case"
+        );
+        assert_eq!(f.clique_id, 7);
+
+        let e = parse_err(&text.replace("6C1F3A52-8D2E", "6C1F3A52"));
+        assert_eq!(e.key, "gpus[0].fabric.clusterUuid", "{e}");
+        assert_eq!(e.line, Some(10), "{e}");
+        assert!(e.message.contains("8-4-4-4-12"), "{e}");
+        let e = parse_err(&text.replace("cliqueId: 7", "cliqueId: 7, state: done"));
+        assert!(e.message.contains("unknown field `state`"), "{e}");
+        let e = parse_err(&text.replace(", cliqueId: 7", ""));
+        assert!(e.message.contains("missing field `cliqueId`"), "{e}");
     }
 
     #[test]

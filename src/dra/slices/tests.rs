@@ -229,6 +229,152 @@ fn full_gpu_attributes_have_the_right_types() {
     assert_eq!(attr(device(&specs, "gpu-5"), "numaNode"), &int(1));
 }
 
+fn fabric(clique_id: u32) -> crate::inventory::Fabric {
+    crate::inventory::Fabric {
+        cluster_uuid: crate::inventory::ClusterUuid::parse("6c1f3a52-8d2e-4b7a-9f10-0123456789ab")
+            .unwrap(),
+        clique_id,
+    }
+}
+
+#[test]
+fn fabric_registration_is_published_on_gpus_and_their_mig_devices() {
+    let mut inv = profile("a100-mig-mixed");
+    inv.gpus[0].fabric = Some(fabric(7));
+    inv.gpus[1].fabric = Some(fabric(7));
+    let specs = desired_slices(&inv, &plain()).unwrap();
+    let d = device(&specs, "gpu-0");
+    assert_eq!(
+        attr(d, ATTR_FABRIC_CLUSTER_UUID),
+        &s("6c1f3a52-8d2e-4b7a-9f10-0123456789ab")
+    );
+    assert_eq!(attr(d, ATTR_FABRIC_CLIQUE_ID), &int(7));
+    // GPU 1 is in MIG mode: each MIG device carries its parent's fabric.
+    let mig = device(&specs, "gpu-1-mig-3g20gb-9-4");
+    assert_eq!(attr(mig, ATTR_FABRIC_CLIQUE_ID), &int(7));
+    assert_eq!(
+        attr(mig, ATTR_FABRIC_CLUSTER_UUID),
+        attr(d, ATTR_FABRIC_CLUSTER_UUID)
+    );
+    // GPUs without a completed registration publish neither attribute, nor do their MIG devices.
+    let gpu2_mig = inv.gpus[2].mig.devices[0].clone();
+    let gpu2_mig = DeviceName::mig(
+        2,
+        &gpu2_mig.profile,
+        gpu2_mig.gi_profile_id,
+        gpu2_mig.placement.start,
+    );
+    for name in ["gpu-3", gpu2_mig.as_str()] {
+        let attrs = device(&specs, name).attributes.as_ref().unwrap();
+        assert!(
+            !attrs.contains_key(ATTR_FABRIC_CLUSTER_UUID)
+                && !attrs.contains_key(ATTR_FABRIC_CLIQUE_ID),
+            "{name}"
+        );
+    }
+}
+
+/// The fullest device there is, a 7g instance spanning all 8 memory slices of a GPU with a PCIe
+/// root, a NUMA node and a fabric, stays within the API's 32 attributes and capacities, in
+/// plain and in partitionable mode.
+#[test]
+fn the_largest_mig_device_with_a_fabric_fits_the_attribute_limit() {
+    let mut inv = mig_ready("dgx-a100");
+    for g in &mut inv.gpus {
+        g.fabric = Some(fabric(1));
+    }
+    for partitionable in [false, true] {
+        let mut inv = inv.clone();
+        if !partitionable {
+            let g = &mut inv.gpus[0];
+            let p = g
+                .mig
+                .profiles
+                .iter()
+                .find(|p| p.name.starts_with("7g"))
+                .unwrap()
+                .clone();
+            g.mig.devices.push(MigDevice {
+                uuid: GpuUuid("MIG-7g".into()),
+                profile: p.name.clone(),
+                gi_profile_id: p.gi_profile_id,
+                gi_id: 0,
+                ci_id: 0,
+                placement: p.placements[0],
+                memory_bytes: p.memory_bytes,
+                multiprocessors: p.multiprocessors,
+                engines: p.engines,
+                health: Health::Healthy,
+            });
+        }
+        let specs = desired_slices(&inv, &opts(partitionable, CounterLayout::Separate))
+            .unwrap_or_else(|e| panic!("partitionable={partitionable}: {e}"));
+        let widest = all_devices(&specs)
+            .into_iter()
+            .map(|d| {
+                d.attributes.as_ref().map_or(0, BTreeMap::len)
+                    + d.capacity.as_ref().map_or(0, BTreeMap::len)
+            })
+            .max()
+            .unwrap();
+        // An existing device (with its `uuid`) is the widest there is: exactly at the limit.
+        let want = if partitionable {
+            MAX_ATTRIBUTES_AND_CAPACITIES - 1
+        } else {
+            MAX_ATTRIBUTES_AND_CAPACITIES
+        };
+        assert_eq!(widest, want, "partitionable={partitionable}");
+    }
+}
+
+#[test]
+fn facts_the_backend_could_not_learn_are_left_out() {
+    let mut inv = profile("dgx-h100");
+    inv.gpus[0].multiprocessors = None;
+    inv.gpus[0].brand = None;
+    inv.gpus[0].architecture = None;
+    inv.gpus[1].mig.capable = false;
+    inv.gpus[1].mig.mode_unknown = true;
+    let specs = desired_slices(&inv, &plain()).unwrap();
+    let d = device(&specs, "gpu-0");
+    let attrs = d.attributes.as_ref().unwrap();
+    assert!(!attrs.contains_key("brand") && !attrs.contains_key("architecture"));
+    assert_eq!(attr(d, "productName"), &s("NVIDIA H100 80GB HBM3"));
+    let caps = d.capacity.as_ref().unwrap();
+    assert!(
+        !caps.contains_key("multiprocessors"),
+        "an unknown SM count is not published as 0: {caps:?}"
+    );
+    assert_eq!(cap(d, "memory"), "80Gi");
+    let g1 = device(&specs, "gpu-1").attributes.as_ref().unwrap();
+    assert!(
+        !g1.contains_key("migCapable"),
+        "unknown MIG mode: no migCapable"
+    );
+    assert_eq!(attr(device(&specs, "gpu-2"), "migCapable"), &boolean(true));
+}
+
+#[test]
+fn partitionable_gpu_with_unknown_sm_count_offers_no_sm_counter() {
+    let mut inv = mig_ready("dgx-a100");
+    inv.gpus[0].multiprocessors = None;
+    let specs = desired_slices(&inv, &opts(true, CounterLayout::Separate)).unwrap();
+    let sets: Vec<&CounterSet> = specs
+        .iter()
+        .flat_map(|s| s.shared_counters.iter().flatten())
+        .collect();
+    let set0 = sets.iter().find(|c| c.name == counter_set_name(0)).unwrap();
+    assert!(!set0.counters.contains_key("multiprocessors"));
+    assert!(set0.counters.contains_key("memory-slice-0"));
+    let set1 = sets.iter().find(|c| c.name == counter_set_name(1)).unwrap();
+    assert_eq!(set1.counters["multiprocessors"].value.0, "108");
+    // gpu-0's devices consume no SM counter; gpu-1's do.
+    let d0 = device(&specs, "gpu-0-mig-1g10gb-19-0");
+    assert!(!consumed(d0).keys().any(|(_, c)| c == "multiprocessors"));
+    let d1 = device(&specs, "gpu-1-mig-1g10gb-19-0");
+    assert!(consumed(d1).keys().any(|(_, c)| c == "multiprocessors"));
+}
+
 #[test]
 fn nvidia_observed_a100_values() {
     let inv = profile("a100-mig-mixed");
@@ -375,13 +521,13 @@ fn mig_device_attributes_and_capacities() {
     assert_eq!(attr(d, "parentUUID"), &s(parent.uuid.as_str()));
     assert_eq!(attr(d, "profile"), &s("3g.20gb"));
     assert_eq!(attr(d, "parentIndex"), &int(1));
-    assert_eq!(attr(d, "parentMinor"), &int(1));
     assert_eq!(attr(d, "productName"), &s("NVIDIA A100-SXM4-40GB"));
     assert_eq!(attr(d, "driverVersion"), &version("550.163.1".into()));
     assert_eq!(attr(d, ATTR_PCI_BUS_ID), &s(parent.pci_bus_id.as_str()));
     assert_eq!(attr(d, "nvlinkDomain"), &int(0));
     let attrs = d.attributes.as_ref().unwrap();
     assert!(!attrs.contains_key("index") && !attrs.contains_key("migCapable"));
+    assert!(!attrs.contains_key("parentMinor"), "the name carries it");
     assert_eq!(cap(d, "memory"), "19968Mi");
     assert_eq!(cap(d, "multiprocessors"), "42");
     assert_eq!(cap(d, "copyEngines"), "3");

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use nvml_wrapper_sys::bindings as b;
 
 use super::*;
+use crate::inventory::{NODE_NVSWITCHES, NvLinkPeer};
 
 /// An in-memory sysfs: symlink targets and `numa_node` contents by normalized bus id.
 #[derive(Default)]
@@ -68,6 +69,13 @@ fn h100(index: u32, bus: &str) -> RawGpu {
         gi_profiles: Vec::new(),
         mig_devices: Vec::new(),
         nvlinks: Vec::new(),
+        // What a single-node HGX reports: registered with the local fabric manager, no cluster.
+        fabric: Ok(RawFabric {
+            cluster_uuid: [0; 16],
+            clique_id: 0,
+            state: FabricState::Completed,
+            status: Ok(()),
+        }),
     }
 }
 
@@ -79,6 +87,7 @@ fn l40s(index: u32, bus: &str) -> RawGpu {
         memory_total_bytes: Ok(46068 * MIB_),
         cuda_cores: Ok(18176),
         mig_mode: Err(CallError::NotSupported),
+        fabric: Err(CallError::NotSupported),
         ..h100(index, bus)
     }
 }
@@ -91,6 +100,7 @@ fn a100_40gb(index: u32, bus: &str) -> RawGpu {
         memory_total_bytes: Ok(40960 * MIB_),
         cuda_cores: Ok(6912),
         gi_profiles: a100_40gb_profiles(),
+        fabric: Err(CallError::NotSupported),
         ..h100(index, bus)
     }
 }
@@ -219,11 +229,37 @@ fn mig_dev(
     }
 }
 
+/// The PCI info NVML fills in for `bus_id`: the string, and the numbers parsed from it.
+fn pci(bus_id: &str) -> RawPci {
+    let mut parts = bus_id.split([':', '.']);
+    let mut next = || u32::from_str_radix(parts.next().unwrap_or_default(), 16).unwrap_or(0);
+    RawPci {
+        bus_id: bus_id.into(),
+        domain: next(),
+        bus: next(),
+        device: next(),
+    }
+}
+
 fn link(n: u32, remote: &str, kind: RawResult<RemoteDevice>) -> RawNvLink {
     RawNvLink {
         link: n,
-        remote_pci_bus_id: Ok(remote.into()),
+        remote_pci: Ok(pci(remote)),
         remote_type: kind,
+    }
+}
+
+/// A link to an NVSwitch as DGX/HGX drivers report it: the invalid PCI address, type SWITCH.
+fn sentinel_link(n: u32, bus_id: &str) -> RawNvLink {
+    RawNvLink {
+        link: n,
+        remote_pci: Ok(RawPci {
+            bus_id: bus_id.into(),
+            domain: 0xFFFF_FFFF,
+            bus: 0xFF,
+            device: 0xFF,
+        }),
+        remote_type: Ok(RemoteDevice::Switch),
     }
 }
 
@@ -287,13 +323,21 @@ fn hgx_h100_is_one_nvlink_domain_with_full_attributes() {
     assert_eq!(g.minor, 5);
     assert_eq!(g.pci_bus_id.as_str(), "0000:8b:00.0");
     assert_eq!(g.product_name, "NVIDIA H100 80GB HBM3");
-    assert_eq!(g.brand, "Nvidia");
-    assert_eq!(g.architecture, "Hopper");
+    assert_eq!(g.brand.as_deref(), Some("Nvidia"));
+    assert_eq!(g.architecture.as_deref(), Some("Hopper"));
     assert_eq!(g.cuda_compute_capability.to_string(), "9.0");
     assert_eq!(g.driver_version, "550.163.01");
     assert_eq!(g.cuda_driver_version, "12.4");
     assert_eq!(g.memory_bytes, 81559 * MIB_);
-    assert_eq!(g.multiprocessors, 132, "16896 cores / 128 per Hopper SM");
+    assert_eq!(
+        g.multiprocessors,
+        Some(132),
+        "16896 cores / 128 per Hopper SM"
+    );
+    assert_eq!(
+        g.fabric, None,
+        "a zero cluster UUID is no multi-node fabric"
+    );
     assert_eq!(g.pcie_root.as_deref(), Some("pci0000:80"));
     assert_eq!(g.numa_node, Some(1));
     assert_eq!(inv.gpus[0].pcie_root.as_deref(), Some("pci0000:00"));
@@ -373,8 +417,8 @@ fn l40s_node_without_nvlink_has_one_domain_per_gpu() {
         ]
     );
     for g in &inv.gpus {
-        assert_eq!(g.architecture, "Ada Lovelace");
-        assert_eq!(g.multiprocessors, 142);
+        assert_eq!(g.architecture.as_deref(), Some("Ada Lovelace"));
+        assert_eq!(g.multiprocessors, Some(142));
         assert!(g.nvlink_peers.is_empty());
         assert_eq!(g.mig, Mig::default(), "MIG NotSupported means not capable");
         assert_eq!(g.engines, Engines::default());
@@ -426,7 +470,7 @@ fn links_to_ibm_npus_and_unreadable_remotes_are_ignored() {
         link(0, "0000:09:00.0", Ok(RemoteDevice::IbmNpu)),
         RawNvLink {
             link: 1,
-            remote_pci_bus_id: Err(CallError::Failed("unknown error".into())),
+            remote_pci: Err(CallError::Failed("unknown error".into())),
             remote_type: Ok(RemoteDevice::Gpu),
         },
         link(2, "garbage", Ok(RemoteDevice::Gpu)),
@@ -434,6 +478,282 @@ fn links_to_ibm_npus_and_unreadable_remotes_are_ignored() {
     ];
     let inv = map(node(vec![g]), &MapSysfs::default()).unwrap();
     assert!(inv.gpus[0].nvlink_peers.is_empty());
+}
+
+// ------------------------------------------------------------------------------------------------
+// NVSwitches at the invalid PCI address
+
+/// An HGX H100 as its driver reports it: every one of each GPU's 18 links ends at an NVSwitch
+/// whose PCI address is the invalid `FFFFFFFF:FF:FF.0`. The numeric fields carry the sentinel;
+/// the bus-id strings vary the way drivers do.
+fn hgx_h100_sentinel() -> RawNode {
+    let strings = [
+        "FFFFFFFF:FF:FF.0",
+        "ffffffff:ff:ff.0",
+        "",
+        "00000000:00:00.0",
+    ];
+    let gpus = HGX_BUSES
+        .iter()
+        .enumerate()
+        .map(|(i, bus)| {
+            let mut g = h100(i as u32, bus);
+            g.nvlinks = (0..18)
+                .map(|l| sentinel_link(l, strings[i % strings.len()]))
+                .collect();
+            g
+        })
+        .collect();
+    node(gpus)
+}
+
+#[test]
+fn sentinel_switch_addresses_mean_the_nodes_nvswitches() {
+    let (inv, omissions) = map_with_omissions(hgx_h100_sentinel(), &MapSysfs::default()).unwrap();
+    assert_eq!(inv.gpus.len(), 8);
+    let domains: Vec<u32> = inv.gpus.iter().map(|g| g.nvlink_domain).collect();
+    assert_eq!(domains, [0; 8], "one NVLink domain, not one per GPU");
+    for g in &inv.gpus {
+        assert_eq!(
+            g.nvlink_peers.iter().cloned().collect::<Vec<_>>(),
+            [NvLinkPeer::Switch(NODE_NVSWITCHES.into())],
+            "gpu {}",
+            g.index
+        );
+    }
+    assert!(
+        !omissions.iter().any(|o| o.field == "nvlinkPeers"),
+        "no link was ignored: {omissions:?}"
+    );
+}
+
+#[test]
+fn sentinel_is_read_from_the_numbers_or_the_string() {
+    let numeric = |domain, bus, device, s: &str| RawPci {
+        bus_id: s.into(),
+        domain,
+        bus,
+        device,
+    };
+    assert!(numeric(0xFFFF_FFFF, 0xFF, 0xFF, "").is_sentinel());
+    assert!(numeric(0xFFFF, 0xFF, 0xFF, "0000:00:00.0").is_sentinel());
+    assert!(numeric(0, 0, 0, "FFFFFFFF:FF:FF.0").is_sentinel());
+    assert!(numeric(0, 0, 0, " ffff:ff:ff.0\n").is_sentinel());
+    assert!(numeric(0, 0, 0, "FFFFFFFF:FF:FF.7").is_sentinel());
+    assert!(!pci("00000000:05:00.0").is_sentinel());
+    assert!(
+        !pci("0000:FF:FF.0").is_sentinel(),
+        "domain 0 is a real address"
+    );
+    assert!(!pci("FFFFFFFF:FF:00.0").is_sentinel());
+    assert!(!numeric(0xFFFF_FFFF, 0xFF, 0x00, "").is_sentinel());
+    assert!(!numeric(0, 0, 0, "").is_sentinel());
+    assert!(!numeric(0, 0, 0, "garbage").is_sentinel());
+}
+
+/// Half the GPUs report their switches at the sentinel, half at real-looking addresses (today's
+/// reading), one GPU pair also has a direct GPU link: the sentinel half and the real half are
+/// separate fabrics until one GPU reaches both.
+#[test]
+fn sentinel_and_real_switch_addresses_mix() {
+    let (mut raw, sysfs) = hgx_h100();
+    for g in raw.gpus.iter_mut().take(4) {
+        for l in &mut g.nvlinks {
+            *l = sentinel_link(l.link, "FFFFFFFF:FF:FF.0");
+        }
+    }
+    // GPU 0 also has a direct link to GPU 1, resolved by its PCI address.
+    raw.gpus[0]
+        .nvlinks
+        .push(link(18, HGX_BUSES[1], Ok(RemoteDevice::Gpu)));
+    let inv = map(raw.clone(), &sysfs).unwrap();
+    let domains: Vec<u32> = inv.gpus.iter().map(|g| g.nvlink_domain).collect();
+    assert_eq!(domains, [0, 0, 0, 0, 4, 4, 4, 4]);
+    assert!(inv.gpus[0].nvlink_peers.contains(&gpu_peer("0000:1b:00.0")));
+    assert!(inv.gpus[5].nvlink_peers.contains(&switch("0000:06:00.0")));
+
+    // One GPU whose links reach a sentinel switch and a real one joins the two.
+    raw.gpus[3].nvlinks[17] = link(17, "00000000:05:00.0", Ok(RemoteDevice::Switch));
+    let inv = map(raw, &sysfs).unwrap();
+    assert!(inv.gpus.iter().all(|g| g.nvlink_domain == 0));
+}
+
+#[test]
+fn sentinel_links_of_unknown_type_say_nothing() {
+    let mut raw = hgx_h100_sentinel();
+    // GPU 2's driver cannot tell the remote type: its sentinel links reach "something".
+    for l in &mut raw.gpus[2].nvlinks {
+        l.remote_type = Err(CallError::Missing(
+            "nvmlDeviceGetNvLinkRemoteDeviceType".into(),
+        ));
+    }
+    // GPU 3: one link answers UNKNOWN, one GPU (unresolvable at the sentinel), one cannot read
+    // its address but is a switch; the others are ordinary sentinel switch links.
+    raw.gpus[3].nvlinks[0].remote_type = Ok(RemoteDevice::Unknown);
+    raw.gpus[3].nvlinks[1].remote_type = Ok(RemoteDevice::Gpu);
+    raw.gpus[3].nvlinks[2].remote_pci = Err(CallError::Failed("unknown error".into()));
+    // GPU 7: nothing but unknown-type sentinel links.
+    for l in &mut raw.gpus[7].nvlinks {
+        l.remote_type = Ok(RemoteDevice::Unknown);
+    }
+    let (inv, omissions) = map_with_omissions(raw, &MapSysfs::default()).unwrap();
+    let domains: Vec<u32> = inv.gpus.iter().map(|g| g.nvlink_domain).collect();
+    assert_eq!(domains, [0, 0, 2, 0, 0, 0, 0, 7]);
+    assert!(inv.gpus[2].nvlink_peers.is_empty());
+    assert!(inv.gpus[7].nvlink_peers.is_empty());
+    assert_eq!(
+        inv.gpus[3].nvlink_peers.iter().cloned().collect::<Vec<_>>(),
+        [NvLinkPeer::Switch(NODE_NVSWITCHES.into())]
+    );
+    // One note per GPU, at debug, however many links it ignored.
+    let notes: Vec<(u32, Level, &str)> = omissions
+        .iter()
+        .filter(|o| o.field == "nvlinkPeers")
+        .map(|o| (o.gpu_index, o.level, o.reason.as_str()))
+        .collect();
+    assert_eq!(notes.len(), 3, "{notes:?}");
+    assert!(notes.iter().all(|(_, level, _)| *level == Level::DEBUG));
+    assert_eq!(notes[0].0, 2);
+    assert!(
+        notes[0].2.contains("ignoring NVLink 0") && notes[0].2.ends_with("and 17 more"),
+        "{}",
+        notes[0].2
+    );
+    assert_eq!(notes[1].0, 3);
+    assert!(
+        notes[1].2.contains("type Unknown") && notes[1].2.ends_with("and 1 more"),
+        "{}",
+        notes[1].2
+    );
+    assert_eq!(notes[2].0, 7);
+}
+
+// ------------------------------------------------------------------------------------------------
+// NVLink fabric registration
+
+fn fabric_of(state: FabricState, status: RawResult<()>, uuid: [u8; 16]) -> RawResult<RawFabric> {
+    Ok(RawFabric {
+        cluster_uuid: uuid,
+        clique_id: 32766,
+        state,
+        status,
+    })
+}
+
+const CLUSTER: [u8; 16] = [
+    0x6c, 0x1f, 0x3a, 0x52, 0x8d, 0x2e, 0x4b, 0x7a, 0x9f, 0x10, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab,
+];
+
+#[test]
+fn only_completed_successful_fabric_registrations_are_kept() {
+    let cases: Vec<(RawResult<RawFabric>, Option<Level>)> = vec![
+        (fabric_of(FabricState::Completed, Ok(()), CLUSTER), None),
+        (
+            fabric_of(FabricState::InProgress, Ok(()), CLUSTER),
+            Some(Level::INFO),
+        ),
+        (
+            fabric_of(FabricState::NotStarted, Ok(()), [0; 16]),
+            Some(Level::INFO),
+        ),
+        (
+            fabric_of(FabricState::NotSupported, Ok(()), [0; 16]),
+            Some(Level::DEBUG),
+        ),
+        (
+            fabric_of(
+                FabricState::Completed,
+                Err(CallError::Failed("insufficient resources".into())),
+                CLUSTER,
+            ),
+            Some(Level::WARN),
+        ),
+        (
+            fabric_of(FabricState::Completed, Ok(()), [0; 16]),
+            Some(Level::DEBUG),
+        ),
+        (
+            fabric_of(FabricState::Other(9), Ok(()), CLUSTER),
+            Some(Level::WARN),
+        ),
+        (Err(CallError::NotSupported), Some(Level::DEBUG)),
+        (
+            Err(CallError::Missing("nvmlDeviceGetGpuFabricInfo".into())),
+            Some(Level::DEBUG),
+        ),
+        (
+            Err(CallError::Failed("gpu is lost".into())),
+            Some(Level::WARN),
+        ),
+    ];
+    let gpus: Vec<RawGpu> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (f, _))| {
+            let mut g = h100(i as u32, &format!("0000:{:02x}:00.0", 0x10 + i));
+            g.fabric = f.clone();
+            g
+        })
+        .collect();
+    let (inv, omissions) = map_with_omissions(node(gpus), &MapSysfs::default()).unwrap();
+    let f = inv.gpus[0].fabric.as_ref().expect("completed registration");
+    assert_eq!(
+        f.cluster_uuid.as_str(),
+        "6c1f3a52-8d2e-4b7a-9f10-0123456789ab"
+    );
+    assert_eq!(f.clique_id, 32766);
+    for (i, (_, level)) in cases.iter().enumerate().skip(1) {
+        assert_eq!(inv.gpus[i].fabric, None, "case {i}");
+        let note = omissions
+            .iter()
+            .find(|o| o.gpu_index == i as u32 && o.field == "fabric");
+        assert_eq!(note.map(|o| o.level), *level, "case {i}: {note:?}");
+    }
+    assert!(!omissions.iter().any(|o| o.gpu_index == 0));
+    let failed = omissions
+        .iter()
+        .find(|o| o.gpu_index == 4 && o.field == "fabric")
+        .unwrap();
+    assert!(
+        failed.reason.contains("insufficient resources"),
+        "{}",
+        failed.reason
+    );
+}
+
+#[test]
+fn fabric_struct_versions_match_nvml_h() {
+    // NVML_STRUCT_VERSION(GpuFabricInfo, v) = sizeof(nvmlGpuFabricInfo_v<v>_t) | v << 24.
+    assert_eq!(ffi::FABRIC_INFO_V3, 40 | (3 << 24));
+    assert_eq!(ffi::FABRIC_INFO_V2, 36 | (2 << 24));
+}
+
+#[test]
+fn omissions_are_logged_once_per_gpu_and_field_while_they_last() {
+    let log = OmissionLog::default();
+    let o = |gpu: &str, field, reason: &str| Omission {
+        gpu_index: 0,
+        gpu: GpuUuid(gpu.into()),
+        field,
+        reason: reason.into(),
+        level: Level::WARN,
+    };
+    let first = [
+        o("GPU-a", "multiprocessors", "x"),
+        o("GPU-b", "multiprocessors", "x"),
+    ];
+    assert_eq!(log.log_new(&first).len(), 2);
+    assert_eq!(log.log_new(&first).len(), 0, "the same gaps again: silent");
+    let changed = [
+        o("GPU-a", "multiprocessors", "y"),
+        o("GPU-b", "multiprocessors", "x"),
+    ];
+    let logged = log.log_new(&changed);
+    assert_eq!(logged.len(), 1, "a new reason is news");
+    assert_eq!(logged[0].gpu.as_str(), "GPU-a");
+    // GPU-b's value appeared, then went missing again: logged again.
+    assert_eq!(log.log_new(&changed[..1]).len(), 0);
+    assert_eq!(log.log_new(&changed).len(), 1);
 }
 
 /// An A100-40GB in MIG mode with 3g.20gb@0, 2g.10gb@4 and 1g.5gb+me@6, listed by NVML in an
@@ -625,12 +945,23 @@ fn mig_not_supported_leaves_the_gpu_whole() {
     g.mig_mode = Err(CallError::NotSupported);
     let mut h = h100(1, "0000:08:00.0");
     h.mig_mode = Err(CallError::Failed("unknown error".into()));
-    let inv = map(node(vec![g, h]), &MapSysfs::default()).unwrap();
+    let mut k = h100(2, "0000:09:00.0");
+    k.mig_mode = Err(CallError::Missing("nvmlDeviceGetMigMode".into()));
+    let (inv, omissions) = map_with_omissions(node(vec![g, h, k]), &MapSysfs::default()).unwrap();
     for g in &inv.gpus {
         assert!(!g.mig.capable && !g.in_mig_mode());
         assert!(g.mig.profiles.is_empty() && g.mig.devices.is_empty());
         assert_eq!(g.memory_bytes, 81559 * MIB_);
     }
+    // Not supported, or a driver without the MIG API: known not capable. A failed query: unknown.
+    let unknown: Vec<bool> = inv.gpus.iter().map(|g| g.mig.mode_unknown).collect();
+    assert_eq!(unknown, [false, true, false]);
+    let noted: Vec<(u32, &str)> = omissions
+        .iter()
+        .filter(|o| o.field == "migCapable")
+        .map(|o| (o.gpu_index, o.field))
+        .collect();
+    assert_eq!(noted, [(1, "migCapable")]);
 }
 
 #[test]
@@ -703,20 +1034,58 @@ fn optional_gpu_facts_degrade() {
     h.architecture = Err(CallError::Missing("nvmlDeviceGetArchitecture".into()));
     h.attributes = Ok(attrs(132, 0, 0, 0, 0, 81559));
     h.cuda_cores = Err(CallError::NotSupported);
-    let inv = map(node(vec![g, h]), &MapSysfs::default()).unwrap();
-    assert_eq!(inv.gpus[0].brand, "Unknown");
+    let mut k = h100(2, "0000:09:00.0");
+    k.brand = Ok(Brand::Unknown);
+    k.architecture = Ok(DeviceArchitecture::Unknown);
+    k.compute_capability = Ok(ComputeCapability { major: 2, minor: 0 });
+    let (inv, omissions) = map_with_omissions(node(vec![g, h, k]), &MapSysfs::default()).unwrap();
+    assert_eq!(inv.gpus[0].brand, None, "a failed call publishes no brand");
     assert_eq!(
-        inv.gpus[0].architecture, "Blackwell",
+        inv.gpus[0].architecture.as_deref(),
+        Some("Blackwell"),
         "from compute capability 10.0"
     );
-    assert_eq!(inv.gpus[0].multiprocessors, 0);
     assert_eq!(
-        inv.gpus[1].architecture, "Hopper",
+        inv.gpus[0].multiprocessors, None,
+        "no attributes, no cores: omitted, not 0"
+    );
+    assert_eq!(
+        inv.gpus[1].architecture.as_deref(),
+        Some("Hopper"),
         "from compute capability 9.0"
     );
     assert_eq!(
-        inv.gpus[1].multiprocessors, 132,
+        inv.gpus[1].multiprocessors,
+        Some(132),
         "from the GPU's attributes"
+    );
+    assert_eq!(inv.gpus[2].brand, None, "NVML's UNKNOWN brand is no brand");
+    assert_eq!(inv.gpus[2].architecture, None, "nothing names it");
+    assert_eq!(inv.gpus[2].multiprocessors, None, "no cores per SM for 2.0");
+    let noted: Vec<(u32, &str, Level)> = omissions
+        .iter()
+        .filter(|o| o.field != "fabric")
+        .map(|o| (o.gpu_index, o.field, o.level))
+        .collect();
+    assert_eq!(
+        noted,
+        [
+            (0, "brand", Level::INFO),
+            (0, "multiprocessors", Level::WARN),
+            (2, "brand", Level::INFO),
+            (2, "architecture", Level::INFO),
+            (2, "multiprocessors", Level::WARN),
+        ]
+    );
+    let why = &omissions
+        .iter()
+        .find(|o| o.gpu_index == 0 && o.field == "multiprocessors")
+        .unwrap()
+        .reason;
+    assert!(
+        why.contains("nvmlDeviceGetAttributes_v2: not supported")
+            && why.contains("nvmlDeviceGetNumGpuCores: not supported"),
+        "{why}"
     );
 }
 
@@ -871,13 +1240,13 @@ fn brand_and_architecture_names_match_nvidia() {
     );
     assert_eq!(architecture_name(&DeviceArchitecture::Unknown), None);
     let cc = |major, minor| ComputeCapability { major, minor };
-    assert_eq!(architecture_from_cc(cc(8, 0)), "Ampere");
-    assert_eq!(architecture_from_cc(cc(8, 6)), "Ampere");
-    assert_eq!(architecture_from_cc(cc(8, 9)), "Ada Lovelace");
-    assert_eq!(architecture_from_cc(cc(7, 5)), "Turing");
-    assert_eq!(architecture_from_cc(cc(7, 0)), "Volta");
-    assert_eq!(architecture_from_cc(cc(12, 0)), "Blackwell");
-    assert_eq!(architecture_from_cc(cc(2, 0)), "Unknown");
+    assert_eq!(architecture_from_cc(cc(8, 0)), Some("Ampere"));
+    assert_eq!(architecture_from_cc(cc(8, 6)), Some("Ampere"));
+    assert_eq!(architecture_from_cc(cc(8, 9)), Some("Ada Lovelace"));
+    assert_eq!(architecture_from_cc(cc(7, 5)), Some("Turing"));
+    assert_eq!(architecture_from_cc(cc(7, 0)), Some("Volta"));
+    assert_eq!(architecture_from_cc(cc(12, 0)), Some("Blackwell"));
+    assert_eq!(architecture_from_cc(cc(2, 0)), None);
 }
 
 #[test]

@@ -106,15 +106,8 @@ impl FileConfig {
         let key = format!("--config {}", path.display());
         let text = std::fs::read_to_string(path)
             .map_err(|e| invalid(&key, format!("cannot read the config file: {e}")))?;
-        let de = serde_yaml::Deserializer::from_str(&text);
-        let file: FileConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path_in_file = e.path().to_string();
-            let inner = e.into_inner();
-            invalid(
-                &format!("{}: {path_in_file}", path.display()),
-                inner.to_string(),
-            )
-        })?;
+        let file: FileConfig = crate::yaml::from_str(&text)
+            .map_err(|e| invalid(&format!("{}: {}", path.display(), e.path), e.to_string()))?;
         if file.version != FILE_VERSION {
             return Err(invalid(
                 &format!("{}: version", path.display()),

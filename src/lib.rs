@@ -15,3 +15,4 @@ pub mod ledger;
 pub mod metrics;
 pub mod proto;
 pub mod sharing;
+pub mod yaml;

@@ -83,7 +83,7 @@ impl Dirs {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join(format!("claim-{uid}.yaml")),
-            serde_yaml::to_string(&c).unwrap(),
+            nvdra::yaml::to_string(&c).unwrap(),
         )
         .unwrap();
     }

@@ -15,7 +15,10 @@ pub const FILE_VERSION: &str = "v1";
 pub const DEFAULT_DRIVER_NAME: &str = "gpu.nvidia.com";
 pub const DEFAULT_KUBELET_ROOT: &str = "/var/lib/kubelet";
 pub const DEFAULT_CDI_ROOT: &str = "/var/run/cdi";
-pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:8080";
+/// 8496: not the default of anything else found on a GPU node (8080 is everyone's; 9090-9999 is
+/// Prometheus' exporter range, with node-exporter on 9100 and dcgm-exporter on 9400; 10250-10259
+/// the kubelet and control plane; 30000-32767 NodePorts; 32768 and up the ephemeral range).
+pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:8496";
 
 /// A configuration problem. `key` names the flag, variable or file key at fault.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -269,7 +272,7 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
     let metrics_address: SocketAddr = metrics.parse().map_err(|_| {
         invalid(
             "--metrics-address",
-            format!("{metrics:?} is not an address like 0.0.0.0:8080"),
+            format!("{metrics:?} is not an address like {DEFAULT_METRICS_ADDRESS}"),
         )
     })?;
 

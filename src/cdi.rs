@@ -85,10 +85,10 @@ pub enum Error {
         path: PathBuf,
         source: io::Error,
     },
-    #[error("cannot serialize the CDI spec of kind {kind}: {source}")]
+    #[error("cannot serialize the CDI spec of kind {kind}")]
     Serialize {
         kind: String,
-        source: serde_yaml::Error,
+        source: crate::yaml::WriteError,
     },
 }
 
@@ -438,7 +438,7 @@ pub struct Hook {
 impl Spec {
     /// The spec as YAML (deterministic: field order is the struct order, lists keep their order).
     pub fn to_yaml(&self) -> Result<String> {
-        serde_yaml::to_string(self).map_err(|source| Error::Serialize {
+        crate::yaml::to_string(self).map_err(|source| Error::Serialize {
             kind: self.kind.clone(),
             source,
         })

@@ -337,7 +337,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     s
                 }
                 InventoryOutput::Yaml => {
-                    serde_yaml::to_string(&inv).map_err(anyhow::Error::from)?
+                    crate::yaml::to_string(&inv).map_err(anyhow::Error::from)?
                 }
                 InventoryOutput::Slices => render_slices(&config, args.counter_layout, &inv)?,
             };
@@ -412,7 +412,7 @@ fn render_slices(
             spec,
         };
         out.push_str("---\n");
-        out.push_str(&serde_yaml::to_string(&slice)?);
+        out.push_str(&crate::yaml::to_string(&slice)?);
     }
     Ok(out)
 }

@@ -15,7 +15,10 @@ pub const FILE_VERSION: &str = "v1";
 pub const DEFAULT_DRIVER_NAME: &str = "gpu.nvidia.com";
 pub const DEFAULT_KUBELET_ROOT: &str = "/var/lib/kubelet";
 pub const DEFAULT_CDI_ROOT: &str = "/var/run/cdi";
-pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:8080";
+/// 8496: not the default of anything else found on a GPU node (8080 is everyone's; 9090-9999 is
+/// Prometheus' exporter range, with node-exporter on 9100 and dcgm-exporter on 9400; 10250-10259
+/// the kubelet and control plane; 30000-32767 NodePorts; 32768 and up the ephemeral range).
+pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:8496";
 
 /// A configuration problem. `key` names the flag, variable or file key at fault.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -106,15 +109,8 @@ impl FileConfig {
         let key = format!("--config {}", path.display());
         let text = std::fs::read_to_string(path)
             .map_err(|e| invalid(&key, format!("cannot read the config file: {e}")))?;
-        let de = serde_yaml::Deserializer::from_str(&text);
-        let file: FileConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path_in_file = e.path().to_string();
-            let inner = e.into_inner();
-            invalid(
-                &format!("{}: {path_in_file}", path.display()),
-                inner.to_string(),
-            )
-        })?;
+        let file: FileConfig = crate::yaml::from_str(&text)
+            .map_err(|e| invalid(&format!("{}: {}", path.display(), e.path), e.to_string()))?;
         if file.version != FILE_VERSION {
             return Err(invalid(
                 &format!("{}: version", path.display()),
@@ -276,7 +272,7 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
     let metrics_address: SocketAddr = metrics.parse().map_err(|_| {
         invalid(
             "--metrics-address",
-            format!("{metrics:?} is not an address like 0.0.0.0:8080"),
+            format!("{metrics:?} is not an address like {DEFAULT_METRICS_ADDRESS}"),
         )
     })?;
 

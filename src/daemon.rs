@@ -2,10 +2,15 @@
 //!
 //! Start order (each step only once the previous one works, so the kubelet never sees a
 //! registration without a serving endpoint):
+//! 0. the metrics port is bound first: a taken port fails the start before anything exists;
 //! 1. the checkpoint writer, then recovery of what a crash or reboot left behind;
 //! 2. the DRA gRPC server (`v1` + `v1beta1` + health) on its socket;
 //! 3. the registration server in `plugins_registry/`;
 //! 4. the ResourceSlice publisher and the metrics endpoint.
+//!
+//! A start that fails leaves nothing behind: each socket this instance binds is owned by an
+//! [`OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while the path
+//! still holds the socket this instance bound, never another instance's.
 //!
 //! Shutdown: the first SIGTERM or SIGINT cancels every task; the servers stop accepting, remove
 //! their sockets and finish in-flight calls; then the checkpoint writer flushes and stops. A
@@ -13,7 +18,8 @@
 //! stopped and [`run`] returns an error, so the process exits non-zero and the DaemonSet restarts
 //! it.
 
-use std::path::PathBuf;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -97,6 +103,13 @@ pub async fn run(
         }
         Mode::DevicePlugin => return Err(Error::Mode(config.mode)),
     }
+    // First: a taken port fails the start before the checkpoint or any socket is touched.
+    let metrics_listener = metrics::bind(config.metrics_address)
+        .await
+        .map_err(|source| Error::Metrics {
+            addr: config.metrics_address,
+            source,
+        })?;
     // Prepare reads the cached inventory; the slice sync and health stream refresh it.
     let backend: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
     let metrics = Metrics::new();
@@ -130,7 +143,16 @@ pub async fn run(
     let writer_stop = CancellationToken::new();
     let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
     let shutdown = stop.child_token();
-    let result = serve(&config, plugin, api, backend, metrics, shutdown.clone()).await;
+    let result = serve(
+        &config,
+        plugin,
+        api,
+        backend,
+        metrics,
+        metrics_listener,
+        shutdown.clone(),
+    )
+    .await;
     shutdown.cancel();
     writer_stop.cancel();
     match writer_task.await {
@@ -147,6 +169,7 @@ async fn serve(
     api: Arc<dyn ClusterApi>,
     backend: Arc<dyn DeviceBackend>,
     metrics: Arc<Metrics>,
+    metrics_listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let rec = plugin.recover().await?;
@@ -166,9 +189,12 @@ async fn serve(
         &config.driver_name,
         config.pod_uid.as_deref(),
     );
+    // Declared before the tasks, so dropped after them: the servers stop, then the files go.
+    let mut owned = OwnedSockets::default();
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
 
     let dra_listener = socket::bind(&sockets.dra).map_err(grpc::Error::from)?;
+    owned.adopt(&sockets.dra);
     tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     {
         let (plugin, path, token) = (plugin.clone(), sockets.dra.clone(), shutdown.clone());
@@ -190,6 +216,7 @@ async fn serve(
         metrics: metrics.clone(),
     };
     let reg_listener = registrar.bind()?;
+    owned.adopt(&sockets.registration);
     tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
     let (reg_tx, _reg_rx) = watch::channel(RegistrationState::Pending);
     {
@@ -205,20 +232,12 @@ async fn serve(
     )
     .await;
 
-    match metrics::bind(config.metrics_address).await {
-        Ok(listener) => {
-            let (m, token) = (metrics.clone(), shutdown.clone());
-            tasks.spawn(async move {
-                metrics::serve(listener, m, token).await;
-                ("metrics", Ok(()))
-            });
-        }
-        Err(source) => {
-            return Err(Error::Metrics {
-                addr: config.metrics_address,
-                source,
-            });
-        }
+    {
+        let (m, token) = (metrics.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            metrics::serve(metrics_listener, m, token).await;
+            ("metrics", Ok(()))
+        });
     }
 
     // Run until a signal, a stop request, or a task ending on its own.
@@ -249,15 +268,49 @@ async fn serve(
         _ = sigint.recv() => Err(Error::Forced),
         () = tokio::time::sleep(GRACE) => Err(Error::GraceExceeded(GRACE)),
     };
-    // Sockets are removed by the servers; make sure even a forced exit leaves none of ours.
-    let _ = std::fs::remove_file(&sockets.registration);
-    let _ = std::fs::remove_file(&sockets.dra);
+    // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     match (failure, drained) {
         (Some(e), _) => Err(e),
         (None, Err(e)) => Err(e),
         (None, Ok(())) => {
             tracing::info!("stopped");
             Ok(())
+        }
+    }
+}
+
+/// The sockets this instance bound, unlinked when dropped. Instances name their sockets apart
+/// (by pod UID, see [`Sockets`]); in addition a path is unlinked only while it is still the file
+/// that was bound (same device and inode), so a socket another instance bound there since is
+/// left alone — unless it got the very inode number ours freed, which nothing here can tell.
+#[derive(Default)]
+struct OwnedSockets(Vec<(PathBuf, (u64, u64))>);
+
+impl OwnedSockets {
+    /// Takes ownership of the socket just bound at `path`.
+    fn adopt(&mut self, path: &Path) {
+        match std::fs::symlink_metadata(path) {
+            Ok(m) => self.0.push((path.to_path_buf(), (m.dev(), m.ino()))),
+            // Bound but gone already: nothing of ours to remove later.
+            Err(e) => {
+                tracing::warn!(socket = %path.display(), error = %e, "cannot stat a socket just bound")
+            }
+        }
+    }
+}
+
+impl Drop for OwnedSockets {
+    fn drop(&mut self) {
+        for (path, id) in self.0.drain(..) {
+            match std::fs::symlink_metadata(&path) {
+                Ok(m) if (m.dev(), m.ino()) == id => {
+                    if let Err(e) = std::fs::remove_file(&path) {
+                        tracing::warn!(socket = %path.display(), error = %e, "cannot remove socket");
+                    }
+                }
+                // Removed by its server already, or replaced by another instance's.
+                _ => {}
+            }
         }
     }
 }
@@ -342,4 +395,28 @@ async fn publish(
         }
         ("publish-status", Ok(()))
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OwnedSockets;
+
+    #[test]
+    fn owned_sockets_are_removed_on_drop_unless_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ours, replaced) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+        let _a = std::os::unix::net::UnixListener::bind(&ours).unwrap();
+        let _b = std::os::unix::net::UnixListener::bind(&replaced).unwrap();
+        let mut owned = OwnedSockets::default();
+        owned.adopt(&ours);
+        owned.adopt(&replaced);
+        // Another instance's socket takes the place of `b.sock` (bound beside it and renamed over
+        // it, so it cannot get the inode number `b.sock` frees).
+        let theirs = dir.path().join("theirs.sock");
+        let _theirs = std::os::unix::net::UnixListener::bind(&theirs).unwrap();
+        std::fs::rename(&theirs, &replaced).unwrap();
+        drop(owned);
+        assert!(!ours.exists());
+        assert!(replaced.exists(), "another instance's socket was removed");
+    }
 }

@@ -273,7 +273,7 @@ fn write_claim(
     std::fs::create_dir_all(&dir)?;
     std::fs::write(
         dir.join(format!("{name}.yaml")),
-        serde_yaml::to_string(&claim)?,
+        crate::yaml::to_string(&claim)?,
     )?;
     Ok(())
 }
@@ -346,7 +346,7 @@ async fn wait_for_slices<T>(
                 let hidden = e.file_name().to_string_lossy().starts_with('.');
                 if !hidden && path.extension().is_some_and(|x| x == "yaml") {
                     let text = std::fs::read_to_string(&path)?;
-                    slices.push(serde_yaml::from_str::<ResourceSlice>(&text)?);
+                    slices.push(crate::yaml::from_str::<ResourceSlice>(&text)?);
                 }
             }
         }

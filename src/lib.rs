@@ -16,3 +16,4 @@ pub mod metrics;
 pub mod proto;
 pub mod sharing;
 pub mod socket;
+pub mod yaml;

@@ -437,7 +437,7 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
     );
     let claims = root.join("api/resourceclaims/default");
     std::fs::create_dir_all(&claims)?;
-    std::fs::write(claims.join("podman.yaml"), serde_yaml::to_string(&claim)?)?;
+    std::fs::write(claims.join("podman.yaml"), nvdra::yaml::to_string(&claim)?)?;
 
     let kubelet = root.join("kubelet");
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_nvdra"))

@@ -164,7 +164,7 @@ fn yaml_output_parses_to_the_same_inventory_as_json() {
     let j = json(&[&args[..], &["json"]].concat(), &[]);
     let out = nvdra(&[&args[..], &["yaml"]].concat(), &[]);
     assert!(out.status.success());
-    let y: Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    let y: Value = serde_saphyr::from_slice(&out.stdout).unwrap();
     assert_eq!(j, y);
 }
 

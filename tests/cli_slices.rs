@@ -6,7 +6,6 @@ use std::collections::BTreeSet;
 use std::process::{Command, Output};
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use serde::Deserialize;
 
 fn nvdra(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
@@ -31,9 +30,9 @@ fn nvdra(args: &[&str], env: &[(&str, &str)]) -> Output {
 /// (a parse → serialize round trip must give back exactly the document).
 fn strict_parse(text: &str) -> Result<Vec<ResourceSlice>, String> {
     let mut slices = Vec::new();
-    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value = serde_json::Value::deserialize(doc)
-            .map_err(|e| format!("document {i} is not YAML: {e}"))?;
+    let docs: Vec<serde_json::Value> =
+        serde_saphyr::from_str_multiple(text).map_err(|e| format!("not YAML: {e}"))?;
+    for (i, value) in docs.into_iter().enumerate() {
         let slice: ResourceSlice = serde_path_to_error::deserialize(value.clone())
             .map_err(|e| format!("document {i} at {}: {}", e.path(), e.inner()))?;
         let back = serde_json::to_value(&slice).unwrap();
@@ -59,11 +58,11 @@ fn parse_slices(out: &Output) -> Vec<ResourceSlice> {
 #[test]
 fn the_strict_parse_catches_unknown_and_mistyped_fields() {
     let good = "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {generateName: n-}\n\
-                spec: {driver: d.example.com, nodeName: n, pool: {name: n, generation: 1, resourceSliceCount: 1}}\n";
+                spec: {driver: d.example.com, nodeName: n1, pool: {name: n1, generation: 1, resourceSliceCount: 1}}\n";
     assert_eq!(strict_parse(good).unwrap().len(), 1);
     let two = format!("---\n{good}---\n{good}");
     assert_eq!(strict_parse(&two).unwrap().len(), 2);
-    let unknown = good.replace("nodeName: n,", "nodeName: n, nodeNmae: n,");
+    let unknown = good.replace("nodeName: n1,", "nodeName: n1, nodeNmae: n1,");
     assert!(
         strict_parse(&unknown)
             .unwrap_err()
@@ -94,7 +93,7 @@ fn dgx_h100_slices_are_valid_resource_slices() {
     );
     let slices = parse_slices(&out);
     assert_eq!(slices.len(), 1);
-    let raw: serde_json::Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    let raw: serde_json::Value = serde_saphyr::from_slice(&out.stdout).unwrap();
     assert_eq!(raw["apiVersion"], "resource.k8s.io/v1");
     assert_eq!(raw["kind"], "ResourceSlice");
 

@@ -2,7 +2,7 @@
 //! (`NVDRA_TEST_CRASH_AT`), restarted, and the kubelet's retry must then leave the claim prepared
 //! exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry. Also: a
 //! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
-//! SIGTERM twice, and bad flags.
+//! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,6 +21,7 @@ struct Dirs {
     /// Run with `--partitionable`.
     partitionable: bool,
     profile: &'static str,
+    metrics_address: String,
 }
 
 impl Dirs {
@@ -29,6 +30,7 @@ impl Dirs {
             root: tempfile::tempdir().unwrap(),
             partitionable: false,
             profile: "dgx-h100",
+            metrics_address: "127.0.0.1:0".into(),
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -83,7 +85,7 @@ impl Dirs {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join(format!("claim-{uid}.yaml")),
-            serde_yaml::to_string(&c).unwrap(),
+            nvdra::yaml::to_string(&c).unwrap(),
         )
         .unwrap();
     }
@@ -104,7 +106,7 @@ impl Dirs {
             .arg(self.p("cdi"))
             .arg("--driver-root")
             .arg(self.p("driver"))
-            .args(["--metrics-address", "127.0.0.1:0"])
+            .args(["--metrics-address", &self.metrics_address])
             .env("NVDRA_BOOT_ID_FILE", self.boot_file())
             .env_remove("NVDRA_TEST_CRASH_AT")
             .env("NVDRA_LOG", "warn")
@@ -538,4 +540,73 @@ async fn two_instances_during_a_rolling_update() {
     assert_eq!(unprepare_at(&dra("new-pod"), "a").await, "");
     assert_eq!(prepare_at(&dra("new-pod"), "b").await.unwrap().error, "");
     assert!(terminate(&mut new).await.success());
+}
+
+/// Runs a start that must fail: non-zero exit, exactly one line on stderr (logs at `warn`) that
+/// contains `cause`, and no socket file anywhere under the kubelet root.
+fn assert_failed_start(d: &Dirs, cause: &str) -> String {
+    let out = d.command(None).stderr(Stdio::piped()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line on stderr: {err}");
+    assert!(lines[0].contains(cause), "{cause:?} not named: {err}");
+    let sockets = sockets_under(&d.p("kubelet"));
+    assert!(sockets.is_empty(), "left behind: {sockets:?}");
+    err
+}
+
+fn sockets_under(dir: &Path) -> Vec<PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for e in entries {
+        let e = e.unwrap();
+        let kind = e.file_type().unwrap();
+        if kind.is_dir() {
+            found.extend(sockets_under(&e.path()));
+        } else if kind.is_socket() {
+            found.push(e.path());
+        }
+    }
+    found
+}
+
+#[test]
+fn a_taken_metrics_port_fails_the_start_and_leaves_no_socket() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut d = Dirs::new();
+    d.metrics_address = taken.local_addr().unwrap().to_string();
+    assert_failed_start(&d, &d.metrics_address);
+}
+
+#[test]
+fn an_unreadable_checkpoint_fails_the_start_and_leaves_no_socket() {
+    let d = Dirs::new();
+    std::fs::create_dir_all(d.checkpoint()).unwrap();
+    assert_failed_start(&d, &d.checkpoint().display().to_string());
+}
+
+#[test]
+fn an_unusable_api_dir_fails_the_start_and_leaves_no_socket() {
+    let d = Dirs::new();
+    std::fs::write(d.p("api"), "not a directory\n").unwrap();
+    assert_failed_start(&d, &d.p("api").display().to_string());
+}
+
+/// The DRA socket is bound before the registration socket; when the second cannot be, the first
+/// must go too.
+#[test]
+fn a_failed_registration_socket_removes_the_dra_socket() {
+    let d = Dirs::new();
+    std::fs::create_dir_all(d.p("kubelet")).unwrap();
+    std::fs::write(d.p("kubelet/plugins_registry"), "not a directory\n").unwrap();
+    assert_failed_start(&d, &d.reg_socket().display().to_string());
+    assert!(!d.dra_socket().exists());
+    assert!(
+        d.dra_socket().parent().unwrap().is_dir(),
+        "the DRA socket was created first"
+    );
 }

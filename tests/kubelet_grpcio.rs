@@ -111,7 +111,7 @@ impl Daemon {
             );
             std::fs::write(
                 dir.join(format!("claim-{uid}.yaml")),
-                serde_yaml::to_string(&c).unwrap(),
+                nvdra::yaml::to_string(&c).unwrap(),
             )
             .unwrap();
         }

@@ -305,8 +305,9 @@ fn nvdra_inventory(node: &str, fabric_api: &str, output: &str) -> (String, Strin
 fn published_devices(node: &str, fabric_api: &str) -> (BTreeMap<String, Device>, String) {
     let (yaml, stderr) = nvdra_inventory(node, fabric_api, "slices");
     let mut devices = BTreeMap::new();
-    for doc in serde_yaml::Deserializer::from_str(&yaml) {
-        let slice: ResourceSlice = serde::Deserialize::deserialize(doc).expect("a ResourceSlice");
+    let slices: Vec<ResourceSlice> =
+        serde_saphyr::from_str_multiple(&yaml).expect("ResourceSlices");
+    for slice in slices {
         for d in slice.spec.devices.into_iter().flatten() {
             devices.insert(d.name.clone(), d);
         }

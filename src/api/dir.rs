@@ -294,7 +294,7 @@ fn io_error(op: &str, path: &Path, e: std::io::Error) -> Error {
 }
 
 fn to_yaml(slice: &ResourceSlice) -> Result<String> {
-    serde_yaml::to_string(slice)
+    crate::yaml::to_string(slice)
         .map_err(|e| Error::Invalid(format!("cannot encode resourceslice as YAML: {e}")))
 }
 
@@ -305,17 +305,15 @@ fn read_yaml_opt<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_error("read", path, e)),
     };
-    let de = serde_yaml::Deserializer::from_str(&text);
-    serde_path_to_error::deserialize(de).map(Some).map_err(|e| {
-        let at = e.path().to_string();
+    crate::yaml::from_str(&text).map(Some).map_err(|e| {
         Error::Invalid(format!(
-            "{}: not a valid {} at {at}: {}; fix or remove the file",
+            "{}: not a valid {} at {}: {e}; fix or remove the file",
             path.display(),
             std::any::type_name::<T>()
                 .rsplit("::")
                 .next()
                 .unwrap_or("object"),
-            e.into_inner()
+            e.path,
         ))
     })
 }

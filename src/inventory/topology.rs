@@ -228,21 +228,18 @@ struct MigDeviceSpec {
 
 /// Parses YAML into `T`, turning serde errors into [`Error`]s with line, column and key path.
 fn parse_yaml<T: for<'de> Deserialize<'de>>(source_name: &str, text: &str) -> Result<T, Error> {
-    let de = serde_yaml::Deserializer::from_str(text);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let key = e.path().to_string();
-        let inner = e.into_inner();
-        let loc = inner.location();
-        // serde_yaml appends " at line X column Y"; the location is reported separately.
-        let mut message = inner.to_string();
-        if let Some(pos) = message.find(" at line ") {
-            message.truncate(pos);
-        }
+    crate::yaml::from_str(text).map_err(|e| {
+        let crate::yaml::ParseError {
+            path,
+            line,
+            column,
+            message,
+        } = e;
         Error {
             source_name: source_name.to_string(),
-            line: loc.as_ref().map(|l| l.line()),
-            column: loc.as_ref().map(|l| l.column()),
-            key,
+            line,
+            column,
+            key: path,
             message,
         }
     })

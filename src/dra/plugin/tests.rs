@@ -228,7 +228,7 @@ async fn prepares_single_and_multi_device_claims() {
         ]
     );
     let spec: crate::cdi::Spec =
-        serde_yaml::from_slice(&std::fs::read(e.spec("u2")).unwrap()).unwrap();
+        serde_saphyr::from_slice(&std::fs::read(e.spec("u2")).unwrap()).unwrap();
     assert_eq!(spec.kind, format!("k8s.{DRIVER}/claim"));
     let devs: Vec<_> = spec.devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(devs, vec!["u2-gpu-1", "u2-gpu-2"]);

@@ -1,13 +1,27 @@
-//! Configuration: flags and their environment names (parsed by clap in `cli`), an optional
-//! versioned YAML file, and defaults — merged once, CLI > env > file > defaults, into a validated
-//! [`Config`] that the rest of the program reads without further checks.
+//! Configuration: flags, their environment names, an optional versioned YAML file and defaults,
+//! merged once (CLI > env > file > defaults) into a validated [`Config`] that the rest of the
+//! program reads without further checks.
+//!
+//! Each setting is declared once, as an optional field of the struct of its concern
+//! ([`BackendSettings`], [`PluginSettings`], [`KubeletSettings`], [`ApiSettings`],
+//! [`DaemonSettings`], [`LogSettings`]): its clap attributes give the flag, the env name and the
+//! help (`cli` flattens the structs into its subcommands), its serde name the file key (the file
+//! is one flat map over every struct, read by [`file`]), and [`Section::defaults`] the default.
+//! Clap merges the command line over the environment; [`resolve`] layers that over the file over
+//! the defaults with [`Section::or`] (and [`Section::under`] for settings that are alternatives)
+//! and validates the result once. The README's configuration table is checked against these
+//! declarations by a test.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
 use crate::inventory::topology;
+
+mod file;
+
+pub use file::FileConfig;
 
 /// The config file version this build reads.
 pub const FILE_VERSION: &str = "v1";
@@ -38,6 +52,7 @@ fn invalid(key: &str, message: impl Into<String>) -> Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
     /// NVML when it loads, otherwise an error.
@@ -47,6 +62,7 @@ pub enum BackendKind {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
     Auto,
@@ -56,6 +72,7 @@ pub enum Mode {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "kebab-case")]
 pub enum LogFormat {
     #[default]
@@ -63,10 +80,350 @@ pub enum LogFormat {
     Json,
 }
 
+// ---------------------------------------------------------------------------------------------
+// The settings, one struct per concern
+
+/// One concern's settings, every field optional so that levels can be layered.
+pub trait Section: Default + serde::de::DeserializeOwned {
+    /// The built-in values; `None` where there is none, or where validation computes it.
+    fn defaults() -> Self;
+    /// `self`, each unset setting taken from `lower`.
+    fn or(self, lower: Self) -> Self;
+    /// `self` as a lower level under `higher`: of two alternatives (`--profile` and
+    /// `--topology`), either one given at a higher level replaces both, so `--topology x`
+    /// overrides `profile:` from the file instead of conflicting with it.
+    fn under(self, _higher: &Self) -> Self {
+        self
+    }
+}
+
+/// Where GPUs come from, and the node they belong to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BackendSettings {
+    /// auto: NVML when it loads. --profile or --topology imply simulated.
+    #[arg(long, env = "NVDRA_BACKEND", value_enum)]
+    pub backend: Option<BackendKind>,
+
+    /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
+    /// a100-mig-mixed, pcie-pairs.
+    #[arg(
+        long,
+        env = "NVDRA_PROFILE",
+        value_name = "NAME",
+        conflicts_with = "topology"
+    )]
+    pub profile: Option<String>,
+
+    /// A simulated topology file (YAML, version: v1).
+    #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
+    pub topology: Option<PathBuf>,
+
+    /// Root of the NVIDIA driver installation (where libnvidia-ml.so.1 and the device nodes are).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
+    pub driver_root: Option<PathBuf>,
+
+    /// This node's name; defaults to the host name.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+}
+
+impl Section for BackendSettings {
+    fn defaults() -> Self {
+        Self {
+            backend: Some(BackendKind::Auto),
+            driver_root: Some("/".into()),
+            ..Self::default()
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            backend,
+            profile,
+            topology,
+            driver_root,
+            node_name,
+        } = self;
+        Self {
+            backend: backend.or(lower.backend),
+            profile: profile.or(lower.profile),
+            topology: topology.or(lower.topology),
+            driver_root: driver_root.or(lower.driver_root),
+            node_name: node_name.or(lower.node_name),
+        }
+    }
+
+    fn under(mut self, higher: &Self) -> Self {
+        if higher.profile.is_some() || higher.topology.is_some() {
+            (self.profile, self.topology) = (None, None);
+        }
+        self
+    }
+}
+
+/// What the plugin publishes and under which name.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PluginSettings {
+    /// DRA driver name (also the CDI vendor suffix and the plugin directory name).
+    #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
+    pub driver_name: Option<String>,
+
+    /// Publish shared counters and every possible MIG placement, creating MIG devices at
+    /// prepare (needs the DRAPartitionableDevices feature gate); inventory -o slices shows the
+    /// result.
+    #[arg(
+        long,
+        env = "NVDRA_PARTITIONABLE",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub partitionable: Option<bool>,
+}
+
+impl Section for PluginSettings {
+    fn defaults() -> Self {
+        Self {
+            driver_name: Some(DEFAULT_DRIVER_NAME.into()),
+            partitionable: Some(false),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            driver_name,
+            partitionable,
+        } = self;
+        Self {
+            driver_name: driver_name.or(lower.driver_name),
+            partitionable: partitionable.or(lower.partitionable),
+        }
+    }
+}
+
+/// Where the kubelet and the container runtime look for what the plugin writes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeletSettings {
+    /// The kubelet's --root-dir; sockets go to its plugins/ and plugins_registry/.
+    #[arg(long, env = "NVDRA_KUBELET_ROOT", value_name = "DIR")]
+    pub kubelet_root: Option<PathBuf>,
+
+    /// Where claim CDI specs are written (the container runtime's CDI spec directory).
+    #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
+    pub cdi_root: Option<PathBuf>,
+
+    /// This pod's UID (downward API), for rolling updates: socket names carry it so two
+    /// instances can serve side by side.
+    // Not a file key: it differs for every pod of the DaemonSet.
+    #[arg(long, env = "POD_UID", value_name = "UID")]
+    #[serde(skip)]
+    pub pod_uid: Option<String>,
+}
+
+impl Section for KubeletSettings {
+    fn defaults() -> Self {
+        Self {
+            kubelet_root: Some(DEFAULT_KUBELET_ROOT.into()),
+            cdi_root: Some(DEFAULT_CDI_ROOT.into()),
+            pod_uid: None,
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            kubelet_root,
+            cdi_root,
+            pod_uid,
+        } = self;
+        Self {
+            kubelet_root: kubelet_root.or(lower.kubelet_root),
+            cdi_root: cdi_root.or(lower.cdi_root),
+            pod_uid: pod_uid.or(lower.pod_uid),
+        }
+    }
+}
+
+/// Which API server nvdra talks to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiSettings {
+    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
+    #[arg(
+        long,
+        env = "NVDRA_KUBECONFIG",
+        value_name = "FILE",
+        conflicts_with = "api_dir"
+    )]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
+    /// DIR/resourceslices), for runs without a cluster.
+    #[arg(long, env = "NVDRA_API_DIR", value_name = "DIR")]
+    pub api_dir: Option<PathBuf>,
+}
+
+impl Section for ApiSettings {
+    fn defaults() -> Self {
+        Self::default()
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            kubeconfig,
+            api_dir,
+        } = self;
+        Self {
+            kubeconfig: kubeconfig.or(lower.kubeconfig),
+            api_dir: api_dir.or(lower.api_dir),
+        }
+    }
+
+    fn under(mut self, higher: &Self) -> Self {
+        if higher.kubeconfig.is_some() || higher.api_dir.is_some() {
+            (self.kubeconfig, self.api_dir) = (None, None);
+        }
+        self
+    }
+}
+
+/// What the node agent serves, and where its metrics are.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DaemonSettings {
+    /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
+    #[arg(long, env = "NVDRA_MODE", value_enum)]
+    pub mode: Option<Mode>,
+
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
+    pub metrics_address: Option<String>,
+}
+
+impl Section for DaemonSettings {
+    fn defaults() -> Self {
+        Self {
+            mode: Some(Mode::Auto),
+            metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            mode,
+            metrics_address,
+        } = self;
+        Self {
+            mode: mode.or(lower.mode),
+            metrics_address: metrics_address.or(lower.metrics_address),
+        }
+    }
+}
+
+/// How nvdra logs (every subcommand).
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LogSettings {
+    /// Log format on stderr.
+    #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl Section for LogSettings {
+    fn defaults() -> Self {
+        Self {
+            log_format: Some(LogFormat::Plain),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self { log_format } = self;
+        Self {
+            log_format: log_format.or(lower.log_format),
+        }
+    }
+}
+
+/// Every setting, by concern: one level (the command line and environment, or the file).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    pub backend: BackendSettings,
+    pub plugin: PluginSettings,
+    pub kubelet: KubeletSettings,
+    pub api: ApiSettings,
+    pub daemon: DaemonSettings,
+    pub log: LogSettings,
+}
+
+impl Settings {
+    pub fn defaults() -> Self {
+        Self {
+            backend: Section::defaults(),
+            plugin: Section::defaults(),
+            kubelet: Section::defaults(),
+            api: Section::defaults(),
+            daemon: Section::defaults(),
+            log: Section::defaults(),
+        }
+    }
+
+    /// `self`, each unset setting taken from `lower`.
+    pub fn or(self, lower: Self) -> Self {
+        let Self {
+            backend,
+            plugin,
+            kubelet,
+            api,
+            daemon,
+            log,
+        } = self;
+        Self {
+            backend: backend.or(lower.backend),
+            plugin: plugin.or(lower.plugin),
+            kubelet: kubelet.or(lower.kubelet),
+            api: api.or(lower.api),
+            daemon: daemon.or(lower.daemon),
+            log: log.or(lower.log),
+        }
+    }
+
+    /// `self` as a lower level under `higher` (see [`Section::under`]).
+    pub fn under(self, higher: &Self) -> Self {
+        let Self {
+            backend,
+            plugin,
+            kubelet,
+            api,
+            daemon,
+            log,
+        } = self;
+        Self {
+            backend: backend.under(&higher.backend),
+            plugin: plugin.under(&higher.plugin),
+            kubelet: kubelet.under(&higher.kubelet),
+            api: api.under(&higher.api),
+            daemon: daemon.under(&higher.daemon),
+            log: log.under(&higher.log),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The validated configuration
+
 /// Where GPUs come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// NVML; `required` is false for `auto` (only the error message differs).
+    /// NVML; `auto` is true when no backend was chosen (only the error message differs).
     Nvml { auto: bool },
     /// A built-in profile.
     Profile(String),
@@ -81,67 +438,6 @@ pub enum Api {
     Kube { kubeconfig: Option<PathBuf> },
     /// The directory-backed API (`--api-dir`).
     Dir(PathBuf),
-}
-
-/// The optional config file (`--config`). Every key is optional; unknown keys are errors.
-#[derive(Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct FileConfig {
-    pub version: String,
-    pub mode: Option<Mode>,
-    pub backend: Option<BackendKind>,
-    pub profile: Option<String>,
-    pub topology: Option<PathBuf>,
-    pub node_name: Option<String>,
-    pub driver_name: Option<String>,
-    pub driver_root: Option<PathBuf>,
-    pub kubelet_root: Option<PathBuf>,
-    pub cdi_root: Option<PathBuf>,
-    pub kubeconfig: Option<PathBuf>,
-    pub api_dir: Option<PathBuf>,
-    pub metrics_address: Option<String>,
-    pub log_format: Option<LogFormat>,
-    pub partitionable: Option<bool>,
-}
-
-impl FileConfig {
-    pub fn load(path: &Path) -> Result<Self> {
-        let key = format!("--config {}", path.display());
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| invalid(&key, format!("cannot read the config file: {e}")))?;
-        let file: FileConfig = crate::yaml::from_str(&text)
-            .map_err(|e| invalid(&format!("{}: {}", path.display(), e.path), e.to_string()))?;
-        if file.version != FILE_VERSION {
-            return Err(invalid(
-                &format!("{}: version", path.display()),
-                format!(
-                    "unsupported config version {:?}; this nvdra reads {FILE_VERSION:?}",
-                    file.version
-                ),
-            ));
-        }
-        Ok(file)
-    }
-}
-
-/// Values given on the command line or in the environment (clap merges those two).
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    pub mode: Option<Mode>,
-    pub backend: Option<BackendKind>,
-    pub profile: Option<String>,
-    pub topology: Option<PathBuf>,
-    pub node_name: Option<String>,
-    pub driver_name: Option<String>,
-    pub driver_root: Option<PathBuf>,
-    pub kubelet_root: Option<PathBuf>,
-    pub cdi_root: Option<PathBuf>,
-    pub kubeconfig: Option<PathBuf>,
-    pub api_dir: Option<PathBuf>,
-    pub metrics_address: Option<String>,
-    pub log_format: Option<LogFormat>,
-    pub partitionable: Option<bool>,
-    pub pod_uid: Option<String>,
 }
 
 /// The validated configuration.
@@ -174,43 +470,36 @@ impl Config {
     }
 }
 
-/// Merges CLI/env values over the file over defaults and validates the result.
-pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
-    let file = file.unwrap_or_default();
-    macro_rules! pick {
-        ($field:ident) => {
-            cli.$field.clone().or(file.$field.clone())
-        };
-    }
+/// Layers the command line and environment (`cli`, as clap merged them) over the file over the
+/// defaults, and validates the result.
+pub fn resolve(cli: Settings, file: Option<FileConfig>) -> Result<Config> {
+    let file = file.map(|f| f.settings).unwrap_or_default().under(&cli);
+    let merged = cli.or(file);
+    let defaults = Settings::defaults().under(&merged);
+    validate(merged.or(defaults))
+}
 
-    let profile = pick!(profile);
-    let topology = pick!(topology);
-    // A profile or topology given at a higher level wins over one from a lower level, so that
-    // `--topology x` overrides `profile:` from the file instead of conflicting with it.
-    let (profile, topology) = match (
-        &cli.profile,
-        &cli.topology,
-        profile.is_some() && topology.is_some(),
-    ) {
-        (Some(_), Some(_), _) => {
+/// The one place settings are checked and turned into a [`Config`].
+fn validate(settings: Settings) -> Result<Config> {
+    let Settings {
+        backend,
+        plugin,
+        kubelet,
+        api,
+        daemon,
+        log,
+    } = settings;
+
+    let names = || topology::profile_names().join(", ");
+    let backend_kind = need(backend.backend, "--backend")?;
+    let source = match (backend_kind, backend.profile, backend.topology) {
+        (_, Some(_), Some(_)) => {
             return Err(invalid(
                 "--profile/--topology",
                 "give a built-in profile or a topology file, not both",
             ));
         }
-        (Some(_), None, true) => (profile, None),
-        (None, Some(_), true) => (None, topology),
-        (None, None, true) => {
-            return Err(invalid(
-                "profile/topology",
-                "the config file sets both; keep one",
-            ));
-        }
-        _ => (profile, topology),
-    };
-    let backend_kind = pick!(backend);
-    let backend = match (backend_kind, profile, topology) {
-        (Some(BackendKind::Nvml), Some(_), _) | (Some(BackendKind::Nvml), _, Some(_)) => {
+        (BackendKind::Nvml, Some(_), None) | (BackendKind::Nvml, None, Some(_)) => {
             return Err(invalid(
                 "--backend",
                 "nvml reads real GPUs; --profile and --topology need --backend simulated (or no --backend)",
@@ -222,28 +511,27 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
                     "--profile",
                     format!(
                         "no built-in profile named {p:?}; choose one of: {}",
-                        topology::profile_names().join(", ")
+                        names()
                     ),
                 ));
             }
             Backend::Profile(p)
         }
         (_, None, Some(t)) => Backend::Topology(t),
-        (Some(BackendKind::Simulated), None, None) => {
+        (BackendKind::Simulated, None, None) => {
             return Err(invalid(
                 "--backend",
                 format!(
                     "the simulated backend needs --profile NAME or --topology FILE (profiles: {})",
-                    topology::profile_names().join(", ")
+                    names()
                 ),
             ));
         }
-        (Some(BackendKind::Nvml), None, None) => Backend::Nvml { auto: false },
-        (Some(BackendKind::Auto) | None, None, None) => Backend::Nvml { auto: true },
-        (_, Some(_), Some(_)) => unreachable!("resolved above"),
+        (BackendKind::Nvml, None, None) => Backend::Nvml { auto: false },
+        (BackendKind::Auto, None, None) => Backend::Nvml { auto: true },
     };
 
-    let node_name = match pick!(node_name) {
+    let node_name = match backend.node_name {
         Some(n) => n,
         None => hostname().ok_or_else(|| {
             invalid(
@@ -254,21 +542,21 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
     };
     check_dns_subdomain("--node-name", &node_name, 253)?;
 
-    let driver_name = pick!(driver_name).unwrap_or_else(|| DEFAULT_DRIVER_NAME.into());
+    let driver_name = need(plugin.driver_name, "--driver-name")?;
     check_dns_subdomain("--driver-name", &driver_name, 63)?;
 
-    let api = match (pick!(api_dir), pick!(kubeconfig)) {
-        (Some(_), Some(_)) if cli.api_dir.is_some() && cli.kubeconfig.is_some() => {
+    let api = match (api.api_dir, api.kubeconfig) {
+        (Some(_), Some(_)) => {
             return Err(invalid(
                 "--api-dir/--kubeconfig",
                 "give a kubeconfig or an API directory, not both",
             ));
         }
-        (Some(dir), _) if cli.kubeconfig.is_none() => Api::Dir(dir),
-        (_, kubeconfig) => Api::Kube { kubeconfig },
+        (Some(dir), None) => Api::Dir(dir),
+        (None, kubeconfig) => Api::Kube { kubeconfig },
     };
 
-    let metrics = pick!(metrics_address).unwrap_or_else(|| DEFAULT_METRICS_ADDRESS.into());
+    let metrics = need(daemon.metrics_address, "--metrics-address")?;
     let metrics_address: SocketAddr = metrics.parse().map_err(|_| {
         invalid(
             "--metrics-address",
@@ -276,30 +564,14 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
         )
     })?;
 
-    let mut paths = [
-        (
-            "--driver-root",
-            pick!(driver_root).unwrap_or_else(|| "/".into()),
-        ),
-        (
-            "--kubelet-root",
-            pick!(kubelet_root).unwrap_or_else(|| DEFAULT_KUBELET_ROOT.into()),
-        ),
-        (
-            "--cdi-root",
-            pick!(cdi_root).unwrap_or_else(|| DEFAULT_CDI_ROOT.into()),
-        ),
-    ];
-    for (key, p) in &mut paths {
-        if !p.is_absolute() {
-            *p = std::env::current_dir()
-                .map_err(|e| invalid(key, format!("relative path and no working directory: {e}")))?
-                .join(&*p);
-        }
-    }
-    let [(_, driver_root), (_, kubelet_root), (_, cdi_root)] = paths;
+    let driver_root = absolute("--driver-root", need(backend.driver_root, "--driver-root")?)?;
+    let kubelet_root = absolute(
+        "--kubelet-root",
+        need(kubelet.kubelet_root, "--kubelet-root")?,
+    )?;
+    let cdi_root = absolute("--cdi-root", need(kubelet.cdi_root, "--cdi-root")?)?;
 
-    if let Some(uid) = &cli.pod_uid
+    if let Some(uid) = &kubelet.pod_uid
         && (uid.is_empty()
             || uid.len() > 64
             || !uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
@@ -311,8 +583,8 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
     }
 
     Ok(Config {
-        mode: pick!(mode).unwrap_or(Mode::Auto),
-        backend,
+        mode: need(daemon.mode, "--mode")?,
+        backend: source,
         node_name,
         driver_name,
         driver_root,
@@ -320,10 +592,26 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
         cdi_root,
         api,
         metrics_address,
-        log_format: pick!(log_format).unwrap_or_default(),
-        partitionable: pick!(partitionable).unwrap_or(false),
-        pod_uid: cli.pod_uid,
+        log_format: need(log.log_format, "--log-format")?,
+        partitionable: need(plugin.partitionable, "--partitionable")?,
+        pod_uid: kubelet.pod_uid,
     })
+}
+
+/// A setting that [`Settings::defaults`] fills; `None` only if a default was forgotten there
+/// (the tests resolve an empty configuration, so that cannot ship).
+fn need<T>(value: Option<T>, key: &str) -> Result<T> {
+    value.ok_or_else(|| invalid(key, "has no value and no default"))
+}
+
+/// `path`, relative to the working directory if it is not absolute.
+fn absolute(key: &str, path: PathBuf) -> Result<PathBuf> {
+    if path.is_absolute() {
+        return Ok(path);
+    }
+    let cwd = std::env::current_dir()
+        .map_err(|e| invalid(key, format!("relative path and no working directory: {e}")))?;
+    Ok(cwd.join(path))
 }
 
 /// Lower-case RFC 1123 subdomain: labels of `[a-z0-9-]`, not starting or ending with `-`.
@@ -358,195 +646,4 @@ fn hostname() -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn base() -> Overrides {
-        Overrides {
-            node_name: Some("node-a".into()),
-            ..Default::default()
-        }
-    }
-
-    fn file(text: &str) -> Result<FileConfig> {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("c.yaml");
-        std::fs::write(&p, text).unwrap();
-        FileConfig::load(&p)
-    }
-
-    #[test]
-    fn defaults() {
-        let c = resolve(base(), None).unwrap();
-        assert_eq!(c.backend, Backend::Nvml { auto: true });
-        assert_eq!(c.driver_name, "gpu.nvidia.com");
-        assert_eq!(c.kubelet_root, PathBuf::from("/var/lib/kubelet"));
-        assert_eq!(c.cdi_root, PathBuf::from("/var/run/cdi"));
-        assert_eq!(c.api, Api::Kube { kubeconfig: None });
-        assert_eq!(c.mode, Mode::Auto);
-        assert!(!c.partitionable);
-        assert_eq!(
-            c.plugin_dir(),
-            PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com")
-        );
-    }
-
-    #[test]
-    fn profile_implies_simulated() {
-        let c = resolve(
-            Overrides {
-                profile: Some("dgx-h100".into()),
-                ..base()
-            },
-            None,
-        )
-        .unwrap();
-        assert_eq!(c.backend, Backend::Profile("dgx-h100".into()));
-    }
-
-    #[test]
-    fn cli_beats_file_beats_default() {
-        let f = file(
-            "version: v1\ndriverName: file.example.com\ncdiRoot: /etc/cdi\nprofile: l40s-pcie\n",
-        )
-        .unwrap();
-        let c = resolve(
-            Overrides {
-                driver_name: Some("cli.example.com".into()),
-                ..base()
-            },
-            Some(f),
-        )
-        .unwrap();
-        assert_eq!(c.driver_name, "cli.example.com");
-        assert_eq!(c.cdi_root, PathBuf::from("/etc/cdi"));
-        assert_eq!(c.backend, Backend::Profile("l40s-pcie".into()));
-        assert_eq!(c.kubelet_root, PathBuf::from("/var/lib/kubelet"));
-    }
-
-    #[test]
-    fn cli_topology_overrides_file_profile() {
-        let f = file("version: v1\nprofile: l40s-pcie\n").unwrap();
-        let c = resolve(
-            Overrides {
-                topology: Some("/t.yaml".into()),
-                ..base()
-            },
-            Some(f),
-        )
-        .unwrap();
-        assert_eq!(c.backend, Backend::Topology("/t.yaml".into()));
-    }
-
-    #[test]
-    fn invalid_values_name_the_key() {
-        let cases = [
-            (
-                Overrides {
-                    driver_name: Some("GPU_NVIDIA".into()),
-                    ..base()
-                },
-                "--driver-name",
-            ),
-            (
-                Overrides {
-                    profile: Some("nope".into()),
-                    ..base()
-                },
-                "--profile",
-            ),
-            (
-                Overrides {
-                    metrics_address: Some("eight".into()),
-                    ..base()
-                },
-                "--metrics-address",
-            ),
-            (
-                Overrides {
-                    backend: Some(BackendKind::Simulated),
-                    ..base()
-                },
-                "--backend",
-            ),
-            (
-                Overrides {
-                    backend: Some(BackendKind::Nvml),
-                    profile: Some("dgx-h100".into()),
-                    ..base()
-                },
-                "--backend",
-            ),
-            (
-                Overrides {
-                    profile: Some("dgx-h100".into()),
-                    topology: Some("/x".into()),
-                    ..base()
-                },
-                "--profile/--topology",
-            ),
-            (
-                Overrides {
-                    node_name: Some("Node_A".into()),
-                    ..Default::default()
-                },
-                "--node-name",
-            ),
-            (
-                Overrides {
-                    pod_uid: Some("a/b".into()),
-                    ..base()
-                },
-                "--pod-uid",
-            ),
-        ];
-        for (o, key) in cases {
-            let e = resolve(o, None).unwrap_err();
-            assert_eq!(e.key, key, "{e}");
-        }
-    }
-
-    #[test]
-    fn file_errors_name_file_and_key() {
-        let e = file("version: v1\ncdiroot: /x\n").unwrap_err();
-        assert!(
-            e.key.ends_with("c.yaml: cdiroot") || e.key.ends_with("c.yaml: ."),
-            "{e}"
-        );
-        assert!(e.message.contains("unknown field `cdiroot`"), "{e}");
-        let e = file("version: v2\n").unwrap_err();
-        assert!(e.key.ends_with("c.yaml: version"), "{e}");
-        let e = file("version: v1\nmode: sideways\n").unwrap_err();
-        assert!(e.key.ends_with("c.yaml: mode"), "{e}");
-        let e = FileConfig::load(Path::new("/nonexistent.yaml")).unwrap_err();
-        assert!(e.key.contains("/nonexistent.yaml"), "{e}");
-    }
-
-    #[test]
-    fn api_dir_and_kubeconfig() {
-        let c = resolve(
-            Overrides {
-                api_dir: Some("/tmp/api".into()),
-                ..base()
-            },
-            None,
-        )
-        .unwrap();
-        assert_eq!(c.api, Api::Dir("/tmp/api".into()));
-        let f = file("version: v1\napiDir: /tmp/api\n").unwrap();
-        let c = resolve(
-            Overrides {
-                kubeconfig: Some("/k".into()),
-                ..base()
-            },
-            Some(f),
-        )
-        .unwrap();
-        assert_eq!(
-            c.api,
-            Api::Kube {
-                kubeconfig: Some("/k".into())
-            }
-        );
-    }
-}
+mod tests;

@@ -599,7 +599,7 @@ fn validate(settings: Settings) -> Result<Config> {
 }
 
 /// A setting that [`Settings::defaults`] fills; `None` only if a default was forgotten there
-/// (the tests resolve an empty configuration, so that cannot ship).
+/// (the `defaults` test resolves an empty configuration, so that cannot ship).
 fn need<T>(value: Option<T>, key: &str) -> Result<T> {
     value.ok_or_else(|| invalid(key, "has no value and no default"))
 }

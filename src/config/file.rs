@@ -125,7 +125,7 @@ fn read_into<'de, T: Section, A: MapAccess<'de>>(
         key,
         of: PhantomData,
     })?;
-    // Keys are unique, so this only adds the one setting `value` has.
+    // Keys come once, so this only adds the one setting `value` has.
     *slot = value.or(std::mem::take(slot));
     Ok(true)
 }
@@ -148,17 +148,13 @@ impl<'de> Visitor<'de> for FileVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<FileConfig, A::Error> {
         let mut version = None;
         let mut settings = Settings::default();
-        let mut seen: Vec<String> = Vec::new();
+        // The YAML parser refuses a duplicate key, so each key comes once.
         while let Some(key) = map.next_key::<String>()? {
-            if seen.contains(&key) {
-                return Err(de::Error::custom(format_args!("duplicate field `{key}`")));
-            }
             if key == "version" {
                 version = Some(map.next_value::<String>()?);
             } else if !read_entry(&mut settings, &key, &mut map)? {
                 return Err(de::Error::unknown_field(&key, file_keys()));
             }
-            seen.push(key);
         }
         let version = version.ok_or_else(|| de::Error::missing_field("version"))?;
         Ok(FileConfig { version, settings })

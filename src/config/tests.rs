@@ -151,8 +151,12 @@ fn file_value_errors_keep_line_and_expected_keys() {
     assert!(e.message.contains("cdiRoot"), "{e}");
     let e = file("nodeName: n\n").unwrap_err();
     assert!(e.message.contains("missing field `version`"), "{e}");
+    // A key given twice (refused by the parser, so the first one cannot be dropped silently).
     let e = file("version: v1\ncdiRoot: /a\ncdiRoot: /b\n").unwrap_err();
-    assert!(e.message.contains("cdiRoot"), "{e}");
+    assert!(
+        e.message.contains("duplicate") && e.message.contains("cdiRoot"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -244,13 +248,6 @@ fn keys_come_from_the_derive() {
     assert_eq!(keys_of::<PluginSettings>(), ["driverName", "partitionable"]);
     // Skipped fields are not file keys.
     assert_eq!(keys_of::<KubeletSettings>(), ["kubeletRoot", "cdiRoot"]);
-}
-
-#[test]
-fn every_default_resolves() {
-    // `need` fails only for a default forgotten in `Settings::defaults`.
-    let c = resolve(base(), None).unwrap();
-    assert!(matches!(c.backend, Backend::Nvml { auto: true }));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::{self, Backend, BackendKind, Config, FileConfig, LogFormat, Overrides};
+use crate::config::{
+    self, ApiSettings, Backend, BackendSettings, Config, DaemonSettings, FileConfig,
+    KubeletSettings, LogFormat, LogSettings, PluginSettings, Settings,
+};
 use crate::dra::slices;
 use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
 
@@ -29,9 +32,8 @@ pub struct Cli {
     #[arg(long, env = "NVDRA_CONFIG", global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
 
-    /// Log format on stderr.
-    #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
-    pub log_format: Option<LogFormat>,
+    #[command(flatten)]
+    pub log: LogSettings,
 
     #[command(subcommand)]
     pub command: Command,
@@ -51,59 +53,20 @@ pub enum Command {
 /// Flags of `nvdra run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
-    #[arg(long, env = "NVDRA_MODE", value_enum)]
-    pub mode: Option<config::Mode>,
+    #[command(flatten)]
+    pub daemon: DaemonSettings,
 
     #[command(flatten)]
-    pub backend: BackendArgs,
+    pub backend: BackendSettings,
 
-    /// DRA driver name (also the CDI vendor suffix and the plugin directory name).
-    #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
-    pub driver_name: Option<String>,
+    #[command(flatten)]
+    pub plugin: PluginSettings,
 
-    /// The kubelet's --root-dir; sockets go to its plugins/ and plugins_registry/.
-    #[arg(long, env = "NVDRA_KUBELET_ROOT", value_name = "DIR")]
-    pub kubelet_root: Option<PathBuf>,
+    #[command(flatten)]
+    pub kubelet: KubeletSettings,
 
-    /// Where claim CDI specs are written (the container runtime's CDI spec directory).
-    #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
-    pub cdi_root: Option<PathBuf>,
-
-    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
-    #[arg(
-        long,
-        env = "NVDRA_KUBECONFIG",
-        value_name = "FILE",
-        conflicts_with = "api_dir"
-    )]
-    pub kubeconfig: Option<PathBuf>,
-
-    /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
-    /// DIR/resourceslices), for runs without a cluster.
-    #[arg(long, env = "NVDRA_API_DIR", value_name = "DIR")]
-    pub api_dir: Option<PathBuf>,
-
-    /// This pod's UID (downward API), for rolling updates: socket names carry it so two
-    /// instances can serve side by side.
-    #[arg(long, env = "POD_UID", value_name = "UID")]
-    pub pod_uid: Option<String>,
-
-    /// Address of /metrics, /healthz and /readyz.
-    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
-    pub metrics_address: Option<String>,
-
-    /// Publish shared counters and every possible MIG placement, creating MIG devices at
-    /// prepare (needs the DRAPartitionableDevices feature gate).
-    #[arg(
-        long,
-        env = "NVDRA_PARTITIONABLE",
-        value_name = "BOOL",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "true"
-    )]
-    pub partitionable: Option<bool>,
+    #[command(flatten)]
+    pub api: ApiSettings,
 
     /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
     #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
@@ -116,50 +79,16 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    fn overrides(&self) -> Overrides {
-        Overrides {
-            mode: self.mode,
-            driver_name: self.driver_name.clone(),
-            kubelet_root: self.kubelet_root.clone(),
-            cdi_root: self.cdi_root.clone(),
-            kubeconfig: self.kubeconfig.clone(),
-            api_dir: self.api_dir.clone(),
-            pod_uid: self.pod_uid.clone(),
-            metrics_address: self.metrics_address.clone(),
-            partitionable: self.partitionable,
-            ..self.backend.overrides()
+    fn settings(&self, log: &LogSettings) -> Settings {
+        Settings {
+            backend: self.backend.clone(),
+            plugin: self.plugin.clone(),
+            kubelet: self.kubelet.clone(),
+            api: self.api.clone(),
+            daemon: self.daemon.clone(),
+            log: log.clone(),
         }
     }
-}
-
-/// Where GPUs come from.
-#[derive(Debug, Clone, Args)]
-pub struct BackendArgs {
-    /// auto: NVML when it loads. --profile or --topology imply simulated.
-    #[arg(long, env = "NVDRA_BACKEND", value_enum)]
-    pub backend: Option<BackendKind>,
-
-    /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
-    /// a100-mig-mixed, pcie-pairs.
-    #[arg(
-        long,
-        env = "NVDRA_PROFILE",
-        value_name = "NAME",
-        conflicts_with = "topology"
-    )]
-    pub profile: Option<String>,
-
-    /// A simulated topology file (YAML, version: v1).
-    #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
-    pub topology: Option<PathBuf>,
-
-    /// Root of the NVIDIA driver installation (where libnvidia-ml.so.1 and the device nodes are).
-    #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
-    pub driver_root: Option<PathBuf>,
-
-    /// This node's name; defaults to the host name.
-    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
-    pub node_name: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -192,27 +121,14 @@ impl From<CounterLayoutArg> for slices::CounterLayout {
 #[derive(Debug, Args)]
 pub struct InventoryArgs {
     #[command(flatten)]
-    pub backend: BackendArgs,
+    pub backend: BackendSettings,
 
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: InventoryOutput,
 
-    /// DRA driver name the slices are published under (-o slices).
-    #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
-    pub driver_name: Option<String>,
-
-    /// Publish shared counters and every possible MIG placement (needs the
-    /// DRAPartitionableDevices feature gate); -o slices shows the result.
-    #[arg(
-        long,
-        env = "NVDRA_PARTITIONABLE",
-        value_name = "BOOL",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "true"
-    )]
-    pub partitionable: Option<bool>,
+    #[command(flatten)]
+    pub plugin: PluginSettings,
 
     /// Slice layout of shared counters with --partitionable: together (Kubernetes 1.34) or
     /// separate (1.35 and later).
@@ -225,15 +141,13 @@ pub struct InventoryArgs {
     pub counter_layout: CounterLayoutArg,
 }
 
-impl BackendArgs {
-    fn overrides(&self) -> Overrides {
-        Overrides {
-            backend: self.backend,
-            profile: self.profile.clone(),
-            topology: self.topology.clone(),
-            driver_root: self.driver_root.clone(),
-            node_name: self.node_name.clone(),
-            ..Default::default()
+impl InventoryArgs {
+    fn settings(&self, log: &LogSettings) -> Settings {
+        Settings {
+            backend: self.backend.clone(),
+            plugin: self.plugin.clone(),
+            log: log.clone(),
+            ..Settings::default()
         }
     }
 }
@@ -290,10 +204,10 @@ impl From<inventory::Error> for Failure {
     }
 }
 
-fn load_config(cli: &Cli, mut overrides: Overrides) -> Result<Config, config::Error> {
+/// `settings` (the command line and environment) over the `--config` file, validated.
+fn load_config(cli: &Cli, settings: Settings) -> Result<Config, config::Error> {
     let file = cli.config.as_deref().map(FileConfig::load).transpose()?;
-    overrides.log_format = cli.log_format;
-    config::resolve(overrides, file)
+    config::resolve(settings, file)
 }
 
 fn init_logging(format: LogFormat) {
@@ -320,12 +234,7 @@ pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>
 fn run(cli: Cli) -> Result<(), Failure> {
     match &cli.command {
         Command::Inventory(args) => {
-            let overrides = Overrides {
-                driver_name: args.driver_name.clone(),
-                partitionable: args.partitionable,
-                ..args.backend.overrides()
-            };
-            let config = load_config(&cli, overrides)?;
+            let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format);
             let backend = open_backend(&config)?;
             let inv = backend.snapshot()?;
@@ -362,7 +271,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 .map_err(Failure::Other)
         }
         Command::Run(args) => {
-            let config = load_config(&cli, args.overrides())?;
+            let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format);
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -1,13 +1,33 @@
-//! Configuration: flags and their environment names (parsed by clap in `cli`), an optional
-//! versioned YAML file, and defaults — merged once, CLI > env > file > defaults, into a validated
-//! [`Config`] that the rest of the program reads without further checks.
+//! Configuration: flags, their environment names, an optional versioned YAML file and defaults,
+//! merged once (CLI > env > file > defaults) into a validated [`Config`] that the rest of the
+//! program reads without further checks.
+//!
+//! Each setting is declared once (`config/settings.rs`), as an optional field of the struct of
+//! its concern ([`BackendSettings`], [`PluginSettings`], [`KubeletSettings`], [`ApiSettings`],
+//! [`DaemonSettings`], [`LogSettings`]): its clap attributes give the flag, the env name and the
+//! help (`cli` flattens the structs into its subcommands), its serde name the file key (the file
+//! is one flat map over every struct, read by `config/file.rs`), and [`Section::defaults`] the
+//! default.
+//! Clap merges the command line over the environment; [`resolve`] layers that over the file over
+//! the defaults with [`Section::or`] (and [`Section::under`] for settings that are alternatives)
+//! and validates the result once. The README's configuration table is checked against these
+//! declarations by a test.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
 use crate::inventory::topology;
+
+mod file;
+mod settings;
+
+pub use file::FileConfig;
+pub use settings::{
+    ApiSettings, BackendSettings, DaemonSettings, KubeletSettings, LogSettings, PluginSettings,
+    Section, Settings,
+};
 
 /// The config file version this build reads.
 pub const FILE_VERSION: &str = "v1";
@@ -38,6 +58,7 @@ fn invalid(key: &str, message: impl Into<String>) -> Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
     /// NVML when it loads, otherwise an error.
@@ -47,6 +68,7 @@ pub enum BackendKind {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
     Auto,
@@ -56,6 +78,7 @@ pub enum Mode {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "kebab-case")]
 pub enum LogFormat {
     #[default]
@@ -63,10 +86,13 @@ pub enum LogFormat {
     Json,
 }
 
+// ---------------------------------------------------------------------------------------------
+// The validated configuration
+
 /// Where GPUs come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// NVML; `required` is false for `auto` (only the error message differs).
+    /// NVML; `auto` is true when no backend was chosen (only the error message differs).
     Nvml { auto: bool },
     /// A built-in profile.
     Profile(String),
@@ -81,67 +107,6 @@ pub enum Api {
     Kube { kubeconfig: Option<PathBuf> },
     /// The directory-backed API (`--api-dir`).
     Dir(PathBuf),
-}
-
-/// The optional config file (`--config`). Every key is optional; unknown keys are errors.
-#[derive(Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct FileConfig {
-    pub version: String,
-    pub mode: Option<Mode>,
-    pub backend: Option<BackendKind>,
-    pub profile: Option<String>,
-    pub topology: Option<PathBuf>,
-    pub node_name: Option<String>,
-    pub driver_name: Option<String>,
-    pub driver_root: Option<PathBuf>,
-    pub kubelet_root: Option<PathBuf>,
-    pub cdi_root: Option<PathBuf>,
-    pub kubeconfig: Option<PathBuf>,
-    pub api_dir: Option<PathBuf>,
-    pub metrics_address: Option<String>,
-    pub log_format: Option<LogFormat>,
-    pub partitionable: Option<bool>,
-}
-
-impl FileConfig {
-    pub fn load(path: &Path) -> Result<Self> {
-        let key = format!("--config {}", path.display());
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| invalid(&key, format!("cannot read the config file: {e}")))?;
-        let file: FileConfig = crate::yaml::from_str(&text)
-            .map_err(|e| invalid(&format!("{}: {}", path.display(), e.path), e.to_string()))?;
-        if file.version != FILE_VERSION {
-            return Err(invalid(
-                &format!("{}: version", path.display()),
-                format!(
-                    "unsupported config version {:?}; this nvdra reads {FILE_VERSION:?}",
-                    file.version
-                ),
-            ));
-        }
-        Ok(file)
-    }
-}
-
-/// Values given on the command line or in the environment (clap merges those two).
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    pub mode: Option<Mode>,
-    pub backend: Option<BackendKind>,
-    pub profile: Option<String>,
-    pub topology: Option<PathBuf>,
-    pub node_name: Option<String>,
-    pub driver_name: Option<String>,
-    pub driver_root: Option<PathBuf>,
-    pub kubelet_root: Option<PathBuf>,
-    pub cdi_root: Option<PathBuf>,
-    pub kubeconfig: Option<PathBuf>,
-    pub api_dir: Option<PathBuf>,
-    pub metrics_address: Option<String>,
-    pub log_format: Option<LogFormat>,
-    pub partitionable: Option<bool>,
-    pub pod_uid: Option<String>,
 }
 
 /// The validated configuration.
@@ -174,43 +139,36 @@ impl Config {
     }
 }
 
-/// Merges CLI/env values over the file over defaults and validates the result.
-pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
-    let file = file.unwrap_or_default();
-    macro_rules! pick {
-        ($field:ident) => {
-            cli.$field.clone().or(file.$field.clone())
-        };
-    }
+/// Layers the command line and environment (`cli`, as clap merged them) over the file over the
+/// defaults, and validates the result.
+pub fn resolve(cli: Settings, file: Option<FileConfig>) -> Result<Config> {
+    let file = file.map(|f| f.settings).unwrap_or_default().under(&cli);
+    let merged = cli.or(file);
+    let defaults = Settings::defaults().under(&merged);
+    validate(merged.or(defaults))
+}
 
-    let profile = pick!(profile);
-    let topology = pick!(topology);
-    // A profile or topology given at a higher level wins over one from a lower level, so that
-    // `--topology x` overrides `profile:` from the file instead of conflicting with it.
-    let (profile, topology) = match (
-        &cli.profile,
-        &cli.topology,
-        profile.is_some() && topology.is_some(),
-    ) {
-        (Some(_), Some(_), _) => {
+/// The one place settings are checked and turned into a [`Config`].
+fn validate(settings: Settings) -> Result<Config> {
+    let Settings {
+        backend,
+        plugin,
+        kubelet,
+        api,
+        daemon,
+        log,
+    } = settings;
+
+    let names = || topology::profile_names().join(", ");
+    let backend_kind = need(backend.backend, "--backend")?;
+    let source = match (backend_kind, backend.profile, backend.topology) {
+        (_, Some(_), Some(_)) => {
             return Err(invalid(
                 "--profile/--topology",
                 "give a built-in profile or a topology file, not both",
             ));
         }
-        (Some(_), None, true) => (profile, None),
-        (None, Some(_), true) => (None, topology),
-        (None, None, true) => {
-            return Err(invalid(
-                "profile/topology",
-                "the config file sets both; keep one",
-            ));
-        }
-        _ => (profile, topology),
-    };
-    let backend_kind = pick!(backend);
-    let backend = match (backend_kind, profile, topology) {
-        (Some(BackendKind::Nvml), Some(_), _) | (Some(BackendKind::Nvml), _, Some(_)) => {
+        (BackendKind::Nvml, Some(_), None) | (BackendKind::Nvml, None, Some(_)) => {
             return Err(invalid(
                 "--backend",
                 "nvml reads real GPUs; --profile and --topology need --backend simulated (or no --backend)",
@@ -222,28 +180,27 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
                     "--profile",
                     format!(
                         "no built-in profile named {p:?}; choose one of: {}",
-                        topology::profile_names().join(", ")
+                        names()
                     ),
                 ));
             }
             Backend::Profile(p)
         }
         (_, None, Some(t)) => Backend::Topology(t),
-        (Some(BackendKind::Simulated), None, None) => {
+        (BackendKind::Simulated, None, None) => {
             return Err(invalid(
                 "--backend",
                 format!(
                     "the simulated backend needs --profile NAME or --topology FILE (profiles: {})",
-                    topology::profile_names().join(", ")
+                    names()
                 ),
             ));
         }
-        (Some(BackendKind::Nvml), None, None) => Backend::Nvml { auto: false },
-        (Some(BackendKind::Auto) | None, None, None) => Backend::Nvml { auto: true },
-        (_, Some(_), Some(_)) => unreachable!("resolved above"),
+        (BackendKind::Nvml, None, None) => Backend::Nvml { auto: false },
+        (BackendKind::Auto, None, None) => Backend::Nvml { auto: true },
     };
 
-    let node_name = match pick!(node_name) {
+    let node_name = match backend.node_name {
         Some(n) => n,
         None => hostname().ok_or_else(|| {
             invalid(
@@ -254,21 +211,21 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
     };
     check_dns_subdomain("--node-name", &node_name, 253)?;
 
-    let driver_name = pick!(driver_name).unwrap_or_else(|| DEFAULT_DRIVER_NAME.into());
+    let driver_name = need(plugin.driver_name, "--driver-name")?;
     check_dns_subdomain("--driver-name", &driver_name, 63)?;
 
-    let api = match (pick!(api_dir), pick!(kubeconfig)) {
-        (Some(_), Some(_)) if cli.api_dir.is_some() && cli.kubeconfig.is_some() => {
+    let api = match (api.api_dir, api.kubeconfig) {
+        (Some(_), Some(_)) => {
             return Err(invalid(
                 "--api-dir/--kubeconfig",
                 "give a kubeconfig or an API directory, not both",
             ));
         }
-        (Some(dir), _) if cli.kubeconfig.is_none() => Api::Dir(dir),
-        (_, kubeconfig) => Api::Kube { kubeconfig },
+        (Some(dir), None) => Api::Dir(dir),
+        (None, kubeconfig) => Api::Kube { kubeconfig },
     };
 
-    let metrics = pick!(metrics_address).unwrap_or_else(|| DEFAULT_METRICS_ADDRESS.into());
+    let metrics = need(daemon.metrics_address, "--metrics-address")?;
     let metrics_address: SocketAddr = metrics.parse().map_err(|_| {
         invalid(
             "--metrics-address",
@@ -276,30 +233,14 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
         )
     })?;
 
-    let mut paths = [
-        (
-            "--driver-root",
-            pick!(driver_root).unwrap_or_else(|| "/".into()),
-        ),
-        (
-            "--kubelet-root",
-            pick!(kubelet_root).unwrap_or_else(|| DEFAULT_KUBELET_ROOT.into()),
-        ),
-        (
-            "--cdi-root",
-            pick!(cdi_root).unwrap_or_else(|| DEFAULT_CDI_ROOT.into()),
-        ),
-    ];
-    for (key, p) in &mut paths {
-        if !p.is_absolute() {
-            *p = std::env::current_dir()
-                .map_err(|e| invalid(key, format!("relative path and no working directory: {e}")))?
-                .join(&*p);
-        }
-    }
-    let [(_, driver_root), (_, kubelet_root), (_, cdi_root)] = paths;
+    let driver_root = absolute("--driver-root", need(backend.driver_root, "--driver-root")?)?;
+    let kubelet_root = absolute(
+        "--kubelet-root",
+        need(kubelet.kubelet_root, "--kubelet-root")?,
+    )?;
+    let cdi_root = absolute("--cdi-root", need(kubelet.cdi_root, "--cdi-root")?)?;
 
-    if let Some(uid) = &cli.pod_uid
+    if let Some(uid) = &kubelet.pod_uid
         && (uid.is_empty()
             || uid.len() > 64
             || !uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
@@ -311,8 +252,8 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
     }
 
     Ok(Config {
-        mode: pick!(mode).unwrap_or(Mode::Auto),
-        backend,
+        mode: need(daemon.mode, "--mode")?,
+        backend: source,
         node_name,
         driver_name,
         driver_root,
@@ -320,10 +261,26 @@ pub fn resolve(cli: Overrides, file: Option<FileConfig>) -> Result<Config> {
         cdi_root,
         api,
         metrics_address,
-        log_format: pick!(log_format).unwrap_or_default(),
-        partitionable: pick!(partitionable).unwrap_or(false),
-        pod_uid: cli.pod_uid,
+        log_format: need(log.log_format, "--log-format")?,
+        partitionable: need(plugin.partitionable, "--partitionable")?,
+        pod_uid: kubelet.pod_uid,
     })
+}
+
+/// A setting that [`Settings::defaults`] fills; `None` only if a default was forgotten there
+/// (the `defaults` test resolves an empty configuration, so that cannot ship).
+fn need<T>(value: Option<T>, key: &str) -> Result<T> {
+    value.ok_or_else(|| invalid(key, "has no value and no default"))
+}
+
+/// `path`, relative to the working directory if it is not absolute.
+fn absolute(key: &str, path: PathBuf) -> Result<PathBuf> {
+    if path.is_absolute() {
+        return Ok(path);
+    }
+    let cwd = std::env::current_dir()
+        .map_err(|e| invalid(key, format!("relative path and no working directory: {e}")))?;
+    Ok(cwd.join(path))
 }
 
 /// Lower-case RFC 1123 subdomain: labels of `[a-z0-9-]`, not starting or ending with `-`.
@@ -358,195 +315,4 @@ fn hostname() -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn base() -> Overrides {
-        Overrides {
-            node_name: Some("node-a".into()),
-            ..Default::default()
-        }
-    }
-
-    fn file(text: &str) -> Result<FileConfig> {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("c.yaml");
-        std::fs::write(&p, text).unwrap();
-        FileConfig::load(&p)
-    }
-
-    #[test]
-    fn defaults() {
-        let c = resolve(base(), None).unwrap();
-        assert_eq!(c.backend, Backend::Nvml { auto: true });
-        assert_eq!(c.driver_name, "gpu.nvidia.com");
-        assert_eq!(c.kubelet_root, PathBuf::from("/var/lib/kubelet"));
-        assert_eq!(c.cdi_root, PathBuf::from("/var/run/cdi"));
-        assert_eq!(c.api, Api::Kube { kubeconfig: None });
-        assert_eq!(c.mode, Mode::Auto);
-        assert!(!c.partitionable);
-        assert_eq!(
-            c.plugin_dir(),
-            PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com")
-        );
-    }
-
-    #[test]
-    fn profile_implies_simulated() {
-        let c = resolve(
-            Overrides {
-                profile: Some("dgx-h100".into()),
-                ..base()
-            },
-            None,
-        )
-        .unwrap();
-        assert_eq!(c.backend, Backend::Profile("dgx-h100".into()));
-    }
-
-    #[test]
-    fn cli_beats_file_beats_default() {
-        let f = file(
-            "version: v1\ndriverName: file.example.com\ncdiRoot: /etc/cdi\nprofile: l40s-pcie\n",
-        )
-        .unwrap();
-        let c = resolve(
-            Overrides {
-                driver_name: Some("cli.example.com".into()),
-                ..base()
-            },
-            Some(f),
-        )
-        .unwrap();
-        assert_eq!(c.driver_name, "cli.example.com");
-        assert_eq!(c.cdi_root, PathBuf::from("/etc/cdi"));
-        assert_eq!(c.backend, Backend::Profile("l40s-pcie".into()));
-        assert_eq!(c.kubelet_root, PathBuf::from("/var/lib/kubelet"));
-    }
-
-    #[test]
-    fn cli_topology_overrides_file_profile() {
-        let f = file("version: v1\nprofile: l40s-pcie\n").unwrap();
-        let c = resolve(
-            Overrides {
-                topology: Some("/t.yaml".into()),
-                ..base()
-            },
-            Some(f),
-        )
-        .unwrap();
-        assert_eq!(c.backend, Backend::Topology("/t.yaml".into()));
-    }
-
-    #[test]
-    fn invalid_values_name_the_key() {
-        let cases = [
-            (
-                Overrides {
-                    driver_name: Some("GPU_NVIDIA".into()),
-                    ..base()
-                },
-                "--driver-name",
-            ),
-            (
-                Overrides {
-                    profile: Some("nope".into()),
-                    ..base()
-                },
-                "--profile",
-            ),
-            (
-                Overrides {
-                    metrics_address: Some("eight".into()),
-                    ..base()
-                },
-                "--metrics-address",
-            ),
-            (
-                Overrides {
-                    backend: Some(BackendKind::Simulated),
-                    ..base()
-                },
-                "--backend",
-            ),
-            (
-                Overrides {
-                    backend: Some(BackendKind::Nvml),
-                    profile: Some("dgx-h100".into()),
-                    ..base()
-                },
-                "--backend",
-            ),
-            (
-                Overrides {
-                    profile: Some("dgx-h100".into()),
-                    topology: Some("/x".into()),
-                    ..base()
-                },
-                "--profile/--topology",
-            ),
-            (
-                Overrides {
-                    node_name: Some("Node_A".into()),
-                    ..Default::default()
-                },
-                "--node-name",
-            ),
-            (
-                Overrides {
-                    pod_uid: Some("a/b".into()),
-                    ..base()
-                },
-                "--pod-uid",
-            ),
-        ];
-        for (o, key) in cases {
-            let e = resolve(o, None).unwrap_err();
-            assert_eq!(e.key, key, "{e}");
-        }
-    }
-
-    #[test]
-    fn file_errors_name_file_and_key() {
-        let e = file("version: v1\ncdiroot: /x\n").unwrap_err();
-        assert!(
-            e.key.ends_with("c.yaml: cdiroot") || e.key.ends_with("c.yaml: ."),
-            "{e}"
-        );
-        assert!(e.message.contains("unknown field `cdiroot`"), "{e}");
-        let e = file("version: v2\n").unwrap_err();
-        assert!(e.key.ends_with("c.yaml: version"), "{e}");
-        let e = file("version: v1\nmode: sideways\n").unwrap_err();
-        assert!(e.key.ends_with("c.yaml: mode"), "{e}");
-        let e = FileConfig::load(Path::new("/nonexistent.yaml")).unwrap_err();
-        assert!(e.key.contains("/nonexistent.yaml"), "{e}");
-    }
-
-    #[test]
-    fn api_dir_and_kubeconfig() {
-        let c = resolve(
-            Overrides {
-                api_dir: Some("/tmp/api".into()),
-                ..base()
-            },
-            None,
-        )
-        .unwrap();
-        assert_eq!(c.api, Api::Dir("/tmp/api".into()));
-        let f = file("version: v1\napiDir: /tmp/api\n").unwrap();
-        let c = resolve(
-            Overrides {
-                kubeconfig: Some("/k".into()),
-                ..base()
-            },
-            Some(f),
-        )
-        .unwrap();
-        assert_eq!(
-            c.api,
-            Api::Kube {
-                kubeconfig: Some("/k".into())
-            }
-        );
-    }
-}
+mod tests;

@@ -13,7 +13,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use nvdra::api::kube::KubeApi;
-use nvdra::config::{self, Overrides};
+use nvdra::config::{self, Settings};
 use nvdra::inventory::sim::{SimAction, SimBackend};
 use nvdra::proto::dra::{v1, v1beta1};
 use nvdra::proto::pluginregistration::{
@@ -57,22 +57,17 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
     let dir = tempfile::tempdir().unwrap();
     let boot = dir.path().join("boot_id");
     std::fs::write(&boot, "boot-1\n").unwrap();
-    let config = config::resolve(
-        Overrides {
-            mode: Some(config::Mode::Dra),
-            profile: Some(profile.into()),
-            node_name: Some(NODE.into()),
-            kubelet_root: Some(dir.path().join("kubelet")),
-            cdi_root: Some(dir.path().join("cdi")),
-            driver_root: Some(dir.path().join("driver")),
-            metrics_address: Some("127.0.0.1:0".into()),
-            pod_uid: pod_uid.map(String::from),
-            partitionable: Some(partitionable),
-            ..Default::default()
-        },
-        None,
-    )
-    .unwrap();
+    let mut settings = Settings::default();
+    settings.daemon.mode = Some(config::Mode::Dra);
+    settings.daemon.metrics_address = Some("127.0.0.1:0".into());
+    settings.backend.profile = Some(profile.into());
+    settings.backend.node_name = Some(NODE.into());
+    settings.backend.driver_root = Some(dir.path().join("driver"));
+    settings.kubelet.kubelet_root = Some(dir.path().join("kubelet"));
+    settings.kubelet.cdi_root = Some(dir.path().join("cdi"));
+    settings.kubelet.pod_uid = pod_uid.map(String::from);
+    settings.plugin.partitionable = Some(partitionable);
+    let config = config::resolve(settings, None).unwrap();
     let sockets = nvdra::dra::registration::Sockets::new(
         &config.registry_dir(),
         &config.plugin_dir(),

@@ -1,0 +1,348 @@
+//! The settings, one struct per concern. Each setting is one optional field: its clap attributes
+//! give the flag, env name and help, its serde name (camelCase) the file key, and the
+//! struct's [`Section::defaults`] the default. Every field is an `Option` so that levels (command
+//! line and environment, file, defaults) can be layered; [`super::resolve`] does that and
+//! validates the result.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::{
+    BackendKind, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT,
+    DEFAULT_METRICS_ADDRESS, LogFormat, Mode,
+};
+
+/// One concern's settings, every field optional so that levels can be layered.
+pub trait Section: Default + serde::de::DeserializeOwned {
+    /// The built-in values; `None` where there is none, or where validation computes it.
+    fn defaults() -> Self;
+    /// `self`, each unset setting taken from `lower`.
+    fn or(self, lower: Self) -> Self;
+    /// `self` as a lower level under `higher`: of two alternatives (`--profile` and
+    /// `--topology`), either one given at a higher level replaces both, so `--topology x`
+    /// overrides `profile:` from the file instead of conflicting with it.
+    fn under(self, _higher: &Self) -> Self {
+        self
+    }
+}
+
+/// Where GPUs come from, and the node they belong to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BackendSettings {
+    /// auto: NVML when it loads. --profile or --topology imply simulated.
+    #[arg(long, env = "NVDRA_BACKEND", value_enum)]
+    pub backend: Option<BackendKind>,
+
+    /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
+    /// a100-mig-mixed, pcie-pairs.
+    #[arg(
+        long,
+        env = "NVDRA_PROFILE",
+        value_name = "NAME",
+        conflicts_with = "topology"
+    )]
+    pub profile: Option<String>,
+
+    /// A simulated topology file (YAML, version: v1).
+    #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
+    pub topology: Option<PathBuf>,
+
+    /// Root of the NVIDIA driver installation (where libnvidia-ml.so.1 and the device nodes are).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
+    pub driver_root: Option<PathBuf>,
+
+    /// This node's name; defaults to the host name.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+}
+
+impl Section for BackendSettings {
+    fn defaults() -> Self {
+        Self {
+            backend: Some(BackendKind::Auto),
+            driver_root: Some("/".into()),
+            ..Self::default()
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            backend,
+            profile,
+            topology,
+            driver_root,
+            node_name,
+        } = self;
+        Self {
+            backend: backend.or(lower.backend),
+            profile: profile.or(lower.profile),
+            topology: topology.or(lower.topology),
+            driver_root: driver_root.or(lower.driver_root),
+            node_name: node_name.or(lower.node_name),
+        }
+    }
+
+    fn under(mut self, higher: &Self) -> Self {
+        if higher.profile.is_some() || higher.topology.is_some() {
+            (self.profile, self.topology) = (None, None);
+        }
+        self
+    }
+}
+
+/// What the plugin publishes and under which name.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PluginSettings {
+    /// DRA driver name (also the CDI vendor suffix and the plugin directory name).
+    #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
+    pub driver_name: Option<String>,
+
+    /// Publish shared counters and every possible MIG placement, creating MIG devices at
+    /// prepare (needs the DRAPartitionableDevices feature gate); inventory -o slices shows the
+    /// result.
+    #[arg(
+        long,
+        env = "NVDRA_PARTITIONABLE",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub partitionable: Option<bool>,
+}
+
+impl Section for PluginSettings {
+    fn defaults() -> Self {
+        Self {
+            driver_name: Some(DEFAULT_DRIVER_NAME.into()),
+            partitionable: Some(false),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            driver_name,
+            partitionable,
+        } = self;
+        Self {
+            driver_name: driver_name.or(lower.driver_name),
+            partitionable: partitionable.or(lower.partitionable),
+        }
+    }
+}
+
+/// Where the kubelet and the container runtime look for what the plugin writes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeletSettings {
+    /// The kubelet's --root-dir; sockets go to its plugins/ and plugins_registry/.
+    #[arg(long, env = "NVDRA_KUBELET_ROOT", value_name = "DIR")]
+    pub kubelet_root: Option<PathBuf>,
+
+    /// Where claim CDI specs are written (the container runtime's CDI spec directory).
+    #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
+    pub cdi_root: Option<PathBuf>,
+
+    /// This pod's UID (downward API), for rolling updates: socket names carry it so two
+    /// instances can serve side by side.
+    // Not a file key: it differs for every pod of the DaemonSet.
+    #[arg(long, env = "POD_UID", value_name = "UID")]
+    #[serde(skip)]
+    pub pod_uid: Option<String>,
+}
+
+impl Section for KubeletSettings {
+    fn defaults() -> Self {
+        Self {
+            kubelet_root: Some(DEFAULT_KUBELET_ROOT.into()),
+            cdi_root: Some(DEFAULT_CDI_ROOT.into()),
+            pod_uid: None,
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            kubelet_root,
+            cdi_root,
+            pod_uid,
+        } = self;
+        Self {
+            kubelet_root: kubelet_root.or(lower.kubelet_root),
+            cdi_root: cdi_root.or(lower.cdi_root),
+            pod_uid: pod_uid.or(lower.pod_uid),
+        }
+    }
+}
+
+/// Which API server nvdra talks to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiSettings {
+    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
+    #[arg(
+        long,
+        env = "NVDRA_KUBECONFIG",
+        value_name = "FILE",
+        conflicts_with = "api_dir"
+    )]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
+    /// DIR/resourceslices), for runs without a cluster.
+    #[arg(long, env = "NVDRA_API_DIR", value_name = "DIR")]
+    pub api_dir: Option<PathBuf>,
+}
+
+impl Section for ApiSettings {
+    fn defaults() -> Self {
+        Self::default()
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            kubeconfig,
+            api_dir,
+        } = self;
+        Self {
+            kubeconfig: kubeconfig.or(lower.kubeconfig),
+            api_dir: api_dir.or(lower.api_dir),
+        }
+    }
+
+    fn under(mut self, higher: &Self) -> Self {
+        if higher.kubeconfig.is_some() || higher.api_dir.is_some() {
+            (self.kubeconfig, self.api_dir) = (None, None);
+        }
+        self
+    }
+}
+
+/// What the node agent serves, and where its metrics are.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DaemonSettings {
+    /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
+    #[arg(long, env = "NVDRA_MODE", value_enum)]
+    pub mode: Option<Mode>,
+
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
+    pub metrics_address: Option<String>,
+}
+
+impl Section for DaemonSettings {
+    fn defaults() -> Self {
+        Self {
+            mode: Some(Mode::Auto),
+            metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            mode,
+            metrics_address,
+        } = self;
+        Self {
+            mode: mode.or(lower.mode),
+            metrics_address: metrics_address.or(lower.metrics_address),
+        }
+    }
+}
+
+/// How nvdra logs (every subcommand).
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LogSettings {
+    /// Log format on stderr.
+    #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl Section for LogSettings {
+    fn defaults() -> Self {
+        Self {
+            log_format: Some(LogFormat::Plain),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self { log_format } = self;
+        Self {
+            log_format: log_format.or(lower.log_format),
+        }
+    }
+}
+
+/// Every setting, by concern: one level (the command line and environment, or the file).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    pub backend: BackendSettings,
+    pub plugin: PluginSettings,
+    pub kubelet: KubeletSettings,
+    pub api: ApiSettings,
+    pub daemon: DaemonSettings,
+    pub log: LogSettings,
+}
+
+impl Settings {
+    pub fn defaults() -> Self {
+        Self {
+            backend: Section::defaults(),
+            plugin: Section::defaults(),
+            kubelet: Section::defaults(),
+            api: Section::defaults(),
+            daemon: Section::defaults(),
+            log: Section::defaults(),
+        }
+    }
+
+    /// `self`, each unset setting taken from `lower`.
+    pub fn or(self, lower: Self) -> Self {
+        let Self {
+            backend,
+            plugin,
+            kubelet,
+            api,
+            daemon,
+            log,
+        } = self;
+        Self {
+            backend: backend.or(lower.backend),
+            plugin: plugin.or(lower.plugin),
+            kubelet: kubelet.or(lower.kubelet),
+            api: api.or(lower.api),
+            daemon: daemon.or(lower.daemon),
+            log: log.or(lower.log),
+        }
+    }
+
+    /// `self` as a lower level under `higher` (see [`Section::under`]).
+    pub fn under(self, higher: &Self) -> Self {
+        let Self {
+            backend,
+            plugin,
+            kubelet,
+            api,
+            daemon,
+            log,
+        } = self;
+        Self {
+            backend: backend.under(&higher.backend),
+            plugin: plugin.under(&higher.plugin),
+            kubelet: kubelet.under(&higher.kubelet),
+            api: api.under(&higher.api),
+            daemon: daemon.under(&higher.daemon),
+            log: log.under(&higher.log),
+        }
+    }
+}

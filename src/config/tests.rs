@@ -1,0 +1,450 @@
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::file::{file_keys, keys_of};
+use super::*;
+
+fn base() -> Settings {
+    let mut s = Settings::default();
+    s.backend.node_name = Some("node-a".into());
+    s
+}
+
+/// `base()` changed by `f`.
+fn with(f: impl FnOnce(&mut Settings)) -> Settings {
+    let mut s = base();
+    f(&mut s);
+    s
+}
+
+fn file(text: &str) -> Result<FileConfig> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.yaml");
+    std::fs::write(&p, text).unwrap();
+    FileConfig::load(&p)
+}
+
+#[test]
+fn defaults() {
+    let c = resolve(base(), None).unwrap();
+    assert_eq!(c.backend, Backend::Nvml { auto: true });
+    assert_eq!(c.driver_name, "gpu.nvidia.com");
+    assert_eq!(c.kubelet_root, PathBuf::from("/var/lib/kubelet"));
+    assert_eq!(c.cdi_root, PathBuf::from("/var/run/cdi"));
+    assert_eq!(c.api, Api::Kube { kubeconfig: None });
+    assert_eq!(c.mode, Mode::Auto);
+    assert!(!c.partitionable);
+    assert_eq!(
+        c.plugin_dir(),
+        PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com")
+    );
+    assert_eq!(c.driver_root, PathBuf::from("/"));
+    assert_eq!(c.metrics_address.to_string(), DEFAULT_METRICS_ADDRESS);
+    assert_eq!(c.log_format, LogFormat::Plain);
+}
+
+#[test]
+fn profile_implies_simulated() {
+    let c = resolve(with(|s| s.backend.profile = Some("dgx-h100".into())), None).unwrap();
+    assert_eq!(c.backend, Backend::Profile("dgx-h100".into()));
+}
+
+#[test]
+fn cli_beats_file_beats_default() {
+    let f =
+        file("version: v1\ndriverName: file.example.com\ncdiRoot: /etc/cdi\nprofile: l40s-pcie\n")
+            .unwrap();
+    let c = resolve(
+        with(|s| s.plugin.driver_name = Some("cli.example.com".into())),
+        Some(f),
+    )
+    .unwrap();
+    assert_eq!(c.driver_name, "cli.example.com");
+    assert_eq!(c.cdi_root, PathBuf::from("/etc/cdi"));
+    assert_eq!(c.backend, Backend::Profile("l40s-pcie".into()));
+    assert_eq!(c.kubelet_root, PathBuf::from("/var/lib/kubelet"));
+}
+
+#[test]
+fn cli_topology_overrides_file_profile() {
+    let f = file("version: v1\nprofile: l40s-pcie\n").unwrap();
+    let c = resolve(
+        with(|s| s.backend.topology = Some("/t.yaml".into())),
+        Some(f),
+    )
+    .unwrap();
+    assert_eq!(c.backend, Backend::Topology("/t.yaml".into()));
+}
+
+#[test]
+fn invalid_values_name_the_key() {
+    let cases: [(Settings, &str); 8] = [
+        (
+            with(|s| s.plugin.driver_name = Some("GPU_NVIDIA".into())),
+            "--driver-name",
+        ),
+        (
+            with(|s| s.backend.profile = Some("nope".into())),
+            "--profile",
+        ),
+        (
+            with(|s| s.daemon.metrics_address = Some("eight".into())),
+            "--metrics-address",
+        ),
+        (
+            with(|s| s.backend.backend = Some(BackendKind::Simulated)),
+            "--backend",
+        ),
+        (
+            with(|s| {
+                s.backend.backend = Some(BackendKind::Nvml);
+                s.backend.profile = Some("dgx-h100".into());
+            }),
+            "--backend",
+        ),
+        (
+            with(|s| {
+                s.backend.profile = Some("dgx-h100".into());
+                s.backend.topology = Some("/x".into());
+            }),
+            "--profile/--topology",
+        ),
+        (
+            with(|s| s.backend.node_name = Some("Node_A".into())),
+            "--node-name",
+        ),
+        (
+            with(|s| s.kubelet.pod_uid = Some("a/b".into())),
+            "--pod-uid",
+        ),
+    ];
+    for (o, key) in cases {
+        let e = resolve(o, None).unwrap_err();
+        assert_eq!(e.key, key, "{e}");
+    }
+}
+
+#[test]
+fn file_errors_name_file_and_key() {
+    let e = file("version: v1\ncdiroot: /x\n").unwrap_err();
+    assert!(
+        e.key.ends_with("c.yaml: cdiroot") || e.key.ends_with("c.yaml: ."),
+        "{e}"
+    );
+    assert!(e.message.contains("unknown field `cdiroot`"), "{e}");
+    let e = file("version: v2\n").unwrap_err();
+    assert!(e.key.ends_with("c.yaml: version"), "{e}");
+    let e = file("version: v1\nmode: sideways\n").unwrap_err();
+    assert!(e.key.ends_with("c.yaml: mode"), "{e}");
+    let e = FileConfig::load(Path::new("/nonexistent.yaml")).unwrap_err();
+    assert!(e.key.contains("/nonexistent.yaml"), "{e}");
+}
+
+#[test]
+fn file_value_errors_keep_line_and_expected_keys() {
+    // The value is read by the file's own deserializer: the line is known.
+    let e = file("version: v1\nnodeName: n\npartitionable: maybe\n").unwrap_err();
+    assert!(e.key.ends_with("c.yaml: partitionable"), "{e}");
+    assert!(e.message.contains("line 3"), "{e}");
+    // An unknown key lists the keys there are.
+    let e = file("version: v1\ncdiroot: /x\n").unwrap_err();
+    assert!(e.message.contains("cdiRoot"), "{e}");
+    let e = file("nodeName: n\n").unwrap_err();
+    assert!(e.message.contains("missing field `version`"), "{e}");
+    // A key given twice (refused by the parser, so the first one cannot be dropped silently).
+    let e = file("version: v1\ncdiRoot: /a\ncdiRoot: /b\n").unwrap_err();
+    assert!(
+        e.message.contains("duplicate") && e.message.contains("cdiRoot"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_file_may_not_set_both_of_two_alternatives() {
+    let e = file("version: v1\nprofile: dgx-h100\ntopology: /t.yaml\n").unwrap_err();
+    assert!(e.key.ends_with("c.yaml: profile/topology"), "{e}");
+    let e = file("version: v1\napiDir: /api\nkubeconfig: /k\n").unwrap_err();
+    assert!(e.key.ends_with("c.yaml: apiDir/kubeconfig"), "{e}");
+}
+
+#[test]
+fn api_dir_and_kubeconfig() {
+    let c = resolve(with(|s| s.api.api_dir = Some("/tmp/api".into())), None).unwrap();
+    assert_eq!(c.api, Api::Dir("/tmp/api".into()));
+    let f = file("version: v1\napiDir: /tmp/api\n").unwrap();
+    let c = resolve(with(|s| s.api.kubeconfig = Some("/k".into())), Some(f)).unwrap();
+    assert_eq!(
+        c.api,
+        Api::Kube {
+            kubeconfig: Some("/k".into())
+        }
+    );
+    // And the other way round: the command line's directory replaces the file's kubeconfig.
+    let f = file("version: v1\nkubeconfig: /k\n").unwrap();
+    let c = resolve(with(|s| s.api.api_dir = Some("/tmp/api".into())), Some(f)).unwrap();
+    assert_eq!(c.api, Api::Dir("/tmp/api".into()));
+}
+
+#[test]
+fn every_file_key_lands_in_the_struct_that_declares_it() {
+    let cases = [
+        ("backend: simulated", "backend"),
+        ("profile: dgx-h100", "profile"),
+        ("topology: /t.yaml", "topology"),
+        ("driverRoot: /run/nvidia/driver", "driverRoot"),
+        ("nodeName: n1", "nodeName"),
+        ("driverName: gpu.example.com", "driverName"),
+        ("partitionable: true", "partitionable"),
+        ("kubeletRoot: /k", "kubeletRoot"),
+        ("cdiRoot: /etc/cdi", "cdiRoot"),
+        ("kubeconfig: /kc", "kubeconfig"),
+        ("apiDir: /api", "apiDir"),
+        ("mode: dra", "mode"),
+        ("metricsAddress: 127.0.0.1:1", "metricsAddress"),
+        ("logFormat: json", "logFormat"),
+    ];
+    let mut covered: Vec<&str> = vec!["version"];
+    for (line, key) in cases {
+        let s = file(&format!("version: v1\n{line}\n")).unwrap().settings;
+        let set = match key {
+            "backend" => s.backend.backend.is_some(),
+            "profile" => s.backend.profile.is_some(),
+            "topology" => s.backend.topology.is_some(),
+            "driverRoot" => s.backend.driver_root.is_some(),
+            "nodeName" => s.backend.node_name.is_some(),
+            "driverName" => s.plugin.driver_name.is_some(),
+            "partitionable" => s.plugin.partitionable == Some(true),
+            "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
+            "cdiRoot" => s.kubelet.cdi_root.is_some(),
+            "kubeconfig" => s.api.kubeconfig.is_some(),
+            "apiDir" => s.api.api_dir.is_some(),
+            "mode" => s.daemon.mode == Some(Mode::Dra),
+            "metricsAddress" => s.daemon.metrics_address.is_some(),
+            "logFormat" => s.log.log_format == Some(LogFormat::Json),
+            _ => unreachable!(),
+        };
+        assert!(set, "{line}: {s:?}");
+        // Exactly one struct picked the value up.
+        let unset = Settings::default();
+        let changed = [
+            s.backend != unset.backend,
+            s.plugin != unset.plugin,
+            s.kubelet != unset.kubelet,
+            s.api != unset.api,
+            s.daemon != unset.daemon,
+            s.log != unset.log,
+        ];
+        assert_eq!(changed.iter().filter(|c| **c).count(), 1, "{line}");
+        covered.push(key);
+    }
+    covered.sort_unstable();
+    let mut keys = file_keys().to_vec();
+    keys.sort_unstable();
+    assert_eq!(covered, keys, "a file key without a case here");
+}
+
+#[test]
+fn keys_come_from_the_derive() {
+    assert_eq!(keys_of::<PluginSettings>(), ["driverName", "partitionable"]);
+    // Skipped fields are not file keys.
+    assert_eq!(keys_of::<KubeletSettings>(), ["kubeletRoot", "cdiRoot"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The README's configuration table against the declarations
+
+/// One row of the README's configuration table.
+#[derive(Debug)]
+struct Row {
+    flag: String,
+    /// `(run)` or `(inventory)` after the flag: a flag of that subcommand only.
+    only: Option<String>,
+    env: String,
+    key: Option<String>,
+    default: String,
+}
+
+fn readme_rows() -> Vec<Row> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## Configuration\n")
+        .nth(1)
+        .expect("a Configuration section");
+    let code = |cell: &str| -> Option<String> {
+        let cell = cell.trim();
+        let rest = cell.strip_prefix('`')?;
+        Some(rest[..rest.find('`')?].to_string())
+    };
+    section
+        .lines()
+        .skip_while(|l| !l.starts_with("| flag |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|line| {
+            // `\|` inside a cell is a literal bar.
+            let line = line.replace("\\|", "\u{0}");
+            let cells: Vec<String> = line
+                .trim_matches('|')
+                .split('|')
+                .map(|c| c.replace('\u{0}', "|").trim().to_string())
+                .collect();
+            assert_eq!(cells.len(), 4, "{line}");
+            let flag_cell = code(&cells[0]).unwrap_or_else(|| panic!("no flag in {line}"));
+            // `--partitionable[=BOOL]`, `--log-format plain|json`: the name ends at what is not one.
+            let flag: String = flag_cell
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            let after = cells[0].rsplit('`').next().unwrap().trim();
+            let only = (!after.is_empty()).then(|| after.trim_matches(['(', ')']).to_string());
+            Row {
+                flag,
+                only,
+                env: code(&cells[1]).unwrap_or_else(|| panic!("no env in {line}")),
+                key: code(&cells[2]),
+                default: cells[3].clone(),
+            }
+        })
+        .collect()
+}
+
+/// `driver_root` → `driverRoot`: the `rename_all = "camelCase"` every settings struct has.
+fn camel(id: &str) -> String {
+    let mut out = String::new();
+    let mut upper = false;
+    for c in id.chars() {
+        if c == '_' {
+            upper = true;
+        } else if upper {
+            out.push(c.to_ascii_uppercase());
+            upper = false;
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A flag as clap declares it.
+struct Flag<'a> {
+    /// The subcommands it belongs to; `""` for a global flag.
+    scopes: Vec<&'a str>,
+    env: String,
+    clap_default: Option<String>,
+    /// The field name (snake_case).
+    id: String,
+}
+
+#[test]
+fn readme_configuration_table_matches_the_declarations() {
+    use clap::CommandFactory;
+
+    let cli = crate::cli::Cli::command();
+    // Every flag with an env name, by its long name.
+    let mut flags: BTreeMap<String, Flag> = BTreeMap::new();
+    let scopes = [("", &cli)]
+        .into_iter()
+        .chain(cli.get_subcommands().map(|c| (c.get_name(), c)));
+    for (scope, cmd) in scopes {
+        for arg in cmd.get_arguments() {
+            let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) else {
+                continue;
+            };
+            if arg.is_hide_set() {
+                continue;
+            }
+            let clap_default = arg
+                .get_default_values()
+                .first()
+                .map(|v| v.to_string_lossy().into_owned());
+            let flag = flags.entry(format!("--{long}")).or_insert(Flag {
+                scopes: Vec::new(),
+                env: env.to_string_lossy().into_owned(),
+                clap_default,
+                id: arg.get_id().to_string(),
+            });
+            flag.scopes.push(scope);
+        }
+    }
+    let subcommands = cli
+        .get_subcommands()
+        .filter(|c| c.get_arguments().count() > 0)
+        .count();
+
+    let mut defaults = serde_json::Map::new();
+    let d = Settings::defaults();
+    for section in [
+        serde_json::to_value(&d.backend),
+        serde_json::to_value(&d.plugin),
+        serde_json::to_value(&d.kubelet),
+        serde_json::to_value(&d.api),
+        serde_json::to_value(&d.daemon),
+        serde_json::to_value(&d.log),
+    ] {
+        let serde_json::Value::Object(m) = section.unwrap() else {
+            panic!("a settings struct serializes to a map");
+        };
+        defaults.extend(m);
+    }
+
+    let rows = readme_rows();
+    let mut keys_seen = vec!["version".to_string()];
+    for row in &rows {
+        let Flag {
+            scopes,
+            env,
+            clap_default,
+            id,
+        } = flags.get(&row.flag).unwrap_or_else(|| {
+            panic!(
+                "README lists {}, which is not a flag with an env name",
+                row.flag
+            )
+        });
+        assert_eq!(&row.env, env, "{}: env name", row.flag);
+        // A flag of every subcommand (or a global one) carries no marker; one of a single
+        // subcommand says which.
+        let only = (!scopes.contains(&"") && scopes.len() < subcommands).then(|| scopes.join(", "));
+        assert_eq!(
+            row.only, only,
+            "{}: the subcommands it belongs to",
+            row.flag
+        );
+        let key = camel(id);
+        let file_key = file_keys().contains(&key.as_str()).then_some(key.clone());
+        assert_eq!(row.key, file_key, "{}: file key", row.flag);
+        if let Some(k) = &file_key {
+            keys_seen.push(k.clone());
+        }
+        let default = match defaults.get(&key) {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Null) | None => clap_default.clone(),
+            Some(v) => Some(v.to_string()),
+        };
+        match default {
+            Some(v) => assert!(
+                row.default.starts_with(&format!("`{v}`")),
+                "{}: README says the default is {:?}, the code {v:?}",
+                row.flag,
+                row.default
+            ),
+            None => assert!(
+                !row.default.starts_with('`'),
+                "{}: README gives a default ({}) the code does not have",
+                row.flag,
+                row.default
+            ),
+        }
+    }
+    for flag in flags.keys() {
+        assert!(
+            rows.iter().any(|r| &r.flag == flag),
+            "{flag} is missing from the README's configuration table"
+        );
+    }
+    keys_seen.sort_unstable();
+    let mut keys = file_keys().to_vec();
+    keys.sort_unstable();
+    assert_eq!(keys_seen, keys, "file keys in the README");
+}

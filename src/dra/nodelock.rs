@@ -13,6 +13,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+// The state's updates are single statements (a counter, an `Option`), so the helper's
+// poison-ignoring is sound here.
+use crate::lock::lock;
+
 pub const FILE_NAME: &str = "serialize.lock";
 
 #[derive(Debug, thiserror::Error)]
@@ -51,11 +55,6 @@ pub struct NodeLock {
 /// Held while an operation runs; the flock is released when the last guard drops.
 pub struct Guard {
     state: Arc<Mutex<State>>,
-}
-
-fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    // Counter updates are single statements; a poisoned lock still holds a consistent count.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl NodeLock {

@@ -4,15 +4,30 @@
 //! `{"version": 1, "bootId": …, "claims": {<uid>: {"state": "PrepareStarted"|"PrepareCompleted",
 //! "namespace", "name", "devices": [...]}}}`.
 //!
+//! Versions: during a rolling update an old and a new pod share the file, and after a rollback
+//! the old one reads what the new one wrote. So this build reads every version nvdra has written
+//! ([`OLDEST_VERSION`]`..=`[`VERSION`]), writes the *oldest* version that holds the state
+//! ([`version_for`]), and refuses a newer version than it knows — without touching the file —
+//! instead of discarding another pod's claims.
+//!
+//! | version | written by | shape |
+//! |---|---|---|
+//! | 1 | since `9a33f72` | as above; a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
+//!
+//! A change to what the file holds gets a new version here, a reader for it, and a
+//! [`version_for`] that picks it only for a state the older versions cannot hold.
+//!
 //! Invariants:
-//! - Every write is atomic and durable: a temp file in the same directory, fsync, rename, fsync
-//!   of the directory. A crash leaves either the old or the new file, never a mix.
+//! - Every write is atomic and durable ([`crate::durable`]): a temp file in the same directory,
+//!   fsync, rename, fsync of the directory. A crash leaves either the old or the new file, never
+//!   a mix, and a failed write leaves no temp file.
 //! - A prepare is two-phase: the claim is recorded `PrepareStarted` (with the devices it is about
 //!   to touch) *before* any hardware or CDI change, and `PrepareCompleted` after. A `Started`
 //!   entry found at start-up is rolled back by the plugin.
 //! - A file written before a reboot (different boot id) is stale: its entries are dropped.
-//! - A corrupt file or one of an unknown version is moved aside (`checkpoint.json.corrupt-<ts>`)
-//!   with an error log, never silently overwritten.
+//! - A corrupt file, or one of a version nvdra never wrote, is moved aside
+//!   (`checkpoint.json.corrupt-<ts>`) with an error log, never silently overwritten. A file of a
+//!   newer version is left in place and loading fails with [`Error::TooNew`].
 //! - One writer: mutations go to the in-memory copy under a lock that is never held across an
 //!   `.await`; [`Ledger::flush`] asks the single [`Writer`] task for a durable write, and the
 //!   writer batches every flush request pending at that moment into one file write (group
@@ -20,21 +35,23 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::inventory::{GpuUuid, Placement};
+use crate::lock::lock;
 use crate::sharing::Sharing;
 
-/// The checkpoint format this build reads and writes.
+/// The newest checkpoint version this build reads.
 pub const VERSION: u32 = 1;
+/// The oldest checkpoint version nvdra ever wrote (and this build still reads).
+pub const OLDEST_VERSION: u32 = 1;
 /// The checkpoint's file name in the plugin data directory.
 pub const FILE_NAME: &str = "checkpoint.json";
 /// Where the boot id comes from.
@@ -42,29 +59,50 @@ pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot read the checkpoint {path}: {source}")]
+    #[error("cannot read the checkpoint {path}")]
     Read {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error(
-        "cannot write the checkpoint {path}: {source}; check the plugin data directory is writable and not full"
+        "the checkpoint {path} has version {found}, newer than the versions \
+         {OLDEST_VERSION}..={VERSION} this nvdra reads; it was written by a newer nvdra (a rolling \
+         update or a rollback in progress?) and is left as it is: run that version, or move the \
+         file away by hand to start without its claims"
     )]
-    Write {
+    TooNew { path: PathBuf, found: u64 },
+    #[error("cannot create the plugin data directory {path}")]
+    CreateDir {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
-    #[error("cannot encode the checkpoint: {0}")]
+    #[error("cannot move the unreadable checkpoint aside to {path}")]
+    MoveAside {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot save the checkpoint (check that the plugin data directory is writable and not full)"
+    )]
+    Save(#[source] crate::durable::Error),
+    #[error("cannot encode the checkpoint")]
     Encode(#[from] serde_json::Error),
-    #[error("cannot read the boot id from {path}: {source}")]
+    #[error("cannot read the boot id from {path}")]
     BootId {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error("the checkpoint writer has stopped (shutting down); retry after the restart")]
     WriterGone,
-    #[error("checkpoint write task failed: {0}")]
-    Task(String),
+    #[error("the checkpoint writer panicked")]
+    WriterPanicked(#[source] tokio::task::JoinError),
+    /// The writer's failure, as every flush of its batch sees it.
+    #[error(transparent)]
+    Flush(Arc<Error>),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -130,7 +168,11 @@ pub struct DeviceRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRecord>,
     /// How the device is shared (enough to undo it and to rebuild the CDI spec).
-    #[serde(default, skip_serializing_if = "is_exclusive")]
+    #[serde(
+        default,
+        skip_serializing_if = "is_exclusive",
+        deserialize_with = "v1::sharing"
+    )]
     pub sharing: Sharing,
 }
 
@@ -144,11 +186,10 @@ pub struct ClaimEntry {
     pub devices: Vec<DeviceRecord>,
 }
 
-/// The checkpoint file's content.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// The checkpoint's content. Its version is not part of it: that is a property of the file,
+/// chosen when writing ([`version_for`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Checkpoint {
-    pub version: u32,
     pub boot_id: String,
     pub claims: BTreeMap<ClaimUid, ClaimEntry>,
 }
@@ -156,10 +197,78 @@ pub struct Checkpoint {
 impl Checkpoint {
     pub fn empty(boot_id: &str) -> Self {
         Self {
-            version: VERSION,
             boot_id: boot_id.to_string(),
             claims: BTreeMap::new(),
         }
+    }
+}
+
+/// The oldest checkpoint version that holds `cp`, which is the version it is written as.
+///
+/// Every state fits version 1 today. A field that version 1 cannot hold raises this only for the
+/// checkpoints that use it, so pods of older builds keep reading the rest.
+pub fn version_for(_cp: &Checkpoint) -> u32 {
+    OLDEST_VERSION
+}
+
+/// The file as written: the version, then the content.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FileOut<'a> {
+    version: u32,
+    boot_id: &'a str,
+    claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
+}
+
+/// Version 1 as read.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FileV1 {
+    boot_id: String,
+    claims: BTreeMap<ClaimUid, ClaimEntry>,
+}
+
+mod v1 {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer};
+
+    use crate::sharing::{MpsSettings, Sharing, TimeSliceInterval};
+
+    /// A device's `sharing` in either spelling of version 1 (see the module doc).
+    #[derive(Deserialize)]
+    #[serde(tag = "strategy", rename_all = "camelCase")]
+    enum SharingV1 {
+        #[serde(alias = "Exclusive")]
+        Exclusive,
+        #[serde(alias = "TimeSlicing")]
+        TimeSlicing { interval: TimeSliceInterval },
+        #[serde(alias = "MPS", rename_all = "camelCase")]
+        Mps {
+            #[serde(default)]
+            active_thread_percentage: Option<u32>,
+            #[serde(default)]
+            pinned_memory_limit: Option<u64>,
+            /// Absent before `24aada3`.
+            #[serde(default)]
+            per_device_pinned_memory_limit: BTreeMap<String, u64>,
+        },
+    }
+
+    pub(super) fn sharing<'de, D: Deserializer<'de>>(d: D) -> Result<Sharing, D::Error> {
+        Ok(match SharingV1::deserialize(d)? {
+            SharingV1::Exclusive => Sharing::Exclusive,
+            SharingV1::TimeSlicing { interval } => Sharing::TimeSlicing { interval },
+            SharingV1::Mps {
+                active_thread_percentage,
+                pinned_memory_limit,
+                per_device_pinned_memory_limit,
+            } => Sharing::Mps(MpsSettings {
+                active_thread_percentage,
+                pinned_memory_limit,
+                per_device_pinned_memory_limit,
+            }),
+        })
     }
 }
 
@@ -209,7 +318,45 @@ fn file_id(path: &Path) -> Option<FileId> {
     })
 }
 
-/// Reads the checkpoint file at `path`, applying the boot-id and corruption rules.
+/// Why a checkpoint's bytes are not a checkpoint this build can use.
+enum Undecodable {
+    /// Written by a newer nvdra: leave it alone.
+    TooNew(u64),
+    /// Corrupt, or of a version nvdra never wrote: move it aside.
+    Corrupt(String),
+}
+
+/// Decodes a checkpoint file of any version this build reads.
+fn decode(bytes: &[u8]) -> Result<Checkpoint, Undecodable> {
+    let value = serde_json::from_slice::<serde_json::Value>(bytes)
+        .map_err(|e| Undecodable::Corrupt(format!("not JSON: {e}")))?;
+    let Some(version) = value.get("version").and_then(|v| v.as_u64()) else {
+        return Err(Undecodable::Corrupt("no version field".to_string()));
+    };
+    match version {
+        1 => {
+            let FileV1 { boot_id, claims } = serde_json::from_value(value)
+                .map_err(|e| Undecodable::Corrupt(format!("invalid: {e}")))?;
+            Ok(Checkpoint { boot_id, claims })
+        }
+        v if v > u64::from(VERSION) => Err(Undecodable::TooNew(v)),
+        v => Err(Undecodable::Corrupt(format!(
+            "version {v} was never written by nvdra (versions {OLDEST_VERSION}..={VERSION})"
+        ))),
+    }
+}
+
+/// Encodes `cp` as the oldest version that holds it ([`version_for`]).
+pub fn encode(cp: &Checkpoint) -> Result<Vec<u8>> {
+    let file = FileOut {
+        version: version_for(cp),
+        boot_id: &cp.boot_id,
+        claims: &cp.claims,
+    };
+    Ok(serde_json::to_vec_pretty(&file)?)
+}
+
+/// Reads the checkpoint file at `path`, applying the boot-id, version and corruption rules.
 pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
@@ -223,19 +370,7 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
             });
         }
     };
-    let parsed = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .map_err(|e| format!("not JSON: {e}"))
-        .and_then(|v| match v.get("version").and_then(|v| v.as_u64()) {
-            Some(v) if v == u64::from(VERSION) => Ok(()),
-            Some(v) => Err(format!(
-                "version {v} is not the version {VERSION} this nvdra reads"
-            )),
-            None => Err("no version field".to_string()),
-        })
-        .and_then(|()| {
-            serde_json::from_slice::<Checkpoint>(&bytes).map_err(|e| format!("invalid: {e}"))
-        });
-    match parsed {
+    match decode(&bytes) {
         Ok(cp) if cp.boot_id != boot_id => {
             let dropped = cp.claims.len();
             tracing::warn!(
@@ -251,7 +386,11 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
             let claims = cp.claims.len();
             Ok((cp, LoadOutcome::Loaded { claims }))
         }
-        Err(reason) => {
+        Err(Undecodable::TooNew(found)) => Err(Error::TooNew {
+            path: path.to_path_buf(),
+            found,
+        }),
+        Err(Undecodable::Corrupt(reason)) => {
             let ts = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -259,7 +398,7 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
             let mut moved_to = path.as_os_str().to_owned();
             moved_to.push(format!(".corrupt-{ts}"));
             let moved_to = PathBuf::from(moved_to);
-            std::fs::rename(path, &moved_to).map_err(|source| Error::Write {
+            std::fs::rename(path, &moved_to).map_err(|source| Error::MoveAside {
                 path: moved_to.clone(),
                 source,
             })?;
@@ -276,26 +415,10 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
     }
 }
 
-/// Writes `cp` to `path` atomically and durably.
+/// Writes `cp` to `path` atomically and durably, as the oldest version that holds it.
 pub fn write_file(path: &Path, cp: &Checkpoint) -> Result<()> {
-    let bytes = serde_json::to_vec_pretty(cp)?;
-    let werr = |source| Error::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp_name = path.as_os_str().to_owned();
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
-    let tmp = PathBuf::from(tmp_name);
-    let mut f = std::fs::File::create(&tmp).map_err(werr)?;
-    f.write_all(&bytes).map_err(werr)?;
-    f.sync_all().map_err(werr)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(werr)?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(werr)?;
-    Ok(())
+    let bytes = encode(cp)?;
+    crate::durable::write(path, &bytes).map_err(Error::Save)
 }
 
 struct Shared {
@@ -306,7 +429,7 @@ struct Shared {
     writes: AtomicU64,
 }
 
-type FlushReply = oneshot::Sender<Result<(), String>>;
+type FlushReply = oneshot::Sender<Result<(), Arc<Error>>>;
 
 /// The in-memory ledger; cheap to clone. See the module doc for the write protocol.
 #[derive(Clone)]
@@ -321,15 +444,10 @@ pub struct Writer {
     rx: mpsc::UnboundedReceiver<FlushReply>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Mutations are single assignments to a map; a panic elsewhere cannot leave it half-done.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Ledger {
     /// Loads (or starts) the checkpoint in `dir`, creating the directory.
     pub fn open(dir: &Path, boot_id: &str) -> Result<(Ledger, Writer, LoadOutcome)> {
-        std::fs::create_dir_all(dir).map_err(|source| Error::Write {
+        std::fs::create_dir_all(dir).map_err(|source| Error::CreateDir {
             path: dir.to_path_buf(),
             source,
         })?;
@@ -372,7 +490,7 @@ impl Ledger {
         self.tx.send(tx).map_err(|_| Error::WriterGone)?;
         match rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(Error::Task(e)),
+            Ok(Err(e)) => Err(Error::Flush(e)),
             Err(_) => Err(Error::WriterGone),
         }
     }
@@ -443,11 +561,10 @@ impl Writer {
             Ok::<_, Error>(())
         })
         .await
-        .map_err(|e| Error::Task(e.to_string()))
-        .and_then(|r| r)
+        .unwrap_or_else(|e| Err(Error::WriterPanicked(e)))
         .map_err(|e| {
-            tracing::error!(error = %e, "checkpoint write failed");
-            e.to_string()
+            tracing::error!(error = %crate::report::chain(&e), "checkpoint write failed");
+            Arc::new(e)
         });
         for reply in batch {
             let _ = reply.send(result.clone());
@@ -534,8 +651,8 @@ mod tests {
         for (content, why) in [
             ("{\"version\": 1, \"bootId\": \"b\", \"cla", "not JSON"),
             (
-                "{\"version\": 7, \"bootId\": \"b\", \"claims\": {}}",
-                "version 7",
+                "{\"version\": 0, \"bootId\": \"b\", \"claims\": {}}",
+                "version 0",
             ),
             (
                 "{\"version\": 1, \"bootId\": \"b\", \"claims\": 3}",
@@ -562,6 +679,205 @@ mod tests {
             assert!(l.read(|c| c.claims.is_empty()));
             assert!(!dir.path().join(FILE_NAME).exists());
         }
+    }
+
+    /// Every checkpoint nvdra has written, as `(name, bytes)`: `tests/data/checkpoint-v*.json`.
+    fn fixtures() -> [(&'static str, &'static str); 2] {
+        [
+            (
+                "v1 as written up to 24aada3",
+                include_str!("../tests/data/checkpoint-v1-9a33f72.json"),
+            ),
+            (
+                "v1 as written since 24aada3",
+                include_str!("../tests/data/checkpoint-v1.json"),
+            ),
+        ]
+    }
+
+    /// What every fixture holds.
+    fn fixture_state() -> Checkpoint {
+        use crate::sharing::{MpsSettings, TimeSliceInterval};
+        let uid = |c: char| ClaimUid(format!("1d0e4b7a-0000-4000-8000-00000000000{c}"));
+        let device = |c: char, request: &str, device: &str, gpu: &str| DeviceRecord {
+            requests: vec![request.into()],
+            pool: "node-a".into(),
+            device: device.into(),
+            cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim={}-{device}", uid(c))],
+            share_id: None,
+            admin_access: false,
+            gpu: GpuUuid(format!("GPU-{gpu}-1111-2222-3333-444455556666")),
+            mig: None,
+            sharing: Sharing::Exclusive,
+        };
+        let entry = |state, namespace: &str, name: &str, d: DeviceRecord| ClaimEntry {
+            state,
+            namespace: namespace.into(),
+            name: name.into(),
+            devices: vec![d],
+        };
+        let mig = DeviceRecord {
+            admin_access: true,
+            mig: Some(MigRecord {
+                uuid: None,
+                profile: "1g.10gb".into(),
+                gi_profile_id: 19,
+                placement: Placement { start: 3, size: 1 },
+                created: true,
+            }),
+            ..device('b', "small", "gpu-1-mig-1g10gb-19-3", "7a1b2c3d")
+        };
+        let time_sliced = DeviceRecord {
+            share_id: Some("ts-1".into()),
+            sharing: Sharing::TimeSlicing {
+                interval: TimeSliceInterval::Long,
+            },
+            ..device('c', "shared", "gpu-2", "9e8d7c6b")
+        };
+        let mps = DeviceRecord {
+            mig: Some(MigRecord {
+                uuid: Some(GpuUuid("MIG-5b4a3928-1111-2222-3333-444455556666".into())),
+                profile: "3g.40gb".into(),
+                gi_profile_id: 9,
+                placement: Placement { start: 4, size: 4 },
+                created: false,
+            }),
+            sharing: Sharing::Mps(MpsSettings {
+                active_thread_percentage: Some(50),
+                pinned_memory_limit: Some(1 << 30),
+                per_device_pinned_memory_limit: BTreeMap::new(),
+            }),
+            ..device('d', "mps", "gpu-3", "0a0b0c0d")
+        };
+        use ClaimState::{PrepareCompleted, PrepareStarted};
+        Checkpoint {
+            boot_id: "6a3c1f0e-8d2b-4c57-9e61-0f4b2d7a9c13".into(),
+            claims: BTreeMap::from([
+                (
+                    uid('a'),
+                    entry(
+                        PrepareCompleted,
+                        "default",
+                        "exclusive",
+                        device('a', "gpu", "gpu-0", "2f6c0b3e"),
+                    ),
+                ),
+                (uid('b'), entry(PrepareStarted, "ml", "mig", mig)),
+                (
+                    uid('c'),
+                    entry(PrepareCompleted, "default", "time-sliced", time_sliced),
+                ),
+                (uid('d'), entry(PrepareCompleted, "default", "mps", mps)),
+            ]),
+        }
+    }
+
+    #[test]
+    fn every_version_ever_written_reads_back() {
+        let want = fixture_state();
+        for (name, bytes) in fixtures() {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join(FILE_NAME);
+            std::fs::write(&path, bytes).unwrap();
+            let (cp, outcome) = load_file(&path, &want.boot_id).unwrap();
+            assert_eq!(outcome, LoadOutcome::Loaded { claims: 4 }, "{name}");
+            assert_eq!(cp, want, "{name}");
+        }
+    }
+
+    /// The oldest version that holds the state is written, in the spelling the builds since
+    /// `24aada3` read (the pods a rolling update replaces), whichever version was read.
+    #[test]
+    fn writes_the_oldest_version_the_previous_release_reads() {
+        let current = include_str!("../tests/data/checkpoint-v1.json").trim_end();
+        assert_eq!(version_for(&fixture_state()), 1);
+        for (name, bytes) in fixtures() {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join(FILE_NAME);
+            std::fs::write(&path, bytes).unwrap();
+            let (cp, _) = load_file(&path, &fixture_state().boot_id).unwrap();
+            write_file(&path, &cp).unwrap();
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), current, "{name}");
+        }
+        // An exclusive-only state reads the same in both spellings: pods of every build read it.
+        let mut exclusive = fixture_state();
+        exclusive
+            .claims
+            .retain(|_, e| e.devices.iter().all(|d| d.sharing == Sharing::Exclusive));
+        let text = String::from_utf8(encode(&exclusive).unwrap()).unwrap();
+        assert!(!text.contains("strategy"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_newer_version_is_refused_and_left_in_place() {
+        let newer = "{\"version\": 2, \"bootId\": \"b\", \"claims\": {}, \"somethingNew\": 1}";
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        std::fs::write(&path, newer).unwrap();
+        let Err(e) = Ledger::open(dir.path(), "b") else {
+            panic!("a version 2 checkpoint was accepted");
+        };
+        assert!(matches!(e, Error::TooNew { found: 2, .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert!(
+            text.contains("version 2") && text.contains("1..=1"),
+            "{text}"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), newer);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![FILE_NAME]);
+    }
+
+    /// A running instance that finds a newer pod's file refuses to go on from it, keeps its own
+    /// state and leaves the file alone.
+    #[tokio::test]
+    async fn a_newer_version_written_by_another_pod_is_refused_on_reload() {
+        let dir = tempfile::tempdir().unwrap();
+        let (l, _, _s) = open(dir.path(), "b");
+        l.update(|c| {
+            c.insert(
+                ClaimUid("a".into()),
+                entry(ClaimState::PrepareCompleted, &["gpu-0"]),
+            )
+        });
+        l.flush().await.unwrap();
+        let newer = "{\"version\": 3, \"bootId\": \"b\", \"claims\": {}}";
+        std::fs::write(l.path(), newer).unwrap();
+        let e = l.reload_if_changed().unwrap_err();
+        assert!(matches!(e, Error::TooNew { found: 3, .. }), "{e:?}");
+        assert!(l.read(|c| c.claims.contains_key(&ClaimUid("a".into()))));
+        assert_eq!(std::fs::read_to_string(l.path()).unwrap(), newer);
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_names_the_file_and_reaches_every_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let (l, _, _s) = open(dir.path(), "b");
+        // The checkpoint's name is taken by a directory: the rename fails.
+        std::fs::create_dir(l.path()).unwrap();
+        std::fs::write(l.path().join("x"), "").unwrap();
+        let (a, b) = tokio::join!(l.flush(), l.flush());
+        for e in [a.unwrap_err(), b.unwrap_err()] {
+            let Error::Flush(inner) = &e else {
+                panic!("{e:?}")
+            };
+            assert!(matches!(**inner, Error::Save(_)), "{inner:?}");
+            let text = crate::report::chain(&e).to_string();
+            assert!(
+                text.starts_with("cannot save the checkpoint")
+                    && text.contains(&format!("cannot rename into place {}", l.path().display())),
+                "{text}"
+            );
+        }
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![FILE_NAME], "no temp file is left");
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -704,7 +1020,6 @@ mod tests {
             boot in "[a-f0-9-]{1,36}",
         ) {
             let cp = Checkpoint {
-                version: VERSION,
                 boot_id: boot.clone(),
                 claims: claims
                     .into_iter()

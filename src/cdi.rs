@@ -79,7 +79,7 @@ pub enum Error {
     DuplicateDevice { claim_uid: String, device: String },
     #[error("claim {claim_uid}: {message}")]
     Mps { claim_uid: String, message: String },
-    #[error("cannot {action} {path}: {source}")]
+    #[error("cannot {action} {path}")]
     Io {
         action: &'static str,
         path: PathBuf,

@@ -21,7 +21,7 @@ pub const FILE_NAME: &str = "serialize.lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot lock {path}: {source}")]
+    #[error("cannot lock {path}")]
     Lock {
         path: PathBuf,
         source: std::io::Error,
@@ -31,8 +31,8 @@ pub enum Error {
          The kubelet retries"
     )]
     Busy { path: PathBuf, waited: Duration },
-    #[error("lock task failed: {0}")]
-    Task(String),
+    #[error("the lock task panicked")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 /// How long an operation waits for another instance before failing.
@@ -96,7 +96,7 @@ impl NodeLock {
                 .map_err(|source| Error::Lock { path, source })
         })
         .await
-        .map_err(|e| Error::Task(e.to_string()))??;
+        .map_err(Error::Task)??;
         // Poll with a non-blocking flock instead of blocking a thread, so a stuck peer costs a
         // clear error after `timeout` rather than a hung call.
         let started = tokio::time::Instant::now();

@@ -84,7 +84,7 @@ impl std::str::FromStr for CrashPoint {
 pub enum ClaimError {
     #[error("resource claim {namespace}/{name} not found in the API server (deleted?)")]
     NotFound { namespace: String, name: String },
-    #[error("cannot read resource claim {namespace}/{name}: {source}")]
+    #[error("cannot read resource claim {namespace}/{name}")]
     Api {
         namespace: String,
         name: String,
@@ -121,12 +121,12 @@ pub enum ClaimError {
         name: String,
         uid: ClaimUid,
     },
-    #[error("invalid device configuration for request {request}: {source}")]
+    #[error("invalid device configuration for request {request}")]
     Config {
         request: String,
         source: sharing::Error,
     },
-    #[error("claim UID {uid:?} cannot name a CDI device: {source}")]
+    #[error("claim UID {uid:?} cannot name a CDI device")]
     BadUid { uid: String, source: cdi::Error },
     #[error(transparent)]
     Backend(#[from] inventory::Error),

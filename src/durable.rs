@@ -198,7 +198,7 @@ mod tests {
     /// passes, unless `NVDRA_REQUIRE_TMPFS` is set (CI sets it to 1).
     #[test]
     fn a_full_disk_reads_no_space_left_with_the_path() {
-        let Some(fs) = TinyTmpfs::mount() else {
+        let Some(fs) = super::testing::TinyTmpfs::mount() else {
             return;
         };
         let path = fs.dir.path().join("checkpoint.json");
@@ -212,9 +212,13 @@ mod tests {
         assert_eq!(names(fs.dir.path()), vec!["checkpoint.json"]);
         assert_eq!(std::fs::read(&path).unwrap(), b"small");
     }
+}
 
+/// Test support: a real full disk.
+#[cfg(test)]
+pub(crate) mod testing {
     /// A tmpfs of 64 KiB on a temporary directory, unmounted when dropped.
-    pub(crate) struct TinyTmpfs {
+    pub struct TinyTmpfs {
         pub dir: tempfile::TempDir,
     }
 

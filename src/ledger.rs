@@ -880,6 +880,48 @@ mod tests {
         assert_eq!(names, vec![FILE_NAME], "no temp file is left");
     }
 
+    /// A real full disk (a 64 KiB tmpfs; see `durable::testing`): the error names the file and
+    /// says so, the last good checkpoint stays, and no temp file is left.
+    #[tokio::test]
+    async fn a_full_disk_reads_no_space_left_with_the_checkpoint_path() {
+        let Some(fs) = crate::durable::testing::TinyTmpfs::mount() else {
+            return;
+        };
+        let (l, _, _s) = open(fs.dir.path(), "b");
+        l.update(|c| {
+            c.insert(
+                ClaimUid("first".into()),
+                entry(ClaimState::PrepareCompleted, &["gpu-0"]),
+            )
+        });
+        l.flush().await.unwrap();
+        let good = std::fs::read(l.path()).unwrap();
+        // About 300 bytes a claim: 1,000 claims do not fit in 64 KiB.
+        l.update(|c| {
+            for i in 0..1000 {
+                c.insert(
+                    ClaimUid(format!("c{i}")),
+                    entry(ClaimState::PrepareStarted, &["gpu-1"]),
+                );
+            }
+        });
+        let e = l.flush().await.unwrap_err();
+        let text = crate::report::chain(&e).to_string();
+        assert!(
+            text.contains(&format!(
+                "cannot write {}: No space left on device",
+                l.path().display()
+            )),
+            "{text}"
+        );
+        assert_eq!(std::fs::read(l.path()).unwrap(), good);
+        let names: Vec<_> = std::fs::read_dir(fs.dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![FILE_NAME]);
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn concurrent_flushes_share_writes() {
         let dir = tempfile::tempdir().unwrap();

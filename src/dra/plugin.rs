@@ -141,8 +141,8 @@ pub enum ClaimError {
     Ledger(#[from] ledger::Error),
     #[error(transparent)]
     Lock(#[from] nodelock::Error),
-    #[error("internal task failed: {0}")]
-    Task(String),
+    #[error("internal task failed")]
+    Task(#[source] tokio::task::JoinError),
     /// The whole batch could not start (node lock, inventory); the kubelet retries.
     #[error("{0}")]
     Unavailable(String),
@@ -394,7 +394,7 @@ impl Plugin {
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || f(&inner))
             .await
-            .map_err(|e| ClaimError::Task(e.to_string()))
+            .map_err(ClaimError::Task)
     }
 
     /// Crash tests only: stops dead at `at` (the thread never returns), after dropping a marker

@@ -32,14 +32,14 @@
 //! - The builder only reads the host (which nodes exist, their major/minor, the MIG capability
 //!   table); it never writes. Output is deterministic: same inputs, same bytes.
 //! - The writer replaces a spec atomically (temp file in the same directory, fsync, rename, fsync
-//!   directory), so a runtime scanning the directory never sees a partial spec, and a crash
-//!   leaves either the old or the new file. Temp files start with `.` and end in `.tmp`, which
-//!   CDI registries ignore, and are removed on failure.
+//!   directory, through [`crate::durable`]), so a runtime scanning the directory never sees a
+//!   partial spec, and a crash leaves either the old or the new file. Temp files start with `.`
+//!   and end in `.tmp`, which CDI registries ignore, and are removed on failure.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -79,12 +79,14 @@ pub enum Error {
     DuplicateDevice { claim_uid: String, device: String },
     #[error("claim {claim_uid}: {message}")]
     Mps { claim_uid: String, message: String },
-    #[error("cannot {action} {path}: {source}")]
+    #[error("cannot {action} {path}")]
     Io {
         action: &'static str,
         path: PathBuf,
         source: io::Error,
     },
+    #[error(transparent)]
+    Write(#[from] crate::durable::Error),
     #[error("cannot serialize the CDI spec of kind {kind}")]
     Serialize {
         kind: String,
@@ -874,53 +876,16 @@ pub fn write_spec(
     let text = spec.to_yaml()?;
     fs::create_dir_all(cdi_root).map_err(io_err("create the CDI directory", cdi_root))?;
     let path = spec_path(cdi_root, opts, claim_uid);
-    let tmp = cdi_root.join(format!(
-        ".{}{claim_uid}.{}.{:08x}.tmp",
-        file_prefix(opts),
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    let result = write_then_rename(&tmp, &path, text.as_bytes());
-    if result.is_err() {
-        // Best effort: the temp file may not exist if creating it failed.
-        let _ = fs::remove_file(&tmp);
-    }
-    result?;
-    sync_dir(cdi_root)?;
+    crate::durable::write(&path, text.as_bytes())?;
     Ok(path)
-}
-
-fn write_then_rename(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut file = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o644)
-        .open(tmp)
-        .map_err(io_err("create", tmp))?;
-    file.write_all(bytes).map_err(io_err("write", tmp))?;
-    file.sync_all().map_err(io_err("sync", tmp))?;
-    drop(file);
-    fs::rename(tmp, path).map_err(io_err("rename into place", path))
-}
-
-fn sync_dir(dir: &Path) -> Result<()> {
-    fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("sync the CDI directory", dir))
 }
 
 /// Removes a claim's spec; `Ok(false)` when there was none.
 pub fn remove_spec(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> Result<bool> {
     validate_claim_uid(claim_uid)?;
-    let path = spec_path(cdi_root, opts, claim_uid);
-    match fs::remove_file(&path) {
-        Ok(()) => {
-            sync_dir(cdi_root)?;
-            Ok(true)
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(io_err("remove", &path)(e)),
-    }
+    Ok(crate::durable::remove(&spec_path(
+        cdi_root, opts, claim_uid,
+    ))?)
 }
 
 /// The claim UIDs that have a spec file of this vendor and class in `cdi_root`, sorted (empty

@@ -335,18 +335,9 @@ fn write_stdout(text: &str) -> anyhow::Result<()> {
     }
 }
 
-/// An error and its causes on one line, skipping a cause whose text the message already
-/// includes (most of ours interpolate their source), so nothing is said twice.
+/// An error and its causes on one line, each said once (messages do not repeat their source).
 fn one_line(e: &anyhow::Error) -> String {
-    let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !msg.contains(&c) {
-            msg.push_str(": ");
-            msg.push_str(&c);
-        }
-    }
-    msg
+    crate::report::chain(e.as_ref()).to_string()
 }
 
 #[cfg(test)]
@@ -356,8 +347,9 @@ mod tests {
         let io = std::io::Error::other("disk on fire");
         let e = anyhow::Error::new(io).context("cannot write /x");
         assert_eq!(super::one_line(&e), "cannot write /x: disk on fire");
+        // Messages do not repeat their source, so the chain is said once, outermost first.
         let inner = anyhow::anyhow!("bad placement");
-        let e = inner.context("topology t.yaml: bad placement");
+        let e = inner.context("topology t.yaml");
         assert_eq!(super::one_line(&e), "topology t.yaml: bad placement");
     }
 }

@@ -285,18 +285,7 @@ fn absolute(key: &str, path: PathBuf) -> Result<PathBuf> {
 
 /// Lower-case RFC 1123 subdomain: labels of `[a-z0-9-]`, not starting or ending with `-`.
 pub fn check_dns_subdomain(key: &str, value: &str, max: usize) -> Result<()> {
-    let ok = !value.is_empty()
-        && value.len() <= max
-        && value.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        });
-    if ok {
+    if crate::dns::is_subdomain(value, max) {
         Ok(())
     } else {
         Err(invalid(

@@ -40,6 +40,7 @@ use crate::dra::sync::{self, SliceSync};
 use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::{self, Metrics};
+use crate::report;
 use crate::socket;
 
 /// How long in-flight work may take to finish after the first signal.
@@ -49,21 +50,21 @@ pub const GRACE: Duration = Duration::from_secs(20);
 pub enum Error {
     #[error("mode {0:?} is not available in this build; use --mode dra")]
     Mode(Mode),
-    #[error("cannot start the DRA plugin: {0}")]
+    #[error("cannot start the DRA plugin")]
     Start(#[from] plugin::StartError),
-    #[error("recovering the checkpoint failed: {0}")]
+    #[error("recovering the checkpoint failed")]
     Recover(#[from] plugin::ClaimError),
     #[error(transparent)]
     Boot(#[from] ledger::Error),
     #[error(transparent)]
     Socket(#[from] grpc::Error),
-    #[error("cannot listen for metrics on {addr}: {source}")]
+    #[error("cannot listen for metrics on {addr}")]
     Metrics {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
-    #[error("cannot install signal handlers: {0}")]
-    Signals(std::io::Error),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
     #[error("task {task} stopped unexpectedly: {reason}")]
     TaskDied { task: &'static str, reason: String },
     #[error("second signal: exiting without waiting for in-flight work")]
@@ -157,7 +158,7 @@ pub async fn run(
     writer_stop.cancel();
     match writer_task.await {
         Ok(Ok(())) => tracing::info!("checkpoint flushed"),
-        Ok(Err(e)) => tracing::error!(error = %e, "checkpoint writer failed"),
+        Ok(Err(e)) => tracing::error!(error = %report::chain(&e), "checkpoint writer failed"),
         Err(e) => tracing::error!(error = %e, "checkpoint writer panicked"),
     }
     result
@@ -206,7 +207,7 @@ async fn serve(
         );
         tasks.spawn(async move {
             let r = grpc::serve_dra(plugin, health, dra_listener, path, token).await;
-            ("dra-server", r.map_err(|e| e.to_string()))
+            ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
         });
     }
 
@@ -223,7 +224,7 @@ async fn serve(
         let token = shutdown.clone();
         tasks.spawn(async move {
             let r = registrar.run(reg_listener, reg_tx, token).await;
-            ("registration", r.map_err(|e| e.to_string()))
+            ("registration", r.map_err(|e| report::chain(&e).to_string()))
         });
     }
 

@@ -4,15 +4,30 @@
 //! `{"version": 1, "bootId": …, "claims": {<uid>: {"state": "PrepareStarted"|"PrepareCompleted",
 //! "namespace", "name", "devices": [...]}}}`.
 //!
+//! Versions: during a rolling update an old and a new pod share the file, and after a rollback
+//! the old one reads what the new one wrote. So this build reads every version nvdra has written
+//! ([`OLDEST_VERSION`]`..=`[`VERSION`]), writes the *oldest* version that holds the state
+//! ([`version_for`]), and refuses a newer version than it knows — without touching the file —
+//! instead of discarding another pod's claims.
+//!
+//! | version | written by | shape |
+//! |---|---|---|
+//! | 1 | since `9a33f72` | as above; a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
+//!
+//! A change to what the file holds gets a new version here, a reader for it, and a
+//! [`version_for`] that picks it only for a state the older versions cannot hold.
+//!
 //! Invariants:
-//! - Every write is atomic and durable: a temp file in the same directory, fsync, rename, fsync
-//!   of the directory. A crash leaves either the old or the new file, never a mix.
+//! - Every write is atomic and durable ([`crate::durable`]): a temp file in the same directory,
+//!   fsync, rename, fsync of the directory. A crash leaves either the old or the new file, never
+//!   a mix, and a failed write leaves no temp file.
 //! - A prepare is two-phase: the claim is recorded `PrepareStarted` (with the devices it is about
 //!   to touch) *before* any hardware or CDI change, and `PrepareCompleted` after. A `Started`
 //!   entry found at start-up is rolled back by the plugin.
 //! - A file written before a reboot (different boot id) is stale: its entries are dropped.
-//! - A corrupt file or one of an unknown version is moved aside (`checkpoint.json.corrupt-<ts>`)
-//!   with an error log, never silently overwritten.
+//! - A corrupt file, or one of a version nvdra never wrote, is moved aside
+//!   (`checkpoint.json.corrupt-<ts>`) with an error log, never silently overwritten. A file of a
+//!   newer version is left in place and loading fails with [`Error::TooNew`].
 //! - One writer: mutations go to the in-memory copy under a lock that is never held across an
 //!   `.await`; [`Ledger::flush`] asks the single [`Writer`] task for a durable write, and the
 //!   writer batches every flush request pending at that moment into one file write (group
@@ -20,21 +35,23 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::inventory::{GpuUuid, Placement};
+use crate::lock::lock;
 use crate::sharing::Sharing;
 
-/// The checkpoint format this build reads and writes.
+/// The newest checkpoint version this build reads.
 pub const VERSION: u32 = 1;
+/// The oldest checkpoint version nvdra ever wrote (and this build still reads).
+pub const OLDEST_VERSION: u32 = 1;
 /// The checkpoint's file name in the plugin data directory.
 pub const FILE_NAME: &str = "checkpoint.json";
 /// Where the boot id comes from.
@@ -42,29 +59,50 @@ pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot read the checkpoint {path}: {source}")]
+    #[error("cannot read the checkpoint {path}")]
     Read {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error(
-        "cannot write the checkpoint {path}: {source}; check the plugin data directory is writable and not full"
+        "the checkpoint {path} has version {found}, newer than the versions \
+         {OLDEST_VERSION}..={VERSION} this nvdra reads; it was written by a newer nvdra (a rolling \
+         update or a rollback in progress?) and is left as it is: run that version, or move the \
+         file away by hand to start without its claims"
     )]
-    Write {
+    TooNew { path: PathBuf, found: u64 },
+    #[error("cannot create the plugin data directory {path}")]
+    CreateDir {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
-    #[error("cannot encode the checkpoint: {0}")]
+    #[error("cannot move the unreadable checkpoint aside to {path}")]
+    MoveAside {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot save the checkpoint (check that the plugin data directory is writable and not full)"
+    )]
+    Save(#[source] crate::durable::Error),
+    #[error("cannot encode the checkpoint")]
     Encode(#[from] serde_json::Error),
-    #[error("cannot read the boot id from {path}: {source}")]
+    #[error("cannot read the boot id from {path}")]
     BootId {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error("the checkpoint writer has stopped (shutting down); retry after the restart")]
     WriterGone,
-    #[error("checkpoint write task failed: {0}")]
-    Task(String),
+    #[error("the checkpoint writer panicked")]
+    WriterPanicked(#[source] tokio::task::JoinError),
+    /// The writer's failure, as every flush of its batch sees it.
+    #[error(transparent)]
+    Flush(Arc<Error>),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -130,7 +168,11 @@ pub struct DeviceRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRecord>,
     /// How the device is shared (enough to undo it and to rebuild the CDI spec).
-    #[serde(default, skip_serializing_if = "is_exclusive")]
+    #[serde(
+        default,
+        skip_serializing_if = "is_exclusive",
+        deserialize_with = "v1::sharing"
+    )]
     pub sharing: Sharing,
 }
 
@@ -144,11 +186,10 @@ pub struct ClaimEntry {
     pub devices: Vec<DeviceRecord>,
 }
 
-/// The checkpoint file's content.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// The checkpoint's content. Its version is not part of it: that is a property of the file,
+/// chosen when writing ([`version_for`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Checkpoint {
-    pub version: u32,
     pub boot_id: String,
     pub claims: BTreeMap<ClaimUid, ClaimEntry>,
 }
@@ -156,10 +197,78 @@ pub struct Checkpoint {
 impl Checkpoint {
     pub fn empty(boot_id: &str) -> Self {
         Self {
-            version: VERSION,
             boot_id: boot_id.to_string(),
             claims: BTreeMap::new(),
         }
+    }
+}
+
+/// The oldest checkpoint version that holds `cp`, which is the version it is written as.
+///
+/// Every state fits version 1 today. A field that version 1 cannot hold raises this only for the
+/// checkpoints that use it, so pods of older builds keep reading the rest.
+pub fn version_for(_cp: &Checkpoint) -> u32 {
+    OLDEST_VERSION
+}
+
+/// The file as written: the version, then the content.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FileOut<'a> {
+    version: u32,
+    boot_id: &'a str,
+    claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
+}
+
+/// Version 1 as read.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FileV1 {
+    boot_id: String,
+    claims: BTreeMap<ClaimUid, ClaimEntry>,
+}
+
+mod v1 {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer};
+
+    use crate::sharing::{MpsSettings, Sharing, TimeSliceInterval};
+
+    /// A device's `sharing` in either spelling of version 1 (see the module doc).
+    #[derive(Deserialize)]
+    #[serde(tag = "strategy", rename_all = "camelCase")]
+    enum SharingV1 {
+        #[serde(alias = "Exclusive")]
+        Exclusive,
+        #[serde(alias = "TimeSlicing")]
+        TimeSlicing { interval: TimeSliceInterval },
+        #[serde(alias = "MPS", rename_all = "camelCase")]
+        Mps {
+            #[serde(default)]
+            active_thread_percentage: Option<u32>,
+            #[serde(default)]
+            pinned_memory_limit: Option<u64>,
+            /// Absent before `24aada3`.
+            #[serde(default)]
+            per_device_pinned_memory_limit: BTreeMap<String, u64>,
+        },
+    }
+
+    pub(super) fn sharing<'de, D: Deserializer<'de>>(d: D) -> Result<Sharing, D::Error> {
+        Ok(match SharingV1::deserialize(d)? {
+            SharingV1::Exclusive => Sharing::Exclusive,
+            SharingV1::TimeSlicing { interval } => Sharing::TimeSlicing { interval },
+            SharingV1::Mps {
+                active_thread_percentage,
+                pinned_memory_limit,
+                per_device_pinned_memory_limit,
+            } => Sharing::Mps(MpsSettings {
+                active_thread_percentage,
+                pinned_memory_limit,
+                per_device_pinned_memory_limit,
+            }),
+        })
     }
 }
 
@@ -209,7 +318,45 @@ fn file_id(path: &Path) -> Option<FileId> {
     })
 }
 
-/// Reads the checkpoint file at `path`, applying the boot-id and corruption rules.
+/// Why a checkpoint's bytes are not a checkpoint this build can use.
+enum Undecodable {
+    /// Written by a newer nvdra: leave it alone.
+    TooNew(u64),
+    /// Corrupt, or of a version nvdra never wrote: move it aside.
+    Corrupt(String),
+}
+
+/// Decodes a checkpoint file of any version this build reads.
+fn decode(bytes: &[u8]) -> Result<Checkpoint, Undecodable> {
+    let value = serde_json::from_slice::<serde_json::Value>(bytes)
+        .map_err(|e| Undecodable::Corrupt(format!("not JSON: {e}")))?;
+    let Some(version) = value.get("version").and_then(|v| v.as_u64()) else {
+        return Err(Undecodable::Corrupt("no version field".to_string()));
+    };
+    match version {
+        1 => {
+            let FileV1 { boot_id, claims } = serde_json::from_value(value)
+                .map_err(|e| Undecodable::Corrupt(format!("invalid: {e}")))?;
+            Ok(Checkpoint { boot_id, claims })
+        }
+        v if v > u64::from(VERSION) => Err(Undecodable::TooNew(v)),
+        v => Err(Undecodable::Corrupt(format!(
+            "version {v} was never written by nvdra (versions {OLDEST_VERSION}..={VERSION})"
+        ))),
+    }
+}
+
+/// Encodes `cp` as the oldest version that holds it ([`version_for`]).
+pub fn encode(cp: &Checkpoint) -> Result<Vec<u8>> {
+    let file = FileOut {
+        version: version_for(cp),
+        boot_id: &cp.boot_id,
+        claims: &cp.claims,
+    };
+    Ok(serde_json::to_vec_pretty(&file)?)
+}
+
+/// Reads the checkpoint file at `path`, applying the boot-id, version and corruption rules.
 pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
@@ -223,19 +370,7 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
             });
         }
     };
-    let parsed = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .map_err(|e| format!("not JSON: {e}"))
-        .and_then(|v| match v.get("version").and_then(|v| v.as_u64()) {
-            Some(v) if v == u64::from(VERSION) => Ok(()),
-            Some(v) => Err(format!(
-                "version {v} is not the version {VERSION} this nvdra reads"
-            )),
-            None => Err("no version field".to_string()),
-        })
-        .and_then(|()| {
-            serde_json::from_slice::<Checkpoint>(&bytes).map_err(|e| format!("invalid: {e}"))
-        });
-    match parsed {
+    match decode(&bytes) {
         Ok(cp) if cp.boot_id != boot_id => {
             let dropped = cp.claims.len();
             tracing::warn!(
@@ -251,7 +386,11 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
             let claims = cp.claims.len();
             Ok((cp, LoadOutcome::Loaded { claims }))
         }
-        Err(reason) => {
+        Err(Undecodable::TooNew(found)) => Err(Error::TooNew {
+            path: path.to_path_buf(),
+            found,
+        }),
+        Err(Undecodable::Corrupt(reason)) => {
             let ts = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -259,7 +398,7 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
             let mut moved_to = path.as_os_str().to_owned();
             moved_to.push(format!(".corrupt-{ts}"));
             let moved_to = PathBuf::from(moved_to);
-            std::fs::rename(path, &moved_to).map_err(|source| Error::Write {
+            std::fs::rename(path, &moved_to).map_err(|source| Error::MoveAside {
                 path: moved_to.clone(),
                 source,
             })?;
@@ -276,26 +415,10 @@ pub fn load_file(path: &Path, boot_id: &str) -> Result<(Checkpoint, LoadOutcome)
     }
 }
 
-/// Writes `cp` to `path` atomically and durably.
+/// Writes `cp` to `path` atomically and durably, as the oldest version that holds it.
 pub fn write_file(path: &Path, cp: &Checkpoint) -> Result<()> {
-    let bytes = serde_json::to_vec_pretty(cp)?;
-    let werr = |source| Error::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp_name = path.as_os_str().to_owned();
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
-    let tmp = PathBuf::from(tmp_name);
-    let mut f = std::fs::File::create(&tmp).map_err(werr)?;
-    f.write_all(&bytes).map_err(werr)?;
-    f.sync_all().map_err(werr)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(werr)?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(werr)?;
-    Ok(())
+    let bytes = encode(cp)?;
+    crate::durable::write(path, &bytes).map_err(Error::Save)
 }
 
 struct Shared {
@@ -306,7 +429,7 @@ struct Shared {
     writes: AtomicU64,
 }
 
-type FlushReply = oneshot::Sender<Result<(), String>>;
+type FlushReply = oneshot::Sender<Result<(), Arc<Error>>>;
 
 /// The in-memory ledger; cheap to clone. See the module doc for the write protocol.
 #[derive(Clone)]
@@ -321,15 +444,10 @@ pub struct Writer {
     rx: mpsc::UnboundedReceiver<FlushReply>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Mutations are single assignments to a map; a panic elsewhere cannot leave it half-done.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Ledger {
     /// Loads (or starts) the checkpoint in `dir`, creating the directory.
     pub fn open(dir: &Path, boot_id: &str) -> Result<(Ledger, Writer, LoadOutcome)> {
-        std::fs::create_dir_all(dir).map_err(|source| Error::Write {
+        std::fs::create_dir_all(dir).map_err(|source| Error::CreateDir {
             path: dir.to_path_buf(),
             source,
         })?;
@@ -372,7 +490,7 @@ impl Ledger {
         self.tx.send(tx).map_err(|_| Error::WriterGone)?;
         match rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(Error::Task(e)),
+            Ok(Err(e)) => Err(Error::Flush(e)),
             Err(_) => Err(Error::WriterGone),
         }
     }
@@ -443,11 +561,10 @@ impl Writer {
             Ok::<_, Error>(())
         })
         .await
-        .map_err(|e| Error::Task(e.to_string()))
-        .and_then(|r| r)
+        .unwrap_or_else(|e| Err(Error::WriterPanicked(e)))
         .map_err(|e| {
-            tracing::error!(error = %e, "checkpoint write failed");
-            e.to_string()
+            tracing::error!(error = %crate::report::chain(&e), "checkpoint write failed");
+            Arc::new(e)
         });
         for reply in batch {
             let _ = reply.send(result.clone());
@@ -456,278 +573,4 @@ impl Writer {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
-        ClaimEntry {
-            state,
-            namespace: "ns".into(),
-            name: "c".into(),
-            devices: devices
-                .iter()
-                .map(|d| DeviceRecord {
-                    requests: vec!["gpu".into()],
-                    pool: "node".into(),
-                    device: d.to_string(),
-                    cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{d}")],
-                    share_id: None,
-                    admin_access: false,
-                    gpu: GpuUuid("GPU-1".into()),
-                    mig: None,
-                    sharing: Sharing::Exclusive,
-                })
-                .collect(),
-        }
-    }
-
-    fn open(dir: &Path, boot: &str) -> (Ledger, LoadOutcome, CancellationToken) {
-        let (l, w, o) = Ledger::open(dir, boot).unwrap();
-        let stop = CancellationToken::new();
-        tokio::spawn(w.run(stop.clone()));
-        (l, o, stop)
-    }
-
-    #[tokio::test]
-    async fn flushed_state_survives_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        let (l, o, _s) = open(dir.path(), "boot-1");
-        assert_eq!(o, LoadOutcome::Fresh);
-        l.update(|c| {
-            c.insert(
-                ClaimUid("a".into()),
-                entry(ClaimState::PrepareCompleted, &["gpu-0"]),
-            )
-        });
-        l.flush().await.unwrap();
-        let (l2, o2, _s2) = open(dir.path(), "boot-1");
-        assert_eq!(o2, LoadOutcome::Loaded { claims: 1 });
-        assert_eq!(l.read(|c| c.clone()), l2.read(|c| c.clone()));
-        // No temp files remain.
-        let names: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert_eq!(names, vec![FILE_NAME.to_string()]);
-    }
-
-    #[tokio::test]
-    async fn reboot_drops_entries() {
-        let dir = tempfile::tempdir().unwrap();
-        let (l, _, _s) = open(dir.path(), "boot-1");
-        l.update(|c| {
-            c.insert(
-                ClaimUid("a".into()),
-                entry(ClaimState::PrepareCompleted, &["gpu-0"]),
-            )
-        });
-        l.flush().await.unwrap();
-        let (l2, o2, _s2) = open(dir.path(), "boot-2");
-        assert_eq!(o2, LoadOutcome::BootChanged { dropped: 1 });
-        assert!(l2.read(|c| c.claims.is_empty()));
-        assert_eq!(l2.read(|c| c.boot_id.clone()), "boot-2");
-    }
-
-    #[tokio::test]
-    async fn corrupt_and_unknown_versions_are_moved_aside() {
-        for (content, why) in [
-            ("{\"version\": 1, \"bootId\": \"b\", \"cla", "not JSON"),
-            (
-                "{\"version\": 7, \"bootId\": \"b\", \"claims\": {}}",
-                "version 7",
-            ),
-            (
-                "{\"version\": 1, \"bootId\": \"b\", \"claims\": 3}",
-                "invalid",
-            ),
-            ("[]", "no version"),
-        ] {
-            let dir = tempfile::tempdir().unwrap();
-            std::fs::write(dir.path().join(FILE_NAME), content).unwrap();
-            let (l, o, _s) = open(dir.path(), "b");
-            let LoadOutcome::MovedAside { moved_to, reason } = o else {
-                panic!("{content}: {o:?}")
-            };
-            assert!(reason.contains(why), "{reason}");
-            assert_eq!(std::fs::read_to_string(&moved_to).unwrap(), content);
-            assert!(
-                moved_to
-                    .file_name()
-                    .unwrap()
-                    .to_str()
-                    .unwrap()
-                    .starts_with("checkpoint.json.corrupt-")
-            );
-            assert!(l.read(|c| c.claims.is_empty()));
-            assert!(!dir.path().join(FILE_NAME).exists());
-        }
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn concurrent_flushes_share_writes() {
-        let dir = tempfile::tempdir().unwrap();
-        let (l, _, _s) = open(dir.path(), "b");
-        let tasks: Vec<_> = (0..32)
-            .map(|i| {
-                let l = l.clone();
-                tokio::spawn(async move {
-                    l.update(|c| {
-                        c.insert(
-                            ClaimUid(format!("c{i}")),
-                            entry(ClaimState::PrepareStarted, &["gpu-0"]),
-                        )
-                    });
-                    l.flush().await
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap().unwrap();
-        }
-        assert!(l.writes() < 32, "{} writes for 32 flushes", l.writes());
-        let (cp, _) = load_file(&dir.path().join(FILE_NAME), "b").unwrap();
-        assert_eq!(cp.claims.len(), 32);
-    }
-
-    #[tokio::test]
-    async fn flush_after_shutdown_fails_clearly_and_pending_work_is_written() {
-        let dir = tempfile::tempdir().unwrap();
-        let (l, _, stop) = open(dir.path(), "b");
-        l.update(|c| {
-            c.insert(
-                ClaimUid("a".into()),
-                entry(ClaimState::PrepareStarted, &["gpu-0"]),
-            )
-        });
-        stop.cancel();
-        // The writer may take the request before or after it sees the cancellation; either way
-        // the change is written or the caller is told.
-        match l.flush().await {
-            Ok(()) => {
-                let (cp, _) = load_file(&dir.path().join(FILE_NAME), "b").unwrap();
-                assert_eq!(cp.claims.len(), 1);
-            }
-            Err(e) => assert!(matches!(e, Error::WriterGone), "{e}"),
-        }
-        tokio::task::yield_now().await;
-    }
-
-    #[tokio::test]
-    async fn reload_sees_another_writer() {
-        let dir = tempfile::tempdir().unwrap();
-        let (a, _, _s) = open(dir.path(), "b");
-        let (b, _, _s2) = open(dir.path(), "b");
-        assert!(!a.reload_if_changed().unwrap());
-        b.update(|c| {
-            c.insert(
-                ClaimUid("x".into()),
-                entry(ClaimState::PrepareCompleted, &["gpu-3"]),
-            )
-        });
-        b.flush().await.unwrap();
-        assert!(a.reload_if_changed().unwrap());
-        assert!(a.read(|c| c.claims.contains_key(&ClaimUid("x".into()))));
-        assert!(!a.reload_if_changed().unwrap());
-    }
-
-    fn arb_sharing() -> impl Strategy<Value = Sharing> {
-        use crate::sharing::{MpsSettings, TimeSliceInterval};
-        prop_oneof![
-            Just(Sharing::Exclusive),
-            prop_oneof![
-                Just(TimeSliceInterval::Default),
-                Just(TimeSliceInterval::Short),
-                Just(TimeSliceInterval::Medium),
-                Just(TimeSliceInterval::Long)
-            ]
-            .prop_map(|interval| Sharing::TimeSlicing { interval }),
-            (
-                proptest::option::of(0u32..=100),
-                proptest::option::of(any::<u64>()),
-                proptest::collection::btree_map("[0-9]|GPU-[a-f0-9]{4}", any::<u64>(), 0..3),
-            )
-                .prop_map(|(a, p, per)| Sharing::Mps(MpsSettings {
-                    active_thread_percentage: a,
-                    pinned_memory_limit: p,
-                    per_device_pinned_memory_limit: per,
-                })),
-        ]
-    }
-
-    fn arb_device() -> impl Strategy<Value = DeviceRecord> {
-        (
-            proptest::collection::vec("[a-z]{1,8}", 0..3),
-            "[a-z0-9-]{1,20}",
-            proptest::option::of("[a-z0-9]{1,8}"),
-            any::<bool>(),
-            proptest::option::of((
-                proptest::option::of("MIG-[a-f0-9]{8}"),
-                0u32..20,
-                0u32..8,
-                1u32..8,
-                any::<bool>(),
-            )),
-            arb_sharing(),
-        )
-            .prop_map(
-                |(requests, device, share_id, admin, mig, sharing)| DeviceRecord {
-                    requests,
-                    pool: "node-a".into(),
-                    cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{device}")],
-                    device,
-                    share_id,
-                    admin_access: admin,
-                    gpu: GpuUuid("GPU-0000".into()),
-                    mig: mig.map(|(uuid, gi, start, size, created)| MigRecord {
-                        uuid: uuid.map(GpuUuid),
-                        profile: "1g.10gb".into(),
-                        gi_profile_id: gi,
-                        placement: Placement { start, size },
-                        created,
-                    }),
-                    sharing,
-                },
-            )
-    }
-
-    proptest! {
-        // Each case fsyncs twice; 64 cases keep the suite quick.
-        #![proptest_config(ProptestConfig::with_cases(64))]
-        #[test]
-        fn checkpoint_round_trips(
-            claims in proptest::collection::btree_map(
-                "[a-f0-9-]{1,36}",
-                (any::<bool>(), "[a-z0-9-]{1,20}", proptest::collection::vec(arb_device(), 0..4)),
-                0..6,
-            ),
-            boot in "[a-f0-9-]{1,36}",
-        ) {
-            let cp = Checkpoint {
-                version: VERSION,
-                boot_id: boot.clone(),
-                claims: claims
-                    .into_iter()
-                    .map(|(uid, (done, name, devices))| {
-                        (ClaimUid(uid), ClaimEntry {
-                            state: if done { ClaimState::PrepareCompleted } else { ClaimState::PrepareStarted },
-                            namespace: "default".into(),
-                            name,
-                            devices,
-                        })
-                    })
-                    .collect(),
-            };
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join(FILE_NAME);
-            write_file(&path, &cp).unwrap();
-            let (back, outcome) = load_file(&path, &boot).unwrap();
-            prop_assert_eq!(outcome, LoadOutcome::Loaded { claims: cp.claims.len() });
-            prop_assert_eq!(&back, &cp);
-            // Byte-stable: writing what was read gives the same file.
-            let first = std::fs::read(&path).unwrap();
-            write_file(&path, &back).unwrap();
-            prop_assert_eq!(first, std::fs::read(&path).unwrap());
-        }
-    }
-}
+mod tests;

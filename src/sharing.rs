@@ -45,12 +45,13 @@ pub enum Error {
     #[error("{path}: {message}")]
     Field { path: String, message: String },
     /// One entry of a claim's or class's config list is invalid.
-    #[error("{origin} config #{index}: {cause}")]
+    #[error("{origin} config #{index}")]
     Entry {
         origin: ConfigSource,
         /// 0-based position among the entries of that source (`spec.devices.config[index]` of the
         /// claim, or the class's `spec.config[index]`).
         index: usize,
+        #[source]
         cause: Box<Error>,
     },
     /// A config kind was explicitly applied to a device of the other kind.

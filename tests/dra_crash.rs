@@ -405,6 +405,47 @@ async fn corrupt_checkpoint_is_moved_aside() {
     assert!(terminate(&mut p).await.success());
 }
 
+/// A rollback: the checkpoint was written by a newer nvdra. The start fails naming the file and
+/// the version, and the file — the newer pod's claims — is left exactly as it was.
+#[test]
+fn a_newer_checkpoint_fails_the_start_and_is_left_in_place() {
+    let d = Dirs::new();
+    let dir = d.checkpoint().parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(&dir).unwrap();
+    let newer = r#"{"version": 2, "bootId": "b", "claims": {"a": {"somethingNew": true}}}"#;
+    std::fs::write(d.checkpoint(), newer).unwrap();
+    let err = assert_failed_start(&d, &d.checkpoint().display().to_string());
+    assert!(err.contains("version 2"), "{err}");
+    assert_eq!(std::fs::read_to_string(d.checkpoint()).unwrap(), newer);
+    let stray: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("checkpoint.json") && n != "checkpoint.json")
+        .collect();
+    assert!(stray.is_empty(), "{stray:?}");
+}
+
+/// A rolling update towards a newer nvdra: once the new pod has written a newer version, this
+/// one answers the kubelet with an error naming the file, and changes nothing.
+#[tokio::test]
+async fn a_running_instance_refuses_a_newer_checkpoint_written_beside_it() {
+    let d = Dirs::new();
+    d.add_claim("a", "gpu-1");
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    let newer = r#"{"version": 2, "bootId": "b", "claims": {}}"#;
+    std::fs::write(d.checkpoint(), newer).unwrap();
+    let r = prepare(&d, "a").await.unwrap();
+    assert!(
+        r.error.contains(&d.checkpoint().display().to_string()) && r.error.contains("version 2"),
+        "{}",
+        r.error
+    );
+    assert_eq!(std::fs::read_to_string(d.checkpoint()).unwrap(), newer);
+    assert!(d.specs().is_empty(), "{:?}", d.specs());
+    assert!(terminate(&mut p).await.success());
+}
+
 #[tokio::test]
 async fn a_second_signal_exits_without_waiting_for_a_stuck_client() {
     use std::io::BufRead;

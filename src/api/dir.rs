@@ -5,7 +5,7 @@
 //!
 //! Invariants:
 //! - A slice file is replaced atomically (temp file in the same directory, fsync, rename, fsync
-//!   the directory), so a reader or a crash never sees half a file.
+//!   the directory, through [`crate::durable`]), so a reader or a crash never sees half a file.
 //! - Each write stores a new, increasing `metadata.resourceVersion` in the file; `replace_slice`
 //!   fails with `Conflict` unless the caller's resourceVersion equals the stored one. The check and
 //!   the write are atomic within this process (one lock); across processes they are not.
@@ -22,13 +22,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use rand::Rng;
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{ClusterApi, Error, Result, SliceEvent};
+use crate::lock::lock;
 
 /// How often the watch looks at the directory.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
@@ -233,24 +233,9 @@ impl Inner {
     }
 }
 
-fn lock(m: &Mutex<()>) -> std::sync::MutexGuard<'_, ()> {
-    // The lock guards no data, so a poisoned lock is as good as a healthy one.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Slice names become file names: insist on a DNS subdomain so no name escapes the directory.
 fn check_slice_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        });
-    if ok {
+    if crate::dns::is_subdomain(name, 253) {
         Ok(())
     } else {
         Err(Error::Invalid(format!(
@@ -339,28 +324,10 @@ fn slice_files(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
-/// Temp file in the same directory, fsync, rename over `path`, fsync the directory.
+/// Replaces `path` durably ([`crate::durable`]).
 fn write_atomic(path: &Path, contents: &str) -> Result<()> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| Error::Invalid(format!("{} has no parent directory", path.display())))?;
-    let file_name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("slice.yaml");
-    let tmp = dir.join(format!(".{file_name}.tmp-{:08x}", rand::random::<u32>()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| io_error("create", &tmp, e))?;
-        f.write_all(contents.as_bytes())
-            .map_err(|e| io_error("write", &tmp, e))?;
-        f.sync_all().map_err(|e| io_error("fsync", &tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| io_error("rename into place", path, e))?;
-        fsync_dir(dir)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    crate::durable::write(path, contents.as_bytes())
+        .map_err(|e| Error::Transient(crate::report::chain(&e).to_string()))
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {

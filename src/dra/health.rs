@@ -143,7 +143,9 @@ impl DraResourceHealth for HealthService {
                     }
                     // Skipping one round is better than ending the stream: the kubelet only
                     // marks devices Unknown after its timeout.
-                    Err(e) => tracing::warn!(error = %e, "cannot read device health"),
+                    Err(e) => {
+                        tracing::warn!(error = %crate::report::chain(&e), "cannot read device health")
+                    }
                 }
             }
             tracing::debug!("health stream closed");

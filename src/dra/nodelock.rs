@@ -13,11 +13,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+// The state's updates are single statements (a counter, an `Option`), so the helper's
+// poison-ignoring is sound here.
+use crate::lock::lock;
+
 pub const FILE_NAME: &str = "serialize.lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot lock {path}: {source}")]
+    #[error("cannot lock {path}")]
     Lock {
         path: PathBuf,
         source: std::io::Error,
@@ -27,8 +31,8 @@ pub enum Error {
          The kubelet retries"
     )]
     Busy { path: PathBuf, waited: Duration },
-    #[error("lock task failed: {0}")]
-    Task(String),
+    #[error("the lock task panicked")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 /// How long an operation waits for another instance before failing.
@@ -51,11 +55,6 @@ pub struct NodeLock {
 /// Held while an operation runs; the flock is released when the last guard drops.
 pub struct Guard {
     state: Arc<Mutex<State>>,
-}
-
-fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    // Counter updates are single statements; a poisoned lock still holds a consistent count.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl NodeLock {
@@ -97,7 +96,7 @@ impl NodeLock {
                 .map_err(|source| Error::Lock { path, source })
         })
         .await
-        .map_err(|e| Error::Task(e.to_string()))??;
+        .map_err(Error::Task)??;
         // Poll with a non-blocking flock instead of blocking a thread, so a stuck peer costs a
         // clear error after `timeout` rather than a hung call.
         let started = tokio::time::Instant::now();

@@ -40,7 +40,10 @@ use crate::inventory::{
     self, DeviceBackend, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
 };
 use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid, DeviceRecord, Ledger, MigRecord};
+// The claim-lock map sees inserts and removes only, so ignoring poison is sound.
+use crate::lock::lock;
 use crate::metrics::{Histogram, Metrics};
+use crate::report;
 use crate::sharing::{self, DeviceKind, Sharing, TimeSliceInterval};
 
 /// Environment variable naming a [`CrashPoint`]: the process stops there to be killed. For crash
@@ -84,7 +87,7 @@ impl std::str::FromStr for CrashPoint {
 pub enum ClaimError {
     #[error("resource claim {namespace}/{name} not found in the API server (deleted?)")]
     NotFound { namespace: String, name: String },
-    #[error("cannot read resource claim {namespace}/{name}: {source}")]
+    #[error("cannot read resource claim {namespace}/{name}")]
     Api {
         namespace: String,
         name: String,
@@ -121,12 +124,12 @@ pub enum ClaimError {
         name: String,
         uid: ClaimUid,
     },
-    #[error("invalid device configuration for request {request}: {source}")]
+    #[error("invalid device configuration for request {request}")]
     Config {
         request: String,
         source: sharing::Error,
     },
-    #[error("claim UID {uid:?} cannot name a CDI device: {source}")]
+    #[error("claim UID {uid:?} cannot name a CDI device")]
     BadUid { uid: String, source: cdi::Error },
     #[error(transparent)]
     Backend(#[from] inventory::Error),
@@ -138,8 +141,8 @@ pub enum ClaimError {
     Ledger(#[from] ledger::Error),
     #[error(transparent)]
     Lock(#[from] nodelock::Error),
-    #[error("internal task failed: {0}")]
-    Task(String),
+    #[error("internal task failed")]
+    Task(#[source] tokio::task::JoinError),
     /// The whole batch could not start (node lock, inventory); the kubelet retries.
     #[error("{0}")]
     Unavailable(String),
@@ -311,11 +314,6 @@ fn resolve_device<'a>(
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Map inserts/removes only; a panic elsewhere cannot leave a half-done change.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Plugin {
     /// Opens the ledger in `opts.plugin_dir`. Spawn the returned writer, then call
     /// [`Plugin::recover`] before serving.
@@ -396,7 +394,7 @@ impl Plugin {
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || f(&inner))
             .await
-            .map_err(|e| ClaimError::Task(e.to_string()))
+            .map_err(ClaimError::Task)
     }
 
     /// Crash tests only: stops dead at `at` (the thread never returns), after dropping a marker
@@ -454,7 +452,7 @@ impl Plugin {
                 ClaimState::PrepareCompleted => self.restore(uid, entry, &inv, &mut rec).await,
             };
             if let Err(e) = result {
-                tracing::error!(claim.uid = %uid, %claim, error = %e, "cannot recover claim; left for its next prepare or unprepare");
+                tracing::error!(claim.uid = %uid, %claim, error = %report::chain(&e), "cannot recover claim; left for its next prepare or unprepare");
                 rec.failed.push(uid.clone());
             }
         }
@@ -553,7 +551,7 @@ impl Plugin {
         };
         let results = match state {
             Err(e) => {
-                let msg = e.to_string();
+                let msg = report::chain(&e).to_string();
                 claims
                     .into_iter()
                     .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
@@ -572,7 +570,7 @@ impl Plugin {
                         };
                         self.release_claim_lock(&uid, l);
                         if let Err(e) = &r {
-                            tracing::warn!(claim.uid = %uid, claim = %who, error = %e, "{what} failed");
+                            tracing::warn!(claim.uid = %uid, claim = %who, error = %report::chain(e), "{what} failed");
                         }
                         (uid, r)
                     }
@@ -658,7 +656,7 @@ impl Plugin {
             );
             if let Err(e) = flushed.map_err(ClaimError::from).and(written) {
                 if let Err(re) = self.rollback(uid, &planned).await {
-                    tracing::error!(claim.uid = %uid, error = %re, "rollback after a failed prepare failed; retried on the next prepare or restart");
+                    tracing::error!(claim.uid = %uid, error = %report::chain(&re), "rollback after a failed prepare failed; retried on the next prepare or restart");
                 }
                 return Err(e);
             }
@@ -670,7 +668,7 @@ impl Plugin {
             Ok(devices) => Ok(devices),
             Err((e, devices)) => {
                 if let Err(re) = self.rollback(uid, &devices).await {
-                    tracing::error!(claim.uid = %uid, error = %re, "rollback after a failed prepare failed; retried on the next prepare or restart");
+                    tracing::error!(claim.uid = %uid, error = %report::chain(&re), "rollback after a failed prepare failed; retried on the next prepare or restart");
                 }
                 Err(e)
             }

@@ -147,7 +147,7 @@ impl SliceSync {
         let inv = match inventory::refresh(self.backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
-                tracing::warn!(error = %e, backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
+                tracing::warn!(error = %crate::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
                 return;
             }
         };
@@ -194,7 +194,9 @@ impl SliceSync {
                 );
                 self.last_desired = Some(desired);
             }
-            Err(e) => tracing::error!(error = %e, "bug: the publisher refused the desired slices"),
+            Err(e) => {
+                tracing::error!(error = %crate::report::chain(&e), "bug: the publisher refused the desired slices")
+            }
         }
     }
 }

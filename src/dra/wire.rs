@@ -86,7 +86,7 @@ macro_rules! same_in_both {
                         },
                         Err(e) => $ver::NodePrepareResourceResponse {
                             devices: Vec::new(),
-                            error: e.to_string(),
+                            error: crate::report::chain(&e).to_string(),
                         },
                     };
                     (uid.0, entry)
@@ -99,7 +99,10 @@ macro_rules! same_in_both {
             let claims = results
                 .into_iter()
                 .map(|(uid, r)| {
-                    let error = r.err().map(|e| e.to_string()).unwrap_or_default();
+                    let error = r
+                        .err()
+                        .map(|e| crate::report::chain(&e).to_string())
+                        .unwrap_or_default();
                     (uid.0, $ver::NodeUnprepareResourceResponse { error })
                 })
                 .collect();

@@ -35,6 +35,9 @@ pub enum Error {
     Topology(#[from] topology::Error),
     #[error("invalid inventory: {0}")]
     Invalid(String),
+    /// The blocking task that talked to the backend panicked.
+    #[error("the inventory task panicked")]
+    Task(#[source] tokio::task::JoinError),
     /// The backend cannot do this (e.g. MIG reconfiguration through a backend without it).
     #[error("the {backend} backend does not support {operation}")]
     Unsupported {
@@ -574,14 +577,14 @@ pub trait DeviceBackend: Send + Sync + 'static {
 pub async fn snapshot(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
     tokio::task::spawn_blocking(move || backend.snapshot())
         .await
-        .map_err(|e| Error::Invalid(format!("inventory task failed: {e}")))?
+        .map_err(Error::Task)?
 }
 
 /// [`DeviceBackend::refresh`] off the async runtime.
 pub async fn refresh(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
     tokio::task::spawn_blocking(move || backend.refresh())
         .await
-        .map_err(|e| Error::Invalid(format!("inventory task failed: {e}")))?
+        .map_err(Error::Task)?
 }
 
 #[cfg(test)]

@@ -214,7 +214,7 @@ impl OmissionLog {
     /// Logs the omissions not logged before (or whose reason changed) and returns them.
     fn log_new<'a>(&self, omissions: &'a [Omission]) -> Vec<&'a Omission> {
         // A panic while logging cannot leave the map torn; keep using it.
-        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = crate::lock::lock(&self.0);
         let mut now = BTreeMap::new();
         let mut logged = Vec::new();
         for o in omissions {

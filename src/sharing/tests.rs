@@ -6,6 +6,11 @@ fn gpu_config(sharing: serde_json::Value) -> serde_json::Value {
     json!({"apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": sharing})
 }
 
+/// An error as nvdra prints it: the message and its sources.
+fn chain(e: Error) -> String {
+    crate::report::chain(&e).to_string()
+}
+
 fn err(v: serde_json::Value) -> String {
     decode(&v).unwrap_err().to_string()
 }
@@ -368,7 +373,7 @@ fn decode_errors_name_the_entry_and_source() {
         // A later, valid override does not hide the broken entry.
         entry(FromClaim, &[], DRIVER, ts("Short")),
     ];
-    let e = config_for(&entries, DRIVER, "gpu").unwrap_err().to_string();
+    let e = chain(config_for(&entries, DRIVER, "gpu").unwrap_err());
     assert_eq!(
         e,
         "claim config #1: sharing.mpsConfig.defaultActiveThreadPercentage: must be between 1 and 100, got 150"
@@ -376,9 +381,7 @@ fn decode_errors_name_the_entry_and_source() {
     // The broken entry does not apply to other requests.
     assert!(config_for(&entries, DRIVER, "other").is_ok());
     let bad_class = vec![entry(FromClass, &[], DRIVER, json!({"kind": "GpuConfig"}))];
-    let e = config_for(&bad_class, DRIVER, "gpu")
-        .unwrap_err()
-        .to_string();
+    let e = chain(config_for(&bad_class, DRIVER, "gpu").unwrap_err());
     assert!(e.starts_with("class config #0: apiVersion: missing"), "{e}");
 }
 
@@ -401,9 +404,8 @@ fn device_kind_aware_selection_follows_nvidia() {
     assert_eq!(c.kind_name(), KIND_GPU);
     // Naming the request explicitly with the wrong kind is an error.
     let entries = vec![entry(FromClaim, &["g"], DRIVER, mig)];
-    let e = config_for_device(&entries, DRIVER, "g/sub", DeviceKind::Gpu, "gpu-3")
-        .unwrap_err()
-        .to_string();
+    let e =
+        chain(config_for_device(&entries, DRIVER, "g/sub", DeviceKind::Gpu, "gpu-3").unwrap_err());
     assert!(
         e.starts_with("claim config #0: MigDeviceConfig cannot configure GPU device gpu-3"),
         "{e}"

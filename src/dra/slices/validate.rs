@@ -20,6 +20,7 @@ use super::{
     MAX_COUNTERS_PER_CONSUMPTION, MAX_COUNTERS_PER_SET, MAX_DEVICES_PER_SLICE,
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, MAX_VALUE_LENGTH,
 };
+use crate::dns;
 use crate::inventory::parse_quantity;
 
 /// Longest driver name (and attribute domain).
@@ -71,20 +72,6 @@ impl fmt::Display for Violation {
             None => f.write_str(&self.rule),
         }
     }
-}
-
-fn is_dns_label(s: &str, max: usize) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= max
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-}
-
-fn is_dns_subdomain(s: &str, max: usize) -> bool {
-    !s.is_empty() && s.len() <= max && s.split('.').all(|l| is_dns_label(l, 63))
 }
 
 fn is_c_identifier(s: &str) -> bool {
@@ -151,7 +138,7 @@ fn is_label_key(s: &str) -> bool {
         Some((p, n)) => (Some(p), n),
         None => (None, s),
     };
-    prefix.is_none_or(|p| is_dns_subdomain(p, 253)) && is_label_value(name) && !name.is_empty()
+    prefix.is_none_or(|p| dns::is_subdomain(p, 253)) && is_label_value(name) && !name.is_empty()
 }
 
 fn is_label_value(s: &str) -> bool {
@@ -172,7 +159,7 @@ fn check_qualified_name(name: &str) -> Option<String> {
         None => (None, name),
     };
     if let Some(d) = domain
-        && !is_dns_subdomain(d, MAX_DRIVER_NAME)
+        && !dns::is_subdomain(d, MAX_DRIVER_NAME)
     {
         return Some(format!(
             "qualified-name: domain {d:?} of {name:?} must be a lower-case DNS subdomain of at \
@@ -228,7 +215,7 @@ fn check_attribute(name: &str, a: &DeviceAttribute, out: &mut Vec<String>) {
 
 fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Vec<String> {
     let mut out = Vec::new();
-    if !is_dns_label(&d.name, 63) {
+    if !dns::is_label(&d.name, 63) {
         out.push(format!(
             "device-name: {:?} must be a DNS label (at most 63 lower-case letters, digits and '-', \
              starting and ending with a letter or digit)",
@@ -297,7 +284,7 @@ fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Ve
         }
         let mut sets = BTreeSet::new();
         for c in consumptions {
-            if !is_dns_label(&c.counter_set, 63) {
+            if !dns::is_label(&c.counter_set, 63) {
                 out.push(format!(
                     "counter-set-name: consumed counter set {:?} must be a DNS label",
                     c.counter_set
@@ -386,7 +373,7 @@ fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Ve
 }
 
 fn check_counter(name: &str, value: &str, out: &mut Vec<String>) {
-    if !is_dns_label(name, 63) {
+    if !dns::is_label(name, 63) {
         out.push(format!(
             "counter-name: counter {name:?} must be a DNS label"
         ));
@@ -401,7 +388,7 @@ fn check_counter(name: &str, value: &str, out: &mut Vec<String>) {
 /// Checks one slice against the API server's rules; empty when it would be accepted.
 pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
     let mut v = Vec::new();
-    if !is_dns_subdomain(&spec.driver, MAX_DRIVER_NAME) {
+    if !dns::is_subdomain(&spec.driver, MAX_DRIVER_NAME) {
         v.push(Violation::slice(format!(
             "driver-name: {:?} must be a lower-case DNS subdomain of at most {MAX_DRIVER_NAME} \
              characters",
@@ -411,7 +398,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
     let pool = &spec.pool;
     if pool.name.is_empty()
         || pool.name.len() > MAX_POOL_NAME
-        || !pool.name.split('/').all(|p| is_dns_subdomain(p, 253))
+        || !pool.name.split('/').all(|p| dns::is_subdomain(p, 253))
     {
         v.push(Violation::slice(format!(
             "pool-name: {:?} must be one or more DNS subdomains separated by '/', at most \
@@ -434,7 +421,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
 
     let mut selection = Vec::new();
     if let Some(n) = &spec.node_name {
-        if is_dns_subdomain(n, 253) {
+        if dns::is_subdomain(n, 253) {
             selection.push("nodeName");
         } else {
             v.push(Violation::slice(format!(
@@ -513,7 +500,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
     }
     let mut set_names = BTreeSet::new();
     for set in counter_sets {
-        if !is_dns_label(&set.name, 63) {
+        if !dns::is_label(&set.name, 63) {
             v.push(Violation::slice(format!(
                 "counter-set-name: {:?} must be a DNS label",
                 set.name

@@ -1,0 +1,252 @@
+//! Writing a file so that a crash leaves either the old or the new content, never a mix: the one
+//! way every nvdra writer (checkpoint, CDI specs, the directory API's slices) replaces a file.
+//!
+//! Protocol: a temporary file in the target's directory, named `.<file name>.<random>.tmp`
+//! (hidden, and not ending in `.yaml` or `.json`, so directory scanners — CDI registries, the
+//! directory API — skip it); write; fsync; rename over the target; fsync the directory, so the
+//! rename itself survives a power loss.
+//!
+//! Invariants:
+//! - Nothing is left behind on failure: until the rename, the temporary file is owned by a
+//!   [`tempfile::NamedTempFile`], which removes it when dropped.
+//! - Errors name the target file (the temporary name is random and already gone) and keep the
+//!   `io::Error` as their source, so a full disk reads
+//!   "cannot write <path>: No space left on device (os error 28)".
+
+use std::fs::Permissions;
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// Mode of the files written here (before the umask), as `File::create` would give them.
+pub const MODE: u32 = 0o644;
+
+/// A step of [`write`] that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {step} {path}")]
+pub struct Error {
+    /// What was being done, e.g. `write` or `sync the directory of`.
+    pub step: &'static str,
+    /// The file being replaced.
+    pub path: PathBuf,
+    #[source]
+    pub source: io::Error,
+}
+
+impl Error {
+    /// The I/O error underneath.
+    pub fn io(&self) -> &io::Error {
+        &self.source
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Replaces `path` with `bytes` durably. The directory must exist.
+pub fn write(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_with(path, |w| w.write_all(bytes))
+}
+
+/// Like [`write`], with the content produced by `fill` (which may fail; then nothing changes and
+/// no temporary file remains).
+pub fn write_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
+    let fail = |step: &'static str| {
+        move |source| Error {
+            step,
+            path: path.to_path_buf(),
+            source,
+        }
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().ok_or_else(|| {
+        fail("write")(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the path names no file",
+        ))
+    })?;
+    let mut prefix = std::ffi::OsString::from(".");
+    prefix.push(name);
+    prefix.push(".");
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&prefix)
+        .suffix(".tmp")
+        .permissions(Permissions::from_mode(MODE))
+        .tempfile_in(dir)
+        .map_err(fail("create a temporary file for"))?;
+    fill(tmp.as_file_mut()).map_err(fail("write"))?;
+    tmp.as_file().sync_all().map_err(fail("sync"))?;
+    // On failure the returned temporary file is dropped here, which removes it.
+    tmp.persist(path)
+        .map_err(|e| fail("rename into place")(e.error))?;
+    sync_dir(dir).map_err(fail("sync the directory of"))
+}
+
+/// Removes `path` durably; `Ok(false)` when there was nothing to remove.
+pub fn remove(path: &Path) -> Result<bool> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(source) => {
+            return Err(Error {
+                step: "remove",
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    sync_dir(dir).map_err(|source| Error {
+        step: "sync the directory of",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(true)
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+        crate::report::chain(e).to_string()
+    }
+
+    #[test]
+    fn replaces_the_file_and_leaves_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.json");
+        write(&path, b"one").unwrap();
+        write(&path, b"two").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        assert_eq!(names(dir.path()), vec!["a.json"]);
+    }
+
+    #[test]
+    fn a_failed_write_keeps_the_old_file_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        write(&path, b"old").unwrap();
+        let mut seen_tmp = None;
+        let err = write_with(&path, |w| {
+            w.write_all(b"half of the new")?;
+            // The temporary file exists while the content is written, and is hidden.
+            seen_tmp = Some(names(dir.path()));
+            Err(io::Error::from_raw_os_error(28))
+        })
+        .unwrap_err();
+        let during = seen_tmp.unwrap();
+        assert_eq!(during.len(), 2, "{during:?}");
+        assert!(
+            during
+                .iter()
+                .any(|n| n.starts_with(".checkpoint.json.") && n.ends_with(".tmp")),
+            "{during:?}"
+        );
+        assert_eq!(names(dir.path()), vec!["checkpoint.json"]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        assert_eq!(err.io().raw_os_error(), Some(28));
+        assert_eq!(
+            chain(&err),
+            format!(
+                "cannot write {}: No space left on device (os error 28)",
+                path.display()
+            )
+        );
+    }
+
+    #[test]
+    fn a_failed_rename_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory cannot be replaced by a file.
+        let path = dir.path().join("taken");
+        std::fs::create_dir(&path).unwrap();
+        let err = write(&path, b"x").unwrap_err();
+        assert_eq!(err.step, "rename into place");
+        assert_eq!(err.path, path);
+        assert_eq!(names(dir.path()), vec!["taken"]);
+    }
+
+    #[test]
+    fn a_missing_directory_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gone/a.yaml");
+        let err = write(&path, b"x").unwrap_err();
+        assert_eq!(err.io().kind(), io::ErrorKind::NotFound);
+        assert!(chain(&err).contains(&path.display().to_string()), "{err}");
+    }
+
+    /// A real full disk: a 64 KiB tmpfs. Needs `mount` (root); without it the test says why and
+    /// passes, unless `NVDRA_REQUIRE_TMPFS` is set (CI sets it to 1).
+    #[test]
+    fn a_full_disk_reads_no_space_left_with_the_path() {
+        let Some(fs) = super::testing::TinyTmpfs::mount() else {
+            return;
+        };
+        let path = fs.dir.path().join("checkpoint.json");
+        write(&path, b"small").unwrap();
+        let big = vec![b'x'; 1 << 20];
+        let err = write(&path, &big).unwrap_err();
+        assert_eq!(err.io().raw_os_error(), Some(28), "{err:?}");
+        let text = chain(&err);
+        assert!(text.contains("No space left on device"), "{text}");
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert_eq!(names(fs.dir.path()), vec!["checkpoint.json"]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"small");
+    }
+}
+
+/// Test support: a real full disk.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// A tmpfs of 64 KiB on a temporary directory, unmounted when dropped.
+    pub struct TinyTmpfs {
+        pub dir: tempfile::TempDir,
+    }
+
+    impl TinyTmpfs {
+        pub fn mount() -> Option<Self> {
+            let dir = tempfile::tempdir().unwrap();
+            let out = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", "size=64k", "nvdra-test"])
+                .arg(dir.path())
+                .output();
+            let why = match out {
+                Ok(o) if o.status.success() => return Some(Self { dir }),
+                Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+                Err(e) => e.to_string(),
+            };
+            if std::env::var("NVDRA_REQUIRE_TMPFS").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("NVDRA_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}");
+            }
+            eprintln!("skipping the full-disk test: cannot mount a tmpfs: {why}");
+            None
+        }
+    }
+
+    impl Drop for TinyTmpfs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg(self.dir.path())
+                .status();
+        }
+    }
+}

@@ -152,7 +152,6 @@ async fn main() {
             driver_root: dir.path().join("driver"),
             boot_id: "bench".into(),
             partitionable: false,
-            crash_at: None,
         },
         api.cluster_api(),
         Arc::new(sim),

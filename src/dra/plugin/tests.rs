@@ -1,14 +1,21 @@
 use super::*;
+use crate::api;
 use crate::api::SliceEvent;
+use crate::dra::{mps, slices};
+use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
+use crate::ledger::{ClaimState, DeviceRecord};
+use crate::sharing::{Sharing, TimeSliceInterval};
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
     ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio_util::sync::CancellationToken;
 
@@ -133,7 +140,6 @@ async fn start(
         driver_root: dir.join("driver"),
         boot_id: "boot-1".into(),
         partitionable: true,
-        crash_at: None,
     };
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
     let stop = CancellationToken::new();
@@ -657,7 +663,6 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         driver_root: dir.path().join("driver"),
         boot_id: "b".into(),
         partitionable: false,
-        crash_at: None,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
@@ -713,7 +718,6 @@ async fn outcomes_are_counted_in_metrics() {
         driver_root: dir.path().join("driver"),
         boot_id: "b".into(),
         partitionable: false,
-        crash_at: None,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::inventory::{GpuUuid, Placement};
+use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::sharing::Sharing;
 
 /// The checkpoint format this build reads and writes.
@@ -103,7 +103,7 @@ fn is_exclusive(s: &Sharing) -> bool {
 pub struct MigRecord {
     /// The MIG device UUID; `None` while a device to be created at prepare does not exist yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uuid: Option<GpuUuid>,
+    pub uuid: Option<MigUuid>,
     pub profile: String,
     pub gi_profile_id: u32,
     pub placement: Placement,
@@ -680,7 +680,7 @@ mod tests {
                     admin_access: admin,
                     gpu: GpuUuid("GPU-0000".into()),
                     mig: mig.map(|(uuid, gi, start, size, created)| MigRecord {
-                        uuid: uuid.map(GpuUuid),
+                        uuid: uuid.map(MigUuid),
                         profile: "1g.10gb".into(),
                         gi_profile_id: gi,
                         placement: Placement { start, size },

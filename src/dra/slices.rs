@@ -39,7 +39,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::inventory::{
-    Engines, Gpu, GpuUuid, Inventory, MigDevice, MigProfile, Placement, quantity,
+    Engines, Gpu, Inventory, MigDevice, MigProfile, MigUuid, Placement, quantity,
 };
 
 pub use validate::{Violation, is_semver, validate, validate_pool};
@@ -465,7 +465,7 @@ struct MigShape<'a> {
     memory_bytes: u64,
     multiprocessors: u32,
     engines: Engines,
-    uuid: Option<&'a GpuUuid>,
+    uuid: Option<&'a MigUuid>,
 }
 
 impl<'a> MigShape<'a> {

@@ -10,7 +10,9 @@ use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions, PreparedDevice};
 use crate::dra::mps::Mps;
 use crate::dra::slices::{self, PublishedDevice};
-use crate::inventory::{self, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice};
+use crate::inventory::{
+    self, DeviceUuid, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
+};
 use crate::ledger::{ClaimEntry, ClaimUid, DeviceRecord, MigRecord};
 use crate::sharing::{self, DeviceKind, Sharing, TimeSliceInterval};
 
@@ -182,15 +184,13 @@ fn conflicts(a: &DeviceRecord, b: &DeviceRecord) -> bool {
 }
 
 /// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its MPS daemon.
-pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
+pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
     devices
         .iter()
         .filter(|d| matches!(d.sharing, Sharing::Mps(_)))
-        .map(|d| {
-            d.mig
-                .as_ref()
-                .and_then(|m| m.uuid.clone())
-                .unwrap_or_else(|| d.gpu.clone())
+        .map(|d| match d.mig.as_ref().and_then(|m| m.uuid.clone()) {
+            Some(mig) => DeviceUuid::Mig(mig),
+            None => DeviceUuid::Gpu(d.gpu.clone()),
         })
         .collect()
 }

@@ -7,7 +7,7 @@
 use super::plan::mps_devices;
 use super::{ClaimError, Plugin};
 use crate::cdi;
-use crate::inventory::{GpuUuid, Inventory};
+use crate::inventory::{DeviceUuid, Inventory};
 use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid};
 
 /// What start-up repaired.
@@ -70,7 +70,7 @@ impl Plugin {
         inv: &Inventory,
         rec: &mut Recovery,
     ) -> Result<(), ClaimError> {
-        let mps: Vec<GpuUuid> = mps_devices(&entry.devices);
+        let mps: Vec<DeviceUuid> = mps_devices(&entry.devices);
         if !mps.is_empty() {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;

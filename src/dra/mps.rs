@@ -206,7 +206,7 @@ pub(crate) mod tests {
         let driver_root = dir.path().join("driver");
         fake_control(&driver_root);
         let mps = Mps::new(dir.path().join("mps"), driver_root.clone());
-        let claim = ClaimUid("c1".into());
+        let claim = ClaimUid::parse("c1").unwrap();
         let pipe = mps
             .start(
                 &claim,
@@ -237,7 +237,7 @@ pub(crate) mod tests {
         let mps = Mps::new(dir.path().join("mps"), dir.path().to_path_buf());
         let e = mps
             .start(
-                &ClaimUid("c".into()),
+                &ClaimUid::parse("c").unwrap(),
                 &[DeviceUuid::Gpu(GpuUuid("GPU-a".into()))],
             )
             .unwrap_err();

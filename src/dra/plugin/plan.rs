@@ -62,10 +62,6 @@ pub(super) fn plan(
         });
     };
     let entries = sharing::from_allocation(allocation);
-    cdi::validate_device_name(claim.uid.as_str()).map_err(|source| ClaimError::BadUid {
-        uid: claim.uid.to_string(),
-        source,
-    })?;
     let mut out: Vec<DeviceRecord> = Vec::new();
     let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
     for r in results.unwrap_or_default() {

@@ -51,7 +51,13 @@ impl Plugin {
         }
         let known = self.inner.ledger.read(|c| c.claims.clone());
         for uid in cdi::list_claim_specs(&self.inner.opts.cdi_root, &self.inner.cdi)? {
-            let uid = ClaimUid(uid);
+            let uid = match ClaimUid::parse(uid.as_str()) {
+                Ok(uid) => uid,
+                Err(e) => {
+                    tracing::warn!(claim.uid = %uid, error = %e, "left a CDI spec alone whose name holds no claim UID");
+                    continue;
+                }
+            };
             if !known.contains_key(&uid) {
                 self.remove_spec(&uid)?;
                 tracing::warn!(claim.uid = %uid, "removed orphan CDI spec with no checkpoint entry");

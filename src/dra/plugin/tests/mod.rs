@@ -100,9 +100,11 @@ impl Env {
         lock(&self.api.claims).insert(key, c);
     }
     fn state(&self, uid: &str) -> Option<ClaimState> {
-        self.plugin
-            .ledger()
-            .read(|c| c.claims.get(&ClaimUid(uid.into())).map(|e| e.state))
+        self.plugin.ledger().read(|c| {
+            c.claims
+                .get(&ClaimUid::parse(uid).unwrap())
+                .map(|e| e.state)
+        })
     }
     async fn prepare(&self, uid: &str) -> Result<Vec<DeviceRecord>, ClaimError> {
         let mut r = self.plugin.prepare(vec![cref(uid)]).await;
@@ -123,7 +125,7 @@ fn cref(uid: &str) -> ClaimRef {
     ClaimRef {
         namespace: "default".into(),
         name: format!("claim-{uid}"),
-        uid: ClaimUid(uid.into()),
+        uid: ClaimUid::parse(uid).unwrap(),
     }
 }
 

@@ -13,16 +13,16 @@ async fn restart_recovers_started_completed_and_orphans() {
     // spec of "done" as a reboot of a tmpfs CDI root would (same boot id: the runtime's dir was
     // wiped by hand).
     e.plugin.ledger().update(|c| {
-        c.get_mut(&ClaimUid("half".into())).unwrap().state = ClaimState::PrepareStarted;
+        c.get_mut(&ClaimUid::parse("half").unwrap()).unwrap().state = ClaimState::PrepareStarted;
     });
     e.plugin.ledger().flush().await.unwrap();
     std::fs::remove_file(e.spec("done")).unwrap();
     std::fs::write(e.spec("stray"), "{}").unwrap();
 
     let (p2, rec, _g) = e.restart(e.sim.clone()).await;
-    assert_eq!(rec.rolled_back, vec![ClaimUid("half".into())]);
-    assert_eq!(rec.cdi_rewritten, vec![ClaimUid("done".into())]);
-    assert_eq!(rec.orphans_removed, vec![ClaimUid("stray".into())]);
+    assert_eq!(rec.rolled_back, vec![ClaimUid::parse("half").unwrap()]);
+    assert_eq!(rec.cdi_rewritten, vec![ClaimUid::parse("done").unwrap()]);
+    assert_eq!(rec.orphans_removed, vec![ClaimUid::parse("stray").unwrap()]);
     assert!(e.spec("done").exists());
     assert!(!e.spec("half").exists());
     assert!(!e.spec("stray").exists());
@@ -49,8 +49,8 @@ async fn a_claim_that_cannot_be_recovered_does_not_stop_the_others() {
     // A restart on hardware that lost the created MIG device (a fresh simulated node).
     let fresh = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
     let (p2, rec, _g) = e.restart(fresh).await;
-    assert_eq!(rec.failed, vec![ClaimUid("mig".into())]);
-    assert_eq!(rec.cdi_rewritten, vec![ClaimUid("gpu".into())]);
+    assert_eq!(rec.failed, vec![ClaimUid::parse("mig").unwrap()]);
+    assert_eq!(rec.cdi_rewritten, vec![ClaimUid::parse("gpu").unwrap()]);
     assert!(e.spec("gpu").exists());
     // The failed claim stays known, so its unprepare still cleans up.
     assert_eq!(p2.ledger().read(|c| c.claims.len()), 2);
@@ -79,6 +79,6 @@ async fn two_instances_share_the_checkpoint() {
         e.plugin
             .ledger()
             .read(|c| c.claims.keys().cloned().collect::<Vec<_>>()),
-        vec![ClaimUid("y".into())]
+        vec![ClaimUid::parse("y").unwrap()]
     );
 }

@@ -2,7 +2,6 @@
 //! set and reset, MPS daemons started and stopped, CDI specs written and removed. Each undo step
 //! can be repeated safely, so a rollback that failed half-way is retried as a whole.
 
-use crate::cdi;
 use crate::inventory::{Inventory, MigDevice, TimeSlice};
 use crate::ledger::{ClaimUid, DeviceRecord};
 use crate::sharing::Sharing;
@@ -89,24 +88,9 @@ impl Plugin {
             &self.inner.mps,
         )?;
         let uid = uid.clone();
-        self.blocking(move |i| {
-            let spec = cdi::claim_spec(&i.cdi, uid.as_str(), &prepared, &i.driver_files)?;
-            cdi::write_spec(&i.opts.cdi_root, &i.cdi, uid.as_str(), &spec)?;
-            Ok::<_, ClaimError>(())
-        })
-        .await?
-    }
-
-    pub(super) fn spec_exists(&self, uid: &ClaimUid) -> bool {
-        cdi::spec_path(&self.inner.opts.cdi_root, &self.inner.cdi, uid.as_str()).exists()
-    }
-
-    pub(super) fn remove_spec(&self, uid: &ClaimUid) -> Result<bool, ClaimError> {
-        Ok(cdi::remove_spec(
-            &self.inner.opts.cdi_root,
-            &self.inner.cdi,
-            uid.as_str(),
-        )?)
+        Ok(self
+            .blocking(move |i| i.specs.write(&uid, &prepared))
+            .await??)
     }
 
     /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be
@@ -122,10 +106,7 @@ impl Plugin {
         // without a spec (rewritten at start, then unprepared again by the kubelet).
         let spec_uid = uid.clone();
         let (removed, flushed) = tokio::join!(
-            self.blocking(move |i| {
-                cdi::remove_spec(&i.opts.cdi_root, &i.cdi, spec_uid.as_str())
-                    .map_err(ClaimError::from)
-            }),
+            self.blocking(move |i| i.specs.remove(&spec_uid).map_err(ClaimError::from)),
             async {
                 self.inner.ledger.update(|c| c.remove(uid));
                 self.inner.ledger.flush().await

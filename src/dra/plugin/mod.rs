@@ -31,7 +31,6 @@ use std::sync::{Arc, Mutex};
 use super::mps::Mps;
 use super::nodelock::{self, NodeLock};
 use crate::api::ClusterApi;
-use crate::cdi::{self, CdiOptions, DriverFiles};
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::{self, ClaimUid, Ledger};
 use crate::metrics::Metrics;
@@ -44,9 +43,11 @@ mod error;
 mod plan;
 mod prepare;
 mod recovery;
+mod specs;
 
 pub use error::{ClaimError, StartError};
 pub use recovery::Recovery;
+use specs::Specs;
 
 /// Stops at a crash point of the SIGKILL tests; nothing without the `crash-points` feature.
 macro_rules! crash_point {
@@ -85,8 +86,7 @@ struct Inner {
     api: Arc<dyn ClusterApi>,
     backend: Arc<dyn DeviceBackend>,
     ledger: Ledger,
-    cdi: CdiOptions,
-    driver_files: DriverFiles,
+    specs: Specs,
     mps: Mps,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
@@ -118,8 +118,7 @@ impl Plugin {
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
-        let cdi = CdiOptions::resolve(&opts.driver, &opts.driver_root)?;
-        let driver_files = cdi::discover_driver_files(&opts.driver_root);
+        let specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
         let mps = Mps::new(opts.plugin_dir.join("mps"), opts.driver_root.clone());
         let node_lock = NodeLock::new(&opts.plugin_dir);
@@ -130,8 +129,7 @@ impl Plugin {
                     api,
                     backend,
                     ledger,
-                    cdi,
-                    driver_files,
+                    specs,
                     mps,
                     node_lock,
                     metrics,

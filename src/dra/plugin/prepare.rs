@@ -29,7 +29,7 @@ impl Plugin {
         // Idempotency: a completed claim is answered from the ledger.
         if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
             if entry.state == ClaimState::PrepareCompleted {
-                if !entry.devices.is_empty() && !self.spec_exists(uid) {
+                if !entry.devices.is_empty() && !self.inner.specs.exists(uid) {
                     self.write_cdi(uid, &entry.devices, inv, &[]).await?;
                     tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten");
                 }
@@ -42,7 +42,13 @@ impl Plugin {
         }
 
         let rc = self.read_claim(claim).await?;
-        let plan = plan::plan(&self.inner.opts, &self.inner.cdi, claim, &rc, inv)?;
+        let plan = plan::plan(
+            &self.inner.opts,
+            self.inner.specs.options(),
+            claim,
+            &rc,
+            inv,
+        )?;
         let devices = if plan.touches_hardware() {
             self.prepare_reconfiguring(claim, plan, inv).await?
         } else {
@@ -168,7 +174,7 @@ impl Plugin {
     pub(super) async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
         let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
             // Unknown claims succeed; a stray spec of ours for it goes too.
-            if self.remove_spec(uid)? {
+            if self.inner.specs.remove(uid)? {
                 tracing::warn!(claim.uid = %uid, "removed a CDI spec of a claim not in the checkpoint");
             }
             return Ok(());

@@ -6,7 +6,6 @@
 
 use super::plan::mps_devices;
 use super::{ClaimError, Plugin};
-use crate::cdi;
 use crate::inventory::{DeviceUuid, Inventory};
 use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid};
 
@@ -50,7 +49,7 @@ impl Plugin {
             }
         }
         let known = self.inner.ledger.read(|c| c.claims.clone());
-        for uid in cdi::list_claim_specs(&self.inner.opts.cdi_root, &self.inner.cdi)? {
+        for uid in self.inner.specs.list()? {
             let uid = match ClaimUid::parse(uid.as_str()) {
                 Ok(uid) => uid,
                 Err(e) => {
@@ -59,7 +58,7 @@ impl Plugin {
                 }
             };
             if !known.contains_key(&uid) {
-                self.remove_spec(&uid)?;
+                self.inner.specs.remove(&uid)?;
                 tracing::warn!(claim.uid = %uid, "removed orphan CDI spec with no checkpoint entry");
                 rec.orphans_removed.push(uid);
             }
@@ -81,7 +80,7 @@ impl Plugin {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
         }
-        if !entry.devices.is_empty() && !self.spec_exists(uid) {
+        if !entry.devices.is_empty() && !self.inner.specs.exists(uid) {
             self.write_cdi(uid, &entry.devices, inv, &[]).await?;
             tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
             rec.cdi_rewritten.push(uid.clone());

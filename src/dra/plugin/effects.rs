@@ -20,7 +20,7 @@ impl Plugin {
     pub(super) async fn reconfigure(
         &self,
         uid: &ClaimUid,
-        devices: &mut Vec<DeviceRecord>,
+        devices: &mut [DeviceRecord],
     ) -> Result<Vec<MigDevice>, ClaimError> {
         let mut created: Vec<MigDevice> = Vec::new();
         let result = self.reconfigure_devices(uid, devices, &mut created).await;
@@ -29,7 +29,7 @@ impl Plugin {
         if !created.is_empty() {
             self.inner.ledger.update(|c| {
                 if let Some(e) = c.get_mut(uid) {
-                    e.devices = devices.clone();
+                    e.devices = devices.to_vec();
                 }
             });
         }

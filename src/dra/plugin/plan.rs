@@ -295,3 +295,134 @@ fn resolve_device<'a>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+
+    use super::*;
+    use crate::inventory::topology::load_profile;
+
+    const DRIVER: &str = "gpu.nvidia.com";
+
+    fn opts(partitionable: bool) -> Options {
+        Options {
+            driver: DRIVER.into(),
+            pool: "node-a".into(),
+            plugin_dir: "/nonexistent/plugin".into(),
+            cdi_root: "/nonexistent/cdi".into(),
+            driver_root: "/nonexistent".into(),
+            boot_id: "b".into(),
+            partitionable,
+        }
+    }
+
+    fn result(request: &str, driver: &str, device: &str) -> DeviceRequestAllocationResult {
+        DeviceRequestAllocationResult {
+            request: request.into(),
+            driver: driver.into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            ..Default::default()
+        }
+    }
+
+    fn claim_ref(uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            name: "c".into(),
+            uid: ClaimUid::parse(uid).unwrap(),
+        }
+    }
+
+    /// The plan is a function of its arguments: no API, no files, no GPU.
+    #[test]
+    fn plans_our_results_once_per_device_and_says_what_touches_the_gpu() {
+        let inv = load_profile("a100-mig-mixed", "node-a").unwrap();
+        let cdi = CdiOptions::resolve(DRIVER, Path::new("/nonexistent")).unwrap();
+        let rc = crate::api::allocated_claim(
+            "ns",
+            "c",
+            "u1",
+            vec![
+                result("pair/a", DRIVER, "gpu-0"),
+                result("other", "net.example.com", "eth0"),
+                result("x", DRIVER, "gpu-0"),
+                result("mig", DRIVER, "gpu-2-mig-1g10gb-15-6"),
+            ],
+            vec![],
+        );
+        let p = plan(&opts(true), &cdi, &claim_ref("u1"), &rc, &inv).unwrap();
+        let names: Vec<_> = p
+            .devices
+            .iter()
+            .map(|d| (d.device.as_str(), d.requests.clone()))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("gpu-0", vec!["pair".to_string(), "x".to_string()]),
+                ("gpu-2-mig-1g10gb-15-6", vec!["mig".to_string()]),
+            ]
+        );
+        let mig = p.devices[1].mig.as_ref().unwrap();
+        assert!(mig.created && mig.uuid.is_none());
+        assert!(p.touches_hardware(), "a MIG instance is created");
+        assert_eq!(
+            p.devices[0].cdi_ids,
+            vec![format!("k8s.{DRIVER}/claim=u1-gpu-0")]
+        );
+
+        // Whole GPUs, exclusive: nothing changes on the GPU.
+        let rc = crate::api::allocated_claim(
+            "ns",
+            "c",
+            "u2",
+            vec![result("gpu", DRIVER, "gpu-0")],
+            vec![],
+        );
+        let p = plan(&opts(false), &cdi, &claim_ref("u2"), &rc, &inv).unwrap();
+        assert!(!p.touches_hardware());
+
+        // The claim must be the one the kubelet named.
+        let e = plan(&opts(false), &cdi, &claim_ref("u3"), &rc, &inv).unwrap_err();
+        assert!(matches!(e, ClaimError::UidChanged { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_conflict_names_the_claim_that_holds_the_device() {
+        let inv = load_profile("dgx-h100", "node-a").unwrap();
+        let cdi = CdiOptions::resolve(DRIVER, Path::new("/nonexistent")).unwrap();
+        let rc = |uid: &str| {
+            crate::api::allocated_claim(
+                "ns",
+                "c",
+                uid,
+                vec![result("gpu", DRIVER, "gpu-3")],
+                vec![],
+            )
+        };
+        let a = plan(&opts(false), &cdi, &claim_ref("a"), &rc("a"), &inv).unwrap();
+        let b = plan(&opts(false), &cdi, &claim_ref("b"), &rc("b"), &inv).unwrap();
+        let mut claims = BTreeMap::new();
+        claims.insert(
+            claim_ref("a").uid,
+            ClaimEntry {
+                state: crate::ledger::ClaimState::PrepareCompleted,
+                namespace: "ns".into(),
+                name: "holder".into(),
+                devices: a.devices.clone(),
+            },
+        );
+        // A claim does not conflict with itself (a retried prepare).
+        conflict(&claims, &claim_ref("a").uid, &a.devices).unwrap();
+        let e = conflict(&claims, &claim_ref("b").uid, &b.devices).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("gpu-3 is already prepared for claim ns/holder (a)"),
+            "{e}"
+        );
+    }
+}

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::dra::slices::DeviceName;
 use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::sharing::Sharing;
 
@@ -142,7 +143,7 @@ pub struct DeviceRecord {
     /// Base request names (no `/subrequest`).
     pub requests: Vec<String>,
     pub pool: String,
-    pub device: String,
+    pub device: DeviceName,
     pub cdi_ids: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
@@ -493,7 +494,7 @@ mod tests {
                 .map(|d| DeviceRecord {
                     requests: vec!["gpu".into()],
                     pool: "node".into(),
-                    device: d.to_string(),
+                    device: DeviceName::parse(d).unwrap(),
                     cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{d}")],
                     share_id: None,
                     admin_access: false,
@@ -681,7 +682,7 @@ mod tests {
     fn arb_device() -> impl Strategy<Value = DeviceRecord> {
         (
             proptest::collection::vec("[a-z]{1,8}", 0..3),
-            "[a-z0-9-]{1,20}",
+            (0u32..64).prop_map(DeviceName::gpu),
             proptest::option::of("[a-z0-9]{1,8}"),
             any::<bool>(),
             proptest::option::of((

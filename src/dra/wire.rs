@@ -56,7 +56,7 @@ fn device_v1(d: DeviceRecord) -> v1::Device {
     v1::Device {
         request_names: requests,
         pool_name: pool,
-        device_name: device,
+        device_name: device.into(),
         cdi_device_ids: cdi_ids,
         share_id,
     }
@@ -78,7 +78,7 @@ fn device_v1beta1(d: DeviceRecord) -> v1beta1::Device {
     v1beta1::Device {
         request_names: requests,
         pool_name: pool,
-        device_name: device,
+        device_name: device.into(),
         cdi_device_ids: cdi_ids,
     }
 }
@@ -171,7 +171,7 @@ mod tests {
         DeviceRecord {
             requests: vec!["gpu".into()],
             pool: "node".into(),
-            device: "gpu-0".into(),
+            device: crate::dra::slices::DeviceName::gpu(0),
             cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
             share_id: share.map(String::from),
             admin_access: false,

@@ -9,7 +9,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions, PreparedDevice};
 use crate::dra::mps::Mps;
-use crate::dra::slices::{self, PublishedDevice};
+use crate::dra::slices::{self, DeviceName, PublishedDevice};
 use crate::inventory::{
     self, DeviceUuid, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
 };
@@ -90,32 +90,42 @@ pub(super) fn plan(
             }
             continue;
         }
-        let (gpu, mig, kind) =
-            match resolve_device(inv, &r.device, opts.partitionable).map_err(unknown)? {
-                Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
-                Resolved::Mig(g, m) => (
-                    g,
-                    Some(MigRecord {
-                        uuid: Some(m.uuid.clone()),
-                        profile: m.profile.clone(),
-                        gi_profile_id: m.gi_profile_id,
-                        placement: m.placement,
-                        created: false,
-                    }),
-                    DeviceKind::Mig,
-                ),
-                Resolved::MigToCreate(g, p, placement) => (
-                    g,
-                    Some(MigRecord {
-                        uuid: None,
-                        profile: p.name.clone(),
-                        gi_profile_id: p.gi_profile_id,
-                        placement,
-                        created: true,
-                    }),
-                    DeviceKind::Mig,
-                ),
-            };
+        let resolved = resolve_device(inv, &r.device, opts.partitionable).map_err(unknown)?;
+        // The name the inventory gives the device: the allocation's name, parsed.
+        let name = match resolved {
+            Resolved::Gpu(g) => DeviceName::gpu(g.minor),
+            Resolved::Mig(g, m) => {
+                DeviceName::mig(g.minor, &m.profile, m.gi_profile_id, m.placement.start)
+            }
+            Resolved::MigToCreate(g, p, placement) => {
+                DeviceName::mig(g.minor, &p.name, p.gi_profile_id, placement.start)
+            }
+        };
+        let (gpu, mig, kind) = match resolved {
+            Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
+            Resolved::Mig(g, m) => (
+                g,
+                Some(MigRecord {
+                    uuid: Some(m.uuid.clone()),
+                    profile: m.profile.clone(),
+                    gi_profile_id: m.gi_profile_id,
+                    placement: m.placement,
+                    created: false,
+                }),
+                DeviceKind::Mig,
+            ),
+            Resolved::MigToCreate(g, p, placement) => (
+                g,
+                Some(MigRecord {
+                    uuid: None,
+                    profile: p.name.clone(),
+                    gi_profile_id: p.gi_profile_id,
+                    placement,
+                    created: true,
+                }),
+                DeviceKind::Mig,
+            ),
+        };
         let config_err = |source| ClaimError::Config {
             request: r.request.clone(),
             source,
@@ -128,8 +138,8 @@ pub(super) fn plan(
         out.push(DeviceRecord {
             requests: vec![base],
             pool: r.pool.clone(),
-            device: r.device.clone(),
-            cdi_ids: vec![cdi::device_id(cdi, claim.uid.as_str(), &r.device)],
+            cdi_ids: vec![cdi::device_id(cdi, claim.uid.as_str(), name.as_str())],
+            device: name,
             share_id: r.share_id.clone(),
             admin_access: r.admin_access.unwrap_or(false),
             gpu: gpu.uuid.clone(),
@@ -150,7 +160,7 @@ pub(super) fn conflict(
         for (other_uid, other) in claims {
             if other_uid != uid && other.devices.iter().any(|o| conflicts(d, o)) {
                 return Err(ClaimError::DeviceInUse {
-                    device: d.device.clone(),
+                    device: d.device.to_string(),
                     namespace: other.namespace.clone(),
                     name: other.name.clone(),
                     uid: other_uid.clone(),
@@ -212,7 +222,7 @@ pub(super) fn cdi_devices(
 ) -> Result<Vec<PreparedDevice>, ClaimError> {
     let gone = |d: &DeviceRecord, reason: String| ClaimError::UnknownDevice {
         pool: d.pool.clone(),
-        device: d.device.clone(),
+        device: d.device.to_string(),
         ours: pool.to_string(),
         reason,
     };
@@ -235,7 +245,7 @@ pub(super) fn cdi_devices(
                 ),
             };
             Ok(PreparedDevice {
-                name: d.device.clone(),
+                name: d.device.to_string(),
                 gpu: gpu.clone(),
                 mig,
                 mps_pipe_dir: matches!(d.sharing, Sharing::Mps(_)).then(|| mps.pipe_dir(uid)),
@@ -246,6 +256,7 @@ pub(super) fn cdi_devices(
 }
 
 /// What an allocated device name stands for on this node.
+#[derive(Clone, Copy)]
 enum Resolved<'a> {
     Gpu(&'a Gpu),
     Mig(&'a Gpu, &'a MigDevice),
@@ -424,5 +435,43 @@ mod tests {
                 .contains("gpu-3 is already prepared for claim ns/holder (a)"),
             "{e}"
         );
+    }
+
+    /// Checkpoints hold device names; they read back only as names this driver makes.
+    #[test]
+    fn device_names_parse_by_the_grammar_they_are_made_with() {
+        for name in [
+            DeviceName::gpu(0),
+            DeviceName::gpu(17),
+            DeviceName::mig(3, "1g.5gb+me", 20, 6),
+            DeviceName::mig(1, "7g.141gb", 0, 0),
+        ] {
+            assert_eq!(DeviceName::parse(name.as_str()).unwrap(), name);
+            let json = serde_json::to_string(&name).unwrap();
+            assert_eq!(serde_json::from_str::<DeviceName>(&json).unwrap(), name);
+        }
+        for bad in [
+            "",
+            "gpu-",
+            "gpu-01",
+            "gpu-x",
+            "eth0",
+            "gpu-0-mig-",
+            "gpu-0-mig-1g5gb-19",
+            "gpu-0-mig-1g.5gb-19-0",
+            "gpu-0-nic-1",
+            "gpu-0-mig--19-0",
+        ] {
+            let e = DeviceName::parse(bad).unwrap_err();
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("{bad:?} is not a device name")),
+                "{e}"
+            );
+            assert!(
+                serde_json::from_str::<DeviceName>(&format!("{bad:?}")).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

@@ -71,11 +71,6 @@ pub struct RunArgs {
     /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
     #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
     pub boot_id_file: Option<PathBuf>,
-
-    /// Crash tests only: abort at this point of prepare (after-started, after-cdi,
-    /// before-completed, after-completed).
-    #[arg(long, env = "NVDRA_TEST_CRASH_AT", value_name = "POINT", hide = true)]
-    pub test_crash_at: Option<crate::dra::plugin::CrashPoint>,
 }
 
 impl RunArgs {
@@ -174,6 +169,10 @@ pub fn main() -> ExitCode {
             eprintln!("nvdra: {e}");
             ExitCode::from(EXIT_CONFIG)
         }
+        Err(Failure::Usage(e)) => {
+            eprintln!("nvdra: {e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
         Err(Failure::Other(e)) => {
             eprintln!("nvdra: {}", one_line(&e));
             ExitCode::FAILURE
@@ -183,6 +182,9 @@ pub fn main() -> ExitCode {
 
 enum Failure {
     Config(config::Error),
+    /// A bad setting outside the configuration (exit code 64 too).
+    #[cfg_attr(not(feature = "crash-points"), allow(dead_code))]
+    Usage(String),
     Other(anyhow::Error),
 }
 
@@ -284,7 +286,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     .map_err(anyhow::Error::from)?;
                 let extras = crate::daemon::Extras {
                     boot_id_file: args.boot_id_file.clone(),
-                    crash_at: args.test_crash_at,
+                    #[cfg(feature = "crash-points")]
+                    crash_at: crate::dra::plugin::crash::from_env()
+                        .map_err(|e| Failure::Usage(e.to_string()))?,
                 };
                 crate::daemon::run(config, extras, backend, api, Default::default())
                     .await

@@ -32,7 +32,7 @@ use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::dra::grpc;
 use crate::dra::health::{self, HealthService};
-use crate::dra::plugin::{self, CrashPoint, Plugin};
+use crate::dra::plugin::{self, Plugin};
 use crate::dra::publisher::Publisher;
 use crate::dra::registration::{Registrar, RegistrationState, Sockets};
 use crate::dra::slices;
@@ -81,8 +81,9 @@ pub struct Extras {
     /// Where the boot id is read (default `/proc/sys/kernel/random/boot_id`); tests point it at
     /// a file they control to simulate a reboot.
     pub boot_id_file: Option<PathBuf>,
-    /// Crash tests only: abort at this point of prepare.
-    pub crash_at: Option<CrashPoint>,
+    /// Crash tests only: stop at this point of prepare.
+    #[cfg(feature = "crash-points")]
+    pub crash_at: Option<plugin::crash::CrashPoint>,
 }
 
 type TaskResult = (&'static str, Result<(), String>);
@@ -132,12 +133,15 @@ pub async fn run(
             driver_root: config.driver_root.clone(),
             boot_id,
             partitionable: config.partitionable,
-            crash_at: extras.crash_at,
         },
         api.clone(),
         backend.clone(),
         metrics.clone(),
     )?;
+    #[cfg(feature = "crash-points")]
+    if let Some(at) = extras.crash_at {
+        plugin.stop_at(at);
+    }
     tracing::info!(checkpoint = %plugin.ledger().path().display(), ?outcome, "checkpoint loaded");
 
     // The writer outlives the servers: it stops only after they drained.

@@ -44,7 +44,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::inventory::{GpuUuid, Placement};
+use crate::dra::slices::DeviceName;
+use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::lock::lock;
 use crate::sharing::Sharing;
 
@@ -107,10 +108,33 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A ResourceClaim UID.
+/// A ResourceClaim UID. It prefixes the claim's CDI device names, so it follows their grammar;
+/// [`ClaimUid::parse`] (where a request enters) and reading a checkpoint are the only ways to
+/// make one, so code that holds one never checks it again.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct ClaimUid(pub String);
+#[serde(try_from = "String", into = "String")]
+pub struct ClaimUid(String);
+
+impl ClaimUid {
+    pub fn parse(uid: impl Into<String>) -> std::result::Result<Self, crate::cdi::Error> {
+        let uid = uid.into();
+        crate::cdi::validate_device_name(&uid)?;
+        Ok(Self(uid))
+    }
+}
+
+impl TryFrom<String> for ClaimUid {
+    type Error = crate::cdi::Error;
+    fn try_from(uid: String) -> std::result::Result<Self, crate::cdi::Error> {
+        Self::parse(uid)
+    }
+}
+
+impl From<ClaimUid> for String {
+    fn from(uid: ClaimUid) -> String {
+        uid.0
+    }
+}
 
 impl fmt::Display for ClaimUid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -141,7 +165,7 @@ fn is_exclusive(s: &Sharing) -> bool {
 pub struct MigRecord {
     /// The MIG device UUID; `None` while a device to be created at prepare does not exist yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uuid: Option<GpuUuid>,
+    pub uuid: Option<MigUuid>,
     pub profile: String,
     pub gi_profile_id: u32,
     pub placement: Placement,
@@ -157,7 +181,7 @@ pub struct DeviceRecord {
     /// Base request names (no `/subrequest`).
     pub requests: Vec<String>,
     pub pool: String,
-    pub device: String,
+    pub device: DeviceName,
     pub cdi_ids: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,

@@ -240,7 +240,7 @@ async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
     // failure would: SIGKILL, no chance to clean up.
     let marker = d.p(&format!(
         "kubelet/plugins/{DRIVER}/{}",
-        nvdra::dra::plugin::CRASH_MARKER
+        nvdra::dra::plugin::crash::CRASH_MARKER
     ));
     for _ in 0..3000 {
         if marker.exists() {
@@ -263,27 +263,23 @@ async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
     assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
     std::fs::remove_file(&marker).unwrap();
 
-    // What the crash left: the claim recorded (started, or completed for the last point).
+    // What the crash left: the claim's record and its spec, as far as they got.
+    let (state, spec) = left_behind(point, partitionable);
     let cp = d.checkpoint_json();
-    let state = cp["claims"]["a"]["state"].as_str().unwrap().to_string();
-    let expected = if point == "after-completed" {
-        "PrepareCompleted"
-    } else {
-        "PrepareStarted"
-    };
-    assert_eq!(state, expected, "{point}");
+    assert_eq!(cp["claims"]["a"]["state"].as_str(), state, "{point}: {cp}");
+    assert_eq!(d.specs() == vec![Dirs::spec_name("a")], spec, "{point}");
 
     let mut second = d.spawn(None);
     wait_ready(&d, &mut second).await;
-    if point != "after-completed" {
+    let claims = d.checkpoint_json()["claims"].as_object().unwrap().len();
+    if state == Some("PrepareCompleted") {
+        // A completed claim is kept; recovery rewrote its spec if the crash came before it.
+        assert_eq!(claims, 1, "{point}");
+        assert_eq!(d.specs(), vec![Dirs::spec_name("a")], "{point}");
+    } else {
         // Recovery rolled the interrupted prepare back before serving.
         assert!(d.specs().is_empty(), "{point}: {:?}", d.specs());
-        assert!(
-            d.checkpoint_json()["claims"]
-                .as_object()
-                .unwrap()
-                .is_empty()
-        );
+        assert_eq!(claims, 0, "{point}");
     }
     // The kubelet retries.
     let r = prepare(&d, "a").await.unwrap();
@@ -315,6 +311,24 @@ async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
     let status = terminate(&mut second).await;
     assert!(status.success(), "{point}: clean exit on SIGTERM: {status}");
     assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
+}
+
+/// What a crash at `point` leaves on disk: the claim's checkpoint state and whether its CDI spec
+/// exists. A claim that creates a MIG instance (`reconfigures`) records `PrepareStarted` durably
+/// before anything else; one that changes nothing on the GPU writes its completed record and its
+/// spec in parallel, and each crash point is one of the four states that can leave.
+fn left_behind(point: &str, reconfigures: bool) -> (Option<&'static str>, bool) {
+    const STARTED: Option<&str> = Some("PrepareStarted");
+    const COMPLETED: Option<&str> = Some("PrepareCompleted");
+    match (point, reconfigures) {
+        ("after-started", true) => (STARTED, false),
+        ("after-cdi" | "before-completed", true) => (STARTED, true),
+        ("after-started", false) => (None, false),
+        ("after-cdi", false) => (None, true),
+        ("before-completed", false) => (COMPLETED, false),
+        ("after-completed", _) => (COMPLETED, true),
+        _ => panic!("unknown crash point {point}"),
+    }
 }
 
 /// SIGKILL is 9 on every Linux architecture.

@@ -81,7 +81,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
         config,
         nvdra::daemon::Extras {
             boot_id_file: Some(boot),
-            crash_at: None,
+            ..Default::default()
         },
         Arc::new(sim.clone()),
         Arc::new(KubeApi::from_url(api.url()).unwrap()),

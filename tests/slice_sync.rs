@@ -15,7 +15,7 @@ use nvdra::dra::publisher::{Options, Publisher};
 use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
-use nvdra::inventory::{DeviceBackend, GpuUuid, Health, MigDevice, Placement};
+use nvdra::inventory::{DeviceBackend, Health, MigDevice, MigUuid, Placement};
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
 
@@ -154,7 +154,7 @@ async fn a_new_mig_device_is_published() {
             .unwrap()
             .clone();
         gpu.mig.devices.push(MigDevice {
-            uuid: GpuUuid("MIG-new".into()),
+            uuid: MigUuid("MIG-new".into()),
             profile: profile.name,
             gi_profile_id: profile.gi_profile_id,
             gi_id: 9,

@@ -41,8 +41,12 @@ impl v1::dra_plugin_server::DraPlugin for V1 {
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
         let v1::NodePrepareResourcesRequest { claims } = request.into_inner();
         tracing::debug!(claims = claims.len(), "v1 NodePrepareResources");
-        let results = self.0.prepare(wire::claims_v1(claims)).await;
-        Ok(Response::new(wire::prepare_response_v1(results)))
+        let claims = wire::claims_v1(claims);
+        let results = self.0.prepare(claims.valid).await;
+        Ok(Response::new(wire::prepare_response_v1(
+            claims.rejected,
+            results,
+        )))
     }
 
     async fn node_unprepare_resources(
@@ -51,8 +55,12 @@ impl v1::dra_plugin_server::DraPlugin for V1 {
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
         let v1::NodeUnprepareResourcesRequest { claims } = request.into_inner();
         tracing::debug!(claims = claims.len(), "v1 NodeUnprepareResources");
-        let results = self.0.unprepare(wire::claims_v1(claims)).await;
-        Ok(Response::new(wire::unprepare_response_v1(results)))
+        let claims = wire::claims_v1(claims);
+        let results = self.0.unprepare(claims.valid).await;
+        Ok(Response::new(wire::unprepare_response_v1(
+            claims.rejected,
+            results,
+        )))
     }
 }
 
@@ -64,8 +72,12 @@ impl v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
         let v1beta1::NodePrepareResourcesRequest { claims } = request.into_inner();
         tracing::debug!(claims = claims.len(), "v1beta1 NodePrepareResources");
-        let results = self.0.prepare(wire::claims_v1beta1(claims)).await;
-        Ok(Response::new(wire::prepare_response_v1beta1(results)))
+        let claims = wire::claims_v1beta1(claims);
+        let results = self.0.prepare(claims.valid).await;
+        Ok(Response::new(wire::prepare_response_v1beta1(
+            claims.rejected,
+            results,
+        )))
     }
 
     async fn node_unprepare_resources(
@@ -74,8 +86,12 @@ impl v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
         let v1beta1::NodeUnprepareResourcesRequest { claims } = request.into_inner();
         tracing::debug!(claims = claims.len(), "v1beta1 NodeUnprepareResources");
-        let results = self.0.unprepare(wire::claims_v1beta1(claims)).await;
-        Ok(Response::new(wire::unprepare_response_v1beta1(results)))
+        let claims = wire::claims_v1beta1(claims);
+        let results = self.0.unprepare(claims.valid).await;
+        Ok(Response::new(wire::unprepare_response_v1beta1(
+            claims.rejected,
+            results,
+        )))
     }
 }
 

@@ -16,7 +16,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::inventory::GpuUuid;
+use crate::inventory::DeviceUuid;
 use crate::ledger::ClaimUid;
 
 pub const CONTROL: &str = "nvidia-cuda-mps-control";
@@ -77,12 +77,12 @@ impl Mps {
     }
 
     /// Starts the claim's daemon for `devices` (GPU or MIG UUIDs); returns the pipe directory.
-    pub fn start(&self, claim: &ClaimUid, devices: &[GpuUuid]) -> Result<PathBuf> {
+    pub fn start(&self, claim: &ClaimUid, devices: &[DeviceUuid]) -> Result<PathBuf> {
         let control = self.control()?;
         for dir in [self.pipe_dir(claim), self.log_dir(claim)] {
             std::fs::create_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })?;
         }
-        let visible: Vec<&str> = devices.iter().map(GpuUuid::as_str).collect();
+        let visible: Vec<&str> = devices.iter().map(DeviceUuid::as_str).collect();
         let out = self
             .command(&control, claim)
             .env("CUDA_VISIBLE_DEVICES", visible.join(","))
@@ -107,7 +107,7 @@ impl Mps {
 
     /// At start-up, for a prepared claim: starts the daemon only when its control pipe is
     /// missing (the daemon died, e.g. with the node's previous boot).
-    pub fn ensure(&self, claim: &ClaimUid, devices: &[GpuUuid]) -> Result<PathBuf> {
+    pub fn ensure(&self, claim: &ClaimUid, devices: &[DeviceUuid]) -> Result<PathBuf> {
         if self.pipe_dir(claim).join("control").exists() {
             return Ok(self.pipe_dir(claim));
         }
@@ -181,6 +181,7 @@ impl Mps {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::inventory::GpuUuid;
     use std::os::unix::fs::PermissionsExt;
 
     /// A fake `nvidia-cuda-mps-control` under `driver_root` that appends what it was asked to
@@ -205,9 +206,15 @@ pub(crate) mod tests {
         let driver_root = dir.path().join("driver");
         fake_control(&driver_root);
         let mps = Mps::new(dir.path().join("mps"), driver_root.clone());
-        let claim = ClaimUid("c1".into());
+        let claim = ClaimUid::parse("c1").unwrap();
         let pipe = mps
-            .start(&claim, &[GpuUuid("GPU-a".into()), GpuUuid("GPU-b".into())])
+            .start(
+                &claim,
+                &[
+                    DeviceUuid::Gpu(GpuUuid("GPU-a".into())),
+                    DeviceUuid::Gpu(GpuUuid("GPU-b".into())),
+                ],
+            )
             .unwrap();
         assert!(pipe.is_dir());
         mps.stop(&claim).unwrap();
@@ -229,7 +236,10 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mps = Mps::new(dir.path().join("mps"), dir.path().to_path_buf());
         let e = mps
-            .start(&ClaimUid("c".into()), &[GpuUuid("GPU-a".into())])
+            .start(
+                &ClaimUid::parse("c").unwrap(),
+                &[DeviceUuid::Gpu(GpuUuid("GPU-a".into()))],
+            )
             .unwrap_err();
         assert!(e.to_string().contains("nvidia-cuda-mps-control"), "{e}");
     }

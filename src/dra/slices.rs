@@ -39,7 +39,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::inventory::{
-    Engines, Gpu, GpuUuid, Inventory, MigDevice, MigProfile, Placement, quantity,
+    Engines, Gpu, Inventory, MigDevice, MigProfile, MigUuid, Placement, quantity,
 };
 
 pub use validate::{Violation, is_semver, validate, validate_pool};
@@ -158,9 +158,21 @@ pub struct SliceOptions {
     pub layout: CounterLayout,
 }
 
-/// A device name in the pool, derived from stable hardware facts only.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A device name in the pool, derived from stable hardware facts only. Made by [`DeviceName::gpu`]
+/// and [`DeviceName::mig`], or parsed (a checkpoint) by the same grammar.
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
 pub struct DeviceName(String);
+
+/// A string that is not a device name of this driver.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{0:?} is not a device name of this driver (gpu-<minor> or \
+     gpu-<minor>-mig-<profile>-<giProfileId>-<start>)"
+)]
+pub struct InvalidDeviceName(pub String);
 
 impl DeviceName {
     /// A whole GPU: `gpu-<minor>` (the `N` of `/dev/nvidiaN`, as NVIDIA's driver names it).
@@ -177,8 +189,55 @@ impl DeviceName {
         ))
     }
 
+    /// Checks the grammar only; whether the device exists is [`find_device`]'s question.
+    pub fn parse(name: &str) -> Result<Self, InvalidDeviceName> {
+        let number = |s: &str| {
+            !s.is_empty()
+                && s.bytes().all(|b| b.is_ascii_digit())
+                && (s.len() == 1 || !s.starts_with('0'))
+        };
+        let valid = || {
+            let rest = name.strip_prefix("gpu-")?;
+            let (minor, mig) = match rest.split_once('-') {
+                Some((minor, mig)) => (minor, Some(mig.strip_prefix("mig-")?)),
+                None => (rest, None),
+            };
+            let ok = number(minor)
+                && mig.is_none_or(|mig| {
+                    let mut parts = mig.rsplitn(3, '-');
+                    let (start, gi, label) = (parts.next(), parts.next(), parts.next());
+                    matches!((start, gi, label), (Some(s), Some(g), Some(l))
+                        if number(s) && number(g) && !l.is_empty() && profile_label(l) == l)
+                });
+            ok.then_some(())
+        };
+        match valid() {
+            Some(()) => Ok(Self(name.to_string())),
+            None => Err(InvalidDeviceName(name.to_string())),
+        }
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+impl TryFrom<String> for DeviceName {
+    type Error = InvalidDeviceName;
+    fn try_from(name: String) -> Result<Self, InvalidDeviceName> {
+        Self::parse(&name)
+    }
+}
+
+impl From<DeviceName> for String {
+    fn from(name: DeviceName) -> String {
+        name.0
+    }
+}
+
+impl PartialEq<&str> for DeviceName {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
     }
 }
 
@@ -465,7 +524,7 @@ struct MigShape<'a> {
     memory_bytes: u64,
     multiprocessors: u32,
     engines: Engines,
-    uuid: Option<&'a GpuUuid>,
+    uuid: Option<&'a MigUuid>,
 }
 
 impl<'a> MigShape<'a> {

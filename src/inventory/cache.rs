@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{DeviceBackend, GpuUuid, Inventory, MigDevice, Placement, Result, TimeSlice};
+use super::{DeviceBackend, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice};
 
 pub struct Cached {
     backend: Arc<dyn DeviceBackend>,
@@ -65,7 +65,7 @@ impl DeviceBackend for Cached {
         self.invalidating(self.backend.create_mig(gpu, gi_profile_id, placement))
     }
 
-    fn destroy_mig(&self, gpu: &GpuUuid, mig: &GpuUuid) -> Result<()> {
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         self.invalidating(self.backend.destroy_mig(gpu, mig))
     }
 }

@@ -73,9 +73,35 @@ macro_rules! string_newtype {
 }
 
 string_newtype!(
-    /// A GPU UUID as NVML reports it (`GPU-…`), or a MIG device UUID (`MIG-…`).
+    /// A GPU UUID as NVML reports it (`GPU-…`).
     GpuUuid
 );
+string_newtype!(
+    /// A MIG device UUID as NVML reports it (`MIG-…`); never a GPU's.
+    MigUuid
+);
+/// What CUDA_VISIBLE_DEVICES and NVML accept: a whole GPU's UUID or a MIG device's.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DeviceUuid {
+    Gpu(GpuUuid),
+    Mig(MigUuid),
+}
+
+impl DeviceUuid {
+    pub fn as_str(&self) -> &str {
+        match self {
+            DeviceUuid::Gpu(u) => u.as_str(),
+            DeviceUuid::Mig(u) => u.as_str(),
+        }
+    }
+}
+
+impl fmt::Display for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 string_newtype!(
     /// An extended PCI bus id, `dddd:bb:dd.f`, lower case.
     PciBusId
@@ -202,7 +228,7 @@ pub struct MigProfile {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigDevice {
-    pub uuid: GpuUuid,
+    pub uuid: MigUuid,
     pub profile: String,
     pub gi_profile_id: u32,
     pub gi_id: u32,
@@ -564,7 +590,7 @@ pub trait DeviceBackend: Send + Sync + 'static {
 
     /// Destroys a MIG device created by [`DeviceBackend::create_mig`]. Destroying one that no
     /// longer exists succeeds, so rollbacks can repeat it.
-    fn destroy_mig(&self, gpu: &GpuUuid, mig: &GpuUuid) -> Result<()> {
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         let _ = (gpu, mig);
         Err(Error::Unsupported {
             backend: self.name(),

@@ -40,7 +40,7 @@ use tracing::{Level, debug, info, warn};
 
 use super::{
     ComputeCapability, DeviceBackend, Engines, Error, Gpu, GpuUuid, Health, Inventory, Mig,
-    MigDevice, MigProfile, PciBusId, Placement, Result,
+    MigDevice, MigProfile, MigUuid, PciBusId, Placement, Result,
 };
 
 mod fabric;
@@ -1116,7 +1116,7 @@ fn map_mig_device(
     };
 
     Some(MigDevice {
-        uuid: GpuUuid(uuid),
+        uuid: MigUuid(uuid),
         profile: name,
         gi_profile_id: gi.profile_id,
         gi_id,

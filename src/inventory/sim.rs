@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
-    DeviceBackend, Error, GpuUuid, Health, Inventory, MigDevice, Placement, Result, TimeSlice,
-    topology,
+    DeviceBackend, Error, GpuUuid, Health, Inventory, MigDevice, MigUuid, Placement, Result,
+    TimeSlice, topology,
 };
 
 /// A reconfiguration the simulated hardware went through, in order; tests read them with
@@ -21,11 +21,11 @@ pub enum SimAction {
         gpu: GpuUuid,
         gi_profile_id: u32,
         placement: Placement,
-        uuid: GpuUuid,
+        uuid: MigUuid,
     },
     DestroyMig {
         gpu: GpuUuid,
-        uuid: GpuUuid,
+        uuid: MigUuid,
     },
 }
 
@@ -187,7 +187,7 @@ impl DeviceBackend for SimBackend {
         let gi_id = (1..)
             .find(|id| g.mig.devices.iter().all(|d| d.gi_id != *id))
             .unwrap_or(1);
-        let uuid = GpuUuid(format!(
+        let uuid = MigUuid(format!(
             "MIG-{}",
             topology::uuid_from(&[gpu.as_str(), &profile.name, &placement.start.to_string()])
         ));
@@ -213,7 +213,7 @@ impl DeviceBackend for SimBackend {
         Ok(device)
     }
 
-    fn destroy_mig(&self, gpu: &GpuUuid, mig: &GpuUuid) -> Result<()> {
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         let mut m = self.lock();
         let g = m
             .inventory

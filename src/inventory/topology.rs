@@ -14,7 +14,7 @@ use serde::{Deserialize, Deserializer};
 
 use super::{
     ClusterUuid, ComputeCapability, Engines, Fabric, Gpu, GpuUuid, Health, Inventory, Mig,
-    MigDevice, MigProfile, NvLinkPeer, PciBusId, Placement,
+    MigDevice, MigProfile, MigUuid, NvLinkPeer, PciBusId, Placement,
 };
 
 /// The only topology file version this build reads.
@@ -514,14 +514,14 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
                 }
                 let gi_id = mig.devices.len() as u32 + 1;
                 let uuid = match &d.uuid {
-                    Some(u) if u.starts_with("MIG-") && u.len() <= 64 => GpuUuid(u.clone()),
+                    Some(u) if u.starts_with("MIG-") && u.len() <= 64 => MigUuid(u.clone()),
                     Some(u) => {
                         return Err(err(
                             format!("{key}.uuid"),
                             format!("invalid MIG UUID {u:?}: expected MIG-…"),
                         ));
                     }
-                    None => GpuUuid(format!(
+                    None => MigUuid(format!(
                         "MIG-{}",
                         uuid_from(&[uuid.as_str(), &profile.name, &placement.start.to_string()])
                     )),

@@ -11,7 +11,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
             .map(|d| DeviceRecord {
                 requests: vec!["gpu".into()],
                 pool: "node".into(),
-                device: d.to_string(),
+                device: DeviceName::parse(d).unwrap(),
                 cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{d}")],
                 share_id: None,
                 admin_access: false,
@@ -126,7 +126,7 @@ fn fixture_state() -> Checkpoint {
     let device = |c: char, request: &str, device: &str, gpu: &str| DeviceRecord {
         requests: vec![request.into()],
         pool: "node-a".into(),
-        device: device.into(),
+        device: DeviceName::parse(device).unwrap(),
         cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim={}-{device}", uid(c))],
         share_id: None,
         admin_access: false,
@@ -160,7 +160,7 @@ fn fixture_state() -> Checkpoint {
     };
     let mps = DeviceRecord {
         mig: Some(MigRecord {
-            uuid: Some(GpuUuid("MIG-5b4a3928-1111-2222-3333-444455556666".into())),
+            uuid: Some(MigUuid("MIG-5b4a3928-1111-2222-3333-444455556666".into())),
             profile: "3g.40gb".into(),
             gi_profile_id: 9,
             placement: Placement { start: 4, size: 4 },
@@ -440,7 +440,7 @@ fn arb_sharing() -> impl Strategy<Value = Sharing> {
 fn arb_device() -> impl Strategy<Value = DeviceRecord> {
     (
         proptest::collection::vec("[a-z]{1,8}", 0..3),
-        "[a-z0-9-]{1,20}",
+        (0u32..64).prop_map(DeviceName::gpu),
         proptest::option::of("[a-z0-9]{1,8}"),
         any::<bool>(),
         proptest::option::of((
@@ -462,7 +462,7 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
                 admin_access: admin,
                 gpu: GpuUuid("GPU-0000".into()),
                 mig: mig.map(|(uuid, gi, start, size, created)| MigRecord {
-                    uuid: uuid.map(GpuUuid),
+                    uuid: uuid.map(MigUuid),
                     profile: "1g.10gb".into(),
                     gi_profile_id: gi,
                     placement: Placement { start, size },
@@ -479,7 +479,7 @@ proptest! {
     #[test]
     fn checkpoint_round_trips(
         claims in proptest::collection::btree_map(
-            "[a-f0-9-]{1,36}",
+            "[a-f0-9]([a-f0-9-]{0,34}[a-f0-9])?",
             (any::<bool>(), "[a-z0-9-]{1,20}", proptest::collection::vec(arb_device(), 0..4)),
             0..6,
         ),

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::inventory::topology::load_profile;
-use crate::inventory::{Health, PciBusId};
+use crate::inventory::{GpuUuid, Health, MigUuid, PciBusId};
 
 const DRIVER: &str = "gpu.nvidia.com";
 
@@ -295,7 +295,7 @@ fn the_largest_mig_device_with_a_fabric_fits_the_attribute_limit() {
                 .unwrap()
                 .clone();
             g.mig.devices.push(MigDevice {
-                uuid: GpuUuid("MIG-7g".into()),
+                uuid: MigUuid("MIG-7g".into()),
                 profile: p.name.clone(),
                 gi_profile_id: p.gi_profile_id,
                 gi_id: 0,
@@ -635,7 +635,7 @@ fn results_are_deterministic_and_local_to_each_gpu() {
     let p = changed.gpus[4].mig.profiles[0].clone();
     changed.gpus[4].mig.enabled = true;
     changed.gpus[4].mig.devices.push(MigDevice {
-        uuid: GpuUuid("MIG-x".into()),
+        uuid: MigUuid("MIG-x".into()),
         profile: p.name.clone(),
         gi_profile_id: p.gi_profile_id,
         gi_id: 1,

@@ -1,14 +1,22 @@
 use super::*;
+use crate::api;
 use crate::api::SliceEvent;
+use crate::dra::{mps, slices};
+use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
+use crate::ledger::{ClaimState, DeviceRecord};
+use crate::lock::lock;
+use crate::sharing::{Sharing, TimeSliceInterval};
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
     ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio_util::sync::CancellationToken;
 
@@ -93,9 +101,11 @@ impl Env {
         lock(&self.api.claims).insert(key, c);
     }
     fn state(&self, uid: &str) -> Option<ClaimState> {
-        self.plugin
-            .ledger()
-            .read(|c| c.claims.get(&ClaimUid(uid.into())).map(|e| e.state))
+        self.plugin.ledger().read(|c| {
+            c.claims
+                .get(&ClaimUid::parse(uid).unwrap())
+                .map(|e| e.state)
+        })
     }
     async fn prepare(&self, uid: &str) -> Result<Vec<DeviceRecord>, ClaimError> {
         let mut r = self.plugin.prepare(vec![cref(uid)]).await;
@@ -116,7 +126,7 @@ fn cref(uid: &str) -> ClaimRef {
     ClaimRef {
         namespace: "default".into(),
         name: format!("claim-{uid}"),
-        uid: ClaimUid(uid.into()),
+        uid: ClaimUid::parse(uid).unwrap(),
     }
 }
 
@@ -133,7 +143,6 @@ async fn start(
         driver_root: dir.join("driver"),
         boot_id: "boot-1".into(),
         partitionable: true,
-        crash_at: None,
     };
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
     let stop = CancellationToken::new();
@@ -577,68 +586,11 @@ async fn mps_daemon_per_claim() {
 }
 
 #[tokio::test]
-async fn restart_recovers_started_completed_and_orphans() {
-    let e = env("a100-mig-mixed").await;
-    e.add(claim("done", vec![result("gpu", "gpu-0")]));
-    e.add(claim("half", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]));
-    e.prepare("done").await.unwrap();
-    e.prepare("half").await.unwrap();
-    // Make "half" look interrupted, as a crash between the steps would leave it, and drop the
-    // spec of "done" as a reboot of a tmpfs CDI root would (same boot id: the runtime's dir was
-    // wiped by hand).
-    e.plugin.ledger().update(|c| {
-        c.get_mut(&ClaimUid("half".into())).unwrap().state = ClaimState::PrepareStarted;
-    });
-    e.plugin.ledger().flush().await.unwrap();
-    std::fs::remove_file(e.spec("done")).unwrap();
-    std::fs::write(e.spec("stray"), "{}").unwrap();
-
-    let (p2, rec, _g) = e.restart(e.sim.clone()).await;
-    assert_eq!(rec.rolled_back, vec![ClaimUid("half".into())]);
-    assert_eq!(rec.cdi_rewritten, vec![ClaimUid("done".into())]);
-    assert_eq!(rec.orphans_removed, vec![ClaimUid("stray".into())]);
-    assert!(e.spec("done").exists());
-    assert!(!e.spec("half").exists());
-    assert!(!e.spec("stray").exists());
-    assert!(matches!(
-        e.sim.actions().last(),
-        Some(SimAction::DestroyMig { .. })
-    ));
-    assert_eq!(p2.ledger().read(|c| c.claims.len()), 1);
-    // The completed claim is served from the checkpoint without the API.
-    lock(&e.api.claims).clear();
-    let r = p2.prepare(vec![cref("done")]).await;
-    assert!(r[0].1.is_ok());
-}
-
-#[tokio::test]
 async fn empty_requests_are_cheap() {
     let e = env("dgx-h100").await;
     assert!(e.plugin.prepare(vec![]).await.is_empty());
     assert!(e.plugin.unprepare(vec![]).await.is_empty());
     assert_eq!(e.plugin.ledger().writes(), 1, "only recovery wrote");
-}
-
-#[tokio::test]
-async fn a_claim_that_cannot_be_recovered_does_not_stop_the_others() {
-    let e = env("a100-mig-mixed").await;
-    e.add(claim("mig", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]));
-    e.add(claim("gpu", vec![result("gpu", "gpu-0")]));
-    e.prepare("mig").await.unwrap();
-    e.prepare("gpu").await.unwrap();
-    std::fs::remove_file(e.spec("mig")).unwrap();
-    std::fs::remove_file(e.spec("gpu")).unwrap();
-    // A restart on hardware that lost the created MIG device (a fresh simulated node).
-    let fresh = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
-    let (p2, rec, _g) = e.restart(fresh).await;
-    assert_eq!(rec.failed, vec![ClaimUid("mig".into())]);
-    assert_eq!(rec.cdi_rewritten, vec![ClaimUid("gpu".into())]);
-    assert!(e.spec("gpu").exists());
-    // The failed claim stays known, so its unprepare still cleans up.
-    assert_eq!(p2.ledger().read(|c| c.claims.len()), 2);
-    let r = p2.unprepare(vec![cref("mig")]).await;
-    assert!(r[0].1.is_ok(), "{:?}", r[0].1);
-    assert_eq!(p2.ledger().read(|c| c.claims.len()), 1);
 }
 
 #[tokio::test]
@@ -654,7 +606,6 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         driver_root: dir.path().join("driver"),
         boot_id: "b".into(),
         partitionable: false,
-        crash_at: None,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
@@ -672,30 +623,6 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
 /// Two instances on one node (a rolling update): each sees the other's claims through the
 /// checkpoint, so neither hands out a device the other prepared, and either can unprepare.
 #[tokio::test]
-async fn two_instances_share_the_checkpoint() {
-    let e = env("dgx-h100").await;
-    let (b, _, _g) = e.restart(e.sim.clone()).await;
-    e.add(claim("x", vec![result("gpu", "gpu-0")]));
-    e.add(claim("y", vec![result("gpu", "gpu-0")]));
-    e.prepare("x").await.unwrap();
-    // The second instance was started before x existed; it reloads on taking the lock.
-    let r = b.prepare(vec![cref("y")]).await;
-    let err = r[0].1.as_ref().unwrap_err();
-    assert!(matches!(err, ClaimError::DeviceInUse { .. }), "{err}");
-    // The kubelet may send the unprepare to the other instance.
-    assert!(b.unprepare(vec![cref("x")]).await[0].1.is_ok());
-    assert!(!e.spec("x").exists());
-    // And the first instance sees that too.
-    e.prepare("y").await.unwrap();
-    assert_eq!(
-        e.plugin
-            .ledger()
-            .read(|c| c.claims.keys().cloned().collect::<Vec<_>>()),
-        vec![ClaimUid("y".into())]
-    );
-}
-
-#[tokio::test]
 async fn outcomes_are_counted_in_metrics() {
     use std::sync::atomic::Ordering::Relaxed;
     let dir = tempfile::tempdir().unwrap();
@@ -710,7 +637,6 @@ async fn outcomes_are_counted_in_metrics() {
         driver_root: dir.path().join("driver"),
         boot_id: "b".into(),
         partitionable: false,
-        crash_at: None,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();
@@ -728,3 +654,5 @@ async fn outcomes_are_counted_in_metrics() {
     assert!(text.contains("prepare"), "{text}");
     stop.cancel();
 }
+
+mod recovery;

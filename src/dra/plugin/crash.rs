@@ -1,0 +1,114 @@
+//! Crash points for the SIGKILL tests (`tests/dra_crash.rs`), compiled only with the
+//! `crash-points` feature (which `cargo test` turns on through the package's dev-dependency on
+//! itself); a release build has none of this.
+//!
+//! A process started with [`CRASH_ENV`] naming a [`CrashPoint`] stops dead there (the thread
+//! parks forever) after dropping [`CRASH_MARKER`] in the plugin directory, so the test can
+//! SIGKILL it exactly at that step.
+
+use std::future::Future;
+
+use super::Plugin;
+
+/// Environment variable naming a [`CrashPoint`].
+pub const CRASH_ENV: &str = "NVDRA_TEST_CRASH_AT";
+/// The file (in the plugin directory) a process stopped at its crash point leaves behind.
+pub const CRASH_MARKER: &str = "test-crash-point-reached";
+
+/// Where a crash test makes prepare stop. A claim that changes GPU state passes them in order;
+/// for one that does not (its spec and record are written in parallel), each point is one of
+/// the states a crash can leave: nothing written, the spec only, the record only, both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// Reconfiguring: `PrepareStarted` is durable, nothing else is done. Otherwise: the claim is
+    /// reserved in memory, nothing is written.
+    AfterStarted,
+    /// The CDI spec is written; the claim's record is not durable.
+    AfterCdi,
+    /// Reconfiguring: `PrepareCompleted` is recorded in memory but not on disk. Otherwise: the
+    /// completed record is durable, the spec is not written.
+    BeforeCompleted,
+    /// Everything is durable; the reply was not sent.
+    AfterCompleted,
+}
+
+/// A [`CRASH_ENV`] value that names no crash point.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{CRASH_ENV}={value:?}: expected after-started, after-cdi, before-completed or after-completed"
+)]
+pub struct BadCrashPoint {
+    pub value: String,
+}
+
+impl std::str::FromStr for CrashPoint {
+    type Err = BadCrashPoint;
+    fn from_str(s: &str) -> Result<Self, BadCrashPoint> {
+        Ok(match s {
+            "after-started" => Self::AfterStarted,
+            "after-cdi" => Self::AfterCdi,
+            "before-completed" => Self::BeforeCompleted,
+            "after-completed" => Self::AfterCompleted,
+            _ => {
+                return Err(BadCrashPoint {
+                    value: s.to_string(),
+                });
+            }
+        })
+    }
+}
+
+/// The crash point [`CRASH_ENV`] names, if it is set.
+pub fn from_env() -> Result<Option<CrashPoint>, BadCrashPoint> {
+    match std::env::var(CRASH_ENV) {
+        Ok(v) => v.parse().map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+impl Plugin {
+    /// Makes this plugin stop at `at` (set once, before serving).
+    pub fn stop_at(&self, at: CrashPoint) {
+        if self.inner.crash_at.set(at).is_err() {
+            tracing::warn!("crash point already set; keeping the first");
+        }
+    }
+
+    /// Stops dead at `at` if that is the point set.
+    pub(super) fn crash(&self, at: CrashPoint) {
+        if self.inner.crash_at.get() == Some(&at) {
+            tracing::error!(?at, "{CRASH_ENV} reached; waiting to be killed");
+            let marker = self.inner.opts.plugin_dir.join(CRASH_MARKER);
+            if let Err(e) = std::fs::write(&marker, format!("{at:?}\n")) {
+                tracing::error!(error = %e, "cannot write {}; aborting instead", marker.display());
+                std::process::abort();
+            }
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+
+    /// The parallel spec and record writes of a claim that changes nothing on the GPU. At
+    /// [`CrashPoint::AfterCdi`] and [`CrashPoint::BeforeCompleted`] one write runs alone and the
+    /// process stops before the other starts, so each half-written state is reached for sure.
+    pub(super) async fn crash_between<A: Future, B: Future>(
+        &self,
+        spec: A,
+        record: B,
+    ) -> (A::Output, B::Output) {
+        match self.inner.crash_at.get() {
+            Some(CrashPoint::AfterCdi) => {
+                let spec = spec.await;
+                self.crash(CrashPoint::AfterCdi);
+                (spec, record.await)
+            }
+            Some(CrashPoint::BeforeCompleted) => {
+                let record = record.await;
+                self.crash(CrashPoint::BeforeCompleted);
+                (spec.await, record)
+            }
+            _ => tokio::join!(spec, record),
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The effects of a prepare and their undo: MIG instances created and destroyed, time slices
+//! set and reset, MPS daemons started and stopped, CDI specs written and removed. Each undo step
+//! can be repeated safely, so a rollback that failed half-way is retried as a whole.
+
+use crate::inventory::{Inventory, MigDevice, TimeSlice};
+use crate::ledger::{ClaimUid, DeviceRecord};
+use crate::sharing::Sharing;
+
+use super::plan::{self, mps_devices, time_slice};
+use super::{ClaimError, Plugin};
+
+/// A reconfiguration that stopped part-way: the error, and the devices as far as they got (with
+/// the UUIDs of MIG devices already created), for the rollback.
+pub(super) type Partial = (ClaimError, Vec<DeviceRecord>);
+
+impl Plugin {
+    /// Changes the GPUs as `devices` ask: creates MIG instances (recording their UUIDs in the
+    /// records and the ledger), sets time slices, starts the claim's MPS daemon. Returns the MIG
+    /// devices created, which the inventory snapshot of the batch does not list.
+    pub(super) async fn reconfigure(
+        &self,
+        uid: &ClaimUid,
+        devices: &mut [DeviceRecord],
+    ) -> Result<Vec<MigDevice>, ClaimError> {
+        let mut created: Vec<MigDevice> = Vec::new();
+        let result = self.reconfigure_devices(uid, devices, &mut created).await;
+        // Record created MIG UUIDs so a rollback finds them (not yet durable; the rollback also
+        // finds instances by placement).
+        if !created.is_empty() {
+            self.inner.ledger.update(|c| {
+                if let Some(e) = c.get_mut(uid) {
+                    e.devices = devices.to_vec();
+                }
+            });
+        }
+        result.map(|()| created)
+    }
+
+    async fn reconfigure_devices(
+        &self,
+        uid: &ClaimUid,
+        devices: &mut [DeviceRecord],
+        created: &mut Vec<MigDevice>,
+    ) -> Result<(), ClaimError> {
+        for d in devices.iter_mut() {
+            if let Some(m) = &mut d.mig
+                && m.created
+            {
+                let (gpu, gi, placement) = (d.gpu.clone(), m.gi_profile_id, m.placement);
+                let dev = self
+                    .blocking(move |i| i.backend.create_mig(&gpu, gi, placement))
+                    .await??;
+                tracing::info!(claim.uid = %uid, device = %d.device, mig.uuid = %dev.uuid, "MIG device created");
+                self.inventory_changed();
+                m.uuid = Some(dev.uuid.clone());
+                created.push(dev);
+            }
+            if let (Sharing::TimeSlicing { interval }, None) = (&d.sharing, &d.mig) {
+                // MIG devices are not time-sliced by interval; only whole GPUs are.
+                let (gpu, interval) = (d.gpu.clone(), time_slice(*interval));
+                self.blocking(move |i| i.backend.set_time_slice(&gpu, interval))
+                    .await??;
+            }
+        }
+        let mps = mps_devices(devices);
+        if !mps.is_empty() {
+            let owner = uid.clone();
+            self.blocking(move |i| i.mps.start(&owner, &mps)).await??;
+        }
+        Ok(())
+    }
+
+    /// Builds and writes the claim's CDI spec on the blocking pool (it reads the host).
+    /// `created`: MIG devices made since `inv` was taken.
+    pub(super) async fn write_cdi(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+        created: &[MigDevice],
+    ) -> Result<(), ClaimError> {
+        let prepared = plan::cdi_devices(
+            &self.inner.opts.pool,
+            uid,
+            devices,
+            inv,
+            created,
+            &self.inner.mps,
+        )?;
+        let uid = uid.clone();
+        Ok(self
+            .blocking(move |i| i.specs.write(&uid, &prepared))
+            .await??)
+    }
+
+    /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be
+    /// repeated safely.
+    pub(super) async fn rollback(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        self.undo_devices(uid, devices).await?;
+        // The GPU is back to its old state; the spec and the entry may now go in parallel. A
+        // crash in between leaves either an orphan spec (removed at start) or a completed entry
+        // without a spec (rewritten at start, then unprepared again by the kubelet).
+        let spec_uid = uid.clone();
+        let (removed, flushed) = tokio::join!(
+            self.blocking(move |i| i.specs.remove(&spec_uid).map_err(ClaimError::from)),
+            async {
+                self.inner.ledger.update(|c| c.remove(uid));
+                self.inner.ledger.flush().await
+            }
+        );
+        removed??;
+        flushed?;
+        Ok(())
+    }
+
+    /// [`Plugin::rollback`] after a failed prepare, whose error is what the kubelet hears; a
+    /// failed rollback is logged and retried on the next prepare or at start-up.
+    pub(super) async fn rollback_after(&self, uid: &ClaimUid, (e, devices): Partial) -> ClaimError {
+        if let Err(re) = self.rollback(uid, &devices).await {
+            tracing::error!(claim.uid = %uid, error = %crate::report::chain(&re), "rollback after a failed prepare failed; retried on the next prepare or restart");
+        }
+        e
+    }
+
+    async fn undo_devices(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        if devices.iter().any(|d| matches!(d.sharing, Sharing::Mps(_))) {
+            let uid = uid.clone();
+            self.blocking(move |i| i.mps.stop(&uid)).await??;
+        }
+        for d in devices {
+            if let (Sharing::TimeSlicing { .. }, None) = (&d.sharing, &d.mig) {
+                // Back to the default unless another claim time-slices this GPU.
+                let others = self.inner.ledger.read(|c| {
+                    c.claims.iter().any(|(u, e)| {
+                        u != uid
+                            && e.devices.iter().any(|o| {
+                                o.gpu == d.gpu
+                                    && o.mig.is_none()
+                                    && matches!(o.sharing, Sharing::TimeSlicing { .. })
+                            })
+                    })
+                });
+                if !others {
+                    let gpu = d.gpu.clone();
+                    self.blocking(move |i| i.backend.set_time_slice(&gpu, TimeSlice::Default))
+                        .await??;
+                }
+            }
+            if let Some(m) = &d.mig
+                && m.created
+            {
+                let mig_uuid = match &m.uuid {
+                    Some(u) => Some(u.clone()),
+                    // Created but not recorded (crash in between): find it by placement.
+                    None => self
+                        .snapshot()
+                        .await?
+                        .gpu_by_uuid(d.gpu.as_str())
+                        .and_then(|g| {
+                            g.mig
+                                .devices
+                                .iter()
+                                .find(|x| {
+                                    x.placement == m.placement && x.gi_profile_id == m.gi_profile_id
+                                })
+                                .map(|x| x.uuid.clone())
+                        }),
+                };
+                if let Some(mig_uuid) = mig_uuid {
+                    let gpu = d.gpu.clone();
+                    self.blocking(move |i| i.backend.destroy_mig(&gpu, &mig_uuid))
+                        .await??;
+                    tracing::info!(claim.uid = %uid, device = %d.device, "MIG device destroyed");
+                    self.inventory_changed();
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,82 @@
+//! Why a claim could not be prepared or unprepared, and why a plugin could not start.
+
+use crate::ledger::{self, ClaimUid};
+use crate::{api, cdi, inventory, sharing};
+
+use crate::dra::mps;
+use crate::dra::nodelock;
+
+/// Why one claim could not be prepared or unprepared. Reported in that claim's response entry.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("resource claim {namespace}/{name} not found in the API server (deleted?)")]
+    NotFound { namespace: String, name: String },
+    #[error("cannot read resource claim {namespace}/{name}")]
+    Api {
+        namespace: String,
+        name: String,
+        source: api::Error,
+    },
+    #[error(
+        "resource claim {namespace}/{name} now has UID {found}, not {expected}: it was deleted and \
+         re-created; the kubelet retries with the new claim"
+    )]
+    UidChanged {
+        namespace: String,
+        name: String,
+        expected: String,
+        found: String,
+    },
+    #[error(
+        "resource claim {namespace}/{name} is not allocated; the scheduler has not placed it yet"
+    )]
+    NotAllocated { namespace: String, name: String },
+    #[error("device {device} of pool {pool} is not on this node (pool {ours}): {reason}")]
+    UnknownDevice {
+        pool: String,
+        device: String,
+        ours: String,
+        reason: String,
+    },
+    #[error(
+        "device {device} is already prepared for claim {namespace}/{name} ({uid}); it must be \
+         unprepared first (was a pod force-deleted?)"
+    )]
+    DeviceInUse {
+        device: String,
+        namespace: String,
+        name: String,
+        uid: ClaimUid,
+    },
+    #[error("invalid device configuration for request {request}")]
+    Config {
+        request: String,
+        source: sharing::Error,
+    },
+    #[error("claim UID {uid:?} cannot name a CDI device")]
+    BadUid { uid: String, source: cdi::Error },
+    #[error(transparent)]
+    Backend(#[from] inventory::Error),
+    #[error(transparent)]
+    Mps(#[from] mps::Error),
+    #[error(transparent)]
+    Cdi(#[from] cdi::Error),
+    #[error(transparent)]
+    Ledger(#[from] ledger::Error),
+    #[error(transparent)]
+    Lock(#[from] nodelock::Error),
+    #[error("internal task failed")]
+    Task(#[source] tokio::task::JoinError),
+    /// The whole batch could not start (node lock, inventory); the kubelet retries.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Why a plugin could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Ledger(#[from] ledger::Error),
+    #[error(transparent)]
+    Cdi(#[from] cdi::Error),
+}

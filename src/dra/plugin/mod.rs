@@ -1,0 +1,192 @@
+//! The prepare/unprepare state machine of the DRA kubelet plugin, free of gRPC (see `grpc` and
+//! `wire` for the edge). Read top-down:
+//!
+//! - [`plan`]: pure — claim + inventory + settings → the device records to reserve;
+//! - [`effects`]: MIG create/destroy, time slices, MPS, CDI specs, each with its undo;
+//! - [`prepare`]: one claim's prepare and unprepare, the order of its writes and its rollback;
+//! - [`recovery`]: start-up repair of what a crash left;
+//! - [`batch`]: the kubelet's batch of claims, one entry per claim.
+//!
+//! Prepare of one claim: read the ResourceClaim from the API server, check its UID and
+//! allocation, take the results whose driver is ours, resolve each device in the inventory
+//! (GPUs, existing MIG devices, and in partitionable mode MIG placements to create), resolve its
+//! opaque config, reserve the devices in the ledger — atomically with the check that none of
+//! them is held by another claim — then reconfigure the GPU, write the claim's CDI spec and record
+//! `PrepareCompleted` durably (see [`prepare`] for which writes wait for which). Any failure
+//! after the reservation rolls back what was done; a crash anywhere is repaired at start-up by
+//! [`Plugin::recover`].
+//!
+//! Invariants:
+//! - A device (a whole GPU, or overlapping MIG placements of one GPU) is never held by two claims
+//!   at once, unless one of them has admin access or both are shared allocations (`shareID`).
+//! - Operations on one claim are serialized; different claims run concurrently.
+//! - A prepared claim re-prepared returns the same devices and CDI ids without rewriting anything.
+//! - Unprepare of an unknown claim succeeds.
+//! - One claim's failure is that claim's error, never the batch's.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use super::mps::Mps;
+use super::nodelock::{self, NodeLock};
+use crate::api::ClusterApi;
+use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::ledger::{self, ClaimUid, Ledger};
+use crate::metrics::Metrics;
+
+mod batch;
+#[cfg(feature = "crash-points")]
+pub mod crash;
+mod effects;
+mod error;
+mod plan;
+mod prepare;
+mod recovery;
+mod specs;
+
+pub use error::{ClaimError, StartError};
+pub use recovery::Recovery;
+use specs::Specs;
+
+/// Stops at a crash point of the SIGKILL tests; nothing without the `crash-points` feature.
+macro_rules! crash_point {
+    ($plugin:expr, $at:ident) => {
+        #[cfg(feature = "crash-points")]
+        $plugin.crash($crate::dra::plugin::crash::CrashPoint::$at);
+    };
+}
+use crash_point;
+
+/// The claim a kubelet names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: ClaimUid,
+}
+
+/// Fixed settings of a plugin instance.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub driver: String,
+    /// The pool devices are published in: the node name.
+    pub pool: String,
+    /// `<kubelet root>/plugins/<driver>`: checkpoint, lock, MPS directories.
+    pub plugin_dir: PathBuf,
+    pub cdi_root: PathBuf,
+    pub driver_root: PathBuf,
+    pub boot_id: String,
+    /// MIG placements without an instance may be prepared (the instance is created).
+    pub partitionable: bool,
+}
+
+struct Inner {
+    opts: Options,
+    api: Arc<dyn ClusterApi>,
+    backend: Arc<dyn DeviceBackend>,
+    ledger: Ledger,
+    specs: Specs,
+    mps: Mps,
+    node_lock: NodeLock,
+    metrics: Arc<Metrics>,
+    /// Told when prepare or unprepare changed the hardware (MIG devices), so slices follow.
+    inventory_listener: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
+    /// One async mutex per claim being worked on.
+    claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
+    #[cfg(feature = "crash-points")]
+    crash_at: std::sync::OnceLock<crash::CrashPoint>,
+}
+
+/// The plugin; cheap to clone.
+#[derive(Clone)]
+pub struct Plugin {
+    inner: Arc<Inner>,
+}
+
+impl Plugin {
+    /// Opens the ledger in `opts.plugin_dir`. Spawn the returned writer, then call
+    /// [`Plugin::recover`] before serving.
+    pub fn new(
+        opts: Options,
+        api: Arc<dyn ClusterApi>,
+        backend: Arc<dyn DeviceBackend>,
+        metrics: Arc<Metrics>,
+    ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
+        let specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
+        let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
+        let mps = Mps::new(opts.plugin_dir.join("mps"), opts.driver_root.clone());
+        let node_lock = NodeLock::new(&opts.plugin_dir);
+        Ok((
+            Plugin {
+                inner: Arc::new(Inner {
+                    opts,
+                    api,
+                    backend,
+                    ledger,
+                    specs,
+                    mps,
+                    node_lock,
+                    metrics,
+                    inventory_listener: std::sync::OnceLock::new(),
+                    claim_locks: Mutex::new(HashMap::new()),
+                    #[cfg(feature = "crash-points")]
+                    crash_at: std::sync::OnceLock::new(),
+                }),
+            },
+            writer,
+            outcome,
+        ))
+    }
+
+    /// Sets the function called after MIG devices were created or destroyed (once).
+    pub fn on_inventory_change(&self, f: Arc<dyn Fn() + Send + Sync>) {
+        if self.inner.inventory_listener.set(f).is_err() {
+            tracing::warn!("inventory listener already set; keeping the first");
+        }
+    }
+
+    fn inventory_changed(&self) {
+        if let Some(f) = self.inner.inventory_listener.get() {
+            f();
+        }
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.inner.ledger
+    }
+
+    pub fn driver(&self) -> &str {
+        &self.inner.opts.driver
+    }
+
+    async fn enter(&self) -> Result<nodelock::Guard, ClaimError> {
+        let ledger = self.inner.ledger.clone();
+        self.inner
+            .node_lock
+            .enter(move || {
+                ledger
+                    .reload_if_changed()
+                    .map(|_| ())
+                    .map_err(ClaimError::from)
+            })
+            .await
+    }
+
+    async fn snapshot(&self) -> Result<Inventory, ClaimError> {
+        Ok(inventory::snapshot(self.inner.backend.clone()).await?)
+    }
+
+    async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Inner) -> R + Send + 'static,
+    ) -> Result<R, ClaimError> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || f(&inner))
+            .await
+            .map_err(ClaimError::Task)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,186 @@
+//! One claim's prepare and unprepare: read the claim, [`plan`](super::plan) it, reserve its
+//! devices in the ledger (atomically with the conflict check), run the [effects](super::effects)
+//! and record the outcome durably — on the path the claim needs:
+//!
+//! - **A claim that changes GPU state** (creates a MIG instance, starts an MPS daemon, sets a
+//!   time slice) records `PrepareStarted` durably first, so that a crash can be undone at
+//!   start-up; then reconfigures, writes its CDI spec and records `PrepareCompleted`.
+//! - **A claim that changes nothing on the GPU** is recorded `PrepareCompleted` at once, and its
+//!   CDI spec and that record are written in parallel: one durable write on the critical path.
+//!   Whichever half a crash leaves, start-up repairs: a spec without an entry is removed, a
+//!   completed entry without a spec gets its spec rewritten.
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+use super::effects::Partial;
+use super::plan::{self, Plan};
+use super::{ClaimError, ClaimRef, Plugin, crash_point};
+use crate::api;
+use crate::inventory::Inventory;
+use crate::ledger::{ClaimEntry, ClaimState, ClaimUid, DeviceRecord};
+
+impl Plugin {
+    pub(super) async fn prepare_one(
+        &self,
+        claim: &ClaimRef,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, ClaimError> {
+        let uid = &claim.uid;
+        // Idempotency: a completed claim is answered from the ledger.
+        if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
+            if entry.state == ClaimState::PrepareCompleted {
+                if !entry.devices.is_empty() && !self.inner.specs.exists(uid) {
+                    self.write_cdi(uid, &entry.devices, inv, &[]).await?;
+                    tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten");
+                }
+                tracing::debug!(claim.uid = %uid, "already prepared");
+                return Ok(entry.devices);
+            }
+            // A `Started` entry outside recovery is a prepare that failed and could not roll
+            // back completely; roll back again before starting over.
+            self.rollback(uid, &entry.devices).await?;
+        }
+
+        let rc = self.read_claim(claim).await?;
+        let plan = plan::plan(
+            &self.inner.opts,
+            self.inner.specs.options(),
+            claim,
+            &rc,
+            inv,
+        )?;
+        let devices = if plan.touches_hardware() {
+            self.prepare_reconfiguring(claim, plan, inv).await?
+        } else {
+            self.prepare_without_hardware(claim, plan, inv).await?
+        };
+        crash_point!(self, AfterCompleted);
+        tracing::info!(claim.uid = %uid, devices = devices.len(), "claim prepared");
+        Ok(devices)
+    }
+
+    /// Records the claim in memory, atomically with the check that no other claim holds its
+    /// devices.
+    fn reserve(&self, claim: &ClaimRef, plan: &Plan, state: ClaimState) -> Result<(), ClaimError> {
+        self.inner.ledger.update(|claims| {
+            plan::conflict(claims, &claim.uid, &plan.devices)?;
+            claims.insert(
+                claim.uid.clone(),
+                ClaimEntry {
+                    state,
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    devices: plan.devices.clone(),
+                },
+            );
+            Ok(())
+        })
+    }
+
+    /// The fast path: one durable write (spec and record in parallel).
+    async fn prepare_without_hardware(
+        &self,
+        claim: &ClaimRef,
+        plan: Plan,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, ClaimError> {
+        let uid = &claim.uid;
+        self.reserve(claim, &plan, ClaimState::PrepareCompleted)?;
+        crash_point!(self, AfterStarted);
+        let spec = async {
+            if plan.devices.is_empty() {
+                Ok(())
+            } else {
+                self.write_cdi(uid, &plan.devices, inv, &[]).await
+            }
+        };
+        let record = async { self.inner.ledger.flush().await.map_err(ClaimError::from) };
+        #[cfg(feature = "crash-points")]
+        let (spec, record) = self.crash_between(spec, record).await;
+        #[cfg(not(feature = "crash-points"))]
+        let (spec, record) = tokio::join!(spec, record);
+        if let Err(e) = spec.and(record) {
+            return Err(self.rollback_after(uid, (e, plan.devices)).await);
+        }
+        Ok(plan.devices)
+    }
+
+    /// The slow path: the intent is durable before the GPU changes.
+    async fn prepare_reconfiguring(
+        &self,
+        claim: &ClaimRef,
+        plan: Plan,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, ClaimError> {
+        let uid = &claim.uid;
+        self.reserve(claim, &plan, ClaimState::PrepareStarted)?;
+        if let Err(e) = self.inner.ledger.flush().await {
+            self.inner.ledger.update(|c| c.remove(uid));
+            return Err(e.into());
+        }
+        crash_point!(self, AfterStarted);
+        match self.complete(uid, plan.devices, inv).await {
+            Ok(devices) => Ok(devices),
+            Err(partial) => Err(self.rollback_after(uid, partial).await),
+        }
+    }
+
+    /// Reconfigures, writes the spec, records `PrepareCompleted` durably; on failure returns
+    /// the devices as far as they got, for the rollback.
+    async fn complete(
+        &self,
+        uid: &ClaimUid,
+        mut devices: Vec<DeviceRecord>,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceRecord>, Partial> {
+        let created = match self.reconfigure(uid, &mut devices).await {
+            Ok(created) => created,
+            Err(e) => return Err((e, devices)),
+        };
+        if let Err(e) = self.write_cdi(uid, &devices, inv, &created).await {
+            return Err((e, devices));
+        }
+        crash_point!(self, AfterCdi);
+        self.inner.ledger.update(|c| {
+            if let Some(e) = c.get_mut(uid) {
+                e.state = ClaimState::PrepareCompleted;
+            }
+        });
+        crash_point!(self, BeforeCompleted);
+        if let Err(e) = self.inner.ledger.flush().await {
+            return Err((e.into(), devices));
+        }
+        Ok(devices)
+    }
+
+    async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
+        self.inner
+            .api
+            .get_claim(&claim.namespace, &claim.name)
+            .await
+            .map_err(|e| match e {
+                api::Error::NotFound(_) => ClaimError::NotFound {
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                },
+                source => ClaimError::Api {
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    source,
+                },
+            })
+    }
+
+    pub(super) async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
+        let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
+            // Unknown claims succeed; a stray spec of ours for it goes too.
+            if self.inner.specs.remove(uid)? {
+                tracing::warn!(claim.uid = %uid, "removed a CDI spec of a claim not in the checkpoint");
+            }
+            return Ok(());
+        };
+        self.rollback(uid, &entry.devices).await?;
+        tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
+        Ok(())
+    }
+}

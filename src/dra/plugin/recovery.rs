@@ -1,0 +1,90 @@
+//! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
+//! back, completed claims get their MPS daemon and (if missing) their CDI spec back, CDI specs of
+//! ours without a ledger entry are removed. Together with the order of writes in
+//! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
+//! can finish.
+
+use super::plan::mps_devices;
+use super::{ClaimError, Plugin};
+use crate::inventory::{DeviceUuid, Inventory};
+use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid};
+
+/// What start-up repaired.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recovery {
+    pub loaded: Option<ledger::LoadOutcome>,
+    pub rolled_back: Vec<ClaimUid>,
+    pub cdi_rewritten: Vec<ClaimUid>,
+    pub orphans_removed: Vec<ClaimUid>,
+    /// Claims that could not be recovered (logged); their entries stay.
+    pub failed: Vec<ClaimUid>,
+}
+
+impl Plugin {
+    /// Repairs what a crash or reboot left behind. Call once before serving.
+    pub async fn recover(&self) -> Result<Recovery, ClaimError> {
+        let _g = self.enter().await?;
+        let mut rec = Recovery::default();
+        let entries = self.inner.ledger.read(|c| c.claims.clone());
+        let inv = self.snapshot().await?;
+        // One claim's trouble (hardware gone, a daemon that will not start) must not keep the
+        // plugin from serving the others: log it, keep its entry, and go on. Its next prepare or
+        // unprepare retries.
+        for (uid, entry) in &entries {
+            let claim = format!("{}/{}", entry.namespace, entry.name);
+            let result = match entry.state {
+                ClaimState::PrepareStarted => {
+                    tracing::warn!(claim.uid = %uid, %claim, "prepare was interrupted; rolling back");
+                    let r = self.rollback(uid, &entry.devices).await;
+                    if r.is_ok() {
+                        rec.rolled_back.push(uid.clone());
+                    }
+                    r
+                }
+                ClaimState::PrepareCompleted => self.restore(uid, entry, &inv, &mut rec).await,
+            };
+            if let Err(e) = result {
+                tracing::error!(claim.uid = %uid, %claim, error = %crate::report::chain(&e), "cannot recover claim; left for its next prepare or unprepare");
+                rec.failed.push(uid.clone());
+            }
+        }
+        let known = self.inner.ledger.read(|c| c.claims.clone());
+        for uid in self.inner.specs.list()? {
+            let uid = match ClaimUid::parse(uid.as_str()) {
+                Ok(uid) => uid,
+                Err(e) => {
+                    tracing::warn!(claim.uid = %uid, error = %crate::report::chain(&e), "left a CDI spec alone whose name holds no claim UID");
+                    continue;
+                }
+            };
+            if !known.contains_key(&uid) {
+                self.inner.specs.remove(&uid)?;
+                tracing::warn!(claim.uid = %uid, "removed orphan CDI spec with no checkpoint entry");
+                rec.orphans_removed.push(uid);
+            }
+        }
+        self.inner.ledger.flush().await?;
+        Ok(rec)
+    }
+
+    /// Brings a completed claim's host state back: its MPS daemon and its CDI spec.
+    async fn restore(
+        &self,
+        uid: &ClaimUid,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+        rec: &mut Recovery,
+    ) -> Result<(), ClaimError> {
+        let mps: Vec<DeviceUuid> = mps_devices(&entry.devices);
+        if !mps.is_empty() {
+            let owner = uid.clone();
+            self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
+        }
+        if !entry.devices.is_empty() && !self.inner.specs.exists(uid) {
+            self.write_cdi(uid, &entry.devices, inv, &[]).await?;
+            tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
+            rec.cdi_rewritten.push(uid.clone());
+        }
+        Ok(())
+    }
+}

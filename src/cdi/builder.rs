@@ -1,0 +1,424 @@
+//! The CDI spec builder: one claim's prepared devices into a [`Spec`], reading (never writing) the host.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::Path;
+
+use super::inputs::CDI_HOOK;
+use super::names::validate_claim_uid;
+use super::{
+    CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
+    Hook, MPS_PIPE_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice, READ_ONLY_MOUNT, Result,
+    Spec, validate_class, validate_device_name, validate_vendor,
+};
+use crate::inventory::{Gpu, MigDevice};
+use crate::sharing::{MpsSettings, Sharing};
+
+/// `<vendor>/<class>=<claimUID>-<device>`, the id the kubelet passes to the runtime.
+pub fn device_id(opts: &CdiOptions, claim_uid: &str, device: &str) -> String {
+    format!(
+        "{}/{}={}",
+        opts.vendor,
+        opts.class,
+        device_name(claim_uid, device)
+    )
+}
+
+pub(super) fn device_name(claim_uid: &str, device: &str) -> String {
+    format!("{claim_uid}-{device}")
+}
+
+/// Builds the CDI spec of one prepared claim (see the module docs for what goes where).
+///
+/// Reads the host (device nodes under `dev_root`, the MIG capability table): blocking, so async
+/// callers run it with `spawn_blocking`, like [`write_spec`].
+pub fn claim_spec(
+    opts: &CdiOptions,
+    claim_uid: &str,
+    devices: &[PreparedDevice],
+    driver_files: &DriverFiles,
+) -> Result<Spec> {
+    validate_vendor(&opts.vendor)?;
+    validate_class(&opts.class)?;
+    validate_claim_uid(claim_uid)?;
+    if devices.is_empty() {
+        return Err(Error::NoDevices {
+            claim_uid: claim_uid.to_string(),
+        });
+    }
+
+    let mut mig_minors: Option<Option<BTreeMap<String, u32>>> = None;
+    let mut seen = BTreeSet::new();
+    let mut cdi_devices = Vec::with_capacity(devices.len());
+    for device in devices {
+        let name = device_name(claim_uid, &device.name);
+        validate_device_name(&name)?;
+        if !seen.insert(name.clone()) {
+            return Err(Error::DuplicateDevice {
+                claim_uid: claim_uid.to_string(),
+                device: device.name.clone(),
+            });
+        }
+        let mut nodes = vec![gpu_node(opts, &device.gpu)];
+        if let Some(mig) = &device.mig {
+            let table = mig_minors.get_or_insert_with(|| read_mig_minors(&opts.driver_root));
+            nodes.extend(mig_cap_nodes(
+                opts,
+                table.as_ref(),
+                &device.gpu,
+                mig,
+                &device.name,
+            ));
+        }
+        cdi_devices.push(Device {
+            name,
+            container_edits: ContainerEdits {
+                device_nodes: nodes,
+                ..Default::default()
+            },
+        });
+    }
+
+    let mut common = ContainerEdits::default();
+    let uuids: Vec<&str> = devices.iter().map(PreparedDevice::uuid).collect();
+    common
+        .env
+        .push(format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(",")));
+    common.device_nodes = CONTROL_NODES
+        .iter()
+        .filter_map(|n| existing_node(&opts.dev_root.join(n), &format!("/dev/{n}")))
+        .collect();
+    driver_file_edits(opts, driver_files, &mut common);
+    mps_edits(claim_uid, devices, &mut common)?;
+
+    Ok(Spec {
+        cdi_version: CDI_VERSION.into(),
+        kind: opts.kind(),
+        devices: cdi_devices,
+        container_edits: common,
+    })
+}
+
+/// The GPU's `/dev/nvidia<minor>`. Taken from the host node when it exists; otherwise (simulated
+/// GPUs, or a node the driver has not created yet) described by the driver's fixed major and the
+/// GPU's minor, so the runtime creates it in the container without a host node.
+pub(super) fn gpu_node(opts: &CdiOptions, gpu: &Gpu) -> DeviceNode {
+    let path = format!("/dev/nvidia{}", gpu.minor);
+    let host = opts.dev_root.join(format!("nvidia{}", gpu.minor));
+    existing_node(&host, &path).unwrap_or_else(|| {
+        tracing::warn!(
+            gpu.uuid = %gpu.uuid,
+            host_path = %host.display(),
+            "GPU device node not found; the container gets a node {NVIDIA_MAJOR}:{} created by the runtime",
+            gpu.minor
+        );
+        DeviceNode {
+            path,
+            host_path: None,
+            node_type: Some("c".into()),
+            major: Some(NVIDIA_MAJOR),
+            minor: Some(i64::from(gpu.minor)),
+            file_mode: Some(0o666),
+            permissions: Some("rwm".into()),
+        }
+    })
+}
+
+/// A device node for `host` if it exists and is a device (symlinks are followed), with its type,
+/// numbers and mode read from the host so dynamic majors (`nvidia-uvm`) are right.
+pub(super) fn existing_node(host: &Path, container_path: &str) -> Option<DeviceNode> {
+    let meta = match fs::metadata(host) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(path = %host.display(), error = %e, "cannot inspect device node; skipped");
+            return None;
+        }
+    };
+    let file_type = meta.file_type();
+    let node_type = if file_type.is_char_device() {
+        "c"
+    } else if file_type.is_block_device() {
+        "b"
+    } else {
+        tracing::warn!(path = %host.display(), "not a device node; skipped");
+        return None;
+    };
+    let (major, minor) = split_dev(meta.rdev());
+    Some(DeviceNode {
+        path: container_path.to_string(),
+        host_path: Some(host.display().to_string()),
+        node_type: Some(node_type.into()),
+        major: Some(major),
+        minor: Some(minor),
+        file_mode: Some(meta.mode() & 0o777),
+        permissions: Some("rwm".into()),
+    })
+}
+
+/// Linux (glibc) `dev_t` encoding, as `major(3)`/`minor(3)` decode it.
+pub(super) fn split_dev(dev: u64) -> (i64, i64) {
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & 0xffff_f000);
+    let minor = (dev & 0xff) | ((dev >> 12) & 0xffff_ff00);
+    // Both are at most 32 bits wide after the masks, so they fit in i64.
+    (major as i64, minor as i64)
+}
+
+/// `<driver_root>/proc/driver/nvidia-caps/mig-minors`: lines `gpu0/gi1/access 12`, `config 1`, ….
+pub(super) fn read_mig_minors(driver_root: &Path) -> Option<BTreeMap<String, u32>> {
+    let path = driver_root.join("proc/driver/nvidia-caps/mig-minors");
+    match fs::read_to_string(&path) {
+        Ok(text) => Some(parse_mig_minors(&text)),
+        Err(e) => {
+            tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "cannot read the MIG capability table; MIG devices get no capability nodes"
+            );
+            None
+        }
+    }
+}
+
+pub(super) fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
+    text.lines()
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            let key = parts.next()?;
+            let minor = parts.next()?.parse().ok()?;
+            Some((key.to_string(), minor))
+        })
+        .collect()
+}
+
+/// The GPU-instance and compute-instance access nodes of a MIG device that exist on the host.
+pub(super) fn mig_cap_nodes(
+    opts: &CdiOptions,
+    table: Option<&BTreeMap<String, u32>>,
+    parent: &Gpu,
+    mig: &MigDevice,
+    device: &str,
+) -> Vec<DeviceNode> {
+    let Some(table) = table else {
+        return Vec::new();
+    };
+    let gi = format!("gpu{}/gi{}/access", parent.minor, mig.gi_id);
+    let ci = format!("gpu{}/gi{}/ci{}/access", parent.minor, mig.gi_id, mig.ci_id);
+    let mut nodes = Vec::new();
+    for key in [gi, ci] {
+        let Some(n) = table.get(&key) else {
+            tracing::warn!(device, capability = %key, "MIG capability missing from mig-minors; skipped");
+            continue;
+        };
+        let host = opts.dev_root.join(format!("nvidia-caps/nvidia-cap{n}"));
+        match existing_node(&host, &format!("/dev/nvidia-caps/nvidia-cap{n}")) {
+            Some(node) => nodes.push(node),
+            None => tracing::warn!(
+                device,
+                host_path = %host.display(),
+                "MIG capability device node not found; skipped"
+            ),
+        }
+    }
+    nodes
+}
+
+/// Read-only mounts of the driver files at their path relative to the driver root, plus the
+/// `update-ldcache` hook and `NVIDIA_CTK_LIBCUDA_DIR` when they apply.
+pub(super) fn driver_file_edits(
+    opts: &CdiOptions,
+    files: &DriverFiles,
+    edits: &mut ContainerEdits,
+) {
+    let in_container = |host: &Path| -> Option<String> {
+        match host.strip_prefix(&opts.driver_root) {
+            Ok(rel) => Some(Path::new("/").join(rel).display().to_string()),
+            Err(_) => {
+                tracing::warn!(path = %host.display(), "driver file outside the driver root; not mounted");
+                None
+            }
+        }
+    };
+    let mut hook = None;
+    let mut mounts = BTreeMap::new();
+    let mut lib_dirs = BTreeSet::new();
+    let mut libcuda_dir = None;
+    for host in files.libraries.iter().chain(&files.binaries) {
+        if host.file_name().is_some_and(|n| n == CDI_HOOK) {
+            hook = Some(host.display().to_string());
+            continue;
+        }
+        let Some(target) = in_container(host) else {
+            continue;
+        };
+        if files.libraries.contains(host)
+            && let Some(dir) = Path::new(&target).parent()
+        {
+            let dir = dir.display().to_string();
+            if host
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libcuda.so."))
+            {
+                libcuda_dir.get_or_insert_with(|| dir.clone());
+            }
+            lib_dirs.insert(dir);
+        }
+        mounts.insert(target, host.display().to_string());
+    }
+    edits
+        .mounts
+        .extend(mounts.into_iter().map(|(container_path, host_path)| Mount {
+            host_path,
+            container_path,
+            options: READ_ONLY_MOUNT.iter().map(|s| s.to_string()).collect(),
+        }));
+    if let Some(dir) = libcuda_dir {
+        edits.env.push(format!("NVIDIA_CTK_LIBCUDA_DIR={dir}"));
+    }
+    if let Some(path) = hook
+        && !lib_dirs.is_empty()
+    {
+        let mut args = vec![CDI_HOOK.to_string(), "update-ldcache".to_string()];
+        for dir in lib_dirs {
+            args.push("--folder".into());
+            args.push(dir);
+        }
+        edits.hooks.push(Hook {
+            hook_name: "createContainer".into(),
+            path,
+            args,
+            env: Vec::new(),
+        });
+    }
+}
+
+/// The MPS client environment. MPS is per process, so these are claim-wide: all MPS devices of
+/// a claim share one control daemon (one pipe directory) and one active-thread percentage, and a
+/// claim cannot mix MPS and non-MPS devices (the client would route every device through MPS).
+pub(super) fn mps_edits(
+    claim_uid: &str,
+    devices: &[PreparedDevice],
+    edits: &mut ContainerEdits,
+) -> Result<()> {
+    let fail = |message: String| Error::Mps {
+        claim_uid: claim_uid.to_string(),
+        message,
+    };
+    let mps: Vec<(&PreparedDevice, &MpsSettings)> = devices
+        .iter()
+        .filter_map(|d| match &d.sharing {
+            Sharing::Mps(s) => Some((d, s)),
+            _ => None,
+        })
+        .collect();
+    if mps.is_empty() {
+        return Ok(());
+    }
+    if let Some(d) = devices
+        .iter()
+        .find(|d| !matches!(d.sharing, Sharing::Mps(_)))
+    {
+        return Err(fail(format!(
+            "device {} is not shared with MPS while others are; configure MPS for all devices \
+             of the claim or for none",
+            d.name
+        )));
+    }
+
+    let mut pipe_dir: Option<&Path> = None;
+    let mut percentage: Option<(u32, &str)> = None;
+    let mut limits = Vec::new();
+    for (d, settings) in &mps {
+        let dir = d.mps_pipe_dir.as_deref().ok_or_else(|| {
+            fail(format!(
+                "device {} is shared with MPS but has no MPS pipe directory; start the claim's \
+                 MPS control daemon before writing its CDI spec",
+                d.name
+            ))
+        })?;
+        match pipe_dir {
+            Some(p) if p != dir => {
+                return Err(fail(format!(
+                    "MPS devices use different pipe directories {} and {}; one claim has one \
+                     MPS control daemon",
+                    p.display(),
+                    dir.display()
+                )));
+            }
+            _ => pipe_dir = Some(dir),
+        }
+        if let Some(p) = settings.active_thread_percentage {
+            match percentage {
+                Some((q, other)) if q != p => {
+                    return Err(fail(format!(
+                        "MPS active thread percentage differs between devices {other} ({q}) and \
+                         {} ({p}); a container has one percentage, use one config for the claim",
+                        d.name
+                    )));
+                }
+                _ => percentage = Some((p, &d.name)),
+            }
+        }
+        // Keys name devices of the claim by position (`"0"`) or UUID.
+        for key in settings.per_device_pinned_memory_limit.keys() {
+            let known = match key.parse::<usize>() {
+                Ok(i) => i < devices.len(),
+                Err(_) => devices.iter().any(|x| x.uuid() == key),
+            };
+            if !known {
+                return Err(fail(format!(
+                    "MPS pinned memory limit for device {key:?} matches no device of the claim \
+                     (use an index below {} or one of the claim's UUIDs)",
+                    devices.len()
+                )));
+            }
+        }
+    }
+    for (index, d) in devices.iter().enumerate() {
+        // Every device is MPS here (checked above); the settings that apply are its own.
+        let Sharing::Mps(settings) = &d.sharing else {
+            continue;
+        };
+        let limit = settings
+            .per_device_pinned_memory_limit
+            .get(d.uuid())
+            .or_else(|| {
+                settings
+                    .per_device_pinned_memory_limit
+                    .get(&index.to_string())
+            })
+            .or(settings.pinned_memory_limit.as_ref());
+        if let Some(bytes) = limit {
+            limits.push(format!("{}={}M", d.uuid(), bytes >> 20));
+        }
+    }
+
+    if let Some(dir) = pipe_dir {
+        edits
+            .env
+            .push(format!("CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_CONTAINER_DIR}"));
+        edits.mounts.push(Mount {
+            host_path: dir.display().to_string(),
+            container_path: MPS_PIPE_CONTAINER_DIR.into(),
+            options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        });
+    }
+    if let Some((p, _)) = percentage {
+        edits
+            .env
+            .push(format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={p}"));
+    }
+    if !limits.is_empty() {
+        edits.env.push(format!(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={}",
+            limits.join(",")
+        ));
+    }
+    Ok(())
+}

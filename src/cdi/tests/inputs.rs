@@ -1,0 +1,56 @@
+//! Input tests: driver file discovery under the driver root.
+
+use super::*;
+
+#[test]
+fn discovery_finds_driver_files_once() {
+    let host = Host::new();
+    let versioned = host.file("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01");
+    let soname = host
+        .root()
+        .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+    symlink("libnvidia-ml.so.550.163.01", &soname).unwrap();
+    // The development link, other libraries and dangling links are not driver files.
+    symlink(
+        "libnvidia-ml.so.1",
+        host.root().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so"),
+    )
+    .unwrap();
+    host.file("usr/lib/x86_64-linux-gnu/libfoo.so.1");
+    host.file("usr/lib/x86_64-linux-gnu/libcudart.so.12");
+    symlink(
+        "missing",
+        host.root().join("usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+    )
+    .unwrap();
+    let smi = host.file("usr/bin/nvidia-smi");
+    host.file("usr/bin/nvidia-smi-helper");
+    // Merged /usr: /lib and /bin are links into /usr and must not yield duplicates.
+    symlink("usr/lib", host.root().join("lib")).unwrap();
+    symlink("usr/bin", host.root().join("bin")).unwrap();
+
+    let files = discover_driver_files(host.root());
+    assert_eq!(files.libraries, vec![soname, versioned]);
+    assert_eq!(files.binaries, vec![smi]);
+    assert_eq!(
+        discover_driver_files(Path::new("/nonexistent-root")),
+        DriverFiles::default()
+    );
+}
+
+#[test]
+fn files_outside_the_driver_root_are_not_mounted() {
+    let host = Host::new();
+    let files = DriverFiles {
+        libraries: vec![PathBuf::from("/elsewhere/libcuda.so.1")],
+        binaries: vec![],
+    };
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(0, Sharing::Exclusive)],
+        &files,
+    )
+    .unwrap();
+    assert!(spec.container_edits.mounts.is_empty());
+}

@@ -1,0 +1,68 @@
+//! The CDI spec writer: claim spec file names, atomic replace, removal and listing.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use super::names::validate_claim_uid;
+use super::{CdiOptions, Result, Spec, io_err};
+
+pub(super) fn file_prefix(opts: &CdiOptions) -> String {
+    format!("{}-{}_", opts.vendor, opts.class)
+}
+
+/// `<cdi_root>/<vendor>-<class>_<claimUID>.yaml`.
+pub fn spec_path(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> PathBuf {
+    cdi_root.join(format!("{}{claim_uid}.yaml", file_prefix(opts)))
+}
+
+/// Writes (or replaces) a claim's spec atomically; creates `cdi_root` when missing.
+pub fn write_spec(
+    cdi_root: &Path,
+    opts: &CdiOptions,
+    claim_uid: &str,
+    spec: &Spec,
+) -> Result<PathBuf> {
+    validate_claim_uid(claim_uid)?;
+    let text = spec.to_yaml()?;
+    fs::create_dir_all(cdi_root).map_err(io_err("create the CDI directory", cdi_root))?;
+    let path = spec_path(cdi_root, opts, claim_uid);
+    crate::durable::write(&path, text.as_bytes())?;
+    Ok(path)
+}
+
+/// Removes a claim's spec; `Ok(false)` when there was none.
+pub fn remove_spec(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> Result<bool> {
+    validate_claim_uid(claim_uid)?;
+    Ok(crate::durable::remove(&spec_path(
+        cdi_root, opts, claim_uid,
+    ))?)
+}
+
+/// The claim UIDs that have a spec file of this vendor and class in `cdi_root`, sorted (empty
+/// when the directory does not exist). For removing specs of claims that are no longer prepared.
+pub fn list_claim_specs(cdi_root: &Path, opts: &CdiOptions) -> Result<Vec<String>> {
+    let entries = match fs::read_dir(cdi_root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("list", cdi_root)(e)),
+    };
+    let prefix = file_prefix(opts);
+    let mut uids = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err("list", cdi_root))?;
+        let name = entry.file_name();
+        let Some(uid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|n| n.strip_suffix(".yaml"))
+        else {
+            continue;
+        };
+        if validate_claim_uid(uid).is_ok() {
+            uids.push(uid.to_string());
+        }
+    }
+    uids.sort();
+    Ok(uids)
+}

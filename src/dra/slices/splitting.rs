@@ -1,0 +1,179 @@
+//! Assembling the pool: device order, chunking to the API's per-slice limits, and [`desired_slices`].
+
+use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourcePool, ResourceSliceSpec};
+
+use super::attributes::{MigShape, gpu_device, mig_device};
+use super::counters::partitioned;
+use super::{
+    CounterLayout, Error, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, validate,
+    validate_pool,
+};
+use crate::inventory::Inventory;
+
+pub(super) fn sort_devices(devices: &mut [Device]) {
+    devices.sort_by(|a, b| a.name.cmp(&b.name));
+}
+
+pub(super) fn is_advanced(d: &Device) -> bool {
+    d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+        || d.taints.as_ref().is_some_and(|t| !t.is_empty())
+}
+
+/// Packs devices, in order, into as few chunks as the per-slice limits allow.
+pub(super) fn chunk_devices(devices: Vec<Device>) -> Vec<Vec<Device>> {
+    let mut chunks = Vec::new();
+    let mut current: Vec<Device> = Vec::new();
+    let mut advanced = false;
+    for d in devices {
+        let adv = advanced || is_advanced(&d);
+        let limit = if adv {
+            MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+        } else {
+            MAX_DEVICES_PER_SLICE
+        };
+        if current.len() + 1 > limit {
+            chunks.push(std::mem::take(&mut current));
+            advanced = is_advanced(&d);
+        } else {
+            advanced = adv;
+        }
+        current.push(d);
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+/// Slice contents before the pool bookkeeping is filled in.
+#[derive(Default)]
+pub(super) struct Draft {
+    pub(super) counters: Option<Vec<CounterSet>>,
+    pub(super) devices: Option<Vec<Device>>,
+}
+
+/// Computes the ResourceSlices that describe `inv` for `opts.node_name`.
+///
+/// The result is validated before it is returned; an error means this module (or the inventory)
+/// is wrong, and nothing should be published.
+pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<ResourceSliceSpec>> {
+    let healthy = inv.gpus.iter().filter(|g| g.health.is_healthy());
+    let mut drafts = Vec::new();
+    if opts.partitionable {
+        let mut groups = Vec::new();
+        let mut plain = Vec::new();
+        for gpu in healthy {
+            if gpu.in_mig_mode() {
+                groups.push(partitioned(gpu)?);
+            } else {
+                plain.push(gpu_device(gpu));
+            }
+        }
+        match opts.layout {
+            CounterLayout::Together => {
+                for g in groups {
+                    if g.devices.len() > MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS {
+                        return Err(Error::TooManyDevicesTogether {
+                            minor: g.minor,
+                            devices: g.devices.len(),
+                            max: MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
+                        });
+                    }
+                    drafts.push(Draft {
+                        counters: Some(g.counters),
+                        devices: Some(g.devices),
+                    });
+                }
+            }
+            CounterLayout::Separate => {
+                let all_sets: Vec<CounterSet> = groups
+                    .iter()
+                    .flat_map(|g| g.counters.iter().cloned())
+                    .collect();
+                for chunk in all_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
+                    drafts.push(Draft {
+                        counters: Some(chunk.to_vec()),
+                        devices: None,
+                    });
+                }
+                for g in groups {
+                    for chunk in chunk_devices(g.devices) {
+                        drafts.push(Draft {
+                            counters: None,
+                            devices: Some(chunk),
+                        });
+                    }
+                }
+            }
+        }
+        sort_devices(&mut plain);
+        for chunk in chunk_devices(plain) {
+            drafts.push(Draft {
+                counters: None,
+                devices: Some(chunk),
+            });
+        }
+    } else {
+        let mut devices = Vec::new();
+        for gpu in healthy {
+            if gpu.in_mig_mode() {
+                for d in gpu.mig.devices.iter().filter(|d| d.health.is_healthy()) {
+                    devices.push(mig_device(gpu, &MigShape::existing(d)));
+                }
+            } else {
+                devices.push(gpu_device(gpu));
+            }
+        }
+        sort_devices(&mut devices);
+        for chunk in chunk_devices(devices) {
+            drafts.push(Draft {
+                counters: None,
+                devices: Some(chunk),
+            });
+        }
+    }
+    if drafts.is_empty() {
+        drafts.push(Draft {
+            counters: None,
+            devices: Some(Vec::new()),
+        });
+    }
+
+    let count = drafts.len() as i64;
+    let specs: Vec<ResourceSliceSpec> = drafts
+        .into_iter()
+        .map(|d| ResourceSliceSpec {
+            driver: opts.driver.clone(),
+            node_name: Some(opts.node_name.clone()),
+            pool: ResourcePool {
+                name: opts.node_name.clone(),
+                generation: 0,
+                resource_slice_count: count,
+            },
+            devices: d.devices,
+            shared_counters: d.counters,
+            ..Default::default()
+        })
+        .collect();
+
+    for (i, spec) in specs.iter().enumerate() {
+        let violations = validate(spec);
+        if !violations.is_empty() {
+            return Err(Error::Invalid {
+                node: opts.node_name.clone(),
+                slice: i.to_string(),
+                violations: Violations(violations),
+            });
+        }
+    }
+    let violations = validate_pool(&specs);
+    if !violations.is_empty() {
+        return Err(Error::Invalid {
+            node: opts.node_name.clone(),
+            slice: "pool".into(),
+            violations: Violations(violations),
+        });
+    }
+    Ok(specs)
+}

@@ -1,0 +1,175 @@
+//! The backend: opening NVML (library candidates under the driver root), snapshots, and omissions logged once.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
+use tracing::{Level, debug, info, warn};
+
+use super::{HostSysfs, LIBRARY, SYSFS_ROOT, map_with_omissions, read_raw};
+use crate::inventory::{DeviceBackend, Error, GpuUuid, Inventory, Result};
+
+pub struct NvmlBackend {
+    nvml: Nvml,
+    sysfs: HostSysfs,
+    logged: OmissionLog,
+}
+
+impl std::fmt::Debug for NvmlBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmlBackend")
+            .field("sysfs", &self.sysfs.root)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NvmlBackend {
+    /// Loads NVML. With a driver root other than `/`, the library is looked up under it first
+    /// (the usual layout of a containerized driver), then by the default search path.
+    pub fn open(driver_root: &Path) -> Result<Self> {
+        let mut tried = Vec::new();
+        for candidate in library_candidates(driver_root) {
+            let init = match &candidate {
+                Some(path) => Nvml::builder().lib_path(path.as_os_str()).init(),
+                None => Nvml::init(),
+            };
+            match init {
+                Ok(nvml) => {
+                    return Ok(Self {
+                        nvml,
+                        sysfs: HostSysfs::new(SYSFS_ROOT),
+                        logged: OmissionLog::default(),
+                    });
+                }
+                Err(NvmlError::LibloadingError(e)) => tried.push(match &candidate {
+                    Some(path) => format!("{}: {e}", path.display()),
+                    None => e.to_string(),
+                }),
+                Err(e) => {
+                    return Err(Error::Nvml {
+                        call: "nvmlInit".into(),
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
+        Err(Error::NvmlMissing {
+            library: LIBRARY.into(),
+            reason: tried.join("; "),
+        })
+    }
+
+    /// Reads PCI placement from another sysfs mount (for tests or unusual container layouts).
+    pub fn with_sysfs_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.sysfs = HostSysfs::new(root);
+        self
+    }
+
+    pub fn nvml(&self) -> &Nvml {
+        &self.nvml
+    }
+}
+
+pub(super) fn library_candidates(driver_root: &Path) -> Vec<Option<PathBuf>> {
+    let mut out = Vec::new();
+    if driver_root != Path::new("/") {
+        for dir in [
+            "usr/lib/x86_64-linux-gnu",
+            "usr/lib/aarch64-linux-gnu",
+            "usr/lib64",
+            "usr/lib",
+            "lib64",
+            "lib",
+        ] {
+            let p = driver_root.join(dir).join(LIBRARY);
+            if p.exists() {
+                out.push(Some(p));
+            }
+        }
+    }
+    out.push(None);
+    out
+}
+
+impl DeviceBackend for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
+    fn snapshot(&self) -> Result<Inventory> {
+        let (inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
+        self.logged.log_new(&omissions);
+        Ok(inv)
+    }
+}
+
+/// A fact NVML did not give for one GPU, left out of the inventory instead of guessed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Omission {
+    pub gpu_index: u32,
+    pub gpu: GpuUuid,
+    /// What is left out, named as published (`multiprocessors`, `brand`, `fabric`, …).
+    pub field: &'static str,
+    pub reason: String,
+    /// How loudly to say it: `WARN` for a gap on hardware that should have the value, `INFO`
+    /// for a transient or harmless one, `DEBUG` for what a GPU simply does not have.
+    pub level: Level,
+}
+
+impl Omission {
+    pub(super) fn log(&self) {
+        let (index, uuid, field, reason) =
+            (self.gpu_index, self.gpu.as_str(), self.field, &self.reason);
+        match self.level {
+            Level::ERROR | Level::WARN => {
+                warn!(
+                    gpu.index = index,
+                    gpu.uuid = uuid,
+                    field,
+                    "{field} not published: {reason}"
+                )
+            }
+            Level::INFO => {
+                info!(
+                    gpu.index = index,
+                    gpu.uuid = uuid,
+                    field,
+                    "{field} not published: {reason}"
+                )
+            }
+            _ => debug!(
+                gpu.index = index,
+                gpu.uuid = uuid,
+                field,
+                "{field} not published: {reason}"
+            ),
+        }
+    }
+}
+
+/// Logs each omission once per GPU and field while it lasts: again only when its reason changes,
+/// or when it comes back after the value was seen.
+#[derive(Debug, Default)]
+pub(super) struct OmissionLog(Mutex<BTreeMap<(GpuUuid, &'static str), String>>);
+
+impl OmissionLog {
+    /// Logs the omissions not logged before (or whose reason changed) and returns them.
+    pub(super) fn log_new<'a>(&self, omissions: &'a [Omission]) -> Vec<&'a Omission> {
+        // A panic while logging cannot leave the map torn; keep using it.
+        let mut seen = crate::lock::lock(&self.0);
+        let mut now = BTreeMap::new();
+        let mut logged = Vec::new();
+        for o in omissions {
+            let key = (o.gpu.clone(), o.field);
+            if seen.get(&key) != Some(&o.reason) {
+                o.log();
+                logged.push(o);
+            }
+            now.insert(key, o.reason.clone());
+        }
+        *seen = now;
+        logged
+    }
+}

@@ -1,0 +1,67 @@
+//! The backend seam: [`DeviceBackend`], and its snapshot and refresh run off the async runtime.
+
+use super::{Error, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice};
+
+/// A source of inventory snapshots, and the few reconfigurations prepare needs. Implementations
+/// block (NVML is synchronous); async callers run them on the blocking pool ([`snapshot`]).
+///
+/// The reconfiguration methods default to [`Error::Unsupported`], so a backend opts in to each.
+pub trait DeviceBackend: Send + Sync + 'static {
+    /// A short name for logs (`nvml`, `simulated`).
+    fn name(&self) -> &'static str;
+    /// The current inventory. May come from a cache (see [`cache::Cached`](super::cache::Cached)).
+    fn snapshot(&self) -> Result<Inventory>;
+
+    /// Reads the inventory from the hardware, bypassing any cache.
+    fn refresh(&self) -> Result<Inventory> {
+        self.snapshot()
+    }
+
+    /// Sets the compute time slice of a whole GPU.
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        let _ = (gpu, interval);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "setting the time slice",
+        })
+    }
+
+    /// Creates a MIG device (GPU instance plus one compute instance spanning it) of the GPU-instance
+    /// profile `gi_profile_id` at `placement`, and returns it.
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        let _ = (gpu, gi_profile_id, placement);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "creating MIG devices",
+        })
+    }
+
+    /// Destroys a MIG device created by [`DeviceBackend::create_mig`]. Destroying one that no
+    /// longer exists succeeds, so rollbacks can repeat it.
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        let _ = (gpu, mig);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "destroying MIG devices",
+        })
+    }
+}
+
+/// [`DeviceBackend::snapshot`] off the async runtime.
+pub async fn snapshot(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
+    tokio::task::spawn_blocking(move || backend.snapshot())
+        .await
+        .map_err(Error::Task)?
+}
+
+/// [`DeviceBackend::refresh`] off the async runtime.
+pub async fn refresh(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
+    tokio::task::spawn_blocking(move || backend.refresh())
+        .await
+        .map_err(Error::Task)?
+}

@@ -1,4 +1,5 @@
-//! The CDI spec builder: one claim's prepared devices into a [`Spec`], reading (never writing) the host.
+//! The CDI spec builder: one claim's prepared devices into a [`Spec`], reading (never writing) the
+//! host.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

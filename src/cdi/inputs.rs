@@ -1,4 +1,5 @@
-//! Builder inputs: CDI options, the prepared devices of a claim and the driver files found on the host.
+//! Builder inputs: CDI options, the prepared devices of a claim and the driver files found on the
+//! host.
 
 use std::collections::BTreeSet;
 use std::fs;

@@ -1,4 +1,5 @@
-//! Assembling the pool: device order, chunking to the API's per-slice limits, and [`desired_slices`].
+//! Assembling the pool: device order, chunking to the API's per-slice limits, and
+//! [`desired_slices`].
 
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourcePool, ResourceSliceSpec};
 

@@ -1,4 +1,5 @@
-//! The backend: opening NVML (library candidates under the driver root), snapshots, and omissions logged once.
+//! The backend: opening NVML (library candidates under the driver root), snapshots, and omissions
+//! logged once.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,4 +1,5 @@
-//! NVML enums and numbers as inventory facts: versions, brand and architecture names, MIG profile names and engine counts.
+//! NVML enums and numbers as inventory facts: versions, brand and architecture names, MIG profile
+//! names and engine counts.
 
 use nvml_wrapper::enum_wrappers::device::Brand;
 use nvml_wrapper::enums::device::DeviceArchitecture;

@@ -126,12 +126,19 @@ pub struct Config {
     pub partitionable: bool,
     /// Set for rolling updates: socket names carry it.
     pub pod_uid: Option<String>,
+    /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
+    pub device_plugin_config: Option<PathBuf>,
 }
 
 impl Config {
     /// Where the plugin keeps its sockets, checkpoint and locks.
     pub fn plugin_dir(&self) -> PathBuf {
         self.kubelet_root.join("plugins").join(&self.driver_name)
+    }
+
+    /// `<kubelet root>/device-plugins`, where `kubelet.sock` and the device-plugin sockets are.
+    pub fn device_plugin_dir(&self) -> PathBuf {
+        self.kubelet_root.join("device-plugins")
     }
 
     pub fn registry_dir(&self) -> PathBuf {
@@ -225,7 +232,7 @@ fn validate(settings: Settings) -> Result<Config> {
         (None, kubeconfig) => Api::Kube { kubeconfig },
     };
 
-    let metrics = need(daemon.metrics_address, "--metrics-address")?;
+    let metrics = need(daemon.metrics_address.clone(), "--metrics-address")?;
     let metrics_address: SocketAddr = metrics.parse().map_err(|_| {
         invalid(
             "--metrics-address",
@@ -264,6 +271,10 @@ fn validate(settings: Settings) -> Result<Config> {
         log_format: need(log.log_format, "--log-format")?,
         partitionable: need(plugin.partitionable, "--partitionable")?,
         pod_uid: kubelet.pod_uid,
+        device_plugin_config: daemon
+            .device_plugin_config
+            .map(|p| absolute("--device-plugin-config", p))
+            .transpose()?,
     })
 }
 

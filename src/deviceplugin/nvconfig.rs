@@ -16,6 +16,9 @@ use serde::Deserialize;
 use super::{DeviceSelector, ResourceName};
 use super::{IdStrategy, ListStrategy, MigStrategy, Options, ShareKind, SharedResource, Sharing};
 
+/// Where NVIDIA's MPS control daemon keeps its pipes when `flags.mpsRoot` is not set.
+pub const DEFAULT_MPS_ROOT: &str = "/run/nvidia/mps";
+
 /// A config file problem; `key` is the key path (`sharing.timeSlicing.resources[0].replicas`).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("device-plugin config {file}: {key}: {message}")]
@@ -317,13 +320,13 @@ pub fn parse(file: &str, text: &str) -> Result<Options, ConfigError> {
                     "MPS sharing is not supported with migStrategy mixed".into(),
                 ));
             }
-            if mps_root.as_deref().is_none_or(str::is_empty) {
-                return Err(err(
-                    "flags.mpsRoot",
-                    "MPS sharing needs flags.mpsRoot (e.g. /run/nvidia/mps)".into(),
-                ));
-            }
-            opts.mps_root = mps_root;
+            // NVIDIA's plugin takes it from --mps-root (the Helm chart's default); nvdra has no
+            // such flag, so the chart's default stands in.
+            opts.mps_root = Some(
+                mps_root
+                    .filter(|r| !r.is_empty())
+                    .unwrap_or_else(|| DEFAULT_MPS_ROOT.into()),
+            );
         }
     }
     Ok(opts)

@@ -49,6 +49,7 @@ fn inventory(profile: &str) -> Inventory {
 struct Node {
     root: tempfile::TempDir,
     nvdra: Option<Child>,
+    mode: &'static str,
 }
 
 impl Drop for Node {
@@ -65,6 +66,7 @@ impl Node {
         Node {
             root: tempfile::tempdir().unwrap(),
             nvdra: None,
+            mode: "device-plugin",
         }
     }
 
@@ -85,7 +87,9 @@ impl Node {
 
     fn command(&self, backend: &[&str], config: Option<&Path>) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
-        cmd.args(["run", "--mode", "device-plugin"])
+        std::fs::write(self.path("boot_id"), "boot-1\n").unwrap();
+        cmd.args(["run", "--mode", self.mode])
+            .env("NVDRA_BOOT_ID_FILE", self.path("boot_id"))
             .args(backend)
             .args(["--node-name", NODE])
             .arg("--kubelet-root")
@@ -534,4 +538,36 @@ fn mig_single_refuses_mixed_modes_and_serves_mig_devices_as_gpus() {
         .collect();
     assert_eq!(want.len(), 3);
     assert_eq!(r.ids("nvidia.com/gpu"), want);
+}
+
+#[test]
+fn both_serves_dra_and_the_device_plugin_side_by_side() {
+    if !have_grpcio() {
+        return;
+    }
+    let mut node = Node::new();
+    node.mode = "both";
+    let r = node.run(
+        &["--profile", "l40s-pcie"],
+        None,
+        &[
+            "--expect",
+            "nvidia.com/gpu",
+            "--allocate",
+            "nvidia.com/gpu=@0",
+        ],
+    );
+    r.assert_ok();
+    assert_eq!(r.ids("nvidia.com/gpu").len(), 4);
+    assert_eq!(r.one("nvidia.com/gpu", "Allocate")["ok"], true);
+    // nvdra still runs: the DRA sockets are there beside the device-plugin one.
+    assert!(
+        node.path("kubelet/plugins/gpu.nvidia.com/dra.sock")
+            .exists()
+    );
+    assert!(
+        node.path("kubelet/plugins_registry/gpu.nvidia.com-reg.sock")
+            .exists()
+    );
+    assert!(node.dir().join("nvidia-gpu.sock").exists());
 }

@@ -1,0 +1,81 @@
+//! The device plugin in-process on a simulated node: a health change reaches an open
+//! `ListAndWatch` stream as a new full list, Allocate then refuses the sick GPU, and the streams
+//! end and the sockets go when the plugin stops. (The kubelet's side of the conversation, with a
+//! client nvdra did not write, is in `deviceplugin_grpcio.rs`.)
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nvdra::deviceplugin::server::Settings;
+use nvdra::deviceplugin::{DevicePlugin, Options};
+use nvdra::inventory::Health;
+use nvdra::inventory::sim::SimBackend;
+use nvdra::proto::deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, Empty, device_plugin_client::DevicePluginClient,
+};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test]
+async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+    let dp = DevicePlugin::new(
+        Settings {
+            dir: dir.clone(),
+            driver: "gpu.nvidia.com".into(),
+            driver_root: root.path().join("driver"),
+            cdi_root: root.path().join("cdi"),
+            watch: Duration::from_millis(20),
+            poll: Duration::from_millis(20),
+        },
+        Options::default(),
+        Arc::new(sim.clone()),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(dp.run(stop.clone()));
+    let sock = dir.join("nvidia-gpu.sock");
+    // The server binds on its first tick; no kubelet is needed for it to serve.
+    let channel = loop {
+        if let Ok(c) = nvdra::socket::connect(&sock).await {
+            break c;
+        }
+        assert!(!task.is_finished(), "the device plugin stopped: {task:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let mut client = DevicePluginClient::new(channel);
+    let mut stream = client.list_and_watch(Empty {}).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.devices.len(), 4);
+    assert!(first.devices.iter().all(|d| d.health == "Healthy"));
+    let sick = first.devices[2].id.clone();
+
+    sim.update(|inv| {
+        inv.gpus[2].health = Health::Unhealthy {
+            reason: "XID 79".into(),
+        }
+    });
+    let second = stream.message().await.unwrap().unwrap();
+    assert_eq!(second.devices.len(), 4, "always the full list");
+    let health: Vec<&str> = second.devices.iter().map(|d| d.health.as_str()).collect();
+    assert_eq!(health, ["Healthy", "Healthy", "Unhealthy", "Healthy"]);
+
+    let err = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec![sick.clone()],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains(&sick), "{}", err.message());
+
+    stop.cancel();
+    assert!(
+        stream.message().await.unwrap_or(None).is_none(),
+        "the stream ends on shutdown"
+    );
+    task.await.unwrap().unwrap();
+    assert!(!sock.exists(), "the socket is removed on shutdown");
+}

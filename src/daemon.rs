@@ -125,6 +125,16 @@ pub async fn run(
         let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
         let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
         let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+        // Without DRA, ready means every resource is registered with the kubelet (there are
+        // no slices to publish: the kubelet has the device lists).
+        let m = metrics.clone();
+        let device_plugin = device_plugin.map(|dp| {
+            dp.on_registered(Arc::new(move |all| {
+                use std::sync::atomic::Ordering::Relaxed;
+                m.registered.store(all, Relaxed);
+                m.published.store(all, Relaxed);
+            }))
+        });
         spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
         let (m, token) = (metrics.clone(), shutdown.clone());
         tasks.spawn(async move {

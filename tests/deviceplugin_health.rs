@@ -79,3 +79,76 @@ async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
     task.await.unwrap().unwrap();
     assert!(!sock.exists(), "the socket is removed on shutdown");
 }
+
+/// A kubelet registration service that records each `Register`.
+struct Kubelet(tokio::sync::mpsc::UnboundedSender<String>);
+
+#[tonic::async_trait]
+impl nvdra::proto::deviceplugin::v1beta1::registration_server::Registration for Kubelet {
+    async fn register(
+        &self,
+        request: tonic::Request<nvdra::proto::deviceplugin::v1beta1::RegisterRequest>,
+    ) -> Result<tonic::Response<Empty>, tonic::Status> {
+        let r = request.into_inner();
+        let _ = self.0.send(format!("{} {}", r.resource_name, r.endpoint));
+        Ok(tonic::Response::new(Empty {}))
+    }
+}
+
+#[tokio::test]
+async fn a_removed_plugin_socket_is_served_and_registered_again() {
+    use nvdra::proto::deviceplugin::v1beta1::registration_server::RegistrationServer;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (tx, mut registrations) = tokio::sync::mpsc::unbounded_channel();
+    let listener = tokio::net::UnixListener::bind(dir.join("kubelet.sock")).unwrap();
+    let kubelet = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(Kubelet(tx)))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
+    let dp = DevicePlugin::new(
+        Settings {
+            dir: dir.clone(),
+            driver: "gpu.nvidia.com".into(),
+            driver_root: root.path().join("driver"),
+            cdi_root: root.path().join("cdi"),
+            watch: Duration::from_millis(20),
+            poll: Duration::from_secs(3600),
+        },
+        Options::default(),
+        Arc::new(SimBackend::from_profile("l40s-pcie", "n").unwrap()),
+    )
+    .on_registered(Arc::new(move |all| {
+        let _ = ready_tx.send(all);
+    }));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(dp.run(stop.clone()));
+    assert_eq!(
+        registrations.recv().await.unwrap(),
+        "nvidia.com/gpu nvidia-gpu.sock"
+    );
+    ready.wait_for(|r| *r).await.unwrap();
+    let sock = dir.join("nvidia-gpu.sock");
+    std::fs::remove_file(&sock).unwrap();
+    assert_eq!(
+        registrations.recv().await.unwrap(),
+        "nvidia.com/gpu nvidia-gpu.sock",
+        "registered again after its socket was removed"
+    );
+    // It serves.
+    let mut client = DevicePluginClient::new(nvdra::socket::connect(&sock).await.unwrap());
+    let list = client
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await;
+    assert_eq!(list.unwrap().unwrap().devices.len(), 4);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    kubelet.abort();
+}

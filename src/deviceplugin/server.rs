@@ -91,11 +91,16 @@ pub struct Settings {
     pub poll: Duration,
 }
 
+/// Told `true` once every resource is registered with the current kubelet, `false` when one
+/// no longer is.
+pub type OnRegistered = Arc<dyn Fn(bool) + Send + Sync>;
+
 /// The device-plugin half of the node agent.
 pub struct DevicePlugin {
     settings: Settings,
     options: Options,
     backend: Arc<dyn DeviceBackend>,
+    on_registered: Option<OnRegistered>,
 }
 
 /// The file identity of a socket: device, inode, mtime.
@@ -125,7 +130,14 @@ impl DevicePlugin {
             settings,
             options,
             backend,
+            on_registered: None,
         }
+    }
+
+    /// Calls `f` whenever "all resources registered" changes (for readiness).
+    pub fn on_registered(mut self, f: OnRegistered) -> Self {
+        self.on_registered = Some(f);
+        self
     }
 
     /// The resources for the backend's current inventory; an invalid MIG setup for the
@@ -177,6 +189,7 @@ impl DevicePlugin {
         let mut poll = tokio::time::interval(self.settings.poll);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         poll.tick().await;
+        let mut all_registered = false;
         let result = loop {
             tokio::select! {
                 biased;
@@ -186,6 +199,13 @@ impl DevicePlugin {
                         break Err(e);
                     }
                     register_all(&mut slots, &kubelet_sock).await;
+                    let now = slots.iter().all(|s| s.registered.is_some());
+                    if now != all_registered {
+                        all_registered = now;
+                        if let Some(f) = &self.on_registered {
+                            f(now);
+                        }
+                    }
                 }
                 _ = poll.tick() => {
                     match self.check().await {

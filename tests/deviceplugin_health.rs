@@ -152,3 +152,68 @@ async fn a_removed_plugin_socket_is_served_and_registered_again() {
     task.await.unwrap().unwrap();
     kubelet.abort();
 }
+
+#[tokio::test]
+async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let dp = DevicePlugin::new(
+        Settings {
+            dir: dir.clone(),
+            driver: "gpu.nvidia.com".into(),
+            driver_root: root.path().join("driver"),
+            cdi_root: root.path().join("cdi"),
+            watch: Duration::from_millis(20),
+            poll: Duration::from_millis(20),
+        },
+        Options {
+            mig_strategy: nvdra::deviceplugin::MigStrategy::Mixed,
+            ..Options::default()
+        },
+        Arc::new(sim.clone()),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(dp.run(stop.clone()));
+    let connect = |sock: std::path::PathBuf| async move {
+        for _ in 0..1000 {
+            if let Ok(c) = nvdra::socket::connect(&sock).await {
+                return DevicePluginClient::new(c);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{} was not served within 10 s", sock.display());
+    };
+    let mut gpu = connect(dir.join("nvidia-gpu.sock")).await;
+    let mut stream = gpu.list_and_watch(Empty {}).await.unwrap().into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 2);
+    assert!(!dir.join("nvidia-mig-7g.40gb.sock").exists());
+
+    // GPU 3 goes into MIG mode with one 7g.40gb instance.
+    let uuid = sim.update(|inv| {
+        let mut m = inv.gpus[1].mig.devices[0].clone();
+        m.profile = "7g.40gb".into();
+        m.uuid = nvdra::inventory::GpuUuid("MIG-7g40gb-test".into());
+        m.placement = nvdra::inventory::Placement { start: 0, size: 8 };
+        inv.gpus[3].mig.enabled = true;
+        inv.gpus[3].mig.devices = vec![m.clone()];
+        m.uuid
+    });
+    let shrunk = stream.message().await.unwrap().unwrap();
+    assert_eq!(shrunk.devices.len(), 1, "GPU 3 is no longer whole");
+    let mut mig = connect(dir.join("nvidia-mig-7g.40gb.sock")).await;
+    let list = mig
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids, [uuid.as_str()]);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert!(!dir.join("nvidia-mig-7g.40gb.sock").exists());
+}

@@ -11,6 +11,11 @@
 //! re-created, or an event lost in a full queue). A refused or failed registration is logged and
 //! retried with exponential backoff (1 s up to 30 s), at once when `kubelet.sock` changes.
 //!
+//! The inventory is re-read every [`Settings::poll`]: a changed device list (health, MIG
+//! instances) is sent whole to the open streams; a resource that appears (a MIG
+//! reconfiguration) gets its server and registration on the next tick; one that disappears is
+//! sent empty. The CDI spec is rewritten when the devices (not their health) change.
+//!
 //! Every server goes through [`socket::incoming`], so the kubelet's `:authority` habits are
 //! handled as on the DRA socket. Streams end on shutdown and when their server is replaced.
 
@@ -124,6 +129,33 @@ struct Slot {
     failed: Option<(Identity, Instant, Duration)>,
 }
 
+impl Slot {
+    fn new(dir: &Path, r: Resource) -> Slot {
+        Slot {
+            path: dir.join(r.name.socket_file()),
+            name: r.name.clone(),
+            devices: watch::channel(Arc::new(r)).0,
+            server: None,
+            registered: None,
+            failed: None,
+        }
+    }
+}
+
+/// What the CDI spec depends on: the devices and their nodes, not their health.
+fn cdi_identity(inv: &Inventory) -> Vec<(String, u32, Vec<String>)> {
+    inv.gpus
+        .iter()
+        .map(|g| {
+            (
+                g.uuid.to_string(),
+                g.minor,
+                g.mig.devices.iter().map(|m| m.uuid.to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
 impl DevicePlugin {
     pub fn new(settings: Settings, options: Options, backend: Arc<dyn DeviceBackend>) -> Self {
         Self {
@@ -169,21 +201,12 @@ impl DevicePlugin {
         let mut slots: Vec<Slot> = res
             .into_iter()
             .map(|r| {
-                let name = r.name.clone();
-                tracing::info!(resource = %name, devices = r.devices.len(), "device-plugin resource");
-                Slot {
-                    path: self.settings.dir.join(name.socket_file()),
-                    name,
-                    devices: watch::channel(Arc::new(r)).0,
-                    server: None,
-                    registered: None,
-                    failed: None,
-                }
+                tracing::info!(resource = %r.name, devices = r.devices.len(), "device-plugin resource");
+                Slot::new(&self.settings.dir, r)
             })
             .collect();
         let kubelet_sock = self.settings.dir.join(KUBELET_SOCKET);
-        let mut last_inv = inv;
-        let mut unserved = std::collections::BTreeSet::new();
+        let mut last_devices = cdi_identity(&inv);
         let mut tick = tokio::time::interval(self.settings.watch);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut poll = tokio::time::interval(self.settings.poll);
@@ -210,13 +233,14 @@ impl DevicePlugin {
                 _ = poll.tick() => {
                     match self.check().await {
                         Ok((inv, res)) => {
-                            if wants_cdi && inv != last_inv
+                            let devices = cdi_identity(&inv);
+                            if wants_cdi && devices != last_devices
                                 && let Err(e) = self.write_cdi(&cdi_opts, &inv).await
                             {
                                 tracing::warn!(error = %super::chain(&e), "cannot rewrite the device-plugin CDI spec");
                             }
-                            last_inv = inv;
-                            update(&slots, res, &mut unserved);
+                            last_devices = devices;
+                            update(&mut slots, &self.settings.dir, res);
                         }
                         Err(e) => tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists"),
                     }
@@ -361,14 +385,11 @@ async fn register(kubelet_sock: &Path, req: pb::RegisterRequest) -> Result<(), R
 }
 
 /// Sends each resource's new device list when it changed. A resource that disappeared is sent
-/// empty (the kubelet then lowers its capacity to 0); a new one is logged, not served, until
-/// restart.
-fn update(
-    slots: &[Slot],
-    res: Vec<Resource>,
-    unserved: &mut std::collections::BTreeSet<ResourceName>,
-) {
-    for slot in slots {
+/// empty (the kubelet then lowers its capacity to 0) and stays registered, so it returns without
+/// a new registration; a new one (a MIG reconfiguration) gets a slot, whose server the next tick
+/// starts and registers.
+fn update(slots: &mut Vec<Slot>, dir: &Path, res: Vec<Resource>) {
+    for slot in slots.iter() {
         let new = res
             .iter()
             .find(|r| r.name == slot.name)
@@ -390,8 +411,9 @@ fn update(
         });
     }
     for r in res {
-        if !slots.iter().any(|s| s.name == r.name) && unserved.insert(r.name.clone()) {
-            tracing::warn!(resource = %r.name, "a new device-plugin resource appeared; restart nvdra to serve it");
+        if !slots.iter().any(|s| s.name == r.name) {
+            tracing::info!(resource = %r.name, devices = r.devices.len(), "new device-plugin resource");
+            slots.push(Slot::new(dir, r));
         }
     }
 }

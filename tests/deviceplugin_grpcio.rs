@@ -571,3 +571,52 @@ fn both_serves_dra_and_the_device_plugin_side_by_side() {
     );
     assert!(node.dir().join("nvidia-gpu.sock").exists());
 }
+
+#[test]
+fn volume_mounts_cdi_annotations_and_device_specs_reach_the_kubelet() {
+    if !have_grpcio() {
+        return;
+    }
+    let inv = inventory("l40s-pcie");
+    let mut node = Node::new();
+    // The driver root has /dev/nvidiactl: passDeviceSpecs passes it, the GPU node always.
+    std::fs::create_dir_all(node.path("driver/dev")).unwrap();
+    std::fs::write(node.path("driver/dev/nvidiactl"), "").unwrap();
+    let config = node.config(
+        "version: v1\nflags:\n  plugin:\n    passDeviceSpecs: true\n    deviceListStrategy: [volume-mounts, cdi-annotations]\n",
+    );
+    let r = node.run(
+        &["--profile", "l40s-pcie"],
+        Some(&config),
+        &[
+            "--expect",
+            "nvidia.com/gpu",
+            "--allocate",
+            "nvidia.com/gpu=@1",
+        ],
+    );
+    r.assert_ok();
+    let a = r.one("nvidia.com/gpu", "Allocate");
+    let uuid = inv.gpus[1].uuid.as_str();
+    assert_eq!(
+        a["envs"],
+        serde_json::json!({"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"})
+    );
+    assert_eq!(
+        a["mounts"],
+        serde_json::json!([{"container_path": format!("/var/run/nvidia-container-devices/{uuid}"), "host_path": "/dev/null"}])
+    );
+    let annotations = a["annotations"].as_object().unwrap();
+    assert_eq!(annotations.len(), 1);
+    let (key, value) = annotations.iter().next().unwrap();
+    assert!(key.starts_with("cdi.k8s.io/nvidia-device-plugin_"), "{key}");
+    assert_eq!(value, &format!("k8s.gpu.nvidia.com/gpu={uuid}"));
+    let dev = node.path("driver/dev");
+    assert_eq!(
+        a["devices"],
+        serde_json::json!([
+            {"container_path": "/dev/nvidiactl", "host_path": dev.join("nvidiactl").display().to_string()},
+            {"container_path": format!("/dev/nvidia{}", inv.gpus[1].minor), "host_path": dev.join(format!("nvidia{}", inv.gpus[1].minor)).display().to_string()},
+        ])
+    );
+}

@@ -508,3 +508,32 @@ fn replicas_spread_or_pack() {
         .collect();
     assert_eq!(gpus, [0, 0], "packed: the busiest GPU");
 }
+
+#[test]
+fn mps_allocate_points_at_nvidias_control_daemon() {
+    let inv = inv("l40s-pcie");
+    let o = opts(
+        "flags: {mpsRoot: /run/mps}\nsharing:\n  mps:\n    resources:\n    - {name: gpu, replicas: 2}\n",
+    );
+    let res = resources(&inv, &o).unwrap();
+    let gpu = &res[0];
+    assert!(gpu.fail_requests_greater_than_one, "MPS default");
+    let a = allocate::allocate(gpu, &[gpu.devices[3].id.clone()], &ctx(o)).unwrap();
+    assert_eq!(a.envs["NVIDIA_VISIBLE_DEVICES"], inv.gpus[1].uuid.as_str());
+    assert_eq!(
+        a.envs["CUDA_MPS_PIPE_DIRECTORY"],
+        "/mps/nvidia.com/gpu/pipe"
+    );
+    let mounts: Vec<(&str, &str)> = a
+        .mounts
+        .iter()
+        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("/run/mps/nvidia.com/gpu/pipe", "/mps/nvidia.com/gpu/pipe"),
+            ("/run/mps/shm", "/dev/shm")
+        ]
+    );
+}

@@ -35,8 +35,8 @@ pub enum Error {
     SeveralProfiles { profiles: Vec<String> },
     #[error("device ID {id:?} is {len} characters, over the kubelet's {MAX_DEVICE_ID}")]
     IdTooLong { id: String, len: usize },
-    #[error("resource name for MIG profile {profile:?}: {message}")]
-    Name { profile: String, message: String },
+    #[error("no valid resource name for {what}: {message}")]
+    Name { what: String, message: String },
 }
 
 /// One advertised device.
@@ -87,7 +87,7 @@ fn gpu_resource() -> ResourceName {
 pub fn mig_resource(profile: &str) -> Result<ResourceName, Error> {
     ResourceName::parse(&format!("mig-{}", profile.replace('+', "."))).map_err(|message| {
         Error::Name {
-            profile: profile.to_string(),
+            what: format!("MIG profile {profile:?}"),
             message,
         }
     })
@@ -232,7 +232,7 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
                     let target = match (&r.rename, sharing.rename_by_default) {
                         (Some(t), _) => t.clone(),
                         (None, true) => name.shared().map_err(|message| Error::Name {
-                            profile: name.to_string(),
+                            what: format!("the shared replicas of {name} (renameByDefault)"),
                             message,
                         })?,
                         (None, false) => name.clone(),

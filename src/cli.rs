@@ -292,7 +292,16 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 };
                 crate::daemon::run(config, extras, backend, api, Default::default())
                     .await
-                    .map_err(|e| Failure::Other(e.into()))
+                    .map_err(|e| match e {
+                        // A bad device-plugin config file is a configuration error (exit 64).
+                        crate::daemon::Error::DevicePluginConfig(c) => {
+                            Failure::Config(config::Error {
+                                key: format!("--device-plugin-config {}: {}", c.file, c.key),
+                                message: c.message,
+                            })
+                        }
+                        e => Failure::Other(e.into()),
+                    })
             })
         }
     }

@@ -8,6 +8,12 @@
 //! 3. the registration server in `plugins_registry/`;
 //! 4. the ResourceSlice publisher and the metrics endpoint.
 //!
+//! `--mode device-plugin` runs only the metrics endpoint and the device plugin
+//! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` adds the device
+//! plugin to the DRA tasks — without a shared ledger yet, so the two paths do not know of each
+//! other's allocations. Either way NVIDIA's config file is read and checked against the inventory
+//! before anything is served.
+//!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
 //! [`OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while the path
 //! still holds the socket this instance bound, never another instance's.
@@ -30,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
+use crate::deviceplugin::{self, DevicePlugin};
 use crate::dra::grpc;
 use crate::dra::health::{self, HealthService};
 use crate::dra::plugin::{self, Plugin};
@@ -48,8 +55,10 @@ pub const GRACE: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("mode {0:?} is not available in this build; use --mode dra")]
-    Mode(Mode),
+    #[error(transparent)]
+    DevicePluginConfig(#[from] deviceplugin::nvconfig::ConfigError),
+    #[error("cannot start the device plugin")]
+    DevicePlugin(#[from] deviceplugin::server::Error),
     #[error("cannot start the DRA plugin")]
     Start(#[from] plugin::StartError),
     #[error("recovering the checkpoint failed")]
@@ -96,15 +105,6 @@ pub async fn run(
     api: Arc<dyn ClusterApi>,
     stop: CancellationToken,
 ) -> Result<()> {
-    match config.mode {
-        Mode::Dra | Mode::Auto => {}
-        Mode::Both => {
-            tracing::warn!(
-                "mode both: the device-plugin half is not in this build; serving DRA only"
-            )
-        }
-        Mode::DevicePlugin => return Err(Error::Mode(config.mode)),
-    }
     // First: a taken port fails the start before the checkpoint or any socket is touched.
     let metrics_listener = metrics::bind(config.metrics_address)
         .await
@@ -117,6 +117,34 @@ pub async fn run(
     let metrics = Metrics::new();
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
+
+    let device_plugin = match config.mode {
+        Mode::DevicePlugin | Mode::Both => Some(device_plugin(&config, backend.clone()).await?),
+        Mode::Dra | Mode::Auto => None,
+    };
+    if config.mode == Mode::DevicePlugin {
+        let shutdown = stop.child_token();
+        let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
+        let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
+        let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+        // Without DRA, ready means every resource is registered with the kubelet (there are
+        // no slices to publish: the kubelet has the device lists).
+        let m = metrics.clone();
+        let device_plugin = device_plugin.map(|dp| {
+            dp.on_registered(Arc::new(move |all| {
+                use std::sync::atomic::Ordering::Relaxed;
+                m.registered.store(all, Relaxed);
+                m.published.store(all, Relaxed);
+            }))
+        });
+        spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
+        let (m, token) = (metrics.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            metrics::serve(metrics_listener, m, token).await;
+            ("metrics", Ok(()))
+        });
+        return supervise(tasks, &shutdown, &mut sigterm, &mut sigint).await;
+    }
 
     let boot_id_file = extras
         .boot_id_file
@@ -150,6 +178,7 @@ pub async fn run(
     let shutdown = stop.child_token();
     let result = serve(
         &config,
+        device_plugin,
         plugin,
         api,
         backend,
@@ -168,8 +197,10 @@ pub async fn run(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     config: &Config,
+    device_plugin: Option<DevicePlugin>,
     plugin: Plugin,
     api: Arc<dyn ClusterApi>,
     backend: Arc<dyn DeviceBackend>,
@@ -237,6 +268,8 @@ async fn serve(
     )
     .await;
 
+    spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
+
     {
         let (m, token) = (metrics.clone(), shutdown.clone());
         tasks.spawn(async move {
@@ -245,13 +278,64 @@ async fn serve(
         });
     }
 
+    let result = supervise(tasks, &shutdown, &mut sigterm, &mut sigint).await;
+    // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
+    drop(owned);
+    result
+}
+
+/// NVIDIA's config file (or its defaults) and the device plugin for it, checked against the
+/// inventory: a MIG setup the strategy refuses fails the start.
+async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Result<DevicePlugin> {
+    let options = match &config.device_plugin_config {
+        Some(path) => deviceplugin::nvconfig::load(path)?,
+        None => deviceplugin::Options::default(),
+    };
+    let dp = DevicePlugin::new(
+        deviceplugin::server::Settings {
+            dir: config.device_plugin_dir(),
+            driver: config.driver_name.clone(),
+            driver_root: config.driver_root.clone(),
+            cdi_root: config.cdi_root.clone(),
+            watch: deviceplugin::server::WATCH,
+            poll: deviceplugin::server::POLL,
+        },
+        options,
+        backend,
+    );
+    dp.check().await?;
+    Ok(dp)
+}
+
+fn spawn_device_plugin(
+    dp: Option<DevicePlugin>,
+    tasks: &mut JoinSet<TaskResult>,
+    shutdown: &CancellationToken,
+) {
+    if let Some(dp) = dp {
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            let r = dp.run(token).await;
+            ("device-plugin", r.map_err(|e| deviceplugin::chain(&e)))
+        });
+    }
+}
+
+/// Runs `tasks` until a signal, a stop request or a task ending on its own, then drains them
+/// within [`GRACE`] unless a second signal comes.
+async fn supervise(
+    mut tasks: JoinSet<TaskResult>,
+    shutdown: &CancellationToken,
+    sigterm: &mut tokio::signal::unix::Signal,
+    sigint: &mut tokio::signal::unix::Signal,
+) -> Result<()> {
     // Run until a signal, a stop request, or a task ending on its own.
     let failure = tokio::select! {
         biased;
         _ = sigterm.recv() => { tracing::info!("SIGTERM: shutting down"); None }
         _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); None }
         () = shutdown.cancelled() => { tracing::info!("stop requested: shutting down"); None }
-        Some(done) = tasks.join_next() => task_failure(done, &shutdown),
+        Some(done) = tasks.join_next() => task_failure(done, shutdown),
     };
     shutdown.cancel();
 
@@ -273,7 +357,6 @@ async fn serve(
         _ = sigint.recv() => Err(Error::Forced),
         () = tokio::time::sleep(GRACE) => Err(Error::GraceExceeded(GRACE)),
     };
-    // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     match (failure, drained) {
         (Some(e), _) => Err(e),
         (None, Err(e)) => Err(e),

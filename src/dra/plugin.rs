@@ -34,7 +34,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use super::mps::{self, Mps};
 use super::nodelock::{self, NodeLock};
 use super::slices::{self, PublishedDevice};
-use crate::api::{self, ClusterApi};
+use crate::api::{self, ClaimReader};
 use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
 use crate::inventory::{
     self, DeviceBackend, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
@@ -171,7 +171,7 @@ pub struct Options {
 
 struct Inner {
     opts: Options,
-    api: Arc<dyn ClusterApi>,
+    api: Arc<dyn ClaimReader>,
     backend: Arc<dyn DeviceBackend>,
     ledger: Ledger,
     cdi: CdiOptions,
@@ -321,7 +321,7 @@ impl Plugin {
     /// [`Plugin::recover`] before serving.
     pub fn new(
         opts: Options,
-        api: Arc<dyn ClusterApi>,
+        api: Arc<dyn ClaimReader>,
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {

@@ -1,12 +1,8 @@
 use super::*;
-use crate::api::SliceEvent;
 use crate::inventory::sim::{SimAction, SimBackend};
 use futures::future::BoxFuture;
-use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
-    ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,36 +18,7 @@ struct FakeApi {
     gets: AtomicUsize,
 }
 
-impl ClusterApi for FakeApi {
-    fn list_slices<'a>(
-        &'a self,
-        _: &'a str,
-        _: &'a str,
-    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-    fn create_slice<'a>(
-        &'a self,
-        s: &'a ResourceSlice,
-    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-        Box::pin(async move { Ok(s.clone()) })
-    }
-    fn replace_slice<'a>(
-        &'a self,
-        s: &'a ResourceSlice,
-    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-        Box::pin(async move { Ok(s.clone()) })
-    }
-    fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn watch_slices<'a>(
-        &'a self,
-        _: &'a str,
-        _: &'a str,
-    ) -> BoxStream<'a, api::Result<SliceEvent>> {
-        Box::pin(futures::stream::pending())
-    }
+impl ClaimReader for FakeApi {
     fn get_claim<'a>(
         &'a self,
         ns: &'a str,
@@ -63,9 +30,6 @@ impl ClusterApi for FakeApi {
             .cloned()
             .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}")));
         Box::pin(async move { r })
-    }
-    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
-        Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
     }
 }
 

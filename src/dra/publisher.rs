@@ -173,6 +173,11 @@ impl PublisherHandle {
         Ok(seq)
     }
 
+    /// The latest desired slices; `None` before the first [`set_desired`](Self::set_desired).
+    pub fn desired(&self) -> Option<Arc<Vec<ResourceSliceSpec>>> {
+        self.desired.borrow().as_ref().map(|(_, d)| d.clone())
+    }
+
     /// The sequence number of the latest desired state; `None` before the first
     /// [`set_desired`](Self::set_desired).
     pub fn desired_seq(&self) -> Option<u64> {

@@ -4,7 +4,8 @@
 //! each cycle), read from `/proc/PID/status` (`VmRSS`, and the peak `VmHWM`). Goal: ≤ 12 MiB and
 //! no growth between the early and the late cycles.
 //!
-//! Run: `cargo bench --bench rss` (`RSS_CYCLES=N` for another cycle count).
+//! Run: `cargo bench --bench rss` (`RSS_CYCLES=N` for another cycle count; `RSS_REUSE_CLAIMS=1`
+//! prepares the same 8 claims every cycle, to tell growth per distinct claim from other growth).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -32,18 +33,29 @@ impl Drop for Daemon {
     }
 }
 
+/// A `… kB` field of `/proc/PID/status`, in KiB.
+fn status_kib(pid: u32, name: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+}
+
 /// `VmRSS` and `VmHWM` of `pid`, in KiB.
 fn memory(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().strip_suffix("kB"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    (status_kib(pid, "VmRSS:"), status_kib(pid, "VmHWM:"))
+}
+
+/// The resident set split: anonymous (heap, stacks) and file-backed (the binary's pages).
+fn split(pid: u32) -> String {
+    format!(
+        "(anonymous {}, file {})",
+        mib(status_kib(pid, "RssAnon:")),
+        mib(status_kib(pid, "RssFile:"))
+    )
 }
 
 /// Threads of `pid` (`Threads:` of its status).
@@ -103,6 +115,7 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
+    let reuse = std::env::var_os("RSS_REUSE_CLAIMS").is_some_and(|v| v == "1");
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
     let p = |s: &str| -> PathBuf { root.join(s) };
@@ -138,6 +151,7 @@ async fn main() {
     // Let start-up finish its work (the echo of the first publish, the first health scan).
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (start_rss, start_hwm) = memory(pid);
+    let start_split = split(pid);
     let start_threads = threads(pid);
 
     let mut dra = DraPluginClient::new(
@@ -150,8 +164,9 @@ async fn main() {
     for cycle in 0..cycles {
         let claims: Vec<v1::Claim> = (0..GPUS)
             .map(|gpu| {
-                let name = format!("c{cycle}-{gpu}");
-                let uid = format!("00000000-0000-4000-8000-{cycle:08}{gpu:04}");
+                let c = if reuse { 0 } else { cycle };
+                let name = format!("c{c}-{gpu}");
+                let uid = format!("00000000-0000-4000-8000-{c:08}{gpu:04}");
                 write_claim(root, &name, &uid, &format!("gpu-{gpu}"));
                 v1::Claim {
                     namespace: NAMESPACE.into(),
@@ -191,25 +206,39 @@ async fn main() {
         if cycle + 1 == WARM.min(cycles) {
             warm = Some(memory(pid).0);
         }
+        if (cycle + 1) % 500 == 0 && cycle + 1 != cycles {
+            println!(
+                "  after {} cycles: VmRSS {} {}",
+                cycle + 1,
+                mib(memory(pid).0),
+                split(pid)
+            );
+        }
     }
     let elapsed = t.elapsed();
     let (end_rss, end_hwm) = memory(pid);
+    let end_split = split(pid);
     let end_threads = threads(pid);
     let warm = warm.unwrap_or(start_rss);
 
     println!(
         "rss: nvdra run, {PROFILE} ({GPUS} simulated GPUs), directory API; {cycles} cycles of \
-         prepare + unprepare of {GPUS} claims in {:.1} s",
+         prepare + unprepare of {GPUS} claims ({}) in {:.1} s",
+        if reuse {
+            "the same claims each cycle"
+        } else {
+            "fresh claim UIDs each cycle"
+        },
         elapsed.as_secs_f64()
     );
     println!(
-        "  after start-up:        VmRSS {}  VmHWM {}  threads {start_threads}",
+        "  after start-up:        VmRSS {} {start_split}  VmHWM {}  threads {start_threads}",
         mib(start_rss),
         mib(start_hwm)
     );
     println!("  after {WARM} cycles:      VmRSS {}", mib(warm));
     println!(
-        "  after {cycles} cycles:     VmRSS {}  VmHWM {}  threads {end_threads}",
+        "  after {cycles} cycles:     VmRSS {} {end_split}  VmHWM {}  threads {end_threads}",
         mib(end_rss),
         mib(end_hwm)
     );

@@ -263,10 +263,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 .with_env_filter(filter)
                 .with_writer(std::io::stderr)
                 .try_init();
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(anyhow::Error::from)?;
+            let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             let mut out = std::io::stdout();
             runtime
                 .block_on(crate::demo::run(&mut out))
@@ -275,10 +272,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Run(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(anyhow::Error::from)?;
+            let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             runtime.block_on(async {
                 let backend = open_backend(&config)?;
                 let api = crate::api::connect(&config.api)

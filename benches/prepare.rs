@@ -180,7 +180,7 @@ async fn main() {
         plugin.clone(),
         health,
         listener,
-        socket.clone(),
+        nvdra::socket::Bound::adopt(&socket),
         stop.clone(),
     ));
     let mut client = v1::dra_plugin_client::DraPluginClient::new(unix_channel(&socket).await);

@@ -1,7 +1,10 @@
 //! How long the publisher takes to put a DGX A100's partitionable pool (`dgx-a100-mig`: every MIG
 //! placement of 8 GPUs, 200 devices in 8 slices plus one shared-counters slice, as computed by
-//! `dra::slices`) on an API server, from empty and after a kubelet-style wipe; and what a no-change reconcile costs. KubeApi over HTTP against the test
-//! API server on 127.0.0.1. Median of several runs.
+//! `dra::slices`) on an API server, from empty, after one slice is deleted by someone else, and
+//! after a kubelet-style wipe; and what a no-change reconcile costs. KubeApi over HTTP against
+//! the test API server on 127.0.0.1, and the directory API (`--api-dir`, whose watch polls every
+//! `POLL_INTERVAL`) for the external delete. Median of several runs. (The tests only check that
+//! a repair happens; how fast it happens is these figures.)
 //!
 //! Run: `cargo bench --bench publish`
 
@@ -10,6 +13,8 @@ mod apiserver;
 
 use apiserver::TestApiServer;
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
+use nvdra::api::ClusterApi;
+use nvdra::api::dir::{DirApi, POLL_INTERVAL};
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::publisher::{Options, Publisher};
 use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
@@ -75,7 +80,7 @@ async fn main() {
         settle: Duration::ZERO,
         ..Options::default()
     };
-    let (mut first, mut wipe, mut noop) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut first, mut wipe, mut noop, mut one) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..RUNS {
         let server = TestApiServer::start().await;
         server.seed_node(NODE, "node-uid");
@@ -104,6 +109,14 @@ async fn main() {
             "no writes when nothing changed"
         );
 
+        let victim = server.slices()[0].metadata.name.clone().expect("named");
+        let t = Instant::now();
+        server.delete_slice(&victim);
+        server
+            .wait_for(Duration::from_secs(10), |s| complete(s, n))
+            .await;
+        one.push(t.elapsed());
+
         let t = Instant::now();
         for s in server.slices() {
             server.delete_slice(s.metadata.name.as_deref().unwrap());
@@ -125,7 +138,43 @@ async fn main() {
         ms(median(noop))
     );
     println!(
+        "  restore after one external delete:   median {}",
+        ms(median(one))
+    );
+    println!(
         "  restore after a wipe of all slices:  median {}",
         ms(median(wipe))
+    );
+
+    let mut dir_one = Vec::new();
+    for _ in 0..RUNS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let api = DirApi::new(dir.path()).expect("directory API");
+        let (publisher, handle) =
+            Publisher::with_options(Arc::new(api.clone()), DRIVER, NODE, Options::default());
+        let token = CancellationToken::new();
+        let task = tokio::spawn(publisher.run(token.clone()));
+        let seq = handle.set_desired(desired.clone()).expect("our node");
+        handle.wait_synced(seq).await;
+        let slices = api.list_slices(DRIVER, NODE).await.expect("list");
+        let victim = slices[0].metadata.name.clone().expect("named");
+
+        let t = Instant::now();
+        std::fs::remove_file(api.slices_dir().join(format!("{victim}.yaml"))).expect("remove");
+        loop {
+            let now = api.list_slices(DRIVER, NODE).await.expect("list");
+            if complete(&now, n) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        dir_one.push(t.elapsed());
+        token.cancel();
+        task.await.expect("publisher task");
+    }
+    println!(
+        "  directory API, restore after one file is deleted: median {} (watch polls every {})",
+        ms(median(dir_one)),
+        ms(POLL_INTERVAL)
     );
 }

@@ -263,10 +263,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 .with_env_filter(filter)
                 .with_writer(std::io::stderr)
                 .try_init();
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(anyhow::Error::from)?;
+            let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             let mut out = std::io::stdout();
             runtime
                 .block_on(crate::demo::run(&mut out))
@@ -275,10 +272,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Run(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(anyhow::Error::from)?;
+            let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             runtime.block_on(async {
                 let backend = open_backend(&config)?;
                 let api = crate::api::connect(&config.api)
@@ -292,7 +286,16 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 };
                 crate::daemon::run(config, extras, backend, api, Default::default())
                     .await
-                    .map_err(|e| Failure::Other(e.into()))
+                    .map_err(|e| match e {
+                        // A bad device-plugin config file is a configuration error (exit 64).
+                        crate::daemon::Error::DevicePluginConfig(c) => {
+                            Failure::Config(config::Error {
+                                key: format!("--device-plugin-config {}: {}", c.file, c.key),
+                                message: c.message,
+                            })
+                        }
+                        e => Failure::Other(e.into()),
+                    })
             })
         }
     }

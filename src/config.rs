@@ -126,12 +126,19 @@ pub struct Config {
     pub partitionable: bool,
     /// Set for rolling updates: socket names carry it.
     pub pod_uid: Option<String>,
+    /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
+    pub device_plugin_config: Option<PathBuf>,
 }
 
 impl Config {
     /// Where the plugin keeps its sockets, checkpoint and locks.
     pub fn plugin_dir(&self) -> PathBuf {
         self.kubelet_root.join("plugins").join(&self.driver_name)
+    }
+
+    /// `<kubelet root>/device-plugins`, where `kubelet.sock` and the device-plugin sockets are.
+    pub fn device_plugin_dir(&self) -> PathBuf {
+        self.kubelet_root.join("device-plugins")
     }
 
     pub fn registry_dir(&self) -> PathBuf {
@@ -225,7 +232,7 @@ fn validate(settings: Settings) -> Result<Config> {
         (None, kubeconfig) => Api::Kube { kubeconfig },
     };
 
-    let metrics = need(daemon.metrics_address, "--metrics-address")?;
+    let metrics = need(daemon.metrics_address.clone(), "--metrics-address")?;
     let metrics_address: SocketAddr = metrics.parse().map_err(|_| {
         invalid(
             "--metrics-address",
@@ -251,8 +258,20 @@ fn validate(settings: Settings) -> Result<Config> {
         ));
     }
 
+    let mode = need(daemon.mode, "--mode")?;
+    if mode == Mode::Both {
+        // Refused rather than half-served: without one ledger for both paths, a GPU prepared
+        // for a DRA claim could also be allocated to a device-plugin container.
+        return Err(invalid(
+            "--mode",
+            "both needs the allocation ledger shared by DRA and the device plugin, which this \
+             build does not have yet (one GPU could go to a DRA claim and a container at once); \
+             use --mode dra or --mode device-plugin",
+        ));
+    }
+
     Ok(Config {
-        mode: need(daemon.mode, "--mode")?,
+        mode,
         backend: source,
         node_name,
         driver_name,
@@ -264,6 +283,10 @@ fn validate(settings: Settings) -> Result<Config> {
         log_format: need(log.log_format, "--log-format")?,
         partitionable: need(plugin.partitionable, "--partitionable")?,
         pod_uid: kubelet.pod_uid,
+        device_plugin_config: daemon
+            .device_plugin_config
+            .map(|p| absolute("--device-plugin-config", p))
+            .transpose()?,
     })
 }
 

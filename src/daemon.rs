@@ -8,9 +8,14 @@
 //! 3. the registration server in `plugins_registry/`;
 //! 4. the ResourceSlice publisher and the metrics endpoint.
 //!
+//! `--mode device-plugin` runs only the metrics endpoint and the device plugin
+//! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` would add the device
+//! plugin to the DRA tasks; config validation refuses it until one ledger serves both paths. Either way NVIDIA's config file is read and checked against the inventory
+//! before anything is served.
+//!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
-//! [`OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while the path
-//! still holds the socket this instance bound, never another instance's.
+//! [`socket::OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while
+//! the path still holds the socket this instance bound, never another instance's.
 //!
 //! Shutdown: the first SIGTERM or SIGINT cancels every task; the servers stop accepting, remove
 //! their sockets and finish in-flight calls; then the checkpoint writer flushes and stops. A
@@ -18,8 +23,7 @@
 //! stopped and [`run`] returns an error, so the process exits non-zero and the DaemonSet restarts
 //! it.
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,10 +34,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
+use crate::deviceplugin::{self, DevicePlugin};
 use crate::dra::grpc;
 use crate::dra::health::{self, HealthService};
 use crate::dra::plugin::{self, Plugin};
-use crate::dra::publisher::Publisher;
+use crate::dra::publisher::{self, Publisher};
 use crate::dra::registration::{Registrar, RegistrationState, Sockets};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
@@ -43,13 +48,36 @@ use crate::metrics::{self, Metrics};
 use crate::report;
 use crate::socket;
 
+/// Worker threads of the daemon's runtime. Its work is a few sockets, a watch and timers, with
+/// NVML and file writes on the blocking pool; one worker per core (tokio's default) would be
+/// 100–200 idle threads, stacks and run queues on a GPU node.
+pub const WORKER_THREADS: usize = 2;
+
+/// Most threads of the blocking pool (NVML calls, fsync'd writes, directory-API reads; each
+/// short). A batch of claims larger than this queues instead of starting a thread per claim.
+pub const MAX_BLOCKING_THREADS: usize = 8;
+
+/// The runtime `nvdra run` (and the demo's daemon) runs on: [`WORKER_THREADS`] workers,
+/// at most [`MAX_BLOCKING_THREADS`] blocking threads, which exit after 10 s idle.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(WORKER_THREADS)
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .thread_keep_alive(Duration::from_secs(10))
+        .thread_name("nvdra")
+        .enable_all()
+        .build()
+}
+
 /// How long in-flight work may take to finish after the first signal.
 pub const GRACE: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("mode {0:?} is not available in this build; use --mode dra")]
-    Mode(Mode),
+    #[error(transparent)]
+    DevicePluginConfig(#[from] deviceplugin::nvconfig::ConfigError),
+    #[error("cannot start the device plugin")]
+    DevicePlugin(#[from] deviceplugin::server::Error),
     #[error("cannot start the DRA plugin")]
     Start(#[from] plugin::StartError),
     #[error("recovering the checkpoint failed")]
@@ -96,15 +124,6 @@ pub async fn run(
     api: Arc<dyn ClusterApi>,
     stop: CancellationToken,
 ) -> Result<()> {
-    match config.mode {
-        Mode::Dra | Mode::Auto => {}
-        Mode::Both => {
-            tracing::warn!(
-                "mode both: the device-plugin half is not in this build; serving DRA only"
-            )
-        }
-        Mode::DevicePlugin => return Err(Error::Mode(config.mode)),
-    }
     // First: a taken port fails the start before the checkpoint or any socket is touched.
     let metrics_listener = metrics::bind(config.metrics_address)
         .await
@@ -117,6 +136,34 @@ pub async fn run(
     let metrics = Metrics::new();
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
+
+    let device_plugin = match config.mode {
+        Mode::DevicePlugin | Mode::Both => Some(device_plugin(&config, backend.clone()).await?),
+        Mode::Dra | Mode::Auto => None,
+    };
+    if config.mode == Mode::DevicePlugin {
+        let shutdown = stop.child_token();
+        let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
+        let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
+        let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+        // Without DRA, ready means every resource is registered with the kubelet (there are
+        // no slices to publish: the kubelet has the device lists).
+        let m = metrics.clone();
+        let device_plugin = device_plugin.map(|dp| {
+            dp.on_registered(Arc::new(move |all| {
+                use std::sync::atomic::Ordering::Relaxed;
+                m.registered.store(all, Relaxed);
+                m.slices.published.store(all, Relaxed);
+            }))
+        });
+        spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
+        let (m, token) = (metrics.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            metrics::serve(metrics_listener, m, token).await;
+            ("metrics", Ok(()))
+        });
+        return supervise(tasks, &shutdown, &mut sigterm, &mut sigint).await;
+    }
 
     let boot_id_file = extras
         .boot_id_file
@@ -150,6 +197,7 @@ pub async fn run(
     let shutdown = stop.child_token();
     let result = serve(
         &config,
+        device_plugin,
         plugin,
         api,
         backend,
@@ -168,8 +216,10 @@ pub async fn run(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     config: &Config,
+    device_plugin: Option<DevicePlugin>,
     plugin: Plugin,
     api: Arc<dyn ClusterApi>,
     backend: Arc<dyn DeviceBackend>,
@@ -195,14 +245,14 @@ async fn serve(
         config.pod_uid.as_deref(),
     );
     // Declared before the tasks, so dropped after them: the servers stop, then the files go.
-    let mut owned = OwnedSockets::default();
+    let mut owned = socket::OwnedSockets::default();
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
 
     let dra_listener = socket::bind(&sockets.dra).map_err(grpc::Error::from)?;
-    owned.adopt(&sockets.dra);
+    let dra_socket = owned.adopt(&sockets.dra);
     tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     {
-        let (plugin, path, token) = (plugin.clone(), sockets.dra.clone(), shutdown.clone());
+        let (plugin, token) = (plugin.clone(), shutdown.clone());
         let health = HealthService::new(
             backend.clone(),
             config.node_name.clone(),
@@ -210,7 +260,7 @@ async fn serve(
             shutdown.clone(),
         );
         tasks.spawn(async move {
-            let r = grpc::serve_dra(plugin, health, dra_listener, path, token).await;
+            let r = grpc::serve_dra(plugin, health, dra_listener, dra_socket, token).await;
             ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
         });
     }
@@ -221,13 +271,13 @@ async fn serve(
         metrics: metrics.clone(),
     };
     let reg_listener = registrar.bind()?;
-    owned.adopt(&sockets.registration);
+    let reg_socket = owned.adopt(&sockets.registration);
     tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
     let (reg_tx, _reg_rx) = watch::channel(RegistrationState::Pending);
     {
         let token = shutdown.clone();
         tasks.spawn(async move {
-            let r = registrar.run(reg_listener, reg_tx, token).await;
+            let r = registrar.run(reg_listener, reg_socket, reg_tx, token).await;
             ("registration", r.map_err(|e| report::chain(&e).to_string()))
         });
     }
@@ -237,6 +287,8 @@ async fn serve(
     )
     .await;
 
+    spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
+
     {
         let (m, token) = (metrics.clone(), shutdown.clone());
         tasks.spawn(async move {
@@ -245,13 +297,64 @@ async fn serve(
         });
     }
 
+    let result = supervise(tasks, &shutdown, &mut sigterm, &mut sigint).await;
+    // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
+    drop(owned);
+    result
+}
+
+/// NVIDIA's config file (or its defaults) and the device plugin for it, checked against the
+/// inventory: a MIG setup the strategy refuses fails the start.
+async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Result<DevicePlugin> {
+    let options = match &config.device_plugin_config {
+        Some(path) => deviceplugin::nvconfig::load(path)?,
+        None => deviceplugin::Options::default(),
+    };
+    let dp = DevicePlugin::new(
+        deviceplugin::server::Settings {
+            dir: config.device_plugin_dir(),
+            driver: config.driver_name.clone(),
+            driver_root: config.driver_root.clone(),
+            cdi_root: config.cdi_root.clone(),
+            watch: deviceplugin::server::WATCH,
+            poll: deviceplugin::server::POLL,
+        },
+        options,
+        backend,
+    );
+    dp.check().await?;
+    Ok(dp)
+}
+
+fn spawn_device_plugin(
+    dp: Option<DevicePlugin>,
+    tasks: &mut JoinSet<TaskResult>,
+    shutdown: &CancellationToken,
+) {
+    if let Some(dp) = dp {
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            let r = dp.run(token).await;
+            ("device-plugin", r.map_err(|e| deviceplugin::chain(&e)))
+        });
+    }
+}
+
+/// Runs `tasks` until a signal, a stop request or a task ending on its own, then drains them
+/// within [`GRACE`] unless a second signal comes.
+async fn supervise(
+    mut tasks: JoinSet<TaskResult>,
+    shutdown: &CancellationToken,
+    sigterm: &mut tokio::signal::unix::Signal,
+    sigint: &mut tokio::signal::unix::Signal,
+) -> Result<()> {
     // Run until a signal, a stop request, or a task ending on its own.
     let failure = tokio::select! {
         biased;
         _ = sigterm.recv() => { tracing::info!("SIGTERM: shutting down"); None }
         _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); None }
         () = shutdown.cancelled() => { tracing::info!("stop requested: shutting down"); None }
-        Some(done) = tasks.join_next() => task_failure(done, &shutdown),
+        Some(done) = tasks.join_next() => task_failure(done, shutdown),
     };
     shutdown.cancel();
 
@@ -273,49 +376,12 @@ async fn serve(
         _ = sigint.recv() => Err(Error::Forced),
         () = tokio::time::sleep(GRACE) => Err(Error::GraceExceeded(GRACE)),
     };
-    // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     match (failure, drained) {
         (Some(e), _) => Err(e),
         (None, Err(e)) => Err(e),
         (None, Ok(())) => {
             tracing::info!("stopped");
             Ok(())
-        }
-    }
-}
-
-/// The sockets this instance bound, unlinked when dropped. Instances name their sockets apart
-/// (by pod UID, see [`Sockets`]); in addition a path is unlinked only while it is still the file
-/// that was bound (same device and inode), so a socket another instance bound there since is
-/// left alone — unless it got the very inode number ours freed, which nothing here can tell.
-#[derive(Default)]
-struct OwnedSockets(Vec<(PathBuf, (u64, u64))>);
-
-impl OwnedSockets {
-    /// Takes ownership of the socket just bound at `path`.
-    fn adopt(&mut self, path: &Path) {
-        match std::fs::symlink_metadata(path) {
-            Ok(m) => self.0.push((path.to_path_buf(), (m.dev(), m.ino()))),
-            // Bound but gone already: nothing of ours to remove later.
-            Err(e) => {
-                tracing::warn!(socket = %path.display(), error = %e, "cannot stat a socket just bound")
-            }
-        }
-    }
-}
-
-impl Drop for OwnedSockets {
-    fn drop(&mut self) {
-        for (path, id) in self.0.drain(..) {
-            match std::fs::symlink_metadata(&path) {
-                Ok(m) if (m.dev(), m.ino()) == id => {
-                    if let Err(e) = std::fs::remove_file(&path) {
-                        tracing::warn!(socket = %path.display(), error = %e, "cannot remove socket");
-                    }
-                }
-                // Removed by its server already, or replaced by another instance's.
-                _ => {}
-            }
         }
     }
 }
@@ -339,8 +405,8 @@ fn task_failure(
 /// How often the inventory is re-read for changes nobody announced.
 pub const RESCAN: Duration = Duration::from_secs(60);
 
-/// Starts the ResourceSlice publisher and the task feeding it the inventory (told about MIG
-/// changes by the plugin), and one that marks the metrics `published` after the first publish.
+/// Starts the ResourceSlice publisher (counting into the metrics, readiness included) and the
+/// task feeding it the inventory (told about MIG changes by the plugin).
 async fn publish(
     config: &Config,
     plugin: &Plugin,
@@ -360,8 +426,14 @@ async fn publish(
         partitionable: config.partitionable,
         layout: sync::layout_for(minor),
     };
-    let (publisher, handle) = Publisher::new(api.clone(), &config.driver_name, &config.node_name);
-    let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle.clone(), opts, RESCAN);
+    let (publisher, handle) = Publisher::with_counters(
+        api.clone(),
+        &config.driver_name,
+        &config.node_name,
+        publisher::Options::default(),
+        metrics.slices.clone(),
+    );
+    let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
     let slice_sync = slice_sync.with_metrics(metrics.clone());
     plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
     let token = shutdown.clone();
@@ -374,54 +446,4 @@ async fn publish(
         slice_sync.run(token).await;
         ("slice-sync", Ok(()))
     });
-    let (m, token) = (metrics.clone(), shutdown.clone());
-    let mut status = handle.status();
-    tasks.spawn(async move {
-        use std::sync::atomic::Ordering::Relaxed;
-        // Every reconcile moves the status; the metrics follow it (readiness after the first
-        // complete publish, and the publisher's write and error counts).
-        loop {
-            let counters = handle.counters();
-            m.slice_creates.store(counters.creates, Relaxed);
-            m.slice_updates.store(counters.updates, Relaxed);
-            m.slice_deletes.store(counters.deletes, Relaxed);
-            m.api_errors.store(counters.errors, Relaxed);
-            if status.borrow_and_update().synced.is_some() && !m.published.swap(true, Relaxed) {
-                tracing::info!("ResourceSlices published");
-            }
-            tokio::select! {
-                () = token.cancelled() => break,
-                changed = status.changed() => if changed.is_err() {
-                    // The publisher is gone (shutting down); its own task reports why.
-                    token.cancelled().await;
-                    break;
-                },
-            }
-        }
-        ("publish-status", Ok(()))
-    });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::OwnedSockets;
-
-    #[test]
-    fn owned_sockets_are_removed_on_drop_unless_replaced() {
-        let dir = tempfile::tempdir().unwrap();
-        let (ours, replaced) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
-        let _a = std::os::unix::net::UnixListener::bind(&ours).unwrap();
-        let _b = std::os::unix::net::UnixListener::bind(&replaced).unwrap();
-        let mut owned = OwnedSockets::default();
-        owned.adopt(&ours);
-        owned.adopt(&replaced);
-        // Another instance's socket takes the place of `b.sock` (bound beside it and renamed over
-        // it, so it cannot get the inode number `b.sock` frees).
-        let theirs = dir.path().join("theirs.sock");
-        let _theirs = std::os::unix::net::UnixListener::bind(&theirs).unwrap();
-        std::fs::rename(&theirs, &replaced).unwrap();
-        drop(owned);
-        assert!(!ours.exists());
-        assert!(replaced.exists(), "another instance's socket was removed");
-    }
 }

@@ -56,6 +56,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         log_format: LogFormat::Plain,
         partitionable: false,
         pod_uid: None,
+        device_plugin_config: None,
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {

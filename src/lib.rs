@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod deviceplugin;
 pub mod dns;
 pub mod dra;
 pub mod durable;

@@ -2,7 +2,9 @@
 //! (the plugin is registered and the first publish went through), on `--metrics-address`.
 //!
 //! Counters are plain atomics owned by one [`Metrics`] value shared behind an `Arc`; rendering
-//! reads them without locks, so scraping never contends with prepare.
+//! reads them without locks, so scraping never contends with prepare. Each count exists once:
+//! the publisher bumps the [`SliceCounters`] this value holds, and both `/metrics` and the
+//! publisher's own handle read them.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -71,6 +73,23 @@ impl Histogram {
     }
 }
 
+/// What the ResourceSlice publisher counts (`dra::publisher` bumps them; its handle and
+/// `/metrics` read them).
+#[derive(Debug, Default)]
+pub struct SliceCounters {
+    pub creates: AtomicU64,
+    pub updates: AtomicU64,
+    pub deletes: AtomicU64,
+    /// Reconciles run (lists of the API server's slices), successful or not.
+    pub reconciles: AtomicU64,
+    /// Conflicts (409) and vanished slices met while writing.
+    pub conflicts: AtomicU64,
+    /// Failed reconciles, conflicts included.
+    pub errors: AtomicU64,
+    /// Set by the first complete publish; half of readiness.
+    pub published: AtomicBool,
+}
+
 /// Everything nvdra reports.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -80,14 +99,11 @@ pub struct Metrics {
     pub unprepare_failed: AtomicU64,
     pub prepare_seconds: Histogram,
     pub unprepare_seconds: Histogram,
-    pub slice_creates: AtomicU64,
-    pub slice_updates: AtomicU64,
-    pub slice_deletes: AtomicU64,
-    pub api_errors: AtomicU64,
+    /// Shared with the publisher (see [`SliceCounters`]).
+    pub slices: Arc<SliceCounters>,
     pub gpus: AtomicU64,
     pub unhealthy_devices: AtomicU64,
     pub registered: AtomicBool,
-    pub published: AtomicBool,
     /// Free-form build info labels (version, backend, mode).
     info: Mutex<BTreeMap<&'static str, String>>,
 }
@@ -108,7 +124,7 @@ impl Metrics {
 
     /// Ready once the kubelet accepted the registration and the slices are published.
     pub fn ready(&self) -> bool {
-        self.registered.load(Ordering::Relaxed) && self.published.load(Ordering::Relaxed)
+        self.registered.load(Ordering::Relaxed) && self.slices.published.load(Ordering::Relaxed)
     }
 
     /// The Prometheus text exposition format, version 0.0.4.
@@ -169,9 +185,9 @@ impl Metrics {
         );
         let _ = writeln!(out, "# TYPE nvdra_resourceslice_writes_total counter");
         for (op, c) in [
-            ("create", &self.slice_creates),
-            ("update", &self.slice_updates),
-            ("delete", &self.slice_deletes),
+            ("create", &self.slices.creates),
+            ("update", &self.slices.updates),
+            ("delete", &self.slices.deletes),
         ] {
             let _ = writeln!(
                 out,
@@ -182,9 +198,9 @@ impl Metrics {
         for (name, help, kind, value) in [
             (
                 "nvdra_api_errors_total",
-                "Failed API server requests.",
+                "Failed ResourceSlice reconciles (API server errors and conflicts).",
                 "counter",
-                load(&self.api_errors),
+                load(&self.slices.errors),
             ),
             (
                 "nvdra_gpus",
@@ -248,7 +264,7 @@ fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> 
             if !metrics.registered.load(Ordering::Relaxed) {
                 why.push("not registered with the kubelet");
             }
-            if !metrics.published.load(Ordering::Relaxed) {
+            if !metrics.slices.published.load(Ordering::Relaxed) {
                 why.push("ResourceSlices not published yet");
             }
             text(
@@ -323,23 +339,36 @@ mod tests {
     fn render_has_every_family_with_type_lines() {
         let m = Metrics::new();
         m.prepare_ok.fetch_add(2, Ordering::Relaxed);
-        m.slice_creates.fetch_add(1, Ordering::Relaxed);
+        m.slices.creates.fetch_add(1, Ordering::Relaxed);
+        m.slices.errors.fetch_add(3, Ordering::Relaxed);
         m.set_info("backend", "simulated \"x\"");
         let text = m.render();
-        assert!(text.contains("nvdra_prepare_claims_total{result=\"ok\"} 2\n"));
-        assert!(text.contains("nvdra_resourceslice_writes_total{operation=\"create\"} 1\n"));
+        // Whole sample lines: a `# HELP` line naming the family cannot satisfy these.
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        for want in [
+            "nvdra_prepare_claims_total{result=\"ok\"} 2",
+            "nvdra_resourceslice_writes_total{operation=\"create\"} 1",
+            "nvdra_api_errors_total 3",
+            "nvdra_ready 0",
+        ] {
+            assert!(samples.contains(&want), "no sample {want:?} in {text}");
+        }
         assert!(text.contains("backend=\"simulated \\\"x\\\"\""), "{text}");
-        assert!(text.contains("nvdra_ready 0\n"));
-        // Every sample line belongs to a family announced with # TYPE.
-        let families: Vec<&str> = text
+        // Every sample line belongs to a family announced with # TYPE: its name is the family's,
+        // or a histogram's `_bucket`, `_sum` or `_count` of it.
+        let families: Vec<(&str, &str)> = text
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
-            .filter_map(|l| l.split(' ').next())
+            .filter_map(|l| l.split_once(' '))
             .collect();
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
+        for line in &samples {
             let name = line.split(['{', ' ']).next().unwrap();
             assert!(
-                families.iter().any(|f| name.starts_with(f)),
+                families.iter().any(|&(f, kind)| name == f
+                    || (kind == "histogram"
+                        && ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .any(|s| name.strip_suffix(s) == Some(f)))),
                 "{name} has no TYPE line"
             );
         }
@@ -370,10 +399,13 @@ mod tests {
         assert!(r.starts_with("HTTP/1.1 503"), "{r}");
         assert!(r.contains("not registered with the kubelet"), "{r}");
         m.registered.store(true, Ordering::Relaxed);
-        m.published.store(true, Ordering::Relaxed);
+        let r = get(addr, "/readyz").await;
+        assert!(r.contains("ResourceSlices not published yet"), "{r}");
+        m.slices.published.store(true, Ordering::Relaxed);
         assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 200"));
         let r = get(addr, "/metrics").await;
-        assert!(r.contains("nvdra_ready 1"), "{r}");
+        // The sample line, not the HELP line ("# HELP nvdra_ready 1 when registered ...").
+        assert!(r.lines().any(|l| l == "nvdra_ready 1"), "{r}");
         assert!(get(addr, "/nope").await.starts_with("HTTP/1.1 404"));
 
         shutdown.cancel();

@@ -536,6 +536,9 @@ fn bad_flags_exit_64_naming_the_flag() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("after-started"), "{err}");
 
+    // NVIDIA's device-plugin config file is checked strictly: an unknown key is named.
+    let dp_config = d.p("dp-config.yaml");
+    std::fs::write(&dp_config, "version: v1\nflags:\n  migStrategyy: mixed\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
         .args(["run", "--mode", "device-plugin", "--profile", "l40s-pcie"])
         .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
@@ -543,14 +546,20 @@ fn bad_flags_exit_64_naming_the_flag() {
         .arg(d.p("api"))
         .arg("--kubelet-root")
         .arg(d.p("kubelet"))
+        .arg("--device-plugin-config")
+        .arg(&dp_config)
         .env("NVDRA_BOOT_ID_FILE", d.boot_file())
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(64));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("device-plugin") || err.contains("DevicePlugin"),
+        err.contains("--device-plugin-config") && err.contains("migStrategyy"),
         "{err}"
+    );
+    assert!(
+        !d.p("kubelet/device-plugins").exists(),
+        "nothing served before the config was read"
     );
 }
 

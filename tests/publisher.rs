@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use nvdra::api::dir::DirApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::api::{self, ClusterApi};
+use nvdra::api::{self, ClaimReader, ClusterApi};
 use nvdra::dra::publisher::{Options, Publisher, PublisherHandle};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -23,9 +23,8 @@ use tokio_util::sync::CancellationToken;
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 const NODE_UID: &str = "0b6f3c2e-node-a";
-/// How long an external delete may stay unrepaired.
-const RESTORE: Duration = Duration::from_secs(2);
-/// Generous bound for things that take milliseconds; only hit when something is broken.
+/// Generous bound for things that take milliseconds; only hit when something is broken. How fast
+/// a repair is, is a figure of `benches/publish.rs`, not something a test asserts.
 const SOON: Duration = Duration::from_secs(10);
 
 fn device(name: &str, memory: &str) -> Device {
@@ -219,15 +218,13 @@ async fn the_steady_state_writes_nothing() {
     running.publish(two_slices()).await;
     let writes = server.counts().write_requests;
 
-    // A quiet period: the echo of our own writes, then nothing.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // Watch restarts (as after an API server restart) make the publisher re-read everything.
+    // Watch restarts (as after an API server restart) make the publisher re-read everything;
+    // each waits for a reconcile that ran after the echo of our own writes.
     for _ in 0..3 {
         force_reconcile(&server, &running).await;
     }
-    // The same desired state set again.
+    // The same desired state set again: `publish` waits for the reconcile of that state.
     running.publish(two_slices()).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
 
     assert_eq!(server.counts().write_requests, writes, "no write requests");
     let c = running.handle.counters();
@@ -244,7 +241,7 @@ async fn an_external_delete_is_repaired_quickly() {
 
     assert!(server.delete_slice(&victim));
     let slices = server
-        .wait_for(RESTORE, |s| complete(s, 2, &all_device_names()))
+        .wait_for(SOON, |s| complete(s, 2, &all_device_names()))
         .await;
     // The survivor was updated to the new generation, the missing one created.
     assert!(
@@ -259,7 +256,7 @@ async fn an_external_delete_is_repaired_quickly() {
         server.delete_slice(s.metadata.name.as_deref().unwrap());
     }
     server
-        .wait_for(RESTORE, |s| complete(s, 2, &all_device_names()))
+        .wait_for(SOON, |s| complete(s, 2, &all_device_names()))
         .await;
     running.stop().await;
 }
@@ -273,7 +270,7 @@ async fn an_external_edit_is_reverted() {
         s.spec.devices.as_mut().unwrap()[0] = device("gpu-0", "1Gi");
     });
     let slices = server
-        .wait_for(RESTORE, |s| {
+        .wait_for(SOON, |s| {
             complete(s, 2, &all_device_names())
                 && s.iter()
                     .flat_map(|s| s.spec.devices.iter().flatten())
@@ -480,7 +477,7 @@ async fn a_compacted_watch_re_lists_and_still_sees_deletes() {
     let victim = server.slices()[1].metadata.name.clone().unwrap();
     server.delete_slice(&victim);
     server
-        .wait_for(RESTORE, |s| complete(s, 2, &all_device_names()))
+        .wait_for(SOON, |s| complete(s, 2, &all_device_names()))
         .await;
     running.stop().await;
 }
@@ -607,10 +604,10 @@ async fn dir_api_first_publish_and_external_changes() {
     assert!(complete(&slices, 2, &all_device_names()), "{slices:#?}");
     assert!(slices.iter().all(|s| s.metadata.owner_references.is_none()));
 
-    // Someone removes a file: restored within the deadline.
+    // Someone removes a file: it is restored (how fast: `benches/publish.rs`).
     let victim = slices[0].metadata.name.clone().unwrap();
     std::fs::remove_file(api.slices_dir().join(format!("{victim}.yaml"))).unwrap();
-    let restored = tokio::time::timeout(RESTORE, async {
+    let restored = tokio::time::timeout(SOON, async {
         loop {
             let now = read().await.unwrap();
             if complete(&now, 2, &all_device_names()) {
@@ -620,17 +617,24 @@ async fn dir_api_first_publish_and_external_changes() {
         }
     })
     .await
-    .expect("the deleted slice file is restored within 2 s");
+    .expect("the deleted slice file is restored");
     assert!(restored.iter().all(|s| s.spec.pool.generation == 2));
 
-    // Quiet: the files stay as they are.
+    // Quiet: the files stay as they are. Once the repair is counted, reconciles that re-read
+    // every file (the same desired state set again, twice) write nothing.
     eventually("the repair to be counted", || {
         let c = running.handle.counters();
         (c.creates, c.updates) == (3, 1)
     })
     .await;
     let c = running.handle.counters();
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(running.handle.counters().writes(), c.writes());
+    running.publish(two_slices()).await;
+    running.publish(two_slices()).await;
+    let after = running.handle.counters();
+    assert!(
+        after.reconciles >= c.reconciles + 2,
+        "it did look: {after:?}"
+    );
+    assert_eq!(after.writes(), c.writes());
     running.stop().await;
 }

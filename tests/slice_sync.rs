@@ -11,11 +11,11 @@ use std::time::Duration;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::dra::publisher::{Options, Publisher};
+use nvdra::dra::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
-use nvdra::inventory::{DeviceBackend, Health, MigDevice, MigUuid, Placement};
+use nvdra::inventory::{self, DeviceBackend, Health, Inventory, MigDevice, MigUuid, Placement};
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
 
@@ -28,7 +28,56 @@ struct Node {
     server: TestApiServer,
     sim: SimBackend,
     sync: SyncHandle,
+    publisher: PublisherHandle,
+    /// Inventory reads so far.
+    reads: tokio::sync::watch::Receiver<u64>,
     token: CancellationToken,
+}
+
+/// The simulated backend, counting inventory reads: the event that proves the sync looked.
+struct Counting {
+    sim: SimBackend,
+    reads: tokio::sync::watch::Sender<u64>,
+}
+
+impl DeviceBackend for Counting {
+    fn name(&self) -> &'static str {
+        self.sim.name()
+    }
+    fn snapshot(&self) -> inventory::Result<Inventory> {
+        self.refresh()
+    }
+    fn refresh(&self) -> inventory::Result<Inventory> {
+        let inv = self.sim.refresh();
+        self.reads.send_modify(|n| *n += 1);
+        inv
+    }
+}
+
+impl Node {
+    /// Announces a change and waits until the sync has fully handled it. The sync handles one
+    /// announcement at a time, so once the read of a second announcement (sent after the
+    /// first one's read) has started, the first is done, a new desired state included.
+    async fn announce_and_wait(&mut self) {
+        for _ in 0..2 {
+            let n = *self.reads.borrow_and_update();
+            self.sync.inventory_changed();
+            tokio::time::timeout(SOON, self.reads.wait_for(|r| *r > n))
+                .await
+                .expect("the sync reads the inventory")
+                .expect("the backend lives");
+        }
+    }
+
+    /// Asserts that an announced change that is none publishes nothing: no new desired state,
+    /// no write request.
+    async fn assert_announcing_writes_nothing(&mut self) {
+        let seq = self.publisher.desired_seq();
+        let writes = self.server.counts().write_requests;
+        self.announce_and_wait().await;
+        assert_eq!(self.publisher.desired_seq(), seq, "a new desired state");
+        assert_eq!(self.server.counts().write_requests, writes);
+    }
 }
 
 impl Drop for Node {
@@ -51,9 +100,14 @@ async fn start(profile: &str, partitionable: bool, prepare: impl FnOnce(&TestApi
     };
     let (publisher, handle) = Publisher::with_options(api, DRIVER, NODE, options);
     let sim = SimBackend::from_profile(profile, NODE).unwrap();
+    let (reads_tx, reads) = tokio::sync::watch::channel(0);
+    let backend = Counting {
+        sim: sim.clone(),
+        reads: reads_tx,
+    };
     let (sync, sync_handle) = SliceSync::new(
-        Arc::new(sim.clone()),
-        handle,
+        Arc::new(backend),
+        handle.clone(),
         SliceOptions {
             driver: DRIVER.into(),
             node_name: NODE.into(),
@@ -70,6 +124,8 @@ async fn start(profile: &str, partitionable: bool, prepare: impl FnOnce(&TestApi
         server,
         sim,
         sync: sync_handle,
+        publisher: handle,
+        reads,
         token,
     }
 }
@@ -103,7 +159,7 @@ fn gpus(n: u32) -> BTreeSet<String> {
 
 #[tokio::test]
 async fn an_unhealthy_gpu_is_one_update_with_a_generation_bump() {
-    let node = start("dgx-h100", false, |_| {}).await;
+    let mut node = start("dgx-h100", false, |_| {}).await;
     eventually("first publish", || {
         device_names(&node.server.slices()) == gpus(8)
     })
@@ -130,9 +186,7 @@ async fn an_unhealthy_gpu_is_one_update_with_a_generation_bump() {
     assert_eq!(generations(&node.server.slices()), BTreeSet::from([2]));
 
     // Announcing a change that is not one writes nothing.
-    node.sync.inventory_changed();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(node.server.counts().write_requests, after.write_requests);
+    node.assert_announcing_writes_nothing().await;
 }
 
 #[tokio::test]
@@ -178,7 +232,7 @@ async fn a_new_mig_device_is_published() {
 
 #[tokio::test]
 async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
-    let node = start("a100-mig-mixed", true, |server| {
+    let mut node = start("a100-mig-mixed", true, |server| {
         server.drop_field("sharedCounters");
         server.drop_field("devices[].consumesCounters");
     })
@@ -209,10 +263,7 @@ async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
     let slices = node.server.slices();
     assert!(slices.iter().all(|s| s.spec.shared_counters.is_none()));
     // Settled: no further writes.
-    let writes = node.server.counts().write_requests;
-    node.sync.inventory_changed();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(node.server.counts().write_requests, writes);
+    node.assert_announcing_writes_nothing().await;
 }
 
 #[tokio::test]

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{ClusterApi, Error, Result, SliceEvent};
+use super::{ClaimReader, ClusterApi, Error, Result, SliceEvent};
 use crate::lock::lock;
 
 /// How often the watch looks at the directory.
@@ -421,6 +421,24 @@ struct WatchState {
     pending: std::collections::VecDeque<SliceEvent>,
 }
 
+impl ClaimReader for DirApi {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim>> {
+        let (namespace, name) = (namespace.to_string(), name.to_string());
+        Box::pin(self.blocking(move |i| {
+            let path = i
+                .root
+                .join("resourceclaims")
+                .join(&namespace)
+                .join(format!("{name}.yaml"));
+            i.get(&format!("resourceclaim {namespace}/{name}"), path)
+        }))
+    }
+}
+
 impl ClusterApi for DirApi {
     fn list_slices<'a>(
         &'a self,
@@ -494,22 +512,6 @@ impl ClusterApi for DirApi {
             }
         })
         .boxed()
-    }
-
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<ResourceClaim>> {
-        let (namespace, name) = (namespace.to_string(), name.to_string());
-        Box::pin(self.blocking(move |i| {
-            let path = i
-                .root
-                .join("resourceclaims")
-                .join(&namespace)
-                .join(format!("{name}.yaml"));
-            i.get(&format!("resourceclaim {namespace}/{name}"), path)
-        }))
     }
 
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>> {

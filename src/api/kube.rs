@@ -3,19 +3,21 @@
 //! Invariants: every call is one HTTP request (no client-side rate limiting, no retries here: the
 //! caller owns backoff); HTTP status codes map onto [`Error`]'s classes (409 → `Conflict`,
 //! 404 → `NotFound`, 400/422 and other 4xx → `Invalid`, 401/403/429/5xx and transport failures →
-//! `Transient`); the slice watch starts with a list, follows `resourceVersion` across reconnects,
-//! and re-lists (yielding [`SliceEvent::Restarted`]) when the server answers 410 Gone.
+//! `Transient`). The slice watch is kube-runtime's [`watcher`]: it lists, follows
+//! `resourceVersion` and bookmarks across reconnects, and re-lists when the server answers
+//! 410 Gone; each completed (re-)list is a [`SliceEvent::Restarted`].
 
 use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher::{self, watcher};
 use kube::{Client, Config};
 use std::path::Path;
 
-use super::{ClusterApi, Error, Result, SliceEvent};
+use super::{ClaimReader, ClusterApi, Error, Result, SliceEvent};
 
 /// How long one watch request may stay open before the server closes it and we re-watch.
 const WATCH_TIMEOUT_SECS: u32 = 290;
@@ -117,23 +119,37 @@ fn name_of(slice: &ResourceSlice) -> String {
     }
 }
 
-/// Where the slice watch is.
-enum WatchState {
-    /// Next: list to learn the current resourceVersion.
-    List,
-    /// Next: open a watch from this resourceVersion.
-    Watch(String),
-    /// Reading events; the string is the last resourceVersion seen.
-    Streaming(
-        String,
-        BoxStream<'static, kube::Result<WatchEvent<ResourceSlice>>>,
-    ),
-    /// An error was yielded; the stream ends.
-    Done,
-}
-
 fn is_gone(status: &kube::core::Status) -> bool {
     status.code == 410 || status.reason == "Expired" || status.reason == "Gone"
+}
+
+/// One item of the kube-runtime watcher as a [`SliceEvent`]; `None` for what the publisher need
+/// not hear: the objects of a (re-)list one by one (it re-reads them all after `Restarted`), and
+/// a 410 Gone, after which the watcher re-lists by itself.
+fn slice_event(item: watcher::Result<watcher::Event<ResourceSlice>>) -> Option<Result<SliceEvent>> {
+    use watcher::Event;
+    let name = |s: ResourceSlice| s.metadata.name.unwrap_or_default();
+    match item {
+        Ok(Event::InitDone) => Some(Ok(SliceEvent::Restarted)),
+        Ok(Event::Init | Event::InitApply(_)) => None,
+        Ok(Event::Apply(s)) => Some(Ok(SliceEvent::Applied(name(s)))),
+        Ok(Event::Delete(s)) => Some(Ok(SliceEvent::Deleted(name(s)))),
+        Err(watcher::Error::WatchError(s)) if is_gone(&s) => None,
+        Err(e) => Some(Err(classify_watch(e))),
+    }
+}
+
+fn classify_watch(err: watcher::Error) -> Error {
+    match err {
+        watcher::Error::InitialListFailed(e) => classify("list resourceslices for a watch", e),
+        watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => {
+            classify("watch resourceslices", e)
+        }
+        watcher::Error::WatchError(s) => classify_status("watch resourceslices", &s),
+        watcher::Error::NoResourceVersion => Error::Invalid(
+            "watch resourceslices: the API server sent no metadata.resourceVersion".into(),
+        ),
+    }
 }
 
 impl ClusterApi for KubeApi {
@@ -195,93 +211,12 @@ impl ClusterApi for KubeApi {
         driver: &'a str,
         node: &'a str,
     ) -> BoxStream<'a, Result<SliceEvent>> {
-        let api = self.slices();
-        let selector = slice_selector(driver, node);
-        futures::stream::unfold(WatchState::List, move |mut state| {
-            let api = api.clone();
-            let selector = selector.clone();
-            async move {
-                loop {
-                    state = match state {
-                        WatchState::Done => return None,
-                        WatchState::List => {
-                            let lp = ListParams::default().fields(&selector).limit(1);
-                            match api.list(&lp).await {
-                                Ok(list) => {
-                                    let rv = list.metadata.resource_version.unwrap_or_default();
-                                    return Some((
-                                        Ok(SliceEvent::Restarted),
-                                        WatchState::Watch(rv),
-                                    ));
-                                }
-                                Err(e) => {
-                                    let err = classify("list resourceslices for a watch", e);
-                                    return Some((Err(err), WatchState::Done));
-                                }
-                            }
-                        }
-                        WatchState::Watch(rv) => {
-                            let wp = WatchParams::default()
-                                .fields(&selector)
-                                .timeout(WATCH_TIMEOUT_SECS);
-                            match api.watch(&wp, &rv).await {
-                                Ok(stream) => WatchState::Streaming(rv, stream.boxed()),
-                                Err(kube::Error::Api(s)) if is_gone(&s) => WatchState::List,
-                                Err(e) => {
-                                    let err = classify("watch resourceslices", e);
-                                    return Some((Err(err), WatchState::Done));
-                                }
-                            }
-                        }
-                        WatchState::Streaming(rv, mut stream) => match stream.next().await {
-                            None => WatchState::Watch(rv),
-                            Some(Ok(WatchEvent::Added(s) | WatchEvent::Modified(s))) => {
-                                let next = s.metadata.resource_version.clone().unwrap_or(rv);
-                                let name = s.metadata.name.unwrap_or_default();
-                                return Some((
-                                    Ok(SliceEvent::Applied(name)),
-                                    WatchState::Streaming(next, stream),
-                                ));
-                            }
-                            Some(Ok(WatchEvent::Deleted(s))) => {
-                                let next = s.metadata.resource_version.clone().unwrap_or(rv);
-                                let name = s.metadata.name.unwrap_or_default();
-                                return Some((
-                                    Ok(SliceEvent::Deleted(name)),
-                                    WatchState::Streaming(next, stream),
-                                ));
-                            }
-                            Some(Ok(WatchEvent::Bookmark(b))) => {
-                                WatchState::Streaming(b.metadata.resource_version, stream)
-                            }
-                            Some(Ok(WatchEvent::Error(s))) if is_gone(&s) => WatchState::List,
-                            Some(Ok(WatchEvent::Error(s))) => {
-                                let err = classify_status("watch resourceslices", &s);
-                                return Some((Err(err), WatchState::Done));
-                            }
-                            Some(Err(e)) => {
-                                let err = classify("watch resourceslices", e);
-                                return Some((Err(err), WatchState::Done));
-                            }
-                        },
-                    }
-                }
-            }
-        })
-        .boxed()
-    }
-
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<ResourceClaim>> {
-        Box::pin(async move {
-            Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
-                .get(name)
-                .await
-                .map_err(|e| classify(&format!("get resourceclaim {namespace}/{name}"), e))
-        })
+        let config = watcher::Config::default()
+            .fields(&slice_selector(driver, node))
+            .timeout(WATCH_TIMEOUT_SECS);
+        watcher(self.slices(), config)
+            .filter_map(|item| std::future::ready(slice_event(item)))
+            .boxed()
     }
 
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>> {
@@ -301,6 +236,21 @@ impl ClusterApi for KubeApi {
                 .await
                 .map_err(|e| classify("get /version", e))?;
             Ok(super::parse_minor(&info.minor))
+        })
+    }
+}
+
+impl ClaimReader for KubeApi {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim>> {
+        Box::pin(async move {
+            Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+                .get(name)
+                .await
+                .map_err(|e| classify(&format!("get resourceclaim {namespace}/{name}"), e))
         })
     }
 }
@@ -360,6 +310,40 @@ mod tests {
         assert!(is_gone(&kube::core::Status::failure("old", "Gone")));
         assert!(!is_gone(
             &kube::core::Status::failure("x", "Conflict").with_code(409)
+        ));
+    }
+
+    #[test]
+    fn watcher_items_become_slice_events() {
+        use watcher::Event;
+        let slice = |name: &str| ResourceSlice {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Default::default(),
+        };
+        assert_eq!(
+            slice_event(Ok(Event::InitDone)).unwrap().unwrap(),
+            SliceEvent::Restarted
+        );
+        assert!(slice_event(Ok(Event::Init)).is_none());
+        assert!(slice_event(Ok(Event::InitApply(slice("a")))).is_none());
+        assert_eq!(
+            slice_event(Ok(Event::Apply(slice("a")))).unwrap().unwrap(),
+            SliceEvent::Applied("a".into())
+        );
+        assert_eq!(
+            slice_event(Ok(Event::Delete(slice("b")))).unwrap().unwrap(),
+            SliceEvent::Deleted("b".into())
+        );
+        // 410 Gone: the watcher re-lists by itself and reports that as InitDone.
+        let gone = kube::core::Status::failure("too old", "Expired").with_code(410);
+        assert!(slice_event(Err(watcher::Error::WatchError(gone.boxed()))).is_none());
+        let other = kube::core::Status::failure("boom", "InternalError").with_code(500);
+        assert!(matches!(
+            slice_event(Err(watcher::Error::WatchError(other.boxed()))),
+            Some(Err(Error::Transient(_)))
         ));
     }
 

@@ -1,7 +1,8 @@
 //! The API server as nvdra sees it: ResourceSlices to publish, ResourceClaims to read, the Node to
 //! own slices. One trait, two implementations: `kube` (a real API server through kube-rs) and
-//! `dir` (a directory of YAML files, the embedded default for runs without a cluster). The
-//! publisher and the plugin are written against [`ClusterApi`] only.
+//! `dir` (a directory of YAML files, the embedded default for runs without a cluster). Each
+//! consumer depends on the operations it calls: the plugin on [`ClaimReader`] (one method), the
+//! publisher on [`ClusterApi`], which is everything and what [`connect`] returns.
 
 pub mod dir;
 pub mod kube;
@@ -48,8 +49,19 @@ pub enum SliceEvent {
     Restarted,
 }
 
-/// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`.
-pub trait ClusterApi: Send + Sync + 'static {
+/// What prepare needs of the API server: the claim the kubelet names.
+pub trait ClaimReader: Send + Sync + 'static {
+    /// Reads a ResourceClaim.
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim>>;
+}
+
+/// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`; an
+/// `Arc<dyn ClusterApi>` coerces to the `Arc<dyn ClaimReader>` the plugin takes.
+pub trait ClusterApi: ClaimReader {
     /// Slices with `spec.driver == driver` and `spec.nodeName == node`.
     fn list_slices<'a>(
         &'a self,
@@ -78,13 +90,6 @@ pub trait ClusterApi: Send + Sync + 'static {
         driver: &'a str,
         node: &'a str,
     ) -> BoxStream<'a, Result<SliceEvent>>;
-
-    /// Reads a ResourceClaim.
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<ResourceClaim>>;
 
     /// Reads a Node (for the owner reference of published slices). `NotFound` is normal for the
     /// directory API without a `nodes/` entry.

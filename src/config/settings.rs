@@ -236,6 +236,11 @@ pub struct DaemonSettings {
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
     pub metrics_address: Option<String>,
+
+    /// NVIDIA's device-plugin config file (version v1: flags.migStrategy, deviceListStrategy,
+    /// deviceIDStrategy, sharing.timeSlicing/mps, ...), for the device-plugin path.
+    #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
+    pub device_plugin_config: Option<PathBuf>,
 }
 
 impl Section for DaemonSettings {
@@ -243,6 +248,7 @@ impl Section for DaemonSettings {
         Self {
             mode: Some(Mode::Auto),
             metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
+            device_plugin_config: None,
         }
     }
 
@@ -250,10 +256,12 @@ impl Section for DaemonSettings {
         let Self {
             mode,
             metrics_address,
+            device_plugin_config,
         } = self;
         Self {
             mode: mode.or(lower.mode),
             metrics_address: metrics_address.or(lower.metrics_address),
+            device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
         }
     }
 }

@@ -202,6 +202,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("mode: dra", "mode"),
         ("metricsAddress: 127.0.0.1:1", "metricsAddress"),
         ("logFormat: json", "logFormat"),
+        ("devicePluginConfig: /dp.yaml", "devicePluginConfig"),
     ];
     let mut covered: Vec<&str> = vec!["version"];
     for (line, key) in cases {
@@ -220,6 +221,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "apiDir" => s.api.api_dir.is_some(),
             "mode" => s.daemon.mode == Some(Mode::Dra),
             "metricsAddress" => s.daemon.metrics_address.is_some(),
+            "devicePluginConfig" => s.daemon.device_plugin_config.is_some(),
             "logFormat" => s.log.log_format == Some(LogFormat::Json),
             _ => unreachable!(),
         };

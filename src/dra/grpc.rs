@@ -96,12 +96,12 @@ impl v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
 }
 
 /// Serves both DRA versions and the health stream on `listener` until `shutdown`, then removes
-/// the socket at `path`.
+/// the socket `bound` (if it is still the one bound: see [`socket::Bound::remove`]).
 pub async fn serve_dra(
     plugin: Plugin,
     health: HealthService,
     listener: UnixListener,
-    path: PathBuf,
+    bound: socket::Bound,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let result = tonic::transport::Server::builder()
@@ -114,7 +114,10 @@ pub async fn serve_dra(
         .add_service(DraResourceHealthServer::new(health))
         .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
         .await;
-    let _ = std::fs::remove_file(&path);
-    tracing::info!(socket = %path.display(), "DRA server stopped");
-    result.map_err(|source| Error::Serve { path, source })
+    bound.remove();
+    tracing::info!(socket = %bound.path().display(), "DRA server stopped");
+    result.map_err(|source| Error::Serve {
+        path: bound.path().to_path_buf(),
+        source,
+    })
 }

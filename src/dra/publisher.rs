@@ -20,6 +20,7 @@ mod plan;
 pub use plan::FieldPath;
 
 use crate::api::{self, ClusterApi, SliceEvent};
+use crate::metrics::SliceCounters;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -77,7 +78,8 @@ impl Default for Options {
     }
 }
 
-/// Cumulative counts, for metrics and tests.
+/// A snapshot of the cumulative counts (the atomics are [`SliceCounters`], which `/metrics`
+/// renders).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     pub creates: u64,
@@ -98,26 +100,16 @@ impl Counters {
     }
 }
 
-#[derive(Default)]
-struct AtomicCounters {
-    creates: AtomicU64,
-    updates: AtomicU64,
-    deletes: AtomicU64,
-    reconciles: AtomicU64,
-    conflicts: AtomicU64,
-    errors: AtomicU64,
-}
-
-impl AtomicCounters {
-    fn snapshot(&self) -> Counters {
+impl Counters {
+    fn of(c: &SliceCounters) -> Counters {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Counters {
-            creates: get(&self.creates),
-            updates: get(&self.updates),
-            deletes: get(&self.deletes),
-            reconciles: get(&self.reconciles),
-            conflicts: get(&self.conflicts),
-            errors: get(&self.errors),
+            creates: get(&c.creates),
+            updates: get(&c.updates),
+            deletes: get(&c.deletes),
+            reconciles: get(&c.reconciles),
+            conflicts: get(&c.conflicts),
+            errors: get(&c.errors),
         }
     }
 }
@@ -142,7 +134,7 @@ pub struct Status {
 type Desired = Option<(u64, Arc<Vec<ResourceSliceSpec>>)>;
 
 struct Shared {
-    counters: AtomicCounters,
+    counters: Arc<SliceCounters>,
     dropped: watch::Sender<BTreeSet<FieldPath>>,
     status: watch::Sender<Status>,
 }
@@ -181,6 +173,17 @@ impl PublisherHandle {
         Ok(seq)
     }
 
+    /// The latest desired slices; `None` before the first [`set_desired`](Self::set_desired).
+    pub fn desired(&self) -> Option<Arc<Vec<ResourceSliceSpec>>> {
+        self.desired.borrow().as_ref().map(|(_, d)| d.clone())
+    }
+
+    /// The sequence number of the latest desired state; `None` before the first
+    /// [`set_desired`](Self::set_desired).
+    pub fn desired_seq(&self) -> Option<u64> {
+        self.desired.borrow().as_ref().map(|(n, _)| *n)
+    }
+
     /// Fields the API server dropped from what we sent (e.g. `spec.sharedCounters`,
     /// `spec.devices[].consumesCounters`, `spec.devices[].taints` when the feature gates
     /// `DRAPartitionableDevices` or `DRADeviceTaints` are off). Grows only. The caller can react by
@@ -194,7 +197,7 @@ impl PublisherHandle {
     }
 
     pub fn counters(&self) -> Counters {
-        self.shared.counters.snapshot()
+        Counters::of(&self.shared.counters)
     }
 
     /// Waits until the desired state with sequence number `seq` (or a later one) is published.
@@ -280,11 +283,22 @@ impl Publisher {
         node: impl Into<String>,
         opts: Options,
     ) -> (Publisher, PublisherHandle) {
+        Self::with_counters(api, driver, node, opts, Arc::default())
+    }
+
+    /// Counts into `counters` (the daemon passes the ones `/metrics` renders).
+    pub fn with_counters(
+        api: Arc<dyn ClusterApi>,
+        driver: impl Into<String>,
+        node: impl Into<String>,
+        opts: Options,
+        counters: Arc<SliceCounters>,
+    ) -> (Publisher, PublisherHandle) {
         let driver: Arc<str> = driver.into().into();
         let node: Arc<str> = node.into().into();
         let (desired_tx, desired_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
-            counters: AtomicCounters::default(),
+            counters,
             dropped: watch::channel(BTreeSet::new()).0,
             status: watch::channel(Status::default()).0,
         });
@@ -430,6 +444,9 @@ impl Publisher {
             slices: desired.len(),
             last_error: None,
         });
+        if !self.shared.counters.published.swap(true, Ordering::Relaxed) {
+            tracing::info!(slices = desired.len(), "ResourceSlices published");
+        }
         Ok(())
     }
 

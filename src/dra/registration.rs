@@ -140,14 +140,15 @@ impl Registrar {
         Ok(socket::bind(&self.sockets.registration)?)
     }
 
-    /// Serves until shutdown, then removes the socket; `status` follows the kubelet's verdicts.
+    /// Serves until shutdown, then removes the socket `bound` (if it is still the one bound: see
+    /// [`socket::Bound::remove`]); `status` follows the kubelet's verdicts.
     pub async fn run(
         self,
         listener: UnixListener,
+        bound: socket::Bound,
         status: watch::Sender<RegistrationState>,
         shutdown: CancellationToken,
     ) -> Result<(), Error> {
-        let path = self.sockets.registration.clone();
         let service = Service {
             driver: self.driver,
             endpoint: self.sockets.dra.display().to_string(),
@@ -158,9 +159,12 @@ impl Registrar {
             .add_service(RegistrationServer::new(service))
             .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
             .await;
-        let _ = std::fs::remove_file(&path);
-        tracing::info!(socket = %path.display(), "registration server stopped");
-        result.map_err(|source| Error::Serve { path, source })
+        bound.remove();
+        tracing::info!(socket = %bound.path().display(), "registration server stopped");
+        result.map_err(|source| Error::Serve {
+            path: bound.path().to_path_buf(),
+            source,
+        })
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! [`SliceSync`] re-reads the inventory when told it may have changed (a MIG instance created or
 //! destroyed at prepare, a health event) and on a slow rescan, recomputes the desired slices with
-//! [`slices::desired_slices`], and hands them to the publisher only when they differ from the last
-//! ones — so an unchanged node costs one inventory read per rescan and no API writes.
+//! [`slices::desired_slices`], and hands them to the publisher only when they differ from the ones
+//! it holds — so an unchanged node costs one inventory read per rescan and no API writes. The
+//! desired slices are kept once, by the publisher; this task keeps only the last inventory.
 //!
 //! It also owns the one decision that needs the API server's answers: when the server drops the
 //! partitionable fields (`sharedCounters`, `consumesCounters`: the DRAPartitionableDevices gate is
@@ -12,7 +13,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::ResourceSliceSpec;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -55,7 +55,9 @@ pub struct SliceSync {
     rescan: Duration,
     trigger: Arc<Notify>,
     last_inventory: Option<Inventory>,
-    last_desired: Option<Vec<ResourceSliceSpec>>,
+    /// The next read recomputes the slices even if the inventory is unchanged (at start, after
+    /// the layout changed, after the publisher refused them).
+    stale: bool,
     /// Set once the partitionable layout was abandoned.
     fell_back: bool,
     metrics: Option<Arc<Metrics>>,
@@ -79,7 +81,7 @@ impl SliceSync {
                 rescan,
                 trigger: trigger.clone(),
                 last_inventory: None,
-                last_desired: None,
+                stale: true,
                 fell_back: false,
                 metrics: None,
             },
@@ -138,7 +140,7 @@ impl SliceSync {
             self.options.partitionable = false;
             self.fell_back = true;
             // Force a recompute even though the inventory did not change.
-            self.last_desired = None;
+            self.stale = true;
         }
     }
 
@@ -168,7 +170,7 @@ impl SliceSync {
             m.gpus.store(inv.gpus.len() as u64, Relaxed);
             m.unhealthy_devices.store(unhealthy as u64, Relaxed);
         }
-        if self.last_desired.is_some() && self.last_inventory.as_ref() == Some(&inv) {
+        if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
             return;
         }
         let desired = match slices::desired_slices(&inv, &self.options) {
@@ -179,20 +181,21 @@ impl SliceSync {
             }
         };
         self.last_inventory = Some(inv);
-        if self.last_desired.as_ref() == Some(&desired) {
+        if self.publisher.desired().is_some_and(|d| *d == desired) {
+            self.stale = false;
             return;
         }
-        match self.publisher.set_desired(desired.clone()) {
+        let (count, devices) = (
+            desired.len(),
+            desired
+                .iter()
+                .map(|s| s.devices.as_ref().map_or(0, Vec::len))
+                .sum::<usize>(),
+        );
+        match self.publisher.set_desired(desired) {
             Ok(_) => {
-                tracing::info!(
-                    slices = desired.len(),
-                    devices = desired
-                        .iter()
-                        .map(|s| s.devices.as_ref().map_or(0, Vec::len))
-                        .sum::<usize>(),
-                    "desired ResourceSlices updated"
-                );
-                self.last_desired = Some(desired);
+                tracing::info!(slices = count, devices, "desired ResourceSlices updated");
+                self.stale = false;
             }
             Err(e) => {
                 tracing::error!(error = %crate::report::chain(&e), "bug: the publisher refused the desired slices")
@@ -244,7 +247,7 @@ mod tests {
         });
         sync.sync_once().await;
         assert_eq!(metrics.unhealthy_devices.load(Relaxed), 2);
-        let desired = sync.last_desired.as_ref().unwrap();
+        let desired = sync.publisher.desired().unwrap();
         let names: Vec<&str> = desired
             .iter()
             .flat_map(|s| s.devices.iter().flatten())

@@ -1,6 +1,7 @@
-//! The Unix sockets the kubelet dials: binding, the client side used by the demo, tests and
-//! benchmarks, and — below every gRPC server nvdra runs on such a socket — the adapter that makes
-//! h2 accept what the kubelet sends.
+//! The Unix sockets the kubelet dials: binding, removal on every way out ([`Bound`],
+//! [`OwnedSockets`]), the client side used by the demo, tests and benchmarks, and — below every
+//! gRPC server nvdra runs on such a socket — the adapter that makes h2 accept what the kubelet
+//! sends.
 //!
 //! The kubelet is a grpc-go program. It sends the socket path as `:authority`, percent-encoded
 //! (`%2Fvar%2Flib%2Fkubelet%2F…`) by recent grpc-go and raw (`/var/lib/…`) by older releases;
@@ -12,6 +13,7 @@
 pub mod authority;
 mod hpack;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -63,6 +65,78 @@ pub fn bind(path: &Path) -> Result<UnixListener, Error> {
         Err(e) => return Err(berr(e)),
     }
     UnixListener::bind(path).map_err(berr)
+}
+
+/// A socket this instance bound: its path and the identity (device, inode) of the file bound
+/// there. Instances name their sockets apart (by pod UID); in addition [`Bound::remove`] unlinks
+/// the path only while it is still that file, so a socket another instance bound there since is
+/// left alone — unless it got the very inode number ours freed, which nothing here can tell.
+#[derive(Clone, Debug)]
+pub struct Bound {
+    path: PathBuf,
+    /// `None` when the socket could not be stat'ed right after binding: nothing to remove then.
+    id: Option<(u64, u64)>,
+}
+
+impl Bound {
+    /// Records the socket just bound at `path` (call right after [`bind`]).
+    pub fn adopt(path: &Path) -> Self {
+        let id = match std::fs::symlink_metadata(path) {
+            Ok(m) => Some((m.dev(), m.ino())),
+            // Bound but gone already: nothing of ours to remove later.
+            Err(e) => {
+                tracing::warn!(socket = %path.display(), error = %e, "cannot stat a socket just bound");
+                None
+            }
+        };
+        Bound {
+            path: path.to_path_buf(),
+            id,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Unlinks the socket if the path still holds the file that was bound; true if it did.
+    pub fn remove(&self) -> bool {
+        let Some(id) = self.id else { return false };
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == id => match std::fs::remove_file(&self.path) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(socket = %self.path.display(), error = %e, "cannot remove socket");
+                    false
+                }
+            },
+            // Removed already, or replaced by another instance's.
+            _ => false,
+        }
+    }
+}
+
+/// The sockets this instance bound, each [removed](Bound::remove) when this is dropped: on every
+/// way out of the code that owns it — a failed start, a drain, a forced exit, a panic.
+#[derive(Debug, Default)]
+pub struct OwnedSockets(Vec<Bound>);
+
+impl OwnedSockets {
+    /// Takes ownership of the socket just bound at `path`; the returned handle lets its server
+    /// remove it at shutdown as well.
+    pub fn adopt(&mut self, path: &Path) -> Bound {
+        let bound = Bound::adopt(path);
+        self.0.push(bound.clone());
+        bound
+    }
+}
+
+impl Drop for OwnedSockets {
+    fn drop(&mut self) {
+        for bound in self.0.drain(..) {
+            bound.remove();
+        }
+    }
 }
 
 /// The connections of `listener`, each behind the `:authority` adapter: what a gRPC server on a
@@ -199,5 +273,52 @@ impl Connected for KubeletStream {
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Bound, OwnedSockets};
+
+    #[test]
+    fn owned_sockets_are_removed_on_drop_unless_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ours, replaced) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+        let _a = std::os::unix::net::UnixListener::bind(&ours).unwrap();
+        let _b = std::os::unix::net::UnixListener::bind(&replaced).unwrap();
+        let mut owned = OwnedSockets::default();
+        owned.adopt(&ours);
+        owned.adopt(&replaced);
+        // Another instance's socket takes the place of `b.sock` (bound beside it and renamed over
+        // it, so it cannot get the inode number `b.sock` frees).
+        let theirs = dir.path().join("theirs.sock");
+        let _theirs = std::os::unix::net::UnixListener::bind(&theirs).unwrap();
+        std::fs::rename(&theirs, &replaced).unwrap();
+        drop(owned);
+        assert!(!ours.exists());
+        assert!(replaced.exists(), "another instance's socket was removed");
+    }
+
+    #[test]
+    fn a_server_removes_only_its_own_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dra.sock");
+        let _ours = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let bound = Bound::adopt(&path);
+        // A second instance rebinds the path (as `bind` does: unlink, then bind).
+        std::fs::remove_file(&path).unwrap();
+        let theirs = dir.path().join("theirs.sock");
+        let _theirs = std::os::unix::net::UnixListener::bind(&theirs).unwrap();
+        std::fs::rename(&theirs, &path).unwrap();
+        assert!(!bound.remove());
+        assert!(path.exists(), "another instance's socket was removed");
+
+        let other = dir.path().join("reg.sock");
+        let _l = std::os::unix::net::UnixListener::bind(&other).unwrap();
+        let bound = Bound::adopt(&other);
+        assert!(bound.remove());
+        assert!(!other.exists());
+        // Twice is harmless: the server removes it, then the guard finds it gone.
+        assert!(!bound.remove());
     }
 }

@@ -25,6 +25,14 @@ Forms (`--form`, repeatable):
                   GOAWAY; 431 for an over-size header list), with the grpc-go authority and
                   with localhost
 
+Mode `device-plugin` (first argument) plays the kubelet's device manager instead: it SERVES
+`<dir>/kubelet.sock` (`v1beta1.Registration/Register`), waits for the expected resources to
+register, dials each plugin socket it was given with `:authority localhost` (as the kubelet's
+device-plugin client does), and reports GetDevicePluginOptions, the first ListAndWatch list,
+Allocate and GetPreferredAllocation answers, and with `--restart` a kubelet restart (its server
+stopped, every socket in the directory removed, kubelet.sock served anew) and the
+re-registration. See `device_plugin_main` for its options.
+
 Stubs are generated from the repository's proto/ with grpc_tools.protoc at run time, into a
 temporary directory, or into `--stubs-cache DIR`/<hash of protos and tool version>, reused while
 the protos do not change.
@@ -57,6 +65,7 @@ PROTOS = {
     "dra_v1": "dra/v1/api.proto",
     "dra_v1beta1": "dra/v1beta1/api.proto",
     "health_v1alpha1": "dra-health/v1alpha1/api.proto",
+    "deviceplugin_v1beta1": "deviceplugin/v1beta1/api.proto",
 }
 
 # What the kubelet passes per call (45 s in the kubelet); sent as grpc-timeout.
@@ -771,7 +780,206 @@ class Raw:
                 self.checked(form, authority, "registration", f"GetInfo with {name} is refused", one)
 
 
+# ---------------------------------------------------------------------------------------------
+# device-plugin mode: the kubelet's device manager
+
+
+class FakeKubelet:
+    """The Registration service; refuses the first `refuse` calls as a kubelet refuses a
+    registration (an error status), records the others."""
+
+    def __init__(self, pb, refuse):
+        self.pb = pb
+        self.refuse = refuse
+        self.cond = __import__("threading").Condition()
+        self.registered = {}
+        self.refused = []
+
+    def Register(self, request, context):  # noqa: N802 - the gRPC method name
+        with self.cond:
+            if request.version != "v1beta1":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version!r}")
+            if self.refuse > 0:
+                self.refuse -= 1
+                self.refused.append(request.resource_name)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "refused by the stand-in")
+            self.registered[request.resource_name] = request
+            self.cond.notify_all()
+        return self.pb.Empty()
+
+    def wait(self, names, timeout):
+        import time
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all(n in self.registered for n in names):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckFailed(f"registered {sorted(self.registered)}, want {sorted(names)} within {timeout} s")
+                self.cond.wait(left)
+            return dict(self.registered)
+
+
+def serve_kubelet(stubs, path, refuse):
+    pb, pbg = stubs["deviceplugin_v1beta1"]
+    kubelet = FakeKubelet(pb, refuse)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    pbg.add_RegistrationServicer_to_server(kubelet, server)
+    if server.add_insecure_port("unix://" + path) == 0:
+        raise SystemExit(f"cannot serve {path}")
+    server.start()
+    return server, kubelet
+
+
+def resolve_ids(spec, ids):
+    """`@N` is the N-th ID of the first list; anything else is taken as it is."""
+    if not spec:
+        return []
+    return [ids[int(x[1:])] if x.startswith("@") else x for x in spec.split(",")]
+
+
+def device_plugin_main(argv):
+    import time
+    p = argparse.ArgumentParser(prog="standin.py device-plugin")
+    p.add_argument("--proto-root", required=True)
+    p.add_argument("--stubs-cache")
+    p.add_argument("--dir", required=True, help="the kubelet's device-plugins directory")
+    p.add_argument("--expect", action="append", required=True, metavar="RESOURCE",
+                   help="a resource that must register")
+    p.add_argument("--allocate", action="append", default=[], metavar="RESOURCE=IDS",
+                   help="Allocate one container; IDS: comma list, @N = N-th ID of the first list")
+    p.add_argument("--preferred", action="append", default=[], metavar="RESOURCE=SIZE[:MUST[:AVAILABLE]]",
+                   help="GetPreferredAllocation; AVAILABLE defaults to the whole first list")
+    p.add_argument("--restart", action="store_true", help="then restart the kubelet once")
+    p.add_argument("--refuse-first", type=int, default=0, help="refuse the first N registrations")
+    p.add_argument("--timeout", type=float, default=30.0)
+    a = p.parse_args(argv)
+    stubs = load_stubs(a.proto_root, a.stubs_cache)
+    pb, pbg = stubs["deviceplugin_v1beta1"]
+    report = Report()
+    kubelet_sock = os.path.join(a.dir, "kubelet.sock")
+    os.makedirs(a.dir, exist_ok=True)
+    server, kubelet = serve_kubelet(stubs, kubelet_sock, a.refuse_first)
+    print(json.dumps({"event": "serving", "socket": kubelet_sock}), flush=True)
+    lists = {}
+    run = lambda sock, rpc, fn: run_check(report, "device-plugin", "localhost", sock, rpc, fn)  # noqa: E731
+
+    def channel(endpoint):
+        return grpc.insecure_channel("unix://" + os.path.join(a.dir, endpoint),
+                                     options=[("grpc.default_authority", "localhost")])
+
+    def first_list(stub):
+        stream = stub.ListAndWatch(pb.Empty(), timeout=TIMEOUT_S)
+        msg = next(stream)
+        stream.cancel()
+        return [{"id": d.ID, "health": d.health, "numa": [n.ID for n in d.topology.nodes]}
+                for d in msg.devices]
+
+    def registrations(rpc):
+        regs = kubelet.wait(a.expect, a.timeout)
+        out = {}
+        for name in a.expect:
+            r = regs[name]
+            expect("/" not in r.endpoint, f"endpoint {r.endpoint!r} is not a file name")
+            expect(os.path.exists(os.path.join(a.dir, r.endpoint)), f"no socket {r.endpoint} in {a.dir}")
+            expect(r.options.get_preferred_allocation_available, "get_preferred_allocation_available is false")
+            out[name] = {"version": r.version, "endpoint": r.endpoint, "resource_name": r.resource_name,
+                         "preferred": r.options.get_preferred_allocation_available,
+                         "pre_start_required": r.options.pre_start_required}
+        return {"resources": out, "refused": list(kubelet.refused),
+                "unexpected": sorted(set(regs) - set(a.expect))}
+
+    regs = {}
+
+    def first_registration():
+        d = registrations("Register")
+        regs.update(d["resources"])
+        return d
+    run("kubelet", "Register", first_registration)
+    if not regs:
+        server.stop(0)
+        return 1
+    stubs_by = {}
+    for name, r in regs.items():
+        ch = channel(r["endpoint"])
+        stub = pbg.DevicePluginStub(ch)
+        stubs_by[name] = stub
+
+        def options(stub=stub):
+            o = stub.GetDevicePluginOptions(pb.Empty(), timeout=TIMEOUT_S)
+            return {"preferred": o.get_preferred_allocation_available, "pre_start_required": o.pre_start_required}
+        run(name, "GetDevicePluginOptions", options)
+
+        def listed(stub=stub, name=name):
+            lists[name] = first_list(stub)
+            return {"resource": name, "devices": lists[name]}
+        run(name, "ListAndWatch", listed)
+
+    for spec in a.allocate:
+        name, ids = spec.split("=", 1)
+
+        def allocate(name=name, ids=ids):
+            want = resolve_ids(ids, [d["id"] for d in lists.get(name, [])])
+            req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=want)])
+            out = {"resource": name, "ids": want}
+            try:
+                resp = stubs_by[name].Allocate(req, timeout=TIMEOUT_S)
+            except grpc.RpcError as e:
+                out.update(ok=False, code=e.code().name, message=e.details())
+                return out
+            c = resp.container_responses[0]
+            out.update(ok=True, envs=dict(c.envs), annotations=dict(c.annotations),
+                       cdi_devices=[d.name for d in c.cdi_devices],
+                       mounts=[{"container_path": m.container_path, "host_path": m.host_path} for m in c.mounts],
+                       devices=[{"container_path": d.container_path, "host_path": d.host_path} for d in c.devices])
+            return out
+        run(name, "Allocate", allocate)
+
+    for spec in a.preferred:
+        name, rest = spec.split("=", 1)
+        parts = rest.split(":", 2)
+
+        def preferred(name=name, parts=parts):
+            ids = [d["id"] for d in lists.get(name, [])]
+            size = int(parts[0])
+            must = resolve_ids(parts[1], ids) if len(parts) > 1 else []
+            avail = resolve_ids(parts[2], ids) if len(parts) > 2 and parts[2] else ids
+            req = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=avail, must_include_deviceIDs=must, allocation_size=size)])
+            resp = stubs_by[name].GetPreferredAllocation(req, timeout=TIMEOUT_S)
+            return {"resource": name, "size": size, "must": must, "available": avail,
+                    "ids": list(resp.container_responses[0].deviceIDs)}
+        run(name, "GetPreferredAllocation", preferred)
+
+    if a.restart:
+        # What a new kubelet does: its old server is gone, every socket in the directory is
+        # removed, then kubelet.sock is served again.
+        server.stop(0).wait()
+        for f in os.listdir(a.dir):
+            if f.endswith(".sock"):
+                os.unlink(os.path.join(a.dir, f))
+        t0 = time.monotonic()
+        server, kubelet = serve_kubelet(stubs, kubelet_sock, 0)
+
+        def again():
+            d = registrations("Register after restart")
+            d["seconds"] = round(time.monotonic() - t0, 3)
+            return d
+        run("kubelet", "Register after restart", again)
+        for name in a.expect:
+            r = kubelet.registered.get(name)
+            if r is None:
+                continue
+
+            def relisted(r=r, name=name):
+                return {"resource": name, "devices": first_list(pbg.DevicePluginStub(channel(r.endpoint)))}
+            run(name, "ListAndWatch after restart", relisted)
+    server.stop(0)
+    return 1 if report.failed else 0
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "device-plugin":
+        return device_plugin_main(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--proto-root", required=True, help="the repository's proto/ directory")
     p.add_argument("--stubs-cache", help="reuse generated stubs in this directory")

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use super::mps::Mps;
 use super::nodelock::{self, NodeLock};
-use crate::api::ClusterApi;
+use crate::api::ClaimReader;
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::{self, ClaimUid, Ledger};
 use crate::metrics::Metrics;
@@ -83,7 +83,7 @@ pub struct Options {
 
 struct Inner {
     opts: Options,
-    api: Arc<dyn ClusterApi>,
+    api: Arc<dyn ClaimReader>,
     backend: Arc<dyn DeviceBackend>,
     ledger: Ledger,
     specs: Specs,
@@ -109,7 +109,7 @@ impl Plugin {
     /// [`Plugin::recover`] before serving.
     pub fn new(
         opts: Options,
-        api: Arc<dyn ClusterApi>,
+        api: Arc<dyn ClaimReader>,
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {

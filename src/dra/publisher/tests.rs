@@ -42,6 +42,16 @@ impl MemApi {
     }
 }
 
+impl api::ClaimReader for MemApi {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+        Box::pin(async move { Err(api::Error::NotFound(format!("{namespace}/{name}"))) })
+    }
+}
+
 impl ClusterApi for MemApi {
     fn list_slices<'a>(
         &'a self,
@@ -111,14 +121,6 @@ impl ClusterApi for MemApi {
         futures::stream::once(async { Ok(SliceEvent::Restarted) })
             .chain(futures::stream::pending())
             .boxed()
-    }
-
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
-        Box::pin(async move { Err(api::Error::NotFound(format!("{namespace}/{name}"))) })
     }
 
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {

@@ -1,6 +1,5 @@
 use super::*;
 use crate::api;
-use crate::api::SliceEvent;
 use crate::dra::{mps, slices};
 use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
@@ -8,12 +7,9 @@ use crate::ledger::{ClaimState, DeviceRecord};
 use crate::lock::lock;
 use crate::sharing::{Sharing, TimeSliceInterval};
 use futures::future::BoxFuture;
-use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
-    ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use std::collections::BTreeMap;
@@ -30,36 +26,7 @@ struct FakeApi {
     gets: AtomicUsize,
 }
 
-impl ClusterApi for FakeApi {
-    fn list_slices<'a>(
-        &'a self,
-        _: &'a str,
-        _: &'a str,
-    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-    fn create_slice<'a>(
-        &'a self,
-        s: &'a ResourceSlice,
-    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-        Box::pin(async move { Ok(s.clone()) })
-    }
-    fn replace_slice<'a>(
-        &'a self,
-        s: &'a ResourceSlice,
-    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
-        Box::pin(async move { Ok(s.clone()) })
-    }
-    fn delete_slice<'a>(&'a self, _: &'a str) -> BoxFuture<'a, api::Result<()>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn watch_slices<'a>(
-        &'a self,
-        _: &'a str,
-        _: &'a str,
-    ) -> BoxStream<'a, api::Result<SliceEvent>> {
-        Box::pin(futures::stream::pending())
-    }
+impl ClaimReader for FakeApi {
     fn get_claim<'a>(
         &'a self,
         ns: &'a str,
@@ -71,9 +38,6 @@ impl ClusterApi for FakeApi {
             .cloned()
             .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}")));
         Box::pin(async move { r })
-    }
-    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
-        Box::pin(async move { Err(api::Error::NotFound(name.to_string())) })
     }
 }
 

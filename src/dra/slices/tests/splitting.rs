@@ -41,7 +41,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     /// Whatever the GPU count, every device is published exactly once, every slice is within the
-    /// limits, and the pool bookkeeping adds up.
+    /// limits, and the pool bookkeeping adds up. (`desired_slices` runs `validate` and
+    /// `validate_pool` itself, so a success says they passed; the limits are restated here.)
     #[test]
     fn splitting_respects_limits(
         n in 0u32..300,
@@ -59,14 +60,12 @@ proptest! {
         prop_assert!(!specs.is_empty());
         for s in &specs {
             prop_assert_eq!(s.pool.resource_slice_count, specs.len() as i64);
-            prop_assert!(validate(s).is_empty());
             let devices = s.devices.as_deref().unwrap_or_default();
             let limit = if devices.iter().any(is_advanced) { 64 } else { 128 };
             prop_assert!(devices.len() <= limit);
             prop_assert!(devices.is_sorted_by(|a, b| a.name <= b.name));
             prop_assert!(s.shared_counters.as_ref().is_none_or(|c| c.len() <= 8));
         }
-        prop_assert!(validate_pool(&specs).is_empty());
         let names = names(&specs);
         let unique: BTreeSet<&String> = names.iter().collect();
         prop_assert_eq!(unique.len(), names.len());

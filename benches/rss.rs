@@ -1,0 +1,254 @@
+//! The daemon's memory: the resident set of the real `nvdra run` binary (the one `cargo bench`
+//! builds, release profile) on a simulated DGX H100 (8 GPUs) with the directory API, after
+//! start-up and after 1,000 prepare/unprepare cycles of 8 claims (one per GPU, fresh claim UIDs
+//! each cycle), read from `/proc/PID/status` (`VmRSS`, and the peak `VmHWM`). Goal: ≤ 12 MiB and
+//! no growth between the early and the late cycles.
+//!
+//! Run: `cargo bench --bench rss` (`RSS_CYCLES=N` for another cycle count; `RSS_REUSE_CLAIMS=1`
+//! prepares the same 8 claims every cycle, to tell growth per distinct claim from other growth).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+use nvdra::proto::dra::v1;
+use nvdra::proto::dra::v1::dra_plugin_client::DraPluginClient;
+
+const PROFILE: &str = "dgx-h100";
+const GPUS: usize = 8;
+const NODE: &str = "rss-node";
+const DRIVER: &str = "gpu.nvidia.com";
+const NAMESPACE: &str = "rss";
+/// Cycles after which the "warm" figure is taken; growth is measured from there to the end.
+const WARM: usize = 100;
+
+/// Kills the daemon however the bench ends.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `… kB` field of `/proc/PID/status`, in KiB.
+fn status_kib(pid: u32, name: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+}
+
+/// `VmRSS` and `VmHWM` of `pid`, in KiB.
+fn memory(pid: u32) -> (u64, u64) {
+    (status_kib(pid, "VmRSS:"), status_kib(pid, "VmHWM:"))
+}
+
+/// The resident set split: anonymous (heap, stacks) and file-backed (the binary's pages).
+fn split(pid: u32) -> String {
+    format!(
+        "(anonymous {}, file {})",
+        mib(status_kib(pid, "RssAnon:")),
+        mib(status_kib(pid, "RssFile:"))
+    )
+}
+
+/// Threads of `pid` (`Threads:` of its status).
+fn threads(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("Threads: in proc status")
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+fn write_claim(root: &Path, name: &str, uid: &str, device: &str) {
+    let claim = nvdra::api::allocated_claim(
+        NAMESPACE,
+        name,
+        uid,
+        vec![DeviceRequestAllocationResult {
+            request: "gpu".into(),
+            driver: DRIVER.into(),
+            pool: NODE.into(),
+            device: device.into(),
+            ..Default::default()
+        }],
+        Vec::new(),
+    );
+    let dir = root.join("api/resourceclaims").join(NAMESPACE);
+    std::fs::create_dir_all(&dir).expect("claims dir");
+    std::fs::write(
+        dir.join(format!("{name}.yaml")),
+        nvdra::yaml::to_string(&claim).expect("claim yaml"),
+    )
+    .expect("write claim");
+}
+
+async fn wait_for(what: &str, daemon: &mut Daemon, cond: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        if let Some(status) = daemon.0.try_wait().expect("daemon status") {
+            panic!("the daemon exited ({status}) before {what}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let cycles: usize = std::env::var("RSS_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let reuse = std::env::var_os("RSS_REUSE_CLAIMS").is_some_and(|v| v == "1");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    let p = |s: &str| -> PathBuf { root.join(s) };
+    std::fs::write(p("boot_id"), "rss-bench-boot\n").expect("boot id");
+    let mut daemon = Daemon(
+        Command::new(env!("CARGO_BIN_EXE_nvdra"))
+            .args(["run", "--mode", "dra", "--profile", PROFILE])
+            .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
+            .arg("--api-dir")
+            .arg(p("api"))
+            .arg("--kubelet-root")
+            .arg(p("kubelet"))
+            .arg("--cdi-root")
+            .arg(p("cdi"))
+            .arg("--driver-root")
+            .arg(p("driver"))
+            .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
+            .env("NVDRA_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start nvdra"),
+    );
+    let pid = daemon.0.id();
+    let dra_socket = p("kubelet/plugins").join(DRIVER).join("dra.sock");
+    let slices = p("api/resourceslices");
+    wait_for("the DRA socket", &mut daemon, || dra_socket.exists()).await;
+    wait_for("the first publish", &mut daemon, || {
+        std::fs::read_dir(&slices).is_ok_and(|mut d| d.next().is_some())
+    })
+    .await;
+    // Let start-up finish its work (the echo of the first publish, the first health scan).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (start_rss, start_hwm) = memory(pid);
+    let start_split = split(pid);
+    let start_threads = threads(pid);
+
+    let mut dra = DraPluginClient::new(
+        nvdra::socket::connect(&dra_socket)
+            .await
+            .expect("connect to the DRA socket"),
+    );
+    let mut warm = None;
+    let t = Instant::now();
+    for cycle in 0..cycles {
+        let claims: Vec<v1::Claim> = (0..GPUS)
+            .map(|gpu| {
+                let c = if reuse { 0 } else { cycle };
+                let name = format!("c{c}-{gpu}");
+                let uid = format!("00000000-0000-4000-8000-{c:08}{gpu:04}");
+                write_claim(root, &name, &uid, &format!("gpu-{gpu}"));
+                v1::Claim {
+                    namespace: NAMESPACE.into(),
+                    uid,
+                    name,
+                }
+            })
+            .collect();
+        let prepared = dra
+            .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                claims: claims.clone(),
+            })
+            .await
+            .expect("NodePrepareResources")
+            .into_inner();
+        for (uid, r) in &prepared.claims {
+            assert!(r.error.is_empty(), "prepare {uid}: {}", r.error);
+            assert_eq!(r.devices.len(), 1, "prepare {uid}");
+        }
+        let unprepared = dra
+            .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                claims: claims.clone(),
+            })
+            .await
+            .expect("NodeUnprepareResources")
+            .into_inner();
+        for (uid, r) in &unprepared.claims {
+            assert!(r.error.is_empty(), "unprepare {uid}: {}", r.error);
+        }
+        for c in &claims {
+            let _ = std::fs::remove_file(
+                root.join("api/resourceclaims")
+                    .join(NAMESPACE)
+                    .join(format!("{}.yaml", c.name)),
+            );
+        }
+        if cycle + 1 == WARM.min(cycles) {
+            warm = Some(memory(pid).0);
+        }
+        if (cycle + 1) % 500 == 0 && cycle + 1 != cycles {
+            println!(
+                "  after {} cycles: VmRSS {} {}",
+                cycle + 1,
+                mib(memory(pid).0),
+                split(pid)
+            );
+        }
+    }
+    let elapsed = t.elapsed();
+    let (end_rss, end_hwm) = memory(pid);
+    let end_split = split(pid);
+    let end_threads = threads(pid);
+    let warm = warm.unwrap_or(start_rss);
+
+    println!(
+        "rss: nvdra run, {PROFILE} ({GPUS} simulated GPUs), directory API; {cycles} cycles of \
+         prepare + unprepare of {GPUS} claims ({}) in {:.1} s",
+        if reuse {
+            "the same claims each cycle"
+        } else {
+            "fresh claim UIDs each cycle"
+        },
+        elapsed.as_secs_f64()
+    );
+    println!(
+        "  after start-up:        VmRSS {} {start_split}  VmHWM {}  threads {start_threads}",
+        mib(start_rss),
+        mib(start_hwm)
+    );
+    println!("  after {WARM} cycles:      VmRSS {}", mib(warm));
+    println!(
+        "  after {cycles} cycles:     VmRSS {} {end_split}  VmHWM {}  threads {end_threads}",
+        mib(end_rss),
+        mib(end_hwm)
+    );
+    println!(
+        "  growth {WARM} → {cycles} cycles: {:+.1} MiB; goal ≤ 12 MiB and no growth: {}",
+        (end_rss as f64 - warm as f64) / 1024.0,
+        if end_hwm <= 12 * 1024 && end_rss <= warm + 256 {
+            "met"
+        } else {
+            "NOT met"
+        }
+    );
+}

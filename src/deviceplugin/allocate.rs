@@ -1,0 +1,225 @@
+//! What one container gets for the device IDs the kubelet allocated to it, per list strategy,
+//! as NVIDIA's plugin answers (reference §3):
+//! - `envvar`: `NVIDIA_VISIBLE_DEVICES=<id>,<id>` (IDs without the replica suffix, de-duplicated,
+//!   in request order);
+//! - `volume-mounts`: `NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices` and one `/dev/null`
+//!   mount per device under that directory;
+//! - `cdi-annotations`: one `<prefix>nvidia-device-plugin_<uuid>` annotation listing the CDI names;
+//! - `cdi-cri`: the CDI names in `cdi_devices`.
+//!
+//! When every selected strategy is a CDI one, nothing else is added (no env, no device specs).
+//! MPS sharing adds the pipe directory of NVIDIA's MPS control daemon. A request with an unknown
+//! or unhealthy ID, or more than one replica where `failRequestsGreaterThanOne`, fails with a
+//! message naming the IDs and the rule.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::resources::Resource;
+use super::{ListStrategy, Options, ShareKind};
+
+/// Where volume-mount device lists appear in the container.
+pub const VOLUME_MOUNT_DIR: &str = "/var/run/nvidia-container-devices";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("no device IDs requested for {resource}")]
+    Empty { resource: String },
+    #[error("unknown device IDs for {resource}: {}", ids.join(", "))]
+    Unknown { resource: String, ids: Vec<String> },
+    #[error("unhealthy device IDs for {resource}: {}", ids.join(", "))]
+    Unhealthy { resource: String, ids: Vec<String> },
+    #[error(
+        "invalid request for {resource}: maximum request size for shared resources is 1; found {found} ({}); failRequestsGreaterThanOne is set",
+        ids.join(", ")
+    )]
+    TooManyShared {
+        resource: String,
+        found: usize,
+        ids: Vec<String>,
+    },
+}
+
+/// A mount for the container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountSpec {
+    pub container_path: String,
+    pub host_path: String,
+    pub read_only: bool,
+}
+
+/// A device node for the container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub container_path: String,
+    pub host_path: String,
+    pub permissions: String,
+}
+
+/// What one container gets.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContainerAllocation {
+    pub envs: BTreeMap<String, String>,
+    pub mounts: Vec<MountSpec>,
+    pub devices: Vec<DeviceSpec>,
+    pub annotations: BTreeMap<String, String>,
+    pub cdi_devices: Vec<String>,
+}
+
+/// What Allocate needs besides the resource.
+#[derive(Clone, Debug)]
+pub struct Context {
+    pub options: Options,
+    /// The CDI kind of the device-plugin spec, `<vendor>/<class>` (see [`super::cdi`]).
+    pub cdi_kind: String,
+    /// The host directory of the `nvidia*` device nodes (for `passDeviceSpecs`).
+    pub dev_root: PathBuf,
+}
+
+/// Control nodes passed with `passDeviceSpecs`, each only when present.
+const CONTROL_NODES: [&str; 4] = [
+    "nvidiactl",
+    "nvidia-uvm",
+    "nvidia-uvm-tools",
+    "nvidia-modeset",
+];
+
+/// Checks `ids` against `resource` and builds the container's response.
+pub fn allocate(
+    resource: &Resource,
+    ids: &[String],
+    ctx: &Context,
+) -> Result<ContainerAllocation, Error> {
+    let name = resource.name.to_string();
+    if ids.is_empty() {
+        return Err(Error::Empty { resource: name });
+    }
+    let unknown: Vec<String> = ids
+        .iter()
+        .filter(|id| resource.device(id).is_none())
+        .cloned()
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Error::Unknown {
+            resource: name,
+            ids: unknown,
+        });
+    }
+    let devices: Vec<_> = ids.iter().filter_map(|id| resource.device(id)).collect();
+    let unhealthy: Vec<String> = devices
+        .iter()
+        .filter(|d| !d.health.is_healthy())
+        .map(|d| d.id.clone())
+        .collect();
+    if !unhealthy.is_empty() {
+        return Err(Error::Unhealthy {
+            resource: name,
+            ids: unhealthy,
+        });
+    }
+    if resource.fail_requests_greater_than_one
+        && ids.len() > 1
+        && devices.iter().any(|d| d.replica.is_some())
+    {
+        return Err(Error::TooManyShared {
+            resource: name,
+            found: ids.len(),
+            ids: ids.to_vec(),
+        });
+    }
+    // Unique physical devices, in request order.
+    let mut unique: Vec<&super::resources::Device> = Vec::new();
+    for d in &devices {
+        if !unique.iter().any(|u| u.base == d.base) {
+            unique.push(d);
+        }
+    }
+    let bases: Vec<&str> = unique.iter().map(|d| d.base.as_str()).collect();
+    let opts = &ctx.options;
+    let mut out = ContainerAllocation::default();
+
+    let cdi_names: Vec<String> = bases
+        .iter()
+        .map(|b| format!("{}={b}", ctx.cdi_kind))
+        .collect();
+    if opts.list_strategies.contains(&ListStrategy::CdiAnnotations) {
+        let key = format!(
+            "{}nvidia-device-plugin_{}",
+            opts.cdi_annotation_prefix,
+            random_uuid()
+        );
+        out.annotations.insert(key, cdi_names.join(","));
+    }
+    if opts.list_strategies.contains(&ListStrategy::CdiCri) {
+        out.cdi_devices = cdi_names;
+    }
+    if !opts.list_strategies.iter().all(|s| s.is_cdi()) {
+        if opts.list_strategies.contains(&ListStrategy::Envvar) {
+            out.envs
+                .insert("NVIDIA_VISIBLE_DEVICES".into(), bases.join(","));
+        }
+        if opts.list_strategies.contains(&ListStrategy::VolumeMounts) {
+            out.envs
+                .insert("NVIDIA_VISIBLE_DEVICES".into(), VOLUME_MOUNT_DIR.into());
+            for b in &bases {
+                out.mounts.push(MountSpec {
+                    container_path: format!("{VOLUME_MOUNT_DIR}/{b}"),
+                    host_path: "/dev/null".into(),
+                    read_only: false,
+                });
+            }
+        }
+        if opts.pass_device_specs {
+            out.devices = device_specs(&ctx.dev_root, &unique);
+        }
+    }
+    if let (Some(sharing), Some(root)) = (&opts.sharing, &opts.mps_root)
+        && sharing.kind == ShareKind::Mps
+        && resource.replicated()
+    {
+        let dir = format!("/mps/{name}/pipe");
+        out.envs
+            .insert("CUDA_MPS_PIPE_DIRECTORY".into(), dir.clone());
+        out.mounts.push(MountSpec {
+            container_path: dir,
+            host_path: format!("{root}/{name}/pipe"),
+            read_only: false,
+        });
+        out.mounts.push(MountSpec {
+            container_path: "/dev/shm".into(),
+            host_path: format!("{root}/shm"),
+            read_only: false,
+        });
+    }
+    Ok(out)
+}
+
+/// The control nodes that exist under `dev_root`, then `/dev/nvidia<minor>` of each device's GPU
+/// (a MIG device's capability nodes are not passed: use a CDI strategy for MIG).
+fn device_specs(dev_root: &Path, devices: &[&super::resources::Device]) -> Vec<DeviceSpec> {
+    let spec = |name: &str| DeviceSpec {
+        container_path: format!("/dev/{name}"),
+        host_path: dev_root.join(name).display().to_string(),
+        permissions: "rw".into(),
+    };
+    let mut out: Vec<DeviceSpec> = CONTROL_NODES
+        .iter()
+        .filter(|n| dev_root.join(n).exists())
+        .map(|n| spec(n))
+        .collect();
+    for d in devices {
+        let s = spec(&format!("nvidia{}", d.minor));
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
+}
+
+/// A random version-4 UUID, as NVIDIA's plugin keys its CDI annotations.
+fn random_uuid() -> String {
+    let mut b: [u8; 16] = rand::random();
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    crate::inventory::ClusterUuid::from_bytes(b).to_string()
+}

@@ -1,0 +1,203 @@
+//! The device-plugin fallback: the kubelet's legacy `v1beta1` device-plugin API, served from the
+//! same [`Inventory`](crate::inventory::Inventory) as DRA, so `resources.limits: {nvidia.com/gpu:
+//! 1}` keeps working where DRA is not available. A drop-in for NVIDIA's k8s-device-plugin: the
+//! same resource names, device IDs (`deviceIDStrategy: uuid|index`), replica IDs (`<id>::<n>`),
+//! `NVIDIA_VISIBLE_DEVICES` values and config file ([`nvconfig`]).
+//!
+//! Parts, layered so that only [`server`] knows gRPC:
+//! - [`resources`]: inventory + [`Options`] → the advertised resources and their devices (pure);
+//! - [`allocate`]: one container's device IDs → what the container gets, per list strategy (pure);
+//! - [`preferred`]: topology-aware preferred allocation (pure);
+//! - [`cdi`]: the per-node CDI spec naming every device this path hands out;
+//! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
+//! - [`server`]: one gRPC server per resource on `<kubelet root>/device-plugins/nvidia-<name>.sock`,
+//!   registration on `kubelet.sock` with re-registration when the kubelet restarts, and the
+//!   inventory poll that feeds `ListAndWatch`.
+//!
+//! Invariants: the device list of a resource is a function of the inventory and the options, and
+//! is sent whole on every change; Allocate answers only for IDs the current list has, healthy.
+//! The module keeps no device list of its own beyond the last computed one.
+
+pub mod allocate;
+pub mod cdi;
+pub mod nvconfig;
+pub mod preferred;
+pub mod resources;
+pub mod server;
+pub mod wire;
+
+use serde::Deserialize;
+
+pub use server::DevicePlugin;
+
+/// The resource-name domain of every resource nvdra advertises.
+pub const DOMAIN: &str = "nvidia.com";
+
+/// How MIG devices are advertised (NVIDIA's `flags.migStrategy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigStrategy {
+    /// MIG mode is ignored: every GPU is `nvidia.com/gpu`, by its GPU UUID.
+    #[default]
+    None,
+    /// All MIG devices (one profile on the node) as `nvidia.com/gpu`.
+    Single,
+    /// Whole GPUs as `nvidia.com/gpu`, MIG devices as `nvidia.com/mig-<profile>`.
+    Mixed,
+}
+
+/// Which identifier a device is advertised by (`flags.plugin.deviceIDStrategy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IdStrategy {
+    #[default]
+    Uuid,
+    Index,
+}
+
+/// How Allocate hands devices to the container runtime (`flags.plugin.deviceListStrategy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ListStrategy {
+    Envvar,
+    VolumeMounts,
+    CdiAnnotations,
+    CdiCri,
+}
+
+impl ListStrategy {
+    pub fn is_cdi(self) -> bool {
+        matches!(self, ListStrategy::CdiAnnotations | ListStrategy::CdiCri)
+    }
+}
+
+/// Time-slicing or MPS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShareKind {
+    TimeSlicing,
+    Mps,
+}
+
+/// Which devices of a resource a sharing entry replicates.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceSelector {
+    All,
+    /// The first `n` devices of the resource, in index order.
+    First(u32),
+    /// GPU indices (`"0"`), MIG indices (`"0:1"`), GPU or MIG UUIDs.
+    List(Vec<String>),
+}
+
+/// One `sharing.*.resources[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedResource {
+    pub name: ResourceName,
+    /// Where the replicas are advertised; `None`: `name`, or `name.shared` with
+    /// `renameByDefault`.
+    pub rename: Option<ResourceName>,
+    pub devices: DeviceSelector,
+    pub replicas: u32,
+}
+
+/// The sharing section.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sharing {
+    pub kind: ShareKind,
+    pub rename_by_default: bool,
+    pub fail_requests_greater_than_one: bool,
+    pub resources: Vec<SharedResource>,
+}
+
+/// What the device plugin advertises and how it allocates; NVIDIA's defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    pub mig_strategy: MigStrategy,
+    pub id_strategy: IdStrategy,
+    pub list_strategies: Vec<ListStrategy>,
+    pub pass_device_specs: bool,
+    pub cdi_annotation_prefix: String,
+    /// `sharedDevicesAllocationPolicy: packed` (default distributed).
+    pub packed: bool,
+    pub sharing: Option<Sharing>,
+    pub mps_root: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            mig_strategy: MigStrategy::None,
+            id_strategy: IdStrategy::Uuid,
+            list_strategies: vec![ListStrategy::Envvar],
+            pass_device_specs: false,
+            cdi_annotation_prefix: "cdi.k8s.io/".into(),
+            packed: false,
+            sharing: None,
+            mps_root: None,
+        }
+    }
+}
+
+/// A resource name, `nvidia.com/<name>`: at most 63 characters, `<name>` a DNS subdomain.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ResourceName(String);
+
+impl ResourceName {
+    /// Accepts `nvidia.com/x` or `x` (the prefix is added, as NVIDIA does).
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        let full = if raw.contains('/') {
+            raw.to_string()
+        } else {
+            format!("{DOMAIN}/{raw}")
+        };
+        let Some(name) = full.strip_prefix(&format!("{DOMAIN}/")) else {
+            return Err(format!("{raw:?}: a resource name must be {DOMAIN}/<name>"));
+        };
+        if full.len() > 63 {
+            return Err(format!("{raw:?}: a resource name is at most 63 characters"));
+        }
+        crate::config::check_dns_subdomain("name", name, 63).map_err(|_| {
+            format!("{raw:?}: <name> of {DOMAIN}/<name> must be a lower-case DNS subdomain")
+        })?;
+        Ok(ResourceName(full))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The part after `nvidia.com/`.
+    pub fn short(&self) -> &str {
+        self.0.strip_prefix("nvidia.com/").unwrap_or(&self.0)
+    }
+
+    /// `<name>.shared`.
+    pub fn shared(&self) -> Result<Self, String> {
+        Self::parse(&format!("{}.shared", self.0))
+    }
+
+    /// `nvidia-<short>.sock`, the socket file NVIDIA's plugin uses for this resource.
+    pub fn socket_file(&self) -> String {
+        format!("nvidia-{}.sock", self.short())
+    }
+}
+
+impl std::fmt::Display for ResourceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// An error and its causes on one line (`a: b: c`), for logs.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

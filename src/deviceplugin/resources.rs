@@ -1,0 +1,271 @@
+//! The resources the device plugin advertises, computed from the inventory and the options as
+//! NVIDIA's plugin computes them (reference §2.4, §3.2, §6.1):
+//! - `nvidia.com/gpu` for whole GPUs;
+//! - MIG: `none` ignores MIG mode; `single` advertises the MIG devices as `nvidia.com/gpu` (and
+//!   refuses nodes with mixed MIG modes, a MIG GPU without instances, or several profiles);
+//!   `mixed` advertises them as `nvidia.com/mig-<profile>` (`+` in a profile becomes `.`);
+//! - sharing: each selected device becomes `replicas` devices `<id>::0 …`, under the same name,
+//!   `<name>.shared` (`renameByDefault`) or the entry's `rename`; unselected devices stay whole.
+//!
+//! Pure: no I/O.
+
+use std::collections::BTreeMap;
+
+use crate::inventory::{DeviceUuid, Health, Inventory};
+
+use super::{DeviceSelector, IdStrategy, MigStrategy, Options, ResourceName};
+
+/// The longest device ID the kubelet accepts.
+pub const MAX_DEVICE_ID: usize = 63;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "migStrategy single: all GPUs on the node must have the same MIG mode, but GPUs {enabled:?} are in MIG mode and {disabled:?} are not; use migStrategy mixed"
+    )]
+    MixedMigModes {
+        enabled: Vec<u32>,
+        disabled: Vec<u32>,
+    },
+    #[error("migStrategy single: GPU {gpu} is in MIG mode but has no MIG devices")]
+    NoMigDevices { gpu: u32 },
+    #[error(
+        "migStrategy single: more than one MIG device type present on node ({profiles:?}); use migStrategy mixed"
+    )]
+    SeveralProfiles { profiles: Vec<String> },
+    #[error("device ID {id:?} is {len} characters, over the kubelet's {MAX_DEVICE_ID}")]
+    IdTooLong { id: String, len: usize },
+    #[error("no valid resource name for {what}: {message}")]
+    Name { what: String, message: String },
+}
+
+/// One advertised device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Device {
+    /// The ID the kubelet sees: [`Device::base`], with `::<replica>` when replicated.
+    pub id: String,
+    /// The physical device's ID under the ID strategy: a GPU or MIG UUID, or `<i>` / `<i>:<j>`.
+    pub base: String,
+    /// The GPU or MIG UUID.
+    pub uuid: DeviceUuid,
+    pub gpu_index: u32,
+    pub minor: u32,
+    pub numa_node: Option<u32>,
+    pub health: Health,
+    pub nvlink_domain: u32,
+    pub pcie_root: Option<String>,
+    /// A MIG device (never topology-aligned).
+    pub mig: bool,
+    pub replica: Option<u32>,
+}
+
+/// One resource name and its devices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resource {
+    pub name: ResourceName,
+    pub devices: Vec<Device>,
+    /// A request with more than one replica of this resource fails.
+    pub fail_requests_greater_than_one: bool,
+}
+
+impl Resource {
+    pub fn device(&self, id: &str) -> Option<&Device> {
+        self.devices.iter().find(|d| d.id == id)
+    }
+
+    pub fn replicated(&self) -> bool {
+        self.devices.iter().any(|d| d.replica.is_some())
+    }
+}
+
+fn gpu_resource() -> ResourceName {
+    // A constant that parses (checked by the tests).
+    ResourceName(format!("{}/gpu", super::DOMAIN))
+}
+
+/// `nvidia.com/mig-<profile>`, `+` replaced by `.`.
+pub fn mig_resource(profile: &str) -> Result<ResourceName, Error> {
+    ResourceName::parse(&format!("mig-{}", profile.replace('+', "."))).map_err(|message| {
+        Error::Name {
+            what: format!("MIG profile {profile:?}"),
+            message,
+        }
+    })
+}
+
+/// The devices before sharing, by resource name.
+fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Vec<Device>>, Error> {
+    let mut out: BTreeMap<ResourceName, Vec<Device>> = BTreeMap::new();
+    let whole = |g: &crate::inventory::Gpu| Device {
+        id: String::new(),
+        base: match opts.id_strategy {
+            IdStrategy::Uuid => g.uuid.0.clone(),
+            IdStrategy::Index => g.index.to_string(),
+        },
+        uuid: DeviceUuid::Gpu(g.uuid.clone()),
+        gpu_index: g.index,
+        minor: g.minor,
+        numa_node: g.numa_node,
+        health: g.health.clone(),
+        nvlink_domain: g.nvlink_domain,
+        pcie_root: g.pcie_root.clone(),
+        mig: false,
+        replica: None,
+    };
+    let migs = |g: &crate::inventory::Gpu| -> Vec<(String, Device)> {
+        g.mig
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(j, m)| {
+                let health = if g.health.is_healthy() {
+                    m.health.clone()
+                } else {
+                    g.health.clone()
+                };
+                (
+                    m.profile.clone(),
+                    Device {
+                        id: String::new(),
+                        base: match opts.id_strategy {
+                            IdStrategy::Uuid => m.uuid.0.clone(),
+                            IdStrategy::Index => format!("{}:{j}", g.index),
+                        },
+                        uuid: DeviceUuid::Mig(m.uuid.clone()),
+                        gpu_index: g.index,
+                        minor: g.minor,
+                        numa_node: g.numa_node,
+                        health,
+                        nvlink_domain: g.nvlink_domain,
+                        pcie_root: g.pcie_root.clone(),
+                        mig: true,
+                        replica: None,
+                    },
+                )
+            })
+            .collect()
+    };
+    let strategy = match opts.mig_strategy {
+        MigStrategy::Single if !inv.gpus.iter().any(|g| g.in_mig_mode()) => MigStrategy::None,
+        s => s,
+    };
+    match strategy {
+        MigStrategy::None => {
+            out.insert(gpu_resource(), inv.gpus.iter().map(whole).collect());
+        }
+        MigStrategy::Single => {
+            let (enabled, disabled): (Vec<_>, Vec<_>) =
+                inv.gpus.iter().partition(|g| g.in_mig_mode());
+            if !disabled.is_empty() {
+                return Err(Error::MixedMigModes {
+                    enabled: enabled.iter().map(|g| g.index).collect(),
+                    disabled: disabled.iter().map(|g| g.index).collect(),
+                });
+            }
+            let mut profiles = std::collections::BTreeSet::new();
+            let mut devices = Vec::new();
+            for g in &enabled {
+                if g.mig.devices.is_empty() {
+                    return Err(Error::NoMigDevices { gpu: g.index });
+                }
+                for (profile, d) in migs(g) {
+                    profiles.insert(profile);
+                    devices.push(d);
+                }
+            }
+            if profiles.len() > 1 {
+                return Err(Error::SeveralProfiles {
+                    profiles: profiles.into_iter().collect(),
+                });
+            }
+            out.insert(gpu_resource(), devices);
+        }
+        MigStrategy::Mixed => {
+            for g in &inv.gpus {
+                if !g.in_mig_mode() {
+                    out.entry(gpu_resource()).or_default().push(whole(g));
+                    continue;
+                }
+                if g.mig.devices.is_empty() {
+                    tracing::warn!(gpu = g.index, "GPU in MIG mode has no MIG devices");
+                }
+                for (profile, d) in migs(g) {
+                    out.entry(mig_resource(&profile)?).or_default().push(d);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn selected(sel: &DeviceSelector, position: usize, d: &Device) -> bool {
+    match sel {
+        DeviceSelector::All => true,
+        DeviceSelector::First(n) => position < *n as usize,
+        DeviceSelector::List(items) => items.iter().any(|item| {
+            *item == d.uuid.as_str()
+                || *item == d.base
+                || (!d.mig && *item == d.gpu_index.to_string())
+        }),
+    }
+}
+
+/// Every resource to advertise, by name; resources without devices are left out (NVIDIA's
+/// plugin does not start them either).
+pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error> {
+    let mut out: BTreeMap<ResourceName, Resource> = BTreeMap::new();
+    let mut put = |name: &ResourceName, fail: bool, d: Device| {
+        let r = out.entry(name.clone()).or_insert_with(|| Resource {
+            name: name.clone(),
+            devices: Vec::new(),
+            fail_requests_greater_than_one: false,
+        });
+        r.fail_requests_greater_than_one |= fail;
+        r.devices.push(d);
+    };
+    for (name, devices) in physical(inv, opts)? {
+        let entry = opts
+            .sharing
+            .as_ref()
+            .and_then(|s| s.resources.iter().find(|r| r.name == name).map(|r| (s, r)));
+        for (pos, mut d) in devices.into_iter().enumerate() {
+            match entry {
+                Some((sharing, r)) if selected(&r.devices, pos, &d) => {
+                    let target = match (&r.rename, sharing.rename_by_default) {
+                        (Some(t), _) => t.clone(),
+                        (None, true) => name.shared().map_err(|message| Error::Name {
+                            what: format!("the shared replicas of {name} (renameByDefault)"),
+                            message,
+                        })?,
+                        (None, false) => name.clone(),
+                    };
+                    for n in 0..r.replicas {
+                        let mut rep = d.clone();
+                        rep.id = format!("{}::{n}", d.base);
+                        rep.replica = Some(n);
+                        put(&target, sharing.fail_requests_greater_than_one, rep);
+                    }
+                }
+                _ => {
+                    d.id = d.base.clone();
+                    put(&name, false, d);
+                }
+            }
+        }
+    }
+    let out: Vec<Resource> = out
+        .into_values()
+        .filter(|r| !r.devices.is_empty())
+        .collect();
+    for r in &out {
+        for d in &r.devices {
+            if d.id.len() > MAX_DEVICE_ID {
+                return Err(Error::IdTooLong {
+                    id: d.id.clone(),
+                    len: d.id.len(),
+                });
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,523 @@
+//! The kubelet side of the device plugin: one `v1beta1.DevicePlugin` server per resource on
+//! `<kubelet root>/device-plugins/nvidia-<name>.sock`, each registered on `kubelet.sock`, and the
+//! inventory poll that feeds their `ListAndWatch` streams.
+//!
+//! Kubelet restarts: a new kubelet deletes every socket in `device-plugins/` and re-creates
+//! `kubelet.sock`. Every [`Settings::watch`] (250 ms) the loop stats its own sockets and
+//! `kubelet.sock` (device, inode, mtime): an own socket that is gone or replaced is bound again
+//! (its old server and streams stop), and a resource not registered with the `kubelet.sock` that
+//! exists now is registered — so a restart is answered within about one tick, without an inotify
+//! dependency (polling also sees what inotify misses: a socket directory that was itself
+//! re-created, or an event lost in a full queue). A refused or failed registration is logged and
+//! retried with exponential backoff (1 s up to 30 s), at once when `kubelet.sock` changes.
+//!
+//! The inventory is re-read every [`Settings::poll`]: a changed device list (health, MIG
+//! instances) is sent whole to the open streams; a resource that appears (a MIG
+//! reconfiguration) gets its server and registration on the next tick; one that disappears is
+//! sent empty. The CDI spec is rewritten when the devices (not their health) change.
+//!
+//! Every server goes through [`socket::incoming`], so the kubelet's `:authority` habits are
+//! handled as on the DRA socket. Streams end on shutdown and when their server is replaced.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::proto::deviceplugin::v1beta1 as pb;
+use crate::proto::deviceplugin::v1beta1::device_plugin_server::{
+    DevicePlugin as DevicePluginApi, DevicePluginServer,
+};
+use crate::proto::deviceplugin::v1beta1::registration_client::RegistrationClient;
+use crate::socket;
+
+use super::allocate::{self, Context};
+use super::preferred;
+use super::resources::{self, Resource};
+use super::{Options, ResourceName, wire};
+
+/// The kubelet's registration socket, in the device-plugin directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+/// How often the sockets are checked.
+pub const WATCH: Duration = Duration::from_millis(250);
+/// How often the inventory is re-read for health and device changes.
+pub const POLL: Duration = Duration::from_secs(5);
+/// How long one registration may take.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+const BACKOFF_START: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read the inventory")]
+    Inventory(#[from] inventory::Error),
+    #[error("cannot compute the device-plugin resources")]
+    Resources(#[from] resources::Error),
+    #[error("cannot write the device-plugin CDI spec")]
+    Cdi(#[from] crate::cdi::Error),
+    #[error(transparent)]
+    Socket(#[from] socket::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RegisterError {
+    #[error("cannot connect to {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("no answer from {path} within {REGISTER_TIMEOUT:?}")]
+    Timeout { path: PathBuf },
+    #[error("the kubelet refused the registration")]
+    Refused(#[source] Status),
+}
+
+/// Where the device plugin lives and what it writes.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// `<kubelet root>/device-plugins`.
+    pub dir: PathBuf,
+    /// The DRA driver name: the CDI vendor is `k8s.<driver>`.
+    pub driver: String,
+    pub driver_root: PathBuf,
+    pub cdi_root: PathBuf,
+    pub watch: Duration,
+    pub poll: Duration,
+}
+
+/// Told `true` once every resource is registered with the current kubelet, `false` when one
+/// no longer is.
+pub type OnRegistered = Arc<dyn Fn(bool) + Send + Sync>;
+
+/// The device-plugin half of the node agent.
+pub struct DevicePlugin {
+    settings: Settings,
+    options: Options,
+    backend: Arc<dyn DeviceBackend>,
+    on_registered: Option<OnRegistered>,
+}
+
+/// The file identity of a socket: device, inode, mtime.
+type Identity = (u64, u64, i64, i64);
+
+fn identity(path: &Path) -> Option<Identity> {
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
+}
+
+/// One resource: its server, and where it stands with the kubelet.
+struct Slot {
+    name: ResourceName,
+    path: PathBuf,
+    devices: watch::Sender<Arc<Resource>>,
+    server: Option<(CancellationToken, JoinHandle<()>, Identity)>,
+    /// The `kubelet.sock` this resource is registered with.
+    registered: Option<Identity>,
+    /// The `kubelet.sock` of the last failed attempt, when to try again, and the next delay.
+    failed: Option<(Identity, Instant, Duration)>,
+}
+
+impl Slot {
+    fn new(dir: &Path, r: Resource) -> Slot {
+        Slot {
+            path: dir.join(r.name.socket_file()),
+            name: r.name.clone(),
+            devices: watch::channel(Arc::new(r)).0,
+            server: None,
+            registered: None,
+            failed: None,
+        }
+    }
+}
+
+/// What the CDI spec depends on: the devices and their nodes, not their health.
+fn cdi_identity(inv: &Inventory) -> Vec<(String, u32, Vec<String>)> {
+    inv.gpus
+        .iter()
+        .map(|g| {
+            (
+                g.uuid.to_string(),
+                g.minor,
+                g.mig.devices.iter().map(|m| m.uuid.to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
+impl DevicePlugin {
+    pub fn new(settings: Settings, options: Options, backend: Arc<dyn DeviceBackend>) -> Self {
+        Self {
+            settings,
+            options,
+            backend,
+            on_registered: None,
+        }
+    }
+
+    /// Calls `f` whenever "all resources registered" changes (for readiness).
+    pub fn on_registered(mut self, f: OnRegistered) -> Self {
+        self.on_registered = Some(f);
+        self
+    }
+
+    /// The resources for the backend's current inventory; an invalid MIG setup for the
+    /// configured strategy is an error here, before anything is served.
+    pub async fn check(&self) -> Result<(Inventory, Vec<Resource>), Error> {
+        let inv = inventory::refresh(self.backend.clone()).await?;
+        let res = resources::resources(&inv, &self.options)?;
+        Ok((inv, res))
+    }
+
+    /// Serves until `shutdown`; then stops every server and removes its socket.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let (inv, res) = self.check().await?;
+        let cdi_opts = super::cdi::options(&self.settings.driver, &self.settings.driver_root)?;
+        let ctx = Arc::new(Context {
+            options: self.options.clone(),
+            cdi_kind: cdi_opts.kind(),
+            dev_root: cdi_opts.dev_root.clone(),
+        });
+        let wants_cdi = self.options.list_strategies.iter().any(|s| s.is_cdi());
+        if wants_cdi {
+            self.write_cdi(&cdi_opts, &inv).await?;
+        }
+        if res.is_empty() {
+            tracing::warn!("device plugin: no devices to advertise; waiting");
+            shutdown.cancelled().await;
+            return Ok(());
+        }
+        let mut slots: Vec<Slot> = res
+            .into_iter()
+            .map(|r| {
+                tracing::info!(resource = %r.name, devices = r.devices.len(), "device-plugin resource");
+                Slot::new(&self.settings.dir, r)
+            })
+            .collect();
+        let kubelet_sock = self.settings.dir.join(KUBELET_SOCKET);
+        let mut last_devices = cdi_identity(&inv);
+        let mut tick = tokio::time::interval(self.settings.watch);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = tokio::time::interval(self.settings.poll);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        poll.tick().await;
+        let mut all_registered = false;
+        let result = loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break Ok(()),
+                _ = tick.tick() => {
+                    if let Err(e) = self.ensure_servers(&mut slots, &ctx, &shutdown) {
+                        break Err(e);
+                    }
+                    register_all(&mut slots, &kubelet_sock).await;
+                    let now = slots.iter().all(|s| s.registered.is_some());
+                    if now != all_registered {
+                        all_registered = now;
+                        if let Some(f) = &self.on_registered {
+                            f(now);
+                        }
+                    }
+                }
+                _ = poll.tick() => {
+                    match self.check().await {
+                        Ok((inv, res)) => {
+                            let devices = cdi_identity(&inv);
+                            if wants_cdi && devices != last_devices
+                                && let Err(e) = self.write_cdi(&cdi_opts, &inv).await
+                            {
+                                tracing::warn!(error = %super::chain(&e), "cannot rewrite the device-plugin CDI spec");
+                            }
+                            last_devices = devices;
+                            update(&mut slots, &self.settings.dir, res);
+                        }
+                        Err(e) => tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists"),
+                    }
+                }
+            }
+        };
+        for slot in &mut slots {
+            stop_server(slot).await;
+        }
+        tracing::info!("device plugin stopped");
+        result
+    }
+
+    async fn write_cdi(&self, opts: &crate::cdi::CdiOptions, inv: &Inventory) -> Result<(), Error> {
+        let (root, opts, inv, ids) = (
+            self.settings.cdi_root.clone(),
+            opts.clone(),
+            inv.clone(),
+            self.options.id_strategy,
+        );
+        let path = tokio::task::spawn_blocking(move || super::cdi::write(&root, &opts, &inv, ids))
+            .await
+            .map_err(|e| inventory::Error::Invalid(format!("CDI task failed: {e}")))??;
+        tracing::info!(spec = %path.display(), "device-plugin CDI spec written");
+        Ok(())
+    }
+
+    /// (Re)starts the server of every slot whose socket is missing, replaced, or whose server
+    /// ended; such a slot must register again.
+    fn ensure_servers(
+        &self,
+        slots: &mut [Slot],
+        ctx: &Arc<Context>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error> {
+        for slot in slots {
+            let healthy = match &slot.server {
+                Some((_, handle, id)) => !handle.is_finished() && identity(&slot.path) == Some(*id),
+                None => false,
+            };
+            if healthy {
+                continue;
+            }
+            if let Some((token, _, _)) = slot.server.take() {
+                tracing::info!(resource = %slot.name, socket = %slot.path.display(),
+                    "device-plugin socket removed or server ended; serving it again");
+                token.cancel();
+            }
+            let listener = socket::bind(&slot.path)?;
+            let Some(id) = identity(&slot.path) else {
+                // Removed between bind and stat: try again next tick.
+                continue;
+            };
+            let token = shutdown.child_token();
+            let service = Service {
+                name: slot.name.clone(),
+                devices: slot.devices.subscribe(),
+                ctx: ctx.clone(),
+                shutdown: token.clone(),
+            };
+            let (path, t) = (slot.path.clone(), token.clone());
+            let handle = tokio::spawn(async move {
+                let r = tonic::transport::Server::builder()
+                    .add_service(DevicePluginServer::new(service))
+                    .serve_with_incoming_shutdown(socket::incoming(listener), t.cancelled())
+                    .await;
+                if let Err(e) = r {
+                    tracing::warn!(socket = %path.display(), error = %super::chain(&e), "device-plugin server failed");
+                }
+            });
+            tracing::info!(resource = %slot.name, socket = %slot.path.display(), "device-plugin server listening");
+            slot.server = Some((token, handle, id));
+            slot.registered = None;
+        }
+        Ok(())
+    }
+}
+
+/// Registers every slot not yet registered with the current `kubelet.sock`.
+async fn register_all(slots: &mut [Slot], kubelet_sock: &Path) {
+    let Some(kubelet) = identity(kubelet_sock) else {
+        for slot in slots.iter_mut() {
+            slot.registered = None;
+        }
+        return;
+    };
+    let now = Instant::now();
+    for slot in slots.iter_mut() {
+        if slot.registered == Some(kubelet) || slot.server.is_none() {
+            continue;
+        }
+        if let Some((at, when, _)) = slot.failed
+            && at == kubelet
+            && now < when
+        {
+            continue;
+        }
+        let endpoint = slot.name.socket_file();
+        match register(kubelet_sock, wire::register_request(&slot.name, &endpoint)).await {
+            Ok(()) => {
+                tracing::info!(resource = %slot.name, endpoint, "registered with the kubelet");
+                slot.registered = Some(kubelet);
+                slot.failed = None;
+            }
+            Err(e) => {
+                let delay = match slot.failed {
+                    Some((_, _, d)) => d,
+                    None => BACKOFF_START,
+                };
+                tracing::warn!(resource = %slot.name, error = %super::chain(&e),
+                    retry_in = ?delay, "device-plugin registration failed");
+                slot.failed = Some((
+                    kubelet,
+                    Instant::now() + delay,
+                    (delay * 2).min(BACKOFF_MAX),
+                ));
+            }
+        }
+    }
+}
+
+async fn register(kubelet_sock: &Path, req: pb::RegisterRequest) -> Result<(), RegisterError> {
+    let call = async {
+        let channel =
+            socket::connect(kubelet_sock)
+                .await
+                .map_err(|source| RegisterError::Connect {
+                    path: kubelet_sock.to_path_buf(),
+                    source,
+                })?;
+        RegistrationClient::new(channel)
+            .register(req)
+            .await
+            .map_err(RegisterError::Refused)?;
+        Ok(())
+    };
+    tokio::time::timeout(REGISTER_TIMEOUT, call)
+        .await
+        .map_err(|_| RegisterError::Timeout {
+            path: kubelet_sock.to_path_buf(),
+        })?
+}
+
+/// Sends each resource's new device list when it changed. A resource that disappeared is sent
+/// empty (the kubelet then lowers its capacity to 0) and stays registered, so it returns without
+/// a new registration; a new one (a MIG reconfiguration) gets a slot, whose server the next tick
+/// starts and registers.
+fn update(slots: &mut Vec<Slot>, dir: &Path, res: Vec<Resource>) {
+    for slot in slots.iter() {
+        let new = res
+            .iter()
+            .find(|r| r.name == slot.name)
+            .cloned()
+            .unwrap_or_else(|| Resource {
+                name: slot.name.clone(),
+                devices: Vec::new(),
+                fail_requests_greater_than_one: false,
+            });
+        slot.devices.send_if_modified(|cur| {
+            if **cur == new {
+                return false;
+            }
+            tracing::info!(resource = %slot.name, devices = new.devices.len(),
+                unhealthy = new.devices.iter().filter(|d| !d.health.is_healthy()).count(),
+                "device list changed");
+            *cur = Arc::new(new);
+            true
+        });
+    }
+    for r in res {
+        if !slots.iter().any(|s| s.name == r.name) {
+            tracing::info!(resource = %r.name, devices = r.devices.len(), "new device-plugin resource");
+            slots.push(Slot::new(dir, r));
+        }
+    }
+}
+
+async fn stop_server(slot: &mut Slot) {
+    if let Some((token, handle, id)) = slot.server.take() {
+        token.cancel();
+        let _ = handle.await;
+        // Only our own socket: a newer instance may have bound the path since.
+        if identity(&slot.path) == Some(id) {
+            let _ = std::fs::remove_file(&slot.path);
+        }
+    }
+}
+
+/// The gRPC service of one resource.
+#[derive(Clone)]
+struct Service {
+    name: ResourceName,
+    devices: watch::Receiver<Arc<Resource>>,
+    ctx: Arc<Context>,
+    shutdown: CancellationToken,
+}
+
+type ListStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePluginApi for Service {
+    async fn get_device_plugin_options(
+        &self,
+        request: Request<pb::Empty>,
+    ) -> Result<Response<pb::DevicePluginOptions>, Status> {
+        let pb::Empty {} = request.into_inner();
+        Ok(Response::new(wire::plugin_options()))
+    }
+
+    type ListAndWatchStream = ListStream;
+
+    async fn list_and_watch(
+        &self,
+        request: Request<pb::Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let pb::Empty {} = request.into_inner();
+        tracing::debug!(resource = %self.name, "ListAndWatch opened");
+        let (tx, rx) = mpsc::channel(1);
+        let mut devices = self.devices.clone();
+        let token = self.shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                let msg = wire::list_response(&devices.borrow_and_update());
+                if tx.send(Ok(msg)).await.is_err() {
+                    break;
+                }
+                tokio::select! {
+                    biased;
+                    () = token.cancelled() => break,
+                    () = tx.closed() => break,
+                    changed = devices.changed() => if changed.is_err() { break },
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<pb::PreferredAllocationRequest>,
+    ) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
+        let requests = wire::preferred_requests(request.into_inner());
+        let resource = self.devices.borrow().clone();
+        let answers = requests
+            .iter()
+            .map(|r| preferred::preferred(&resource, r, self.ctx.options.packed))
+            .collect();
+        Ok(Response::new(wire::preferred_response(answers)))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateResponse>, Status> {
+        let containers = wire::allocate_requests(request.into_inner());
+        let resource = self.devices.borrow().clone();
+        let mut container_responses = Vec::with_capacity(containers.len());
+        for ids in containers {
+            match allocate::allocate(&resource, &ids, &self.ctx) {
+                Ok(a) => container_responses.push(wire::container_response(a)),
+                Err(e) => {
+                    tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+                    return Err(Status::invalid_argument(e.to_string()));
+                }
+            }
+        }
+        tracing::debug!(resource = %self.name, containers = container_responses.len(), "Allocate");
+        Ok(Response::new(pb::AllocateResponse {
+            container_responses,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        request: Request<pb::PreStartContainerRequest>,
+    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
+        let pb::PreStartContainerRequest { devices_ids: _ } = request.into_inner();
+        Ok(Response::new(pb::PreStartContainerResponse {}))
+    }
+}

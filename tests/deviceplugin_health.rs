@@ -1,0 +1,219 @@
+//! The device plugin in-process on a simulated node: a health change reaches an open
+//! `ListAndWatch` stream as a new full list, Allocate then refuses the sick GPU, and the streams
+//! end and the sockets go when the plugin stops. (The kubelet's side of the conversation, with a
+//! client nvdra did not write, is in `deviceplugin_grpcio.rs`.)
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nvdra::deviceplugin::server::Settings;
+use nvdra::deviceplugin::{DevicePlugin, Options};
+use nvdra::inventory::Health;
+use nvdra::inventory::sim::SimBackend;
+use nvdra::proto::deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, Empty, device_plugin_client::DevicePluginClient,
+};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test]
+async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+    let dp = DevicePlugin::new(
+        Settings {
+            dir: dir.clone(),
+            driver: "gpu.nvidia.com".into(),
+            driver_root: root.path().join("driver"),
+            cdi_root: root.path().join("cdi"),
+            watch: Duration::from_millis(20),
+            poll: Duration::from_millis(20),
+        },
+        Options::default(),
+        Arc::new(sim.clone()),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(dp.run(stop.clone()));
+    let sock = dir.join("nvidia-gpu.sock");
+    // The server binds on its first tick; no kubelet is needed for it to serve.
+    let channel = loop {
+        if let Ok(c) = nvdra::socket::connect(&sock).await {
+            break c;
+        }
+        assert!(!task.is_finished(), "the device plugin stopped: {task:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let mut client = DevicePluginClient::new(channel);
+    let mut stream = client.list_and_watch(Empty {}).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.devices.len(), 4);
+    assert!(first.devices.iter().all(|d| d.health == "Healthy"));
+    let sick = first.devices[2].id.clone();
+
+    sim.update(|inv| {
+        inv.gpus[2].health = Health::Unhealthy {
+            reason: "XID 79".into(),
+        }
+    });
+    let second = stream.message().await.unwrap().unwrap();
+    assert_eq!(second.devices.len(), 4, "always the full list");
+    let health: Vec<&str> = second.devices.iter().map(|d| d.health.as_str()).collect();
+    assert_eq!(health, ["Healthy", "Healthy", "Unhealthy", "Healthy"]);
+
+    let err = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec![sick.clone()],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains(&sick), "{}", err.message());
+
+    stop.cancel();
+    assert!(
+        stream.message().await.unwrap_or(None).is_none(),
+        "the stream ends on shutdown"
+    );
+    task.await.unwrap().unwrap();
+    assert!(!sock.exists(), "the socket is removed on shutdown");
+}
+
+/// A kubelet registration service that records each `Register`.
+struct Kubelet(tokio::sync::mpsc::UnboundedSender<String>);
+
+#[tonic::async_trait]
+impl nvdra::proto::deviceplugin::v1beta1::registration_server::Registration for Kubelet {
+    async fn register(
+        &self,
+        request: tonic::Request<nvdra::proto::deviceplugin::v1beta1::RegisterRequest>,
+    ) -> Result<tonic::Response<Empty>, tonic::Status> {
+        let r = request.into_inner();
+        let _ = self.0.send(format!("{} {}", r.resource_name, r.endpoint));
+        Ok(tonic::Response::new(Empty {}))
+    }
+}
+
+#[tokio::test]
+async fn a_removed_plugin_socket_is_served_and_registered_again() {
+    use nvdra::proto::deviceplugin::v1beta1::registration_server::RegistrationServer;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (tx, mut registrations) = tokio::sync::mpsc::unbounded_channel();
+    let listener = tokio::net::UnixListener::bind(dir.join("kubelet.sock")).unwrap();
+    let kubelet = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(Kubelet(tx)))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
+    let dp = DevicePlugin::new(
+        Settings {
+            dir: dir.clone(),
+            driver: "gpu.nvidia.com".into(),
+            driver_root: root.path().join("driver"),
+            cdi_root: root.path().join("cdi"),
+            watch: Duration::from_millis(20),
+            poll: Duration::from_secs(3600),
+        },
+        Options::default(),
+        Arc::new(SimBackend::from_profile("l40s-pcie", "n").unwrap()),
+    )
+    .on_registered(Arc::new(move |all| {
+        let _ = ready_tx.send(all);
+    }));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(dp.run(stop.clone()));
+    assert_eq!(
+        registrations.recv().await.unwrap(),
+        "nvidia.com/gpu nvidia-gpu.sock"
+    );
+    ready.wait_for(|r| *r).await.unwrap();
+    let sock = dir.join("nvidia-gpu.sock");
+    std::fs::remove_file(&sock).unwrap();
+    assert_eq!(
+        registrations.recv().await.unwrap(),
+        "nvidia.com/gpu nvidia-gpu.sock",
+        "registered again after its socket was removed"
+    );
+    // It serves.
+    let mut client = DevicePluginClient::new(nvdra::socket::connect(&sock).await.unwrap());
+    let list = client
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await;
+    assert_eq!(list.unwrap().unwrap().devices.len(), 4);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    kubelet.abort();
+}
+
+#[tokio::test]
+async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let dp = DevicePlugin::new(
+        Settings {
+            dir: dir.clone(),
+            driver: "gpu.nvidia.com".into(),
+            driver_root: root.path().join("driver"),
+            cdi_root: root.path().join("cdi"),
+            watch: Duration::from_millis(20),
+            poll: Duration::from_millis(20),
+        },
+        Options {
+            mig_strategy: nvdra::deviceplugin::MigStrategy::Mixed,
+            ..Options::default()
+        },
+        Arc::new(sim.clone()),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(dp.run(stop.clone()));
+    let connect = |sock: std::path::PathBuf| async move {
+        for _ in 0..1000 {
+            if let Ok(c) = nvdra::socket::connect(&sock).await {
+                return DevicePluginClient::new(c);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{} was not served within 10 s", sock.display());
+    };
+    let mut gpu = connect(dir.join("nvidia-gpu.sock")).await;
+    let mut stream = gpu.list_and_watch(Empty {}).await.unwrap().into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 2);
+    assert!(!dir.join("nvidia-mig-7g.40gb.sock").exists());
+
+    // GPU 3 goes into MIG mode with one 7g.40gb instance.
+    let uuid = sim.update(|inv| {
+        let mut m = inv.gpus[1].mig.devices[0].clone();
+        m.profile = "7g.40gb".into();
+        m.uuid = nvdra::inventory::MigUuid("MIG-7g40gb-test".into());
+        m.placement = nvdra::inventory::Placement { start: 0, size: 8 };
+        inv.gpus[3].mig.enabled = true;
+        inv.gpus[3].mig.devices = vec![m.clone()];
+        m.uuid
+    });
+    let shrunk = stream.message().await.unwrap().unwrap();
+    assert_eq!(shrunk.devices.len(), 1, "GPU 3 is no longer whole");
+    let mut mig = connect(dir.join("nvidia-mig-7g.40gb.sock")).await;
+    let list = mig
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids, [uuid.as_str()]);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert!(!dir.join("nvidia-mig-7g.40gb.sock").exists());
+}

@@ -86,13 +86,7 @@ fn write_claim(root: &Path, name: &str, uid: &str, device: &str) {
         }],
         Vec::new(),
     );
-    let dir = root.join("api/resourceclaims").join(NAMESPACE);
-    std::fs::create_dir_all(&dir).expect("claims dir");
-    std::fs::write(
-        dir.join(format!("{name}.yaml")),
-        nvdra::yaml::to_string(&claim).expect("claim yaml"),
-    )
-    .expect("write claim");
+    nvdra::api::dir::write_claim(&root.join("api"), &claim).expect("write claim");
 }
 
 async fn wait_for(what: &str, daemon: &mut Daemon, cond: impl Fn() -> bool) {
@@ -197,11 +191,11 @@ async fn main() {
             assert!(r.error.is_empty(), "unprepare {uid}: {}", r.error);
         }
         for c in &claims {
-            let _ = std::fs::remove_file(
-                root.join("api/resourceclaims")
-                    .join(NAMESPACE)
-                    .join(format!("{}.yaml", c.name)),
-            );
+            let _ = std::fs::remove_file(nvdra::api::dir::claim_path(
+                &root.join("api"),
+                NAMESPACE,
+                &c.name,
+            ));
         }
         if cycle + 1 == WARM.min(cycles) {
             warm = Some(memory(pid).0);

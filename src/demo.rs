@@ -270,12 +270,7 @@ fn write_claim(
     });
     let claim =
         crate::api::allocated_claim(NAMESPACE, name, uid, results, config.unwrap_or_default());
-    let dir = root.join("api/resourceclaims").join(NAMESPACE);
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(
-        dir.join(format!("{name}.yaml")),
-        crate::yaml::to_string(&claim)?,
-    )?;
+    crate::api::dir::write_claim(&root.join("api"), &claim)?;
     Ok(())
 }
 

@@ -435,9 +435,7 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         }],
         vec![],
     );
-    let claims = root.join("api/resourceclaims/default");
-    std::fs::create_dir_all(&claims)?;
-    std::fs::write(claims.join("podman.yaml"), nvdra::yaml::to_string(&claim)?)?;
+    nvdra::api::dir::write_claim(&root.join("api"), &claim)?;
 
     let kubelet = root.join("kubelet");
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_nvdra"))

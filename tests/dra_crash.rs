@@ -81,13 +81,7 @@ impl Dirs {
             }],
             vec![],
         );
-        let dir = self.p("api/resourceclaims/default");
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(
-            dir.join(format!("claim-{uid}.yaml")),
-            nvdra::yaml::to_string(&c).unwrap(),
-        )
-        .unwrap();
+        nvdra::api::dir::write_claim(&self.p("api"), &c).unwrap();
     }
 
     fn spawn(&self, crash_at: Option<&str>) -> Child {

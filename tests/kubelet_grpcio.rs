@@ -93,8 +93,6 @@ impl Daemon {
         let root = tempfile::tempdir().unwrap();
         let p = |s: &str| root.path().join(s);
         std::fs::write(p("boot_id"), "boot-1\n").unwrap();
-        let dir = p("api/resourceclaims/default");
-        std::fs::create_dir_all(&dir).unwrap();
         for (uid, device) in CLAIMS {
             let c = nvdra::api::allocated_claim(
                 "default",
@@ -109,11 +107,7 @@ impl Daemon {
                 }],
                 vec![],
             );
-            std::fs::write(
-                dir.join(format!("claim-{uid}.yaml")),
-                nvdra::yaml::to_string(&c).unwrap(),
-            )
-            .unwrap();
+            nvdra::api::dir::write_claim(&p("api"), &c).unwrap();
         }
         let child = Command::new(env!("CARGO_BIN_EXE_nvdra"))
             .args(["run", "--mode", "dra", "--profile", "dgx-h100"])

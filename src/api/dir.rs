@@ -52,6 +52,51 @@ struct Inner {
     last_rv: AtomicU64,
 }
 
+/// Where the directory API at `root` keeps the ResourceClaim `namespace/name`.
+pub fn claim_path(root: &Path, namespace: &str, name: &str) -> PathBuf {
+    root.join("resourceclaims")
+        .join(namespace)
+        .join(format!("{name}.yaml"))
+}
+
+/// Why [`write_claim`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteClaimError {
+    #[error("a ResourceClaim needs metadata.namespace and metadata.name to be written")]
+    Unnamed,
+    #[error("cannot create the claims directory {path}")]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Yaml(#[from] crate::yaml::WriteError),
+    #[error(transparent)]
+    Write(#[from] crate::durable::Error),
+}
+
+/// Writes `claim` where the directory API at `root` reads it (atomically, so a daemon watching
+/// the directory never reads half a file). For `nvdra demo`, tests and benchmarks, which play
+/// the API server's part.
+pub fn write_claim(
+    root: &Path,
+    claim: &ResourceClaim,
+) -> std::result::Result<PathBuf, WriteClaimError> {
+    let (Some(namespace), Some(name)) = (&claim.metadata.namespace, &claim.metadata.name) else {
+        return Err(WriteClaimError::Unnamed);
+    };
+    let path = claim_path(root, namespace, name);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| WriteClaimError::Dir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    crate::durable::write(&path, crate::yaml::to_string(claim)?.as_bytes())?;
+    Ok(path)
+}
+
 impl DirApi {
     /// Uses `root`, creating `root/resourceslices/` if needed.
     pub fn new(root: impl Into<PathBuf>) -> Result<Self> {
@@ -429,11 +474,7 @@ impl ClaimReader for DirApi {
     ) -> BoxFuture<'a, Result<ResourceClaim>> {
         let (namespace, name) = (namespace.to_string(), name.to_string());
         Box::pin(self.blocking(move |i| {
-            let path = i
-                .root
-                .join("resourceclaims")
-                .join(&namespace)
-                .join(format!("{name}.yaml"));
+            let path = claim_path(&i.root, &namespace, &name);
             i.get(&format!("resourceclaim {namespace}/{name}"), path)
         }))
     }

@@ -119,7 +119,7 @@ async fn main() {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(Answer))
-            .serve_with_incoming(socket::incoming_unadapted(l_without)),
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(l_without)),
     );
     let mut a = RegistrationClient::new(socket::connect(&with).await.expect("connect"));
     let mut b = RegistrationClient::new(socket::connect(&without).await.expect("connect"));

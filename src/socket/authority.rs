@@ -17,7 +17,7 @@
 //!   limit h2 advertises) — is handed to h2 byte for byte, after which the connection is passed
 //!   through untouched: all of these are connection errors that h2 reports as it would have.
 
-use super::hpack::Decoder;
+use super::hpack::{Decoder, encode_literal};
 
 /// What every HTTP/2 client sends first (RFC 9113 §3.4).
 const PREFACE_LEN: usize = 24;
@@ -56,11 +56,10 @@ pub struct Rewriter {
 }
 
 enum State {
-    /// Forwarding the connection preface; this many bytes of it are left.
-    Preface(usize),
     /// Collecting a frame header into `frame`.
     Header,
-    /// Forwarding the payload of a frame that carries no headers; this many bytes are left.
+    /// Forwarding, unchanged, the connection preface or the payload of a frame that carries no
+    /// headers; this many bytes are left.
     Forward(usize),
     /// Collecting the payload of a header frame of this length into `frame`.
     Payload(usize),
@@ -82,7 +81,7 @@ impl Rewriter {
     pub fn server() -> Self {
         let decoder = Decoder::new(TABLE_SIZE);
         Rewriter {
-            state: State::Preface(PREFACE_LEN),
+            state: State::Forward(PREFACE_LEN),
             frame: Vec::with_capacity(FRAME_HEADER),
             block: None,
             decoder,
@@ -108,16 +107,6 @@ impl Rewriter {
                 State::Passthrough => {
                     out.extend_from_slice(input);
                     return;
-                }
-                State::Preface(left) => {
-                    let n = left.min(input.len());
-                    out.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    self.state = if n == left {
-                        State::Header
-                    } else {
-                        State::Preface(left - n)
-                    };
                 }
                 State::Forward(left) => {
                     let n = left.min(input.len());
@@ -325,35 +314,6 @@ fn write_frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream
     out.push(kind);
     out.push(flags);
     out.extend_from_slice(&stream.to_be_bytes());
-}
-
-/// A literal header field without indexing and with a literal name, both strings plain
-/// (RFC 7541 §6.2.2): valid in any decoder state, and it leaves the dynamic table alone.
-fn encode_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.push(0x00);
-    encode_string(out, name);
-    encode_string(out, value);
-}
-
-fn encode_string(out: &mut Vec<u8>, s: &[u8]) {
-    encode_integer(out, s.len(), 7, 0x00);
-    out.extend_from_slice(s);
-}
-
-/// An HPACK integer with an `n`-bit prefix (RFC 7541 §5.1); `first` carries the bits above it.
-fn encode_integer(out: &mut Vec<u8>, mut value: usize, n: u32, first: u8) {
-    let max = (1usize << n) - 1;
-    if value < max {
-        out.push(first | value as u8);
-        return;
-    }
-    out.push(first | max as u8);
-    value -= max;
-    while value >= 0x80 {
-        out.push((value as u8 & 0x7f) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
 }
 
 #[cfg(test)]

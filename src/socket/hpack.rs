@@ -1,5 +1,6 @@
-//! An HPACK decoder (RFC 7541) for the `:authority` adapter: the static and dynamic tables,
-//! integers, plain and Huffman-coded strings, and table size updates, with the limits h2 applies.
+//! HPACK (RFC 7541) for the `:authority` adapter: a decoder (the static and dynamic tables,
+//! integers, plain and Huffman-coded strings, table size updates, with the limits h2 applies) and
+//! the one encoding the adapter emits, literal fields without indexing.
 //!
 //! Written here rather than taken from a crate: h2's decoder is private, `hpack`/`loona-hpack`
 //! rebuild a map-of-maps Huffman table for every Huffman-coded string and decode it bit by bit
@@ -286,6 +287,37 @@ fn huffman_decode(input: &[u8], out: &mut Vec<u8>) -> Result<(), Error> {
         return Err(Error::BadHuffman);
     }
     Ok(())
+}
+
+// ---- encoding: literals only, which is all the adapter emits ----
+
+/// A literal header field without indexing and with a literal name, both strings plain
+/// (RFC 7541 §6.2.2): valid in any decoder state, and it leaves the dynamic table alone.
+pub(super) fn encode_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.push(0x00);
+    encode_string(out, name);
+    encode_string(out, value);
+}
+
+fn encode_string(out: &mut Vec<u8>, s: &[u8]) {
+    encode_integer(out, s.len(), 7, 0x00);
+    out.extend_from_slice(s);
+}
+
+/// An HPACK integer with an `n`-bit prefix (RFC 7541 §5.1); `first` carries the bits above it.
+pub(super) fn encode_integer(out: &mut Vec<u8>, mut value: usize, n: u32, first: u8) {
+    let max = (1usize << n) - 1;
+    if value < max {
+        out.push(first | value as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    value -= max;
+    while value >= 0x80 {
+        out.push((value as u8 & 0x7f) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
 }
 
 #[cfg(test)]

@@ -148,13 +148,6 @@ pub fn incoming(
     UnixListenerStream::new(listener).map(|conn| conn.map(KubeletStream::new))
 }
 
-/// The connections of `listener` as they are, without the adapter. Only for the benchmark that
-/// measures what the adapter costs.
-#[doc(hidden)]
-pub fn incoming_unadapted(listener: UnixListener) -> UnixListenerStream {
-    UnixListenerStream::new(listener)
-}
-
 /// A client channel to a gRPC server on a Unix socket (the URI is a placeholder tonic requires;
 /// the connector ignores it). For `nvdra demo`, tests and benchmarks.
 pub async fn connect(path: &Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {

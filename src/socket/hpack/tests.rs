@@ -212,28 +212,13 @@ fn huffman_encode(s: &[u8]) -> Vec<u8> {
     out
 }
 
-fn encode_int(out: &mut Vec<u8>, mut v: usize, n: u32, first: u8) {
-    let max = (1usize << n) - 1;
-    if v < max {
-        out.push(first | v as u8);
-        return;
-    }
-    out.push(first | max as u8);
-    v -= max;
-    while v >= 0x80 {
-        out.push((v as u8 & 0x7f) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
 fn encode_str(out: &mut Vec<u8>, s: &[u8], huffman: bool) {
     if huffman {
         let h = huffman_encode(s);
-        encode_int(out, h.len(), 7, 0x80);
+        encode_integer(out, h.len(), 7, 0x80);
         out.extend(h);
     } else {
-        encode_int(out, s.len(), 7, 0);
+        encode_integer(out, s.len(), 7, 0);
         out.extend_from_slice(s);
     }
 }
@@ -272,8 +257,8 @@ fn encode_block(reps: &[Rep]) -> Vec<u8> {
     let mut b = Vec::new();
     for r in reps {
         match r {
-            Rep::Indexed(i) => encode_int(&mut b, *i, 7, 0x80),
-            Rep::SizeUpdate(s) => encode_int(&mut b, *s, 5, 0x20),
+            Rep::Indexed(i) => encode_integer(&mut b, *i, 7, 0x80),
+            Rep::SizeUpdate(s) => encode_integer(&mut b, *s, 5, 0x20),
             Rep::Literal {
                 kind,
                 name_index,
@@ -286,7 +271,7 @@ fn encode_block(reps: &[Rep]) -> Vec<u8> {
                     1 => (4, 0x00),
                     _ => (4, 0x10),
                 };
-                encode_int(&mut b, *name_index, n, first);
+                encode_integer(&mut b, *name_index, n, first);
                 if *name_index == 0 {
                     encode_str(&mut b, name, *huffman);
                 }

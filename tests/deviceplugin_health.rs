@@ -15,20 +15,26 @@ use nvdra::proto::deviceplugin::v1beta1::{
 };
 use tokio_util::sync::CancellationToken;
 
+/// The plugin's settings in a test directory: kubelet.sock and the plugin sockets under
+/// `<root>/device-plugins`, sockets checked every 20 ms, the inventory polled every `poll`.
+fn settings(root: &std::path::Path, poll: Duration) -> Settings {
+    Settings {
+        dir: root.join("device-plugins"),
+        driver: "gpu.nvidia.com".into(),
+        driver_root: root.join("driver"),
+        cdi_root: root.join("cdi"),
+        watch: Duration::from_millis(20),
+        poll,
+    }
+}
+
 #[tokio::test]
 async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("device-plugins");
     let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
     let dp = DevicePlugin::new(
-        Settings {
-            dir: dir.clone(),
-            driver: "gpu.nvidia.com".into(),
-            driver_root: root.path().join("driver"),
-            cdi_root: root.path().join("cdi"),
-            watch: Duration::from_millis(20),
-            poll: Duration::from_millis(20),
-        },
+        settings(root.path(), Duration::from_millis(20)),
         Options::default(),
         Arc::new(sim.clone()),
     );
@@ -110,14 +116,7 @@ async fn a_removed_plugin_socket_is_served_and_registered_again() {
     );
     let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
     let dp = DevicePlugin::new(
-        Settings {
-            dir: dir.clone(),
-            driver: "gpu.nvidia.com".into(),
-            driver_root: root.path().join("driver"),
-            cdi_root: root.path().join("cdi"),
-            watch: Duration::from_millis(20),
-            poll: Duration::from_secs(3600),
-        },
+        settings(root.path(), Duration::from_secs(3600)),
         Options::default(),
         Arc::new(SimBackend::from_profile("l40s-pcie", "n").unwrap()),
     )
@@ -159,14 +158,7 @@ async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
     let dir = root.path().join("device-plugins");
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let dp = DevicePlugin::new(
-        Settings {
-            dir: dir.clone(),
-            driver: "gpu.nvidia.com".into(),
-            driver_root: root.path().join("driver"),
-            cdi_root: root.path().join("cdi"),
-            watch: Duration::from_millis(20),
-            poll: Duration::from_millis(20),
-        },
+        settings(root.path(), Duration::from_millis(20)),
         Options {
             mig_strategy: nvdra::deviceplugin::MigStrategy::Mixed,
             ..Options::default()

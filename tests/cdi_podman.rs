@@ -53,6 +53,11 @@ fn podman_applies_a_mig_claim_spec_with_mps() {
     with_engine(check_mig_with_mps);
 }
 
+#[test]
+fn podman_applies_the_device_plugin_spec() {
+    with_engine(check_device_plugin_spec);
+}
+
 /// A podman that can run the test image, and how to point it at a spec directory.
 struct Engine {
     /// Podman 4.4+ takes `--cdi-spec-dir`; older ones read only the system directories.
@@ -571,5 +576,85 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         status.success(),
         "nvdra run did not exit cleanly on SIGTERM: {status}"
     );
+    Ok(())
+}
+
+/// The device-plugin path's per-node spec (`deviceplugin::cdi`), as the kubelet hands its CDI
+/// names to the runtime under the `cdi-cri` strategy: the container gets the one GPU it names,
+/// not its neighbours, and the driver's files.
+fn check_device_plugin_spec(engine: &Engine) -> Result<()> {
+    use nvdra::deviceplugin::{self, IdStrategy};
+    let host = tempfile::tempdir()?;
+    let root = host.path();
+    let inv = load_profile("pcie-pairs", "n")?;
+    for g in &inv.gpus {
+        mknod(&root.join(format!("dev/nvidia{}", g.minor)))?;
+    }
+    mknod(&root.join("dev/nvidiactl"))?;
+    mknod(&root.join("dev/nvidia-uvm"))?;
+    let smi = root.join("usr/bin/nvidia-smi");
+    std::fs::create_dir_all(smi.parent().context("parent")?)?;
+    std::fs::write(&smi, "fake nvidia-smi for nvdra\n")?;
+
+    let opts = deviceplugin::cdi::options("gpu.nvidia.com", root)?;
+    let spec_dir = tempfile::tempdir()?;
+    let cdi_root = if engine.has_spec_dir_flag {
+        spec_dir.path().to_path_buf()
+    } else {
+        PathBuf::from(SYSTEM_CDI_DIR)
+    };
+    let _guard = SpecGuard {
+        cdi_root: cdi_root.clone(),
+        opts: opts.clone(),
+        claim_uid: deviceplugin::cdi::SPEC_NAME.into(),
+    };
+    let path = deviceplugin::cdi::write(&cdi_root, &opts, &inv, IdStrategy::Uuid)?;
+
+    let (chosen, other) = (&inv.gpus[1], &inv.gpus[0]);
+    // What Allocate puts in `cdi_devices` for this GPU.
+    let id = format!("{}/{}={}", opts.vendor, opts.class, chosen.uuid);
+    let dir_arg = cdi_root.display().to_string();
+    let global: Vec<&str> = if engine.has_spec_dir_flag {
+        vec!["--cdi-spec-dir", &dir_arg]
+    } else {
+        vec![]
+    };
+    let script = format!(
+        "ls -l /dev/nvidia{chosen} /dev/nvidiactl /dev/nvidia-uvm; \
+         if [ -e /dev/nvidia{other} ]; then echo OTHER_PRESENT; else echo OTHER_ABSENT; fi; \
+         echo SMI=$(cat /usr/bin/nvidia-smi)",
+        chosen = chosen.minor,
+        other = other.minor,
+    );
+    let out = podman(
+        &global,
+        &[
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--device",
+            &id,
+            IMAGE,
+            "sh",
+            "-c",
+            &script,
+        ],
+    )?;
+    let out = ok(&out, &format!("podman run --device {id}")).with_context(|| {
+        format!(
+            "the spec was:\n{}",
+            std::fs::read_to_string(&path).unwrap_or_default()
+        )
+    })?;
+    for node in [
+        format!("/dev/nvidia{}", chosen.minor),
+        "/dev/nvidiactl".into(),
+        "/dev/nvidia-uvm".into(),
+    ] {
+        assert_null_node(&out, &node)?;
+    }
+    assert_line(&out, "OTHER_ABSENT")?;
+    assert_line(&out, "SMI=fake nvidia-smi for nvdra")?;
     Ok(())
 }

@@ -31,7 +31,9 @@ pub const MAX_SOCKET_PATH: usize = 107;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot listen on {path}")]
+    #[error(
+        "cannot listen on {path} (is the kubelet directory mounted into the pod, and writable?)"
+    )]
     Bind {
         path: PathBuf,
         #[source]

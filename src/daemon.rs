@@ -28,7 +28,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -39,7 +38,7 @@ use crate::dra::grpc;
 use crate::dra::health::{self, HealthService};
 use crate::dra::plugin::{self, Plugin};
 use crate::dra::publisher::{self, Publisher};
-use crate::dra::registration::{Registrar, RegistrationState, Sockets};
+use crate::dra::registration::{Registrar, Sockets};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
 use crate::inventory::DeviceBackend;
@@ -273,11 +272,10 @@ async fn serve(
     let reg_listener = registrar.bind()?;
     let reg_socket = owned.adopt(&sockets.registration);
     tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
-    let (reg_tx, _reg_rx) = watch::channel(RegistrationState::Pending);
     {
         let token = shutdown.clone();
         tasks.spawn(async move {
-            let r = registrar.run(reg_listener, reg_socket, reg_tx, token).await;
+            let r = registrar.run(reg_listener, reg_socket, token).await;
             ("registration", r.map_err(|e| report::chain(&e).to_string()))
         });
     }

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use tokio::net::UnixListener;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -27,14 +26,6 @@ use crate::socket::{self, MAX_SOCKET_PATH};
 /// health service.
 pub const SUPPORTED_VERSIONS: [&str; 3] =
     ["v1.DRAPlugin", "v1beta1.DRAPlugin", super::health::SERVICE];
-
-/// The kubelet's verdict on our registration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RegistrationState {
-    Pending,
-    Registered,
-    Refused(String),
-}
 
 /// Socket paths of one plugin instance.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,7 +75,6 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 struct Service {
     driver: String,
     endpoint: String,
-    status: watch::Sender<RegistrationState>,
     metrics: Arc<Metrics>,
 }
 
@@ -111,18 +101,15 @@ impl Registration for Service {
             plugin_registered,
             error,
         } = request.into_inner();
-        let status = if plugin_registered {
+        if plugin_registered {
             tracing::info!(driver = %self.driver, endpoint = %self.endpoint, "registered with the kubelet");
-            RegistrationState::Registered
         } else {
             tracing::error!(driver = %self.driver, %error,
                 "the kubelet refused the registration; check the kubelet's DRA support and its log");
-            RegistrationState::Refused(error)
-        };
+        }
         self.metrics
             .registered
             .store(plugin_registered, Ordering::Relaxed);
-        self.status.send_replace(status);
         Ok(Response::new(RegistrationStatusResponse {}))
     }
 }
@@ -141,18 +128,16 @@ impl Registrar {
     }
 
     /// Serves until shutdown, then removes the socket `bound` (if it is still the one bound: see
-    /// [`socket::Bound::remove`]); `status` follows the kubelet's verdicts.
+    /// [`socket::Bound::remove`]). The kubelet's verdict is `metrics.registered` (readiness).
     pub async fn run(
         self,
         listener: UnixListener,
         bound: socket::Bound,
-        status: watch::Sender<RegistrationState>,
         shutdown: CancellationToken,
     ) -> Result<(), Error> {
         let service = Service {
             driver: self.driver,
             endpoint: self.sockets.dra.display().to_string(),
-            status,
             metrics: self.metrics,
         };
         let result = tonic::transport::Server::builder()

@@ -73,10 +73,10 @@ impl Plugin {
         };
         let results = match state {
             Err(e) => {
-                let msg = crate::report::chain(&e).to_string();
+                let cause = std::sync::Arc::new(e);
                 claims
                     .into_iter()
-                    .map(|c| (c.uid, Err(ClaimError::Unavailable(msg.clone()))))
+                    .map(|c| (c.uid, Err(ClaimError::Unavailable(cause.clone()))))
                     .collect()
             }
             Ok((_guard, shared)) => {

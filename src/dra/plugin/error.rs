@@ -67,9 +67,10 @@ pub enum ClaimError {
     Lock(#[from] nodelock::Error),
     #[error("internal task failed")]
     Task(#[source] tokio::task::JoinError),
-    /// The whole batch could not start (node lock, inventory); the kubelet retries.
-    #[error("{0}")]
-    Unavailable(String),
+    /// The whole batch could not start (node lock, inventory); every claim of the batch carries
+    /// the same cause, and the kubelet retries.
+    #[error(transparent)]
+    Unavailable(std::sync::Arc<ClaimError>),
 }
 
 /// Why a plugin could not start.

@@ -45,6 +45,20 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
     );
     assert!(stdout.contains("demo/notebook gets gpu-0"), "{stdout}");
     assert!(stdout.contains("shut down cleanly"), "{stdout}");
+    // The legacy path: the device plugin registered with the demo's kubelet, listed the eight
+    // GPUs and allocated one by UUID.
+    assert!(
+        stdout.contains("nvdra registers \"nvidia.com/gpu\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("ListAndWatch: 8 devices, 8 healthy"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("is allocated GPU-") && stdout.contains(": NVIDIA_VISIBLE_DEVICES=GPU-"),
+        "{stdout}"
+    );
 
     // The working directory is gone afterwards.
     let dir = stdout

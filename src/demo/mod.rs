@@ -3,8 +3,11 @@
 //! It runs the real daemon ([`crate::daemon::run`]) on a simulated DGX H100 with the directory
 //! API in a temporary directory, and plays the kubelet's part over the real sockets: the
 //! registration handshake, reading the published ResourceSlices, preparing two claims that want
-//! the same GPU (the second is refused until the first is released), and unpreparing. Everything
-//! it prints comes from what the daemon wrote or answered.
+//! the same GPU (the second is refused until the first is released), and unpreparing; then the
+//! same node as a legacy device plugin ([`legacy`]). Everything it prints comes from what the
+//! daemon wrote or answered.
+
+mod legacy;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -89,7 +92,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
     let dra_socket = config.plugin_dir().join("dra.sock");
     let slices_dir = root.join("api/resourceslices");
     let daemon = tokio::spawn(crate::daemon::run(
-        config,
+        config.clone(),
         crate::daemon::Extras::default(),
         Arc::new(sim.clone()),
         api,
@@ -212,7 +215,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         ensure!(notebook.error.is_empty(), "preparing demo/notebook failed: {}", notebook.error);
         writeln!(
             out,
-            "5. After {NAMESPACE}/train is unprepared (its CDI spec removed), {NAMESPACE}/notebook gets {}.",
+            "5. After {NAMESPACE}/train is unprepared (its CDI spec removed), {NAMESPACE}/notebook gets {}.\n",
             notebook
                 .devices
                 .iter()
@@ -232,7 +235,13 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
     stopped?;
     writeln!(
         out,
-        "\nThe daemon shut down cleanly and removed its sockets. Next: nvdra run (see README)."
+        "   The daemon shut down cleanly and removed its sockets.\n"
+    )?;
+
+    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 6).await?;
+    writeln!(
+        out,
+        "Next: deploy for real with `kubectl apply -k manifests/` (see README, Deploy)."
     )?;
     Ok(())
 }

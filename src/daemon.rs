@@ -116,6 +116,27 @@ pub struct Extras {
 
 type TaskResult = (&'static str, Result<(), String>);
 
+/// Turns off what the backend cannot do on this node, saying so once: partitionable mode
+/// without MIG creation would publish placements that every prepare refuses. Time slicing is
+/// asked per claim, so it is only announced: such claims fail to prepare, naming the cause.
+fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Config {
+    use crate::inventory::Reconfiguration;
+    if config.partitionable
+        && let Some(why) = backend.unavailable(Reconfiguration::Mig)
+    {
+        tracing::warn!(
+            "partitionable mode is off: {why}; MIG placements are not published, existing MIG devices are"
+        );
+        config.partitionable = false;
+    }
+    if let Some(why) = backend.unavailable(Reconfiguration::TimeSlice) {
+        tracing::warn!(
+            "time slicing is unavailable: {why}; claims with a TimeSlicing config fail to prepare"
+        );
+    }
+    config
+}
+
 /// Runs the node agent until a signal (or `stop`, for tests) ends it.
 pub async fn run(
     config: Config,
@@ -133,6 +154,7 @@ pub async fn run(
         })?;
     // Prepare reads the cached inventory; the slice sync and health stream refresh it.
     let backend: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
+    let config = without_unavailable(config, backend.as_ref());
     let metrics = Metrics::new();
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());

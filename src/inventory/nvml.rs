@@ -32,6 +32,7 @@ mod fabric;
 mod ffi;
 mod mapping;
 mod names;
+mod reconfigure;
 mod sysfs;
 
 use crate::inventory::Placement;

@@ -38,7 +38,10 @@ pub trait DeviceBackend: Send + Sync + 'static {
     /// Why this backend cannot do `what` on this node, or `None` when it can. Checked at start-up,
     /// so that nothing is published that prepare would refuse.
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {
-        Some(format!("the {} backend does not support {what}", self.name()))
+        Some(format!(
+            "the {} backend does not support {what}",
+            self.name()
+        ))
     }
 
     /// Sets the compute time slice of a whole GPU.

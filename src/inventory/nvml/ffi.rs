@@ -12,8 +12,9 @@ use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
-    nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t,
-    nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuFabricInfo_t,
+    nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as LINK_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU as LINK_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as LINK_SWITCH,

@@ -14,8 +14,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use super::capture::{read_gi_profiles, read_mig_devices};
-use super::mapping::map_mig_device;
 use super::ffi;
+use super::mapping::map_mig_device;
 use crate::inventory::{Error, GpuUuid, MigDevice, MigUuid, Placement, Result, TimeSlice};
 
 /// Where `nvidia-smi` is looked for under the driver root, in order (the layout of the host's
@@ -146,17 +146,10 @@ pub(super) fn create_mig(
         }
         Err(e) => return Err(nvml_error("nvmlDeviceGetMigMode", e)),
     }
-    let at = || {
-        format!(
-            "{}..{}",
-            placement.start,
-            placement.start + placement.size
-        )
-    };
+    let at = || format!("{}..{}", placement.start, placement.start + placement.size);
     let gi = match ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement) {
         Ok(gi) => gi,
-        Err(e) if no_room(&e) && remove_orphans(nvml, &d, placement)? > 0 =>
-        {
+        Err(e) if no_room(&e) && remove_orphans(nvml, &d, placement)? > 0 => {
             ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement)
                 .map_err(|e| refused_create(gpu, gi_profile_id, &at(), e))?
         }
@@ -170,8 +163,12 @@ pub(super) fn create_mig(
     };
     let gi_id = ffi::gpu_instance_id_of(nvml, gi)
         .map_err(|e| undo(nvml_error("nvmlGpuInstanceGetInfo", e)))?;
-    let ci_profile = ffi::spanning_compute_profile(nvml, gi)
-        .map_err(|e| undo(nvml_error("nvmlGpuInstanceGetComputeInstanceProfileInfo", e)))?;
+    let ci_profile = ffi::spanning_compute_profile(nvml, gi).map_err(|e| {
+        undo(nvml_error(
+            "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+            e,
+        ))
+    })?;
     let (ci, ci_id) = ffi::create_compute_instance(nvml, gi, ci_profile)
         .map_err(|e| undo(nvml_error("nvmlGpuInstanceCreateComputeInstance", e)))?;
     let index = d.index().unwrap_or_default();
@@ -230,7 +227,12 @@ fn remove_orphans(nvml: &Nvml, d: &Device<'_>, placement: Placement) -> Result<u
             if cis == 0 {
                 ffi::destroy_gpu_instance(nvml, gi)
                     .map_err(|e| nvml_error("nvmlGpuInstanceDestroy", e))?;
-                tracing::warn!(gi.id = id, start = at.start, size = at.size, "destroyed a GPU instance without compute instances (left by an interrupted MIG creation)");
+                tracing::warn!(
+                    gi.id = id,
+                    start = at.start,
+                    size = at.size,
+                    "destroyed a GPU instance without compute instances (left by an interrupted MIG creation)"
+                );
                 removed += 1;
             }
         }
@@ -249,9 +251,9 @@ pub(super) fn destroy_mig(nvml: &Nvml, gpu: &GpuUuid, mig: &MigUuid) -> Result<(
         return Ok(());
     };
     let gi_id = m.gi_id.clone().map_err(|e| Error::Nvml {
-            call: "nvmlDeviceGetGpuInstanceId".into(),
-            reason: format!("MIG device {mig}: {e}"),
-        })?;
+        call: "nvmlDeviceGetGpuInstanceId".into(),
+        reason: format!("MIG device {mig}: {e}"),
+    })?;
     let ci_id = m.ci_id.clone().map_err(|e| Error::Nvml {
         call: "nvmlDeviceGetComputeInstanceId".into(),
         reason: format!("MIG device {mig}: {e}"),

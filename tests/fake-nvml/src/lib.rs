@@ -313,7 +313,12 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
         return SUCCESS;
     }
     if let Some(path) = &state {
-        state::load(path, &mut model);
+        if path.exists() {
+            state::load(path, &mut model);
+        } else {
+            // From the first init on, the file says what the GPUs hold.
+            state::save(path, &model);
+        }
     }
     *loaded = Some(Loaded { key, model, state });
     FABRIC_API.store(api, Ordering::Relaxed);

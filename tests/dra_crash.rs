@@ -589,6 +589,43 @@ async fn nvml_prepare_creates_mig_devices_and_sets_time_slices() {
     assert!(terminate(&mut p).await.success());
 }
 
+/// A crash between the two NVML steps of a MIG creation leaves a GPU instance without a
+/// compute instance: no MIG device lists it, so recovery cannot find it by placement. The next
+/// creation over its slices destroys it and goes on.
+#[tokio::test]
+async fn nvml_a_half_created_mig_instance_is_destroyed_when_its_slices_are_needed() {
+    let mut d = Dirs::new();
+    d.nvml = true;
+    d.partitionable = true;
+    d.profile = "a100-mig-mixed";
+    d.add_claim("a", "gpu-2-mig-1g10gb-15-6");
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    assert!(terminate(&mut p).await.success());
+    let original = d.mig_instances();
+    // GPU instance 9 of profile 15 (1g.10gb) at slices 6-7, with no compute instance.
+    let mut state = std::fs::read_to_string(d.nvml_state()).unwrap();
+    state.push_str("gi 2 9 15 6\n");
+    std::fs::write(d.nvml_state(), state).unwrap();
+    assert!(d.mig_instances().contains(&(2, 15, 6, vec![])));
+
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "");
+    let now = d.mig_instances();
+    let at6: Vec<_> = now.iter().filter(|i| (i.0, i.2) == (2, 6)).collect();
+    assert_eq!(at6.len(), 1, "{now:?}");
+    assert_eq!(
+        at6[0].3.len(),
+        1,
+        "the new instance has its compute instance: {now:?}"
+    );
+    assert_eq!(unprepare(&d, "a").await, "");
+    assert_eq!(d.mig_instances(), original);
+    assert!(terminate(&mut p).await.success());
+}
+
 /// Without `nvidia-smi` under the driver root the NVML backend says so once at start-up, and a
 /// TimeSlicing claim fails to prepare naming the cause, changing nothing.
 #[tokio::test]

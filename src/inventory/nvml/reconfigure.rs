@@ -149,7 +149,7 @@ pub(super) fn create_mig(
     let at = || format!("{}..{}", placement.start, placement.start + placement.size);
     let gi = match ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement) {
         Ok(gi) => gi,
-        Err(e) if no_room(&e) && remove_orphans(nvml, &d, placement)? > 0 => {
+        Err(e) if no_room(&e) && remove_orphans(nvml, &d, gpu, placement)? > 0 => {
             ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement)
                 .map_err(|e| refused_create(gpu, gi_profile_id, &at(), e))?
         }
@@ -210,7 +210,12 @@ fn refused_create(gpu: &GpuUuid, profile: u32, at: &str, e: NvmlError) -> Error 
 
 /// Destroys the GPU instances overlapping `placement` that hold no compute instance (left by a
 /// creation that stopped half-way); returns how many.
-fn remove_orphans(nvml: &Nvml, d: &Device<'_>, placement: Placement) -> Result<usize> {
+fn remove_orphans(
+    nvml: &Nvml,
+    d: &Device<'_>,
+    gpu: &GpuUuid,
+    placement: Placement,
+) -> Result<usize> {
     let mut removed = 0;
     for p in read_gi_profiles(nvml, d) {
         let gis = match ffi::gpu_instances(nvml, d, p.info.id) {
@@ -228,6 +233,7 @@ fn remove_orphans(nvml: &Nvml, d: &Device<'_>, placement: Placement) -> Result<u
                 ffi::destroy_gpu_instance(nvml, gi)
                     .map_err(|e| nvml_error("nvmlGpuInstanceDestroy", e))?;
                 tracing::warn!(
+                    gpu.uuid = %gpu,
                     gi.id = id,
                     start = at.start,
                     size = at.size,

@@ -469,3 +469,36 @@ async fn publish(
         ("slice-sync", Ok(()))
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::sim::SimBackend;
+    use crate::inventory::{Inventory, Reconfiguration};
+
+    /// A backend that can do nothing (the trait's defaults).
+    struct Plain;
+    impl DeviceBackend for Plain {
+        fn name(&self) -> &'static str {
+            "plain"
+        }
+        fn snapshot(&self) -> crate::inventory::Result<Inventory> {
+            Ok(Inventory::default())
+        }
+    }
+
+    fn partitionable() -> Config {
+        let mut s = crate::config::Settings::default();
+        s.backend.node_name = Some("node-a".into());
+        s.plugin.partitionable = Some(true);
+        crate::config::resolve(s, None).unwrap()
+    }
+
+    #[test]
+    fn partitionable_mode_is_turned_off_where_mig_devices_cannot_be_created() {
+        assert!(Plain.unavailable(Reconfiguration::Mig).is_some());
+        assert!(!without_unavailable(partitionable(), &Plain).partitionable);
+        let sim = SimBackend::from_profile("dgx-a100-mig", "node-a").unwrap();
+        assert!(without_unavailable(partitionable(), &sim).partitionable);
+    }
+}

@@ -282,3 +282,67 @@ pub(super) fn destroy_mig(nvml: &Nvml, gpu: &GpuUuid, mig: &MigUuid) -> Result<(
         Err(e) => Err(nvml_error("nvmlGpuInstanceDestroy", e)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        let bin = dir.join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let p = bin.join("nvidia-smi");
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    #[test]
+    fn nvidia_smi_is_found_under_the_driver_root_only() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(find_nvidia_smi(root.path()), None);
+        let why = no_nvidia_smi(root.path());
+        assert!(why.contains(&root.path().display().to_string()), "{why}");
+        let p = script(root.path(), "exit 0");
+        assert_eq!(find_nvidia_smi(root.path()), Some(p));
+    }
+
+    #[test]
+    fn each_interval_is_set_with_its_number_and_a_failure_names_the_command_and_output() {
+        let root = tempfile::tempdir().unwrap();
+        let log = root.path().join("log");
+        let smi = script(root.path(), &format!("echo \"$*\" >> {}", log.display()));
+        let gpu = GpuUuid("GPU-1".into());
+        for i in [
+            TimeSlice::Default,
+            TimeSlice::Short,
+            TimeSlice::Medium,
+            TimeSlice::Long,
+        ] {
+            set_time_slice(&smi, None, &gpu, i).unwrap();
+        }
+        let text = std::fs::read_to_string(&log).unwrap();
+        let slices: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("compute-policy"))
+            .collect();
+        assert_eq!(
+            slices,
+            [0, 1, 2, 3].map(|n| format!("compute-policy -i GPU-1 --set-timeslice={n}"))
+        );
+        assert_eq!(
+            text.lines().filter(|l| *l == "-i GPU-1 -c DEFAULT").count(),
+            4
+        );
+
+        let smi = script(root.path(), "echo 'Insufficient Permissions'; exit 4");
+        let e = set_time_slice(&smi, None, &gpu, TimeSlice::Long).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("nvidia-smi -i GPU-1 -c DEFAULT")
+                && msg.contains("Insufficient Permissions")
+                && msg.contains("4"),
+            "{msg}"
+        );
+    }
+}

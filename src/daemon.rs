@@ -129,7 +129,10 @@ fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Confi
         );
         config.partitionable = false;
     }
-    if let Some(why) = backend.unavailable(Reconfiguration::TimeSlice) {
+    // Only DRA claims ask for time slices.
+    if config.mode != Mode::DevicePlugin
+        && let Some(why) = backend.unavailable(Reconfiguration::TimeSlice)
+    {
         tracing::warn!(
             "time slicing is unavailable: {why}; claims with a TimeSlicing config fail to prepare"
         );

@@ -114,6 +114,61 @@ fn child_reads_one_profile() {
     println!("profile {profile} reads back equal");
 }
 
+/// `nvdra inventory -o json` with `args`, as a JSON value.
+fn inventory_json(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+    cmd.args(["inventory", "--node-name", NODE, "-o", "json"])
+        .args(args)
+        .env("NVDRA_LOG", "error");
+    for var in [
+        "NVDRA_CONFIG",
+        "NVDRA_BACKEND",
+        "NVDRA_PROFILE",
+        "NVDRA_TOPOLOGY",
+        "NODE_NAME",
+        "NVIDIA_DRIVER_ROOT",
+        "FAKE_NVML_NODE",
+        "FAKE_NVML_TOPOLOGY",
+        "FAKE_NVML_STATE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn nvdra_inventory_on_the_fake_equals_the_profile() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let driver_root = tempfile::tempdir().unwrap();
+    let lib_dir = driver_root.path().join("usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    std::os::unix::fs::symlink(fake_library(), lib_dir.join(LIBRARY)).unwrap();
+    let root = driver_root.path().to_str().unwrap();
+    for name in topology::profile_names() {
+        let sim = inventory_json(&["--profile", name], &[]);
+        let mut want: Inventory = serde_json::from_value(sim).unwrap();
+        want = as_nvml_reports_it(want);
+        let nvml = inventory_json(
+            &["--backend", "nvml", "--driver-root", root],
+            &[("FAKE_NVML_PROFILE", name), ("FAKE_NVML_SEED", NODE)],
+        );
+        let mut got = sorted_profiles(serde_json::from_value(nvml).unwrap());
+        for g in want.gpus.iter_mut().chain(got.gpus.iter_mut()) {
+            (g.pcie_root, g.numa_node) = (None, None);
+        }
+        assert_eq!(got, want, "{name}");
+    }
+}
+
 #[test]
 fn every_builtin_profile_reads_back_equal_through_nvml() {
     if std::env::var(CHILD).is_ok() {

@@ -115,6 +115,30 @@ pub struct Extras {
 
 type TaskResult = (&'static str, Result<(), String>);
 
+/// Turns off what the backend cannot do on this node, saying so once: partitionable mode
+/// without MIG creation would publish placements that every prepare refuses. Time slicing is
+/// asked per claim, so it is only announced: such claims fail to prepare, naming the cause.
+fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Config {
+    use crate::inventory::Reconfiguration;
+    if config.partitionable
+        && let Some(why) = backend.unavailable(Reconfiguration::Mig)
+    {
+        tracing::warn!(
+            "partitionable mode is off: {why}; MIG placements are not published, existing MIG devices are"
+        );
+        config.partitionable = false;
+    }
+    // Only DRA claims ask for time slices.
+    if config.mode != Mode::DevicePlugin
+        && let Some(why) = backend.unavailable(Reconfiguration::TimeSlice)
+    {
+        tracing::warn!(
+            "time slicing is unavailable: {why}; claims with a TimeSlicing config fail to prepare"
+        );
+    }
+    config
+}
+
 /// Runs the node agent until a signal (or `stop`, for tests) ends it.
 pub async fn run(
     config: Config,
@@ -132,6 +156,7 @@ pub async fn run(
         })?;
     // Prepare reads the cached inventory; the slice sync and health stream refresh it.
     let backend: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
+    let config = without_unavailable(config, backend.as_ref());
     let metrics = Metrics::new();
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
@@ -444,4 +469,37 @@ async fn publish(
         slice_sync.run(token).await;
         ("slice-sync", Ok(()))
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::sim::SimBackend;
+    use crate::inventory::{Inventory, Reconfiguration};
+
+    /// A backend that can do nothing (the trait's defaults).
+    struct Plain;
+    impl DeviceBackend for Plain {
+        fn name(&self) -> &'static str {
+            "plain"
+        }
+        fn snapshot(&self) -> crate::inventory::Result<Inventory> {
+            Ok(Inventory::default())
+        }
+    }
+
+    fn partitionable() -> Config {
+        let mut s = crate::config::Settings::default();
+        s.backend.node_name = Some("node-a".into());
+        s.plugin.partitionable = Some(true);
+        crate::config::resolve(s, None).unwrap()
+    }
+
+    #[test]
+    fn partitionable_mode_is_turned_off_where_mig_devices_cannot_be_created() {
+        assert!(Plain.unavailable(Reconfiguration::Mig).is_some());
+        assert!(!without_unavailable(partitionable(), &Plain).partitionable);
+        let sim = SimBackend::from_profile("dgx-a100-mig", "node-a").unwrap();
+        assert!(without_unavailable(partitionable(), &sim).partitionable);
+    }
 }

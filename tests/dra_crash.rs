@@ -22,6 +22,10 @@ struct Dirs {
     partitionable: bool,
     profile: &'static str,
     metrics_address: String,
+    /// Run the NVML backend over the fake library serving `profile` (MIG instances kept in
+    /// `nvml-state`, `nvidia-smi` a script under the driver root logging to `nvidia-smi.log`),
+    /// instead of the simulated backend.
+    nvml: bool,
 }
 
 impl Dirs {
@@ -31,6 +35,7 @@ impl Dirs {
             partitionable: false,
             profile: "dgx-h100",
             metrics_address: "127.0.0.1:0".into(),
+            nvml: false,
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -63,11 +68,59 @@ impl Dirs {
     fn spec_name(uid: &str) -> String {
         format!("k8s.{DRIVER}-claim_{uid}.yaml")
     }
+    fn nvml_state(&self) -> PathBuf {
+        self.p("nvml-state")
+    }
+
+    /// The MIG instances the fake's GPUs hold: (GPU index, profile id, first slice, MIG UUIDs).
+    fn mig_instances(&self) -> Vec<(usize, u32, u32, Vec<String>)> {
+        let mut v: Vec<_> = fake_nvml::state::instances(&self.nvml_state())
+            .into_iter()
+            .map(|i| (i.gpu, i.profile_id, i.start, i.mig_uuids))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn nvidia_smi_log(&self) -> String {
+        std::fs::read_to_string(self.p("driver/usr/bin/nvidia-smi.log")).unwrap_or_default()
+    }
+
+    /// `driver/`: the fake NVML library and an `nvidia-smi` that logs its arguments and the
+    /// library it was given.
+    fn fake_driver_root(&self) {
+        let lib_dir = self.p("driver/usr/lib64");
+        let bin_dir = self.p("driver/usr/bin");
+        if lib_dir.join("libnvidia-ml.so.1").symlink_metadata().is_ok() {
+            return;
+        }
+        std::fs::create_dir_all(&lib_dir).unwrap();
+        std::fs::create_dir_all(&bin_dir).unwrap();
+        std::os::unix::fs::symlink(fake_library(), lib_dir.join("libnvidia-ml.so.1")).unwrap();
+        let script = bin_dir.join("nvidia-smi");
+        std::fs::write(
+            &script,
+            "#!/bin/sh\necho \"$* LD_PRELOAD=$LD_PRELOAD\" >> \"$(dirname \"$0\")/nvidia-smi.log\"\n",
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
     fn checkpoint_json(&self) -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(self.checkpoint()).unwrap()).unwrap()
     }
 
     fn add_claim(&self, uid: &str, device: &str) {
+        self.add_claim_with(uid, device, vec![]);
+    }
+
+    fn add_claim_with(
+        &self,
+        uid: &str,
+        device: &str,
+        config: Vec<k8s_openapi::api::resource::v1::DeviceAllocationConfiguration>,
+    ) {
         let c = nvdra::api::allocated_claim(
             "default",
             &format!("claim-{uid}"),
@@ -79,7 +132,7 @@ impl Dirs {
                 device: device.into(),
                 ..Default::default()
             }],
-            vec![],
+            config,
         );
         nvdra::api::dir::write_claim(&self.p("api"), &c).unwrap();
     }
@@ -90,8 +143,19 @@ impl Dirs {
 
     fn command(&self, crash_at: Option<&str>) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
-        cmd.args(["run", "--mode", "dra", "--profile", self.profile])
-            .args(["--node-name", NODE])
+        cmd.args(["run", "--mode", "dra"]);
+        if self.nvml {
+            self.fake_driver_root();
+            cmd.args(["--backend", "nvml"])
+                .env("FAKE_NVML_PROFILE", self.profile)
+                .env("FAKE_NVML_SEED", NODE)
+                .env("FAKE_NVML_STATE", self.nvml_state())
+                .env_remove("FAKE_NVML_NODE")
+                .env_remove("FAKE_NVML_TOPOLOGY");
+        } else {
+            cmd.args(["--profile", self.profile]);
+        }
+        cmd.args(["--node-name", NODE])
             .arg("--api-dir")
             .arg(self.p("api"))
             .arg("--kubelet-root")
@@ -115,6 +179,22 @@ impl Dirs {
         }
         cmd
     }
+}
+
+/// The fake NVML library cargo built beside this test binary.
+fn fake_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe
+        .parent()
+        .expect("test binary lives in target/<profile>/deps");
+    [
+        deps.join("libfake_nvml.so"),
+        deps.parent()
+            .map_or_else(PathBuf::new, |p| p.join("libfake_nvml.so")),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .expect("libfake_nvml.so beside the test binary")
 }
 
 async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
@@ -216,8 +296,15 @@ async fn terminate(child: &mut Child) -> std::process::ExitStatus {
 /// `partitionable` devices are MIG placements whose instance prepare creates: the slow path that
 /// records its intent durably before touching the GPU.
 async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
+    crash_then_retry_on(point, device, partitionable, false).await;
+}
+
+/// [`crash_then_retry`], on the NVML backend over the fake library when `nvml`: the MIG
+/// instances then outlive the killed process, as on a GPU, and none may be left over.
+async fn crash_then_retry_on(point: &str, device: &str, partitionable: bool, nvml: bool) {
     use std::os::unix::process::ExitStatusExt;
     let mut d = Dirs::new();
+    d.nvml = nvml;
     if partitionable {
         // GPU 2 of this profile is in MIG mode with slices 0-5 in use; 6-7 are free.
         d.partitionable = true;
@@ -262,9 +349,38 @@ async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
     let cp = d.checkpoint_json();
     assert_eq!(cp["claims"]["a"]["state"].as_str(), state, "{point}: {cp}");
     assert_eq!(d.specs() == vec![Dirs::spec_name("a")], spec, "{point}");
+    // What the profile's GPUs hold before any claim: GPU 1's four instances, GPU 2's three.
+    let original = |d: &Dirs| {
+        d.mig_instances()
+            .into_iter()
+            .filter(|(_, profile, start, _)| !(*profile == 15 && *start == 6))
+            .collect::<Vec<_>>()
+    };
+    let before_restart = d.mig_instances();
+    if nvml && partitionable && point != "after-started" {
+        // The killed process created the instance: it is still on the GPU.
+        assert_eq!(before_restart.len(), 8, "{point}: {before_restart:?}");
+        assert!(
+            before_restart
+                .iter()
+                .any(|(g, p, s, _)| (*g, *p, *s) == (2, 15, 6)),
+            "{point}: {before_restart:?}"
+        );
+    }
 
     let mut second = d.spawn(None);
     wait_ready(&d, &mut second).await;
+    if nvml && partitionable {
+        let now = d.mig_instances();
+        if state == Some("PrepareCompleted") {
+            // A completed claim keeps its instance.
+            assert_eq!(now, before_restart, "{point}");
+        } else {
+            // Recovery destroyed the interrupted prepare's instance before serving.
+            assert_eq!(now, original(&d), "{point}: leaked {now:?}");
+            assert_eq!(now.len(), 7, "{point}: {now:?}");
+        }
+    }
     let claims = d.checkpoint_json()["claims"].as_object().unwrap().len();
     if state == Some("PrepareCompleted") {
         // A completed claim is kept; recovery rewrote its spec if the crash came before it.
@@ -300,8 +416,25 @@ async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
 
     assert_eq!(unprepare(&d, "a").await, "");
     assert!(d.specs().is_empty());
+    if nvml && partitionable {
+        assert_eq!(
+            d.mig_instances().len(),
+            7,
+            "{point}: {:?}",
+            d.mig_instances()
+        );
+    }
     let r = prepare(&d, "b").await.unwrap();
     assert_eq!(r.error, "", "{point}: freed by the unprepare");
+    if nvml && partitionable {
+        assert_eq!(unprepare(&d, "b").await, "");
+        assert_eq!(
+            d.mig_instances(),
+            original(&d),
+            "{point}: every instance a claim created is gone"
+        );
+        assert_eq!(d.mig_instances().len(), 7);
+    }
     let status = terminate(&mut second).await;
     assert!(status.success(), "{point}: clean exit on SIGTERM: {status}");
     assert!(!d.reg_socket().exists() && !d.dra_socket().exists());
@@ -366,6 +499,208 @@ async fn crash_after_completed() {
 #[tokio::test]
 async fn crash_after_completed_creating_a_mig_instance() {
     crash_then_retry("after-completed", "gpu-2-mig-1g10gb-15-6", true).await;
+}
+
+/// The NVML backend over the fake library prepares what the simulated one does: a MIG device
+/// at a placement nobody created (partitionable mode), created through NVML and destroyed at
+/// unprepare, and a whole GPU time-sliced with the driver root's `nvidia-smi`, as NVIDIA's DRA
+/// driver sets it, and reset at unprepare.
+#[tokio::test]
+async fn nvml_prepare_creates_mig_devices_and_sets_time_slices() {
+    use k8s_openapi::api::resource::v1::{
+        DeviceAllocationConfiguration, OpaqueDeviceConfiguration,
+    };
+    use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+    let mut d = Dirs::new();
+    d.nvml = true;
+    d.partitionable = true;
+    d.profile = "a100-mig-mixed";
+    let sim = nvdra::inventory::sim::SimBackend::from_profile(d.profile, NODE).unwrap();
+    let inv = nvdra::inventory::DeviceBackend::snapshot(&sim).unwrap();
+    let gpu0 = inv.gpus[0].uuid.to_string();
+    d.add_claim("mig", "gpu-2-mig-1g10gb-15-6");
+    d.add_claim_with(
+        "sliced",
+        "gpu-0",
+        vec![DeviceAllocationConfiguration {
+            source: "FromClaim".into(),
+            requests: None,
+            opaque: Some(OpaqueDeviceConfiguration {
+                driver: DRIVER.into(),
+                parameters: RawExtension(serde_json::json!({
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}
+                })),
+            }),
+        }],
+    );
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    let original = d.mig_instances();
+    assert_eq!(original.len(), 7, "{original:?}");
+
+    let r = prepare(&d, "mig").await.unwrap();
+    assert_eq!(r.error, "");
+    let now = d.mig_instances();
+    let created: Vec<_> = now.iter().filter(|i| !original.contains(i)).collect();
+    assert_eq!(created.len(), 1, "{now:?}");
+    let (gpu, profile, start, uuids) = created[0];
+    assert_eq!((*gpu, *profile, *start), (2, 15, 6));
+    assert_eq!(
+        uuids.len(),
+        1,
+        "one compute instance spanning the GPU instance"
+    );
+    // The claim's CDI spec names the new MIG device.
+    let spec = std::fs::read_to_string(d.p("cdi").join(Dirs::spec_name("mig"))).unwrap();
+    assert!(spec.contains(&uuids[0]), "{spec}");
+
+    let r = prepare(&d, "sliced").await.unwrap();
+    assert_eq!(r.error, "");
+    let lib = d.p("driver/usr/lib64/libnvidia-ml.so.1");
+    let log = d.nvidia_smi_log();
+    assert_eq!(
+        log.lines().collect::<Vec<_>>(),
+        [
+            format!("-i {gpu0} -c DEFAULT LD_PRELOAD={}", lib.display()),
+            format!(
+                "compute-policy -i {gpu0} --set-timeslice=1 LD_PRELOAD={}",
+                lib.display()
+            ),
+        ],
+        "{log}"
+    );
+
+    assert_eq!(unprepare(&d, "mig").await, "");
+    assert_eq!(
+        d.mig_instances(),
+        original,
+        "the created instance is destroyed"
+    );
+    assert_eq!(unprepare(&d, "sliced").await, "");
+    let log = d.nvidia_smi_log();
+    assert!(
+        log.lines()
+            .last()
+            .is_some_and(|l| l.starts_with(&format!("compute-policy -i {gpu0} --set-timeslice=0"))),
+        "back to the default: {log}"
+    );
+    assert!(terminate(&mut p).await.success());
+}
+
+/// A crash between the two NVML steps of a MIG creation leaves a GPU instance without a
+/// compute instance: no MIG device lists it, so recovery cannot find it by placement. The next
+/// creation over its slices destroys it and goes on.
+#[tokio::test]
+async fn nvml_a_half_created_mig_instance_is_destroyed_when_its_slices_are_needed() {
+    let mut d = Dirs::new();
+    d.nvml = true;
+    d.partitionable = true;
+    d.profile = "a100-mig-mixed";
+    d.add_claim("a", "gpu-2-mig-1g10gb-15-6");
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    assert!(terminate(&mut p).await.success());
+    let original = d.mig_instances();
+    // GPU instance 9 of profile 15 (1g.10gb) at slices 6-7, with no compute instance.
+    let mut state = std::fs::read_to_string(d.nvml_state()).unwrap();
+    state.push_str("gi 2 9 15 6\n");
+    std::fs::write(d.nvml_state(), state).unwrap();
+    assert!(d.mig_instances().contains(&(2, 15, 6, vec![])));
+
+    let mut p = d.spawn(None);
+    wait_ready(&d, &mut p).await;
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "");
+    let now = d.mig_instances();
+    let at6: Vec<_> = now.iter().filter(|i| (i.0, i.2) == (2, 6)).collect();
+    assert_eq!(at6.len(), 1, "{now:?}");
+    assert_eq!(
+        at6[0].3.len(),
+        1,
+        "the new instance has its compute instance: {now:?}"
+    );
+    assert_eq!(unprepare(&d, "a").await, "");
+    assert_eq!(d.mig_instances(), original);
+    assert!(terminate(&mut p).await.success());
+}
+
+/// Without `nvidia-smi` under the driver root the NVML backend says so once at start-up, and a
+/// TimeSlicing claim fails to prepare naming the cause, changing nothing.
+#[tokio::test]
+async fn nvml_without_nvidia_smi_refuses_time_slicing_naming_the_cause() {
+    use k8s_openapi::api::resource::v1::{
+        DeviceAllocationConfiguration, OpaqueDeviceConfiguration,
+    };
+    use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+    let mut d = Dirs::new();
+    d.nvml = true;
+    d.profile = "l40s-pcie";
+    d.fake_driver_root();
+    std::fs::remove_file(d.p("driver/usr/bin/nvidia-smi")).unwrap();
+    d.add_claim_with(
+        "sliced",
+        "gpu-1",
+        vec![DeviceAllocationConfiguration {
+            source: "FromClaim".into(),
+            requests: None,
+            opaque: Some(OpaqueDeviceConfiguration {
+                driver: DRIVER.into(),
+                parameters: RawExtension(serde_json::json!({
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+                })),
+            }),
+        }],
+    );
+    let mut p = d
+        .command(None)
+        .env("NVDRA_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_ready(&d, &mut p).await;
+    let r = prepare(&d, "sliced").await.unwrap();
+    assert!(
+        r.error.contains("no nvidia-smi under the driver root"),
+        "{}",
+        r.error
+    );
+    assert!(d.specs().is_empty());
+    assert!(terminate(&mut p).await.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut p.stderr.take().unwrap(), &mut stderr).unwrap();
+    let said: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("time slicing is unavailable"))
+        .collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(
+        said[0].contains(&d.p("driver").display().to_string()),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn nvml_crash_after_started_creating_a_mig_instance() {
+    crash_then_retry_on("after-started", "gpu-2-mig-1g10gb-15-6", true, true).await;
+}
+
+#[tokio::test]
+async fn nvml_crash_after_cdi_creating_a_mig_instance() {
+    crash_then_retry_on("after-cdi", "gpu-2-mig-1g10gb-15-6", true, true).await;
+}
+
+#[tokio::test]
+async fn nvml_crash_before_completed_creating_a_mig_instance() {
+    crash_then_retry_on("before-completed", "gpu-2-mig-1g10gb-15-6", true, true).await;
+}
+
+#[tokio::test]
+async fn nvml_crash_after_completed_creating_a_mig_instance() {
+    crash_then_retry_on("after-completed", "gpu-2-mig-1g10gb-15-6", true, true).await;
 }
 
 #[tokio::test]

@@ -440,3 +440,42 @@ fn sm_counts_nvml_cannot_give_are_omitted_never_zero() {
         }
     }
 }
+
+/// MIG creation through NVML refuses what the GPU cannot do, naming the GPU, and changes
+/// nothing; destroying a MIG device that is not there succeeds (rollbacks repeat it). Only
+/// failing calls here: the default node is shared by every test of this process.
+#[test]
+fn mig_creation_refusals_name_the_gpu_and_change_nothing() {
+    use nvdra::inventory::{GpuUuid, MigUuid, Reconfiguration};
+    let node = fake_node();
+    let backend = open(&node);
+    assert_eq!(backend.unavailable(Reconfiguration::Mig), None);
+    let before = backend.snapshot().unwrap();
+    let gpu = |i: usize| GpuUuid(format!("GPU-f00d0000-0000-4000-8000-00000000000{i}"));
+    let one_slice = |start| Placement { start, size: 1 };
+
+    // Slices 0-3 hold the 3g.20gb instance.
+    let e = backend.create_mig(&gpu(0), 19, one_slice(2)).unwrap_err();
+    assert!(
+        e.to_string().contains("insufficient resources") && e.to_string().contains(gpu(0).as_str()),
+        "{e}"
+    );
+    // A 1g.5gb is one slice wide: two is no placement of it.
+    let e = backend
+        .create_mig(&gpu(0), 19, Placement { start: 4, size: 2 })
+        .unwrap_err();
+    assert!(e.to_string().contains("cannot be placed at 4..6"), "{e}");
+    let e = backend.create_mig(&gpu(1), 19, one_slice(0)).unwrap_err();
+    assert!(e.to_string().contains("not in MIG mode"), "{e}");
+    let e = backend.create_mig(&gpu(2), 19, one_slice(0)).unwrap_err();
+    assert!(e.to_string().contains("cannot do MIG"), "{e}");
+    let e = backend
+        .create_mig(&GpuUuid("GPU-nope".into()), 19, one_slice(0))
+        .unwrap_err();
+    assert!(e.to_string().contains("GPU-nope"), "{e}");
+
+    backend
+        .destroy_mig(&gpu(0), &MigUuid("MIG-not-there".into()))
+        .unwrap();
+    assert_eq!(backend.snapshot().unwrap(), before);
+}

@@ -2,6 +2,24 @@
 
 use super::{Error, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice};
 
+/// A reconfiguration prepare may ask of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reconfiguration {
+    /// [`DeviceBackend::set_time_slice`].
+    TimeSlice,
+    /// [`DeviceBackend::create_mig`] and [`DeviceBackend::destroy_mig`].
+    Mig,
+}
+
+impl std::fmt::Display for Reconfiguration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reconfiguration::TimeSlice => "time slicing",
+            Reconfiguration::Mig => "MIG creation",
+        })
+    }
+}
+
 /// A source of inventory snapshots, and the few reconfigurations prepare needs. Implementations
 /// block (NVML is synchronous); async callers run them on the blocking pool ([`snapshot`]).
 ///
@@ -15,6 +33,15 @@ pub trait DeviceBackend: Send + Sync + 'static {
     /// Reads the inventory from the hardware, bypassing any cache.
     fn refresh(&self) -> Result<Inventory> {
         self.snapshot()
+    }
+
+    /// Why this backend cannot do `what` on this node, or `None` when it can. Checked at start-up,
+    /// so that nothing is published that prepare would refuse.
+    fn unavailable(&self, what: Reconfiguration) -> Option<String> {
+        Some(format!(
+            "the {} backend does not support {what}",
+            self.name()
+        ))
     }
 
     /// Sets the compute time slice of a whole GPU.

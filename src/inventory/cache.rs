@@ -52,6 +52,10 @@ impl DeviceBackend for Cached {
         Ok(inv)
     }
 
+    fn unavailable(&self, what: super::Reconfiguration) -> Option<String> {
+        self.backend.unavailable(what)
+    }
+
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
         self.invalidating(self.backend.set_time_slice(gpu, interval))
     }

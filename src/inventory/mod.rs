@@ -24,7 +24,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{DeviceBackend, refresh, snapshot};
+pub use backend::{DeviceBackend, Reconfiguration, refresh, snapshot};
 pub use domains::assign_nvlink_domains;
 pub use quantity::{parse_quantity, quantity};
 
@@ -54,6 +54,20 @@ pub enum Error {
     /// A reconfiguration request the hardware refuses (bad placement, unknown GPU, ...).
     #[error("{0}")]
     Refused(String),
+    /// A driver tool (`nvidia-smi`) could not be started.
+    #[error("cannot run {command}")]
+    Command {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A driver tool ran and failed.
+    #[error("{command} failed ({status}): {output}")]
+    CommandFailed {
+        command: String,
+        status: String,
+        output: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -19,8 +19,13 @@
 //! capacity is not published), never a made-up 0, `false` or "Unknown"; the backend logs each
 //! such omission once per GPU and field. Only the node-wide driver and CUDA versions are required.
 //!
+//! Prepare's reconfigurations (`nvml/reconfigure.rs`): MIG devices created at a placement and
+//! destroyed through NVML's GPU- and compute-instance calls, and time slices set with the driver
+//! root's `nvidia-smi` (NVML has no call for them); `DeviceBackend::unavailable` says which of
+//! them the loaded library and driver root allow.
+//!
 //! nvml-wrapper 0.13 does not wrap the MIG identity calls (GPU/compute-instance ids, GPU-instance
-//! info) nor the fabric registration, and its `possible_placements` and
+//! info), MIG creation and destruction, nor the fabric registration, and its `possible_placements` and
 //! `NvLink::remote_device_type` return nothing useful (the first never sets the vector's length,
 //! the second writes into a temporary). Those calls go through the raw symbol table in the private
 //! `ffi` module (`nvml/ffi.rs`), the only `unsafe` code here, using the `Result` fields of
@@ -32,6 +37,7 @@ mod fabric;
 mod ffi;
 mod mapping;
 mod names;
+mod reconfigure;
 mod sysfs;
 
 use crate::inventory::Placement;

@@ -123,6 +123,10 @@ impl DeviceBackend for SimBackend {
         Ok(self.lock().inventory.clone())
     }
 
+    fn unavailable(&self, _what: super::Reconfiguration) -> Option<String> {
+        None
+    }
+
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
         let mut m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {

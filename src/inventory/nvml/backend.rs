@@ -9,13 +9,24 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 use tracing::{Level, debug, info, warn};
 
-use super::{HostSysfs, LIBRARY, SYSFS_ROOT, map_with_omissions, read_raw};
-use crate::inventory::{DeviceBackend, Error, GpuUuid, Inventory, Result};
+use super::{HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, reconfigure};
+use crate::inventory::{
+    DeviceBackend, Error, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Reconfiguration,
+    Result, TimeSlice,
+};
 
 pub struct NvmlBackend {
     nvml: Nvml,
     sysfs: HostSysfs,
     logged: OmissionLog,
+    driver_root: PathBuf,
+    /// The library file NVML was loaded from, when it was found under the driver root.
+    library: Option<PathBuf>,
+    /// `nvidia-smi` under the driver root, for time slicing.
+    nvidia_smi: Option<PathBuf>,
+    /// One MIG reconfiguration at a time: two creations racing for overlapping slices would
+    /// each see the other's half-made GPU instance as an orphan.
+    reconfiguring: Mutex<()>,
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -42,6 +53,10 @@ impl NvmlBackend {
                         nvml,
                         sysfs: HostSysfs::new(SYSFS_ROOT),
                         logged: OmissionLog::default(),
+                        driver_root: driver_root.to_path_buf(),
+                        library: candidate,
+                        nvidia_smi: reconfigure::find_nvidia_smi(driver_root),
+                        reconfiguring: Mutex::new(()),
                     });
                 }
                 Err(NvmlError::LibloadingError(e)) => tried.push(match &candidate {
@@ -103,6 +118,44 @@ impl DeviceBackend for NvmlBackend {
         let (inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
         self.logged.log_new(&omissions);
         Ok(inv)
+    }
+
+    fn unavailable(&self, what: Reconfiguration) -> Option<String> {
+        match what {
+            Reconfiguration::TimeSlice => self
+                .nvidia_smi
+                .is_none()
+                .then(|| reconfigure::no_nvidia_smi(&self.driver_root)),
+            Reconfiguration::Mig => ffi::has_mig_reconfiguration(&self.nvml)
+                .err()
+                .map(|symbol| format!("the NVML library lacks {symbol} (a driver older than MIG)")),
+        }
+    }
+
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        let Some(smi) = &self.nvidia_smi else {
+            return Err(Error::Refused(format!(
+                "cannot set the time slice of GPU {gpu}: {}",
+                reconfigure::no_nvidia_smi(&self.driver_root)
+            )));
+        };
+        reconfigure::set_time_slice(smi, self.library.as_deref(), gpu, interval)
+    }
+
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        // A panic in another reconfiguration leaves no state behind this lock.
+        let _one = crate::lock::lock(&self.reconfiguring);
+        reconfigure::create_mig(&self.nvml, gpu, gi_profile_id, placement)
+    }
+
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        let _one = crate::lock::lock(&self.reconfiguring);
+        reconfigure::destroy_mig(&self.nvml, gpu, mig)
     }
 }
 

@@ -10,8 +10,11 @@ use std::ptr;
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
-    NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t,
-    nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
+    NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
+    nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuFabricInfo_t,
+    nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as LINK_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU as LINK_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as LINK_SWITCH,
@@ -198,4 +201,271 @@ fn fabric(cluster_uuid: [u8; 16], clique_id: u32, state: u8, status: nvmlReturn_
         state: FabricState::from_raw(state),
         status: raw(nvml_try(status)),
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// MIG reconfiguration: GPU and compute instances created and destroyed
+// ------------------------------------------------------------------------------------------------
+
+/// A GPU instance handle, owned by NVML; valid while the instance exists and NVML is loaded.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuInstance(nvmlGpuInstance_t);
+
+/// A compute instance handle, owned by NVML; valid while the instance exists.
+#[derive(Clone, Copy, Debug)]
+pub struct ComputeInstance(nvmlComputeInstance_t);
+
+/// `nvmlDeviceCreateGpuInstanceWithPlacement`: a GPU instance of the profile whose `info.id` is
+/// `profile_id`, at `placement`.
+pub fn create_gpu_instance(
+    nvml: &Nvml,
+    parent: &Device<'_>,
+    profile_id: u32,
+    placement: Placement,
+) -> Result<GpuInstance, NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())?;
+    let at = nvmlGpuInstancePlacement_t {
+        start: placement.start,
+        size: placement.size,
+    };
+    let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+    // SAFETY: declared signature; live parent handle; `at` is a valid placement NVML only
+    // reads, and `gi` a valid out-pointer.
+    nvml_try(unsafe { f(parent.handle(), profile_id, &at, &mut gi) })?;
+    if gi.is_null() {
+        return Err(NvmlError::Unknown);
+    }
+    Ok(GpuInstance(gi))
+}
+
+/// `nvmlDeviceGetGpuInstanceById`.
+pub fn gpu_instance_by_id(
+    nvml: &Nvml,
+    parent: &Device<'_>,
+    gi_id: u32,
+) -> Result<GpuInstance, NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
+    let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+    // SAFETY: declared signature; live parent handle; valid out-pointer.
+    nvml_try(unsafe { f(parent.handle(), gi_id, &mut gi) })?;
+    if gi.is_null() {
+        return Err(NvmlError::Unknown);
+    }
+    Ok(GpuInstance(gi))
+}
+
+/// The id and placement of a GPU instance (`nvmlGpuInstanceGetInfo`).
+pub fn gpu_instance_id_of(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
+    let mut info = nvmlGpuInstanceInfo_t {
+        device: ptr::null_mut(),
+        id: 0,
+        profileId: 0,
+        placement: nvmlGpuInstancePlacement_t { start: 0, size: 0 },
+    };
+    // SAFETY: declared signature; `gi` is a live instance handle NVML gave; `info` is an
+    // initialized struct NVML writes into.
+    nvml_try(unsafe { f(gi.0, &mut info) })?;
+    Ok(info.id)
+}
+
+/// The id of the largest compute-instance profile of a GPU instance (the one spanning all of
+/// its slices), with shared engines.
+pub fn spanning_compute_profile(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError> {
+    let f = nvml_sym(
+        nvml.lib()
+            .nvmlGpuInstanceGetComputeInstanceProfileInfo
+            .as_ref(),
+    )?;
+    let mut best: Option<(u32, u32)> = None;
+    let mut last_error = NvmlError::NotSupported;
+    for profile in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+        let mut info = nvmlComputeInstanceProfileInfo_t {
+            id: 0,
+            sliceCount: 0,
+            instanceCount: 0,
+            multiprocessorCount: 0,
+            sharedCopyEngineCount: 0,
+            sharedDecoderCount: 0,
+            sharedEncoderCount: 0,
+            sharedJpegCount: 0,
+            sharedOfaCount: 0,
+        };
+        // SAFETY: declared signature; live instance handle; `info` is initialized and writable.
+        match nvml_try(unsafe {
+            f(
+                gi.0,
+                profile,
+                NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                &mut info,
+            )
+        }) {
+            Ok(()) => {
+                if best.is_none_or(|(slices, _)| info.sliceCount > slices) {
+                    best = Some((info.sliceCount, info.id));
+                }
+            }
+            Err(e) => last_error = e,
+        }
+    }
+    best.map(|(_, id)| id).ok_or(last_error)
+}
+
+/// `nvmlGpuInstanceCreateComputeInstance`; returns the handle and the new instance's id.
+pub fn create_compute_instance(
+    nvml: &Nvml,
+    gi: GpuInstance,
+    ci_profile_id: u32,
+) -> Result<(ComputeInstance, u32), NvmlError> {
+    let lib = nvml.lib();
+    let create = nvml_sym(lib.nvmlGpuInstanceCreateComputeInstance.as_ref())?;
+    let get_info = nvml_sym(lib.nvmlComputeInstanceGetInfo_v2.as_ref())?;
+    let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+    // SAFETY: declared signature; live instance handle; valid out-pointer.
+    nvml_try(unsafe { create(gi.0, ci_profile_id, &mut ci) })?;
+    if ci.is_null() {
+        return Err(NvmlError::Unknown);
+    }
+    let ci = ComputeInstance(ci);
+    let mut info = nvmlComputeInstanceInfo_t {
+        device: ptr::null_mut(),
+        gpuInstance: ptr::null_mut(),
+        id: 0,
+        profileId: 0,
+        placement: nvmlComputeInstancePlacement_t { start: 0, size: 0 },
+    };
+    // SAFETY: declared signature; the compute instance NVML just created; `info` is an
+    // initialized struct NVML writes into.
+    match nvml_try(unsafe { get_info(ci.0, &mut info) }) {
+        Ok(()) => Ok((ci, info.id)),
+        Err(e) => {
+            let _ = destroy_compute_instance(nvml, ci);
+            Err(e)
+        }
+    }
+}
+
+/// `nvmlGpuInstanceGetComputeInstanceById`.
+pub fn compute_instance_by_id(
+    nvml: &Nvml,
+    gi: GpuInstance,
+    ci_id: u32,
+) -> Result<ComputeInstance, NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlGpuInstanceGetComputeInstanceById.as_ref())?;
+    let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+    // SAFETY: declared signature; live instance handle; valid out-pointer.
+    nvml_try(unsafe { f(gi.0, ci_id, &mut ci) })?;
+    if ci.is_null() {
+        return Err(NvmlError::Unknown);
+    }
+    Ok(ComputeInstance(ci))
+}
+
+/// The number of compute instances in a GPU instance, of every profile
+/// (`nvmlGpuInstanceGetComputeInstances`, which takes a buffer per profile id).
+pub fn compute_instance_count(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlGpuInstanceGetComputeInstances.as_ref())?;
+    let mut total = 0;
+    for profile in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+        let mut buf = [ptr::null_mut(); 8];
+        let mut count: c_uint = buf.len() as c_uint;
+        // SAFETY: declared signature; live instance handle; `buf` holds `count` writable slots
+        // and NVML writes at most that many, storing the number written into `count`.
+        match nvml_try(unsafe { f(gi.0, profile, buf.as_mut_ptr(), &mut count) }) {
+            Ok(()) => total += count,
+            Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::NotFound) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(total)
+}
+
+/// The GPU instances of one profile on `parent` (`nvmlDeviceGetGpuInstances`), with their ids
+/// and placements.
+pub fn gpu_instances(
+    nvml: &Nvml,
+    parent: &Device<'_>,
+    profile_id: u32,
+) -> Result<Vec<(GpuInstance, u32, Placement)>, NvmlError> {
+    let lib = nvml.lib();
+    let list = nvml_sym(lib.nvmlDeviceGetGpuInstances.as_ref())?;
+    let get_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref())?;
+    let mut buf = [ptr::null_mut(); 8];
+    let mut count: c_uint = buf.len() as c_uint;
+    // SAFETY: declared signature; live parent handle; `buf` holds `count` writable slots.
+    nvml_try(unsafe { list(parent.handle(), profile_id, buf.as_mut_ptr(), &mut count) })?;
+    let mut out = Vec::new();
+    for &gi in buf.iter().take(count as usize) {
+        if gi.is_null() {
+            continue;
+        }
+        let mut info = nvmlGpuInstanceInfo_t {
+            device: ptr::null_mut(),
+            id: 0,
+            profileId: 0,
+            placement: nvmlGpuInstancePlacement_t { start: 0, size: 0 },
+        };
+        // SAFETY: declared signature; `gi` is a handle NVML just listed; `info` is writable.
+        nvml_try(unsafe { get_info(gi, &mut info) })?;
+        out.push((
+            GpuInstance(gi),
+            info.id,
+            Placement {
+                start: info.placement.start,
+                size: info.placement.size,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// `nvmlComputeInstanceDestroy`.
+pub fn destroy_compute_instance(nvml: &Nvml, ci: ComputeInstance) -> Result<(), NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlComputeInstanceDestroy.as_ref())?;
+    // SAFETY: declared signature; a live compute instance handle, not used after this call.
+    nvml_try(unsafe { f(ci.0) })
+}
+
+/// `nvmlGpuInstanceDestroy`.
+pub fn destroy_gpu_instance(nvml: &Nvml, gi: GpuInstance) -> Result<(), NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlGpuInstanceDestroy.as_ref())?;
+    // SAFETY: declared signature; a live GPU instance handle, not used after this call.
+    nvml_try(unsafe { f(gi.0) })
+}
+
+/// Whether the loaded library has every symbol MIG creation and destruction need.
+pub fn has_mig_reconfiguration(nvml: &Nvml) -> Result<(), &'static str> {
+    let lib = nvml.lib();
+    for (name, present) in [
+        (
+            "nvmlDeviceCreateGpuInstanceWithPlacement",
+            lib.nvmlDeviceCreateGpuInstanceWithPlacement.is_ok(),
+        ),
+        (
+            "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+            lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.is_ok(),
+        ),
+        (
+            "nvmlGpuInstanceCreateComputeInstance",
+            lib.nvmlGpuInstanceCreateComputeInstance.is_ok(),
+        ),
+        (
+            "nvmlComputeInstanceGetInfo_v2",
+            lib.nvmlComputeInstanceGetInfo_v2.is_ok(),
+        ),
+        (
+            "nvmlGpuInstanceGetComputeInstanceById",
+            lib.nvmlGpuInstanceGetComputeInstanceById.is_ok(),
+        ),
+        (
+            "nvmlComputeInstanceDestroy",
+            lib.nvmlComputeInstanceDestroy.is_ok(),
+        ),
+        ("nvmlGpuInstanceDestroy", lib.nvmlGpuInstanceDestroy.is_ok()),
+    ] {
+        if !present {
+            return Err(name);
+        }
+    }
+    Ok(())
 }

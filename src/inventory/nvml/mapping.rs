@@ -217,10 +217,13 @@ pub(super) fn map_gpu(
         memory_bytes,
         notes,
     );
+    // The largest GPU-instance profile spans the GPU; without MIG, the device's attributes
+    // where the driver gives them for a whole GPU.
     let engines = gi_profiles
         .iter()
         .max_by_key(|p| (p.info.slice_count, p.info.memory_size_mb))
         .map(|p| profile_engines(&p.info))
+        .or_else(|| attributes.as_ref().ok().map(attribute_engines))
         .unwrap_or_default();
 
     let nvlink_peers = fabric::map_nvlinks((index, &gpu), &pci_bus_id, &nvlinks, node_buses, notes);

@@ -2,7 +2,17 @@
 //!
 //! It exports the NVML functions the backend calls, with NVML's C signatures and return codes,
 //! and answers them from one of two fixed nodes, chosen by the environment variable
-//! `FAKE_NVML_NODE` when `nvmlInit_v2` runs (an unknown value makes `nvmlInit_v2` fail).
+//! `FAKE_NVML_NODE` when `nvmlInit_v2` runs (an unknown value makes `nvmlInit_v2` fail), or from
+//! a topology: `FAKE_NVML_PROFILE=<built-in profile>` or `FAKE_NVML_TOPOLOGY=<file>`, parsed by
+//! nvdra's own topology reader with the seed `FAKE_NVML_SEED` (default `fake-node`; give the
+//! node name the simulated backend is given to get the same UUIDs). See [`profile`] for how a
+//! topology becomes NVML answers.
+//!
+//! MIG instances are state: `nvmlDeviceCreateGpuInstanceWithPlacement`,
+//! `nvmlGpuInstanceCreateComputeInstance` and their destroy calls change what the listing calls
+//! answer. `FAKE_NVML_STATE=<file>` keeps them in a file ([`state`]) that outlives the process,
+//! as a GPU outlives the daemon using it. A repeated `nvmlInit_v2` with the same environment
+//! keeps the node as it is.
 //!
 //! Unset (or `a100-l40s`): NVSwitches at real-looking PCI addresses, no fabric support.
 //!
@@ -35,18 +45,29 @@
 // The safety contract of every export is nvml.h's, stated once above.
 #![allow(clippy::missing_safety_doc)]
 
-use std::ffi::c_char;
-use std::os::raw::{c_int, c_uint, c_ulonglong};
+pub mod model;
+pub mod profile;
+pub mod state;
+
+use std::ffi::{CStr, c_char};
+use std::os::raw::{c_int, c_uint};
+use std::path::PathBuf;
 use std::ptr;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use nvml_wrapper_sys::bindings::*;
+
+use model::{CI_SLICES, ComputeInstance, Fabric, Gpu, GpuInstance, MAX_MIG_DEVICES, Model};
 
 const SUCCESS: nvmlReturn_t = nvmlReturn_enum_NVML_SUCCESS;
 const INVALID: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
 const NOT_SUPPORTED: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED;
 const NOT_FOUND: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_NOT_FOUND;
 const INSUFFICIENT_SIZE: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE;
+const INSUFFICIENT_RESOURCES: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
+const IN_USE: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_IN_USE;
+const UNINITIALIZED: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
 const UNKNOWN: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
 const FUNCTION_NOT_FOUND: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_FUNCTION_NOT_FOUND;
 const VERSION_MISMATCH: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
@@ -58,275 +79,44 @@ pub const CLUSTER_UUID: [u8; 16] = [
 /// Their clique.
 pub const CLIQUE_ID: c_uint = 32766;
 
-const MAX_MIG_DEVICES: c_uint = 7;
-
-struct Profile {
-    index: c_uint,
-    id: c_uint,
-    slices: c_uint,
-    instances: c_uint,
-    mib: c_ulonglong,
-    sms: c_uint,
-    /// Copy engines, decoders, JPEG, OFA.
-    engines: [c_uint; 4],
-    size: c_uint,
-    starts: &'static [c_uint],
+/// The node, its environment key (what `nvmlInit_v2` read), and the state file.
+struct Loaded {
+    key: String,
+    model: Model,
+    state: Option<PathBuf>,
 }
 
-/// An A100-40GB's GPU-instance profiles, by `NVML_GPU_INSTANCE_PROFILE_*` index.
-const A100_PROFILES: &[Profile] = &[
-    profile(
-        0,
-        19,
-        1,
-        7,
-        4864,
-        14,
-        [1, 0, 0, 0],
-        1,
-        &[0, 1, 2, 3, 4, 5, 6],
-    ),
-    profile(1, 14, 2, 3, 9856, 28, [2, 1, 0, 0], 2, &[0, 2, 4]),
-    profile(2, 9, 3, 2, 19968, 42, [3, 2, 0, 0], 4, &[0, 4]),
-    profile(3, 5, 4, 1, 19968, 56, [4, 2, 0, 0], 4, &[0]),
-    profile(4, 0, 7, 1, 40192, 98, [7, 5, 1, 1], 8, &[0]),
-    profile(
-        7,
-        20,
-        1,
-        1,
-        4864,
-        14,
-        [1, 1, 1, 1],
-        1,
-        &[0, 1, 2, 3, 4, 5, 6],
-    ),
-    profile(9, 15, 1, 4, 9856, 14, [1, 1, 0, 0], 2, &[0, 2, 4, 6]),
-];
-
-#[allow(clippy::too_many_arguments)]
-const fn profile(
-    index: c_uint,
-    id: c_uint,
-    slices: c_uint,
-    instances: c_uint,
-    mib: c_ulonglong,
-    sms: c_uint,
-    engines: [c_uint; 4],
-    size: c_uint,
-    starts: &'static [c_uint],
-) -> Profile {
-    Profile {
-        index,
-        id,
-        slices,
-        instances,
-        mib,
-        sms,
-        engines,
-        size,
-        starts,
-    }
-}
-
-struct Mig {
-    slot: c_uint,
-    uuid: &'static str,
-    gi_id: c_uint,
-    ci_id: c_uint,
-    /// Index into `A100_PROFILES`.
-    profile: usize,
-    start: c_uint,
-}
-
-struct Gpu {
-    name: &'static str,
-    uuid: &'static str,
-    bus: &'static str,
-    minor: c_uint,
-    arch: nvmlDeviceArchitecture_t,
-    cc: (c_int, c_int),
-    mib: c_ulonglong,
-    /// `None`: `nvmlDeviceGetNumGpuCores` answers NOT_SUPPORTED.
-    cores: Option<c_uint>,
-    /// `Some`: the full GPU answers `nvmlDeviceGetAttributes_v2` with this SM count (most
-    /// drivers answer only for MIG devices).
-    attribute_sms: Option<c_uint>,
-    /// MIG mode (current, pending); `None` when the GPU cannot do MIG.
-    mig_mode: Option<(c_uint, c_uint)>,
-    migs: &'static [Mig],
-    /// Number of NVLinks; 0 when the GPU has none.
-    links: c_uint,
-    switches: Switches,
-    fabric: FakeFabric,
-}
-
-/// Where a GPU's NVLinks say their switches are.
-#[derive(Clone, Copy)]
-enum Switches {
-    /// Link `n` reaches `SWITCHES[n % 6]`.
-    Real,
-    /// The invalid address in the numeric fields, this bus-id string.
-    Sentinel(&'static str),
-}
-
-#[derive(Clone, Copy)]
-enum FakeFabric {
-    /// The call answers NOT_SUPPORTED.
-    NotSupported,
-    /// A registration in this `NVML_GPU_FABRIC_STATE_*`, in [`CLUSTER_UUID`] / [`CLIQUE_ID`].
-    State(u32),
-}
-
-const SWITCHES: [&str; 6] = [
-    "00000000:01:00.0",
-    "00000000:02:00.0",
-    "00000000:03:00.0",
-    "00000000:04:00.0",
-    "00000000:05:00.0",
-    "00000000:06:00.0",
-];
-
-static A100_L40S: [Gpu; 3] = [
-    Gpu {
-        name: "NVIDIA A100-SXM4-40GB",
-        uuid: "GPU-f00d0000-0000-4000-8000-000000000000",
-        bus: "00000000:07:00.0",
-        minor: 0,
-        arch: NVML_DEVICE_ARCH_AMPERE,
-        cc: (8, 0),
-        mib: 40960,
-        cores: Some(6912),
-        attribute_sms: None,
-        mig_mode: Some((1, 1)),
-        migs: &[
-            Mig {
-                slot: 0,
-                uuid: "MIG-f00d0000-0000-5000-8000-000000000001",
-                gi_id: 1,
-                ci_id: 0,
-                profile: 2,
-                start: 0,
-            },
-            Mig {
-                slot: 2,
-                uuid: "MIG-f00d0000-0000-5000-8000-000000000007",
-                gi_id: 7,
-                ci_id: 0,
-                profile: 0,
-                start: 6,
-            },
-        ],
-        links: 12,
-        switches: Switches::Real,
-        fabric: FakeFabric::NotSupported,
-    },
-    Gpu {
-        name: "NVIDIA A100-SXM4-40GB",
-        uuid: "GPU-f00d0000-0000-4000-8000-000000000001",
-        bus: "00000000:0F:00.0",
-        minor: 1,
-        arch: NVML_DEVICE_ARCH_AMPERE,
-        cc: (8, 0),
-        mib: 40960,
-        cores: Some(6912),
-        attribute_sms: None,
-        mig_mode: Some((0, 0)),
-        migs: &[],
-        links: 12,
-        switches: Switches::Real,
-        fabric: FakeFabric::NotSupported,
-    },
-    Gpu {
-        name: "NVIDIA L40S",
-        uuid: "GPU-f00d0000-0000-4000-8000-000000000002",
-        bus: "00000000:B1:00.0",
-        minor: 5,
-        arch: NVML_DEVICE_ARCH_ADA,
-        cc: (8, 9),
-        mib: 46068,
-        cores: Some(18176),
-        attribute_sms: None,
-        mig_mode: None,
-        migs: &[],
-        links: 0,
-        switches: Switches::Real,
-        fabric: FakeFabric::NotSupported,
-    },
-];
-
-const fn h100(
-    index: usize,
-    bus: &'static str,
-    switch_bus_id: &'static str,
-    fabric_state: Option<u32>,
-) -> Gpu {
-    const UUIDS: [&str; 8] = [
-        "GPU-f00d0100-0000-4000-8000-000000000000",
-        "GPU-f00d0100-0000-4000-8000-000000000001",
-        "GPU-f00d0100-0000-4000-8000-000000000002",
-        "GPU-f00d0100-0000-4000-8000-000000000003",
-        "GPU-f00d0100-0000-4000-8000-000000000004",
-        "GPU-f00d0100-0000-4000-8000-000000000005",
-        "GPU-f00d0100-0000-4000-8000-000000000006",
-        "GPU-f00d0100-0000-4000-8000-000000000007",
-    ];
-    Gpu {
-        name: "NVIDIA H100 80GB HBM3",
-        uuid: UUIDS[index],
-        bus,
-        minor: index as c_uint,
-        arch: NVML_DEVICE_ARCH_HOPPER,
-        cc: (9, 0),
-        mib: 81559,
-        cores: Some(16896),
-        attribute_sms: None,
-        mig_mode: None,
-        migs: &[],
-        links: 18,
-        switches: Switches::Sentinel(switch_bus_id),
-        fabric: match fabric_state {
-            Some(state) => FakeFabric::State(state),
-            None => FakeFabric::NotSupported,
-        },
-    }
-}
-
-const COMPLETED: Option<u32> = Some(NVML_GPU_FABRIC_STATE_COMPLETED);
-const SENTINEL: &str = "FFFFFFFF:FF:FF.0";
-
-static HGX_H100_SENTINEL: [Gpu; 8] = [
-    h100(0, "00000000:1A:00.0", SENTINEL, COMPLETED),
-    h100(1, "00000000:1B:00.0", SENTINEL, COMPLETED),
-    h100(2, "00000000:4A:00.0", SENTINEL, COMPLETED),
-    h100(3, "00000000:4B:00.0", SENTINEL, COMPLETED),
-    h100(4, "00000000:8A:00.0", SENTINEL, COMPLETED),
-    h100(5, "00000000:8B:00.0", SENTINEL, COMPLETED),
-    Gpu {
-        cores: None,
-        attribute_sms: Some(132),
-        ..h100(
-            6,
-            "00000000:CA:00.0",
-            "ffffffff:ff:ff.0",
-            Some(NVML_GPU_FABRIC_STATE_IN_PROGRESS),
-        )
-    },
-    Gpu {
-        cores: None,
-        ..h100(7, "00000000:CB:00.0", "", None)
-    },
-];
-
-/// 0: `a100-l40s`, 1: `hgx-h100-sentinel`; set by `nvmlInit_v2`.
-static NODE: AtomicU8 = AtomicU8::new(0);
+static NODE: Mutex<Option<Loaded>> = Mutex::new(None);
 /// 3, 2 or 1: the newest fabric-info struct version the driver takes; set by `nvmlInit_v2`.
 static FABRIC_API: AtomicU8 = AtomicU8::new(3);
 
-fn gpus() -> &'static [Gpu] {
-    match NODE.load(Ordering::Relaxed) {
-        1 => &HGX_H100_SENTINEL,
-        _ => &A100_L40S,
+fn node() -> MutexGuard<'static, Option<Loaded>> {
+    // A panic while answering cannot leave the model half-changed in a way worse than the
+    // panic; keep answering.
+    NODE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `f` on the initialized node; `NVML_ERROR_UNINITIALIZED` before `nvmlInit_v2`.
+fn with(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
+    match node().as_mut() {
+        Some(l) => f(&mut l.model),
+        None => UNINITIALIZED,
+    }
+}
+
+/// As [`with`], then writes the state file: for the calls that change MIG instances.
+fn changing(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
+    match node().as_mut() {
+        Some(l) => {
+            let r = f(&mut l.model);
+            if r == SUCCESS
+                && let Some(path) = &l.state
+            {
+                state::save(path, &l.model);
+            }
+            r
+        }
+        None => UNINITIALIZED,
     }
 }
 
@@ -337,40 +127,73 @@ fn gpus() -> &'static [Gpu] {
 const GPU_BASE: usize = 0x1000;
 const MIG_BASE: usize = 0x2000;
 const GI_BASE: usize = 0x3000;
+const CI_BASE: usize = 0x10_0000;
 
 fn handle<T>(n: usize) -> *mut T {
     ptr::without_provenance_mut(n)
 }
 
 enum Dev {
-    Gpu(&'static Gpu),
-    Mig(&'static Mig),
+    Gpu(usize),
+    /// GPU index and MIG handle slot.
+    Mig(usize, c_uint),
 }
 
-fn device(d: nvmlDevice_t) -> Option<Dev> {
+fn device(m: &Model, d: nvmlDevice_t) -> Option<Dev> {
     let n = d.addr();
-    let gpus = gpus();
-    if (GPU_BASE..GPU_BASE + gpus.len()).contains(&n) {
-        return Some(Dev::Gpu(&gpus[n - GPU_BASE]));
+    if (GPU_BASE..GPU_BASE + m.gpus.len()).contains(&n) {
+        return Some(Dev::Gpu(n - GPU_BASE));
     }
-    let (g, slot) = ((n.checked_sub(MIG_BASE)?) / 0x100, (n - MIG_BASE) % 0x100);
-    let gpu = gpus.get(g).filter(|_| n < GI_BASE)?;
-    let mig = gpu.migs.iter().find(|m| m.slot as usize == slot)?;
-    Some(Dev::Mig(mig))
+    if !(MIG_BASE..GI_BASE).contains(&n) {
+        return None;
+    }
+    let (g, slot) = ((n - MIG_BASE) / 0x100, ((n - MIG_BASE) % 0x100) as c_uint);
+    m.gpus.get(g)?.mig_at(slot)?;
+    Some(Dev::Mig(g, slot))
 }
 
-fn gpu(d: nvmlDevice_t) -> Option<&'static Gpu> {
-    match device(d)? {
-        Dev::Gpu(g) => Some(g),
-        Dev::Mig(_) => None,
+fn gpu(m: &Model, d: nvmlDevice_t) -> Option<&Gpu> {
+    match device(m, d)? {
+        Dev::Gpu(g) => m.gpus.get(g),
+        Dev::Mig(..) => None,
     }
 }
 
-fn gpu_index(g: &Gpu) -> usize {
-    gpus()
+fn gpu_handle(g: usize) -> nvmlDevice_t {
+    handle(GPU_BASE + g)
+}
+
+fn gi_handle(g: usize, gi: c_uint) -> nvmlGpuInstance_t {
+    handle(GI_BASE + g * 0x100 + gi as usize)
+}
+
+/// (GPU index, GPU-instance id) of a live GPU-instance handle.
+fn gi_of(m: &Model, gi: nvmlGpuInstance_t) -> Option<(usize, c_uint)> {
+    let n = gi.addr().checked_sub(GI_BASE).filter(|n| *n < 0x1000)?;
+    let (g, id) = (n / 0x100, (n % 0x100) as c_uint);
+    m.gpus.get(g)?.instance(id)?;
+    Some((g, id))
+}
+
+fn ci_handle(g: usize, gi: c_uint, ci: c_uint) -> nvmlComputeInstance_t {
+    handle(CI_BASE + g * 0x1_0000 + gi as usize * 0x100 + ci as usize)
+}
+
+/// (GPU index, GPU-instance id, compute-instance id) of a live compute-instance handle.
+fn ci_of(m: &Model, ci: nvmlComputeInstance_t) -> Option<(usize, c_uint, c_uint)> {
+    let n = ci.addr().checked_sub(CI_BASE)?;
+    let (g, gi, id) = (
+        n / 0x1_0000,
+        ((n / 0x100) % 0x100) as c_uint,
+        (n % 0x100) as c_uint,
+    );
+    m.gpus
+        .get(g)?
+        .instance(gi)?
+        .compute
         .iter()
-        .position(|x| ptr::eq(x, g))
-        .unwrap_or_default()
+        .find(|c| c.id == id)?;
+    Some((g, gi, id))
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -401,59 +224,103 @@ unsafe fn put_str(buf: *mut c_char, len: c_uint, s: &str) -> nvmlReturn_t {
     SUCCESS
 }
 
-fn c_chars<const N: usize>(s: &str) -> [c_char; N] {
-    let mut out = [0 as c_char; N];
-    for (o, b) in out.iter_mut().zip(s.bytes().take(N - 1)) {
-        *o = b as c_char;
+/// Writes `items` into a caller's buffer of `*count` elements, NVML's way: the number written
+/// (or needed) goes back into `count`.
+unsafe fn put_list<T: Copy>(buf: *mut T, count: *mut c_uint, items: &[T]) -> nvmlReturn_t {
+    if count.is_null() || buf.is_null() {
+        return INVALID;
     }
-    out
-}
-
-/// PCI info with the numeric fields parsed from `bus` (`dddddddd:bb:dd.f`), as NVML fills them.
-fn pci(bus: &str) -> nvmlPciInfo_t {
-    let mut parts = bus.split([':', '.']);
-    let mut next = || u32::from_str_radix(parts.next().unwrap_or_default(), 16).unwrap_or(0);
-    let (domain, bus_no, device) = (next(), next(), next());
-    nvmlPciInfo_t {
-        busIdLegacy: c_chars(bus),
-        domain,
-        bus: bus_no,
-        device,
-        pciDeviceId: 0,
-        pciSubSystemId: 0,
-        busId: c_chars(bus),
+    let n = items.len() as c_uint;
+    // SAFETY: `count` is non-null and valid for reads and writes (nvml.h).
+    if unsafe { *count } < n {
+        unsafe { count.write(n) };
+        return INSUFFICIENT_SIZE;
     }
-}
-
-/// What NVSwitch baseboards report for a switch link: the invalid address, whatever the string.
-fn sentinel_pci(bus_id: &str) -> nvmlPciInfo_t {
-    nvmlPciInfo_t {
-        domain: 0xFFFF_FFFF,
-        bus: 0xFF,
-        device: 0xFF,
-        ..pci(bus_id)
+    for (i, item) in items.iter().enumerate() {
+        // SAFETY: the caller's buffer holds `*count >= n` elements.
+        unsafe { buf.add(i).write(*item) };
     }
+    unsafe { put(count, n) }
 }
 
 // ------------------------------------------------------------------------------------------------
 // System
 // ------------------------------------------------------------------------------------------------
 
-/// Reads `FAKE_NVML_NODE` and `FAKE_NVML_FABRIC_API` (see the crate doc).
+/// Builds the node the environment names (see the crate doc).
+fn load_node() -> Result<(String, Model), String> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let seed = var("FAKE_NVML_SEED").unwrap_or_else(|| "fake-node".into());
+    let key = format!(
+        "{:?} {:?} {:?} {seed}",
+        var("FAKE_NVML_NODE"),
+        var("FAKE_NVML_PROFILE"),
+        var("FAKE_NVML_TOPOLOGY")
+    );
+    let topology = match (var("FAKE_NVML_PROFILE"), var("FAKE_NVML_TOPOLOGY")) {
+        (Some(name), _) => Some(nvdra::inventory::topology::load_profile(&name, &seed)),
+        (None, Some(path)) => Some(nvdra::inventory::topology::load_file(
+            std::path::Path::new(&path),
+            &seed,
+        )),
+        (None, None) => None,
+    };
+    let model = match topology {
+        Some(inv) => profile::model(&inv.map_err(|e| e.to_string())?),
+        None => {
+            let gpus = match var("FAKE_NVML_NODE").as_deref() {
+                None | Some("a100-l40s") => model::a100_l40s(),
+                Some("hgx-h100-sentinel") => model::hgx_h100_sentinel(),
+                Some(other) => return Err(format!("unknown FAKE_NVML_NODE {other:?}")),
+            };
+            Model {
+                driver_version: "550.163.01".into(),
+                cuda_version: 12040,
+                gpus,
+                created: 0,
+            }
+        }
+    };
+    Ok((key, model))
+}
+
+/// Reads `FAKE_NVML_NODE`, `FAKE_NVML_PROFILE`, `FAKE_NVML_TOPOLOGY`, `FAKE_NVML_SEED`,
+/// `FAKE_NVML_STATE` and `FAKE_NVML_FABRIC_API` (see the crate doc).
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
-    let node = match std::env::var("FAKE_NVML_NODE").as_deref() {
-        Err(_) | Ok("" | "a100-l40s") => 0,
-        Ok("hgx-h100-sentinel") => 1,
-        Ok(_) => return UNKNOWN,
-    };
     let api = match std::env::var("FAKE_NVML_FABRIC_API").as_deref() {
         Err(_) | Ok("" | "v3") => 3,
         Ok("v2") => 2,
         Ok("v1") => 1,
         Ok(_) => return UNKNOWN,
     };
-    NODE.store(node, Ordering::Relaxed);
+    let state = std::env::var_os("FAKE_NVML_STATE")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from);
+    let (key, mut model) = match load_node() {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("fake-nvml: {e}");
+            return UNKNOWN;
+        }
+    };
+    let mut loaded = node();
+    if loaded
+        .as_ref()
+        .is_some_and(|l| l.key == key && l.state == state)
+    {
+        FABRIC_API.store(api, Ordering::Relaxed);
+        return SUCCESS;
+    }
+    if let Some(path) = &state {
+        if path.exists() {
+            state::load(path, &mut model);
+        } else {
+            // From the first init on, the file says what the GPUs hold.
+            state::save(path, &model);
+        }
+    }
+    *loaded = Some(Loaded { key, model, state });
     FABRIC_API.store(api, Ordering::Relaxed);
     SUCCESS
 }
@@ -465,17 +332,17 @@ pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> nvmlReturn_t {
-    unsafe { put_str(buf, len, "550.163.01") }
+    with(|m| unsafe { put_str(buf, len, &m.driver_version) })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(v: *mut c_int) -> nvmlReturn_t {
-    unsafe { put(v, 12040) }
+    with(|m| unsafe { put(v, m.cuda_version) })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
-    unsafe { put(count, gpus().len() as c_uint) }
+    with(|m| unsafe { put(count, m.gpus.len() as c_uint) })
 }
 
 #[unsafe(no_mangle)]
@@ -483,10 +350,37 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     index: c_uint,
     out: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
-    if index as usize >= gpus().len() {
+    with(|m| {
+        if index as usize >= m.gpus.len() {
+            return INVALID;
+        }
+        unsafe { put(out, gpu_handle(index as usize)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
+    uuid: *const c_char,
+    out: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    if uuid.is_null() {
         return INVALID;
     }
-    unsafe { put(out, handle(GPU_BASE + index as usize)) }
+    // SAFETY: a NUL-terminated string (nvml.h).
+    let uuid = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
+    with(|m| match m.gpus.iter().position(|g| g.uuid == uuid) {
+        Some(i) => unsafe { put(out, gpu_handle(i)) },
+        None => NOT_FOUND,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(d: nvmlDevice_t, v: *mut c_uint) -> nvmlReturn_t {
+    with(|m| match device(m, d) {
+        Some(Dev::Gpu(g)) => unsafe { put(v, g as c_uint) },
+        Some(Dev::Mig(..)) => NOT_SUPPORTED,
+        None => INVALID,
+    })
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -499,11 +393,14 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     buf: *mut c_char,
     len: c_uint,
 ) -> nvmlReturn_t {
-    match device(d) {
-        Some(Dev::Gpu(g)) => unsafe { put_str(buf, len, g.uuid) },
-        Some(Dev::Mig(m)) => unsafe { put_str(buf, len, m.uuid) },
+    with(|m| match device(m, d) {
+        Some(Dev::Gpu(g)) => unsafe { put_str(buf, len, &m.gpus[g].uuid) },
+        Some(Dev::Mig(g, slot)) => match m.gpus[g].mig_at(slot) {
+            Some((_, ci)) => unsafe { put_str(buf, len, &ci.uuid) },
+            None => INVALID,
+        },
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -512,18 +409,18 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     buf: *mut c_char,
     len: c_uint,
 ) -> nvmlReturn_t {
-    match gpu(d) {
-        Some(g) => unsafe { put_str(buf, len, g.name) },
+    with(|m| match gpu(m, d) {
+        Some(g) => unsafe { put_str(buf, len, &g.name) },
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(d: nvmlDevice_t, v: *mut c_uint) -> nvmlReturn_t {
-    match gpu(d) {
+    with(|m| match gpu(m, d) {
         Some(g) => unsafe { put(v, g.minor) },
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -531,10 +428,10 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(
     d: nvmlDevice_t,
     v: *mut nvmlBrandType_t,
 ) -> nvmlReturn_t {
-    match gpu(d) {
-        Some(_) => unsafe { put(v, nvmlBrandType_enum_NVML_BRAND_NVIDIA) },
+    with(|m| match gpu(m, d) {
+        Some(g) => unsafe { put(v, g.brand) },
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -542,10 +439,10 @@ pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
     d: nvmlDevice_t,
     v: *mut nvmlDeviceArchitecture_t,
 ) -> nvmlReturn_t {
-    match gpu(d) {
+    with(|m| match gpu(m, d) {
         Some(g) => unsafe { put(v, g.arch) },
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -554,7 +451,7 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
     major: *mut c_int,
     minor: *mut c_int,
 ) -> nvmlReturn_t {
-    match gpu(d) {
+    with(|m| match gpu(m, d) {
         Some(g) => unsafe {
             match put(major, g.cc.0) {
                 SUCCESS => put(minor, g.cc.1),
@@ -562,7 +459,7 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
             }
         },
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -570,26 +467,28 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     d: nvmlDevice_t,
     v: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
-    let Some(g) = gpu(d) else { return INVALID };
-    let total = g.mib << 20;
-    let reserved = 583 << 20;
-    let info = nvmlMemory_v2_t {
-        version: (size_of::<nvmlMemory_v2_t>() | (2 << 24)) as c_uint,
-        total,
-        reserved,
-        free: total - reserved,
-        used: 0,
-    };
-    unsafe { put(v, info) }
+    with(|m| {
+        let Some(g) = gpu(m, d) else { return INVALID };
+        let total = g.memory_bytes;
+        let reserved = (583 << 20).min(total);
+        let info = nvmlMemory_v2_t {
+            version: (size_of::<nvmlMemory_v2_t>() | (2 << 24)) as c_uint,
+            total,
+            reserved,
+            free: total - reserved,
+            used: 0,
+        };
+        unsafe { put(v, info) }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(d: nvmlDevice_t, v: *mut c_uint) -> nvmlReturn_t {
-    match gpu(d).map(|g| g.cores) {
+    with(|m| match gpu(m, d).map(|g| g.cores) {
         Some(Some(cores)) => unsafe { put(v, cores) },
         Some(None) => NOT_SUPPORTED,
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -597,58 +496,63 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     d: nvmlDevice_t,
     v: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
-    match gpu(d) {
-        Some(g) => unsafe { put(v, pci(g.bus)) },
+    with(|m| match gpu(m, d) {
+        Some(g) => unsafe { put(v, model::pci(&g.bus)) },
         None => INVALID,
-    }
+    })
 }
 
-/// Full GPUs answer NotSupported, as most drivers do, unless `attribute_sms` is set; MIG devices
+/// Full GPUs answer NotSupported, as most drivers do, unless `attributes` is set; MIG devices
 /// answer their attributes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
     d: nvmlDevice_t,
     v: *mut nvmlDeviceAttributes_t,
 ) -> nvmlReturn_t {
-    match device(d) {
-        Some(Dev::Gpu(g)) => match g.attribute_sms {
-            Some(sms) => {
+    with(|m| match device(m, d) {
+        Some(Dev::Gpu(g)) => match m.gpus[g].attributes {
+            Some((sms, [ce, dec, enc, jpeg, ofa])) => {
                 let attrs = nvmlDeviceAttributes_t {
                     multiprocessorCount: sms,
-                    sharedCopyEngineCount: 0,
-                    sharedDecoderCount: 0,
-                    sharedEncoderCount: 0,
-                    sharedJpegCount: 0,
-                    sharedOfaCount: 0,
+                    sharedCopyEngineCount: ce,
+                    sharedDecoderCount: dec,
+                    sharedEncoderCount: enc,
+                    sharedJpegCount: jpeg,
+                    sharedOfaCount: ofa,
                     gpuInstanceSliceCount: 0,
                     computeInstanceSliceCount: 0,
-                    memorySizeMB: g.mib,
+                    memorySizeMB: m.gpus[g].memory_bytes >> 20,
                 };
                 unsafe { put(v, attrs) }
             }
             None => NOT_SUPPORTED,
         },
-        Some(Dev::Mig(m)) => {
-            let p = &A100_PROFILES[m.profile];
+        Some(Dev::Mig(g, slot)) => {
+            let gpu = &m.gpus[g];
+            let Some((gi, ci)) = gpu.mig_at(slot) else {
+                return INVALID;
+            };
+            let p = &gpu.profiles[gi.profile];
+            let [ce, dec, enc, jpeg, ofa] = p.engines;
             let attrs = nvmlDeviceAttributes_t {
-                multiprocessorCount: p.sms,
-                sharedCopyEngineCount: p.engines[0],
-                sharedDecoderCount: p.engines[1],
-                sharedEncoderCount: 0,
-                sharedJpegCount: p.engines[2],
-                sharedOfaCount: p.engines[3],
+                multiprocessorCount: p.sms * ci.slices / p.slices.max(1),
+                sharedCopyEngineCount: ce,
+                sharedDecoderCount: dec,
+                sharedEncoderCount: enc,
+                sharedJpegCount: jpeg,
+                sharedOfaCount: ofa,
                 gpuInstanceSliceCount: p.slices,
-                computeInstanceSliceCount: p.slices,
+                computeInstanceSliceCount: ci.slices,
                 memorySizeMB: p.mib,
             };
             unsafe { put(v, attrs) }
         }
         None => INVALID,
-    }
+    })
 }
 
 // ------------------------------------------------------------------------------------------------
-// MIG
+// MIG: reading
 // ------------------------------------------------------------------------------------------------
 
 #[unsafe(no_mangle)]
@@ -657,21 +561,27 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     current: *mut c_uint,
     pending: *mut c_uint,
 ) -> nvmlReturn_t {
-    let Some(g) = gpu(d) else { return INVALID };
-    let Some((c, p)) = g.mig_mode else {
-        return NOT_SUPPORTED;
-    };
-    unsafe {
-        match put(current, c) {
-            SUCCESS => put(pending, p),
-            e => e,
+    with(|m| {
+        let Some(g) = gpu(m, d) else { return INVALID };
+        let Some((c, p)) = g.mig_mode else {
+            return NOT_SUPPORTED;
+        };
+        unsafe {
+            match put(current, c) {
+                SUCCESS => put(pending, p),
+                e => e,
+            }
         }
-    }
+    })
 }
 
-fn mig_gpu(d: nvmlDevice_t) -> Result<&'static Gpu, nvmlReturn_t> {
-    let g = gpu(d).ok_or(INVALID)?;
-    g.mig_mode.map(|_| g).ok_or(NOT_SUPPORTED)
+/// The MIG-capable GPU behind a handle, by index.
+fn mig_gpu(m: &Model, d: nvmlDevice_t) -> Result<usize, nvmlReturn_t> {
+    match device(m, d) {
+        Some(Dev::Gpu(g)) if m.gpus[g].mig_mode.is_some() => Ok(g),
+        Some(Dev::Gpu(_)) => Err(NOT_SUPPORTED),
+        _ => Err(INVALID),
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -680,29 +590,33 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
     profile: c_uint,
     v: *mut nvmlGpuInstanceProfileInfo_t,
 ) -> nvmlReturn_t {
-    if let Err(e) = mig_gpu(d) {
-        return e;
-    }
-    if profile >= NVML_GPU_INSTANCE_PROFILE_COUNT {
-        return INVALID;
-    }
-    let Some(p) = A100_PROFILES.iter().find(|p| p.index == profile) else {
-        return NOT_SUPPORTED;
-    };
-    let info = nvmlGpuInstanceProfileInfo_t {
-        id: p.id,
-        isP2pSupported: 0,
-        sliceCount: p.slices,
-        instanceCount: p.instances,
-        multiprocessorCount: p.sms,
-        copyEngineCount: p.engines[0],
-        decoderCount: p.engines[1],
-        encoderCount: 0,
-        jpegCount: p.engines[2],
-        ofaCount: p.engines[3],
-        memorySizeMB: p.mib,
-    };
-    unsafe { put(v, info) }
+    with(|m| {
+        let g = match mig_gpu(m, d) {
+            Ok(g) => &m.gpus[g],
+            Err(e) => return e,
+        };
+        if profile >= NVML_GPU_INSTANCE_PROFILE_COUNT {
+            return INVALID;
+        }
+        let Some(p) = g.profiles.iter().find(|p| p.index == profile) else {
+            return NOT_SUPPORTED;
+        };
+        let [ce, dec, enc, jpeg, ofa] = p.engines;
+        let info = nvmlGpuInstanceProfileInfo_t {
+            id: p.id,
+            isP2pSupported: 0,
+            sliceCount: p.slices,
+            instanceCount: p.instances,
+            multiprocessorCount: p.sms,
+            copyEngineCount: ce,
+            decoderCount: dec,
+            encoderCount: enc,
+            jpegCount: jpeg,
+            ofaCount: ofa,
+            memorySizeMB: p.mib,
+        };
+        unsafe { put(v, info) }
+    })
 }
 
 /// Takes the profile's `id` (not its index), like NVML.
@@ -713,32 +627,30 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     placements: *mut nvmlGpuInstancePlacement_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
-    if let Err(e) = mig_gpu(d) {
-        return e;
-    }
-    let Some(p) = A100_PROFILES.iter().find(|p| p.id == profile_id) else {
-        return NOT_SUPPORTED;
-    };
-    if count.is_null() {
-        return INVALID;
-    }
-    let n = p.starts.len() as c_uint;
-    if placements.is_null() {
-        return unsafe { put(count, n) };
-    }
-    // SAFETY: `count` is non-null and valid for reads and writes (nvml.h).
-    if unsafe { *count } < n {
-        return INSUFFICIENT_SIZE;
-    }
-    for (i, &start) in p.starts.iter().enumerate() {
-        let pl = nvmlGpuInstancePlacement_t {
-            start,
-            size: p.size,
+    with(|m| {
+        let g = match mig_gpu(m, d) {
+            Ok(g) => &m.gpus[g],
+            Err(e) => return e,
         };
-        // SAFETY: the caller's buffer holds `*count >= n` elements.
-        unsafe { placements.add(i).write(pl) };
-    }
-    unsafe { put(count, n) }
+        let Some(p) = g.profiles.iter().find(|p| p.id == profile_id) else {
+            return NOT_SUPPORTED;
+        };
+        if count.is_null() {
+            return INVALID;
+        }
+        if placements.is_null() {
+            return unsafe { put(count, p.starts.len() as c_uint) };
+        }
+        let all: Vec<nvmlGpuInstancePlacement_t> = p
+            .starts
+            .iter()
+            .map(|&start| nvmlGpuInstancePlacement_t {
+                start,
+                size: p.size,
+            })
+            .collect();
+        unsafe { put_list(placements, count, &all) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -746,10 +658,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
     d: nvmlDevice_t,
     v: *mut c_uint,
 ) -> nvmlReturn_t {
-    match mig_gpu(d) {
+    with(|m| match mig_gpu(m, d) {
         Ok(_) => unsafe { put(v, MAX_MIG_DEVICES) },
         Err(e) => e,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -758,22 +670,19 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
     index: c_uint,
     out: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
-    let g = match mig_gpu(d) {
-        Ok(g) => g,
-        Err(e) => return e,
-    };
-    if index >= MAX_MIG_DEVICES {
-        return INVALID;
-    }
-    match g.migs.iter().find(|m| m.slot == index) {
-        Some(m) => unsafe {
-            put(
-                out,
-                handle(MIG_BASE + gpu_index(g) * 0x100 + m.slot as usize),
-            )
-        },
-        None => NOT_FOUND,
-    }
+    with(|m| {
+        let g = match mig_gpu(m, d) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
+        if index >= MAX_MIG_DEVICES {
+            return INVALID;
+        }
+        match m.gpus[g].mig_at(index) {
+            Some(_) => unsafe { put(out, handle(MIG_BASE + g * 0x100 + index as usize)) },
+            None => NOT_FOUND,
+        }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -781,11 +690,14 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(
     d: nvmlDevice_t,
     v: *mut c_uint,
 ) -> nvmlReturn_t {
-    match device(d) {
-        Some(Dev::Mig(m)) => unsafe { put(v, m.gi_id) },
+    with(|m| match device(m, d) {
+        Some(Dev::Mig(g, slot)) => match m.gpus[g].mig_at(slot) {
+            Some((gi, _)) => unsafe { put(v, gi.id) },
+            None => INVALID,
+        },
         Some(Dev::Gpu(_)) => NOT_SUPPORTED,
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -793,11 +705,14 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
     d: nvmlDevice_t,
     v: *mut c_uint,
 ) -> nvmlReturn_t {
-    match device(d) {
-        Some(Dev::Mig(m)) => unsafe { put(v, m.ci_id) },
+    with(|m| match device(m, d) {
+        Some(Dev::Mig(g, slot)) => match m.gpus[g].mig_at(slot) {
+            Some((_, ci)) => unsafe { put(v, ci.id) },
+            None => INVALID,
+        },
         Some(Dev::Gpu(_)) => NOT_SUPPORTED,
         None => INVALID,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -806,19 +721,31 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
     id: c_uint,
     out: *mut nvmlGpuInstance_t,
 ) -> nvmlReturn_t {
-    let g = match mig_gpu(d) {
-        Ok(g) => g,
-        Err(e) => return e,
-    };
-    match g.migs.iter().find(|m| m.gi_id == id) {
-        Some(m) => unsafe {
-            put(
-                out,
-                handle(GI_BASE + gpu_index(g) * 0x100 + m.gi_id as usize),
-            )
+    with(|m| {
+        let g = match mig_gpu(m, d) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
+        match m.gpus[g].instance(id) {
+            Some(_) => unsafe { put(out, gi_handle(g, id)) },
+            None => NOT_FOUND,
+        }
+    })
+}
+
+fn gi_info(m: &Model, g: usize, id: c_uint) -> Option<nvmlGpuInstanceInfo_t> {
+    let gpu = &m.gpus[g];
+    let gi = gpu.instance(id)?;
+    let p = &gpu.profiles[gi.profile];
+    Some(nvmlGpuInstanceInfo_t {
+        device: gpu_handle(g),
+        id: gi.id,
+        profileId: p.id,
+        placement: nvmlGpuInstancePlacement_t {
+            start: gi.start,
+            size: p.size,
         },
-        None => NOT_FOUND,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -826,41 +753,306 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
     gi: nvmlGpuInstance_t,
     v: *mut nvmlGpuInstanceInfo_t,
 ) -> nvmlReturn_t {
-    let Some(n) = gi.addr().checked_sub(GI_BASE) else {
-        return INVALID;
-    };
-    let Some(g) = gpus().get(n / 0x100) else {
-        return INVALID;
-    };
-    let Some(m) = g.migs.iter().find(|m| m.gi_id as usize == n % 0x100) else {
-        return INVALID;
-    };
-    let p = &A100_PROFILES[m.profile];
-    let info = nvmlGpuInstanceInfo_t {
-        device: handle(GPU_BASE + gpu_index(g)),
-        id: m.gi_id,
-        profileId: p.id,
-        placement: nvmlGpuInstancePlacement_t {
-            start: m.start,
-            size: p.size,
+    with(
+        |m| match gi_of(m, gi).and_then(|(g, id)| gi_info(m, g, id)) {
+            Some(info) => unsafe { put(v, info) },
+            None => INVALID,
         },
-    };
-    unsafe { put(v, info) }
+    )
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
+    d: nvmlDevice_t,
+    profile_id: c_uint,
+    out: *mut nvmlGpuInstance_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    with(|m| {
+        let g = match mig_gpu(m, d) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
+        let gpu = &m.gpus[g];
+        if !gpu.profiles.iter().any(|p| p.id == profile_id) {
+            return INVALID;
+        }
+        let all: Vec<nvmlGpuInstance_t> = gpu
+            .instances
+            .iter()
+            .filter(|gi| gpu.profiles[gi.profile].id == profile_id)
+            .map(|gi| gi_handle(g, gi.id))
+            .collect();
+        unsafe { put_list(out, count, &all) }
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// MIG: creating and destroying
+// ------------------------------------------------------------------------------------------------
+
+/// Refuses outside MIG mode, at a placement the profile does not allow, over slices another
+/// instance holds, and past the profile's instance count.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
+    d: nvmlDevice_t,
+    profile_id: c_uint,
+    placement: *const nvmlGpuInstancePlacement_t,
+    out: *mut nvmlGpuInstance_t,
+) -> nvmlReturn_t {
+    if placement.is_null() || out.is_null() {
+        return INVALID;
+    }
+    // SAFETY: non-null and valid for reads (nvml.h).
+    let at = unsafe { placement.read() };
+    changing(|m| {
+        let g = match mig_gpu(m, d) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
+        let gpu = &mut m.gpus[g];
+        if gpu.mig_mode.map(|(current, _)| current) != Some(1) {
+            return NOT_SUPPORTED;
+        }
+        let Some(profile) = gpu.profiles.iter().position(|p| p.id == profile_id) else {
+            return INVALID;
+        };
+        let p = &gpu.profiles[profile];
+        if at.size != p.size || !p.starts.contains(&at.start) {
+            return INVALID;
+        }
+        let overlaps = gpu.instances.iter().any(|gi| {
+            let size = gpu.profiles[gi.profile].size;
+            at.start < gi.start + size && gi.start < at.start + at.size
+        });
+        let same = gpu
+            .instances
+            .iter()
+            .filter(|gi| gi.profile == profile)
+            .count();
+        if overlaps || same >= p.instances as usize {
+            return INSUFFICIENT_RESOURCES;
+        }
+        let id = (1..).find(|id| gpu.instance(*id).is_none()).unwrap_or(1);
+        gpu.instances.push(GpuInstance {
+            id,
+            profile,
+            start: at.start,
+            compute: Vec::new(),
+        });
+        unsafe { put(out, gi_handle(g, id)) }
+    })
+}
+
+/// Refuses while the instance holds compute instances, as NVML does.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceDestroy(gi: nvmlGpuInstance_t) -> nvmlReturn_t {
+    changing(|m| {
+        let Some((g, id)) = gi_of(m, gi) else {
+            return INVALID;
+        };
+        let gpu = &mut m.gpus[g];
+        if gpu.instance(id).is_some_and(|gi| !gi.compute.is_empty()) {
+            return IN_USE;
+        }
+        gpu.instances.retain(|gi| gi.id != id);
+        SUCCESS
+    })
+}
+
+/// Compute profiles up to the GPU instance's slice count (of the five plain ones), with ids
+/// equal to their index.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
+    gi: nvmlGpuInstance_t,
+    profile: c_uint,
+    eng_profile: c_uint,
+    v: *mut nvmlComputeInstanceProfileInfo_t,
+) -> nvmlReturn_t {
+    with(|m| {
+        let Some((g, id)) = gi_of(m, gi) else {
+            return INVALID;
+        };
+        if profile >= NVML_COMPUTE_INSTANCE_PROFILE_COUNT
+            || eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+        {
+            return INVALID;
+        }
+        let gpu = &m.gpus[g];
+        let Some(p) = gpu.instance(id).map(|gi| &gpu.profiles[gi.profile]) else {
+            return INVALID;
+        };
+        let slices = CI_SLICES[profile as usize];
+        if profile > NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE || slices > p.slices {
+            return NOT_SUPPORTED;
+        }
+        let [ce, dec, enc, jpeg, ofa] = p.engines;
+        let info = nvmlComputeInstanceProfileInfo_t {
+            id: profile,
+            sliceCount: slices,
+            instanceCount: p.slices / slices,
+            multiprocessorCount: p.sms * slices / p.slices.max(1),
+            sharedCopyEngineCount: ce,
+            sharedDecoderCount: dec,
+            sharedEncoderCount: enc,
+            sharedJpegCount: jpeg,
+            sharedOfaCount: ofa,
+        };
+        unsafe { put(v, info) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
+    gi: nvmlGpuInstance_t,
+    profile_id: c_uint,
+    out: *mut nvmlComputeInstance_t,
+) -> nvmlReturn_t {
+    if out.is_null() {
+        return INVALID;
+    }
+    changing(|m| {
+        let Some((g, id)) = gi_of(m, gi) else {
+            return INVALID;
+        };
+        if profile_id > NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE {
+            return NOT_SUPPORTED;
+        }
+        let slices = CI_SLICES[profile_id as usize];
+        let n = m.created;
+        let gpu = &mut m.gpus[g];
+        let Some(slot) = gpu.free_slot() else {
+            return INSUFFICIENT_RESOURCES;
+        };
+        let gpu_uuid = gpu.uuid.clone();
+        let Some(gi_slices) = gpu.instance(id).map(|gi| gpu.profiles[gi.profile].slices) else {
+            return INVALID;
+        };
+        let Some(inst) = gpu.instance_mut(id) else {
+            return INVALID;
+        };
+        let used: c_uint = inst.compute.iter().map(|c| c.slices).sum();
+        if slices > gi_slices || used + slices > gi_slices {
+            return INSUFFICIENT_RESOURCES;
+        }
+        let ci_id = (0..)
+            .find(|c| inst.compute.iter().all(|x| x.id != *c))
+            .unwrap_or(0);
+        // A new UUID per creation, as NVML gives: the parent's first group, then a counter.
+        let uuid = format!(
+            "MIG-{}-fa4e-5000-8000-{:012x}",
+            gpu_uuid.get(4..12).unwrap_or("00000000"),
+            n + 1
+        );
+        inst.compute.push(ComputeInstance {
+            id: ci_id,
+            profile: profile_id,
+            slices,
+            slot,
+            uuid,
+        });
+        m.created = n + 1;
+        unsafe { put(out, ci_handle(g, id, ci_id)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
+    ci: nvmlComputeInstance_t,
+    v: *mut nvmlComputeInstanceInfo_t,
+) -> nvmlReturn_t {
+    with(|m| {
+        let Some((g, gi, id)) = ci_of(m, ci) else {
+            return INVALID;
+        };
+        let Some(c) = m.gpus[g]
+            .instance(gi)
+            .and_then(|x| x.compute.iter().find(|c| c.id == id))
+        else {
+            return INVALID;
+        };
+        let info = nvmlComputeInstanceInfo_t {
+            device: gpu_handle(g),
+            gpuInstance: gi_handle(g, gi),
+            id,
+            profileId: c.profile,
+            placement: nvmlComputeInstancePlacement_t {
+                start: 0,
+                size: c.slices,
+            },
+        };
+        unsafe { put(v, info) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
+    gi: nvmlGpuInstance_t,
+    id: c_uint,
+    out: *mut nvmlComputeInstance_t,
+) -> nvmlReturn_t {
+    with(|m| {
+        let Some((g, gi_id)) = gi_of(m, gi) else {
+            return INVALID;
+        };
+        match m.gpus[g]
+            .instance(gi_id)
+            .and_then(|x| x.compute.iter().find(|c| c.id == id))
+        {
+            Some(_) => unsafe { put(out, ci_handle(g, gi_id, id)) },
+            None => NOT_FOUND,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
+    gi: nvmlGpuInstance_t,
+    profile_id: c_uint,
+    out: *mut nvmlComputeInstance_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    with(|m| {
+        let Some((g, gi_id)) = gi_of(m, gi) else {
+            return INVALID;
+        };
+        let all: Vec<nvmlComputeInstance_t> = m.gpus[g]
+            .instance(gi_id)
+            .map(|x| {
+                x.compute
+                    .iter()
+                    .filter(|c| c.profile == profile_id)
+                    .map(|c| ci_handle(g, gi_id, c.id))
+                    .collect()
+            })
+            .unwrap_or_default();
+        unsafe { put_list(out, count, &all) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlComputeInstanceDestroy(ci: nvmlComputeInstance_t) -> nvmlReturn_t {
+    changing(|m| {
+        let Some((g, gi, id)) = ci_of(m, ci) else {
+            return INVALID;
+        };
+        if let Some(x) = m.gpus[g].instance_mut(gi) {
+            x.compute.retain(|c| c.id != id);
+        }
+        SUCCESS
+    })
 }
 
 // ------------------------------------------------------------------------------------------------
 // NVLink
 // ------------------------------------------------------------------------------------------------
 
-fn nvlink(d: nvmlDevice_t, link: c_uint) -> Result<&'static Gpu, nvmlReturn_t> {
-    let g = gpu(d).ok_or(INVALID)?;
-    if g.links == 0 {
+fn nvlink(m: &Model, d: nvmlDevice_t, link: c_uint) -> Result<model::Link, nvmlReturn_t> {
+    let g = gpu(m, d).ok_or(INVALID)?;
+    if g.links.is_empty() {
         return Err(NOT_SUPPORTED);
     }
-    if link >= g.links {
-        return Err(INVALID);
-    }
-    Ok(g)
+    g.links.get(link as usize).copied().ok_or(INVALID)
 }
 
 #[unsafe(no_mangle)]
@@ -869,10 +1061,10 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
     link: c_uint,
     v: *mut nvmlEnableState_t,
 ) -> nvmlReturn_t {
-    match nvlink(d, link) {
+    with(|m| match nvlink(m, d, link) {
         Ok(_) => unsafe { put(v, nvmlEnableState_enum_NVML_FEATURE_ENABLED) },
         Err(e) => e,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -881,13 +1073,10 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
     link: c_uint,
     v: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
-    match nvlink(d, link) {
-        Ok(g) => match g.switches {
-            Switches::Real => unsafe { put(v, pci(SWITCHES[link as usize % SWITCHES.len()])) },
-            Switches::Sentinel(bus_id) => unsafe { put(v, sentinel_pci(bus_id)) },
-        },
+    with(|m| match nvlink(m, d, link) {
+        Ok(l) => unsafe { put(v, l.remote) },
         Err(e) => e,
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -896,15 +1085,10 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemoteDeviceType(
     link: c_uint,
     v: *mut nvmlIntNvLinkDeviceType_t,
 ) -> nvmlReturn_t {
-    match nvlink(d, link) {
-        Ok(_) => unsafe {
-            put(
-                v,
-                nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH,
-            )
-        },
+    with(|m| match nvlink(m, d, link) {
+        Ok(l) => unsafe { put(v, l.kind) },
         Err(e) => e,
-    }
+    })
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -920,10 +1104,16 @@ const FABRIC_V3: c_uint = fabric_version::<nvmlGpuFabricInfo_v3_t>(3);
 
 /// (cluster UUID, status, clique, state) of a GPU's registration.
 fn fabric(d: nvmlDevice_t) -> Result<([u8; 16], nvmlReturn_t, c_uint, u8), nvmlReturn_t> {
-    let g = gpu(d).ok_or(INVALID)?;
+    let n = node();
+    let m = &n.as_ref().ok_or(UNINITIALIZED)?.model;
+    let g = gpu(m, d).ok_or(INVALID)?;
     match g.fabric {
-        FakeFabric::NotSupported => Err(NOT_SUPPORTED),
-        FakeFabric::State(state) => Ok((CLUSTER_UUID, SUCCESS, CLIQUE_ID, state as u8)),
+        Fabric::NotSupported => Err(NOT_SUPPORTED),
+        Fabric::State {
+            cluster,
+            clique,
+            state,
+        } => Ok((cluster, SUCCESS, clique, state as u8)),
     }
 }
 

@@ -1,0 +1,348 @@
+//! What prepare changes on a GPU through the NVML backend: MIG devices created at a placement and
+//! destroyed (through NVML), and the compute time slice (through `nvidia-smi` under the driver
+//! root, as NVIDIA's DRA driver sets it on bare metal: NVML has no call for it).
+//!
+//! A MIG device is a GPU instance with one compute instance spanning it. Creation makes the GPU
+//! instance, then the compute instance, and destroys the GPU instance again when the second step
+//! fails. A GPU instance without any compute instance — what a crash between the two steps
+//! leaves — is nobody's: it is destroyed when it stands in the way of a new one.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, Nvml};
+
+use super::capture::{read_gi_profiles, read_mig_devices};
+use super::ffi;
+use super::mapping::map_mig_device;
+use crate::inventory::{Error, GpuUuid, MigDevice, MigUuid, Placement, Result, TimeSlice};
+
+/// Where `nvidia-smi` is looked for under the driver root, in order (the layout of the host's
+/// `/` and of NVIDIA's driver container).
+const BIN_DIRS: &[&str] = &["usr/bin", "usr/sbin", "bin", "sbin", "usr/local/bin"];
+
+/// `nvidia-smi` under `driver_root`, if there is one.
+pub(super) fn find_nvidia_smi(driver_root: &Path) -> Option<PathBuf> {
+    BIN_DIRS
+        .iter()
+        .map(|d| driver_root.join(d).join("nvidia-smi"))
+        .find(|p| p.is_file())
+}
+
+/// Why time slicing cannot be set under `driver_root`.
+pub(super) fn no_nvidia_smi(driver_root: &Path) -> String {
+    format!(
+        "no nvidia-smi under the driver root {} (looked in {})",
+        driver_root.display(),
+        BIN_DIRS.join(", ")
+    )
+}
+
+/// `nvidia-smi compute-policy --set-timeslice` takes 0 (default), 1 (short), 2 (medium) and 3
+/// (long), the values of NVIDIA's `TimeSlicingConfig.interval`.
+fn timeslice_value(interval: TimeSlice) -> u32 {
+    match interval {
+        TimeSlice::Default => 0,
+        TimeSlice::Short => 1,
+        TimeSlice::Medium => 2,
+        TimeSlice::Long => 3,
+    }
+}
+
+/// Sets the time slice of a whole GPU as NVIDIA's DRA driver does: compute mode `DEFAULT` (time
+/// slicing needs processes to share the GPU), then the compute policy. `library` is the NVML
+/// library nvdra loaded, preloaded into `nvidia-smi` so a containerized driver's tool finds its
+/// own library.
+pub(super) fn set_time_slice(
+    nvidia_smi: &Path,
+    library: Option<&Path>,
+    gpu: &GpuUuid,
+    interval: TimeSlice,
+) -> Result<()> {
+    let slice = format!("--set-timeslice={}", timeslice_value(interval));
+    for args in [
+        vec!["-i", gpu.as_str(), "-c", "DEFAULT"],
+        vec!["compute-policy", "-i", gpu.as_str(), &slice],
+    ] {
+        let mut cmd = Command::new(nvidia_smi);
+        cmd.args(&args);
+        if let Some(lib) = library {
+            let mut preload = lib.as_os_str().to_owned();
+            if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+                preload.push(":");
+                preload.push(old);
+            }
+            cmd.env("LD_PRELOAD", preload);
+        }
+        let command = format!("{} {}", nvidia_smi.display(), args.join(" "));
+        let out = cmd.output().map_err(|source| Error::Command {
+            command: command.clone(),
+            source,
+        })?;
+        if !out.status.success() {
+            let mut said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            if !stderr.trim().is_empty() {
+                if !said.is_empty() {
+                    said.push_str("; ");
+                }
+                said.push_str(stderr.trim());
+            }
+            return Err(Error::CommandFailed {
+                command,
+                status: out.status.to_string(),
+                output: said,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn nvml_error(call: &str, e: NvmlError) -> Error {
+    Error::Nvml {
+        call: call.into(),
+        reason: e.to_string(),
+    }
+}
+
+fn parent<'n>(nvml: &'n Nvml, gpu: &GpuUuid) -> Result<Device<'n>> {
+    nvml.device_by_uuid(gpu.as_str()).map_err(|e| match e {
+        NvmlError::NotFound | NvmlError::InvalidArg => {
+            Error::Refused(format!("no GPU with UUID {gpu}"))
+        }
+        e => nvml_error("nvmlDeviceGetHandleByUUID", e),
+    })
+}
+
+/// The MIG devices of `parent` as the inventory lists them.
+fn mig_devices(nvml: &Nvml, parent: &Device<'_>, index: u32, uuid: &GpuUuid) -> Vec<MigDevice> {
+    let profiles = read_gi_profiles(nvml, parent);
+    let total = parent.memory_info().map(|m| m.total).unwrap_or_default();
+    read_mig_devices(nvml, parent)
+        .into_iter()
+        .filter_map(|d| map_mig_device(index, uuid.as_str(), d, &profiles, total))
+        .collect()
+}
+
+/// Creates a GPU instance of `gi_profile_id` at `placement` and one compute instance spanning
+/// it; returns the MIG device as the inventory will list it.
+pub(super) fn create_mig(
+    nvml: &Nvml,
+    gpu: &GpuUuid,
+    gi_profile_id: u32,
+    placement: Placement,
+) -> Result<MigDevice> {
+    let d = parent(nvml, gpu)?;
+    match d.mig_mode() {
+        Ok(m) if m.current == nvml_wrapper_sys::bindings::NVML_DEVICE_MIG_ENABLE => {}
+        Ok(_) => {
+            return Err(Error::Refused(format!(
+                "GPU {gpu} is not in MIG mode; enable MIG mode before creating MIG devices"
+            )));
+        }
+        Err(NvmlError::NotSupported) => {
+            return Err(Error::Refused(format!("GPU {gpu} cannot do MIG")));
+        }
+        Err(e) => return Err(nvml_error("nvmlDeviceGetMigMode", e)),
+    }
+    let at = || format!("{}..{}", placement.start, placement.start + placement.size);
+    let gi = match ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement) {
+        Ok(gi) => gi,
+        Err(e) if no_room(&e) && remove_orphans(nvml, &d, gpu, placement)? > 0 => {
+            ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement)
+                .map_err(|e| refused_create(gpu, gi_profile_id, &at(), e))?
+        }
+        Err(e) => return Err(refused_create(gpu, gi_profile_id, &at(), e)),
+    };
+    let undo = |e: Error| {
+        if let Err(de) = ffi::destroy_gpu_instance(nvml, gi) {
+            tracing::error!(gpu.uuid = %gpu, error = %de, "cannot destroy the GPU instance of a failed MIG creation; it is removed when a new instance needs its slices");
+        }
+        e
+    };
+    let gi_id = ffi::gpu_instance_id_of(nvml, gi)
+        .map_err(|e| undo(nvml_error("nvmlGpuInstanceGetInfo", e)))?;
+    let ci_profile = ffi::spanning_compute_profile(nvml, gi).map_err(|e| {
+        undo(nvml_error(
+            "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+            e,
+        ))
+    })?;
+    let (ci, ci_id) = ffi::create_compute_instance(nvml, gi, ci_profile)
+        .map_err(|e| undo(nvml_error("nvmlGpuInstanceCreateComputeInstance", e)))?;
+    let index = d.index().unwrap_or_default();
+    match mig_devices(nvml, &d, index, gpu)
+        .into_iter()
+        .find(|m| m.gi_id == gi_id && m.ci_id == ci_id)
+    {
+        Some(m) => Ok(m),
+        None => {
+            let _ = ffi::destroy_compute_instance(nvml, ci);
+            Err(undo(Error::Nvml {
+                call: "nvmlDeviceGetMigDeviceHandleByIndex".into(),
+                reason: format!(
+                    "the MIG device of GPU instance {gi_id}, compute instance {ci_id} on GPU {gpu} is not listed after its creation"
+                ),
+            }))
+        }
+    }
+}
+
+/// `NVML_ERROR_INSUFFICIENT_RESOURCES` (which nvml-wrapper 0.13 does not name) or `IN_USE`:
+/// the slices are taken.
+fn no_room(e: &NvmlError) -> bool {
+    use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES as NO_ROOM;
+    matches!(e, NvmlError::InUse) || matches!(e, NvmlError::UnexpectedVariant(c) if *c == NO_ROOM)
+}
+
+fn refused_create(gpu: &GpuUuid, profile: u32, at: &str, e: NvmlError) -> Error {
+    match e {
+        e if no_room(&e) => Error::Refused(format!(
+            "insufficient resources: GPU-instance profile {profile} at {at} overlaps an existing instance on GPU {gpu}"
+        )),
+        NvmlError::InvalidArg | NvmlError::NotSupported => Error::Refused(format!(
+            "GPU-instance profile {profile} cannot be placed at {at} on GPU {gpu}"
+        )),
+        e => nvml_error("nvmlDeviceCreateGpuInstanceWithPlacement", e),
+    }
+}
+
+/// Destroys the GPU instances overlapping `placement` that hold no compute instance (left by a
+/// creation that stopped half-way); returns how many.
+fn remove_orphans(
+    nvml: &Nvml,
+    d: &Device<'_>,
+    gpu: &GpuUuid,
+    placement: Placement,
+) -> Result<usize> {
+    let mut removed = 0;
+    for p in read_gi_profiles(nvml, d) {
+        let gis = match ffi::gpu_instances(nvml, d, p.info.id) {
+            Ok(gis) => gis,
+            Err(NvmlError::NotFound | NvmlError::NotSupported | NvmlError::InvalidArg) => continue,
+            Err(e) => return Err(nvml_error("nvmlDeviceGetGpuInstances", e)),
+        };
+        for (gi, id, at) in gis {
+            if !at.overlaps(&placement) {
+                continue;
+            }
+            let cis = ffi::compute_instance_count(nvml, gi)
+                .map_err(|e| nvml_error("nvmlGpuInstanceGetComputeInstances", e))?;
+            if cis == 0 {
+                ffi::destroy_gpu_instance(nvml, gi)
+                    .map_err(|e| nvml_error("nvmlGpuInstanceDestroy", e))?;
+                tracing::warn!(
+                    gpu.uuid = %gpu,
+                    gi.id = id,
+                    start = at.start,
+                    size = at.size,
+                    "destroyed a GPU instance without compute instances (left by an interrupted MIG creation)"
+                );
+                removed += 1;
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// Destroys MIG device `mig` of `gpu`: its compute instance, then its GPU instance. One that no
+/// longer exists (or whose instances are already gone) is not an error.
+pub(super) fn destroy_mig(nvml: &Nvml, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+    let d = parent(nvml, gpu)?;
+    let found = read_mig_devices(nvml, &d)
+        .into_iter()
+        .find(|m| m.uuid.as_deref() == Ok(mig.as_str()));
+    let Some(m) = found else {
+        return Ok(());
+    };
+    let gi_id = m.gi_id.clone().map_err(|e| Error::Nvml {
+        call: "nvmlDeviceGetGpuInstanceId".into(),
+        reason: format!("MIG device {mig}: {e}"),
+    })?;
+    let ci_id = m.ci_id.clone().map_err(|e| Error::Nvml {
+        call: "nvmlDeviceGetComputeInstanceId".into(),
+        reason: format!("MIG device {mig}: {e}"),
+    })?;
+    let gi = match ffi::gpu_instance_by_id(nvml, &d, gi_id) {
+        Ok(gi) => gi,
+        Err(NvmlError::NotFound) => return Ok(()),
+        Err(e) => return Err(nvml_error("nvmlDeviceGetGpuInstanceById", e)),
+    };
+    match ffi::compute_instance_by_id(nvml, gi, ci_id) {
+        Ok(ci) => match ffi::destroy_compute_instance(nvml, ci) {
+            Ok(()) | Err(NvmlError::NotFound) => {}
+            Err(e) => return Err(nvml_error("nvmlComputeInstanceDestroy", e)),
+        },
+        Err(NvmlError::NotFound) => {}
+        Err(e) => return Err(nvml_error("nvmlGpuInstanceGetComputeInstanceById", e)),
+    }
+    match ffi::destroy_gpu_instance(nvml, gi) {
+        Ok(()) | Err(NvmlError::NotFound) => Ok(()),
+        Err(e) => Err(nvml_error("nvmlGpuInstanceDestroy", e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        let bin = dir.join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let p = bin.join("nvidia-smi");
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    #[test]
+    fn nvidia_smi_is_found_under_the_driver_root_only() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(find_nvidia_smi(root.path()), None);
+        let why = no_nvidia_smi(root.path());
+        assert!(why.contains(&root.path().display().to_string()), "{why}");
+        let p = script(root.path(), "exit 0");
+        assert_eq!(find_nvidia_smi(root.path()), Some(p));
+    }
+
+    #[test]
+    fn each_interval_is_set_with_its_number_and_a_failure_names_the_command_and_output() {
+        let root = tempfile::tempdir().unwrap();
+        let log = root.path().join("log");
+        let smi = script(root.path(), &format!("echo \"$*\" >> {}", log.display()));
+        let gpu = GpuUuid("GPU-1".into());
+        for i in [
+            TimeSlice::Default,
+            TimeSlice::Short,
+            TimeSlice::Medium,
+            TimeSlice::Long,
+        ] {
+            set_time_slice(&smi, None, &gpu, i).unwrap();
+        }
+        let text = std::fs::read_to_string(&log).unwrap();
+        let slices: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("compute-policy"))
+            .collect();
+        assert_eq!(
+            slices,
+            [0, 1, 2, 3].map(|n| format!("compute-policy -i GPU-1 --set-timeslice={n}"))
+        );
+        assert_eq!(
+            text.lines().filter(|l| *l == "-i GPU-1 -c DEFAULT").count(),
+            4
+        );
+
+        let smi = script(root.path(), "echo 'Insufficient Permissions'; exit 4");
+        let e = set_time_slice(&smi, None, &gpu, TimeSlice::Long).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("nvidia-smi -i GPU-1 -c DEFAULT")
+                && msg.contains("Insufficient Permissions")
+                && msg.contains("4"),
+            "{msg}"
+        );
+    }
+}

@@ -1,0 +1,127 @@
+//! MIG instances kept in a file (`FAKE_NVML_STATE`), as a GPU keeps them across the processes
+//! that use it: a daemon killed after creating an instance leaves it for the next one to find.
+//!
+//! One line per instance, rewritten whole (through a temporary file and a rename) after every
+//! change:
+//!
+//! ```text
+//! created <n>
+//! gi <gpu index> <gpu-instance id> <profile id> <start>
+//! ci <gpu index> <gpu-instance id> <compute-instance id> <compute profile> <slices> <slot> <uuid>
+//! ```
+
+use std::os::raw::c_uint;
+use std::path::Path;
+
+use crate::model::{ComputeInstance, GpuInstance, Model};
+
+/// A GPU instance as the state file lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Instance {
+    pub gpu: usize,
+    pub gi_id: c_uint,
+    pub profile_id: c_uint,
+    pub start: c_uint,
+    /// The UUIDs of its compute instances (MIG devices).
+    pub mig_uuids: Vec<String>,
+}
+
+/// The GPU instances a state file holds (none when it does not exist).
+pub fn instances(path: &Path) -> Vec<Instance> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut out: Vec<Instance> = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let n = |i: usize| f.get(i).and_then(|s| s.parse::<c_uint>().ok()).unwrap_or(0);
+        match f.first() {
+            Some(&"gi") => out.push(Instance {
+                gpu: n(1) as usize,
+                gi_id: n(2),
+                profile_id: n(3),
+                start: n(4),
+                mig_uuids: Vec::new(),
+            }),
+            Some(&"ci") => {
+                if let Some(gi) = out
+                    .iter_mut()
+                    .find(|gi| gi.gpu == n(1) as usize && gi.gi_id == n(2))
+                {
+                    gi.mig_uuids
+                        .push(f.get(7).copied().unwrap_or_default().to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Replaces the model's MIG instances by those of the state file, if it exists.
+pub fn load(path: &Path, m: &mut Model) {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return;
+    };
+    for g in &mut m.gpus {
+        g.instances.clear();
+    }
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let n = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+        match f.first() {
+            Some(&"created") => m.created = n(1),
+            Some(&"gi") => {
+                let Some(g) = m.gpus.get_mut(n(1) as usize) else {
+                    continue;
+                };
+                let Some(profile) = g.profiles.iter().position(|p| u64::from(p.id) == n(3)) else {
+                    continue;
+                };
+                g.instances.push(GpuInstance {
+                    id: n(2) as c_uint,
+                    profile,
+                    start: n(4) as c_uint,
+                    compute: Vec::new(),
+                });
+            }
+            Some(&"ci") => {
+                let Some(gi) = m
+                    .gpus
+                    .get_mut(n(1) as usize)
+                    .and_then(|g| g.instance_mut(n(2) as c_uint))
+                else {
+                    continue;
+                };
+                gi.compute.push(ComputeInstance {
+                    id: n(3) as c_uint,
+                    profile: n(4) as c_uint,
+                    slices: n(5) as c_uint,
+                    slot: n(6) as c_uint,
+                    uuid: f.get(7).copied().unwrap_or_default().to_string(),
+                });
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Writes the model's MIG instances. A failure is reported on stderr: the fake has no other
+/// channel, and the test reading the file will see what is missing.
+pub fn save(path: &Path, m: &Model) {
+    let mut text = format!("created {}\n", m.created);
+    for (i, g) in m.gpus.iter().enumerate() {
+        for gi in &g.instances {
+            let profile_id = g.profiles.get(gi.profile).map_or(0, |p| p.id);
+            text.push_str(&format!("gi {i} {} {profile_id} {}\n", gi.id, gi.start));
+            for ci in &gi.compute {
+                text.push_str(&format!(
+                    "ci {i} {} {} {} {} {} {}\n",
+                    gi.id, ci.id, ci.profile, ci.slices, ci.slot, ci.uuid
+                ));
+            }
+        }
+    }
+    let tmp = path.with_extension("tmp");
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)) {
+        eprintln!("fake-nvml: cannot write {}: {e}", path.display());
+    }
+}

@@ -102,7 +102,7 @@ mod model;
 mod names;
 mod writer;
 
-pub use builder::{claim_spec, device_id};
+pub use builder::{claim_spec, device_id, existing_node};
 pub use inputs::{
     CdiOptions, DriverFiles, PreparedDevice, discover_driver_files, resolve_dev_root,
 };

@@ -129,7 +129,7 @@ pub(super) fn gpu_node(opts: &CdiOptions, gpu: &Gpu) -> DeviceNode {
 
 /// A device node for `host` if it exists and is a device (symlinks are followed), with its type,
 /// numbers and mode read from the host so dynamic majors (`nvidia-uvm`) are right.
-pub(super) fn existing_node(host: &Path, container_path: &str) -> Option<DeviceNode> {
+pub fn existing_node(host: &Path, container_path: &str) -> Option<DeviceNode> {
     let meta = match fs::metadata(host) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return None,

@@ -7,13 +7,28 @@
 //! - `cdi-annotations`: one `<prefix>nvidia-device-plugin_<uuid>` annotation listing the CDI names;
 //! - `cdi-cri`: the CDI names in `cdi_devices`.
 //!
-//! When every selected strategy is a CDI one, nothing else is added (no env, no device specs).
-//! MPS sharing adds the pipe directory of NVIDIA's MPS control daemon. A request with an unknown
-//! or unhealthy ID, or more than one replica where `failRequestsGreaterThanOne`, fails with a
-//! message naming the IDs and the rule.
+//! When every selected strategy is a CDI one, nothing else is added (no `NVIDIA_VISIBLE_DEVICES`,
+//! no device specs). In every strategy, each enabled extra driver capability
+//! (`flags.gdrcopyEnabled`, `gdsEnabled`, `mofedEnabled`) adds `NVIDIA_<MODE>=enabled`, and in
+//! the CDI strategies also its `<vendor>/<mode>=all` CDI device when the host has the mode's
+//! nodes — as NVIDIA's plugin does.
+//!
+//! MPS sharing adds the pipe directory of NVIDIA's MPS control daemon and `/dev/shm`, as
+//! NVIDIA's plugin does, and — beyond it — the per-client limits that NVIDIA's MPS control
+//! daemon sets only as daemon-wide defaults (reference §3.3): `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+//! = 100 / replicas` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT = <uuid>=<memory MiB / replicas>M` per
+//! GPU, the same integer arithmetic as the daemon's `set_default_active_thread_percentage` and
+//! `set_default_device_pinned_mem_limit`. The values equal the daemon's defaults, so a container
+//! gets the share it would get from NVIDIA's daemon, and keeps it under a daemon started without
+//! those defaults.
+//!
+//! A request with an unknown or unhealthy ID, or more than one replica where
+//! `failRequestsGreaterThanOne`, fails with a message naming the IDs and the rule.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use crate::cdi::CdiOptions;
 
 use super::resources::Resource;
 use super::{ListStrategy, Options, ShareKind};
@@ -74,6 +89,32 @@ pub struct Context {
     pub cdi_kind: String,
     /// The host directory of the `nvidia*` device nodes (for `passDeviceSpecs`).
     pub dev_root: PathBuf,
+    /// The `<vendor>/<mode>=all` CDI devices of the enabled driver modes that have a spec, in
+    /// [`super::DriverMode::ALL`] order.
+    pub cdi_modes: Vec<String>,
+}
+
+impl Context {
+    /// The context for `options` with the CDI names of `cdi`; reads the host for the driver
+    /// modes' device nodes (blocking, a few `readdir`s) when a CDI strategy is selected.
+    pub fn new(options: Options, cdi: &CdiOptions) -> Context {
+        let cdi_modes = if options.list_strategies.iter().any(|s| s.is_cdi()) {
+            options
+                .modes
+                .iter()
+                .filter(|m| super::cdi::mode_spec(cdi, **m).is_some())
+                .map(|m| super::cdi::mode_device(cdi, *m))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Context {
+            options,
+            cdi_kind: cdi.kind(),
+            dev_root: cdi.dev_root.clone(),
+            cdi_modes,
+        }
+    }
 }
 
 /// Control nodes passed with `passDeviceSpecs`, each only when present.
@@ -141,6 +182,7 @@ pub fn allocate(
     let cdi_names: Vec<String> = bases
         .iter()
         .map(|b| format!("{}={b}", ctx.cdi_kind))
+        .chain(ctx.cdi_modes.iter().cloned())
         .collect();
     if opts.list_strategies.contains(&ListStrategy::CdiAnnotations) {
         let key = format!(
@@ -173,10 +215,14 @@ pub fn allocate(
             out.devices = device_specs(&ctx.dev_root, &unique);
         }
     }
+    for mode in &opts.modes {
+        out.envs.insert(mode.env().into(), "enabled".into());
+    }
     if let (Some(sharing), Some(root)) = (&opts.sharing, &opts.mps_root)
         && sharing.kind == ShareKind::Mps
         && resource.replicated()
     {
+        mps_limits(&unique, &mut out.envs);
         let dir = format!("/mps/{name}/pipe");
         out.envs
             .insert("CUDA_MPS_PIPE_DIRECTORY".into(), dir.clone());
@@ -192,6 +238,31 @@ pub fn allocate(
         });
     }
     Ok(out)
+}
+
+/// The MPS client limits for the replicated devices among `unique`: the active-thread
+/// percentage of the most-shared one (one value per container), and each GPU's pinned-memory
+/// share keyed by its UUID.
+fn mps_limits(unique: &[&super::resources::Device], envs: &mut BTreeMap<String, String>) {
+    let shared: Vec<_> = unique.iter().filter(|d| d.replica.is_some()).collect();
+    let Some(replicas) = shared.iter().map(|d| d.replicas.max(1)).max() else {
+        return;
+    };
+    envs.insert(
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(),
+        (100 / replicas).to_string(),
+    );
+    let limits: Vec<String> = shared
+        .iter()
+        .map(|d| {
+            format!(
+                "{}={}M",
+                d.uuid.as_str(),
+                (d.memory_bytes >> 20) / u64::from(d.replicas.max(1))
+            )
+        })
+        .collect();
+    envs.insert("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), limits.join(","));
 }
 
 /// The control nodes that exist under `dev_root`, then `/dev/nvidia<minor>` of each device's GPU

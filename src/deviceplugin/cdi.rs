@@ -10,6 +10,12 @@
 //! every GPU of the node for any one device; as with NVIDIA's plugin in CDI mode, the container
 //! gets none). The class is `gpu`, not `claim`, so the DRA plugin's cleanup of stale claim specs
 //! never touches this file.
+//!
+//! Each enabled extra driver capability ([`DriverMode`]) gets a spec of its own, as NVIDIA's
+//! plugin writes one per nvcdi mode: kind `k8s.<driver>/<mode>`, one device `all`, holding the
+//! mode's device nodes found on the host (GDS also mounts `/etc/cufile.json` and `/run/udev`
+//! from the driver root). A mode whose nodes are absent gets no spec (a stale one is removed),
+//! and Allocate does not name it — NVIDIA drops empty mode specs the same way.
 
 use std::path::{Path, PathBuf};
 
@@ -17,7 +23,7 @@ use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice, Spec};
 use crate::inventory::Inventory;
 use crate::sharing::Sharing;
 
-use super::IdStrategy;
+use super::{DriverMode, IdStrategy, Options};
 
 /// The CDI class of device-plugin devices.
 pub const CLASS: &str = "gpu";
@@ -87,4 +93,112 @@ pub fn write(
     let files = cdi::discover_driver_files(&opts.driver_root);
     let spec = spec(opts, inv, ids, &files)?;
     cdi::write_spec(cdi_root, opts, SPEC_NAME, &spec)
+}
+
+/// [`write`], then the spec of every enabled mode that has device nodes; the spec of an
+/// enabled mode that has none is removed. Returns the GPU spec's path.
+pub fn write_with_modes(
+    cdi_root: &Path,
+    opts: &CdiOptions,
+    inv: &Inventory,
+    options: &Options,
+) -> cdi::Result<PathBuf> {
+    let path = write(cdi_root, opts, inv, options.id_strategy)?;
+    for &mode in &options.modes {
+        let mode_opts = mode_options(opts, mode)?;
+        match mode_spec(opts, mode) {
+            Some(s) => {
+                cdi::write_spec(cdi_root, &mode_opts, SPEC_NAME, &s)?;
+            }
+            None => {
+                tracing::warn!(
+                    mode = mode.class(),
+                    "no device nodes for this driver capability on the host; its CDI device is not offered"
+                );
+                cdi::remove_spec(cdi_root, &mode_opts, SPEC_NAME)?;
+            }
+        }
+    }
+    Ok(path)
+}
+
+/// The options of a mode's spec: the GPU spec's vendor and roots, the mode as the class.
+pub fn mode_options(opts: &CdiOptions, mode: DriverMode) -> cdi::Result<CdiOptions> {
+    let mut o = opts.clone();
+    o.class = mode.class().into();
+    cdi::validate_class(&o.class)?;
+    Ok(o)
+}
+
+/// `<vendor>/<mode>=all`, the CDI device Allocate names for an enabled mode.
+pub fn mode_device(opts: &CdiOptions, mode: DriverMode) -> String {
+    format!("{}/{}=all", opts.vendor, mode.class())
+}
+
+/// The spec of `mode` from the host's device nodes under `opts.dev_root` (and, for GDS, files
+/// under the driver root); `None` when the host has none of the mode's device nodes.
+pub fn mode_spec(opts: &CdiOptions, mode: DriverMode) -> Option<Spec> {
+    let dev = &opts.dev_root;
+    // (directory under the device root, file-name prefix, whole name?)
+    let patterns: &[(&str, &str, bool)] = match mode {
+        DriverMode::Gdrcopy => &[("", "gdrdrv", true)],
+        DriverMode::Gds => &[("", "nvidia-fs", false)],
+        DriverMode::Mofed => &[
+            ("infiniband", "uverbs", false),
+            ("infiniband", "rdma_cm", true),
+        ],
+    };
+    let mut edits = cdi::ContainerEdits::default();
+    for &(sub, prefix, whole) in patterns {
+        let dir = dev.join(sub);
+        let mut names: Vec<String> = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    if whole {
+                        n == prefix
+                    } else {
+                        n.starts_with(prefix)
+                    }
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        names.sort();
+        for n in names {
+            let container = if sub.is_empty() {
+                format!("/dev/{n}")
+            } else {
+                format!("/dev/{sub}/{n}")
+            };
+            if let Some(node) = cdi::existing_node(&dir.join(&n), &container) {
+                edits.device_nodes.push(node);
+            }
+        }
+    }
+    if edits.device_nodes.is_empty() {
+        return None;
+    }
+    if mode == DriverMode::Gds {
+        for p in ["etc/cufile.json", "run/udev"] {
+            let host = opts.driver_root.join(p);
+            if host.exists() {
+                edits.mounts.push(cdi::Mount {
+                    host_path: host.display().to_string(),
+                    container_path: format!("/{p}"),
+                    options: cdi::READ_ONLY_MOUNT.iter().map(|s| s.to_string()).collect(),
+                });
+            }
+        }
+    }
+    Some(Spec {
+        cdi_version: cdi::CDI_VERSION.into(),
+        kind: format!("{}/{}", opts.vendor, mode.class()),
+        devices: vec![cdi::Device {
+            name: "all".into(),
+            container_edits: edits,
+        }],
+        container_edits: cdi::ContainerEdits::default(),
+    })
 }

@@ -71,6 +71,43 @@ impl ListStrategy {
     }
 }
 
+/// An extra driver capability NVIDIA's plugin hands every container of the device plugin when
+/// its flag is on (`flags.gdrcopyEnabled`, `flags.gdsEnabled`, `flags.mofedEnabled`): the
+/// `NVIDIA_<MODE>=enabled` variable, and in CDI strategies the `<vendor>/<mode>=all` CDI device
+/// of the mode's own spec (written only when the host has the mode's device nodes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DriverMode {
+    /// GDRCopy: `/dev/gdrdrv`.
+    Gdrcopy,
+    /// GPUDirect Storage: `/dev/nvidia-fs*`, `/etc/cufile.json`, `/run/udev`.
+    Gds,
+    /// Mellanox OFED: `/dev/infiniband/uverbs*`, `/dev/infiniband/rdma_cm`.
+    Mofed,
+}
+
+impl DriverMode {
+    /// In the order NVIDIA's plugin adds them.
+    pub const ALL: [DriverMode; 3] = [DriverMode::Gdrcopy, DriverMode::Gds, DriverMode::Mofed];
+
+    /// The CDI class of the mode's spec (NVIDIA's nvcdi mode name).
+    pub fn class(self) -> &'static str {
+        match self {
+            DriverMode::Gdrcopy => "gdrcopy",
+            DriverMode::Gds => "gds",
+            DriverMode::Mofed => "mofed",
+        }
+    }
+
+    /// The variable the NVIDIA container runtime reads (set to `enabled`).
+    pub fn env(self) -> &'static str {
+        match self {
+            DriverMode::Gdrcopy => "NVIDIA_GDRCOPY",
+            DriverMode::Gds => "NVIDIA_GDS",
+            DriverMode::Mofed => "NVIDIA_MOFED",
+        }
+    }
+}
+
 /// Time-slicing or MPS.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShareKind {
@@ -120,6 +157,8 @@ pub struct Options {
     pub packed: bool,
     pub sharing: Option<Sharing>,
     pub mps_root: Option<String>,
+    /// The enabled extra driver capabilities, in [`DriverMode::ALL`] order (default none).
+    pub modes: Vec<DriverMode>,
 }
 
 impl Default for Options {
@@ -133,6 +172,7 @@ impl Default for Options {
             packed: false,
             sharing: None,
             mps_root: None,
+            modes: Vec::new(),
         }
     }
 }

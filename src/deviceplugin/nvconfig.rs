@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::{DeviceSelector, ResourceName};
+use super::{DeviceSelector, DriverMode, ResourceName};
 use super::{IdStrategy, ListStrategy, MigStrategy, Options, ShareKind, SharedResource, Sharing};
 
 /// Where NVIDIA's MPS control daemon keeps its pipes when `flags.mpsRoot` is not set.
@@ -228,9 +228,9 @@ pub fn parse(file: &str, text: &str) -> Result<Options, ConfigError> {
         mps_root,
         nvidia_driver_root: _,
         nvidia_dev_root: _,
-        gdrcopy_enabled: _,
-        gds_enabled: _,
-        mofed_enabled: _,
+        gdrcopy_enabled,
+        gds_enabled,
+        mofed_enabled,
         use_node_feature_api: _,
         device_discovery_strategy,
         plugin,
@@ -252,6 +252,15 @@ pub fn parse(file: &str, text: &str) -> Result<Options, ConfigError> {
         shared_devices_allocation_policy,
     } = plugin;
     let mut opts = Options::default();
+    for (mode, on) in [
+        (DriverMode::Gdrcopy, gdrcopy_enabled),
+        (DriverMode::Gds, gds_enabled),
+        (DriverMode::Mofed, mofed_enabled),
+    ] {
+        if on == Some(true) {
+            opts.modes.push(mode);
+        }
+    }
     if let Some(m) = mig_strategy {
         opts.mig_strategy = m;
     }

@@ -57,6 +57,10 @@ pub struct Device {
     /// A MIG device (never topology-aligned).
     pub mig: bool,
     pub replica: Option<u32>,
+    /// How many replicas of the physical device this resource advertises (1 when whole).
+    pub replicas: u32,
+    /// The physical device's memory.
+    pub memory_bytes: u64,
 }
 
 /// One resource name and its devices.
@@ -111,6 +115,8 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
         pcie_root: g.pcie_root.clone(),
         mig: false,
         replica: None,
+        replicas: 1,
+        memory_bytes: g.memory_bytes,
     };
     let migs = |g: &crate::inventory::Gpu| -> Vec<(String, Device)> {
         g.mig
@@ -140,6 +146,8 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
                         pcie_root: g.pcie_root.clone(),
                         mig: true,
                         replica: None,
+                        replicas: 1,
+                        memory_bytes: m.memory_bytes,
                     },
                 )
             })
@@ -243,6 +251,7 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
                         let mut rep = d.clone();
                         rep.id = format!("{}::{n}", d.base);
                         rep.replica = Some(n);
+                        rep.replicas = r.replicas;
                         put(&target, sharing.fail_requests_greater_than_one, rep);
                     }
                 }

@@ -184,11 +184,7 @@ impl DevicePlugin {
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let (inv, res) = self.check().await?;
         let cdi_opts = super::cdi::options(&self.settings.driver, &self.settings.driver_root)?;
-        let ctx = Arc::new(Context {
-            options: self.options.clone(),
-            cdi_kind: cdi_opts.kind(),
-            dev_root: cdi_opts.dev_root.clone(),
-        });
+        let ctx = Arc::new(Context::new(self.options.clone(), &cdi_opts));
         let wants_cdi = self.options.list_strategies.iter().any(|s| s.is_cdi());
         if wants_cdi {
             self.write_cdi(&cdi_opts, &inv).await?;
@@ -259,11 +255,13 @@ impl DevicePlugin {
             self.settings.cdi_root.clone(),
             opts.clone(),
             inv.clone(),
-            self.options.id_strategy,
+            self.options.clone(),
         );
-        let path = tokio::task::spawn_blocking(move || super::cdi::write(&root, &opts, &inv, ids))
-            .await
-            .map_err(|e| inventory::Error::Invalid(format!("CDI task failed: {e}")))??;
+        let path = tokio::task::spawn_blocking(move || {
+            super::cdi::write_with_modes(&root, &opts, &inv, &ids)
+        })
+        .await
+        .map_err(|e| inventory::Error::Invalid(format!("CDI task failed: {e}")))??;
         tracing::info!(spec = %path.display(), "device-plugin CDI spec written");
         Ok(())
     }

@@ -128,6 +128,8 @@ pub struct Config {
     pub pod_uid: Option<String>,
     /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
     pub device_plugin_config: Option<PathBuf>,
+    /// Advertise `nvidia.com/gpu-memory` on the device-plugin path.
+    pub device_plugin_gpu_memory: bool,
 }
 
 impl Config {
@@ -287,6 +289,10 @@ fn validate(settings: Settings) -> Result<Config> {
             .device_plugin_config
             .map(|p| absolute("--device-plugin-config", p))
             .transpose()?,
+        device_plugin_gpu_memory: need(
+            daemon.device_plugin_gpu_memory,
+            "--device-plugin-gpu-memory",
+        )?,
     })
 }
 

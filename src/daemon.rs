@@ -329,10 +329,11 @@ async fn serve(
 /// NVIDIA's config file (or its defaults) and the device plugin for it, checked against the
 /// inventory: a MIG setup the strategy refuses fails the start.
 async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Result<DevicePlugin> {
-    let options = match &config.device_plugin_config {
+    let mut options = match &config.device_plugin_config {
         Some(path) => deviceplugin::nvconfig::load(path)?,
         None => deviceplugin::Options::default(),
     };
+    options.gpu_memory = config.device_plugin_gpu_memory;
     let dp = DevicePlugin::new(
         deviceplugin::server::Settings {
             dir: config.device_plugin_dir(),

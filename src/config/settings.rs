@@ -241,6 +241,19 @@ pub struct DaemonSettings {
     /// deviceIDStrategy, sharing.timeSlicing/mps, ...), for the device-plugin path.
     #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
     pub device_plugin_config: Option<PathBuf>,
+
+    /// Also advertise nvidia.com/gpu-memory on the device-plugin path: one device per GiB of
+    /// each whole GPU, Allocate of k units setting the GPU's MPS pinned-memory limit to kG
+    /// (nvdra's extension; NVIDIA's config file has no key for it).
+    #[arg(
+        long,
+        env = "NVDRA_DEVICE_PLUGIN_GPU_MEMORY",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub device_plugin_gpu_memory: Option<bool>,
 }
 
 impl Section for DaemonSettings {
@@ -249,6 +262,7 @@ impl Section for DaemonSettings {
             mode: Some(Mode::Auto),
             metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
             device_plugin_config: None,
+            device_plugin_gpu_memory: Some(false),
         }
     }
 
@@ -257,11 +271,13 @@ impl Section for DaemonSettings {
             mode,
             metrics_address,
             device_plugin_config,
+            device_plugin_gpu_memory,
         } = self;
         Self {
             mode: mode.or(lower.mode),
             metrics_address: metrics_address.or(lower.metrics_address),
             device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
+            device_plugin_gpu_memory: device_plugin_gpu_memory.or(lower.device_plugin_gpu_memory),
         }
     }
 }

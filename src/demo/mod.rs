@@ -60,6 +60,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         partitionable: false,
         pod_uid: None,
         device_plugin_config: None,
+        device_plugin_gpu_memory: false,
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {

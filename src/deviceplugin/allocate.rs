@@ -22,8 +22,14 @@
 //! gets the share it would get from NVIDIA's daemon, and keeps it under a daemon started without
 //! those defaults.
 //!
-//! A request with an unknown or unhealthy ID, or more than one replica where
-//! `failRequestsGreaterThanOne`, fails with a message naming the IDs and the rule.
+//! `nvidia.com/gpu-memory` (nvdra's extension): `k` units of one GPU give the container that GPU
+//! (as any device, per strategy) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<uuid>=<k>G`, which CUDA
+//! enforces where an MPS control daemon serves the GPU. Units of several GPUs in one request are
+//! refused: a process's memory share is per GPU, and a pod asking for `k` GiB means one GPU.
+//!
+//! A request with an unknown or unhealthy ID, more than one replica where
+//! `failRequestsGreaterThanOne`, or GPU-memory units of several GPUs, fails with a message naming
+//! the IDs and the rule.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -53,6 +59,11 @@ pub enum Error {
         found: usize,
         ids: Vec<String>,
     },
+    #[error(
+        "invalid request for {resource}: the units of one container must come from one GPU, but they span {}; request at most one GPU's memory",
+        gpus.join(", ")
+    )]
+    MemorySpansGpus { resource: String, gpus: Vec<String> },
 }
 
 /// A mount for the container.
@@ -175,6 +186,12 @@ pub fn allocate(
             unique.push(d);
         }
     }
+    if resource.memory_units() && unique.len() > 1 {
+        return Err(Error::MemorySpansGpus {
+            resource: name,
+            gpus: unique.iter().map(|d| d.base.clone()).collect(),
+        });
+    }
     let bases: Vec<&str> = unique.iter().map(|d| d.base.as_str()).collect();
     let opts = &ctx.options;
     let mut out = ContainerAllocation::default();
@@ -217,6 +234,17 @@ pub fn allocate(
     }
     for mode in &opts.modes {
         out.envs.insert(mode.env().into(), "enabled".into());
+    }
+    if let [gpu] = unique[..]
+        && resource.memory_units()
+    {
+        let mut units: Vec<&str> = ids.iter().map(String::as_str).collect();
+        units.sort_unstable();
+        units.dedup();
+        out.envs.insert(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(),
+            format!("{}={}G", gpu.uuid.as_str(), units.len()),
+        );
     }
     if let (Some(sharing), Some(root)) = (&opts.sharing, &opts.mps_root)
         && sharing.kind == ShareKind::Mps

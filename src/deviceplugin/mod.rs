@@ -159,6 +159,9 @@ pub struct Options {
     pub mps_root: Option<String>,
     /// The enabled extra driver capabilities, in [`DriverMode::ALL`] order (default none).
     pub modes: Vec<DriverMode>,
+    /// nvdra's extension (not in NVIDIA's config file): also advertise `nvidia.com/gpu-memory`,
+    /// one device per GiB of each whole GPU (`--device-plugin-gpu-memory`).
+    pub gpu_memory: bool,
 }
 
 impl Default for Options {
@@ -173,6 +176,7 @@ impl Default for Options {
             sharing: None,
             mps_root: None,
             modes: Vec::new(),
+            gpu_memory: false,
         }
     }
 }

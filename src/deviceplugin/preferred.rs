@@ -9,6 +9,9 @@
 //! - Replicas: spread across GPUs (`distributed`, the GPU with the fewest replicas in use first)
 //!   or packed onto the busiest (`packed`), as NVIDIA's plugin.
 //! - MIG devices: the kubelet's order.
+//! - `nvidia.com/gpu-memory` units: all from one GPU — the must-include units' GPU, else the
+//!   GPU with the fewest free units that still holds the request (best fit, so big requests
+//!   keep finding room), else the one with the most free units.
 //!
 //! Must-include IDs always come first and are always in the answer. IDs the resource no longer
 //! has, or unhealthy ones, are skipped: a lost GPU never fails the call for the others. The
@@ -51,7 +54,9 @@ pub fn preferred(resource: &Resource, req: &Request, packed: bool) -> Vec<String
         return chosen;
     }
     let must: Vec<&Device> = chosen.iter().filter_map(|id| resource.device(id)).collect();
-    let picks = if resource.replicated() {
+    let picks = if resource.memory_units() {
+        pack_units(&candidates, &must, need)
+    } else if resource.replicated() {
         spread(resource, &candidates, &must, need, packed)
     } else if candidates.iter().any(|d| d.mig) {
         candidates[..need].to_vec()
@@ -186,4 +191,36 @@ fn spread<'a>(
         out.push(d);
     }
     out
+}
+
+/// GPU-memory units: `need` more from one GPU (see the module doc).
+fn pack_units<'a>(candidates: &[&'a Device], must: &[&Device], need: usize) -> Vec<&'a Device> {
+    let gpu = match must.first() {
+        Some(m) => Some(m.base.as_str()),
+        None => {
+            // Free units per GPU, in the kubelet's order of first appearance.
+            let mut free: Vec<(&str, usize)> = Vec::new();
+            for c in candidates {
+                match free.iter_mut().find(|(b, _)| *b == c.base) {
+                    Some((_, n)) => *n += 1,
+                    None => free.push((c.base.as_str(), 1)),
+                }
+            }
+            free.iter()
+                .filter(|(_, n)| *n >= need)
+                .min_by_key(|(_, n)| *n)
+                // `max_by_key` keeps the last maximum; reversed, that is the first.
+                .or_else(|| free.iter().rev().max_by_key(|(_, n)| *n))
+                .map(|(b, _)| *b)
+        }
+    };
+    let Some(gpu) = gpu else {
+        return Vec::new();
+    };
+    candidates
+        .iter()
+        .filter(|c| c.base == gpu)
+        .take(need)
+        .copied()
+        .collect()
 }

@@ -6,6 +6,9 @@
 //!   `mixed` advertises them as `nvidia.com/mig-<profile>` (`+` in a profile becomes `.`);
 //! - sharing: each selected device becomes `replicas` devices `<id>::0 …`, under the same name,
 //!   `<name>.shared` (`renameByDefault`) or the entry's `rename`; unselected devices stay whole.
+//! - `nvidia.com/gpu-memory` (nvdra's extension, off by default): every whole GPU as one device
+//!   per GiB of its memory, `<id>::mem-<n>` for `n` in `0..floor(memory / 1 GiB)`, each with the
+//!   GPU's health and NUMA node. NVIDIA's plugin has no such resource.
 //!
 //! Pure: no I/O.
 
@@ -37,7 +40,16 @@ pub enum Error {
     IdTooLong { id: String, len: usize },
     #[error("no valid resource name for {what}: {message}")]
     Name { what: String, message: String },
+    #[error(
+        "{name} is the GPU-memory resource (--device-plugin-gpu-memory); the sharing config must not advertise replicas under it"
+    )]
+    ReservedName { name: String },
 }
+
+/// `nvidia.com/gpu-memory`: GPU memory in GiB units.
+pub const GPU_MEMORY: &str = "nvidia.com/gpu-memory";
+/// One unit of [`GPU_MEMORY`].
+pub const GIB: u64 = 1 << 30;
 
 /// One advertised device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,6 +73,8 @@ pub struct Device {
     pub replicas: u32,
     /// The physical device's memory.
     pub memory_bytes: u64,
+    /// A unit of [`GPU_MEMORY`]: its number on the GPU.
+    pub memory_unit: Option<u32>,
 }
 
 /// One resource name and its devices.
@@ -80,6 +94,16 @@ impl Resource {
     pub fn replicated(&self) -> bool {
         self.devices.iter().any(|d| d.replica.is_some())
     }
+
+    /// The GiB units of [`GPU_MEMORY`].
+    pub fn memory_units(&self) -> bool {
+        self.devices.iter().any(|d| d.memory_unit.is_some())
+    }
+}
+
+fn gpu_memory_resource() -> ResourceName {
+    // A constant that parses (checked by the tests).
+    ResourceName(GPU_MEMORY.into())
 }
 
 fn gpu_resource() -> ResourceName {
@@ -117,6 +141,7 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
         replica: None,
         replicas: 1,
         memory_bytes: g.memory_bytes,
+        memory_unit: None,
     };
     let migs = |g: &crate::inventory::Gpu| -> Vec<(String, Device)> {
         g.mig
@@ -148,6 +173,7 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
                         replica: None,
                         replicas: 1,
                         memory_bytes: m.memory_bytes,
+                        memory_unit: None,
                     },
                 )
             })
@@ -231,7 +257,18 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
         r.fail_requests_greater_than_one |= fail;
         r.devices.push(d);
     };
-    for (name, devices) in physical(inv, opts)? {
+    let physical = physical(inv, opts)?;
+    if opts.gpu_memory {
+        for d in physical.values().flatten().filter(|d| !d.mig) {
+            for n in 0..(d.memory_bytes / GIB) as u32 {
+                let mut unit = d.clone();
+                unit.id = format!("{}::mem-{n}", d.base);
+                unit.memory_unit = Some(n);
+                put(&gpu_memory_resource(), false, unit);
+            }
+        }
+    }
+    for (name, devices) in physical {
         let entry = opts
             .sharing
             .as_ref()
@@ -247,6 +284,11 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
                         })?,
                         (None, false) => name.clone(),
                     };
+                    if target.as_str() == GPU_MEMORY {
+                        return Err(Error::ReservedName {
+                            name: GPU_MEMORY.into(),
+                        });
+                    }
                     for n in 0..r.replicas {
                         let mut rep = d.clone();
                         rep.id = format!("{}::{n}", d.base);

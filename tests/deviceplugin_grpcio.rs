@@ -610,3 +610,106 @@ fn volume_mounts_cdi_annotations_and_device_specs_reach_the_kubelet() {
         ])
     );
 }
+
+#[test]
+fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
+    if !have_grpcio() {
+        return;
+    }
+    let inv = inventory("pcie-pairs");
+    let mut node = Node::new();
+    let config = node.config(
+        "version: v1\nflags:\n  gdsEnabled: true\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+    );
+    // The first-list index of unit `n` of GPU `g`.
+    let units: Vec<usize> = inv
+        .gpus
+        .iter()
+        .map(|g| (g.memory_bytes >> 30) as usize)
+        .collect();
+    let at = |g: usize, n: usize| format!("@{}", units[..g].iter().sum::<usize>() + n);
+    let mem = "nvidia.com/gpu-memory";
+    let one_gpu = format!("{mem}={},{},{}", at(1, 0), at(1, 1), at(1, 5));
+    let two_gpus = format!("{mem}={},{}", at(0, 0), at(2, 0));
+    let available: Vec<String> = [at(0, 0), at(0, 1)]
+        .into_iter()
+        .chain((0..5).map(|n| at(3, n)))
+        .collect();
+    let prefer = format!("{mem}=4::{}", available.join(","));
+    let r = node.run(
+        &["--profile", "pcie-pairs", "--device-plugin-gpu-memory"],
+        Some(&config),
+        &[
+            "--expect",
+            "nvidia.com/gpu",
+            "--expect",
+            mem,
+            "--allocate",
+            &one_gpu,
+            "--allocate",
+            &two_gpus,
+            "--allocate",
+            "nvidia.com/gpu=@2",
+            "--preferred",
+            &prefer,
+        ],
+    );
+    r.assert_ok();
+    assert_eq!(
+        r.one("kubelet", "Register")["unexpected"],
+        serde_json::json!([])
+    );
+
+    // One device per GiB of each GPU, with the GPU's NUMA node.
+    let listed = r.one(mem, "ListAndWatch")["devices"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(listed.len(), units.iter().sum::<usize>());
+    for (g, gpu) in inv.gpus.iter().enumerate() {
+        for n in [0, units[g] - 1] {
+            let i: usize = at(g, n)[1..].parse().unwrap();
+            assert_eq!(listed[i]["id"], format!("{}::mem-{n}", gpu.uuid));
+            assert_eq!(
+                listed[i]["numa"],
+                serde_json::json!([gpu.numa_node.unwrap()])
+            );
+            assert_eq!(listed[i]["health"], "Healthy");
+        }
+    }
+
+    let allocs = r.all(mem, "Allocate");
+    let uuid = |g: usize| inv.gpus[g].uuid.as_str();
+    assert_eq!(
+        allocs[0]["envs"],
+        serde_json::json!({
+            "NVIDIA_VISIBLE_DEVICES": uuid(1),
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": format!("{}=3G", uuid(1)),
+            "NVIDIA_GDS": "enabled",
+        })
+    );
+    assert_eq!(allocs[1]["ok"], false);
+    let msg = allocs[1]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("must come from one GPU") && msg.contains(uuid(0)) && msg.contains(uuid(2)),
+        "{msg}"
+    );
+    // Packed on the GPU that holds all four.
+    let got = strings(&r.one(mem, "GetPreferredAllocation")["ids"]);
+    assert_eq!(got.len(), 4);
+    assert!(got.iter().all(|id| id.starts_with(uuid(3))), "{got:?}");
+
+    // MPS replicas: the daemon's pipe and the per-client shares of NVIDIA's daemon defaults.
+    let a = r.one("nvidia.com/gpu", "Allocate");
+    assert_eq!(a["envs"]["NVIDIA_VISIBLE_DEVICES"], uuid(1));
+    assert_eq!(
+        a["envs"]["CUDA_MPS_PIPE_DIRECTORY"],
+        "/mps/nvidia.com/gpu/pipe"
+    );
+    assert_eq!(a["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
+    assert_eq!(
+        a["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
+        format!("{}={}M", uuid(1), (inv.gpus[1].memory_bytes >> 20) / 2)
+    );
+    assert_eq!(a["envs"]["NVIDIA_GDS"], "enabled");
+}

@@ -2,7 +2,9 @@
 //! same [`Inventory`](crate::inventory::Inventory) as DRA, so `resources.limits: {nvidia.com/gpu:
 //! 1}` keeps working where DRA is not available. A drop-in for NVIDIA's k8s-device-plugin: the
 //! same resource names, device IDs (`deviceIDStrategy: uuid|index`), replica IDs (`<id>::<n>`),
-//! `NVIDIA_VISIBLE_DEVICES` values and config file ([`nvconfig`]).
+//! `NVIDIA_VISIBLE_DEVICES` values and config file ([`nvconfig`]). Beyond it: per-GPU sharing
+//! (`rename`, `devices`), per-client MPS limits, and `nvidia.com/gpu-memory` in GiB units
+//! (`--device-plugin-gpu-memory`).
 //!
 //! Parts, layered so that only [`server`] knows gRPC:
 //! - [`resources`]: inventory + [`Options`] → the advertised resources and their devices (pure);

@@ -284,7 +284,7 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
                         })?,
                         (None, false) => name.clone(),
                     };
-                    if target.as_str() == GPU_MEMORY {
+                    if opts.gpu_memory && target.as_str() == GPU_MEMORY {
                         return Err(Error::ReservedName {
                             name: GPU_MEMORY.into(),
                         });

@@ -902,7 +902,11 @@ fn gpu_memory_lists_one_unit_per_gib_of_each_whole_gpu() {
         .map(|d| d.gpu_index)
         .collect();
     assert_eq!(gpus.into_iter().collect::<Vec<_>>(), [0, 3]);
-    // Replicas under the name are refused.
+    // Replicas under the name are refused while the units are on.
+    let renamed = opts(
+        "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, rename: gpu-memory, replicas: 2}\n",
+    );
+    assert!(resources(&inv, &renamed).is_ok());
     let o = Options {
         gpu_memory: true,
         ..opts(

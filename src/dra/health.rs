@@ -35,7 +35,9 @@ pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHe
     let entry = |name: DeviceName, health: &Health| {
         let (status, message) = match health {
             Health::Healthy => (HealthStatus::Healthy, String::new()),
-            Health::Unhealthy { reason } => (HealthStatus::Unhealthy, reason.clone()),
+            Health::Unhealthy { reason } | Health::Tainted { reason, .. } => {
+                (HealthStatus::Unhealthy, reason.clone())
+            }
         };
         DeviceHealth {
             device: Some(DeviceIdentifier {

@@ -40,6 +40,7 @@ use crate::inventory::{
     TaintEffect, TaintKey, TimeSlice,
 };
 
+pub use crate::inventory::events::{Event, EventKind};
 pub use monitor::{BackendProbe, Monitor, MonitorHandle, Probe};
 
 /// XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin ignores the
@@ -66,26 +67,6 @@ pub enum Error {
     BadOverride(String),
     #[error("{0:?} is not a duration; write e.g. 500ms, 30s, 5m or 1h")]
     BadDuration(String),
-}
-
-/// What a GPU event says happened.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum EventKind {
-    /// A critical XID error (NVML `nvmlEventTypeXidCriticalError`), with its XID.
-    Xid(u64),
-    /// A double-bit ECC error (`nvmlEventTypeDoubleBitEccError`).
-    DoubleBitEcc,
-    /// The GPU is gone (`NVML_ERROR_GPU_IS_LOST`, a failed probe of a vanished GPU).
-    GpuLost,
-    /// The GPU's events cannot be watched (registration refused); the reason says why.
-    Unmonitored(String),
-}
-
-/// One health event of one GPU.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Event {
-    pub gpu: GpuUuid,
-    pub kind: EventKind,
 }
 
 /// Why a GPU is unhealthy.
@@ -359,6 +340,17 @@ impl DeviceBackend for Monitored {
 
     fn refresh(&self) -> inventory::Result<Inventory> {
         self.backend.refresh().map(|inv| self.overlay(inv))
+    }
+
+    fn start_health_events(
+        &self,
+        sink: Box<dyn crate::inventory::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        self.backend.start_health_events(sink)
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.backend.probe(gpu)
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> inventory::Result<()> {

@@ -19,18 +19,12 @@ pub trait Probe: Send + Sync + 'static {
     fn probe(&self, gpu: &GpuUuid) -> Result<(), String>;
 }
 
-/// Probes through a backend's fresh inventory: the GPU answers when it is still listed and not
-/// withdrawn. The simulated backend's probe; NVML has a cheaper one (`inventory::nvml::events`).
+/// Probes through a backend ([`DeviceBackend::probe`]).
 pub struct BackendProbe(pub Arc<dyn DeviceBackend>);
 
 impl Probe for BackendProbe {
     fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
-        let inv = self.0.refresh().map_err(|e| crate::report::chain(&e).to_string())?;
-        match inv.gpu_by_uuid(gpu.as_str()) {
-            Some(g) if !g.health.is_withdrawn() => Ok(()),
-            Some(g) => Err(g.health.to_string()),
-            None => Err("the GPU is no longer listed".into()),
-        }
+        self.0.probe(gpu)
     }
 }
 

@@ -2,8 +2,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::faults::{Command, FaultFile, LineError, parse_line};
 use super::*;
-use tokio_util::sync::CancellationToken;
 use crate::inventory::sim::SimBackend;
+use tokio_util::sync::CancellationToken;
 
 fn sim() -> SimBackend {
     SimBackend::from_profile("dgx-a100-mig", "n").unwrap()
@@ -90,10 +90,7 @@ fn settings_strings_parse_or_name_the_bad_value() {
     );
     assert!(parse_xids("").unwrap().is_empty());
     assert_eq!(parse_xids("13,x"), Err(Error::BadXid("x".into())));
-    assert_eq!(
-        parse_overrides("79"),
-        Err(Error::BadOverride("79".into()))
-    );
+    assert_eq!(parse_overrides("79"), Err(Error::BadOverride("79".into())));
     assert_eq!(
         parse_overrides("79=sometimes"),
         Err(Error::BadOverride("79=sometimes".into()))
@@ -103,7 +100,10 @@ fn settings_strings_parse_or_name_the_bad_value() {
     assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
     assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
     assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
-    assert_eq!(parse_duration("5 min"), Err(Error::BadDuration("5 min".into())));
+    assert_eq!(
+        parse_duration("5 min"),
+        Err(Error::BadDuration("5 min".into()))
+    );
     assert!(
         Error::BadOverride("79".into())
             .to_string()
@@ -142,7 +142,10 @@ async fn an_xid_makes_exactly_that_gpu_unhealthy_and_recovery_restores_it() {
     assert_eq!(faults[0].0, &gpu3);
     assert_eq!(faults[0].1.cause, Cause::Xid(79));
     assert_eq!(faults[0].1.xid, Some(79));
-    assert_eq!(faults[0].1.cause.to_string(), "XID 79 (GPU has fallen off the bus)");
+    assert_eq!(
+        faults[0].1.cause.to_string(),
+        "XID 79 (GPU has fallen off the bus)"
+    );
 
     // The overlay: GPU 3 tainted, its MIG devices follow it where devices are derived, the
     // others untouched.
@@ -203,7 +206,11 @@ async fn a_new_critical_event_postpones_recovery_by_the_quiet_period() {
     watch.changed().await.unwrap();
     assert!(watch.borrow().is_empty());
     // Healthy no sooner than the quiet period after the second event (paused time: exact).
-    assert!(start.elapsed() >= Duration::from_secs(110), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() >= Duration::from_secs(110),
+        "{:?}",
+        start.elapsed()
+    );
     stop.cancel();
 }
 
@@ -226,12 +233,24 @@ fn fault_file_lines_name_gpus_by_index_or_uuid() {
             kind: EventKind::DoubleBitEcc
         })))
     );
-    assert_eq!(parse_line("lost 3", &inv), Ok(Some(Command::Lost(g3.clone()))));
+    assert_eq!(
+        parse_line("lost 3", &inv),
+        Ok(Some(Command::Lost(g3.clone())))
+    );
     assert_eq!(parse_line("back 3", &inv), Ok(Some(Command::Back(g3))));
     assert_eq!(parse_line("   # nothing", &inv), Ok(None));
-    assert_eq!(parse_line("xid 99 79", &inv), Err(LineError::NoGpu("99".into())));
-    assert_eq!(parse_line("xid 3 x", &inv), Err(LineError::BadXid("x".into())));
-    assert!(matches!(parse_line("reboot 3", &inv), Err(LineError::Unknown(_))));
+    assert_eq!(
+        parse_line("xid 99 79", &inv),
+        Err(LineError::NoGpu("99".into()))
+    );
+    assert_eq!(
+        parse_line("xid 3 x", &inv),
+        Err(LineError::BadXid("x".into()))
+    );
+    assert!(matches!(
+        parse_line("reboot 3", &inv),
+        Err(LineError::Unknown(_))
+    ));
 }
 
 #[tokio::test(start_paused = true)]
@@ -250,7 +269,10 @@ async fn the_fault_file_drives_the_monitor_and_lost_gpus_fail_their_probe() {
     std::fs::write(&path, "xid 2 13\nlost 3\n").unwrap();
     watch.changed().await.unwrap();
     let state = watch.borrow_and_update().clone();
-    let faults: Vec<_> = state.faults().map(|(g, f)| (g.clone(), f.cause.clone())).collect();
+    let faults: Vec<_> = state
+        .faults()
+        .map(|(g, f)| (g.clone(), f.cause.clone()))
+        .collect();
     assert_eq!(faults, vec![(uuid(&sim, 3), Cause::GpuLost)]);
 
     // Lost: no recovery however long it is quiet, until the file says it is back.

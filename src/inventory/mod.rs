@@ -13,6 +13,7 @@
 mod backend;
 pub mod cache;
 mod domains;
+pub mod events;
 pub mod nvml;
 mod quantity;
 pub mod sim;
@@ -232,7 +233,9 @@ impl TaintKey {
 }
 
 /// What a taint does to claims, as `resource.k8s.io` names it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub enum TaintEffect {
     /// New claims do not get the device; running pods keep it.
     #[default]

@@ -28,6 +28,7 @@
 
 mod backend;
 mod capture;
+mod events;
 mod fabric;
 mod ffi;
 mod mapping;

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
@@ -13,7 +13,7 @@ use super::{HostSysfs, LIBRARY, SYSFS_ROOT, map_with_omissions, read_raw};
 use crate::inventory::{DeviceBackend, Error, GpuUuid, Inventory, Result};
 
 pub struct NvmlBackend {
-    nvml: Nvml,
+    nvml: Arc<Nvml>,
     sysfs: HostSysfs,
     logged: OmissionLog,
 }
@@ -39,7 +39,7 @@ impl NvmlBackend {
             match init {
                 Ok(nvml) => {
                     return Ok(Self {
-                        nvml,
+                        nvml: Arc::new(nvml),
                         sysfs: HostSysfs::new(SYSFS_ROOT),
                         logged: OmissionLog::default(),
                     });
@@ -103,6 +103,17 @@ impl DeviceBackend for NvmlBackend {
         let (inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
         self.logged.log_new(&omissions);
         Ok(inv)
+    }
+
+    fn start_health_events(
+        &self,
+        sink: Box<dyn crate::inventory::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        Some(super::events::start(self.nvml.clone(), sink))
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        super::events::probe(&self.nvml, gpu).map_err(|e| e.to_string())
     }
 }
 

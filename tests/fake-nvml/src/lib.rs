@@ -28,6 +28,8 @@
 //! Driver 550.163.01, CUDA 12.4. `nvmlDeviceGetNumaNodeId` is deliberately not exported, so the
 //! backend's handling of a symbol missing from an older driver is exercised too.
 //!
+//! Health events, and the hooks tests inject them with, are in `events.rs`.
+//!
 //! Handles are opaque integers cast to pointers; they are never dereferenced by callers. Every
 //! function's contract is the one `nvml.h` documents for it: pointer arguments must be valid for
 //! writes of the pointed-to type (null is answered with `NVML_ERROR_INVALID_ARGUMENT`).
@@ -322,6 +324,25 @@ static HGX_H100_SENTINEL: [Gpu; 8] = [
 static NODE: AtomicU8 = AtomicU8::new(0);
 /// 3, 2 or 1: the newest fabric-info struct version the driver takes; set by `nvmlInit_v2`.
 static FABRIC_API: AtomicU8 = AtomicU8::new(3);
+
+// Health events and their test hooks (`events.rs`) see the GPUs only through these four.
+mod events;
+
+fn gpu_count() -> usize {
+    gpus().len()
+}
+
+fn gpu_uuid(index: usize) -> Option<&'static str> {
+    gpus().get(index).map(|g| g.uuid)
+}
+
+fn gpu_handle(index: usize) -> nvmlDevice_t {
+    handle(GPU_BASE + index)
+}
+
+fn gpu_index_of(d: nvmlDevice_t) -> Option<usize> {
+    gpu(d).map(gpu_index)
+}
 
 fn gpus() -> &'static [Gpu] {
     match NODE.load(Ordering::Relaxed) {

@@ -328,3 +328,88 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
     assert!(third.devices.iter().all(|d| d.health == "Healthy"));
     stop.cancel();
 }
+
+/// `nvdra::daemon::run` with `--fault-file` on a simulated node: a line appended to the file
+/// reaches the slice on the API server as a taint and the health stream, served as `v1` and
+/// `v1beta1` on the DRA socket, as GPU 3 unhealthy with its cause.
+#[tokio::test]
+async fn the_daemon_wires_the_fault_file_to_the_slices_and_every_health_stream() {
+    use nvdra::config::{self, Settings};
+    use nvdra::proto::health::{v1, v1beta1};
+    let dir = tempfile::tempdir().unwrap();
+    let boot = dir.path().join("boot_id");
+    std::fs::write(&boot, "boot-1\n").unwrap();
+    let faults = dir.path().join("faults");
+    let mut settings = Settings::default();
+    settings.daemon.mode = Some(config::Mode::Dra);
+    settings.daemon.metrics_address = Some("127.0.0.1:0".into());
+    settings.backend.profile = Some("dgx-h100".into());
+    settings.backend.node_name = Some(NODE.into());
+    settings.backend.driver_root = Some(dir.path().join("driver"));
+    settings.kubelet.kubelet_root = Some(dir.path().join("kubelet"));
+    settings.kubelet.cdi_root = Some(dir.path().join("cdi"));
+    settings.health.fault_file = Some(faults.clone());
+    let config = config::resolve(settings, None).unwrap();
+    let dra_socket = config.plugin_dir().join("dra.sock");
+    let server = TestApiServer::start().await;
+    let stop = CancellationToken::new();
+    let daemon = tokio::spawn(nvdra::daemon::run(
+        config,
+        nvdra::daemon::Extras {
+            boot_id_file: Some(boot),
+            ..Default::default()
+        },
+        Arc::new(SimBackend::from_profile("dgx-h100", NODE).unwrap()),
+        Arc::new(KubeApi::from_url(server.url()).unwrap()),
+        stop.clone(),
+    ));
+    eventually("first publish", || {
+        taints(&server.slices()).contains_key("gpu-3")
+    })
+    .await;
+    let channel = nvdra::socket::connect(&dra_socket).await.unwrap();
+    let mut ga = v1::dra_resource_health_client::DraResourceHealthClient::new(channel.clone())
+        .node_watch_resources(v1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut beta = v1beta1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+        .node_watch_resources(v1beta1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ga.message().await.unwrap().unwrap().devices.len(), 8);
+    assert_eq!(beta.message().await.unwrap().unwrap().devices.len(), 8);
+
+    std::fs::write(&faults, "xid 3 79\n").unwrap();
+    eventually("GPU 3 tainted", || {
+        taints(&server.slices())
+            .get("gpu-3")
+            .is_some_and(|t| !t.is_empty())
+    })
+    .await;
+    let m = ga.message().await.unwrap().unwrap();
+    let sick: Vec<(String, String)> = m
+        .devices
+        .into_iter()
+        .filter(|d| d.health == v1::HealthStatus::Unhealthy as i32)
+        .map(|d| (d.device.unwrap().device_name, d.message))
+        .collect();
+    assert_eq!(
+        sick,
+        [(
+            "gpu-3".to_string(),
+            "XID 79 (GPU has fallen off the bus)".to_string()
+        )]
+    );
+    let m = beta.message().await.unwrap().unwrap();
+    assert_eq!(
+        m.devices
+            .iter()
+            .filter(|d| d.health == v1beta1::HealthStatus::Unhealthy as i32)
+            .count(),
+        1
+    );
+    stop.cancel();
+    daemon.await.unwrap().unwrap();
+}

@@ -7,7 +7,7 @@
 //! The fake's event state is process-wide, so the tests here take turns ([`serial`]).
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -25,9 +25,9 @@ const SOON: Duration = Duration::from_secs(10);
 const XID_EVENT: u64 = 0x8; // nvmlEventTypeXidCriticalError
 const NVML_ERROR_UNKNOWN: u32 = 999;
 
-fn serial() -> MutexGuard<'static, ()> {
-    static TURN: Mutex<()> = Mutex::new(());
-    TURN.lock().unwrap_or_else(|p| p.into_inner())
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    TURN.lock().await
 }
 
 fn fake_library() -> PathBuf {
@@ -150,7 +150,7 @@ async fn state(handle: &MonitorHandle, cond: impl Fn(&nvdra::health::HealthState
 
 #[tokio::test]
 async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_restores_it() {
-    let _turn = serial();
+    let _turn = serial().await;
     let fake = Fake::open();
     let stop = CancellationToken::new();
     let (handle, monitored) = fake.monitor(&stop).await;
@@ -263,7 +263,7 @@ impl nvdra::health::Probe for Counting {
 
 #[tokio::test]
 async fn a_lost_gpu_stays_unhealthy_until_nvml_finds_it() {
-    let _turn = serial();
+    let _turn = serial().await;
     let fake = Fake::open();
     let gpu1 = fake.uuid(1);
     // Lost before the monitor starts: its registration finds it gone.
@@ -307,7 +307,7 @@ async fn a_lost_gpu_stays_unhealthy_until_nvml_finds_it() {
 
 #[tokio::test]
 async fn a_gpu_whose_registration_fails_is_the_only_one_affected() {
-    let _turn = serial();
+    let _turn = serial().await;
     let fake = Fake::open();
     fake.fail_registration(2, NVML_ERROR_UNKNOWN);
     let stop = CancellationToken::new();

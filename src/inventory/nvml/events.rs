@@ -6,7 +6,8 @@
 //! [`EventKind::Unmonitored`] and the others stay registered (registration goes through
 //! `ffi::register_events`, because nvml-wrapper frees the whole set when one registration
 //! fails); a GPU that cannot register because it is too old (`NOT_SUPPORTED`) is logged and left
-//! alone, as NVIDIA's plugin does. A wait that answers `GPU_IS_LOST` names no GPU, so every
+//! alone, as NVIDIA's plugin does (and a driver without event sets at all is logged, not
+//! tainted). A wait that answers `GPU_IS_LOST` names no GPU, so every
 //! watched GPU is probed and only those NVML no longer finds are reported lost — never "every
 //! device unhealthy" for one error (NVIDIA device plugin #669). Other wait errors are logged
 //! once per kind and retried.
@@ -47,6 +48,16 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
     let gpus = gpus(nvml);
     let set = match nvml.create_event_set() {
         Ok(set) => set,
+        // A driver without events is a driver without health checks, not a broken node:
+        // tainting every GPU for it would make the node unschedulable for a missing feature.
+        Err(
+            e @ (NvmlError::FailedToLoadSymbol(_)
+            | NvmlError::FunctionNotFound
+            | NvmlError::NotSupported),
+        ) => {
+            tracing::warn!(error = %e, "this driver reports no GPU health events; GPU health is not monitored");
+            return;
+        }
         Err(e) => {
             let reason = format!("nvmlEventSetCreate failed: {e}");
             tracing::warn!(%reason, "GPU health events cannot be watched");

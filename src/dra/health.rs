@@ -27,8 +27,8 @@ use crate::proto::health::v1alpha1::{
 };
 use crate::proto::health::{v1, v1alpha1, v1beta1};
 
-/// How often the full list is re-sent without a change; well under the kubelet's 30 s default
-/// timeout (and under the 15 s the kubelet's own resend would need to survive one lost message).
+/// How often the full list is re-sent without a change: under 15 s, so a device stays known to
+/// the kubelet (30 s default timeout) even when one message is lost.
 pub const INTERVAL: Duration = Duration::from_secs(10);
 
 /// The `supported_versions` entries of the health services, newest first (each is also the

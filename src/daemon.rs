@@ -3,6 +3,8 @@
 //! Start order (each step only once the previous one works, so the kubelet never sees a
 //! registration without a serving endpoint):
 //! 0. the metrics port is bound first: a taken port fails the start before anything exists;
+//!    then the health monitor is created (and NVML's event thread started) so that every
+//!    consumer below subscribes to it, and every inventory read carries its state;
 //! 1. the checkpoint writer, then recovery of what a crash or reboot left behind;
 //! 2. the DRA gRPC server (`v1` + `v1beta1` + health) on its socket;
 //! 3. the registration server in `plugins_registry/`;

@@ -6,6 +6,10 @@
 //! the second the path from the stream's message to the slice). The
 //! tests check that it happens; these figures are how fast. Median of several runs.
 //!
+//! Then the NVML path on the fake library (`tests/fake-nvml`): an XID injected into the fake's
+//! event set → NVML's event thread (`nvmlEventSetWait_v2`) → the monitor → the health-stream
+//! message.
+//!
 //! Run: `cargo bench --bench health`
 
 #[path = "../tests/support/apiserver.rs"]
@@ -161,6 +165,7 @@ async fn main() {
         slice_well.push(watch_slices.await.expect("watch") - t);
         token.cancel();
     }
+    let nvml = nvml_path().await;
     println!("health: XID 79 on GPU 3 of a simulated dgx-h100; {RUNS} runs");
     println!(
         "  fault → health-stream message: median {}",
@@ -178,4 +183,87 @@ async fn main() {
         "  recovery: healthy stream message → untainted slice: median {}",
         ms(median(slice_well))
     );
+    println!(
+        "  NVML on the fake library: XID injected on GPU 0 → health-stream message: median {}",
+        ms(median(nvml))
+    );
+}
+
+/// The fake library cargo built beside this bench.
+fn fake_library() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("bench binary path");
+    let deps = exe.parent().expect("target/<profile>/deps");
+    [
+        deps.join("libfake_nvml.so"),
+        deps.join("../libfake_nvml.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .expect("libfake_nvml.so is built beside the bench")
+}
+
+async fn nvml_path() -> Vec<Duration> {
+    use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
+    let root = tempfile::tempdir().expect("temp dir");
+    let lib_dir = root.path().join("usr/lib64");
+    std::fs::create_dir_all(&lib_dir).expect("dir");
+    let path = lib_dir.join(LIBRARY);
+    std::os::unix::fs::symlink(fake_library(), &path).expect("symlink");
+    let backend: Arc<dyn DeviceBackend> =
+        Arc::new(NvmlBackend::open(root.path()).expect("the fake loads"));
+    // SAFETY: loading the library NVML already loaded returns that copy.
+    let lib = unsafe { libloading::Library::new(&path) }.expect("the fake");
+    // SAFETY: the hooks' C signatures as the fake's events.rs declares them.
+    let inject: libloading::Symbol<extern "C" fn(u32, u64, u64) -> u32> =
+        unsafe { lib.get(b"fake_nvml_inject_event") }.expect("hook");
+    let registrations: libloading::Symbol<extern "C" fn(u32) -> u32> =
+        unsafe { lib.get(b"fake_nvml_registrations") }.expect("hook");
+    let mut out = Vec::new();
+    for _ in 0..RUNS {
+        let (monitor, mh) = Monitor::new(
+            Policy {
+                quiet_period: Duration::ZERO,
+                probe_interval: Duration::from_millis(20),
+                ..Policy::default()
+            },
+            Arc::new(BackendProbe(backend.clone())),
+        );
+        let token = CancellationToken::new();
+        tokio::spawn(monitor.run(token.clone()));
+        let before = registrations(0);
+        backend
+            .start_health_events(Box::new(mh.events()))
+            .expect("an event source")
+            .expect("the thread starts");
+        while registrations(0) <= before {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let svc = HealthService::new(
+            Arc::new(Monitored::new(backend.clone(), mh.subscribe())),
+            "n".into(),
+            Duration::from_secs(3600),
+            token.clone(),
+        )
+        .with_health(mh.subscribe());
+        let mut stream = svc
+            .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
+            .await
+            .expect("stream")
+            .into_inner();
+        stream.next().await.expect("first").expect("ok");
+        let t = Instant::now();
+        assert_eq!(inject(0, 0x8, 79), 0);
+        let m = stream.next().await.expect("message").expect("ok");
+        out.push(t.elapsed());
+        assert!(
+            m.devices
+                .iter()
+                .any(|d| d.health == HealthStatus::Unhealthy as i32)
+        );
+        // Recovered (quiet period 0) before the next run.
+        let mut w = mh.subscribe();
+        w.wait_for(|s| s.is_empty()).await.expect("monitor");
+        token.cancel();
+    }
+    out
 }

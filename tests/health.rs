@@ -10,6 +10,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -93,7 +94,22 @@ struct Published {
     server: TestApiServer,
     handle: MonitorHandle,
     sim: SimBackend,
+    /// The recovery probe fails until a test sets this.
+    answers: Arc<AtomicBool>,
     token: CancellationToken,
+}
+
+/// A probe that fails until the test lets the GPUs answer: recovery happens when the test says.
+struct Gate(Arc<AtomicBool>);
+
+impl nvdra::health::Probe for Gate {
+    fn probe(&self, _: &nvdra::inventory::GpuUuid) -> Result<(), String> {
+        if self.0.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    }
 }
 
 impl Drop for Published {
@@ -122,10 +138,8 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
     );
     let sim = node();
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let (monitor, handle) = Monitor::new(
-        policy(),
-        Arc::new(nvdra::health::BackendProbe(inner.clone())),
-    );
+    let answers = Arc::new(AtomicBool::new(false));
+    let (monitor, handle) = Monitor::new(policy(), Arc::new(Gate(answers.clone())));
     let backend = Arc::new(Monitored::new(inner, handle.subscribe()));
     let (sync, _) = SliceSync::new(
         backend,
@@ -147,6 +161,7 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
         server,
         handle,
         sim,
+        answers,
         token,
     }
 }
@@ -219,6 +234,7 @@ async fn an_xid_on_gpu_3_taints_exactly_its_devices_and_recovery_lifts_the_taint
     );
 
     // Quiet period over, probe answers: the taints go.
+    node.answers.store(true, Ordering::SeqCst);
     eventually("taints lifted", || {
         taints(&node.server.slices()).values().all(Vec::is_empty)
     })
@@ -247,6 +263,7 @@ async fn a_server_that_drops_taints_gets_the_gpu_withdrawn_instead() {
     })
     .await;
     // Recovery brings the devices back.
+    node.answers.store(true, Ordering::SeqCst);
     eventually("GPU 3 back", || {
         taints(&node.server.slices()).len() == all.len()
     })

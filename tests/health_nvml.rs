@@ -119,8 +119,12 @@ impl Fake {
         self.backend.snapshot().unwrap().gpus[index].uuid.clone()
     }
 
-    /// A monitor fed by NVML's event thread, probing through NVML.
-    async fn monitor(&self, stop: &CancellationToken) -> (MonitorHandle, Arc<Monitored>) {
+    /// A monitor fed by NVML's event thread, probing through NVML once `gate` is open.
+    async fn monitor(
+        &self,
+        stop: &CancellationToken,
+        gate: Arc<std::sync::atomic::AtomicBool>,
+    ) -> (MonitorHandle, Arc<Monitored>) {
         let backend: Arc<dyn DeviceBackend> = self.backend.clone();
         let (monitor, handle) = Monitor::new(
             Policy {
@@ -128,7 +132,10 @@ impl Fake {
                 probe_interval: Duration::from_millis(50),
                 ..Policy::default()
             },
-            Arc::new(BackendProbe(backend.clone())),
+            Arc::new(Gated {
+                open: gate,
+                inner: BackendProbe(backend.clone()),
+            }),
         );
         tokio::spawn(monitor.run(stop.clone()));
         self.start_events(&backend, &handle).await;
@@ -136,6 +143,21 @@ impl Fake {
             handle.clone(),
             Arc::new(Monitored::new(backend, handle.subscribe())),
         )
+    }
+}
+
+/// NVML's probe, failing until the test opens the gate (recovery when the test says).
+struct Gated {
+    open: Arc<std::sync::atomic::AtomicBool>,
+    inner: BackendProbe,
+}
+
+impl nvdra::health::Probe for Gated {
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
+        if !self.open.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("gate closed".into());
+        }
+        self.inner.probe(gpu)
     }
 }
 
@@ -153,7 +175,8 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
     let _turn = serial().await;
     let fake = Fake::open();
     let stop = CancellationToken::new();
-    let (handle, monitored) = fake.monitor(&stop).await;
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (handle, monitored) = fake.monitor(&stop, gate.clone()).await;
     let svc = HealthService::new(
         monitored.clone(),
         "n".into(),
@@ -230,7 +253,8 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
         ]
     );
 
-    // Recovery: NVML finds the GPU again after the quiet period.
+    // Recovery: NVML's probe answers after the quiet period.
+    gate.store(true, std::sync::atomic::Ordering::SeqCst);
     let m = tokio::time::timeout(SOON, stream.next())
         .await
         .unwrap()
@@ -311,7 +335,9 @@ async fn a_gpu_whose_registration_fails_is_the_only_one_affected() {
     let fake = Fake::open();
     fake.fail_registration(2, NVML_ERROR_UNKNOWN);
     let stop = CancellationToken::new();
-    let (handle, _) = fake.monitor(&stop).await;
+    let (handle, _) = fake
+        .monitor(&stop, Arc::new(std::sync::atomic::AtomicBool::new(false)))
+        .await;
     state(&handle, |s| !s.is_empty()).await;
     fake.fail_registration(2, 0);
     let faults: Vec<(GpuUuid, Cause)> = handle

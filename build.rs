@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/dra/v1/api.proto",
         "proto/dra/v1beta1/api.proto",
         "proto/dra-health/v1alpha1/api.proto",
+        "proto/dra-health/v1beta1/api.proto",
         "proto/dra-health/v1/api.proto",
         "proto/pluginregistration/v1/api.proto",
         "proto/deviceplugin/v1beta1/api.proto",

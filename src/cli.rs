@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::{
     self, ApiSettings, Backend, BackendSettings, Config, DaemonSettings, FileConfig,
-    KubeletSettings, LogFormat, LogSettings, PluginSettings, Settings,
+    HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings, Settings,
 };
 use crate::dra::slices;
 use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
@@ -68,6 +68,9 @@ pub struct RunArgs {
     #[command(flatten)]
     pub api: ApiSettings,
 
+    #[command(flatten)]
+    pub health: HealthSettings,
+
     /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
     #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
     pub boot_id_file: Option<PathBuf>,
@@ -82,6 +85,7 @@ impl RunArgs {
             api: self.api.clone(),
             daemon: self.daemon.clone(),
             log: log.clone(),
+            health: self.health.clone(),
         }
     }
 }

@@ -25,8 +25,8 @@ mod settings;
 
 pub use file::FileConfig;
 pub use settings::{
-    ApiSettings, BackendSettings, DaemonSettings, KubeletSettings, LogSettings, PluginSettings,
-    Section, Settings,
+    ApiSettings, BackendSettings, DaemonSettings, HealthSettings, KubeletSettings, LogSettings,
+    PluginSettings, Section, Settings,
 };
 
 /// The config file version this build reads.
@@ -130,6 +130,10 @@ pub struct Config {
     pub device_plugin_config: Option<PathBuf>,
     /// Advertise `nvidia.com/gpu-memory` on the device-plugin path.
     pub device_plugin_gpu_memory: bool,
+    /// How health events are judged and unhealthy GPUs recover.
+    pub health: crate::health::Policy,
+    /// Simulated backend only: the fault-injection file (`crate::health::faults`).
+    pub fault_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -166,6 +170,7 @@ fn validate(settings: Settings) -> Result<Config> {
         api,
         daemon,
         log,
+        health,
     } = settings;
 
     let names = || topology::profile_names().join(", ");
@@ -272,7 +277,42 @@ fn validate(settings: Settings) -> Result<Config> {
         ));
     }
 
+    fn bad(key: &'static str) -> impl Fn(crate::health::Error) -> Error {
+        move |e| invalid(key, e.to_string())
+    }
+    let policy = crate::health::Policy {
+        ignored: crate::health::parse_xids(&need(health.ignored_xids, "--ignored-xids")?)
+            .map_err(bad("--ignored-xids"))?,
+        overrides: crate::health::parse_overrides(health.xid_overrides.as_deref().unwrap_or(""))
+            .map_err(bad("--xid-overrides"))?,
+        quiet_period: crate::health::parse_duration(&need(
+            health.health_quiet_period,
+            "--health-quiet-period",
+        )?)
+        .map_err(bad("--health-quiet-period"))?,
+        probe_interval: crate::health::parse_duration(&need(
+            health.health_probe_interval,
+            "--health-probe-interval",
+        )?)
+        .map_err(bad("--health-probe-interval"))?,
+    };
+    if policy.probe_interval.is_zero() {
+        return Err(invalid("--health-probe-interval", "must be longer than 0s"));
+    }
+    if health.fault_file.is_some() && matches!(source, Backend::Nvml { .. }) {
+        return Err(invalid(
+            "--fault-file",
+            "injects faults into simulated GPUs; it needs --profile or --topology",
+        ));
+    }
+    let fault_file = health
+        .fault_file
+        .map(|p| absolute("--fault-file", p))
+        .transpose()?;
+
     Ok(Config {
+        health: policy,
+        fault_file,
         mode,
         backend: source,
         node_name,

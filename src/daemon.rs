@@ -3,6 +3,8 @@
 //! Start order (each step only once the previous one works, so the kubelet never sees a
 //! registration without a serving endpoint):
 //! 0. the metrics port is bound first: a taken port fails the start before anything exists;
+//!    then the health monitor is created (and NVML's event thread started) so that every
+//!    consumer below subscribes to it, and every inventory read carries its state;
 //! 1. the checkpoint writer, then recovery of what a crash or reboot left behind;
 //! 2. the DRA gRPC server (`v1` + `v1beta1` + health) on its socket;
 //! 3. the registration server in `plugins_registry/`;
@@ -154,15 +156,25 @@ pub async fn run(
             addr: config.metrics_address,
             source,
         })?;
-    // Prepare reads the cached inventory; the slice sync and health stream refresh it.
-    let backend: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
-    let config = without_unavailable(config, backend.as_ref());
+    // Prepare reads the cached inventory; the slice sync and health stream refresh it. Every
+    // consumer reads it with the health monitor's state laid over it.
+    let cached: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
+    let config = without_unavailable(config, cached.as_ref());
+    let monitor = HealthMonitor::start(&config, &cached);
+    let backend: Arc<dyn DeviceBackend> = Arc::new(crate::health::Monitored::new(
+        cached,
+        monitor.handle.subscribe(),
+    ));
     let metrics = Metrics::new();
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
 
     let device_plugin = match config.mode {
-        Mode::DevicePlugin | Mode::Both => Some(device_plugin(&config, backend.clone()).await?),
+        Mode::DevicePlugin | Mode::Both => Some(
+            device_plugin(&config, backend.clone())
+                .await?
+                .with_health(monitor.handle.subscribe()),
+        ),
         Mode::Dra | Mode::Auto => None,
     };
     if config.mode == Mode::DevicePlugin {
@@ -181,6 +193,7 @@ pub async fn run(
             }))
         });
         spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
+        monitor.spawn(&mut tasks, &shutdown);
         let (m, token) = (metrics.clone(), shutdown.clone());
         tasks.spawn(async move {
             metrics::serve(metrics_listener, m, token).await;
@@ -221,6 +234,7 @@ pub async fn run(
     let shutdown = stop.child_token();
     let result = serve(
         &config,
+        monitor,
         device_plugin,
         plugin,
         api,
@@ -243,6 +257,7 @@ pub async fn run(
 #[allow(clippy::too_many_arguments)]
 async fn serve(
     config: &Config,
+    monitor: HealthMonitor,
     device_plugin: Option<DevicePlugin>,
     plugin: Plugin,
     api: Arc<dyn ClusterApi>,
@@ -282,7 +297,8 @@ async fn serve(
             config.node_name.clone(),
             health::INTERVAL,
             shutdown.clone(),
-        );
+        )
+        .with_health(monitor.handle.subscribe());
         tasks.spawn(async move {
             let r = grpc::serve_dra(plugin, health, dra_listener, dra_socket, token).await;
             ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
@@ -306,9 +322,17 @@ async fn serve(
     }
 
     publish(
-        config, &plugin, &api, &backend, &metrics, &mut tasks, &shutdown,
+        config,
+        &plugin,
+        &api,
+        &backend,
+        &metrics,
+        monitor.handle.subscribe(),
+        &mut tasks,
+        &shutdown,
     )
     .await;
+    monitor.spawn(&mut tasks, &shutdown);
 
     spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
 
@@ -430,13 +454,16 @@ fn task_failure(
 pub const RESCAN: Duration = Duration::from_secs(60);
 
 /// Starts the ResourceSlice publisher (counting into the metrics, readiness included) and the
-/// task feeding it the inventory (told about MIG changes by the plugin).
+/// task feeding it the inventory (told about MIG changes by the plugin, and about health
+/// transitions by the monitor).
+#[allow(clippy::too_many_arguments)]
 async fn publish(
     config: &Config,
     plugin: &Plugin,
     api: &Arc<dyn ClusterApi>,
     backend: &Arc<dyn DeviceBackend>,
     metrics: &Arc<Metrics>,
+    health: crate::health::Watch,
     tasks: &mut JoinSet<TaskResult>,
     shutdown: &CancellationToken,
 ) {
@@ -458,7 +485,7 @@ async fn publish(
         metrics.slices.clone(),
     );
     let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
-    let slice_sync = slice_sync.with_metrics(metrics.clone());
+    let slice_sync = slice_sync.with_metrics(metrics.clone()).with_health(health);
     plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
     let token = shutdown.clone();
     tasks.spawn(async move {
@@ -470,6 +497,67 @@ async fn publish(
         slice_sync.run(token).await;
         ("slice-sync", Ok(()))
     });
+}
+
+/// The health monitor and its event source, created at start (so every consumer can subscribe)
+/// and spawned with the other tasks.
+struct HealthMonitor {
+    monitor: crate::health::Monitor,
+    handle: crate::health::MonitorHandle,
+    faults: Option<crate::health::faults::FaultFile>,
+}
+
+impl HealthMonitor {
+    /// The source is the backend's own (NVML's event thread, started here), or the fault file
+    /// for simulated GPUs; the recovery probe is the fault file's or the backend's. A backend
+    /// whose event source cannot start still serves: its GPUs are then only as healthy as its
+    /// inventory says, which is logged. The event thread ends once the monitor is gone.
+    fn start(config: &Config, backend: &Arc<dyn DeviceBackend>) -> Self {
+        let faults = config
+            .fault_file
+            .clone()
+            .map(|path| crate::health::faults::FaultFile::new(path, backend.clone()));
+        let probe: Arc<dyn crate::health::Probe> = match &faults {
+            Some(f) => f.probe(),
+            None => Arc::new(crate::health::BackendProbe(backend.clone())),
+        };
+        let (monitor, handle) = crate::health::Monitor::new(config.health.clone(), probe);
+        match backend.start_health_events(Box::new(handle.events())) {
+            None => tracing::debug!(backend = backend.name(), "no hardware health events"),
+            Some(Ok(_thread)) => {
+                tracing::info!(backend = backend.name(), "watching GPU health events")
+            }
+            Some(Err(e)) => tracing::warn!(
+                error = %e,
+                "cannot start the GPU health-event thread; GPU health is not monitored"
+            ),
+        }
+        Self {
+            monitor,
+            handle,
+            faults,
+        }
+    }
+
+    fn spawn(self, tasks: &mut JoinSet<TaskResult>, shutdown: &CancellationToken) {
+        let Self {
+            monitor,
+            handle,
+            faults,
+        } = self;
+        if let Some(f) = faults {
+            let (events, token) = (handle.events(), shutdown.clone());
+            tasks.spawn(async move {
+                f.run(events, token).await;
+                ("fault-file", Ok(()))
+            });
+        }
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            monitor.run(token).await;
+            ("health-monitor", Ok(()))
+        });
+    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod deviceplugin;
 pub mod dns;
 pub mod dra;
 pub mod durable;
+pub mod health;
 pub mod inventory;
 pub mod ledger;
 pub mod lock;

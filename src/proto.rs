@@ -15,6 +15,14 @@ pub mod health {
     pub mod v1alpha1 {
         tonic::include_proto!("v1alpha1");
     }
+    /// Its proto package is `v1beta1`, as the device-plugin API's is: prost generates one
+    /// module for both, so the health half is re-exported from there.
+    pub mod v1beta1 {
+        pub use crate::proto::deviceplugin::v1beta1::{
+            DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
+            NodeWatchResourcesResponse, dra_resource_health_client, dra_resource_health_server,
+        };
+    }
     pub mod v1 {
         tonic::include_proto!("v1");
     }

@@ -173,6 +173,8 @@ async fn registration_handshake() {
         vec![
             "v1.DRAPlugin".to_string(),
             "v1beta1.DRAPlugin".to_string(),
+            "v1.DRAResourceHealth".to_string(),
+            "v1beta1.DRAResourceHealth".to_string(),
             "v1alpha1.DRAResourceHealth".to_string()
         ]
     );

@@ -287,7 +287,7 @@ fn percent_encoded(path: &Path) -> String {
 }
 
 /// The calls every grpcio form makes.
-const GRPCIO_CHECKS: [(&str, &str); 13] = [
+const GRPCIO_CHECKS: [(&str, &str); 15] = [
     ("registration", "GetInfo"),
     ("registration", "NotifyRegistrationStatus"),
     ("registration", "GetInfo x8 concurrent"),
@@ -303,6 +303,14 @@ const GRPCIO_CHECKS: [(&str, &str); 13] = [
     (
         "dra",
         "v1alpha1.DRAResourceHealth/NodeWatchResources first message",
+    ),
+    (
+        "dra",
+        "v1beta1.DRAResourceHealth/NodeWatchResources first message",
+    ),
+    (
+        "dra",
+        "v1.DRAResourceHealth/NodeWatchResources first message",
     ),
 ];
 
@@ -343,11 +351,13 @@ async fn grpcio_form(form: &str, authority: impl Fn(&Path) -> Option<String>) {
             );
         }
     }
-    let health = run.detail(
-        "dra",
-        "v1alpha1.DRAResourceHealth/NodeWatchResources first message",
-    );
-    assert_eq!(health["devices"], 8, "a DGX H100's eight GPUs");
+    for version in ["v1alpha1", "v1beta1", "v1"] {
+        let health = run.detail(
+            "dra",
+            &format!("{version}.DRAResourceHealth/NodeWatchResources first message"),
+        );
+        assert_eq!(health["devices"], 8, "{version}: a DGX H100's eight GPUs");
+    }
     // Every claim was unprepared at the end: no CDI spec, no checkpoint entry left.
     assert!(d.cdi_specs().is_empty(), "{:?}", d.cdi_specs());
     assert!(d.checkpoint_claims().is_empty());

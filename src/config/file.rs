@@ -19,7 +19,8 @@ use serde::de::{self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess
 use serde::{Deserialize, forward_to_deserialize_any};
 
 use super::{
-    ApiSettings, BackendSettings, DaemonSettings, KubeletSettings, LogSettings, PluginSettings,
+    ApiSettings, BackendSettings, DaemonSettings, HealthSettings, KubeletSettings, LogSettings,
+    PluginSettings,
 };
 use super::{FILE_VERSION, Result, Section, Settings, invalid};
 
@@ -84,6 +85,7 @@ pub(super) fn file_keys() -> &'static [&'static str] {
             keys_of::<ApiSettings>(),
             keys_of::<DaemonSettings>(),
             keys_of::<LogSettings>(),
+            keys_of::<HealthSettings>(),
         ]
         .concat()
     })
@@ -104,13 +106,15 @@ fn read_entry<'de, A: MapAccess<'de>>(
         api,
         daemon,
         log,
+        health,
     } = settings;
     Ok(read_into(backend, key, map)?
         || read_into(plugin, key, map)?
         || read_into(kubelet, key, map)?
         || read_into(api, key, map)?
         || read_into(daemon, key, map)?
-        || read_into(log, key, map)?)
+        || read_into(log, key, map)?
+        || read_into(health, key, map)?)
 }
 
 fn read_into<'de, T: Section, A: MapAccess<'de>>(

@@ -282,6 +282,70 @@ impl Section for DaemonSettings {
     }
 }
 
+/// How GPU health events are judged, how unhealthy GPUs recover, and (simulated GPUs) where
+/// faults are injected.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HealthSettings {
+    /// XIDs that never make a GPU unhealthy (comma-separated; empty for none): application
+    /// errors by default.
+    #[arg(long, env = "NVDRA_IGNORED_XIDS", value_name = "LIST")]
+    pub ignored_xids: Option<String>,
+
+    /// Per-XID rules over the ignore list: XID=ignore, XID=NoSchedule or XID=NoExecute (the
+    /// taint effect), comma-separated, e.g. 94=ignore,79=NoExecute.
+    #[arg(long, env = "NVDRA_XID_OVERRIDES", value_name = "LIST")]
+    pub xid_overrides: Option<String>,
+
+    /// How long an unhealthy GPU must answer its probe with no new critical event before it is
+    /// healthy again (500ms, 30s, 5m, 1h).
+    #[arg(long, env = "NVDRA_HEALTH_QUIET_PERIOD", value_name = "DURATION")]
+    pub health_quiet_period: Option<String>,
+
+    /// How often unhealthy GPUs are probed.
+    #[arg(long, env = "NVDRA_HEALTH_PROBE_INTERVAL", value_name = "DURATION")]
+    pub health_probe_interval: Option<String>,
+
+    /// Simulated GPUs only: a file whose appended lines inject faults at run time (xid GPU XID,
+    /// ecc GPU, lost GPU, back GPU).
+    #[arg(long, env = "NVDRA_FAULT_FILE", value_name = "FILE")]
+    pub fault_file: Option<PathBuf>,
+}
+
+impl Section for HealthSettings {
+    fn defaults() -> Self {
+        Self {
+            ignored_xids: Some(
+                crate::health::DEFAULT_IGNORED_XIDS
+                    .map(|x| x.to_string())
+                    .join(","),
+            ),
+            xid_overrides: None,
+            health_quiet_period: Some("5m".into()),
+            health_probe_interval: Some("30s".into()),
+            fault_file: None,
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            ignored_xids,
+            xid_overrides,
+            health_quiet_period,
+            health_probe_interval,
+            fault_file,
+        } = self;
+        Self {
+            ignored_xids: ignored_xids.or(lower.ignored_xids),
+            xid_overrides: xid_overrides.or(lower.xid_overrides),
+            health_quiet_period: health_quiet_period.or(lower.health_quiet_period),
+            health_probe_interval: health_probe_interval.or(lower.health_probe_interval),
+            fault_file: fault_file.or(lower.fault_file),
+        }
+    }
+}
+
 /// How nvdra logs (every subcommand).
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
 #[cfg_attr(test, derive(serde::Serialize))]
@@ -316,6 +380,7 @@ pub struct Settings {
     pub api: ApiSettings,
     pub daemon: DaemonSettings,
     pub log: LogSettings,
+    pub health: HealthSettings,
 }
 
 impl Settings {
@@ -327,6 +392,7 @@ impl Settings {
             api: Section::defaults(),
             daemon: Section::defaults(),
             log: Section::defaults(),
+            health: Section::defaults(),
         }
     }
 
@@ -339,6 +405,7 @@ impl Settings {
             api,
             daemon,
             log,
+            health,
         } = self;
         Self {
             backend: backend.or(lower.backend),
@@ -347,6 +414,7 @@ impl Settings {
             api: api.or(lower.api),
             daemon: daemon.or(lower.daemon),
             log: log.or(lower.log),
+            health: health.or(lower.health),
         }
     }
 
@@ -359,6 +427,7 @@ impl Settings {
             api,
             daemon,
             log,
+            health,
         } = self;
         Self {
             backend: backend.under(&higher.backend),
@@ -367,6 +436,7 @@ impl Settings {
             api: api.under(&higher.api),
             daemon: daemon.under(&higher.daemon),
             log: log.under(&higher.log),
+            health: health.under(&higher.health),
         }
     }
 }

@@ -204,6 +204,11 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("logFormat: json", "logFormat"),
         ("devicePluginConfig: /dp.yaml", "devicePluginConfig"),
         ("devicePluginGpuMemory: true", "devicePluginGpuMemory"),
+        ("ignoredXids: \"13\"", "ignoredXids"),
+        ("xidOverrides: 94=ignore", "xidOverrides"),
+        ("healthQuietPeriod: 1m", "healthQuietPeriod"),
+        ("healthProbeInterval: 5s", "healthProbeInterval"),
+        ("faultFile: /faults", "faultFile"),
     ];
     let mut covered: Vec<&str> = vec!["version"];
     for (line, key) in cases {
@@ -225,6 +230,11 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "devicePluginConfig" => s.daemon.device_plugin_config.is_some(),
             "devicePluginGpuMemory" => s.daemon.device_plugin_gpu_memory == Some(true),
             "logFormat" => s.log.log_format == Some(LogFormat::Json),
+            "ignoredXids" => s.health.ignored_xids.as_deref() == Some("13"),
+            "xidOverrides" => s.health.xid_overrides.is_some(),
+            "healthQuietPeriod" => s.health.health_quiet_period.is_some(),
+            "healthProbeInterval" => s.health.health_probe_interval.is_some(),
+            "faultFile" => s.health.fault_file.is_some(),
             _ => unreachable!(),
         };
         assert!(set, "{line}: {s:?}");
@@ -237,6 +247,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             s.api != unset.api,
             s.daemon != unset.daemon,
             s.log != unset.log,
+            s.health != unset.health,
         ];
         assert_eq!(changed.iter().filter(|c| **c).count(), 1, "{line}");
         covered.push(key);
@@ -385,6 +396,7 @@ fn readme_configuration_table_matches_the_declarations() {
         serde_json::to_value(&d.api),
         serde_json::to_value(&d.daemon),
         serde_json::to_value(&d.log),
+        serde_json::to_value(&d.health),
     ] {
         let serde_json::Value::Object(m) = section.unwrap() else {
             panic!("a settings struct serializes to a map");
@@ -451,4 +463,67 @@ fn readme_configuration_table_matches_the_declarations() {
     let mut keys = file_keys().to_vec();
     keys.sort_unstable();
     assert_eq!(keys_seen, keys, "file keys in the README");
+}
+
+#[test]
+fn health_settings_resolve_into_the_policy_or_name_the_key() {
+    let base = || Settings {
+        backend: BackendSettings {
+            profile: Some("dgx-h100".into()),
+            node_name: Some("n".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = resolve(base(), None).unwrap();
+    assert_eq!(c.health, crate::health::Policy::default());
+    assert_eq!(c.fault_file, None);
+
+    let mut s = base();
+    s.health.ignored_xids = Some("".into());
+    s.health.xid_overrides = Some("79=NoExecute".into());
+    s.health.health_quiet_period = Some("90s".into());
+    s.health.fault_file = Some("/run/faults".into());
+    let c = resolve(s, None).unwrap();
+    assert!(c.health.ignored.is_empty());
+    assert_eq!(
+        c.health.rule(79),
+        crate::health::XidRule::Critical(crate::inventory::TaintEffect::NoExecute)
+    );
+    assert_eq!(c.health.quiet_period, std::time::Duration::from_secs(90));
+    assert_eq!(
+        c.fault_file.as_deref(),
+        Some(std::path::Path::new("/run/faults"))
+    );
+
+    for (set, key) in [
+        (
+            (|s: &mut Settings| s.health.ignored_xids = Some("13,x".into())) as fn(&mut Settings),
+            "--ignored-xids",
+        ),
+        (
+            |s: &mut Settings| s.health.xid_overrides = Some("79".into()),
+            "--xid-overrides",
+        ),
+        (
+            |s: &mut Settings| s.health.health_quiet_period = Some("soon".into()),
+            "--health-quiet-period",
+        ),
+        (
+            |s: &mut Settings| s.health.health_probe_interval = Some("0s".into()),
+            "--health-probe-interval",
+        ),
+        (
+            |s: &mut Settings| {
+                s.backend.profile = None;
+                s.backend.backend = Some(BackendKind::Nvml);
+                s.health.fault_file = Some("/f".into());
+            },
+            "--fault-file",
+        ),
+    ] {
+        let mut s = base();
+        set(&mut s);
+        assert_eq!(resolve(s, None).unwrap_err().key, key);
+    }
 }

@@ -61,6 +61,8 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         pod_uid: None,
         device_plugin_config: None,
         device_plugin_gpu_memory: false,
+        health: Default::default(),
+        fault_file: None,
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {

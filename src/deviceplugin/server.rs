@@ -11,8 +11,9 @@
 //! re-created, or an event lost in a full queue). A refused or failed registration is logged and
 //! retried with exponential backoff (1 s up to 30 s), at once when `kubelet.sock` changes.
 //!
-//! The inventory is re-read every [`Settings::poll`]: a changed device list (health, MIG
-//! instances) is sent whole to the open streams; a resource that appears (a MIG
+//! The inventory is re-read every [`Settings::poll`], and at once on every transition of the
+//! health monitor when one is given ([`DevicePlugin::with_health`]): a changed device list
+//! (health, MIG instances) is sent whole to the open streams; a resource that appears (a MIG
 //! reconfiguration) gets its server and registration on the next tick; one that disappears is
 //! sent empty. The CDI spec is rewritten when the devices (not their health) change.
 //!
@@ -106,6 +107,7 @@ pub struct DevicePlugin {
     options: Options,
     backend: Arc<dyn DeviceBackend>,
     on_registered: Option<OnRegistered>,
+    health: Option<crate::health::Watch>,
 }
 
 /// The file identity of a socket: device, inode, mtime.
@@ -163,7 +165,15 @@ impl DevicePlugin {
             options,
             backend,
             on_registered: None,
+            health: None,
         }
+    }
+
+    /// Re-reads the inventory (and re-sends changed lists) on every transition of the health
+    /// monitor, instead of waiting for the next poll.
+    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
+        self.health = Some(health);
+        self
     }
 
     /// Calls `f` whenever "all resources registered" changes (for readiness).
@@ -209,6 +219,7 @@ impl DevicePlugin {
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         poll.tick().await;
         let mut all_registered = false;
+        let mut health = self.health.clone();
         let result = loop {
             tokio::select! {
                 biased;
@@ -225,21 +236,25 @@ impl DevicePlugin {
                             f(now);
                         }
                     }
+                    continue;
                 }
-                _ = poll.tick() => {
-                    match self.check().await {
-                        Ok((inv, res)) => {
-                            let devices = cdi_identity(&inv);
-                            if wants_cdi && devices != last_devices
-                                && let Err(e) = self.write_cdi(&cdi_opts, &inv).await
-                            {
-                                tracing::warn!(error = %super::chain(&e), "cannot rewrite the device-plugin CDI spec");
-                            }
-                            last_devices = devices;
-                            update(&mut slots, &self.settings.dir, res);
-                        }
-                        Err(e) => tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists"),
+                _ = poll.tick() => {}
+                Some(()) = health_changed(&mut health) => poll.reset(),
+            }
+            match self.check().await {
+                Ok((inv, res)) => {
+                    let devices = cdi_identity(&inv);
+                    if wants_cdi
+                        && devices != last_devices
+                        && let Err(e) = self.write_cdi(&cdi_opts, &inv).await
+                    {
+                        tracing::warn!(error = %super::chain(&e), "cannot rewrite the device-plugin CDI spec");
                     }
+                    last_devices = devices;
+                    update(&mut slots, &self.settings.dir, res);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists")
                 }
             }
         };
@@ -318,6 +333,16 @@ impl DevicePlugin {
 }
 
 /// Registers every slot not yet registered with the current `kubelet.sock`.
+/// `Some` when the watch changed; never ready without a watch or once the monitor is gone.
+async fn health_changed(health: &mut Option<crate::health::Watch>) -> Option<()> {
+    if let Some(h) = health
+        && h.changed().await.is_ok()
+    {
+        return Some(());
+    }
+    std::future::pending().await
+}
+
 async fn register_all(slots: &mut [Slot], kubelet_sock: &Path) {
     let Some(kubelet) = identity(kubelet_sock) else {
         for slot in slots.iter_mut() {

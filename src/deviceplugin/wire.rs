@@ -43,7 +43,7 @@ pub fn list_response(resource: &Resource) -> pb::ListAndWatchResponse {
                 id: d.id.clone(),
                 health: match d.health {
                     Health::Healthy => HEALTHY.into(),
-                    Health::Unhealthy { .. } => UNHEALTHY.into(),
+                    Health::Unhealthy { .. } | Health::Tainted { .. } => UNHEALTHY.into(),
                 },
                 topology: d.numa_node.map(|n| pb::TopologyInfo {
                     nodes: vec![pb::NumaNode { id: i64::from(n) }],

@@ -1,5 +1,5 @@
 //! The kubelet-facing gRPC servers of the DRA plugin: `v1.DRAPlugin`, `v1beta1.DRAPlugin` and
-//! `v1alpha1.DRAResourceHealth` on one Unix socket. Errors of a claim travel in its response entry; the RPC itself fails only for
+//! `DRAResourceHealth` (`v1`, `v1beta1`, `v1alpha1`) on one Unix socket. Errors of a claim travel in its response entry; the RPC itself fails only for
 //! requests that cannot be answered at all (never, today).
 
 use std::path::PathBuf;
@@ -8,11 +8,13 @@ use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::health::HealthService;
+use super::health::{HealthService, HealthV1, HealthV1beta1};
 use super::plugin::Plugin;
 use super::wire;
 use crate::proto::dra::{v1, v1beta1};
-use crate::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
+use crate::proto::health::{
+    v1 as health_v1, v1alpha1 as health_v1alpha1, v1beta1 as health_v1beta1,
+};
 use crate::socket;
 
 #[derive(Debug, thiserror::Error)]
@@ -111,7 +113,19 @@ pub async fn serve_dra(
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(
             plugin,
         )))
-        .add_service(DraResourceHealthServer::new(health))
+        .add_service(
+            health_v1::dra_resource_health_server::DraResourceHealthServer::new(HealthV1(
+                health.clone(),
+            )),
+        )
+        .add_service(
+            health_v1beta1::dra_resource_health_server::DraResourceHealthServer::new(
+                HealthV1beta1(health.clone()),
+            ),
+        )
+        .add_service(
+            health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
+        )
         .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
         .await;
     bound.remove();

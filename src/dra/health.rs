@@ -1,11 +1,13 @@
-//! DRA resource health (KEP-4680): the `v1alpha1.DRAResourceHealth/NodeWatchResources` stream the
-//! kubelet reads to show device health in pod status.
+//! DRA resource health (KEP-4680): the `DRAResourceHealth/NodeWatchResources` stream the kubelet
+//! reads to show device health in pod status, served as `v1alpha1`, `v1beta1` and `v1` (the same
+//! messages in three proto packages; all three advertised at registration).
 //!
 //! Each message is the complete list of this node's devices (whole GPUs outside MIG mode, and
-//! existing MIG devices), each `HEALTHY` or `UNHEALTHY` with the reason, because the kubelet marks
-//! a device `Unknown` when it is not re-reported within its timeout (30 s). A stream sends the list
-//! on connect and then every [`INTERVAL`], and ends when the plugin shuts down, so a graceful stop
-//! never waits on an open stream.
+//! existing MIG devices), each `HEALTHY` or `UNHEALTHY` with the cause in `message`, because the
+//! kubelet marks a device `Unknown` when it is not re-reported within its timeout (30 s). A stream
+//! sends the list on connect, again as soon as the health monitor's state changes
+//! (`crate::health`), and at least every [`INTERVAL`]; it ends when the plugin shuts down, so a
+//! graceful stop never waits on an open stream.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -21,21 +23,30 @@ use super::slices::DeviceName;
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::proto::health::v1alpha1::{
     DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
-    NodeWatchResourcesResponse, dra_resource_health_server::DraResourceHealth,
+    NodeWatchResourcesResponse,
 };
+use crate::proto::health::{v1, v1alpha1, v1beta1};
 
-/// How often the full list is re-sent; well under the kubelet's 30 s default timeout.
+/// How often the full list is re-sent without a change: under 15 s, so a device stays known to
+/// the kubelet (30 s default timeout) even when one message is lost.
 pub const INTERVAL: Duration = Duration::from_secs(10);
 
-/// The `supported_versions` entry for this service (it is also the gRPC service name).
-pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
+/// The `supported_versions` entries of the health services, newest first (each is also the
+/// gRPC service name).
+pub const SERVICES: [&str; 3] = [
+    "v1.DRAResourceHealth",
+    "v1beta1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+];
 
 /// The health of every device on the node, in name order.
 pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHealth> {
     let entry = |name: DeviceName, health: &Health| {
         let (status, message) = match health {
             Health::Healthy => (HealthStatus::Healthy, String::new()),
-            Health::Unhealthy { reason } => (HealthStatus::Unhealthy, reason.clone()),
+            Health::Unhealthy { reason } | Health::Tainted { reason, .. } => {
+                (HealthStatus::Unhealthy, reason.clone())
+            }
         };
         DeviceHealth {
             device: Some(DeviceIdentifier {
@@ -75,16 +86,18 @@ pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHe
     out
 }
 
-/// The gRPC service; cheap to clone.
+/// The health streams; cheap to clone.
 #[derive(Clone)]
 pub struct HealthService {
     backend: Arc<dyn DeviceBackend>,
     pool: String,
     interval: Duration,
     shutdown: CancellationToken,
+    health: Option<crate::health::Watch>,
 }
 
 impl HealthService {
+    /// `backend` should carry the monitor's health ([`crate::health::Monitored`]).
     pub fn new(
         backend: Arc<dyn DeviceBackend>,
         pool: String,
@@ -96,7 +109,14 @@ impl HealthService {
             pool,
             interval,
             shutdown,
+            health: None,
         }
+    }
+
+    /// Re-sends as soon as the monitor's state changes, not only every interval.
+    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
+        self.health = Some(health);
+        self
     }
 
     async fn message(&self) -> Result<NodeWatchResourcesResponse, inventory::Error> {
@@ -109,35 +129,33 @@ impl HealthService {
             devices: device_health(&inv, &self.pool, now),
         })
     }
-}
 
-type HealthStream = Pin<Box<dyn Stream<Item = Result<NodeWatchResourcesResponse, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = HealthStream;
-
-    async fn node_watch_resources(
+    /// The stream, in `v1alpha1` messages; `convert` turns each into the served version's.
+    fn stream<T: Send + 'static>(
         &self,
-        request: Request<NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        let NodeWatchResourcesRequest {} = request.into_inner();
+        convert: fn(NodeWatchResourcesResponse) -> T,
+    ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
         tracing::debug!("health stream opened");
         let (tx, rx) = mpsc::channel(1);
         let svc = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(svc.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut health = svc.health.clone();
+            if let Some(h) = &mut health {
+                h.mark_unchanged();
+            }
             loop {
                 tokio::select! {
                     biased;
                     () = svc.shutdown.cancelled() => break,
                     () = tx.closed() => break,
+                    Some(()) = changed(&mut health) => tick.reset(),
                     _ = tick.tick() => {}
                 }
                 match svc.message().await {
                     Ok(m) => {
-                        if tx.send(Ok(m)).await.is_err() {
+                        if tx.send(Ok(convert(m))).await.is_err() {
                             break;
                         }
                     }
@@ -150,14 +168,160 @@ impl DraResourceHealth for HealthService {
             }
             tracing::debug!("health stream closed");
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Box::pin(ReceiverStream::new(rx))
     }
+}
+
+/// `Some` when the watch changed; never ready without a watch or once the monitor is gone.
+async fn changed(health: &mut Option<crate::health::Watch>) -> Option<()> {
+    if let Some(h) = health
+        && h.changed().await.is_ok()
+    {
+        return Some(());
+    }
+    std::future::pending().await
+}
+
+type Stream1<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = Stream1<NodeWatchResourcesResponse>;
+
+    async fn node_watch_resources(
+        &self,
+        request: Request<NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let NodeWatchResourcesRequest {} = request.into_inner();
+        Ok(Response::new(self.stream(|m| m)))
+    }
+}
+
+/// The `v1beta1` service: the same stream in that package's messages.
+#[derive(Clone)]
+pub struct HealthV1beta1(pub HealthService);
+
+#[tonic::async_trait]
+impl v1beta1::dra_resource_health_server::DraResourceHealth for HealthV1beta1 {
+    type NodeWatchResourcesStream = Stream1<v1beta1::NodeWatchResourcesResponse>;
+
+    async fn node_watch_resources(
+        &self,
+        request: Request<v1beta1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let v1beta1::NodeWatchResourcesRequest {} = request.into_inner();
+        Ok(Response::new(self.0.stream(|m| {
+            let NodeWatchResourcesResponse { devices } = m;
+            v1beta1::NodeWatchResourcesResponse {
+                devices: devices
+                    .into_iter()
+                    .map(|d| {
+                        let (
+                            device,
+                            health,
+                            last_updated_time,
+                            health_check_timeout_seconds,
+                            message,
+                        ) = parts(d);
+                        v1beta1::DeviceHealth {
+                            device: device.map(|(pool_name, device_name)| {
+                                v1beta1::DeviceIdentifier {
+                                    pool_name,
+                                    device_name,
+                                }
+                            }),
+                            health,
+                            last_updated_time,
+                            health_check_timeout_seconds,
+                            message,
+                        }
+                    })
+                    .collect(),
+            }
+        })))
+    }
+}
+
+/// The `v1` service: the same stream in that package's messages.
+#[derive(Clone)]
+pub struct HealthV1(pub HealthService);
+
+#[tonic::async_trait]
+impl v1::dra_resource_health_server::DraResourceHealth for HealthV1 {
+    type NodeWatchResourcesStream = Stream1<v1::NodeWatchResourcesResponse>;
+
+    async fn node_watch_resources(
+        &self,
+        request: Request<v1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let v1::NodeWatchResourcesRequest {} = request.into_inner();
+        Ok(Response::new(self.0.stream(|m| {
+            let NodeWatchResourcesResponse { devices } = m;
+            v1::NodeWatchResourcesResponse {
+                devices: devices
+                    .into_iter()
+                    .map(|d| {
+                        let (
+                            device,
+                            health,
+                            last_updated_time,
+                            health_check_timeout_seconds,
+                            message,
+                        ) = parts(d);
+                        v1::DeviceHealth {
+                            device: device.map(|(pool_name, device_name)| v1::DeviceIdentifier {
+                                pool_name,
+                                device_name,
+                            }),
+                            health,
+                            last_updated_time,
+                            health_check_timeout_seconds,
+                            message,
+                        }
+                    })
+                    .collect(),
+            }
+        })))
+    }
+}
+
+/// A `v1alpha1` device entry taken apart exhaustively, so a new field breaks the build here
+/// instead of being dropped from the other versions. The health enum has the same numbers in
+/// every package.
+type Parts = (Option<(String, String)>, i32, i64, i64, String);
+
+fn parts(d: DeviceHealth) -> Parts {
+    let DeviceHealth {
+        device,
+        health,
+        last_updated_time,
+        health_check_timeout_seconds,
+        message,
+    } = d;
+    let device = device.map(|i| {
+        let DeviceIdentifier {
+            pool_name,
+            device_name,
+        } = i;
+        (pool_name, device_name)
+    });
+    (
+        device,
+        health,
+        last_updated_time,
+        health_check_timeout_seconds,
+        message,
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::health::{BackendProbe, Event, EventKind, Monitor, Monitored, Policy};
     use crate::inventory::sim::SimBackend;
+    use crate::proto::health::v1::dra_resource_health_server::DraResourceHealth as _;
+    use crate::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealth;
+    use crate::proto::health::v1beta1::dra_resource_health_server::DraResourceHealth as _;
     use futures::StreamExt;
 
     #[test]
@@ -239,5 +403,137 @@ mod tests {
         assert_eq!(second.devices[1].message, "XID 48");
         stop.cancel();
         assert!(stream.next().await.is_none(), "the stream ends on shutdown");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_monitored_xid_is_streamed_at_once_on_every_version_and_resent_each_interval() {
+        let sim = SimBackend::from_profile("dgx-a100-mig", "n").unwrap();
+        // Two MIG devices on GPU 3 (the profile's GPUs are in MIG mode without instances).
+        let g = sim.snapshot().unwrap().gpus[3].clone();
+        let p = &g.mig.profiles[0];
+        for pl in &p.placements[..2] {
+            sim.create_mig(&g.uuid, p.gi_profile_id, *pl).unwrap();
+        }
+        let gpu3 = sim.snapshot().unwrap().gpus[3].clone();
+        let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
+        let (monitor, handle) = Monitor::new(
+            Policy {
+                quiet_period: Duration::from_secs(60),
+                probe_interval: Duration::from_secs(5),
+                ..Policy::default()
+            },
+            Arc::new(BackendProbe(inner.clone())),
+        );
+        let stop = CancellationToken::new();
+        tokio::spawn(monitor.run(stop.clone()));
+        let backend = Arc::new(Monitored::new(inner, handle.subscribe()));
+        let svc = HealthService::new(backend, "n".into(), INTERVAL, stop.clone())
+            .with_health(handle.subscribe());
+        let mut alpha = svc.stream(|m| m);
+        let mut beta = HealthV1beta1(svc.clone())
+            .node_watch_resources(Request::new(v1beta1::NodeWatchResourcesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut ga = HealthV1(svc.clone())
+            .node_watch_resources(Request::new(v1::NodeWatchResourcesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = alpha.next().await.unwrap().unwrap();
+        let all = first.devices.len();
+        assert!(
+            first
+                .devices
+                .iter()
+                .all(|d| d.health == HealthStatus::Healthy as i32)
+        );
+        assert_eq!(beta.next().await.unwrap().unwrap().devices.len(), all);
+        assert_eq!(ga.next().await.unwrap().unwrap().devices.len(), all);
+
+        let tx = handle.events();
+        // Ignored first: the next message must be the critical one.
+        for kind in [EventKind::Xid(43), EventKind::Xid(94)] {
+            tx.send(Event {
+                gpu: gpu3.uuid.clone(),
+                kind,
+            })
+            .await
+            .unwrap();
+        }
+        let start = tokio::time::Instant::now();
+        let sick = |names: Vec<(String, i32, String)>| {
+            names
+                .into_iter()
+                .filter(|(_, h, _)| *h == HealthStatus::Unhealthy as i32)
+                .map(|(n, _, m)| (n, m))
+                .collect::<Vec<_>>()
+        };
+        let expected: Vec<(String, String)> = gpu3
+            .mig
+            .devices
+            .iter()
+            .map(|m| {
+                (
+                    DeviceName::mig(gpu3.minor, &m.profile, m.gi_profile_id, m.placement.start)
+                        .as_str()
+                        .to_string(),
+                    "XID 94 (contained ECC error)".to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(expected.len(), 2);
+        let m = alpha.next().await.unwrap().unwrap();
+        assert!(
+            start.elapsed() < INTERVAL,
+            "sent on the change, not the tick"
+        );
+        assert_eq!(m.devices.len(), all, "always the full list");
+        let got = sick(
+            m.devices
+                .into_iter()
+                .map(|d| (d.device.unwrap().device_name, d.health, d.message))
+                .collect(),
+        );
+        assert_eq!(got, expected, "exactly GPU 3's MIG devices");
+        let b = beta.next().await.unwrap().unwrap();
+        let got = sick(
+            b.devices
+                .into_iter()
+                .map(|d| (d.device.unwrap().device_name, d.health, d.message))
+                .collect(),
+        );
+        assert_eq!(got, expected, "v1beta1");
+        let g = ga.next().await.unwrap().unwrap();
+        let got = sick(
+            g.devices
+                .into_iter()
+                .map(|d| (d.device.unwrap().device_name, d.health, d.message))
+                .collect(),
+        );
+        assert_eq!(got, expected, "v1");
+
+        // Nothing changes: the list comes again within the interval.
+        let before = tokio::time::Instant::now();
+        let again = alpha.next().await.unwrap().unwrap();
+        assert!(before.elapsed() <= INTERVAL);
+        assert_eq!(again.devices.len(), all);
+
+        // Recovery (quiet period over, probe answers) is streamed too.
+        loop {
+            let m = alpha.next().await.unwrap().unwrap();
+            if m.devices
+                .iter()
+                .all(|d| d.health == HealthStatus::Healthy as i32)
+            {
+                break;
+            }
+        }
+        assert!(
+            start.elapsed() >= Duration::from_secs(60),
+            "not before the quiet period"
+        );
+        stop.cancel();
+        assert!(alpha.next().await.is_none());
     }
 }

@@ -23,9 +23,14 @@ use crate::proto::pluginregistration::{
 use crate::socket::{self, MAX_SOCKET_PATH};
 
 /// `supported_versions`, in the order the kubelet should pick from: the DRA services, then the
-/// health service.
-pub const SUPPORTED_VERSIONS: [&str; 3] =
-    ["v1.DRAPlugin", "v1beta1.DRAPlugin", super::health::SERVICE];
+/// health services, newest first.
+pub const SUPPORTED_VERSIONS: [&str; 5] = [
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    super::health::SERVICES[0],
+    super::health::SERVICES[1],
+    super::health::SERVICES[2],
+];
 
 /// Socket paths of one plugin instance.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -17,7 +17,9 @@
 //!   silicon keeps its name across restarts. Devices are sorted by name within each slice.
 //! - The same silicon is never offered twice: without partitioning, a GPU in MIG mode publishes
 //!   only its MIG devices; with partitioning, shared counters make overlapping devices mutually
-//!   exclusive. Unhealthy GPUs and MIG devices are not published.
+//!   exclusive. GPUs and MIG devices marked unhealthy for good are not published; those the
+//!   health monitor saw fail are published with a device taint (`<driver>/xid`,
+//!   `<driver>/gpu-lost`), so a running pod's device does not vanish from the slice.
 //! - Every limit of `resource.k8s.io/v1` in Kubernetes 1.34 and 1.35 holds: at most 128 devices
 //!   per slice (64 when a device consumes counters or has taints), 32 attributes and capacities
 //!   per device, values of at most 64 characters, valid semantic versions, at most 8 counter sets

@@ -9,6 +9,12 @@
 //! It also owns the one decision that needs the API server's answers: when the server drops the
 //! partitionable fields (`sharedCounters`, `consumesCounters`: the DRAPartitionableDevices gate is
 //! off), it logs that once and falls back to the plain layout, so the node stays schedulable.
+//! Likewise for device taints (the DRADeviceTaints gate is off): GPUs the health monitor marked
+//! are then withdrawn from the slices instead of published tainted, so the scheduler still keeps
+//! new claims off them.
+//!
+//! Given the health monitor's watch ([`SliceSync::with_health`]), every health transition
+//! re-reads the inventory at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +29,8 @@ use crate::metrics::Metrics;
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
 const PARTITIONABLE_FIELDS: [&str; 2] = ["sharedCounters", "consumesCounters"];
+/// The field whose loss means device taints do not reach the scheduler.
+const TAINTS_FIELD: &str = "taints";
 
 /// The counter layout a server of this Kubernetes minor version accepts: 1.34 wants shared
 /// counters in the same slice as the devices using them, 1.35+ in a slice of their own. Unknown
@@ -60,6 +68,9 @@ pub struct SliceSync {
     stale: bool,
     /// Set once the partitionable layout was abandoned.
     fell_back: bool,
+    /// Set once the server was seen dropping taints: tainted devices are withdrawn instead.
+    withdraw_tainted: bool,
+    health: Option<crate::health::Watch>,
     metrics: Option<Arc<Metrics>>,
 }
 
@@ -83,10 +94,18 @@ impl SliceSync {
                 last_inventory: None,
                 stale: true,
                 fell_back: false,
+                withdraw_tainted: false,
+                health: None,
                 metrics: None,
             },
             SyncHandle { trigger },
         )
+    }
+
+    /// Re-reads the inventory on every transition of the health monitor.
+    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
+        self.health = Some(health);
+        self
     }
 
     /// Reports the GPU count and unhealthy devices of every inventory read.
@@ -99,6 +118,7 @@ impl SliceSync {
     /// retried at the next trigger or rescan; the last published state stays in place meanwhile.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
+        let mut health = self.health.take();
         let mut tick = tokio::time::interval(self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -118,6 +138,7 @@ impl SliceSync {
                     self.on_dropped(&fields);
                 }
                 () = self.trigger.notified() => {}
+                Some(()) = health_changed(&mut health) => {}
                 _ = tick.tick() => {}
             }
             self.sync_once().await;
@@ -125,6 +146,15 @@ impl SliceSync {
     }
 
     fn on_dropped(&mut self, fields: &[String]) {
+        if !self.withdraw_tainted && fields.iter().any(|f| f == TAINTS_FIELD) {
+            tracing::warn!(
+                "the API server drops device taints (feature gate DRADeviceTaints is off); GPUs \
+                 the health monitor marks unhealthy are withdrawn from the slices instead of \
+                 published tainted"
+            );
+            self.withdraw_tainted = true;
+            self.stale = true;
+        }
         let lost: Vec<&str> = fields
             .iter()
             .map(String::as_str)
@@ -146,7 +176,7 @@ impl SliceSync {
 
     /// Reads the inventory and publishes new desired slices if anything changed.
     pub async fn sync_once(&mut self) {
-        let inv = match inventory::refresh(self.backend.clone()).await {
+        let mut inv = match inventory::refresh(self.backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
                 tracing::warn!(error = %crate::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
@@ -169,6 +199,9 @@ impl SliceSync {
                 .sum::<usize>();
             m.gpus.store(inv.gpus.len() as u64, Relaxed);
             m.unhealthy_devices.store(unhealthy as u64, Relaxed);
+        }
+        if self.withdraw_tainted {
+            withdraw_tainted(&mut inv);
         }
         if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
             return;
@@ -200,6 +233,34 @@ impl SliceSync {
             Err(e) => {
                 tracing::error!(error = %crate::report::chain(&e), "bug: the publisher refused the desired slices")
             }
+        }
+    }
+}
+
+/// `Some` when the watch changed; never ready without a watch or once the monitor is gone.
+async fn health_changed(health: &mut Option<crate::health::Watch>) -> Option<()> {
+    if let Some(h) = health
+        && h.changed().await.is_ok()
+    {
+        return Some(());
+    }
+    std::future::pending().await
+}
+
+/// Tainted GPUs and MIG devices become withdrawn ones (for a server that drops taints).
+fn withdraw_tainted(inv: &mut Inventory) {
+    use crate::inventory::Health;
+    let withdraw = |h: &mut Health| {
+        if let Health::Tainted { reason, .. } = h {
+            *h = Health::Unhealthy {
+                reason: std::mem::take(reason),
+            };
+        }
+    };
+    for g in &mut inv.gpus {
+        withdraw(&mut g.health);
+        for m in &mut g.mig.devices {
+            withdraw(&mut m.health);
         }
     }
 }

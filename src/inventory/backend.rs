@@ -68,6 +68,30 @@ pub trait DeviceBackend: Send + Sync + 'static {
         })
     }
 
+    /// Starts the backend's own source of health events (NVML: an event set waited on by a
+    /// thread of its own), which sends each event to `sink` until `sink` is closed.
+    /// `None` when the backend has none (simulated GPUs get faults from the fault file).
+    fn start_health_events(
+        &self,
+        sink: Box<dyn super::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        let _ = sink;
+        None
+    }
+
+    /// Whether `gpu` answers again (the health monitor's recovery probe); `Err` says why not.
+    /// By default: a fresh inventory lists it and does not withdraw it.
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        let inv = self
+            .refresh()
+            .map_err(|e| crate::report::chain(&e).to_string())?;
+        match inv.gpu_by_uuid(gpu.as_str()) {
+            Some(g) if !g.health.is_withdrawn() => Ok(()),
+            Some(g) => Err(g.health.to_string()),
+            None => Err("the GPU is no longer listed".into()),
+        }
+    }
+
     /// Destroys a MIG device created by [`DeviceBackend::create_mig`]. Destroying one that no
     /// longer exists succeeds, so rollbacks can repeat it.
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {

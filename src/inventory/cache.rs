@@ -56,6 +56,17 @@ impl DeviceBackend for Cached {
         self.backend.unavailable(what)
     }
 
+    fn start_health_events(
+        &self,
+        sink: Box<dyn crate::inventory::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        self.backend.start_health_events(sink)
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.backend.probe(gpu)
+    }
+
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
         self.invalidating(self.backend.set_time_slice(gpu, interval))
     }

@@ -13,6 +13,7 @@
 mod backend;
 pub mod cache;
 mod domains;
+pub mod events;
 pub mod nvml;
 mod quantity;
 pub mod sim;
@@ -176,24 +177,108 @@ impl fmt::Display for ComputeCapability {
 pub enum Health {
     #[default]
     Healthy,
-    Unhealthy {
-        reason: String,
-    },
+    /// Broken for good as far as nvdra knows (a topology file says so): not published at all.
+    Unhealthy { reason: String },
+    /// Failing as the health monitor saw it (`crate::health`): still published, carrying
+    /// `taint`, so a pod already using the device keeps seeing it in the slice while the
+    /// scheduler keeps new claims off it (DRA device taints, KEP-5055). It becomes `Healthy`
+    /// again when the monitor sees the GPU recover.
+    Tainted { reason: String, taint: Taint },
 }
 
 impl Health {
     pub fn is_healthy(&self) -> bool {
         matches!(self, Health::Healthy)
     }
+
+    /// True for a device that is left out of the published slices.
+    pub fn is_withdrawn(&self) -> bool {
+        matches!(self, Health::Unhealthy { .. })
+    }
+
+    /// Why the device is not healthy; `None` when it is.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            Health::Healthy => None,
+            Health::Unhealthy { reason } | Health::Tainted { reason, .. } => Some(reason),
+        }
+    }
 }
 
 impl fmt::Display for Health {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Health::Healthy => f.write_str("Healthy"),
-            Health::Unhealthy { reason } => write!(f, "Unhealthy ({reason})"),
+        match self.reason() {
+            None => f.write_str("Healthy"),
+            Some(reason) => write!(f, "Unhealthy ({reason})"),
         }
     }
+}
+
+/// What a device taint says about a failing GPU; published under the driver's domain
+/// (`gpu.nvidia.com/xid=79`, `gpu.nvidia.com/gpu-lost`), the keys NVIDIA's DRA driver uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "xid")]
+pub enum TaintKey {
+    /// A critical XID error; the value is the XID.
+    Xid(u64),
+    /// The GPU fell off the bus or stopped answering NVML.
+    GpuLost,
+    /// The GPU's health cannot be watched (NVML refused its event registration).
+    Unmonitored,
+}
+
+impl TaintKey {
+    /// The key's name within the driver's domain.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TaintKey::Xid(_) => "xid",
+            TaintKey::GpuLost => "gpu-lost",
+            TaintKey::Unmonitored => "unmonitored",
+        }
+    }
+
+    /// The taint's value: the XID for an XID taint, none otherwise.
+    pub fn value(&self) -> Option<String> {
+        match self {
+            TaintKey::Xid(x) => Some(x.to_string()),
+            TaintKey::GpuLost | TaintKey::Unmonitored => None,
+        }
+    }
+}
+
+/// What a taint does to claims, as `resource.k8s.io` names it.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum TaintEffect {
+    /// New claims do not get the device; running pods keep it.
+    #[default]
+    NoSchedule,
+    /// Also evicts the pods using the device.
+    NoExecute,
+}
+
+impl TaintEffect {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        }
+    }
+}
+
+impl fmt::Display for TaintEffect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One taint of a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Taint {
+    pub key: TaintKey,
+    pub effect: TaintEffect,
 }
 
 /// Engines of a GPU or MIG instance besides the SMs.

@@ -33,6 +33,7 @@
 
 mod backend;
 mod capture;
+mod events;
 mod fabric;
 mod ffi;
 mod mapping;

@@ -65,6 +65,8 @@ PROTOS = {
     "dra_v1": "dra/v1/api.proto",
     "dra_v1beta1": "dra/v1beta1/api.proto",
     "health_v1alpha1": "dra-health/v1alpha1/api.proto",
+    "health_v1beta1": "dra-health/v1beta1/api.proto",
+    "health_v1": "dra-health/v1/api.proto",
     "deviceplugin_v1beta1": "deviceplugin/v1beta1/api.proto",
 }
 
@@ -210,7 +212,8 @@ class Checks:
         expect(info.name == a.driver, f"name {info.name!r}, want {a.driver!r}")
         expect(info.endpoint == a.dra, f"endpoint {info.endpoint!r}, want the DRA socket {a.dra!r}")
         versions = list(info.supported_versions)
-        for v in ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"):
+        for v in ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+                  "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"):
             expect(v in versions, f"supported_versions {versions} lack {v!r}")
         return {"type": info.type, "name": info.name, "endpoint": info.endpoint,
                 "supported_versions": versions}
@@ -273,12 +276,15 @@ class Checks:
         authority, options = grpcio_authority(form, path)
         claims = parse_claims(self.args)
         run = lambda rpc, fn: run_check(self.report, form, authority, "dra", rpc, fn)  # noqa: E731
-        hpb, hpbg = self.stubs["health_v1alpha1"]
-        # One channel for every call and the health stream, as the kubelet keeps one connection
+        health_versions = ("v1alpha1", "v1beta1", "v1")
+        # One channel for every call and the health streams, as the kubelet keeps one connection
         # per DRA plugin.
         with grpc.insecure_channel("unix://" + path, options=options) as ch:
-            stream = hpbg.DRAResourceHealthStub(ch).NodeWatchResources(
-                hpb.NodeWatchResourcesRequest(), timeout=TIMEOUT_S)
+            streams = {}
+            for version in health_versions:
+                hpb, hpbg = self.stubs["health_" + version]
+                streams[version] = hpbg.DRAResourceHealthStub(ch).NodeWatchResources(
+                    hpb.NodeWatchResourcesRequest(), timeout=TIMEOUT_S)
 
             for version in ("v1", "v1beta1"):
                 pb, pbg = self.stubs["dra_" + version]
@@ -307,7 +313,7 @@ class Checks:
             run(f"v1 NodeUnprepareResources x{n} concurrent",
                 lambda: concurrent("NodeUnprepareResources", self.check_unprepared, pb.NodeUnprepareResourcesRequest))
 
-            def first_health():
+            def first_health(stream):
                 msg = next(stream)
                 devices = [(d.device.pool_name, d.device.device_name) for d in msg.devices]
                 expect(devices, "the first message lists no device")
@@ -316,7 +322,9 @@ class Checks:
                            f"the first message lacks {self.args.node}/{device}: {devices}")
                 stream.cancel()
                 return {"devices": len(devices)}
-            run("v1alpha1.DRAResourceHealth/NodeWatchResources first message", first_health)
+            for version in health_versions:
+                run(f"{version}.DRAResourceHealth/NodeWatchResources first message",
+                    lambda: first_health(streams[version]))
 
 
 # ---------------------------------------------------------------------------------------------

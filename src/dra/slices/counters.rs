@@ -166,7 +166,7 @@ pub(super) fn partitioned(gpu: &Gpu) -> Result<Partitioned> {
     let counters = GpuCounters::new(gpu)?;
     let existing: &[MigDevice] = &gpu.mig.devices;
     let mut devices = Vec::new();
-    for d in existing.iter().filter(|d| d.health.is_healthy()) {
+    for d in existing.iter().filter(|d| !d.health.is_withdrawn()) {
         let shape = MigShape::existing(d);
         let mut dev = mig_device(gpu, &shape);
         dev.consumes_counters = Some(counters.consume_mig(&shape));

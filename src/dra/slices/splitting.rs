@@ -1,7 +1,9 @@
 //! Assembling the pool: device order, chunking to the API's per-slice limits, and
 //! [`desired_slices`].
 
-use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourcePool, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{
+    CounterSet, Device, DeviceTaint, ResourcePool, ResourceSliceSpec,
+};
 
 use super::attributes::{MigShape, gpu_device, mig_device};
 use super::counters::partitioned;
@@ -10,7 +12,22 @@ use super::{
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, validate,
     validate_pool,
 };
-use crate::inventory::Inventory;
+use crate::inventory::{Health, Inventory};
+
+/// `d` with the taint a monitored failure puts on it (`<driver>/xid=79:NoSchedule`); the
+/// server sets `timeAdded`. A device has at most one taint: the first failure's (the 1.34 limit
+/// is 4).
+fn tainted(mut d: Device, health: &Health, driver: &str) -> Device {
+    if let Health::Tainted { taint, .. } = health {
+        d.taints = Some(vec![DeviceTaint {
+            key: format!("{driver}/{}", taint.key.name()),
+            value: taint.key.value(),
+            effect: taint.effect.as_str().to_string(),
+            time_added: None,
+        }]);
+    }
+    d
+}
 
 pub(super) fn sort_devices(devices: &mut [Device]) {
     devices.sort_by(|a, b| a.name.cmp(&b.name));
@@ -59,16 +76,23 @@ pub(super) struct Draft {
 /// The result is validated before it is returned; an error means this module (or the inventory)
 /// is wrong, and nothing should be published.
 pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<ResourceSliceSpec>> {
-    let healthy = inv.gpus.iter().filter(|g| g.health.is_healthy());
+    let healthy = inv.gpus.iter().filter(|g| !g.health.is_withdrawn());
+    let driver = opts.driver.as_str();
     let mut drafts = Vec::new();
     if opts.partitionable {
         let mut groups = Vec::new();
         let mut plain = Vec::new();
         for gpu in healthy {
             if gpu.in_mig_mode() {
-                groups.push(partitioned(gpu)?);
+                let mut g = partitioned(gpu)?;
+                g.devices = g
+                    .devices
+                    .into_iter()
+                    .map(|d| tainted(d, &gpu.health, driver))
+                    .collect();
+                groups.push(g);
             } else {
-                plain.push(gpu_device(gpu));
+                plain.push(tainted(gpu_device(gpu), &gpu.health, driver));
             }
         }
         match opts.layout {
@@ -119,11 +143,18 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
         let mut devices = Vec::new();
         for gpu in healthy {
             if gpu.in_mig_mode() {
-                for d in gpu.mig.devices.iter().filter(|d| d.health.is_healthy()) {
-                    devices.push(mig_device(gpu, &MigShape::existing(d)));
+                for d in gpu.mig.devices.iter().filter(|d| !d.health.is_withdrawn()) {
+                    // A MIG device is as sick as its parent.
+                    let health = if gpu.health.is_healthy() {
+                        &d.health
+                    } else {
+                        &gpu.health
+                    };
+                    let dev = mig_device(gpu, &MigShape::existing(d));
+                    devices.push(tainted(dev, health, driver));
                 }
             } else {
-                devices.push(gpu_device(gpu));
+                devices.push(tainted(gpu_device(gpu), &gpu.health, driver));
             }
         }
         sort_devices(&mut devices);

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
@@ -16,7 +16,7 @@ use crate::inventory::{
 };
 
 pub struct NvmlBackend {
-    nvml: Nvml,
+    nvml: Arc<Nvml>,
     sysfs: HostSysfs,
     logged: OmissionLog,
     driver_root: PathBuf,
@@ -50,7 +50,7 @@ impl NvmlBackend {
             match init {
                 Ok(nvml) => {
                     return Ok(Self {
-                        nvml,
+                        nvml: Arc::new(nvml),
                         sysfs: HostSysfs::new(SYSFS_ROOT),
                         logged: OmissionLog::default(),
                         driver_root: driver_root.to_path_buf(),
@@ -156,6 +156,17 @@ impl DeviceBackend for NvmlBackend {
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         let _one = crate::lock::lock(&self.reconfiguring);
         reconfigure::destroy_mig(&self.nvml, gpu, mig)
+    }
+
+    fn start_health_events(
+        &self,
+        sink: Box<dyn crate::inventory::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        Some(super::events::start(self.nvml.clone(), sink))
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        super::events::probe(&self.nvml, gpu).map_err(|e| e.to_string())
     }
 }
 

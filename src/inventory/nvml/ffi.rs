@@ -37,6 +37,21 @@ pub fn gpu_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> 
     Ok(id)
 }
 
+/// `nvmlDeviceRegisterEvents` of `types` on `device` into `set`. nvml-wrapper's own call frees
+/// the whole set when one GPU refuses, which would end the registrations of every other GPU.
+pub fn register_events(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    types: u64,
+    set: &nvml_wrapper::EventSet<'_>,
+) -> Result<(), NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlDeviceRegisterEvents.as_ref())?;
+    // SAFETY: declared signature; `device` is a live handle and `set` a live event set, both
+    // borrowed for the call from the same `Nvml`; NVML keeps no pointer into our memory. The
+    // set's handle is only passed, never freed here.
+    nvml_try(unsafe { f(device.handle(), types, set.handle()) })
+}
+
 /// `nvmlDeviceGetComputeInstanceId` of a MIG device handle.
 pub fn compute_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
     let f = nvml_sym(nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref())?;

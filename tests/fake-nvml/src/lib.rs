@@ -38,6 +38,8 @@
 //! Driver 550.163.01, CUDA 12.4. `nvmlDeviceGetNumaNodeId` is deliberately not exported, so the
 //! backend's handling of a symbol missing from an older driver is exercised too.
 //!
+//! Health events, and the hooks tests inject them with, are in `events.rs`.
+//!
 //! Handles are opaque integers cast to pointers; they are never dereferenced by callers. Every
 //! function's contract is the one `nvml.h` documents for it: pointer arguments must be valid for
 //! writes of the pointed-to type (null is answered with `NVML_ERROR_INVALID_ARGUMENT`).
@@ -117,6 +119,20 @@ fn changing(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
             r
         }
         None => UNINITIALIZED,
+    }
+}
+
+// Health events and their test hooks (`events.rs`) see the GPUs only through these three.
+mod events;
+
+fn gpu_count() -> usize {
+    node().as_ref().map_or(0, |l| l.model.gpus.len())
+}
+
+fn gpu_index_of(d: nvmlDevice_t) -> Option<usize> {
+    match device(&node().as_ref()?.model, d)? {
+        Dev::Gpu(g) => Some(g),
+        Dev::Mig(..) => None,
     }
 }
 
@@ -368,10 +384,20 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     }
     // SAFETY: a NUL-terminated string (nvml.h).
     let uuid = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
-    with(|m| match m.gpus.iter().position(|g| g.uuid == uuid) {
-        Some(i) => unsafe { put(out, gpu_handle(i)) },
+    let mut found = None;
+    let r = with(|m| match m.gpus.iter().position(|g| g.uuid == uuid) {
+        Some(i) => {
+            found = Some(i);
+            SUCCESS
+        }
         None => NOT_FOUND,
-    })
+    });
+    match found {
+        // Outside `with`: the events module's state is never locked under the node's.
+        Some(i) if events::lost(i) => events::GPU_IS_LOST,
+        Some(i) => unsafe { put(out, gpu_handle(i)) },
+        None => r,
+    }
 }
 
 #[unsafe(no_mangle)]

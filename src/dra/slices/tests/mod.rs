@@ -22,6 +22,7 @@ mod mig;
 mod names;
 mod partitionable;
 mod splitting;
+mod taints;
 mod validation;
 
 const DRIVER: &str = "gpu.nvidia.com";

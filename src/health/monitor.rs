@@ -1,0 +1,209 @@
+//! The monitor task: events in, per-GPU health out, recovery by probe and quiet period.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Cause, Event, Fault, HealthState, Policy, Watch};
+use crate::inventory::{DeviceBackend, GpuUuid};
+
+/// How many events may wait for the monitor; a source blocks (NVML) or waits (async) beyond.
+const QUEUE: usize = 256;
+
+/// Asks whether a GPU answers again. Blocking (NVML); the monitor runs it on the blocking pool.
+pub trait Probe: Send + Sync + 'static {
+    /// `Err` with the reason when the GPU still does not answer.
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), String>;
+}
+
+/// Probes through a backend ([`DeviceBackend::probe`]).
+pub struct BackendProbe(pub Arc<dyn DeviceBackend>);
+
+impl Probe for BackendProbe {
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
+        self.0.probe(gpu)
+    }
+}
+
+/// Where sources send events and consumers subscribe; cheap to clone.
+#[derive(Clone)]
+pub struct MonitorHandle {
+    events: mpsc::Sender<Event>,
+    state: watch::Receiver<HealthState>,
+}
+
+impl MonitorHandle {
+    /// The sender sources use (`blocking_send` from a thread, `send` from a task).
+    pub fn events(&self) -> mpsc::Sender<Event> {
+        self.events.clone()
+    }
+
+    /// A new subscription; its first `changed()` fires on the next transition.
+    pub fn subscribe(&self) -> Watch {
+        self.state.clone()
+    }
+
+    /// The current state.
+    pub fn state(&self) -> HealthState {
+        self.state.borrow().clone()
+    }
+}
+
+/// What the monitor keeps per unhealthy GPU beyond what it publishes.
+struct Tracked {
+    fault: Fault,
+    /// The last critical event: recovery waits for the quiet period after it.
+    last_event: Instant,
+}
+
+/// The monitor task; see the module doc.
+pub struct Monitor {
+    policy: Policy,
+    probe: Arc<dyn Probe>,
+    events: mpsc::Receiver<Event>,
+    /// A sender of our own: sources may come and go without closing the channel.
+    _own: mpsc::Sender<Event>,
+    state: watch::Sender<HealthState>,
+    tracked: BTreeMap<GpuUuid, Tracked>,
+}
+
+impl Monitor {
+    pub fn new(policy: Policy, probe: Arc<dyn Probe>) -> (Self, MonitorHandle) {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let (state, state_rx) = watch::channel(HealthState::default());
+        (
+            Self {
+                policy,
+                probe,
+                events: rx,
+                _own: tx.clone(),
+                state,
+                tracked: BTreeMap::new(),
+            },
+            MonitorHandle {
+                events: tx,
+                state: state_rx,
+            },
+        )
+    }
+
+    /// Runs until `shutdown`.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut probe = tokio::time::interval(self.policy.probe_interval);
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        probe.tick().await;
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                // `_own` keeps the channel open, so `None` cannot come.
+                Some(ev) = self.events.recv() => self.on_event(ev),
+                _ = probe.tick() => self.probe_all().await,
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        let Event { gpu, kind } = ev;
+        let Some((cause, effect)) = self.policy.judge(&kind) else {
+            tracing::debug!(gpu.uuid = %gpu, event = ?kind, "ignored health event");
+            return;
+        };
+        let now = Instant::now();
+        match self.tracked.get_mut(&gpu) {
+            Some(t) => {
+                // Already unhealthy: the first cause stays, recovery waits longer.
+                t.last_event = now;
+                tracing::debug!(gpu.uuid = %gpu, %cause, "another critical event on an unhealthy GPU");
+            }
+            None => {
+                tracing::warn!(gpu.uuid = %gpu, %cause, taint.effect = %effect, "GPU unhealthy");
+                let fault = Fault {
+                    xid: cause.xid(),
+                    cause,
+                    effect,
+                    since: now,
+                };
+                self.tracked.insert(
+                    gpu,
+                    Tracked {
+                        fault,
+                        last_event: now,
+                    },
+                );
+                self.publish();
+            }
+        }
+    }
+
+    /// Probes every unhealthy GPU whose quiet period is over; those that answer are healthy.
+    async fn probe_all(&mut self) {
+        let now = Instant::now();
+        let due: Vec<GpuUuid> = self
+            .tracked
+            .iter()
+            .filter(|(_, t)| !matches!(t.fault.cause, Cause::Unmonitored(_)))
+            .filter(|(_, t)| now.duration_since(t.last_event) >= self.policy.quiet_period)
+            .map(|(g, _)| g.clone())
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let probe = self.probe.clone();
+        let answers = tokio::task::spawn_blocking(move || {
+            due.into_iter()
+                .map(|g| {
+                    let r = probe.probe(&g);
+                    (g, r)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await;
+        let answers = match answers {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "the health probe panicked; GPUs stay unhealthy");
+                return;
+            }
+        };
+        let mut changed = false;
+        for (gpu, answer) in answers {
+            match answer {
+                Ok(()) => {
+                    if let Some(t) = self.tracked.remove(&gpu) {
+                        tracing::info!(
+                            gpu.uuid = %gpu,
+                            cause = %t.fault.cause,
+                            quiet_for = ?self.policy.quiet_period,
+                            "GPU healthy again"
+                        );
+                        changed = true;
+                    }
+                }
+                Err(reason) => {
+                    tracing::debug!(gpu.uuid = %gpu, %reason, "GPU still does not answer its probe")
+                }
+            }
+        }
+        if changed {
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let faults = self
+            .tracked
+            .iter()
+            .map(|(g, t)| (g.clone(), t.fault.clone()))
+            .collect();
+        self.state.send_if_modified(|s| {
+            let new = HealthState { faults };
+            let modified = *s != new;
+            *s = new;
+            modified
+        });
+    }
+}

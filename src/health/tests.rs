@@ -1,0 +1,285 @@
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::faults::{Command, FaultFile, LineError, parse_line};
+use super::*;
+use crate::inventory::sim::SimBackend;
+use tokio_util::sync::CancellationToken;
+
+fn sim() -> SimBackend {
+    SimBackend::from_profile("dgx-a100-mig", "n").unwrap()
+}
+
+fn uuid(sim: &SimBackend, index: usize) -> GpuUuid {
+    sim.snapshot().unwrap().gpus[index].uuid.clone()
+}
+
+/// A probe a test switches between answering and not.
+#[derive(Default)]
+struct Switch(AtomicBool);
+
+impl Probe for Switch {
+    fn probe(&self, _: &GpuUuid) -> Result<(), String> {
+        if self.0.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("down".into())
+        }
+    }
+}
+
+fn policy() -> Policy {
+    Policy {
+        quiet_period: Duration::from_secs(60),
+        probe_interval: Duration::from_secs(10),
+        ..Policy::default()
+    }
+}
+
+#[test]
+fn the_default_policy_ignores_application_xids_only() {
+    let p = Policy::default();
+    for x in DEFAULT_IGNORED_XIDS {
+        assert_eq!(p.judge(&EventKind::Xid(x)), None, "XID {x}");
+    }
+    assert_eq!(
+        p.judge(&EventKind::Xid(79)),
+        Some((Cause::Xid(79), TaintEffect::NoSchedule))
+    );
+    assert_eq!(
+        p.judge(&EventKind::DoubleBitEcc),
+        Some((Cause::DoubleBitEcc, TaintEffect::NoSchedule))
+    );
+    assert_eq!(
+        p.judge(&EventKind::GpuLost),
+        Some((Cause::GpuLost, TaintEffect::NoSchedule))
+    );
+}
+
+#[test]
+fn overrides_win_over_the_ignore_list() {
+    let p = Policy {
+        overrides: parse_overrides("13=NoSchedule, 94=ignore,79=NoExecute").unwrap(),
+        ..Policy::default()
+    };
+    assert_eq!(
+        p.judge(&EventKind::Xid(13)),
+        Some((Cause::Xid(13), TaintEffect::NoSchedule))
+    );
+    assert_eq!(p.judge(&EventKind::Xid(94)), None);
+    assert_eq!(
+        p.judge(&EventKind::Xid(79)),
+        Some((Cause::Xid(79), TaintEffect::NoExecute))
+    );
+    // A lost GPU takes XID 79's effect.
+    assert_eq!(
+        p.judge(&EventKind::GpuLost),
+        Some((Cause::GpuLost, TaintEffect::NoExecute))
+    );
+    let p = Policy {
+        overrides: parse_overrides("48=ignore").unwrap(),
+        ..Policy::default()
+    };
+    assert_eq!(p.judge(&EventKind::DoubleBitEcc), None);
+}
+
+#[test]
+fn settings_strings_parse_or_name_the_bad_value() {
+    assert_eq!(
+        parse_xids("13, 31,,43").unwrap(),
+        [13, 31, 43].into_iter().collect()
+    );
+    assert!(parse_xids("").unwrap().is_empty());
+    assert_eq!(parse_xids("13,x"), Err(Error::BadXid("x".into())));
+    assert_eq!(parse_overrides("79"), Err(Error::BadOverride("79".into())));
+    assert_eq!(
+        parse_overrides("79=sometimes"),
+        Err(Error::BadOverride("79=sometimes".into()))
+    );
+    assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+    assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+    assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
+    assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+    assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+    assert_eq!(
+        parse_duration("5 min"),
+        Err(Error::BadDuration("5 min".into()))
+    );
+    assert!(
+        Error::BadOverride("79".into())
+            .to_string()
+            .contains("\"79\"")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_xid_makes_exactly_that_gpu_unhealthy_and_recovery_restores_it() {
+    let sim = sim();
+    let probe = Arc::new(Switch::default());
+    let (monitor, handle) = Monitor::new(policy(), probe.clone());
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    let gpu3 = uuid(&sim, 3);
+
+    // An ignored XID first: the first change the watch sees must be the critical one.
+    let tx = handle.events();
+    tx.send(Event {
+        gpu: uuid(&sim, 1),
+        kind: EventKind::Xid(13),
+    })
+    .await
+    .unwrap();
+    tx.send(Event {
+        gpu: gpu3.clone(),
+        kind: EventKind::Xid(79),
+    })
+    .await
+    .unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    let faults: Vec<(&GpuUuid, &Fault)> = state.faults().collect();
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(faults[0].0, &gpu3);
+    assert_eq!(faults[0].1.cause, Cause::Xid(79));
+    assert_eq!(faults[0].1.xid, Some(79));
+    assert_eq!(
+        faults[0].1.cause.to_string(),
+        "XID 79 (GPU has fallen off the bus)"
+    );
+
+    // The overlay: GPU 3 tainted, its MIG devices follow it where devices are derived, the
+    // others untouched.
+    let mut inv = sim.snapshot().unwrap();
+    state.apply(&mut inv);
+    for g in &inv.gpus {
+        if g.uuid == gpu3 {
+            assert_eq!(
+                g.health,
+                Health::Tainted {
+                    reason: "XID 79 (GPU has fallen off the bus)".into(),
+                    taint: Taint {
+                        key: TaintKey::Xid(79),
+                        effect: TaintEffect::NoSchedule
+                    }
+                }
+            );
+        } else {
+            assert!(g.health.is_healthy(), "{}", g.index);
+        }
+    }
+
+    // The probe fails: after the quiet period the GPU stays unhealthy.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert!(!handle.state().is_empty());
+    // It answers again: healthy at the next probe, and the watch says so.
+    probe.0.store(true, Ordering::SeqCst);
+    watch.changed().await.unwrap();
+    assert!(watch.borrow_and_update().is_empty());
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_critical_event_postpones_recovery_by_the_quiet_period() {
+    let sim = sim();
+    let probe = Arc::new(Switch(AtomicBool::new(true)));
+    let (monitor, handle) = Monitor::new(policy(), probe);
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    let gpu = uuid(&sim, 0);
+    let tx = handle.events();
+    let start = Instant::now();
+    tx.send(Event {
+        gpu: gpu.clone(),
+        kind: EventKind::DoubleBitEcc,
+    })
+    .await
+    .unwrap();
+    watch.changed().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(50)).await;
+    tx.send(Event {
+        gpu: gpu.clone(),
+        kind: EventKind::Xid(48),
+    })
+    .await
+    .unwrap();
+    watch.changed().await.unwrap();
+    assert!(watch.borrow().is_empty());
+    // Healthy no sooner than the quiet period after the second event (paused time: exact).
+    assert!(
+        start.elapsed() >= Duration::from_secs(110),
+        "{:?}",
+        start.elapsed()
+    );
+    stop.cancel();
+}
+
+#[test]
+fn fault_file_lines_name_gpus_by_index_or_uuid() {
+    let sim = sim();
+    let inv = sim.snapshot().unwrap();
+    let g3 = inv.gpus[3].uuid.clone();
+    assert_eq!(
+        parse_line("xid 3 79  # fell off", &inv),
+        Ok(Some(Command::Event(Event {
+            gpu: g3.clone(),
+            kind: EventKind::Xid(79)
+        })))
+    );
+    assert_eq!(
+        parse_line(&format!("ecc {g3}"), &inv),
+        Ok(Some(Command::Event(Event {
+            gpu: g3.clone(),
+            kind: EventKind::DoubleBitEcc
+        })))
+    );
+    assert_eq!(
+        parse_line("lost 3", &inv),
+        Ok(Some(Command::Lost(g3.clone())))
+    );
+    assert_eq!(parse_line("back 3", &inv), Ok(Some(Command::Back(g3))));
+    assert_eq!(parse_line("   # nothing", &inv), Ok(None));
+    assert_eq!(
+        parse_line("xid 99 79", &inv),
+        Err(LineError::NoGpu("99".into()))
+    );
+    assert_eq!(
+        parse_line("xid 3 x", &inv),
+        Err(LineError::BadXid("x".into()))
+    );
+    assert!(matches!(
+        parse_line("reboot 3", &inv),
+        Err(LineError::Unknown(_))
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_fault_file_drives_the_monitor_and_lost_gpus_fail_their_probe() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("faults");
+    let sim = sim();
+    let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
+    let file = FaultFile::new(path.clone(), backend);
+    let (monitor, handle) = Monitor::new(policy(), file.probe());
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    tokio::spawn(file.run(handle.events(), stop.clone()));
+    let mut watch = handle.subscribe();
+
+    std::fs::write(&path, "xid 2 13\nlost 3\n").unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    let faults: Vec<_> = state
+        .faults()
+        .map(|(g, f)| (g.clone(), f.cause.clone()))
+        .collect();
+    assert_eq!(faults, vec![(uuid(&sim, 3), Cause::GpuLost)]);
+
+    // Lost: no recovery however long it is quiet, until the file says it is back.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert!(!handle.state().is_empty());
+    std::fs::write(&path, "xid 2 13\nlost 3\nback 3\n").unwrap();
+    watch.changed().await.unwrap();
+    assert!(watch.borrow_and_update().is_empty());
+    stop.cancel();
+}

@@ -1,0 +1,363 @@
+//! The health monitor through the NVML backend on the fake library (`tests/fake-nvml`, its
+//! `events.rs`): an XID injected on GPU 0 (the A100 in MIG mode) reaches the health stream as
+//! exactly GPU 0's MIG devices unhealthy and the slices as their taint; an ignored XID changes
+//! nothing; recovery (quiet period, then a probe NVML answers) restores them; a GPU that stays
+//! lost does not recover; one GPU whose event registration fails is the only one affected.
+//!
+//! The fake's event state is process-wide, so the tests here take turns ([`serial`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use nvdra::dra::health::HealthService;
+use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Monitored, Policy};
+use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
+use nvdra::inventory::{DeviceBackend, GpuUuid};
+use nvdra::proto::health::v1alpha1::{
+    HealthStatus, NodeWatchResourcesRequest, dra_resource_health_server::DraResourceHealth,
+};
+use tokio_util::sync::CancellationToken;
+
+const SOON: Duration = Duration::from_secs(10);
+const XID_EVENT: u64 = 0x8; // nvmlEventTypeXidCriticalError
+const NVML_ERROR_UNKNOWN: u32 = 999;
+
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    TURN.lock().await
+}
+
+fn fake_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe
+        .parent()
+        .expect("test binary lives in target/<profile>/deps");
+    [
+        deps.join("libfake_nvml.so"),
+        deps.parent().unwrap().join("libfake_nvml.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .expect("libfake_nvml.so is built beside the tests")
+}
+
+/// The fake under a driver root, NVML opened on it, and the hooks of the same loaded copy.
+struct Fake {
+    _root: tempfile::TempDir,
+    backend: Arc<NvmlBackend>,
+    lib: libloading::Library,
+}
+
+impl Fake {
+    fn open() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let lib_dir = root.path().join("usr/lib64");
+        std::fs::create_dir_all(&lib_dir).unwrap();
+        let path = lib_dir.join(LIBRARY);
+        std::os::unix::fs::symlink(fake_library(), &path).unwrap();
+        let backend = Arc::new(NvmlBackend::open(root.path()).unwrap());
+        // SAFETY: the fake library's initialisers are Rust statics; loading it again returns
+        // the copy NVML already loaded.
+        let lib = unsafe { libloading::Library::new(&path) }.unwrap();
+        Self {
+            _root: root,
+            backend,
+            lib,
+        }
+    }
+
+    fn inject(&self, gpu: u32, event_type: u64, data: u64) {
+        // SAFETY: the hook's C signature as `events.rs` of the fake declares it.
+        let f: libloading::Symbol<extern "C" fn(u32, u64, u64) -> u32> =
+            unsafe { self.lib.get(b"fake_nvml_inject_event") }.unwrap();
+        assert_eq!(f(gpu, event_type, data), 0);
+    }
+
+    fn set_lost(&self, gpu: u32, lost: bool) {
+        // SAFETY: as above.
+        let f: libloading::Symbol<extern "C" fn(u32, i32) -> u32> =
+            unsafe { self.lib.get(b"fake_nvml_set_lost") }.unwrap();
+        assert_eq!(f(gpu, i32::from(lost)), 0);
+    }
+
+    fn fail_registration(&self, gpu: u32, code: u32) {
+        // SAFETY: as above.
+        let f: libloading::Symbol<extern "C" fn(u32, u32) -> u32> =
+            unsafe { self.lib.get(b"fake_nvml_fail_registration") }.unwrap();
+        assert_eq!(f(gpu, code), 0);
+    }
+
+    fn registrations(&self, gpu: u32) -> u32 {
+        // SAFETY: as above.
+        let f: libloading::Symbol<extern "C" fn(u32) -> u32> =
+            unsafe { self.lib.get(b"fake_nvml_registrations") }.unwrap();
+        f(gpu)
+    }
+
+    /// Starts `backend`'s event thread into `handle` and waits until it registered GPUs 0 and
+    /// 1 (so an injected event is heard).
+    async fn start_events(&self, backend: &Arc<dyn DeviceBackend>, handle: &MonitorHandle) {
+        let before = (self.registrations(0), self.registrations(1));
+        backend
+            .start_health_events(Box::new(handle.events()))
+            .expect("NVML has an event source")
+            .expect("the event thread starts");
+        let wait = async {
+            while self.registrations(0) <= before.0 || self.registrations(1) <= before.1 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(SOON, wait)
+            .await
+            .expect("the event thread registers GPUs 0 and 1");
+    }
+
+    fn uuid(&self, index: usize) -> GpuUuid {
+        self.backend.snapshot().unwrap().gpus[index].uuid.clone()
+    }
+
+    /// A monitor fed by NVML's event thread, probing through NVML once `gate` is open.
+    async fn monitor(
+        &self,
+        stop: &CancellationToken,
+        gate: Arc<std::sync::atomic::AtomicBool>,
+    ) -> (MonitorHandle, Arc<Monitored>) {
+        let backend: Arc<dyn DeviceBackend> = self.backend.clone();
+        let (monitor, handle) = Monitor::new(
+            Policy {
+                quiet_period: Duration::from_millis(300),
+                probe_interval: Duration::from_millis(50),
+                ..Policy::default()
+            },
+            Arc::new(Gated {
+                open: gate,
+                inner: BackendProbe(backend.clone()),
+            }),
+        );
+        tokio::spawn(monitor.run(stop.clone()));
+        self.start_events(&backend, &handle).await;
+        (
+            handle.clone(),
+            Arc::new(Monitored::new(backend, handle.subscribe())),
+        )
+    }
+}
+
+/// NVML's probe, failing until the test opens the gate (recovery when the test says).
+struct Gated {
+    open: Arc<std::sync::atomic::AtomicBool>,
+    inner: BackendProbe,
+}
+
+impl nvdra::health::Probe for Gated {
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
+        if !self.open.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("gate closed".into());
+        }
+        self.inner.probe(gpu)
+    }
+}
+
+/// Waits until the monitor's state satisfies `cond`.
+async fn state(handle: &MonitorHandle, cond: impl Fn(&nvdra::health::HealthState) -> bool) {
+    let mut w = handle.subscribe();
+    tokio::time::timeout(SOON, w.wait_for(|s| cond(s)))
+        .await
+        .expect("the monitor's state")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_restores_it() {
+    let _turn = serial().await;
+    let fake = Fake::open();
+    let stop = CancellationToken::new();
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (handle, monitored) = fake.monitor(&stop, gate.clone()).await;
+    let svc = HealthService::new(
+        monitored.clone(),
+        "n".into(),
+        Duration::from_secs(3600),
+        stop.clone(),
+    )
+    .with_health(handle.subscribe());
+    let mut stream = svc
+        .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(
+        first
+            .devices
+            .iter()
+            .all(|d| d.health == HealthStatus::Healthy as i32)
+    );
+
+    // Ignored (31), then critical (79) on GPU 0: the next message is the critical one.
+    fake.inject(0, XID_EVENT, 31);
+    fake.inject(0, XID_EVENT, 79);
+    let m = tokio::time::timeout(SOON, stream.next())
+        .await
+        .expect("a message on the change, long before the interval")
+        .unwrap()
+        .unwrap();
+    let sick: Vec<(String, String)> = m
+        .devices
+        .iter()
+        .filter(|d| d.health == HealthStatus::Unhealthy as i32)
+        .map(|d| (d.device.clone().unwrap().device_name, d.message.clone()))
+        .collect();
+    let names: Vec<&str> = sick.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["gpu-0-mig-1g5gb-19-6", "gpu-0-mig-3g20gb-9-0"]);
+    assert!(
+        sick.iter()
+            .all(|(_, m)| m == "XID 79 (GPU has fallen off the bus)")
+    );
+    assert_eq!(m.devices.len(), first.devices.len());
+
+    // The slices: the same two devices tainted, nothing withdrawn.
+    let inv = monitored.snapshot().unwrap();
+    let opts = SliceOptions {
+        driver: "gpu.nvidia.com".into(),
+        node_name: "n".into(),
+        partitionable: false,
+        layout: CounterLayout::Separate,
+    };
+    let tainted: Vec<(String, String)> = desired_slices(&inv, &opts)
+        .unwrap()
+        .iter()
+        .flat_map(|s| s.devices.clone().unwrap_or_default())
+        .filter_map(|d| {
+            let t = d.taints?.first()?.clone();
+            Some((
+                d.name,
+                format!("{}={}:{}", t.key, t.value.unwrap_or_default(), t.effect),
+            ))
+        })
+        .collect();
+    assert_eq!(
+        tainted,
+        [
+            (
+                "gpu-0-mig-1g5gb-19-6".to_string(),
+                "gpu.nvidia.com/xid=79:NoSchedule".to_string()
+            ),
+            (
+                "gpu-0-mig-3g20gb-9-0".to_string(),
+                "gpu.nvidia.com/xid=79:NoSchedule".to_string()
+            )
+        ]
+    );
+
+    // Recovery: NVML's probe answers after the quiet period.
+    gate.store(true, std::sync::atomic::Ordering::SeqCst);
+    let m = tokio::time::timeout(SOON, stream.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(
+        m.devices
+            .iter()
+            .all(|d| d.health == HealthStatus::Healthy as i32)
+    );
+    assert!(handle.state().is_empty());
+    stop.cancel();
+}
+
+/// Counts the probes of one GPU that failed.
+struct Counting {
+    inner: BackendProbe,
+    failed: tokio::sync::watch::Sender<u32>,
+}
+
+impl nvdra::health::Probe for Counting {
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
+        let r = self.inner.probe(gpu);
+        if r.is_err() {
+            self.failed.send_modify(|n| *n += 1);
+        }
+        r
+    }
+}
+
+#[tokio::test]
+async fn a_lost_gpu_stays_unhealthy_until_nvml_finds_it() {
+    let _turn = serial().await;
+    let fake = Fake::open();
+    let gpu1 = fake.uuid(1);
+    // Lost before the monitor starts: its registration finds it gone.
+    fake.set_lost(1, true);
+    let stop = CancellationToken::new();
+    let backend: Arc<dyn DeviceBackend> = fake.backend.clone();
+    let (failed, mut failures) = tokio::sync::watch::channel(0);
+    let (monitor, handle) = Monitor::new(
+        Policy {
+            quiet_period: Duration::from_millis(100),
+            probe_interval: Duration::from_millis(20),
+            ..Policy::default()
+        },
+        Arc::new(Counting {
+            inner: BackendProbe(backend.clone()),
+            failed,
+        }),
+    );
+    tokio::spawn(monitor.run(stop.clone()));
+    backend
+        .start_health_events(Box::new(handle.events()))
+        .unwrap()
+        .unwrap();
+    state(&handle, |s| !s.is_empty()).await;
+    let faults: Vec<(GpuUuid, Cause)> = handle
+        .state()
+        .faults()
+        .map(|(g, f)| (g.clone(), f.cause.clone()))
+        .collect();
+    assert_eq!(faults, [(gpu1.clone(), Cause::GpuLost)]);
+    // Three probes after the quiet period failed: still unhealthy.
+    tokio::time::timeout(SOON, failures.wait_for(|n| *n >= 3))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!handle.state().is_empty());
+    fake.set_lost(1, false);
+    state(&handle, |s| s.is_empty()).await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_gpu_whose_registration_fails_is_the_only_one_affected() {
+    let _turn = serial().await;
+    let fake = Fake::open();
+    fake.fail_registration(2, NVML_ERROR_UNKNOWN);
+    let stop = CancellationToken::new();
+    let (handle, _) = fake
+        .monitor(&stop, Arc::new(std::sync::atomic::AtomicBool::new(false)))
+        .await;
+    state(&handle, |s| !s.is_empty()).await;
+    fake.fail_registration(2, 0);
+    let faults: Vec<(GpuUuid, Cause)> = handle
+        .state()
+        .faults()
+        .map(|(g, f)| (g.clone(), f.cause.clone()))
+        .collect();
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(faults[0].0, fake.uuid(2));
+    assert!(
+        matches!(&faults[0].1, Cause::Unmonitored(r) if r.contains("nvmlDeviceRegisterEvents"))
+    );
+    // The others are still watched: an XID on GPU 1 is heard.
+    fake.inject(1, XID_EVENT, 48);
+    state(&handle, |s| s.faults().count() == 2).await;
+    assert!(
+        handle
+            .state()
+            .faults()
+            .any(|(g, f)| *g == fake.uuid(1) && f.cause == Cause::Xid(48))
+    );
+    stop.cancel();
+}

@@ -45,6 +45,12 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
     );
     assert!(stdout.contains("demo/notebook gets gpu-0"), "{stdout}");
     assert!(stdout.contains("shut down cleanly"), "{stdout}");
+    // The injected fault: the health stream says why, the slice keeps the device, tainted.
+    assert!(stdout.contains("gpu-3 Unhealthy: XID 79"), "{stdout}");
+    assert!(
+        stdout.contains("gpu-3 stays listed, tainted gpu.nvidia.com/xid=79 effect NoSchedule"),
+        "{stdout}"
+    );
     // The legacy path: the device plugin registered with the demo's kubelet, listed the eight
     // GPUs and allocated one by UUID.
     assert!(

@@ -3,14 +3,16 @@
 //! It runs the real daemon ([`crate::daemon::run`]) on a simulated DGX H100 with the directory
 //! API in a temporary directory, and plays the kubelet's part over the real sockets: the
 //! registration handshake, reading the published ResourceSlices, preparing two claims that want
-//! the same GPU (the second is refused until the first is released), and unpreparing; then the
-//! same node as a legacy device plugin ([`legacy`]). Everything it prints comes from what the
+//! the same GPU (the second is refused until the first is released), unpreparing, and a GPU
+//! fault injected through the fault file ([`fault`]); then the same node as a legacy device
+//! plugin ([`legacy`]). Everything it prints comes from what the
 //! daemon wrote or answered.
 
+mod fault;
 mod legacy;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,7 +64,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         device_plugin_config: None,
         device_plugin_gpu_memory: false,
         health: Default::default(),
-        fault_file: None,
+        fault_file: Some(root.join("faults")),
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {
@@ -228,6 +230,9 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         )?;
         let un = unprepare(&mut dra, "notebook", "uid-notebook").await?;
         ensure!(un.is_empty(), "unpreparing demo/notebook failed: {un}");
+
+        // 6. A GPU fault reaches the health stream and the slices.
+        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 6).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -241,7 +246,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         "   The daemon shut down cleanly and removed its sockets.\n"
     )?;
 
-    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 6).await?;
+    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 7).await?;
     writeln!(
         out,
         "Next: deploy for real with `kubectl apply -k manifests/` (see README, Deploy)."
@@ -327,7 +332,7 @@ async fn unprepare(
         .error)
 }
 
-async fn wait_for<T>(path: &Path, daemon: &tokio::task::JoinHandle<T>) -> Result<()> {
+pub(super) async fn wait_for<T>(path: &Path, daemon: &tokio::task::JoinHandle<T>) -> Result<()> {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while !path.exists() {
         if daemon.is_finished() {
@@ -341,8 +346,8 @@ async fn wait_for<T>(path: &Path, daemon: &tokio::task::JoinHandle<T>) -> Result
     Ok(())
 }
 
-async fn wait_for_slices<T>(
-    dir: &PathBuf,
+pub(super) async fn wait_for_slices<T>(
+    dir: &Path,
     daemon: &tokio::task::JoinHandle<T>,
 ) -> Result<Vec<ResourceSlice>> {
     let deadline = tokio::time::Instant::now() + PATIENCE;

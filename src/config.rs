@@ -259,17 +259,6 @@ fn validate(settings: Settings) -> Result<Config> {
     }
 
     let mode = need(daemon.mode, "--mode")?;
-    if mode == Mode::Both {
-        // Refused rather than half-served: without one ledger for both paths, a GPU prepared
-        // for a DRA claim could also be allocated to a device-plugin container.
-        return Err(invalid(
-            "--mode",
-            "both needs the allocation ledger shared by DRA and the device plugin, which this \
-             build does not have yet (one GPU could go to a DRA claim and a container at once); \
-             use --mode dra or --mode device-plugin",
-        ));
-    }
-
     Ok(Config {
         mode,
         backend: source,

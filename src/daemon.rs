@@ -9,8 +9,10 @@
 //! 4. the ResourceSlice publisher and the metrics endpoint.
 //!
 //! `--mode device-plugin` runs only the metrics endpoint and the device plugin
-//! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` would add the device
-//! plugin to the DRA tasks; config validation refuses it until one ledger serves both paths. Either way NVIDIA's config file is read and checked against the inventory
+//! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` adds the device
+//! plugin to the DRA tasks, sharing the DRA ledger ([`crate::deviceplugin::both`]): a GPU a claim
+//! holds is unhealthy to the device manager, and one a container holds (PodResources) is hidden
+//! from the slices. Either way NVIDIA's config file is read and checked against the inventory
 //! before anything is served.
 //!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
@@ -195,6 +197,13 @@ pub async fn run(
     let writer_stop = CancellationToken::new();
     let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
     let shutdown = stop.child_token();
+    // `both`: one ledger for both paths.
+    let device_plugin = device_plugin.map(|dp| {
+        dp.with_ledger(
+            plugin.ledger().clone(),
+            deviceplugin::both::pod_resources_socket(&config.kubelet_root),
+        )
+    });
     let result = serve(
         &config,
         device_plugin,
@@ -434,7 +443,10 @@ async fn publish(
         metrics.slices.clone(),
     );
     let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
-    let slice_sync = slice_sync.with_metrics(metrics.clone());
+    let mut slice_sync = slice_sync.with_metrics(metrics.clone());
+    if config.mode == Mode::Both {
+        slice_sync = slice_sync.with_holds(plugin.ledger().clone());
+    }
     plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
     let token = shutdown.clone();
     tasks.spawn(async move {

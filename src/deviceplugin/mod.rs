@@ -9,6 +9,8 @@
 //! - [`allocate`]: one container's device IDs → what the container gets, per list strategy (pure);
 //! - [`preferred`]: topology-aware preferred allocation (pure);
 //! - [`cdi`]: the per-node CDI spec naming every device this path hands out;
+//! - [`both`]: `--mode both`: the ledger shared with DRA, and what PodResources says containers
+//!   hold;
 //! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
 //! - [`server`]: one gRPC server per resource on `<kubelet root>/device-plugins/nvidia-<name>.sock`,
 //!   registration on `kubelet.sock` with re-registration when the kubelet restarts, and the
@@ -19,6 +21,7 @@
 //! The module keeps no device list of its own beyond the last computed one.
 
 pub mod allocate;
+pub mod both;
 pub mod cdi;
 pub mod nvconfig;
 pub mod preferred;

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::ledger::Ledger;
 use crate::proto::deviceplugin::v1beta1 as pb;
 use crate::proto::deviceplugin::v1beta1::device_plugin_server::{
     DevicePlugin as DevicePluginApi, DevicePluginServer,
@@ -42,6 +43,7 @@ use crate::proto::deviceplugin::v1beta1::registration_client::RegistrationClient
 use crate::socket;
 
 use super::allocate::{self, Context};
+use super::both::Both;
 use super::preferred;
 use super::resources::{self, Resource};
 use super::{Options, ResourceName, wire};
@@ -106,6 +108,8 @@ pub struct DevicePlugin {
     options: Options,
     backend: Arc<dyn DeviceBackend>,
     on_registered: Option<OnRegistered>,
+    /// `--mode both`: the ledger shared with DRA ([`super::both`]).
+    both: Option<Both>,
 }
 
 /// The file identity of a socket: device, inode, mtime.
@@ -163,6 +167,26 @@ impl DevicePlugin {
             options,
             backend,
             on_registered: None,
+            both: None,
+        }
+    }
+
+    /// `--mode both`: devices DRA claims hold are sent unhealthy, Allocate holds its devices in
+    /// `ledger`, and PodResources on `pod_resources` says what containers hold.
+    pub fn with_ledger(mut self, ledger: Ledger, pod_resources: PathBuf) -> Self {
+        self.both = Some(Both {
+            ledger,
+            pod_resources,
+            poke: Arc::new(Notify::new()),
+        });
+        self
+    }
+
+    /// The resources with the DRA claims' devices marked unhealthy (in `both`).
+    fn overlaid(&self, res: Vec<Resource>) -> Vec<Resource> {
+        match &self.both {
+            Some(b) => super::both::overlay(&b.ledger, res),
+            None => res,
         }
     }
 
@@ -198,6 +222,17 @@ impl DevicePlugin {
             shutdown.cancelled().await;
             return Ok(());
         }
+        let served_tx = watch::channel(served(&res)).0;
+        let mut changes = self.both.as_ref().map(|b| b.ledger.changes());
+        if let Some(both) = &self.both {
+            tokio::spawn(super::both::poll_pod_resources(
+                both.clone(),
+                served_tx.subscribe(),
+                shutdown.child_token(),
+            ));
+        }
+        let mut last_res = res.clone();
+        let res = self.overlaid(res);
         let mut slots: Vec<Slot> = res
             .into_iter()
             .map(|r| {
@@ -240,10 +275,21 @@ impl DevicePlugin {
                                 tracing::warn!(error = %super::chain(&e), "cannot rewrite the device-plugin CDI spec");
                             }
                             last_devices = devices;
-                            update(&mut slots, &self.settings.dir, res);
+                            served_tx.send_replace(served(&res));
+                            last_res = res.clone();
+                            update(&mut slots, &self.settings.dir, self.overlaid(res));
                         }
                         Err(e) => tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists"),
                     }
+                }
+                Ok(()) = async {
+                    match &mut changes {
+                        Some(c) => c.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // A claim prepared or unprepared: its devices' health changes.
+                    update(&mut slots, &self.settings.dir, self.overlaid(last_res.clone()));
                 }
             }
         };
@@ -299,6 +345,7 @@ impl DevicePlugin {
                 name: slot.name.clone(),
                 devices: slot.devices.subscribe(),
                 ctx: ctx.clone(),
+                both: self.both.clone(),
                 shutdown: token.clone(),
             };
             let (path, t) = (slot.path.clone(), token.clone());
@@ -429,12 +476,20 @@ async fn stop_server(slot: &mut Slot) {
     }
 }
 
+/// The device IDs of each resource (health aside), for reading PodResources.
+fn served(res: &[Resource]) -> super::both::Served {
+    res.iter()
+        .map(|r| (r.name.clone(), Arc::new(r.clone())))
+        .collect()
+}
+
 /// The gRPC service of one resource.
 #[derive(Clone)]
 struct Service {
     name: ResourceName,
     devices: watch::Receiver<Arc<Resource>>,
     ctx: Arc<Context>,
+    both: Option<Both>,
     shutdown: CancellationToken,
 }
 
@@ -498,14 +553,43 @@ impl DevicePluginApi for Service {
         let containers = wire::allocate_requests(request.into_inner());
         let resource = self.devices.borrow().clone();
         let mut container_responses = Vec::with_capacity(containers.len());
-        for ids in containers {
-            match allocate::allocate(&resource, &ids, &self.ctx) {
+        if let Some(both) = &self.both {
+            // A device a claim holds is refused naming the claim, not as merely unhealthy.
+            for ids in &containers {
+                for id in ids {
+                    if let Some(d) = resource.device(id)
+                        && let Some(c) = both.ledger.claim_holding(&Resource::occupied(d))
+                    {
+                        let e = super::both::HeldByClaim {
+                            resource: self.name.to_string(),
+                            id: id.clone(),
+                            occupied: Resource::occupied(d).to_string(),
+                            claim: c.to_string(),
+                        };
+                        tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+                        return Err(Status::failed_precondition(e.to_string()));
+                    }
+                }
+            }
+        }
+        for ids in &containers {
+            match allocate::allocate(&resource, ids, &self.ctx) {
                 Ok(a) => container_responses.push(wire::container_response(a)),
                 Err(e) => {
                     tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
                     return Err(Status::invalid_argument(e.to_string()));
                 }
             }
+        }
+        if let Some(both) = &self.both {
+            // Held at once, atomically with the claims' check; PodResources names the pod soon.
+            for ids in &containers {
+                if let Err(e) = super::both::hold(&both.ledger, &resource, ids) {
+                    tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+                    return Err(Status::failed_precondition(e.to_string()));
+                }
+            }
+            both.poke.notify_one();
         }
         tracing::debug!(resource = %self.name, containers = container_responses.len(), "Allocate");
         Ok(Response::new(pb::AllocateResponse {

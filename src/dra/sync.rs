@@ -18,7 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::publisher::PublisherHandle;
 use super::slices::{self, CounterLayout, SliceOptions};
-use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::inventory::{self, DeviceBackend, Health, Inventory};
+use crate::ledger::Ledger;
+use crate::ledger::holds::{Holder, Occupied};
 use crate::metrics::Metrics;
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
@@ -61,6 +63,8 @@ pub struct SliceSync {
     /// Set once the partitionable layout was abandoned.
     fell_back: bool,
     metrics: Option<Arc<Metrics>>,
+    /// `--mode both`: the ledger whose device-plugin holds are hidden from the slices.
+    holds: Option<Ledger>,
 }
 
 impl SliceSync {
@@ -84,6 +88,7 @@ impl SliceSync {
                 stale: true,
                 fell_back: false,
                 metrics: None,
+                holds: None,
             },
             SyncHandle { trigger },
         )
@@ -95,10 +100,18 @@ impl SliceSync {
         self
     }
 
+    /// `--mode both`: hides what containers hold through the device plugin (the GPU, or the MIG
+    /// device) from the slices while they hold it, re-publishing when the holds change.
+    pub fn with_holds(mut self, ledger: Ledger) -> Self {
+        self.holds = Some(ledger);
+        self
+    }
+
     /// Runs until `shutdown`. Failures to read the inventory or to build slices are logged and
     /// retried at the next trigger or rescan; the last published state stays in place meanwhile.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
+        let mut changes = self.holds.as_ref().map(Ledger::changes);
         let mut tick = tokio::time::interval(self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -118,6 +131,12 @@ impl SliceSync {
                     self.on_dropped(&fields);
                 }
                 () = self.trigger.notified() => {}
+                Ok(()) = async {
+                    match &mut changes {
+                        Some(c) => c.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
                 _ = tick.tick() => {}
             }
             self.sync_once().await;
@@ -146,7 +165,7 @@ impl SliceSync {
 
     /// Reads the inventory and publishes new desired slices if anything changed.
     pub async fn sync_once(&mut self) {
-        let inv = match inventory::refresh(self.backend.clone()).await {
+        let mut inv = match inventory::refresh(self.backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
                 tracing::warn!(error = %crate::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
@@ -169,6 +188,9 @@ impl SliceSync {
                 .sum::<usize>();
             m.gpus.store(inv.gpus.len() as u64, Relaxed);
             m.unhealthy_devices.store(unhealthy as u64, Relaxed);
+        }
+        if let Some(ledger) = &self.holds {
+            hide_held(&mut inv, &ledger.container_holds());
         }
         if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
             return;
@@ -204,12 +226,30 @@ impl SliceSync {
     }
 }
 
+/// Marks every GPU or MIG device a container holds unhealthy in this copy of the inventory, so
+/// it is not published (the health of the backend's inventory is not touched).
+fn hide_held(inv: &mut Inventory, holds: &[(Occupied, Holder)]) {
+    for (occ, holder) in holds {
+        let Some(gpu) = inv.gpus.iter_mut().find(|g| g.uuid == occ.gpu) else {
+            continue;
+        };
+        let reason = format!("held by {holder} through the device plugin");
+        match &occ.mig {
+            None => gpu.health = Health::Unhealthy { reason },
+            Some((mig, _)) => {
+                if let Some(d) = gpu.mig.devices.iter_mut().find(|d| d.uuid == *mig) {
+                    d.health = Health::Unhealthy { reason };
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::dir::DirApi;
     use crate::dra::publisher::Publisher;
-    use crate::inventory::Health;
     use crate::inventory::sim::SimBackend;
     use std::sync::atomic::Ordering::Relaxed;
 

@@ -555,14 +555,14 @@ impl Ledger {
     pub fn hold_for_allocate(
         &self,
         devices: Vec<(holds::Occupied, holds::Holder)>,
-    ) -> std::result::Result<(), (holds::Occupied, holds::ClaimHolder)> {
+    ) -> std::result::Result<(), Box<(holds::Occupied, holds::ClaimHolder)>> {
         {
             let mut held = lock(&self.shared.holds);
             {
                 let state = lock(&self.shared.state);
                 for (occ, _) in &devices {
                     if let Some(c) = holds::claim_holding(&state.claims, occ) {
-                        return Err((occ.clone(), c));
+                        return Err(Box::new((occ.clone(), c)));
                     }
                 }
             }

@@ -110,11 +110,14 @@ pub fn hold(ledger: &Ledger, resource: &Resource, ids: &[String]) -> Result<(), 
         .collect();
     ledger
         .hold_for_allocate(devices.into_iter().map(|(o, h, _)| (o, h)).collect())
-        .map_err(|(occ, claim)| HeldByClaim {
-            resource: resource.name.to_string(),
-            id: ids_by.get(&occ).cloned().unwrap_or_default(),
-            occupied: occ.to_string(),
-            claim: claim.to_string(),
+        .map_err(|held| {
+            let (occ, claim) = *held;
+            HeldByClaim {
+                resource: resource.name.to_string(),
+                id: ids_by.get(&occ).cloned().unwrap_or_default(),
+                occupied: occ.to_string(),
+                claim: claim.to_string(),
+            }
         })
 }
 
@@ -122,7 +125,10 @@ pub fn hold(ledger: &Ledger, resource: &Resource, ids: &[String]) -> Result<(), 
 pub type Served = BTreeMap<ResourceName, Arc<Resource>>;
 
 /// What each container holds of `served`, from one PodResources answer.
-pub fn observed(list: &pr::ListPodResourcesResponse, served: &Served) -> Vec<(Occupied, ContainerRef)> {
+pub fn observed(
+    list: &pr::ListPodResourcesResponse,
+    served: &Served,
+) -> Vec<(Occupied, ContainerRef)> {
     let mut out = Vec::new();
     for pod in &list.pod_resources {
         for c in &pod.containers {

@@ -80,7 +80,10 @@ impl fmt::Display for ContainerRef {
 pub enum Holder {
     Container(ContainerRef),
     /// Allocated by the kubelet, not yet listed by PodResources.
-    Allocating { resource: String, id: String },
+    Allocating {
+        resource: String,
+        id: String,
+    },
 }
 
 impl fmt::Display for Holder {
@@ -171,5 +174,134 @@ impl Holds {
         let changed = before != self.pending.len() || observed != self.observed;
         self.observed = observed;
         changed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dra::slices::DeviceName;
+    use crate::ledger::{ClaimState, Ledger, MigRecord};
+    use crate::sharing::Sharing;
+
+    fn gpu(n: u32) -> GpuUuid {
+        GpuUuid(format!("GPU-{n}"))
+    }
+
+    fn record(g: u32, mig: Option<(&str, u32, u32)>) -> DeviceRecord {
+        DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "node".into(),
+            device: DeviceName::parse("gpu-0").unwrap(),
+            cdi_ids: vec![],
+            share_id: None,
+            admin_access: false,
+            gpu: gpu(g),
+            mig: mig.map(|(u, start, size)| MigRecord {
+                uuid: Some(MigUuid(u.into())),
+                profile: "1g.10gb".into(),
+                gi_profile_id: 19,
+                placement: Placement { start, size },
+                created: false,
+            }),
+            sharing: Sharing::Exclusive,
+        }
+    }
+
+    fn whole(g: u32) -> Occupied {
+        Occupied {
+            gpu: gpu(g),
+            mig: None,
+        }
+    }
+
+    fn mig(g: u32, u: &str, start: u32, size: u32) -> Occupied {
+        Occupied {
+            gpu: gpu(g),
+            mig: Some((MigUuid(u.into()), Placement { start, size })),
+        }
+    }
+
+    fn pod(name: &str) -> ContainerRef {
+        ContainerRef {
+            namespace: "default".into(),
+            pod: name.into(),
+            container: "c".into(),
+        }
+    }
+
+    #[test]
+    fn whole_gpus_overlap_everything_on_them_and_mig_devices_by_placement() {
+        assert!(whole(0).overlaps(&record(0, None)));
+        assert!(!whole(1).overlaps(&record(0, None)));
+        assert!(whole(0).overlaps(&record(0, Some(("MIG-a", 0, 1)))));
+        assert!(mig(0, "MIG-a", 0, 1).overlaps(&record(0, None)));
+        assert!(mig(0, "MIG-a", 0, 1).overlaps(&record(0, Some(("MIG-a", 0, 1)))));
+        assert!(mig(0, "MIG-b", 0, 2).overlaps(&record(0, Some(("MIG-c", 1, 1)))));
+        assert!(!mig(0, "MIG-b", 2, 2).overlaps(&record(0, Some(("MIG-c", 0, 2)))));
+        let mut admin = record(0, None);
+        admin.admin_access = true;
+        assert!(!whole(0).overlaps(&admin));
+    }
+
+    #[test]
+    fn pending_holds_end_when_observed_or_expired_and_observed_ones_follow_the_pods() {
+        let mut h = Holds::default();
+        let t0 = Instant::now();
+        let alloc = |id: &str| Holder::Allocating {
+            resource: "nvidia.com/gpu".into(),
+            id: id.into(),
+        };
+        h.add_pending(whole(0), alloc("GPU-0"), t0);
+        h.add_pending(whole(1), alloc("GPU-1"), t0);
+        // GPU 0's pod is listed; GPU 1's is not yet.
+        assert!(h.set_observed(vec![(whole(0), pod("p0"))], t0, PENDING_TTL));
+        assert_eq!(
+            h.all(),
+            vec![
+                (whole(0), Holder::Container(pod("p0"))),
+                (whole(1), alloc("GPU-1"))
+            ]
+        );
+        assert!(!h.set_observed(vec![(whole(0), pod("p0"))], t0, PENDING_TTL));
+        // GPU 1's pod never came; p0 ended.
+        assert!(h.set_observed(vec![], t0 + PENDING_TTL, PENDING_TTL));
+        assert_eq!(h.all(), vec![]);
+    }
+
+    #[tokio::test]
+    async fn allocate_of_a_claimed_gpu_is_refused_naming_the_claim_and_holds_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let mut changes = ledger.changes();
+        ledger.update(|c| {
+            c.insert(
+                ClaimUid::parse("uid-1").unwrap(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ns".into(),
+                    name: "claim-1".into(),
+                    devices: vec![record(0, None)],
+                },
+            )
+        });
+        assert!(changes.has_changed().unwrap());
+        changes.mark_unchanged();
+        let alloc = Holder::Allocating {
+            resource: "nvidia.com/gpu".into(),
+            id: "GPU-0".into(),
+        };
+        let (occ, claim) = *ledger
+            .hold_for_allocate(vec![(whole(1), alloc.clone()), (whole(0), alloc.clone())])
+            .unwrap_err();
+        assert_eq!(occ, whole(0));
+        assert_eq!(claim.to_string(), "resource claim ns/claim-1 (uid-1)");
+        assert_eq!(ledger.container_holds(), vec![]);
+        assert!(!changes.has_changed().unwrap());
+        ledger
+            .hold_for_allocate(vec![(whole(1), alloc.clone())])
+            .unwrap();
+        assert_eq!(ledger.container_holds(), vec![(whole(1), alloc)]);
+        assert!(changes.has_changed().unwrap());
     }
 }

@@ -139,9 +139,25 @@ pub async fn run(
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
 
+    // `auto` becomes `device-plugin` without DRA, else `both` with the names DeviceClasses map
+    // left to DRA.
+    let mut config = config;
+    let _classes_guard;
+    let mut mapped = None;
+    if config.mode == Mode::Auto {
+        let token = stop.child_token();
+        _classes_guard = token.clone().drop_guard();
+        let (mode, m) = decide_auto(&api, token).await;
+        config.mode = mode;
+        mapped = m;
+    }
     let device_plugin = match config.mode {
         Mode::DevicePlugin | Mode::Both => Some(device_plugin(&config, backend.clone()).await?),
         Mode::Dra | Mode::Auto => None,
+    };
+    let device_plugin = match mapped {
+        Some(m) => device_plugin.map(|dp| dp.with_mapped(m)),
+        None => device_plugin,
     };
     if config.mode == Mode::DevicePlugin {
         let shutdown = stop.child_token();
@@ -310,6 +326,42 @@ async fn serve(
     // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     drop(owned);
     result
+}
+
+/// How long `auto` waits for the first DeviceClass list before serving without it.
+pub const FIRST_CLASSES: Duration = Duration::from_secs(10);
+
+/// `--mode auto`: `device-plugin` where the API server lacks `resource.k8s.io/v1`, else `both`
+/// with the DeviceClass mapping followed until `token` (the first list awaited, up to
+/// [`FIRST_CLASSES`], so a mapped name is never registered just to be withdrawn).
+async fn decide_auto(
+    api: &Arc<dyn ClusterApi>,
+    token: CancellationToken,
+) -> (Mode, Option<watch::Receiver<deviceplugin::auto::Mapped>>) {
+    let served = api.dra_served().await.unwrap_or_else(|e| {
+        tracing::warn!(error = %report::chain(&e), "cannot ask the API server for resource.k8s.io/v1; assuming DRA is served");
+        true
+    });
+    if !served {
+        tracing::info!(
+            "mode auto: the API server does not serve resource.k8s.io/v1; the device plugin serves every resource"
+        );
+        return (Mode::DevicePlugin, None);
+    }
+    let (tx, mut rx) = watch::channel(deviceplugin::auto::Mapped::new());
+    tokio::spawn(deviceplugin::auto::follow(api.clone(), tx, token));
+    if tokio::time::timeout(FIRST_CLASSES, rx.changed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(wait = ?FIRST_CLASSES, "no DeviceClass list yet; serving every resource through the device plugin until one comes");
+    }
+    rx.mark_unchanged();
+    tracing::info!(
+        mapped = ?*rx.borrow(),
+        "mode auto: DRA serves this node; the device plugin serves the resource names no DeviceClass maps"
+    );
+    (Mode::Both, Some(rx))
 }
 
 /// NVIDIA's config file (or its defaults) and the device plugin for it, checked against the

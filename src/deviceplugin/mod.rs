@@ -9,6 +9,7 @@
 //! - [`allocate`]: one container's device IDs → what the container gets, per list strategy (pure);
 //! - [`preferred`]: topology-aware preferred allocation (pure);
 //! - [`cdi`]: the per-node CDI spec naming every device this path hands out;
+//! - [`auto`]: `--mode auto`: the names DeviceClasses map to DRA (`spec.extendedResourceName`);
 //! - [`both`]: `--mode both`: the ledger shared with DRA, and what PodResources says containers
 //!   hold;
 //! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
@@ -21,6 +22,7 @@
 //! The module keeps no device list of its own beyond the last computed one.
 
 pub mod allocate;
+pub mod auto;
 pub mod both;
 pub mod cdi;
 pub mod nvconfig;

@@ -43,6 +43,7 @@ use crate::proto::deviceplugin::v1beta1::registration_client::RegistrationClient
 use crate::socket;
 
 use super::allocate::{self, Context};
+use super::auto::Mapped;
 use super::both::Both;
 use super::preferred;
 use super::resources::{self, Resource};
@@ -110,6 +111,8 @@ pub struct DevicePlugin {
     on_registered: Option<OnRegistered>,
     /// `--mode both`: the ledger shared with DRA ([`super::both`]).
     both: Option<Both>,
+    /// `--mode auto`: the names DeviceClasses map to DRA, which this plugin does not serve.
+    mapped: Option<watch::Receiver<Mapped>>,
 }
 
 /// The file identity of a socket: device, inode, mtime.
@@ -168,6 +171,34 @@ impl DevicePlugin {
             backend,
             on_registered: None,
             both: None,
+            mapped: None,
+        }
+    }
+
+    /// `--mode auto`: serve only the resources no DeviceClass in `mapped` maps, following it.
+    pub fn with_mapped(mut self, mapped: watch::Receiver<Mapped>) -> Self {
+        self.mapped = Some(mapped);
+        self
+    }
+
+    /// `res` without the names DRA serves (in `auto`).
+    fn unmapped(&self, mut res: Vec<Resource>) -> Vec<Resource> {
+        if let Some(m) = &self.mapped {
+            let m = m.borrow();
+            res.retain(|r| !m.contains_key(r.name.as_str()));
+        }
+        res
+    }
+
+    /// Logs which path serves each resource name.
+    fn log_paths(&self, res: &[Resource]) {
+        let mapped = self
+            .mapped
+            .as_ref()
+            .map(|m| m.borrow().clone())
+            .unwrap_or_default();
+        for r in res {
+            tracing::info!(resource = %r.name, path = %super::auto::path_for(&mapped, r.name.as_str()), "serving path");
         }
     }
 
@@ -232,7 +263,9 @@ impl DevicePlugin {
             ));
         }
         let mut last_res = res.clone();
-        let res = self.overlaid(res);
+        let mut mapped = self.mapped.clone();
+        self.log_paths(&res);
+        let res = self.unmapped(self.overlaid(res));
         let mut slots: Vec<Slot> = res
             .into_iter()
             .map(|r| {
@@ -277,7 +310,7 @@ impl DevicePlugin {
                             last_devices = devices;
                             served_tx.send_replace(served(&res));
                             last_res = res.clone();
-                            update(&mut slots, &self.settings.dir, self.overlaid(res));
+                            update(&mut slots, &self.settings.dir, self.unmapped(self.overlaid(res)));
                         }
                         Err(e) => tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists"),
                     }
@@ -289,7 +322,30 @@ impl DevicePlugin {
                     }
                 } => {
                     // A claim prepared or unprepared: its devices' health changes.
-                    update(&mut slots, &self.settings.dir, self.overlaid(last_res.clone()));
+                    update(&mut slots, &self.settings.dir, self.unmapped(self.overlaid(last_res.clone())));
+                }
+                Ok(()) = async {
+                    match &mut mapped {
+                        Some(m) => m.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // DeviceClasses changed: stop serving what DRA now serves, serve again what
+                    // it no longer does.
+                    self.log_paths(&last_res);
+                    let now = self.unmapped(self.overlaid(last_res.clone()));
+                    let names: Vec<String> = mapped.as_ref().map(|m| m.borrow().keys().cloned().collect()).unwrap_or_default();
+                    let mut kept = Vec::with_capacity(slots.len());
+                    for mut slot in std::mem::take(&mut slots) {
+                        if !names.iter().any(|n| n == slot.name.as_str()) {
+                            kept.push(slot);
+                        } else {
+                            tracing::info!(resource = %slot.name, "a DeviceClass maps this resource; the device plugin stops serving it");
+                            stop_server(&mut slot).await;
+                        }
+                    }
+                    slots = kept;
+                    update(&mut slots, &self.settings.dir, now);
                 }
             }
         };

@@ -102,6 +102,62 @@ pub async fn follow(
     }
 }
 
+/// Why `nvdra inventory -o paths` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PathsError {
+    #[error(transparent)]
+    Config(#[from] super::nvconfig::ConfigError),
+    #[error("cannot compute the device-plugin resources")]
+    Resources(#[from] super::resources::Error),
+    #[error("cannot ask the API server which path serves what (mode auto)")]
+    Api(#[from] crate::api::Error),
+}
+
+/// `nvdra inventory -o paths`: one line per resource name the device-plugin path could serve,
+/// saying which path serves it under the configured mode, then the DRA line.
+pub async fn render_paths(
+    config: &crate::config::Config,
+    inv: &crate::inventory::Inventory,
+) -> Result<String, PathsError> {
+    use crate::config::Mode;
+    let options = match &config.device_plugin_config {
+        Some(p) => super::nvconfig::load(p)?,
+        None => super::Options::default(),
+    };
+    let res = super::resources::resources(inv, &options)?;
+    let (dra, mapped) = match config.mode {
+        Mode::Dra => (Ok(()), None),
+        Mode::DevicePlugin => (Err("mode device-plugin"), Some(Mapped::new())),
+        Mode::Both => (Ok(()), Some(Mapped::new())),
+        Mode::Auto => {
+            let api = crate::api::connect(&config.api).await?;
+            if api.dra_served().await? {
+                let first = api.watch_device_classes().next().await.transpose()?;
+                (Ok(()), Some(mapped(&first.unwrap_or_default())))
+            } else {
+                (
+                    Err("the API server does not serve resource.k8s.io/v1"),
+                    Some(Mapped::new()),
+                )
+            }
+        }
+    };
+    let mut out = format!("{:<32} PATH\n", "RESOURCE");
+    for r in &res {
+        let path = match &mapped {
+            None => "none (mode dra: the device plugin is off)".to_string(),
+            Some(m) => path_for(m, r.name.as_str()),
+        };
+        out.push_str(&format!("{:<32} {path}\n", r.name.as_str()));
+    }
+    let dra_line = match dra {
+        Ok(()) => format!("ResourceSlices of driver {}", config.driver_name),
+        Err(why) => format!("none ({why})"),
+    };
+    out.push_str(&format!("{:<32} {dra_line}\n", "DRA"));
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -128,6 +128,8 @@ pub struct Config {
     pub pod_uid: Option<String>,
     /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
     pub device_plugin_config: Option<PathBuf>,
+    /// Keep gpu-feature-discovery's labels on the Node current.
+    pub node_labels: bool,
 }
 
 impl Config {
@@ -276,6 +278,7 @@ fn validate(settings: Settings) -> Result<Config> {
             .device_plugin_config
             .map(|p| absolute("--device-plugin-config", p))
             .transpose()?,
+        node_labels: need(daemon.node_labels, "--node-labels")?,
     })
 }
 

@@ -151,6 +151,24 @@ pub async fn run(
         config.mode = mode;
         mapped = m;
     }
+    // `--node-labels`: GFD's labels, kept current beside whichever path runs.
+    let _labels_guard;
+    if config.node_labels {
+        let options = match &config.device_plugin_config {
+            Some(path) => deviceplugin::nvconfig::load(path)?,
+            None => deviceplugin::Options::default(),
+        };
+        let token = stop.child_token();
+        _labels_guard = token.clone().drop_guard();
+        tokio::spawn(deviceplugin::labels::run(
+            api.clone(),
+            backend.clone(),
+            options,
+            config.node_name.clone(),
+            deviceplugin::labels::INTERVAL,
+            token,
+        ));
+    }
     let device_plugin = match config.mode {
         Mode::DevicePlugin | Mode::Both => Some(device_plugin(&config, backend.clone()).await?),
         Mode::Dra | Mode::Auto => None,

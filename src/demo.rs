@@ -57,6 +57,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         partitionable: false,
         pod_uid: None,
         device_plugin_config: None,
+        node_labels: false,
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {

@@ -2,7 +2,8 @@
 //!
 //! Layout: `DIR/resourceslices/<name>.yaml` (written here), `DIR/resourceclaims/<ns>/<name>.yaml`
 //! (read), `DIR/nodes/<name>.yaml` (optional, read), `DIR/deviceclasses/<name>.yaml` (optional,
-//! read; polled like the slices, for `--mode auto`'s `spec.extendedResourceName`).
+//! read; polled like the slices, for `--mode auto`'s `spec.extendedResourceName`). With
+//! `--node-labels`, the node's labels are written into `DIR/nodes/<name>.yaml` (created if absent).
 //!
 //! Invariants:
 //! - A slice file is replaced atomically (temp file in the same directory, fsync, rename, fsync
@@ -561,6 +562,37 @@ impl ClusterApi for DirApi {
         Box::pin(self.blocking(move |i| {
             let path = i.root.join("nodes").join(format!("{name}.yaml"));
             i.get(&format!("node {name}"), path)
+        }))
+    }
+
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let (name, labels) = (name.to_string(), labels.clone());
+        Box::pin(self.blocking(move |i| {
+            let _guard = lock(&i.write_lock);
+            let dir = i.root.join("nodes");
+            std::fs::create_dir_all(&dir).map_err(|e| io_error("create", &dir, e))?;
+            let path = dir.join(format!("{name}.yaml"));
+            let mut node = read_yaml_opt::<Node>(&path)?.unwrap_or_else(|| Node {
+                metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            });
+            let have = node.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                match v {
+                    Some(v) => have.insert(k, v),
+                    None => have.remove(&k),
+                };
+            }
+            let text = crate::yaml::to_string(&node)
+                .map_err(|e| Error::Invalid(format!("cannot encode node {name}: {e}")))?;
+            write_atomic(&path, &text)
         }))
     }
 

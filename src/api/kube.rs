@@ -11,7 +11,7 @@ use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, watcher};
 use kube::{Client, Config};
@@ -237,6 +237,21 @@ impl ClusterApi for KubeApi {
                 .await
                 .map_err(|e| classify("get /version", e))?;
             Ok(super::parse_minor(&info.minor))
+        })
+    }
+
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let body = serde_json::json!({ "metadata": { "labels": labels } });
+            Api::<Node>::all(self.client.clone())
+                .patch(name, &PatchParams::default(), &Patch::Merge(&body))
+                .await
+                .map(|_| ())
+                .map_err(|e| classify(&format!("patch node {name} labels"), e))
         })
     }
 

@@ -102,6 +102,17 @@ pub trait ClusterApi: ClaimReader {
         Box::pin(async { Ok(None) })
     }
 
+    /// Sets (`Some`) and removes (`None`) these labels of a Node in one request (a JSON merge
+    /// patch), leaving every other label alone.
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a std::collections::BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = labels;
+        Box::pin(async move { Err(Error::Invalid(format!("this API cannot label node {name}"))) })
+    }
+
     /// Whether the server serves `resource.k8s.io/v1` ResourceSlices (API discovery), which
     /// `--mode auto` needs to serve DRA. The directory API does.
     fn dra_served(&self) -> BoxFuture<'_, Result<bool>> {

@@ -241,6 +241,18 @@ pub struct DaemonSettings {
     /// deviceIDStrategy, sharing.timeSlicing/mps, ...), for the device-plugin path.
     #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
     pub device_plugin_config: Option<PathBuf>,
+
+    /// Keep gpu-feature-discovery's nvidia.com/ labels (gpu.product, gpu.count, gpu.memory, ...)
+    /// on the Node current, so nodeSelectors written for GFD keep working.
+    #[arg(
+        long,
+        env = "NVDRA_NODE_LABELS",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub node_labels: Option<bool>,
 }
 
 impl Section for DaemonSettings {
@@ -249,6 +261,7 @@ impl Section for DaemonSettings {
             mode: Some(Mode::Auto),
             metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
             device_plugin_config: None,
+            node_labels: Some(false),
         }
     }
 
@@ -257,11 +270,13 @@ impl Section for DaemonSettings {
             mode,
             metrics_address,
             device_plugin_config,
+            node_labels,
         } = self;
         Self {
             mode: mode.or(lower.mode),
             metrics_address: metrics_address.or(lower.metrics_address),
             device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
+            node_labels: node_labels.or(lower.node_labels),
         }
     }
 }

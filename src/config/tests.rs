@@ -203,6 +203,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("metricsAddress: 127.0.0.1:1", "metricsAddress"),
         ("logFormat: json", "logFormat"),
         ("devicePluginConfig: /dp.yaml", "devicePluginConfig"),
+        ("nodeLabels: true", "nodeLabels"),
     ];
     let mut covered: Vec<&str> = vec!["version"];
     for (line, key) in cases {
@@ -222,6 +223,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "mode" => s.daemon.mode == Some(Mode::Dra),
             "metricsAddress" => s.daemon.metrics_address.is_some(),
             "devicePluginConfig" => s.daemon.device_plugin_config.is_some(),
+            "nodeLabels" => s.daemon.node_labels.is_some(),
             "logFormat" => s.log.log_format == Some(LogFormat::Json),
             _ => unreachable!(),
         };

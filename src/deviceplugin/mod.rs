@@ -10,6 +10,7 @@
 //! - [`preferred`]: topology-aware preferred allocation (pure);
 //! - [`cdi`]: the per-node CDI spec naming every device this path hands out;
 //! - [`auto`]: `--mode auto`: the names DeviceClasses map to DRA (`spec.extendedResourceName`);
+//! - [`labels`]: `--node-labels`: gpu-feature-discovery's node labels;
 //! - [`both`]: `--mode both`: the ledger shared with DRA, and what PodResources says containers
 //!   hold;
 //! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
@@ -25,6 +26,7 @@ pub mod allocate;
 pub mod auto;
 pub mod both;
 pub mod cdi;
+pub mod labels;
 pub mod nvconfig;
 pub mod preferred;
 pub mod resources;

@@ -84,6 +84,8 @@ struct State {
     class_watchers: Vec<mpsc::UnboundedSender<Bytes>>,
     /// API discovery answers 404 for `resource.k8s.io/v1`, as a server without DRA does.
     dra_absent: bool,
+    /// Accepted merge patches of Nodes.
+    node_patches: u64,
 }
 
 impl State {
@@ -232,6 +234,27 @@ impl TestApiServer {
     /// The current resourceVersion.
     pub fn resource_version(&self) -> u64 {
         self.lock().rv
+    }
+
+    /// A Node as stored.
+    pub fn node(&self, name: &str) -> Option<Node> {
+        self.lock().nodes.get(name).cloned()
+    }
+
+    /// Accepted Node merge patches so far.
+    pub fn node_patches(&self) -> u64 {
+        self.lock().node_patches
+    }
+
+    /// Sets a Node label directly (as another controller would).
+    pub fn set_node_label(&self, name: &str, key: &str, value: &str) {
+        let mut st = self.lock();
+        if let Some(n) = st.nodes.get_mut(name) {
+            n.metadata
+                .labels
+                .get_or_insert_with(Default::default)
+                .insert(key.into(), value.into());
+        }
     }
 
     pub fn seed_node(&self, name: &str, uid: &str) {
@@ -730,6 +753,19 @@ impl Server {
                     }),
                 )
             }
+            (Method::PATCH, ["api", "v1", "nodes", name]) => {
+                let name = name.to_string();
+                let json_merge = req
+                    .headers()
+                    .get("content-type")
+                    .is_some_and(|v| v.as_bytes().starts_with(b"application/merge-patch+json"));
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                match (json_merge, body) {
+                    (false, _) => error(415, "UnsupportedMediaType", "only merge patches here"),
+                    (true, Err(_)) => error(400, "BadRequest", "unreadable body"),
+                    (true, Ok(bytes)) => self.patch_node(&name, &bytes),
+                }
+            }
             (Method::GET, ["api", "v1", "nodes", name]) => match self.lock().nodes.get(*name) {
                 Some(n) => ok_json(StatusCode::OK, n),
                 None => not_found("nodes", name),
@@ -762,6 +798,36 @@ impl Server {
             self.changed.send_modify(|n| *n += 1);
         }
         resp
+    }
+
+    /// A JSON merge patch of `metadata.labels` (the only part nvdra patches).
+    fn patch_node(&self, name: &str, body: &[u8]) -> Response<Body> {
+        let patch: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return error(400, "BadRequest", format!("bad patch: {e}")),
+        };
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        let Some(node) = st.nodes.get_mut(name) else {
+            return not_found("nodes", name);
+        };
+        if let Some(labels) = patch["metadata"]["labels"].as_object() {
+            let have = node.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                match v.as_str() {
+                    Some(v) => {
+                        have.insert(k.clone(), v.to_string());
+                    }
+                    None => {
+                        have.remove(k);
+                    }
+                }
+            }
+        }
+        node.metadata.resource_version = Some(rv.to_string());
+        let node = node.clone();
+        st.node_patches += 1;
+        ok_json(StatusCode::OK, &node)
     }
 
     fn list(&self, q: &BTreeMap<String, String>) -> Response<Body> {

@@ -238,6 +238,9 @@ pub async fn run(
             deviceplugin::both::pod_resources_socket(&config.kubelet_root),
         )
     });
+    if let Some(dp) = &device_plugin {
+        dp.observe_once().await;
+    }
     let result = serve(
         &config,
         device_plugin,

@@ -454,8 +454,10 @@ struct Shared {
     /// What containers hold through the device plugin (`--mode both`). Lock order: `holds`
     /// before `state`, each only for the check-and-insert, never across an `.await`.
     holds: Mutex<holds::Holds>,
-    /// Bumped on every change of the claims or the holds, for the path that hides them.
+    /// Bumped on every change of the claims or the holds, for the device plugin.
     changes: watch::Sender<u64>,
+    /// Bumped on every change of the holds only, for the slices.
+    hold_changes: watch::Sender<u64>,
 }
 
 type FlushReply = oneshot::Sender<Result<(), Arc<Error>>>;
@@ -489,6 +491,7 @@ impl Ledger {
             writes: AtomicU64::new(0),
             holds: Mutex::new(holds::Holds::default()),
             changes: watch::channel(0).0,
+            hold_changes: watch::channel(0).0,
         });
         let (tx, rx) = mpsc::unbounded_channel();
         Ok((
@@ -540,6 +543,18 @@ impl Ledger {
         self.shared.changes.subscribe()
     }
 
+    /// Told after every change of the device-plugin holds.
+    pub fn hold_changes(&self) -> watch::Receiver<u64> {
+        self.shared.hold_changes.subscribe()
+    }
+
+    fn holds_changed(&self) {
+        self.shared
+            .hold_changes
+            .send_modify(|n| *n = n.wrapping_add(1));
+        self.changed();
+    }
+
     /// Every device-plugin hold.
     pub fn container_holds(&self) -> Vec<(holds::Occupied, holds::Holder)> {
         lock(&self.shared.holds).all()
@@ -571,7 +586,7 @@ impl Ledger {
                 held.add_pending(occ, h, now);
             }
         }
-        self.changed();
+        self.holds_changed();
         Ok(())
     }
 
@@ -583,7 +598,7 @@ impl Ledger {
             holds::PENDING_TTL,
         );
         if changed {
-            self.changed();
+            self.holds_changed();
         }
     }
 

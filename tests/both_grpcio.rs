@@ -78,6 +78,11 @@ impl Node {
     /// Writes the claims (`uid`, device) as allocated in the API directory, then starts the
     /// stand-in and nvdra.
     fn start(claims: &[(&str, &str)]) -> Node {
+        Self::start_with_pods(claims, json!([]))
+    }
+
+    /// As [`Node::start`], with PodResources listing `pods` before nvdra starts.
+    fn start_with_pods(claims: &[(&str, &str)], pods: Value) -> Node {
         let root = tempfile::tempdir().unwrap();
         let p = |s: &str| root.path().join(s);
         std::fs::write(p("boot_id"), "boot-1\n").unwrap();
@@ -114,11 +119,20 @@ impl Node {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let stdin = standin.stdin.take().unwrap();
+        let mut stdin = standin.stdin.take().unwrap();
         let mut stdout = BufReader::new(standin.stdout.take().unwrap());
         let mut line = String::new();
         stdout.read_line(&mut line).unwrap();
         assert!(line.contains("serving"), "stand-in: {line:?}");
+        writeln!(
+            stdin,
+            "{}",
+            json!({"op": "pods", "pods": pods, "wait": false})
+        )
+        .unwrap();
+        line.clear();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains("\"ok\": true"), "stand-in: {line:?}");
         let nvdra = Command::new(env!("CARGO_BIN_EXE_nvdra"))
             .args(["run", "--mode", "both", "--profile", PROFILE])
             .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
@@ -304,4 +318,29 @@ fn a_gpu_allocated_to_a_running_pod_leaves_the_slices_and_returns_when_the_pod_e
     let prepared = node.prepare("prepare", uid);
     assert_eq!(prepared["error"], "", "{prepared}");
     assert_eq!(prepared["devices"], json!(["gpu-1"]));
+}
+
+/// A pod that kept its GPU across an nvdra restart: the GPU is in none of the published slices,
+/// not even the first, and a claim for it fails naming the pod. (The daemon reads PodResources
+/// once before serving; the poll's immediate first read would usually win this race too, so this
+/// checks the outcome, not which of the two reads got there.)
+#[test]
+fn a_gpu_a_pod_already_holds_at_start_is_never_published() {
+    if !have_grpcio() {
+        return;
+    }
+    let uid = "33333333-0000-0000-0000-000000000003";
+    let g3 = uuid(3);
+    let pods = json!([{"namespace": "ml", "name": "trainer", "containers": [
+        {"name": "main", "devices": [{"resource": "nvidia.com/gpu", "ids": [g3]}]}
+    ]}]);
+    let mut node = Node::start_with_pods(&[(uid, "gpu-3")], pods);
+    let first = node.wait_published("published anything", |n| !n.is_empty());
+    assert!(
+        first.iter().any(|d| d == "gpu-2") && !first.iter().any(|d| d == "gpu-3"),
+        "{first:?}"
+    );
+    let refused = node.prepare("prepare", uid);
+    let err = refused["error"].as_str().unwrap();
+    assert!(err.contains("pod ml/trainer container main"), "{refused}");
 }

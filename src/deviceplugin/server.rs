@@ -213,6 +213,32 @@ impl DevicePlugin {
         self
     }
 
+    /// `both`: reads PodResources once and records what containers hold, so that neither the
+    /// first slices nor the first prepares offer a GPU a container kept across our restart.
+    /// A kubelet that does not answer is logged; the poll catches up when it does.
+    pub async fn observe_once(&self) {
+        let Some(both) = &self.both else { return };
+        let res = match self.check().await {
+            Ok((_, res)) => res,
+            Err(e) => {
+                tracing::warn!(error = %super::chain(&e), "cannot compute the device-plugin resources");
+                return;
+            }
+        };
+        match super::both::list(&both.pod_resources).await {
+            Ok(answer) => {
+                let held = super::both::observed(&answer, &served(&res));
+                tracing::info!(
+                    devices = held.len(),
+                    "containers hold devices of the device-plugin path"
+                );
+                both.ledger.set_observed(held);
+            }
+            Err(e) => tracing::warn!(error = %super::chain(&e),
+                "cannot read which containers hold GPUs yet (is the kubelet up?); the poll retries"),
+        }
+    }
+
     /// The resources with the DRA claims' devices marked unhealthy (in `both`).
     fn overlaid(&self, res: Vec<Resource>) -> Vec<Resource> {
         match &self.both {

@@ -111,7 +111,7 @@ impl SliceSync {
     /// retried at the next trigger or rescan; the last published state stays in place meanwhile.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
-        let mut changes = self.holds.as_ref().map(Ledger::changes);
+        let mut changes = self.holds.as_ref().map(Ledger::hold_changes);
         let mut tick = tokio::time::interval(self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

@@ -1088,8 +1088,10 @@ def node_main(argv):
       {"op": "allocate", "resource": R, "ids": [...]}
                                                    Allocate for one container; answers code/message
       {"op": "pods", "pods": [{"namespace", "name", "containers": [{"name", "devices":
-         [{"resource", "ids"}]}]}]}                what PodResources List answers from now on;
+         [{"resource", "ids"}]}]}], "wait": true}
+                                                   what PodResources List answers from now on;
                                                    answers once nvdra has called List since
+                                                   (at once with "wait": false)
       {"op": "prepare" | "unprepare", "claims": [{"namespace", "name", "uid"}]}
                                                    v1 NodePrepare/UnprepareResources on --dra with
                                                    grpc-go's authority; answers per-claim results
@@ -1155,6 +1157,8 @@ def node_main(argv):
             return {"allocated": True, "envs": dict(resp.container_responses[0].envs)}
         if op == "pods":
             n = pods.set_pods(cmd["pods"])
+            if not cmd.get("wait", True):
+                return {"lists": n}
             # List copies the pods and counts itself under one lock, so call n+1 answered the new
             # pods; nvdra polls one call at a time, so once call n+2 came it has handled n+1.
             return {"lists": pods.wait_lists(n + 2, a.timeout)}

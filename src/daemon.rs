@@ -12,8 +12,10 @@
 //! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` adds the device
 //! plugin to the DRA tasks, sharing the DRA ledger ([`crate::deviceplugin::both`]): a GPU a claim
 //! holds is unhealthy to the device manager, and one a container holds (PodResources) is hidden
-//! from the slices. Either way NVIDIA's config file is read and checked against the inventory
-//! before anything is served.
+//! from the slices. `auto` asks the API server first: without `resource.k8s.io/v1` it runs as
+//! `device-plugin`; with it as `both`, the device plugin serving only the resource names no
+//! DeviceClass maps ([`crate::deviceplugin::auto`]). Either way NVIDIA's config file is read and
+//! checked against the inventory before anything is served.
 //!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
 //! [`socket::OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while

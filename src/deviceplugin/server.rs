@@ -664,12 +664,11 @@ impl DevicePluginApi for Service {
             }
         }
         if let Some(both) = &self.both {
-            // Held at once, atomically with the claims' check; PodResources names the pod soon.
-            for ids in &containers {
-                if let Err(e) = super::both::hold(&both.ledger, &resource, ids) {
-                    tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
-                    return Err(Status::failed_precondition(e.to_string()));
-                }
+            // Held at once (every container's devices, or none), atomically with the claims'
+            // check; PodResources names the pod soon.
+            if let Err(e) = super::both::hold(&both.ledger, &resource, &containers.concat()) {
+                tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+                return Err(Status::failed_precondition(e.to_string()));
             }
             both.poke.notify_one();
         }

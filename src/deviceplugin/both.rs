@@ -219,3 +219,156 @@ pub async fn poll_pod_resources(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dra::slices::DeviceName;
+    use crate::inventory::sim::SimBackend;
+    use crate::inventory::{DeviceBackend, DeviceUuid};
+    use crate::ledger::{ClaimEntry, ClaimState, ClaimUid, DeviceRecord, MigRecord};
+    use crate::sharing::Sharing;
+
+    fn resources() -> (crate::inventory::Inventory, Vec<Resource>) {
+        let inv = SimBackend::from_profile("a100-mig-mixed", "n")
+            .unwrap()
+            .snapshot()
+            .unwrap();
+        let opts = super::super::Options {
+            mig_strategy: super::super::MigStrategy::Mixed,
+            ..Default::default()
+        };
+        let res = super::super::resources::resources(&inv, &opts).unwrap();
+        (inv, res)
+    }
+
+    fn claim(ledger: &Ledger, uid: &str, record: DeviceRecord) {
+        ledger.update(|c| {
+            c.insert(
+                ClaimUid::parse(uid).unwrap(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ns".into(),
+                    name: format!("claim-{uid}"),
+                    devices: vec![record],
+                },
+            )
+        });
+    }
+
+    fn record(
+        gpu: &crate::inventory::Gpu,
+        mig: Option<&crate::inventory::MigDevice>,
+    ) -> DeviceRecord {
+        DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "n".into(),
+            device: DeviceName::parse("gpu-0").unwrap(),
+            cdi_ids: vec![],
+            share_id: None,
+            admin_access: false,
+            gpu: gpu.uuid.clone(),
+            mig: mig.map(|m| MigRecord {
+                uuid: Some(m.uuid.clone()),
+                profile: m.profile.clone(),
+                gi_profile_id: m.gi_profile_id,
+                placement: m.placement,
+                created: false,
+            }),
+            sharing: Sharing::Exclusive,
+        }
+    }
+
+    fn unhealthy(res: &[Resource]) -> Vec<String> {
+        res.iter()
+            .flat_map(|r| &r.devices)
+            .filter(|d| !d.health.is_healthy())
+            .map(|d| d.uuid.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_claimed_mig_device_or_its_whole_gpu_is_unhealthy_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _w, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (inv, res) = resources();
+        let mig_gpu = inv.gpus.iter().find(|g| g.mig.devices.len() > 1).unwrap();
+        let (m0, m1) = (&mig_gpu.mig.devices[0], &mig_gpu.mig.devices[1]);
+        claim(&ledger, "a", record(mig_gpu, Some(m0)));
+        let out = overlay(&ledger, res.clone());
+        assert_eq!(unhealthy(&out), vec![m0.uuid.to_string()]);
+        let d = out
+            .iter()
+            .flat_map(|r| &r.devices)
+            .find(|d| d.uuid == DeviceUuid::Mig(m0.uuid.clone()))
+            .unwrap();
+        assert_eq!(
+            d.health,
+            Health::Unhealthy {
+                reason: "prepared for DRA resource claim ns/claim-a (a)".into()
+            }
+        );
+
+        // A whole-GPU claim on the MIG GPU: every MIG device of it.
+        ledger.update(|c| c.clear());
+        claim(&ledger, "b", record(mig_gpu, None));
+        let mut got = unhealthy(&overlay(&ledger, res));
+        got.sort();
+        let mut want: Vec<String> = mig_gpu
+            .mig
+            .devices
+            .iter()
+            .map(|m| m.uuid.to_string())
+            .collect();
+        want.sort();
+        assert_eq!(got, want);
+        assert!(got.contains(&m1.uuid.to_string()));
+    }
+
+    #[test]
+    fn pod_resources_map_to_the_hardware_of_our_ids_only() {
+        let (inv, res) = resources();
+        let served: Served = res
+            .iter()
+            .map(|r| (r.name.clone(), Arc::new(r.clone())))
+            .collect();
+        let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
+        let list = pr::ListPodResourcesResponse {
+            pod_resources: vec![pr::PodResources {
+                name: "p".into(),
+                namespace: "ns".into(),
+                containers: vec![pr::ContainerResources {
+                    name: "c".into(),
+                    devices: vec![
+                        pr::ContainerDevices {
+                            resource_name: "nvidia.com/gpu".into(),
+                            device_ids: vec![whole.uuid.to_string(), "GPU-not-ours".into()],
+                            topology: None,
+                        },
+                        pr::ContainerDevices {
+                            resource_name: "example.com/nic".into(),
+                            device_ids: vec![whole.uuid.to_string()],
+                            topology: None,
+                        },
+                    ],
+                    ..Default::default()
+                }],
+            }],
+        };
+        let held = observed(&list, &served);
+        assert_eq!(
+            held,
+            vec![(
+                Occupied {
+                    gpu: whole.uuid.clone(),
+                    mig: None
+                },
+                ContainerRef {
+                    namespace: "ns".into(),
+                    pod: "p".into(),
+                    container: "c".into()
+                }
+            )]
+        );
+    }
+}

@@ -250,6 +250,7 @@ mod tests {
     use super::*;
     use crate::api::dir::DirApi;
     use crate::dra::publisher::Publisher;
+    use crate::inventory::DeviceBackend;
     use crate::inventory::sim::SimBackend;
     use std::sync::atomic::Ordering::Relaxed;
 
@@ -294,6 +295,62 @@ mod tests {
             .map(|d| d.name.as_str())
             .collect();
         assert!(!names.contains(&"gpu-0"), "{names:?}");
+    }
+
+    #[test]
+    fn held_gpus_and_mig_devices_are_hidden_and_nothing_else() {
+        use crate::ledger::holds::ContainerRef;
+        let mut inv = SimBackend::from_profile("a100-mig-mixed", "n1")
+            .unwrap()
+            .snapshot()
+            .unwrap();
+        let whole = inv.gpus.iter().position(|g| !g.in_mig_mode()).unwrap();
+        let mig = inv
+            .gpus
+            .iter()
+            .position(|g| g.mig.devices.len() > 1)
+            .unwrap();
+        let m0 = inv.gpus[mig].mig.devices[0].clone();
+        let pod = Holder::Container(ContainerRef {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            container: "c".into(),
+        });
+        let holds = vec![
+            (
+                Occupied {
+                    gpu: inv.gpus[whole].uuid.clone(),
+                    mig: None,
+                },
+                pod.clone(),
+            ),
+            (
+                Occupied {
+                    gpu: inv.gpus[mig].uuid.clone(),
+                    mig: Some((m0.uuid.clone(), m0.placement)),
+                },
+                pod,
+            ),
+        ];
+        hide_held(&mut inv, &holds);
+        let unhealthy: Vec<String> = inv
+            .gpus
+            .iter()
+            .filter(|g| !g.health.is_healthy())
+            .map(|g| g.uuid.to_string())
+            .chain(
+                inv.gpus
+                    .iter()
+                    .flat_map(|g| &g.mig.devices)
+                    .filter(|d| !d.health.is_healthy())
+                    .map(|d| d.uuid.to_string()),
+            )
+            .collect();
+        assert_eq!(
+            unhealthy,
+            vec![inv.gpus[whole].uuid.to_string(), m0.uuid.to_string()]
+        );
+        assert!(inv.gpus[mig].health.is_healthy());
     }
 
     #[test]

@@ -126,3 +126,53 @@ async fn the_directory_api_keeps_the_labels_in_the_node_file() {
         Some("ampere")
     );
 }
+
+/// `nvdra run --node-labels` labels its node (here in the directory API) as it starts.
+#[test]
+fn nvdra_run_with_node_labels_labels_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |s: &str| dir.path().join(s);
+    std::fs::write(p("boot_id"), "boot-1\n").unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args([
+            "run",
+            "--mode",
+            "dra",
+            "--node-labels",
+            "--profile",
+            "l40s-pcie",
+        ])
+        .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
+        .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
+        .env("NVDRA_LOG", "error")
+        .arg("--api-dir")
+        .arg(p("api"))
+        .arg("--kubelet-root")
+        .arg(p("kubelet"))
+        .arg("--cdi-root")
+        .arg(p("cdi"))
+        .arg("--driver-root")
+        .arg(p("driver"))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let node = p(&format!("api/nodes/{NODE}.yaml"));
+    let mut text = String::new();
+    for _ in 0..2000 {
+        text = std::fs::read_to_string(&node).unwrap_or_default();
+        if text.contains("nvidia.com/gpu.count") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        text.contains("nvidia.com/gpu.count: '4'") || text.contains("nvidia.com/gpu.count: \"4\""),
+        "{text}"
+    );
+    assert!(
+        text.contains("nvidia.com/gpu.family: ada-lovelace"),
+        "{text}"
+    );
+}

@@ -32,6 +32,9 @@
 //!   `.await`; [`Ledger::flush`] asks the single [`Writer`] task for a durable write, and the
 //!   writer batches every flush request pending at that moment into one file write (group
 //!   commit), so concurrent prepares share fsyncs.
+//! - `--mode both`: the same ledger holds, in memory only, what containers hold through the
+//!   device plugin ([`holds`]); a claim's reservation and an Allocate are checked against each
+//!   other under one lock, so one exclusive GPU never has two consumers.
 
 use std::collections::BTreeMap;
 use std::fmt;

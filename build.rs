@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/dra-health/v1/api.proto",
         "proto/pluginregistration/v1/api.proto",
         "proto/deviceplugin/v1beta1/api.proto",
+        "proto/podresources/v1/api.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

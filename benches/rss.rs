@@ -5,7 +5,8 @@
 //! no growth between the early and the late cycles.
 //!
 //! Run: `cargo bench --bench rss` (`RSS_CYCLES=N` for another cycle count; `RSS_REUSE_CLAIMS=1`
-//! prepares the same 8 claims every cycle, to tell growth per distinct claim from other growth).
+//! prepares the same 8 claims every cycle, to tell growth per distinct claim from other growth;
+//! `RSS_MODE=both` runs both paths, the device plugin beside DRA with their one ledger).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -110,13 +111,14 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
     let reuse = std::env::var_os("RSS_REUSE_CLAIMS").is_some_and(|v| v == "1");
+    let mode = std::env::var("RSS_MODE").unwrap_or_else(|_| "dra".into());
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
     let p = |s: &str| -> PathBuf { root.join(s) };
     std::fs::write(p("boot_id"), "rss-bench-boot\n").expect("boot id");
     let mut daemon = Daemon(
         Command::new(env!("CARGO_BIN_EXE_nvdra"))
-            .args(["run", "--mode", "dra", "--profile", PROFILE])
+            .args(["run", "--mode", &mode, "--profile", PROFILE])
             .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
             .arg("--api-dir")
             .arg(p("api"))

@@ -42,7 +42,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Show the node's GPUs, MIG devices and topology.
-    Inventory(InventoryArgs),
+    Inventory(Box<InventoryArgs>),
     /// Run the node agent: the DRA kubelet plugin and the ResourceSlice publisher.
     Run(Box<RunArgs>),
     /// The whole DRA flow on simulated GPUs in a temporary directory, narrated (no cluster,
@@ -97,6 +97,9 @@ pub enum InventoryOutput {
     Yaml,
     /// The ResourceSlices a first publish would send, as multi-document YAML.
     Slices,
+    /// Which path (DRA or the device plugin) serves each resource name under --mode; `auto`
+    /// asks the API server (--api-dir or --kubeconfig) for resource.k8s.io/v1 and DeviceClasses.
+    Paths,
 }
 
 /// Which Kubernetes layout shared counters take in `-o slices --partitionable`.
@@ -129,6 +132,18 @@ pub struct InventoryArgs {
     #[command(flatten)]
     pub plugin: PluginSettings,
 
+    /// The mode `-o paths` answers for (as `nvdra run --mode`).
+    #[arg(long, env = "NVDRA_MODE", value_enum)]
+    pub mode: Option<config::Mode>,
+
+    /// NVIDIA's device-plugin config file `-o paths` computes the resources from.
+    #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
+    pub device_plugin_config: Option<PathBuf>,
+
+    /// The API `-o paths` asks in `--mode auto`.
+    #[command(flatten)]
+    pub api: ApiSettings,
+
     /// Slice layout of shared counters with --partitionable: together (Kubernetes 1.34) or
     /// separate (1.35 and later).
     #[arg(
@@ -145,6 +160,12 @@ impl InventoryArgs {
         Settings {
             backend: self.backend.clone(),
             plugin: self.plugin.clone(),
+            daemon: DaemonSettings {
+                mode: self.mode,
+                device_plugin_config: self.device_plugin_config.clone(),
+                ..DaemonSettings::default()
+            },
+            api: self.api.clone(),
             log: log.clone(),
             ..Settings::default()
         }
@@ -255,6 +276,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     crate::yaml::to_string(&inv).map_err(anyhow::Error::from)?
                 }
                 InventoryOutput::Slices => render_slices(&config, args.counter_layout, &inv)?,
+                InventoryOutput::Paths => {
+                    let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
+                    runtime
+                        .block_on(crate::deviceplugin::auto::render_paths(&config, &inv))
+                        .map_err(anyhow::Error::from)?
+                }
             };
             write_stdout(&text)?;
             Ok(())

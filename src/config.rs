@@ -134,6 +134,8 @@ pub struct Config {
     pub health: crate::health::Policy,
     /// Simulated backend only: the fault-injection file (`crate::health::faults`).
     pub fault_file: Option<PathBuf>,
+    /// Keep gpu-feature-discovery's labels on the Node current.
+    pub node_labels: bool,
 }
 
 impl Config {
@@ -266,17 +268,6 @@ fn validate(settings: Settings) -> Result<Config> {
     }
 
     let mode = need(daemon.mode, "--mode")?;
-    if mode == Mode::Both {
-        // Refused rather than half-served: without one ledger for both paths, a GPU prepared
-        // for a DRA claim could also be allocated to a device-plugin container.
-        return Err(invalid(
-            "--mode",
-            "both needs the allocation ledger shared by DRA and the device plugin, which this \
-             build does not have yet (one GPU could go to a DRA claim and a container at once); \
-             use --mode dra or --mode device-plugin",
-        ));
-    }
-
     fn bad(key: &'static str) -> impl Fn(crate::health::Error) -> Error {
         move |e| invalid(key, e.to_string())
     }
@@ -333,6 +324,7 @@ fn validate(settings: Settings) -> Result<Config> {
             daemon.device_plugin_gpu_memory,
             "--device-plugin-gpu-memory",
         )?,
+        node_labels: need(daemon.node_labels, "--node-labels")?,
     })
 }
 

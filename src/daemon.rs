@@ -11,9 +11,13 @@
 //! 4. the ResourceSlice publisher and the metrics endpoint.
 //!
 //! `--mode device-plugin` runs only the metrics endpoint and the device plugin
-//! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` would add the device
-//! plugin to the DRA tasks; config validation refuses it until one ledger serves both paths. Either way NVIDIA's config file is read and checked against the inventory
-//! before anything is served.
+//! ([`crate::deviceplugin`]): no checkpoint, no DRA socket, no publisher. `both` adds the device
+//! plugin to the DRA tasks, sharing the DRA ledger ([`crate::deviceplugin::both`]): a GPU a claim
+//! holds is unhealthy to the device manager, and one a container holds (PodResources) is hidden
+//! from the slices. `auto` asks the API server first: without `resource.k8s.io/v1` it runs as
+//! `device-plugin`; with it as `both`, the device plugin serving only the resource names no
+//! DeviceClass maps ([`crate::deviceplugin::auto`]). Either way NVIDIA's config file is read and
+//! checked against the inventory before anything is served.
 //!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
 //! [`socket::OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while
@@ -30,6 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -169,6 +174,36 @@ pub async fn run(
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
 
+    // `auto` becomes `device-plugin` without DRA, else `both` with the names DeviceClasses map
+    // left to DRA.
+    let mut config = config;
+    let _classes_guard;
+    let mut mapped = None;
+    if config.mode == Mode::Auto {
+        let token = stop.child_token();
+        _classes_guard = token.clone().drop_guard();
+        let (mode, m) = decide_auto(&api, token).await;
+        config.mode = mode;
+        mapped = m;
+    }
+    // `--node-labels`: GFD's labels, kept current beside whichever path runs.
+    let _labels_guard;
+    if config.node_labels {
+        let options = match &config.device_plugin_config {
+            Some(path) => deviceplugin::nvconfig::load(path)?,
+            None => deviceplugin::Options::default(),
+        };
+        let token = stop.child_token();
+        _labels_guard = token.clone().drop_guard();
+        tokio::spawn(deviceplugin::labels::run(
+            api.clone(),
+            backend.clone(),
+            options,
+            config.node_name.clone(),
+            deviceplugin::labels::INTERVAL,
+            token,
+        ));
+    }
     let device_plugin = match config.mode {
         Mode::DevicePlugin | Mode::Both => Some(
             device_plugin(&config, backend.clone())
@@ -176,6 +211,10 @@ pub async fn run(
                 .with_health(monitor.handle.subscribe()),
         ),
         Mode::Dra | Mode::Auto => None,
+    };
+    let device_plugin = match mapped {
+        Some(m) => device_plugin.map(|dp| dp.with_mapped(m)),
+        None => device_plugin,
     };
     if config.mode == Mode::DevicePlugin {
         let shutdown = stop.child_token();
@@ -232,6 +271,16 @@ pub async fn run(
     let writer_stop = CancellationToken::new();
     let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
     let shutdown = stop.child_token();
+    // `both`: one ledger for both paths.
+    let device_plugin = device_plugin.map(|dp| {
+        dp.with_ledger(
+            plugin.ledger().clone(),
+            deviceplugin::both::pod_resources_socket(&config.kubelet_root),
+        )
+    });
+    if let Some(dp) = &device_plugin {
+        dp.observe_once().await;
+    }
     let result = serve(
         &config,
         monitor,
@@ -348,6 +397,42 @@ async fn serve(
     // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     drop(owned);
     result
+}
+
+/// How long `auto` waits for the first DeviceClass list before serving without it.
+pub const FIRST_CLASSES: Duration = Duration::from_secs(10);
+
+/// `--mode auto`: `device-plugin` where the API server lacks `resource.k8s.io/v1`, else `both`
+/// with the DeviceClass mapping followed until `token` (the first list awaited, up to
+/// [`FIRST_CLASSES`], so a mapped name is never registered just to be withdrawn).
+async fn decide_auto(
+    api: &Arc<dyn ClusterApi>,
+    token: CancellationToken,
+) -> (Mode, Option<watch::Receiver<deviceplugin::auto::Mapped>>) {
+    let served = api.dra_served().await.unwrap_or_else(|e| {
+        tracing::warn!(error = %report::chain(&e), "cannot ask the API server for resource.k8s.io/v1; assuming DRA is served");
+        true
+    });
+    if !served {
+        tracing::info!(
+            "mode auto: the API server does not serve resource.k8s.io/v1; the device plugin serves every resource"
+        );
+        return (Mode::DevicePlugin, None);
+    }
+    let (tx, mut rx) = watch::channel(deviceplugin::auto::Mapped::new());
+    tokio::spawn(deviceplugin::auto::follow(api.clone(), tx, token));
+    if tokio::time::timeout(FIRST_CLASSES, rx.changed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(wait = ?FIRST_CLASSES, "no DeviceClass list yet; serving every resource through the device plugin until one comes");
+    }
+    rx.mark_unchanged();
+    tracing::info!(
+        mapped = ?*rx.borrow(),
+        "mode auto: DRA serves this node; the device plugin serves the resource names no DeviceClass maps"
+    );
+    (Mode::Both, Some(rx))
 }
 
 /// NVIDIA's config file (or its defaults) and the device plugin for it, checked against the
@@ -485,7 +570,10 @@ async fn publish(
         metrics.slices.clone(),
     );
     let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
-    let slice_sync = slice_sync.with_metrics(metrics.clone()).with_health(health);
+    let mut slice_sync = slice_sync.with_metrics(metrics.clone()).with_health(health);
+    if config.mode == Mode::Both {
+        slice_sync = slice_sync.with_holds(plugin.ledger().clone());
+    }
     plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
     let token = shutdown.clone();
     tasks.spawn(async move {

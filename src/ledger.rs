@@ -32,6 +32,9 @@
 //!   `.await`; [`Ledger::flush`] asks the single [`Writer`] task for a durable write, and the
 //!   writer batches every flush request pending at that moment into one file write (group
 //!   commit), so concurrent prepares share fsyncs.
+//! - `--mode both`: the same ledger holds, in memory only, what containers hold through the
+//!   device plugin ([`holds`]); a claim's reservation and an Allocate are checked against each
+//!   other under one lock, so one exclusive GPU never has two consumers.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -41,7 +44,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::dra::slices::DeviceName;
@@ -451,6 +454,13 @@ struct Shared {
     /// The file as we last wrote or read it.
     last_id: Mutex<Option<FileId>>,
     writes: AtomicU64,
+    /// What containers hold through the device plugin (`--mode both`). Lock order: `holds`
+    /// before `state`, each only for the check-and-insert, never across an `.await`.
+    holds: Mutex<holds::Holds>,
+    /// Bumped on every change of the claims or the holds, for the device plugin.
+    changes: watch::Sender<u64>,
+    /// Bumped on every change of the holds only, for the slices.
+    hold_changes: watch::Sender<u64>,
 }
 
 type FlushReply = oneshot::Sender<Result<(), Arc<Error>>>;
@@ -482,6 +492,9 @@ impl Ledger {
             path,
             state: Mutex::new(cp),
             writes: AtomicU64::new(0),
+            holds: Mutex::new(holds::Holds::default()),
+            changes: watch::channel(0).0,
+            hold_changes: watch::channel(0).0,
         });
         let (tx, rx) = mpsc::unbounded_channel();
         Ok((
@@ -505,7 +518,91 @@ impl Ledger {
 
     /// Changes the in-memory state; [`Ledger::flush`] makes it durable.
     pub fn update<R>(&self, f: impl FnOnce(&mut BTreeMap<ClaimUid, ClaimEntry>) -> R) -> R {
-        f(&mut lock(&self.shared.state).claims)
+        let r = f(&mut lock(&self.shared.state).claims);
+        self.changed();
+        r
+    }
+
+    /// Like [`Ledger::update`], with the device-plugin holds in the same critical section, so
+    /// a claim's reservation and an Allocate cannot both take one device.
+    pub fn update_with_holds<R>(
+        &self,
+        f: impl FnOnce(&mut BTreeMap<ClaimUid, ClaimEntry>, &holds::Holds) -> R,
+    ) -> R {
+        let r = {
+            let holds = lock(&self.shared.holds);
+            f(&mut lock(&self.shared.state).claims, &holds)
+        };
+        self.changed();
+        r
+    }
+
+    fn changed(&self) {
+        self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Told after every change of the claims or the device-plugin holds.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.shared.changes.subscribe()
+    }
+
+    /// Told after every change of the device-plugin holds.
+    pub fn hold_changes(&self) -> watch::Receiver<u64> {
+        self.shared.hold_changes.subscribe()
+    }
+
+    fn holds_changed(&self) {
+        self.shared
+            .hold_changes
+            .send_modify(|n| *n = n.wrapping_add(1));
+        self.changed();
+    }
+
+    /// Every device-plugin hold.
+    pub fn container_holds(&self) -> Vec<(holds::Occupied, holds::Holder)> {
+        lock(&self.shared.holds).all()
+    }
+
+    /// The claim (not admin access) holding hardware of `occ`, if any.
+    pub fn claim_holding(&self, occ: &holds::Occupied) -> Option<holds::ClaimHolder> {
+        holds::claim_holding(&lock(&self.shared.state).claims, occ)
+    }
+
+    /// Records the devices of one Allocate as held, unless a claim holds one of them: then
+    /// nothing is recorded and the device and its claim are returned.
+    pub fn hold_for_allocate(
+        &self,
+        devices: Vec<(holds::Occupied, holds::Holder)>,
+    ) -> std::result::Result<(), Box<(holds::Occupied, holds::ClaimHolder)>> {
+        {
+            let mut held = lock(&self.shared.holds);
+            {
+                let state = lock(&self.shared.state);
+                for (occ, _) in &devices {
+                    if let Some(c) = holds::claim_holding(&state.claims, occ) {
+                        return Err(Box::new((occ.clone(), c)));
+                    }
+                }
+            }
+            let now = std::time::Instant::now();
+            for (occ, h) in devices {
+                held.add_pending(occ, h, now);
+            }
+        }
+        self.holds_changed();
+        Ok(())
+    }
+
+    /// Replaces what containers hold with what PodResources lists (see [`holds`]).
+    pub fn set_observed(&self, observed: Vec<(holds::Occupied, holds::ContainerRef)>) {
+        let changed = lock(&self.shared.holds).set_observed(
+            observed,
+            std::time::Instant::now(),
+            holds::PENDING_TTL,
+        );
+        if changed {
+            self.holds_changed();
+        }
     }
 
     /// Waits until every change made before this call is on disk.
@@ -540,6 +637,7 @@ impl Ledger {
         );
         *lock(&self.shared.state) = cp;
         *lock(&self.shared.last_id) = file_id(&self.shared.path);
+        self.changed();
         Ok(true)
     }
 }
@@ -595,6 +693,8 @@ impl Writer {
         }
     }
 }
+
+pub mod holds;
 
 #[cfg(test)]
 mod tests;

@@ -37,3 +37,16 @@ pub mod deviceplugin {
         tonic::include_proto!("v1beta1");
     }
 }
+
+/// The kubelet's PodResources API. Its proto package is `v1`, the same as DRA health v1's, so
+/// prost generates both into one file: this re-exports the PodResources part of it.
+pub mod podresources {
+    pub mod v1 {
+        pub use super::super::health::v1::pod_resources_lister_client;
+        pub use super::super::health::v1::pod_resources_lister_server;
+        pub use super::super::health::v1::{
+            ContainerDevices, ContainerResources, ListPodResourcesRequest,
+            ListPodResourcesResponse, PodResources,
+        };
+    }
+}

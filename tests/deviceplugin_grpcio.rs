@@ -540,28 +540,6 @@ fn mig_single_refuses_mixed_modes_and_serves_mig_devices_as_gpus() {
     assert_eq!(r.ids("nvidia.com/gpu"), want);
 }
 
-/// `both` would serve DRA and the device plugin from the same GPUs; until one ledger keeps the
-/// paths apart (issue 9), it is refused at start, naming the flag, and nothing is served.
-#[test]
-fn both_is_refused_until_the_paths_share_a_ledger() {
-    let mut node = Node::new();
-    node.mode = "both";
-    let out = node
-        .command(&["--profile", "l40s-pcie"], None)
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--mode") && err.contains("ledger"), "{err}");
-    assert!(!node.dir().join("nvidia-gpu.sock").exists());
-    assert!(
-        !node
-            .path("kubelet/plugins/gpu.nvidia.com/dra.sock")
-            .exists()
-    );
-}
-
 #[test]
 fn volume_mounts_cdi_annotations_and_device_specs_reach_the_kubelet() {
     if !have_grpcio() {

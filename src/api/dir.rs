@@ -1,7 +1,9 @@
 //! [`ClusterApi`] over a directory of YAML files: the API for runs without a cluster.
 //!
 //! Layout: `DIR/resourceslices/<name>.yaml` (written here), `DIR/resourceclaims/<ns>/<name>.yaml`
-//! (read), `DIR/nodes/<name>.yaml` (optional, read).
+//! (read), `DIR/nodes/<name>.yaml` (optional, read), `DIR/deviceclasses/<name>.yaml` (optional,
+//! read; polled like the slices, for `--mode auto`'s `spec.extendedResourceName`). With
+//! `--node-labels`, the node's labels are written into `DIR/nodes/<name>.yaml` (created if absent).
 //!
 //! Invariants:
 //! - A slice file is replaced atomically (temp file in the same directory, fsync, rename, fsync
@@ -17,7 +19,7 @@
 use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use rand::Rng;
 use serde::de::DeserializeOwned;
@@ -561,6 +563,87 @@ impl ClusterApi for DirApi {
             let path = i.root.join("nodes").join(format!("{name}.yaml"));
             i.get(&format!("node {name}"), path)
         }))
+    }
+
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let (name, labels) = (name.to_string(), labels.clone());
+        Box::pin(self.blocking(move |i| {
+            let _guard = lock(&i.write_lock);
+            let dir = i.root.join("nodes");
+            std::fs::create_dir_all(&dir).map_err(|e| io_error("create", &dir, e))?;
+            let path = dir.join(format!("{name}.yaml"));
+            let mut node = read_yaml_opt::<Node>(&path)?.unwrap_or_else(|| Node {
+                metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            });
+            let have = node.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                match v {
+                    Some(v) => have.insert(k, v),
+                    None => have.remove(&k),
+                };
+            }
+            let text = crate::yaml::to_string(&node)
+                .map_err(|e| Error::Invalid(format!("cannot encode node {name}: {e}")))?;
+            write_atomic(&path, &text)
+        }))
+    }
+
+    fn watch_device_classes(&self) -> BoxStream<'_, Result<Vec<DeviceClass>>> {
+        // (last list sent, first poll done)
+        futures::stream::unfold(
+            (None::<Vec<DeviceClass>>, self.clone()),
+            |(last, api)| async move {
+                loop {
+                    if last.is_some() {
+                        tokio::time::sleep(POLL_INTERVAL).await;
+                    }
+                    let listed = api.blocking(|i| i.device_classes()).await;
+                    match listed {
+                        Ok(now) if last.as_ref() == Some(&now) => continue,
+                        Ok(now) => return Some((Ok(now.clone()), (Some(now), api))),
+                        Err(e) => return Some((Err(e), (last, api))),
+                    }
+                }
+            },
+        )
+        .boxed()
+    }
+}
+
+impl Inner {
+    /// `DIR/deviceclasses/*.yaml`, by file name; no directory is no classes.
+    fn device_classes(&self) -> Result<Vec<DeviceClass>> {
+        let dir = self.root.join("deviceclasses");
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => {
+                return Err(Error::Transient(format!(
+                    "cannot read {}: {e}",
+                    dir.display()
+                )));
+            }
+        };
+        let mut paths: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+            .collect();
+        paths.sort();
+        let mut out = Vec::new();
+        for p in paths {
+            if let Some(c) = read_yaml_opt::<DeviceClass>(&p)? {
+                out.push(c);
+            }
+        }
+        Ok(out)
     }
 }
 

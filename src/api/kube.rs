@@ -10,11 +10,12 @@
 use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, watcher};
 use kube::{Client, Config};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::{ClaimReader, ClusterApi, Error, Result, SliceEvent};
@@ -237,6 +238,73 @@ impl ClusterApi for KubeApi {
                 .map_err(|e| classify("get /version", e))?;
             Ok(super::parse_minor(&info.minor))
         })
+    }
+
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let body = serde_json::json!({ "metadata": { "labels": labels } });
+            Api::<Node>::all(self.client.clone())
+                .patch(name, &PatchParams::default(), &Patch::Merge(&body))
+                .await
+                .map(|_| ())
+                .map_err(|e| classify(&format!("patch node {name} labels"), e))
+        })
+    }
+
+    fn dra_served(&self) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move {
+            match self
+                .client
+                .list_api_group_resources("resource.k8s.io/v1")
+                .await
+            {
+                Ok(list) => Ok(list.resources.iter().any(|r| r.name == "resourceslices")),
+                Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+                Err(e) => Err(classify("get /apis/resource.k8s.io/v1", e)),
+            }
+        })
+    }
+
+    fn watch_device_classes(&self) -> BoxStream<'_, Result<Vec<DeviceClass>>> {
+        use watcher::Event;
+        let api = Api::<DeviceClass>::all(self.client.clone());
+        let config = watcher::Config::default().timeout(WATCH_TIMEOUT_SECS);
+        let mut known: BTreeMap<String, DeviceClass> = BTreeMap::new();
+        let mut listing: BTreeMap<String, DeviceClass> = BTreeMap::new();
+        watcher(api, config)
+            .filter_map(move |item| {
+                let name = |c: &DeviceClass| c.metadata.name.clone().unwrap_or_default();
+                let out = match item {
+                    Ok(Event::Init) => {
+                        listing.clear();
+                        None
+                    }
+                    Ok(Event::InitApply(c)) => {
+                        listing.insert(name(&c), c);
+                        None
+                    }
+                    Ok(Event::InitDone) => {
+                        known = std::mem::take(&mut listing);
+                        Some(Ok(known.values().cloned().collect()))
+                    }
+                    Ok(Event::Apply(c)) => {
+                        known.insert(name(&c), c);
+                        Some(Ok(known.values().cloned().collect()))
+                    }
+                    Ok(Event::Delete(c)) => {
+                        known.remove(&name(&c));
+                        Some(Ok(known.values().cloned().collect()))
+                    }
+                    Err(watcher::Error::WatchError(s)) if is_gone(&s) => None,
+                    Err(e) => Some(Err(classify_watch(e))),
+                };
+                std::future::ready(out)
+            })
+            .boxed()
     }
 }
 

@@ -11,7 +11,7 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
     DeviceRequestAllocationResult, ResourceClaim, ResourceClaimStatus, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -100,6 +100,32 @@ pub trait ClusterApi: ClaimReader {
     /// the newest rules apply.
     fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
         Box::pin(async { Ok(None) })
+    }
+
+    /// Sets (`Some`) and removes (`None`) these labels of a Node in one request (a JSON merge
+    /// patch), leaving every other label alone.
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a std::collections::BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = labels;
+        Box::pin(async move { Err(Error::Invalid(format!("this API cannot label node {name}"))) })
+    }
+
+    /// Whether the server serves `resource.k8s.io/v1` ResourceSlices (API discovery), which
+    /// `--mode auto` needs to serve DRA. The directory API does.
+    fn dra_served(&self) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async { Ok(true) })
+    }
+
+    /// Every DeviceClass: the current list first, then the whole list again after each change.
+    /// The stream ends or yields errors when the connection drops; callers restart it.
+    fn watch_device_classes(&self) -> BoxStream<'_, Result<Vec<DeviceClass>>> {
+        use futures::StreamExt;
+        futures::stream::once(async { Ok(Vec::new()) })
+            .chain(futures::stream::pending())
+            .boxed()
     }
 }
 

@@ -254,6 +254,18 @@ pub struct DaemonSettings {
         default_missing_value = "true"
     )]
     pub device_plugin_gpu_memory: Option<bool>,
+
+    /// Keep gpu-feature-discovery's nvidia.com/ labels (gpu.product, gpu.count, gpu.memory, ...)
+    /// on the Node current, so nodeSelectors written for GFD keep working.
+    #[arg(
+        long,
+        env = "NVDRA_NODE_LABELS",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub node_labels: Option<bool>,
 }
 
 impl Section for DaemonSettings {
@@ -263,6 +275,7 @@ impl Section for DaemonSettings {
             metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
             device_plugin_config: None,
             device_plugin_gpu_memory: Some(false),
+            node_labels: Some(false),
         }
     }
 
@@ -272,11 +285,13 @@ impl Section for DaemonSettings {
             metrics_address,
             device_plugin_config,
             device_plugin_gpu_memory,
+            node_labels,
         } = self;
         Self {
             mode: mode.or(lower.mode),
             metrics_address: metrics_address.or(lower.metrics_address),
             device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
+            node_labels: node_labels.or(lower.node_labels),
             device_plugin_gpu_memory: device_plugin_gpu_memory.or(lower.device_plugin_gpu_memory),
         }
     }

@@ -209,6 +209,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("healthQuietPeriod: 1m", "healthQuietPeriod"),
         ("healthProbeInterval: 5s", "healthProbeInterval"),
         ("faultFile: /faults", "faultFile"),
+        ("nodeLabels: true", "nodeLabels"),
     ];
     let mut covered: Vec<&str> = vec!["version"];
     for (line, key) in cases {
@@ -229,6 +230,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "metricsAddress" => s.daemon.metrics_address.is_some(),
             "devicePluginConfig" => s.daemon.device_plugin_config.is_some(),
             "devicePluginGpuMemory" => s.daemon.device_plugin_gpu_memory == Some(true),
+            "nodeLabels" => s.daemon.node_labels.is_some(),
             "logFormat" => s.log.log_format == Some(LogFormat::Json),
             "ignoredXids" => s.health.ignored_xids.as_deref() == Some("13"),
             "xidOverrides" => s.health.xid_overrides.is_some(),

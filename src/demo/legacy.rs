@@ -43,6 +43,8 @@ pub async fn run(
     step: u32,
 ) -> Result<()> {
     config.mode = Mode::DevicePlugin;
+    // A fresh node: the fault of the DRA part is not replayed.
+    config.fault_file = None;
     let dir = config.device_plugin_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let kubelet_sock = dir.join("kubelet.sock");

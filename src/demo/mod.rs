@@ -65,6 +65,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         device_plugin_gpu_memory: false,
         health: Default::default(),
         fault_file: Some(root.join("faults")),
+        node_labels: false,
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {

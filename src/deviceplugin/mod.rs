@@ -11,6 +11,10 @@
 //! - [`allocate`]: one container's device IDs → what the container gets, per list strategy (pure);
 //! - [`preferred`]: topology-aware preferred allocation (pure);
 //! - [`cdi`]: the per-node CDI spec naming every device this path hands out;
+//! - [`auto`]: `--mode auto`: the names DeviceClasses map to DRA (`spec.extendedResourceName`);
+//! - [`labels`]: `--node-labels`: gpu-feature-discovery's node labels;
+//! - [`both`]: `--mode both`: the ledger shared with DRA, and what PodResources says containers
+//!   hold;
 //! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
 //! - [`server`]: one gRPC server per resource on `<kubelet root>/device-plugins/nvidia-<name>.sock`,
 //!   registration on `kubelet.sock` with re-registration when the kubelet restarts, and the
@@ -21,7 +25,10 @@
 //! The module keeps no device list of its own beyond the last computed one.
 
 pub mod allocate;
+pub mod auto;
+pub mod both;
 pub mod cdi;
+pub mod labels;
 pub mod nvconfig;
 pub mod preferred;
 pub mod resources;

@@ -14,7 +14,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::inventory::{DeviceUuid, Health, Inventory};
+use crate::inventory::{DeviceUuid, GpuUuid, Health, Inventory, Placement};
+
+use crate::ledger::holds::Occupied;
 
 use super::{DeviceSelector, IdStrategy, MigStrategy, Options, ResourceName};
 
@@ -60,6 +62,10 @@ pub struct Device {
     pub base: String,
     /// The GPU or MIG UUID.
     pub uuid: DeviceUuid,
+    /// The physical GPU (a MIG device's parent).
+    pub gpu: GpuUuid,
+    /// A MIG device's placement on its GPU.
+    pub placement: Option<Placement>,
     pub gpu_index: u32,
     pub minor: u32,
     pub numa_node: Option<u32>,
@@ -89,6 +95,17 @@ pub struct Resource {
 impl Resource {
     pub fn device(&self, id: &str) -> Option<&Device> {
         self.devices.iter().find(|d| d.id == id)
+    }
+
+    /// The hardware a device occupies, for the ledger of `--mode both`.
+    pub fn occupied(d: &Device) -> Occupied {
+        Occupied {
+            gpu: d.gpu.clone(),
+            mig: match (&d.uuid, d.placement) {
+                (DeviceUuid::Mig(m), Some(p)) => Some((m.clone(), p)),
+                _ => None,
+            },
+        }
     }
 
     pub fn replicated(&self) -> bool {
@@ -131,6 +148,8 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
             IdStrategy::Index => g.index.to_string(),
         },
         uuid: DeviceUuid::Gpu(g.uuid.clone()),
+        gpu: g.uuid.clone(),
+        placement: None,
         gpu_index: g.index,
         minor: g.minor,
         numa_node: g.numa_node,
@@ -163,6 +182,8 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
                             IdStrategy::Index => format!("{}:{j}", g.index),
                         },
                         uuid: DeviceUuid::Mig(m.uuid.clone()),
+                        gpu: g.uuid.clone(),
+                        placement: Some(m.placement),
                         gpu_index: g.index,
                         minor: g.minor,
                         numa_node: g.numa_node,

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::ledger::Ledger;
 use crate::proto::deviceplugin::v1beta1 as pb;
 use crate::proto::deviceplugin::v1beta1::device_plugin_server::{
     DevicePlugin as DevicePluginApi, DevicePluginServer,
@@ -43,6 +44,8 @@ use crate::proto::deviceplugin::v1beta1::registration_client::RegistrationClient
 use crate::socket;
 
 use super::allocate::{self, Context};
+use super::auto::Mapped;
+use super::both::Both;
 use super::preferred;
 use super::resources::{self, Resource};
 use super::{Options, ResourceName, wire};
@@ -108,6 +111,10 @@ pub struct DevicePlugin {
     backend: Arc<dyn DeviceBackend>,
     on_registered: Option<OnRegistered>,
     health: Option<crate::health::Watch>,
+    /// `--mode both`: the ledger shared with DRA ([`super::both`]).
+    both: Option<Both>,
+    /// `--mode auto`: the names DeviceClasses map to DRA, which this plugin does not serve.
+    mapped: Option<watch::Receiver<Mapped>>,
 }
 
 /// The file identity of a socket: device, inode, mtime.
@@ -166,6 +173,80 @@ impl DevicePlugin {
             backend,
             on_registered: None,
             health: None,
+            both: None,
+            mapped: None,
+        }
+    }
+
+    /// `--mode auto`: serve only the resources no DeviceClass in `mapped` maps, following it.
+    pub fn with_mapped(mut self, mapped: watch::Receiver<Mapped>) -> Self {
+        self.mapped = Some(mapped);
+        self
+    }
+
+    /// `res` without the names DRA serves (in `auto`).
+    fn unmapped(&self, mut res: Vec<Resource>) -> Vec<Resource> {
+        if let Some(m) = &self.mapped {
+            let m = m.borrow();
+            res.retain(|r| !m.contains_key(r.name.as_str()));
+        }
+        res
+    }
+
+    /// Logs which path serves each resource name.
+    fn log_paths(&self, res: &[Resource]) {
+        let mapped = self
+            .mapped
+            .as_ref()
+            .map(|m| m.borrow().clone())
+            .unwrap_or_default();
+        for r in res {
+            tracing::info!(resource = %r.name, path = %super::auto::path_for(&mapped, r.name.as_str()), "serving path");
+        }
+    }
+
+    /// `--mode both`: devices DRA claims hold are sent unhealthy, Allocate holds its devices in
+    /// `ledger`, and PodResources on `pod_resources` says what containers hold.
+    pub fn with_ledger(mut self, ledger: Ledger, pod_resources: PathBuf) -> Self {
+        self.both = Some(Both {
+            ledger,
+            pod_resources,
+            poke: Arc::new(Notify::new()),
+        });
+        self
+    }
+
+    /// `both`: reads PodResources once and records what containers hold, so that neither the
+    /// first slices nor the first prepares offer a GPU a container kept across our restart.
+    /// A kubelet that does not answer is logged; the poll catches up when it does.
+    pub async fn observe_once(&self) {
+        let Some(both) = &self.both else { return };
+        let res = match self.check().await {
+            Ok((_, res)) => res,
+            Err(e) => {
+                tracing::warn!(error = %super::chain(&e), "cannot compute the device-plugin resources");
+                return;
+            }
+        };
+        match super::both::list(&both.pod_resources).await {
+            Ok(answer) => {
+                let held = super::both::observed(&answer, &served(&res));
+                tracing::info!(
+                    devices = held.len(),
+                    "containers hold devices of the device-plugin path"
+                );
+                both.ledger.set_observed(held);
+            }
+            Err(e) => tracing::warn!(error = %super::chain(&e),
+                "cannot read which containers hold GPUs yet (is the kubelet up?); the poll retries"),
+        }
+    }
+
+    /// The resources with the DRA claims' devices marked unhealthy (in `both`).
+    fn overlaid(&self, res: Vec<Resource>) -> Vec<Resource> {
+        match &self.both {
+            Some(b) => super::both::overlay(&b.ledger, res),
+            None => res,
         }
     }
 
@@ -204,6 +285,19 @@ impl DevicePlugin {
             shutdown.cancelled().await;
             return Ok(());
         }
+        let served_tx = watch::channel(served(&res)).0;
+        let mut changes = self.both.as_ref().map(|b| b.ledger.changes());
+        if let Some(both) = &self.both {
+            tokio::spawn(super::both::poll_pod_resources(
+                both.clone(),
+                served_tx.subscribe(),
+                shutdown.child_token(),
+            ));
+        }
+        let mut last_res = res.clone();
+        let mut mapped = self.mapped.clone();
+        self.log_paths(&res);
+        let res = self.unmapped(self.overlaid(res));
         let mut slots: Vec<Slot> = res
             .into_iter()
             .map(|r| {
@@ -238,7 +332,42 @@ impl DevicePlugin {
                     }
                     continue;
                 }
+                Ok(()) = async {
+                    match &mut changes {
+                        Some(c) => c.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // A claim prepared or unprepared: its devices' health changes.
+                    update(&mut slots, &self.settings.dir, self.unmapped(self.overlaid(last_res.clone())));
+                    continue;
+                }
+                Ok(()) = async {
+                    match &mut mapped {
+                        Some(m) => m.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // DeviceClasses changed: stop serving what DRA now serves, serve again what
+                    // it no longer does.
+                    self.log_paths(&last_res);
+                    let now = self.unmapped(self.overlaid(last_res.clone()));
+                    let names: Vec<String> = mapped.as_ref().map(|m| m.borrow().keys().cloned().collect()).unwrap_or_default();
+                    let mut kept = Vec::with_capacity(slots.len());
+                    for mut slot in std::mem::take(&mut slots) {
+                        if !names.iter().any(|n| n == slot.name.as_str()) {
+                            kept.push(slot);
+                        } else {
+                            tracing::info!(resource = %slot.name, "a DeviceClass maps this resource; the device plugin stops serving it");
+                            stop_server(&mut slot).await;
+                        }
+                    }
+                    slots = kept;
+                    update(&mut slots, &self.settings.dir, now);
+                    continue;
+                }
                 _ = poll.tick() => {}
+                // A health transition re-reads at once instead of at the next poll.
                 Some(()) = health_changed(&mut health) => poll.reset(),
             }
             match self.check().await {
@@ -251,7 +380,13 @@ impl DevicePlugin {
                         tracing::warn!(error = %super::chain(&e), "cannot rewrite the device-plugin CDI spec");
                     }
                     last_devices = devices;
-                    update(&mut slots, &self.settings.dir, res);
+                    served_tx.send_replace(served(&res));
+                    last_res = res.clone();
+                    update(
+                        &mut slots,
+                        &self.settings.dir,
+                        self.unmapped(self.overlaid(res)),
+                    );
                 }
                 Err(e) => {
                     tracing::warn!(error = %super::chain(&e), "device plugin: keeping the last device lists")
@@ -312,6 +447,7 @@ impl DevicePlugin {
                 name: slot.name.clone(),
                 devices: slot.devices.subscribe(),
                 ctx: ctx.clone(),
+                both: self.both.clone(),
                 shutdown: token.clone(),
             };
             let (path, t) = (slot.path.clone(), token.clone());
@@ -452,12 +588,20 @@ async fn stop_server(slot: &mut Slot) {
     }
 }
 
+/// The device IDs of each resource (health aside), for reading PodResources.
+fn served(res: &[Resource]) -> super::both::Served {
+    res.iter()
+        .map(|r| (r.name.clone(), Arc::new(r.clone())))
+        .collect()
+}
+
 /// The gRPC service of one resource.
 #[derive(Clone)]
 struct Service {
     name: ResourceName,
     devices: watch::Receiver<Arc<Resource>>,
     ctx: Arc<Context>,
+    both: Option<Both>,
     shutdown: CancellationToken,
 }
 
@@ -521,14 +665,42 @@ impl DevicePluginApi for Service {
         let containers = wire::allocate_requests(request.into_inner());
         let resource = self.devices.borrow().clone();
         let mut container_responses = Vec::with_capacity(containers.len());
-        for ids in containers {
-            match allocate::allocate(&resource, &ids, &self.ctx) {
+        if let Some(both) = &self.both {
+            // A device a claim holds is refused naming the claim, not as merely unhealthy.
+            for ids in &containers {
+                for id in ids {
+                    if let Some(d) = resource.device(id)
+                        && let Some(c) = both.ledger.claim_holding(&Resource::occupied(d))
+                    {
+                        let e = super::both::HeldByClaim {
+                            resource: self.name.to_string(),
+                            id: id.clone(),
+                            occupied: Resource::occupied(d).to_string(),
+                            claim: c.to_string(),
+                        };
+                        tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+                        return Err(Status::failed_precondition(e.to_string()));
+                    }
+                }
+            }
+        }
+        for ids in &containers {
+            match allocate::allocate(&resource, ids, &self.ctx) {
                 Ok(a) => container_responses.push(wire::container_response(a)),
                 Err(e) => {
                     tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
                     return Err(Status::invalid_argument(e.to_string()));
                 }
             }
+        }
+        if let Some(both) = &self.both {
+            // Held at once (every container's devices, or none), atomically with the claims'
+            // check; PodResources names the pod soon.
+            if let Err(e) = super::both::hold(&both.ledger, &resource, &containers.concat()) {
+                tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+                return Err(Status::failed_precondition(e.to_string()));
+            }
+            both.poke.notify_one();
         }
         tracing::debug!(resource = %self.name, containers = container_responses.len(), "Allocate");
         Ok(Response::new(pb::AllocateResponse {

@@ -24,7 +24,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::publisher::PublisherHandle;
 use super::slices::{self, CounterLayout, SliceOptions};
-use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::inventory::{self, DeviceBackend, Health, Inventory};
+use crate::ledger::Ledger;
+use crate::ledger::holds::{Holder, Occupied};
 use crate::metrics::Metrics;
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
@@ -72,6 +74,8 @@ pub struct SliceSync {
     withdraw_tainted: bool,
     health: Option<crate::health::Watch>,
     metrics: Option<Arc<Metrics>>,
+    /// `--mode both`: the ledger whose device-plugin holds are hidden from the slices.
+    holds: Option<Ledger>,
 }
 
 impl SliceSync {
@@ -97,6 +101,7 @@ impl SliceSync {
                 withdraw_tainted: false,
                 health: None,
                 metrics: None,
+                holds: None,
             },
             SyncHandle { trigger },
         )
@@ -114,11 +119,19 @@ impl SliceSync {
         self
     }
 
+    /// `--mode both`: hides what containers hold through the device plugin (the GPU, or the MIG
+    /// device) from the slices while they hold it, re-publishing when the holds change.
+    pub fn with_holds(mut self, ledger: Ledger) -> Self {
+        self.holds = Some(ledger);
+        self
+    }
+
     /// Runs until `shutdown`. Failures to read the inventory or to build slices are logged and
     /// retried at the next trigger or rescan; the last published state stays in place meanwhile.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
         let mut health = self.health.take();
+        let mut changes = self.holds.as_ref().map(Ledger::hold_changes);
         let mut tick = tokio::time::interval(self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -139,6 +152,12 @@ impl SliceSync {
                 }
                 () = self.trigger.notified() => {}
                 Some(()) = health_changed(&mut health) => {}
+                Ok(()) = async {
+                    match &mut changes {
+                        Some(c) => c.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
                 _ = tick.tick() => {}
             }
             self.sync_once().await;
@@ -203,6 +222,9 @@ impl SliceSync {
         if self.withdraw_tainted {
             withdraw_tainted(&mut inv);
         }
+        if let Some(ledger) = &self.holds {
+            hide_held(&mut inv, &ledger.container_holds());
+        }
         if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
             return;
         }
@@ -265,12 +287,31 @@ fn withdraw_tainted(inv: &mut Inventory) {
     }
 }
 
+/// Marks every GPU or MIG device a container holds unhealthy in this copy of the inventory, so
+/// it is not published (the health of the backend's inventory is not touched).
+fn hide_held(inv: &mut Inventory, holds: &[(Occupied, Holder)]) {
+    for (occ, holder) in holds {
+        let Some(gpu) = inv.gpus.iter_mut().find(|g| g.uuid == occ.gpu) else {
+            continue;
+        };
+        let reason = format!("held by {holder} through the device plugin");
+        match &occ.mig {
+            None => gpu.health = Health::Unhealthy { reason },
+            Some((mig, _)) => {
+                if let Some(d) = gpu.mig.devices.iter_mut().find(|d| d.uuid == *mig) {
+                    d.health = Health::Unhealthy { reason };
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::dir::DirApi;
     use crate::dra::publisher::Publisher;
-    use crate::inventory::Health;
+    use crate::inventory::DeviceBackend;
     use crate::inventory::sim::SimBackend;
     use std::sync::atomic::Ordering::Relaxed;
 
@@ -315,6 +356,62 @@ mod tests {
             .map(|d| d.name.as_str())
             .collect();
         assert!(!names.contains(&"gpu-0"), "{names:?}");
+    }
+
+    #[test]
+    fn held_gpus_and_mig_devices_are_hidden_and_nothing_else() {
+        use crate::ledger::holds::ContainerRef;
+        let mut inv = SimBackend::from_profile("a100-mig-mixed", "n1")
+            .unwrap()
+            .snapshot()
+            .unwrap();
+        let whole = inv.gpus.iter().position(|g| !g.in_mig_mode()).unwrap();
+        let mig = inv
+            .gpus
+            .iter()
+            .position(|g| g.mig.devices.len() > 1)
+            .unwrap();
+        let m0 = inv.gpus[mig].mig.devices[0].clone();
+        let pod = Holder::Container(ContainerRef {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            container: "c".into(),
+        });
+        let holds = vec![
+            (
+                Occupied {
+                    gpu: inv.gpus[whole].uuid.clone(),
+                    mig: None,
+                },
+                pod.clone(),
+            ),
+            (
+                Occupied {
+                    gpu: inv.gpus[mig].uuid.clone(),
+                    mig: Some((m0.uuid.clone(), m0.placement)),
+                },
+                pod,
+            ),
+        ];
+        hide_held(&mut inv, &holds);
+        let unhealthy: Vec<String> = inv
+            .gpus
+            .iter()
+            .filter(|g| !g.health.is_healthy())
+            .map(|g| g.uuid.to_string())
+            .chain(
+                inv.gpus
+                    .iter()
+                    .flat_map(|g| &g.mig.devices)
+                    .filter(|d| !d.health.is_healthy())
+                    .map(|d| d.uuid.to_string()),
+            )
+            .collect();
+        assert_eq!(
+            unhealthy,
+            vec![inv.gpus[whole].uuid.to_string(), m0.uuid.to_string()]
+        );
+        assert!(inv.gpus[mig].health.is_healthy());
     }
 
     #[test]

@@ -33,6 +33,11 @@ Allocate and GetPreferredAllocation answers, and with `--restart` a kubelet rest
 stopped, every socket in the directory removed, kubelet.sock served anew) and the
 re-registration. See `device_plugin_main` for its options.
 
+Mode `node` (first argument) plays the kubelet of a node running both paths, driven by the test:
+it serves `<root>/device-plugins/kubelet.sock` and `<root>/pod-resources/kubelet.sock`
+(`v1.PodResourcesLister/List`, answering the pods the test set), and reads one JSON command per
+line on stdin, answering each with one JSON line on stdout. See `node_main` for the commands.
+
 Stubs are generated from the repository's proto/ with grpc_tools.protoc at run time, into a
 temporary directory, or into `--stubs-cache DIR`/<hash of protos and tool version>, reused while
 the protos do not change.
@@ -68,6 +73,7 @@ PROTOS = {
     "health_v1beta1": "dra-health/v1beta1/api.proto",
     "health_v1": "dra-health/v1/api.proto",
     "deviceplugin_v1beta1": "deviceplugin/v1beta1/api.proto",
+    "podresources_v1": "podresources/v1/api.proto",
 }
 
 # What the kubelet passes per call (45 s in the kubelet); sent as grpc-timeout.
@@ -985,9 +991,218 @@ def device_plugin_main(argv):
     return 1 if report.failed else 0
 
 
+# ---------------------------------------------------------------------------------------------
+# node mode: both paths, driven line by line
+
+
+class PodResources:
+    """`v1.PodResourcesLister`: answers List with the pods the test set, counting the calls."""
+
+    def __init__(self, pb):
+        import threading
+        self.pb = pb
+        self.cond = threading.Condition()
+        self.pods = []
+        self.lists = 0
+
+    def List(self, request, context):  # noqa: N802 - the gRPC method name
+        pb = self.pb
+        with self.cond:
+            pods = list(self.pods)
+            self.lists += 1
+            self.cond.notify_all()
+        return pb.ListPodResourcesResponse(pod_resources=[
+            pb.PodResources(name=p["name"], namespace=p["namespace"], containers=[
+                pb.ContainerResources(name=c["name"], devices=[
+                    pb.ContainerDevices(resource_name=d["resource"], device_ids=d["ids"])
+                    for d in c.get("devices", [])])
+                for c in p.get("containers", [])])
+            for p in pods])
+
+    def GetAllocatableResources(self, request, context):  # noqa: N802
+        return self.pb.AllocatableResourcesResponse()
+
+    def Get(self, request, context):  # noqa: N802
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the stand-in answers List only")
+
+    def set_pods(self, pods):
+        with self.cond:
+            self.pods = pods
+            return self.lists
+
+    def wait_lists(self, n, timeout):
+        import time
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.lists < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckFailed(f"{self.lists} PodResources List calls, want {n} within {timeout} s")
+                self.cond.wait(left)
+            return self.lists
+
+
+class Watch:
+    """One ListAndWatch stream, read by a thread into a list of messages."""
+
+    def __init__(self, stub, pb):
+        import threading
+        self.cond = threading.Condition()
+        self.lists = []
+        self.error = None
+        self.stream = stub.ListAndWatch(pb.Empty())
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        try:
+            for msg in self.stream:
+                devices = [{"id": d.ID, "health": d.health} for d in msg.devices]
+                with self.cond:
+                    self.lists.append(devices)
+                    self.cond.notify_all()
+        except grpc.RpcError as e:
+            with self.cond:
+                self.error = rpc_error(e)
+                self.cond.notify_all()
+
+    def wait(self, pred, timeout):
+        """The first list (of all received so far, then new ones) for which pred holds."""
+        import time
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self.cond:
+            while True:
+                for i in range(seen, len(self.lists)):
+                    if pred(self.lists[i]):
+                        return i, self.lists[i]
+                seen = len(self.lists)
+                if self.error:
+                    raise CheckFailed(f"ListAndWatch ended: {self.error}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckFailed(f"no such list within {timeout} s; last {self.lists[-1:]}")
+                self.cond.wait(left)
+
+
+def node_main(argv):
+    """Commands (one JSON object per line; each answered by {"ok": true, ...} or
+    {"ok": false, "error": ...}):
+      {"op": "registered", "names": [...]}         wait until these resources registered
+      {"op": "watch", "resource": R}               open ListAndWatch; answers the first list
+      {"op": "until", "resource": R, "id": ID, "health": H}
+                                                   wait for a list (the first one included) in
+                                                   which device ID has health H; answers it and
+                                                   its position in the stream
+      {"op": "allocate", "resource": R, "ids": [...]}
+                                                   Allocate for one container; answers code/message
+      {"op": "pods", "pods": [{"namespace", "name", "containers": [{"name", "devices":
+         [{"resource", "ids"}]}]}], "wait": true}
+                                                   what PodResources List answers from now on;
+                                                   answers once nvdra has called List since
+                                                   (at once with "wait": false)
+      {"op": "prepare" | "unprepare", "claims": [{"namespace", "name", "uid"}]}
+                                                   v1 NodePrepare/UnprepareResources on --dra with
+                                                   grpc-go's authority; answers per-claim results
+      {"op": "quit"}
+    """
+    p = argparse.ArgumentParser(prog="standin.py node")
+    p.add_argument("--proto-root", required=True)
+    p.add_argument("--stubs-cache")
+    p.add_argument("--root", required=True, help="the kubelet root directory")
+    p.add_argument("--dra", required=True, help="the DRA plugin socket")
+    p.add_argument("--timeout", type=float, default=30.0)
+    a = p.parse_args(argv)
+    stubs = load_stubs(a.proto_root, a.stubs_cache)
+    pb, pbg = stubs["deviceplugin_v1beta1"]
+    prpb, prpbg = stubs["podresources_v1"]
+    dra_pb, dra_pbg = stubs["dra_v1"]
+    dp_dir = os.path.join(a.root, "device-plugins")
+    pr_dir = os.path.join(a.root, "pod-resources")
+    os.makedirs(dp_dir, exist_ok=True)
+    os.makedirs(pr_dir, exist_ok=True)
+    server, kubelet = serve_kubelet(stubs, os.path.join(dp_dir, "kubelet.sock"), 0)
+    pods = PodResources(prpb)
+    pr_server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    prpbg.add_PodResourcesListerServicer_to_server(pods, pr_server)
+    if pr_server.add_insecure_port("unix://" + os.path.join(pr_dir, "kubelet.sock")) == 0:
+        raise SystemExit(f"cannot serve {pr_dir}/kubelet.sock")
+    pr_server.start()
+    watches, stubs_by = {}, {}
+    dra_ch = grpc.insecure_channel("unix://" + a.dra,
+                                   options=[("grpc.default_authority", grpc_go_authority(a.dra))])
+    dra = dra_pbg.DRAPluginStub(dra_ch)
+
+    def stub(resource):
+        if resource not in stubs_by:
+            r = kubelet.registered[resource]
+            ch = grpc.insecure_channel("unix://" + os.path.join(dp_dir, r.endpoint),
+                                       options=[("grpc.default_authority", "localhost")])
+            stubs_by[resource] = pbg.DevicePluginStub(ch)
+        return stubs_by[resource]
+
+    def claims(cmd):
+        return [dra_pb.Claim(namespace=c["namespace"], name=c["name"], uid=c["uid"]) for c in cmd["claims"]]
+
+    def one(cmd):
+        op = cmd["op"]
+        if op == "registered":
+            regs = kubelet.wait(cmd["names"], a.timeout)
+            return {"registered": {n: regs[n].endpoint for n in cmd["names"]}}
+        if op == "watch":
+            w = watches[cmd["resource"]] = Watch(stub(cmd["resource"]), pb)
+            return {"devices": w.wait(lambda _: True, a.timeout)[1]}
+        if op == "until":
+            def pred(devices):
+                return any(d["id"] == cmd["id"] and d["health"] == cmd["health"] for d in devices)
+            i, devices = watches[cmd["resource"]].wait(pred, a.timeout)
+            return {"index": i, "devices": devices}
+        if op == "allocate":
+            req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=cmd["ids"])])
+            try:
+                resp = stub(cmd["resource"]).Allocate(req, timeout=TIMEOUT_S)
+            except grpc.RpcError as e:
+                return {"allocated": False, "code": e.code().name, "message": e.details()}
+            return {"allocated": True, "envs": dict(resp.container_responses[0].envs)}
+        if op == "pods":
+            n = pods.set_pods(cmd["pods"])
+            if not cmd.get("wait", True):
+                return {"lists": n}
+            # List copies the pods and counts itself under one lock, so call n+1 answered the new
+            # pods; nvdra polls one call at a time, so once call n+2 came it has handled n+1.
+            return {"lists": pods.wait_lists(n + 2, a.timeout)}
+        if op in ("prepare", "unprepare"):
+            if op == "prepare":
+                resp = dra.NodePrepareResources(dra_pb.NodePrepareResourcesRequest(claims=claims(cmd)),
+                                                timeout=TIMEOUT_S)
+                return {"claims": {u: {"error": r.error, "devices": [d.device_name for d in r.devices]}
+                                   for u, r in resp.claims.items()}}
+            resp = dra.NodeUnprepareResources(dra_pb.NodeUnprepareResourcesRequest(claims=claims(cmd)),
+                                              timeout=TIMEOUT_S)
+            return {"claims": {u: {"error": r.error} for u, r in resp.claims.items()}}
+        raise CheckFailed(f"unknown op {op!r}")
+
+    print(json.dumps({"ok": True, "event": "serving"}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        try:
+            out = {"ok": True, **one(cmd)}
+        except (CheckFailed, grpc.RpcError, KeyError) as e:
+            out = {"ok": False, "error": rpc_error(e) if isinstance(e, grpc.RpcError) else str(e)}
+        print(json.dumps(out), flush=True)
+    server.stop(0)
+    pr_server.stop(0)
+    return 0
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "device-plugin":
         return device_plugin_main(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "node":
+        return node_main(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--proto-root", required=True, help="the repository's proto/ directory")
     p.add_argument("--stubs-cache", help="reuse generated stubs in this directory")

@@ -9,7 +9,8 @@
 //! resourceVersions; validation of the `resource.k8s.io/v1` limits (422 `Invalid`); every error a
 //! `Status` body. For tests: a count of write requests, external edits that bypass the counters,
 //! fault injection (the next N requests fail with 500, the next update fails with 409), and dropped
-//! fields (as when a feature gate is off).
+//! fields (as when a feature gate is off). DeviceClasses (list, and a watch of changes from its
+//! start) and API discovery of `resource.k8s.io/v1` (absent on request).
 #![allow(dead_code)]
 
 use futures::StreamExt;
@@ -19,7 +20,7 @@ use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -78,6 +79,13 @@ struct State {
     counts: Counts,
     /// What `/version` reports as the minor version.
     server_minor: u32,
+    /// DeviceClasses (list and watch; the watch streams changes from its start, no history).
+    device_classes: BTreeMap<String, DeviceClass>,
+    class_watchers: Vec<mpsc::UnboundedSender<Bytes>>,
+    /// API discovery answers 404 for `resource.k8s.io/v1`, as a server without DRA does.
+    dra_absent: bool,
+    /// Accepted merge patches of Nodes.
+    node_patches: u64,
 }
 
 impl State {
@@ -94,6 +102,13 @@ impl State {
         self.watchers
             .retain(|w| !w.selector.matches(obj) || w.tx.send(line.clone()).is_ok());
     }
+}
+
+fn class_event(kind: &str, obj: &DeviceClass) -> Bytes {
+    let mut line = serde_json::to_vec(&json!({ "type": kind, "object": obj }))
+        .expect("a DeviceClass serialises");
+    line.push(b'\n');
+    Bytes::from(line)
 }
 
 fn event_line(kind: &str, obj: &ResourceSlice) -> Bytes {
@@ -221,6 +236,27 @@ impl TestApiServer {
         self.lock().rv
     }
 
+    /// A Node as stored.
+    pub fn node(&self, name: &str) -> Option<Node> {
+        self.lock().nodes.get(name).cloned()
+    }
+
+    /// Accepted Node merge patches so far.
+    pub fn node_patches(&self) -> u64 {
+        self.lock().node_patches
+    }
+
+    /// Sets a Node label directly (as another controller would).
+    pub fn set_node_label(&self, name: &str, key: &str, value: &str) {
+        let mut st = self.lock();
+        if let Some(n) = st.nodes.get_mut(name) {
+            n.metadata
+                .labels
+                .get_or_insert_with(Default::default)
+                .insert(key.into(), value.into());
+        }
+    }
+
     pub fn seed_node(&self, name: &str, uid: &str) {
         let node = Node {
             metadata: ObjectMeta {
@@ -294,6 +330,43 @@ impl TestApiServer {
     }
 
     /// Makes `/version` report Kubernetes 1.`minor` (default 1.35).
+    /// Creates or replaces a DeviceClass, telling the DeviceClass watches.
+    pub fn set_device_class(&self, mut class: DeviceClass) {
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        class.metadata.resource_version = Some(rv.to_string());
+        let name = class
+            .metadata
+            .name
+            .clone()
+            .expect("a DeviceClass has a name");
+        let kind = if st.device_classes.contains_key(&name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        let line = class_event(kind, &class);
+        st.class_watchers.retain(|w| w.send(line.clone()).is_ok());
+        st.device_classes.insert(name, class);
+    }
+
+    /// Deletes a DeviceClass, telling the DeviceClass watches; false if there was none.
+    pub fn delete_device_class(&self, name: &str) -> bool {
+        let mut st = self.lock();
+        let Some(mut class) = st.device_classes.remove(name) else {
+            return false;
+        };
+        class.metadata.resource_version = Some(st.next_rv().to_string());
+        let line = class_event("DELETED", &class);
+        st.class_watchers.retain(|w| w.send(line.clone()).is_ok());
+        true
+    }
+
+    /// API discovery answers 404 for `resource.k8s.io/v1` (a cluster without DRA).
+    pub fn set_dra_absent(&self) {
+        self.lock().dra_absent = true;
+    }
+
     pub fn set_server_minor(&self, minor: u32) {
         self.lock().server_minor = minor;
     }
@@ -612,6 +685,57 @@ impl Server {
             (Method::DELETE, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
                 self.delete(name)
             }
+            (Method::GET, ["apis", "resource.k8s.io", "v1"]) => {
+                if self.lock().dra_absent {
+                    not_found("resource.k8s.io/v1", "v1")
+                } else {
+                    let r = |name: &str, kind: &str, namespaced: bool| {
+                        json!({"name": name, "singularName": "", "namespaced": namespaced,
+                               "kind": kind, "verbs": ["get", "list", "watch"]})
+                    };
+                    ok_json(
+                        StatusCode::OK,
+                        &json!({
+                            "kind": "APIResourceList",
+                            "apiVersion": "v1",
+                            "groupVersion": "resource.k8s.io/v1",
+                            "resources": [
+                                r("deviceclasses", "DeviceClass", false),
+                                r("resourceclaims", "ResourceClaim", true),
+                                r("resourceslices", "ResourceSlice", false),
+                            ],
+                        }),
+                    )
+                }
+            }
+            (Method::GET, ["apis", "resource.k8s.io", "v1", "deviceclasses"]) => {
+                let mut st = self.lock();
+                if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+                    st.counts.watches += 1;
+                    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+                    if q.get("resourceVersion")
+                        .is_none_or(|v| v.is_empty() || v == "0")
+                    {
+                        for c in st.device_classes.values() {
+                            let _ = tx.send(class_event("ADDED", c));
+                        }
+                    }
+                    st.class_watchers.push(tx);
+                    stream_response(rx)
+                } else {
+                    st.counts.lists += 1;
+                    let items: Vec<&DeviceClass> = st.device_classes.values().collect();
+                    ok_json(
+                        StatusCode::OK,
+                        &json!({
+                            "apiVersion": "resource.k8s.io/v1",
+                            "kind": "DeviceClassList",
+                            "metadata": { "resourceVersion": st.rv.to_string() },
+                            "items": items,
+                        }),
+                    )
+                }
+            }
             (Method::GET, ["version"]) => {
                 let minor = self.lock().server_minor;
                 ok_json(
@@ -628,6 +752,19 @@ impl Server {
                         "platform": "linux/amd64",
                     }),
                 )
+            }
+            (Method::PATCH, ["api", "v1", "nodes", name]) => {
+                let name = name.to_string();
+                let json_merge = req
+                    .headers()
+                    .get("content-type")
+                    .is_some_and(|v| v.as_bytes().starts_with(b"application/merge-patch+json"));
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                match (json_merge, body) {
+                    (false, _) => error(415, "UnsupportedMediaType", "only merge patches here"),
+                    (true, Err(_)) => error(400, "BadRequest", "unreadable body"),
+                    (true, Ok(bytes)) => self.patch_node(&name, &bytes),
+                }
             }
             (Method::GET, ["api", "v1", "nodes", name]) => match self.lock().nodes.get(*name) {
                 Some(n) => ok_json(StatusCode::OK, n),
@@ -661,6 +798,36 @@ impl Server {
             self.changed.send_modify(|n| *n += 1);
         }
         resp
+    }
+
+    /// A JSON merge patch of `metadata.labels` (the only part nvdra patches).
+    fn patch_node(&self, name: &str, body: &[u8]) -> Response<Body> {
+        let patch: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return error(400, "BadRequest", format!("bad patch: {e}")),
+        };
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        let Some(node) = st.nodes.get_mut(name) else {
+            return not_found("nodes", name);
+        };
+        if let Some(labels) = patch["metadata"]["labels"].as_object() {
+            let have = node.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                match v.as_str() {
+                    Some(v) => {
+                        have.insert(k.clone(), v.to_string());
+                    }
+                    None => {
+                        have.remove(k);
+                    }
+                }
+            }
+        }
+        node.metadata.resource_version = Some(rv.to_string());
+        let node = node.clone();
+        st.node_patches += 1;
+        ok_json(StatusCode::OK, &node)
     }
 
     fn list(&self, q: &BTreeMap<String, String>) -> Response<Body> {

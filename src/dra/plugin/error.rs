@@ -48,6 +48,15 @@ pub enum ClaimError {
         name: String,
         uid: ClaimUid,
     },
+    #[error(
+        "device {device} ({held}) is held by {holder} through the device plugin \
+         (nvidia.com/ resource limits); it is free again when that pod ends"
+    )]
+    HeldByContainer {
+        device: String,
+        held: String,
+        holder: String,
+    },
     #[error("invalid device configuration for request {request}")]
     Config {
         request: String,

@@ -59,11 +59,20 @@ impl Plugin {
         Ok(devices)
     }
 
-    /// Records the claim in memory, atomically with the check that no other claim holds its
-    /// devices.
+    /// Records the claim in memory, atomically with the check that no other claim, and no
+    /// container of the device-plugin path (`--mode both`), holds its devices.
     fn reserve(&self, claim: &ClaimRef, plan: &Plan, state: ClaimState) -> Result<(), ClaimError> {
-        self.inner.ledger.update(|claims| {
+        self.inner.ledger.update_with_holds(|claims, holds| {
             plan::conflict(claims, &claim.uid, &plan.devices)?;
+            for d in &plan.devices {
+                if let Some((held, holder)) = holds.holder_of(d) {
+                    return Err(ClaimError::HeldByContainer {
+                        device: d.device.to_string(),
+                        held: held.to_string(),
+                        holder: holder.to_string(),
+                    });
+                }
+            }
             claims.insert(
                 claim.uid.clone(),
                 ClaimEntry {

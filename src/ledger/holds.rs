@@ -1,0 +1,307 @@
+//! The device-plugin half of the one ledger of `--mode both`: which GPUs (or MIG devices)
+//! containers hold through the legacy device plugin. Kept in memory only: the kubelet's
+//! PodResources API is the durable record of it, and is read again after a restart.
+//!
+//! Two sources fill it:
+//! - **Allocate** records a *pending* hold at once, atomically with the check that no DRA claim
+//!   holds the device ([`super::Ledger::hold_for_allocate`]); the kubelet's Allocate carries no
+//!   pod name, so a pending hold names the device ID it was allocated as.
+//! - **PodResources `List`** replaces the *observed* holds ([`super::Ledger::set_observed`]): every
+//!   container of a pod the kubelet still runs with a device of ours. A pending hold ends when its
+//!   device is observed (the pod now names it) or after [`PENDING_TTL`] without being observed
+//!   (the pod never started); an observed hold ends when its pod no longer lists it.
+//!
+//! Prepare checks these holds in the same critical section as the claim-vs-claim check, so a
+//! claim and a container never get one exclusive GPU.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::inventory::{GpuUuid, MigUuid, Placement};
+
+use super::{ClaimEntry, ClaimUid, DeviceRecord};
+
+/// How long an Allocate's hold lasts without its pod appearing in PodResources.
+pub const PENDING_TTL: Duration = Duration::from_secs(60);
+
+/// What a device-plugin device occupies: a whole GPU, or one MIG device of it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Occupied {
+    pub gpu: GpuUuid,
+    pub mig: Option<(MigUuid, Placement)>,
+}
+
+impl Occupied {
+    /// Whether a DRA record and this device are the same hardware (or overlap): a whole GPU
+    /// overlaps everything on it; two MIG devices overlap when they are the same device or their
+    /// placements share a memory slice. An admin-access record occupies nothing.
+    pub fn overlaps(&self, r: &DeviceRecord) -> bool {
+        if r.admin_access || r.gpu != self.gpu {
+            return false;
+        }
+        match (&r.mig, &self.mig) {
+            (Some(rm), Some((uuid, placement))) => {
+                rm.uuid.as_ref() == Some(uuid) || rm.placement.overlaps(placement)
+            }
+            _ => true,
+        }
+    }
+}
+
+impl fmt::Display for Occupied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.mig {
+            Some((mig, _)) => write!(f, "MIG device {mig} of GPU {}", self.gpu),
+            None => write!(f, "GPU {}", self.gpu),
+        }
+    }
+}
+
+/// A container of a running pod.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ContainerRef {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+}
+
+impl fmt::Display for ContainerRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "pod {}/{} container {}",
+            self.namespace, self.pod, self.container
+        )
+    }
+}
+
+/// Who holds a device through the device plugin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holder {
+    Container(ContainerRef),
+    /// Allocated by the kubelet, not yet listed by PodResources.
+    Allocating {
+        resource: String,
+        id: String,
+    },
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Holder::Container(c) => c.fmt(f),
+            Holder::Allocating { resource, id } => write!(
+                f,
+                "a container the kubelet is starting with {resource} device {id}"
+            ),
+        }
+    }
+}
+
+/// The claim holding a device, as an Allocate refusal names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimHolder {
+    pub namespace: String,
+    pub name: String,
+    pub uid: ClaimUid,
+}
+
+impl fmt::Display for ClaimHolder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "resource claim {}/{} ({})",
+            self.namespace, self.name, self.uid
+        )
+    }
+}
+
+/// The first claim (other than `except`) of `claims` whose devices overlap `occ`.
+pub fn claim_holding<'a>(
+    claims: impl IntoIterator<Item = (&'a ClaimUid, &'a ClaimEntry)>,
+    occ: &Occupied,
+) -> Option<ClaimHolder> {
+    claims
+        .into_iter()
+        .find(|(_, e)| e.devices.iter().any(|r| occ.overlaps(r)))
+        .map(|(uid, e)| ClaimHolder {
+            namespace: e.namespace.clone(),
+            name: e.name.clone(),
+            uid: uid.clone(),
+        })
+}
+
+/// The device-plugin holds.
+#[derive(Debug, Default)]
+pub struct Holds {
+    observed: Vec<(Occupied, ContainerRef)>,
+    pending: Vec<(Occupied, Holder, Instant)>,
+}
+
+impl Holds {
+    /// Every hold, observed ones first.
+    pub fn all(&self) -> Vec<(Occupied, Holder)> {
+        self.observed
+            .iter()
+            .map(|(o, c)| (o.clone(), Holder::Container(c.clone())))
+            .chain(self.pending.iter().map(|(o, h, _)| (o.clone(), h.clone())))
+            .collect()
+    }
+
+    /// Who holds hardware that `r` needs, if anyone.
+    pub fn holder_of(&self, r: &DeviceRecord) -> Option<(Occupied, Holder)> {
+        self.all().into_iter().find(|(o, _)| o.overlaps(r))
+    }
+
+    pub(super) fn add_pending(&mut self, occ: Occupied, holder: Holder, now: Instant) {
+        self.pending.push((occ, holder, now));
+    }
+
+    /// Replaces the observed holds; drops pending ones now observed or older than `ttl`.
+    /// Returns whether anything changed.
+    pub(super) fn set_observed(
+        &mut self,
+        mut observed: Vec<(Occupied, ContainerRef)>,
+        now: Instant,
+        ttl: Duration,
+    ) -> bool {
+        observed.sort();
+        observed.dedup();
+        let before = self.pending.len();
+        self.pending.retain(|(o, _, at)| {
+            now.duration_since(*at) < ttl && !observed.iter().any(|(seen, _)| seen == o)
+        });
+        let changed = before != self.pending.len() || observed != self.observed;
+        self.observed = observed;
+        changed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dra::slices::DeviceName;
+    use crate::ledger::{ClaimState, Ledger, MigRecord};
+    use crate::sharing::Sharing;
+
+    fn gpu(n: u32) -> GpuUuid {
+        GpuUuid(format!("GPU-{n}"))
+    }
+
+    fn record(g: u32, mig: Option<(&str, u32, u32)>) -> DeviceRecord {
+        DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "node".into(),
+            device: DeviceName::parse("gpu-0").unwrap(),
+            cdi_ids: vec![],
+            share_id: None,
+            admin_access: false,
+            gpu: gpu(g),
+            mig: mig.map(|(u, start, size)| MigRecord {
+                uuid: Some(MigUuid(u.into())),
+                profile: "1g.10gb".into(),
+                gi_profile_id: 19,
+                placement: Placement { start, size },
+                created: false,
+            }),
+            sharing: Sharing::Exclusive,
+        }
+    }
+
+    fn whole(g: u32) -> Occupied {
+        Occupied {
+            gpu: gpu(g),
+            mig: None,
+        }
+    }
+
+    fn mig(g: u32, u: &str, start: u32, size: u32) -> Occupied {
+        Occupied {
+            gpu: gpu(g),
+            mig: Some((MigUuid(u.into()), Placement { start, size })),
+        }
+    }
+
+    fn pod(name: &str) -> ContainerRef {
+        ContainerRef {
+            namespace: "default".into(),
+            pod: name.into(),
+            container: "c".into(),
+        }
+    }
+
+    #[test]
+    fn whole_gpus_overlap_everything_on_them_and_mig_devices_by_placement() {
+        assert!(whole(0).overlaps(&record(0, None)));
+        assert!(!whole(1).overlaps(&record(0, None)));
+        assert!(whole(0).overlaps(&record(0, Some(("MIG-a", 0, 1)))));
+        assert!(mig(0, "MIG-a", 0, 1).overlaps(&record(0, None)));
+        assert!(mig(0, "MIG-a", 0, 1).overlaps(&record(0, Some(("MIG-a", 0, 1)))));
+        assert!(mig(0, "MIG-b", 0, 2).overlaps(&record(0, Some(("MIG-c", 1, 1)))));
+        assert!(!mig(0, "MIG-b", 2, 2).overlaps(&record(0, Some(("MIG-c", 0, 2)))));
+        let mut admin = record(0, None);
+        admin.admin_access = true;
+        assert!(!whole(0).overlaps(&admin));
+    }
+
+    #[test]
+    fn pending_holds_end_when_observed_or_expired_and_observed_ones_follow_the_pods() {
+        let mut h = Holds::default();
+        let t0 = Instant::now();
+        let alloc = |id: &str| Holder::Allocating {
+            resource: "nvidia.com/gpu".into(),
+            id: id.into(),
+        };
+        h.add_pending(whole(0), alloc("GPU-0"), t0);
+        h.add_pending(whole(1), alloc("GPU-1"), t0);
+        // GPU 0's pod is listed; GPU 1's is not yet.
+        assert!(h.set_observed(vec![(whole(0), pod("p0"))], t0, PENDING_TTL));
+        assert_eq!(
+            h.all(),
+            vec![
+                (whole(0), Holder::Container(pod("p0"))),
+                (whole(1), alloc("GPU-1"))
+            ]
+        );
+        assert!(!h.set_observed(vec![(whole(0), pod("p0"))], t0, PENDING_TTL));
+        // GPU 1's pod never came; p0 ended.
+        assert!(h.set_observed(vec![], t0 + PENDING_TTL, PENDING_TTL));
+        assert_eq!(h.all(), vec![]);
+    }
+
+    #[tokio::test]
+    async fn allocate_of_a_claimed_gpu_is_refused_naming_the_claim_and_holds_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let mut changes = ledger.changes();
+        ledger.update(|c| {
+            c.insert(
+                ClaimUid::parse("uid-1").unwrap(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ns".into(),
+                    name: "claim-1".into(),
+                    devices: vec![record(0, None)],
+                },
+            )
+        });
+        assert!(changes.has_changed().unwrap());
+        changes.mark_unchanged();
+        let alloc = Holder::Allocating {
+            resource: "nvidia.com/gpu".into(),
+            id: "GPU-0".into(),
+        };
+        let (occ, claim) = *ledger
+            .hold_for_allocate(vec![(whole(1), alloc.clone()), (whole(0), alloc.clone())])
+            .unwrap_err();
+        assert_eq!(occ, whole(0));
+        assert_eq!(claim.to_string(), "resource claim ns/claim-1 (uid-1)");
+        assert_eq!(ledger.container_holds(), vec![]);
+        assert!(!changes.has_changed().unwrap());
+        ledger
+            .hold_for_allocate(vec![(whole(1), alloc.clone())])
+            .unwrap();
+        assert_eq!(ledger.container_holds(), vec![(whole(1), alloc)]);
+        assert!(changes.has_changed().unwrap());
+    }
+}

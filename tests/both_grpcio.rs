@@ -1,0 +1,346 @@
+//! `nvdra run --mode both`: DRA and the device plugin on one node, kept apart by one ledger,
+//! against the grpcio kubelet stand-in (`tests/kubelet/standin.py node`), which serves
+//! `kubelet.sock` and PodResources and plays the kubelet's DRA and device-manager calls as the
+//! test tells it. The slices are read from the daemon's API directory.
+//!
+//! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as tests/kubelet_grpcio.rs).
+//! Without them the tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+use nvdra::api::ClusterApi;
+use nvdra::api::dir::DirApi;
+use nvdra::inventory::{DeviceBackend, sim::SimBackend};
+use serde_json::{Value, json};
+
+const NODE: &str = "node-a";
+const DRIVER: &str = "gpu.nvidia.com";
+const PROFILE: &str = "dgx-h100";
+const PIP: &str =
+    "python3 -m pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0";
+const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
+/// How long a change may take to reach the slices (the publisher's own pace; not a speed test).
+const SLICES_WAIT: Duration = Duration::from_secs(30);
+
+fn have_grpcio() -> bool {
+    let ok = Command::new("python3")
+        .args([
+            "-c",
+            "import grpc, grpc_tools.protoc, google.protobuf, hpack",
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let required = std::env::var("NVDRA_REQUIRE_GRPCIO").is_ok_and(|v| !v.is_empty() && v != "0");
+    if !ok && required {
+        panic!("NVDRA_REQUIRE_GRPCIO is set but python3 lacks grpcio; run: {PIP}");
+    }
+    if !ok {
+        eprintln!("skipped: the grpcio kubelet stand-in needs: {PIP}");
+    }
+    ok
+}
+
+/// The UUID (the device-plugin ID) of GPU `index` of the profile.
+fn uuid(index: usize) -> String {
+    SimBackend::from_profile(PROFILE, NODE)
+        .unwrap()
+        .snapshot()
+        .unwrap()
+        .gpus[index]
+        .uuid
+        .to_string()
+}
+
+/// A kubelet root with the stand-in and `nvdra run --mode both`, both killed when dropped.
+struct Node {
+    root: tempfile::TempDir,
+    standin: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    nvdra: Child,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
+        for c in [&mut self.nvdra, &mut self.standin] {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Node {
+    /// Writes the claims (`uid`, device) as allocated in the API directory, then starts the
+    /// stand-in and nvdra.
+    fn start(claims: &[(&str, &str)]) -> Node {
+        Self::start_with_pods(claims, json!([]))
+    }
+
+    /// As [`Node::start`], with PodResources listing `pods` before nvdra starts.
+    fn start_with_pods(claims: &[(&str, &str)], pods: Value) -> Node {
+        let root = tempfile::tempdir().unwrap();
+        let p = |s: &str| root.path().join(s);
+        std::fs::write(p("boot_id"), "boot-1\n").unwrap();
+        for (uid, device) in claims {
+            let c = nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![DeviceRequestAllocationResult {
+                    request: "gpu".into(),
+                    driver: DRIVER.into(),
+                    pool: NODE.into(),
+                    device: (*device).into(),
+                    ..Default::default()
+                }],
+                vec![],
+            );
+            nvdra::api::dir::write_claim(&p("api"), &c).unwrap();
+        }
+        let dra = p(&format!("kubelet/plugins/{DRIVER}/dra.sock"));
+        let mut standin = Command::new("python3")
+            .arg(STANDIN)
+            .arg("node")
+            .arg("--proto-root")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/proto"))
+            .arg("--stubs-cache")
+            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
+            .arg("--root")
+            .arg(p("kubelet"))
+            .arg("--dra")
+            .arg(&dra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut stdin = standin.stdin.take().unwrap();
+        let mut stdout = BufReader::new(standin.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains("serving"), "stand-in: {line:?}");
+        writeln!(
+            stdin,
+            "{}",
+            json!({"op": "pods", "pods": pods, "wait": false})
+        )
+        .unwrap();
+        line.clear();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains("\"ok\": true"), "stand-in: {line:?}");
+        let nvdra = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+            .args(["run", "--mode", "both", "--profile", PROFILE])
+            .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
+            .args(["--node-name", NODE])
+            .arg("--kubelet-root")
+            .arg(p("kubelet"))
+            .arg("--cdi-root")
+            .arg(p("cdi"))
+            .arg("--driver-root")
+            .arg(p("driver"))
+            .arg("--api-dir")
+            .arg(p("api"))
+            .args(["--metrics-address", "127.0.0.1:0"])
+            .env("NVDRA_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut node = Node {
+            root,
+            standin,
+            stdin,
+            stdout,
+            nvdra,
+        };
+        node.ok(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
+        node
+    }
+
+    /// Sends one command and returns the stand-in's answer.
+    fn call(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
+        serde_json::from_str(&line).unwrap()
+    }
+
+    fn ok(&mut self, cmd: Value) -> Value {
+        let v = self.call(cmd.clone());
+        assert_eq!(v["ok"], true, "{cmd} → {v}");
+        v
+    }
+
+    fn prepare(&mut self, op: &str, uid: &str) -> Value {
+        let v = self.ok(json!({"op": op, "claims": [
+            {"namespace": "default", "name": format!("claim-{uid}"), "uid": uid}
+        ]}));
+        v["claims"][uid].clone()
+    }
+
+    fn api(&self) -> PathBuf {
+        self.root.path().join("api")
+    }
+
+    /// The device names of the published slices.
+    fn published(&self) -> Vec<String> {
+        let api = DirApi::new(self.api()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let slices = rt.block_on(api.list_slices(DRIVER, NODE)).unwrap();
+        slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .map(|d| d.name.clone())
+            .collect()
+    }
+
+    /// Waits until the published slices satisfy `pred`; fails with the last ones seen.
+    fn wait_published(&self, what: &str, pred: impl Fn(&[String]) -> bool) -> Vec<String> {
+        let deadline = Instant::now() + SLICES_WAIT;
+        loop {
+            let names = self.published();
+            if pred(&names) {
+                return names;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "slices never {what} within {SLICES_WAIT:?}: {names:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn health(list: &Value, id: &str) -> String {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == id)
+        .unwrap_or_else(|| panic!("{id} not in {list}"))["health"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A GPU prepared for a DRA claim is Unhealthy in ListAndWatch while the claim holds it (and
+/// only that GPU), Allocate of it fails naming the claim, and it is Healthy and allocatable
+/// again once the claim is unprepared.
+#[test]
+fn a_dra_prepared_gpu_is_unhealthy_in_list_and_watch_until_unprepared() {
+    if !have_grpcio() {
+        return;
+    }
+    let uid = "11111111-0000-0000-0000-000000000001";
+    let mut node = Node::start(&[(uid, "gpu-0")]);
+    let (g0, g1) = (uuid(0), uuid(1));
+    let first = node.ok(json!({"op": "watch", "resource": "nvidia.com/gpu"}));
+    assert_eq!(health(&first["devices"], &g0), "Healthy");
+
+    let prepared = node.prepare("prepare", uid);
+    assert_eq!(prepared["error"], "", "{prepared}");
+    assert_eq!(prepared["devices"], json!(["gpu-0"]));
+    let list = node
+        .ok(json!({"op": "until", "resource": "nvidia.com/gpu", "id": g0, "health": "Unhealthy"}));
+    assert!(
+        list["index"].as_u64().unwrap() >= 1,
+        "re-sent, not the first list: {list}"
+    );
+    let unhealthy: Vec<&Value> = list["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["health"] != "Healthy")
+        .collect();
+    assert_eq!(unhealthy.len(), 1, "only the claimed GPU: {list}");
+
+    let refused = node.ok(json!({"op": "allocate", "resource": "nvidia.com/gpu", "ids": [g0]}));
+    assert_eq!(refused["allocated"], false, "{refused}");
+    let msg = refused["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("default/claim-{uid}")) && msg.contains(&g0),
+        "{msg}"
+    );
+    // Another GPU is still the device manager's.
+    let other = node.ok(json!({"op": "allocate", "resource": "nvidia.com/gpu", "ids": [g1]}));
+    assert_eq!(other["allocated"], true, "{other}");
+
+    let unprepared = node.prepare("unprepare", uid);
+    assert_eq!(unprepared["error"], "", "{unprepared}");
+    node.ok(json!({"op": "until", "resource": "nvidia.com/gpu", "id": g0, "health": "Healthy"}));
+    let again = node.ok(json!({"op": "allocate", "resource": "nvidia.com/gpu", "ids": [g0]}));
+    assert_eq!(again["allocated"], true, "{again}");
+}
+
+/// A GPU allocated to a running pod (as PodResources lists it) leaves the published slices, a
+/// claim for it fails naming the pod and container, and it returns when the pod ends.
+#[test]
+fn a_gpu_allocated_to_a_running_pod_leaves_the_slices_and_returns_when_the_pod_ends() {
+    if !have_grpcio() {
+        return;
+    }
+    let uid = "22222222-0000-0000-0000-000000000002";
+    let mut node = Node::start(&[(uid, "gpu-1")]);
+    let g1 = uuid(1);
+    node.wait_published("listed gpu-1", |n| n.iter().any(|d| d == "gpu-1"));
+
+    let allocated = node.ok(json!({"op": "allocate", "resource": "nvidia.com/gpu", "ids": [g1]}));
+    assert_eq!(allocated["allocated"], true, "{allocated}");
+    node.ok(
+        json!({"op": "pods", "pods": [{"namespace": "default", "name": "legacy", "containers": [
+            {"name": "cuda", "devices": [{"resource": "nvidia.com/gpu", "ids": [g1]}]}
+        ]}]}),
+    );
+    let names = node.wait_published("dropped gpu-1", |n| !n.iter().any(|d| d == "gpu-1"));
+    assert!(
+        names.iter().any(|d| d == "gpu-2"),
+        "only gpu-1 hidden: {names:?}"
+    );
+
+    let refused = node.prepare("prepare", uid);
+    let err = refused["error"].as_str().unwrap();
+    assert!(
+        err.contains("pod default/legacy container cuda") && err.contains("gpu-1"),
+        "{refused}"
+    );
+
+    // The pod ends: PodResources no longer lists it.
+    node.ok(json!({"op": "pods", "pods": []}));
+    node.wait_published("listed gpu-1 again", |n| n.iter().any(|d| d == "gpu-1"));
+    let prepared = node.prepare("prepare", uid);
+    assert_eq!(prepared["error"], "", "{prepared}");
+    assert_eq!(prepared["devices"], json!(["gpu-1"]));
+}
+
+/// A pod that kept its GPU across an nvdra restart: the GPU is in none of the published slices,
+/// not even the first, and a claim for it fails naming the pod. (The daemon reads PodResources
+/// once before serving; the poll's immediate first read would usually win this race too, so this
+/// checks the outcome, not which of the two reads got there.)
+#[test]
+fn a_gpu_a_pod_already_holds_at_start_is_never_published() {
+    if !have_grpcio() {
+        return;
+    }
+    let uid = "33333333-0000-0000-0000-000000000003";
+    let g3 = uuid(3);
+    let pods = json!([{"namespace": "ml", "name": "trainer", "containers": [
+        {"name": "main", "devices": [{"resource": "nvidia.com/gpu", "ids": [g3]}]}
+    ]}]);
+    let mut node = Node::start_with_pods(&[(uid, "gpu-3")], pods);
+    let first = node.wait_published("published anything", |n| !n.is_empty());
+    assert!(
+        first.iter().any(|d| d == "gpu-2") && !first.iter().any(|d| d == "gpu-3"),
+        "{first:?}"
+    );
+    let refused = node.prepare("prepare", uid);
+    let err = refused["error"].as_str().unwrap();
+    assert!(err.contains("pod ml/trainer container main"), "{refused}");
+}

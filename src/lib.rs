@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod cdi;
+pub mod cel;
 pub mod cli;
 pub mod config;
 pub mod daemon;

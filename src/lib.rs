@@ -17,6 +17,7 @@ pub mod durable;
 pub mod inventory;
 pub mod ledger;
 pub mod lock;
+pub mod matching;
 pub mod metrics;
 pub mod proto;
 pub mod report;

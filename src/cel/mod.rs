@@ -473,8 +473,9 @@ fn parse_here(expression: &str) -> Result<IdedExpr, CompileError> {
                 line: first
                     .map(|e| usize::try_from(e.pos.0).unwrap_or(1).max(1))
                     .unwrap_or(1),
+                // The parser's columns are 1-based already.
                 column: first
-                    .map(|e| usize::try_from(e.pos.1).unwrap_or(0) + 1)
+                    .map(|e| usize::try_from(e.pos.1).unwrap_or(1).max(1))
                     .unwrap_or(1),
                 message: first
                     .map(|e| e.msg.clone())

@@ -133,7 +133,11 @@ pub fn read_text(file: &Path, text: &str, out: &mut Objects) -> Result<(), Input
     Ok(())
 }
 
-fn read_value(value: serde_json::Value, origin: &Origin, out: &mut Objects) -> Result<(), InputError> {
+fn read_value(
+    value: serde_json::Value,
+    origin: &Origin,
+    out: &mut Objects,
+) -> Result<(), InputError> {
     let kind = value
         .get("kind")
         .and_then(|k| k.as_str())
@@ -145,7 +149,10 @@ fn read_value(value: serde_json::Value, origin: &Origin, out: &mut Objects) -> R
         .unwrap_or("")
         .to_string();
     match kind.as_str() {
-        "List" | "DeviceClassList" | "ResourceSliceList" | "ResourceClaimList"
+        "List"
+        | "DeviceClassList"
+        | "ResourceSliceList"
+        | "ResourceClaimList"
         | "ResourceClaimTemplateList" => {
             if let Some(serde_json::Value::Array(items)) = value.get("items") {
                 for item in items.clone() {
@@ -153,7 +160,9 @@ fn read_value(value: serde_json::Value, origin: &Origin, out: &mut Objects) -> R
                 }
             }
         }
-        "DeviceClass" => out.classes.push((typed(value, origin, &kind, &name)?, origin.clone())),
+        "DeviceClass" => out
+            .classes
+            .push((typed(value, origin, &kind, &name)?, origin.clone())),
         "ResourceClaim" => {
             let c: ResourceClaim = typed(value, origin, &kind, &name)?;
             out.claims.push(ClaimInput {

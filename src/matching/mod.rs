@@ -38,7 +38,10 @@ pub struct Candidate {
 }
 
 /// The devices of `slices`, converted for CEL.
-pub fn candidates(env: &Environment, slices: &[ResourceSlice]) -> Result<Vec<Candidate>, InputError> {
+pub fn candidates(
+    env: &Environment,
+    slices: &[ResourceSlice],
+) -> Result<Vec<Candidate>, InputError> {
     let mut out = Vec::new();
     for s in slices {
         for d in s.spec.devices.iter().flatten() {
@@ -161,41 +164,45 @@ pub fn explain(
     let spec: &ResourceClaimSpec = &claim.spec;
     let base = format!("{}.devices", claim.spec_path);
     let mut requests = Vec::new();
-    for (i, r) in spec.devices.iter().flat_map(|d| d.requests.iter().flatten()).enumerate() {
+    for (i, r) in spec
+        .devices
+        .iter()
+        .flat_map(|d| d.requests.iter().flatten())
+        .enumerate()
+    {
         let mut alternatives = Vec::new();
-        let shapes: Vec<(String, String, _, _, Option<&str>, Option<i64>, _)> = if let Some(e) =
-            &r.exactly
-        {
-            vec![(
-                r.name.clone(),
-                format!("{base}.requests[{i}].exactly"),
-                &e.device_class_name,
-                e.selectors.as_deref().unwrap_or_default(),
-                e.allocation_mode.as_deref(),
-                e.count,
-                e.capacity.as_ref().and_then(|c| c.requests.clone()),
-            )]
-        } else if let Some(subs) = &r.first_available {
-            subs.iter()
-                .enumerate()
-                .map(|(k, s)| {
-                    (
-                        format!("{}/{}", r.name, s.name),
-                        format!("{base}.requests[{i}].firstAvailable[{k}]"),
-                        &s.device_class_name,
-                        s.selectors.as_deref().unwrap_or_default(),
-                        s.allocation_mode.as_deref(),
-                        s.count,
-                        s.capacity.as_ref().and_then(|c| c.requests.clone()),
-                    )
-                })
-                .collect()
-        } else {
-            return Err(field(
-                format!("{base}.requests[{i}]"),
-                "a request needs exactly or firstAvailable".into(),
-            ));
-        };
+        let shapes: Vec<(String, String, _, _, Option<&str>, Option<i64>, _)> =
+            if let Some(e) = &r.exactly {
+                vec![(
+                    r.name.clone(),
+                    format!("{base}.requests[{i}].exactly"),
+                    &e.device_class_name,
+                    e.selectors.as_deref().unwrap_or_default(),
+                    e.allocation_mode.as_deref(),
+                    e.count,
+                    e.capacity.as_ref().and_then(|c| c.requests.clone()),
+                )]
+            } else if let Some(subs) = &r.first_available {
+                subs.iter()
+                    .enumerate()
+                    .map(|(k, s)| {
+                        (
+                            format!("{}/{}", r.name, s.name),
+                            format!("{base}.requests[{i}].firstAvailable[{k}]"),
+                            &s.device_class_name,
+                            s.selectors.as_deref().unwrap_or_default(),
+                            s.allocation_mode.as_deref(),
+                            s.count,
+                            s.capacity.as_ref().and_then(|c| c.requests.clone()),
+                        )
+                    })
+                    .collect()
+            } else {
+                return Err(field(
+                    format!("{base}.requests[{i}]"),
+                    "a request needs exactly or firstAvailable".into(),
+                ));
+            };
         for (name, path, class_name, selectors, mode, count, capacity) in shapes {
             let class = classes.get(class_name.as_str()).ok_or_else(|| {
                 field(
@@ -206,13 +213,22 @@ pub fn explain(
                     ),
                 )
             })?;
-            let own = compile_all(selectors, &format!("{path}.selectors"), &claim.origin, claim.kind, &claim.name)?;
+            let own = compile_all(
+                selectors,
+                &format!("{path}.selectors"),
+                &claim.origin,
+                claim.kind,
+                &claim.name,
+            )?;
             let want = match (mode.unwrap_or("ExactCount"), count) {
                 ("All", _) => Want::All,
                 ("ExactCount", c) => {
                     let c = c.unwrap_or(1);
                     if c < 1 {
-                        return Err(field(format!("{path}.count"), format!("count {c} is less than 1")));
+                        return Err(field(
+                            format!("{path}.count"),
+                            format!("count {c} is less than 1"),
+                        ));
                     }
                     Want::Count(c as usize)
                 }
@@ -290,7 +306,14 @@ pub fn explain(
         ),
         Outcome::None => (None, Some(search.why_not())),
     };
-    Ok(report::build(claim, &requests, &constraints, devices, allocation, reason))
+    Ok(report::build(
+        claim,
+        &requests,
+        &constraints,
+        devices,
+        allocation,
+        reason,
+    ))
 }
 
 /// The first check `cand` fails, in words; `None` when it fits.
@@ -303,13 +326,17 @@ fn check(
 ) -> Option<String> {
     for (i, s) in class.selectors.iter().enumerate() {
         if !matches!(s.evaluate(env, &cand.value), Ok(true)) {
-            let why = s.explain(env, &cand.value).unwrap_or_else(|| "false".into());
+            let why = s
+                .explain(env, &cand.value)
+                .unwrap_or_else(|| "false".into());
             return Some(format!("class {} selector[{i}]: {why}", class.name));
         }
     }
     for (i, s) in own.iter().enumerate() {
         if !matches!(s.evaluate(env, &cand.value), Ok(true)) {
-            let why = s.explain(env, &cand.value).unwrap_or_else(|| "false".into());
+            let why = s
+                .explain(env, &cand.value)
+                .unwrap_or_else(|| "false".into());
             return Some(format!("selectors[{i}]: {why}"));
         }
     }
@@ -326,7 +353,10 @@ fn check(
             return Some(format!("capacity {name}: the device has none"));
         };
         let (Some(want), Some(value)) = (parse_milli(q), parse_milli(&have.value.0)) else {
-            return Some(format!("capacity {name}: invalid quantity {:?}", have.value.0));
+            return Some(format!(
+                "capacity {name}: invalid quantity {:?}",
+                have.value.0
+            ));
         };
         let want = match (&have.request_policy, cand.device.allow_multiple_allocations) {
             (Some(p), Some(true)) => match round_up(p, want) {
@@ -359,7 +389,12 @@ fn round_up(p: &CapacityRequestPolicy, want: i128) -> Option<i128> {
             return Some(min);
         }
         let mut w = want;
-        if let Some(step) = r.step.as_ref().and_then(|s| parse_milli(&s.0)).filter(|s| *s > 0) {
+        if let Some(step) = r
+            .step
+            .as_ref()
+            .and_then(|s| parse_milli(&s.0))
+            .filter(|s| *s > 0)
+        {
             let over = (w - min) % step;
             if over != 0 {
                 w += step - over;
@@ -401,7 +436,9 @@ pub fn parse_milli(s: &str) -> Option<i128> {
         None => (false, num.strip_prefix('+').unwrap_or(num)),
     };
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
-    if int.is_empty() && frac.is_empty() || !int.chars().chain(frac.chars()).all(|c| c.is_ascii_digit()) {
+    if int.is_empty() && frac.is_empty()
+        || !int.chars().chain(frac.chars()).all(|c| c.is_ascii_digit())
+    {
         return None;
     }
     // value = digits × 10^(-frac.len()) × multiplier, kept in thousandths.
@@ -555,17 +592,20 @@ impl Search<'_> {
             if !on || !covers(c, &alt.name) {
                 continue;
             }
-            let value = attribute(dev, c.match_attribute.as_deref().or(c.distinct_attribute.as_deref()));
-            let others = st
-                .picks
-                .iter()
-                .filter(|(n, _)| covers(c, n))
-                .map(|(_, o)| {
-                    attribute(
-                        &self.devices[*o],
-                        c.match_attribute.as_deref().or(c.distinct_attribute.as_deref()),
-                    )
-                });
+            let value = attribute(
+                dev,
+                c.match_attribute
+                    .as_deref()
+                    .or(c.distinct_attribute.as_deref()),
+            );
+            let others = st.picks.iter().filter(|(n, _)| covers(c, n)).map(|(_, o)| {
+                attribute(
+                    &self.devices[*o],
+                    c.match_attribute
+                        .as_deref()
+                        .or(c.distinct_attribute.as_deref()),
+                )
+            });
             if c.match_attribute.is_some() {
                 if value.is_none() {
                     return false;
@@ -656,8 +696,8 @@ impl Search<'_> {
                     continue;
                 }
                 for &d in &alt.fits {
-                    let v = attribute(&self.devices[d], Some(attr))
-                        .unwrap_or_else(|| "(none)".into());
+                    let v =
+                        attribute(&self.devices[d], Some(attr)).unwrap_or_else(|| "(none)".into());
                     let name = &self.devices[d].device.name;
                     let e = values.entry(v).or_default();
                     if !e.contains(name) {
@@ -737,7 +777,11 @@ pub struct Problem {
 
 impl std::fmt::Display for Problem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {} {}: {}", self.file, self.kind, self.name, self.path)?;
+        write!(
+            f,
+            "{}: {} {}: {}",
+            self.file, self.kind, self.name, self.path
+        )?;
         match (self.line, self.column) {
             (Some(l), Some(c)) if l > 1 => write!(f, ": line {l}, column {c}")?,
             (_, Some(c)) => write!(f, ": column {c}")?,
@@ -753,9 +797,13 @@ pub fn validate(objects: &Objects) -> Vec<Problem> {
     let mut check = |origin: &Origin, kind: &str, name: &str, path: String, s: &DeviceSelector| {
         let expr = s.cel.as_ref().map(|c| c.expression.as_str()).unwrap_or("");
         if let Err(e) = Selector::compile(expr) {
-            let (line, column) = match &e {
-                crate::cel::CompileError::Syntax { line, column, .. } => (Some(*line), Some(*column)),
-                e => (None, e.column()),
+            let (line, column, message) = match &e {
+                crate::cel::CompileError::Syntax {
+                    line,
+                    column,
+                    message,
+                } => (Some(*line), Some(*column), message.clone()),
+                e => (None, e.column(), e.to_string()),
             };
             out.push(Problem {
                 file: origin.file.display().to_string(),
@@ -764,19 +812,31 @@ pub fn validate(objects: &Objects) -> Vec<Problem> {
                 path,
                 line,
                 column,
-                message: e.to_string(),
+                message,
             });
         }
     };
     for (c, origin) in &objects.classes {
         let name = c.metadata.name.clone().unwrap_or_default();
         for (i, s) in c.spec.selectors.iter().flatten().enumerate() {
-            check(origin, "DeviceClass", &name, format!("spec.selectors[{i}].cel.expression"), s);
+            check(
+                origin,
+                "DeviceClass",
+                &name,
+                format!("spec.selectors[{i}].cel.expression"),
+                s,
+            );
         }
     }
     for claim in &objects.claims {
         let base = format!("{}.devices.requests", claim.spec_path);
-        for (i, r) in claim.spec.devices.iter().flat_map(|d| d.requests.iter().flatten()).enumerate() {
+        for (i, r) in claim
+            .spec
+            .devices
+            .iter()
+            .flat_map(|d| d.requests.iter().flatten())
+            .enumerate()
+        {
             if let Some(e) = &r.exactly {
                 for (j, s) in e.selectors.iter().flatten().enumerate() {
                     let path = format!("{base}[{i}].exactly.selectors[{j}].cel.expression");

@@ -74,6 +74,25 @@ pub struct MatchArgs {
     #[arg(long, env = "NVDRA_SLICES", value_name = "FILE", conflicts_with_all = ["profile", "topology"])]
     pub slices: Option<PathBuf>,
 
+    /// Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain the
+    /// claim per node.
+    #[arg(
+        long,
+        env = "NVDRA_KUBECONFIG",
+        value_name = "FILE",
+        conflicts_with_all = ["slices", "profile", "topology"]
+    )]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// With --kubeconfig: only this node's ResourceSlices.
+    #[arg(
+        long = "node",
+        env = "NVDRA_MATCH_NODE",
+        value_name = "NAME",
+        requires = "kubeconfig"
+    )]
+    pub node: Option<String>,
+
     #[command(flatten)]
     pub backend: BackendSettings,
 
@@ -407,18 +426,47 @@ fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
                 .join(", ")
         ));
     }
-    let slices = match node_slices(cli, args, &objects) {
-        Ok(s) => s,
-        Err(e) => return bad_input(e),
-    };
+    let mut objects = objects;
+    // Per node: (node name or "" for the one node of a backend or a file, its slices).
+    let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
+        if let Some(kubeconfig) = &args.kubeconfig {
+            match live_slices(kubeconfig, args.node.as_deref()) {
+                Ok((slices, classes)) => {
+                    // Classes given with -f win over the cluster's.
+                    objects.classes.extend(classes.into_iter().map(|c| {
+                        (
+                            c,
+                            matching::Origin {
+                                file: kubeconfig.clone(),
+                                doc: 0,
+                                line: 0,
+                            },
+                        )
+                    }));
+                    matching::group_by_node(slices)
+                }
+                Err(e) => return bad_input(e),
+            }
+        } else {
+            match node_slices(cli, args, &objects) {
+                Ok(s) => vec![(String::new(), s)],
+                Err(e) => return bad_input(e),
+            }
+        };
     let env = crate::cel::Environment::new();
-    let result = matching::candidates(&env, &slices).and_then(|devices| {
-        let classes = matching::compile_classes(&objects.classes)?;
-        objects
-            .claims
-            .iter()
-            .map(|c| matching::explain(&env, c, &classes, &devices))
-            .collect::<Result<Vec<_>, _>>()
+    let result = matching::compile_classes(&objects.classes).and_then(|classes| {
+        let mut reports = Vec::new();
+        for (node, slices) in &nodes {
+            let devices = matching::candidates(&env, slices)?;
+            for c in &objects.claims {
+                let mut r = matching::explain(&env, c, &classes, &devices)?;
+                if !node.is_empty() {
+                    r.node = Some(node.clone());
+                }
+                reports.push(r);
+            }
+        }
+        Ok(reports)
     });
     let reports = match result {
         Ok(r) => r,
@@ -435,11 +483,32 @@ fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
         eprintln!("nvdra: {e}");
         return ExitCode::FAILURE;
     }
-    if reports.iter().all(|r| r.satisfiable) {
+    // Satisfiable when every claim fits on some node.
+    let fits = objects.claims.iter().all(|c| {
+        reports
+            .iter()
+            .any(|r| r.satisfiable && r.name == c.name && r.kind == c.kind)
+    });
+    if fits && !reports.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// The cluster's ResourceSlices (of `node`, when named) and DeviceClasses, read only.
+fn live_slices(
+    kubeconfig: &std::path::Path,
+    node: Option<&str>,
+) -> anyhow::Result<(
+    Vec<k8s_openapi::api::resource::v1::ResourceSlice>,
+    Vec<k8s_openapi::api::resource::v1::DeviceClass>,
+)> {
+    let runtime = crate::daemon::runtime()?;
+    runtime.block_on(async {
+        let api = crate::api::kube::KubeApi::new(Some(kubeconfig)).await?;
+        Ok(api.list_for_match(node).await?)
+    })
 }
 
 /// The node's ResourceSlices: from `--slices`, from the `-f` files when they hold some and no

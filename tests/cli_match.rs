@@ -3,10 +3,13 @@
 //! ResourceSlices read from a file as `nvdra inventory -o slices` prints them, and validation
 //! errors with their object, field path and column.
 
-use std::path::PathBuf;
+mod support;
+
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
+use support::apiserver::TestApiServer;
 
 fn nvdra(args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
@@ -322,4 +325,126 @@ spec:
         ) && lines[2].contains("must evaluate to bool"),
         "{text}"
     );
+}
+
+/// The node's slices as `nvdra inventory -o slices` prints them, named as the API server would.
+fn published(profile: &str, node: &str) -> Vec<k8s_openapi::api::resource::v1::ResourceSlice> {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args([
+            "inventory",
+            "--profile",
+            profile,
+            "--node-name",
+            node,
+            "-o",
+            "slices",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let mut objects = nvdra::matching::Objects::default();
+    nvdra::matching::input::read_text(
+        Path::new("slices.yaml"),
+        &String::from_utf8(out.stdout).unwrap(),
+        &mut objects,
+    )
+    .unwrap();
+    objects
+        .slices
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut s)| {
+            s.metadata.name = Some(format!("{node}-{i}"));
+            s
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_live_cluster_is_explained_per_node() {
+    let server = TestApiServer::start().await;
+    for s in published("dgx-h100", "node-h100")
+        .into_iter()
+        .chain(published("l40s-pcie", "node-l40s"))
+    {
+        server.insert_slice(s);
+    }
+    let mut classes = nvdra::matching::Objects::default();
+    nvdra::matching::input::read_text(
+        Path::new("deviceclasses.yaml"),
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/deviceclasses.yaml"),
+        )
+        .unwrap(),
+        &mut classes,
+    )
+    .unwrap();
+    for (c, _) in classes.classes {
+        server.seed_device_class(c);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\nusers:\n- name: t\n  user: {{}}\n",
+            server.url()
+        ),
+    )
+    .unwrap();
+    let writes_before = server.counts().write_requests;
+    let kc = kubeconfig.to_str().unwrap().to_string();
+    let all = {
+        let kc = kc.clone();
+        tokio::task::spawn_blocking(move || {
+            nvdra(&["match", "-f", TWO_GPUS, "--kubeconfig", &kc, "-o", "json"])
+        })
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        all.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&all.stderr)
+    );
+    let v = json(&all);
+    let by_node: Vec<(String, bool)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["node"].as_str().unwrap().to_string(),
+                r["satisfiable"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_node,
+        [
+            ("node-h100".to_string(), true),
+            ("node-l40s".to_string(), false)
+        ]
+    );
+    // One node only: the L40S node cannot hold the claim.
+    let one = tokio::task::spawn_blocking(move || {
+        nvdra(&[
+            "match",
+            "-f",
+            TWO_GPUS,
+            "--kubeconfig",
+            &kc,
+            "--node",
+            "node-l40s",
+        ])
+    })
+    .await
+    .unwrap();
+    assert_eq!(one.status.code(), Some(1));
+    let text = stdout(&one);
+    assert!(text.contains("on node node-l40s"), "{text}");
+    assert!(!text.contains("node-h100"), "{text}");
+    // Read-only.
+    assert_eq!(server.counts().write_requests, writes_before);
 }

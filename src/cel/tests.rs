@@ -388,6 +388,47 @@ device.attributes["dra.example.com"]["version"].isGreaterThan(semver("0.0.1"))
     for (name, expr, driver, d, want) in &cases {
         check(&env, name, expr, driver, d, *want);
     }
+    // The Kubernetes documentation's examples.
+    let doc_device = device(
+        &[
+            ("model", string("LATEST-GPU-MODEL")),
+            ("someBool", boolean(true)),
+            ("anotherBool", boolean(false)),
+            ("ext.example.com/family", string("a")),
+        ],
+        &[("modules", "4"), ("test-driver.cdi.k8s.io/counters", "3")],
+        Some(true),
+    );
+    let docs: &[(&str, Want)] = &[
+        ("device.driver == 'dra.example.com'", Match(true)),
+        (
+            "device.attributes['dra.example.com'].model == 'LATEST-GPU-MODEL'",
+            Match(true),
+        ),
+        (
+            "device.attributes['ext.example.com'].family == 'a'",
+            Match(true),
+        ),
+        (
+            "device.capacity['dra.example.com'].modules.isGreaterThan(quantity('3'))",
+            Match(true),
+        ),
+        (
+            "cel.bind(dra, device.attributes['dra.example.com'], dra.someBool && dra.anotherBool)",
+            Match(false),
+        ),
+        (
+            "device.capacity['test-driver.cdi.k8s.io'].counters.compareTo(quantity('2')) >= 0",
+            Match(true),
+        ),
+        (
+            "device.capacity['dra.example.com'].memory.compareTo(quantity('4Gi')) >= 0",
+            Fails("no such key: memory"),
+        ),
+    ];
+    for (expr, want) in docs {
+        check(&env, "docs", expr, EX, &doc_device, *want);
+    }
 }
 
 fn profile_devices(profile: &str) -> Vec<Device> {

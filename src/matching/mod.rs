@@ -59,6 +59,25 @@ pub fn candidates(
     Ok(out)
 }
 
+/// Slices per node, by name: a node's own slices plus those for all nodes or a node selector
+/// (which may apply to any node).
+pub fn group_by_node(slices: Vec<ResourceSlice>) -> Vec<(String, Vec<ResourceSlice>)> {
+    let (local, shared): (Vec<_>, Vec<_>) =
+        slices.into_iter().partition(|s| s.spec.node_name.is_some());
+    let mut nodes: BTreeMap<String, Vec<ResourceSlice>> = BTreeMap::new();
+    for s in local {
+        let n = s.spec.node_name.clone().unwrap_or_default();
+        nodes.entry(n).or_default().push(s);
+    }
+    if nodes.is_empty() && !shared.is_empty() {
+        nodes.insert("(any node)".into(), Vec::new());
+    }
+    for v in nodes.values_mut() {
+        v.extend(shared.iter().cloned());
+    }
+    nodes.into_iter().collect()
+}
+
 fn slice_name(s: &ResourceSlice) -> String {
     s.metadata
         .name

@@ -13,6 +13,9 @@ pub struct ClaimReport {
     pub kind: String,
     pub name: String,
     pub file: String,
+    /// The node, when several were explained (`--kubeconfig`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
     pub satisfiable: bool,
     pub requests: Vec<RequestReport>,
     pub constraints: Vec<String>,
@@ -63,6 +66,7 @@ pub(super) fn build(
         kind: claim.kind.to_string(),
         name: claim.name.clone(),
         file: claim.origin.file.display().to_string(),
+        node: None,
         satisfiable: allocation.is_some(),
         requests: requests
             .iter()
@@ -122,7 +126,14 @@ pub fn render_table(reports: &[ClaimReport]) -> String {
         if i > 0 {
             out.push('\n');
         }
-        let _ = writeln!(out, "{} {} ({})", r.kind, r.name, r.file);
+        match &r.node {
+            Some(n) => {
+                let _ = writeln!(out, "{} {} ({}) on node {n}", r.kind, r.name, r.file);
+            }
+            None => {
+                let _ = writeln!(out, "{} {} ({})", r.kind, r.name, r.file);
+            }
+        }
         for q in &r.requests {
             let _ = writeln!(
                 out,

@@ -19,7 +19,7 @@ use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -66,6 +66,8 @@ struct State {
     slices: BTreeMap<String, ResourceSlice>,
     nodes: BTreeMap<String, Node>,
     claims: BTreeMap<(String, String), ResourceClaim>,
+    /// Cluster-scoped DeviceClasses, listed at `/apis/resource.k8s.io/v1/deviceclasses`.
+    device_classes: BTreeMap<String, DeviceClass>,
     rv: u64,
     /// (resourceVersion, event type, object) of every slice change since `compacted`.
     history: Vec<(u64, &'static str, ResourceSlice)>,
@@ -233,6 +235,12 @@ impl TestApiServer {
         let mut st = self.lock();
         st.next_rv();
         st.nodes.insert(name.into(), node);
+    }
+
+    /// Stores a DeviceClass (listed, never written through HTTP).
+    pub fn seed_device_class(&self, class: DeviceClass) {
+        let name = class.metadata.name.clone().unwrap_or_default();
+        self.lock().device_classes.insert(name, class);
     }
 
     pub fn seed_claim(&self, claim: ResourceClaim) {
@@ -611,6 +619,20 @@ impl Server {
             }
             (Method::DELETE, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
                 self.delete(name)
+            }
+            (Method::GET, ["apis", "resource.k8s.io", "v1", "deviceclasses"]) => {
+                let mut st = self.lock();
+                st.counts.lists += 1;
+                let items: Vec<&DeviceClass> = st.device_classes.values().collect();
+                ok_json(
+                    StatusCode::OK,
+                    &json!({
+                        "apiVersion": "resource.k8s.io/v1",
+                        "kind": "DeviceClassList",
+                        "metadata": { "resourceVersion": st.rv.to_string() },
+                        "items": items,
+                    }),
+                )
             }
             (Method::GET, ["version"]) => {
                 let minor = self.lock().server_minor;

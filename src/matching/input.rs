@@ -24,16 +24,8 @@ pub enum InputError {
         line: usize,
         message: String,
     },
-    #[error("{file}: document {doc} (line {line}): {kind} {name}: field {path}: {message}")]
-    Field {
-        file: PathBuf,
-        doc: usize,
-        line: usize,
-        kind: String,
-        name: String,
-        path: String,
-        message: String,
-    },
+    #[error(transparent)]
+    Field(Box<FieldError>),
     #[error(
         "{file}: document {doc} (line {line}): kind {kind:?} is not a DeviceClass, \
          ResourceClaim, ResourceClaimTemplate or ResourceSlice"
@@ -46,6 +38,25 @@ pub enum InputError {
     },
     #[error("{0}")]
     Other(String),
+}
+
+/// A field of an object that is wrong.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: document {doc} (line {line}): {kind} {name}: field {path}: {message}")]
+pub struct FieldError {
+    pub file: PathBuf,
+    pub doc: usize,
+    pub line: usize,
+    pub kind: String,
+    pub name: String,
+    pub path: String,
+    pub message: String,
+}
+
+impl From<FieldError> for InputError {
+    fn from(e: FieldError) -> Self {
+        InputError::Field(Box::new(e))
+    }
 }
 
 /// Where an object came from.
@@ -202,14 +213,16 @@ fn typed<T: serde::de::DeserializeOwned>(
     kind: &str,
     name: &str,
 ) -> Result<T, InputError> {
-    serde_path_to_error::deserialize(v).map_err(|e| InputError::Field {
-        file: origin.file.clone(),
-        doc: origin.doc,
-        line: origin.line,
-        kind: kind.to_string(),
-        name: name.to_string(),
-        path: e.path().to_string(),
-        message: e.into_inner().to_string(),
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        InputError::from(FieldError {
+            file: origin.file.clone(),
+            doc: origin.doc,
+            line: origin.line,
+            kind: kind.to_string(),
+            name: name.to_string(),
+            path: e.path().to_string(),
+            message: e.into_inner().to_string(),
+        })
     })
 }
 

@@ -23,7 +23,7 @@ use k8s_openapi::api::resource::v1::{
 };
 
 use crate::cel::{DeviceValue, Environment, Selector};
-pub use input::{ClaimInput, InputError, Objects, Origin};
+pub use input::{ClaimInput, FieldError, InputError, Objects, Origin};
 pub use report::{ClaimReport, RequestReport, render_table};
 
 /// Most search steps before the allocation search gives up.
@@ -127,14 +127,16 @@ fn compile_all(
         .enumerate()
         .map(|(i, s)| {
             let expr = s.cel.as_ref().map(|c| c.expression.as_str()).unwrap_or("");
-            Selector::compile(expr).map_err(|e| InputError::Field {
-                file: origin.file.clone(),
-                doc: origin.doc,
-                line: origin.line,
-                kind: kind.to_string(),
-                name: name.to_string(),
-                path: format!("{path}[{i}].cel.expression"),
-                message: e.to_string(),
+            Selector::compile(expr).map_err(|e| {
+                InputError::from(FieldError {
+                    file: origin.file.clone(),
+                    doc: origin.doc,
+                    line: origin.line,
+                    kind: kind.to_string(),
+                    name: name.to_string(),
+                    path: format!("{path}[{i}].cel.expression"),
+                    message: e.to_string(),
+                })
             })
         })
         .collect()
@@ -171,14 +173,16 @@ pub fn explain(
     classes: &BTreeMap<String, Class>,
     devices: &[Candidate],
 ) -> Result<ClaimReport, InputError> {
-    let field = |path: String, message: String| InputError::Field {
-        file: claim.origin.file.clone(),
-        doc: claim.origin.doc,
-        line: claim.origin.line,
-        kind: claim.kind.to_string(),
-        name: claim.name.clone(),
-        path,
-        message,
+    let field = |path: String, message: String| {
+        InputError::from(FieldError {
+            file: claim.origin.file.clone(),
+            doc: claim.origin.doc,
+            line: claim.origin.line,
+            kind: claim.kind.to_string(),
+            name: claim.name.clone(),
+            path,
+            message,
+        })
     };
     let spec: &ResourceClaimSpec = &claim.spec;
     let base = format!("{}.devices", claim.spec_path);

@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod cdi;
+pub mod cel;
 pub mod cli;
 pub mod config;
 pub mod daemon;
@@ -17,6 +18,7 @@ pub mod health;
 pub mod inventory;
 pub mod ledger;
 pub mod lock;
+pub mod matching;
 pub mod metrics;
 pub mod proto;
 pub mod report;

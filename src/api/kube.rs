@@ -57,6 +57,30 @@ impl KubeApi {
         Self::from_config(config)
     }
 
+    /// The published ResourceSlices (of one node, when named) and every DeviceClass, read only:
+    /// what `nvdra match --kubeconfig` explains a claim against.
+    pub async fn list_for_match(
+        &self,
+        node: Option<&str>,
+    ) -> Result<(
+        Vec<ResourceSlice>,
+        Vec<k8s_openapi::api::resource::v1::DeviceClass>,
+    )> {
+        let mut params = ListParams::default();
+        if let Some(n) = node {
+            params = params.fields(&format!("spec.nodeName={n}"));
+        }
+        let slices = Api::<ResourceSlice>::all(self.client.clone())
+            .list(&params)
+            .await
+            .map_err(|e| Error::Setup(format!("cannot list ResourceSlices: {e}")))?;
+        let classes = Api::<k8s_openapi::api::resource::v1::DeviceClass>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| Error::Setup(format!("cannot list DeviceClasses: {e}")))?;
+        Ok((slices.items, classes.items))
+    }
+
     /// Talks plain HTTP (or HTTPS without client auth) to `url`, e.g. a test server.
     pub fn from_url(url: &str) -> Result<Self> {
         let uri: http::Uri = url

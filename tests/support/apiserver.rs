@@ -271,6 +271,11 @@ impl TestApiServer {
         st.nodes.insert(name.into(), node);
     }
 
+    /// Stores a DeviceClass (listed and watched, never written through HTTP).
+    pub fn seed_device_class(&self, class: DeviceClass) {
+        self.set_device_class(class);
+    }
+
     pub fn seed_claim(&self, claim: ResourceClaim) {
         let ns = claim.metadata.namespace.clone().unwrap_or_default();
         let name = claim.metadata.name.clone().unwrap_or_default();
@@ -329,7 +334,6 @@ impl TestApiServer {
         self.insert_slice(slice);
     }
 
-    /// Makes `/version` report Kubernetes 1.`minor` (default 1.35).
     /// Creates or replaces a DeviceClass, telling the DeviceClass watches.
     pub fn set_device_class(&self, mut class: DeviceClass) {
         let mut st = self.lock();
@@ -367,6 +371,7 @@ impl TestApiServer {
         self.lock().dra_absent = true;
     }
 
+    /// Makes `/version` report Kubernetes 1.`minor` (default 1.35).
     pub fn set_server_minor(&self, minor: u32) {
         self.lock().server_minor = minor;
     }

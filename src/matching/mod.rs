@@ -1,0 +1,879 @@
+//! Which of a node's devices a ResourceClaim can get, and why not: `nvdra match`.
+//!
+//! For every request (and every `firstAvailable` subrequest) each device is checked as the
+//! scheduler checks it — the class's selectors, then the request's, then `capacity.requests`
+//! against the device's (consumable) capacity — and the first failing check is kept with the
+//! values that decided it (`memory 48Gi < 80Gi`). Then a possible allocation is searched by
+//! backtracking: `count` or `allocationMode: All`, the first subrequest that works, devices
+//! used once (or shared, with their capacity consumed, when `allowMultipleAllocations`), and
+//! every `matchAttribute` / `distinctAttribute` constraint. The search is bounded
+//! ([`MAX_SEARCH_STEPS`]); running out is reported, not waited for.
+//!
+//! Not modelled: shared counters of partitionable devices (`consumesCounters`), taints and
+//! tolerations, admin access, and devices other claims already hold.
+
+pub mod input;
+mod report;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, Device, DeviceClass, DeviceConstraint, DeviceSelector,
+    ResourceClaimSpec, ResourceSlice,
+};
+
+use crate::cel::{DeviceValue, Environment, Selector};
+pub use input::{ClaimInput, FieldError, InputError, Objects, Origin};
+pub use report::{ClaimReport, RequestReport, render_table};
+
+/// Most search steps before the allocation search gives up.
+pub const MAX_SEARCH_STEPS: u64 = 200_000;
+
+/// One device of the node, ready for selectors.
+pub struct Candidate {
+    pub driver: String,
+    pub pool: String,
+    pub device: Device,
+    pub value: DeviceValue,
+}
+
+/// The devices of `slices`, converted for CEL.
+pub fn candidates(
+    env: &Environment,
+    slices: &[ResourceSlice],
+) -> Result<Vec<Candidate>, InputError> {
+    let mut out = Vec::new();
+    for s in slices {
+        for d in s.spec.devices.iter().flatten() {
+            let value = env
+                .device(&s.spec.driver, d)
+                .map_err(|e| InputError::Other(format!("ResourceSlice {}: {e}", slice_name(s))))?;
+            out.push(Candidate {
+                driver: s.spec.driver.clone(),
+                pool: s.spec.pool.name.clone(),
+                device: d.clone(),
+                value,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Slices per node, by name: a node's own slices plus those for all nodes or a node selector
+/// (which may apply to any node).
+pub fn group_by_node(slices: Vec<ResourceSlice>) -> Vec<(String, Vec<ResourceSlice>)> {
+    let (local, shared): (Vec<_>, Vec<_>) =
+        slices.into_iter().partition(|s| s.spec.node_name.is_some());
+    let mut nodes: BTreeMap<String, Vec<ResourceSlice>> = BTreeMap::new();
+    for s in local {
+        let n = s.spec.node_name.clone().unwrap_or_default();
+        nodes.entry(n).or_default().push(s);
+    }
+    if nodes.is_empty() && !shared.is_empty() {
+        nodes.insert("(any node)".into(), Vec::new());
+    }
+    for v in nodes.values_mut() {
+        v.extend(shared.iter().cloned());
+    }
+    nodes.into_iter().collect()
+}
+
+fn slice_name(s: &ResourceSlice) -> String {
+    s.metadata
+        .name
+        .clone()
+        .or_else(|| s.metadata.generate_name.clone())
+        .unwrap_or_default()
+}
+
+/// A DeviceClass's compiled selectors.
+pub struct Class {
+    pub name: String,
+    pub selectors: Vec<Selector>,
+}
+
+/// Compiles the classes (the input's first, then the built-in ones not redefined).
+pub fn compile_classes(
+    classes: &[(DeviceClass, Origin)],
+) -> Result<BTreeMap<String, Class>, InputError> {
+    let mut out = BTreeMap::new();
+    let builtin = input::builtin_classes();
+    for (c, origin) in classes.iter().chain(builtin.iter()) {
+        let name = c.metadata.name.clone().unwrap_or_default();
+        if out.contains_key(&name) {
+            continue;
+        }
+        let selectors = compile_all(
+            c.spec.selectors.as_deref().unwrap_or_default(),
+            "spec.selectors",
+            origin,
+            "DeviceClass",
+            &name,
+        )?;
+        out.insert(name.clone(), Class { name, selectors });
+    }
+    Ok(out)
+}
+
+fn compile_all(
+    selectors: &[DeviceSelector],
+    path: &str,
+    origin: &Origin,
+    kind: &str,
+    name: &str,
+) -> Result<Vec<Selector>, InputError> {
+    selectors
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let expr = s.cel.as_ref().map(|c| c.expression.as_str()).unwrap_or("");
+            Selector::compile(expr).map_err(|e| {
+                InputError::from(FieldError {
+                    file: origin.file.clone(),
+                    doc: origin.doc,
+                    line: origin.line,
+                    kind: kind.to_string(),
+                    name: name.to_string(),
+                    path: format!("{path}[{i}].cel.expression"),
+                    message: e.to_string(),
+                })
+            })
+        })
+        .collect()
+}
+
+/// How many devices a request wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Want {
+    Count(usize),
+    All,
+}
+
+/// One way to satisfy a request: the request itself, or one of its subrequests.
+struct Alternative {
+    /// `req` or `req/sub`.
+    name: String,
+    class: String,
+    want: Want,
+    /// Fitting devices (indices into the candidates) and, for the others, why not.
+    fits: Vec<usize>,
+    rejected: Vec<(usize, String)>,
+    capacity: BTreeMap<String, String>,
+}
+
+struct Request {
+    name: String,
+    alternatives: Vec<Alternative>,
+}
+
+/// Explains one claim against the node's devices.
+pub fn explain(
+    env: &Environment,
+    claim: &ClaimInput,
+    classes: &BTreeMap<String, Class>,
+    devices: &[Candidate],
+) -> Result<ClaimReport, InputError> {
+    let field = |path: String, message: String| {
+        InputError::from(FieldError {
+            file: claim.origin.file.clone(),
+            doc: claim.origin.doc,
+            line: claim.origin.line,
+            kind: claim.kind.to_string(),
+            name: claim.name.clone(),
+            path,
+            message,
+        })
+    };
+    let spec: &ResourceClaimSpec = &claim.spec;
+    let base = format!("{}.devices", claim.spec_path);
+    let mut requests = Vec::new();
+    for (i, r) in spec
+        .devices
+        .iter()
+        .flat_map(|d| d.requests.iter().flatten())
+        .enumerate()
+    {
+        let mut alternatives = Vec::new();
+        let shapes: Vec<(String, String, _, _, Option<&str>, Option<i64>, _)> =
+            if let Some(e) = &r.exactly {
+                vec![(
+                    r.name.clone(),
+                    format!("{base}.requests[{i}].exactly"),
+                    &e.device_class_name,
+                    e.selectors.as_deref().unwrap_or_default(),
+                    e.allocation_mode.as_deref(),
+                    e.count,
+                    e.capacity.as_ref().and_then(|c| c.requests.clone()),
+                )]
+            } else if let Some(subs) = &r.first_available {
+                subs.iter()
+                    .enumerate()
+                    .map(|(k, s)| {
+                        (
+                            format!("{}/{}", r.name, s.name),
+                            format!("{base}.requests[{i}].firstAvailable[{k}]"),
+                            &s.device_class_name,
+                            s.selectors.as_deref().unwrap_or_default(),
+                            s.allocation_mode.as_deref(),
+                            s.count,
+                            s.capacity.as_ref().and_then(|c| c.requests.clone()),
+                        )
+                    })
+                    .collect()
+            } else {
+                return Err(field(
+                    format!("{base}.requests[{i}]"),
+                    "a request needs exactly or firstAvailable".into(),
+                ));
+            };
+        for (name, path, class_name, selectors, mode, count, capacity) in shapes {
+            let class = classes.get(class_name.as_str()).ok_or_else(|| {
+                field(
+                    format!("{path}.deviceClassName"),
+                    format!(
+                        "no DeviceClass {class_name:?} (pass it with -f; known: {})",
+                        classes.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                )
+            })?;
+            let own = compile_all(
+                selectors,
+                &format!("{path}.selectors"),
+                &claim.origin,
+                claim.kind,
+                &claim.name,
+            )?;
+            let want = match (mode.unwrap_or("ExactCount"), count) {
+                ("All", _) => Want::All,
+                ("ExactCount", c) => {
+                    let c = c.unwrap_or(1);
+                    if c < 1 {
+                        return Err(field(
+                            format!("{path}.count"),
+                            format!("count {c} is less than 1"),
+                        ));
+                    }
+                    Want::Count(c as usize)
+                }
+                (other, _) => {
+                    return Err(field(
+                        format!("{path}.allocationMode"),
+                        format!("unknown allocation mode {other:?} (ExactCount or All)"),
+                    ));
+                }
+            };
+            let capacity: BTreeMap<String, String> = capacity
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, q)| (k, q.0))
+                .collect();
+            for (k, q) in &capacity {
+                if parse_milli(q).is_none() {
+                    return Err(field(
+                        format!("{path}.capacity.requests[{k}]"),
+                        format!("invalid quantity {q:?}"),
+                    ));
+                }
+            }
+            let mut fits = Vec::new();
+            let mut rejected = Vec::new();
+            for (d, cand) in devices.iter().enumerate() {
+                match check(env, class, &own, &capacity, cand) {
+                    None => fits.push(d),
+                    Some(why) => rejected.push((d, why)),
+                }
+            }
+            alternatives.push(Alternative {
+                name,
+                class: class.name.clone(),
+                want,
+                fits,
+                rejected,
+                capacity,
+            });
+        }
+        requests.push(Request {
+            name: r.name.clone(),
+            alternatives,
+        });
+    }
+    let constraints: Vec<DeviceConstraint> = spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.constraints.clone())
+        .unwrap_or_default();
+    for (i, c) in constraints.iter().enumerate() {
+        for r in c.requests.iter().flatten() {
+            let parent = r.split('/').next().unwrap_or(r);
+            if !requests.iter().any(|q| q.name == parent) {
+                return Err(field(
+                    format!("{base}.constraints[{i}].requests"),
+                    format!("no request {r:?}"),
+                ));
+            }
+        }
+    }
+    let search = Search {
+        devices,
+        requests: &requests,
+        constraints: &constraints,
+    };
+    let outcome = search.run(&constraints.iter().map(|_| true).collect::<Vec<_>>());
+    let (allocation, reason) = match outcome {
+        Outcome::Found(picks) => (Some(picks), None),
+        Outcome::GaveUp => (
+            None,
+            Some(format!(
+                "the search gave up after {MAX_SEARCH_STEPS} steps; no allocation was found"
+            )),
+        ),
+        Outcome::None => (None, Some(search.why_not())),
+    };
+    Ok(report::build(
+        claim,
+        &requests,
+        &constraints,
+        devices,
+        allocation,
+        reason,
+    ))
+}
+
+/// The first check `cand` fails, in words; `None` when it fits.
+fn check(
+    env: &Environment,
+    class: &Class,
+    own: &[Selector],
+    capacity: &BTreeMap<String, String>,
+    cand: &Candidate,
+) -> Option<String> {
+    for (i, s) in class.selectors.iter().enumerate() {
+        if !matches!(s.evaluate(env, &cand.value), Ok(true)) {
+            let why = s
+                .explain(env, &cand.value)
+                .unwrap_or_else(|| "false".into());
+            return Some(format!("class {} selector[{i}]: {why}", class.name));
+        }
+    }
+    for (i, s) in own.iter().enumerate() {
+        if !matches!(s.evaluate(env, &cand.value), Ok(true)) {
+            let why = s
+                .explain(env, &cand.value)
+                .unwrap_or_else(|| "false".into());
+            return Some(format!("selectors[{i}]: {why}"));
+        }
+    }
+    for (name, q) in capacity {
+        let qualified = qualify(name, &cand.driver);
+        let Some(have) = cand
+            .device
+            .capacity
+            .iter()
+            .flatten()
+            .find(|(k, _)| qualify(k, &cand.driver) == qualified)
+            .map(|(_, v)| v)
+        else {
+            return Some(format!("capacity {name}: the device has none"));
+        };
+        let (Some(want), Some(value)) = (parse_milli(q), parse_milli(&have.value.0)) else {
+            return Some(format!(
+                "capacity {name}: invalid quantity {:?}",
+                have.value.0
+            ));
+        };
+        let want = match (&have.request_policy, cand.device.allow_multiple_allocations) {
+            (Some(p), Some(true)) => match round_up(p, want) {
+                Some(w) => w,
+                None => {
+                    return Some(format!(
+                        "capacity {name}: {q} is outside the device's request policy"
+                    ));
+                }
+            },
+            _ => want,
+        };
+        if want > value {
+            return Some(format!("capacity {name} {} < requested {q}", have.value.0));
+        }
+    }
+    None
+}
+
+/// A capacity request rounded up to the next value the policy allows; `None` above its max.
+fn round_up(p: &CapacityRequestPolicy, want: i128) -> Option<i128> {
+    if let Some(values) = &p.valid_values {
+        let mut vals: Vec<i128> = values.iter().filter_map(|v| parse_milli(&v.0)).collect();
+        vals.sort();
+        return vals.into_iter().find(|v| *v >= want);
+    }
+    if let Some(r) = &p.valid_range {
+        let min = parse_milli(&r.min.0)?;
+        if want <= min {
+            return Some(min);
+        }
+        let mut w = want;
+        if let Some(step) = r
+            .step
+            .as_ref()
+            .and_then(|s| parse_milli(&s.0))
+            .filter(|s| *s > 0)
+        {
+            let over = (w - min) % step;
+            if over != 0 {
+                w += step - over;
+            }
+        }
+        if let Some(max) = r.max.as_ref().and_then(|m| parse_milli(&m.0))
+            && w > max
+        {
+            return None;
+        }
+        return Some(w);
+    }
+    Some(want)
+}
+
+/// `name` with the driver's domain when it has none.
+fn qualify(name: &str, driver: &str) -> String {
+    if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("{driver}/{name}")
+    }
+}
+
+/// A Kubernetes quantity in thousandths (`1`, `500m`, `80Gi`, `1.5G`, `1e3`).
+pub fn parse_milli(s: &str) -> Option<i128> {
+    let s = s.trim();
+    let (num, suffix) = {
+        let end = s
+            .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
+            .unwrap_or(s.len());
+        s.split_at(end)
+    };
+    if num.is_empty() {
+        return None;
+    }
+    let (neg, num) = match num.strip_prefix('-') {
+        Some(n) => (true, n),
+        None => (false, num.strip_prefix('+').unwrap_or(num)),
+    };
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    if int.is_empty() && frac.is_empty()
+        || !int.chars().chain(frac.chars()).all(|c| c.is_ascii_digit())
+    {
+        return None;
+    }
+    // value = digits × 10^(-frac.len()) × multiplier, kept in thousandths.
+    let digits: i128 = format!("{int}{frac}").parse().ok()?;
+    let (num_mul, den_pow10): (i128, u32) = match suffix {
+        "" => (1, 0),
+        "m" => (1, 3),
+        "k" => (1_000, 0),
+        "M" => (1_000_000, 0),
+        "G" => (1_000_000_000, 0),
+        "T" => (1_000_000_000_000, 0),
+        "P" => (1_000_000_000_000_000, 0),
+        "E" => (1_000_000_000_000_000_000, 0),
+        "Ki" => (1 << 10, 0),
+        "Mi" => (1 << 20, 0),
+        "Gi" => (1 << 30, 0),
+        "Ti" => (1 << 40, 0),
+        "Pi" => (1 << 50, 0),
+        "Ei" => (1 << 60, 0),
+        e if e.starts_with(['e', 'E']) => {
+            let exp: i32 = e[1..].parse().ok()?;
+            if !(-3..=18).contains(&exp) {
+                return None;
+            }
+            if exp >= 0 {
+                (10i128.pow(exp as u32), 0)
+            } else {
+                (1, (-exp) as u32)
+            }
+        }
+        _ => return None,
+    };
+    let scaled = digits.checked_mul(num_mul)?.checked_mul(1000)?;
+    let den = 10i128.checked_pow(frac.len() as u32 + den_pow10)?;
+    let v = scaled / den;
+    Some(if neg { -v } else { v })
+}
+
+enum Outcome {
+    Found(Vec<(String, usize)>),
+    None,
+    GaveUp,
+}
+
+struct Search<'a> {
+    devices: &'a [Candidate],
+    requests: &'a [Request],
+    constraints: &'a [DeviceConstraint],
+}
+
+/// The search's state: what is picked so far.
+struct State {
+    picks: Vec<(String, usize)>,
+    /// Devices used and, for shared ones, the capacity consumed (thousandths).
+    consumed: BTreeMap<usize, BTreeMap<String, i128>>,
+    steps: u64,
+}
+
+impl Search<'_> {
+    fn run(&self, active: &[bool]) -> Outcome {
+        let mut st = State {
+            picks: Vec::new(),
+            consumed: BTreeMap::new(),
+            steps: 0,
+        };
+        match self.request(0, active, &mut st) {
+            Some(true) => Outcome::Found(st.picks),
+            Some(false) => Outcome::None,
+            None => Outcome::GaveUp,
+        }
+    }
+
+    /// `Some(true)` when requests `r..` can be satisfied on top of `st`; `None` when out of
+    /// steps.
+    fn request(&self, r: usize, active: &[bool], st: &mut State) -> Option<bool> {
+        let Some(req) = self.requests.get(r) else {
+            return Some(true);
+        };
+        for alt in &req.alternatives {
+            let need = match alt.want {
+                Want::Count(n) => n,
+                Want::All => {
+                    if alt.fits.is_empty() {
+                        continue;
+                    }
+                    alt.fits.len()
+                }
+            };
+            let before = st.picks.len();
+            match self.pick(r, alt, need, 0, active, st)? {
+                true => return Some(true),
+                false => st.picks.truncate(before),
+            }
+        }
+        Some(false)
+    }
+
+    /// Picks `need` more devices for `alt` from `alt.fits[from..]`, then the next requests.
+    fn pick(
+        &self,
+        r: usize,
+        alt: &Alternative,
+        need: usize,
+        from: usize,
+        active: &[bool],
+        st: &mut State,
+    ) -> Option<bool> {
+        st.steps += 1;
+        if st.steps > MAX_SEARCH_STEPS {
+            return None;
+        }
+        if need == 0 {
+            return self.request(r + 1, active, st);
+        }
+        if alt.fits.len().saturating_sub(from) < need {
+            return Some(false);
+        }
+        for k in from..alt.fits.len() {
+            let d = alt.fits[k];
+            if !self.can_take(alt, d, active, st) {
+                continue;
+            }
+            let undo = self.take(alt, d, st);
+            st.picks.push((alt.name.clone(), d));
+            if self.pick(r, alt, need - 1, k + 1, active, st)? {
+                return Some(true);
+            }
+            st.picks.pop();
+            self.untake(alt, d, undo, st);
+        }
+        Some(false)
+    }
+
+    fn can_take(&self, alt: &Alternative, d: usize, active: &[bool], st: &State) -> bool {
+        let dev = &self.devices[d];
+        let shared = dev.device.allow_multiple_allocations == Some(true);
+        if let Some(used) = st.consumed.get(&d) {
+            if !shared {
+                return false;
+            }
+            for (name, q) in &alt.capacity {
+                let cap = capacity_of(dev, name).unwrap_or(0);
+                let used_q = used.get(name).copied().unwrap_or(0);
+                if used_q + parse_milli(q).unwrap_or(0) > cap {
+                    return false;
+                }
+            }
+        }
+        // Every active constraint over this request holds with `d` added.
+        for (c, on) in self.constraints.iter().zip(active) {
+            if !on || !covers(c, &alt.name) {
+                continue;
+            }
+            let value = attribute(
+                dev,
+                c.match_attribute
+                    .as_deref()
+                    .or(c.distinct_attribute.as_deref()),
+            );
+            let others = st.picks.iter().filter(|(n, _)| covers(c, n)).map(|(_, o)| {
+                attribute(
+                    &self.devices[*o],
+                    c.match_attribute
+                        .as_deref()
+                        .or(c.distinct_attribute.as_deref()),
+                )
+            });
+            if c.match_attribute.is_some() {
+                if value.is_none() {
+                    return false;
+                }
+                if others.into_iter().any(|o| o != value) {
+                    return false;
+                }
+            } else if c.distinct_attribute.is_some() {
+                if value.is_none() {
+                    return false;
+                }
+                if others.into_iter().any(|o| o == value) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn take(&self, alt: &Alternative, d: usize, st: &mut State) -> bool {
+        let fresh = !st.consumed.contains_key(&d);
+        let used = st.consumed.entry(d).or_default();
+        for (name, q) in &alt.capacity {
+            *used.entry(name.clone()).or_default() += parse_milli(q).unwrap_or(0);
+        }
+        fresh
+    }
+
+    fn untake(&self, alt: &Alternative, d: usize, fresh: bool, st: &mut State) {
+        if fresh {
+            st.consumed.remove(&d);
+        } else if let Some(used) = st.consumed.get_mut(&d) {
+            for (name, q) in &alt.capacity {
+                *used.entry(name.clone()).or_default() -= parse_milli(q).unwrap_or(0);
+            }
+        }
+    }
+
+    /// Why no allocation exists, in one sentence.
+    fn why_not(&self) -> String {
+        for req in self.requests {
+            let short: Vec<String> = req
+                .alternatives
+                .iter()
+                .filter_map(|a| {
+                    let need = match a.want {
+                        Want::Count(n) => n,
+                        Want::All => 1,
+                    };
+                    (a.fits.len() < need).then(|| {
+                        format!(
+                            "request {} needs {} {}, {} {}",
+                            a.name,
+                            need,
+                            if need == 1 { "device" } else { "devices" },
+                            a.fits.len(),
+                            if a.fits.len() == 1 { "fits" } else { "fit" }
+                        )
+                    })
+                })
+                .collect();
+            if short.len() == req.alternatives.len() {
+                return short.join("; ");
+            }
+        }
+        // Each request alone is satisfiable: a constraint, or the requests compete.
+        let all_on: Vec<bool> = self.constraints.iter().map(|_| true).collect();
+        for (i, c) in self.constraints.iter().enumerate() {
+            let mut active = all_on.clone();
+            active[i] = false;
+            if matches!(self.run(&active), Outcome::Found(_)) {
+                return self.constraint_failure(c);
+            }
+        }
+        "the requests compete for the same devices: not enough fit all of them at once".into()
+    }
+
+    fn constraint_failure(&self, c: &DeviceConstraint) -> String {
+        let (kind, attr) = match (&c.match_attribute, &c.distinct_attribute) {
+            (Some(a), _) => ("matchAttribute", a.as_str()),
+            (_, Some(a)) => ("distinctAttribute", a.as_str()),
+            _ => ("constraint", ""),
+        };
+        let mut values: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for req in self.requests {
+            for alt in &req.alternatives {
+                if !covers(c, &alt.name) {
+                    continue;
+                }
+                for &d in &alt.fits {
+                    let v =
+                        attribute(&self.devices[d], Some(attr)).unwrap_or_else(|| "(none)".into());
+                    let name = &self.devices[d].device.name;
+                    let e = values.entry(v).or_default();
+                    if !e.contains(name) {
+                        e.push(name.clone());
+                    }
+                }
+            }
+        }
+        let groups: Vec<String> = values
+            .iter()
+            .map(|(v, ds)| format!("{v}: {}", ds.join(", ")))
+            .collect();
+        format!(
+            "{kind} {attr}: no choice of fitting devices agrees on it (fitting devices by value — {})",
+            groups.join("; ")
+        )
+    }
+}
+
+fn capacity_of(dev: &Candidate, name: &str) -> Option<i128> {
+    let q = qualify(name, &dev.driver);
+    dev.device
+        .capacity
+        .iter()
+        .flatten()
+        .find(|(k, _)| qualify(k, &dev.driver) == q)
+        .and_then(|(_, v)| parse_milli(&v.value.0))
+}
+
+/// Whether constraint `c` covers request `name` (`req` or `req/sub`).
+fn covers(c: &DeviceConstraint, name: &str) -> bool {
+    match c.requests.as_deref() {
+        None | Some([]) => true,
+        Some(rs) => {
+            let parent = name.split('/').next().unwrap_or(name);
+            rs.iter().any(|r| r == name || r == parent)
+        }
+    }
+}
+
+/// A fully qualified attribute's value as text (type-tagged so `1` and `"1"` differ).
+fn attribute(dev: &Candidate, qualified: Option<&str>) -> Option<String> {
+    let qualified = qualified?;
+    let a = dev
+        .device
+        .attributes
+        .iter()
+        .flatten()
+        .find(|(k, _)| qualify(k, &dev.driver) == qualified)
+        .map(|(_, v)| v)?;
+    if let Some(i) = a.int {
+        Some(i.to_string())
+    } else if let Some(b) = a.bool {
+        Some(b.to_string())
+    } else if let Some(s) = &a.string {
+        Some(format!("{s:?}"))
+    } else {
+        a.version.as_ref().map(|v| format!("v{v}"))
+    }
+}
+
+#[cfg(test)]
+mod tests;
+
+/// A CEL expression that does not compile, where it is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Problem {
+    pub file: String,
+    pub kind: String,
+    pub name: String,
+    /// e.g. `spec.devices.requests[0].exactly.selectors[1].cel.expression`
+    pub path: String,
+    pub line: Option<usize>,
+    pub column: Option<usize>,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} {}: {}",
+            self.file, self.kind, self.name, self.path
+        )?;
+        match (self.line, self.column) {
+            (Some(l), Some(c)) if l > 1 => write!(f, ": line {l}, column {c}")?,
+            (_, Some(c)) => write!(f, ": column {c}")?,
+            _ => {}
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// Compiles every CEL expression of the classes and claims; what does not compile comes back.
+pub fn validate(objects: &Objects) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut check = |origin: &Origin, kind: &str, name: &str, path: String, s: &DeviceSelector| {
+        let expr = s.cel.as_ref().map(|c| c.expression.as_str()).unwrap_or("");
+        if let Err(e) = Selector::compile(expr) {
+            let (line, column, message) = match &e {
+                crate::cel::CompileError::Syntax {
+                    line,
+                    column,
+                    message,
+                } => (Some(*line), Some(*column), message.clone()),
+                e => (None, e.column(), e.to_string()),
+            };
+            out.push(Problem {
+                file: origin.file.display().to_string(),
+                kind: kind.to_string(),
+                name: name.to_string(),
+                path,
+                line,
+                column,
+                message,
+            });
+        }
+    };
+    for (c, origin) in &objects.classes {
+        let name = c.metadata.name.clone().unwrap_or_default();
+        for (i, s) in c.spec.selectors.iter().flatten().enumerate() {
+            check(
+                origin,
+                "DeviceClass",
+                &name,
+                format!("spec.selectors[{i}].cel.expression"),
+                s,
+            );
+        }
+    }
+    for claim in &objects.claims {
+        let base = format!("{}.devices.requests", claim.spec_path);
+        for (i, r) in claim
+            .spec
+            .devices
+            .iter()
+            .flat_map(|d| d.requests.iter().flatten())
+            .enumerate()
+        {
+            if let Some(e) = &r.exactly {
+                for (j, s) in e.selectors.iter().flatten().enumerate() {
+                    let path = format!("{base}[{i}].exactly.selectors[{j}].cel.expression");
+                    check(&claim.origin, claim.kind, &claim.name, path, s);
+                }
+            }
+            for (k, sub) in r.first_available.iter().flatten().enumerate() {
+                for (j, s) in sub.selectors.iter().flatten().enumerate() {
+                    let path =
+                        format!("{base}[{i}].firstAvailable[{k}].selectors[{j}].cel.expression");
+                    check(&claim.origin, claim.kind, &claim.name, path, s);
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,174 @@
+//! The result of `nvdra match` for one claim, as a table for people and JSON for machines.
+
+use std::fmt::Write as _;
+
+use k8s_openapi::api::resource::v1::DeviceConstraint;
+use serde::Serialize;
+
+use super::{Candidate, ClaimInput, Request, Want};
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimReport {
+    pub kind: String,
+    pub name: String,
+    pub file: String,
+    /// The node, when several were explained (`--kubeconfig`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    pub satisfiable: bool,
+    pub requests: Vec<RequestReport>,
+    pub constraints: Vec<String>,
+    /// A possible allocation: (request, device) pairs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocation: Option<Vec<Allocated>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Allocated {
+    pub request: String,
+    pub driver: String,
+    pub pool: String,
+    pub device: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestReport {
+    /// `req` or `req/sub`.
+    pub name: String,
+    pub device_class_name: String,
+    /// A number, or `All`.
+    pub count: String,
+    pub fits: Vec<String>,
+    pub rejected: Vec<Rejected>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Rejected {
+    pub device: String,
+    pub reason: String,
+}
+
+pub(super) fn build(
+    claim: &ClaimInput,
+    requests: &[Request],
+    constraints: &[DeviceConstraint],
+    devices: &[Candidate],
+    allocation: Option<Vec<(String, usize)>>,
+    reason: Option<String>,
+) -> ClaimReport {
+    let name = |d: usize| devices[d].device.name.clone();
+    ClaimReport {
+        kind: claim.kind.to_string(),
+        name: claim.name.clone(),
+        file: claim.origin.file.display().to_string(),
+        node: None,
+        satisfiable: allocation.is_some(),
+        requests: requests
+            .iter()
+            .flat_map(|r| r.alternatives.iter())
+            .map(|a| RequestReport {
+                name: a.name.clone(),
+                device_class_name: a.class.clone(),
+                count: match a.want {
+                    Want::Count(n) => n.to_string(),
+                    Want::All => "All".into(),
+                },
+                fits: a.fits.iter().map(|&d| name(d)).collect(),
+                rejected: a
+                    .rejected
+                    .iter()
+                    .map(|(d, why)| Rejected {
+                        device: name(*d),
+                        reason: why.clone(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+        constraints: constraints
+            .iter()
+            .map(|c| {
+                let over = match c.requests.as_deref() {
+                    None | Some([]) => "all requests".to_string(),
+                    Some(rs) => rs.join(", "),
+                };
+                match (&c.match_attribute, &c.distinct_attribute) {
+                    (Some(a), _) => format!("matchAttribute {a} over {over}"),
+                    (_, Some(a)) => format!("distinctAttribute {a} over {over}"),
+                    _ => format!("constraint over {over}"),
+                }
+            })
+            .collect(),
+        allocation: allocation.map(|picks| {
+            picks
+                .into_iter()
+                .map(|(request, d)| Allocated {
+                    request,
+                    driver: devices[d].driver.clone(),
+                    pool: devices[d].pool.clone(),
+                    device: name(d),
+                })
+                .collect()
+        }),
+        reason,
+    }
+}
+
+/// The reports as text: per request the fitting devices and each other device's first failing
+/// check, then the allocation or why there is none.
+pub fn render_table(reports: &[ClaimReport]) -> String {
+    let mut out = String::new();
+    for (i, r) in reports.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        match &r.node {
+            Some(n) => {
+                let _ = writeln!(out, "{} {} ({}) on node {n}", r.kind, r.name, r.file);
+            }
+            None => {
+                let _ = writeln!(out, "{} {} ({})", r.kind, r.name, r.file);
+            }
+        }
+        for q in &r.requests {
+            let _ = writeln!(
+                out,
+                "  request {}: {} × {}",
+                q.name, q.count, q.device_class_name
+            );
+            let fits = if q.fits.is_empty() {
+                "(none)".to_string()
+            } else {
+                q.fits.join(", ")
+            };
+            let _ = writeln!(out, "    fits: {fits}");
+            let width = q.rejected.iter().map(|x| x.device.len()).max().unwrap_or(0);
+            for x in &q.rejected {
+                let _ = writeln!(out, "    {:<width$}  {}", x.device, x.reason);
+            }
+        }
+        for c in &r.constraints {
+            let _ = writeln!(out, "  constraint: {c}");
+        }
+        match (&r.allocation, &r.reason) {
+            (Some(a), _) => {
+                let picks: Vec<String> = a
+                    .iter()
+                    .map(|x| format!("{} → {}", x.request, x.device))
+                    .collect();
+                let _ = writeln!(out, "  satisfiable: {}", picks.join(", "));
+            }
+            (None, Some(why)) => {
+                let _ = writeln!(out, "  not satisfiable: {why}");
+            }
+            (None, None) => {
+                let _ = writeln!(out, "  not satisfiable");
+            }
+        }
+    }
+    out
+}

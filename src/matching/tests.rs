@@ -1,0 +1,199 @@
+//! The allocation search and the capacity checks on small hand-made nodes, where the right answer
+//! is known: count and All, firstAvailable, matchAttribute and distinctAttribute, backtracking
+//! past a greedy first choice, and consumable capacity with request policies.
+
+use std::path::Path;
+
+use super::*;
+use crate::cel::Environment;
+
+const DRIVER: &str = "gpu.nvidia.com";
+
+/// A slice of `(name, memory, nvlinkDomain, allowMultipleAllocations)` GPUs.
+fn slice(devices: &[(&str, &str, i64, bool)]) -> String {
+    let mut s = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: s}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 1}}\n  devices:\n"
+    );
+    for (name, mem, dom, multi) in devices {
+        s.push_str(&format!(
+            "  - name: {name}\n    allowMultipleAllocations: {multi}\n    attributes:\n      type: {{string: gpu}}\n      nvlinkDomain: {{int: {dom}}}\n    capacity:\n      memory: {{value: {mem}}}\n"
+        ));
+    }
+    s
+}
+
+fn claim(body: &str) -> String {
+    format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: c}}\nspec:\n  devices:\n{body}"
+    )
+}
+
+fn run(slices: &str, claim: &str) -> ClaimReport {
+    let mut objects = Objects::default();
+    input::read_text(
+        Path::new("t.yaml"),
+        &format!("{slices}{claim}"),
+        &mut objects,
+    )
+    .unwrap();
+    let env = Environment::new();
+    let devices = candidates(&env, &objects.slices).unwrap();
+    let classes = compile_classes(&objects.classes).unwrap();
+    explain(&env, &objects.claims[0], &classes, &devices).unwrap()
+}
+
+fn picked(r: &ClaimReport) -> Vec<String> {
+    r.allocation
+        .iter()
+        .flatten()
+        .map(|a| format!("{}={}", a.request, a.device))
+        .collect()
+}
+
+#[test]
+fn backtracking_finds_the_pair_a_greedy_pick_misses() {
+    // gpu-a is alone in domain 0; the two in domain 1 are the only pair.
+    let node = slice(&[
+        ("gpu-a", "80Gi", 0, false),
+        ("gpu-b", "80Gi", 1, false),
+        ("gpu-c", "80Gi", 1, false),
+    ]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n    constraints:\n    - matchAttribute: gpu.nvidia.com/nvlinkDomain\n",
+        ),
+    );
+    assert!(r.satisfiable);
+    assert_eq!(picked(&r), ["g=gpu-b", "g=gpu-c"]);
+}
+
+#[test]
+fn all_takes_every_fitting_device_and_fails_on_none() {
+    let node = slice(&[("gpu-a", "80Gi", 0, false), ("gpu-b", "40Gi", 0, false)]);
+    let all = "    requests:\n    - name: g\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        allocationMode: All\n        selectors:\n        - cel: {expression: \"device.capacity['gpu.nvidia.com'].memory.isGreaterThan(quantity('50Gi'))\"}\n";
+    let r = run(&node, &claim(all));
+    assert_eq!(picked(&r), ["g=gpu-a"]);
+    let none = all.replace("50Gi", "500Gi");
+    let r = run(&node, &claim(&none));
+    assert!(!r.satisfiable);
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "selectors[0]: memory 80Gi <= 500Gi"
+    );
+}
+
+#[test]
+fn first_available_falls_through_to_the_subrequest_that_fits() {
+    let node = slice(&[("gpu-a", "40Gi", 0, false)]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      firstAvailable:\n      - name: big\n        deviceClassName: gpu.nvidia.com\n        selectors:\n        - cel: {expression: \"device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('80Gi')) >= 0\"}\n      - name: small\n        deviceClassName: gpu.nvidia.com\n",
+        ),
+    );
+    assert_eq!(picked(&r), ["g/small=gpu-a"]);
+    assert_eq!(r.requests.len(), 2);
+    assert_eq!(r.requests[0].name, "g/big");
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "selectors[0]: memory 40Gi < 80Gi"
+    );
+}
+
+#[test]
+fn distinct_attribute_and_competing_requests() {
+    let node = slice(&[
+        ("gpu-a", "80Gi", 0, false),
+        ("gpu-b", "80Gi", 0, false),
+        ("gpu-c", "80Gi", 1, false),
+    ]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n    constraints:\n    - distinctAttribute: gpu.nvidia.com/nvlinkDomain\n",
+        ),
+    );
+    assert_eq!(picked(&r), ["g=gpu-a", "g=gpu-c"]);
+    // Two requests of two each over three exclusive devices.
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: x\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n    - name: y\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n",
+        ),
+    );
+    assert!(!r.satisfiable);
+    assert!(r.reason.unwrap().contains("compete"));
+}
+
+#[test]
+fn consumable_capacity_is_shared_until_it_runs_out() {
+    let node = slice(&[("gpu-a", "80Gi", 0, true)]);
+    let two = "    requests:\n    - name: x\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        capacity: {requests: {memory: 40Gi}}\n    - name: y\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        capacity: {requests: {memory: 40Gi}}\n";
+    let r = run(&node, &claim(two));
+    assert_eq!(picked(&r), ["x=gpu-a", "y=gpu-a"]);
+    let r = run(&node, &claim(&two.replacen("40Gi", "41Gi", 1)));
+    assert!(!r.satisfiable, "{r:?}");
+    // An exclusive device serves one request, whatever the amount.
+    let node = slice(&[("gpu-a", "80Gi", 0, false)]);
+    let r = run(&node, &claim(two));
+    assert!(!r.satisfiable);
+    // More than the device has.
+    let one = "    requests:\n    - name: x\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        capacity: {requests: {memory: 100Gi}}\n";
+    let r = run(&node, &claim(one));
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "capacity memory 80Gi < requested 100Gi"
+    );
+}
+
+#[test]
+fn request_policies_round_up() {
+    use k8s_openapi::api::resource::v1::{CapacityRequestPolicy, CapacityRequestPolicyRange};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    let q = |s: &str| Quantity(s.into());
+    let range = CapacityRequestPolicy {
+        valid_range: Some(CapacityRequestPolicyRange {
+            min: q("1Gi"),
+            max: Some(q("8Gi")),
+            step: Some(q("1Gi")),
+        }),
+        ..Default::default()
+    };
+    let m = |s| parse_milli(s).unwrap();
+    assert_eq!(round_up(&range, m("100Mi")), Some(m("1Gi")));
+    assert_eq!(round_up(&range, m("1500Mi")), Some(m("2Gi")));
+    assert_eq!(round_up(&range, m("9Gi")), None);
+    let values = CapacityRequestPolicy {
+        valid_values: Some(vec![q("4Gi"), q("2Gi")]),
+        ..Default::default()
+    };
+    assert_eq!(round_up(&values, m("3Gi")), Some(m("4Gi")));
+    assert_eq!(round_up(&values, m("5Gi")), None);
+}
+
+#[test]
+fn quantities_parse_in_thousandths() {
+    for (s, want) in [
+        ("1", 1_000),
+        ("500m", 500),
+        ("1k", 1_000_000),
+        ("1Ki", 1_024_000),
+        ("80Gi", 80 * (1i128 << 30) * 1000),
+        ("1.5G", 1_500_000_000_000),
+        ("1e3", 1_000_000),
+        ("-2", -2_000),
+    ] {
+        assert_eq!(parse_milli(s), Some(want), "{s}");
+    }
+    for bad in ["", "Gi", "1.2.3", "1Q", "abc", "1e99"] {
+        assert_eq!(parse_milli(bad), None, "{bad}");
+    }
+}
+
+#[test]
+fn the_builtin_classes_compile() {
+    let classes = compile_classes(&[]).unwrap();
+    assert!(classes.contains_key("gpu.nvidia.com"));
+    assert!(classes.contains_key("mig.nvidia.com"));
+}

@@ -1,0 +1,450 @@
+//! `nvdra match` and `nvdra validate` end to end: the built binary on the example claims over
+//! the built-in profiles, its exit codes (0 satisfiable, 1 not, 2 bad input), the JSON output,
+//! ResourceSlices read from a file as `nvdra inventory -o slices` prints them, and validation
+//! errors with their object, field path and column.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use support::apiserver::TestApiServer;
+
+fn nvdra(args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+    cmd.args(args).current_dir(env!("CARGO_MANIFEST_DIR"));
+    for var in [
+        "NVDRA_CONFIG",
+        "NVDRA_BACKEND",
+        "NVDRA_PROFILE",
+        "NVDRA_TOPOLOGY",
+        "NVDRA_SLICES",
+        "NODE_NAME",
+        "NVIDIA_DRIVER_ROOT",
+        "NVDRA_DRIVER_NAME",
+        "NVDRA_PARTITIONABLE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("NODE_NAME", "node-a");
+    cmd.output().expect("run nvdra")
+}
+
+const TWO_GPUS: &str = "manifests/examples/two-gpus-one-nvlink-domain.yaml";
+const MIG_1G: &str = "manifests/examples/mig-1g-a100.yaml";
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+#[test]
+fn two_nvlinked_gpus_fit_a_dgx_h100() {
+    let out = nvdra(&[
+        "match",
+        "-f",
+        TWO_GPUS,
+        "--profile",
+        "dgx-h100",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let v = json(&out);
+    let claim = &v[0];
+    assert_eq!(claim["satisfiable"], true);
+    assert_eq!(claim["requests"][0]["fits"].as_array().unwrap().len(), 8);
+    let alloc = claim["allocation"].as_array().unwrap();
+    assert_eq!(alloc.len(), 2);
+    assert_ne!(alloc[0]["device"], alloc[1]["device"]);
+    assert_eq!(alloc[0]["request"], "gpus");
+    assert_eq!(alloc[0]["pool"], "node-a");
+}
+
+#[test]
+fn two_nvlinked_gpus_do_not_fit_l40s_and_the_reason_is_the_constraint() {
+    let out = nvdra(&["match", "-f", TWO_GPUS, "--profile", "l40s-pcie"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let text = stdout(&out);
+    // All four have the memory; no two share an NVLink domain.
+    assert!(text.contains("fits: gpu-0, gpu-1, gpu-2, gpu-3"), "{text}");
+    assert!(
+        text.contains("not satisfiable: matchAttribute gpu.nvidia.com/nvlinkDomain"),
+        "{text}"
+    );
+    assert!(
+        text.contains("0: gpu-0; 1: gpu-1; 2: gpu-2; 3: gpu-3"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_mig_1g_device_on_an_a100_mig_mixed_node() {
+    let out = nvdra(&[
+        "match",
+        "-f",
+        MIG_1G,
+        "--profile",
+        "a100-mig-mixed",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let v = json(&out);
+    let req = &v[0]["requests"][0];
+    let fits: Vec<&str> = req["fits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap())
+        .collect();
+    assert_eq!(fits.len(), 5, "{fits:?}");
+    assert!(fits.iter().all(|d| d.contains("-mig-1g")), "{fits:?}");
+    // Each other device says which check it failed, with its value.
+    let reasons: Vec<(String, String)> = req["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["device"].as_str().unwrap().to_string(),
+                r["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let why = |d: &str| &reasons.iter().find(|(n, _)| n == d).unwrap().1;
+    assert_eq!(
+        why("gpu-0"),
+        "class mig.nvidia.com selector[0]: type \"gpu\" != \"mig\""
+    );
+    assert!(why("gpu-1-mig-2g10gb-14-0").contains("profile \"2g.10gb\""));
+    assert_eq!(
+        v[0]["allocation"][0]["device"].as_str().unwrap(),
+        fits[0],
+        "the first fitting device is allocated"
+    );
+}
+
+#[test]
+fn a_memory_selector_reports_the_device_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let claim = dir.path().join("big.yaml");
+    std::fs::write(
+        &claim,
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: big, namespace: default}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: gpu.nvidia.com
+        selectors:
+        - cel: {expression: "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('80Gi')) >= 0"}
+"#,
+    )
+    .unwrap();
+    let out = nvdra(&[
+        "match",
+        "-f",
+        claim.to_str().unwrap(),
+        "--profile",
+        "l40s-pcie",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(
+        text.contains("gpu-0  selectors[0]: memory 48Gi < 80Gi"),
+        "{text}"
+    );
+    assert!(text.contains("request gpu needs 1 device, 0 fit"), "{text}");
+}
+
+#[test]
+fn slices_from_a_file_as_inventory_prints_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let slices = dir.path().join("slices.yaml");
+    let inv = nvdra(&["inventory", "--profile", "dgx-h100", "-o", "slices"]);
+    assert!(inv.status.success());
+    std::fs::write(&slices, &inv.stdout).unwrap();
+    let s = slices.to_str().unwrap();
+    let out = nvdra(&["match", "-f", TWO_GPUS, "--slices", s, "-o", "json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        json(&out)[0]["requests"][0]["fits"]
+            .as_array()
+            .unwrap()
+            .len(),
+        8
+    );
+    // The same slices among the -f files.
+    let out = nvdra(&["match", "-f", TWO_GPUS, "-f", s]);
+    assert_eq!(out.status.code(), Some(0));
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| -> PathBuf {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let missing_class = write(
+        "c.yaml",
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: c}\nspec:\n  devices:\n    requests:\n    - name: r\n      exactly: {deviceClassName: nope}\n",
+    );
+    let bad_count = write(
+        "n.yaml",
+        "---\n# second document\n---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: n}\nspec:\n  devices:\n    requests:\n    - name: r\n      exactly: {deviceClassName: gpu.nvidia.com, count: many}\n",
+    );
+    let pod = write("p.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n");
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "match",
+                "-f",
+                missing_class.to_str().unwrap(),
+                "--profile",
+                "dgx-h100",
+            ],
+            "spec.devices.requests[0].exactly.deviceClassName: no DeviceClass \"nope\"",
+        ),
+        (
+            &[
+                "match",
+                "-f",
+                bad_count.to_str().unwrap(),
+                "--profile",
+                "dgx-h100",
+            ],
+            "ResourceClaim n: field spec.devices.requests[0].exactly.count",
+        ),
+        (
+            &[
+                "match",
+                "-f",
+                pod.to_str().unwrap(),
+                "--profile",
+                "dgx-h100",
+            ],
+            "kind \"Pod\"",
+        ),
+        (
+            &["match", "-f", "/nonexistent.yaml", "--profile", "dgx-h100"],
+            "/nonexistent.yaml",
+        ),
+        (
+            &["validate", "-f", "/nonexistent.yaml"],
+            "/nonexistent.yaml",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = nvdra(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err} lacks {want:?}");
+    }
+}
+
+#[test]
+fn validate_reports_object_field_path_and_column() {
+    let ok = nvdra(&[
+        "validate",
+        "-f",
+        TWO_GPUS,
+        "-f",
+        MIG_1G,
+        "-f",
+        "manifests/deviceclasses.yaml",
+    ]);
+    assert_eq!(ok.status.code(), Some(0), "{}", stdout(&ok));
+    assert!(stdout(&ok).contains("4 objects, every CEL expression compiles"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        r#"apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {name: broken}
+spec:
+  selectors:
+  - cel: {expression: "device.driver == 'x' &&"}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: t}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: a
+        exactly:
+          deviceClassName: gpu.nvidia.com
+          selectors:
+          - cel: {expression: "true"}
+          - cel: {expression: "device.attributes['gpu.nvidia.com'].x ==== 1"}
+      - name: b
+        firstAvailable:
+        - name: s
+          deviceClassName: gpu.nvidia.com
+          selectors:
+          - cel: {expression: "1"}
+"#,
+    )
+    .unwrap();
+    let out = nvdra(&["validate", "-f", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].contains("DeviceClass broken: spec.selectors[0].cel.expression: column "),
+        "{text}"
+    );
+    assert!(
+        lines[1].contains(
+            "ResourceClaimTemplate t: spec.spec.devices.requests[0].exactly.selectors[1].cel.expression: column 41"
+        ),
+        "{text}"
+    );
+    assert!(
+        lines[2].contains(
+            "spec.spec.devices.requests[1].firstAvailable[0].selectors[0].cel.expression"
+        ) && lines[2].contains("must evaluate to bool"),
+        "{text}"
+    );
+}
+
+/// The node's slices as `nvdra inventory -o slices` prints them, named as the API server would.
+fn published(profile: &str, node: &str) -> Vec<k8s_openapi::api::resource::v1::ResourceSlice> {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args([
+            "inventory",
+            "--profile",
+            profile,
+            "--node-name",
+            node,
+            "-o",
+            "slices",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let mut objects = nvdra::matching::Objects::default();
+    nvdra::matching::input::read_text(
+        Path::new("slices.yaml"),
+        &String::from_utf8(out.stdout).unwrap(),
+        &mut objects,
+    )
+    .unwrap();
+    objects
+        .slices
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut s)| {
+            s.metadata.name = Some(format!("{node}-{i}"));
+            s
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_live_cluster_is_explained_per_node() {
+    let server = TestApiServer::start().await;
+    for s in published("dgx-h100", "node-h100")
+        .into_iter()
+        .chain(published("l40s-pcie", "node-l40s"))
+    {
+        server.insert_slice(s);
+    }
+    let mut classes = nvdra::matching::Objects::default();
+    nvdra::matching::input::read_text(
+        Path::new("deviceclasses.yaml"),
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/deviceclasses.yaml"),
+        )
+        .unwrap(),
+        &mut classes,
+    )
+    .unwrap();
+    for (c, _) in classes.classes {
+        server.seed_device_class(c);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\nusers:\n- name: t\n  user: {{}}\n",
+            server.url()
+        ),
+    )
+    .unwrap();
+    let writes_before = server.counts().write_requests;
+    let kc = kubeconfig.to_str().unwrap().to_string();
+    let all = {
+        let kc = kc.clone();
+        tokio::task::spawn_blocking(move || {
+            nvdra(&["match", "-f", TWO_GPUS, "--kubeconfig", &kc, "-o", "json"])
+        })
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        all.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&all.stderr)
+    );
+    let v = json(&all);
+    let by_node: Vec<(String, bool)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["node"].as_str().unwrap().to_string(),
+                r["satisfiable"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_node,
+        [
+            ("node-h100".to_string(), true),
+            ("node-l40s".to_string(), false)
+        ]
+    );
+    // One node only: the L40S node cannot hold the claim.
+    let one = tokio::task::spawn_blocking(move || {
+        nvdra(&[
+            "match",
+            "-f",
+            TWO_GPUS,
+            "--kubeconfig",
+            &kc,
+            "--node",
+            "node-l40s",
+        ])
+    })
+    .await
+    .unwrap();
+    assert_eq!(one.status.code(), Some(1));
+    let text = stdout(&one);
+    assert!(text.contains("on node node-l40s"), "{text}");
+    assert!(!text.contains("node-h100"), "{text}");
+    // Read-only.
+    assert_eq!(server.counts().write_requests, writes_before);
+}

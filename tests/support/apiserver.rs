@@ -50,6 +50,16 @@ pub struct Counts {
     pub write_requests: u64,
 }
 
+/// One HTTP request as the server received it, for tests that check what a client asks
+/// (e.g. the RBAC rules it needs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedRequest {
+    pub method: String,
+    pub path: String,
+    /// The raw query string, without the `?` (empty when there is none).
+    pub query: String,
+}
+
 impl Counts {
     /// Accepted writes.
     pub fn writes(&self) -> u64 {
@@ -77,6 +87,8 @@ struct State {
     conflict_next_update: bool,
     dropped_fields: Vec<String>,
     counts: Counts,
+    /// Every request received, in order (faults injected included).
+    requests: Vec<RecordedRequest>,
     /// What `/version` reports as the minor version.
     server_minor: u32,
     /// DeviceClasses (list and watch; the watch streams changes from its start, no history).
@@ -220,6 +232,11 @@ impl TestApiServer {
     /// All stored slices, by name.
     pub fn slices(&self) -> Vec<ResourceSlice> {
         self.lock().slices.values().cloned().collect()
+    }
+
+    /// Every request received so far, in order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.lock().requests.clone()
     }
 
     pub fn counts(&self) -> Counts {
@@ -647,6 +664,11 @@ impl Server {
         {
             let mut st = self.lock();
             st.counts.requests += 1;
+            st.requests.push(RecordedRequest {
+                method: req.method().to_string(),
+                path: req.uri().path().to_string(),
+                query: req.uri().query().unwrap_or_default().to_string(),
+            });
             if st.fail_next > 0 {
                 st.fail_next -= 1;
                 return error(

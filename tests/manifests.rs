@@ -1,0 +1,1025 @@
+//! The manifests users apply, kept honest.
+//!
+//! - Every file under `manifests/` and every kustomize overlay's output parses into the
+//!   k8s-openapi types with no unknown field: each object is deserialized typed, serialized
+//!   again and compared with the input, so a field the types do not know (a typo, a field of
+//!   another API version) shows up as a difference at its path.
+//! - Every file is accounted for: a kustomization, a resource or patch one names, or an example.
+//! - The overlays do what they say (extended resources only in their overlay, nothing of DRA in
+//!   device-plugin-only, the Node patch only with the node-labels component), and the
+//!   DaemonSet keeps its contracts (same-path kubelet mounts, downward API, surge updates,
+//!   probes on the metrics port, no privileged container, sizes from the RSS benchmark).
+//! - The ClusterRole allows every request nvdra's API client makes (recorded on the test API
+//!   server, one call of every `ClusterApi` method), and grants nothing that no call uses.
+//! - Each example states which built-in profiles it fits in one `# nvdra-match:` line.
+//!
+//! The overlays are built with `kubectl kustomize`; without kubectl those tests skip, unless
+//! `NVDRA_REQUIRE_KUBECTL=1` (which `.ci/run` sets) makes them fail.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use nvdra::api::kube::KubeApi;
+use nvdra::api::{self, ClaimReader, ClusterApi, SliceEvent};
+use serde_json::Value;
+use support::apiserver::{RecordedRequest, TestApiServer};
+
+fn manifests() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests")
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The documents of a multi-document YAML text (empty documents left out).
+fn documents(text: &str, origin: &str) -> Vec<Value> {
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(text).unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
+    docs.into_iter().filter(|d| !d.is_null()).collect()
+}
+
+fn str_at<'a>(v: &'a Value, pointer: &str) -> &'a str {
+    v.pointer(pointer).and_then(Value::as_str).unwrap_or("")
+}
+
+/// `kind/name` of an object, for messages and lookups.
+fn id(v: &Value) -> String {
+    format!("{}/{}", str_at(v, "/kind"), str_at(v, "/metadata/name"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed round trip.
+
+/// Deserializes `doc` as `T`, serializes it back and lists where the two differ.
+fn round_trip<T>(doc: &Value) -> Result<Vec<String>, String>
+where
+    T: serde::de::DeserializeOwned + serde::Serialize,
+{
+    let typed: T = serde_json::from_value(doc.clone()).map_err(|e| e.to_string())?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    let mut diffs = Vec::new();
+    diff(doc, &back, String::new(), &mut diffs);
+    Ok(diffs)
+}
+
+/// Where `input` and `output` differ. A number written where the type holds a string (a
+/// quantity `1`, which k8s-openapi keeps as `"1"`) is the same value.
+fn diff(input: &Value, output: &Value, path: String, out: &mut Vec<String>) {
+    match (input, output) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in a {
+                let p = format!("{path}.{k}");
+                match b.get(k) {
+                    Some(w) => diff(v, w, p, out),
+                    None => out.push(format!("{p}: unknown field (dropped by the typed read)")),
+                }
+            }
+            for k in b.keys().filter(|k| !a.contains_key(*k)) {
+                out.push(format!("{path}.{k}: added by the typed read"));
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (v, w)) in a.iter().zip(b).enumerate() {
+                diff(v, w, format!("{path}[{i}]"), out);
+            }
+        }
+        (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
+        (a, b) if a == b => {}
+        (a, b) => out.push(format!("{path}: {a} became {b}")),
+    }
+}
+
+/// The typed round trip for every kind the manifests may hold; an unknown kind is an error.
+fn check_typed(doc: &Value) -> Result<Vec<String>, String> {
+    use k8s_openapi::api::admissionregistration::v1 as admission;
+    use k8s_openapi::api::apps::v1 as apps;
+    use k8s_openapi::api::core::v1 as core;
+    use k8s_openapi::api::rbac::v1 as rbac;
+    use k8s_openapi::api::resource::v1 as resource;
+    match (str_at(doc, "/apiVersion"), str_at(doc, "/kind")) {
+        ("v1", "Namespace") => round_trip::<core::Namespace>(doc),
+        ("v1", "ServiceAccount") => round_trip::<core::ServiceAccount>(doc),
+        ("v1", "Pod") => round_trip::<core::Pod>(doc),
+        ("apps/v1", "DaemonSet") => round_trip::<apps::DaemonSet>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<rbac::ClusterRole>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            round_trip::<rbac::ClusterRoleBinding>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            round_trip::<admission::ValidatingAdmissionPolicy>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            round_trip::<admission::ValidatingAdmissionPolicyBinding>(doc)
+        }
+        ("resource.k8s.io/v1", "DeviceClass") => round_trip::<resource::DeviceClass>(doc),
+        ("resource.k8s.io/v1", "ResourceClaim") => round_trip::<resource::ResourceClaim>(doc),
+        ("resource.k8s.io/v1", "ResourceClaimTemplate") => {
+            round_trip::<resource::ResourceClaimTemplate>(doc)
+        }
+        (api_version, kind) => Err(format!(
+            "{api_version} {kind} is not a kind this test knows; add it to check_typed"
+        )),
+    }
+}
+
+/// Every object of `docs` reads back unchanged; panics listing every difference.
+fn assert_typed(docs: &[Value], origin: &str) {
+    let mut problems = Vec::new();
+    for doc in docs {
+        match check_typed(doc) {
+            Ok(diffs) => problems.extend(diffs.into_iter().map(|d| format!("{}{d}", id(doc)))),
+            Err(e) => problems.push(format!("{}: {e}", id(doc))),
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{origin}:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn the_round_trip_finds_unknown_and_misplaced_fields() {
+    // The check itself: a typo, a field at the wrong level and a wrong type are all caught.
+    let class: Value = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+        "metadata": {"name": "c"},
+        "spec": {"selector": [{"cel": {"expression": "true"}}]},
+    });
+    let diffs = check_typed(&class).unwrap();
+    assert_eq!(
+        diffs,
+        [".spec.selector: unknown field (dropped by the typed read)"]
+    );
+    let ds: Value = serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "d"},
+        "spec": {"selector": {}, "maxSurge": 1, "template": {"spec": {"containers": []}}},
+    });
+    assert_eq!(
+        check_typed(&ds).unwrap(),
+        [".spec.maxSurge: unknown field (dropped by the typed read)"]
+    );
+    let bad: Value = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "c", "ports": [{"containerPort": "x"}]}]},
+    });
+    assert!(check_typed(&bad).is_err());
+    let unknown: Value = serde_json::json!({"apiVersion": "v9", "kind": "Gadget"});
+    assert!(check_typed(&unknown).unwrap_err().contains("Gadget"));
+    // A quantity written as a number is the same value.
+    let pod: Value = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 1}}}]},
+    });
+    assert_eq!(check_typed(&pod).unwrap(), Vec::<String>::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The files.
+
+/// What the kustomizations under `manifests/` name: (resource files, patch files, all of them).
+struct Layout {
+    resources: BTreeSet<PathBuf>,
+    patches: BTreeSet<PathBuf>,
+    kustomizations: BTreeSet<PathBuf>,
+}
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            yaml_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(path);
+        }
+    }
+}
+
+fn layout() -> Layout {
+    let mut files = Vec::new();
+    yaml_files(&manifests(), &mut files);
+    let mut layout = Layout {
+        resources: BTreeSet::new(),
+        patches: BTreeSet::new(),
+        kustomizations: BTreeSet::new(),
+    };
+    for k in files.iter().filter(|f| f.ends_with("kustomization.yaml")) {
+        layout.kustomizations.insert(k.clone());
+        let dir = k.parent().expect("a kustomization is in a directory");
+        let doc = &documents(&read(k), &k.display().to_string())[0];
+        for r in doc["resources"].as_array().into_iter().flatten() {
+            let path = dir.join(r.as_str().expect("a resource is a path"));
+            if path.is_file() {
+                layout.resources.insert(path);
+            } else {
+                assert!(
+                    path.is_dir(),
+                    "{}: resource {r} does not exist",
+                    k.display()
+                );
+            }
+        }
+        for p in doc["patches"].as_array().into_iter().flatten() {
+            if let Some(path) = p["path"].as_str() {
+                let path = dir.join(path);
+                assert!(
+                    path.is_file(),
+                    "{}: patch {} does not exist",
+                    k.display(),
+                    path.display()
+                );
+                layout.patches.insert(path);
+            }
+        }
+    }
+    layout
+}
+
+#[test]
+fn every_manifest_parses_typed_with_no_unknown_field() {
+    let layout = layout();
+    let examples = manifests().join("examples");
+    let mut files = Vec::new();
+    yaml_files(&manifests(), &mut files);
+    let mut checked = 0;
+    for file in &files {
+        let origin = file.display().to_string();
+        if layout.kustomizations.contains(file) {
+            continue;
+        }
+        let docs = documents(&read(file), &origin);
+        if layout.patches.contains(file) {
+            // Partial objects: what they touch is checked in the overlays' output.
+            for d in &docs {
+                assert!(
+                    !str_at(d, "/kind").is_empty(),
+                    "{origin}: a patch without a kind"
+                );
+            }
+            continue;
+        }
+        assert!(
+            layout.resources.contains(file) || file.starts_with(&examples),
+            "{origin} is neither named by a kustomization nor an example: add it or remove it"
+        );
+        assert!(!docs.is_empty(), "{origin}: no object");
+        assert_typed(&docs, &origin);
+        checked += docs.len();
+    }
+    // The base alone has 11 objects; the examples add more.
+    assert!(checked > 20, "only {checked} objects checked");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kustomize.
+
+fn kubectl() -> Option<&'static str> {
+    let found = Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found && std::env::var_os("NVDRA_REQUIRE_KUBECTL").is_some_and(|v| v == "1") {
+        panic!("NVDRA_REQUIRE_KUBECTL=1 but `kubectl version --client` does not run");
+    }
+    found.then_some("kubectl")
+}
+
+/// `kubectl kustomize dir`, parsed.
+fn kustomize(kubectl: &str, dir: &Path) -> Vec<Value> {
+    let out = Command::new(kubectl)
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .expect("kubectl runs");
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("kustomize prints UTF-8");
+    let docs = documents(&text, &dir.display().to_string());
+    assert_typed(&docs, &format!("kubectl kustomize {}", dir.display()));
+    docs
+}
+
+fn overlay(kubectl: &str, name: &str) -> Vec<Value> {
+    kustomize(kubectl, &manifests().join("overlays").join(name))
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
+    docs.iter()
+        .find(|d| str_at(d, "/kind") == kind && str_at(d, "/metadata/name") == name)
+}
+
+fn kinds(docs: &[Value]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for d in docs {
+        *m.entry(str_at(d, "/kind").to_string()).or_default() += 1;
+    }
+    m
+}
+
+fn container(docs: &[Value]) -> &Value {
+    let ds = find(docs, "DaemonSet", "nvdra").expect("the DaemonSet");
+    &ds["spec"]["template"]["spec"]["containers"][0]
+}
+
+/// Every (apiGroup, resource, verb) the ClusterRoles of `docs` grant.
+fn grants(docs: &[Value]) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for role in docs.iter().filter(|d| str_at(d, "/kind") == "ClusterRole") {
+        for rule in role["rules"].as_array().into_iter().flatten() {
+            let list = |k: &str| -> Vec<String> {
+                rule[k]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            };
+            for g in list("apiGroups") {
+                for r in list("resources") {
+                    for v in list("verbs") {
+                        out.insert((g.clone(), r.clone(), v));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What every overlay's DaemonSet must keep, whatever the overlay changes.
+fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
+    let ds = find(docs, "DaemonSet", "nvdra").expect("the DaemonSet");
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = container(docs);
+    // The kubelet's directories at the same paths: the socket paths are handed over verbatim.
+    let volumes: BTreeMap<&str, &Value> = pod["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .map(|v| (str_at(v, "/name"), v))
+        .collect();
+    let mut host_mounts = 0;
+    for m in c["volumeMounts"].as_array().expect("volume mounts") {
+        let v = volumes[str_at(m, "/name")];
+        if let Some(host) = v.pointer("/hostPath/path") {
+            assert_eq!(
+                host, &m["mountPath"],
+                "{origin}: {} not at its host path",
+                m["name"]
+            );
+            host_mounts += 1;
+        }
+        assert!(
+            m.get("mountPropagation").is_none(),
+            "{origin}: nvdra mounts nothing; propagation needs a privileged container"
+        );
+    }
+    assert!(host_mounts >= 2, "{origin}: {host_mounts} host mounts");
+    // The downward API.
+    let env: BTreeMap<&str, &Value> = c["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| (str_at(e, "/name"), e))
+        .collect();
+    assert_eq!(
+        str_at(env["NODE_NAME"], "/valueFrom/fieldRef/fieldPath"),
+        "spec.nodeName"
+    );
+    assert_eq!(
+        str_at(env["POD_UID"], "/valueFrom/fieldRef/fieldPath"),
+        "metadata.uid"
+    );
+    // Surge updates: the new pod is up before the old one goes.
+    let rolling = &ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert_eq!(rolling["maxSurge"], 1, "{origin}");
+    assert_eq!(rolling["maxUnavailable"], 0, "{origin}");
+    // Probes on the metrics port, which is nvdra's default metrics port.
+    let port = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["name"] == "metrics")
+        .expect("a metrics port");
+    let default_port = nvdra::config::DEFAULT_METRICS_ADDRESS
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u64>().ok());
+    assert_eq!(port["containerPort"].as_u64(), default_port, "{origin}");
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(
+            str_at(c, &format!("/{probe}/httpGet/path")),
+            path,
+            "{origin}"
+        );
+        assert_eq!(
+            str_at(c, &format!("/{probe}/httpGet/port")),
+            "metrics",
+            "{origin}"
+        );
+    }
+    // No wider than it needs: not privileged, every capability dropped but SYS_ADMIN (MIG).
+    let sc = &c["securityContext"];
+    assert_eq!(sc["privileged"], false, "{origin}");
+    assert_eq!(
+        sc["capabilities"]["drop"],
+        serde_json::json!(["ALL"]),
+        "{origin}"
+    );
+    assert_eq!(
+        sc["capabilities"]["add"],
+        serde_json::json!(["SYS_ADMIN"]),
+        "{origin}"
+    );
+    assert_eq!(sc["readOnlyRootFilesystem"], true, "{origin}");
+    // GPU nodes only.
+    assert_eq!(
+        str_at(pod, "/nodeSelector/nvidia.com~1gpu.present"),
+        "true",
+        "{origin}"
+    );
+    // Sized from benches/rss.rs: 15 MiB resident after load; a request below that would be a lie.
+    let mib = |q: &str| q.strip_suffix("Mi").and_then(|n| n.parse::<u64>().ok());
+    let request = mib(str_at(c, "/resources/requests/memory")).expect("a memory request in Mi");
+    let limit = mib(str_at(c, "/resources/limits/memory")).expect("a memory limit in Mi");
+    assert!(
+        (15..=limit).contains(&request),
+        "{origin}: {request}Mi / {limit}Mi"
+    );
+    // The identity the policy and the binding name is the pod's.
+    let sa = str_at(pod, "/serviceAccountName");
+    let ns = str_at(ds, "/metadata/namespace");
+    assert!(
+        find(docs, "ServiceAccount", sa).is_some(),
+        "{origin}: no ServiceAccount {sa}"
+    );
+    if let Some(crb) = find(docs, "ClusterRoleBinding", "nvdra") {
+        assert_eq!(str_at(crb, "/subjects/0/name"), sa, "{origin}");
+        assert_eq!(str_at(crb, "/subjects/0/namespace"), ns, "{origin}");
+    }
+    if let Some(vap) = find(docs, "ValidatingAdmissionPolicy", "nvdra-resourceslices") {
+        let user = format!("system:serviceaccount:{ns}:{sa}");
+        let condition = str_at(vap, "/spec/matchConditions/0/expression");
+        assert!(
+            condition.contains(&format!("\"{user}\"")),
+            "{origin}: {condition}"
+        );
+        let binding = find(
+            docs,
+            "ValidatingAdmissionPolicyBinding",
+            "nvdra-resourceslices",
+        )
+        .expect("the policy's binding");
+        assert_eq!(str_at(binding, "/spec/policyName"), "nvdra-resourceslices");
+        assert_eq!(
+            binding["spec"]["validationActions"],
+            serde_json::json!(["Deny"])
+        );
+    }
+}
+
+#[test]
+fn the_plain_overlay_is_dra_without_options() {
+    let Some(kubectl) = kubectl() else { return };
+    let docs = overlay(kubectl, "plain");
+    assert_daemonset_contracts(&docs, "plain");
+    let expected: BTreeMap<String, usize> = [
+        ("ClusterRole", 1),
+        ("ClusterRoleBinding", 1),
+        ("DaemonSet", 1),
+        ("DeviceClass", 4),
+        ("Namespace", 1),
+        ("ServiceAccount", 1),
+        ("ValidatingAdmissionPolicy", 1),
+        ("ValidatingAdmissionPolicyBinding", 1),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k.to_string(), n))
+    .collect();
+    assert_eq!(kinds(&docs), expected);
+    for class in docs.iter().filter(|d| str_at(d, "/kind") == "DeviceClass") {
+        assert!(
+            class["spec"].get("extendedResourceName").is_none(),
+            "{}",
+            id(class)
+        );
+    }
+    assert!(
+        !grants(&docs)
+            .iter()
+            .any(|(_, r, v)| r == "nodes" && v == "patch")
+    );
+    // Where the overlay comes from: what the tests below compare the other overlays with.
+    assert_eq!(docs, kustomize(kubectl, &manifests().join("base")));
+}
+
+#[test]
+fn the_extended_resources_overlay_adds_only_the_extended_resource_name() {
+    let Some(kubectl) = kubectl() else { return };
+    let plain = overlay(kubectl, "plain");
+    let mut docs = overlay(kubectl, "extended-resources");
+    assert_daemonset_contracts(&docs, "extended-resources");
+    let class = docs
+        .iter_mut()
+        .find(|d| id(d) == "DeviceClass/gpu.nvidia.com")
+        .expect("the gpu.nvidia.com class");
+    let spec = class["spec"].as_object_mut().expect("a spec");
+    assert_eq!(
+        spec.remove("extendedResourceName"),
+        Some("nvidia.com/gpu".into())
+    );
+    assert_eq!(docs, plain, "anything else differs from the plain overlay");
+}
+
+#[test]
+fn the_device_plugin_only_overlay_has_nothing_of_dra() {
+    let Some(kubectl) = kubectl() else { return };
+    let docs = overlay(kubectl, "device-plugin-only");
+    assert_daemonset_contracts(&docs, "device-plugin-only");
+    let expected: BTreeMap<String, usize> =
+        [("DaemonSet", 1), ("Namespace", 1), ("ServiceAccount", 1)]
+            .into_iter()
+            .map(|(k, n)| (k.to_string(), n))
+            .collect();
+    assert_eq!(
+        kinds(&docs),
+        expected,
+        "no RBAC, admission policy or DeviceClass"
+    );
+    let c = container(&docs);
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(args, ["run", "--mode", "device-plugin"]);
+    let mounts: Vec<&str> = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| str_at(m, "/mountPath"))
+        .collect();
+    assert!(
+        mounts.contains(&"/var/lib/kubelet/device-plugins"),
+        "{mounts:?}"
+    );
+    assert!(
+        !mounts
+            .iter()
+            .any(|m| m.starts_with("/var/lib/kubelet/plugins")),
+        "{mounts:?}"
+    );
+}
+
+#[test]
+fn the_node_patch_comes_only_with_the_node_labels_component() {
+    let Some(kubectl) = kubectl() else { return };
+    // An overlay of the user's: the plain one plus the component, in a copy of manifests/
+    // (kustomize reads nothing outside the tree it builds).
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("manifests");
+    copy_tree(&manifests(), &copy);
+    let mine = copy.join("overlays/mine");
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::write(
+        mine.join("kustomization.yaml"),
+        "resources: [../plain]\ncomponents: [../../components/node-labels]\n",
+    )
+    .unwrap();
+    let docs = kustomize(kubectl, &mine);
+    assert_daemonset_contracts(&docs, "node-labels");
+    let patch = ("".to_string(), "nodes".to_string(), "patch".to_string());
+    assert!(grants(&docs).contains(&patch));
+    let crb = find(&docs, "ClusterRoleBinding", "nvdra-node-labels").expect("its binding");
+    assert_eq!(str_at(crb, "/roleRef/name"), "nvdra-node-labels");
+    let env = container(&docs)["env"].as_array().unwrap();
+    assert!(
+        env.iter()
+            .any(|e| e["name"] == "NVDRA_NODE_LABELS" && e["value"] == "true")
+    );
+    // And nowhere else.
+    for o in ["plain", "extended-resources", "device-plugin-only"] {
+        assert!(!grants(&overlay(kubectl, o)).contains(&patch), "{o}");
+    }
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.path().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RBAC against the calls.
+
+/// Every `ClusterApi` method, delegated: a method added to the trait without a default fails to
+/// compile here, which is where its call (and its RBAC rule) must be added.
+struct EveryCall(KubeApi);
+
+impl ClaimReader for EveryCall {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+        self.0.get_claim(namespace, name)
+    }
+}
+
+impl ClusterApi for EveryCall {
+    fn list_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxFuture<'a, api::Result<Vec<ResourceSlice>>> {
+        self.0.list_slices(driver, node)
+    }
+    fn create_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        self.0.create_slice(slice)
+    }
+    fn replace_slice<'a>(
+        &'a self,
+        slice: &'a ResourceSlice,
+    ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
+        self.0.replace_slice(slice)
+    }
+    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<()>> {
+        self.0.delete_slice(name)
+    }
+    fn watch_slices<'a>(
+        &'a self,
+        driver: &'a str,
+        node: &'a str,
+    ) -> BoxStream<'a, api::Result<SliceEvent>> {
+        self.0.watch_slices(driver, node)
+    }
+    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
+        self.0.get_node(name)
+    }
+    fn server_minor(&self) -> BoxFuture<'_, api::Result<Option<u32>>> {
+        self.0.server_minor()
+    }
+}
+
+/// One call of every method, as the daemon makes them (publisher, prepare, start-up).
+async fn drive(api: &EveryCall, server: &TestApiServer) {
+    let (driver, node) = ("gpu.nvidia.com", "node-a");
+    server.seed_node(node, "node-uid");
+    server.seed_claim(api::allocated_claim(
+        "team-a",
+        "claim-1",
+        "uid-1",
+        vec![],
+        vec![],
+    ));
+    assert!(api.server_minor().await.unwrap().is_some());
+    api.get_node(node).await.unwrap();
+    api.get_claim("team-a", "claim-1").await.unwrap();
+    let mut watch = api.watch_slices(driver, node);
+    assert_eq!(watch.next().await.unwrap().unwrap(), SliceEvent::Restarted);
+    let slice: ResourceSlice = serde_json::from_value(serde_json::json!({
+        "metadata": {"generateName": "node-a-gpu.nvidia.com-"},
+        "spec": {"driver": driver, "nodeName": node, "devices": [],
+                 "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}},
+    }))
+    .unwrap();
+    let mut created = api.create_slice(&slice).await.unwrap();
+    // The watcher lists first; its watch request follows, and reports the create.
+    let name = created.metadata.name.clone().unwrap();
+    assert_eq!(
+        watch.next().await.unwrap().unwrap(),
+        SliceEvent::Applied(name)
+    );
+    assert_eq!(api.list_slices(driver, node).await.unwrap().len(), 1);
+    created.spec.pool.generation = 2;
+    let replaced = api.replace_slice(&created).await.unwrap();
+    api.delete_slice(replaced.metadata.name.as_deref().unwrap())
+        .await
+        .unwrap();
+}
+
+/// The authorization attributes of a request, as the API server derives them.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Access {
+    Resource {
+        group: String,
+        resource: String,
+        verb: &'static str,
+    },
+    NonResource(String),
+}
+
+fn access(r: &RecordedRequest) -> Access {
+    let segs: Vec<&str> = r.path.trim_matches('/').split('/').collect();
+    let (group, rest) = match segs.as_slice() {
+        ["api", _version, rest @ ..] => ("", rest),
+        ["apis", group, _version, rest @ ..] => (*group, rest),
+        _ => return Access::NonResource(r.path.clone()),
+    };
+    let rest = match rest {
+        ["namespaces", _ns, rest @ ..] if !rest.is_empty() => rest,
+        rest => rest,
+    };
+    let (resource, named) = match rest {
+        [resource] => (resource.to_string(), false),
+        [resource, _name] => (resource.to_string(), true),
+        [resource, _name, sub] => (format!("{resource}/{sub}"), true),
+        _ => panic!("unexpected path {}", r.path),
+    };
+    let watch = r
+        .query
+        .split('&')
+        .any(|kv| kv == "watch=true" || kv == "watch=1");
+    let verb = match (r.method.as_str(), named) {
+        ("GET", true) => "get",
+        ("GET", false) if watch => "watch",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
+        (m, _) => panic!("unexpected method {m}"),
+    };
+    Access::Resource {
+        group: group.into(),
+        resource,
+        verb,
+    }
+}
+
+/// Non-resource URLs every authenticated user may GET (the default `system:public-info-viewer`
+/// and `system:discovery` roles), so nvdra's role need not grant them.
+const PUBLIC: &[&str] = &["/version", "/api", "/apis"];
+
+/// Rules granted for calls that the client above does not make yet: `--mode auto` lists and
+/// watches DeviceClasses (issue 9).
+const GRANTED_AHEAD: &[(&str, &str, &str)] = &[
+    ("resource.k8s.io", "deviceclasses", "list"),
+    ("resource.k8s.io", "deviceclasses", "watch"),
+];
+
+#[tokio::test]
+async fn the_cluster_role_allows_every_call_and_nothing_else() {
+    let server = TestApiServer::start().await;
+    let api = EveryCall(KubeApi::from_url(server.url()).unwrap());
+    drive(&api, &server).await;
+    let requests = server.requests();
+    let used: BTreeSet<Access> = requests.iter().map(access).collect();
+    // The recording saw every kind of call the driver made.
+    assert!(used.len() >= 8, "{used:?}");
+
+    let base = documents(&read(&manifests().join("base/rbac.yaml")), "base/rbac.yaml");
+    let granted = grants(&base);
+    let mut missing = Vec::new();
+    let mut needed = BTreeSet::new();
+    for a in &used {
+        match a {
+            Access::Resource {
+                group,
+                resource,
+                verb,
+            } => {
+                let key = (group.clone(), resource.clone(), verb.to_string());
+                if !granted.contains(&key) {
+                    missing.push(format!("{verb} {resource} (group {group:?})"));
+                }
+                needed.insert(key);
+            }
+            Access::NonResource(path) if PUBLIC.contains(&path.as_str()) => {}
+            Access::NonResource(path) => missing.push(format!("GET {path}")),
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "calls the ClusterRole does not allow: {missing:?}"
+    );
+    for (g, r, v) in GRANTED_AHEAD {
+        needed.insert((g.to_string(), r.to_string(), v.to_string()));
+    }
+    let unused: Vec<_> = granted.difference(&needed).collect();
+    assert!(unused.is_empty(), "granted but never used: {unused:?}");
+    assert!(
+        !granted
+            .iter()
+            .any(|(g, r, v)| g == "*" || r == "*" || v == "*")
+    );
+}
+
+#[test]
+fn requests_map_to_the_verbs_the_api_server_authorizes() {
+    let req = |method: &str, path: &str, query: &str| RecordedRequest {
+        method: method.into(),
+        path: path.into(),
+        query: query.into(),
+    };
+    let res = |group: &str, resource: &str, verb| Access::Resource {
+        group: group.into(),
+        resource: resource.into(),
+        verb,
+    };
+    let slices = "/apis/resource.k8s.io/v1/resourceslices";
+    assert_eq!(
+        access(&req("GET", slices, "fieldSelector=x")),
+        res("resource.k8s.io", "resourceslices", "list")
+    );
+    assert_eq!(
+        access(&req("GET", slices, "watch=true&x=1")),
+        res("resource.k8s.io", "resourceslices", "watch")
+    );
+    assert_eq!(
+        access(&req("PUT", &format!("{slices}/s"), "")),
+        res("resource.k8s.io", "resourceslices", "update")
+    );
+    assert_eq!(
+        access(&req(
+            "GET",
+            "/apis/resource.k8s.io/v1/namespaces/n/resourceclaims/c",
+            ""
+        )),
+        res("resource.k8s.io", "resourceclaims", "get")
+    );
+    assert_eq!(
+        access(&req(
+            "PUT",
+            "/apis/resource.k8s.io/v1/namespaces/n/resourceclaims/c/status",
+            ""
+        )),
+        res("resource.k8s.io", "resourceclaims/status", "update")
+    );
+    assert_eq!(
+        access(&req("PATCH", "/api/v1/nodes/n", "")),
+        res("", "nodes", "patch")
+    );
+    assert_eq!(
+        access(&req("GET", "/version", "")),
+        Access::NonResource("/version".into())
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The examples' match lines.
+
+/// `# nvdra-match: fits=a,b fails=c,d` or `# nvdra-match: skip (reason)`: which built-in
+/// profiles (`nvdra inventory --profile NAME`, default flags) can satisfy the example's claims.
+#[derive(Debug, PartialEq)]
+enum MatchLine {
+    Expect {
+        fits: Vec<String>,
+        fails: Vec<String>,
+    },
+    Skip,
+}
+
+fn match_line(text: &str) -> Result<MatchLine, String> {
+    let lines: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# nvdra-match:"))
+        .collect();
+    let [line] = lines.as_slice() else {
+        return Err(format!("{} `# nvdra-match:` lines, want 1", lines.len()));
+    };
+    let line = line.trim();
+    if line.starts_with("skip (") && line.ends_with(')') {
+        return Ok(MatchLine::Skip);
+    }
+    let mut fields: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for word in line.split_whitespace() {
+        let (k, v) = word
+            .split_once('=')
+            .ok_or(format!("{word:?} is not key=value"))?;
+        let names = v
+            .split(',')
+            .filter(|n| !n.is_empty())
+            .map(String::from)
+            .collect();
+        if fields.insert(k, names).is_some() {
+            return Err(format!("{k} twice"));
+        }
+    }
+    let keys: Vec<&str> = fields.keys().copied().collect();
+    if keys != ["fails", "fits"] {
+        return Err(format!("{line:?}: want exactly fits=... fails=..."));
+    }
+    let fits = fields.remove("fits").unwrap_or_default();
+    let fails = fields.remove("fails").unwrap_or_default();
+    Ok(MatchLine::Expect { fits, fails })
+}
+
+#[test]
+fn match_lines_parse() {
+    assert_eq!(
+        match_line("x\n# nvdra-match: fits=a,b fails=c\n").unwrap(),
+        MatchLine::Expect {
+            fits: vec!["a".into(), "b".into()],
+            fails: vec!["c".into()]
+        }
+    );
+    assert_eq!(
+        match_line("# nvdra-match: skip (no claim)").unwrap(),
+        MatchLine::Skip
+    );
+    assert!(match_line("# nothing").is_err());
+    assert!(match_line("# nvdra-match: fits=a\n# nvdra-match: fits=b fails=c").is_err());
+    assert!(match_line("# nvdra-match: fits=a").is_err());
+    assert!(match_line("# nvdra-match: fits=a fails=b extra=c").is_err());
+}
+
+#[test]
+fn every_example_says_which_profiles_it_fits() {
+    let profiles: BTreeSet<&str> = nvdra::inventory::topology::profile_names()
+        .into_iter()
+        .collect();
+    let mut files = Vec::new();
+    yaml_files(&manifests().join("examples"), &mut files);
+    assert!(files.len() >= 8, "{files:?}");
+    let classes: BTreeSet<String> = documents(
+        &read(&manifests().join("base/deviceclasses.yaml")),
+        "deviceclasses",
+    )
+    .iter()
+    .map(|d| str_at(d, "/metadata/name").to_string())
+    .collect();
+    for file in files {
+        let origin = file.display().to_string();
+        let text = read(&file);
+        let docs = documents(&text, &origin);
+        let claims = docs
+            .iter()
+            .filter(|d| {
+                matches!(
+                    str_at(d, "/kind"),
+                    "ResourceClaim" | "ResourceClaimTemplate"
+                )
+            })
+            .count();
+        match match_line(&text).unwrap_or_else(|e| panic!("{origin}: {e}")) {
+            MatchLine::Skip => assert_eq!(claims, 0, "{origin}: skips, but has claims"),
+            MatchLine::Expect { fits, fails } => {
+                assert!(claims > 0, "{origin}: a match line without a claim");
+                for p in fits.iter().chain(&fails) {
+                    assert!(
+                        profiles.contains(p.as_str()),
+                        "{origin}: no built-in profile {p}"
+                    );
+                }
+                assert!(
+                    !fits.iter().any(|p| fails.contains(p)),
+                    "{origin}: fits and fails"
+                );
+                assert!(!fits.is_empty() && !fails.is_empty(), "{origin}: say both");
+            }
+        }
+        // Every class an example names is one the manifests install.
+        let mut named = Vec::new();
+        for d in &docs {
+            class_names(d, &mut named);
+        }
+        for name in named {
+            assert!(
+                classes.contains(&name),
+                "{origin}: DeviceClass {name} is not in base/"
+            );
+        }
+    }
+}
+
+/// Every `deviceClassName` in `v`.
+fn class_names(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, w) in m {
+                match (k.as_str(), w) {
+                    ("deviceClassName", Value::String(name)) => out.push(name.clone()),
+                    _ => class_names(w, out),
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|w| class_names(w, out)),
+        _ => {}
+    }
+}

@@ -209,6 +209,7 @@ fn bad_input_exits_2_naming_the_file_and_field() {
         "---\n# second document\n---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: n}\nspec:\n  devices:\n    requests:\n    - name: r\n      exactly: {deviceClassName: gpu.nvidia.com, count: many}\n",
     );
     let pod = write("p.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n");
+    let not_object = write("f.yaml", "kind: Foo\nmetadata: {name: f}\n");
     let cases: &[(&[&str], &str)] = &[
         (
             &[
@@ -238,7 +239,18 @@ fn bad_input_exits_2_naming_the_file_and_field() {
                 "--profile",
                 "dgx-h100",
             ],
-            "kind \"Pod\"",
+            // Beside claims a Pod is skipped; alone, there is nothing to match.
+            "no ResourceClaim or ResourceClaimTemplate in",
+        ),
+        (
+            &[
+                "match",
+                "-f",
+                not_object.to_str().unwrap(),
+                "--profile",
+                "dgx-h100",
+            ],
+            "not a Kubernetes object (kind \"Foo\"",
         ),
         (
             &["match", "-f", "/nonexistent.yaml", "--profile", "dgx-h100"],
@@ -266,10 +278,14 @@ fn validate_reports_object_field_path_and_column() {
         "-f",
         MIG_1G,
         "-f",
-        "manifests/deviceclasses.yaml",
+        "manifests/base/deviceclasses.yaml",
     ]);
     assert_eq!(ok.status.code(), Some(0), "{}", stdout(&ok));
-    assert!(stdout(&ok).contains("4 objects, every CEL expression compiles"));
+    assert!(
+        stdout(&ok).contains("6 objects, every CEL expression compiles"),
+        "{}",
+        stdout(&ok)
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.yaml");
@@ -373,7 +389,7 @@ async fn a_live_cluster_is_explained_per_node() {
     nvdra::matching::input::read_text(
         Path::new("deviceclasses.yaml"),
         &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/deviceclasses.yaml"),
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/base/deviceclasses.yaml"),
         )
         .unwrap(),
         &mut classes,

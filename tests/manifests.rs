@@ -683,6 +683,21 @@ impl ClusterApi for EveryCall {
     fn server_minor(&self) -> BoxFuture<'_, api::Result<Option<u32>>> {
         self.0.server_minor()
     }
+    fn patch_node_labels<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a BTreeMap<String, Option<String>>,
+    ) -> BoxFuture<'a, api::Result<()>> {
+        self.0.patch_node_labels(name, labels)
+    }
+    fn dra_served(&self) -> BoxFuture<'_, api::Result<bool>> {
+        self.0.dra_served()
+    }
+    fn watch_device_classes(
+        &self,
+    ) -> BoxStream<'_, api::Result<Vec<k8s_openapi::api::resource::v1::DeviceClass>>> {
+        self.0.watch_device_classes()
+    }
 }
 
 /// One call of every method, as the daemon makes them (publisher, prepare, start-up).
@@ -697,6 +712,27 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
         vec![],
     ));
     assert!(api.server_minor().await.unwrap().is_some());
+    // `--mode auto`: API discovery, then the DeviceClass list and watch.
+    assert!(api.dra_served().await.unwrap());
+    server.seed_device_class(
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "gpu.nvidia.com"}, "spec": {}}))
+        .unwrap(),
+    );
+    let mut classes = api.watch_device_classes();
+    assert_eq!(classes.next().await.unwrap().unwrap().len(), 1);
+    // The watch request follows the list: drive the stream until the server has seen it.
+    let watching = || {
+        server
+            .requests()
+            .iter()
+            .any(|r| r.path.ends_with("/deviceclasses") && r.query.contains("watch="))
+    };
+    tokio::select! {
+        _ = classes.next() => panic!("the DeviceClasses changed without a change"),
+        () = async { while !watching() { tokio::time::sleep(std::time::Duration::from_millis(1)).await } } => {}
+    }
+    drop(classes);
     api.get_node(node).await.unwrap();
     api.get_claim("team-a", "claim-1").await.unwrap();
     let mut watch = api.watch_slices(driver, node);
@@ -720,6 +756,9 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
     api.delete_slice(replaced.metadata.name.as_deref().unwrap())
         .await
         .unwrap();
+    // `--node-labels` (the node-labels component's rule).
+    let labels = BTreeMap::from([("nvidia.com/gpu.count".to_string(), Some("8".to_string()))]);
+    api.patch_node_labels(node, &labels).await.unwrap();
 }
 
 /// The authorization attributes of a request, as the API server derives them.
@@ -745,6 +784,8 @@ fn access(r: &RecordedRequest) -> Access {
         rest => rest,
     };
     let (resource, named) = match rest {
+        // A group-version's discovery document (`/apis/resource.k8s.io/v1`).
+        [] => return Access::NonResource(r.path.clone()),
         [resource] => (resource.to_string(), false),
         [resource, _name] => (resource.to_string(), true),
         [resource, _name, sub] => (format!("{resource}/{sub}"), true),
@@ -773,15 +814,14 @@ fn access(r: &RecordedRequest) -> Access {
 }
 
 /// Non-resource URLs every authenticated user may GET (the default `system:public-info-viewer`
-/// and `system:discovery` roles), so nvdra's role need not grant them.
-const PUBLIC: &[&str] = &["/version", "/api", "/apis"];
-
-/// Rules granted for calls that the client above does not make yet: `--mode auto` lists and
-/// watches DeviceClasses (issue 9).
-const GRANTED_AHEAD: &[(&str, &str, &str)] = &[
-    ("resource.k8s.io", "deviceclasses", "list"),
-    ("resource.k8s.io", "deviceclasses", "watch"),
-];
+/// role: `/version`; `system:discovery`: `/api`, `/api/*`, `/apis`, `/apis/*`), so nvdra's role
+/// need not grant them.
+fn public(path: &str) -> bool {
+    path == "/version"
+        || ["/api", "/apis"]
+            .iter()
+            .any(|p| path == *p || path.starts_with(&format!("{p}/")))
+}
 
 #[tokio::test]
 async fn the_cluster_role_allows_every_call_and_nothing_else() {
@@ -795,6 +835,14 @@ async fn the_cluster_role_allows_every_call_and_nothing_else() {
 
     let base = documents(&read(&manifests().join("base/rbac.yaml")), "base/rbac.yaml");
     let granted = grants(&base);
+    // The Node patch is granted only with the node-labels component (its own ClusterRole).
+    let labels_file = manifests().join("components/node-labels/rbac.yaml");
+    let labels_grants = grants(&documents(
+        &read(&labels_file),
+        "components/node-labels/rbac.yaml",
+    ));
+    let node_patch = (String::new(), "nodes".to_string(), "patch".to_string());
+    assert!(labels_grants.contains(&node_patch), "{labels_grants:?}");
     let mut missing = Vec::new();
     let mut needed = BTreeSet::new();
     for a in &used {
@@ -805,12 +853,15 @@ async fn the_cluster_role_allows_every_call_and_nothing_else() {
                 verb,
             } => {
                 let key = (group.clone(), resource.clone(), verb.to_string());
+                if key == node_patch {
+                    continue;
+                }
                 if !granted.contains(&key) {
                     missing.push(format!("{verb} {resource} (group {group:?})"));
                 }
                 needed.insert(key);
             }
-            Access::NonResource(path) if PUBLIC.contains(&path.as_str()) => {}
+            Access::NonResource(path) if public(path) => {}
             Access::NonResource(path) => missing.push(format!("GET {path}")),
         }
     }
@@ -818,9 +869,6 @@ async fn the_cluster_role_allows_every_call_and_nothing_else() {
         missing.is_empty(),
         "calls the ClusterRole does not allow: {missing:?}"
     );
-    for (g, r, v) in GRANTED_AHEAD {
-        needed.insert((g.to_string(), r.to_string(), v.to_string()));
-    }
     let unused: Vec<_> = granted.difference(&needed).collect();
     assert!(unused.is_empty(), "granted but never used: {unused:?}");
     assert!(
@@ -1022,4 +1070,86 @@ fn class_names(v: &Value, out: &mut Vec<String>) {
         Value::Array(a) => a.iter().for_each(|w| class_names(w, out)),
         _ => {}
     }
+}
+
+/// `nvdra match` agrees with every example's `# nvdra-match:` line: exit 0 on each profile it
+/// fits, 1 on each it does not, with the installed DeviceClasses.
+#[test]
+fn nvdra_match_agrees_with_every_example() {
+    let mut files = Vec::new();
+    yaml_files(&manifests().join("examples"), &mut files);
+    let classes = manifests().join("base/deviceclasses.yaml");
+    let mut checked = 0;
+    for file in files {
+        let MatchLine::Expect { fits, fails } =
+            match_line(&read(&file)).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        else {
+            continue;
+        };
+        for (profile, want) in fits
+            .iter()
+            .map(|p| (p, 0))
+            .chain(fails.iter().map(|p| (p, 1)))
+        {
+            let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+                .arg("match")
+                .arg("-f")
+                .arg(&file)
+                .arg("-f")
+                .arg(&classes)
+                .args(["--profile", profile, "--node-name", "node-a"])
+                .env_remove("NVDRA_LOG")
+                .output()
+                .expect("nvdra runs");
+            assert_eq!(
+                out.status.code(),
+                Some(want),
+                "nvdra match -f {} --profile {profile}: want exit {want}\n{}\n{}",
+                file.display(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 40, "only {checked} example × profile checks");
+}
+
+/// Every CEL expression in the manifests (DeviceClasses, example claims, and every overlay's
+/// output) compiles in nvdra's CEL environment.
+#[test]
+fn every_cel_expression_in_the_manifests_compiles() {
+    let mut files = Vec::new();
+    yaml_files(&manifests(), &mut files);
+    let dir = tempfile::tempdir().unwrap();
+    if let Some(kubectl) = kubectl() {
+        for name in ["plain", "extended-resources", "device-plugin-only"] {
+            let docs = overlay(kubectl, name);
+            let text: String = docs
+                .iter()
+                .map(|d| format!("---\n{}\n", serde_json::to_string(d).unwrap()))
+                .collect();
+            let path = dir.path().join(format!("{name}.yaml"));
+            std::fs::write(&path, text).unwrap();
+            files.push(path);
+        }
+    }
+    // Kustomizations and patches are not Kubernetes objects nvdra reads.
+    files.retain(|f| {
+        let text = read(f);
+        !text.contains("kind: Kustomization") && !text.contains("kind: Component")
+    });
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+    cmd.arg("validate");
+    for f in &files {
+        cmd.arg("-f").arg(f);
+    }
+    let out = cmd.env_remove("NVDRA_LOG").output().expect("nvdra runs");
+    assert!(
+        out.status.success(),
+        "nvdra validate over {} files:\n{}\n{}",
+        files.len(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -27,8 +27,8 @@ pub enum InputError {
     #[error(transparent)]
     Field(Box<FieldError>),
     #[error(
-        "{file}: document {doc} (line {line}): kind {kind:?} is not a DeviceClass, \
-         ResourceClaim, ResourceClaimTemplate or ResourceSlice"
+        "{file}: document {doc} (line {line}): not a Kubernetes object (kind {kind:?}, no \
+         apiVersion?)"
     )]
     Kind {
         file: PathBuf,
@@ -195,6 +195,10 @@ fn read_value(
             });
         }
         "ResourceSlice" => out.slices.push(typed(value, origin, &kind, &name)?),
+        // Other objects users keep beside their claims (the Pod that uses them, RBAC, a
+        // kustomize build's everything) are not ours to read: skipped. A document without a kind
+        // or apiVersion is not a Kubernetes object at all.
+        other if !other.is_empty() && value.get("apiVersion").is_some_and(|v| v.is_string()) => {}
         _ => {
             return Err(InputError::Kind {
                 file: origin.file.clone(),
@@ -226,14 +230,14 @@ fn typed<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// The DeviceClasses nvdra ships (`manifests/deviceclasses.yaml`), used when the input does not
+/// The DeviceClasses nvdra ships (`manifests/base/deviceclasses.yaml`), used when the input does not
 /// define a class of the same name.
 pub fn builtin_classes() -> Vec<(DeviceClass, Origin)> {
     let mut out = Objects::default();
-    let file = Path::new("manifests/deviceclasses.yaml");
+    let file = Path::new("manifests/base/deviceclasses.yaml");
     match read_text(
         file,
-        include_str!("../../manifests/deviceclasses.yaml"),
+        include_str!("../../manifests/base/deviceclasses.yaml"),
         &mut out,
     ) {
         Ok(()) => out.classes,

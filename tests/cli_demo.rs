@@ -31,6 +31,15 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
         stdout.contains("gpu-0: NVIDIA H100 80GB HBM3 80Gi"),
         "{stdout}"
     );
+    // The claim that cannot fit is explained device by device.
+    assert!(
+        stdout.contains("gpu-7  selectors[0]: memory 80Gi < 100Gi"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("not satisfiable: request gpus needs 2 devices, 0 fit"),
+        "{stdout}"
+    );
     // Prepare returned CDI ids and applied the time slice through the backend.
     assert!(
         stdout.contains("gpu-1 -> k8s.gpu.nvidia.com/claim=uid-train-gpu-1"),

@@ -3,11 +3,12 @@
 //! It runs the real daemon ([`crate::daemon::run`]) on a simulated DGX H100 with the directory
 //! API in a temporary directory, and plays the kubelet's part over the real sockets: the
 //! registration handshake, reading the published ResourceSlices, preparing two claims that want
-//! the same GPU (the second is refused until the first is released), unpreparing, and a GPU
-//! fault injected through the fault file ([`fault`]); then the same node as a legacy device
+//! the same GPU (the second is refused until the first is released), unpreparing, a claim that cannot fit explained by `nvdra match` ([`explain`]), and a
+//! GPU fault injected through the fault file ([`fault`]); then the same node as a legacy device
 //! plugin ([`legacy`]). Everything it prints comes from what the
 //! daemon wrote or answered.
 
+mod explain;
 mod fault;
 mod legacy;
 
@@ -169,11 +170,14 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         }
         writeln!(out, "   ... (nvdra inventory --profile {PROFILE} -o slices shows them all)\n")?;
 
-        // 3. Prepare.
+        // 3. What a claim that does not fit is told.
+        explain::run(out, &slices, 3)?;
+
+        // 4. Prepare.
         let mut dra = v1::dra_plugin_client::DraPluginClient::new(connect_unix(&dra_socket).await?);
         let train = prepare(&mut dra, "train", "uid-train").await?;
         ensure!(train.error.is_empty(), "preparing demo/train failed: {}", train.error);
-        writeln!(out, "3. The kubelet prepares claim {NAMESPACE}/train (two GPUs, time-sliced):")?;
+        writeln!(out, "4. The kubelet prepares claim {NAMESPACE}/train (two GPUs, time-sliced):")?;
         for d in &train.devices {
             writeln!(out, "   {} -> {}", d.device_name, d.cdi_device_ids.join(", "))?;
         }
@@ -204,16 +208,16 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
                 .join("; ")
         )?;
 
-        // 4. A second claim for the same GPU is refused, with the reason.
+        // 5. A second claim for the same GPU is refused, with the reason.
         let notebook = prepare(&mut dra, "notebook", "uid-notebook").await?;
         ensure!(
             !notebook.error.is_empty(),
             "gpu-0 was handed to two claims"
         );
-        writeln!(out, "4. Claim {NAMESPACE}/notebook also wants gpu-0; nvdra refuses:")?;
+        writeln!(out, "5. Claim {NAMESPACE}/notebook also wants gpu-0; nvdra refuses:")?;
         writeln!(out, "   {}\n", notebook.error)?;
 
-        // 5. Unprepare frees it.
+        // 6. Unprepare frees it.
         let un = unprepare(&mut dra, "train", "uid-train").await?;
         ensure!(un.is_empty(), "unpreparing demo/train failed: {un}");
         ensure!(!spec_path.exists(), "unprepare left the CDI spec");
@@ -221,7 +225,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         ensure!(notebook.error.is_empty(), "preparing demo/notebook failed: {}", notebook.error);
         writeln!(
             out,
-            "5. After {NAMESPACE}/train is unprepared (its CDI spec removed), {NAMESPACE}/notebook gets {}.\n",
+            "6. After {NAMESPACE}/train is unprepared (its CDI spec removed), {NAMESPACE}/notebook gets {}.\n",
             notebook
                 .devices
                 .iter()
@@ -232,8 +236,8 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         let un = unprepare(&mut dra, "notebook", "uid-notebook").await?;
         ensure!(un.is_empty(), "unpreparing demo/notebook failed: {un}");
 
-        // 6. A GPU fault reaches the health stream and the slices.
-        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 6).await?;
+        // 7. A GPU fault reaches the health stream and the slices.
+        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 7).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -247,7 +251,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         "   The daemon shut down cleanly and removed its sockets.\n"
     )?;
 
-    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 7).await?;
+    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 8).await?;
     writeln!(
         out,
         "Next: deploy for real with `kubectl apply -k manifests/` (see README, Deploy)."

@@ -254,7 +254,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
     legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 8).await?;
     writeln!(
         out,
-        "Next: deploy for real with `kubectl apply -k manifests/` (see README, Deploy)."
+        "Next: deploy for real with `kubectl apply -k manifests/overlays/plain` (README, Deploying)."
     )?;
     Ok(())
 }

@@ -16,15 +16,24 @@ pub mod health {
         tonic::include_proto!("v1alpha1");
     }
     /// Its proto package is `v1beta1`, as the device-plugin API's is: prost generates one
-    /// module for both, so the health half is re-exported from there.
+    /// module for both, so the health service is re-exported from there. Its messages are
+    /// v1alpha1's (build.rs maps them), as the protos are identical field for field.
     pub mod v1beta1 {
-        pub use crate::proto::deviceplugin::v1beta1::{
+        pub use super::v1alpha1::{
             DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
-            NodeWatchResourcesResponse, dra_resource_health_client, dra_resource_health_server,
+            NodeWatchResourcesResponse,
+        };
+        pub use crate::proto::deviceplugin::v1beta1::{
+            dra_resource_health_client, dra_resource_health_server,
         };
     }
+    /// Package `v1`, which it shares with PodResources; messages are v1alpha1's, as for v1beta1.
     pub mod v1 {
         tonic::include_proto!("v1");
+        pub use super::v1alpha1::{
+            DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
+            NodeWatchResourcesResponse,
+        };
     }
 }
 

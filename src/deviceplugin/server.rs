@@ -368,7 +368,7 @@ impl DevicePlugin {
                 }
                 _ = poll.tick() => {}
                 // A health transition re-reads at once instead of at the next poll.
-                Some(()) = health_changed(&mut health) => poll.reset(),
+                Some(()) = crate::health::changed(&mut health) => poll.reset(),
             }
             match self.check().await {
                 Ok((inv, res)) => {
@@ -469,16 +469,6 @@ impl DevicePlugin {
 }
 
 /// Registers every slot not yet registered with the current `kubelet.sock`.
-/// `Some` when the watch changed; never ready without a watch or once the monitor is gone.
-async fn health_changed(health: &mut Option<crate::health::Watch>) -> Option<()> {
-    if let Some(h) = health
-        && h.changed().await.is_ok()
-    {
-        return Some(());
-    }
-    std::future::pending().await
-}
-
 async fn register_all(slots: &mut [Slot], kubelet_sock: &Path) {
     let Some(kubelet) = identity(kubelet_sock) else {
         for slot in slots.iter_mut() {

@@ -130,11 +130,8 @@ impl HealthService {
         })
     }
 
-    /// The stream, in `v1alpha1` messages; `convert` turns each into the served version's.
-    fn stream<T: Send + 'static>(
-        &self,
-        convert: fn(NodeWatchResourcesResponse) -> T,
-    ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
+    /// The stream every version serves (their messages are one type: see `build.rs`).
+    fn stream(&self) -> HealthStream {
         tracing::debug!("health stream opened");
         let (tx, rx) = mpsc::channel(1);
         let svc = self.clone();
@@ -150,12 +147,12 @@ impl HealthService {
                     biased;
                     () = svc.shutdown.cancelled() => break,
                     () = tx.closed() => break,
-                    Some(()) = changed(&mut health) => tick.reset(),
+                    Some(()) = crate::health::changed(&mut health) => tick.reset(),
                     _ = tick.tick() => {}
                 }
                 match svc.message().await {
                     Ok(m) => {
-                        if tx.send(Ok(convert(m))).await.is_err() {
+                        if tx.send(Ok(m)).await.is_err() {
                             break;
                         }
                     }
@@ -172,147 +169,50 @@ impl HealthService {
     }
 }
 
-/// `Some` when the watch changed; never ready without a watch or once the monitor is gone.
-async fn changed(health: &mut Option<crate::health::Watch>) -> Option<()> {
-    if let Some(h) = health
-        && h.changed().await.is_ok()
-    {
-        return Some(());
-    }
-    std::future::pending().await
-}
+type HealthStream = Pin<Box<dyn Stream<Item = Result<NodeWatchResourcesResponse, Status>> + Send>>;
 
-type Stream1<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = Stream1<NodeWatchResourcesResponse>;
-
-    async fn node_watch_resources(
-        &self,
-        request: Request<NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        let NodeWatchResourcesRequest {} = request.into_inner();
-        Ok(Response::new(self.stream(|m| m)))
-    }
-}
-
-/// The `v1beta1` service: the same stream in that package's messages.
+/// The `v1beta1` service: the same stream.
 #[derive(Clone)]
 pub struct HealthV1beta1(pub HealthService);
 
-#[tonic::async_trait]
-impl v1beta1::dra_resource_health_server::DraResourceHealth for HealthV1beta1 {
-    type NodeWatchResourcesStream = Stream1<v1beta1::NodeWatchResourcesResponse>;
-
-    async fn node_watch_resources(
-        &self,
-        request: Request<v1beta1::NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        let v1beta1::NodeWatchResourcesRequest {} = request.into_inner();
-        Ok(Response::new(self.0.stream(|m| {
-            let NodeWatchResourcesResponse { devices } = m;
-            v1beta1::NodeWatchResourcesResponse {
-                devices: devices
-                    .into_iter()
-                    .map(|d| {
-                        let (
-                            device,
-                            health,
-                            last_updated_time,
-                            health_check_timeout_seconds,
-                            message,
-                        ) = parts(d);
-                        v1beta1::DeviceHealth {
-                            device: device.map(|(pool_name, device_name)| {
-                                v1beta1::DeviceIdentifier {
-                                    pool_name,
-                                    device_name,
-                                }
-                            }),
-                            health,
-                            last_updated_time,
-                            health_check_timeout_seconds,
-                            message,
-                        }
-                    })
-                    .collect(),
-            }
-        })))
-    }
-}
-
-/// The `v1` service: the same stream in that package's messages.
+/// The `v1` service: the same stream.
 #[derive(Clone)]
 pub struct HealthV1(pub HealthService);
 
-#[tonic::async_trait]
-impl v1::dra_resource_health_server::DraResourceHealth for HealthV1 {
-    type NodeWatchResourcesStream = Stream1<v1::NodeWatchResourcesResponse>;
+/// One version's `DraResourceHealth` over the shared stream; `$svc` reaches the service.
+macro_rules! serve_version {
+    ($ty:ty, $server:path, |$s:ident| $svc:expr) => {
+        #[tonic::async_trait]
+        impl $server for $ty {
+            type NodeWatchResourcesStream = HealthStream;
 
-    async fn node_watch_resources(
-        &self,
-        request: Request<v1::NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        let v1::NodeWatchResourcesRequest {} = request.into_inner();
-        Ok(Response::new(self.0.stream(|m| {
-            let NodeWatchResourcesResponse { devices } = m;
-            v1::NodeWatchResourcesResponse {
-                devices: devices
-                    .into_iter()
-                    .map(|d| {
-                        let (
-                            device,
-                            health,
-                            last_updated_time,
-                            health_check_timeout_seconds,
-                            message,
-                        ) = parts(d);
-                        v1::DeviceHealth {
-                            device: device.map(|(pool_name, device_name)| v1::DeviceIdentifier {
-                                pool_name,
-                                device_name,
-                            }),
-                            health,
-                            last_updated_time,
-                            health_check_timeout_seconds,
-                            message,
-                        }
-                    })
-                    .collect(),
+            async fn node_watch_resources(
+                &self,
+                request: Request<NodeWatchResourcesRequest>,
+            ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+                let NodeWatchResourcesRequest {} = request.into_inner();
+                let $s = self;
+                Ok(Response::new($svc.stream()))
             }
-        })))
-    }
+        }
+    };
 }
 
-/// A `v1alpha1` device entry taken apart exhaustively, so a new field breaks the build here
-/// instead of being dropped from the other versions. The health enum has the same numbers in
-/// every package.
-type Parts = (Option<(String, String)>, i32, i64, i64, String);
-
-fn parts(d: DeviceHealth) -> Parts {
-    let DeviceHealth {
-        device,
-        health,
-        last_updated_time,
-        health_check_timeout_seconds,
-        message,
-    } = d;
-    let device = device.map(|i| {
-        let DeviceIdentifier {
-            pool_name,
-            device_name,
-        } = i;
-        (pool_name, device_name)
-    });
-    (
-        device,
-        health,
-        last_updated_time,
-        health_check_timeout_seconds,
-        message,
-    )
-}
+serve_version!(
+    HealthService,
+    v1alpha1::dra_resource_health_server::DraResourceHealth,
+    |s| s
+);
+serve_version!(
+    HealthV1beta1,
+    v1beta1::dra_resource_health_server::DraResourceHealth,
+    |s| s.0
+);
+serve_version!(
+    HealthV1,
+    v1::dra_resource_health_server::DraResourceHealth,
+    |s| s.0
+);
 
 #[cfg(test)]
 mod tests {
@@ -429,7 +329,7 @@ mod tests {
         let backend = Arc::new(Monitored::new(inner, handle.subscribe()));
         let svc = HealthService::new(backend, "n".into(), INTERVAL, stop.clone())
             .with_health(handle.subscribe());
-        let mut alpha = svc.stream(|m| m);
+        let mut alpha = svc.stream();
         let mut beta = HealthV1beta1(svc.clone())
             .node_watch_resources(Request::new(v1beta1::NodeWatchResourcesRequest {}))
             .await

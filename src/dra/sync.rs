@@ -151,7 +151,7 @@ impl SliceSync {
                     self.on_dropped(&fields);
                 }
                 () = self.trigger.notified() => {}
-                Some(()) = health_changed(&mut health) => {}
+                Some(()) = crate::health::changed(&mut health) => {}
                 Ok(()) = async {
                     match &mut changes {
                         Some(c) => c.changed().await,
@@ -257,16 +257,6 @@ impl SliceSync {
             }
         }
     }
-}
-
-/// `Some` when the watch changed; never ready without a watch or once the monitor is gone.
-async fn health_changed(health: &mut Option<crate::health::Watch>) -> Option<()> {
-    if let Some(h) = health
-        && h.changed().await.is_ok()
-    {
-        return Some(());
-    }
-    std::future::pending().await
 }
 
 /// Tainted GPUs and MIG devices become withdrawn ones (for a server that drops taints).

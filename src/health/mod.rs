@@ -206,6 +206,17 @@ impl HealthState {
 /// A subscription to the monitor's state.
 pub type Watch = watch::Receiver<HealthState>;
 
+/// `Some` when the monitor's state changed; never ready without a watch or once the monitor is
+/// gone. For a `select!` branch of a consumer that re-reads on every transition.
+pub async fn changed(health: &mut Option<Watch>) -> Option<()> {
+    if let Some(h) = health
+        && h.changed().await.is_ok()
+    {
+        return Some(());
+    }
+    std::future::pending().await
+}
+
 /// What an XID does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum XidRule {

@@ -468,7 +468,10 @@ fn spawn_device_plugin(
         let token = shutdown.clone();
         tasks.spawn(async move {
             let r = dp.run(token).await;
-            ("device-plugin", r.map_err(|e| deviceplugin::chain(&e)))
+            (
+                "device-plugin",
+                r.map_err(|e| report::chain(&e).to_string()),
+            )
         });
     }
 }

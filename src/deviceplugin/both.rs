@@ -211,7 +211,7 @@ pub async fn poll_pod_resources(
                 both.ledger.set_observed(held);
             }
             Err(e) if !failing => {
-                tracing::warn!(error = %super::chain(&e),
+                tracing::warn!(error = %crate::report::chain(&e),
                     "cannot read which containers hold GPUs; keeping the last known holds");
                 failing = true;
             }

@@ -240,17 +240,5 @@ impl std::fmt::Display for ResourceName {
     }
 }
 
-/// An error and its causes on one line (`a: b: c`), for logs.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        cur = c.source();
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests;

@@ -6,10 +6,13 @@
 //! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as tests/kubelet_grpcio.rs).
 //! Without them the tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::grpcio::{STANDIN, have_grpcio};
 
 use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::api::ClusterApi;
@@ -20,29 +23,8 @@ use serde_json::{Value, json};
 const NODE: &str = "node-a";
 const DRIVER: &str = "gpu.nvidia.com";
 const PROFILE: &str = "dgx-h100";
-const PIP: &str =
-    "python3 -m pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0";
-const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
 /// How long a change may take to reach the slices (the publisher's own pace; not a speed test).
 const SLICES_WAIT: Duration = Duration::from_secs(30);
-
-fn have_grpcio() -> bool {
-    let ok = Command::new("python3")
-        .args([
-            "-c",
-            "import grpc, grpc_tools.protoc, google.protobuf, hpack",
-        ])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let required = std::env::var("NVDRA_REQUIRE_GRPCIO").is_ok_and(|v| !v.is_empty() && v != "0");
-    if !ok && required {
-        panic!("NVDRA_REQUIRE_GRPCIO is set but python3 lacks grpcio; run: {PIP}");
-    }
-    if !ok {
-        eprintln!("skipped: the grpcio kubelet stand-in needs: {PIP}");
-    }
-    ok
-}
 
 /// The UUID (the device-plugin ID) of GPU `index` of the profile.
 fn uuid(index: usize) -> String {

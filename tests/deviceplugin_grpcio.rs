@@ -9,34 +9,16 @@
 //! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as tests/kubelet_grpcio.rs).
 //! Without them the tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use support::grpcio::{STANDIN, have_grpcio};
 
 use nvdra::inventory::{DeviceBackend, Inventory, sim::SimBackend};
 use serde_json::Value;
 
 const NODE: &str = "node-a";
-const PIP: &str =
-    "python3 -m pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0";
-const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
-
-fn have_grpcio() -> bool {
-    let ok = Command::new("python3")
-        .args([
-            "-c",
-            "import grpc, grpc_tools.protoc, google.protobuf, hpack",
-        ])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let required = std::env::var("NVDRA_REQUIRE_GRPCIO").is_ok_and(|v| !v.is_empty() && v != "0");
-    if !ok && required {
-        panic!("NVDRA_REQUIRE_GRPCIO is set but python3 lacks grpcio; run: {PIP}");
-    }
-    if !ok {
-        eprintln!("skipped: the grpcio kubelet stand-in needs: {PIP}");
-    }
-    ok
-}
 
 fn inventory(profile: &str) -> Inventory {
     SimBackend::from_profile(profile, NODE)

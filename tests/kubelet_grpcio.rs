@@ -10,10 +10,12 @@
 //! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (see `.ci/run`). Without them the
 //! tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set (CI sets it to 1).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
+use support::grpcio::{STANDIN, have_grpcio};
 
 use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
@@ -28,53 +30,6 @@ const CLAIMS: [(&str, &str); 4] = [
     ("c", "gpu-2"),
     ("d", "gpu-3"),
 ];
-/// What CI installs (`.ci/run`); the stand-in is tested with exactly these.
-const PIP: &str =
-    "python3 -m pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0";
-const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
-
-fn required() -> bool {
-    std::env::var("NVDRA_REQUIRE_GRPCIO").is_ok_and(|v| !v.is_empty() && v != "0")
-}
-
-/// Whether python3 can import what the stand-in needs (probed once per test binary); skips or,
-/// when required, fails the calling test otherwise.
-fn have_grpcio() -> bool {
-    static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
-    let probe = PROBE.get_or_init(|| {
-        let out = Command::new("python3")
-            .args([
-                "-c",
-                "import grpc, grpc_tools.protoc, google.protobuf, hpack",
-            ])
-            .output()
-            .map_err(|e| format!("cannot run python3: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "python3 cannot import grpc, grpc_tools, protobuf and hpack: {}",
-                // The exception, not the traceback above it.
-                String::from_utf8_lossy(&out.stderr)
-                    .trim()
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            ))
-        }
-    });
-    match probe {
-        Ok(()) => true,
-        Err(why) if required() => panic!("NVDRA_REQUIRE_GRPCIO is set but {why}; run: {PIP}"),
-        Err(why) => {
-            eprintln!(
-                "skipped: the grpcio kubelet stand-in: {why} (run: {PIP}; set NVDRA_REQUIRE_GRPCIO=1 to make this a failure)"
-            );
-            false
-        }
-    }
-}
-
 /// `nvdra run` in a temporary kubelet root, killed when dropped (a failing test leaks nothing).
 struct Daemon {
     child: Child,

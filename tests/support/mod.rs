@@ -1,3 +1,4 @@
 //! Shared helpers for integration tests.
 
 pub mod apiserver;
+pub mod grpcio;

@@ -578,19 +578,27 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
     }
     let inv = inventory("pcie-pairs");
     let mut node = Node::new();
+    // GPU 2 shared through MPS, the others as memory units: a GPU is advertised one way only.
     let config = node.config(
-        "version: v1\nflags:\n  gdsEnabled: true\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+        "version: v1\nflags:\n  gdsEnabled: true\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      devices: [2]\n      replicas: 2\n",
     );
-    // The first-list index of unit `n` of GPU `g`.
+    // GiB units per GPU; none on the MPS-shared GPU 2.
     let units: Vec<usize> = inv
         .gpus
         .iter()
-        .map(|g| (g.memory_bytes >> 30) as usize)
+        .map(|g| {
+            if g.index == 2 {
+                0
+            } else {
+                (g.memory_bytes >> 30) as usize
+            }
+        })
         .collect();
+    // The first-list index of unit `n` of GPU `g`.
     let at = |g: usize, n: usize| format!("@{}", units[..g].iter().sum::<usize>() + n);
     let mem = "nvidia.com/gpu-memory";
     let one_gpu = format!("{mem}={},{},{}", at(1, 0), at(1, 1), at(1, 5));
-    let two_gpus = format!("{mem}={},{}", at(0, 0), at(2, 0));
+    let two_gpus = format!("{mem}={},{}", at(0, 0), at(3, 0));
     let available: Vec<String> = [at(0, 0), at(0, 1)]
         .into_iter()
         .chain((0..5).map(|n| at(3, n)))
@@ -609,7 +617,7 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
             "--allocate",
             &two_gpus,
             "--allocate",
-            "nvidia.com/gpu=@2",
+            "nvidia.com/gpu=@1",
             "--preferred",
             &prefer,
         ],
@@ -620,13 +628,13 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
         serde_json::json!([])
     );
 
-    // One device per GiB of each GPU, with the GPU's NUMA node.
+    // One device per GiB of each GPU not shared otherwise, with the GPU's NUMA node.
     let listed = r.one(mem, "ListAndWatch")["devices"]
         .as_array()
         .unwrap()
         .clone();
     assert_eq!(listed.len(), units.iter().sum::<usize>());
-    for (g, gpu) in inv.gpus.iter().enumerate() {
+    for (g, gpu) in inv.gpus.iter().enumerate().filter(|(g, _)| units[*g] > 0) {
         for n in [0, units[g] - 1] {
             let i: usize = at(g, n)[1..].parse().unwrap();
             assert_eq!(listed[i]["id"], format!("{}::mem-{n}", gpu.uuid));
@@ -651,7 +659,7 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
     assert_eq!(allocs[1]["ok"], false);
     let msg = allocs[1]["message"].as_str().unwrap();
     assert!(
-        msg.contains("must come from one GPU") && msg.contains(uuid(0)) && msg.contains(uuid(2)),
+        msg.contains("must come from one GPU") && msg.contains(uuid(0)) && msg.contains(uuid(3)),
         "{msg}"
     );
     // Packed on the GPU that holds all four.
@@ -659,9 +667,19 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
     assert_eq!(got.len(), 4);
     assert!(got.iter().all(|id| id.starts_with(uuid(3))), "{got:?}");
 
-    // MPS replicas: the daemon's pipe and the per-client shares of NVIDIA's daemon defaults.
+    // MPS replicas of GPU 2, and only of it: the daemon's pipe and the per-client shares of
+    // NVIDIA's daemon defaults.
+    let gpu = strings(
+        &r.one("nvidia.com/gpu", "ListAndWatch")["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["id"].clone())
+            .collect::<serde_json::Value>(),
+    );
+    assert_eq!(gpu, [format!("{}::0", uuid(2)), format!("{}::1", uuid(2))]);
     let a = r.one("nvidia.com/gpu", "Allocate");
-    assert_eq!(a["envs"]["NVIDIA_VISIBLE_DEVICES"], uuid(1));
+    assert_eq!(a["envs"]["NVIDIA_VISIBLE_DEVICES"], uuid(2));
     assert_eq!(
         a["envs"]["CUDA_MPS_PIPE_DIRECTORY"],
         "/mps/nvidia.com/gpu/pipe"
@@ -669,7 +687,7 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
     assert_eq!(a["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
     assert_eq!(
         a["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!("{}={}M", uuid(1), (inv.gpus[1].memory_bytes >> 20) / 2)
+        format!("{}={}M", uuid(2), (inv.gpus[2].memory_bytes >> 20) / 2)
     );
     assert_eq!(a["envs"]["NVIDIA_GDS"], "enabled");
 }

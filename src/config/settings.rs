@@ -242,9 +242,9 @@ pub struct DaemonSettings {
     #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
     pub device_plugin_config: Option<PathBuf>,
 
-    /// Also advertise nvidia.com/gpu-memory on the device-plugin path: one device per GiB of
-    /// each whole GPU, Allocate of k units setting the GPU's MPS pinned-memory limit to kG
-    /// (nvdra's extension; NVIDIA's config file has no key for it).
+    /// Advertise each whole GPU no sharing entry selects as nvidia.com/gpu-memory instead of
+    /// nvidia.com/gpu on the device-plugin path: one device per GiB, Allocate of k units setting
+    /// the GPU's MPS pinned-memory limit to kG (nvdra's extension; NVIDIA's file has no key).
     #[arg(
         long,
         env = "NVDRA_DEVICE_PLUGIN_GPU_MEMORY",

@@ -6,9 +6,13 @@
 //!   `mixed` advertises them as `nvidia.com/mig-<profile>` (`+` in a profile becomes `.`);
 //! - sharing: each selected device becomes `replicas` devices `<id>::0 …`, under the same name,
 //!   `<name>.shared` (`renameByDefault`) or the entry's `rename`; unselected devices stay whole.
-//! - `nvidia.com/gpu-memory` (nvdra's extension, off by default): every whole GPU as one device
-//!   per GiB of its memory, `<id>::mem-<n>` for `n` in `0..floor(memory / 1 GiB)`, each with the
-//!   GPU's health and NUMA node. NVIDIA's plugin has no such resource.
+//! - `nvidia.com/gpu-memory` (nvdra's extension, off by default): every whole GPU that no sharing
+//!   entry selects as one device per GiB of its memory, `<id>::mem-<n>` for `n` in
+//!   `0..floor(memory / 1 GiB)`, each with the GPU's health and NUMA node, *instead of* as
+//!   `nvidia.com/gpu`. NVIDIA's plugin has no such resource.
+//!
+//! Each physical GPU or MIG device is advertised under exactly one resource name: the device
+//! manager keeps one account per name, so a GPU under two names could go to two pods.
 //!
 //! Pure: no I/O.
 
@@ -278,18 +282,7 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
         r.fail_requests_greater_than_one |= fail;
         r.devices.push(d);
     };
-    let physical = physical(inv, opts)?;
-    if opts.gpu_memory {
-        for d in physical.values().flatten().filter(|d| !d.mig) {
-            for n in 0..(d.memory_bytes / GIB) as u32 {
-                let mut unit = d.clone();
-                unit.id = format!("{}::mem-{n}", d.base);
-                unit.memory_unit = Some(n);
-                put(&gpu_memory_resource(), false, unit);
-            }
-        }
-    }
-    for (name, devices) in physical {
+    for (name, devices) in physical(inv, opts)? {
         let entry = opts
             .sharing
             .as_ref()
@@ -316,6 +309,16 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
                         rep.replica = Some(n);
                         rep.replicas = r.replicas;
                         put(&target, sharing.fail_requests_greater_than_one, rep);
+                    }
+                }
+                // A whole GPU is advertised once: as GiB units when they are on, else whole.
+                // Under two names the device manager would hand it to two pods.
+                _ if opts.gpu_memory && !d.mig => {
+                    for n in 0..(d.memory_bytes / GIB) as u32 {
+                        let mut unit = d.clone();
+                        unit.id = format!("{}::mem-{n}", d.base);
+                        unit.memory_unit = Some(n);
+                        put(&gpu_memory_resource(), false, unit);
                     }
                 }
                 _ => {

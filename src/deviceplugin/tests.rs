@@ -5,6 +5,7 @@ use super::resources::{Error as ResError, Resource, mig_resource, resources};
 use super::*;
 use crate::inventory::sim::SimBackend;
 use crate::inventory::{DeviceBackend, Health, Inventory};
+use std::collections::{BTreeMap, BTreeSet};
 
 fn inv(profile: &str) -> Inventory {
     SimBackend::from_profile(profile, "n")
@@ -863,10 +864,9 @@ fn gpu_memory_lists_one_unit_per_gib_of_each_whole_gpu() {
         ResourceName::parse(resources::GPU_MEMORY).unwrap().as_str(),
         resources::GPU_MEMORY
     );
-    assert_eq!(
-        by_name(&res, "nvidia.com/gpu").devices.len(),
-        8,
-        "whole GPUs stay"
+    assert!(
+        res.iter().all(|r| r.name.as_str() != "nvidia.com/gpu"),
+        "a GPU advertised as units is not also advertised whole"
     );
     let mem = by_name(&res, resources::GPU_MEMORY);
     assert!(mem.memory_units() && !mem.replicated());
@@ -902,6 +902,7 @@ fn gpu_memory_lists_one_unit_per_gib_of_each_whole_gpu() {
         .map(|d| d.gpu_index)
         .collect();
     assert_eq!(gpus.into_iter().collect::<Vec<_>>(), [0, 3]);
+    assert!(res.iter().all(|r| r.name.as_str() != "nvidia.com/gpu"));
     // Replicas under the name are refused while the units are on.
     let renamed = opts(
         "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, rename: gpu-memory, replicas: 2}\n",
@@ -919,6 +920,75 @@ fn gpu_memory_lists_one_unit_per_gib_of_each_whole_gpu() {
             name: resources::GPU_MEMORY.into()
         }
     );
+}
+
+/// Every physical device (a GPU, or a MIG device) with the resource names it is advertised
+/// under.
+fn names_per_device(res: &[Resource]) -> BTreeMap<String, BTreeSet<String>> {
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for r in res {
+        for d in &r.devices {
+            out.entry(d.uuid.to_string())
+                .or_default()
+                .insert(r.name.to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn with_gpu_memory_on_each_gpu_is_advertised_under_one_name_only() {
+    // GPUs 0 and 1 time-sliced, the others as memory units: never a GPU both ways.
+    let sliced = "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, devices: [0, 1], replicas: 4}\n";
+    let o = Options {
+        gpu_memory: true,
+        ..opts(sliced)
+    };
+    let inv = inv("dgx-h100");
+    let res = resources(&inv, &o).unwrap();
+    let names = names_per_device(&res);
+    assert_eq!(names.len(), 8, "every GPU is advertised");
+    for (i, g) in inv.gpus.iter().enumerate() {
+        let want = if i < 2 {
+            "nvidia.com/gpu"
+        } else {
+            resources::GPU_MEMORY
+        };
+        assert_eq!(
+            names[g.uuid.as_str()],
+            BTreeSet::from([want.to_string()]),
+            "GPU {i}"
+        );
+    }
+    assert!(by_name(&res, "nvidia.com/gpu").replicated());
+    assert_eq!(by_name(&res, "nvidia.com/gpu").devices.len(), 2 * 4);
+
+    // Every profile and MIG strategy: one name per physical device.
+    for profile in ["dgx-h100", "pcie-pairs", "a100-mig-mixed"] {
+        for (strategy, sharing) in [
+            (MigStrategy::None, ""),
+            (MigStrategy::Mixed, ""),
+            (MigStrategy::Mixed, sliced),
+        ] {
+            let o = Options {
+                gpu_memory: true,
+                mig_strategy: strategy,
+                ..if sharing.is_empty() {
+                    Options::default()
+                } else {
+                    opts(sharing)
+                }
+            };
+            let res = resources(&self::inv(profile), &o).unwrap();
+            for (device, names) in names_per_device(&res) {
+                assert_eq!(
+                    names.len(),
+                    1,
+                    "{profile} {strategy:?}: {device} under {names:?}"
+                );
+            }
+        }
+    }
 }
 
 #[test]

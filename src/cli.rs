@@ -476,7 +476,7 @@ fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
                     }));
                     matching::group_by_node(slices)
                 }
-                Err(e) => return bad_input(e),
+                Err(e) => return bad_input(one_line(&e)),
             }
         } else {
             match node_slices(cli, args, &objects) {

@@ -556,7 +556,7 @@ async fn publish(
     shutdown: &CancellationToken,
 ) {
     let minor = api.server_minor().await.unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "cannot read the API server version; assuming the newest slice rules");
+        tracing::warn!(error = %crate::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
         None
     });
     let opts = slices::SliceOptions {

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{ClaimReader, ClusterApi, Error, Result, SliceEvent};
+use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceEvent};
 use crate::lock::lock;
 
 /// How often the watch looks at the directory.
@@ -105,9 +105,12 @@ impl DirApi {
         let root = root.into();
         let slices = root.join("resourceslices");
         std::fs::create_dir_all(&slices).map_err(|e| {
-            Error::Setup(format!(
-                "cannot create {}: {e}; check --api-dir and its permissions",
-                slices.display()
+            Error::Setup(Failure::caused(
+                format!(
+                    "cannot create {} (check --api-dir and its permissions)",
+                    slices.display()
+                ),
+                e,
             ))
         })?;
         Ok(Self {
@@ -137,7 +140,7 @@ impl DirApi {
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || f(&inner))
             .await
-            .map_err(|e| Error::Transient(format!("directory API task failed: {e}")))?
+            .map_err(|e| Error::Transient(Failure::caused("directory API task failed", e)))?
     }
 }
 
@@ -189,10 +192,13 @@ impl Inner {
             (Some(name), _) => {
                 check_slice_name(name)?;
                 if self.slice_path(name).exists() {
-                    return Err(Error::Conflict(format!(
-                        "resourceslice {name} already exists ({})",
-                        self.slice_path(name).display()
-                    )));
+                    return Err(Error::Conflict(
+                        format!(
+                            "resourceslice {name} already exists ({})",
+                            self.slice_path(name).display()
+                        )
+                        .into(),
+                    ));
                 }
                 name.clone()
             }
@@ -226,9 +232,9 @@ impl Inner {
                 return Ok(name);
             }
         }
-        Err(Error::Conflict(format!(
-            "no free name with generateName {prefix:?} after 16 tries"
-        )))
+        Err(Error::Conflict(
+            format!("no free name with generateName {prefix:?} after 16 tries").into(),
+        ))
     }
 
     fn replace_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice> {
@@ -238,15 +244,19 @@ impl Inner {
         })?;
         check_slice_name(name)?;
         let path = self.slice_path(name);
-        let current = read_yaml_opt::<ResourceSlice>(&path)?
-            .ok_or_else(|| Error::NotFound(format!("resourceslice {name} ({})", path.display())))?;
+        let current = read_yaml_opt::<ResourceSlice>(&path)?.ok_or_else(|| {
+            Error::NotFound(format!("resourceslice {name} ({})", path.display()).into())
+        })?;
         let have = current.metadata.resource_version.as_deref().unwrap_or("");
         let want = slice.metadata.resource_version.as_deref().unwrap_or("");
         if have != want {
-            return Err(Error::Conflict(format!(
-                "resourceslice {name} has resourceVersion {have:?}, the update was based on \
+            return Err(Error::Conflict(
+                format!(
+                    "resourceslice {name} has resourceVersion {have:?}, the update was based on \
                  {want:?}; re-read and retry"
-            )));
+                )
+                .into(),
+            ));
         }
         let mut stored = slice.clone();
         stored.metadata.uid = current.metadata.uid.clone();
@@ -266,17 +276,17 @@ impl Inner {
         let path = self.slice_path(name);
         match std::fs::remove_file(&path) {
             Ok(()) => fsync_dir(&self.slices_dir()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::NotFound(format!(
-                "resourceslice {name} ({})",
-                path.display()
-            ))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::NotFound(
+                format!("resourceslice {name} ({})", path.display()).into(),
+            )),
             Err(e) => Err(io_error("remove", &path, e)),
         }
     }
 
     fn get<T: DeserializeOwned>(&self, what: &str, path: PathBuf) -> Result<T> {
-        read_yaml_opt(&path)?
-            .ok_or_else(|| Error::NotFound(format!("{what} ({} does not exist)", path.display())))
+        read_yaml_opt(&path)?.ok_or_else(|| {
+            Error::NotFound(format!("{what} ({} does not exist)", path.display()).into())
+        })
     }
 }
 
@@ -287,7 +297,7 @@ fn check_slice_name(name: &str) -> Result<()> {
     } else {
         Err(Error::Invalid(format!(
             "resourceslice name {name:?} is not a DNS subdomain (lower-case letters, digits, '-', '.')"
-        )))
+        ).into()))
     }
 }
 
@@ -322,12 +332,15 @@ fn random_uid() -> String {
 }
 
 fn io_error(op: &str, path: &Path, e: std::io::Error) -> Error {
-    Error::Transient(format!("cannot {op} {}: {e}", path.display()))
+    Error::Transient(Failure::caused(
+        format!("cannot {op} {}", path.display()),
+        e,
+    ))
 }
 
 fn to_yaml(slice: &ResourceSlice) -> Result<String> {
     crate::yaml::to_string(slice)
-        .map_err(|e| Error::Invalid(format!("cannot encode resourceslice as YAML: {e}")))
+        .map_err(|e| Error::Invalid(Failure::caused("cannot encode resourceslice as YAML", e)))
 }
 
 /// Reads and parses a YAML file; `None` if it does not exist.
@@ -338,15 +351,16 @@ fn read_yaml_opt<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
         Err(e) => return Err(io_error("read", path, e)),
     };
     crate::yaml::from_str(&text).map(Some).map_err(|e| {
-        Error::Invalid(format!(
-            "{}: not a valid {} at {}: {e}; fix or remove the file",
+        let what = format!(
+            "{}: not a valid {} at {} (fix or remove the file)",
             path.display(),
             std::any::type_name::<T>()
                 .rsplit("::")
                 .next()
                 .unwrap_or("object"),
             e.path,
-        ))
+        );
+        Error::Invalid(Failure::caused(what, e))
     })
 }
 
@@ -374,7 +388,7 @@ fn slice_files(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 /// Replaces `path` durably ([`crate::durable`]).
 fn write_atomic(path: &Path, contents: &str) -> Result<()> {
     crate::durable::write(path, contents.as_bytes())
-        .map_err(|e| Error::Transient(crate::report::chain(&e).to_string()))
+        .map_err(|e| Error::Transient(Failure::caused("write to the directory API failed", e)))
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
@@ -590,8 +604,9 @@ impl ClusterApi for DirApi {
                     None => have.remove(&k),
                 };
             }
-            let text = crate::yaml::to_string(&node)
-                .map_err(|e| Error::Invalid(format!("cannot encode node {name}: {e}")))?;
+            let text = crate::yaml::to_string(&node).map_err(|e| {
+                Error::Invalid(Failure::caused(format!("cannot encode node {name}"), e))
+            })?;
             write_atomic(&path, &text)
         }))
     }
@@ -626,9 +641,9 @@ impl Inner {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => {
-                return Err(Error::Transient(format!(
-                    "cannot read {}: {e}",
-                    dir.display()
+                return Err(Error::Transient(Failure::caused(
+                    format!("cannot read {}", dir.display()),
+                    e,
                 )));
             }
         };

@@ -18,7 +18,7 @@ use kube::{Client, Config};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::{ClaimReader, ClusterApi, Error, Result, SliceEvent};
+use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceEvent};
 
 /// How long one watch request may stay open before the server closes it and we re-watch.
 const WATCH_TIMEOUT_SECS: u32 = 290;
@@ -36,21 +36,28 @@ impl KubeApi {
         let config = match kubeconfig {
             Some(path) => {
                 let file = Kubeconfig::read_from(path).map_err(|e| {
-                    Error::Setup(format!(
-                        "cannot read kubeconfig {}: {e}; pass a readable file with --kubeconfig",
-                        path.display()
+                    Error::Setup(Failure::caused(
+                        format!(
+                            "cannot read kubeconfig {} (pass a readable file with --kubeconfig)",
+                            path.display()
+                        ),
+                        e,
                     ))
                 })?;
                 Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
                     .await
                     .map_err(|e| {
-                        Error::Setup(format!("kubeconfig {} is not usable: {e}", path.display()))
+                        Error::Setup(Failure::caused(
+                            format!("kubeconfig {} is not usable", path.display()),
+                            e,
+                        ))
                     })?
             }
             None => Config::infer().await.map_err(|e| {
-                Error::Setup(format!(
-                    "no in-cluster config and no usable kubeconfig: {e}; \
-                     run in a pod, pass --kubeconfig, or use --api-dir"
+                Error::Setup(Failure::caused(
+                    "no in-cluster config and no usable kubeconfig \
+                     (run in a pod, pass --kubeconfig, or use --api-dir)",
+                    e,
                 ))
             })?,
         };
@@ -73,11 +80,11 @@ impl KubeApi {
         let slices = Api::<ResourceSlice>::all(self.client.clone())
             .list(&params)
             .await
-            .map_err(|e| Error::Setup(format!("cannot list ResourceSlices: {e}")))?;
+            .map_err(|e| Error::Setup(Failure::caused("cannot list ResourceSlices", e)))?;
         let classes = Api::<k8s_openapi::api::resource::v1::DeviceClass>::all(self.client.clone())
             .list(&ListParams::default())
             .await
-            .map_err(|e| Error::Setup(format!("cannot list DeviceClasses: {e}")))?;
+            .map_err(|e| Error::Setup(Failure::caused("cannot list DeviceClasses", e)))?;
         Ok((slices.items, classes.items))
     }
 
@@ -85,13 +92,13 @@ impl KubeApi {
     pub fn from_url(url: &str) -> Result<Self> {
         let uri: http::Uri = url
             .parse()
-            .map_err(|e| Error::Setup(format!("bad API server url {url:?}: {e}")))?;
+            .map_err(|e| Error::Setup(Failure::caused(format!("bad API server url {url:?}"), e)))?;
         Self::from_config(Config::new(uri))
     }
 
     fn from_config(config: Config) -> Result<Self> {
         let client = Client::try_from(config)
-            .map_err(|e| Error::Setup(format!("cannot build a kube client: {e}")))?;
+            .map_err(|e| Error::Setup(Failure::caused("cannot build a kube client", e)))?;
         Ok(Self { client })
     }
 
@@ -114,11 +121,12 @@ fn slice_selector(driver: &str, node: &str) -> String {
 fn classify(what: &str, err: kube::Error) -> Error {
     match err {
         kube::Error::Api(status) => classify_status(what, &status),
-        kube::Error::SerdeError(e) => Error::Invalid(format!(
-            "{what}: unexpected response from the API server: {e}"
+        kube::Error::SerdeError(e) => Error::Invalid(Failure::caused(
+            format!("{what}: unexpected response from the API server"),
+            e,
         )),
-        kube::Error::BuildRequest(e) => Error::Invalid(format!("{what}: {e}")),
-        other => Error::Transient(format!("{what}: {other}")),
+        kube::Error::BuildRequest(e) => Error::Invalid(Failure::caused(what, e)),
+        other => Error::Transient(Failure::caused(what, other)),
     }
 }
 
@@ -128,11 +136,11 @@ fn classify_status(what: &str, status: &kube::core::Status) -> Error {
         status.message, status.code, status.reason
     );
     match status.code {
-        409 => Error::Conflict(msg),
-        404 => Error::NotFound(msg),
-        401 | 403 | 408 | 429 => Error::Transient(msg),
-        c if c >= 500 => Error::Transient(msg),
-        _ => Error::Invalid(msg),
+        409 => Error::Conflict(msg.into()),
+        404 => Error::NotFound(msg.into()),
+        401 | 403 | 408 | 429 => Error::Transient(msg.into()),
+        c if c >= 500 => Error::Transient(msg.into()),
+        _ => Error::Invalid(msg.into()),
     }
 }
 
@@ -392,6 +400,26 @@ mod tests {
         assert!(text.contains("replace resourceslice s1"), "{text}");
         assert!(text.contains("boom"), "{text}");
         assert!(text.contains("409"), "{text}");
+    }
+
+    #[test]
+    fn a_transport_error_stays_the_kube_error_underneath() {
+        let e = classify(
+            "list resourceslices",
+            kube::Error::Service("connection refused".into()),
+        );
+        assert!(matches!(e, Error::Transient(_)), "{e:?}");
+        assert_eq!(e.to_string(), "API server unavailable: list resourceslices");
+        let source = std::error::Error::source(&e).expect("the kube error is the source");
+        assert!(source.downcast_ref::<kube::Error>().is_some(), "{source:?}");
+        // (kube's own ServiceError repeats its source; ours says the operation once.)
+        let chain = crate::report::chain(&e).to_string();
+        assert!(
+            chain.starts_with(
+                "API server unavailable: list resourceslices: ServiceError: connection refused"
+            ),
+            "{chain}"
+        );
     }
 
     #[test]

@@ -16,24 +16,89 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-/// Errors from the API, classified by what the caller should do about them.
-#[derive(Debug, thiserror::Error)]
+/// Errors from the API, classified by what the caller should do about them. Each carries a
+/// [`Failure`]: what failed, and the error that made it fail as its source (never also in the
+/// message).
+#[derive(Debug)]
 pub enum Error {
     /// The object changed since it was read (HTTP 409): re-read and retry.
-    #[error("conflict: {0}")]
-    Conflict(String),
+    Conflict(Failure),
     /// The object does not exist (HTTP 404).
-    #[error("not found: {0}")]
-    NotFound(String),
+    NotFound(Failure),
     /// The server rejected the object (HTTP 422/400): a bug in what we sent; retrying is futile.
-    #[error("rejected by the API server: {0}")]
-    Invalid(String),
+    Invalid(Failure),
     /// No API client could be built (no in-cluster config, unreadable kubeconfig, bad URL).
-    #[error("cannot set up the API client: {0}")]
-    Setup(String),
+    Setup(Failure),
     /// Anything that may pass: connection refused, 5xx, timeouts. Retry with backoff.
-    #[error("API server unavailable: {0}")]
-    Transient(String),
+    Transient(Failure),
+}
+
+impl Error {
+    fn parts(&self) -> (&'static str, &Failure) {
+        match self {
+            Error::Conflict(f) => ("conflict", f),
+            Error::NotFound(f) => ("not found", f),
+            Error::Invalid(f) => ("rejected by the API server", f),
+            Error::Setup(f) => ("cannot set up the API client", f),
+            Error::Transient(f) => ("API server unavailable", f),
+        }
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (kind, failure) = self.parts();
+        write!(f, "{kind}: {}", failure.what)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.parts()
+            .1
+            .cause
+            .as_deref()
+            .map(|c| c as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// The cause of a [`Failure`]: a kube-rs, I/O, YAML or task error, kept with its type.
+pub type Cause = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What failed (the operation and object), and why. Displays `what` only; the cause is the
+/// [`Error`]'s source, so [`crate::report::chain`] says it once.
+#[derive(Debug)]
+pub struct Failure {
+    pub what: String,
+    pub cause: Option<Cause>,
+}
+
+impl Failure {
+    /// `what` failed because of `cause`.
+    pub fn caused(what: impl Into<String>, cause: impl Into<Cause>) -> Self {
+        Self {
+            what: what.into(),
+            cause: Some(cause.into()),
+        }
+    }
+}
+
+impl From<String> for Failure {
+    fn from(what: String) -> Self {
+        Self { what, cause: None }
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(what: &str) -> Self {
+        what.to_string().into()
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.what)
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -110,7 +175,11 @@ pub trait ClusterApi: ClaimReader {
         labels: &'a std::collections::BTreeMap<String, Option<String>>,
     ) -> BoxFuture<'a, Result<()>> {
         let _ = labels;
-        Box::pin(async move { Err(Error::Invalid(format!("this API cannot label node {name}"))) })
+        Box::pin(async move {
+            Err(Error::Invalid(
+                format!("this API cannot label node {name}").into(),
+            ))
+        })
     }
 
     /// Whether the server serves `resource.k8s.io/v1` ResourceSlices (API discovery), which

@@ -360,7 +360,7 @@ impl Publisher {
                     end => {
                         let delay = watch_backoff.next_delay();
                         match end {
-                            Some(Err(e)) => tracing::warn!(error = %e, retry_in = ?delay, "resourceslice watch failed"),
+                            Some(Err(e)) => tracing::warn!(error = %crate::report::chain(&e), retry_in = ?delay, "resourceslice watch failed"),
                             _ => tracing::debug!(retry_in = ?delay, "resourceslice watch ended"),
                         }
                         watch = None;
@@ -390,13 +390,13 @@ impl Publisher {
                             match failure {
                                 Failure::Retry(e) if conflicts_in_a_row < self.opts.conflict_retries => {
                                     conflicts_in_a_row += 1;
-                                    tracing::info!(error = %e, "resourceslices changed while publishing; re-reading");
+                                    tracing::info!(error = %crate::report::chain(&e), "resourceslices changed while publishing; re-reading");
                                     due = Some(Instant::now());
                                 }
                                 Failure::Retry(e) | Failure::Backoff(e) => {
                                     conflicts_in_a_row = 0;
                                     let delay = backoff.next_delay();
-                                    tracing::warn!(error = %e, retry_in = ?delay, "publishing resourceslices failed");
+                                    tracing::warn!(error = %crate::report::chain(&e), retry_in = ?delay, "publishing resourceslices failed");
                                     due = Some(Instant::now() + delay);
                                 }
                             }

@@ -127,6 +127,47 @@ async fn unparseable_yaml_names_the_file() {
 }
 
 #[tokio::test]
+async fn causes_are_sources_said_once_not_part_of_the_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = DirApi::new(dir.path()).unwrap();
+    std::fs::write(
+        api.slices_dir().join("broken.yaml"),
+        "spec: [not, a, spec]\n",
+    )
+    .unwrap();
+    let e = api.list_slices("d", "n").await.unwrap_err();
+    let Error::Invalid(f) = &e else {
+        panic!("{e:?}")
+    };
+    let cause = f.cause.as_deref().expect("the YAML error is kept");
+    assert!(
+        cause.downcast_ref::<crate::yaml::ParseError>().is_some(),
+        "{cause:?}"
+    );
+    let said = cause.to_string();
+    assert!(!e.to_string().contains(&said), "{e}");
+    let chain = crate::report::chain(&e).to_string();
+    assert_eq!(chain.matches(&said).count(), 1, "{chain}");
+
+    // An I/O failure keeps the io::Error and its kind.
+    let blocked = tempfile::tempdir().unwrap();
+    std::fs::write(
+        blocked.path().join("resourceslices"),
+        "a file, not a directory",
+    )
+    .unwrap();
+    let Err(e) = DirApi::new(blocked.path()) else {
+        panic!("a file where the slices directory goes must fail")
+    };
+    let source = std::error::Error::source(&e).expect("a source");
+    let io = source
+        .downcast_ref::<std::io::Error>()
+        .expect("an io::Error");
+    assert_eq!(io.kind(), std::io::ErrorKind::AlreadyExists);
+    assert!(e.to_string().contains("check --api-dir"), "{e}");
+}
+
+#[tokio::test]
 async fn claims_and_nodes_are_read_from_their_directories() {
     let dir = tempfile::tempdir().unwrap();
     let api = DirApi::new(dir.path()).unwrap();

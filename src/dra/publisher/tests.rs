@@ -48,7 +48,7 @@ impl api::ClaimReader for MemApi {
         namespace: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
-        Box::pin(async move { Err(api::Error::NotFound(format!("{namespace}/{name}"))) })
+        Box::pin(async move { Err(api::Error::NotFound(format!("{namespace}/{name}").into())) })
     }
 }
 

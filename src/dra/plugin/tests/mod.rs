@@ -36,7 +36,7 @@ impl ClaimReader for FakeApi {
         let r = lock(&self.claims)
             .get(&(ns.to_string(), name.to_string()))
             .cloned()
-            .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}")));
+            .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}").into()));
         Box::pin(async move { r })
     }
 }

@@ -33,6 +33,7 @@ pub mod nvconfig;
 pub mod preferred;
 pub mod resources;
 pub mod server;
+mod service;
 pub mod wire;
 
 use serde::Deserialize;

@@ -22,32 +22,27 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::Stream;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::Ledger;
 use crate::proto::deviceplugin::v1beta1 as pb;
-use crate::proto::deviceplugin::v1beta1::device_plugin_server::{
-    DevicePlugin as DevicePluginApi, DevicePluginServer,
-};
+use crate::proto::deviceplugin::v1beta1::device_plugin_server::DevicePluginServer;
 use crate::proto::deviceplugin::v1beta1::registration_client::RegistrationClient;
 use crate::socket;
 
-use super::allocate::{self, Context};
+use super::allocate::Context;
 use super::auto::Mapped;
 use super::both::Both;
-use super::preferred;
 use super::resources::{self, Resource};
+use super::service::Service;
 use super::{Options, ResourceName, wire};
 
 /// The kubelet's registration socket, in the device-plugin directory.
@@ -583,126 +578,4 @@ fn served(res: &[Resource]) -> super::both::Served {
     res.iter()
         .map(|r| (r.name.clone(), Arc::new(r.clone())))
         .collect()
-}
-
-/// The gRPC service of one resource.
-#[derive(Clone)]
-struct Service {
-    name: ResourceName,
-    devices: watch::Receiver<Arc<Resource>>,
-    ctx: Arc<Context>,
-    both: Option<Both>,
-    shutdown: CancellationToken,
-}
-
-type ListStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl DevicePluginApi for Service {
-    async fn get_device_plugin_options(
-        &self,
-        request: Request<pb::Empty>,
-    ) -> Result<Response<pb::DevicePluginOptions>, Status> {
-        let pb::Empty {} = request.into_inner();
-        Ok(Response::new(wire::plugin_options()))
-    }
-
-    type ListAndWatchStream = ListStream;
-
-    async fn list_and_watch(
-        &self,
-        request: Request<pb::Empty>,
-    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let pb::Empty {} = request.into_inner();
-        tracing::debug!(resource = %self.name, "ListAndWatch opened");
-        let (tx, rx) = mpsc::channel(1);
-        let mut devices = self.devices.clone();
-        let token = self.shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                let msg = wire::list_response(&devices.borrow_and_update());
-                if tx.send(Ok(msg)).await.is_err() {
-                    break;
-                }
-                tokio::select! {
-                    biased;
-                    () = token.cancelled() => break,
-                    () = tx.closed() => break,
-                    changed = devices.changed() => if changed.is_err() { break },
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-
-    async fn get_preferred_allocation(
-        &self,
-        request: Request<pb::PreferredAllocationRequest>,
-    ) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
-        let requests = wire::preferred_requests(request.into_inner());
-        let resource = self.devices.borrow().clone();
-        let answers = requests
-            .iter()
-            .map(|r| preferred::preferred(&resource, r, self.ctx.options.packed))
-            .collect();
-        Ok(Response::new(wire::preferred_response(answers)))
-    }
-
-    async fn allocate(
-        &self,
-        request: Request<pb::AllocateRequest>,
-    ) -> Result<Response<pb::AllocateResponse>, Status> {
-        let containers = wire::allocate_requests(request.into_inner());
-        let resource = self.devices.borrow().clone();
-        let mut container_responses = Vec::with_capacity(containers.len());
-        if let Some(both) = &self.both {
-            // A device a claim holds is refused naming the claim, not as merely unhealthy.
-            for ids in &containers {
-                for id in ids {
-                    if let Some(d) = resource.device(id)
-                        && let Some(c) = both.ledger.claim_holding(&Resource::occupied(d))
-                    {
-                        let e = super::both::HeldByClaim {
-                            resource: self.name.to_string(),
-                            id: id.clone(),
-                            occupied: Resource::occupied(d).to_string(),
-                            claim: c.to_string(),
-                        };
-                        tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
-                        return Err(Status::failed_precondition(e.to_string()));
-                    }
-                }
-            }
-        }
-        for ids in &containers {
-            match allocate::allocate(&resource, ids, &self.ctx) {
-                Ok(a) => container_responses.push(wire::container_response(a)),
-                Err(e) => {
-                    tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
-                    return Err(Status::invalid_argument(e.to_string()));
-                }
-            }
-        }
-        if let Some(both) = &self.both {
-            // Held at once (every container's devices, or none), atomically with the claims'
-            // check; PodResources names the pod soon.
-            if let Err(e) = super::both::hold(&both.ledger, &resource, &containers.concat()) {
-                tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
-                return Err(Status::failed_precondition(e.to_string()));
-            }
-            both.poke.notify_one();
-        }
-        tracing::debug!(resource = %self.name, containers = container_responses.len(), "Allocate");
-        Ok(Response::new(pb::AllocateResponse {
-            container_responses,
-        }))
-    }
-
-    async fn pre_start_container(
-        &self,
-        request: Request<pb::PreStartContainerRequest>,
-    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
-        let pb::PreStartContainerRequest { devices_ids: _ } = request.into_inner();
-        Ok(Response::new(pb::PreStartContainerResponse {}))
-    }
 }

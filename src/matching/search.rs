@@ -1,0 +1,286 @@
+//! The bounded backtracking search for an allocation that satisfies every request and
+//! constraint of a claim ([`super::MAX_SEARCH_STEPS`]).
+
+use super::*;
+
+pub(super) enum Outcome {
+    Found(Vec<(String, usize)>),
+    None,
+    GaveUp,
+}
+
+pub(super) struct Search<'a> {
+    pub(super) devices: &'a [Candidate],
+    pub(super) requests: &'a [Request],
+    pub(super) constraints: &'a [DeviceConstraint],
+}
+
+/// The search's state: what is picked so far.
+struct State {
+    picks: Vec<(String, usize)>,
+    /// Devices used and, for shared ones, the capacity consumed (thousandths).
+    consumed: BTreeMap<usize, BTreeMap<String, i128>>,
+    steps: u64,
+}
+
+impl Search<'_> {
+    pub(super) fn run(&self, active: &[bool]) -> Outcome {
+        let mut st = State {
+            picks: Vec::new(),
+            consumed: BTreeMap::new(),
+            steps: 0,
+        };
+        match self.request(0, active, &mut st) {
+            Some(true) => Outcome::Found(st.picks),
+            Some(false) => Outcome::None,
+            None => Outcome::GaveUp,
+        }
+    }
+
+    /// `Some(true)` when requests `r..` can be satisfied on top of `st`; `None` when out of
+    /// steps.
+    fn request(&self, r: usize, active: &[bool], st: &mut State) -> Option<bool> {
+        let Some(req) = self.requests.get(r) else {
+            return Some(true);
+        };
+        for alt in &req.alternatives {
+            let need = match alt.want {
+                Want::Count(n) => n,
+                Want::All => {
+                    if alt.fits.is_empty() {
+                        continue;
+                    }
+                    alt.fits.len()
+                }
+            };
+            let before = st.picks.len();
+            match self.pick(r, alt, need, 0, active, st)? {
+                true => return Some(true),
+                false => st.picks.truncate(before),
+            }
+        }
+        Some(false)
+    }
+
+    /// Picks `need` more devices for `alt` from `alt.fits[from..]`, then the next requests.
+    fn pick(
+        &self,
+        r: usize,
+        alt: &Alternative,
+        need: usize,
+        from: usize,
+        active: &[bool],
+        st: &mut State,
+    ) -> Option<bool> {
+        st.steps += 1;
+        if st.steps > MAX_SEARCH_STEPS {
+            return None;
+        }
+        if need == 0 {
+            return self.request(r + 1, active, st);
+        }
+        if alt.fits.len().saturating_sub(from) < need {
+            return Some(false);
+        }
+        for k in from..alt.fits.len() {
+            let d = alt.fits[k];
+            if !self.can_take(alt, d, active, st) {
+                continue;
+            }
+            let undo = self.take(alt, d, st);
+            st.picks.push((alt.name.clone(), d));
+            if self.pick(r, alt, need - 1, k + 1, active, st)? {
+                return Some(true);
+            }
+            st.picks.pop();
+            self.untake(alt, d, undo, st);
+        }
+        Some(false)
+    }
+
+    fn can_take(&self, alt: &Alternative, d: usize, active: &[bool], st: &State) -> bool {
+        let dev = &self.devices[d];
+        let shared = dev.device.allow_multiple_allocations == Some(true);
+        if let Some(used) = st.consumed.get(&d) {
+            if !shared {
+                return false;
+            }
+            for (name, q) in &alt.capacity {
+                let cap = capacity_of(dev, name).unwrap_or(0);
+                let used_q = used.get(name).copied().unwrap_or(0);
+                if used_q + parse_milli(q).unwrap_or(0) > cap {
+                    return false;
+                }
+            }
+        }
+        // Every active constraint over this request holds with `d` added.
+        for (c, on) in self.constraints.iter().zip(active) {
+            if !on || !covers(c, &alt.name) {
+                continue;
+            }
+            let value = attribute(
+                dev,
+                c.match_attribute
+                    .as_deref()
+                    .or(c.distinct_attribute.as_deref()),
+            );
+            let others = st.picks.iter().filter(|(n, _)| covers(c, n)).map(|(_, o)| {
+                attribute(
+                    &self.devices[*o],
+                    c.match_attribute
+                        .as_deref()
+                        .or(c.distinct_attribute.as_deref()),
+                )
+            });
+            if c.match_attribute.is_some() {
+                if value.is_none() {
+                    return false;
+                }
+                if others.into_iter().any(|o| o != value) {
+                    return false;
+                }
+            } else if c.distinct_attribute.is_some() {
+                if value.is_none() {
+                    return false;
+                }
+                if others.into_iter().any(|o| o == value) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn take(&self, alt: &Alternative, d: usize, st: &mut State) -> bool {
+        let fresh = !st.consumed.contains_key(&d);
+        let used = st.consumed.entry(d).or_default();
+        for (name, q) in &alt.capacity {
+            *used.entry(name.clone()).or_default() += parse_milli(q).unwrap_or(0);
+        }
+        fresh
+    }
+
+    fn untake(&self, alt: &Alternative, d: usize, fresh: bool, st: &mut State) {
+        if fresh {
+            st.consumed.remove(&d);
+        } else if let Some(used) = st.consumed.get_mut(&d) {
+            for (name, q) in &alt.capacity {
+                *used.entry(name.clone()).or_default() -= parse_milli(q).unwrap_or(0);
+            }
+        }
+    }
+
+    /// Why no allocation exists, in one sentence.
+    pub(super) fn why_not(&self) -> String {
+        for req in self.requests {
+            let short: Vec<String> = req
+                .alternatives
+                .iter()
+                .filter_map(|a| {
+                    let need = match a.want {
+                        Want::Count(n) => n,
+                        Want::All => 1,
+                    };
+                    (a.fits.len() < need).then(|| {
+                        format!(
+                            "request {} needs {} {}, {} {}",
+                            a.name,
+                            need,
+                            if need == 1 { "device" } else { "devices" },
+                            a.fits.len(),
+                            if a.fits.len() == 1 { "fits" } else { "fit" }
+                        )
+                    })
+                })
+                .collect();
+            if short.len() == req.alternatives.len() {
+                return short.join("; ");
+            }
+        }
+        // Each request alone is satisfiable: a constraint, or the requests compete.
+        let all_on: Vec<bool> = self.constraints.iter().map(|_| true).collect();
+        for (i, c) in self.constraints.iter().enumerate() {
+            let mut active = all_on.clone();
+            active[i] = false;
+            if matches!(self.run(&active), Outcome::Found(_)) {
+                return self.constraint_failure(c);
+            }
+        }
+        "the requests compete for the same devices: not enough fit all of them at once".into()
+    }
+
+    fn constraint_failure(&self, c: &DeviceConstraint) -> String {
+        let (kind, attr) = match (&c.match_attribute, &c.distinct_attribute) {
+            (Some(a), _) => ("matchAttribute", a.as_str()),
+            (_, Some(a)) => ("distinctAttribute", a.as_str()),
+            _ => ("constraint", ""),
+        };
+        let mut values: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for req in self.requests {
+            for alt in &req.alternatives {
+                if !covers(c, &alt.name) {
+                    continue;
+                }
+                for &d in &alt.fits {
+                    let v =
+                        attribute(&self.devices[d], Some(attr)).unwrap_or_else(|| "(none)".into());
+                    let name = &self.devices[d].device.name;
+                    let e = values.entry(v).or_default();
+                    if !e.contains(name) {
+                        e.push(name.clone());
+                    }
+                }
+            }
+        }
+        let groups: Vec<String> = values
+            .iter()
+            .map(|(v, ds)| format!("{v}: {}", ds.join(", ")))
+            .collect();
+        format!(
+            "{kind} {attr}: no choice of fitting devices agrees on it (fitting devices by value — {})",
+            groups.join("; ")
+        )
+    }
+}
+
+fn capacity_of(dev: &Candidate, name: &str) -> Option<i128> {
+    let q = qualify(name, &dev.driver);
+    dev.device
+        .capacity
+        .iter()
+        .flatten()
+        .find(|(k, _)| qualify(k, &dev.driver) == q)
+        .and_then(|(_, v)| parse_milli(&v.value.0))
+}
+
+/// Whether constraint `c` covers request `name` (`req` or `req/sub`).
+fn covers(c: &DeviceConstraint, name: &str) -> bool {
+    match c.requests.as_deref() {
+        None | Some([]) => true,
+        Some(rs) => {
+            let parent = name.split('/').next().unwrap_or(name);
+            rs.iter().any(|r| r == name || r == parent)
+        }
+    }
+}
+
+/// A fully qualified attribute's value as text (type-tagged so `1` and `"1"` differ).
+fn attribute(dev: &Candidate, qualified: Option<&str>) -> Option<String> {
+    let qualified = qualified?;
+    let a = dev
+        .device
+        .attributes
+        .iter()
+        .flatten()
+        .find(|(k, _)| qualify(k, &dev.driver) == qualified)
+        .map(|(_, v)| v)?;
+    if let Some(i) = a.int {
+        Some(i.to_string())
+    } else if let Some(b) = a.bool {
+        Some(b.to_string())
+    } else if let Some(s) = &a.string {
+        Some(format!("{s:?}"))
+    } else {
+        a.version.as_ref().map(|v| format!("v{v}"))
+    }
+}

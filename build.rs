@@ -35,5 +35,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     config.compile_fds(fds)?;
+    pack_relative_relocations();
     Ok(())
+}
+
+/// Release binaries on glibc pack their relative relocations (`DT_RELR`, glibc ≥ 2.36, GNU ld ≥
+/// 2.38). A position-independent nvdra carries ~30,000 of them (every pointer in its read-only
+/// data); as plain `RELA` entries they are 0.7 MiB that the loader reads at every start and
+/// that stay resident (benches/rss.rs). Packed, they are a few KiB. Debug builds (the tests)
+/// keep the default so that any toolchain builds them.
+fn pack_relative_relocations() {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    println!("cargo:rerun-if-env-changed=NVDRA_NO_RELR");
+    if var("PROFILE") == "release"
+        && var("CARGO_CFG_TARGET_OS") == "linux"
+        && var("CARGO_CFG_TARGET_ENV") == "gnu"
+        && std::env::var_os("NVDRA_NO_RELR").is_none()
+    {
+        println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
+    }
 }

@@ -200,7 +200,7 @@ async fn main() {
             ));
         }
         if cycle + 1 == WARM.min(cycles) {
-            warm = Some(memory(pid).0);
+            warm = Some((memory(pid).0, split(pid), threads(pid)));
         }
         if (cycle + 1) % 500 == 0 && cycle + 1 != cycles {
             println!(
@@ -215,7 +215,8 @@ async fn main() {
     let (end_rss, end_hwm) = memory(pid);
     let end_split = split(pid);
     let end_threads = threads(pid);
-    let warm = warm.unwrap_or(start_rss);
+    let (warm, warm_split, warm_threads) =
+        warm.unwrap_or((start_rss, start_split.clone(), start_threads));
 
     println!(
         "rss: nvdra run, {PROFILE} ({GPUS} simulated GPUs), directory API; {cycles} cycles of \
@@ -232,7 +233,10 @@ async fn main() {
         mib(start_rss),
         mib(start_hwm)
     );
-    println!("  after {WARM} cycles:      VmRSS {}", mib(warm));
+    println!(
+        "  after {WARM} cycles:      VmRSS {} {warm_split}  threads {warm_threads}",
+        mib(warm)
+    );
     println!(
         "  after {cycles} cycles:     VmRSS {} {end_split}  VmHWM {}  threads {end_threads}",
         mib(end_rss),

@@ -2,27 +2,31 @@
 //!
 //! For every request (and every `firstAvailable` subrequest) each device is checked as the
 //! scheduler checks it — the class's selectors, then the request's, then `capacity.requests`
-//! against the device's (consumable) capacity — and the first failing check is kept with the
-//! values that decided it (`memory 48Gi < 80Gi`). Then a possible allocation is searched by
+//! against the device's (consumable) capacity, then the device's `NoSchedule`/`NoExecute` taints
+//! against the request's tolerations — and the first failing check is kept with the values that
+//! decided it (`memory 48Gi < 80Gi`, `tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated`). Then a possible allocation is searched by
 //! backtracking: `count` or `allocationMode: All`, the first subrequest that works, devices
 //! used once (or shared, with their capacity consumed, when `allowMultipleAllocations`), and
 //! every `matchAttribute` / `distinctAttribute` constraint. The search is bounded
 //! ([`MAX_SEARCH_STEPS`]); running out is reported, not waited for.
 //!
-//! Not modelled: shared counters of partitionable devices (`consumesCounters`), taints and
-//! tolerations, admin access, and devices other claims already hold.
+//! Not modelled: shared counters of partitionable devices (`consumesCounters`), admin access
+//! (which taints still apply to), DeviceTaintRules (only taints in the slices count), and
+//! devices other claims already hold.
 
 pub mod input;
 mod report;
 mod search;
+mod taints;
 mod validate;
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, Device, DeviceClass, DeviceConstraint, DeviceSelector,
+    CapacityRequestPolicy, Device, DeviceClass, DeviceConstraint, DeviceSelector, DeviceToleration,
     ResourceClaimSpec, ResourceSlice,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::cel::{DeviceValue, Environment, Selector};
 pub use input::{ClaimInput, FieldError, InputError, Objects, Origin};
@@ -165,6 +169,20 @@ struct Alternative {
     capacity: BTreeMap<String, String>,
 }
 
+/// A request or subrequest as written, before it is checked.
+struct Shape<'a> {
+    /// `req` or `req/sub`.
+    name: String,
+    /// Its field path, for errors.
+    path: String,
+    class_name: &'a String,
+    selectors: &'a [DeviceSelector],
+    mode: Option<&'a str>,
+    count: Option<i64>,
+    capacity: Option<BTreeMap<String, Quantity>>,
+    tolerations: &'a [DeviceToleration],
+}
+
 struct Request {
     name: String,
     alternatives: Vec<Alternative>,
@@ -198,39 +216,48 @@ pub fn explain(
         .enumerate()
     {
         let mut alternatives = Vec::new();
-        let shapes: Vec<(String, String, _, _, Option<&str>, Option<i64>, _)> =
-            if let Some(e) = &r.exactly {
-                vec![(
-                    r.name.clone(),
-                    format!("{base}.requests[{i}].exactly"),
-                    &e.device_class_name,
-                    e.selectors.as_deref().unwrap_or_default(),
-                    e.allocation_mode.as_deref(),
-                    e.count,
-                    e.capacity.as_ref().and_then(|c| c.requests.clone()),
-                )]
-            } else if let Some(subs) = &r.first_available {
-                subs.iter()
-                    .enumerate()
-                    .map(|(k, s)| {
-                        (
-                            format!("{}/{}", r.name, s.name),
-                            format!("{base}.requests[{i}].firstAvailable[{k}]"),
-                            &s.device_class_name,
-                            s.selectors.as_deref().unwrap_or_default(),
-                            s.allocation_mode.as_deref(),
-                            s.count,
-                            s.capacity.as_ref().and_then(|c| c.requests.clone()),
-                        )
-                    })
-                    .collect()
-            } else {
-                return Err(field(
-                    format!("{base}.requests[{i}]"),
-                    "a request needs exactly or firstAvailable".into(),
-                ));
-            };
-        for (name, path, class_name, selectors, mode, count, capacity) in shapes {
+        let shapes: Vec<Shape> = if let Some(e) = &r.exactly {
+            vec![Shape {
+                name: r.name.clone(),
+                path: format!("{base}.requests[{i}].exactly"),
+                class_name: &e.device_class_name,
+                selectors: e.selectors.as_deref().unwrap_or_default(),
+                mode: e.allocation_mode.as_deref(),
+                count: e.count,
+                capacity: e.capacity.as_ref().and_then(|c| c.requests.clone()),
+                tolerations: e.tolerations.as_deref().unwrap_or_default(),
+            }]
+        } else if let Some(subs) = &r.first_available {
+            subs.iter()
+                .enumerate()
+                .map(|(k, s)| Shape {
+                    name: format!("{}/{}", r.name, s.name),
+                    path: format!("{base}.requests[{i}].firstAvailable[{k}]"),
+                    class_name: &s.device_class_name,
+                    selectors: s.selectors.as_deref().unwrap_or_default(),
+                    mode: s.allocation_mode.as_deref(),
+                    count: s.count,
+                    capacity: s.capacity.as_ref().and_then(|c| c.requests.clone()),
+                    tolerations: s.tolerations.as_deref().unwrap_or_default(),
+                })
+                .collect()
+        } else {
+            return Err(field(
+                format!("{base}.requests[{i}]"),
+                "a request needs exactly or firstAvailable".into(),
+            ));
+        };
+        for shape in shapes {
+            let Shape {
+                name,
+                path,
+                class_name,
+                selectors,
+                mode,
+                count,
+                capacity,
+                tolerations,
+            } = shape;
             let class = classes.get(class_name.as_str()).ok_or_else(|| {
                 field(
                     format!("{path}.deviceClassName"),
@@ -279,10 +306,21 @@ pub fn explain(
                     ));
                 }
             }
+            for (j, t) in tolerations.iter().enumerate() {
+                if !taints::valid_operator(t.operator.as_deref()) {
+                    return Err(field(
+                        format!("{path}.tolerations[{j}].operator"),
+                        format!(
+                            "unknown toleration operator {:?} (Exists or Equal)",
+                            t.operator.as_deref().unwrap_or_default()
+                        ),
+                    ));
+                }
+            }
             let mut fits = Vec::new();
             let mut rejected = Vec::new();
             for (d, cand) in devices.iter().enumerate() {
-                match check(env, class, &own, &capacity, cand) {
+                match check(env, class, &own, &capacity, tolerations, cand) {
                     None => fits.push(d),
                     Some(why) => rejected.push((d, why)),
                 }
@@ -349,6 +387,7 @@ fn check(
     class: &Class,
     own: &[Selector],
     capacity: &BTreeMap<String, String>,
+    tolerations: &[DeviceToleration],
     cand: &Candidate,
 ) -> Option<String> {
     for (i, s) in class.selectors.iter().enumerate() {
@@ -399,6 +438,17 @@ fn check(
         if want > value {
             return Some(format!("capacity {name} {} < requested {q}", have.value.0));
         }
+    }
+    // Taints last: a health taint is about the device's state, not its kind, so the report
+    // names it only for a device that would otherwise fit; one that has too little memory
+    // anyway is reported for that, which stays true after the GPU recovers.
+    let left = taints::untolerated(
+        cand.device.taints.as_deref().unwrap_or_default(),
+        tolerations,
+    );
+    if !left.is_empty() {
+        let names: Vec<String> = left.into_iter().map(taints::describe).collect();
+        return Some(format!("tainted {}, not tolerated", names.join(", ")));
     }
     None
 }

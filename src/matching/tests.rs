@@ -197,3 +197,191 @@ fn the_builtin_classes_compile() {
     assert!(classes.contains_key("gpu.nvidia.com"));
     assert!(classes.contains_key("mig.nvidia.com"));
 }
+
+/// A slice of `(name, taints)` GPUs, each taint as a YAML flow mapping.
+fn tainted_slice(devices: &[(&str, &[&str])]) -> String {
+    let mut s = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: s}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 1}}\n  devices:\n"
+    );
+    for (name, taints) in devices {
+        s.push_str(&format!(
+            "  - name: {name}\n    attributes:\n      type: {{string: gpu}}\n    capacity:\n      memory: {{value: 80Gi}}\n"
+        ));
+        if !taints.is_empty() {
+            s.push_str("    taints:\n");
+            for t in *taints {
+                s.push_str(&format!("    - {t}\n"));
+            }
+        }
+    }
+    s
+}
+
+const XID_79: &str = "{key: gpu.nvidia.com/xid, value: \"79\", effect: NoSchedule}";
+
+/// One request for one GPU with `tolerations` (a YAML flow sequence).
+fn tolerating(tolerations: &str) -> String {
+    claim(&format!(
+        "    requests:\n    - name: g\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        tolerations: {tolerations}\n"
+    ))
+}
+
+#[test]
+fn an_untolerated_no_schedule_taint_keeps_the_device_out_and_is_named() {
+    let node = tainted_slice(&[("gpu-a", &[XID_79])]);
+    let r = run(&node, &tolerating("[]"));
+    assert!(!r.satisfiable);
+    assert!(r.requests[0].fits.is_empty());
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated"
+    );
+    assert_eq!(r.reason.as_deref(), Some("request g needs 1 device, 0 fit"));
+    // A toleration for another key, value or effect does not help, and NoExecute blocks too.
+    for other in [
+        "[{key: gpu.nvidia.com/gpu-lost, operator: Exists}]",
+        "[{key: gpu.nvidia.com/xid, value: \"48\"}]",
+        "[{operator: Exists, effect: NoExecute}]",
+    ] {
+        let r = run(&node, &tolerating(other));
+        assert!(!r.satisfiable, "{other}");
+    }
+    let lost = tainted_slice(&[(
+        "gpu-a",
+        &["{key: gpu.nvidia.com/gpu-lost, effect: NoExecute}"],
+    )]);
+    let r = run(&lost, &tolerating("[]"));
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "tainted gpu.nvidia.com/gpu-lost:NoExecute, not tolerated"
+    );
+}
+
+#[test]
+fn the_taint_is_named_only_for_a_device_that_otherwise_fits() {
+    let node = tainted_slice(&[("gpu-a", &[XID_79])]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        capacity: {requests: {memory: 100Gi}}\n",
+        ),
+    );
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "capacity memory 80Gi < requested 100Gi"
+    );
+}
+
+#[test]
+fn each_kind_of_matching_toleration_lets_the_device_fit() {
+    let node = tainted_slice(&[(
+        "gpu-a",
+        &[XID_79, "{key: example.com/maintenance, effect: NoExecute}"],
+    )]);
+    let maintenance = "{key: example.com/maintenance, operator: Exists}";
+    for xid in [
+        "{key: gpu.nvidia.com/xid, operator: Exists}",
+        "{key: gpu.nvidia.com/xid, operator: Equal, value: \"79\"}",
+        "{key: gpu.nvidia.com/xid, value: \"79\"}",
+        "{key: gpu.nvidia.com/xid, operator: Exists, effect: NoSchedule}",
+    ] {
+        let r = run(&node, &tolerating(&format!("[{xid}, {maintenance}]")));
+        assert_eq!(picked(&r), ["g=gpu-a"], "{xid}");
+        // Each toleration alone leaves the other taint standing.
+        let r = run(&node, &tolerating(&format!("[{xid}]")));
+        assert_eq!(
+            r.requests[0].rejected[0].reason,
+            "tainted example.com/maintenance:NoExecute, not tolerated",
+            "{xid}"
+        );
+    }
+    // An empty key with Exists tolerates every taint.
+    let r = run(&node, &tolerating("[{operator: Exists}]"));
+    assert_eq!(picked(&r), ["g=gpu-a"]);
+    // Naming both when neither is tolerated.
+    let r = run(&node, &tolerating("[]"));
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "tainted gpu.nvidia.com/xid=79:NoSchedule, example.com/maintenance:NoExecute, not tolerated"
+    );
+}
+
+#[test]
+fn effect_none_and_unknown_effects_never_block() {
+    let node = tainted_slice(&[(
+        "gpu-a",
+        &[
+            "{key: gpu.nvidia.com/xid, value: \"94\", effect: None}",
+            "{key: example.com/future, effect: SomeNewEffect}",
+        ],
+    )]);
+    let r = run(&node, &tolerating("[]"));
+    assert_eq!(picked(&r), ["g=gpu-a"]);
+    assert!(r.requests[0].rejected.is_empty());
+}
+
+#[test]
+fn a_tainted_device_is_passed_over_for_an_untainted_one() {
+    // gpu-a comes first, so a search that ignored taints would take it.
+    let node = tainted_slice(&[("gpu-a", &[XID_79]), ("gpu-b", &[]), ("gpu-c", &[])]);
+    let r = run(&node, &tolerating("[]"));
+    assert_eq!(picked(&r), ["g=gpu-b"]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n",
+        ),
+    );
+    assert_eq!(picked(&r), ["g=gpu-b", "g=gpu-c"]);
+    assert_eq!(r.requests[0].fits, ["gpu-b", "gpu-c"]);
+    // All means every untainted device.
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, allocationMode: All}\n",
+        ),
+    );
+    assert_eq!(picked(&r), ["g=gpu-b", "g=gpu-c"]);
+}
+
+#[test]
+fn first_available_falls_through_to_the_subrequest_that_tolerates() {
+    let node = tainted_slice(&[("gpu-a", &[XID_79])]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      firstAvailable:\n      - name: strict\n        deviceClassName: gpu.nvidia.com\n      - name: lenient\n        deviceClassName: gpu.nvidia.com\n        tolerations: [{key: gpu.nvidia.com/xid, operator: Exists}]\n",
+        ),
+    );
+    assert_eq!(picked(&r), ["g/lenient=gpu-a"]);
+    assert_eq!(r.requests[0].name, "g/strict");
+    assert_eq!(
+        r.requests[0].rejected[0].reason,
+        "tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated"
+    );
+}
+
+#[test]
+fn an_unknown_toleration_operator_is_bad_input() {
+    let text = format!(
+        "{}{}",
+        tainted_slice(&[("gpu-a", &[XID_79])]),
+        tolerating("[{key: gpu.nvidia.com/xid, operator: In, value: \"79\"}]")
+    );
+    let mut objects = Objects::default();
+    input::read_text(Path::new("t.yaml"), &text, &mut objects).unwrap();
+    let env = Environment::new();
+    let devices = candidates(&env, &objects.slices).unwrap();
+    let classes = compile_classes(&objects.classes).unwrap();
+    let Err(InputError::Field(e)) = explain(&env, &objects.claims[0], &classes, &devices) else {
+        panic!("an operator In was accepted");
+    };
+    assert_eq!(
+        e.path,
+        "spec.devices.requests[0].exactly.tolerations[0].operator"
+    );
+    assert_eq!(
+        e.message,
+        "unknown toleration operator \"In\" (Exists or Equal)"
+    );
+}

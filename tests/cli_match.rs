@@ -1,6 +1,7 @@
 //! `nvdra match` and `nvdra validate` end to end: the built binary on the example claims over
 //! the built-in profiles, its exit codes (0 satisfiable, 1 not, 2 bad input), the JSON output,
-//! ResourceSlices read from a file as `nvdra inventory -o slices` prints them, and validation
+//! ResourceSlices read from a file as `nvdra inventory -o slices` prints them, a health-tainted
+//! GPU kept out unless the claim tolerates its taint, and validation
 //! errors with their object, field path and column.
 
 mod support;
@@ -463,4 +464,93 @@ async fn a_live_cluster_is_explained_per_node() {
     assert!(!text.contains("node-h100"), "{text}");
     // Read-only.
     assert_eq!(server.counts().write_requests, writes_before);
+}
+
+#[test]
+fn a_tainted_gpu_is_reported_and_a_toleration_lets_the_claim_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let slices = dir.path().join("slices.yaml");
+    // As `nvdra run` publishes a GPU after XID 79: still listed, with a taint.
+    std::fs::write(
+        &slices,
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {name: node-a-gpu}
+spec:
+  driver: gpu.nvidia.com
+  nodeName: node-a
+  pool: {name: node-a, generation: 1, resourceSliceCount: 1}
+  devices:
+  - name: gpu-0
+    attributes:
+      type: {string: gpu}
+    taints:
+    - {key: gpu.nvidia.com/xid, value: "79", effect: NoSchedule}
+  - name: gpu-1
+    attributes:
+      type: {string: gpu}
+"#,
+    )
+    .unwrap();
+    let claim = |tolerations: &str| {
+        let p = dir.path().join(format!("claim-{}.yaml", tolerations.len()));
+        std::fs::write(
+            &p,
+            format!(
+                "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: two, namespace: default}}\nspec:\n  devices:\n    requests:\n    - name: gpus\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        count: 2\n        tolerations: {tolerations}\n"
+            ),
+        )
+        .unwrap();
+        p
+    };
+    let s = slices.to_str().unwrap();
+    let strict = claim("[]");
+    let out = nvdra(&["match", "-f", strict.to_str().unwrap(), "--slices", s]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let text = stdout(&out);
+    assert!(text.contains("fits: gpu-1\n"), "{text}");
+    assert!(
+        text.contains("gpu-0  tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated"),
+        "{text}"
+    );
+    assert!(
+        text.contains("not satisfiable: request gpus needs 2 devices, 1 fits"),
+        "{text}"
+    );
+    let out = nvdra(&[
+        "match",
+        "-f",
+        strict.to_str().unwrap(),
+        "--slices",
+        s,
+        "-o",
+        "json",
+    ]);
+    let v = json(&out);
+    assert_eq!(
+        v[0]["requests"][0]["rejected"][0],
+        serde_json::json!({
+            "device": "gpu-0",
+            "reason": "tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated"
+        })
+    );
+    let lenient = claim("[{key: gpu.nvidia.com/xid, operator: Exists, effect: NoSchedule}]");
+    let out = nvdra(&[
+        "match",
+        "-f",
+        lenient.to_str().unwrap(),
+        "--slices",
+        s,
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let v = json(&out);
+    let devices: Vec<&str> = v[0]["allocation"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["device"].as_str().unwrap())
+        .collect();
+    assert_eq!(devices, ["gpu-0", "gpu-1"]);
 }

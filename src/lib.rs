@@ -25,3 +25,6 @@ pub mod report;
 pub mod sharing;
 pub mod socket;
 pub mod yaml;
+
+#[cfg(test)]
+mod layout_tests;

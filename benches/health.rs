@@ -14,6 +14,8 @@
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
+#[path = "../tests/support/fake_nvml.rs"]
+mod fake_nvml;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -97,19 +99,7 @@ async fn main() {
         tokio::spawn(monitor.run(token.clone()));
         tokio::spawn(publisher.run(token.clone()));
         tokio::spawn(sync.with_health(mh.subscribe()).run(token.clone()));
-        let svc = HealthService::new(
-            backend,
-            NODE.into(),
-            Duration::from_secs(3600),
-            token.clone(),
-        )
-        .with_health(mh.subscribe());
-        let mut stream = svc
-            .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
-            .await
-            .expect("stream")
-            .into_inner();
-        stream.next().await.expect("first message").expect("ok");
+        let mut stream = health_stream(backend, NODE, mh.subscribe(), &token).await;
         server
             .wait_for(Duration::from_secs(10), |s| gpu3_tainted(s) == Some(false))
             .await;
@@ -189,17 +179,27 @@ async fn main() {
     );
 }
 
-/// The fake library cargo built beside this bench.
-fn fake_library() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("bench binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    [
-        deps.join("libfake_nvml.so"),
-        deps.join("../libfake_nvml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .expect("libfake_nvml.so is built beside the bench")
+/// The health stream of `backend` with its first message (the full list) already read.
+async fn health_stream(
+    backend: Arc<dyn DeviceBackend>,
+    node: &str,
+    health: nvdra::health::Watch,
+    token: &CancellationToken,
+) -> <HealthService as DraResourceHealth>::NodeWatchResourcesStream {
+    let svc = HealthService::new(
+        backend,
+        node.into(),
+        Duration::from_secs(3600),
+        token.clone(),
+    )
+    .with_health(health);
+    let mut stream = svc
+        .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
+        .await
+        .expect("stream")
+        .into_inner();
+    stream.next().await.expect("first message").expect("ok");
+    stream
 }
 
 async fn nvml_path() -> Vec<Duration> {
@@ -208,7 +208,7 @@ async fn nvml_path() -> Vec<Duration> {
     let lib_dir = root.path().join("usr/lib64");
     std::fs::create_dir_all(&lib_dir).expect("dir");
     let path = lib_dir.join(LIBRARY);
-    std::os::unix::fs::symlink(fake_library(), &path).expect("symlink");
+    std::os::unix::fs::symlink(fake_nvml::library(), &path).expect("symlink");
     let backend: Arc<dyn DeviceBackend> =
         Arc::new(NvmlBackend::open(root.path()).expect("the fake loads"));
     // SAFETY: loading the library NVML already loaded returns that copy.
@@ -238,19 +238,8 @@ async fn nvml_path() -> Vec<Duration> {
         while registrations(0) <= before {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let svc = HealthService::new(
-            Arc::new(Monitored::new(backend.clone(), mh.subscribe())),
-            "n".into(),
-            Duration::from_secs(3600),
-            token.clone(),
-        )
-        .with_health(mh.subscribe());
-        let mut stream = svc
-            .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
-            .await
-            .expect("stream")
-            .into_inner();
-        stream.next().await.expect("first").expect("ok");
+        let backend = Arc::new(Monitored::new(backend.clone(), mh.subscribe()));
+        let mut stream = health_stream(backend, "n", mh.subscribe(), &token).await;
         let t = Instant::now();
         assert_eq!(inject(0, 0x8, 79), 0);
         let m = stream.next().await.expect("message").expect("ok");

@@ -6,7 +6,8 @@
 //!
 //! The fake's event state is process-wide, so the tests here take turns ([`serial`]).
 
-use std::path::PathBuf;
+mod support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,20 +31,6 @@ async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
     TURN.lock().await
 }
 
-fn fake_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe
-        .parent()
-        .expect("test binary lives in target/<profile>/deps");
-    [
-        deps.join("libfake_nvml.so"),
-        deps.parent().unwrap().join("libfake_nvml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .expect("libfake_nvml.so is built beside the tests")
-}
-
 /// The fake under a driver root, NVML opened on it, and the hooks of the same loaded copy.
 struct Fake {
     _root: tempfile::TempDir,
@@ -57,7 +44,7 @@ impl Fake {
         let lib_dir = root.path().join("usr/lib64");
         std::fs::create_dir_all(&lib_dir).unwrap();
         let path = lib_dir.join(LIBRARY);
-        std::os::unix::fs::symlink(fake_library(), &path).unwrap();
+        std::os::unix::fs::symlink(support::fake_nvml::library(), &path).unwrap();
         let backend = Arc::new(NvmlBackend::open(root.path()).unwrap());
         // SAFETY: the fake library's initialisers are Rust statics; loading it again returns
         // the copy NVML already loaded.

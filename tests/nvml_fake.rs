@@ -7,33 +7,15 @@
 //! at the invalid PCI address is chosen by `FAKE_NVML_NODE`, which only the `nvdra` child
 //! processes get: the library (and so its node) is shared by every test of this process.
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::process::Command;
 
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use nvdra::inventory::nvml::{self, CallError, LIBRARY, NvmlBackend, RemoteDevice};
 use nvdra::inventory::{DeviceBackend, NODE_NVSWITCHES, NvLinkPeer, Placement};
 use serde_json::Value;
-
-/// The fake library cargo built for this test: `fake-nvml` is a dev-dependency, so its cdylib
-/// lands in `target/<profile>/deps` beside this test binary (or one level up when built alone).
-fn fake_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe
-        .parent()
-        .expect("test binary lives in target/<profile>/deps");
-    let candidates = [
-        deps.join("libfake_nvml.so"),
-        deps.parent()
-            .map_or_else(PathBuf::new, |p| p.join("libfake_nvml.so")),
-    ];
-    candidates
-        .iter()
-        .find(|p| p.exists())
-        .cloned()
-        .unwrap_or_else(|| panic!("libfake_nvml.so is missing from {candidates:?}"))
-}
 
 /// A driver root whose `usr/lib64/libnvidia-ml.so.1` is the fake, and a sysfs tree placing the
 /// two A100s under `pci0000:00` (NUMA 0) and the L40S under `pci0000:80` (NUMA 1).
@@ -46,7 +28,7 @@ fn fake_node() -> Node {
     let driver_root = tempfile::tempdir().unwrap();
     let lib_dir = driver_root.path().join("usr/lib64");
     std::fs::create_dir_all(&lib_dir).unwrap();
-    std::os::unix::fs::symlink(fake_library(), lib_dir.join(LIBRARY)).unwrap();
+    std::os::unix::fs::symlink(support::fake_nvml::library(), lib_dir.join(LIBRARY)).unwrap();
 
     let sysfs = tempfile::tempdir().unwrap();
     let devices = sysfs.path().join("bus/pci/devices");

@@ -12,7 +12,9 @@
 //! lists MIG devices by placement, a topology in the order it names them. PCIe root and NUMA
 //! node come from sysfs, which the child lays out from the profile.
 
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::Path;
 use std::process::Command;
 
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
@@ -22,21 +24,6 @@ use nvdra::inventory::{DeviceBackend, Inventory, NvLinkPeer, topology};
 const NODE: &str = "profile-node";
 /// Set in the child: the profile it reads.
 const CHILD: &str = "NVDRA_TEST_FAKE_NVML_CHILD";
-
-fn fake_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe
-        .parent()
-        .expect("test binary lives in target/<profile>/deps");
-    [
-        deps.join("libfake_nvml.so"),
-        deps.parent()
-            .map_or_else(PathBuf::new, |p| p.join("libfake_nvml.so")),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .expect("libfake_nvml.so beside the test binary")
-}
 
 /// A sysfs tree placing each GPU under its PCIe root with its NUMA node, as the profile says.
 fn sysfs_for(inv: &Inventory, root: &Path) {
@@ -97,7 +84,7 @@ fn child_reads_one_profile() {
     let driver_root = tempfile::tempdir().unwrap();
     let lib_dir = driver_root.path().join("usr/lib64");
     std::fs::create_dir_all(&lib_dir).unwrap();
-    std::os::unix::fs::symlink(fake_library(), lib_dir.join(LIBRARY)).unwrap();
+    std::os::unix::fs::symlink(support::fake_nvml::library(), lib_dir.join(LIBRARY)).unwrap();
     let sysfs = tempfile::tempdir().unwrap();
     sysfs_for(&sim, sysfs.path());
 
@@ -151,7 +138,7 @@ fn nvdra_inventory_on_the_fake_equals_the_profile() {
     let driver_root = tempfile::tempdir().unwrap();
     let lib_dir = driver_root.path().join("usr/lib64");
     std::fs::create_dir_all(&lib_dir).unwrap();
-    std::os::unix::fs::symlink(fake_library(), lib_dir.join(LIBRARY)).unwrap();
+    std::os::unix::fs::symlink(support::fake_nvml::library(), lib_dir.join(LIBRARY)).unwrap();
     let root = driver_root.path().to_str().unwrap();
     for name in topology::profile_names() {
         let sim = inventory_json(&["--profile", name], &[]);

@@ -1,4 +1,5 @@
 //! Shared helpers for integration tests.
 
 pub mod apiserver;
+pub mod fake_nvml;
 pub mod grpcio;

@@ -24,8 +24,6 @@ mod apiserver;
 mod bench_api {
     use std::sync::Arc;
 
-    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
-
     use nvdra::api::ClusterApi;
     use nvdra::api::kube::KubeApi;
 
@@ -61,13 +59,12 @@ mod bench_api {
                 "default",
                 &format!("claim-{uid}"),
                 uid,
-                vec![DeviceRequestAllocationResult {
-                    request: "gpu".into(),
-                    driver: self.driver.clone(),
-                    pool: self.node.clone(),
-                    device: device.into(),
-                    ..Default::default()
-                }],
+                vec![nvdra::api::allocated_device(
+                    "gpu",
+                    &self.driver,
+                    &self.node,
+                    device,
+                )],
                 vec![],
             ));
         }

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::proto::dra::v1;
 use nvdra::proto::dra::v1::dra_plugin_client::DraPluginClient;
 
@@ -78,13 +77,7 @@ fn write_claim(root: &Path, name: &str, uid: &str, device: &str) {
         NAMESPACE,
         name,
         uid,
-        vec![DeviceRequestAllocationResult {
-            request: "gpu".into(),
-            driver: DRIVER.into(),
-            pool: NODE.into(),
-            device: device.into(),
-            ..Default::default()
-        }],
+        vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, device)],
         Vec::new(),
     );
     nvdra::api::dir::write_claim(&root.join("api"), &claim).expect("write claim");

@@ -14,7 +14,6 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::grpcio::{STANDIN, have_grpcio};
 
-use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::api::ClusterApi;
 use nvdra::api::dir::DirApi;
 use nvdra::inventory::{DeviceBackend, sim::SimBackend};
@@ -73,13 +72,7 @@ impl Node {
                 "default",
                 &format!("claim-{uid}"),
                 uid,
-                vec![DeviceRequestAllocationResult {
-                    request: "gpu".into(),
-                    driver: DRIVER.into(),
-                    pool: NODE.into(),
-                    device: (*device).into(),
-                    ..Default::default()
-                }],
+                vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, device)],
                 vec![],
             );
             nvdra::api::dir::write_claim(&p("api"), &c).unwrap();

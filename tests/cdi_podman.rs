@@ -404,8 +404,6 @@ fn podman_runs_a_claim_prepared_by_the_daemon() {
 /// root) prepares an allocated claim over its DRA socket, and podman runs a container with the
 /// CDI id prepare returned, reading the spec prepare wrote. Unprepare then removes the spec.
 fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
-    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
-
     use nvdra::proto::dra::v1;
 
     // Its own driver name, so that this daemon's orphan clean-up in a shared CDI directory never
@@ -431,13 +429,12 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         "default",
         "podman",
         &claim_uid,
-        vec![DeviceRequestAllocationResult {
-            request: "gpu".into(),
-            driver: DRIVER.into(),
-            pool: NODE.into(),
-            device: format!("gpu-{}", gpu.minor),
-            ..Default::default()
-        }],
+        vec![nvdra::api::allocated_device(
+            "gpu",
+            DRIVER,
+            NODE,
+            &format!("gpu-{}", gpu.minor),
+        )],
         vec![],
     );
     nvdra::api::dir::write_claim(&root.join("api"), &claim)?;

@@ -4,11 +4,12 @@
 //! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
 //! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::proto::dra::v1;
 use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
 use tonic::transport::Channel;
@@ -96,7 +97,11 @@ impl Dirs {
         }
         std::fs::create_dir_all(&lib_dir).unwrap();
         std::fs::create_dir_all(&bin_dir).unwrap();
-        std::os::unix::fs::symlink(fake_library(), lib_dir.join("libnvidia-ml.so.1")).unwrap();
+        std::os::unix::fs::symlink(
+            support::fake_nvml::library(),
+            lib_dir.join("libnvidia-ml.so.1"),
+        )
+        .unwrap();
         let script = bin_dir.join("nvidia-smi");
         std::fs::write(
             &script,
@@ -125,13 +130,7 @@ impl Dirs {
             "default",
             &format!("claim-{uid}"),
             uid,
-            vec![DeviceRequestAllocationResult {
-                request: "gpu".into(),
-                driver: DRIVER.into(),
-                pool: NODE.into(),
-                device: device.into(),
-                ..Default::default()
-            }],
+            vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, device)],
             config,
         );
         nvdra::api::dir::write_claim(&self.p("api"), &c).unwrap();
@@ -179,22 +178,6 @@ impl Dirs {
         }
         cmd
     }
-}
-
-/// The fake NVML library cargo built beside this test binary.
-fn fake_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe
-        .parent()
-        .expect("test binary lives in target/<profile>/deps");
-    [
-        deps.join("libfake_nvml.so"),
-        deps.parent()
-            .map_or_else(PathBuf::new, |p| p.join("libfake_nvml.so")),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .expect("libfake_nvml.so beside the test binary")
 }
 
 async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {

@@ -126,13 +126,7 @@ impl TestNode {
 }
 
 fn result(request: &str, device: &str) -> DeviceRequestAllocationResult {
-    DeviceRequestAllocationResult {
-        request: request.into(),
-        driver: DRIVER.into(),
-        pool: NODE.into(),
-        device: device.into(),
-        ..Default::default()
-    }
+    nvdra::api::allocated_device(request, DRIVER, NODE, device)
 }
 
 fn claim(

@@ -17,7 +17,6 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 use support::grpcio::{STANDIN, have_grpcio};
 
-use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
 use serde_json::Value;
 
@@ -53,13 +52,7 @@ impl Daemon {
                 "default",
                 &format!("claim-{uid}"),
                 uid,
-                vec![DeviceRequestAllocationResult {
-                    request: "gpu".into(),
-                    driver: DRIVER.into(),
-                    pool: NODE.into(),
-                    device: device.into(),
-                    ..Default::default()
-                }],
+                vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, device)],
                 vec![],
             );
             nvdra::api::dir::write_claim(&p("api"), &c).unwrap();

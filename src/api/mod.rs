@@ -228,6 +228,23 @@ pub fn allocated_claim(
     }
 }
 
+/// One device of an allocation: `request` got `device` of `driver`'s `pool` (what the scheduler
+/// writes into `status.allocation.devices.results`).
+pub fn allocated_device(
+    request: &str,
+    driver: &str,
+    pool: &str,
+    device: &str,
+) -> DeviceRequestAllocationResult {
+    DeviceRequestAllocationResult {
+        request: request.into(),
+        driver: driver.into(),
+        pool: pool.into(),
+        device: device.into(),
+        ..Default::default()
+    }
+}
+
 /// Parses the `minor` of a `/version` answer: `"35"`, or `"35+"` as some distributions report.
 pub fn parse_minor(minor: &str) -> Option<u32> {
     let digits: String = minor.chars().take_while(char::is_ascii_digit).collect();

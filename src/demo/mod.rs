@@ -19,8 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::resource::v1::{
-    DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
-    ResourceSlice,
+    DeviceAllocationConfiguration, OpaqueDeviceConfiguration, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use tokio_util::sync::CancellationToken;
@@ -268,13 +267,7 @@ fn write_claim(
 ) -> Result<()> {
     let results = devices
         .iter()
-        .map(|d| DeviceRequestAllocationResult {
-            request: "gpus".into(),
-            driver: DRIVER.into(),
-            pool: NODE.into(),
-            device: (*d).into(),
-            ..Default::default()
-        })
+        .map(|d| crate::api::allocated_device("gpus", DRIVER, NODE, d))
         .collect();
     let config = time_sliced.then(|| {
         vec![DeviceAllocationConfiguration {

@@ -23,12 +23,19 @@ const NAMESPACE: &str = "rss";
 /// Cycles after which the "warm" figure is taken; growth is measured from there to the end.
 const WARM: usize = 100;
 
-/// Kills the daemon however the bench ends.
-struct Daemon(Child);
+/// Kills the daemon however the bench ends: SIGKILL, or SIGTERM when it runs under a wrapper
+/// (`RSS_WRAP`), which must outlive it to write its report.
+struct Daemon(Child, bool);
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        if self.1 {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.0.id().to_string()])
+                .status();
+        } else {
+            let _ = self.0.kill();
+        }
         let _ = self.0.wait();
     }
 }
@@ -90,7 +97,7 @@ async fn wait_for(what: &str, daemon: &mut Daemon, cond: impl Fn() -> bool) {
             panic!("the daemon exited ({status}) before {what}");
         }
         assert!(
-            start.elapsed() < Duration::from_secs(60),
+            start.elapsed() < Duration::from_secs(600),
             "timed out waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -109,8 +116,23 @@ async fn main() {
     let root = dir.path();
     let p = |s: &str| -> PathBuf { root.join(s) };
     std::fs::write(p("boot_id"), "rss-bench-boot\n").expect("boot id");
+    // `RSS_WRAP="valgrind --tool=callgrind …"` runs the daemon under another program; that is how
+    // `link/order.sh` finds the functions a daemon runs.
+    let wrap: Vec<String> = std::env::var("RSS_WRAP")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    let mut command = match wrap.split_first() {
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg(env!("CARGO_BIN_EXE_nvdra"));
+            c
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_nvdra")),
+    };
     let mut daemon = Daemon(
-        Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        command
             .args(["run", "--mode", &mode, "--profile", PROFILE])
             .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
             .arg("--api-dir")
@@ -128,6 +150,7 @@ async fn main() {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start nvdra"),
+        !wrap.is_empty(),
     );
     let pid = daemon.0.id();
     let dra_socket = p("kubelet/plugins").join(DRIVER).join("dra.sock");

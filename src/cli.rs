@@ -370,6 +370,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         // Dispatched by `main` before `run`: they have exit codes of their own.
         Command::Match(_) | Command::Validate(_) => Ok(()),
         Command::Run(args) => {
+            crate::daemon::without_thread_caches();
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format);
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;

@@ -55,7 +55,10 @@ use crate::report;
 use crate::socket;
 
 mod runtime;
-pub use runtime::{MALLOC_ARENAS, MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
+pub use runtime::{
+    MALLOC_ARENAS, MAX_BLOCKING_THREADS, NO_THREAD_CACHES, WORKER_THREADS, runtime,
+    without_thread_caches,
+};
 
 /// How long in-flight work may take to finish after the first signal.
 pub const GRACE: Duration = Duration::from_secs(20);

@@ -41,6 +41,8 @@ pub const TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Default)]
 struct State {
     holders: usize,
+    /// The lock file, opened once and kept (a prepare then pays no blocking-pool round trip to
+    /// open it); locked while `holders > 0`.
     file: Option<File>,
 }
 
@@ -86,17 +88,24 @@ impl NodeLock {
                 });
             }
         }
-        let path = self.path.clone();
-        let file = tokio::task::spawn_blocking(move || {
-            File::options()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-                .map_err(|source| Error::Lock { path, source })
-        })
-        .await
-        .map_err(Error::Task)??;
+        // Only this task touches the file now: `acquiring` is held and nobody holds the lock.
+        let kept = lock(&self.state).file.take();
+        let file = match kept.filter(|f| self.still_names(f)) {
+            Some(file) => file,
+            None => {
+                let path = self.path.clone();
+                tokio::task::spawn_blocking(move || {
+                    File::options()
+                        .create(true)
+                        .truncate(false)
+                        .write(true)
+                        .open(&path)
+                        .map_err(|source| Error::Lock { path, source })
+                })
+                .await
+                .map_err(Error::Task)??
+            }
+        };
         // Poll with a non-blocking flock instead of blocking a thread, so a stuck peer costs a
         // clear error after `timeout` rather than a hung call.
         let started = tokio::time::Instant::now();
@@ -109,6 +118,7 @@ impl NodeLock {
                     pause = (pause * 2).min(Duration::from_millis(50));
                 }
                 Err(TryLockError::WouldBlock) => {
+                    lock(&self.state).file = Some(file);
                     return Err(Error::Busy {
                         path: self.path.clone(),
                         waited: self.timeout,
@@ -138,12 +148,27 @@ impl NodeLock {
     }
 }
 
+impl NodeLock {
+    /// Whether the kept descriptor is still the file at the lock's path (an operator may have
+    /// removed the file; a peer would then lock a new one).
+    fn still_names(&self, file: &File) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (file.metadata(), std::fs::metadata(&self.path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+}
+
 impl Drop for Guard {
     fn drop(&mut self) {
         let mut s = lock(&self.state);
         s.holders = s.holders.saturating_sub(1);
-        if s.holders == 0 {
-            // Closing the descriptor releases the flock.
+        if s.holders == 0
+            && let Some(file) = &s.file
+            && file.unlock().is_err()
+        {
+            // Closing the descriptor releases the flock too.
             s.file = None;
         }
     }

@@ -108,7 +108,7 @@ pub use inputs::{
 };
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use names::{validate_class, validate_device_name, validate_vendor};
-pub use writer::{list_claim_specs, remove_spec, spec_path, write_spec};
+pub use writer::{list_claim_specs, remove_spec, spec_path, write_spec, write_spec_text};
 
 #[cfg(test)]
 mod tests;

@@ -6,6 +6,11 @@
 //! directory API — skip it); write; fsync; rename over the target; fsync the directory, so the
 //! rename itself survives a power loss.
 //!
+//! [`Durability::Atomic`] skips the two fsyncs, for files that start-up rebuilds from a durable
+//! record (the claims' CDI specs, from the checkpoint): readers still see the old or the new
+//! content, and so does this process after a crash of its own (the page cache keeps both), but a
+//! power loss may leave the old content, an empty file, or none.
+//!
 //! Invariants:
 //! - Nothing is left behind on failure: until the rename, the temporary file is owned by a
 //!   [`tempfile::NamedTempFile`], which removes it when dropped.
@@ -42,14 +47,37 @@ impl Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// How far a replacement or removal goes before it returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// The file and its directory are fsync'd: the change survives a power loss.
+    Durable,
+    /// Atomic for readers and across a crash of the process, not across a power loss: for files
+    /// the caller rebuilds at start-up from something durable.
+    Atomic,
+}
+
 /// Replaces `path` with `bytes` durably. The directory must exist.
 pub fn write(path: &Path, bytes: &[u8]) -> Result<()> {
     write_with(path, |w| w.write_all(bytes))
 }
 
+/// Replaces `path` with `bytes` as `durability` says. The directory must exist.
+pub fn write_as(path: &Path, bytes: &[u8], durability: Durability) -> Result<()> {
+    replace(path, durability, |w| w.write_all(bytes))
+}
+
 /// Like [`write`], with the content produced by `fill` (which may fail; then nothing changes and
 /// no temporary file remains).
 pub fn write_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
+    replace(path, Durability::Durable, fill)
+}
+
+fn replace(
+    path: &Path,
+    durability: Durability,
+    fill: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> Result<()> {
     let fail = |step: &'static str| {
         move |source| Error {
             step,
@@ -77,15 +105,25 @@ pub fn write_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> io::Result<(
         .tempfile_in(dir)
         .map_err(fail("create a temporary file for"))?;
     fill(tmp.as_file_mut()).map_err(fail("write"))?;
-    tmp.as_file().sync_all().map_err(fail("sync"))?;
+    if durability == Durability::Durable {
+        tmp.as_file().sync_all().map_err(fail("sync"))?;
+    }
     // On failure the returned temporary file is dropped here, which removes it.
     tmp.persist(path)
         .map_err(|e| fail("rename into place")(e.error))?;
-    sync_dir(dir).map_err(fail("sync the directory of"))
+    if durability == Durability::Durable {
+        sync_dir(dir).map_err(fail("sync the directory of"))?;
+    }
+    Ok(())
 }
 
 /// Removes `path` durably; `Ok(false)` when there was nothing to remove.
 pub fn remove(path: &Path) -> Result<bool> {
+    remove_as(path, Durability::Durable)
+}
+
+/// Removes `path` as `durability` says; `Ok(false)` when there was nothing to remove.
+pub fn remove_as(path: &Path, durability: Durability) -> Result<bool> {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
@@ -96,6 +134,9 @@ pub fn remove(path: &Path) -> Result<bool> {
                 source,
             });
         }
+    }
+    if durability == Durability::Atomic {
+        return Ok(true);
     }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -138,6 +179,27 @@ mod tests {
         write(&path, b"two").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"two");
         assert_eq!(names(dir.path()), vec!["a.json"]);
+    }
+
+    #[test]
+    fn an_atomic_replace_and_remove_behave_like_the_durable_ones_for_readers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.yaml");
+        write_as(&path, b"one", Durability::Atomic).unwrap();
+        write_as(&path, b"two", Durability::Atomic).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        assert_eq!(names(dir.path()), vec!["spec.yaml"]);
+        let err = replace(&path, Durability::Atomic, |w| {
+            w.write_all(b"half")?;
+            Err(io::Error::from_raw_os_error(28))
+        })
+        .unwrap_err();
+        assert_eq!(err.step, "write");
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        assert_eq!(names(dir.path()), vec!["spec.yaml"]);
+        assert!(remove_as(&path, Durability::Atomic).unwrap());
+        assert!(!remove_as(&path, Durability::Atomic).unwrap());
+        assert_eq!(names(dir.path()), Vec::<String>::new());
     }
 
     #[test]

@@ -163,7 +163,12 @@ struct SpecGuard {
 
 impl Drop for SpecGuard {
     fn drop(&mut self) {
-        if let Err(e) = cdi::remove_spec(&self.cdi_root, &self.opts, &self.claim_uid) {
+        if let Err(e) = cdi::remove_spec(
+            &self.cdi_root,
+            &self.opts,
+            &self.claim_uid,
+            nvdra::durable::Durability::Atomic,
+        ) {
             eprintln!("cannot remove the test CDI spec: {e}");
         }
     }
@@ -202,7 +207,13 @@ fn run_claim(
         opts: opts.clone(),
         claim_uid: claim_uid.clone(),
     };
-    cdi::write_spec(&cdi_root, opts, &claim_uid, &spec)?;
+    cdi::write_spec(
+        &cdi_root,
+        opts,
+        &claim_uid,
+        &spec,
+        nvdra::durable::Durability::Atomic,
+    )?;
 
     let dir_arg = cdi_root.display().to_string();
     let global: Vec<&str> = if engine.has_spec_dir_flag {

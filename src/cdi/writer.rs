@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use super::names::validate_claim_uid;
 use super::{CdiOptions, Result, Spec, io_err};
+use crate::durable::Durability;
 
 pub(super) fn file_prefix(opts: &CdiOptions) -> String {
     format!("{}-{}_", opts.vendor, opts.class)
@@ -16,27 +17,47 @@ pub fn spec_path(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> PathBuf
     cdi_root.join(format!("{}{claim_uid}.yaml", file_prefix(opts)))
 }
 
-/// Writes (or replaces) a claim's spec atomically; creates `cdi_root` when missing.
+/// Writes (or replaces) a claim's spec atomically, as durably as `durability` says; creates
+/// `cdi_root` when missing.
 pub fn write_spec(
     cdi_root: &Path,
     opts: &CdiOptions,
     claim_uid: &str,
     spec: &Spec,
+    durability: Durability,
 ) -> Result<PathBuf> {
     validate_claim_uid(claim_uid)?;
     let text = spec.to_yaml()?;
+    write_spec_text(cdi_root, opts, claim_uid, &text, durability)
+}
+
+/// [`write_spec`] for a spec already rendered with [`Spec::to_yaml`].
+pub fn write_spec_text(
+    cdi_root: &Path,
+    opts: &CdiOptions,
+    claim_uid: &str,
+    text: &str,
+    durability: Durability,
+) -> Result<PathBuf> {
+    validate_claim_uid(claim_uid)?;
     fs::create_dir_all(cdi_root).map_err(io_err("create the CDI directory", cdi_root))?;
     let path = spec_path(cdi_root, opts, claim_uid);
-    crate::durable::write(&path, text.as_bytes())?;
+    crate::durable::write_as(&path, text.as_bytes(), durability)?;
     Ok(path)
 }
 
 /// Removes a claim's spec; `Ok(false)` when there was none.
-pub fn remove_spec(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> Result<bool> {
+pub fn remove_spec(
+    cdi_root: &Path,
+    opts: &CdiOptions,
+    claim_uid: &str,
+    durability: Durability,
+) -> Result<bool> {
     validate_claim_uid(claim_uid)?;
-    Ok(crate::durable::remove(&spec_path(
-        cdi_root, opts, claim_uid,
-    ))?)
+    Ok(crate::durable::remove_as(
+        &spec_path(cdi_root, opts, claim_uid),
+        durability,
+    )?)
 }
 
 /// The claim UIDs that have a spec file of this vendor and class in `cdi_root`, sorted (empty

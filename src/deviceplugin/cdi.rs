@@ -20,6 +20,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice, Spec};
+use crate::durable::Durability;
 use crate::inventory::Inventory;
 use crate::sharing::Sharing;
 
@@ -92,7 +93,7 @@ pub fn write(
 ) -> cdi::Result<PathBuf> {
     let files = cdi::discover_driver_files(&opts.driver_root);
     let spec = spec(opts, inv, ids, &files)?;
-    cdi::write_spec(cdi_root, opts, SPEC_NAME, &spec)
+    cdi::write_spec(cdi_root, opts, SPEC_NAME, &spec, Durability::Durable)
 }
 
 /// [`write`], then the spec of every enabled mode that has device nodes; the spec of an
@@ -108,14 +109,14 @@ pub fn write_with_modes(
         let mode_opts = mode_options(opts, mode)?;
         match mode_spec(opts, mode) {
             Some(s) => {
-                cdi::write_spec(cdi_root, &mode_opts, SPEC_NAME, &s)?;
+                cdi::write_spec(cdi_root, &mode_opts, SPEC_NAME, &s, Durability::Durable)?;
             }
             None => {
                 tracing::warn!(
                     mode = mode.class(),
                     "no device nodes for this driver capability on the host; its CDI device is not offered"
                 );
-                cdi::remove_spec(cdi_root, &mode_opts, SPEC_NAME)?;
+                cdi::remove_spec(cdi_root, &mode_opts, SPEC_NAME, Durability::Durable)?;
             }
         }
     }

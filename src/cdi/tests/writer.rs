@@ -1,6 +1,7 @@
 //! Writer tests: atomic write, overwrite, listing, removal and bad claim UIDs.
 
 use super::*;
+use crate::durable::Durability;
 
 fn entries(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(dir)
@@ -32,17 +33,24 @@ fn writer_writes_overwrites_lists_and_removes() {
         Vec::<String>::new()
     );
     let first = sample_spec(&host, UID, 0);
-    let path = write_spec(&cdi_root, &host.opts, UID, &first).unwrap();
+    let path = write_spec(&cdi_root, &host.opts, UID, &first, Durability::Durable).unwrap();
     assert_eq!(path, spec_path(&cdi_root, &host.opts, UID));
     let read: Spec = serde_saphyr::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
     assert_eq!(read, first);
     assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o644);
 
     let second = sample_spec(&host, UID, 1);
-    write_spec(&cdi_root, &host.opts, UID, &second).unwrap();
+    write_spec(&cdi_root, &host.opts, UID, &second, Durability::Atomic).unwrap();
     let read: Spec = serde_saphyr::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
     assert_eq!(read, second);
-    write_spec(&cdi_root, &host.opts, other, &sample_spec(&host, other, 2)).unwrap();
+    write_spec(
+        &cdi_root,
+        &host.opts,
+        other,
+        &sample_spec(&host, other, 2),
+        Durability::Durable,
+    )
+    .unwrap();
 
     // Files of other vendors, temp files and stray names are not claim specs.
     fs::write(cdi_root.join("nvidia.com-gpu.yaml"), "x").unwrap();
@@ -57,9 +65,9 @@ fn writer_writes_overwrites_lists_and_removes() {
     expected.sort();
     assert_eq!(list_claim_specs(&cdi_root, &host.opts).unwrap(), expected);
 
-    assert!(remove_spec(&cdi_root, &host.opts, UID).unwrap());
+    assert!(remove_spec(&cdi_root, &host.opts, UID, Durability::Durable).unwrap());
     assert!(!path.exists());
-    assert!(!remove_spec(&cdi_root, &host.opts, UID).unwrap());
+    assert!(!remove_spec(&cdi_root, &host.opts, UID, Durability::Durable).unwrap());
     assert_eq!(
         list_claim_specs(&cdi_root, &host.opts).unwrap(),
         vec![other.to_string()]
@@ -71,7 +79,14 @@ fn writer_leaves_no_temp_files() {
     let host = Host::new();
     let cdi_root = host.root().join("cdi");
     for device in 0..3 {
-        write_spec(&cdi_root, &host.opts, UID, &sample_spec(&host, UID, device)).unwrap();
+        write_spec(
+            &cdi_root,
+            &host.opts,
+            UID,
+            &sample_spec(&host, UID, device),
+            Durability::Durable,
+        )
+        .unwrap();
     }
     assert_eq!(
         entries(&cdi_root),
@@ -84,11 +99,11 @@ fn writer_failure_leaves_old_spec_and_no_temp_file() {
     let host = Host::new();
     let cdi_root = host.root().join("cdi");
     let spec = sample_spec(&host, UID, 0);
-    let path = write_spec(&cdi_root, &host.opts, UID, &spec).unwrap();
+    let path = write_spec(&cdi_root, &host.opts, UID, &spec, Durability::Durable).unwrap();
     // Replace the target with a non-empty directory: the rename fails.
     fs::remove_file(&path).unwrap();
     fs::create_dir_all(path.join("blocker")).unwrap();
-    let e = write_spec(&cdi_root, &host.opts, UID, &spec).unwrap_err();
+    let e = write_spec(&cdi_root, &host.opts, UID, &spec, Durability::Durable).unwrap_err();
     assert!(e.to_string().starts_with("cannot rename into place"), "{e}");
     assert_eq!(
         entries(&cdi_root),
@@ -104,10 +119,13 @@ fn writer_rejects_bad_claim_uids() {
     let spec = sample_spec(&host, UID, 0);
     for bad in ["../x", "a/b", "", "-x"] {
         assert!(
-            write_spec(&cdi_root, &host.opts, bad, &spec).is_err(),
+            write_spec(&cdi_root, &host.opts, bad, &spec, Durability::Durable).is_err(),
             "{bad}"
         );
-        assert!(remove_spec(&cdi_root, &host.opts, bad).is_err(), "{bad}");
+        assert!(
+            remove_spec(&cdi_root, &host.opts, bad, Durability::Durable).is_err(),
+            "{bad}"
+        );
     }
     assert!(!cdi_root.exists());
 }

@@ -5,11 +5,42 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+
 use super::{ClaimError, ClaimRef, Plugin};
+use crate::inventory::{self, DeviceBackend, Inventory};
 // The claim-lock map sees inserts and removes only, so ignoring poison is sound.
 use crate::ledger::{ClaimUid, DeviceRecord};
 use crate::lock::lock;
 use crate::metrics::Histogram;
+
+/// A batch's inventory snapshot: taken on the blocking pool as the batch starts (under the node
+/// lock), awaited by each claim only when it needs it, so the claims' GETs go out meanwhile
+/// instead of after it.
+#[derive(Clone)]
+pub(super) struct PendingInventory(
+    Shared<BoxFuture<'static, Result<Arc<Inventory>, Arc<ClaimError>>>>,
+);
+
+impl PendingInventory {
+    fn start(backend: Arc<dyn DeviceBackend>) -> Self {
+        let snapshot = tokio::spawn(inventory::snapshot(backend));
+        let result = async move {
+            match snapshot.await {
+                Ok(Ok(inv)) => Ok(Arc::new(inv)),
+                Ok(Err(e)) => Err(Arc::new(ClaimError::from(e))),
+                Err(e) => Err(Arc::new(ClaimError::Task(e))),
+            }
+        };
+        Self(result.boxed().shared())
+    }
+
+    /// The snapshot; its failure fails every claim of the batch alike.
+    pub(super) async fn get(&self) -> Result<Arc<Inventory>, ClaimError> {
+        self.0.clone().await.map_err(ClaimError::Unavailable)
+    }
+}
 
 impl Plugin {
     /// Prepares a batch; one result per claim, in order.
@@ -19,7 +50,8 @@ impl Plugin {
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
         // One snapshot per batch: MIG devices created by this batch are tracked in the ledger,
         // which is what conflict checks read.
-        let setup = async { Ok(Arc::new(self.snapshot().await?)) };
+        let backend = self.inner.backend.clone();
+        let setup = async move { Ok(PendingInventory::start(backend)) };
         let m = &self.inner.metrics;
         let outcome = (&m.prepare_ok, &m.prepare_failed, &m.prepare_seconds);
         self.batch(claims, "prepare", outcome, setup, |c, inv| async move {

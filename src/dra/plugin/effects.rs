@@ -93,6 +93,28 @@ impl Plugin {
             .await??)
     }
 
+    /// Rewrites a completed claim's CDI spec unless it is intact (the spec is not fsync'd:
+    /// [`Specs::write`](super::specs::Specs::write)); whether it wrote.
+    pub(super) async fn ensure_cdi(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+    ) -> Result<bool, ClaimError> {
+        let prepared = plan::cdi_devices(
+            &self.inner.opts.pool,
+            uid,
+            devices,
+            inv,
+            &[],
+            &self.inner.mps,
+        )?;
+        let uid = uid.clone();
+        Ok(self
+            .blocking(move |i| i.specs.ensure(&uid, &prepared))
+            .await??)
+    }
+
     /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be
     /// repeated safely.
     pub(super) async fn rollback(

@@ -12,6 +12,7 @@
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
+use super::batch::PendingInventory;
 use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
@@ -23,15 +24,15 @@ impl Plugin {
     pub(super) async fn prepare_one(
         &self,
         claim: &ClaimRef,
-        inv: &Inventory,
+        inv: &PendingInventory,
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
         let uid = &claim.uid;
         // Idempotency: a completed claim is answered from the ledger.
         if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
             if entry.state == ClaimState::PrepareCompleted {
-                if !entry.devices.is_empty() && !self.inner.specs.exists(uid) {
-                    self.write_cdi(uid, &entry.devices, inv, &[]).await?;
-                    tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten");
+                let inv = inv.get().await?;
+                if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, &inv).await? {
+                    tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten");
                 }
                 tracing::debug!(claim.uid = %uid, "already prepared");
                 return Ok(entry.devices);
@@ -41,7 +42,9 @@ impl Plugin {
             self.rollback(uid, &entry.devices).await?;
         }
 
-        let rc = self.read_claim(claim).await?;
+        let (rc, inv) = tokio::join!(self.read_claim(claim), inv.get());
+        let (inv, rc) = (inv?, rc?);
+        let inv = &*inv;
         let plan = plan::plan(
             &self.inner.opts,
             self.inner.specs.options(),

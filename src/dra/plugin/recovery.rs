@@ -1,6 +1,7 @@
 //! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
-//! back, completed claims get their MPS daemon and (if missing) their CDI spec back, CDI specs of
-//! ours without a ledger entry are removed. Together with the order of writes in
+//! back, completed claims get their MPS daemon back and their CDI spec rewritten if it is
+//! missing, empty or stale (specs are not fsync'd), CDI specs of ours without a ledger entry
+//! are removed. Together with the order of writes in
 //! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
 //! can finish.
 
@@ -80,9 +81,8 @@ impl Plugin {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
         }
-        if !entry.devices.is_empty() && !self.inner.specs.exists(uid) {
-            self.write_cdi(uid, &entry.devices, inv, &[]).await?;
-            tracing::info!(claim.uid = %uid, "CDI spec was missing; rewritten from the checkpoint");
+        if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, inv).await? {
+            tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten from the checkpoint");
             rec.cdi_rewritten.push(uid.clone());
         }
         Ok(())

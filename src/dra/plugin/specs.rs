@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
+use crate::durable::Durability;
 use crate::ledger::ClaimUid;
 
 pub(super) struct Specs {
@@ -26,20 +27,45 @@ impl Specs {
         &self.opts
     }
 
-    pub fn exists(&self, uid: &ClaimUid) -> bool {
-        cdi::spec_path(&self.root, &self.opts, uid.as_str()).exists()
-    }
-
-    /// Builds and writes (or replaces) the claim's spec; reads the host, so blocking.
+    /// Builds and writes (or replaces) the claim's spec; reads the host, so blocking. Atomic, not
+    /// durable: a power loss may lose or empty it, and start-up's [`Specs::ensure`] repairs that
+    /// from the checkpoint, so a prepare waits for one fsync'd write (the checkpoint's), not two.
     pub fn write(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<(), cdi::Error> {
         let spec = cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files)?;
-        cdi::write_spec(&self.root, &self.opts, uid.as_str(), &spec)?;
+        cdi::write_spec(
+            &self.root,
+            &self.opts,
+            uid.as_str(),
+            &spec,
+            Durability::Atomic,
+        )?;
         Ok(())
     }
 
-    /// Whether there was a spec to remove.
+    /// Rewrites the claim's spec unless the file already holds exactly what [`Specs::write`]
+    /// would write (it may be missing, empty or stale after a power loss, or edited by hand).
+    /// Whether it wrote.
+    pub fn ensure(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<bool, cdi::Error> {
+        let spec = cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files)?;
+        let text = spec.to_yaml()?;
+        let path = cdi::spec_path(&self.root, &self.opts, uid.as_str());
+        if std::fs::read(&path).is_ok_and(|on_disk| on_disk == text.as_bytes()) {
+            return Ok(false);
+        }
+        cdi::write_spec_text(
+            &self.root,
+            &self.opts,
+            uid.as_str(),
+            &text,
+            Durability::Atomic,
+        )?;
+        Ok(true)
+    }
+
+    /// Whether there was a spec to remove. Not durable either: a spec that comes back after a
+    /// power loss has no checkpoint entry, and start-up removes it.
     pub fn remove(&self, uid: &ClaimUid) -> Result<bool, cdi::Error> {
-        cdi::remove_spec(&self.root, &self.opts, uid.as_str())
+        cdi::remove_spec(&self.root, &self.opts, uid.as_str(), Durability::Atomic)
     }
 
     /// The claim UIDs of the specs in the directory.

@@ -37,6 +37,47 @@ async fn restart_recovers_started_completed_and_orphans() {
     assert!(r[0].1.is_ok());
 }
 
+/// Claim specs are not fsync'd, so a power loss can leave one empty, cut short or old; start-up
+/// rewrites exactly those from the checkpoint and leaves intact ones alone.
+#[tokio::test]
+async fn restart_rewrites_damaged_specs_and_leaves_intact_ones() {
+    use std::os::unix::fs::MetadataExt;
+    let e = env("dgx-h100").await;
+    for (name, gpu) in [
+        ("intact", "gpu-0"),
+        ("empty", "gpu-1"),
+        ("cut", "gpu-2"),
+        ("old", "gpu-3"),
+    ] {
+        e.add(claim(name, vec![result("gpu", gpu)]));
+        e.prepare(name).await.unwrap();
+    }
+    let read = |name: &str| std::fs::read_to_string(e.spec(name)).unwrap();
+    let damaged = ["cut", "empty", "old"];
+    let before: Vec<String> = damaged.iter().map(|n| read(n)).collect();
+    let intact = read("intact");
+    let intact_inode = std::fs::metadata(e.spec("intact")).unwrap().ino();
+    std::fs::write(e.spec("cut"), &before[0][..before[0].len() / 2]).unwrap();
+    std::fs::write(e.spec("empty"), "").unwrap();
+    // "old" holds another claim's devices, as a replaced but unsynced spec might.
+    std::fs::write(e.spec("old"), &intact).unwrap();
+
+    let (_p2, rec, _g) = e.restart(e.sim.clone()).await;
+    let mut rewritten = rec.cdi_rewritten.clone();
+    rewritten.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    let expected: Vec<ClaimUid> = damaged
+        .iter()
+        .map(|n| ClaimUid::parse(*n).unwrap())
+        .collect();
+    assert_eq!(rewritten, expected);
+    for (name, spec) in damaged.iter().zip(&before) {
+        assert_eq!(&read(name), spec, "{name}");
+    }
+    assert_eq!(read("intact"), intact);
+    let inode = std::fs::metadata(e.spec("intact")).unwrap().ino();
+    assert_eq!(inode, intact_inode, "an intact spec is not rewritten");
+}
+
 #[tokio::test]
 async fn a_claim_that_cannot_be_recovered_does_not_stop_the_others() {
     let e = env("a100-mig-mixed").await;

@@ -206,6 +206,42 @@ mod tests {
         assert_eq!(acquired.load(Ordering::SeqCst), 2, "re-taken, so reloaded");
     }
 
+    /// The descriptor is kept between operations, and still excludes a peer each time; when the
+    /// file at the path is replaced, the lock follows the path, where a peer would look.
+    #[tokio::test]
+    async fn the_kept_descriptor_follows_the_file_at_the_path() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        let a = NodeLock::new(dir.path());
+        let ok = || Ok::<(), Error>(());
+        let peer = |what: &str| {
+            let f = File::options().write(true).open(&path).unwrap();
+            assert!(
+                f.try_lock().is_err(),
+                "{what}: a peer must not get the lock"
+            );
+        };
+        let kept = |a: &NodeLock| {
+            lock(&a.state)
+                .file
+                .as_ref()
+                .map(|f| f.metadata().unwrap().ino())
+        };
+        drop(a.enter(ok).await.unwrap());
+        let first = kept(&a).expect("the descriptor is kept after the last guard");
+        let g = a.enter(ok).await.unwrap();
+        assert_eq!(kept(&a), Some(first), "the same descriptor again");
+        peer("second operation");
+        drop(g);
+        std::fs::remove_file(&path).unwrap();
+        let g = a.enter(ok).await.unwrap();
+        let now = std::fs::metadata(&path).unwrap().ino();
+        assert_eq!(kept(&a), Some(now), "reopened at the path");
+        peer("after the file was replaced");
+        drop(g);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_peer_that_never_lets_go_is_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();

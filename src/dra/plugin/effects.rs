@@ -101,14 +101,26 @@ impl Plugin {
         devices: &[DeviceRecord],
         inv: &Inventory,
     ) -> Result<bool, ClaimError> {
-        let prepared = plan::cdi_devices(
+        let prepared = match plan::cdi_devices(
             &self.inner.opts.pool,
             uid,
             devices,
             inv,
             &[],
             &self.inner.mps,
-        )?;
+        ) {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                // The devices cannot be resolved now (a MIG device the backend no longer
+                // lists): a spec that still reads as one stays, as the checkpoint's record does.
+                let owner = uid.clone();
+                if self.blocking(move |i| i.specs.readable(&owner)).await? {
+                    tracing::warn!(claim.uid = %uid, error = %crate::report::chain(&e), "cannot rebuild the CDI spec to check it; keeping the one on disk");
+                    return Ok(false);
+                }
+                return Err(e);
+            }
+        };
         let uid = uid.clone();
         Ok(self
             .blocking(move |i| i.specs.ensure(&uid, &prepared))

@@ -62,6 +62,15 @@ impl Specs {
         Ok(true)
     }
 
+    /// Whether the claim's spec file reads as a CDI spec with devices (it may still be stale).
+    pub fn readable(&self, uid: &ClaimUid) -> bool {
+        let path = cdi::spec_path(&self.root, &self.opts, uid.as_str());
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| crate::yaml::from_str::<cdi::Spec>(&text).ok())
+            .is_some_and(|spec| !spec.devices.is_empty())
+    }
+
     /// Whether there was a spec to remove. Not durable either: a spec that comes back after a
     /// power loss has no checkpoint entry, and start-up removes it.
     pub fn remove(&self, uid: &ClaimUid) -> Result<bool, cdi::Error> {

@@ -9,7 +9,8 @@ it keeps about what it is (benches/rss.rs).
 
 How: the rss bench runs `nvdra run` under valgrind's callgrind (`RSS_WRAP`), once per mode,
 for a few prepare/unprepare cycles and a SIGTERM; every function of the nvdra binary that
-callgrind saw run is listed, DRA mode's first. Needs valgrind. Run from the repository root:
+callgrind saw run is listed, sorted by (mangled) name, so that a regeneration's diff shows what
+changed (the names, hashes included, stay the same across edits elsewhere in the code). Needs valgrind. Run from the repository root:
 
     python3 link/order.py
 
@@ -45,7 +46,10 @@ def bench_binary():
 def functions(bench, mode, workdir):
     """The nvdra functions callgrind saw run in `mode`, in the order it first names them."""
     report = os.path.join(workdir, f"callgrind.{mode}")
-    env = dict(os.environ, RSS_CYCLES=CYCLES, RSS_MODE=mode, RSS_WRAP=(
+    # The tunable `nvdra run` would otherwise execute itself again to get (daemon::runtime),
+    # which would leave valgrind behind.
+    env = dict(os.environ, RSS_CYCLES=CYCLES, RSS_MODE=mode,
+               GLIBC_TUNABLES="glibc.malloc.tcache_count=0", RSS_WRAP=(
         "valgrind --tool=callgrind --demangle=no --compress-strings=no "
         f"--compress-pos=no --callgrind-out-file={report}"))
     subprocess.run([bench], cwd=ROOT, env=env, check=True,
@@ -75,7 +79,7 @@ def main():
     if len(order) < 500:
         sys.exit(f"order.py: only {len(order)} functions seen; did the daemon run?")
     with open(OUT, "w") as f:
-        f.write("\n".join(order) + "\n")
+        f.write("\n".join(sorted(order)) + "\n")
     print(f"order.py: {len(order)} functions in {os.path.relpath(OUT, ROOT)}")
 
 

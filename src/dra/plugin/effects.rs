@@ -2,6 +2,7 @@
 //! set and reset, MPS daemons started and stopped, CDI specs written and removed. Each undo step
 //! can be repeated safely, so a rollback that failed half-way is retried as a whole.
 
+use crate::cdi::PreparedDevice;
 use crate::inventory::{Inventory, MigDevice, TimeSlice};
 use crate::ledger::{ClaimUid, DeviceRecord};
 use crate::sharing::Sharing;
@@ -79,14 +80,7 @@ impl Plugin {
         inv: &Inventory,
         created: &[MigDevice],
     ) -> Result<(), ClaimError> {
-        let prepared = plan::cdi_devices(
-            &self.inner.opts.pool,
-            uid,
-            devices,
-            inv,
-            created,
-            &self.inner.mps,
-        )?;
+        let prepared = self.cdi_devices(uid, devices, inv, created)?;
         let uid = uid.clone();
         Ok(self
             .blocking(move |i| i.specs.write(&uid, &prepared))
@@ -101,14 +95,7 @@ impl Plugin {
         devices: &[DeviceRecord],
         inv: &Inventory,
     ) -> Result<bool, ClaimError> {
-        let prepared = match plan::cdi_devices(
-            &self.inner.opts.pool,
-            uid,
-            devices,
-            inv,
-            &[],
-            &self.inner.mps,
-        ) {
+        let prepared = match self.cdi_devices(uid, devices, inv, &[]) {
             Ok(prepared) => prepared,
             Err(e) => {
                 // The devices cannot be resolved now (a MIG device the backend no longer
@@ -125,6 +112,18 @@ impl Plugin {
         Ok(self
             .blocking(move |i| i.specs.ensure(&uid, &prepared))
             .await??)
+    }
+
+    /// The devices of `uid`'s spec, as [`plan::cdi_devices`] resolves them on this node.
+    fn cdi_devices(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+        created: &[MigDevice],
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let (pool, mps) = (&self.inner.opts.pool, &self.inner.mps);
+        plan::cdi_devices(pool, uid, devices, inv, created, mps)
     }
 
     /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be

@@ -31,35 +31,37 @@ impl Specs {
     /// durable: a power loss may lose or empty it, and start-up's [`Specs::ensure`] repairs that
     /// from the checkpoint, so a prepare waits for one fsync'd write (the checkpoint's), not two.
     pub fn write(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<(), cdi::Error> {
-        let spec = cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files)?;
-        cdi::write_spec(
-            &self.root,
-            &self.opts,
-            uid.as_str(),
-            &spec,
-            Durability::Atomic,
-        )?;
-        Ok(())
+        let text = self.render(uid, devices)?;
+        self.replace(uid, &text)
     }
 
     /// Rewrites the claim's spec unless the file already holds exactly what [`Specs::write`]
     /// would write (it may be missing, empty or stale after a power loss, or edited by hand).
     /// Whether it wrote.
     pub fn ensure(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<bool, cdi::Error> {
-        let spec = cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files)?;
-        let text = spec.to_yaml()?;
+        let text = self.render(uid, devices)?;
         let path = cdi::spec_path(&self.root, &self.opts, uid.as_str());
         if std::fs::read(&path).is_ok_and(|on_disk| on_disk == text.as_bytes()) {
             return Ok(false);
         }
+        self.replace(uid, &text)?;
+        Ok(true)
+    }
+
+    /// The claim's spec as [`Specs::write`] writes it.
+    fn render(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<String, cdi::Error> {
+        cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files)?.to_yaml()
+    }
+
+    fn replace(&self, uid: &ClaimUid, text: &str) -> Result<(), cdi::Error> {
         cdi::write_spec_text(
             &self.root,
             &self.opts,
             uid.as_str(),
-            &text,
+            text,
             Durability::Atomic,
         )?;
-        Ok(true)
+        Ok(())
     }
 
     /// Whether the claim's spec file reads as a CDI spec with devices (it may still be stale).

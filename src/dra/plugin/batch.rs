@@ -9,7 +9,7 @@ use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 
 use super::{ClaimError, ClaimRef, Plugin};
-use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::inventory::{DeviceBackend, Inventory};
 // The claim-lock map sees inserts and removes only, so ignoring poison is sound.
 use crate::ledger::{ClaimUid, DeviceRecord};
 use crate::lock::lock;
@@ -25,7 +25,8 @@ pub(super) struct PendingInventory(
 
 impl PendingInventory {
     fn start(backend: Arc<dyn DeviceBackend>) -> Self {
-        let snapshot = tokio::spawn(inventory::snapshot(backend));
+        // Started now (a blocking-pool task runs whether or not it is awaited).
+        let snapshot = tokio::task::spawn_blocking(move || backend.snapshot());
         let result = async move {
             match snapshot.await {
                 Ok(Ok(inv)) => Ok(Arc::new(inv)),

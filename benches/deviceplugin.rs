@@ -7,13 +7,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvdra::deviceplugin::server::Settings;
-use nvdra::deviceplugin::{DevicePlugin, Options};
-use nvdra::inventory::sim::SimBackend;
-use nvdra::proto::deviceplugin::v1beta1::{
+use kubelet_plugin::proto::deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
     PreferredAllocationRequest, device_plugin_client::DevicePluginClient,
 };
+use nvdra::deviceplugin::server::Settings;
+use nvdra::deviceplugin::{DevicePlugin, Options};
+use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
 const ROUNDS: usize = 5000;
@@ -59,7 +59,7 @@ fn main() {
         let task = tokio::spawn(dp.run(stop.clone()));
         let sock = dir.join("nvidia-gpu.sock");
         let channel = loop {
-            if let Ok(c) = nvdra::socket::connect(&sock).await {
+            if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
                 break c;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -23,16 +23,17 @@ use std::time::{Duration, Instant};
 use apiserver::TestApiServer;
 use futures::StreamExt;
 use k8s_openapi::api::resource::v1::ResourceSlice;
+use kubelet_plugin::health::HealthService;
+use kubelet_plugin::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealth;
+use kubelet_plugin::proto::health::v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
+use kubelet_plugin::publisher::{Options, Publisher};
 use nvdra::api::kube::KubeApi;
-use nvdra::dra::health::HealthService;
-use nvdra::dra::publisher::{Options, Publisher};
+use nvdra::dra::health::NodeHealth;
 use nvdra::dra::slices::{CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Monitored, Policy};
 use nvdra::inventory::DeviceBackend;
 use nvdra::inventory::sim::SimBackend;
-use nvdra::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealth;
-use nvdra::proto::health::v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
 use tokio_util::sync::CancellationToken;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -186,13 +187,9 @@ async fn health_stream(
     health: nvdra::health::Watch,
     token: &CancellationToken,
 ) -> <HealthService as DraResourceHealth>::NodeWatchResourcesStream {
-    let svc = HealthService::new(
-        backend,
-        node.into(),
-        Duration::from_secs(3600),
-        token.clone(),
-    )
-    .with_health(health);
+    let svc = NodeHealth::new(backend, node)
+        .with_health(health)
+        .service(Duration::from_secs(3600), token.clone());
     let mut stream = svc
         .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
         .await

@@ -76,13 +76,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvdra::dra::grpc;
+use kubelet_plugin::proto::dra::v1;
+use kubelet_plugin::service;
 use nvdra::dra::plugin::{self, Plugin};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{GpuUuid, Inventory, PciBusId, topology};
 use nvdra::ledger;
 use nvdra::metrics::Metrics;
-use nvdra::proto::dra::v1;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -128,7 +128,7 @@ fn wide_inventory() -> Inventory {
 }
 
 async fn unix_channel(path: &Path) -> Channel {
-    nvdra::socket::connect(path)
+    kubelet_plugin::socket::connect(path)
         .await
         .expect("connect to the socket")
 }
@@ -166,18 +166,15 @@ async fn main() {
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.expect("recover");
     let socket = dir.path().join("dra.sock");
-    let listener = nvdra::socket::bind(&socket).expect("bind");
-    let health = nvdra::dra::health::HealthService::new(
-        Arc::new(SimBackend::new(wide_inventory())),
-        NODE.into(),
-        nvdra::dra::health::INTERVAL,
-        stop.clone(),
-    );
-    tokio::spawn(grpc::serve_dra(
-        plugin.clone(),
+    let listener = kubelet_plugin::socket::bind(&socket).expect("bind");
+    let health =
+        nvdra::dra::health::NodeHealth::new(Arc::new(SimBackend::new(wide_inventory())), NODE)
+            .service(nvdra::dra::health::INTERVAL, stop.clone());
+    tokio::spawn(service::serve_dra(
+        Arc::new(plugin.clone()),
         health,
         listener,
-        nvdra::socket::Bound::adopt(&socket),
+        kubelet_plugin::socket::Bound::adopt(&socket),
         stop.clone(),
     ));
     let mut client = v1::dra_plugin_client::DraPluginClient::new(unix_channel(&socket).await);

@@ -13,10 +13,10 @@ mod apiserver;
 
 use apiserver::TestApiServer;
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
-use nvdra::api::ClusterApi;
+use kubelet_plugin::publisher::{Options, Publisher};
+use nvdra::api::SliceApi;
 use nvdra::api::dir::{DirApi, POLL_INTERVAL};
 use nvdra::api::kube::KubeApi;
-use nvdra::dra::publisher::{Options, Publisher};
 use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
 use nvdra::inventory::topology::load_profile;
 use std::sync::Arc;

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nvdra::proto::dra::v1;
-use nvdra::proto::dra::v1::dra_plugin_client::DraPluginClient;
+use kubelet_plugin::proto::dra::v1;
+use kubelet_plugin::proto::dra::v1::dra_plugin_client::DraPluginClient;
 
 const PROFILE: &str = "dgx-h100";
 const GPUS: usize = 8;
@@ -167,7 +167,7 @@ async fn main() {
     let start_threads = threads(pid);
 
     let mut dra = DraPluginClient::new(
-        nvdra::socket::connect(&dra_socket)
+        kubelet_plugin::socket::connect(&dra_socket)
             .await
             .expect("connect to the DRA socket"),
     );

@@ -1,4 +1,4 @@
-//! What the kubelet socket adapter (`nvdra::socket`, the `:authority` rewriter in front of h2)
+//! What the kubelet socket adapter (`kubelet_plugin::socket`, the `:authority` rewriter in front of h2)
 //! adds to a unary call, measured beside the same call without it in the same run:
 //!
 //! - two tonic servers with the same `pluginregistration.Registration` service, one on a Unix
@@ -10,12 +10,12 @@
 
 use std::time::{Duration, Instant};
 
-use nvdra::proto::pluginregistration::{
+use kubelet_plugin::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     registration_client::RegistrationClient,
     registration_server::{Registration, RegistrationServer},
 };
-use nvdra::socket;
+use kubelet_plugin::socket;
 
 const WARMUP: usize = 2_000;
 const CALLS: usize = 20_000;

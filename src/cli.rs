@@ -370,7 +370,6 @@ fn run(cli: Cli) -> Result<(), Failure> {
         // Dispatched by `main` before `run`: they have exit codes of their own.
         Command::Match(_) | Command::Validate(_) => Ok(()),
         Command::Run(args) => {
-            crate::daemon::without_thread_caches();
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format);
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
@@ -446,7 +445,7 @@ fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     use crate::matching;
     let objects = match matching::input::read_files(&args.files) {
         Ok(o) => o,
-        Err(e) => return bad_input(crate::report::chain(&e)),
+        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
     };
     if objects.claims.is_empty() {
         return bad_input(format!(
@@ -587,7 +586,7 @@ fn node_slices(
 fn run_validate(args: &ValidateArgs) -> ExitCode {
     let objects = match crate::matching::input::read_files(&args.files) {
         Ok(o) => o,
-        Err(e) => return bad_input(crate::report::chain(&e)),
+        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
     };
     let problems = crate::matching::validate(&objects);
     let mut text = String::new();
@@ -620,7 +619,7 @@ fn write_stdout(text: &str) -> anyhow::Result<()> {
 
 /// An error and its causes on one line, each said once (messages do not repeat their source).
 fn one_line(e: &anyhow::Error) -> String {
-    crate::report::chain(e.as_ref()).to_string()
+    kubelet_plugin::report::chain(e.as_ref()).to_string()
 }
 
 #[cfg(test)]

@@ -41,24 +41,21 @@ use tokio_util::sync::CancellationToken;
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::deviceplugin::{self, DevicePlugin};
-use crate::dra::grpc;
-use crate::dra::health::{self, HealthService};
+use crate::dra::health::{self, NodeHealth};
 use crate::dra::plugin::{self, Plugin};
-use crate::dra::publisher::{self, Publisher};
-use crate::dra::registration::{Registrar, Sockets};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
 use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::{self, Metrics};
-use crate::report;
-use crate::socket;
+use kubelet_plugin::publisher::{self, Publisher};
+use kubelet_plugin::registration::{Registrar, Sockets};
+use kubelet_plugin::report;
+use kubelet_plugin::service;
+use kubelet_plugin::socket;
 
 mod runtime;
-pub use runtime::{
-    MALLOC_ARENAS, MAX_BLOCKING_THREADS, NO_THREAD_CACHES, WORKER_THREADS, runtime,
-    without_thread_caches,
-};
+pub use runtime::{MALLOC_ARENAS, MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
 
 /// How long in-flight work may take to finish after the first signal.
 pub const GRACE: Duration = Duration::from_secs(20);
@@ -76,7 +73,7 @@ pub enum Error {
     #[error(transparent)]
     Boot(#[from] ledger::Error),
     #[error(transparent)]
-    Socket(#[from] grpc::Error),
+    Socket(#[from] service::Error),
     #[error("cannot listen for metrics on {addr}")]
     Metrics {
         addr: std::net::SocketAddr,
@@ -321,20 +318,17 @@ async fn serve(
     let mut owned = socket::OwnedSockets::default();
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
 
-    let dra_listener = socket::bind(&sockets.dra).map_err(grpc::Error::from)?;
+    let dra_listener = socket::bind(&sockets.dra).map_err(service::Error::from)?;
     let dra_socket = owned.adopt(&sockets.dra);
     tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     {
         let (plugin, token) = (plugin.clone(), shutdown.clone());
-        let health = HealthService::new(
-            backend.clone(),
-            config.node_name.clone(),
-            health::INTERVAL,
-            shutdown.clone(),
-        )
-        .with_health(monitor.handle.subscribe());
+        let health = NodeHealth::new(backend.clone(), config.node_name.clone())
+            .with_health(monitor.handle.subscribe())
+            .service(health::INTERVAL, shutdown.clone());
         tasks.spawn(async move {
-            let r = grpc::serve_dra(plugin, health, dra_listener, dra_socket, token).await;
+            let r =
+                service::serve_dra(Arc::new(plugin), health, dra_listener, dra_socket, token).await;
             ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
         });
     }
@@ -342,7 +336,7 @@ async fn serve(
     let registrar = Registrar {
         driver: config.driver_name.clone(),
         sockets: sockets.clone(),
-        metrics: metrics.clone(),
+        registered: metrics.registered.clone(),
     };
     let reg_listener = registrar.bind()?;
     let reg_socket = owned.adopt(&sockets.registration);
@@ -541,7 +535,7 @@ async fn publish(
     shutdown: &CancellationToken,
 ) {
     let minor = api.server_minor().await.unwrap_or_else(|e| {
-        tracing::warn!(error = %crate::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
+        tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
         None
     });
     let opts = slices::SliceOptions {

@@ -168,7 +168,7 @@ mod tests {
     }
 
     fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-        crate::report::chain(e).to_string()
+        kubelet_plugin::report::chain(e).to_string()
     }
 
     #[test]

@@ -685,7 +685,7 @@ impl Writer {
         .await
         .unwrap_or_else(|e| Err(Error::WriterPanicked(e)))
         .map_err(|e| {
-            tracing::error!(error = %crate::report::chain(&e), "checkpoint write failed");
+            tracing::error!(error = %kubelet_plugin::report::chain(&e), "checkpoint write failed");
             Arc::new(e)
         });
         for reply in batch {

@@ -20,10 +20,7 @@ pub mod ledger;
 pub mod lock;
 pub mod matching;
 pub mod metrics;
-pub mod proto;
-pub mod report;
 pub mod sharing;
-pub mod socket;
 pub mod yaml;
 
 #[cfg(test)]

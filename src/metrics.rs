@@ -18,6 +18,7 @@ use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use kubelet_plugin::publisher::SliceCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -73,23 +74,6 @@ impl Histogram {
     }
 }
 
-/// What the ResourceSlice publisher counts (`dra::publisher` bumps them; its handle and
-/// `/metrics` read them).
-#[derive(Debug, Default)]
-pub struct SliceCounters {
-    pub creates: AtomicU64,
-    pub updates: AtomicU64,
-    pub deletes: AtomicU64,
-    /// Reconciles run (lists of the API server's slices), successful or not.
-    pub reconciles: AtomicU64,
-    /// Conflicts (409) and vanished slices met while writing.
-    pub conflicts: AtomicU64,
-    /// Failed reconciles, conflicts included.
-    pub errors: AtomicU64,
-    /// Set by the first complete publish; half of readiness.
-    pub published: AtomicBool,
-}
-
 /// Everything nvdra reports.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -103,7 +87,7 @@ pub struct Metrics {
     pub slices: Arc<SliceCounters>,
     pub gpus: AtomicU64,
     pub unhealthy_devices: AtomicU64,
-    pub registered: AtomicBool,
+    pub registered: Arc<AtomicBool>,
     /// Free-form build info labels (version, backend, mode).
     info: Mutex<BTreeMap<&'static str, String>>,
 }

@@ -14,7 +14,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::grpcio::{STANDIN, have_grpcio};
 
-use nvdra::api::ClusterApi;
+use nvdra::api::SliceApi;
 use nvdra::api::dir::DirApi;
 use nvdra::inventory::{DeviceBackend, sim::SimBackend};
 use serde_json::{Value, json};
@@ -82,7 +82,10 @@ impl Node {
             .arg(STANDIN)
             .arg("node")
             .arg("--proto-root")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/proto"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/kubelet-plugin/proto"
+            ))
             .arg("--stubs-cache")
             .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
             .arg("--root")

@@ -415,7 +415,7 @@ fn podman_runs_a_claim_prepared_by_the_daemon() {
 /// root) prepares an allocated claim over its DRA socket, and podman runs a container with the
 /// CDI id prepare returned, reading the spec prepare wrote. Unprepare then removes the spec.
 fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
-    use nvdra::proto::dra::v1;
+    use kubelet_plugin::proto::dra::v1;
 
     // Its own driver name, so that this daemon's orphan clean-up in a shared CDI directory never
     // touches the specs of the other tests.
@@ -473,7 +473,7 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         let rt = tokio::runtime::Runtime::new()?;
         let call = |prepare: bool| -> Result<(Vec<String>, String)> {
             rt.block_on(async {
-                let channel = nvdra::socket::connect(&dra_socket).await?;
+                let channel = kubelet_plugin::socket::connect(&dra_socket).await?;
                 let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
                 let claims = vec![v1::Claim {
                     namespace: "default".into(),

@@ -101,7 +101,10 @@ impl Node {
             .arg(STANDIN)
             .arg("device-plugin")
             .arg("--proto-root")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/proto"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/kubelet-plugin/proto"
+            ))
             .arg("--stubs-cache")
             .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
             .arg("--dir")

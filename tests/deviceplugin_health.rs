@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kubelet_plugin::proto::deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, Empty, device_plugin_client::DevicePluginClient,
+};
 use nvdra::deviceplugin::server::Settings;
 use nvdra::deviceplugin::{DevicePlugin, Options};
 use nvdra::inventory::Health;
 use nvdra::inventory::sim::SimBackend;
-use nvdra::proto::deviceplugin::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, Empty, device_plugin_client::DevicePluginClient,
-};
 use tokio_util::sync::CancellationToken;
 
 /// The plugin's settings in a test directory: kubelet.sock and the plugin sockets under
@@ -43,7 +43,7 @@ async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
     let sock = dir.join("nvidia-gpu.sock");
     // The server binds on its first tick; no kubelet is needed for it to serve.
     let channel = loop {
-        if let Ok(c) = nvdra::socket::connect(&sock).await {
+        if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
             break c;
         }
         assert!(!task.is_finished(), "the device plugin stopped: {task:?}");
@@ -90,10 +90,10 @@ async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
 struct Kubelet(tokio::sync::mpsc::UnboundedSender<String>);
 
 #[tonic::async_trait]
-impl nvdra::proto::deviceplugin::v1beta1::registration_server::Registration for Kubelet {
+impl kubelet_plugin::proto::deviceplugin::v1beta1::registration_server::Registration for Kubelet {
     async fn register(
         &self,
-        request: tonic::Request<nvdra::proto::deviceplugin::v1beta1::RegisterRequest>,
+        request: tonic::Request<kubelet_plugin::proto::deviceplugin::v1beta1::RegisterRequest>,
     ) -> Result<tonic::Response<Empty>, tonic::Status> {
         let r = request.into_inner();
         let _ = self.0.send(format!("{} {}", r.resource_name, r.endpoint));
@@ -103,7 +103,7 @@ impl nvdra::proto::deviceplugin::v1beta1::registration_server::Registration for 
 
 #[tokio::test]
 async fn a_removed_plugin_socket_is_served_and_registered_again() {
-    use nvdra::proto::deviceplugin::v1beta1::registration_server::RegistrationServer;
+    use kubelet_plugin::proto::deviceplugin::v1beta1::registration_server::RegistrationServer;
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("device-plugins");
     std::fs::create_dir_all(&dir).unwrap();
@@ -138,7 +138,7 @@ async fn a_removed_plugin_socket_is_served_and_registered_again() {
         "registered again after its socket was removed"
     );
     // It serves.
-    let mut client = DevicePluginClient::new(nvdra::socket::connect(&sock).await.unwrap());
+    let mut client = DevicePluginClient::new(kubelet_plugin::socket::connect(&sock).await.unwrap());
     let list = client
         .list_and_watch(Empty {})
         .await
@@ -169,7 +169,7 @@ async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
     let task = tokio::spawn(dp.run(stop.clone()));
     let connect = |sock: std::path::PathBuf| async move {
         for _ in 0..1000 {
-            if let Ok(c) = nvdra::socket::connect(&sock).await {
+            if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
                 return DevicePluginClient::new(c);
             }
             tokio::time::sleep(Duration::from_millis(10)).await;

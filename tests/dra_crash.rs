@@ -10,8 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use nvdra::proto::dra::v1;
-use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
+use kubelet_plugin::proto::dra::v1;
+use kubelet_plugin::proto::pluginregistration::{
+    InfoRequest, registration_client::RegistrationClient,
+};
 use tonic::transport::Channel;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -181,7 +183,7 @@ impl Dirs {
 }
 
 async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    nvdra::socket::connect(path).await
+    kubelet_plugin::socket::connect(path).await
 }
 
 /// Waits until the process answers GetInfo on its registration socket (so its DRA socket
@@ -985,69 +987,4 @@ fn a_failed_registration_socket_removes_the_dra_socket() {
         d.dra_socket().parent().unwrap().is_dir(),
         "the DRA socket was created first"
     );
-}
-
-/// `nvdra run` executes itself again with glibc's per-thread malloc caches off (the heap stops
-/// growing under load: benches/rss.rs): same PID, name and arguments, and an operator's own
-/// `glibc.malloc.tcache_count` left as it is. (How the tunable joins other tunables is a unit
-/// test in `daemon::runtime`: glibc cuts `/proc/PID/environ`'s copy at the first `:`.)
-#[tokio::test]
-async fn the_daemon_runs_without_malloc_thread_caches_unless_told_otherwise() {
-    let environ = |pid: u32| -> Option<String> {
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
-        env.split(|b| *b == 0)
-            .filter_map(|kv| std::str::from_utf8(kv).ok())
-            .find_map(|kv| kv.strip_prefix("GLIBC_TUNABLES=").map(String::from))
-    };
-    let cases = [
-        (None, nvdra::daemon::NO_THREAD_CACHES.to_string()),
-        // Added after the operator's, which is all that environ shows (see above); the daemon
-        // starts, so it did not run itself again and again.
-        (
-            Some("glibc.malloc.arena_max=2"),
-            "glibc.malloc.arena_max=2".to_string(),
-        ),
-        (
-            Some("glibc.malloc.tcache_count=7"),
-            "glibc.malloc.tcache_count=7".to_string(),
-        ),
-    ];
-    for (given, expected) in cases {
-        let d = Dirs::new();
-        let mut cmd = d.command(None);
-        match given {
-            Some(t) => cmd.env("GLIBC_TUNABLES", t),
-            None => cmd.env_remove("GLIBC_TUNABLES"),
-        };
-        let mut child = cmd.spawn().unwrap();
-        wait_ready(&d, &mut child).await;
-        let pid = child.id();
-        let child = &mut KillOnDrop(child);
-        assert_eq!(
-            environ(pid).as_deref(),
-            Some(expected.as_str()),
-            "{given:?}"
-        );
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap();
-        assert_eq!(comm.trim(), "nvdra", "the process keeps its name");
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        assert_eq!(args[0], env!("CARGO_BIN_EXE_nvdra").as_bytes());
-        assert_eq!(
-            &args[1..4],
-            &[&b"run"[..], b"--mode", b"dra"],
-            "the arguments stay"
-        );
-        assert!(terminate(&mut child.0).await.success());
-    }
-}
-
-/// Kills the daemon if an assertion fails first.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

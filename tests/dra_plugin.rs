@@ -12,13 +12,13 @@ use k8s_openapi::api::resource::v1::{
     ResourceClaim,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use kubelet_plugin::proto::dra::{v1, v1beta1};
+use kubelet_plugin::proto::pluginregistration::{
+    InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
+};
 use nvdra::api::kube::KubeApi;
 use nvdra::config::{self, Settings};
 use nvdra::inventory::sim::{SimAction, SimBackend};
-use nvdra::proto::dra::{v1, v1beta1};
-use nvdra::proto::pluginregistration::{
-    InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
-};
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -37,7 +37,7 @@ struct TestNode {
 }
 
 async fn unix_channel(path: &Path) -> Channel {
-    nvdra::socket::connect(path)
+    kubelet_plugin::socket::connect(path)
         .await
         .expect("connect to the socket")
 }
@@ -68,7 +68,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
     settings.kubelet.pod_uid = pod_uid.map(String::from);
     settings.plugin.partitionable = Some(partitionable);
     let config = config::resolve(settings, None).unwrap();
-    let sockets = nvdra::dra::registration::Sockets::new(
+    let sockets = kubelet_plugin::registration::Sockets::new(
         &config.registry_dir(),
         &config.plugin_dir(),
         DRIVER,
@@ -428,7 +428,7 @@ async fn shared_allocations_report_share_ids_on_v1() {
 #[tokio::test]
 async fn health_stream_lists_devices_and_ends_at_shutdown() {
     use futures::StreamExt;
-    use nvdra::proto::health::v1alpha1::{
+    use kubelet_plugin::proto::health::v1alpha1::{
         HealthStatus, NodeWatchResourcesRequest,
         dra_resource_health_client::DraResourceHealthClient,
     };

@@ -14,17 +14,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
+use kubelet_plugin::proto::deviceplugin::v1beta1::{
+    Empty, device_plugin_client::DevicePluginClient,
+};
+use kubelet_plugin::publisher::{Options, Publisher};
 use nvdra::api::kube::KubeApi;
 use nvdra::deviceplugin::DevicePlugin;
 use nvdra::deviceplugin::server::Settings;
-use nvdra::dra::publisher::{Options, Publisher};
 use nvdra::dra::slices::{CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::faults::FaultFile;
 use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Monitored, Policy};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{DeviceBackend, MigUuid};
-use nvdra::proto::deviceplugin::v1beta1::{Empty, device_plugin_client::DevicePluginClient};
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
 
@@ -305,7 +307,7 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
     let task = tokio::spawn(dp.run(stop.clone()));
     let sock = root.path().join("device-plugins/nvidia-gpu.sock");
     let channel = loop {
-        if let Ok(c) = nvdra::socket::connect(&sock).await {
+        if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
             break c;
         }
         assert!(!task.is_finished(), "the device plugin stopped: {task:?}");
@@ -351,8 +353,8 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
 /// `v1beta1` on the DRA socket, as GPU 3 unhealthy with its cause.
 #[tokio::test]
 async fn the_daemon_wires_the_fault_file_to_the_slices_and_every_health_stream() {
+    use kubelet_plugin::proto::health::{v1, v1beta1};
     use nvdra::config::{self, Settings};
-    use nvdra::proto::health::{v1, v1beta1};
     let dir = tempfile::tempdir().unwrap();
     let boot = dir.path().join("boot_id");
     std::fs::write(&boot, "boot-1\n").unwrap();
@@ -384,7 +386,7 @@ async fn the_daemon_wires_the_fault_file_to_the_slices_and_every_health_stream()
         taints(&server.slices()).contains_key("gpu-3")
     })
     .await;
-    let channel = nvdra::socket::connect(&dra_socket).await.unwrap();
+    let channel = kubelet_plugin::socket::connect(&dra_socket).await.unwrap();
     let mut ga = v1::dra_resource_health_client::DraResourceHealthClient::new(channel.clone())
         .node_watch_resources(v1::NodeWatchResourcesRequest {})
         .await

@@ -12,14 +12,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use nvdra::dra::health::HealthService;
+use kubelet_plugin::proto::health::v1alpha1::{
+    HealthStatus, NodeWatchResourcesRequest, dra_resource_health_server::DraResourceHealth,
+};
+use nvdra::dra::health::NodeHealth;
 use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
 use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Monitored, Policy};
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
 use nvdra::inventory::{DeviceBackend, GpuUuid};
-use nvdra::proto::health::v1alpha1::{
-    HealthStatus, NodeWatchResourcesRequest, dra_resource_health_server::DraResourceHealth,
-};
 use tokio_util::sync::CancellationToken;
 
 const SOON: Duration = Duration::from_secs(10);
@@ -164,13 +164,9 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
     let stop = CancellationToken::new();
     let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (handle, monitored) = fake.monitor(&stop, gate.clone()).await;
-    let svc = HealthService::new(
-        monitored.clone(),
-        "n".into(),
-        Duration::from_secs(3600),
-        stop.clone(),
-    )
-    .with_health(handle.subscribe());
+    let svc = NodeHealth::new(monitored.clone(), "n")
+        .with_health(handle.subscribe())
+        .service(Duration::from_secs(3600), stop.clone());
     let mut stream = svc
         .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
         .await

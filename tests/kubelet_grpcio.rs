@@ -17,7 +17,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 use support::grpcio::{STANDIN, have_grpcio};
 
-use nvdra::proto::pluginregistration::{InfoRequest, registration_client::RegistrationClient};
+use kubelet_plugin::proto::pluginregistration::{
+    InfoRequest, registration_client::RegistrationClient,
+};
 use serde_json::Value;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -102,7 +104,7 @@ impl Daemon {
             if let Some(status) = self.child.try_wait().unwrap() {
                 panic!("nvdra exited before serving: {status}");
             }
-            if let Ok(ch) = nvdra::socket::connect(&self.reg_socket()).await
+            if let Ok(ch) = kubelet_plugin::socket::connect(&self.reg_socket()).await
                 && RegistrationClient::new(ch)
                     .get_info(InfoRequest {})
                     .await
@@ -138,7 +140,10 @@ impl Daemon {
         let mut cmd = Command::new("python3");
         cmd.arg(STANDIN)
             .arg("--proto-root")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/proto"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/kubelet-plugin/proto"
+            ))
             .arg("--stubs-cache")
             .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
             .arg("--registration")

@@ -28,7 +28,7 @@ use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use nvdra::api::kube::KubeApi;
-use nvdra::api::{self, ClaimReader, ClusterApi, SliceEvent};
+use nvdra::api::{self, ClaimReader, ClusterApi, SliceApi, SliceEvent};
 use serde_json::Value;
 use support::apiserver::{RecordedRequest, TestApiServer};
 
@@ -633,7 +633,7 @@ fn copy_tree(from: &Path, to: &Path) {
 // ---------------------------------------------------------------------------------------------
 // RBAC against the calls.
 
-/// Every `ClusterApi` method, delegated: a method added to the trait without a default fails to
+/// Every `ClusterApi` method (`SliceApi` included), delegated: a method added to the trait without a default fails to
 /// compile here, which is where its call (and its RBAC rule) must be added.
 struct EveryCall(KubeApi);
 
@@ -647,7 +647,7 @@ impl ClaimReader for EveryCall {
     }
 }
 
-impl ClusterApi for EveryCall {
+impl SliceApi for EveryCall {
     fn list_slices<'a>(
         &'a self,
         driver: &'a str,
@@ -680,6 +680,9 @@ impl ClusterApi for EveryCall {
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<Node>> {
         self.0.get_node(name)
     }
+}
+
+impl ClusterApi for EveryCall {
     fn server_minor(&self) -> BoxFuture<'_, api::Result<Option<u32>>> {
         self.0.server_minor()
     }

@@ -9,10 +9,10 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::api::dir::DirApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::api::{self, ClaimReader, ClusterApi};
-use nvdra::dra::publisher::{Options, Publisher, PublisherHandle};
+use nvdra::api::{self, ClaimReader, ClusterApi, SliceApi};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;

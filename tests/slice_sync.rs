@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
+use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::dra::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;

@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use k8s_openapi::api::resource::v1::{DeviceAttribute, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use nvdra::api::ClusterApi;
+use nvdra::api::SliceApi;
 use nvdra::api::dir::DirApi;
 use nvdra::cdi::{self, CdiOptions, PreparedDevice};
 use nvdra::dra::slices::{self, SliceOptions};

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceEvent};
+use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
 use crate::lock::lock;
 
 /// How often the watch looks at the directory.
@@ -496,7 +496,7 @@ impl ClaimReader for DirApi {
     }
 }
 
-impl ClusterApi for DirApi {
+impl SliceApi for DirApi {
     fn list_slices<'a>(
         &'a self,
         driver: &'a str,
@@ -578,7 +578,9 @@ impl ClusterApi for DirApi {
             i.get(&format!("node {name}"), path)
         }))
     }
+}
 
+impl ClusterApi for DirApi {
     fn patch_node_labels<'a>(
         &'a self,
         name: &'a str,

@@ -18,7 +18,7 @@ use kube::{Client, Config};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceEvent};
+use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
 
 /// How long one watch request may stay open before the server closes it and we re-watch.
 const WATCH_TIMEOUT_SECS: u32 = 290;
@@ -185,7 +185,7 @@ fn classify_watch(err: watcher::Error) -> Error {
     }
 }
 
-impl ClusterApi for KubeApi {
+impl SliceApi for KubeApi {
     fn list_slices<'a>(
         &'a self,
         driver: &'a str,
@@ -260,7 +260,9 @@ impl ClusterApi for KubeApi {
                 .map_err(|e| classify(&format!("get node {name}"), e))
         })
     }
+}
 
+impl ClusterApi for KubeApi {
     fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
         Box::pin(async move {
             let info = self
@@ -413,7 +415,7 @@ mod tests {
         let source = std::error::Error::source(&e).expect("the kube error is the source");
         assert!(source.downcast_ref::<kube::Error>().is_some(), "{source:?}");
         // (kube's own ServiceError repeats its source; ours says the operation once.)
-        let chain = crate::report::chain(&e).to_string();
+        let chain = kubelet_plugin::report::chain(&e).to_string();
         assert!(
             chain.starts_with(
                 "API server unavailable: list resourceslices: ServiceError: connection refused"

@@ -9,110 +9,13 @@ pub mod kube;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
-    DeviceRequestAllocationResult, ResourceClaim, ResourceClaimStatus, ResourceSlice,
+    DeviceRequestAllocationResult, ResourceClaim, ResourceClaimStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-/// Errors from the API, classified by what the caller should do about them. Each carries a
-/// [`Failure`]: what failed, and the error that made it fail as its source (never also in the
-/// message).
-#[derive(Debug)]
-pub enum Error {
-    /// The object changed since it was read (HTTP 409): re-read and retry.
-    Conflict(Failure),
-    /// The object does not exist (HTTP 404).
-    NotFound(Failure),
-    /// The server rejected the object (HTTP 422/400): a bug in what we sent; retrying is futile.
-    Invalid(Failure),
-    /// No API client could be built (no in-cluster config, unreadable kubeconfig, bad URL).
-    Setup(Failure),
-    /// Anything that may pass: connection refused, 5xx, timeouts. Retry with backoff.
-    Transient(Failure),
-}
-
-impl Error {
-    fn parts(&self) -> (&'static str, &Failure) {
-        match self {
-            Error::Conflict(f) => ("conflict", f),
-            Error::NotFound(f) => ("not found", f),
-            Error::Invalid(f) => ("rejected by the API server", f),
-            Error::Setup(f) => ("cannot set up the API client", f),
-            Error::Transient(f) => ("API server unavailable", f),
-        }
-    }
-}
-
-impl std::fmt::Display for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (kind, failure) = self.parts();
-        write!(f, "{kind}: {}", failure.what)
-    }
-}
-
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.parts()
-            .1
-            .cause
-            .as_deref()
-            .map(|c| c as &(dyn std::error::Error + 'static))
-    }
-}
-
-/// The cause of a [`Failure`]: a kube-rs, I/O, YAML or task error, kept with its type.
-pub type Cause = Box<dyn std::error::Error + Send + Sync + 'static>;
-
-/// What failed (the operation and object), and why. Displays `what` only; the cause is the
-/// [`Error`]'s source, so [`crate::report::chain`] says it once.
-#[derive(Debug)]
-pub struct Failure {
-    pub what: String,
-    pub cause: Option<Cause>,
-}
-
-impl Failure {
-    /// `what` failed because of `cause`.
-    pub fn caused(what: impl Into<String>, cause: impl Into<Cause>) -> Self {
-        Self {
-            what: what.into(),
-            cause: Some(cause.into()),
-        }
-    }
-}
-
-impl From<String> for Failure {
-    fn from(what: String) -> Self {
-        Self { what, cause: None }
-    }
-}
-
-impl From<&str> for Failure {
-    fn from(what: &str) -> Self {
-        what.to_string().into()
-    }
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.what)
-    }
-}
-
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Something changed among the watched slices; the publisher re-lists and reconciles.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SliceEvent {
-    /// A slice was added or modified (name).
-    Applied(String),
-    /// A slice was deleted (name).
-    Deleted(String),
-    /// The watch was (re)started; state may have changed while it was down.
-    Restarted,
-}
+pub use kubelet_plugin::api::{Cause, Error, Failure, Result, SliceApi, SliceEvent};
 
 /// What prepare needs of the API server: the claim the kubelet names.
 pub trait ClaimReader: Send + Sync + 'static {
@@ -126,40 +29,7 @@ pub trait ClaimReader: Send + Sync + 'static {
 
 /// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`; an
 /// `Arc<dyn ClusterApi>` coerces to the `Arc<dyn ClaimReader>` the plugin takes.
-pub trait ClusterApi: ClaimReader {
-    /// Slices with `spec.driver == driver` and `spec.nodeName == node`.
-    fn list_slices<'a>(
-        &'a self,
-        driver: &'a str,
-        node: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<ResourceSlice>>>;
-
-    /// Creates a slice (`metadata.generateName` honoured); returns it as stored.
-    fn create_slice<'a>(&'a self, slice: &'a ResourceSlice)
-    -> BoxFuture<'a, Result<ResourceSlice>>;
-
-    /// Replaces a slice; `metadata.resourceVersion` must match the stored one, else `Conflict`.
-    fn replace_slice<'a>(
-        &'a self,
-        slice: &'a ResourceSlice,
-    ) -> BoxFuture<'a, Result<ResourceSlice>>;
-
-    /// Deletes a slice by name; deleting a missing slice is `NotFound`.
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>>;
-
-    /// Changes to this driver's slices on this node, by anyone. The first item is `Restarted`,
-    /// and so is any item after which events may have been missed (e.g. a re-list after 410
-    /// Gone). The stream ends or yields errors when the connection drops; callers restart it.
-    fn watch_slices<'a>(
-        &'a self,
-        driver: &'a str,
-        node: &'a str,
-    ) -> BoxStream<'a, Result<SliceEvent>>;
-
-    /// Reads a Node (for the owner reference of published slices). `NotFound` is normal for the
-    /// directory API without a `nodes/` entry.
-    fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>>;
-
+pub trait ClusterApi: ClaimReader + SliceApi {
     /// The API server's Kubernetes minor version (34 for 1.34), which decides the slice layout
     /// for shared counters. `None` when there is no server to ask (the directory API), meaning
     /// the newest rules apply.

@@ -11,10 +11,10 @@ use anyhow::{Context, Result, bail};
 use k8s_openapi::api::resource::v1::DeviceTaint;
 
 use super::{PATIENCE, wait_for_slices};
-use crate::proto::health::v1::{
+use kubelet_plugin::proto::health::v1::{
     HealthStatus, NodeWatchResourcesRequest, dra_resource_health_client::DraResourceHealthClient,
 };
-use crate::socket::connect as connect_unix;
+use kubelet_plugin::socket::connect as connect_unix;
 
 const DEVICE: &str = "gpu-3";
 

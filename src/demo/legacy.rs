@@ -14,12 +14,12 @@ use tonic::{Request, Response, Status};
 use super::{PATIENCE, wait_for};
 use crate::config::{Config, Mode};
 use crate::inventory::sim::SimBackend;
-use crate::proto::deviceplugin::v1beta1::{
+use kubelet_plugin::proto::deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, Empty, RegisterRequest,
     device_plugin_client::DevicePluginClient,
     registration_server::{Registration, RegistrationServer},
 };
-use crate::socket::connect as connect_unix;
+use kubelet_plugin::socket::connect as connect_unix;
 
 /// The kubelet's `Registration` service: every request is handed to the demo.
 struct Kubelet(mpsc::Sender<RegisterRequest>);
@@ -48,7 +48,7 @@ pub async fn run(
     let dir = config.device_plugin_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let kubelet_sock = dir.join("kubelet.sock");
-    let listener = crate::socket::bind(&kubelet_sock)?;
+    let listener = kubelet_plugin::socket::bind(&kubelet_sock)?;
     let (tx, mut registered) = mpsc::channel(4);
     let stop = CancellationToken::new();
     let kubelet = {
@@ -57,7 +57,7 @@ pub async fn run(
             tonic::transport::Server::builder()
                 .add_service(RegistrationServer::new(Kubelet(tx)))
                 .serve_with_incoming_shutdown(
-                    crate::socket::incoming(listener),
+                    kubelet_plugin::socket::incoming(listener),
                     stop.cancelled_owned(),
                 ),
         )

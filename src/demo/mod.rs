@@ -27,11 +27,11 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Api, Backend, Config, LogFormat, Mode};
 use crate::inventory::DeviceBackend;
 use crate::inventory::sim::SimBackend;
-use crate::proto::dra::v1;
-use crate::proto::pluginregistration::{
+use kubelet_plugin::proto::dra::v1;
+use kubelet_plugin::proto::pluginregistration::{
     InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
 };
-use crate::socket::connect as connect_unix;
+use kubelet_plugin::socket::connect as connect_unix;
 
 const PROFILE: &str = "dgx-h100";
 const NODE: &str = "demo-node";

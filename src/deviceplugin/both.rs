@@ -20,9 +20,9 @@ use tokio_util::sync::CancellationToken;
 use crate::inventory::Health;
 use crate::ledger::Ledger;
 use crate::ledger::holds::{ContainerRef, Holder, Occupied};
-use crate::proto::podresources::v1 as pr;
-use crate::proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
-use crate::socket;
+use kubelet_plugin::proto::podresources::v1 as pr;
+use kubelet_plugin::proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
+use kubelet_plugin::socket;
 
 use super::ResourceName;
 use super::resources::Resource;
@@ -211,7 +211,7 @@ pub async fn poll_pod_resources(
                 both.ledger.set_observed(held);
             }
             Err(e) if !failing => {
-                tracing::warn!(error = %crate::report::chain(&e),
+                tracing::warn!(error = %kubelet_plugin::report::chain(&e),
                     "cannot read which containers hold GPUs; keeping the last known holds");
                 failing = true;
             }

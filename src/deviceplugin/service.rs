@@ -12,8 +12,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::proto::deviceplugin::v1beta1 as pb;
-use crate::proto::deviceplugin::v1beta1::device_plugin_server::DevicePlugin as DevicePluginApi;
+use kubelet_plugin::proto::deviceplugin::v1beta1 as pb;
+use kubelet_plugin::proto::deviceplugin::v1beta1::device_plugin_server::DevicePlugin as DevicePluginApi;
 
 use super::allocate::{self, Context};
 use super::both::Both;

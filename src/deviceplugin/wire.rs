@@ -3,7 +3,7 @@
 //! dropped silently.
 
 use crate::inventory::Health;
-use crate::proto::deviceplugin::v1beta1 as pb;
+use kubelet_plugin::proto::deviceplugin::v1beta1 as pb;
 
 use super::ResourceName;
 use super::allocate::{ContainerAllocation, DeviceSpec, MountSpec};

@@ -1,64 +1,32 @@
-//! DRA resource health (KEP-4680): the `DRAResourceHealth/NodeWatchResources` stream the kubelet
-//! reads to show device health in pod status, served as `v1alpha1`, `v1beta1` and `v1` (the same
-//! messages in three proto packages; all three advertised at registration).
-//!
-//! Each message is the complete list of this node's devices (whole GPUs outside MIG mode, and
-//! existing MIG devices), each `HEALTHY` or `UNHEALTHY` with the cause in `message`, because the
-//! kubelet marks a device `Unknown` when it is not re-reported within its timeout (30 s). A stream
-//! sends the list on connect, again as soon as the health monitor's state changes
-//! (`crate::health`), and at least every [`INTERVAL`]; it ends when the plugin shuts down, so a
-//! graceful stop never waits on an open stream.
+//! DRA resource health (KEP-4680) for nvdra's devices: the [`HealthSource`] the library's
+//! health stream (`kubelet_plugin::health`) reads. It lists whole GPUs outside MIG mode and
+//! existing MIG devices, each healthy or with the cause, from the inventory as the health
+//! monitor ([`crate::health`]) sees it, and wakes the streams when the monitor's state changes.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::Stream;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use kubelet_plugin::health::{self as plugin_health, HealthSource};
+use kubelet_plugin::proto::health::v1alpha1::DeviceHealth;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
 
 use super::slices::DeviceName;
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
-use crate::proto::health::v1alpha1::{
-    DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
-    NodeWatchResourcesResponse,
-};
-use crate::proto::health::{v1, v1alpha1, v1beta1};
 
-/// How often the full list is re-sent without a change: under 15 s, so a device stays known to
-/// the kubelet (30 s default timeout) even when one message is lost.
-pub const INTERVAL: Duration = Duration::from_secs(10);
+pub use kubelet_plugin::health::{HealthService, INTERVAL};
 
-/// The `supported_versions` entries of the health services, newest first (each is also the
-/// gRPC service name).
-pub const SERVICES: [&str; 3] = [
-    "v1.DRAResourceHealth",
-    "v1beta1.DRAResourceHealth",
-    "v1alpha1.DRAResourceHealth",
-];
-
-/// The health of every device on the node, in name order.
-pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHealth> {
-    let entry = |name: DeviceName, health: &Health| {
-        let (status, message) = match health {
-            Health::Healthy => (HealthStatus::Healthy, String::new()),
-            Health::Unhealthy { reason } | Health::Tainted { reason, .. } => {
-                (HealthStatus::Unhealthy, reason.clone())
-            }
-        };
-        DeviceHealth {
-            device: Some(DeviceIdentifier {
-                pool_name: pool.to_string(),
-                device_name: name.as_str().to_string(),
-            }),
-            health: status as i32,
-            last_updated_time: now_unix,
-            // 0: the kubelet's default timeout.
-            health_check_timeout_seconds: 0,
-            message,
-        }
+/// The health of every device on the node.
+fn devices(inv: &Inventory, pool: &str) -> Vec<plugin_health::DeviceHealth> {
+    let entry = |name: DeviceName, health: &Health| plugin_health::DeviceHealth {
+        pool: pool.to_string(),
+        device: name.as_str().to_string(),
+        problem: match health {
+            Health::Healthy => None,
+            Health::Unhealthy { reason } | Health::Tainted { reason, .. } => Some(reason.clone()),
+        },
     };
     let mut out = Vec::new();
     for g in &inv.gpus {
@@ -79,150 +47,81 @@ pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHe
             ));
         }
     }
-    out.sort_by(|a, b| {
-        let name = |d: &DeviceHealth| d.device.as_ref().map(|i| i.device_name.clone());
-        name(a).cmp(&name(b))
-    });
     out
 }
 
-/// The health streams; cheap to clone.
+/// The health of every device on the node, in name order, as the stream sends it.
+pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHealth> {
+    plugin_health::message(devices(inv, pool), now_unix).devices
+}
+
+/// The node's devices as a [`HealthSource`]: their health is read from `backend` (which should
+/// carry the monitor's health, [`crate::health::Monitored`]) on each message.
 #[derive(Clone)]
-pub struct HealthService {
+pub struct NodeHealth {
     backend: Arc<dyn DeviceBackend>,
     pool: String,
-    interval: Duration,
-    shutdown: CancellationToken,
     health: Option<crate::health::Watch>,
 }
 
-impl HealthService {
-    /// `backend` should carry the monitor's health ([`crate::health::Monitored`]).
-    pub fn new(
-        backend: Arc<dyn DeviceBackend>,
-        pool: String,
-        interval: Duration,
-        shutdown: CancellationToken,
-    ) -> Self {
+impl NodeHealth {
+    pub fn new(backend: Arc<dyn DeviceBackend>, pool: impl Into<String>) -> Self {
         Self {
             backend,
-            pool,
-            interval,
-            shutdown,
+            pool: pool.into(),
             health: None,
         }
     }
 
-    /// Re-sends as soon as the monitor's state changes, not only every interval.
+    /// Streams re-send as soon as the monitor's state changes, not only every interval.
     pub fn with_health(mut self, health: crate::health::Watch) -> Self {
         self.health = Some(health);
         self
     }
 
-    async fn message(&self) -> Result<NodeWatchResourcesResponse, inventory::Error> {
-        let inv = inventory::refresh(self.backend.clone()).await?;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-            .unwrap_or_default();
-        Ok(NodeWatchResourcesResponse {
-            devices: device_health(&inv, &self.pool, now),
+    /// The library's health service over this source.
+    pub fn service(self, interval: Duration, shutdown: CancellationToken) -> HealthService {
+        HealthService::new(Arc::new(self), interval, shutdown)
+    }
+}
+
+impl HealthSource for NodeHealth {
+    fn device_health(
+        &self,
+    ) -> BoxFuture<'_, Result<Vec<plugin_health::DeviceHealth>, plugin_health::Error>> {
+        Box::pin(async move {
+            let inv = inventory::refresh(self.backend.clone()).await?;
+            Ok(devices(&inv, &self.pool))
         })
     }
 
-    /// The stream every version serves (their messages are one type: see `build.rs`).
-    fn stream(&self) -> HealthStream {
-        tracing::debug!("health stream opened");
-        let (tx, rx) = mpsc::channel(1);
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(svc.interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut health = svc.health.clone();
-            if let Some(h) = &mut health {
+    fn changes(&self) -> BoxStream<'static, ()> {
+        match &self.health {
+            Some(h) => {
+                let mut h = h.clone();
                 h.mark_unchanged();
+                tokio_stream::wrappers::WatchStream::from_changes(h)
+                    .map(|_| ())
+                    .boxed()
             }
-            loop {
-                tokio::select! {
-                    biased;
-                    () = svc.shutdown.cancelled() => break,
-                    () = tx.closed() => break,
-                    Some(()) = crate::health::changed(&mut health) => tick.reset(),
-                    _ = tick.tick() => {}
-                }
-                match svc.message().await {
-                    Ok(m) => {
-                        if tx.send(Ok(m)).await.is_err() {
-                            break;
-                        }
-                    }
-                    // Skipping one round is better than ending the stream: the kubelet only
-                    // marks devices Unknown after its timeout.
-                    Err(e) => {
-                        tracing::warn!(error = %crate::report::chain(&e), "cannot read device health")
-                    }
-                }
-            }
-            tracing::debug!("health stream closed");
-        });
-        Box::pin(ReceiverStream::new(rx))
+            None => futures::stream::pending().boxed(),
+        }
     }
 }
-
-type HealthStream = Pin<Box<dyn Stream<Item = Result<NodeWatchResourcesResponse, Status>> + Send>>;
-
-/// The `v1beta1` service: the same stream.
-#[derive(Clone)]
-pub struct HealthV1beta1(pub HealthService);
-
-/// The `v1` service: the same stream.
-#[derive(Clone)]
-pub struct HealthV1(pub HealthService);
-
-/// One version's `DraResourceHealth` over the shared stream; `$svc` reaches the service.
-macro_rules! serve_version {
-    ($ty:ty, $server:path, |$s:ident| $svc:expr) => {
-        #[tonic::async_trait]
-        impl $server for $ty {
-            type NodeWatchResourcesStream = HealthStream;
-
-            async fn node_watch_resources(
-                &self,
-                request: Request<NodeWatchResourcesRequest>,
-            ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-                let NodeWatchResourcesRequest {} = request.into_inner();
-                let $s = self;
-                Ok(Response::new($svc.stream()))
-            }
-        }
-    };
-}
-
-serve_version!(
-    HealthService,
-    v1alpha1::dra_resource_health_server::DraResourceHealth,
-    |s| s
-);
-serve_version!(
-    HealthV1beta1,
-    v1beta1::dra_resource_health_server::DraResourceHealth,
-    |s| s.0
-);
-serve_version!(
-    HealthV1,
-    v1::dra_resource_health_server::DraResourceHealth,
-    |s| s.0
-);
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::health::{BackendProbe, Event, EventKind, Monitor, Monitored, Policy};
     use crate::inventory::sim::SimBackend;
-    use crate::proto::health::v1::dra_resource_health_server::DraResourceHealth as _;
-    use crate::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealth;
-    use crate::proto::health::v1beta1::dra_resource_health_server::DraResourceHealth as _;
     use futures::StreamExt;
+    use kubelet_plugin::health::{HealthV1, HealthV1beta1};
+    use kubelet_plugin::proto::health::v1::dra_resource_health_server::DraResourceHealth as _;
+    use kubelet_plugin::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealth;
+    use kubelet_plugin::proto::health::v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
+    use kubelet_plugin::proto::health::v1beta1::dra_resource_health_server::DraResourceHealth as _;
+    use kubelet_plugin::proto::health::{v1, v1beta1};
+    use tonic::Request;
 
     #[test]
     fn every_device_is_listed_with_its_health() {
@@ -273,12 +172,8 @@ mod tests {
     async fn stream_resends_the_full_list_and_ends_on_shutdown() {
         let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
         let stop = CancellationToken::new();
-        let svc = HealthService::new(
-            Arc::new(sim.clone()),
-            "n".into(),
-            Duration::from_secs(10),
-            stop.clone(),
-        );
+        let svc = NodeHealth::new(Arc::new(sim.clone()), "n")
+            .service(Duration::from_secs(10), stop.clone());
         let mut stream = svc
             .node_watch_resources(Request::new(NodeWatchResourcesRequest {}))
             .await
@@ -327,9 +222,14 @@ mod tests {
         let stop = CancellationToken::new();
         tokio::spawn(monitor.run(stop.clone()));
         let backend = Arc::new(Monitored::new(inner, handle.subscribe()));
-        let svc = HealthService::new(backend, "n".into(), INTERVAL, stop.clone())
-            .with_health(handle.subscribe());
-        let mut alpha = svc.stream();
+        let svc = NodeHealth::new(backend, "n")
+            .with_health(handle.subscribe())
+            .service(INTERVAL, stop.clone());
+        let mut alpha = svc
+            .node_watch_resources(Request::new(NodeWatchResourcesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
         let mut beta = HealthV1beta1(svc.clone())
             .node_watch_resources(Request::new(v1beta1::NodeWatchResourcesRequest {}))
             .await

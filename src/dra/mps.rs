@@ -125,7 +125,7 @@ impl Mps {
             Ok(()) => tracing::info!(claim.uid = %claim, "MPS control daemon stopped"),
             Err(e @ Error::NoControl { .. }) => return Err(e),
             Err(e) => {
-                tracing::warn!(claim.uid = %claim, error = %crate::report::chain(&e), "MPS control daemon did not stop cleanly; assuming it is gone")
+                tracing::warn!(claim.uid = %claim, error = %kubelet_plugin::report::chain(&e), "MPS control daemon did not stop cleanly; assuming it is gone")
             }
         }
         std::fs::remove_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })

@@ -22,12 +22,12 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::publisher::PublisherHandle;
 use super::slices::{self, CounterLayout, SliceOptions};
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::ledger::Ledger;
 use crate::ledger::holds::{Holder, Occupied};
 use crate::metrics::Metrics;
+use kubelet_plugin::publisher::PublisherHandle;
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
 const PARTITIONABLE_FIELDS: [&str; 2] = ["sharedCounters", "consumesCounters"];
@@ -198,7 +198,7 @@ impl SliceSync {
         let mut inv = match inventory::refresh(self.backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
-                tracing::warn!(error = %crate::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
+                tracing::warn!(error = %kubelet_plugin::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
                 return;
             }
         };
@@ -253,7 +253,7 @@ impl SliceSync {
                 self.stale = false;
             }
             Err(e) => {
-                tracing::error!(error = %crate::report::chain(&e), "bug: the publisher refused the desired slices")
+                tracing::error!(error = %kubelet_plugin::report::chain(&e), "bug: the publisher refused the desired slices")
             }
         }
     }
@@ -300,9 +300,9 @@ fn hide_held(inv: &mut Inventory, holds: &[(Occupied, Holder)]) {
 mod tests {
     use super::*;
     use crate::api::dir::DirApi;
-    use crate::dra::publisher::Publisher;
     use crate::inventory::DeviceBackend;
     use crate::inventory::sim::SimBackend;
+    use kubelet_plugin::publisher::Publisher;
     use std::sync::atomic::Ordering::Relaxed;
 
     #[tokio::test]

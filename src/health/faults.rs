@@ -151,7 +151,7 @@ impl FaultFile {
             let inv = match crate::inventory::snapshot(self.backend.clone()).await {
                 Ok(inv) => inv,
                 Err(e) => {
-                    tracing::warn!(error = %crate::report::chain(&e), "fault injection: cannot read the inventory; lines skipped");
+                    tracing::warn!(error = %kubelet_plugin::report::chain(&e), "fault injection: cannot read the inventory; lines skipped");
                     continue;
                 }
             };

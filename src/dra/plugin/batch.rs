@@ -125,7 +125,7 @@ impl Plugin {
                         };
                         self.release_claim_lock(&uid, l);
                         if let Err(e) = &r {
-                            tracing::warn!(claim.uid = %uid, claim = %who, error = %crate::report::chain(e), "{what} failed");
+                            tracing::warn!(claim.uid = %uid, claim = %who, error = %kubelet_plugin::report::chain(e), "{what} failed");
                         }
                         (uid, r)
                     }

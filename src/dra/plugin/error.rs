@@ -4,7 +4,7 @@ use crate::ledger::{self, ClaimUid};
 use crate::{api, cdi, inventory, sharing};
 
 use crate::dra::mps;
-use crate::dra::nodelock;
+use kubelet_plugin::nodelock;
 
 /// Why one claim could not be prepared or unprepared. Reported in that claim's response entry.
 #[derive(Debug, thiserror::Error)]

@@ -29,11 +29,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use super::mps::Mps;
-use super::nodelock::{self, NodeLock};
 use crate::api::ClaimReader;
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::{self, ClaimUid, Ledger};
 use crate::metrics::Metrics;
+use kubelet_plugin::nodelock::{self, NodeLock};
 
 mod batch;
 #[cfg(feature = "crash-points")]

@@ -45,7 +45,7 @@ impl Plugin {
                 ClaimState::PrepareCompleted => self.restore(uid, entry, &inv, &mut rec).await,
             };
             if let Err(e) = result {
-                tracing::error!(claim.uid = %uid, %claim, error = %crate::report::chain(&e), "cannot recover claim; left for its next prepare or unprepare");
+                tracing::error!(claim.uid = %uid, %claim, error = %kubelet_plugin::report::chain(&e), "cannot recover claim; left for its next prepare or unprepare");
                 rec.failed.push(uid.clone());
             }
         }
@@ -54,7 +54,7 @@ impl Plugin {
             let uid = match ClaimUid::parse(uid.as_str()) {
                 Ok(uid) => uid,
                 Err(e) => {
-                    tracing::warn!(claim.uid = %uid, error = %crate::report::chain(&e), "left a CDI spec alone whose name holds no claim UID");
+                    tracing::warn!(claim.uid = %uid, error = %kubelet_plugin::report::chain(&e), "left a CDI spec alone whose name holds no claim UID");
                     continue;
                 }
             };

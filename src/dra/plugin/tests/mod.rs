@@ -288,7 +288,7 @@ async fn every_error_names_the_problem() {
         vec![opaque(&[], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "Sometimes"}}))],
     ));
     let err = e.prepare("cfg").await.unwrap_err();
-    let err = crate::report::chain(&err).to_string();
+    let err = kubelet_plugin::report::chain(&err).to_string();
     assert!(err.contains("request gpu"), "{err}");
     assert!(err.contains("claim config #0: sharing.strategy"), "{err}");
     assert_eq!(e.state("cfg"), None);

@@ -8,18 +8,17 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::grpc::Error;
-use crate::metrics::Metrics;
 use crate::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     registration_server::{Registration, RegistrationServer},
 };
+use crate::service::Error;
 use crate::socket::{self, MAX_SOCKET_PATH};
 
 /// `supported_versions`, in the order the kubelet should pick from: the DRA services, then the
@@ -27,9 +26,9 @@ use crate::socket::{self, MAX_SOCKET_PATH};
 pub const SUPPORTED_VERSIONS: [&str; 5] = [
     "v1.DRAPlugin",
     "v1beta1.DRAPlugin",
-    super::health::SERVICES[0],
-    super::health::SERVICES[1],
-    super::health::SERVICES[2],
+    crate::health::SERVICES[0],
+    crate::health::SERVICES[1],
+    crate::health::SERVICES[2],
 ];
 
 /// Socket paths of one plugin instance.
@@ -80,7 +79,7 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 struct Service {
     driver: String,
     endpoint: String,
-    metrics: Arc<Metrics>,
+    registered: Arc<AtomicBool>,
 }
 
 #[tonic::async_trait]
@@ -112,9 +111,7 @@ impl Registration for Service {
             tracing::error!(driver = %self.driver, %error,
                 "the kubelet refused the registration; check the kubelet's DRA support and its log");
         }
-        self.metrics
-            .registered
-            .store(plugin_registered, Ordering::Relaxed);
+        self.registered.store(plugin_registered, Ordering::Relaxed);
         Ok(Response::new(RegistrationStatusResponse {}))
     }
 }
@@ -123,7 +120,8 @@ impl Registration for Service {
 pub struct Registrar {
     pub driver: String,
     pub sockets: Sockets,
-    pub metrics: Arc<Metrics>,
+    /// Follows the kubelet's verdict on the registration (a readiness input).
+    pub registered: Arc<AtomicBool>,
 }
 
 impl Registrar {
@@ -133,7 +131,7 @@ impl Registrar {
     }
 
     /// Serves until shutdown, then removes the socket `bound` (if it is still the one bound: see
-    /// [`socket::Bound::remove`]). The kubelet's verdict is `metrics.registered` (readiness).
+    /// [`socket::Bound::remove`]). The kubelet's verdict is [`Registrar::registered`].
     pub async fn run(
         self,
         listener: UnixListener,
@@ -143,7 +141,7 @@ impl Registrar {
         let service = Service {
             driver: self.driver,
             endpoint: self.sockets.dra.display().to_string(),
-            metrics: self.metrics,
+            registered: self.registered,
         };
         let result = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(service))

@@ -4,7 +4,7 @@
 use super::*;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourcePool};
+use k8s_openapi::api::resource::v1::{Device, ResourcePool};
 use std::sync::Mutex;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -42,17 +42,7 @@ impl MemApi {
     }
 }
 
-impl api::ClaimReader for MemApi {
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
-        Box::pin(async move { Err(api::Error::NotFound(format!("{namespace}/{name}").into())) })
-    }
-}
-
-impl ClusterApi for MemApi {
+impl SliceApi for MemApi {
     fn list_slices<'a>(
         &'a self,
         _driver: &'a str,

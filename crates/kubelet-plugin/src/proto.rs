@@ -1,5 +1,6 @@
-//! Generated gRPC code for the kubelet APIs nvdra speaks. Nothing but `include_proto!` lives here;
-//! conversions to domain types are in each API's `wire.rs`.
+//! Generated gRPC code for the kubelet's plugin APIs: DRA (`v1`, `v1beta1`), DRA health, plugin
+//! registration, device plugin `v1beta1` and PodResources `v1`. Clients and servers both: a
+//! driver serves them, and its tests play the kubelet with them.
 #![allow(clippy::all, missing_docs)]
 
 pub mod dra {

@@ -19,8 +19,7 @@ mod plan;
 
 pub use plan::FieldPath;
 
-use crate::api::{self, ClusterApi, SliceEvent};
-use crate::metrics::SliceCounters;
+use crate::api::{self, SliceApi, SliceEvent};
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -28,11 +27,28 @@ use plan::{Inputs, Plan, Written};
 use rand::Rng;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+/// What the ResourceSlice publisher counts (the publisher bumps them; its handle and
+/// `/metrics` read them).
+#[derive(Debug, Default)]
+pub struct SliceCounters {
+    pub creates: AtomicU64,
+    pub updates: AtomicU64,
+    pub deletes: AtomicU64,
+    /// Reconciles run (lists of the API server's slices), successful or not.
+    pub reconciles: AtomicU64,
+    /// Conflicts (409) and vanished slices met while writing.
+    pub conflicts: AtomicU64,
+    /// Failed reconciles, conflicts included.
+    pub errors: AtomicU64,
+    /// Set by the first complete publish; half of readiness.
+    pub published: AtomicBool,
+}
 
 /// Errors of the publisher's handle.
 #[derive(Debug, thiserror::Error)]
@@ -254,7 +270,7 @@ impl Failure {
 
 /// The reconciler. Construct with [`Publisher::new`], then spawn [`Publisher::run`].
 pub struct Publisher {
-    api: Arc<dyn ClusterApi>,
+    api: Arc<dyn SliceApi>,
     driver: Arc<str>,
     node: Arc<str>,
     opts: Options,
@@ -270,7 +286,7 @@ pub struct Publisher {
 
 impl Publisher {
     pub fn new(
-        api: Arc<dyn ClusterApi>,
+        api: Arc<dyn SliceApi>,
         driver: impl Into<String>,
         node: impl Into<String>,
     ) -> (Publisher, PublisherHandle) {
@@ -278,7 +294,7 @@ impl Publisher {
     }
 
     pub fn with_options(
-        api: Arc<dyn ClusterApi>,
+        api: Arc<dyn SliceApi>,
         driver: impl Into<String>,
         node: impl Into<String>,
         opts: Options,
@@ -288,7 +304,7 @@ impl Publisher {
 
     /// Counts into `counters` (the daemon passes the ones `/metrics` renders).
     pub fn with_counters(
-        api: Arc<dyn ClusterApi>,
+        api: Arc<dyn SliceApi>,
         driver: impl Into<String>,
         node: impl Into<String>,
         opts: Options,

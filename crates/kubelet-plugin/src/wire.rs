@@ -1,0 +1,229 @@
+//! Conversions between the kubelet's DRA protos (`v1`, `v1beta1`) and the library's types.
+//! Proto structs are destructured exhaustively, so a new proto field breaks the build here
+//! instead of being dropped silently. Apart from `Device` (`v1` has `share_id`), the messages
+//! are field for field the same in both versions; one definition serves both.
+
+use std::collections::HashMap;
+
+use crate::driver::{Claim, PrepareResults, PreparedDevice, UnprepareResults};
+use crate::proto::dra::{v1, v1beta1};
+use crate::report::chain;
+
+fn device_v1(d: PreparedDevice) -> v1::Device {
+    let PreparedDevice {
+        requests,
+        pool,
+        device,
+        cdi_ids,
+        share_id,
+    } = d;
+    v1::Device {
+        request_names: requests,
+        pool_name: pool,
+        device_name: device,
+        cdi_device_ids: cdi_ids,
+        share_id,
+    }
+}
+
+fn device_v1beta1(d: PreparedDevice) -> v1beta1::Device {
+    let PreparedDevice {
+        requests,
+        pool,
+        device,
+        cdi_ids,
+        // v1beta1 has no share id: kubelets that speak only v1beta1 do not allocate shares.
+        share_id: _,
+    } = d;
+    v1beta1::Device {
+        request_names: requests,
+        pool_name: pool,
+        device_name: device,
+        cdi_device_ids: cdi_ids,
+    }
+}
+
+/// Why a claim has no answer: the driver left it out of its results.
+#[derive(Debug, thiserror::Error)]
+#[error("the driver returned no result for claim {0}")]
+pub struct Missing(pub String);
+
+macro_rules! same_in_both {
+    ($ver:ident, $claims:ident, $prepare:ident, $unprepare:ident, $device:ident) => {
+        pub fn $claims(claims: Vec<$ver::Claim>) -> Vec<Claim> {
+            claims
+                .into_iter()
+                .map(|c| {
+                    let $ver::Claim {
+                        namespace,
+                        uid,
+                        name,
+                    } = c;
+                    Claim {
+                        namespace,
+                        name,
+                        uid,
+                    }
+                })
+                .collect()
+        }
+
+        /// One entry per claim in `asked`, whatever the driver returned.
+        pub fn $prepare<E: std::error::Error + 'static>(
+            asked: &[Claim],
+            results: PrepareResults<E>,
+        ) -> $ver::NodePrepareResourcesResponse {
+            let mut claims: HashMap<String, $ver::NodePrepareResourceResponse> = results
+                .into_iter()
+                .map(|(uid, r)| {
+                    let entry = match r {
+                        Ok(devices) => $ver::NodePrepareResourceResponse {
+                            devices: devices.into_iter().map($device).collect(),
+                            error: String::new(),
+                        },
+                        Err(e) => $ver::NodePrepareResourceResponse {
+                            devices: Vec::new(),
+                            error: chain(&e).to_string(),
+                        },
+                    };
+                    (uid, entry)
+                })
+                .collect();
+            for c in asked {
+                claims
+                    .entry(c.uid.clone())
+                    .or_insert_with(|| $ver::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error: Missing(c.uid.clone()).to_string(),
+                    });
+            }
+            $ver::NodePrepareResourcesResponse { claims }
+        }
+
+        /// One entry per claim in `asked`, whatever the driver returned.
+        pub fn $unprepare<E: std::error::Error + 'static>(
+            asked: &[Claim],
+            results: UnprepareResults<E>,
+        ) -> $ver::NodeUnprepareResourcesResponse {
+            let mut claims: HashMap<String, $ver::NodeUnprepareResourceResponse> = results
+                .into_iter()
+                .map(|(uid, r)| {
+                    let error = r.err().map(|e| chain(&e).to_string()).unwrap_or_default();
+                    (uid, $ver::NodeUnprepareResourceResponse { error })
+                })
+                .collect();
+            for c in asked {
+                claims.entry(c.uid.clone()).or_insert_with(|| {
+                    $ver::NodeUnprepareResourceResponse {
+                        error: Missing(c.uid.clone()).to_string(),
+                    }
+                });
+            }
+            $ver::NodeUnprepareResourcesResponse { claims }
+        }
+    };
+}
+
+same_in_both!(
+    v1,
+    claims_v1,
+    prepare_response_v1,
+    unprepare_response_v1,
+    device_v1
+);
+same_in_both!(
+    v1beta1,
+    claims_v1beta1,
+    prepare_response_v1beta1,
+    unprepare_response_v1beta1,
+    device_v1beta1
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("claim {namespace}/{name} is not allocated")]
+    struct NotAllocated {
+        namespace: String,
+        name: String,
+    }
+
+    fn device(share: Option<&str>) -> PreparedDevice {
+        PreparedDevice {
+            requests: vec!["gpu".into()],
+            pool: "node".into(),
+            device: "gpu-0".into(),
+            cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
+            share_id: share.map(String::from),
+        }
+    }
+
+    fn claim(uid: &str) -> Claim {
+        Claim {
+            namespace: "ns".into(),
+            name: uid.into(),
+            uid: uid.into(),
+        }
+    }
+
+    #[test]
+    fn share_id_only_on_v1_and_errors_become_entries() {
+        let ok = || ("a".to_string(), Ok(vec![device(Some("s1"))]));
+        let bad = || {
+            (
+                "b".to_string(),
+                Err(NotAllocated {
+                    namespace: "ns".into(),
+                    name: "b".into(),
+                }),
+            )
+        };
+        let asked = [claim("a"), claim("b")];
+        let r1 = prepare_response_v1(&asked, vec![ok(), bad()]);
+        assert_eq!(r1.claims["a"].devices[0].share_id.as_deref(), Some("s1"));
+        assert_eq!(r1.claims["a"].devices[0].pool_name, "node");
+        assert!(r1.claims["b"].error.contains("ns/b is not allocated"));
+        assert!(r1.claims["b"].devices.is_empty());
+        let r2 = prepare_response_v1beta1(&asked, vec![ok(), bad()]);
+        assert_eq!(
+            r2.claims["a"].devices[0].cdi_device_ids,
+            vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".to_string()]
+        );
+        assert!(!r2.claims["b"].error.is_empty());
+    }
+
+    #[test]
+    fn a_claim_the_driver_left_out_still_gets_an_entry() {
+        let asked = [claim("a"), claim("forgotten")];
+        let done: PrepareResults<NotAllocated> = vec![("a".into(), Ok(vec![device(None)]))];
+        let r = prepare_response_v1(&asked, done);
+        assert_eq!(r.claims.len(), 2);
+        assert_eq!(r.claims["a"].error, "");
+        assert_eq!(
+            r.claims["forgotten"].error,
+            "the driver returned no result for claim forgotten"
+        );
+        let r = unprepare_response_v1beta1::<NotAllocated>(&asked, vec![("a".into(), Ok(()))]);
+        assert_eq!(r.claims["a"].error, "");
+        assert!(!r.claims["forgotten"].error.is_empty());
+    }
+
+    #[test]
+    fn claims_keep_every_field() {
+        let c = claims_v1(vec![v1::Claim {
+            namespace: "ns".into(),
+            uid: "u-1".into(),
+            name: "c".into(),
+        }]);
+        assert_eq!(
+            c,
+            vec![Claim {
+                namespace: "ns".into(),
+                name: "c".into(),
+                uid: "u-1".into(),
+            }]
+        );
+    }
+}

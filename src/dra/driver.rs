@@ -1,0 +1,156 @@
+//! nvdra's [`Plugin`] as the library's [`Driver`]: where the kubelet's claims enter nvdra.
+//! Claim UIDs are parsed here, once: a claim whose UID is not one gets its error (prepare) or
+//! its success (unprepare: it cannot have been prepared) without reaching the plugin. Device
+//! records are destructured exhaustively, so a new field must be decided on here.
+
+use kubelet_plugin::{Claim, Driver, PrepareResults, PreparedDevice, UnprepareResults};
+
+use super::plugin::{ClaimError, ClaimRef, Plugin};
+use crate::ledger::{ClaimUid, DeviceRecord};
+
+/// The claims of a request: those the plugin works on, and those whose UID is invalid, under
+/// the UID the kubelet sent.
+#[derive(Debug, Default)]
+pub struct Claims {
+    pub valid: Vec<ClaimRef>,
+    pub rejected: Vec<(String, ClaimError)>,
+}
+
+impl FromIterator<Claim> for Claims {
+    fn from_iter<I: IntoIterator<Item = Claim>>(iter: I) -> Self {
+        let mut claims = Claims::default();
+        for Claim {
+            namespace,
+            name,
+            uid,
+        } in iter
+        {
+            match ClaimUid::parse(uid.as_str()) {
+                Ok(uid) => claims.valid.push(ClaimRef {
+                    namespace,
+                    name,
+                    uid,
+                }),
+                Err(source) => claims
+                    .rejected
+                    .push((uid.clone(), ClaimError::BadUid { uid, source })),
+            }
+        }
+        claims
+    }
+}
+
+/// What the kubelet is told of one prepared device.
+pub fn prepared(d: DeviceRecord) -> PreparedDevice {
+    let DeviceRecord {
+        requests,
+        pool,
+        device,
+        cdi_ids,
+        share_id,
+        admin_access: _,
+        gpu: _,
+        mig: _,
+        sharing: _,
+    } = d;
+    PreparedDevice {
+        requests,
+        pool,
+        device: device.into(),
+        cdi_ids,
+        share_id,
+    }
+}
+
+impl Driver for Plugin {
+    type Error = ClaimError;
+
+    async fn prepare(&self, claims: Vec<Claim>) -> PrepareResults<ClaimError> {
+        let Claims { valid, rejected } = claims.into_iter().collect();
+        let results = Plugin::prepare(self, valid).await;
+        let results = results.into_iter().map(|(uid, r)| {
+            let devices = r.map(|records| records.into_iter().map(prepared).collect());
+            (String::from(uid), devices)
+        });
+        rejected
+            .into_iter()
+            .map(|(uid, e)| (uid, Err(e)))
+            .chain(results)
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<Claim>) -> UnprepareResults<ClaimError> {
+        let Claims { valid, rejected } = claims.into_iter().collect();
+        let results = Plugin::unprepare(self, valid).await;
+        // With an invalid UID, a claim was never prepared, and unprepare of an unknown claim
+        // succeeds.
+        rejected
+            .into_iter()
+            .map(|(uid, _)| (uid, Ok(())))
+            .chain(results.into_iter().map(|(uid, r)| (String::from(uid), r)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::GpuUuid;
+    use crate::sharing::Sharing;
+    use kubelet_plugin::report::chain;
+
+    fn record(share: Option<&str>) -> DeviceRecord {
+        DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "node".into(),
+            device: crate::dra::slices::DeviceName::gpu(0),
+            cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
+            share_id: share.map(String::from),
+            admin_access: false,
+            gpu: GpuUuid("GPU-0".into()),
+            mig: None,
+            sharing: Sharing::Exclusive,
+        }
+    }
+
+    #[test]
+    fn a_record_tells_the_kubelet_its_device_and_share() {
+        let d = prepared(record(Some("s1")));
+        assert_eq!(d.device, "gpu-0");
+        assert_eq!(d.pool, "node");
+        assert_eq!(d.requests, vec!["gpu".to_string()]);
+        assert_eq!(d.share_id.as_deref(), Some("s1"));
+        assert_eq!(
+            d.cdi_ids,
+            vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".to_string()]
+        );
+    }
+
+    #[test]
+    fn a_bad_uid_is_that_claims_entry_and_never_reaches_the_plugin() {
+        let claim = |uid: &str| Claim {
+            namespace: "ns".into(),
+            uid: uid.into(),
+            name: format!("c-{}", uid.len()),
+        };
+        let claims: Claims = vec![claim("good-1"), claim("a/b"), claim("")]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            claims.valid,
+            vec![ClaimRef {
+                namespace: "ns".into(),
+                name: "c-6".into(),
+                uid: ClaimUid::parse("good-1").unwrap(),
+            }]
+        );
+        let rejected: Vec<&str> = claims.rejected.iter().map(|(u, _)| u.as_str()).collect();
+        assert_eq!(rejected, vec!["a/b", ""]);
+        let e = chain(&claims.rejected[0].1).to_string();
+        assert!(
+            e.starts_with("claim UID \"a/b\" cannot name a CDI device"),
+            "{e}"
+        );
+        assert!(!chain(&claims.rejected[1].1).to_string().is_empty());
+    }
+}

@@ -1,12 +1,15 @@
 //! The daemon's memory: the resident set of the real `nvdra run` binary (the one `cargo bench`
 //! builds, release profile) on a simulated DGX H100 (8 GPUs) with the directory API, after
 //! start-up and after 1,000 prepare/unprepare cycles of 8 claims (one per GPU, fresh claim UIDs
-//! each cycle), read from `/proc/PID/status` (`VmRSS`, and the peak `VmHWM`). Goal: ≤ 12 MiB and
+//! each cycle), read from `/proc/PID/status` (`VmRSS`, and the peak `VmHWM`). Goal: ≤ 10 MiB and
 //! no growth between the early and the late cycles.
 //!
 //! Run: `cargo bench --bench rss` (`RSS_CYCLES=N` for another cycle count; `RSS_REUSE_CLAIMS=1`
 //! prepares the same 8 claims every cycle, to tell growth per distinct claim from other growth;
-//! `RSS_MODE=both` runs both paths, the device plugin beside DRA with their one ledger).
+//! `RSS_MODE=both` runs both paths, the device plugin beside DRA with their one ledger;
+//! `RSS_BINS="old/nvdra new/nvdra"` measures each of those binaries in turn, in one run, instead
+//! of the one the bench builds). The daemon inherits the bench's environment, so
+//! `GLIBC_TUNABLES=…` measures the DaemonSet's malloc settings.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -23,19 +26,12 @@ const NAMESPACE: &str = "rss";
 /// Cycles after which the "warm" figure is taken; growth is measured from there to the end.
 const WARM: usize = 100;
 
-/// Kills the daemon however the bench ends: SIGKILL, or SIGTERM when it runs under a wrapper
-/// (`RSS_WRAP`), which must outlive it to write its report.
-struct Daemon(Child, bool);
+/// Kills the daemon however the bench ends.
+struct Daemon(Child);
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if self.1 {
-            let _ = Command::new("kill")
-                .args(["-TERM", &self.0.id().to_string()])
-                .status();
-        } else {
-            let _ = self.0.kill();
-        }
+        let _ = self.0.kill();
         let _ = self.0.wait();
     }
 }
@@ -112,28 +108,30 @@ async fn main() {
         .unwrap_or(1000);
     let reuse = std::env::var_os("RSS_REUSE_CLAIMS").is_some_and(|v| v == "1");
     let mode = std::env::var("RSS_MODE").unwrap_or_else(|_| "dra".into());
+    let bins: Vec<PathBuf> = match std::env::var("RSS_BINS") {
+        Ok(list) => list.split_whitespace().map(PathBuf::from).collect(),
+        Err(_) => vec![PathBuf::from(env!("CARGO_BIN_EXE_nvdra"))],
+    };
+    for bin in &bins {
+        let size = std::fs::metadata(bin).map(|m| m.len()).unwrap_or_default();
+        println!(
+            "{} ({:.1} MiB on disk)",
+            bin.display(),
+            size as f64 / 1048576.0
+        );
+        measure(bin, cycles, reuse, &mode).await;
+    }
+}
+
+async fn measure(bin: &Path, cycles: usize, reuse: bool, mode: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
     let p = |s: &str| -> PathBuf { root.join(s) };
     std::fs::write(p("boot_id"), "rss-bench-boot\n").expect("boot id");
-    // `RSS_WRAP="valgrind --tool=callgrind …"` runs the daemon under another program; that is how
-    // `link/order.sh` finds the functions a daemon runs.
-    let wrap: Vec<String> = std::env::var("RSS_WRAP")
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(String::from)
-        .collect();
-    let mut command = match wrap.split_first() {
-        Some((program, args)) => {
-            let mut c = Command::new(program);
-            c.args(args).arg(env!("CARGO_BIN_EXE_nvdra"));
-            c
-        }
-        None => Command::new(env!("CARGO_BIN_EXE_nvdra")),
-    };
+    let mut command = Command::new(bin);
     let mut daemon = Daemon(
         command
-            .args(["run", "--mode", &mode, "--profile", PROFILE])
+            .args(["run", "--mode", mode, "--profile", PROFILE])
             .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
             .arg("--api-dir")
             .arg(p("api"))
@@ -150,7 +148,6 @@ async fn main() {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start nvdra"),
-        !wrap.is_empty(),
     );
     let pid = daemon.0.id();
     let dra_socket = p("kubelet/plugins").join(DRIVER).join("dra.sock");
@@ -259,9 +256,9 @@ async fn main() {
         mib(end_hwm)
     );
     println!(
-        "  growth {WARM} → {cycles} cycles: {:+.1} MiB; goal ≤ 12 MiB and no growth: {}",
+        "  growth {WARM} → {cycles} cycles: {:+.1} MiB; goal ≤ 10 MiB and no growth: {}",
         (end_rss as f64 - warm as f64) / 1024.0,
-        if end_hwm <= 12 * 1024 && end_rss <= warm + 256 {
+        if end_hwm <= 10 * 1024 && end_rss <= warm + 256 {
             "met"
         } else {
             "NOT met"

@@ -1,5 +1,5 @@
 //! `nvdra run --mode both`: DRA and the device plugin on one node, kept apart by one ledger,
-//! against the grpcio kubelet stand-in (`tests/kubelet/standin.py node`), which serves
+//! against the grpcio kubelet stand-in (`crates/kubelet-plugin/tests/kubelet/standin.py node`), which serves
 //! `kubelet.sock` and PodResources and plays the kubelet's DRA and device-manager calls as the
 //! test tells it. The slices are read from the daemon's API directory.
 //!

@@ -1,5 +1,5 @@
 //! The real `nvdra run --mode device-plugin` against a kubelet stand-in that nvdra did not write:
-//! `tests/kubelet/standin.py device-plugin`, grpcio (C-core) serving `kubelet.sock` as the
+//! `crates/kubelet-plugin/tests/kubelet/standin.py device-plugin`, grpcio (C-core) serving `kubelet.sock` as the
 //! kubelet's device manager does and dialing the plugin sockets with `:authority localhost`.
 //! Each test asserts on the stand-in's JSON: registration, the first `ListAndWatch` list (IDs,
 //! NUMA), Allocate per strategy, preferred allocation, replicas with

@@ -1,5 +1,5 @@
 //! The real `nvdra run` against a kubelet stand-in that nvdra did not write
-//! (`tests/kubelet/standin.py`): grpcio (C-core) clients and a raw HTTP/2 client with the PyPI
+//! (`crates/kubelet-plugin/tests/kubelet/standin.py`): grpcio (C-core) clients and a raw HTTP/2 client with the PyPI
 //! `hpack` encoder. The kubelet is grpc-go, and what it sends differs from nvdra's own tonic
 //! clients above all in `:authority` (`shared/reference/kubelet-wire.md`): each test here plays
 //! one form of it over the registration and the DRA socket — registration, DRA v1 and v1beta1

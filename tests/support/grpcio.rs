@@ -1,4 +1,4 @@
-//! The grpcio kubelet stand-in (`tests/kubelet/standin.py`): where it is and whether python3
+//! The grpcio kubelet stand-in (`crates/kubelet-plugin/tests/kubelet/standin.py`): where it is and whether python3
 //! can run it. The stand-in is a kubelet nvdra did not write (grpcio's C core, a raw HTTP/2
 //! client on the PyPI hpack encoder), for the DRA, registration, device-plugin and PodResources
 //! sockets.
@@ -11,7 +11,10 @@ use std::sync::OnceLock;
 /// What CI installs (`.ci/run`); the stand-in is tested with exactly these.
 pub const PIP: &str =
     "python3 -m pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0";
-pub const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
+pub const STANDIN: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/crates/kubelet-plugin/tests/kubelet/standin.py"
+);
 
 fn required() -> bool {
     std::env::var("NVDRA_REQUIRE_GRPCIO").is_ok_and(|v| !v.is_empty() && v != "0")

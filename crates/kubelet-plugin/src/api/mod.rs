@@ -1,6 +1,9 @@
 //! The API server as a publisher sees it: ResourceSlices and the Node that owns them, behind the
 //! small [`SliceApi`] trait, with errors classified by what the caller should do about them.
-//! A driver implements it over kube-rs (or anything else that stores slices).
+//! With the `kube` feature (on by default), a `kube::Client` is one ([`kube`]).
+
+#[cfg(feature = "kube")]
+pub mod kube;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;

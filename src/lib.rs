@@ -22,6 +22,3 @@ pub mod matching;
 pub mod metrics;
 pub mod sharing;
 pub mod yaml;
-
-#[cfg(test)]
-mod layout_tests;

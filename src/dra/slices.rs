@@ -159,5 +159,10 @@ pub struct SliceOptions {
     pub layout: CounterLayout,
 }
 
+/// Devices in name order: how every slice lists them, so a republish compares equal.
+fn sort_devices(devices: &mut [k8s_openapi::api::resource::v1::Device]) {
+    devices.sort_by(|a, b| a.name.cmp(&b.name));
+}
+
 #[cfg(test)]
 mod tests;

@@ -24,6 +24,7 @@
 
 pub mod api;
 mod driver;
+mod error;
 pub mod health;
 mod lock;
 pub mod nodelock;
@@ -36,4 +37,5 @@ pub mod socket;
 mod wire;
 
 pub use driver::{Claim, Driver, PrepareResults, PreparedDevice, UnprepareResults};
+pub use error::Error;
 pub use service::{Options, serve};

@@ -14,11 +14,11 @@ use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::error::Error;
 use crate::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     registration_server::{Registration, RegistrationServer},
 };
-use crate::service::Error;
 use crate::socket::{self, MAX_SOCKET_PATH};
 
 /// `supported_versions`, in the order the kubelet should pick from: the DRA services, then the

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::driver::Driver;
+pub use crate::error::Error;
 use crate::health::{HealthService, HealthSource, HealthV1, HealthV1beta1};
 use crate::proto::dra::{v1, v1beta1};
 use crate::proto::health::{
@@ -23,18 +24,6 @@ use crate::proto::health::{
 };
 use crate::registration::{Registrar, Sockets};
 use crate::{socket, wire};
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Socket(#[from] socket::Error),
-    #[error("gRPC server on {path} failed")]
-    Serve {
-        path: PathBuf,
-        #[source]
-        source: tonic::transport::Error,
-    },
-}
 
 /// One handler per operation; each version's service converts its messages and calls it.
 struct Handler<D>(Arc<D>);

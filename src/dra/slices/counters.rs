@@ -7,8 +7,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::attributes::{MigShape, mig_device};
 use super::names::extra_counter_set_name;
-use super::splitting::sort_devices;
-use super::{Error, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTERS_PER_SET, Result, counter_set_name};
+use super::{
+    Error, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTERS_PER_SET, Result, counter_set_name,
+    sort_devices,
+};
 use crate::inventory::{Engines, Gpu, MigDevice, quantity};
 
 /// A GPU's shared counters in partitionable mode: the resources MIG devices draw on (memory,

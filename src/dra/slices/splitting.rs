@@ -9,8 +9,8 @@ use super::attributes::{MigShape, gpu_device, mig_device};
 use super::counters::partitioned;
 use super::{
     CounterLayout, Error, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
-    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, validate,
-    validate_pool,
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, sort_devices,
+    validate, validate_pool,
 };
 use crate::inventory::{Health, Inventory};
 
@@ -27,10 +27,6 @@ fn tainted(mut d: Device, health: &Health, driver: &str) -> Device {
         }]);
     }
     d
-}
-
-pub(super) fn sort_devices(devices: &mut [Device]) {
-    devices.sort_by(|a, b| a.name.cmp(&b.name));
 }
 
 pub(super) fn is_advanced(d: &Device) -> bool {

@@ -138,6 +138,7 @@ pub struct Config {
     pub node_labels: bool,
 }
 
+/// Every path under the kubelet's root directory is derived here, from `kubelet_root`.
 impl Config {
     /// Where the plugin keeps its sockets, checkpoint and locks.
     pub fn plugin_dir(&self) -> PathBuf {
@@ -149,8 +150,14 @@ impl Config {
         self.kubelet_root.join("device-plugins")
     }
 
+    /// `<kubelet root>/plugins_registry`, where the kubelet discovers plugins by inotify.
     pub fn registry_dir(&self) -> PathBuf {
         self.kubelet_root.join("plugins_registry")
+    }
+
+    /// The kubelet's PodResources socket, which `--mode both` reads for what containers hold.
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.kubelet_root.join("pod-resources").join("kubelet.sock")
     }
 }
 

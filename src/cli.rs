@@ -9,8 +9,9 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::{
-    self, ApiSettings, Backend, BackendSettings, Config, DaemonSettings, FileConfig,
-    HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings, Settings,
+    self, ApiSettings, Backend, BackendSettings, ClusterSettings, Config, DaemonSettings,
+    FileConfig, HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings,
+    ServeSettings, Settings,
 };
 use crate::dra::slices;
 use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
@@ -64,6 +65,7 @@ pub enum MatchOutput {
 
 /// Flags of `nvdra match`.
 #[derive(Debug, Args)]
+#[command(mut_arg("kubeconfig", match_kubeconfig))]
 pub struct MatchArgs {
     /// ResourceClaims, ResourceClaimTemplates and DeviceClasses (YAML or JSON, multi-document).
     #[arg(short = 'f', long = "filename", value_name = "FILE", required = true)]
@@ -74,15 +76,8 @@ pub struct MatchArgs {
     #[arg(long, env = "NVDRA_SLICES", value_name = "FILE", conflicts_with_all = ["profile", "topology"])]
     pub slices: Option<PathBuf>,
 
-    /// Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain the
-    /// claim per node.
-    #[arg(
-        long,
-        env = "NVDRA_KUBECONFIG",
-        value_name = "FILE",
-        conflicts_with_all = ["slices", "profile", "topology"]
-    )]
-    pub kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterSettings,
 
     /// With --kubeconfig: only this node's ResourceSlices.
     #[arg(
@@ -104,6 +99,16 @@ pub struct MatchArgs {
     pub output: MatchOutput,
 }
 
+/// `--kubeconfig` ([`ClusterSettings`]) as `match` uses it: a cluster to read instead of a
+/// backend or a slices file.
+fn match_kubeconfig(arg: clap::Arg) -> clap::Arg {
+    arg.help(
+        "Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain \
+         the claim per node",
+    )
+    .conflicts_with_all(["slices", "profile", "topology"])
+}
+
 /// Flags of `nvdra validate`.
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
@@ -115,6 +120,9 @@ pub struct ValidateArgs {
 /// Flags of `nvdra run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub serve: ServeSettings,
+
     #[command(flatten)]
     pub daemon: DaemonSettings,
 
@@ -145,6 +153,7 @@ impl RunArgs {
             plugin: self.plugin.clone(),
             kubelet: self.kubelet.clone(),
             api: self.api.clone(),
+            serve: self.serve.clone(),
             daemon: self.daemon.clone(),
             log: log.clone(),
             health: self.health.clone(),
@@ -182,7 +191,12 @@ impl From<CounterLayoutArg> for slices::CounterLayout {
     }
 }
 
+/// Flags of `nvdra inventory`.
 #[derive(Debug, Args)]
+#[command(
+    mut_arg("mode", paths_mode),
+    mut_arg("device_plugin_config", paths_device_plugin_config)
+)]
 pub struct InventoryArgs {
     #[command(flatten)]
     pub backend: BackendSettings,
@@ -194,13 +208,8 @@ pub struct InventoryArgs {
     #[command(flatten)]
     pub plugin: PluginSettings,
 
-    /// The mode `-o paths` answers for (as `nvdra run --mode`).
-    #[arg(long, env = "NVDRA_MODE", value_enum)]
-    pub mode: Option<config::Mode>,
-
-    /// NVIDIA's device-plugin config file `-o paths` computes the resources from.
-    #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
-    pub device_plugin_config: Option<PathBuf>,
+    #[command(flatten)]
+    pub serve: ServeSettings,
 
     /// The API `-o paths` asks in `--mode auto`.
     #[command(flatten)]
@@ -217,16 +226,22 @@ pub struct InventoryArgs {
     pub counter_layout: CounterLayoutArg,
 }
 
+/// `--mode` ([`ServeSettings`]) as `inventory -o paths` uses it.
+fn paths_mode(arg: clap::Arg) -> clap::Arg {
+    arg.help("The mode `-o paths` answers for (as `nvdra run --mode`)")
+}
+
+/// `--device-plugin-config` ([`ServeSettings`]) as `inventory -o paths` uses it.
+fn paths_device_plugin_config(arg: clap::Arg) -> clap::Arg {
+    arg.help("NVIDIA's device-plugin config file `-o paths` computes the resources from")
+}
+
 impl InventoryArgs {
     fn settings(&self, log: &LogSettings) -> Settings {
         Settings {
             backend: self.backend.clone(),
             plugin: self.plugin.clone(),
-            daemon: DaemonSettings {
-                mode: self.mode,
-                device_plugin_config: self.device_plugin_config.clone(),
-                ..DaemonSettings::default()
-            },
+            serve: self.serve.clone(),
             api: self.api.clone(),
             log: log.clone(),
             ..Settings::default()
@@ -461,7 +476,7 @@ fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     let mut objects = objects;
     // Per node: (node name or "" for the one node of a backend or a file, its slices).
     let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
-        if let Some(kubeconfig) = &args.kubeconfig {
+        if let Some(kubeconfig) = &args.cluster.kubeconfig {
             match live_slices(kubeconfig, args.node.as_deref()) {
                 Ok((slices, classes)) => {
                     // Classes given with -f win over the cluster's.

@@ -1,6 +1,7 @@
 //! The command line: clap definitions (the source of truth for flags, env names and help) and
 //! the dispatch to each subcommand.
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -319,9 +320,14 @@ fn load_config(cli: &Cli, settings: Settings) -> Result<Config, config::Error> {
     config::resolve(settings, file)
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("NVDRA_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+/// Logs to stderr in `format`, filtered by `filter` (`--log`, `NVDRA_LOG`) or, where that is
+/// unset or not a filter, by the subcommand's `default`.
+fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = filter
+        .and_then(OsStr::to_str)
+        .and_then(|f| EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -344,7 +350,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match &cli.command {
         Command::Inventory(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
-            init_logging(config.log_format);
+            init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
             let backend = open_backend(&config)?;
             let inv = backend.snapshot()?;
             let text = match args.output {
@@ -370,12 +376,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Demo => {
             // Only problems are worth seeing next to the narration.
-            let filter = tracing_subscriber::EnvFilter::try_from_env("NVDRA_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
-            let _ = tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_writer(std::io::stderr)
-                .try_init();
+            init_logging(LogFormat::Plain, cli.log.log_filter.as_deref(), "error");
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             let mut out = std::io::stdout();
             runtime
@@ -387,7 +388,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Run(args) => {
             crate::daemon::without_thread_caches();
             let config = load_config(&cli, args.settings(&cli.log))?;
-            init_logging(config.log_format);
+            init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             runtime.block_on(async {
                 let backend = open_backend(&config)?;

@@ -4,6 +4,7 @@
 //! line and environment, file, defaults) can be layered; [`super::resolve`] does that and
 //! validates the result.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use serde::Deserialize;
@@ -406,19 +407,40 @@ pub struct LogSettings {
     /// Log format on stderr.
     #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
     pub log_format: Option<LogFormat>,
+
+    /// What is logged: a tracing filter (`debug`, `nvdra=debug,kube=warn`). Unset, or not a
+    /// filter: `info` (`error` for the demo), the subcommand's default.
+    // Raw, not a `String`: a value that is not UTF-8 falls back to the default as an invalid
+    // filter does. Hidden, and not a file key: it is known as NVDRA_LOG, which the README
+    // documents with --log-format.
+    #[arg(
+        long = "log",
+        env = "NVDRA_LOG",
+        global = true,
+        value_name = "FILTER",
+        hide = true
+    )]
+    #[serde(skip)]
+    pub log_filter: Option<OsString>,
 }
 
 impl Section for LogSettings {
     fn defaults() -> Self {
         Self {
             log_format: Some(LogFormat::Plain),
+            // The default is the subcommand's (`cli::init_logging`).
+            log_filter: None,
         }
     }
 
     fn or(self, lower: Self) -> Self {
-        let Self { log_format } = self;
+        let Self {
+            log_format,
+            log_filter,
+        } = self;
         Self {
             log_format: log_format.or(lower.log_format),
+            log_filter: log_filter.or(lower.log_filter),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The command line: clap definitions (the source of truth for flags, env names and help) and
 //! the dispatch to each subcommand.
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,8 +10,9 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::{
-    self, ApiSettings, Backend, BackendSettings, Config, DaemonSettings, FileConfig,
-    HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings, Settings,
+    self, ApiSettings, Backend, BackendSettings, ClusterSettings, Config, DaemonSettings,
+    FileConfig, HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings,
+    ServeSettings, Settings,
 };
 use crate::dra::slices;
 use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
@@ -64,6 +66,7 @@ pub enum MatchOutput {
 
 /// Flags of `nvdra match`.
 #[derive(Debug, Args)]
+#[command(mut_arg("kubeconfig", match_kubeconfig))]
 pub struct MatchArgs {
     /// ResourceClaims, ResourceClaimTemplates and DeviceClasses (YAML or JSON, multi-document).
     #[arg(short = 'f', long = "filename", value_name = "FILE", required = true)]
@@ -74,15 +77,8 @@ pub struct MatchArgs {
     #[arg(long, env = "NVDRA_SLICES", value_name = "FILE", conflicts_with_all = ["profile", "topology"])]
     pub slices: Option<PathBuf>,
 
-    /// Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain the
-    /// claim per node.
-    #[arg(
-        long,
-        env = "NVDRA_KUBECONFIG",
-        value_name = "FILE",
-        conflicts_with_all = ["slices", "profile", "topology"]
-    )]
-    pub kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterSettings,
 
     /// With --kubeconfig: only this node's ResourceSlices.
     #[arg(
@@ -104,6 +100,16 @@ pub struct MatchArgs {
     pub output: MatchOutput,
 }
 
+/// `--kubeconfig` ([`ClusterSettings`]) as `match` uses it: a cluster to read instead of a
+/// backend or a slices file.
+fn match_kubeconfig(arg: clap::Arg) -> clap::Arg {
+    arg.help(
+        "Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain \
+         the claim per node",
+    )
+    .conflicts_with_all(["slices", "profile", "topology"])
+}
+
 /// Flags of `nvdra validate`.
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
@@ -115,6 +121,9 @@ pub struct ValidateArgs {
 /// Flags of `nvdra run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub serve: ServeSettings,
+
     #[command(flatten)]
     pub daemon: DaemonSettings,
 
@@ -145,6 +154,7 @@ impl RunArgs {
             plugin: self.plugin.clone(),
             kubelet: self.kubelet.clone(),
             api: self.api.clone(),
+            serve: self.serve.clone(),
             daemon: self.daemon.clone(),
             log: log.clone(),
             health: self.health.clone(),
@@ -182,7 +192,12 @@ impl From<CounterLayoutArg> for slices::CounterLayout {
     }
 }
 
+/// Flags of `nvdra inventory`.
 #[derive(Debug, Args)]
+#[command(
+    mut_arg("mode", paths_mode),
+    mut_arg("device_plugin_config", paths_device_plugin_config)
+)]
 pub struct InventoryArgs {
     #[command(flatten)]
     pub backend: BackendSettings,
@@ -194,13 +209,8 @@ pub struct InventoryArgs {
     #[command(flatten)]
     pub plugin: PluginSettings,
 
-    /// The mode `-o paths` answers for (as `nvdra run --mode`).
-    #[arg(long, env = "NVDRA_MODE", value_enum)]
-    pub mode: Option<config::Mode>,
-
-    /// NVIDIA's device-plugin config file `-o paths` computes the resources from.
-    #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
-    pub device_plugin_config: Option<PathBuf>,
+    #[command(flatten)]
+    pub serve: ServeSettings,
 
     /// The API `-o paths` asks in `--mode auto`.
     #[command(flatten)]
@@ -217,16 +227,22 @@ pub struct InventoryArgs {
     pub counter_layout: CounterLayoutArg,
 }
 
+/// `--mode` ([`ServeSettings`]) as `inventory -o paths` uses it.
+fn paths_mode(arg: clap::Arg) -> clap::Arg {
+    arg.help("The mode `-o paths` answers for (as `nvdra run --mode`)")
+}
+
+/// `--device-plugin-config` ([`ServeSettings`]) as `inventory -o paths` uses it.
+fn paths_device_plugin_config(arg: clap::Arg) -> clap::Arg {
+    arg.help("NVIDIA's device-plugin config file `-o paths` computes the resources from")
+}
+
 impl InventoryArgs {
     fn settings(&self, log: &LogSettings) -> Settings {
         Settings {
             backend: self.backend.clone(),
             plugin: self.plugin.clone(),
-            daemon: DaemonSettings {
-                mode: self.mode,
-                device_plugin_config: self.device_plugin_config.clone(),
-                ..DaemonSettings::default()
-            },
+            serve: self.serve.clone(),
             api: self.api.clone(),
             log: log.clone(),
             ..Settings::default()
@@ -304,9 +320,14 @@ fn load_config(cli: &Cli, settings: Settings) -> Result<Config, config::Error> {
     config::resolve(settings, file)
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("NVDRA_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+/// Logs to stderr in `format`, filtered by `filter` (`--log`, `NVDRA_LOG`) or, where that is
+/// unset or not a filter, by the subcommand's `default`.
+fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = filter
+        .and_then(OsStr::to_str)
+        .and_then(|f| EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -329,7 +350,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match &cli.command {
         Command::Inventory(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
-            init_logging(config.log_format);
+            init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
             let backend = open_backend(&config)?;
             let inv = backend.snapshot()?;
             let text = match args.output {
@@ -355,12 +376,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Demo => {
             // Only problems are worth seeing next to the narration.
-            let filter = tracing_subscriber::EnvFilter::try_from_env("NVDRA_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
-            let _ = tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_writer(std::io::stderr)
-                .try_init();
+            init_logging(LogFormat::Plain, cli.log.log_filter.as_deref(), "error");
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             let mut out = std::io::stdout();
             runtime
@@ -371,7 +387,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Match(_) | Command::Validate(_) => Ok(()),
         Command::Run(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
-            init_logging(config.log_format);
+            init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             runtime.block_on(async {
                 let backend = open_backend(&config)?;
@@ -460,7 +476,7 @@ fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     let mut objects = objects;
     // Per node: (node name or "" for the one node of a backend or a file, its slices).
     let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
-        if let Some(kubeconfig) = &args.kubeconfig {
+        if let Some(kubeconfig) = &args.cluster.kubeconfig {
             match live_slices(kubeconfig, args.node.as_deref()) {
                 Ok((slices, classes)) => {
                     // Classes given with -f win over the cluster's.

@@ -3,9 +3,10 @@
 //! program reads without further checks.
 //!
 //! Each setting is declared once (`config/settings.rs`), as an optional field of the struct of
-//! its concern ([`BackendSettings`], [`PluginSettings`], [`KubeletSettings`], [`ApiSettings`],
-//! [`DaemonSettings`], [`LogSettings`]): its clap attributes give the flag, the env name and the
-//! help (`cli` flattens the structs into its subcommands), its serde name the file key (the file
+//! its concern ([`BackendSettings`], [`PluginSettings`], [`KubeletSettings`], [`ApiSettings`]
+//! with its [`ClusterSettings`], [`ServeSettings`], [`DaemonSettings`], [`LogSettings`],
+//! [`HealthSettings`]): its clap attributes give the flag, the env name and the help (`cli`
+//! flattens the structs into the subcommands that take them), its serde name the file key (the file
 //! is one flat map over every struct, read by `config/file.rs`), and [`Section::defaults`] the
 //! default.
 //! Clap merges the command line over the environment; [`resolve`] layers that over the file over
@@ -25,8 +26,8 @@ mod settings;
 
 pub use file::FileConfig;
 pub use settings::{
-    ApiSettings, BackendSettings, DaemonSettings, HealthSettings, KubeletSettings, LogSettings,
-    PluginSettings, Section, Settings,
+    ApiSettings, BackendSettings, ClusterSettings, DaemonSettings, HealthSettings, KubeletSettings,
+    LogSettings, PluginSettings, Section, ServeSettings, Settings,
 };
 
 /// The config file version this build reads.
@@ -138,6 +139,7 @@ pub struct Config {
     pub node_labels: bool,
 }
 
+/// Every path under the kubelet's root directory is derived here, from `kubelet_root`.
 impl Config {
     /// Where the plugin keeps its sockets, checkpoint and locks.
     pub fn plugin_dir(&self) -> PathBuf {
@@ -149,8 +151,14 @@ impl Config {
         self.kubelet_root.join("device-plugins")
     }
 
+    /// `<kubelet root>/plugins_registry`, where the kubelet discovers plugins by inotify.
     pub fn registry_dir(&self) -> PathBuf {
         self.kubelet_root.join("plugins_registry")
+    }
+
+    /// The kubelet's PodResources socket, which `--mode both` reads for what containers hold.
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.kubelet_root.join("pod-resources").join("kubelet.sock")
     }
 }
 
@@ -170,6 +178,7 @@ fn validate(settings: Settings) -> Result<Config> {
         plugin,
         kubelet,
         api,
+        serve,
         daemon,
         log,
         health,
@@ -230,7 +239,7 @@ fn validate(settings: Settings) -> Result<Config> {
     let driver_name = need(plugin.driver_name, "--driver-name")?;
     check_dns_subdomain("--driver-name", &driver_name, 63)?;
 
-    let api = match (api.api_dir, api.kubeconfig) {
+    let api = match (api.api_dir, api.cluster.kubeconfig) {
         (Some(_), Some(_)) => {
             return Err(invalid(
                 "--api-dir/--kubeconfig",
@@ -267,7 +276,7 @@ fn validate(settings: Settings) -> Result<Config> {
         ));
     }
 
-    let mode = need(daemon.mode, "--mode")?;
+    let mode = need(serve.mode, "--mode")?;
     fn bad(key: &'static str) -> impl Fn(crate::health::Error) -> Error {
         move |e| invalid(key, e.to_string())
     }
@@ -316,7 +325,7 @@ fn validate(settings: Settings) -> Result<Config> {
         log_format: need(log.log_format, "--log-format")?,
         partitionable: need(plugin.partitionable, "--partitionable")?,
         pod_uid: kubelet.pod_uid,
-        device_plugin_config: daemon
+        device_plugin_config: serve
             .device_plugin_config
             .map(|p| absolute("--device-plugin-config", p))
             .transpose()?,

@@ -254,12 +254,8 @@ pub async fn run(
     let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
     let shutdown = stop.child_token();
     // `both`: one ledger for both paths.
-    let device_plugin = device_plugin.map(|dp| {
-        dp.with_ledger(
-            plugin.ledger().clone(),
-            deviceplugin::both::pod_resources_socket(&config.kubelet_root),
-        )
-    });
+    let device_plugin = device_plugin
+        .map(|dp| dp.with_ledger(plugin.ledger().clone(), config.pod_resources_socket()));
     if let Some(dp) = &device_plugin {
         dp.observe_once().await;
     }

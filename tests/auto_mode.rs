@@ -64,9 +64,9 @@ async fn start(setup: impl FnOnce(&TestApiServer)) -> TestNode {
     std::fs::write(p("boot_id"), "boot-1\n").unwrap();
     std::fs::write(p("dp.yaml"), "version: v1\nflags:\n  migStrategy: mixed\n").unwrap();
     let mut settings = Settings::default();
-    settings.daemon.mode = Some(config::Mode::Auto);
+    settings.serve.mode = Some(config::Mode::Auto);
     settings.daemon.metrics_address = Some("127.0.0.1:0".into());
-    settings.daemon.device_plugin_config = Some(p("dp.yaml"));
+    settings.serve.device_plugin_config = Some(p("dp.yaml"));
     settings.backend.profile = Some("a100-mig-mixed".into());
     settings.backend.node_name = Some(NODE.into());
     settings.backend.driver_root = Some(p("driver"));

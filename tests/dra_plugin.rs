@@ -58,7 +58,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
     let boot = dir.path().join("boot_id");
     std::fs::write(&boot, "boot-1\n").unwrap();
     let mut settings = Settings::default();
-    settings.daemon.mode = Some(config::Mode::Dra);
+    settings.serve.mode = Some(config::Mode::Dra);
     settings.daemon.metrics_address = Some("127.0.0.1:0".into());
     settings.backend.profile = Some(profile.into());
     settings.backend.node_name = Some(NODE.into());

@@ -360,7 +360,7 @@ async fn the_daemon_wires_the_fault_file_to_the_slices_and_every_health_stream()
     std::fs::write(&boot, "boot-1\n").unwrap();
     let faults = dir.path().join("faults");
     let mut settings = Settings::default();
-    settings.daemon.mode = Some(config::Mode::Dra);
+    settings.serve.mode = Some(config::Mode::Dra);
     settings.daemon.metrics_address = Some("127.0.0.1:0".into());
     settings.backend.profile = Some("dgx-h100".into());
     settings.backend.node_name = Some(NODE.into());

@@ -20,7 +20,7 @@ use serde::{Deserialize, forward_to_deserialize_any};
 
 use super::{
     ApiSettings, BackendSettings, DaemonSettings, HealthSettings, KubeletSettings, LogSettings,
-    PluginSettings,
+    PluginSettings, ServeSettings,
 };
 use super::{FILE_VERSION, Result, Section, Settings, invalid};
 
@@ -57,7 +57,7 @@ impl FileConfig {
                 "a built-in profile or a topology file",
             ),
             (
-                s.api.api_dir.is_some() && s.api.kubeconfig.is_some(),
+                s.api.api_dir.is_some() && s.api.cluster.kubeconfig.is_some(),
                 "apiDir/kubeconfig",
                 "an API directory or a kubeconfig",
             ),
@@ -83,6 +83,7 @@ pub(super) fn file_keys() -> &'static [&'static str] {
             keys_of::<PluginSettings>(),
             keys_of::<KubeletSettings>(),
             keys_of::<ApiSettings>(),
+            keys_of::<ServeSettings>(),
             keys_of::<DaemonSettings>(),
             keys_of::<LogSettings>(),
             keys_of::<HealthSettings>(),
@@ -104,6 +105,7 @@ fn read_entry<'de, A: MapAccess<'de>>(
         plugin,
         kubelet,
         api,
+        serve,
         daemon,
         log,
         health,
@@ -112,6 +114,7 @@ fn read_entry<'de, A: MapAccess<'de>>(
         || read_into(plugin, key, map)?
         || read_into(kubelet, key, map)?
         || read_into(api, key, map)?
+        || read_into(serve, key, map)?
         || read_into(daemon, key, map)?
         || read_into(log, key, map)?
         || read_into(health, key, map)?)

@@ -4,6 +4,7 @@
 //! line and environment, file, defaults) can be layered; [`super::resolve`] does that and
 //! validates the result.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use serde::Deserialize;
@@ -180,23 +181,36 @@ impl Section for KubeletSettings {
     }
 }
 
+/// A kubeconfig: the one declaration of `--kubeconfig`, flattened into [`ApiSettings`] and into
+/// `nvdra match` (which reads a live cluster through it), as kubert's client arguments are.
+// Transparent, and renamed where ApiSettings holds it: in the file `kubeconfig` stays a key of
+// the flat map, read by ApiSettings' derive like its other keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(transparent)]
+pub struct ClusterSettings {
+    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
+    #[arg(long, env = "NVDRA_KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
 /// Which API server nvdra talks to.
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
 #[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ApiSettings {
-    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
-    #[arg(
-        long,
-        env = "NVDRA_KUBECONFIG",
-        value_name = "FILE",
-        conflicts_with = "api_dir"
-    )]
-    pub kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    #[serde(default, rename = "kubeconfig")]
+    pub cluster: ClusterSettings,
 
     /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
     /// DIR/resourceslices), for runs without a cluster.
-    #[arg(long, env = "NVDRA_API_DIR", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "NVDRA_API_DIR",
+        value_name = "DIR",
+        conflicts_with = "kubeconfig"
+    )]
     pub api_dir: Option<PathBuf>,
 }
 
@@ -207,40 +221,70 @@ impl Section for ApiSettings {
 
     fn or(self, lower: Self) -> Self {
         let Self {
-            kubeconfig,
+            cluster: ClusterSettings { kubeconfig },
             api_dir,
         } = self;
         Self {
-            kubeconfig: kubeconfig.or(lower.kubeconfig),
+            cluster: ClusterSettings {
+                kubeconfig: kubeconfig.or(lower.cluster.kubeconfig),
+            },
             api_dir: api_dir.or(lower.api_dir),
         }
     }
 
     fn under(mut self, higher: &Self) -> Self {
-        if higher.kubeconfig.is_some() || higher.api_dir.is_some() {
-            (self.kubeconfig, self.api_dir) = (None, None);
+        if higher.cluster.kubeconfig.is_some() || higher.api_dir.is_some() {
+            (self.cluster.kubeconfig, self.api_dir) = (None, None);
         }
         self
     }
 }
 
-/// What the node agent serves, and where its metrics are.
+/// Which path serves the GPUs to the kubelet: DRA, the device plugin, or both, and the device
+/// plugin's config. `nvdra run` serves them; `nvdra inventory -o paths` says what it would serve.
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
 #[cfg_attr(test, derive(serde::Serialize))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct DaemonSettings {
+pub struct ServeSettings {
     /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
     #[arg(long, env = "NVDRA_MODE", value_enum)]
     pub mode: Option<Mode>,
-
-    /// Address of /metrics, /healthz and /readyz.
-    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
-    pub metrics_address: Option<String>,
 
     /// NVIDIA's device-plugin config file (version v1: flags.migStrategy, deviceListStrategy,
     /// deviceIDStrategy, sharing.timeSlicing/mps, ...), for the device-plugin path.
     #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
     pub device_plugin_config: Option<PathBuf>,
+}
+
+impl Section for ServeSettings {
+    fn defaults() -> Self {
+        Self {
+            mode: Some(Mode::Auto),
+            device_plugin_config: None,
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self {
+            mode,
+            device_plugin_config,
+        } = self;
+        Self {
+            mode: mode.or(lower.mode),
+            device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
+        }
+    }
+}
+
+/// What only the node agent does: where its metrics are, and what it adds to the device-plugin
+/// path and the Node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DaemonSettings {
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
+    pub metrics_address: Option<String>,
 
     /// Advertise each whole GPU no sharing entry selects as nvidia.com/gpu-memory instead of
     /// nvidia.com/gpu on the device-plugin path: one device per GiB, Allocate of k units setting
@@ -271,9 +315,7 @@ pub struct DaemonSettings {
 impl Section for DaemonSettings {
     fn defaults() -> Self {
         Self {
-            mode: Some(Mode::Auto),
             metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
-            device_plugin_config: None,
             device_plugin_gpu_memory: Some(false),
             node_labels: Some(false),
         }
@@ -281,16 +323,12 @@ impl Section for DaemonSettings {
 
     fn or(self, lower: Self) -> Self {
         let Self {
-            mode,
             metrics_address,
-            device_plugin_config,
             device_plugin_gpu_memory,
             node_labels,
         } = self;
         Self {
-            mode: mode.or(lower.mode),
             metrics_address: metrics_address.or(lower.metrics_address),
-            device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
             node_labels: node_labels.or(lower.node_labels),
             device_plugin_gpu_memory: device_plugin_gpu_memory.or(lower.device_plugin_gpu_memory),
         }
@@ -369,19 +407,40 @@ pub struct LogSettings {
     /// Log format on stderr.
     #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
     pub log_format: Option<LogFormat>,
+
+    /// What is logged: a tracing filter (`debug`, `nvdra=debug,kube=warn`). Unset, or not a
+    /// filter: `info` (`error` for the demo), the subcommand's default.
+    // Raw, not a `String`: a value that is not UTF-8 falls back to the default as an invalid
+    // filter does. Hidden, and not a file key: it is known as NVDRA_LOG, which the README
+    // documents with --log-format.
+    #[arg(
+        long = "log",
+        env = "NVDRA_LOG",
+        global = true,
+        value_name = "FILTER",
+        hide = true
+    )]
+    #[serde(skip)]
+    pub log_filter: Option<OsString>,
 }
 
 impl Section for LogSettings {
     fn defaults() -> Self {
         Self {
             log_format: Some(LogFormat::Plain),
+            // The default is the subcommand's (`cli::init_logging`).
+            log_filter: None,
         }
     }
 
     fn or(self, lower: Self) -> Self {
-        let Self { log_format } = self;
+        let Self {
+            log_format,
+            log_filter,
+        } = self;
         Self {
             log_format: log_format.or(lower.log_format),
+            log_filter: log_filter.or(lower.log_filter),
         }
     }
 }
@@ -393,6 +452,7 @@ pub struct Settings {
     pub plugin: PluginSettings,
     pub kubelet: KubeletSettings,
     pub api: ApiSettings,
+    pub serve: ServeSettings,
     pub daemon: DaemonSettings,
     pub log: LogSettings,
     pub health: HealthSettings,
@@ -405,6 +465,7 @@ impl Settings {
             plugin: Section::defaults(),
             kubelet: Section::defaults(),
             api: Section::defaults(),
+            serve: Section::defaults(),
             daemon: Section::defaults(),
             log: Section::defaults(),
             health: Section::defaults(),
@@ -418,6 +479,7 @@ impl Settings {
             plugin,
             kubelet,
             api,
+            serve,
             daemon,
             log,
             health,
@@ -427,6 +489,7 @@ impl Settings {
             plugin: plugin.or(lower.plugin),
             kubelet: kubelet.or(lower.kubelet),
             api: api.or(lower.api),
+            serve: serve.or(lower.serve),
             daemon: daemon.or(lower.daemon),
             log: log.or(lower.log),
             health: health.or(lower.health),
@@ -440,6 +503,7 @@ impl Settings {
             plugin,
             kubelet,
             api,
+            serve,
             daemon,
             log,
             health,
@@ -449,6 +513,7 @@ impl Settings {
             plugin: plugin.under(&higher.plugin),
             kubelet: kubelet.under(&higher.kubelet),
             api: api.under(&higher.api),
+            serve: serve.under(&higher.serve),
             daemon: daemon.under(&higher.daemon),
             log: log.under(&higher.log),
             health: health.under(&higher.health),

@@ -172,7 +172,11 @@ fn api_dir_and_kubeconfig() {
     let c = resolve(with(|s| s.api.api_dir = Some("/tmp/api".into())), None).unwrap();
     assert_eq!(c.api, Api::Dir("/tmp/api".into()));
     let f = file("version: v1\napiDir: /tmp/api\n").unwrap();
-    let c = resolve(with(|s| s.api.kubeconfig = Some("/k".into())), Some(f)).unwrap();
+    let c = resolve(
+        with(|s| s.api.cluster.kubeconfig = Some("/k".into())),
+        Some(f),
+    )
+    .unwrap();
     assert_eq!(
         c.api,
         Api::Kube {
@@ -224,11 +228,11 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "partitionable" => s.plugin.partitionable == Some(true),
             "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
             "cdiRoot" => s.kubelet.cdi_root.is_some(),
-            "kubeconfig" => s.api.kubeconfig.is_some(),
+            "kubeconfig" => s.api.cluster.kubeconfig.is_some(),
             "apiDir" => s.api.api_dir.is_some(),
-            "mode" => s.daemon.mode == Some(Mode::Dra),
+            "mode" => s.serve.mode == Some(Mode::Dra),
             "metricsAddress" => s.daemon.metrics_address.is_some(),
-            "devicePluginConfig" => s.daemon.device_plugin_config.is_some(),
+            "devicePluginConfig" => s.serve.device_plugin_config.is_some(),
             "devicePluginGpuMemory" => s.daemon.device_plugin_gpu_memory == Some(true),
             "nodeLabels" => s.daemon.node_labels.is_some(),
             "logFormat" => s.log.log_format == Some(LogFormat::Json),
@@ -247,6 +251,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             s.plugin != unset.plugin,
             s.kubelet != unset.kubelet,
             s.api != unset.api,
+            s.serve != unset.serve,
             s.daemon != unset.daemon,
             s.log != unset.log,
             s.health != unset.health,
@@ -396,6 +401,7 @@ fn readme_configuration_table_matches_the_declarations() {
         serde_json::to_value(&d.plugin),
         serde_json::to_value(&d.kubelet),
         serde_json::to_value(&d.api),
+        serde_json::to_value(&d.serve),
         serde_json::to_value(&d.daemon),
         serde_json::to_value(&d.log),
         serde_json::to_value(&d.health),

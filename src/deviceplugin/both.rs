@@ -5,9 +5,10 @@
 //!   sent again whenever the ledger changes.
 //! - Allocate of a device a claim holds fails naming the claim; otherwise its devices are held in
 //!   the ledger at once ([`hold`]), before the kubelet's PodResources lists the pod.
-//! - [`poll_pod_resources`] reads the kubelet's PodResources `List`
-//!   (`<kubelet root>/pod-resources/kubelet.sock`) every [`POD_RESOURCES_POLL`] and after each
-//!   Allocate, and hands the ledger what each container holds; the slice sync hides it.
+//! - [`poll_pod_resources`] reads the kubelet's PodResources `List` (on
+//!   [`Config::pod_resources_socket`](crate::config::Config::pod_resources_socket)) every
+//!   [`POD_RESOURCES_POLL`] and after each Allocate, and hands the ledger what each container
+//!   holds; the slice sync hides it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -31,11 +32,6 @@ use super::resources::Resource;
 pub const POD_RESOURCES_POLL: Duration = Duration::from_secs(1);
 /// How long one `List` may take.
 const LIST_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The PodResources socket under a kubelet root.
-pub fn pod_resources_socket(kubelet_root: &Path) -> PathBuf {
-    kubelet_root.join("pod-resources").join("kubelet.sock")
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListError {

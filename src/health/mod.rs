@@ -36,8 +36,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::inventory::{
-    self, DeviceBackend, GpuUuid, Health, Inventory, MigDevice, MigUuid, Placement, Taint,
-    TaintEffect, TaintKey, TimeSlice,
+    self, DeviceBackend, GpuUuid, Health, Inventory, Taint, TaintEffect, TaintKey,
 };
 
 pub use crate::inventory::events::{Event, EventKind};
@@ -340,9 +339,11 @@ impl Monitored {
     }
 }
 
-impl DeviceBackend for Monitored {
-    fn name(&self) -> &'static str {
-        self.backend.name()
+// Named, not imported: elsewhere in this module (its tests included) `monitored.snapshot()` is
+// `DeviceBackend::snapshot` alone, not ambiguous between the two traits.
+impl inventory::Wrapper for Monitored {
+    fn inner(&self) -> &dyn DeviceBackend {
+        &*self.backend
     }
 
     fn snapshot(&self) -> inventory::Result<Inventory> {
@@ -351,38 +352,6 @@ impl DeviceBackend for Monitored {
 
     fn refresh(&self) -> inventory::Result<Inventory> {
         self.backend.refresh().map(|inv| self.overlay(inv))
-    }
-
-    fn start_health_events(
-        &self,
-        sink: Box<dyn crate::inventory::events::EventSink>,
-    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
-        self.backend.start_health_events(sink)
-    }
-
-    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        self.backend.probe(gpu)
-    }
-
-    fn unavailable(&self, what: inventory::Reconfiguration) -> Option<String> {
-        self.backend.unavailable(what)
-    }
-
-    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> inventory::Result<()> {
-        self.backend.set_time_slice(gpu, interval)
-    }
-
-    fn create_mig(
-        &self,
-        gpu: &GpuUuid,
-        gi_profile_id: u32,
-        placement: Placement,
-    ) -> inventory::Result<MigDevice> {
-        self.backend.create_mig(gpu, gi_profile_id, placement)
-    }
-
-    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> inventory::Result<()> {
-        self.backend.destroy_mig(gpu, mig)
     }
 }
 

@@ -1,4 +1,5 @@
-//! The backend seam: [`DeviceBackend`], and its snapshot and refresh run off the async runtime.
+//! The backend seam: [`DeviceBackend`], [`Wrapper`] for backends over another, and the snapshot
+//! and refresh run off the async runtime.
 
 use super::{Error, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice};
 
@@ -100,6 +101,95 @@ pub trait DeviceBackend: Send + Sync + 'static {
             backend: self.name(),
             operation: "destroying MIG devices",
         })
+    }
+}
+
+/// A backend over another that changes some of what it does: the cache
+/// ([`Cached`](super::cache::Cached)) and the health overlay
+/// ([`Monitored`](crate::health::Monitored)). A wrapper implements [`Wrapper::inner`] and the
+/// methods it changes; every other [`DeviceBackend`] method goes to `inner` unchanged, through
+/// the one implementation below instead of a forwarding method per wrapper.
+pub trait Wrapper: Send + Sync + 'static {
+    /// The backend wrapped.
+    fn inner(&self) -> &dyn DeviceBackend;
+
+    /// [`DeviceBackend::snapshot`].
+    fn snapshot(&self) -> Result<Inventory> {
+        self.inner().snapshot()
+    }
+
+    /// [`DeviceBackend::refresh`].
+    fn refresh(&self) -> Result<Inventory> {
+        self.inner().refresh()
+    }
+
+    /// [`DeviceBackend::set_time_slice`].
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        self.inner().set_time_slice(gpu, interval)
+    }
+
+    /// [`DeviceBackend::create_mig`].
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        self.inner().create_mig(gpu, gi_profile_id, placement)
+    }
+
+    /// [`DeviceBackend::destroy_mig`].
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        self.inner().destroy_mig(gpu, mig)
+    }
+}
+
+/// Every method is spelled out, those with a default included: a default here would be the
+/// trait's own (`Unsupported`, a probe through `self.refresh()`), not the wrapped backend's. A
+/// method added to [`DeviceBackend`] is added here, and to [`Wrapper`] if a wrapper may change it.
+impl<W: Wrapper> DeviceBackend for W {
+    fn name(&self) -> &'static str {
+        self.inner().name()
+    }
+
+    fn snapshot(&self) -> Result<Inventory> {
+        Wrapper::snapshot(self)
+    }
+
+    fn refresh(&self) -> Result<Inventory> {
+        Wrapper::refresh(self)
+    }
+
+    fn unavailable(&self, what: Reconfiguration) -> Option<String> {
+        self.inner().unavailable(what)
+    }
+
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        Wrapper::set_time_slice(self, gpu, interval)
+    }
+
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        Wrapper::create_mig(self, gpu, gi_profile_id, placement)
+    }
+
+    fn start_health_events(
+        &self,
+        sink: Box<dyn super::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        self.inner().start_health_events(sink)
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.inner().probe(gpu)
+    }
+
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        Wrapper::destroy_mig(self, gpu, mig)
     }
 }
 

@@ -34,37 +34,24 @@ impl Cached {
     }
 }
 
-impl DeviceBackend for Cached {
-    fn name(&self) -> &'static str {
-        self.backend.name()
+// Named, not imported: elsewhere in this module (its tests included) `cached.snapshot()` is
+// `DeviceBackend::snapshot` alone, not ambiguous between the two traits.
+impl super::Wrapper for Cached {
+    fn inner(&self) -> &dyn DeviceBackend {
+        &*self.backend
     }
 
     fn snapshot(&self) -> Result<Inventory> {
         if let Some(inv) = self.last().as_ref() {
             return Ok(inv.clone());
         }
-        self.refresh()
+        super::Wrapper::refresh(self)
     }
 
     fn refresh(&self) -> Result<Inventory> {
         let inv = self.backend.refresh()?;
         *self.last() = Some(inv.clone());
         Ok(inv)
-    }
-
-    fn unavailable(&self, what: super::Reconfiguration) -> Option<String> {
-        self.backend.unavailable(what)
-    }
-
-    fn start_health_events(
-        &self,
-        sink: Box<dyn crate::inventory::events::EventSink>,
-    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
-        self.backend.start_health_events(sink)
-    }
-
-    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        self.backend.probe(gpu)
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {

@@ -25,7 +25,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{DeviceBackend, Reconfiguration, refresh, snapshot};
+pub use backend::{DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
 pub use domains::assign_nvlink_domains;
 pub use quantity::{parse_quantity, quantity};
 

@@ -37,7 +37,6 @@
 //!   other under one lock, so one exclusive GPU never has two consumers.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::dra::slices::DeviceName;
+use crate::ids::{ClaimUid, DeviceName};
 use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::lock::lock;
 use crate::sharing::Sharing;
@@ -110,46 +109,6 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// A ResourceClaim UID. It prefixes the claim's CDI device names, so it follows their grammar;
-/// [`ClaimUid::parse`] (where a request enters) and reading a checkpoint are the only ways to
-/// make one, so code that holds one never checks it again.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct ClaimUid(String);
-
-impl ClaimUid {
-    pub fn parse(uid: impl Into<String>) -> std::result::Result<Self, crate::cdi::Error> {
-        let uid = uid.into();
-        crate::cdi::validate_device_name(&uid)?;
-        Ok(Self(uid))
-    }
-}
-
-impl TryFrom<String> for ClaimUid {
-    type Error = crate::cdi::Error;
-    fn try_from(uid: String) -> std::result::Result<Self, crate::cdi::Error> {
-        Self::parse(uid)
-    }
-}
-
-impl From<ClaimUid> for String {
-    fn from(uid: ClaimUid) -> String {
-        uid.0
-    }
-}
-
-impl fmt::Display for ClaimUid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl ClaimUid {
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
 
 /// How far a claim's preparation got.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -223,10 +223,10 @@ pub async fn poll_pod_resources(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::slices::DeviceName;
+    use crate::ids::{ClaimUid, DeviceName};
     use crate::inventory::sim::SimBackend;
     use crate::inventory::{DeviceBackend, DeviceUuid};
-    use crate::ledger::{ClaimEntry, ClaimState, ClaimUid, DeviceRecord, MigRecord};
+    use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord, MigRecord};
     use crate::sharing::Sharing;
 
     fn resources() -> (crate::inventory::Inventory, Vec<Resource>) {

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::slices::DeviceName;
+use crate::ids::DeviceName;
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::proto::health::v1alpha1::{
     DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,

@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 
 use super::plugin::{ClaimError, ClaimRef};
-use crate::ledger::{ClaimUid, DeviceRecord};
+use crate::ids::ClaimUid;
+use crate::ledger::DeviceRecord;
 use crate::proto::dra::{v1, v1beta1};
 
 pub type PrepareResults = Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)>;
@@ -174,7 +175,7 @@ mod tests {
         DeviceRecord {
             requests: vec!["gpu".into()],
             pool: "node".into(),
-            device: crate::dra::slices::DeviceName::gpu(0),
+            device: crate::ids::DeviceName::gpu(0),
             cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
             share_id: share.map(String::from),
             admin_access: false,

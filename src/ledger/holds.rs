@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use crate::inventory::{GpuUuid, MigUuid, Placement};
 
-use super::{ClaimEntry, ClaimUid, DeviceRecord};
+use super::{ClaimEntry, DeviceRecord};
+use crate::ids::ClaimUid;
 
 /// How long an Allocate's hold lasts without its pod appearing in PodResources.
 pub const PENDING_TTL: Duration = Duration::from_secs(60);
@@ -180,7 +181,7 @@ impl Holds {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::slices::DeviceName;
+    use crate::ids::DeviceName;
     use crate::ledger::{ClaimState, Ledger, MigRecord};
     use crate::sharing::Sharing;
 

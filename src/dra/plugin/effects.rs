@@ -3,8 +3,9 @@
 //! can be repeated safely, so a rollback that failed half-way is retried as a whole.
 
 use crate::cdi::PreparedDevice;
+use crate::ids::ClaimUid;
 use crate::inventory::{Inventory, MigDevice, TimeSlice};
-use crate::ledger::{ClaimUid, DeviceRecord};
+use crate::ledger::DeviceRecord;
 use crate::sharing::Sharing;
 
 use super::plan::{self, mps_devices, time_slice};

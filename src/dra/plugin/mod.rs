@@ -31,8 +31,9 @@ use std::sync::{Arc, Mutex};
 use super::mps::Mps;
 use super::nodelock::{self, NodeLock};
 use crate::api::ClaimReader;
+use crate::ids::ClaimUid;
 use crate::inventory::{self, DeviceBackend, Inventory};
-use crate::ledger::{self, ClaimUid, Ledger};
+use crate::ledger::{self, Ledger};
 use crate::metrics::Metrics;
 
 mod batch;

@@ -17,8 +17,9 @@ use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
 use crate::api;
+use crate::ids::ClaimUid;
 use crate::inventory::Inventory;
-use crate::ledger::{ClaimEntry, ClaimState, ClaimUid, DeviceRecord};
+use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord};
 
 impl Plugin {
     pub(super) async fn prepare_one(

@@ -1,7 +1,7 @@
 //! The `v1beta1.DevicePlugin` gRPC service of one resource: `ListAndWatch` re-sends the whole
 //! list on every change of the resource's devices; `GetPreferredAllocation` and `Allocate` answer
 //! from the same list; in `--mode both`, Allocate refuses a device a DRA claim holds and holds
-//! the devices it hands out in the shared ledger ([`super::both`]).
+//! the devices it hands out, atomically with the ledger's claims ([`super::both`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -96,7 +96,9 @@ impl DevicePluginApi for Service {
             for ids in &containers {
                 for id in ids {
                     if let Some(d) = resource.device(id)
-                        && let Some(c) = both.ledger.claim_holding(&Resource::occupied(d))
+                        && let Some(c) = both.ledger.read(|cp| {
+                            super::holds::claim_holding(&cp.claims, &Resource::occupied(d))
+                        })
                     {
                         let e = super::both::HeldByClaim {
                             resource: self.name.to_string(),
@@ -122,7 +124,7 @@ impl DevicePluginApi for Service {
         if let Some(both) = &self.both {
             // Held at once (every container's devices, or none), atomically with the claims'
             // check; PodResources names the pod soon.
-            if let Err(e) = super::both::hold(&both.ledger, &resource, &containers.concat()) {
+            if let Err(e) = super::both::hold(both, &resource, &containers.concat()) {
                 tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
                 return Err(Status::failed_precondition(e.to_string()));
             }

@@ -69,11 +69,11 @@ impl Plugin {
         self.inner.ledger.update_with_holds(|claims, holds| {
             plan::conflict(claims, &claim.uid, &plan.devices)?;
             for d in &plan.devices {
-                if let Some((held, holder)) = holds.holder_of(d) {
+                if let Some(h) = holds.holder_of(d) {
                     return Err(ClaimError::HeldByContainer {
                         device: d.device.to_string(),
-                        held: held.to_string(),
-                        holder: holder.to_string(),
+                        held: h.held,
+                        holder: h.holder,
                     });
                 }
             }

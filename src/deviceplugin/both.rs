@@ -108,8 +108,16 @@ pub struct HeldByClaim {
     pub claim: String,
 }
 
-/// Holds the devices `ids` of `resource` for a container, unless a claim holds one of them.
-pub fn hold(both: &Both, resource: &Resource, ids: &[String]) -> Result<(), HeldByClaim> {
+/// Holds the devices `ids` of `resource` for the containers of one Allocate, unless a claim
+/// holds one of them (the refusal names the first such ID) or `allocated`, what the containers
+/// get, is a refusal of its own: returned as it is, holding nothing. The only check of the
+/// claims an Allocate makes, atomic with recording the holds.
+pub fn hold<T, E>(
+    both: &Both,
+    resource: &Resource,
+    ids: &[String],
+    allocated: Result<T, E>,
+) -> Result<Result<T, E>, HeldByClaim> {
     let devices: Vec<(Occupied, Holder, String)> = ids
         .iter()
         .filter_map(|id| resource.device(id).map(|d| (id, d)))
@@ -121,14 +129,16 @@ pub fn hold(both: &Both, resource: &Resource, ids: &[String]) -> Result<(), Held
             (Resource::occupied(d), holder, id.clone())
         })
         .collect();
-    let ids_by: BTreeMap<Occupied, String> = devices
-        .iter()
-        .map(|(o, _, id)| (o.clone(), id.clone()))
-        .collect();
+    // Replicas share hardware: name the first ID of it, as the request lists them.
+    let mut ids_by: BTreeMap<Occupied, String> = BTreeMap::new();
+    for (o, _, id) in &devices {
+        ids_by.entry(o.clone()).or_insert_with(|| id.clone());
+    }
     both.holds
         .hold_for_allocate(
             &both.ledger,
             devices.into_iter().map(|(o, h, _)| (o, h)).collect(),
+            allocated,
         )
         .map_err(|held| {
             let (occ, claim) = *held;

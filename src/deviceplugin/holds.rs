@@ -218,27 +218,34 @@ impl ContainerHolds {
     }
 
     /// Records the devices of one Allocate as held, unless a claim in `ledger` holds one of
-    /// them: then nothing is recorded and the device and its claim are returned.
-    pub fn hold_for_allocate(
+    /// them — then nothing is recorded and the device and its claim are returned — or the
+    /// Allocate itself was refused (`allocated` is an error, returned as it is; the claim's
+    /// refusal comes first, since a device a claim holds is also unhealthy to the Allocate).
+    pub fn hold_for_allocate<T, E>(
         &self,
         ledger: &Ledger,
         devices: Vec<(Occupied, Holder)>,
-    ) -> Result<(), Box<(Occupied, ClaimHolder)>> {
-        ledger.read(|cp| {
+        allocated: Result<T, E>,
+    ) -> Result<Result<T, E>, Box<(Occupied, ClaimHolder)>> {
+        let allocated = ledger.read(|cp| {
             for (occ, _) in &devices {
                 if let Some(c) = claim_holding(&cp.claims, occ) {
                     return Err(Box::new((occ.clone(), c)));
                 }
             }
-            let now = Instant::now();
-            let mut held = lock(&self.holds);
-            for (occ, h) in devices {
-                held.add_pending(occ, h, now);
+            if allocated.is_ok() {
+                let now = Instant::now();
+                let mut held = lock(&self.holds);
+                for (occ, h) in devices {
+                    held.add_pending(occ, h, now);
+                }
             }
-            Ok(())
+            Ok(allocated)
         })?;
-        self.changed();
-        Ok(())
+        if allocated.is_ok() {
+            self.changed();
+        }
+        Ok(allocated)
     }
 
     /// Replaces what containers hold with what PodResources lists.
@@ -380,6 +387,7 @@ mod tests {
             .hold_for_allocate(
                 &ledger,
                 vec![(whole(1), alloc.clone()), (whole(0), alloc.clone())],
+                Ok::<(), ()>(()),
             )
             .unwrap_err();
         assert_eq!(occ, whole(0));
@@ -387,7 +395,8 @@ mod tests {
         assert_eq!(holds.all(), vec![]);
         assert!(!changes.has_changed().unwrap());
         holds
-            .hold_for_allocate(&ledger, vec![(whole(1), alloc.clone())])
+            .hold_for_allocate(&ledger, vec![(whole(1), alloc.clone())], Ok::<(), ()>(()))
+            .unwrap()
             .unwrap();
         assert_eq!(holds.all(), vec![(whole(1), alloc)]);
         assert!(changes.has_changed().unwrap());

@@ -191,6 +191,43 @@ pub struct DeviceRecord {
     pub sharing: Sharing,
 }
 
+impl DeviceRecord {
+    /// Whether `self` and `other` need the same hardware and may not share it: the same GPU,
+    /// whole or by overlapping MIG placements, unless either has admin access or both are shared
+    /// allocations (`shareID`).
+    pub fn conflicts_with(&self, other: &DeviceRecord) -> bool {
+        if self.admin_access
+            || other.admin_access
+            || (self.share_id.is_some() && other.share_id.is_some())
+        {
+            return false;
+        }
+        let placement = |r: &DeviceRecord| r.mig.as_ref().map(|m| m.placement);
+        self.gpu == other.gpu
+            && match (placement(self), placement(other)) {
+                (Some(x), Some(y)) => x.overlaps(&y),
+                _ => true,
+            }
+    }
+}
+
+/// The first of `devices` (in order) that a claim of `claims` other than `uid` holds, with that
+/// claim: what a reservation of `devices` for `uid` must refuse.
+pub fn held_by_another<'a>(
+    claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &'a [DeviceRecord],
+) -> Option<(&'a DeviceRecord, &'a ClaimUid, &'a ClaimEntry)> {
+    devices.iter().find_map(|d| {
+        claims
+            .iter()
+            .find(|(other_uid, other)| {
+                *other_uid != uid && other.devices.iter().any(|o| d.conflicts_with(o))
+            })
+            .map(|(other_uid, other)| (d, other_uid, other))
+    })
+}
+
 /// One claim in the ledger.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

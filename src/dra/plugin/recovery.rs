@@ -5,7 +5,7 @@
 //! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
 //! can finish.
 
-use super::plan::mps_devices;
+use super::effects::mps_devices;
 use super::{ClaimError, Plugin};
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, Inventory};

@@ -213,7 +213,7 @@ async fn main() {
     let cp_path = dir.path().join("floor-checkpoint.json");
     let mut cp = ledger::Checkpoint::empty("bench");
     cp.claims.insert(
-        ledger::ClaimUid::parse("x").expect("a valid UID"),
+        nvdra::ids::ClaimUid::parse("x").expect("a valid UID"),
         ledger::ClaimEntry {
             state: ledger::ClaimState::PrepareCompleted,
             namespace: "default".into(),

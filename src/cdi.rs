@@ -28,7 +28,8 @@
 //!
 //! Invariants:
 //! - Every vendor, class and device name is checked against the CDI grammar before a spec is
-//!   produced; a claim UID is checked before it becomes part of a file name.
+//!   produced; a claim UID reaches the writer as a [`ClaimUid`](crate::ids::ClaimUid), valid by
+//!   construction, before it becomes part of a file name.
 //! - The builder only reads the host (which nodes exist, their major/minor, the MIG capability
 //!   table); it never writes. Output is deterministic: same inputs, same bytes.
 //! - The writer replaces a spec atomically (temp file in the same directory, fsync, rename, fsync

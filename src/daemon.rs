@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
+use crate::deviceplugin::holds::ContainerHolds;
 use crate::deviceplugin::{self, DevicePlugin};
 use crate::dra::health::{self, NodeHealth};
 use crate::dra::plugin::{self, Plugin};
@@ -345,9 +346,11 @@ async fn serve(
         });
     }
 
+    let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
     publish(
         config,
         &plugin,
+        holds,
         &api,
         &backend,
         &metrics,
@@ -518,11 +521,13 @@ pub const RESCAN: Duration = Duration::from_secs(60);
 
 /// Starts the ResourceSlice publisher (counting into the metrics, readiness included) and the
 /// task feeding it the inventory (told about MIG changes by the plugin, and about health
-/// transitions by the monitor).
+/// transitions by the monitor). `holds`: in `both`, what containers hold through the device
+/// plugin, hidden from the slices.
 #[allow(clippy::too_many_arguments)]
 async fn publish(
     config: &Config,
     plugin: &Plugin,
+    holds: Option<ContainerHolds>,
     api: &Arc<dyn ClusterApi>,
     backend: &Arc<dyn DeviceBackend>,
     metrics: &Arc<Metrics>,
@@ -549,8 +554,8 @@ async fn publish(
     );
     let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
     let mut slice_sync = slice_sync.with_metrics(metrics.clone()).with_health(health);
-    if config.mode == Mode::Both {
-        slice_sync = slice_sync.with_holds(plugin.ledger().clone());
+    if let Some(holds) = holds {
+        slice_sync = slice_sync.with_holds(holds);
     }
     plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
     let token = shutdown.clone();

@@ -32,22 +32,24 @@
 //!   `.await`; [`Ledger::flush`] asks the single [`Writer`] task for a durable write, and the
 //!   writer batches every flush request pending at that moment into one file write (group
 //!   commit), so concurrent prepares share fsyncs.
-//! - `--mode both`: the same ledger holds, in memory only, what containers hold through the
-//!   device plugin ([`holds`]); a claim's reservation and an Allocate are checked against each
-//!   other under one lock, so one exclusive GPU never has two consumers.
+//! - The ledger holds the checkpoint and nothing else. In `--mode both`, what containers hold
+//!   through the device plugin lives with the device plugin, in memory, which hands the ledger a
+//!   [`HeldElsewhere`]: a claim's reservation ([`Ledger::update_with_holds`]) consults it under
+//!   the ledger's lock, and the device plugin checks the claims and records a hold under the same
+//!   lock ([`Ledger::read`]), so one exclusive GPU never has two consumers. Lock order: the
+//!   ledger's state, then the other path's holds.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::dra::slices::DeviceName;
+use crate::ids::{ClaimUid, DeviceName};
 use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::lock::lock;
 use crate::sharing::Sharing;
@@ -111,43 +113,29 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A ResourceClaim UID. It prefixes the claim's CDI device names, so it follows their grammar;
-/// [`ClaimUid::parse`] (where a request enters) and reading a checkpoint are the only ways to
-/// make one, so code that holds one never checks it again.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct ClaimUid(String);
-
-impl ClaimUid {
-    pub fn parse(uid: impl Into<String>) -> std::result::Result<Self, crate::cdi::Error> {
-        let uid = uid.into();
-        crate::cdi::validate_device_name(&uid)?;
-        Ok(Self(uid))
-    }
+/// Consumers of devices that the checkpoint does not record: in `--mode both`, the containers of
+/// the device-plugin path. Its owner changes what it reports only inside [`Ledger::read`], after
+/// checking the claims there, so a reservation that consults it sees either the claim's check
+/// and the hold, or neither.
+pub trait HeldElsewhere: Send + Sync {
+    /// What of the hardware `r` needs is held, and by whom, if any.
+    fn holder_of(&self, r: &DeviceRecord) -> Option<HeldBy>;
 }
 
-impl TryFrom<String> for ClaimUid {
-    type Error = crate::cdi::Error;
-    fn try_from(uid: String) -> std::result::Result<Self, crate::cdi::Error> {
-        Self::parse(uid)
-    }
+/// A device held outside the checkpoint, as a refused claim names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldBy {
+    /// The hardware held (a GPU, or a MIG device of one).
+    pub held: String,
+    pub holder: String,
 }
 
-impl From<ClaimUid> for String {
-    fn from(uid: ClaimUid) -> String {
-        uid.0
-    }
-}
+/// Nothing is held elsewhere (every mode but `both`).
+struct NothingElsewhere;
 
-impl fmt::Display for ClaimUid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl ClaimUid {
-    pub fn as_str(&self) -> &str {
-        &self.0
+impl HeldElsewhere for NothingElsewhere {
+    fn holder_of(&self, _: &DeviceRecord) -> Option<HeldBy> {
+        None
     }
 }
 
@@ -201,6 +189,43 @@ pub struct DeviceRecord {
         deserialize_with = "v1::sharing"
     )]
     pub sharing: Sharing,
+}
+
+impl DeviceRecord {
+    /// Whether `self` and `other` need the same hardware and may not share it: the same GPU,
+    /// whole or by overlapping MIG placements, unless either has admin access or both are shared
+    /// allocations (`shareID`).
+    pub fn conflicts_with(&self, other: &DeviceRecord) -> bool {
+        if self.admin_access
+            || other.admin_access
+            || (self.share_id.is_some() && other.share_id.is_some())
+        {
+            return false;
+        }
+        let placement = |r: &DeviceRecord| r.mig.as_ref().map(|m| m.placement);
+        self.gpu == other.gpu
+            && match (placement(self), placement(other)) {
+                (Some(x), Some(y)) => x.overlaps(&y),
+                _ => true,
+            }
+    }
+}
+
+/// The first of `devices` (in order) that a claim of `claims` other than `uid` holds, with that
+/// claim: what a reservation of `devices` for `uid` must refuse.
+pub fn held_by_another<'a>(
+    claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &'a [DeviceRecord],
+) -> Option<(&'a DeviceRecord, &'a ClaimUid, &'a ClaimEntry)> {
+    devices.iter().find_map(|d| {
+        claims
+            .iter()
+            .find(|(other_uid, other)| {
+                *other_uid != uid && other.devices.iter().any(|o| d.conflicts_with(o))
+            })
+            .map(|(other_uid, other)| (d, other_uid, other))
+    })
 }
 
 /// One claim in the ledger.
@@ -454,13 +479,11 @@ struct Shared {
     /// The file as we last wrote or read it.
     last_id: Mutex<Option<FileId>>,
     writes: AtomicU64,
-    /// What containers hold through the device plugin (`--mode both`). Lock order: `holds`
-    /// before `state`, each only for the check-and-insert, never across an `.await`.
-    holds: Mutex<holds::Holds>,
-    /// Bumped on every change of the claims or the holds, for the device plugin.
+    /// What another path holds (`--mode both`), consulted under the `state` lock: lock order
+    /// `state`, then whatever lock it takes; never across an `.await`.
+    elsewhere: OnceLock<Arc<dyn HeldElsewhere>>,
+    /// Bumped on every change of the claims, for the device plugin.
     changes: watch::Sender<u64>,
-    /// Bumped on every change of the holds only, for the slices.
-    hold_changes: watch::Sender<u64>,
 }
 
 type FlushReply = oneshot::Sender<Result<(), Arc<Error>>>;
@@ -492,9 +515,8 @@ impl Ledger {
             path,
             state: Mutex::new(cp),
             writes: AtomicU64::new(0),
-            holds: Mutex::new(holds::Holds::default()),
+            elsewhere: OnceLock::new(),
             changes: watch::channel(0).0,
-            hold_changes: watch::channel(0).0,
         });
         let (tx, rx) = mpsc::unbounded_channel();
         Ok((
@@ -511,7 +533,9 @@ impl Ledger {
         &self.shared.path
     }
 
-    /// Reads the in-memory state.
+    /// Reads the in-memory state. `f` runs under the ledger's lock, so a check of the claims
+    /// and a change of what a [`HeldElsewhere`] reports, made together in `f`, are atomic with
+    /// every reservation.
     pub fn read<R>(&self, f: impl FnOnce(&Checkpoint) -> R) -> R {
         f(&lock(&self.shared.state))
     }
@@ -523,15 +547,28 @@ impl Ledger {
         r
     }
 
-    /// Like [`Ledger::update`], with the device-plugin holds in the same critical section, so
-    /// a claim's reservation and an Allocate cannot both take one device.
+    /// Makes every reservation ([`Ledger::update_with_holds`]) consult `holds` (`--mode both`);
+    /// set once.
+    pub fn set_held_elsewhere(&self, holds: Arc<dyn HeldElsewhere>) {
+        if self.shared.elsewhere.set(holds).is_err() {
+            tracing::warn!("the ledger already consults another path's holds; keeping the first");
+        }
+    }
+
+    /// Like [`Ledger::update`], with what another path holds ([`HeldElsewhere`]) consulted in
+    /// the same critical section, so a claim's reservation and an Allocate cannot both take one
+    /// device.
     pub fn update_with_holds<R>(
         &self,
-        f: impl FnOnce(&mut BTreeMap<ClaimUid, ClaimEntry>, &holds::Holds) -> R,
+        f: impl FnOnce(&mut BTreeMap<ClaimUid, ClaimEntry>, &dyn HeldElsewhere) -> R,
     ) -> R {
         let r = {
-            let holds = lock(&self.shared.holds);
-            f(&mut lock(&self.shared.state).claims, &holds)
+            let mut state = lock(&self.shared.state);
+            let elsewhere: &dyn HeldElsewhere = match self.shared.elsewhere.get() {
+                Some(holds) => holds.as_ref(),
+                None => &NothingElsewhere,
+            };
+            f(&mut state.claims, elsewhere)
         };
         self.changed();
         r
@@ -541,68 +578,9 @@ impl Ledger {
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Told after every change of the claims or the device-plugin holds.
+    /// Told after every change of the claims.
     pub fn changes(&self) -> watch::Receiver<u64> {
         self.shared.changes.subscribe()
-    }
-
-    /// Told after every change of the device-plugin holds.
-    pub fn hold_changes(&self) -> watch::Receiver<u64> {
-        self.shared.hold_changes.subscribe()
-    }
-
-    fn holds_changed(&self) {
-        self.shared
-            .hold_changes
-            .send_modify(|n| *n = n.wrapping_add(1));
-        self.changed();
-    }
-
-    /// Every device-plugin hold.
-    pub fn container_holds(&self) -> Vec<(holds::Occupied, holds::Holder)> {
-        lock(&self.shared.holds).all()
-    }
-
-    /// The claim (not admin access) holding hardware of `occ`, if any.
-    pub fn claim_holding(&self, occ: &holds::Occupied) -> Option<holds::ClaimHolder> {
-        holds::claim_holding(&lock(&self.shared.state).claims, occ)
-    }
-
-    /// Records the devices of one Allocate as held, unless a claim holds one of them: then
-    /// nothing is recorded and the device and its claim are returned.
-    pub fn hold_for_allocate(
-        &self,
-        devices: Vec<(holds::Occupied, holds::Holder)>,
-    ) -> std::result::Result<(), Box<(holds::Occupied, holds::ClaimHolder)>> {
-        {
-            let mut held = lock(&self.shared.holds);
-            {
-                let state = lock(&self.shared.state);
-                for (occ, _) in &devices {
-                    if let Some(c) = holds::claim_holding(&state.claims, occ) {
-                        return Err(Box::new((occ.clone(), c)));
-                    }
-                }
-            }
-            let now = std::time::Instant::now();
-            for (occ, h) in devices {
-                held.add_pending(occ, h, now);
-            }
-        }
-        self.holds_changed();
-        Ok(())
-    }
-
-    /// Replaces what containers hold with what PodResources lists (see [`holds`]).
-    pub fn set_observed(&self, observed: Vec<(holds::Occupied, holds::ContainerRef)>) {
-        let changed = lock(&self.shared.holds).set_observed(
-            observed,
-            std::time::Instant::now(),
-            holds::PENDING_TTL,
-        );
-        if changed {
-            self.holds_changed();
-        }
     }
 
     /// Waits until every change made before this call is on disk.
@@ -693,8 +671,6 @@ impl Writer {
         }
     }
 }
-
-pub mod holds;
 
 #[cfg(test)]
 mod tests;

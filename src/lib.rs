@@ -15,6 +15,7 @@ pub mod dns;
 pub mod dra;
 pub mod durable;
 pub mod health;
+pub mod ids;
 pub mod inventory;
 pub mod ledger;
 pub mod lock;

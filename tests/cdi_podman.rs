@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result, bail, ensure};
 use nvdra::cdi::{self, CdiOptions, PreparedDevice};
+use nvdra::ids::ClaimUid;
 use nvdra::inventory::topology::load_profile;
 use nvdra::sharing::{MpsSettings, Sharing};
 
@@ -158,7 +159,7 @@ fn import_image() -> Result<()> {
 struct SpecGuard {
     cdi_root: PathBuf,
     opts: CdiOptions,
-    claim_uid: String,
+    claim_uid: ClaimUid,
 }
 
 impl Drop for SpecGuard {
@@ -196,6 +197,7 @@ fn run_claim(
 ) -> Result<String> {
     let claim_uid = format!("nvdra-podman-test-{:016x}", rand::random::<u64>());
     let spec = cdi::claim_spec(opts, &claim_uid, devices, files)?;
+    let claim_uid = ClaimUid::parse(claim_uid)?;
     let spec_dir = tempfile::tempdir()?;
     let cdi_root = if engine.has_spec_dir_flag {
         spec_dir.path().to_path_buf()
@@ -223,7 +225,7 @@ fn run_claim(
     };
     let ids: Vec<String> = devices
         .iter()
-        .map(|d| cdi::device_id(opts, &claim_uid, &d.name))
+        .map(|d| cdi::device_id(opts, claim_uid.as_str(), &d.name))
         .collect();
     let mut args = vec!["run", "--rm", "--network", "none"];
     for id in &ids {
@@ -614,7 +616,7 @@ fn check_device_plugin_spec(engine: &Engine) -> Result<()> {
     let _guard = SpecGuard {
         cdi_root: cdi_root.clone(),
         opts: opts.clone(),
-        claim_uid: deviceplugin::cdi::SPEC_NAME.into(),
+        claim_uid: deviceplugin::cdi::spec_name(),
     };
     let path = deviceplugin::cdi::write(&cdi_root, &opts, &inv, IdStrategy::Uuid)?;
 

@@ -1,19 +1,20 @@
-//! The CDI spec writer: claim spec file names, atomic replace, removal and listing.
+//! The CDI spec writer: claim spec file names, atomic replace, removal and listing. A claim UID
+//! arrives typed ([`ClaimUid`]), so it is a valid file-name part without a check here.
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::names::validate_claim_uid;
 use super::{CdiOptions, Result, Spec, io_err};
 use crate::durable::Durability;
+use crate::ids::ClaimUid;
 
 pub(super) fn file_prefix(opts: &CdiOptions) -> String {
     format!("{}-{}_", opts.vendor, opts.class)
 }
 
 /// `<cdi_root>/<vendor>-<class>_<claimUID>.yaml`.
-pub fn spec_path(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> PathBuf {
+pub fn spec_path(cdi_root: &Path, opts: &CdiOptions, claim_uid: &ClaimUid) -> PathBuf {
     cdi_root.join(format!("{}{claim_uid}.yaml", file_prefix(opts)))
 }
 
@@ -22,11 +23,10 @@ pub fn spec_path(cdi_root: &Path, opts: &CdiOptions, claim_uid: &str) -> PathBuf
 pub fn write_spec(
     cdi_root: &Path,
     opts: &CdiOptions,
-    claim_uid: &str,
+    claim_uid: &ClaimUid,
     spec: &Spec,
     durability: Durability,
 ) -> Result<PathBuf> {
-    validate_claim_uid(claim_uid)?;
     let text = spec.to_yaml()?;
     write_spec_text(cdi_root, opts, claim_uid, &text, durability)
 }
@@ -35,11 +35,10 @@ pub fn write_spec(
 pub fn write_spec_text(
     cdi_root: &Path,
     opts: &CdiOptions,
-    claim_uid: &str,
+    claim_uid: &ClaimUid,
     text: &str,
     durability: Durability,
 ) -> Result<PathBuf> {
-    validate_claim_uid(claim_uid)?;
     fs::create_dir_all(cdi_root).map_err(io_err("create the CDI directory", cdi_root))?;
     let path = spec_path(cdi_root, opts, claim_uid);
     crate::durable::write_as(&path, text.as_bytes(), durability)?;
@@ -50,10 +49,9 @@ pub fn write_spec_text(
 pub fn remove_spec(
     cdi_root: &Path,
     opts: &CdiOptions,
-    claim_uid: &str,
+    claim_uid: &ClaimUid,
     durability: Durability,
 ) -> Result<bool> {
-    validate_claim_uid(claim_uid)?;
     Ok(crate::durable::remove_as(
         &spec_path(cdi_root, opts, claim_uid),
         durability,
@@ -61,8 +59,9 @@ pub fn remove_spec(
 }
 
 /// The claim UIDs that have a spec file of this vendor and class in `cdi_root`, sorted (empty
-/// when the directory does not exist). For removing specs of claims that are no longer prepared.
-pub fn list_claim_specs(cdi_root: &Path, opts: &CdiOptions) -> Result<Vec<String>> {
+/// when the directory does not exist); a file whose name holds no claim UID is not one. For
+/// removing specs of claims that are no longer prepared.
+pub fn list_claim_specs(cdi_root: &Path, opts: &CdiOptions) -> Result<Vec<ClaimUid>> {
     let entries = match fs::read_dir(cdi_root) {
         Ok(e) => e,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -80,8 +79,8 @@ pub fn list_claim_specs(cdi_root: &Path, opts: &CdiOptions) -> Result<Vec<String
         else {
             continue;
         };
-        if validate_claim_uid(uid).is_ok() {
-            uids.push(uid.to_string());
+        if let Ok(uid) = ClaimUid::parse(uid) {
+            uids.push(uid);
         }
     }
     uids.sort();

@@ -3,12 +3,12 @@
 //! - A device a DRA claim holds is sent `Unhealthy` in `ListAndWatch` while the claim is
 //!   prepared ([`overlay`]), so the device manager does not hand it to a container; the lists are
 //!   sent again whenever the ledger changes.
-//! - Allocate of a device a claim holds fails naming the claim; otherwise its devices are held in
-//!   the ledger at once ([`hold`]), before the kubelet's PodResources lists the pod.
+//! - Allocate of a device a claim holds fails naming the claim; otherwise its devices are held
+//!   ([`super::holds`]) at once ([`hold`]), before the kubelet's PodResources lists the pod.
 //! - [`poll_pod_resources`] reads the kubelet's PodResources `List` (on
 //!   [`Config::pod_resources_socket`](crate::config::Config::pod_resources_socket)) every
-//!   [`POD_RESOURCES_POLL`] and after each Allocate, and hands the ledger what each container
-//!   holds; the slice sync hides it.
+//!   [`POD_RESOURCES_POLL`] and after each Allocate, and records what each container holds; the
+//!   slice sync hides it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,12 +20,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::inventory::Health;
 use crate::ledger::Ledger;
-use crate::ledger::holds::{ContainerRef, Holder, Occupied};
 use kubelet_plugin::proto::podresources::v1 as pr;
 use kubelet_plugin::proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
 use kubelet_plugin::socket;
 
 use super::ResourceName;
+use super::holds::{ContainerHolds, ContainerRef, Holder, Occupied, claim_holding};
 use super::resources::Resource;
 
 /// How often PodResources is read (besides after each Allocate).
@@ -51,20 +51,37 @@ pub enum ListError {
     Timeout { path: PathBuf },
 }
 
-/// What the device-plugin half needs of the shared ledger.
+/// What the device-plugin half needs in `both`: the shared ledger and its own holds.
 #[derive(Clone)]
 pub struct Both {
     pub ledger: Ledger,
+    /// What containers hold; the ledger consults them (set up by [`Both::new`]).
+    pub holds: ContainerHolds,
     pub pod_resources: PathBuf,
     /// Poked after each Allocate: read PodResources now.
     pub poke: Arc<Notify>,
+}
+
+impl Both {
+    /// Holds of this path that `ledger` consults whenever a claim reserves devices.
+    pub fn new(ledger: Ledger, pod_resources: PathBuf) -> Self {
+        let holds = ContainerHolds::default();
+        ledger.set_held_elsewhere(Arc::new(holds.clone()));
+        Both {
+            ledger,
+            holds,
+            pod_resources,
+            poke: Arc::new(Notify::new()),
+        }
+    }
 }
 
 /// `res` with every device a DRA claim holds marked unhealthy (naming the claim).
 pub fn overlay(ledger: &Ledger, mut res: Vec<Resource>) -> Vec<Resource> {
     for r in &mut res {
         for d in &mut r.devices {
-            if let Some(c) = ledger.claim_holding(&Resource::occupied(d)) {
+            let occ = Resource::occupied(d);
+            if let Some(c) = ledger.read(|cp| claim_holding(&cp.claims, &occ)) {
                 d.health = Health::Unhealthy {
                     reason: format!("prepared for DRA {c}"),
                 };
@@ -87,8 +104,16 @@ pub struct HeldByClaim {
     pub claim: String,
 }
 
-/// Holds the devices `ids` of `resource` for a container, unless a claim holds one of them.
-pub fn hold(ledger: &Ledger, resource: &Resource, ids: &[String]) -> Result<(), HeldByClaim> {
+/// Holds the devices `ids` of `resource` for the containers of one Allocate, unless a claim
+/// holds one of them (the refusal names the first such ID) or `allocated`, what the containers
+/// get, is a refusal of its own: returned as it is, holding nothing. The only check of the
+/// claims an Allocate makes, atomic with recording the holds.
+pub fn hold<T, E>(
+    both: &Both,
+    resource: &Resource,
+    ids: &[String],
+    allocated: Result<T, E>,
+) -> Result<Result<T, E>, HeldByClaim> {
     let devices: Vec<(Occupied, Holder, String)> = ids
         .iter()
         .filter_map(|id| resource.device(id).map(|d| (id, d)))
@@ -100,12 +125,17 @@ pub fn hold(ledger: &Ledger, resource: &Resource, ids: &[String]) -> Result<(), 
             (Resource::occupied(d), holder, id.clone())
         })
         .collect();
-    let ids_by: BTreeMap<Occupied, String> = devices
-        .iter()
-        .map(|(o, _, id)| (o.clone(), id.clone()))
-        .collect();
-    ledger
-        .hold_for_allocate(devices.into_iter().map(|(o, h, _)| (o, h)).collect())
+    // Replicas share hardware: name the first ID of it, as the request lists them.
+    let mut ids_by: BTreeMap<Occupied, String> = BTreeMap::new();
+    for (o, _, id) in &devices {
+        ids_by.entry(o.clone()).or_insert_with(|| id.clone());
+    }
+    both.holds
+        .hold_for_allocate(
+            &both.ledger,
+            devices.into_iter().map(|(o, h, _)| (o, h)).collect(),
+            allocated,
+        )
         .map_err(|held| {
             let (occ, claim) = *held;
             HeldByClaim {
@@ -180,7 +210,7 @@ pub async fn list(path: &Path) -> Result<pr::ListPodResourcesResponse, ListError
 }
 
 /// Reads PodResources every [`POD_RESOURCES_POLL`] and when poked, until `shutdown`, and gives
-/// the ledger what containers hold. A failed read keeps the last holds (logged once per run of
+/// the holds what containers hold. A failed read keeps the last holds (logged once per run of
 /// failures): forgetting them would publish GPUs that containers still use.
 pub async fn poll_pod_resources(
     both: Both,
@@ -204,7 +234,7 @@ pub async fn poll_pod_resources(
                     failing = false;
                 }
                 let held = observed(&answer, &served.borrow());
-                both.ledger.set_observed(held);
+                both.holds.set_observed(held);
             }
             Err(e) if !failing => {
                 tracing::warn!(error = %kubelet_plugin::report::chain(&e),
@@ -219,10 +249,10 @@ pub async fn poll_pod_resources(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::slices::DeviceName;
+    use crate::ids::{ClaimUid, DeviceName};
     use crate::inventory::sim::SimBackend;
     use crate::inventory::{DeviceBackend, DeviceUuid};
-    use crate::ledger::{ClaimEntry, ClaimState, ClaimUid, DeviceRecord, MigRecord};
+    use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord, MigRecord};
     use crate::sharing::Sharing;
 
     fn resources() -> (crate::inventory::Inventory, Vec<Resource>) {

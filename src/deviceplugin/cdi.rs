@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice, Spec};
 use crate::durable::Durability;
+use crate::ids::ClaimUid;
 use crate::inventory::Inventory;
 use crate::sharing::Sharing;
 
@@ -30,6 +31,13 @@ use super::{DriverMode, IdStrategy, Options};
 pub const CLASS: &str = "gpu";
 /// Stands where a claim UID stands in a claim spec's file name.
 pub const SPEC_NAME: &str = "device-plugin";
+
+/// [`SPEC_NAME`] as the CDI writer takes it.
+pub fn spec_name() -> ClaimUid {
+    // A constant that follows the claim-UID grammar (every write of the spec in the tests
+    // passes through here), so parsing cannot fail.
+    ClaimUid::parse(SPEC_NAME).expect("the device-plugin spec name is a valid claim UID")
+}
 
 /// CDI options for `driver`: vendor `k8s.<driver>`, class [`CLASS`].
 pub fn options(driver: &str, driver_root: &Path) -> cdi::Result<CdiOptions> {
@@ -93,7 +101,7 @@ pub fn write(
 ) -> cdi::Result<PathBuf> {
     let files = cdi::discover_driver_files(&opts.driver_root);
     let spec = spec(opts, inv, ids, &files)?;
-    cdi::write_spec(cdi_root, opts, SPEC_NAME, &spec, Durability::Durable)
+    cdi::write_spec(cdi_root, opts, &spec_name(), &spec, Durability::Durable)
 }
 
 /// [`write`], then the spec of every enabled mode that has device nodes; the spec of an
@@ -109,14 +117,14 @@ pub fn write_with_modes(
         let mode_opts = mode_options(opts, mode)?;
         match mode_spec(opts, mode) {
             Some(s) => {
-                cdi::write_spec(cdi_root, &mode_opts, SPEC_NAME, &s, Durability::Durable)?;
+                cdi::write_spec(cdi_root, &mode_opts, &spec_name(), &s, Durability::Durable)?;
             }
             None => {
                 tracing::warn!(
                     mode = mode.class(),
                     "no device nodes for this driver capability on the host; its CDI device is not offered"
                 );
-                cdi::remove_spec(cdi_root, &mode_opts, SPEC_NAME, Durability::Durable)?;
+                cdi::remove_spec(cdi_root, &mode_opts, &spec_name(), Durability::Durable)?;
             }
         }
     }

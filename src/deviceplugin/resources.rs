@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use crate::inventory::{DeviceUuid, GpuUuid, Health, Inventory, Placement};
 
-use crate::ledger::holds::Occupied;
+use super::holds::Occupied;
 
 use super::{DeviceSelector, IdStrategy, MigStrategy, Options, ResourceName};
 

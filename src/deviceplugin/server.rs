@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -41,6 +41,7 @@ use kubelet_plugin::socket;
 use super::allocate::Context;
 use super::auto::Mapped;
 use super::both::Both;
+use super::holds::ContainerHolds;
 use super::resources::{self, Resource};
 use super::service::Service;
 use super::{Options, ResourceName, wire};
@@ -200,15 +201,17 @@ impl DevicePlugin {
         }
     }
 
-    /// `--mode both`: devices DRA claims hold are sent unhealthy, Allocate holds its devices in
-    /// `ledger`, and PodResources on `pod_resources` says what containers hold.
+    /// `--mode both`: devices DRA claims hold are sent unhealthy, Allocate holds its devices
+    /// (atomically with `ledger`'s claims, which consults these holds in turn), and PodResources
+    /// on `pod_resources` says what containers hold.
     pub fn with_ledger(mut self, ledger: Ledger, pod_resources: PathBuf) -> Self {
-        self.both = Some(Both {
-            ledger,
-            pod_resources,
-            poke: Arc::new(Notify::new()),
-        });
+        self.both = Some(Both::new(ledger, pod_resources));
         self
+    }
+
+    /// `--mode both`: what containers hold through this path, for the slices to hide.
+    pub fn holds(&self) -> Option<ContainerHolds> {
+        self.both.as_ref().map(|b| b.holds.clone())
     }
 
     /// `both`: reads PodResources once and records what containers hold, so that neither the
@@ -230,7 +233,7 @@ impl DevicePlugin {
                     devices = held.len(),
                     "containers hold devices of the device-plugin path"
                 );
-                both.ledger.set_observed(held);
+                both.holds.set_observed(held);
             }
             Err(e) => tracing::warn!(error = %kubelet_plugin::report::chain(&e),
                 "cannot read which containers hold GPUs yet (is the kubelet up?); the poll retries"),

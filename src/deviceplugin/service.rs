@@ -1,7 +1,7 @@
 //! The `v1beta1.DevicePlugin` gRPC service of one resource: `ListAndWatch` re-sends the whole
 //! list on every change of the resource's devices; `GetPreferredAllocation` and `Allocate` answer
 //! from the same list; in `--mode both`, Allocate refuses a device a DRA claim holds and holds
-//! the devices it hands out in the shared ledger ([`super::both`]).
+//! the devices it hands out, atomically with the ledger's claims ([`super::both`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -90,44 +90,38 @@ impl DevicePluginApi for Service {
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let containers = wire::allocate_requests(request.into_inner());
         let resource = self.devices.borrow().clone();
-        let mut container_responses = Vec::with_capacity(containers.len());
-        if let Some(both) = &self.both {
-            // A device a claim holds is refused naming the claim, not as merely unhealthy.
-            for ids in &containers {
-                for id in ids {
-                    if let Some(d) = resource.device(id)
-                        && let Some(c) = both.ledger.claim_holding(&Resource::occupied(d))
-                    {
-                        let e = super::both::HeldByClaim {
-                            resource: self.name.to_string(),
-                            id: id.clone(),
-                            occupied: Resource::occupied(d).to_string(),
-                            claim: c.to_string(),
-                        };
+        // What each container gets; the first refusal stops the request.
+        let allocated: Result<Vec<_>, allocate::Error> = containers
+            .iter()
+            .map(|ids| allocate::allocate(&resource, ids, &self.ctx))
+            .collect();
+        let allocated = match &self.both {
+            // The claims are checked once, atomically with holding the devices (every
+            // container's, or none): a device a claim holds is refused naming the claim, not as
+            // merely unhealthy, and only an Allocate that succeeds holds anything.
+            Some(both) => {
+                match super::both::hold(both, &resource, &containers.concat(), allocated) {
+                    Ok(allocated) => allocated,
+                    Err(e) => {
                         tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
                         return Err(Status::failed_precondition(e.to_string()));
                     }
                 }
             }
-        }
-        for ids in &containers {
-            match allocate::allocate(&resource, ids, &self.ctx) {
-                Ok(a) => container_responses.push(wire::container_response(a)),
-                Err(e) => {
-                    tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
-                    return Err(Status::invalid_argument(e.to_string()));
-                }
-            }
-        }
+            None => allocated,
+        };
+        let allocated = allocated.map_err(|e| {
+            tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
+            Status::invalid_argument(e.to_string())
+        })?;
         if let Some(both) = &self.both {
-            // Held at once (every container's devices, or none), atomically with the claims'
-            // check; PodResources names the pod soon.
-            if let Err(e) = super::both::hold(&both.ledger, &resource, &containers.concat()) {
-                tracing::warn!(resource = %self.name, error = %e, "Allocate refused");
-                return Err(Status::failed_precondition(e.to_string()));
-            }
+            // Held; PodResources names the pod soon.
             both.poke.notify_one();
         }
+        let container_responses: Vec<_> = allocated
+            .into_iter()
+            .map(wire::container_response)
+            .collect();
         tracing::debug!(resource = %self.name, containers = container_responses.len(), "Allocate");
         Ok(Response::new(pb::AllocateResponse {
             container_responses,

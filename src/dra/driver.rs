@@ -6,7 +6,8 @@
 use kubelet_plugin::{Claim, Driver, PrepareResults, PreparedDevice, UnprepareResults};
 
 use super::plugin::{ClaimError, ClaimRef, Plugin};
-use crate::ledger::{ClaimUid, DeviceRecord};
+use crate::ids::ClaimUid;
+use crate::ledger::DeviceRecord;
 
 /// The claims of a request: those the plugin works on, and those whose UID is invalid, under
 /// the UID the kubelet sent.
@@ -103,7 +104,7 @@ mod tests {
         DeviceRecord {
             requests: vec!["gpu".into()],
             pool: "node".into(),
-            device: crate::dra::slices::DeviceName::gpu(0),
+            device: crate::ids::DeviceName::gpu(0),
             cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
             share_id: share.map(String::from),
             admin_access: false,

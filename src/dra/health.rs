@@ -13,7 +13,7 @@ use kubelet_plugin::health::{self as plugin_health, HealthSource};
 use kubelet_plugin::proto::health::v1alpha1::DeviceHealth;
 use tokio_util::sync::CancellationToken;
 
-use super::slices::DeviceName;
+use crate::ids::DeviceName;
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 
 pub use kubelet_plugin::health::{HealthService, INTERVAL};

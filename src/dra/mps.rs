@@ -16,8 +16,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::ids::ClaimUid;
 use crate::inventory::DeviceUuid;
-use crate::ledger::ClaimUid;
 
 pub const CONTROL: &str = "nvidia-cuda-mps-control";
 

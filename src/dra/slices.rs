@@ -38,9 +38,7 @@ mod validate;
 use std::fmt;
 
 pub use attributes::normalize_version;
-pub use names::{
-    DeviceName, InvalidDeviceName, PublishedDevice, counter_set_name, find_device, profile_label,
-};
+pub use names::{PublishedDevice, counter_set_name, find_device};
 pub use splitting::desired_slices;
 use splitting::is_advanced;
 pub use validate::{Violation, is_semver, validate, validate_pool};

@@ -23,9 +23,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::slices::{self, CounterLayout, SliceOptions};
+use crate::deviceplugin::holds::{ContainerHolds, Holder, Occupied};
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
-use crate::ledger::Ledger;
-use crate::ledger::holds::{Holder, Occupied};
 use crate::metrics::Metrics;
 use kubelet_plugin::publisher::PublisherHandle;
 
@@ -74,8 +73,8 @@ pub struct SliceSync {
     withdraw_tainted: bool,
     health: Option<crate::health::Watch>,
     metrics: Option<Arc<Metrics>>,
-    /// `--mode both`: the ledger whose device-plugin holds are hidden from the slices.
-    holds: Option<Ledger>,
+    /// `--mode both`: the device-plugin holds, hidden from the slices.
+    holds: Option<ContainerHolds>,
 }
 
 impl SliceSync {
@@ -121,8 +120,8 @@ impl SliceSync {
 
     /// `--mode both`: hides what containers hold through the device plugin (the GPU, or the MIG
     /// device) from the slices while they hold it, re-publishing when the holds change.
-    pub fn with_holds(mut self, ledger: Ledger) -> Self {
-        self.holds = Some(ledger);
+    pub fn with_holds(mut self, holds: ContainerHolds) -> Self {
+        self.holds = Some(holds);
         self
     }
 
@@ -131,7 +130,7 @@ impl SliceSync {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
         let mut health = self.health.take();
-        let mut changes = self.holds.as_ref().map(Ledger::hold_changes);
+        let mut changes = self.holds.as_ref().map(ContainerHolds::changes);
         let mut tick = tokio::time::interval(self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -222,8 +221,8 @@ impl SliceSync {
         if self.withdraw_tainted {
             withdraw_tainted(&mut inv);
         }
-        if let Some(ledger) = &self.holds {
-            hide_held(&mut inv, &ledger.container_holds());
+        if let Some(holds) = &self.holds {
+            hide_held(&mut inv, &holds.all());
         }
         if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
             return;
@@ -350,7 +349,7 @@ mod tests {
 
     #[test]
     fn held_gpus_and_mig_devices_are_hidden_and_nothing_else() {
-        use crate::ledger::holds::ContainerRef;
+        use crate::deviceplugin::holds::ContainerRef;
         let mut inv = SimBackend::from_profile("a100-mig-mixed", "n1")
             .unwrap()
             .snapshot()

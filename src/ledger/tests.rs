@@ -37,7 +37,7 @@ async fn flushed_state_survives_reopen() {
     assert_eq!(o, LoadOutcome::Fresh);
     l.update(|c| {
         c.insert(
-            ClaimUid("a".into()),
+            ClaimUid::parse("a").unwrap(),
             entry(ClaimState::PrepareCompleted, &["gpu-0"]),
         )
     });
@@ -59,7 +59,7 @@ async fn reboot_drops_entries() {
     let (l, _, _s) = open(dir.path(), "boot-1");
     l.update(|c| {
         c.insert(
-            ClaimUid("a".into()),
+            ClaimUid::parse("a").unwrap(),
             entry(ClaimState::PrepareCompleted, &["gpu-0"]),
         )
     });
@@ -122,7 +122,7 @@ fn fixtures() -> [(&'static str, &'static str); 2] {
 /// What every fixture holds.
 fn fixture_state() -> Checkpoint {
     use crate::sharing::{MpsSettings, TimeSliceInterval};
-    let uid = |c: char| ClaimUid(format!("1d0e4b7a-0000-4000-8000-00000000000{c}"));
+    let uid = |c: char| ClaimUid::parse(format!("1d0e4b7a-0000-4000-8000-00000000000{c}")).unwrap();
     let device = |c: char, request: &str, device: &str, gpu: &str| DeviceRecord {
         requests: vec![request.into()],
         pool: "node-a".into(),
@@ -264,7 +264,7 @@ async fn a_newer_version_written_by_another_pod_is_refused_on_reload() {
     let (l, _, _s) = open(dir.path(), "b");
     l.update(|c| {
         c.insert(
-            ClaimUid("a".into()),
+            ClaimUid::parse("a").unwrap(),
             entry(ClaimState::PrepareCompleted, &["gpu-0"]),
         )
     });
@@ -273,7 +273,7 @@ async fn a_newer_version_written_by_another_pod_is_refused_on_reload() {
     std::fs::write(l.path(), newer).unwrap();
     let e = l.reload_if_changed().unwrap_err();
     assert!(matches!(e, Error::TooNew { found: 3, .. }), "{e:?}");
-    assert!(l.read(|c| c.claims.contains_key(&ClaimUid("a".into()))));
+    assert!(l.read(|c| c.claims.contains_key(&ClaimUid::parse("a").unwrap())));
     assert_eq!(std::fs::read_to_string(l.path()).unwrap(), newer);
 }
 
@@ -314,7 +314,7 @@ async fn a_full_disk_reads_no_space_left_with_the_checkpoint_path() {
     let (l, _, _s) = open(fs.dir.path(), "b");
     l.update(|c| {
         c.insert(
-            ClaimUid("first".into()),
+            ClaimUid::parse("first").unwrap(),
             entry(ClaimState::PrepareCompleted, &["gpu-0"]),
         )
     });
@@ -324,7 +324,7 @@ async fn a_full_disk_reads_no_space_left_with_the_checkpoint_path() {
     l.update(|c| {
         for i in 0..1000 {
             c.insert(
-                ClaimUid(format!("c{i}")),
+                ClaimUid::parse(format!("c{i}")).unwrap(),
                 entry(ClaimState::PrepareStarted, &["gpu-1"]),
             );
         }
@@ -356,7 +356,7 @@ async fn concurrent_flushes_share_writes() {
             tokio::spawn(async move {
                 l.update(|c| {
                     c.insert(
-                        ClaimUid(format!("c{i}")),
+                        ClaimUid::parse(format!("c{i}")).unwrap(),
                         entry(ClaimState::PrepareStarted, &["gpu-0"]),
                     )
                 });
@@ -378,7 +378,7 @@ async fn flush_after_shutdown_fails_clearly_and_pending_work_is_written() {
     let (l, _, stop) = open(dir.path(), "b");
     l.update(|c| {
         c.insert(
-            ClaimUid("a".into()),
+            ClaimUid::parse("a").unwrap(),
             entry(ClaimState::PrepareStarted, &["gpu-0"]),
         )
     });
@@ -403,13 +403,13 @@ async fn reload_sees_another_writer() {
     assert!(!a.reload_if_changed().unwrap());
     b.update(|c| {
         c.insert(
-            ClaimUid("x".into()),
+            ClaimUid::parse("x").unwrap(),
             entry(ClaimState::PrepareCompleted, &["gpu-3"]),
         )
     });
     b.flush().await.unwrap();
     assert!(a.reload_if_changed().unwrap());
-    assert!(a.read(|c| c.claims.contains_key(&ClaimUid("x".into()))));
+    assert!(a.read(|c| c.claims.contains_key(&ClaimUid::parse("x").unwrap())));
     assert!(!a.reload_if_changed().unwrap());
 }
 
@@ -490,7 +490,7 @@ proptest! {
             claims: claims
                 .into_iter()
                 .map(|(uid, (done, name, devices))| {
-                    (ClaimUid(uid), ClaimEntry {
+                    (ClaimUid::parse(uid).unwrap(), ClaimEntry {
                         state: if done { ClaimState::PrepareCompleted } else { ClaimState::PrepareStarted },
                         namespace: "default".into(),
                         name,

@@ -63,7 +63,11 @@ fn ids_and_paths_follow_nvidia() {
         format!("k8s.gpu.nvidia.com/claim={UID}-gpu-0")
     );
     assert_eq!(
-        spec_path(Path::new("/var/run/cdi"), &opts, UID),
+        spec_path(
+            Path::new("/var/run/cdi"),
+            &opts,
+            &crate::ids::ClaimUid::parse(UID).unwrap()
+        ),
         PathBuf::from(format!("/var/run/cdi/k8s.gpu.nvidia.com-claim_{UID}.yaml"))
     );
     let host = Host::new();

@@ -168,7 +168,7 @@ fn mode_specs_hold_the_hosts_nodes_and_only_present_modes_are_named() {
     // The files: one per present mode; a stale spec of an absent mode is removed.
     let cdi_root = tempfile::tempdir().unwrap();
     let mofed = cdi::mode_options(&cdi_opts, DriverMode::Mofed).unwrap();
-    let stale = crate::cdi::spec_path(cdi_root.path(), &mofed, cdi::SPEC_NAME);
+    let stale = crate::cdi::spec_path(cdi_root.path(), &mofed, &cdi::spec_name());
     std::fs::write(&stale, "stale").unwrap();
     cdi::write_with_modes(cdi_root.path(), &cdi_opts, &inv, &o).unwrap();
     let mut files: Vec<String> = std::fs::read_dir(cdi_root.path())

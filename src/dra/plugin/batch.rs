@@ -11,7 +11,8 @@ use futures::future::{BoxFuture, Shared};
 use super::{ClaimError, ClaimRef, Plugin};
 use crate::inventory::{DeviceBackend, Inventory};
 // The claim-lock map sees inserts and removes only, so ignoring poison is sound.
-use crate::ledger::{ClaimUid, DeviceRecord};
+use crate::ids::ClaimUid;
+use crate::ledger::DeviceRecord;
 use crate::lock::lock;
 use crate::metrics::Histogram;
 

@@ -1,13 +1,18 @@
 //! The effects of a prepare and their undo: MIG instances created and destroyed, time slices
 //! set and reset, MPS daemons started and stopped, CDI specs written and removed. Each undo step
 //! can be repeated safely, so a rollback that failed half-way is retried as a whole.
+//!
+//! Each effect is a function of the claim's device records, whether they come from this
+//! prepare's [plan](super::plan) or from the checkpoint (recovery, a repeated prepare): the pure
+//! helpers at the end derive what to change and what the CDI spec names from them.
 
 use crate::cdi::PreparedDevice;
-use crate::inventory::{Inventory, MigDevice, TimeSlice};
-use crate::ledger::{ClaimUid, DeviceRecord};
-use crate::sharing::Sharing;
+use crate::dra::mps::Mps;
+use crate::ids::ClaimUid;
+use crate::inventory::{DeviceUuid, Inventory, MigDevice, TimeSlice};
+use crate::ledger::DeviceRecord;
+use crate::sharing::{Sharing, TimeSliceInterval};
 
-use super::plan::{self, mps_devices, time_slice};
 use super::{ClaimError, Plugin};
 
 /// A reconfiguration that stopped part-way: the error, and the devices as far as they got (with
@@ -114,7 +119,7 @@ impl Plugin {
             .await??)
     }
 
-    /// The devices of `uid`'s spec, as [`plan::cdi_devices`] resolves them on this node.
+    /// The devices of `uid`'s spec, as [`cdi_devices`] resolves them on this node.
     fn cdi_devices(
         &self,
         uid: &ClaimUid,
@@ -123,7 +128,7 @@ impl Plugin {
         created: &[MigDevice],
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let (pool, mps) = (&self.inner.opts.pool, &self.inner.mps);
-        plan::cdi_devices(pool, uid, devices, inv, created, mps)
+        cdi_devices(pool, uid, devices, inv, created, mps)
     }
 
     /// Undoes whatever a (partial) prepare of `uid` did, then forgets the claim. Each step can be
@@ -218,4 +223,70 @@ impl Plugin {
         }
         Ok(())
     }
+}
+
+/// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its MPS daemon.
+pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
+    devices
+        .iter()
+        .filter(|d| matches!(d.sharing, Sharing::Mps(_)))
+        .map(|d| match d.mig.as_ref().and_then(|m| m.uuid.clone()) {
+            Some(mig) => DeviceUuid::Mig(mig),
+            None => DeviceUuid::Gpu(d.gpu.clone()),
+        })
+        .collect()
+}
+
+pub(super) fn time_slice(i: TimeSliceInterval) -> TimeSlice {
+    match i {
+        TimeSliceInterval::Default => TimeSlice::Default,
+        TimeSliceInterval::Short => TimeSlice::Short,
+        TimeSliceInterval::Medium => TimeSlice::Medium,
+        TimeSliceInterval::Long => TimeSlice::Long,
+    }
+}
+
+/// The devices of a claim's CDI spec: each record with its GPU, and its MIG device looked up in
+/// `inv` or among `created` (the MIG devices this prepare made, which `inv` predates).
+pub(super) fn cdi_devices(
+    pool: &str,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+    inv: &Inventory,
+    created: &[MigDevice],
+    mps: &Mps,
+) -> Result<Vec<PreparedDevice>, ClaimError> {
+    let gone = |d: &DeviceRecord, reason: String| ClaimError::UnknownDevice {
+        pool: d.pool.clone(),
+        device: d.device.to_string(),
+        ours: pool.to_string(),
+        reason,
+    };
+    devices
+        .iter()
+        .map(|d| {
+            let gpu = inv
+                .gpu_by_uuid(d.gpu.as_str())
+                .ok_or_else(|| gone(d, format!("GPU {} is gone", d.gpu)))?;
+            let mig = match &d.mig {
+                None => None,
+                Some(m) => Some(
+                    gpu.mig
+                        .devices
+                        .iter()
+                        .chain(created)
+                        .find(|x| Some(&x.uuid) == m.uuid.as_ref())
+                        .ok_or_else(|| gone(d, "the MIG device is gone".into()))?
+                        .clone(),
+                ),
+            };
+            Ok(PreparedDevice {
+                name: d.device.to_string(),
+                gpu: gpu.clone(),
+                mig,
+                mps_pipe_dir: matches!(d.sharing, Sharing::Mps(_)).then(|| mps.pipe_dir(uid)),
+                sharing: d.sharing.clone(),
+            })
+        })
+        .collect()
 }

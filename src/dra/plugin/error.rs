@@ -1,6 +1,7 @@
 //! Why a claim could not be prepared or unprepared, and why a plugin could not start.
 
-use crate::ledger::{self, ClaimUid};
+use crate::ids::{ClaimUid, InvalidClaimUid};
+use crate::ledger;
 use crate::{api, cdi, inventory, sharing};
 
 use crate::dra::mps;
@@ -63,7 +64,10 @@ pub enum ClaimError {
         source: sharing::Error,
     },
     #[error("claim UID {uid:?} cannot name a CDI device")]
-    BadUid { uid: String, source: cdi::Error },
+    BadUid {
+        uid: String,
+        source: InvalidClaimUid,
+    },
     #[error(transparent)]
     Backend(#[from] inventory::Error),
     #[error(transparent)]

@@ -30,8 +30,9 @@ use std::sync::{Arc, Mutex};
 
 use super::mps::Mps;
 use crate::api::ClaimReader;
+use crate::ids::ClaimUid;
 use crate::inventory::{self, DeviceBackend, Inventory};
-use crate::ledger::{self, ClaimUid, Ledger};
+use crate::ledger::{self, Ledger};
 use crate::metrics::Metrics;
 use kubelet_plugin::nodelock::{self, NodeLock};
 

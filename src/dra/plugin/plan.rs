@@ -1,20 +1,21 @@
 //! The pure half of a prepare: from a claim as the API server returned it, the node's inventory
-//! and the plugin's settings to the device records to reserve — and from those records to the
-//! devices a CDI spec names. No I/O here; every function is a function of its arguments.
+//! and the plugin's settings to the device records to reserve. No I/O here; every function is a
+//! function of its arguments. A claim's prepare calls [`plan`] once and works from the records it
+//! returns: what the GPU changes and what the CDI spec names are functions of records (the
+//! [effects](super::effects)), which recovery and a repeated prepare read from the checkpoint,
+//! and whether another claim holds a device is the ledger's answer at reservation.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::{ClaimError, ClaimRef, Options};
-use crate::cdi::{self, CdiOptions, PreparedDevice};
-use crate::dra::mps::Mps;
-use crate::dra::slices::{self, DeviceName, PublishedDevice};
-use crate::inventory::{
-    self, DeviceUuid, Gpu, GpuUuid, Inventory, MigDevice, Placement, TimeSlice,
-};
-use crate::ledger::{ClaimEntry, ClaimUid, DeviceRecord, MigRecord};
-use crate::sharing::{self, DeviceKind, Sharing, TimeSliceInterval};
+use crate::cdi::{self, CdiOptions};
+use crate::dra::slices::{self, PublishedDevice};
+use crate::ids::DeviceName;
+use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement};
+use crate::ledger::{DeviceRecord, MigRecord};
+use crate::sharing::{self, DeviceKind, Sharing};
 
 /// What preparing one claim takes: the devices to reserve, in allocation order, one record per
 /// distinct device (a device several requests share is one record naming them all).
@@ -150,111 +151,6 @@ pub(super) fn plan(
     Ok(Plan { devices: out })
 }
 
-/// The first of `devices` that another claim in `claims` holds, as that claim's error.
-pub(super) fn conflict(
-    claims: &BTreeMap<ClaimUid, ClaimEntry>,
-    uid: &ClaimUid,
-    devices: &[DeviceRecord],
-) -> Result<(), ClaimError> {
-    for d in devices {
-        for (other_uid, other) in claims {
-            if other_uid != uid && other.devices.iter().any(|o| conflicts(d, o)) {
-                return Err(ClaimError::DeviceInUse {
-                    device: d.device.to_string(),
-                    namespace: other.namespace.clone(),
-                    name: other.name.clone(),
-                    uid: other_uid.clone(),
-                });
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The hardware a ledger record occupies.
-fn occupies(r: &DeviceRecord) -> (&GpuUuid, Option<Placement>) {
-    (&r.gpu, r.mig.as_ref().map(|m| m.placement))
-}
-
-fn conflicts(a: &DeviceRecord, b: &DeviceRecord) -> bool {
-    if a.admin_access || b.admin_access || (a.share_id.is_some() && b.share_id.is_some()) {
-        return false;
-    }
-    let (ga, pa) = occupies(a);
-    let (gb, pb) = occupies(b);
-    ga == gb
-        && match (pa, pb) {
-            (Some(x), Some(y)) => x.overlaps(&y),
-            _ => true,
-        }
-}
-
-/// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its MPS daemon.
-pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
-    devices
-        .iter()
-        .filter(|d| matches!(d.sharing, Sharing::Mps(_)))
-        .map(|d| match d.mig.as_ref().and_then(|m| m.uuid.clone()) {
-            Some(mig) => DeviceUuid::Mig(mig),
-            None => DeviceUuid::Gpu(d.gpu.clone()),
-        })
-        .collect()
-}
-
-pub(super) fn time_slice(i: TimeSliceInterval) -> TimeSlice {
-    match i {
-        TimeSliceInterval::Default => TimeSlice::Default,
-        TimeSliceInterval::Short => TimeSlice::Short,
-        TimeSliceInterval::Medium => TimeSlice::Medium,
-        TimeSliceInterval::Long => TimeSlice::Long,
-    }
-}
-
-/// The devices of a claim's CDI spec: each record with its GPU, and its MIG device looked up in
-/// `inv` or among `created` (the MIG devices this prepare made, which `inv` predates).
-pub(super) fn cdi_devices(
-    pool: &str,
-    uid: &ClaimUid,
-    devices: &[DeviceRecord],
-    inv: &Inventory,
-    created: &[MigDevice],
-    mps: &Mps,
-) -> Result<Vec<PreparedDevice>, ClaimError> {
-    let gone = |d: &DeviceRecord, reason: String| ClaimError::UnknownDevice {
-        pool: d.pool.clone(),
-        device: d.device.to_string(),
-        ours: pool.to_string(),
-        reason,
-    };
-    devices
-        .iter()
-        .map(|d| {
-            let gpu = inv
-                .gpu_by_uuid(d.gpu.as_str())
-                .ok_or_else(|| gone(d, format!("GPU {} is gone", d.gpu)))?;
-            let mig = match &d.mig {
-                None => None,
-                Some(m) => Some(
-                    gpu.mig
-                        .devices
-                        .iter()
-                        .chain(created)
-                        .find(|x| Some(&x.uuid) == m.uuid.as_ref())
-                        .ok_or_else(|| gone(d, "the MIG device is gone".into()))?
-                        .clone(),
-                ),
-            };
-            Ok(PreparedDevice {
-                name: d.device.to_string(),
-                gpu: gpu.clone(),
-                mig,
-                mps_pipe_dir: matches!(d.sharing, Sharing::Mps(_)).then(|| mps.pipe_dir(uid)),
-                sharing: d.sharing.clone(),
-            })
-        })
-        .collect()
-}
-
 /// What an allocated device name stands for on this node.
 #[derive(Clone, Copy)]
 enum Resolved<'a> {
@@ -264,7 +160,7 @@ enum Resolved<'a> {
     MigToCreate(&'a Gpu, &'a inventory::MigProfile, Placement),
 }
 
-/// Resolves a device name (named as [`slices::DeviceName`] does) to hardware that can be
+/// Resolves a device name (named as [`DeviceName`] does) to hardware that can be
 /// prepared now, or says why not.
 fn resolve_device<'a>(
     inv: &'a Inventory,
@@ -314,6 +210,7 @@ mod tests {
     use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 
     use super::*;
+    use crate::ids::ClaimUid;
     use crate::inventory::topology::load_profile;
 
     const DRIVER: &str = "gpu.nvidia.com";
@@ -400,78 +297,5 @@ mod tests {
         // The claim must be the one the kubelet named.
         let e = plan(&opts(false), &cdi, &claim_ref("u3"), &rc, &inv).unwrap_err();
         assert!(matches!(e, ClaimError::UidChanged { .. }), "{e}");
-    }
-
-    #[test]
-    fn a_conflict_names_the_claim_that_holds_the_device() {
-        let inv = load_profile("dgx-h100", "node-a").unwrap();
-        let cdi = CdiOptions::resolve(DRIVER, Path::new("/nonexistent")).unwrap();
-        let rc = |uid: &str| {
-            crate::api::allocated_claim(
-                "ns",
-                "c",
-                uid,
-                vec![result("gpu", DRIVER, "gpu-3")],
-                vec![],
-            )
-        };
-        let a = plan(&opts(false), &cdi, &claim_ref("a"), &rc("a"), &inv).unwrap();
-        let b = plan(&opts(false), &cdi, &claim_ref("b"), &rc("b"), &inv).unwrap();
-        let mut claims = BTreeMap::new();
-        claims.insert(
-            claim_ref("a").uid,
-            ClaimEntry {
-                state: crate::ledger::ClaimState::PrepareCompleted,
-                namespace: "ns".into(),
-                name: "holder".into(),
-                devices: a.devices.clone(),
-            },
-        );
-        // A claim does not conflict with itself (a retried prepare).
-        conflict(&claims, &claim_ref("a").uid, &a.devices).unwrap();
-        let e = conflict(&claims, &claim_ref("b").uid, &b.devices).unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("gpu-3 is already prepared for claim ns/holder (a)"),
-            "{e}"
-        );
-    }
-
-    /// Checkpoints hold device names; they read back only as names this driver makes.
-    #[test]
-    fn device_names_parse_by_the_grammar_they_are_made_with() {
-        for name in [
-            DeviceName::gpu(0),
-            DeviceName::gpu(17),
-            DeviceName::mig(3, "1g.5gb+me", 20, 6),
-            DeviceName::mig(1, "7g.141gb", 0, 0),
-        ] {
-            assert_eq!(DeviceName::parse(name.as_str()).unwrap(), name);
-            let json = serde_json::to_string(&name).unwrap();
-            assert_eq!(serde_json::from_str::<DeviceName>(&json).unwrap(), name);
-        }
-        for bad in [
-            "",
-            "gpu-",
-            "gpu-01",
-            "gpu-x",
-            "eth0",
-            "gpu-0-mig-",
-            "gpu-0-mig-1g5gb-19",
-            "gpu-0-mig-1g.5gb-19-0",
-            "gpu-0-nic-1",
-            "gpu-0-mig--19-0",
-        ] {
-            let e = DeviceName::parse(bad).unwrap_err();
-            assert!(
-                e.to_string()
-                    .starts_with(&format!("{bad:?} is not a device name")),
-                "{e}"
-            );
-            assert!(
-                serde_json::from_str::<DeviceName>(&format!("{bad:?}")).is_err(),
-                "{bad}"
-            );
-        }
     }
 }

@@ -17,8 +17,10 @@ use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
 use crate::api;
+use crate::ids::ClaimUid;
 use crate::inventory::Inventory;
-use crate::ledger::{ClaimEntry, ClaimState, ClaimUid, DeviceRecord};
+use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord};
+use std::collections::BTreeMap;
 
 impl Plugin {
     pub(super) async fn prepare_one(
@@ -66,13 +68,13 @@ impl Plugin {
     /// container of the device-plugin path (`--mode both`), holds its devices.
     fn reserve(&self, claim: &ClaimRef, plan: &Plan, state: ClaimState) -> Result<(), ClaimError> {
         self.inner.ledger.update_with_holds(|claims, holds| {
-            plan::conflict(claims, &claim.uid, &plan.devices)?;
+            conflict(claims, &claim.uid, &plan.devices)?;
             for d in &plan.devices {
-                if let Some((held, holder)) = holds.holder_of(d) {
+                if let Some(h) = holds.holder_of(d) {
                     return Err(ClaimError::HeldByContainer {
                         device: d.device.to_string(),
-                        held: held.to_string(),
-                        holder: holder.to_string(),
+                        held: h.held,
+                        holder: h.holder,
                     });
                 }
             }
@@ -194,5 +196,102 @@ impl Plugin {
         self.rollback(uid, &entry.devices).await?;
         tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
         Ok(())
+    }
+}
+
+/// The first of `devices` that another claim in `claims` holds, as that claim's error.
+pub(super) fn conflict(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+) -> Result<(), ClaimError> {
+    match ledger::held_by_another(claims, uid, devices) {
+        Some((d, other_uid, other)) => Err(ClaimError::DeviceInUse {
+            device: d.device.to_string(),
+            namespace: other.namespace.clone(),
+            name: other.name.clone(),
+            uid: other_uid.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+
+    use super::*;
+    use crate::cdi::CdiOptions;
+    use crate::dra::plugin::Options;
+    use crate::dra::plugin::plan::plan;
+    use crate::inventory::topology::load_profile;
+
+    const DRIVER: &str = "gpu.nvidia.com";
+
+    fn opts(partitionable: bool) -> Options {
+        Options {
+            driver: DRIVER.into(),
+            pool: "node-a".into(),
+            plugin_dir: "/nonexistent/plugin".into(),
+            cdi_root: "/nonexistent/cdi".into(),
+            driver_root: "/nonexistent".into(),
+            boot_id: "b".into(),
+            partitionable,
+        }
+    }
+
+    fn result(request: &str, driver: &str, device: &str) -> DeviceRequestAllocationResult {
+        DeviceRequestAllocationResult {
+            request: request.into(),
+            driver: driver.into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            ..Default::default()
+        }
+    }
+
+    fn claim_ref(uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            name: "c".into(),
+            uid: ClaimUid::parse(uid).unwrap(),
+        }
+    }
+
+    #[test]
+    fn a_conflict_names_the_claim_that_holds_the_device() {
+        let inv = load_profile("dgx-h100", "node-a").unwrap();
+        let cdi = CdiOptions::resolve(DRIVER, Path::new("/nonexistent")).unwrap();
+        let rc = |uid: &str| {
+            crate::api::allocated_claim(
+                "ns",
+                "c",
+                uid,
+                vec![result("gpu", DRIVER, "gpu-3")],
+                vec![],
+            )
+        };
+        let a = plan(&opts(false), &cdi, &claim_ref("a"), &rc("a"), &inv).unwrap();
+        let b = plan(&opts(false), &cdi, &claim_ref("b"), &rc("b"), &inv).unwrap();
+        let mut claims = BTreeMap::new();
+        claims.insert(
+            claim_ref("a").uid,
+            ClaimEntry {
+                state: crate::ledger::ClaimState::PrepareCompleted,
+                namespace: "ns".into(),
+                name: "holder".into(),
+                devices: a.devices.clone(),
+            },
+        );
+        // A claim does not conflict with itself (a retried prepare).
+        conflict(&claims, &claim_ref("a").uid, &a.devices).unwrap();
+        let e = conflict(&claims, &claim_ref("b").uid, &b.devices).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("gpu-3 is already prepared for claim ns/holder (a)"),
+            "{e}"
+        );
     }
 }

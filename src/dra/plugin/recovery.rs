@@ -5,10 +5,11 @@
 //! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
 //! can finish.
 
-use super::plan::mps_devices;
+use super::effects::mps_devices;
 use super::{ClaimError, Plugin};
+use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, Inventory};
-use crate::ledger::{self, ClaimEntry, ClaimState, ClaimUid};
+use crate::ledger::{self, ClaimEntry, ClaimState};
 
 /// What start-up repaired.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -51,13 +52,6 @@ impl Plugin {
         }
         let known = self.inner.ledger.read(|c| c.claims.clone());
         for uid in self.inner.specs.list()? {
-            let uid = match ClaimUid::parse(uid.as_str()) {
-                Ok(uid) => uid,
-                Err(e) => {
-                    tracing::warn!(claim.uid = %uid, error = %kubelet_plugin::report::chain(&e), "left a CDI spec alone whose name holds no claim UID");
-                    continue;
-                }
-            };
             if !known.contains_key(&uid) {
                 self.inner.specs.remove(&uid)?;
                 tracing::warn!(claim.uid = %uid, "removed orphan CDI spec with no checkpoint entry");

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
 use crate::durable::Durability;
-use crate::ledger::ClaimUid;
+use crate::ids::ClaimUid;
 
 pub(super) struct Specs {
     root: PathBuf,
@@ -40,7 +40,7 @@ impl Specs {
     /// Whether it wrote.
     pub fn ensure(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<bool, cdi::Error> {
         let text = self.render(uid, devices)?;
-        let path = cdi::spec_path(&self.root, &self.opts, uid.as_str());
+        let path = cdi::spec_path(&self.root, &self.opts, uid);
         if std::fs::read(&path).is_ok_and(|on_disk| on_disk == text.as_bytes()) {
             return Ok(false);
         }
@@ -54,19 +54,13 @@ impl Specs {
     }
 
     fn replace(&self, uid: &ClaimUid, text: &str) -> Result<(), cdi::Error> {
-        cdi::write_spec_text(
-            &self.root,
-            &self.opts,
-            uid.as_str(),
-            text,
-            Durability::Atomic,
-        )?;
+        cdi::write_spec_text(&self.root, &self.opts, uid, text, Durability::Atomic)?;
         Ok(())
     }
 
     /// Whether the claim's spec file reads as a CDI spec with devices (it may still be stale).
     pub fn readable(&self, uid: &ClaimUid) -> bool {
-        let path = cdi::spec_path(&self.root, &self.opts, uid.as_str());
+        let path = cdi::spec_path(&self.root, &self.opts, uid);
         std::fs::read_to_string(path)
             .ok()
             .and_then(|text| crate::yaml::from_str::<cdi::Spec>(&text).ok())
@@ -76,11 +70,11 @@ impl Specs {
     /// Whether there was a spec to remove. Not durable either: a spec that comes back after a
     /// power loss has no checkpoint entry, and start-up removes it.
     pub fn remove(&self, uid: &ClaimUid) -> Result<bool, cdi::Error> {
-        cdi::remove_spec(&self.root, &self.opts, uid.as_str(), Durability::Atomic)
+        cdi::remove_spec(&self.root, &self.opts, uid, Durability::Atomic)
     }
 
     /// The claim UIDs of the specs in the directory.
-    pub fn list(&self) -> Result<Vec<String>, cdi::Error> {
+    pub fn list(&self) -> Result<Vec<ClaimUid>, cdi::Error> {
         cdi::list_claim_specs(&self.root, &self.opts)
     }
 }

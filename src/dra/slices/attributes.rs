@@ -6,9 +6,10 @@ use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{
-    ATTR_FABRIC_CLIQUE_ID, ATTR_FABRIC_CLUSTER_UUID, ATTR_PCI_BUS_ID, ATTR_PCIE_ROOT, DeviceName,
+    ATTR_FABRIC_CLIQUE_ID, ATTR_FABRIC_CLUSTER_UUID, ATTR_PCI_BUS_ID, ATTR_PCIE_ROOT,
     MAX_VALUE_LENGTH, is_semver,
 };
+use crate::ids::DeviceName;
 use crate::inventory::{Engines, Gpu, MigDevice, MigProfile, MigUuid, Placement, quantity};
 
 /// Normalizes a driver-reported version to semantic versioning 2.0.0, or `None` when it cannot be
@@ -191,7 +192,7 @@ pub(super) fn gpu_device(gpu: &Gpu) -> Device {
         c.insert("multiprocessors".into(), capacity(sms.to_string()));
     }
     Device {
-        name: DeviceName::gpu(gpu.minor).0,
+        name: DeviceName::gpu(gpu.minor).into(),
         attributes: Some(gpu_attributes(gpu)),
         capacity: Some(c),
         ..Default::default()
@@ -259,7 +260,7 @@ pub(super) fn mig_device(gpu: &Gpu, m: &MigShape<'_>) -> Device {
         c.insert(format!("memorySlice{slice}"), capacity("1".into()));
     }
     Device {
-        name: DeviceName::mig(gpu.minor, m.profile, m.gi_profile_id, m.placement.start).0,
+        name: DeviceName::mig(gpu.minor, m.profile, m.gi_profile_id, m.placement.start).into(),
         attributes: Some(a),
         capacity: Some(c),
         ..Default::default()

@@ -1,108 +1,7 @@
-//! Device names in the pool, counter set names, and finding a published device by its name.
+//! Counter set names, and finding a published device by its name ([`DeviceName`] makes the names).
 
-use std::fmt;
-
+use crate::ids::DeviceName;
 use crate::inventory::{Gpu, Inventory, MigDevice, MigProfile, Placement};
-
-/// A device name in the pool, derived from stable hardware facts only. Made by [`DeviceName::gpu`]
-/// and [`DeviceName::mig`], or parsed (a checkpoint) by the same grammar.
-#[derive(
-    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(try_from = "String", into = "String")]
-pub struct DeviceName(pub(super) String);
-
-/// A string that is not a device name of this driver.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "{0:?} is not a device name of this driver (gpu-<minor> or \
-     gpu-<minor>-mig-<profile>-<giProfileId>-<start>)"
-)]
-pub struct InvalidDeviceName(pub String);
-
-impl DeviceName {
-    /// A whole GPU: `gpu-<minor>` (the `N` of `/dev/nvidiaN`, as NVIDIA's driver names it).
-    pub fn gpu(minor: u32) -> Self {
-        Self(format!("gpu-{minor}"))
-    }
-
-    /// A MIG device: `gpu-<minor>-mig-<profile>-<giProfileId>-<placementStart>`, with the profile
-    /// lower-cased and reduced to letters, digits and dashes (`1g.5gb+me` → `1g5gbme`).
-    pub fn mig(parent_minor: u32, profile: &str, gi_profile_id: u32, start: u32) -> Self {
-        Self(format!(
-            "gpu-{parent_minor}-mig-{}-{gi_profile_id}-{start}",
-            profile_label(profile)
-        ))
-    }
-
-    /// Checks the grammar only; whether the device exists is [`find_device`]'s question.
-    pub fn parse(name: &str) -> Result<Self, InvalidDeviceName> {
-        let number = |s: &str| {
-            !s.is_empty()
-                && s.bytes().all(|b| b.is_ascii_digit())
-                && (s.len() == 1 || !s.starts_with('0'))
-        };
-        let valid = || {
-            let rest = name.strip_prefix("gpu-")?;
-            let (minor, mig) = match rest.split_once('-') {
-                Some((minor, mig)) => (minor, Some(mig.strip_prefix("mig-")?)),
-                None => (rest, None),
-            };
-            let ok = number(minor)
-                && mig.is_none_or(|mig| {
-                    let mut parts = mig.rsplitn(3, '-');
-                    let (start, gi, label) = (parts.next(), parts.next(), parts.next());
-                    matches!((start, gi, label), (Some(s), Some(g), Some(l))
-                        if number(s) && number(g) && !l.is_empty() && profile_label(l) == l)
-                });
-            ok.then_some(())
-        };
-        match valid() {
-            Some(()) => Ok(Self(name.to_string())),
-            None => Err(InvalidDeviceName(name.to_string())),
-        }
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl TryFrom<String> for DeviceName {
-    type Error = InvalidDeviceName;
-    fn try_from(name: String) -> Result<Self, InvalidDeviceName> {
-        Self::parse(&name)
-    }
-}
-
-impl From<DeviceName> for String {
-    fn from(name: DeviceName) -> String {
-        name.0
-    }
-}
-
-impl PartialEq<&str> for DeviceName {
-    fn eq(&self, other: &&str) -> bool {
-        self.0 == *other
-    }
-}
-
-impl fmt::Display for DeviceName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-/// A MIG profile name as it appears in device names: lower case, only `[a-z0-9-]`, no leading or
-/// trailing dash (RFC 1123).
-pub fn profile_label(profile: &str) -> String {
-    let label: String = profile
-        .chars()
-        .map(|c| c.to_ascii_lowercase())
-        .filter(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-')
-        .collect();
-    label.trim_matches('-').to_string()
-}
 
 /// The name of a GPU's (first) counter set in partitionable mode: `gpu-<minor>-counter-set`.
 pub fn counter_set_name(minor: u32) -> String {
@@ -148,7 +47,7 @@ pub fn find_device<'a>(inv: &'a Inventory, name: &str) -> Option<PublishedDevice
     let minor = parent.minor;
     if let Some(d) =
         parent.mig.devices.iter().find(|d| {
-            DeviceName::mig(minor, &d.profile, d.gi_profile_id, d.placement.start).0 == name
+            DeviceName::mig(minor, &d.profile, d.gi_profile_id, d.placement.start) == name
         })
     {
         return Some(PublishedDevice::Mig {
@@ -165,7 +64,7 @@ pub fn find_device<'a>(inv: &'a Inventory, name: &str) -> Option<PublishedDevice
     parent.mig.profiles.iter().find_map(|p| {
         p.placements
             .iter()
-            .find(|pl| DeviceName::mig(minor, &p.name, p.gi_profile_id, pl.start).0 == name)
+            .find(|pl| DeviceName::mig(minor, &p.name, p.gi_profile_id, pl.start) == name)
             .map(|pl| PublishedDevice::Mig {
                 parent,
                 existing: None,

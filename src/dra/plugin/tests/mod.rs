@@ -1,6 +1,6 @@
 use super::*;
 use crate::api;
-use crate::dra::{mps, slices};
+use crate::dra::mps;
 use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
 use crate::ledger::{ClaimState, DeviceRecord};
@@ -390,7 +390,7 @@ async fn existing_and_created_mig_devices() {
     let e = env("a100-mig-mixed").await;
     let inv = e.sim.snapshot().unwrap();
     let existing = &inv.gpus[1].mig.devices[0];
-    let name = slices::DeviceName::mig(
+    let name = crate::ids::DeviceName::mig(
         inv.gpus[1].minor,
         &existing.profile,
         existing.gi_profile_id,

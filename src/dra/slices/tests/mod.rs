@@ -14,6 +14,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use super::attributes::{boolean, capacity, int, string, version};
 use super::splitting::chunk_devices;
 use super::*;
+use crate::ids::{DeviceName, profile_label};
 use crate::inventory::topology::load_profile;
 use crate::inventory::{GpuUuid, Health, Inventory, MigDevice, MigUuid, PciBusId, Placement};
 

@@ -3,24 +3,6 @@
 use super::*;
 
 #[test]
-fn device_names_follow_nvidia() {
-    assert_eq!(DeviceName::gpu(0).as_str(), "gpu-0");
-    assert_eq!(DeviceName::gpu(17).to_string(), "gpu-17");
-    assert_eq!(
-        DeviceName::mig(0, "1g.5gb", 19, 0).as_str(),
-        "gpu-0-mig-1g5gb-19-0"
-    );
-    assert_eq!(
-        DeviceName::mig(3, "1g.5gb+me", 20, 6).as_str(),
-        "gpu-3-mig-1g5gbme-20-6"
-    );
-    assert_eq!(
-        DeviceName::mig(1, "7g.141gb", 0, 0).as_str(),
-        "gpu-1-mig-7g141gb-0-0"
-    );
-}
-
-#[test]
 fn profile_labels_are_rfc1123() {
     assert_eq!(profile_label("1G.10GB+ME"), "1g10gbme");
     assert_eq!(profile_label("1g.24gb-me"), "1g24gb-me");

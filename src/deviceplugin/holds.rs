@@ -1,25 +1,32 @@
-//! The device-plugin half of the one ledger of `--mode both`: which GPUs (or MIG devices)
-//! containers hold through the legacy device plugin. Kept in memory only: the kubelet's
-//! PodResources API is the durable record of it, and is read again after a restart.
+//! The device plugin's holds in `--mode both`: which GPUs (or MIG devices) containers hold
+//! through the legacy device plugin. Kept in memory only, here and not in the ledger (which owns
+//! the checkpoint only): the kubelet's PodResources API is the durable record of them, and is
+//! read again after a restart.
 //!
-//! Two sources fill it:
+//! Two sources fill them:
 //! - **Allocate** records a *pending* hold at once, atomically with the check that no DRA claim
-//!   holds the device ([`super::Ledger::hold_for_allocate`]); the kubelet's Allocate carries no
+//!   holds the device ([`ContainerHolds::hold_for_allocate`]); the kubelet's Allocate carries no
 //!   pod name, so a pending hold names the device ID it was allocated as.
-//! - **PodResources `List`** replaces the *observed* holds ([`super::Ledger::set_observed`]): every
-//!   container of a pod the kubelet still runs with a device of ours. A pending hold ends when its
-//!   device is observed (the pod now names it) or after [`PENDING_TTL`] without being observed
-//!   (the pod never started); an observed hold ends when its pod no longer lists it.
+//! - **PodResources `List`** replaces the *observed* holds ([`ContainerHolds::set_observed`]):
+//!   every container of a pod the kubelet still runs with a device of ours. A pending hold ends
+//!   when its device is observed (the pod now names it) or after [`PENDING_TTL`] without being
+//!   observed (the pod never started); an observed hold ends when its pod no longer lists it.
 //!
-//! Prepare checks these holds in the same critical section as the claim-vs-claim check, so a
-//! claim and a container never get one exclusive GPU.
+//! The ledger is handed these holds as its [`HeldElsewhere`]: a claim's reservation consults
+//! them under the ledger's lock, and an Allocate checks the claims and records its hold under
+//! that same lock ([`Ledger::read`]), so a claim and a container never get one exclusive GPU.
+//! Lock order: the ledger's, then the holds'.
 
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::inventory::{GpuUuid, MigUuid, Placement};
+use tokio::sync::watch;
 
-use super::{ClaimEntry, ClaimUid, DeviceRecord};
+use crate::ids::ClaimUid;
+use crate::inventory::{GpuUuid, MigUuid, Placement};
+use crate::ledger::{ClaimEntry, DeviceRecord, HeldBy, HeldElsewhere, Ledger};
+use crate::lock::lock;
 
 /// How long an Allocate's hold lasts without its pod appearing in PodResources.
 pub const PENDING_TTL: Duration = Duration::from_secs(60);
@@ -153,13 +160,13 @@ impl Holds {
         self.all().into_iter().find(|(o, _)| o.overlaps(r))
     }
 
-    pub(super) fn add_pending(&mut self, occ: Occupied, holder: Holder, now: Instant) {
+    fn add_pending(&mut self, occ: Occupied, holder: Holder, now: Instant) {
         self.pending.push((occ, holder, now));
     }
 
     /// Replaces the observed holds; drops pending ones now observed or older than `ttl`.
     /// Returns whether anything changed.
-    pub(super) fn set_observed(
+    fn set_observed(
         &mut self,
         mut observed: Vec<(Occupied, ContainerRef)>,
         now: Instant,
@@ -177,11 +184,93 @@ impl Holds {
     }
 }
 
+/// The holds of a node, shared: Allocate and the PodResources poll change them, the ledger
+/// consults them when a claim reserves devices, the slice sync hides them. Cheap to clone.
+#[derive(Clone)]
+pub struct ContainerHolds {
+    holds: Arc<Mutex<Holds>>,
+    /// Bumped on every change, for the slices.
+    changes: Arc<watch::Sender<u64>>,
+}
+
+impl Default for ContainerHolds {
+    fn default() -> Self {
+        Self {
+            holds: Arc::default(),
+            changes: Arc::new(watch::channel(0).0),
+        }
+    }
+}
+
+impl ContainerHolds {
+    /// Every hold, observed ones first.
+    pub fn all(&self) -> Vec<(Occupied, Holder)> {
+        lock(&self.holds).all()
+    }
+
+    /// Told after every change of the holds.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Records the devices of one Allocate as held, unless a claim in `ledger` holds one of
+    /// them — then nothing is recorded and the device and its claim are returned — or the
+    /// Allocate itself was refused (`allocated` is an error, returned as it is; the claim's
+    /// refusal comes first, since a device a claim holds is also unhealthy to the Allocate).
+    pub fn hold_for_allocate<T, E>(
+        &self,
+        ledger: &Ledger,
+        devices: Vec<(Occupied, Holder)>,
+        allocated: Result<T, E>,
+    ) -> Result<Result<T, E>, Box<(Occupied, ClaimHolder)>> {
+        let allocated = ledger.read(|cp| {
+            for (occ, _) in &devices {
+                if let Some(c) = claim_holding(&cp.claims, occ) {
+                    return Err(Box::new((occ.clone(), c)));
+                }
+            }
+            if allocated.is_ok() {
+                let now = Instant::now();
+                let mut held = lock(&self.holds);
+                for (occ, h) in devices {
+                    held.add_pending(occ, h, now);
+                }
+            }
+            Ok(allocated)
+        })?;
+        if allocated.is_ok() {
+            self.changed();
+        }
+        Ok(allocated)
+    }
+
+    /// Replaces what containers hold with what PodResources lists.
+    pub fn set_observed(&self, observed: Vec<(Occupied, ContainerRef)>) {
+        let changed = lock(&self.holds).set_observed(observed, Instant::now(), PENDING_TTL);
+        if changed {
+            self.changed();
+        }
+    }
+}
+
+impl HeldElsewhere for ContainerHolds {
+    fn holder_of(&self, r: &DeviceRecord) -> Option<HeldBy> {
+        lock(&self.holds).holder_of(r).map(|(held, holder)| HeldBy {
+            held: held.to_string(),
+            holder: holder.to_string(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::slices::DeviceName;
-    use crate::ledger::{ClaimState, Ledger, MigRecord};
+    use crate::ids::DeviceName;
+    use crate::ledger::{ClaimState, MigRecord};
     use crate::sharing::Sharing;
 
     fn gpu(n: u32) -> GpuUuid {
@@ -273,6 +362,7 @@ mod tests {
     async fn allocate_of_a_claimed_gpu_is_refused_naming_the_claim_and_holds_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let holds = ContainerHolds::default();
         let mut changes = ledger.changes();
         ledger.update(|c| {
             c.insert(
@@ -287,21 +377,28 @@ mod tests {
         });
         assert!(changes.has_changed().unwrap());
         changes.mark_unchanged();
+        // From here on, the holds' changes (the ledger's are the claims' only).
+        let changes = holds.changes();
         let alloc = Holder::Allocating {
             resource: "nvidia.com/gpu".into(),
             id: "GPU-0".into(),
         };
-        let (occ, claim) = *ledger
-            .hold_for_allocate(vec![(whole(1), alloc.clone()), (whole(0), alloc.clone())])
+        let (occ, claim) = *holds
+            .hold_for_allocate(
+                &ledger,
+                vec![(whole(1), alloc.clone()), (whole(0), alloc.clone())],
+                Ok::<(), ()>(()),
+            )
             .unwrap_err();
         assert_eq!(occ, whole(0));
         assert_eq!(claim.to_string(), "resource claim ns/claim-1 (uid-1)");
-        assert_eq!(ledger.container_holds(), vec![]);
+        assert_eq!(holds.all(), vec![]);
         assert!(!changes.has_changed().unwrap());
-        ledger
-            .hold_for_allocate(vec![(whole(1), alloc.clone())])
+        holds
+            .hold_for_allocate(&ledger, vec![(whole(1), alloc.clone())], Ok::<(), ()>(()))
+            .unwrap()
             .unwrap();
-        assert_eq!(ledger.container_holds(), vec![(whole(1), alloc)]);
+        assert_eq!(holds.all(), vec![(whole(1), alloc)]);
         assert!(changes.has_changed().unwrap());
     }
 }

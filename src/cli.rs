@@ -10,11 +10,17 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::{
-    self, ApiSettings, Backend, BackendSettings, ClusterSettings, Config, DaemonSettings,
-    FileConfig, HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings,
-    ServeSettings, Settings,
+    self, ApiSettings, Backend, BackendSettings, Config, DaemonSettings, FileConfig,
+    HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings, ServeSettings,
+    Settings,
 };
 use crate::dra::slices;
+#[cfg(feature = "tools")]
+pub use tools::{MatchArgs, MatchOutput, ValidateArgs};
+
+/// `nvdra demo`, `match` and `validate`: in the default build, not in the DaemonSet's image.
+#[cfg(feature = "tools")]
+mod tools;
 use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
 
 /// Exit code for invalid configuration (EX_USAGE).
@@ -49,73 +55,16 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// The whole DRA flow on simulated GPUs in a temporary directory, narrated (no cluster,
     /// no GPU).
+    #[cfg(feature = "tools")]
     Demo,
     /// Which of the node's devices a ResourceClaim (or template) can get, and why not. Exit
     /// code 0: satisfiable; 1: not; 2: bad input.
+    #[cfg(feature = "tools")]
     Match(Box<MatchArgs>),
     /// Compile every CEL selector in DeviceClasses, ResourceClaims and templates. Exit code 0:
     /// all compile; 1: some do not; 2: bad input.
+    #[cfg(feature = "tools")]
     Validate(ValidateArgs),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum MatchOutput {
-    Table,
-    Json,
-}
-
-/// Flags of `nvdra match`.
-#[derive(Debug, Args)]
-#[command(mut_arg("kubeconfig", match_kubeconfig))]
-pub struct MatchArgs {
-    /// ResourceClaims, ResourceClaimTemplates and DeviceClasses (YAML or JSON, multi-document).
-    #[arg(short = 'f', long = "filename", value_name = "FILE", required = true)]
-    pub files: Vec<PathBuf>,
-
-    /// The node's devices from ResourceSlices (as `nvdra inventory -o slices` prints them)
-    /// instead of a backend.
-    #[arg(long, env = "NVDRA_SLICES", value_name = "FILE", conflicts_with_all = ["profile", "topology"])]
-    pub slices: Option<PathBuf>,
-
-    #[command(flatten)]
-    pub cluster: ClusterSettings,
-
-    /// With --kubeconfig: only this node's ResourceSlices.
-    #[arg(
-        long = "node",
-        env = "NVDRA_MATCH_NODE",
-        value_name = "NAME",
-        requires = "kubeconfig"
-    )]
-    pub node: Option<String>,
-
-    #[command(flatten)]
-    pub backend: BackendSettings,
-
-    #[command(flatten)]
-    pub plugin: PluginSettings,
-
-    /// Output format.
-    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
-    pub output: MatchOutput,
-}
-
-/// `--kubeconfig` ([`ClusterSettings`]) as `match` uses it: a cluster to read instead of a
-/// backend or a slices file.
-fn match_kubeconfig(arg: clap::Arg) -> clap::Arg {
-    arg.help(
-        "Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain \
-         the claim per node",
-    )
-    .conflicts_with_all(["slices", "profile", "topology"])
-}
-
-/// Flags of `nvdra validate`.
-#[derive(Debug, Args)]
-pub struct ValidateArgs {
-    /// DeviceClasses, ResourceClaims and ResourceClaimTemplates (YAML or JSON, multi-document).
-    #[arg(short = 'f', long = "filename", value_name = "FILE", required = true)]
-    pub files: Vec<PathBuf>,
 }
 
 /// Flags of `nvdra run`.
@@ -266,9 +215,10 @@ pub fn main() -> ExitCode {
             };
         }
     };
+    #[cfg(feature = "tools")]
     match &cli.command {
-        Command::Match(args) => return run_match(&cli, args),
-        Command::Validate(args) => return run_validate(args),
+        Command::Match(args) => return tools::run_match(&cli, args),
+        Command::Validate(args) => return tools::run_validate(args),
         _ => {}
     }
     match run(cli) {
@@ -374,16 +324,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
             write_stdout(&text)?;
             Ok(())
         }
-        Command::Demo => {
-            // Only problems are worth seeing next to the narration.
-            init_logging(LogFormat::Plain, cli.log.log_filter.as_deref(), "error");
-            let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
-            let mut out = std::io::stdout();
-            runtime
-                .block_on(crate::demo::run(&mut out))
-                .map_err(Failure::Other)
-        }
+        #[cfg(feature = "tools")]
+        Command::Demo => tools::run_demo(&cli),
         // Dispatched by `main` before `run`: they have exit codes of their own.
+        #[cfg(feature = "tools")]
         Command::Match(_) | Command::Validate(_) => Ok(()),
         Command::Run(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
@@ -447,181 +391,6 @@ fn render_slices(
         out.push_str(&crate::yaml::to_string(&slice)?);
     }
     Ok(out)
-}
-
-/// Exit code of `match` and `validate` for input they cannot use.
-const EXIT_BAD_INPUT: u8 = 2;
-
-fn bad_input(e: impl std::fmt::Display) -> ExitCode {
-    eprintln!("nvdra: {e}");
-    ExitCode::from(EXIT_BAD_INPUT)
-}
-
-fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
-    use crate::matching;
-    let objects = match matching::input::read_files(&args.files) {
-        Ok(o) => o,
-        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
-    };
-    if objects.claims.is_empty() {
-        return bad_input(format!(
-            "no ResourceClaim or ResourceClaimTemplate in {}",
-            args.files
-                .iter()
-                .map(|f| f.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    let mut objects = objects;
-    // Per node: (node name or "" for the one node of a backend or a file, its slices).
-    let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
-        if let Some(kubeconfig) = &args.cluster.kubeconfig {
-            match live_slices(kubeconfig, args.node.as_deref()) {
-                Ok((slices, classes)) => {
-                    // Classes given with -f win over the cluster's.
-                    objects.classes.extend(classes.into_iter().map(|c| {
-                        (
-                            c,
-                            matching::Origin {
-                                file: kubeconfig.clone(),
-                                doc: 0,
-                                line: 0,
-                            },
-                        )
-                    }));
-                    matching::group_by_node(slices)
-                }
-                Err(e) => return bad_input(one_line(&e)),
-            }
-        } else {
-            match node_slices(cli, args, &objects) {
-                Ok(s) => vec![(String::new(), s)],
-                Err(e) => return bad_input(e),
-            }
-        };
-    let env = crate::cel::Environment::new();
-    let result = matching::compile_classes(&objects.classes).and_then(|classes| {
-        let mut reports = Vec::new();
-        for (node, slices) in &nodes {
-            let devices = matching::candidates(&env, slices)?;
-            for c in &objects.claims {
-                let mut r = matching::explain(&env, c, &classes, &devices)?;
-                if !node.is_empty() {
-                    r.node = Some(node.clone());
-                }
-                reports.push(r);
-            }
-        }
-        Ok(reports)
-    });
-    let reports = match result {
-        Ok(r) => r,
-        Err(e) => return bad_input(e),
-    };
-    let text = match args.output {
-        MatchOutput::Table => matching::render_table(&reports),
-        MatchOutput::Json => match serde_json::to_string_pretty(&reports) {
-            Ok(s) => s + "\n",
-            Err(e) => return bad_input(e),
-        },
-    };
-    if let Err(e) = write_stdout(&text) {
-        eprintln!("nvdra: {e}");
-        return ExitCode::FAILURE;
-    }
-    // Satisfiable when every claim fits on some node.
-    let fits = objects.claims.iter().all(|c| {
-        reports
-            .iter()
-            .any(|r| r.satisfiable && r.name == c.name && r.kind == c.kind)
-    });
-    if fits && !reports.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
-
-/// The cluster's ResourceSlices (of `node`, when named) and DeviceClasses, read only.
-fn live_slices(
-    kubeconfig: &std::path::Path,
-    node: Option<&str>,
-) -> anyhow::Result<(
-    Vec<k8s_openapi::api::resource::v1::ResourceSlice>,
-    Vec<k8s_openapi::api::resource::v1::DeviceClass>,
-)> {
-    let runtime = crate::daemon::runtime()?;
-    runtime.block_on(async {
-        let api = crate::api::kube::KubeApi::new(Some(kubeconfig)).await?;
-        Ok(api.list_for_match(node).await?)
-    })
-}
-
-/// The node's ResourceSlices: from `--slices`, from the `-f` files when they hold some and no
-/// backend is named, or built in-process from the backend as the publisher would.
-fn node_slices(
-    cli: &Cli,
-    args: &MatchArgs,
-    objects: &crate::matching::Objects,
-) -> anyhow::Result<Vec<k8s_openapi::api::resource::v1::ResourceSlice>> {
-    use k8s_openapi::api::resource::v1::ResourceSlice;
-    if let Some(file) = &args.slices {
-        let read = crate::matching::input::read_files(std::slice::from_ref(file))?;
-        return Ok(read.slices);
-    }
-    let named = args.backend.backend.is_some()
-        || args.backend.profile.is_some()
-        || args.backend.topology.is_some();
-    if !named && !objects.slices.is_empty() {
-        return Ok(objects.slices.clone());
-    }
-    let settings = Settings {
-        backend: args.backend.clone(),
-        plugin: args.plugin.clone(),
-        log: cli.log.clone(),
-        ..Settings::default()
-    };
-    let config = load_config(cli, settings)?;
-    let inv = open_backend(&config)?.snapshot()?;
-    let opts = slices::SliceOptions {
-        driver: config.driver_name.clone(),
-        node_name: config.node_name.clone(),
-        partitionable: config.partitionable,
-        layout: slices::CounterLayout::Separate,
-    };
-    Ok(slices::desired_slices(&inv, &opts)?
-        .into_iter()
-        .map(|spec| ResourceSlice {
-            metadata: Default::default(),
-            spec,
-        })
-        .collect())
-}
-
-fn run_validate(args: &ValidateArgs) -> ExitCode {
-    let objects = match crate::matching::input::read_files(&args.files) {
-        Ok(o) => o,
-        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
-    };
-    let problems = crate::matching::validate(&objects);
-    let mut text = String::new();
-    for p in &problems {
-        text.push_str(&format!("{p}\n"));
-    }
-    let n = objects.classes.len() + objects.claims.len();
-    if problems.is_empty() {
-        text.push_str(&format!("{n} objects, every CEL expression compiles\n"));
-    }
-    if let Err(e) = write_stdout(&text) {
-        eprintln!("nvdra: {e}");
-        return ExitCode::FAILURE;
-    }
-    if problems.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
 }
 
 fn write_stdout(text: &str) -> anyhow::Result<()> {

@@ -5,10 +5,12 @@
 
 pub mod api;
 pub mod cdi;
+#[cfg(feature = "tools")]
 pub mod cel;
 pub mod cli;
 pub mod config;
 pub mod daemon;
+#[cfg(feature = "tools")]
 pub mod demo;
 pub mod deviceplugin;
 pub mod dns;
@@ -19,6 +21,7 @@ pub mod ids;
 pub mod inventory;
 pub mod ledger;
 pub mod lock;
+#[cfg(feature = "tools")]
 pub mod matching;
 pub mod metrics;
 pub mod sharing;

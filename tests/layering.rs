@@ -103,8 +103,6 @@ fn tokens(code: &str) -> Vec<String> {
         } else if c == ':' && chars.peek() == Some(&':') {
             chars.next();
             out.push("::".into());
-        } else if "{},;".contains(c) {
-            out.push(c.to_string());
         } else if !c.is_whitespace() {
             out.push(c.to_string());
         }

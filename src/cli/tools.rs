@@ -1,0 +1,261 @@
+//! The commands for people rather than for the kubelet: `nvdra demo`, `match` and `validate`,
+//! with the CEL evaluator they need. Built with the `tools` feature (on by default); the
+//! DaemonSet's image leaves them out (`--no-default-features`), so `nvdra run` carries none of
+//! their code.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, ValueEnum};
+
+use super::{
+    Cli, Failure, LogFormat, init_logging, load_config, one_line, open_backend, write_stdout,
+};
+use crate::config::{BackendSettings, ClusterSettings, PluginSettings, Settings};
+use crate::dra::slices;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MatchOutput {
+    Table,
+    Json,
+}
+
+/// Flags of `nvdra match`.
+#[derive(Debug, Args)]
+#[command(mut_arg("kubeconfig", match_kubeconfig))]
+pub struct MatchArgs {
+    /// ResourceClaims, ResourceClaimTemplates and DeviceClasses (YAML or JSON, multi-document).
+    #[arg(short = 'f', long = "filename", value_name = "FILE", required = true)]
+    pub files: Vec<PathBuf>,
+
+    /// The node's devices from ResourceSlices (as `nvdra inventory -o slices` prints them)
+    /// instead of a backend.
+    #[arg(long, env = "NVDRA_SLICES", value_name = "FILE", conflicts_with_all = ["profile", "topology"])]
+    pub slices: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub cluster: ClusterSettings,
+
+    /// With --kubeconfig: only this node's ResourceSlices.
+    #[arg(
+        long = "node",
+        env = "NVDRA_MATCH_NODE",
+        value_name = "NAME",
+        requires = "kubeconfig"
+    )]
+    pub node: Option<String>,
+
+    #[command(flatten)]
+    pub backend: BackendSettings,
+
+    #[command(flatten)]
+    pub plugin: PluginSettings,
+
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: MatchOutput,
+}
+
+/// `--kubeconfig` ([`ClusterSettings`]) as `match` uses it: a cluster to read instead of a
+/// backend or a slices file.
+fn match_kubeconfig(arg: clap::Arg) -> clap::Arg {
+    arg.help(
+        "Read the ResourceSlices and DeviceClasses of a live cluster (read-only) and explain \
+         the claim per node",
+    )
+    .conflicts_with_all(["slices", "profile", "topology"])
+}
+
+/// Flags of `nvdra validate`.
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// DeviceClasses, ResourceClaims and ResourceClaimTemplates (YAML or JSON, multi-document).
+    #[arg(short = 'f', long = "filename", value_name = "FILE", required = true)]
+    pub files: Vec<PathBuf>,
+}
+
+/// `nvdra demo`: the daemon on simulated GPUs, narrated on stdout.
+pub(super) fn run_demo(cli: &Cli) -> Result<(), Failure> {
+    // Only problems are worth seeing next to the narration.
+    init_logging(LogFormat::Plain, cli.log.log_filter.as_deref(), "error");
+    let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
+    let mut out = std::io::stdout();
+    runtime
+        .block_on(crate::demo::run(&mut out))
+        .map_err(Failure::Other)
+}
+
+/// Exit code of `match` and `validate` for input they cannot use.
+const EXIT_BAD_INPUT: u8 = 2;
+
+fn bad_input(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("nvdra: {e}");
+    ExitCode::from(EXIT_BAD_INPUT)
+}
+
+pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
+    use crate::matching;
+    let objects = match matching::input::read_files(&args.files) {
+        Ok(o) => o,
+        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
+    };
+    if objects.claims.is_empty() {
+        return bad_input(format!(
+            "no ResourceClaim or ResourceClaimTemplate in {}",
+            args.files
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let mut objects = objects;
+    // Per node: (node name or "" for the one node of a backend or a file, its slices).
+    let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
+        if let Some(kubeconfig) = &args.cluster.kubeconfig {
+            match live_slices(kubeconfig, args.node.as_deref()) {
+                Ok((slices, classes)) => {
+                    // Classes given with -f win over the cluster's.
+                    objects.classes.extend(classes.into_iter().map(|c| {
+                        (
+                            c,
+                            matching::Origin {
+                                file: kubeconfig.clone(),
+                                doc: 0,
+                                line: 0,
+                            },
+                        )
+                    }));
+                    matching::group_by_node(slices)
+                }
+                Err(e) => return bad_input(one_line(&e)),
+            }
+        } else {
+            match node_slices(cli, args, &objects) {
+                Ok(s) => vec![(String::new(), s)],
+                Err(e) => return bad_input(e),
+            }
+        };
+    let env = crate::cel::Environment::new();
+    let result = matching::compile_classes(&objects.classes).and_then(|classes| {
+        let mut reports = Vec::new();
+        for (node, slices) in &nodes {
+            let devices = matching::candidates(&env, slices)?;
+            for c in &objects.claims {
+                let mut r = matching::explain(&env, c, &classes, &devices)?;
+                if !node.is_empty() {
+                    r.node = Some(node.clone());
+                }
+                reports.push(r);
+            }
+        }
+        Ok(reports)
+    });
+    let reports = match result {
+        Ok(r) => r,
+        Err(e) => return bad_input(e),
+    };
+    let text = match args.output {
+        MatchOutput::Table => matching::render_table(&reports),
+        MatchOutput::Json => match serde_json::to_string_pretty(&reports) {
+            Ok(s) => s + "\n",
+            Err(e) => return bad_input(e),
+        },
+    };
+    if let Err(e) = write_stdout(&text) {
+        eprintln!("nvdra: {e}");
+        return ExitCode::FAILURE;
+    }
+    // Satisfiable when every claim fits on some node.
+    let fits = objects.claims.iter().all(|c| {
+        reports
+            .iter()
+            .any(|r| r.satisfiable && r.name == c.name && r.kind == c.kind)
+    });
+    if fits && !reports.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The cluster's ResourceSlices (of `node`, when named) and DeviceClasses, read only.
+fn live_slices(
+    kubeconfig: &std::path::Path,
+    node: Option<&str>,
+) -> anyhow::Result<(
+    Vec<k8s_openapi::api::resource::v1::ResourceSlice>,
+    Vec<k8s_openapi::api::resource::v1::DeviceClass>,
+)> {
+    let runtime = crate::daemon::runtime()?;
+    runtime.block_on(async {
+        let api = crate::api::kube::KubeApi::new(Some(kubeconfig)).await?;
+        Ok(api.list_for_match(node).await?)
+    })
+}
+
+/// The node's ResourceSlices: from `--slices`, from the `-f` files when they hold some and no
+/// backend is named, or built in-process from the backend as the publisher would.
+fn node_slices(
+    cli: &Cli,
+    args: &MatchArgs,
+    objects: &crate::matching::Objects,
+) -> anyhow::Result<Vec<k8s_openapi::api::resource::v1::ResourceSlice>> {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    if let Some(file) = &args.slices {
+        let read = crate::matching::input::read_files(std::slice::from_ref(file))?;
+        return Ok(read.slices);
+    }
+    let named = args.backend.backend.is_some()
+        || args.backend.profile.is_some()
+        || args.backend.topology.is_some();
+    if !named && !objects.slices.is_empty() {
+        return Ok(objects.slices.clone());
+    }
+    let settings = Settings {
+        backend: args.backend.clone(),
+        plugin: args.plugin.clone(),
+        log: cli.log.clone(),
+        ..Settings::default()
+    };
+    let config = load_config(cli, settings)?;
+    let inv = open_backend(&config)?.snapshot()?;
+    let opts = slices::SliceOptions {
+        driver: config.driver_name.clone(),
+        node_name: config.node_name.clone(),
+        partitionable: config.partitionable,
+        layout: slices::CounterLayout::Separate,
+    };
+    Ok(slices::desired_slices(&inv, &opts)?
+        .into_iter()
+        .map(|spec| ResourceSlice {
+            metadata: Default::default(),
+            spec,
+        })
+        .collect())
+}
+
+pub(super) fn run_validate(args: &ValidateArgs) -> ExitCode {
+    let objects = match crate::matching::input::read_files(&args.files) {
+        Ok(o) => o,
+        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
+    };
+    let problems = crate::matching::validate(&objects);
+    let mut text = String::new();
+    for p in &problems {
+        text.push_str(&format!("{p}\n"));
+    }
+    let n = objects.classes.len() + objects.claims.len();
+    if problems.is_empty() {
+        text.push_str(&format!("{n} objects, every CEL expression compiles\n"));
+    }
+    if let Err(e) = write_stdout(&text) {
+        eprintln!("nvdra: {e}");
+        return ExitCode::FAILURE;
+    }
+    if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

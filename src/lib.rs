@@ -1,7 +1,11 @@
 //! nvdra: NVIDIA GPUs for Kubernetes — a DRA kubelet plugin with a device-plugin fallback.
 //!
-//! The modules follow `DESIGN.md`: `inventory` describes the node's GPUs; everything downstream is
-//! a function of it. Domain modules know nothing of gRPC, kube or NVML; adapters depend on them.
+//! `inventory` describes the node's GPUs; everything downstream is a function of it: the DRA
+//! driver (`dra`: slices, prepare, health) on the `kubelet-plugin` library, the device plugin
+//! (`deviceplugin`), CDI specs (`cdi`) and the checkpoint (`ledger`, typed ids from `ids`).
+//! Domain modules know nothing of gRPC, kube or NVML; adapters depend on them, and no module
+//! imports in a circle (`tests/layering.rs`). `cel`, `matching` and `demo` are the tools for
+//! people, built with the default `tools` feature only.
 
 pub mod api;
 pub mod cdi;

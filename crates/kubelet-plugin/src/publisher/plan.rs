@@ -1,7 +1,7 @@
 //! The publisher's decisions, as pure functions: which existing slice becomes which desired slice,
 //! whether the pool needs a new generation, and what to create, update and delete.
 //!
-//! Invariants (mirroring the upstream `resourceslice` controller, see DESIGN.md):
+//! Invariants (mirroring Go's `k8s.io/dynamic-resource-allocation/resourceslice` controller):
 //! - Per pool, the highest existing `pool.generation` is current; slices of older generations are
 //!   deleted. Pools that are no longer desired are deleted entirely.
 //! - Existing slices are matched to desired ones by identical spec, then by identical device-name

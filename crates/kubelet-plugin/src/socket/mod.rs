@@ -7,7 +7,7 @@
 //! (`%2Fvar%2Flib%2Fkubelet%2F…`) by recent grpc-go and raw (`/var/lib/…`) by older releases;
 //! grpcio sends `var%2Flib%2F…`. h2 parses `:authority` with `http::uri::Authority` and answers
 //! such a request with `RST_STREAM(PROTOCOL_ERROR)`, so without [`authority`] the kubelet could
-//! neither register nor prepare a claim (`reference/kubelet-wire.md`). Every server goes through
+//! neither register nor prepare a claim. Every server goes through
 //! [`incoming`], so the fix exists once; this module knows no gRPC service.
 
 pub mod authority;

@@ -2,7 +2,7 @@
 """A kubelet stand-in that nvdra did not write: grpcio (C-core) and a raw HTTP/2 client.
 
 The kubelet is a grpc-go program. What it sends on nvdra's sockets differs from what nvdra's own
-tonic clients send, above all in `:authority` (shared/reference/kubelet-wire.md): grpc-go sends
+tonic clients send, above all in `:authority`: grpc-go sends
 the percent-encoded socket path, older grpc-go the raw path, grpcio its own encoding of the path,
 the device-plugin client `localhost`, and an HTTP/2 client need not send `:authority` at all.
 This script plays the kubelet's calls over each of these and prints one JSON object per check on

@@ -28,7 +28,7 @@ const GRPC_GO_RAW_PATH: &str = "8386459c62ba2d98d558598c84d83498f52fb4b31909b069
 /// The same client's second call on that connection: every field but `grpc-timeout` is a
 /// reference into the dynamic table the first block filled.
 const GRPC_GO_SECOND: &str = "8386c3c2c1c0bf7e867df7df75bb7f";
-/// grpc-go's current form (1.83, `reference/kubelet-wire.md` §1): the recording above with the
+/// grpc-go's current form (1.83, which percent-encodes a Unix socket path): the recording above with the
 /// authority field encoded as grpc-go encodes it, `%2Fvar%2Flib%2Fkubelet%2Fplugins%2F
 /// gpu.nvidia.com%2Fdra.sock` Huffman-coded (shorter than plain).
 const GRPC_GO_PERCENT: &str = "8386459c62ba2d98d558598c84d83498f52fb4b31909b06931ea63115392a94f

@@ -204,7 +204,7 @@ fn resolve_device<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::path::Path;
 
     use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
@@ -213,9 +213,9 @@ mod tests {
     use crate::ids::ClaimUid;
     use crate::inventory::topology::load_profile;
 
-    const DRIVER: &str = "gpu.nvidia.com";
+    pub(in crate::dra::plugin) const DRIVER: &str = "gpu.nvidia.com";
 
-    fn opts(partitionable: bool) -> Options {
+    pub(in crate::dra::plugin) fn opts(partitionable: bool) -> Options {
         Options {
             driver: DRIVER.into(),
             pool: "node-a".into(),
@@ -227,7 +227,11 @@ mod tests {
         }
     }
 
-    fn result(request: &str, driver: &str, device: &str) -> DeviceRequestAllocationResult {
+    pub(in crate::dra::plugin) fn result(
+        request: &str,
+        driver: &str,
+        device: &str,
+    ) -> DeviceRequestAllocationResult {
         DeviceRequestAllocationResult {
             request: request.into(),
             driver: driver.into(),
@@ -237,7 +241,7 @@ mod tests {
         }
     }
 
-    fn claim_ref(uid: &str) -> ClaimRef {
+    pub(in crate::dra::plugin) fn claim_ref(uid: &str) -> ClaimRef {
         ClaimRef {
             namespace: "ns".into(),
             name: "c".into(),

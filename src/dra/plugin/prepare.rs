@@ -220,45 +220,11 @@ pub(super) fn conflict(
 mod tests {
     use std::path::Path;
 
-    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
-
     use super::*;
     use crate::cdi::CdiOptions;
-    use crate::dra::plugin::Options;
     use crate::dra::plugin::plan::plan;
+    use crate::dra::plugin::plan::tests::{DRIVER, claim_ref, opts, result};
     use crate::inventory::topology::load_profile;
-
-    const DRIVER: &str = "gpu.nvidia.com";
-
-    fn opts(partitionable: bool) -> Options {
-        Options {
-            driver: DRIVER.into(),
-            pool: "node-a".into(),
-            plugin_dir: "/nonexistent/plugin".into(),
-            cdi_root: "/nonexistent/cdi".into(),
-            driver_root: "/nonexistent".into(),
-            boot_id: "b".into(),
-            partitionable,
-        }
-    }
-
-    fn result(request: &str, driver: &str, device: &str) -> DeviceRequestAllocationResult {
-        DeviceRequestAllocationResult {
-            request: request.into(),
-            driver: driver.into(),
-            pool: "node-a".into(),
-            device: device.into(),
-            ..Default::default()
-        }
-    }
-
-    fn claim_ref(uid: &str) -> ClaimRef {
-        ClaimRef {
-            namespace: "ns".into(),
-            name: "c".into(),
-            uid: ClaimUid::parse(uid).unwrap(),
-        }
-    }
 
     #[test]
     fn a_conflict_names_the_claim_that_holds_the_device() {

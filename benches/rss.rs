@@ -8,8 +8,9 @@
 //! prepares the same 8 claims every cycle, to tell growth per distinct claim from other growth;
 //! `RSS_MODE=both` runs both paths, the device plugin beside DRA with their one ledger;
 //! `RSS_BINS="old/nvdra new/nvdra"` measures each of those binaries in turn, in one run, instead
-//! of the one the bench builds). The daemon inherits the bench's environment, so
-//! `GLIBC_TUNABLES=…` measures the DaemonSet's malloc settings.
+//! of the one the bench builds). The daemon runs with the DaemonSet's `GLIBC_TUNABLES`
+//! ([`TUNABLES`]) unless the bench's environment sets its own (`GLIBC_TUNABLES=` for glibc's
+//! defaults).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -23,6 +24,8 @@ const GPUS: usize = 8;
 const NODE: &str = "rss-node";
 const DRIVER: &str = "gpu.nvidia.com";
 const NAMESPACE: &str = "rss";
+/// What `manifests/base/daemonset.yaml` sets (no malloc thread caches, two arenas).
+const TUNABLES: &str = "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=2";
 /// Cycles after which the "warm" figure is taken; growth is measured from there to the end.
 const WARM: usize = 100;
 
@@ -129,6 +132,9 @@ async fn measure(bin: &Path, cycles: usize, reuse: bool, mode: &str) {
     let p = |s: &str| -> PathBuf { root.join(s) };
     std::fs::write(p("boot_id"), "rss-bench-boot\n").expect("boot id");
     let mut command = Command::new(bin);
+    if std::env::var_os("GLIBC_TUNABLES").is_none() {
+        command.env("GLIBC_TUNABLES", TUNABLES);
+    }
     let mut daemon = Daemon(
         command
             .args(["run", "--mode", mode, "--profile", PROFILE])

@@ -56,7 +56,7 @@ use kubelet_plugin::service;
 use kubelet_plugin::socket;
 
 mod runtime;
-pub use runtime::{MALLOC_ARENAS, MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
+pub use runtime::{MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
 
 /// How long in-flight work may take to finish after the first signal.
 pub const GRACE: Duration = Duration::from_secs(20);

@@ -51,8 +51,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ids::{ClaimUid, DeviceName};
 use crate::inventory::{GpuUuid, MigUuid, Placement};
-use crate::lock::lock;
 use crate::sharing::Sharing;
+use kubelet_plugin::lock::lock;
 
 /// The newest checkpoint version this build reads.
 pub const VERSION: u32 = 1;

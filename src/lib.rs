@@ -24,7 +24,6 @@ pub mod health;
 pub mod ids;
 pub mod inventory;
 pub mod ledger;
-pub mod lock;
 #[cfg(feature = "tools")]
 pub mod matching;
 pub mod metrics;

@@ -403,6 +403,12 @@ fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
         str_at(env["POD_UID"], "/valueFrom/fieldRef/fieldPath"),
         "metadata.uid"
     );
+    // glibc's malloc as benches/rss.rs measured it (no thread caches, two arenas).
+    assert_eq!(
+        str_at(env["GLIBC_TUNABLES"], "/value"),
+        "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=2",
+        "{origin}"
+    );
     // Surge updates: the new pod is up before the old one goes.
     let rolling = &ds["spec"]["updateStrategy"]["rollingUpdate"];
     assert_eq!(rolling["maxSurge"], 1, "{origin}");

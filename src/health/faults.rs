@@ -89,7 +89,7 @@ struct SimProbe {
 
 impl Probe for SimProbe {
     fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
-        if crate::lock::lock(&self.lost.0).contains(gpu) {
+        if kubelet_plugin::lock::lock(&self.lost.0).contains(gpu) {
             return Err("lost (fault file)".into());
         }
         self.inner.probe(gpu)
@@ -175,14 +175,14 @@ impl FaultFile {
         let ev = match cmd {
             Command::Event(ev) => ev,
             Command::Lost(gpu) => {
-                crate::lock::lock(&self.lost.0).insert(gpu.clone());
+                kubelet_plugin::lock::lock(&self.lost.0).insert(gpu.clone());
                 Event {
                     gpu,
                     kind: EventKind::GpuLost,
                 }
             }
             Command::Back(gpu) => {
-                crate::lock::lock(&self.lost.0).remove(&gpu);
+                kubelet_plugin::lock::lock(&self.lost.0).remove(&gpu);
                 return true;
             }
         };

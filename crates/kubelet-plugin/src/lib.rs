@@ -26,7 +26,7 @@ pub mod api;
 mod driver;
 mod error;
 pub mod health;
-mod lock;
+pub mod lock;
 pub mod nodelock;
 pub mod proto;
 pub mod publisher;

@@ -13,8 +13,8 @@ use crate::inventory::{DeviceBackend, Inventory};
 // The claim-lock map sees inserts and removes only, so ignoring poison is sound.
 use crate::ids::ClaimUid;
 use crate::ledger::DeviceRecord;
-use crate::lock::lock;
 use crate::metrics::Histogram;
+use kubelet_plugin::lock::lock;
 
 /// A batch's inventory snapshot: taken on the blocking pool as the batch starts (under the node
 /// lock), awaited by each claim only when it needs it, so the claims' GETs go out meanwhile

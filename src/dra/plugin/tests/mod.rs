@@ -4,7 +4,6 @@ use crate::dra::mps;
 use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
 use crate::ledger::{ClaimState, DeviceRecord};
-use crate::lock::lock;
 use crate::sharing::{Sharing, TimeSliceInterval};
 use futures::future::BoxFuture;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -12,6 +11,7 @@ use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use kubelet_plugin::lock::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio_util::sync::CancellationToken;

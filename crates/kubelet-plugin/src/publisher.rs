@@ -1,7 +1,7 @@
 //! Keeps the API server's ResourceSlices for this driver and node exactly equal to the desired
 //! ones, without churn.
 //!
-//! [`Publisher::run`] reconciles: list this driver's slices on this node, [`plan::plan`] the
+//! [`Publisher::run`] reconciles: list this driver's slices on this node, `plan::plan` the
 //! difference (matching, generation, owner reference), write it. It reconciles when the desired
 //! slices change, when the watch reports a change by anyone (the kubelet wipes slices on restart,
 //! admins delete or edit them), and after a failure (exponential backoff with jitter).
@@ -9,7 +9,7 @@
 //! Invariants:
 //! - Nothing is published before the first [`PublisherHandle::set_desired`].
 //! - The steady state writes nothing: there is no periodic republish, and comparisons are
-//!   semantic (see [`plan`]).
+//!   semantic (see `publisher/plan.rs`).
 //! - Errors never end the task: transient ones back off (base 0.5 s, ×2, cap 30 s, jitter),
 //!   conflicts re-read and retry at once (a few times, then back off).
 //! - Fields the server drops (a feature gate is off) are logged once each, exposed through

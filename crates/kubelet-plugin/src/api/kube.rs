@@ -3,7 +3,7 @@
 //! Invariants: every call is one HTTP request (no client-side rate limiting, no retries here: the
 //! caller owns backoff); HTTP status codes map onto [`Error`]'s classes (409 → `Conflict`,
 //! 404 → `NotFound`, 400/422 and other 4xx → `Invalid`, 401/403/429/5xx and transport failures →
-//! `Transient`). The slice watch is kube-runtime's [`watcher`]: it lists, follows
+//! `Transient`). The slice watch is kube-runtime's [`watcher()`]: it lists, follows
 //! `resourceVersion` and bookmarks across reconnects, and re-lists when the server answers
 //! 410 Gone; each completed (re-)list is a [`SliceEvent::Restarted`].
 

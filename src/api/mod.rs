@@ -1,8 +1,9 @@
 //! The API server as nvdra sees it: ResourceSlices to publish, ResourceClaims to read, the Node to
-//! own slices. One trait, two implementations: `kube` (a real API server through kube-rs) and
-//! `dir` (a directory of YAML files, the embedded default for runs without a cluster). Each
-//! consumer depends on the operations it calls: the plugin on [`ClaimReader`] (one method), the
-//! publisher on [`ClusterApi`], which is everything and what [`connect`] returns.
+//! own slices, DeviceClasses to follow. One trait, two implementations: `kube` (a real API server
+//! through kube-rs; its slice calls are the `kubelet-plugin` library's) and `dir` (a directory of
+//! YAML files, the embedded default for runs without a cluster). Each consumer depends on the
+//! operations it calls: the plugin on [`ClaimReader`] (one method), the library's publisher on
+//! [`SliceApi`], the daemon on [`ClusterApi`], which is everything and what [`connect`] returns.
 
 pub mod dir;
 pub mod kube;

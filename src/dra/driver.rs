@@ -12,9 +12,9 @@ use crate::ledger::DeviceRecord;
 /// The claims of a request: those the plugin works on, and those whose UID is invalid, under
 /// the UID the kubelet sent.
 #[derive(Debug, Default)]
-pub struct Claims {
-    pub valid: Vec<ClaimRef>,
-    pub rejected: Vec<(String, ClaimError)>,
+struct Claims {
+    valid: Vec<ClaimRef>,
+    rejected: Vec<(String, ClaimError)>,
 }
 
 impl FromIterator<Claim> for Claims {
@@ -42,7 +42,7 @@ impl FromIterator<Claim> for Claims {
 }
 
 /// What the kubelet is told of one prepared device.
-pub fn prepared(d: DeviceRecord) -> PreparedDevice {
+fn prepared(d: DeviceRecord) -> PreparedDevice {
     let DeviceRecord {
         requests,
         pool,

@@ -10,7 +10,6 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use kubelet_plugin::health::{self as plugin_health, HealthSource};
-use kubelet_plugin::proto::health::v1alpha1::DeviceHealth;
 use tokio_util::sync::CancellationToken;
 
 use crate::ids::DeviceName;
@@ -48,11 +47,6 @@ fn devices(inv: &Inventory, pool: &str) -> Vec<plugin_health::DeviceHealth> {
         }
     }
     out
-}
-
-/// The health of every device on the node, in name order, as the stream sends it.
-pub fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHealth> {
-    plugin_health::message(devices(inv, pool), now_unix).devices
 }
 
 /// The node's devices as a [`HealthSource`]: their health is read from `backend` (which should
@@ -117,11 +111,17 @@ mod tests {
     use futures::StreamExt;
     use kubelet_plugin::health::{HealthV1, HealthV1beta1};
     use kubelet_plugin::proto::health::v1::dra_resource_health_server::DraResourceHealth as _;
+    use kubelet_plugin::proto::health::v1alpha1::DeviceHealth;
     use kubelet_plugin::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealth;
     use kubelet_plugin::proto::health::v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
     use kubelet_plugin::proto::health::v1beta1::dra_resource_health_server::DraResourceHealth as _;
     use kubelet_plugin::proto::health::{v1, v1beta1};
     use tonic::Request;
+
+    /// The health of every device on the node, in name order, as the stream sends it.
+    fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHealth> {
+        plugin_health::message(devices(inv, pool), now_unix).devices
+    }
 
     #[test]
     fn every_device_is_listed_with_its_health() {

@@ -51,8 +51,9 @@ macro_rules! serve_version {
                     concat!(stringify!($ver), " NodePrepareResources")
                 );
                 let claims = wire::$claims(claims);
-                let results = (self.0).0.prepare(claims.clone()).await;
-                Ok(Response::new(wire::$prepare(&claims, results)))
+                let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+                let results = (self.0).0.prepare(claims).await;
+                Ok(Response::new(wire::$prepare(&asked, results)))
             }
 
             async fn node_unprepare_resources(
@@ -65,8 +66,9 @@ macro_rules! serve_version {
                     concat!(stringify!($ver), " NodeUnprepareResources")
                 );
                 let claims = wire::$claims(claims);
-                let results = (self.0).0.unprepare(claims.clone()).await;
-                Ok(Response::new(wire::$unprepare(&claims, results)))
+                let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+                let results = (self.0).0.unprepare(claims).await;
+                Ok(Response::new(wire::$unprepare(&asked, results)))
             }
         }
     };

@@ -68,9 +68,9 @@ macro_rules! same_in_both {
                 .collect()
         }
 
-        /// One entry per claim in `asked`, whatever the driver returned.
+        /// One entry per claim UID in `asked`, whatever the driver returned.
         pub fn $prepare<E: std::error::Error + 'static>(
-            asked: &[Claim],
+            asked: &[String],
             results: PrepareResults<E>,
         ) -> $ver::NodePrepareResourcesResponse {
             let mut claims: HashMap<String, $ver::NodePrepareResourceResponse> = results
@@ -89,20 +89,20 @@ macro_rules! same_in_both {
                     (uid, entry)
                 })
                 .collect();
-            for c in asked {
+            for uid in asked {
                 claims
-                    .entry(c.uid.clone())
+                    .entry(uid.clone())
                     .or_insert_with(|| $ver::NodePrepareResourceResponse {
                         devices: Vec::new(),
-                        error: Missing(c.uid.clone()).to_string(),
+                        error: Missing(uid.clone()).to_string(),
                     });
             }
             $ver::NodePrepareResourcesResponse { claims }
         }
 
-        /// One entry per claim in `asked`, whatever the driver returned.
+        /// One entry per claim UID in `asked`, whatever the driver returned.
         pub fn $unprepare<E: std::error::Error + 'static>(
-            asked: &[Claim],
+            asked: &[String],
             results: UnprepareResults<E>,
         ) -> $ver::NodeUnprepareResourcesResponse {
             let mut claims: HashMap<String, $ver::NodeUnprepareResourceResponse> = results
@@ -112,12 +112,12 @@ macro_rules! same_in_both {
                     (uid, $ver::NodeUnprepareResourceResponse { error })
                 })
                 .collect();
-            for c in asked {
-                claims.entry(c.uid.clone()).or_insert_with(|| {
-                    $ver::NodeUnprepareResourceResponse {
-                        error: Missing(c.uid.clone()).to_string(),
-                    }
-                });
+            for uid in asked {
+                claims
+                    .entry(uid.clone())
+                    .or_insert_with(|| $ver::NodeUnprepareResourceResponse {
+                        error: Missing(uid.clone()).to_string(),
+                    });
             }
             $ver::NodeUnprepareResourcesResponse { claims }
         }
@@ -160,12 +160,8 @@ mod tests {
         }
     }
 
-    fn claim(uid: &str) -> Claim {
-        Claim {
-            namespace: "ns".into(),
-            name: uid.into(),
-            uid: uid.into(),
-        }
+    fn uids(uids: &[&str]) -> Vec<String> {
+        uids.iter().map(|u| u.to_string()).collect()
     }
 
     #[test]
@@ -180,7 +176,7 @@ mod tests {
                 }),
             )
         };
-        let asked = [claim("a"), claim("b")];
+        let asked = uids(&["a", "b"]);
         let r1 = prepare_response_v1(&asked, vec![ok(), bad()]);
         assert_eq!(r1.claims["a"].devices[0].share_id.as_deref(), Some("s1"));
         assert_eq!(r1.claims["a"].devices[0].pool_name, "node");
@@ -196,7 +192,7 @@ mod tests {
 
     #[test]
     fn a_claim_the_driver_left_out_still_gets_an_entry() {
-        let asked = [claim("a"), claim("forgotten")];
+        let asked = uids(&["a", "forgotten"]);
         let done: PrepareResults<NotAllocated> = vec![("a".into(), Ok(vec![device(None)]))];
         let r = prepare_response_v1(&asked, done);
         assert_eq!(r.claims.len(), 2);

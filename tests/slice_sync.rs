@@ -112,6 +112,7 @@ async fn start(profile: &str, partitionable: bool, prepare: impl FnOnce(&TestApi
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable,
+            shared_capacity: false,
             layout,
         },
         // Long enough that only announced changes are picked up during a test.
@@ -244,6 +245,7 @@ async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: false,
+            shared_capacity: false,
             layout: CounterLayout::Separate,
         },
     )

@@ -301,6 +301,7 @@ mod tests {
                 placement: m.placement,
                 created: false,
             }),
+            consumed: None,
             sharing: Sharing::Exclusive,
         }
     }

@@ -315,6 +315,7 @@ mod tests {
             driver: "gpu.nvidia.com".into(),
             node_name: "n1".into(),
             partitionable: false,
+            shared_capacity: false,
             layout: CounterLayout::Separate,
         };
         let (sync, _) = SliceSync::new(

@@ -13,7 +13,7 @@
 {{- $_ := set $config "sharing" .Values.sharing }}
 {{- end }}
 {{- if $config }}
-{{- if and .Values.devicePluginConfigMap }}
+{{- if .Values.devicePluginConfigMap }}
 {{- fail "devicePluginConfigMap: set it or devicePluginConfig/sharing, not both" }}
 {{- end }}
 {{- if not (hasKey $config "version") }}

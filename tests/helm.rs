@@ -518,4 +518,8 @@ fn bad_values_are_refused_naming_the_value() {
         let err = template(helm, "nvdra", &["--set", set]).expect_err(set);
         assert!(err.contains(names), "--set {set}: {err}");
     }
+    // resource.k8s.io/v1 (DeviceClasses, ResourceSlices) is served from Kubernetes 1.34 on.
+    let err = template(helm, "nvdra", &["--kube-version", "1.33.5"]).unwrap_err();
+    assert!(err.contains("kubeVersion"), "{err}");
+    template(helm, "nvdra", &["--kube-version", "1.34.0"]).unwrap();
 }

@@ -390,7 +390,6 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
 /// `--driver-root-ctr-path`). Each must still be missing: once it lands, this test fails until
 /// its entry is removed here.
 const PENDING: &[&str] = &[
-    "--shared-capacity",
     "NVIDIA_DEV_ROOT",
     "DRIVER_ROOT_CTR_PATH",
 ];

@@ -389,10 +389,7 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
 /// are merged with this one (`--shared-capacity`; the driver root split into `--dev-root` and
 /// `--driver-root-ctr-path`). Each must still be missing: once it lands, this test fails until
 /// its entry is removed here.
-const PENDING: &[&str] = &[
-    "NVIDIA_DEV_ROOT",
-    "DRIVER_ROOT_CTR_PATH",
-];
+const PENDING: &[&str] = &["NVIDIA_DEV_ROOT", "DRIVER_ROOT_CTR_PATH"];
 
 /// Variables the chart sets for the NVIDIA container toolkit and glibc, not for nvdra.
 const NOT_NVDRA: &[&str] = &[

@@ -13,7 +13,7 @@ use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, TimeSlice};
 use crate::ledger::DeviceRecord;
 use crate::sharing::{Sharing, TimeSliceInterval};
 
-use super::{ClaimError, Plugin};
+use super::{ClaimError, Plugin, crash_point};
 
 /// A reconfiguration that stopped part-way: the error, and the devices as far as they got (with
 /// the UUIDs of MIG devices already created), for the rollback.
@@ -142,17 +142,20 @@ impl Plugin {
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
         self.undo_devices(uid, devices).await?;
+        crash_point!(self, AfterUndo);
         // The GPU is back to its old state; the spec and the entry may now go in parallel. A
         // crash in between leaves either an orphan spec (removed at start) or a completed entry
         // without a spec (rewritten at start, then unprepared again by the kubelet).
         let spec_uid = uid.clone();
-        let (removed, flushed) = tokio::join!(
-            self.blocking(move |i| i.specs.remove(&spec_uid).map_err(ClaimError::from)),
-            async {
-                self.inner.ledger.update(|c| c.remove(uid));
-                self.inner.ledger.flush().await
-            }
-        );
+        let spec = self.blocking(move |i| i.specs.remove(&spec_uid).map_err(ClaimError::from));
+        let record = async {
+            self.inner.ledger.update(|c| c.remove(uid));
+            self.inner.ledger.flush().await
+        };
+        #[cfg(feature = "crash-points")]
+        let (removed, flushed) = self.crash_between_removals(spec, record).await;
+        #[cfg(not(feature = "crash-points"))]
+        let (removed, flushed) = tokio::join!(spec, record);
         removed??;
         flushed?;
         Ok(())

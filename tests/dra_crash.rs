@@ -2,9 +2,13 @@
 //! (`NVDRA_TEST_CRASH_AT`), restarted, and the kubelet's retry must then leave the claim prepared
 //! exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry. Also: a
 //! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
-//! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind).
+//! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind). `shares`:
+//! the same for consumable-capacity shares of a GPU and their MPS daemon, unprepare included.
 
 mod support;
+
+#[path = "dra_crash/shares.rs"]
+mod shares;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -29,6 +33,8 @@ struct Dirs {
     /// `nvml-state`, `nvidia-smi` a script under the driver root logging to `nvidia-smi.log`),
     /// instead of the simulated backend.
     nvml: bool,
+    /// Run with `--shared-capacity` (shares of GPUs: `shares`).
+    shared_capacity: bool,
 }
 
 impl Dirs {
@@ -39,6 +45,7 @@ impl Dirs {
             profile: "dgx-h100",
             metrics_address: "127.0.0.1:0".into(),
             nvml: false,
+            shared_capacity: false,
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -177,6 +184,9 @@ impl Dirs {
         }
         if self.partitionable {
             cmd.arg("--partitionable");
+        }
+        if self.shared_capacity {
+            cmd.arg("--shared-capacity");
         }
         cmd
     }

@@ -750,10 +750,13 @@ fn a_newer_checkpoint_fails_the_start_and_is_left_in_place() {
     let d = Dirs::new();
     let dir = d.checkpoint().parent().unwrap().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
-    let newer = r#"{"version": 2, "bootId": "b", "claims": {"a": {"somethingNew": true}}}"#;
-    std::fs::write(d.checkpoint(), newer).unwrap();
+    let v = nvdra::ledger::VERSION + 1;
+    let newer = format!(
+        r#"{{"version": {v}, "bootId": "b", "claims": {{"a": {{"somethingNew": true}}}}}}"#
+    );
+    std::fs::write(d.checkpoint(), &newer).unwrap();
     let err = assert_failed_start(&d, &d.checkpoint().display().to_string());
-    assert!(err.contains("version 2"), "{err}");
+    assert!(err.contains(&format!("version {v}")), "{err}");
     assert_eq!(std::fs::read_to_string(d.checkpoint()).unwrap(), newer);
     let stray: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -771,11 +774,13 @@ async fn a_running_instance_refuses_a_newer_checkpoint_written_beside_it() {
     d.add_claim("a", "gpu-1");
     let mut p = d.spawn(None);
     wait_ready(&d, &mut p).await;
-    let newer = r#"{"version": 2, "bootId": "b", "claims": {}}"#;
-    std::fs::write(d.checkpoint(), newer).unwrap();
+    let v = nvdra::ledger::VERSION + 1;
+    let newer = format!(r#"{{"version": {v}, "bootId": "b", "claims": {{}}}}"#);
+    std::fs::write(d.checkpoint(), &newer).unwrap();
     let r = prepare(&d, "a").await.unwrap();
     assert!(
-        r.error.contains(&d.checkpoint().display().to_string()) && r.error.contains("version 2"),
+        r.error.contains(&d.checkpoint().display().to_string())
+            && r.error.contains(&format!("version {v}")),
         "{}",
         r.error
     );

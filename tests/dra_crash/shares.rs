@@ -200,9 +200,14 @@ async fn crash_a_share_prepare(point: &str, beside_a: bool) {
     let r = call.await.unwrap();
     assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
 
-    // A share's prepare changes the GPU (its daemon), so it takes the path that records its
-    // intent durably first, then starts the daemon unless it runs, then writes the spec.
-    let (state, spec) = left_behind(point, true);
+    // Beside a running daemon a share changes nothing on the GPU: its spec and record are
+    // written in parallel, as a whole GPU's. As the GPU's first, its record is made durable
+    // before the daemon starts, so every point after the start has it.
+    let (state, spec) = if beside_a || point == "after-started" {
+        left_behind(point, false)
+    } else {
+        (Some("PrepareCompleted"), point != "before-completed")
+    };
     let mut want = completed(others);
     if let Some(state) = state {
         want.push(("b".into(), state.into()));

@@ -79,6 +79,27 @@ impl Plugin {
         Ok(())
     }
 
+    /// Starts the MPS daemon of each GPU `devices` hold shares of, unless it runs. The claim is
+    /// reserved already, so no unprepare of another share stops a daemon found running here
+    /// ([`Plugin::undo_devices`] asks the ledger under the GPU's lock, as
+    /// [`Mps::gpu_running`] looks under it). Before a start the claim's record is made durable:
+    /// a crash then leaves the daemon to a recorded share, which start-up keeps or rolls back,
+    /// never to nobody.
+    pub(super) async fn ensure_share_daemons(
+        &self,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        for gpu in shared_gpus(devices) {
+            let g = gpu.clone();
+            if self.blocking(move |i| i.mps.gpu_running(&g)).await? {
+                continue;
+            }
+            self.inner.ledger.flush().await?;
+            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
+        }
+        Ok(())
+    }
+
     /// Builds and writes the claim's CDI spec on the blocking pool (it reads the host).
     /// `created`: MIG devices made since `inv` was taken.
     pub(super) async fn write_cdi(

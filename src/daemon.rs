@@ -48,6 +48,7 @@ use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
 use crate::inventory::DeviceBackend;
 use crate::ledger;
+use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
 use kubelet_plugin::publisher::{self, Publisher};
 use kubelet_plugin::registration::{Registrar, Sockets};
@@ -214,6 +215,9 @@ pub async fn run(
                 m.slices.published.store(all, Relaxed);
             }))
         });
+        metrics.set_source(Arc::new(
+            Attribution::new(backend.clone()).with_monitor(monitor.handle.clone()),
+        ));
         spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
         monitor.spawn(&mut tasks, &shutdown);
         let (m, token) = (metrics.clone(), shutdown.clone());
@@ -347,6 +351,13 @@ async fn serve(
     }
 
     let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
+    let mut source = Attribution::new(backend.clone())
+        .with_ledger(plugin.ledger().clone())
+        .with_monitor(monitor.handle.clone());
+    if let (Some(holds), Some(dp)) = (&holds, &device_plugin) {
+        source = source.with_holds(holds.clone(), dp.sharing_name());
+    }
+    metrics.set_source(Arc::new(source));
     publish(
         config,
         &plugin,

@@ -277,6 +277,7 @@ mod tests {
                     namespace: "ns".into(),
                     name: format!("claim-{uid}"),
                     devices: vec![record],
+                    pods: vec![],
                 },
             )
         });

@@ -214,6 +214,16 @@ impl DevicePlugin {
         self.both.as_ref().map(|b| b.holds.clone())
     }
 
+    /// How this path shares its devices, spelled as the ledger spells a claim's strategy
+    /// (`exclusive`, `timeSlicing`, `mps`), for `/metrics`.
+    pub fn sharing_name(&self) -> &'static str {
+        match self.options.sharing.as_ref().map(|s| &s.kind) {
+            None => "exclusive",
+            Some(super::ShareKind::TimeSlicing) => "timeSlicing",
+            Some(super::ShareKind::Mps) => "mps",
+        }
+    }
+
     /// `both`: reads PodResources once and records what containers hold, so that neither the
     /// first slices nor the first prepares offer a GPU a container kept across our restart.
     /// A kubelet that does not answer is logged; the poll catches up when it does.

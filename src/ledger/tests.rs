@@ -20,6 +20,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
                 sharing: Sharing::Exclusive,
             })
             .collect(),
+        pods: vec![],
     }
 }
 
@@ -139,6 +140,7 @@ fn fixture_state() -> Checkpoint {
         namespace: namespace.into(),
         name: name.into(),
         devices: vec![d],
+        pods: vec![],
     };
     let mig = DeviceRecord {
         admin_access: true,
@@ -495,6 +497,7 @@ proptest! {
                         namespace: "default".into(),
                         name,
                         devices,
+                        pods: vec![],
                     })
                 })
                 .collect(),

@@ -276,4 +276,107 @@ mod tests {
         assert_eq!(pod_uid_of(root.path(), 7).as_deref(), Some(UID));
         assert_eq!(pod_uid_of(root.path(), 8), None, "no such process");
     }
+
+    /// A scrape of a simulated node: a claim's device with its pod (the ledger's), a process on
+    /// that GPU whose cgroup names the pod (a fake `/proc`), one on another GPU in no pod, and
+    /// the readings the backend reports.
+    #[tokio::test]
+    async fn a_scrape_joins_claims_processes_and_readings() {
+        use crate::ids::{ClaimUid, DeviceName};
+        use crate::inventory::ProcessUsage;
+        use crate::inventory::sim::SimBackend;
+        use crate::ledger::{ClaimState, DeviceRecord, PodRef};
+        use crate::sharing::{Sharing, TimeSliceInterval};
+
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let inv = sim.snapshot().unwrap();
+        let (g2, g3) = (inv.gpus[2].uuid.clone(), inv.gpus[3].uuid.clone());
+        let proc_root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(proc_root.path().join("100")).unwrap();
+        std::fs::write(
+            proc_root.path().join("100/cgroup"),
+            format!("0::/kubepods/besteffort/pod{UID}/abc\n"),
+        )
+        .unwrap();
+        let proc = |pid, gib: u64| ProcessUsage {
+            pid,
+            used_memory_bytes: Some(gib << 30),
+            mig: None,
+        };
+        sim.set_processes(&g2, vec![proc(100, 2)]);
+        sim.set_processes(&g3, vec![proc(200, 3)]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let record = DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "n".into(),
+            device: DeviceName::parse("gpu-2").unwrap(),
+            cdi_ids: vec![],
+            share_id: None,
+            admin_access: false,
+            gpu: g2.clone(),
+            mig: None,
+            sharing: Sharing::TimeSlicing {
+                interval: TimeSliceInterval::Long,
+            },
+        };
+        ledger.update(|c| {
+            c.insert(
+                ClaimUid::parse("c-1").unwrap(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ml".into(),
+                    name: "train".into(),
+                    devices: vec![record],
+                    pods: vec![PodRef {
+                        name: "trainer".into(),
+                        uid: UID.into(),
+                    }],
+                },
+            )
+        });
+        let source = Attribution::new(Arc::new(sim.clone()))
+            .with_ledger(ledger)
+            .with_proc_root(proc_root.path());
+        let s = source.scrape();
+
+        assert_eq!(
+            s.allocations,
+            vec![Allocation {
+                device: "gpu-2".into(),
+                gpu_uuid: g2.to_string(),
+                claim_namespace: "ml".into(),
+                claim_name: "train".into(),
+                pod_namespace: "ml".into(),
+                pod: "trainer".into(),
+                path: "dra",
+                sharing: "timeSlicing".into(),
+                ..Allocation::default()
+            }]
+        );
+        let row =
+            |gpu: &crate::inventory::GpuUuid, pid, ns: &str, pod: &str, uid: &str, gib: u64| {
+                ProcessRow {
+                    gpu_uuid: gpu.to_string(),
+                    mig_uuid: String::new(),
+                    pid,
+                    pod_uid: uid.into(),
+                    pod_namespace: ns.into(),
+                    pod: pod.into(),
+                    used_memory_bytes: gib << 30,
+                }
+            };
+        let mut want = vec![
+            row(&g2, 100, "ml", "trainer", UID, 2),
+            row(&g3, 200, "", "", "", 3),
+        ];
+        want.sort();
+        assert_eq!(s.processes, want);
+        assert!(s.usage_ok);
+        assert_eq!(s.gpus.len(), inv.gpus.len());
+        assert_eq!(s.gpus[2].device, format!("gpu-{}", inv.gpus[2].minor));
+        assert_eq!(s.gpus[2].usage, sim.usage().unwrap()[2]);
+        assert_eq!(s.gpus[2].usage.memory_used_bytes, 3 << 30);
+    }
 }

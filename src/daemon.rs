@@ -99,6 +99,9 @@ pub struct Extras {
     /// Where the boot id is read (default `/proc/sys/kernel/random/boot_id`); tests point it at
     /// a file they control to simulate a reboot.
     pub boot_id_file: Option<PathBuf>,
+    /// Where `/metrics` reads `<pid>/cgroup` to find a GPU process's pod (default `/proc`: with
+    /// `hostPID`, the host's); tests give a fake one.
+    pub proc_root: Option<PathBuf>,
     /// Crash tests only: stop at this point of prepare.
     #[cfg(feature = "crash-points")]
     pub crash_at: Option<plugin::crash::CrashPoint>,
@@ -215,9 +218,11 @@ pub async fn run(
                 m.slices.published.store(all, Relaxed);
             }))
         });
-        metrics.set_source(Arc::new(
-            Attribution::new(backend.clone()).with_monitor(monitor.handle.clone()),
-        ));
+        let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
+        if let Some(root) = &extras.proc_root {
+            source = source.with_proc_root(root);
+        }
+        metrics.set_source(Arc::new(source));
         spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
         monitor.spawn(&mut tasks, &shutdown);
         let (m, token) = (metrics.clone(), shutdown.clone());
@@ -264,6 +269,19 @@ pub async fn run(
     if let Some(dp) = &device_plugin {
         dp.observe_once().await;
     }
+    // What a scrape reads: the claims, the containers (`both`), readings, XIDs, processes' pods.
+    let mut source = Attribution::new(backend.clone())
+        .with_ledger(plugin.ledger().clone())
+        .with_monitor(monitor.handle.clone());
+    if let Some(dp) = &device_plugin
+        && let Some(holds) = dp.holds()
+    {
+        source = source.with_holds(holds, dp.sharing_name());
+    }
+    if let Some(root) = &extras.proc_root {
+        source = source.with_proc_root(root);
+    }
+    metrics.set_source(Arc::new(source));
     let result = serve(
         &config,
         monitor,
@@ -351,13 +369,6 @@ async fn serve(
     }
 
     let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
-    let mut source = Attribution::new(backend.clone())
-        .with_ledger(plugin.ledger().clone())
-        .with_monitor(monitor.handle.clone());
-    if let (Some(holds), Some(dp)) = (&holds, &device_plugin) {
-        source = source.with_holds(holds.clone(), dp.sharing_name());
-    }
-    metrics.set_source(Arc::new(source));
     publish(
         config,
         &plugin,

@@ -42,10 +42,18 @@ impl Drop for Procs {
     }
 }
 
+/// `nvdra run` on simulated GPUs.
 fn nvdra(root: &std::path::Path, mode: &str, port: u16) -> Child {
+    nvdra_with(root, mode, port, &["--profile", PROFILE])
+}
+
+/// `nvdra run` with `backend` (the backend flags), its files under `root`.
+fn nvdra_with(root: &std::path::Path, mode: &str, port: u16, backend: &[&str]) -> Child {
     let p = |s: &str| root.join(s);
     Command::new(env!("CARGO_BIN_EXE_nvdra"))
-        .args(["run", "--mode", mode, "--profile", PROFILE])
+        .args(["run", "--mode", mode])
+        .args(backend)
+        .env("NVDRA_PROC_ROOT", p("proc"))
         .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
         .args(["--node-name", NODE])
         .arg("--kubelet-root")
@@ -279,6 +287,99 @@ fn a_claim_and_a_device_plugin_container_are_attributed_to_their_pods() {
     assert_eq!(unprepared["claims"][CLAIM_UID]["error"], "", "{unprepared}");
     let families = scrape_until(port, "dropped the claim", |f| allocations(f).len() == 1);
     assert_eq!(allocations(&families)[0]["path"], "device-plugin");
+}
+
+/// On the NVML backend (the fake library under the driver root), each GPU's readings and each
+/// process's memory on `/metrics` are what the fake NVML reports, the process's pod UID read
+/// from its cgroup under the (fake) proc root, and its MIG device named.
+#[test]
+fn nvml_readings_on_metrics_are_what_the_fake_nvml_reports() {
+    if !have_promclient() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let p = |s: &str| root.path().join(s);
+    std::fs::write(p("boot_id"), "boot-1\n").unwrap();
+    let lib_dir = p("driver/usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    std::os::unix::fs::symlink(
+        support::fake_nvml::library(),
+        lib_dir.join(nvdra::inventory::nvml::LIBRARY),
+    )
+    .unwrap();
+    // PID 4000 (the fake's process on GPU 0) is in a pod; the others in none.
+    std::fs::create_dir_all(p("proc/4000")).unwrap();
+    let cgroup = format!(
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-1.scope\n",
+        POD_UID.replace('-', "_")
+    );
+    std::fs::write(p("proc/4000/cgroup"), cgroup).unwrap();
+
+    let port = promclient::free_port();
+    let _procs = Procs(vec![nvdra_with(
+        root.path(),
+        "dra",
+        port,
+        &["--backend", "nvml"],
+    )]);
+    let families = scrape_until(port, "showed the GPUs' readings", |f| {
+        promclient::samples(f)
+            .iter()
+            .any(|s| s.name == "nvdra_gpu_temperature_celsius")
+    });
+    assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
+    let samples = promclient::samples(&families);
+    let gpus = fake_nvml::model::a100_l40s();
+    for (i, g) in gpus.iter().enumerate() {
+        let want = fake_nvml::usage::readings(i, g);
+        let v = |name: &str| gpu_value(&samples, name, &g.uuid);
+        assert_eq!(v("nvdra_gpu_memory_used_bytes"), want.memory_used() as f64);
+        assert_eq!(v("nvdra_gpu_memory_total_bytes"), g.memory_bytes as f64);
+        assert_eq!(
+            v("nvdra_gpu_utilization_percent"),
+            f64::from(want.utilization_gpu)
+        );
+        assert_eq!(
+            v("nvdra_gpu_memory_utilization_percent"),
+            f64::from(want.utilization_memory)
+        );
+        assert_eq!(
+            v("nvdra_gpu_power_watts"),
+            f64::from(want.power_milliwatts) / 1000.0
+        );
+        assert_eq!(
+            v("nvdra_gpu_temperature_celsius"),
+            f64::from(want.temperature_celsius)
+        );
+        let proc = &want.processes[0];
+        let mig = g
+            .instance(proc.gpu_instance)
+            .map(|gi| gi.compute[0].uuid.clone())
+            .unwrap_or_default();
+        let pod_uid = if proc.pid == 4000 { POD_UID } else { "" };
+        let want_labels = labels(&[
+            ("gpu_uuid", &g.uuid),
+            ("mig_uuid", &mig),
+            ("pid", &proc.pid.to_string()),
+            ("pod_uid", pod_uid),
+            ("pod_namespace", ""),
+            ("pod", ""),
+        ]);
+        let found: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| {
+                s.name == "nvdra_gpu_process_memory_used_bytes"
+                    && s.labels.get("gpu_uuid") == Some(&g.uuid)
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].labels, want_labels);
+        assert_eq!(found[0].value, proc.used_bytes as f64);
+    }
+    assert!(
+        !fake_nvml::model::a100_l40s()[0].instances.is_empty(),
+        "GPU 0 has a MIG device for its process"
+    );
 }
 
 /// The metric names a PromQL expression refers to: identifiers that start with `nvdra_`.

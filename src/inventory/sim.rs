@@ -360,7 +360,7 @@ mod tests {
             vec![ProcessUsage {
                 pid: 42,
                 used_memory_bytes: Some(3 << 30),
-                mig: None,
+                gpu_instance: None,
             }],
         );
         let usage = sim.usage().unwrap();

@@ -2,7 +2,7 @@
 //! processes on it — read from the hardware on demand (a `/metrics` scrape), never on the prepare
 //! path. Plain owned values, like the rest of the inventory.
 
-use super::{GpuUuid, MigUuid};
+use super::GpuUuid;
 
 /// One GPU's live readings. A reading the hardware does not offer (power on some boards, the
 /// temperature of a GPU in a VM) is `None` and exported as no sample, never as zero.
@@ -29,6 +29,7 @@ pub struct ProcessUsage {
     /// Device memory the process uses; `None` where the driver does not say (NVML's "not
     /// available" value, e.g. without permission under some hypervisors).
     pub used_memory_bytes: Option<u64>,
-    /// The MIG device the process runs on, when it runs on one.
-    pub mig: Option<MigUuid>,
+    /// The GPU instance (MIG device) the process runs in, when it runs in one: NVML reports
+    /// the instance's id, which [`super::MigDevice::gi_id`] matches.
+    pub gpu_instance: Option<u32>,
 }

@@ -127,12 +127,20 @@ impl Source for Attribution {
             .collect();
         let mut processes = Vec::new();
         for u in &usage {
+            let gpu = inv.gpus.iter().find(|g| g.uuid == u.gpu);
             for p in &u.processes {
+                let mig = p.gpu_instance.and_then(|gi| {
+                    gpu?.mig
+                        .devices
+                        .iter()
+                        .find(|m| m.gi_id == gi)
+                        .map(|m| m.uuid.to_string())
+                });
                 let pod_uid = pod_uid_of(&self.proc_root, p.pid).unwrap_or_default();
                 let (ns, name) = pods.get(pod_uid.as_str()).copied().unwrap_or_default();
                 processes.push(ProcessRow {
                     gpu_uuid: u.gpu.to_string(),
-                    mig_uuid: p.mig.as_ref().map(ToString::to_string).unwrap_or_default(),
+                    mig_uuid: mig.unwrap_or_default(),
                     pid: p.pid,
                     pod_namespace: ns.to_string(),
                     pod: name.to_string(),
@@ -301,7 +309,7 @@ mod tests {
         let proc = |pid, gib: u64| ProcessUsage {
             pid,
             used_memory_bytes: Some(gib << 30),
-            mig: None,
+            gpu_instance: None,
         };
         sim.set_processes(&g2, vec![proc(100, 2)]);
         sim.set_processes(&g3, vec![proc(200, 3)]);

@@ -103,7 +103,7 @@ async fn main() {
             };
             ledger.update(|c| {
                 c.insert(
-                    ClaimUid::parse(&format!("claim-{n}")).expect("uid"),
+                    ClaimUid::parse(format!("claim-{n}")).expect("uid"),
                     ClaimEntry {
                         state: ClaimState::PrepareCompleted,
                         namespace: "team".into(),

@@ -218,7 +218,15 @@ pub async fn run(
                 m.slices.published.store(all, Relaxed);
             }))
         });
+        // Which container holds which device: PodResources, read for `/metrics` only.
+        let device_plugin =
+            device_plugin.map(|dp| dp.with_pod_resources(config.pod_resources_socket()));
         let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
+        if let Some(dp) = &device_plugin
+            && let Some(holds) = dp.holds()
+        {
+            source = source.with_holds(holds, dp.sharing_name());
+        }
         if let Some(root) = &extras.proc_root {
             source = source.with_proc_root(root);
         }

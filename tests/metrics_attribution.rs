@@ -72,6 +72,60 @@ fn nvdra_with(root: &std::path::Path, mode: &str, port: u16, backend: &[&str]) -
         .unwrap()
 }
 
+/// The grpcio kubelet stand-in (`standin.py node`: kubelet.sock, PodResources, the DRA calls),
+/// driven one JSON command per line; killed when dropped.
+struct Standin {
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    _child: Procs,
+}
+
+impl Standin {
+    fn start(root: &std::path::Path) -> Standin {
+        let p = |s: &str| root.join(s);
+        let mut child = Command::new("python3")
+            .arg(STANDIN)
+            .arg("node")
+            .arg("--proto-root")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/kubelet-plugin/proto"
+            ))
+            .arg("--stubs-cache")
+            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
+            .arg("--root")
+            .arg(p("kubelet"))
+            .arg("--dra")
+            .arg(p(&format!("kubelet/plugins/{DRIVER}/dra.sock")))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains("serving"), "stand-in: {line:?}");
+        Standin {
+            stdin,
+            stdout,
+            _child: Procs(vec![child]),
+        }
+    }
+
+    /// Sends one command; fails unless the stand-in answers `ok`.
+    fn call(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["ok"], true, "{cmd} → {v}");
+        v
+    }
+}
+
 /// Scrapes until `pred` holds on the parsed families; fails with the last scrape.
 fn scrape_until(port: u16, what: &str, pred: impl Fn(&[Family]) -> bool) -> Vec<Family> {
     let deadline = Instant::now() + WAIT;
@@ -148,44 +202,12 @@ fn a_claim_and_a_device_plugin_container_are_attributed_to_their_pods() {
     }]);
     nvdra::api::dir::write_claim(&p("api"), &claim).unwrap();
 
-    let mut standin = Command::new("python3")
-        .arg(STANDIN)
-        .arg("node")
-        .arg("--proto-root")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/crates/kubelet-plugin/proto"
-        ))
-        .arg("--stubs-cache")
-        .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
-        .arg("--root")
-        .arg(p("kubelet"))
-        .arg("--dra")
-        .arg(p(&format!("kubelet/plugins/{DRIVER}/dra.sock")))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut stdin: ChildStdin = standin.stdin.take().unwrap();
-    let mut stdout: BufReader<ChildStdout> = BufReader::new(standin.stdout.take().unwrap());
-    let mut procs = Procs(vec![standin]);
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert!(line.contains("serving"), "stand-in: {line:?}");
-    let mut call = |cmd: Value| -> Value {
-        writeln!(stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
-        let v: Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v["ok"], true, "{cmd} → {v}");
-        v
-    };
+    let mut standin = Standin::start(root.path());
+    let mut call = |cmd: Value| standin.call(cmd);
     call(json!({"op": "pods", "pods": [], "wait": false}));
 
     let port = promclient::free_port();
-    procs.0.push(nvdra(root.path(), "both", port));
+    let _nvdra = Procs(vec![nvdra(root.path(), "both", port)]);
     call(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
 
     let sim = SimBackend::from_profile(PROFILE, NODE).unwrap();
@@ -287,6 +309,51 @@ fn a_claim_and_a_device_plugin_container_are_attributed_to_their_pods() {
     assert_eq!(unprepared["claims"][CLAIM_UID]["error"], "", "{unprepared}");
     let families = scrape_until(port, "dropped the claim", |f| allocations(f).len() == 1);
     assert_eq!(allocations(&families)[0]["path"], "device-plugin");
+}
+
+/// In `--mode device-plugin` (no DRA, no ledger), the containers PodResources lists are on
+/// `/metrics` too, with the device plugin's sharing.
+#[test]
+fn device_plugin_mode_attributes_the_containers_podresources_lists() {
+    if !have_promclient() || !have_grpcio() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
+    let mut standin = Standin::start(root.path());
+    let inv = SimBackend::from_profile(PROFILE, NODE)
+        .unwrap()
+        .snapshot()
+        .unwrap();
+    let g2 = inv.gpus[2].uuid.to_string();
+    standin.call(
+        json!({"op": "pods", "pods": [{"namespace": "default", "name": "legacy", "containers": [
+        {"name": "cuda", "devices": [{"resource": "nvidia.com/gpu", "ids": [g2]}]}
+    ]}], "wait": false}),
+    );
+    let port = promclient::free_port();
+    let _nvdra = Procs(vec![nvdra(root.path(), "device-plugin", port)]);
+    standin.call(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
+    let families = scrape_until(port, "showed the container", |f| allocations(f).len() == 1);
+    assert_eq!(
+        allocations(&families),
+        vec![labels(&[
+            ("device", &g2),
+            ("gpu_uuid", &g2),
+            ("mig_profile", ""),
+            ("claim_namespace", ""),
+            ("claim_name", ""),
+            ("pod_namespace", "default"),
+            ("pod", "legacy"),
+            ("container", "cuda"),
+            ("path", "device-plugin"),
+            ("sharing", "exclusive"),
+        ])]
+    );
+    assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
+    // The pod ends: its series goes.
+    standin.call(json!({"op": "pods", "pods": []}));
+    scrape_until(port, "dropped the container", |f| allocations(f).is_empty());
 }
 
 /// On the NVML backend (the fake library under the driver root), each GPU's readings and each

@@ -221,16 +221,13 @@ pub async fn run(
         // Which container holds which device: PodResources, read for `/metrics` only.
         let device_plugin =
             device_plugin.map(|dp| dp.with_pod_resources(config.pod_resources_socket()));
-        let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
-        if let Some(dp) = &device_plugin
-            && let Some(holds) = dp.holds()
-        {
-            source = source.with_holds(holds, dp.sharing_name());
-        }
-        if let Some(root) = &extras.proc_root {
-            source = source.with_proc_root(root);
-        }
-        metrics.set_source(Arc::new(source));
+        metrics.set_source(scrape_source(
+            &backend,
+            None,
+            &monitor,
+            device_plugin.as_ref(),
+            &extras,
+        ));
         spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
         monitor.spawn(&mut tasks, &shutdown);
         let (m, token) = (metrics.clone(), shutdown.clone());
@@ -278,18 +275,13 @@ pub async fn run(
         dp.observe_once().await;
     }
     // What a scrape reads: the claims, the containers (`both`), readings, XIDs, processes' pods.
-    let mut source = Attribution::new(backend.clone())
-        .with_ledger(plugin.ledger().clone())
-        .with_monitor(monitor.handle.clone());
-    if let Some(dp) = &device_plugin
-        && let Some(holds) = dp.holds()
-    {
-        source = source.with_holds(holds, dp.sharing_name());
-    }
-    if let Some(root) = &extras.proc_root {
-        source = source.with_proc_root(root);
-    }
-    metrics.set_source(Arc::new(source));
+    metrics.set_source(scrape_source(
+        &backend,
+        Some(plugin.ledger()),
+        &monitor,
+        device_plugin.as_ref(),
+        &extras,
+    ));
     let result = serve(
         &config,
         monitor,
@@ -405,6 +397,30 @@ async fn serve(
     // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     drop(owned);
     result
+}
+
+/// What a `/metrics` scrape reads: the claims (`ledger`, absent without DRA), what containers
+/// hold through the device plugin, the GPUs' readings, the XID counts, processes' pods.
+fn scrape_source(
+    backend: &Arc<dyn DeviceBackend>,
+    ledger: Option<&ledger::Ledger>,
+    monitor: &HealthMonitor,
+    device_plugin: Option<&DevicePlugin>,
+    extras: &Extras,
+) -> Arc<Attribution> {
+    let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
+    if let Some(ledger) = ledger {
+        source = source.with_ledger(ledger.clone());
+    }
+    if let Some(dp) = device_plugin
+        && let Some(holds) = dp.holds()
+    {
+        source = source.with_holds(holds, dp.sharing_name());
+    }
+    if let Some(root) = &extras.proc_root {
+        source = source.with_proc_root(root);
+    }
+    Arc::new(source)
 }
 
 /// How long `auto` waits for the first DeviceClass list before serving without it.

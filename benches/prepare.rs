@@ -310,6 +310,7 @@ async fn main() {
             namespace: "default".into(),
             name: "x".into(),
             devices: vec![],
+            pods: vec![],
         },
     );
     let mut t = Vec::new();

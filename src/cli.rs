@@ -94,6 +94,10 @@ pub struct RunArgs {
     /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
     #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
     pub boot_id_file: Option<PathBuf>,
+
+    /// Read a GPU process's cgroup from <DIR>/<pid>/cgroup instead of /proc (tests).
+    #[arg(long, env = "NVDRA_PROC_ROOT", value_name = "DIR", hide = true)]
+    pub proc_root: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -340,6 +344,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     .map_err(anyhow::Error::from)?;
                 let extras = crate::daemon::Extras {
                     boot_id_file: args.boot_id_file.clone(),
+                    proc_root: args.proc_root.clone(),
                     #[cfg(feature = "crash-points")]
                     crash_at: crate::dra::plugin::crash::from_env()
                         .map_err(|e| Failure::Usage(e.to_string()))?,

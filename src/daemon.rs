@@ -48,6 +48,7 @@ use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
 use crate::inventory::DeviceBackend;
 use crate::ledger;
+use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
 use kubelet_plugin::publisher::{self, Publisher};
 use kubelet_plugin::registration::{Registrar, Sockets};
@@ -98,6 +99,9 @@ pub struct Extras {
     /// Where the boot id is read (default `/proc/sys/kernel/random/boot_id`); tests point it at
     /// a file they control to simulate a reboot.
     pub boot_id_file: Option<PathBuf>,
+    /// Where `/metrics` reads `<pid>/cgroup` to find a GPU process's pod (default `/proc`: with
+    /// `hostPID`, the host's); tests give a fake one.
+    pub proc_root: Option<PathBuf>,
     /// Crash tests only: stop at this point of prepare.
     #[cfg(feature = "crash-points")]
     pub crash_at: Option<plugin::crash::CrashPoint>,
@@ -214,6 +218,16 @@ pub async fn run(
                 m.slices.published.store(all, Relaxed);
             }))
         });
+        // Which container holds which device: PodResources, read for `/metrics` only.
+        let device_plugin =
+            device_plugin.map(|dp| dp.with_pod_resources(config.pod_resources_socket()));
+        metrics.set_source(scrape_source(
+            &backend,
+            None,
+            &monitor,
+            device_plugin.as_ref(),
+            &extras,
+        ));
         spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
         monitor.spawn(&mut tasks, &shutdown);
         let (m, token) = (metrics.clone(), shutdown.clone());
@@ -261,6 +275,14 @@ pub async fn run(
     if let Some(dp) = &device_plugin {
         dp.observe_once().await;
     }
+    // What a scrape reads: the claims, the containers (`both`), readings, XIDs, processes' pods.
+    metrics.set_source(scrape_source(
+        &backend,
+        Some(plugin.ledger()),
+        &monitor,
+        device_plugin.as_ref(),
+        &extras,
+    ));
     let result = serve(
         &config,
         monitor,
@@ -376,6 +398,30 @@ async fn serve(
     // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
     drop(owned);
     result
+}
+
+/// What a `/metrics` scrape reads: the claims (`ledger`, absent without DRA), what containers
+/// hold through the device plugin, the GPUs' readings, the XID counts, processes' pods.
+fn scrape_source(
+    backend: &Arc<dyn DeviceBackend>,
+    ledger: Option<&ledger::Ledger>,
+    monitor: &HealthMonitor,
+    device_plugin: Option<&DevicePlugin>,
+    extras: &Extras,
+) -> Arc<Attribution> {
+    let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
+    if let Some(ledger) = ledger {
+        source = source.with_ledger(ledger.clone());
+    }
+    if let Some(dp) = device_plugin
+        && let Some(holds) = dp.holds()
+    {
+        source = source.with_holds(holds, dp.sharing_name());
+    }
+    if let Some(root) = &extras.proc_root {
+        source = source.with_proc_root(root);
+    }
+    Arc::new(source)
 }
 
 /// How long `auto` waits for the first DeviceClass list before serving without it.

@@ -12,7 +12,7 @@
 //!
 //! | version | written by | shape |
 //! |---|---|---|
-//! | 1 | since `9a33f72` | as above; a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
+//! | 1 | since `9a33f72` | as above, plus an optional `"pods": [{"name", "uid"}]` per claim since per-pod metrics (read as none when absent; older builds ignore it); a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
 //! | 2 | since `--shared-capacity` | version 1, and a device may carry `"consumedCapacity": {"memory": <bytes>, "compute": <percent>}` (a share of a GPU); written only while some claim holds a share |
 //!
 //! A change to what the file holds gets a new version here, a reader for it, and a
@@ -241,6 +241,13 @@ pub fn held_by_another<'a>(
     })
 }
 
+/// A pod a claim is reserved for (its `status.reservedFor`, in the claim's namespace).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PodRef {
+    pub name: String,
+    pub uid: String,
+}
+
 /// One claim in the ledger.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -249,6 +256,11 @@ pub struct ClaimEntry {
     pub namespace: String,
     pub name: String,
     pub devices: Vec<DeviceRecord>,
+    /// The pods the claim was reserved for when it was prepared (for `/metrics`' attribution;
+    /// nothing decides on it). Absent in files written before it existed, and ignored by those
+    /// builds: an optional field that changes no decision needs no new version.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<PodRef>,
 }
 
 /// The checkpoint's content. Its version is not part of it: that is a property of the file,

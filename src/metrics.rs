@@ -5,31 +5,44 @@
 //! reads them without locks, so scraping never contends with prepare. Each count exists once:
 //! the publisher bumps the [`SliceCounters`] this value holds, and both `/metrics` and the
 //! publisher's own handle read them.
+//!
+//! Who holds which GPU, and what the GPUs are doing, is read at scrape time from a [`Source`]
+//! ([`attribution::Attribution`]: the ledger, the device plugin's holds, the backend's live
+//! readings, the health monitor's XID counts, `/proc` for PIDs' pods). A scrape copies the
+//! ledger under its lock and reads everything else after. The text is written by
+//! `prometheus-client` ([`families`]).
+
+pub mod attribution;
+pub mod families;
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use kubelet_plugin::lock::lock;
 use kubelet_plugin::publisher::SliceCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+pub use families::{Allocation, Scrape};
+use families::{HistogramValue, Snapshot};
 
 /// Upper bounds (seconds) of the latency histogram buckets.
 const BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
 ];
 
-/// A latency histogram with fixed buckets.
+/// A latency histogram with fixed buckets: lock-free observations.
 #[derive(Debug, Default)]
 pub struct Histogram {
+    /// Observations per bucket: each lands in the first bucket that holds it, or in none
+    /// (above the last bound; `+Inf` is the count).
     buckets: [AtomicU64; BUCKETS.len()],
     count: AtomicU64,
     sum_micros: AtomicU64,
@@ -38,10 +51,8 @@ pub struct Histogram {
 impl Histogram {
     pub fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
-        for (bound, bucket) in BUCKETS.iter().zip(&self.buckets) {
-            if secs <= *bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Some(i) = BUCKETS.iter().position(|bound| secs <= *bound) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_micros.fetch_add(
@@ -50,32 +61,23 @@ impl Histogram {
         );
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        for (bound, bucket) in BUCKETS.iter().zip(&self.buckets) {
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {}",
-                bucket.load(Ordering::Relaxed)
-            );
+    fn value(&self) -> HistogramValue {
+        HistogramValue {
+            buckets: std::array::from_fn(|i| self.buckets[i].load(Ordering::Relaxed)),
+            sum_seconds: self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            count: self.count.load(Ordering::Relaxed),
         }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let braces = |s: &str| {
-            if s.is_empty() {
-                String::new()
-            } else {
-                format!("{{{s}}}")
-            }
-        };
-        let _ = writeln!(out, "{name}_sum{} {sum}", braces(labels));
-        let _ = writeln!(out, "{name}_count{} {count}", braces(labels));
     }
 }
 
+/// Reads the node for a scrape: who holds which device, and the GPUs' live readings. Blocking
+/// (NVML); the server calls it off the async runtime.
+pub trait Source: Send + Sync + 'static {
+    fn scrape(&self) -> Scrape;
+}
+
 /// Everything nvdra reports.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Metrics {
     pub prepare_ok: AtomicU64,
     pub prepare_failed: AtomicU64,
@@ -90,6 +92,14 @@ pub struct Metrics {
     pub registered: Arc<AtomicBool>,
     /// Free-form build info labels (version, backend, mode).
     info: Mutex<BTreeMap<&'static str, String>>,
+    /// Set once the daemon has wired what a scrape reads ([`Metrics::set_source`]).
+    source: OnceLock<Arc<dyn Source>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
 }
 
 impl Metrics {
@@ -100,10 +110,14 @@ impl Metrics {
     }
 
     pub fn set_info(&self, key: &'static str, value: impl Into<String>) {
-        self.info
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, value.into());
+        lock(&self.info).insert(key, value.into());
+    }
+
+    /// What every scrape reads besides the counters; set once (a second call is ignored).
+    pub fn set_source(&self, source: Arc<dyn Source>) {
+        if self.source.set(source).is_err() {
+            tracing::warn!("the metrics already have a scrape source; keeping the first");
+        }
     }
 
     /// Ready once the kubelet accepted the registration and the slices are published.
@@ -111,115 +125,47 @@ impl Metrics {
         self.registered.load(Ordering::Relaxed) && self.slices.published.load(Ordering::Relaxed)
     }
 
-    /// The Prometheus text exposition format, version 0.0.4.
+    /// The Prometheus text exposition format, version 0.0.4. Blocking: it reads the source.
     pub fn render(&self) -> String {
-        let mut out = String::new();
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let info: Vec<String> = self
-            .info
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
-            .collect();
-        let _ = writeln!(out, "# HELP nvdra_build_info Build and run information.");
-        let _ = writeln!(out, "# TYPE nvdra_build_info gauge");
-        let _ = writeln!(out, "nvdra_build_info{{{}}} 1", info.join(","));
-
-        for (name, help, pairs) in [
-            (
-                "nvdra_prepare_claims_total",
-                "Claims handled by NodePrepareResources, by result.",
-                [(&self.prepare_ok, "ok"), (&self.prepare_failed, "error")],
-            ),
-            (
-                "nvdra_unprepare_claims_total",
-                "Claims handled by NodeUnprepareResources, by result.",
-                [
-                    (&self.unprepare_ok, "ok"),
-                    (&self.unprepare_failed, "error"),
-                ],
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} counter");
-            for (c, result) in pairs {
-                let _ = writeln!(out, "{name}{{result=\"{result}\"}} {}", load(c));
-            }
-        }
-        for (name, help, h) in [
-            (
-                "nvdra_prepare_duration_seconds",
-                "Time to prepare one claim.",
-                &self.prepare_seconds,
-            ),
-            (
-                "nvdra_unprepare_duration_seconds",
-                "Time to unprepare one claim.",
-                &self.unprepare_seconds,
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} histogram");
-            h.render(&mut out, name, "");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP nvdra_resourceslice_writes_total ResourceSlice writes to the API server, by operation."
-        );
-        let _ = writeln!(out, "# TYPE nvdra_resourceslice_writes_total counter");
-        for (op, c) in [
-            ("create", &self.slices.creates),
-            ("update", &self.slices.updates),
-            ("delete", &self.slices.deletes),
-        ] {
-            let _ = writeln!(
-                out,
-                "nvdra_resourceslice_writes_total{{operation=\"{op}\"}} {}",
-                load(c)
-            );
-        }
-        for (name, help, kind, value) in [
-            (
-                "nvdra_api_errors_total",
-                "Failed ResourceSlice reconciles (API server errors and conflicts).",
-                "counter",
-                load(&self.slices.errors),
-            ),
-            (
-                "nvdra_gpus",
-                "GPUs in the inventory.",
-                "gauge",
-                load(&self.gpus),
-            ),
-            (
-                "nvdra_unhealthy_devices",
-                "Devices currently unhealthy.",
-                "gauge",
-                load(&self.unhealthy_devices),
-            ),
-            (
-                "nvdra_ready",
-                "1 when registered with the kubelet and slices are published.",
-                "gauge",
-                u64::from(self.ready()),
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            let _ = writeln!(out, "{name} {value}");
-        }
-        out
+        let snapshot = Snapshot {
+            info: lock(&self.info)
+                .iter()
+                .map(|(k, v)| (*k, v.clone()))
+                .collect(),
+            prepare: [load(&self.prepare_ok), load(&self.prepare_failed)],
+            unprepare: [load(&self.unprepare_ok), load(&self.unprepare_failed)],
+            prepare_seconds: self.prepare_seconds.value(),
+            unprepare_seconds: self.unprepare_seconds.value(),
+            slice_writes: [
+                ("create", load(&self.slices.creates)),
+                ("update", load(&self.slices.updates)),
+                ("delete", load(&self.slices.deletes)),
+            ],
+            api_errors: load(&self.slices.errors),
+            gpus: load(&self.gpus),
+            unhealthy_devices: load(&self.unhealthy_devices),
+            ready: self.ready(),
+            scrape: self.source.get().map(|s| s.scrape()),
+        };
+        encode(snapshot)
     }
 }
 
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// `snapshot` in the Prometheus text format.
+fn encode(snapshot: Snapshot) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(snapshot));
+    let mut out = String::new();
+    // Writing to a String cannot fail, and the families encode only valid names.
+    if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry) {
+        tracing::error!(error = %e, "cannot encode the metrics");
+    }
+    out
 }
 
-fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+/// The answer to `method path`. Blocking for `/metrics` (the scrape source reads the hardware).
+fn respond(metrics: &Metrics, method: &Method, path: &str) -> Response<Full<Bytes>> {
     let text = |status: StatusCode, body: String, ctype: &'static str| {
         let mut r = Response::new(Full::new(Bytes::from(body)));
         *r.status_mut() = status;
@@ -228,18 +174,18 @@ fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> 
         }
         r
     };
-    if req.method() != Method::GET && req.method() != Method::HEAD {
+    if method != Method::GET && method != Method::HEAD {
         return text(
             StatusCode::METHOD_NOT_ALLOWED,
             "only GET\n".into(),
             "text/plain",
         );
     }
-    match req.uri().path() {
+    match path {
         "/metrics" => text(
             StatusCode::OK,
             metrics.render(),
-            "text/plain; version=0.0.4",
+            prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
         ),
         "/healthz" => text(StatusCode::OK, "ok\n".into(), "text/plain"),
         "/readyz" if metrics.ready() => text(StatusCode::OK, "ready\n".into(), "text/plain"),
@@ -283,8 +229,21 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: Cance
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let resp = respond(&metrics, &req);
-                async move { Ok::<_, std::convert::Infallible>(resp) }
+                let (metrics, method) = (metrics.clone(), req.method().clone());
+                let path = req.uri().path().to_string();
+                async move {
+                    let resp =
+                        tokio::task::spawn_blocking(move || respond(&metrics, &method, &path))
+                            .await
+                            .unwrap_or_else(|e| {
+                                tracing::error!(error = %e, "rendering the metrics panicked");
+                                let mut r =
+                                    Response::new(Full::new(Bytes::from("internal error\n")));
+                                *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                                r
+                            });
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service);
@@ -305,18 +264,22 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative() {
-        let h = Histogram::default();
-        h.observe(Duration::from_micros(300));
-        h.observe(Duration::from_millis(3));
-        h.observe(Duration::from_secs(10));
-        let mut out = String::new();
-        h.render(&mut out, "x", "");
-        assert!(out.contains("x_bucket{le=\"0.0005\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"0.005\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"5\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");
-        assert!(out.contains("x_count 3\n"), "{out}");
-        assert!(out.contains("x_sum 10.0033\n"), "{out}");
+        let m = Metrics::default();
+        m.prepare_seconds.observe(Duration::from_micros(300));
+        m.prepare_seconds.observe(Duration::from_millis(3));
+        m.prepare_seconds.observe(Duration::from_secs(10));
+        let out = m.render();
+        let x = "nvdra_prepare_duration_seconds";
+        for want in [
+            format!("{x}_bucket{{le=\"0.0005\"}} 1\n"),
+            format!("{x}_bucket{{le=\"0.005\"}} 2\n"),
+            format!("{x}_bucket{{le=\"5\"}} 2\n"),
+            format!("{x}_bucket{{le=\"+Inf\"}} 3\n"),
+            format!("{x}_count 3\n"),
+            format!("{x}_sum 10.0033\n"),
+        ] {
+            assert!(out.contains(&want), "no {want:?} in {out}");
+        }
     }
 
     #[test]

@@ -461,3 +461,43 @@ fn mig_creation_refusals_name_the_gpu_and_change_nothing() {
         .unwrap();
     assert_eq!(backend.snapshot().unwrap(), before);
 }
+
+/// The live readings (`DeviceBackend::usage`) are what the fake answers — its stable
+/// `usage::readings` — memory in use included, with the process of the MIG-enabled A100 in its
+/// first GPU instance.
+#[test]
+fn usage_reads_what_the_fake_reports() {
+    let node = fake_node();
+    let backend = open(&node);
+    let usage = backend.usage().unwrap();
+    let gpus = fake_nvml::model::a100_l40s();
+    assert_eq!(usage.len(), gpus.len());
+    for (i, (u, g)) in usage.iter().zip(&gpus).enumerate() {
+        let want = fake_nvml::usage::readings(i, g);
+        assert_eq!(u.gpu.as_str(), g.uuid);
+        assert_eq!(u.memory_total_bytes, g.memory_bytes);
+        assert_eq!(u.memory_used_bytes, want.memory_used());
+        assert_eq!(u.utilization_percent, Some(want.utilization_gpu));
+        assert_eq!(u.memory_utilization_percent, Some(want.utilization_memory));
+        assert_eq!(u.power_milliwatts, Some(want.power_milliwatts));
+        assert_eq!(u.temperature_celsius, Some(want.temperature_celsius));
+        let procs: Vec<(u32, Option<u64>, Option<u32>)> = u
+            .processes
+            .iter()
+            .map(|p| (p.pid, p.used_memory_bytes, p.gpu_instance))
+            .collect();
+        let expected: Vec<(u32, Option<u64>, Option<u32>)> = want
+            .processes
+            .iter()
+            .map(|p| {
+                let gi =
+                    (p.gpu_instance != fake_nvml::usage::NO_INSTANCE).then_some(p.gpu_instance);
+                (p.pid, Some(p.used_bytes), gi)
+            })
+            .collect();
+        assert_eq!(procs, expected, "GPU {i}");
+    }
+    // GPU 0 has MIG instances: its process runs in one; the others' do not.
+    assert!(usage[0].processes[0].gpu_instance.is_some());
+    assert_eq!(usage[1].processes[0].gpu_instance, None);
+}

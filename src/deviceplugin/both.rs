@@ -76,6 +76,38 @@ impl Both {
     }
 }
 
+/// What the PodResources poll needs: the holds it fills, the socket it reads, and the poke that
+/// makes it read at once. In `both` it is [`Both`]'s; in `device-plugin` mode the holds are only
+/// reported (`/metrics`: which pod uses which GPU), never consulted.
+#[derive(Clone)]
+pub struct PodWatch {
+    pub holds: ContainerHolds,
+    pub pod_resources: PathBuf,
+    pub poke: Arc<Notify>,
+}
+
+impl PodWatch {
+    /// Holds of their own, read from `pod_resources`.
+    pub fn new(pod_resources: PathBuf) -> Self {
+        PodWatch {
+            holds: ContainerHolds::default(),
+            pod_resources,
+            poke: Arc::new(Notify::new()),
+        }
+    }
+}
+
+impl Both {
+    /// The poll's view of these holds.
+    pub fn pod_watch(&self) -> PodWatch {
+        PodWatch {
+            holds: self.holds.clone(),
+            pod_resources: self.pod_resources.clone(),
+            poke: self.poke.clone(),
+        }
+    }
+}
+
 /// `res` with every device a DRA claim holds marked unhealthy (naming the claim).
 pub fn overlay(ledger: &Ledger, mut res: Vec<Resource>) -> Vec<Resource> {
     for r in &mut res {
@@ -213,7 +245,7 @@ pub async fn list(path: &Path) -> Result<pr::ListPodResourcesResponse, ListError
 /// the holds what containers hold. A failed read keeps the last holds (logged once per run of
 /// failures): forgetting them would publish GPUs that containers still use.
 pub async fn poll_pod_resources(
-    both: Both,
+    both: PodWatch,
     served: watch::Receiver<Served>,
     shutdown: CancellationToken,
 ) {
@@ -277,6 +309,7 @@ mod tests {
                     namespace: "ns".into(),
                     name: format!("claim-{uid}"),
                     devices: vec![record],
+                    pods: vec![],
                 },
             )
         });

@@ -373,6 +373,7 @@ mod tests {
                     namespace: "ns".into(),
                     name: "claim-1".into(),
                     devices: vec![record(0, None)],
+                    pods: vec![],
                 },
             )
         });

@@ -40,7 +40,7 @@ use kubelet_plugin::socket;
 
 use super::allocate::Context;
 use super::auto::Mapped;
-use super::both::Both;
+use super::both::{Both, PodWatch};
 use super::holds::ContainerHolds;
 use super::resources::{self, Resource};
 use super::service::Service;
@@ -109,6 +109,8 @@ pub struct DevicePlugin {
     health: Option<crate::health::Watch>,
     /// `--mode both`: the ledger shared with DRA ([`super::both`]).
     both: Option<Both>,
+    /// `--mode device-plugin`: what containers hold, read from PodResources for `/metrics` only.
+    watched: Option<PodWatch>,
     /// `--mode auto`: the names DeviceClasses map to DRA, which this plugin does not serve.
     mapped: Option<watch::Receiver<Mapped>>,
 }
@@ -170,6 +172,7 @@ impl DevicePlugin {
             on_registered: None,
             health: None,
             both: None,
+            watched: None,
             mapped: None,
         }
     }
@@ -209,9 +212,35 @@ impl DevicePlugin {
         self
     }
 
-    /// `--mode both`: what containers hold through this path, for the slices to hide.
+    /// `--mode device-plugin`: read which containers hold which devices from PodResources on
+    /// `pod_resources` (polled like `both`'s), to report them ([`DevicePlugin::holds`]); nothing
+    /// is decided on them.
+    pub fn with_pod_resources(mut self, pod_resources: PathBuf) -> Self {
+        self.watched = Some(PodWatch::new(pod_resources));
+        self
+    }
+
+    /// What containers hold through this path: in `both`, for the slices to hide and the
+    /// ledger to consult; with [`DevicePlugin::with_pod_resources`], to report.
     pub fn holds(&self) -> Option<ContainerHolds> {
-        self.both.as_ref().map(|b| b.holds.clone())
+        self.pod_watch().map(|w| w.holds)
+    }
+
+    fn pod_watch(&self) -> Option<PodWatch> {
+        match &self.both {
+            Some(b) => Some(b.pod_watch()),
+            None => self.watched.clone(),
+        }
+    }
+
+    /// How this path shares its devices, spelled as the ledger spells a claim's strategy
+    /// (`exclusive`, `timeSlicing`, `mps`), for `/metrics`.
+    pub fn sharing_name(&self) -> &'static str {
+        match self.options.sharing.as_ref().map(|s| &s.kind) {
+            None => "exclusive",
+            Some(super::ShareKind::TimeSlicing) => "timeSlicing",
+            Some(super::ShareKind::Mps) => "mps",
+        }
     }
 
     /// `both`: reads PodResources once and records what containers hold, so that neither the
@@ -285,9 +314,9 @@ impl DevicePlugin {
         }
         let served_tx = watch::channel(served(&res)).0;
         let mut changes = self.both.as_ref().map(|b| b.ledger.changes());
-        if let Some(both) = &self.both {
+        if let Some(watch) = self.pod_watch() {
             tokio::spawn(super::both::poll_pod_resources(
-                both.clone(),
+                watch,
                 served_tx.subscribe(),
                 shutdown.child_token(),
             ));

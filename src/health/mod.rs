@@ -40,7 +40,7 @@ use crate::inventory::{
 };
 
 pub use crate::inventory::events::{Event, EventKind};
-pub use monitor::{BackendProbe, Monitor, MonitorHandle, Probe};
+pub use monitor::{BackendProbe, Monitor, MonitorHandle, Probe, XidCounts};
 
 /// XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin ignores the
 /// same): 13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped processing,

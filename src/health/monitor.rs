@@ -1,14 +1,15 @@
 //! The monitor task: events in, per-GPU health out, recovery by probe and quiet period.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{Cause, Event, Fault, HealthState, Policy, Watch};
+use super::{Cause, Event, EventKind, Fault, HealthState, Policy, Watch};
 use crate::inventory::{DeviceBackend, GpuUuid};
+use kubelet_plugin::lock::lock;
 
 /// How many events may wait for the monitor; a source blocks (NVML) or waits (async) beyond.
 const QUEUE: usize = 256;
@@ -28,11 +29,16 @@ impl Probe for BackendProbe {
     }
 }
 
+/// How many XID events each GPU reported, by XID, since start: every one the monitor heard,
+/// the ignored ones included (an application's XID 13 is worth counting, not tainting).
+pub type XidCounts = BTreeMap<(GpuUuid, u64), u64>;
+
 /// Where sources send events and consumers subscribe; cheap to clone.
 #[derive(Clone)]
 pub struct MonitorHandle {
     events: mpsc::Sender<Event>,
     state: watch::Receiver<HealthState>,
+    xids: Arc<Mutex<XidCounts>>,
 }
 
 impl MonitorHandle {
@@ -49,6 +55,11 @@ impl MonitorHandle {
     /// The current state.
     pub fn state(&self) -> HealthState {
         self.state.borrow().clone()
+    }
+
+    /// A copy of the XID counts (see [`XidCounts`]).
+    pub fn xid_counts(&self) -> XidCounts {
+        lock(&self.xids).clone()
     }
 }
 
@@ -68,12 +79,14 @@ pub struct Monitor {
     _own: mpsc::Sender<Event>,
     state: watch::Sender<HealthState>,
     tracked: BTreeMap<GpuUuid, Tracked>,
+    xids: Arc<Mutex<XidCounts>>,
 }
 
 impl Monitor {
     pub fn new(policy: Policy, probe: Arc<dyn Probe>) -> (Self, MonitorHandle) {
         let (tx, rx) = mpsc::channel(QUEUE);
         let (state, state_rx) = watch::channel(HealthState::default());
+        let xids = Arc::new(Mutex::new(XidCounts::new()));
         (
             Self {
                 policy,
@@ -82,10 +95,12 @@ impl Monitor {
                 _own: tx.clone(),
                 state,
                 tracked: BTreeMap::new(),
+                xids: xids.clone(),
             },
             MonitorHandle {
                 events: tx,
                 state: state_rx,
+                xids,
             },
         )
     }
@@ -108,6 +123,14 @@ impl Monitor {
 
     fn on_event(&mut self, ev: Event) {
         let Event { gpu, kind } = ev;
+        let xid = match kind {
+            EventKind::Xid(x) => Some(x),
+            EventKind::DoubleBitEcc => Some(super::XID_DOUBLE_BIT_ECC),
+            EventKind::GpuLost | EventKind::Unmonitored(_) => None,
+        };
+        if let Some(x) = xid {
+            *lock(&self.xids).entry((gpu.clone(), x)).or_default() += 1;
+        }
         let Some((cause, effect)) = self.policy.judge(&kind) else {
             tracing::debug!(gpu.uuid = %gpu, event = ?kind, "ignored health event");
             return;

@@ -283,3 +283,42 @@ async fn the_fault_file_drives_the_monitor_and_lost_gpus_fail_their_probe() {
     assert!(watch.borrow_and_update().is_empty());
     stop.cancel();
 }
+
+#[tokio::test(start_paused = true)]
+async fn every_xid_is_counted_per_gpu_and_xid_the_ignored_ones_too() {
+    let sim = sim();
+    let (monitor, handle) = Monitor::new(policy(), Arc::new(Switch::default()));
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    let (g0, g1) = (uuid(&sim, 0), uuid(&sim, 1));
+    let tx = handle.events();
+    for (gpu, kind) in [
+        (&g0, EventKind::Xid(13)),
+        (&g1, EventKind::Xid(13)),
+        (&g0, EventKind::Xid(13)),
+        (&g0, EventKind::GpuLost),
+        // Critical, so the watch moves: every event before it has been handled by then.
+        (&g1, EventKind::DoubleBitEcc),
+    ] {
+        tx.send(Event {
+            gpu: gpu.clone(),
+            kind,
+        })
+        .await
+        .unwrap();
+    }
+    // GpuLost on g0 changes the watch first, then the ECC error on g1.
+    while matches!(watch.borrow_and_update().gpu(&g1), GpuHealth::Healthy) {
+        watch.changed().await.unwrap();
+    }
+    let want: XidCounts = [
+        ((g0.clone(), 13), 2),
+        ((g1.clone(), 13), 1),
+        ((g1.clone(), XID_DOUBLE_BIT_ECC), 1),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(handle.xid_counts(), want);
+    stop.cancel();
+}

@@ -1,7 +1,9 @@
 //! The backend seam: [`DeviceBackend`], [`Wrapper`] for backends over another, and the snapshot
 //! and refresh run off the async runtime.
 
-use super::{Error, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice};
+use super::{
+    Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice,
+};
 
 /// A reconfiguration prepare may ask of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,6 +104,15 @@ pub trait DeviceBackend: Send + Sync + 'static {
             operation: "destroying MIG devices",
         })
     }
+
+    /// Each GPU's live readings ([`GpuUsage`]), read from the hardware now (never cached): for
+    /// a `/metrics` scrape, never on the prepare path. Read-only.
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "reading GPU usage",
+        })
+    }
 }
 
 /// A backend over another that changes some of what it does: the cache
@@ -190,6 +201,11 @@ impl<W: Wrapper> DeviceBackend for W {
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         Wrapper::destroy_mig(self, gpu, mig)
+    }
+
+    /// Live readings are never cached nor overlaid: every wrapper reads the wrapped backend's.
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        self.inner().usage()
     }
 }
 

@@ -19,6 +19,7 @@ mod quantity;
 pub mod sim;
 pub mod table;
 pub mod topology;
+mod usage;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -28,6 +29,7 @@ use serde::{Deserialize, Serialize};
 pub use backend::{DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
 pub use domains::assign_nvlink_domains;
 pub use quantity::{parse_quantity, quantity};
+pub use usage::{GpuUsage, ProcessUsage};
 
 /// Errors from reading an inventory.
 #[derive(Debug, thiserror::Error)]

@@ -40,6 +40,7 @@ mod mapping;
 mod names;
 mod reconfigure;
 mod sysfs;
+mod usage;
 
 use crate::inventory::Placement;
 pub use backend::{NvmlBackend, Omission};
@@ -55,6 +56,7 @@ pub use names::{
     mig_profile_name,
 };
 pub use sysfs::{HostSysfs, Sysfs, pcie_root_of};
+pub use usage::read_usage;
 
 /// The library NVML is loaded from.
 pub const LIBRARY: &str = "libnvidia-ml.so.1";

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
-    DeviceBackend, Error, GpuUuid, Health, Inventory, MigDevice, MigUuid, Placement, Result,
-    TimeSlice, topology,
+    DeviceBackend, Error, GpuUsage, GpuUuid, Health, Inventory, MigDevice, MigUuid, Placement,
+    ProcessUsage, Result, TimeSlice, topology,
 };
 
 /// A reconfiguration the simulated hardware went through, in order; tests read them with
@@ -59,6 +59,8 @@ struct Model {
     actions: Vec<SimAction>,
     /// Current time slice per GPU (absent: `Default`).
     time_slices: std::collections::BTreeMap<GpuUuid, TimeSlice>,
+    /// The processes a test put on each GPU ([`SimBackend::set_processes`]).
+    processes: std::collections::BTreeMap<GpuUuid, Vec<ProcessUsage>>,
 }
 
 /// Simulated GPUs. Cloning shares the same model.
@@ -105,6 +107,12 @@ impl SimBackend {
             .get(gpu)
             .copied()
             .unwrap_or_default()
+    }
+
+    /// Puts `processes` on `gpu`, as a test's workload would: [`DeviceBackend::usage`] reports
+    /// them, and the GPU's memory in use is their sum plus [`sim_usage`]'s baseline.
+    pub fn set_processes(&self, gpu: &GpuUuid, processes: Vec<ProcessUsage>) {
+        self.lock().processes.insert(gpu.clone(), processes);
     }
 
     fn lock(&self) -> MutexGuard<'_, Model> {
@@ -235,6 +243,36 @@ impl DeviceBackend for SimBackend {
         }
         Ok(())
     }
+
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        let m = self.lock();
+        Ok(m.inventory
+            .gpus
+            .iter()
+            .map(|g| {
+                let processes = m.processes.get(&g.uuid).cloned().unwrap_or_default();
+                sim_usage(g, processes)
+            })
+            .collect())
+    }
+}
+
+/// The simulated readings of `g`: stable functions of its index, so tests assert them — 1 GiB
+/// of baseline memory in use plus what its processes use, utilization `10 * index + 5` percent
+/// (memory: half that), `100 + 10 * index` W, `40 + index` °C.
+pub fn sim_usage(g: &super::Gpu, processes: Vec<ProcessUsage>) -> GpuUsage {
+    const GIB: u64 = 1 << 30;
+    let used: u64 = processes.iter().filter_map(|p| p.used_memory_bytes).sum();
+    GpuUsage {
+        gpu: g.uuid.clone(),
+        memory_used_bytes: (GIB + used).min(g.memory_bytes),
+        memory_total_bytes: g.memory_bytes,
+        utilization_percent: Some((10 * g.index + 5) % 100),
+        memory_utilization_percent: Some((10 * g.index + 5) % 100 / 2),
+        power_milliwatts: Some(100_000 + 10_000 * g.index),
+        temperature_celsius: Some(40 + g.index),
+        processes,
+    }
 }
 
 #[cfg(test)]
@@ -310,5 +348,33 @@ mod tests {
             .set_time_slice(&GpuUuid("GPU-nope".into()), TimeSlice::Short)
             .unwrap_err();
         assert!(e.to_string().contains("GPU-nope"), "{e}");
+    }
+
+    #[test]
+    fn usage_is_a_stable_function_of_the_index_and_the_processes() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let inv = sim.snapshot().unwrap();
+        let g1 = inv.gpus[1].uuid.clone();
+        sim.set_processes(
+            &g1,
+            vec![ProcessUsage {
+                pid: 42,
+                used_memory_bytes: Some(3 << 30),
+                gpu_instance: None,
+            }],
+        );
+        let usage = sim.usage().unwrap();
+        assert_eq!(usage.len(), inv.gpus.len());
+        assert_eq!(usage, sim.usage().unwrap(), "the same readings every time");
+        let u = &usage[1];
+        assert_eq!(u.gpu, g1);
+        assert_eq!(u.memory_used_bytes, 4 << 30);
+        assert_eq!(u.memory_total_bytes, inv.gpus[1].memory_bytes);
+        assert_eq!(u.utilization_percent, Some(15));
+        assert_eq!(u.power_milliwatts, Some(110_000));
+        assert_eq!(u.temperature_celsius, Some(41));
+        assert_eq!(u.processes[0].pid, 42);
+        assert_eq!(usage[0].memory_used_bytes, 1 << 30);
+        assert!(usage[0].processes.is_empty());
     }
 }

@@ -21,6 +21,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
                 sharing: Sharing::Exclusive,
             })
             .collect(),
+        pods: vec![],
     }
 }
 
@@ -141,6 +142,7 @@ fn fixture_state() -> Checkpoint {
         namespace: namespace.into(),
         name: name.into(),
         devices: vec![d],
+        pods: vec![],
     };
     let mig = DeviceRecord {
         admin_access: true,
@@ -232,6 +234,30 @@ fn writes_the_oldest_version_the_previous_release_reads() {
         .retain(|_, e| e.devices.iter().all(|d| d.sharing == Sharing::Exclusive));
     let text = String::from_utf8(encode(&exclusive).unwrap()).unwrap();
     assert!(!text.contains("strategy"), "{text}");
+}
+
+/// The pods a claim is reserved for are kept as an optional field of version 1: written only
+/// when there are any (so a state without them is byte-for-byte what older builds write), read
+/// back as written.
+#[test]
+fn the_pods_of_a_claim_round_trip_and_are_absent_when_none() {
+    let mut cp = fixture_state();
+    let without = String::from_utf8(encode(&cp).unwrap()).unwrap();
+    assert!(!without.contains("\"pods\""), "{without}");
+    let first = cp.claims.values_mut().next().unwrap();
+    first.pods = vec![PodRef {
+        name: "trainer".into(),
+        uid: "0f5e2c1a-7b3d-4c2e-9a8b-1234567890ab".into(),
+    }];
+    let bytes = encode(&cp).unwrap();
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    assert!(text.contains("\"pods\""), "{text}");
+    assert_eq!(version_for(&cp), 1);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(FILE_NAME);
+    std::fs::write(&path, &bytes).unwrap();
+    let (read, _) = load_file(&path, &cp.boot_id).unwrap();
+    assert_eq!(read, cp);
 }
 
 #[tokio::test]
@@ -498,6 +524,7 @@ proptest! {
                         namespace: "default".into(),
                         name,
                         devices,
+                        pods: vec![],
                     })
                 })
                 .collect(),

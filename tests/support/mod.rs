@@ -5,3 +5,4 @@ pub mod fake_nvml;
 pub mod grpcio;
 pub mod manifests;
 pub mod mps;
+pub mod promclient;

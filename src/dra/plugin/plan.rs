@@ -15,7 +15,7 @@ use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
 use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement};
 use crate::ledger::shares::FULL_COMPUTE;
-use crate::ledger::{Consumed, DeviceRecord, MigRecord};
+use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
 use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
 
 /// What preparing one claim takes: the devices to reserve, in allocation order, one record per
@@ -23,6 +23,8 @@ use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Plan {
     pub devices: Vec<DeviceRecord>,
+    /// The pods the claim is reserved for, recorded for `/metrics`' attribution only.
+    pub pods: Vec<PodRef>,
 }
 
 impl Plan {
@@ -176,7 +178,27 @@ pub(super) fn plan(
             sharing,
         });
     }
-    Ok(Plan { devices: out })
+    Ok(Plan {
+        devices: out,
+        pods: reserved_pods(rc),
+    })
+}
+
+/// The pods of `rc`'s `status.reservedFor` (entries of other resources are left out).
+fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
+    let mut pods: Vec<PodRef> = rc
+        .status
+        .iter()
+        .flat_map(|s| s.reserved_for.iter().flatten())
+        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or_default().is_empty())
+        .map(|r| PodRef {
+            name: r.name.clone(),
+            uid: r.uid.clone(),
+        })
+        .collect();
+    pods.sort();
+    pods.dedup();
+    pods
 }
 
 /// What a share of `gpu-<minor>-shared` consumes, from its allocation result: `consumedCapacity`

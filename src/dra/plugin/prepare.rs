@@ -96,6 +96,7 @@ impl Plugin {
                     namespace: claim.namespace.clone(),
                     name: claim.name.clone(),
                     devices: plan.devices.clone(),
+                    pods: plan.pods.clone(),
                 },
             );
             Ok(())
@@ -293,6 +294,7 @@ mod tests {
                 namespace: "ns".into(),
                 name: "holder".into(),
                 devices: a.devices.clone(),
+                pods: vec![],
             },
         );
         // A claim does not conflict with itself (a retried prepare).

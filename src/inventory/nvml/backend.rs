@@ -9,10 +9,12 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 use tracing::{Level, debug, info, warn};
 
-use super::{HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, reconfigure};
+use super::{
+    HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, read_usage, reconfigure,
+};
 use crate::inventory::{
-    DeviceBackend, Error, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Reconfiguration,
-    Result, TimeSlice,
+    DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
+    Reconfiguration, Result, TimeSlice,
 };
 
 pub struct NvmlBackend {
@@ -118,6 +120,10 @@ impl DeviceBackend for NvmlBackend {
         let (inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
         self.logged.log_new(&omissions);
         Ok(inv)
+    }
+
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        read_usage(&self.nvml)
     }
 
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {

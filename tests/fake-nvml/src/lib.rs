@@ -38,7 +38,8 @@
 //! Driver 550.163.01, CUDA 12.4. `nvmlDeviceGetNumaNodeId` is deliberately not exported, so the
 //! backend's handling of a symbol missing from an older driver is exercised too.
 //!
-//! Health events, and the hooks tests inject them with, are in `events.rs`.
+//! Health events, and the hooks tests inject them with, are in `events.rs`; live readings
+//! (utilization, power, temperature, processes, memory in use) in `usage.rs`.
 //!
 //! Handles are opaque integers cast to pointers; they are never dereferenced by callers. Every
 //! function's contract is the one `nvml.h` documents for it: pointer arguments must be valid for
@@ -124,6 +125,8 @@ fn changing(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
 
 // Health events and their test hooks (`events.rs`) see the GPUs only through these three.
 mod events;
+// Live readings (`usage.rs`): utilization, power, temperature, processes.
+pub mod usage;
 
 fn gpu_count() -> usize {
     node().as_ref().map_or(0, |l| l.model.gpus.len())
@@ -497,12 +500,16 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         let Some(g) = gpu(m, d) else { return INVALID };
         let total = g.memory_bytes;
         let reserved = (583 << 20).min(total);
+        let index = m.gpus.iter().position(|x| std::ptr::eq(x, g)).unwrap_or(0);
+        let used = usage::readings(index, g)
+            .memory_used()
+            .min(total - reserved);
         let info = nvmlMemory_v2_t {
             version: (size_of::<nvmlMemory_v2_t>() | (2 << 24)) as c_uint,
             total,
             reserved,
-            free: total - reserved,
-            used: 0,
+            free: total - reserved - used,
+            used,
         };
         unsafe { put(v, info) }
     })

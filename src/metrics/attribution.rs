@@ -1,0 +1,397 @@
+//! Which pod uses which GPU: the [`Source`] a scrape reads. Allocations come from the one ledger
+//! (DRA claims, with the pods they were reserved for) and from the device plugin's holds (what
+//! PodResources lists per container); live readings from the backend ([`DeviceBackend::usage`]);
+//! XID counts from the health monitor; a process's pod from the pod UID its cgroup names under
+//! `/proc` (a root tests replace).
+//!
+//! Locks: the ledger's only for a copy of its claims, the holds' only for a copy of them; the
+//! hardware is read after both are released.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::Source;
+use super::families::{Allocation, GpuRow, ProcessRow, Scrape};
+use crate::deviceplugin::holds::{ContainerHolds, Holder};
+use crate::health::MonitorHandle;
+use crate::inventory::{DeviceBackend, Inventory};
+use crate::ledger::{ClaimEntry, Ledger};
+
+/// The scrape source of a running nvdra.
+pub struct Attribution {
+    backend: Arc<dyn DeviceBackend>,
+    ledger: Option<Ledger>,
+    holds: Option<ContainerHolds>,
+    monitor: Option<MonitorHandle>,
+    proc_root: PathBuf,
+    device_plugin_sharing: String,
+}
+
+impl Attribution {
+    pub fn new(backend: Arc<dyn DeviceBackend>) -> Self {
+        Self {
+            backend,
+            ledger: None,
+            holds: None,
+            monitor: None,
+            proc_root: PathBuf::from("/proc"),
+            device_plugin_sharing: "exclusive".into(),
+        }
+    }
+
+    /// The DRA claims.
+    pub fn with_ledger(mut self, ledger: Ledger) -> Self {
+        self.ledger = Some(ledger);
+        self
+    }
+
+    /// The device-plugin containers, and how that path shares its devices (`exclusive`,
+    /// `timeSlicing`, `mps`: its config's strategy).
+    pub fn with_holds(mut self, holds: ContainerHolds, sharing: impl Into<String>) -> Self {
+        self.holds = Some(holds);
+        self.device_plugin_sharing = sharing.into();
+        self
+    }
+
+    /// The XID counts.
+    pub fn with_monitor(mut self, monitor: MonitorHandle) -> Self {
+        self.monitor = Some(monitor);
+        self
+    }
+
+    /// Where `<pid>/cgroup` is read (default `/proc`; the host's, with `hostPID`).
+    pub fn with_proc_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.proc_root = root.into();
+        self
+    }
+}
+
+impl Source for Attribution {
+    fn scrape(&self) -> Scrape {
+        // Copies under the locks; nothing else is done while they are held.
+        let claims: BTreeMap<_, ClaimEntry> = self
+            .ledger
+            .as_ref()
+            .map(|l| l.read(|cp| cp.claims.clone()))
+            .unwrap_or_default();
+        let holds = self.holds.as_ref().map(ContainerHolds::all);
+        let inv = match self.backend.snapshot() {
+            Ok(inv) => inv,
+            Err(e) => {
+                tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the inventory for a scrape");
+                Inventory::default()
+            }
+        };
+        let mut allocations = dra_allocations(&claims);
+        for (occ, holder) in holds.into_iter().flatten() {
+            let Holder::Container(c) = holder else {
+                continue; // not yet listed by PodResources: no pod to name
+            };
+            let mig = occ.mig.as_ref().map(|(uuid, _)| uuid);
+            let profile = mig
+                .and_then(|u| {
+                    inv.gpus
+                        .iter()
+                        .flat_map(|g| &g.mig.devices)
+                        .find(|m| m.uuid == *u)
+                })
+                .map(|m| m.profile.clone());
+            allocations.insert(Allocation {
+                device: mig.map_or_else(|| occ.gpu.to_string(), ToString::to_string),
+                gpu_uuid: occ.gpu.to_string(),
+                mig_profile: profile.unwrap_or_default(),
+                pod_namespace: c.namespace,
+                pod: c.pod,
+                container: c.container,
+                path: "device-plugin",
+                sharing: self.device_plugin_sharing.clone(),
+                ..Allocation::default()
+            });
+        }
+        let (usage, usage_ok) = match self.backend.usage() {
+            Ok(u) => (u, true),
+            Err(e) => {
+                tracing::debug!(error = %kubelet_plugin::report::chain(&e), "cannot read the GPUs' usage");
+                (Vec::new(), false)
+            }
+        };
+        // Pod UIDs the ledger knows, to name a process's pod.
+        let pods: BTreeMap<&str, (&str, &str)> = claims
+            .values()
+            .flat_map(|e| {
+                e.pods
+                    .iter()
+                    .map(|p| (p.uid.as_str(), (e.namespace.as_str(), p.name.as_str())))
+            })
+            .collect();
+        let mut processes = Vec::new();
+        for u in &usage {
+            let gpu = inv.gpus.iter().find(|g| g.uuid == u.gpu);
+            for p in &u.processes {
+                let mig = p.gpu_instance.and_then(|gi| {
+                    gpu?.mig
+                        .devices
+                        .iter()
+                        .find(|m| m.gi_id == gi)
+                        .map(|m| m.uuid.to_string())
+                });
+                let pod_uid = pod_uid_of(&self.proc_root, p.pid).unwrap_or_default();
+                let (ns, name) = pods.get(pod_uid.as_str()).copied().unwrap_or_default();
+                processes.push(ProcessRow {
+                    gpu_uuid: u.gpu.to_string(),
+                    mig_uuid: mig.unwrap_or_default(),
+                    pid: p.pid,
+                    pod_namespace: ns.to_string(),
+                    pod: name.to_string(),
+                    pod_uid,
+                    used_memory_bytes: p.used_memory_bytes.unwrap_or_default(),
+                });
+            }
+        }
+        processes.sort();
+        processes.dedup_by(|a, b| {
+            (&a.gpu_uuid, &a.mig_uuid, a.pid) == (&b.gpu_uuid, &b.mig_uuid, b.pid)
+        });
+        let minors: BTreeMap<_, _> = inv.gpus.iter().map(|g| (&g.uuid, g.minor)).collect();
+        let gpus = usage
+            .into_iter()
+            .map(|usage| GpuRow {
+                device: minors
+                    .get(&usage.gpu)
+                    .map_or_else(String::new, |m| format!("gpu-{m}")),
+                usage,
+            })
+            .collect();
+        let xids = self
+            .monitor
+            .as_ref()
+            .map(MonitorHandle::xid_counts)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|((gpu, xid), n)| ((gpu.to_string(), xid), n))
+            .collect();
+        Scrape {
+            allocations: allocations.into_iter().collect(),
+            gpus,
+            processes,
+            xids,
+            usage_ok,
+        }
+    }
+}
+
+/// One allocation per device of each claim and pod it is reserved for (one without a pod when
+/// the claim names none).
+pub fn dra_allocations<'a>(
+    claims: impl IntoIterator<Item = (&'a crate::ids::ClaimUid, &'a ClaimEntry)>,
+) -> BTreeSet<Allocation> {
+    let mut out = BTreeSet::new();
+    for (_, e) in claims {
+        let pods: Vec<&str> = match e.pods.as_slice() {
+            [] => vec![""],
+            pods => pods.iter().map(|p| p.name.as_str()).collect(),
+        };
+        for d in &e.devices {
+            // A consumable-capacity share (`--shared-capacity`) is MPS underneath, but its
+            // sharing is the capacity the scheduler counted.
+            let sharing = if d.consumed.is_some() {
+                "capacity".to_string()
+            } else {
+                serde_json::to_value(&d.sharing)
+                    .ok()
+                    .and_then(|v| v.get("strategy")?.as_str().map(str::to_string))
+                    .unwrap_or_default()
+            };
+            for pod in &pods {
+                out.insert(Allocation {
+                    device: d.device.to_string(),
+                    gpu_uuid: d.gpu.to_string(),
+                    mig_profile: d
+                        .mig
+                        .as_ref()
+                        .map(|m| m.profile.clone())
+                        .unwrap_or_default(),
+                    claim_namespace: e.namespace.clone(),
+                    claim_name: e.name.clone(),
+                    pod_namespace: if pod.is_empty() {
+                        String::new()
+                    } else {
+                        e.namespace.clone()
+                    },
+                    pod: (*pod).to_string(),
+                    container: String::new(),
+                    path: "dra",
+                    sharing: sharing.clone(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The pod UID `<proc_root>/<pid>/cgroup` names, if any: the kubelet puts a pod's containers
+/// under `…/pod<uid>/…` (cgroupfs driver) or `…-pod<uid with _ for ->.slice/…` (systemd).
+pub fn pod_uid_of(proc_root: &Path, pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok()?;
+    text.lines().find_map(pod_uid_in)
+}
+
+/// The pod UID in one line of a cgroup file (see [`pod_uid_of`]).
+pub fn pod_uid_in(line: &str) -> Option<String> {
+    let path = line.splitn(3, ':').nth(2)?;
+    path.split('/').find_map(|segment| {
+        let segment = segment.strip_suffix(".slice").unwrap_or(segment);
+        let at = segment.rfind("pod")?;
+        let uid = &segment[at + 3..];
+        let is_uid = uid.len() == 36
+            && uid
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() || c == '-' || c == '_');
+        is_uid.then(|| uid.replace('_', "-"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "0f5e2c1a-7b3d-4c2e-9a8b-1234567890ab";
+
+    #[test]
+    fn pod_uids_are_found_in_both_cgroup_drivers_layouts() {
+        let systemd = format!(
+            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-abc.scope",
+            UID.replace('-', "_")
+        );
+        assert_eq!(pod_uid_in(&systemd).as_deref(), Some(UID));
+        let cgroupfs = format!("12:memory:/kubepods/burstable/pod{UID}/0123abcd");
+        assert_eq!(pod_uid_in(&cgroupfs).as_deref(), Some(UID));
+        assert_eq!(
+            pod_uid_in("0::/user.slice/user-0.slice/session-1.scope"),
+            None
+        );
+        assert_eq!(
+            pod_uid_in("0::/kubepods.slice/kubepods-podnotauid.slice"),
+            None
+        );
+        assert_eq!(pod_uid_in("garbage"), None);
+    }
+
+    #[test]
+    fn pod_uid_of_reads_the_proc_root_given() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("7")).unwrap();
+        std::fs::write(
+            root.path().join("7/cgroup"),
+            format!("1:name=systemd:/\n0::/kubepods/pod{UID}/c1\n"),
+        )
+        .unwrap();
+        assert_eq!(pod_uid_of(root.path(), 7).as_deref(), Some(UID));
+        assert_eq!(pod_uid_of(root.path(), 8), None, "no such process");
+    }
+
+    /// A scrape of a simulated node: a claim's device with its pod (the ledger's), a process on
+    /// that GPU whose cgroup names the pod (a fake `/proc`), one on another GPU in no pod, and
+    /// the readings the backend reports.
+    #[tokio::test]
+    async fn a_scrape_joins_claims_processes_and_readings() {
+        use crate::ids::{ClaimUid, DeviceName};
+        use crate::inventory::ProcessUsage;
+        use crate::inventory::sim::SimBackend;
+        use crate::ledger::{ClaimState, DeviceRecord, PodRef};
+        use crate::sharing::{Sharing, TimeSliceInterval};
+
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let inv = sim.snapshot().unwrap();
+        let (g2, g3) = (inv.gpus[2].uuid.clone(), inv.gpus[3].uuid.clone());
+        let proc_root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(proc_root.path().join("100")).unwrap();
+        std::fs::write(
+            proc_root.path().join("100/cgroup"),
+            format!("0::/kubepods/besteffort/pod{UID}/abc\n"),
+        )
+        .unwrap();
+        let proc = |pid, gib: u64| ProcessUsage {
+            pid,
+            used_memory_bytes: Some(gib << 30),
+            gpu_instance: None,
+        };
+        sim.set_processes(&g2, vec![proc(100, 2)]);
+        sim.set_processes(&g3, vec![proc(200, 3)]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let record = DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "n".into(),
+            device: DeviceName::parse("gpu-2").unwrap(),
+            cdi_ids: vec![],
+            share_id: None,
+            admin_access: false,
+            gpu: g2.clone(),
+            mig: None,
+            consumed: None,
+            sharing: Sharing::TimeSlicing {
+                interval: TimeSliceInterval::Long,
+            },
+        };
+        ledger.update(|c| {
+            c.insert(
+                ClaimUid::parse("c-1").unwrap(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ml".into(),
+                    name: "train".into(),
+                    devices: vec![record],
+                    pods: vec![PodRef {
+                        name: "trainer".into(),
+                        uid: UID.into(),
+                    }],
+                },
+            )
+        });
+        let source = Attribution::new(Arc::new(sim.clone()))
+            .with_ledger(ledger)
+            .with_proc_root(proc_root.path());
+        let s = source.scrape();
+
+        assert_eq!(
+            s.allocations,
+            vec![Allocation {
+                device: "gpu-2".into(),
+                gpu_uuid: g2.to_string(),
+                claim_namespace: "ml".into(),
+                claim_name: "train".into(),
+                pod_namespace: "ml".into(),
+                pod: "trainer".into(),
+                path: "dra",
+                sharing: "timeSlicing".into(),
+                ..Allocation::default()
+            }]
+        );
+        let row =
+            |gpu: &crate::inventory::GpuUuid, pid, ns: &str, pod: &str, uid: &str, gib: u64| {
+                ProcessRow {
+                    gpu_uuid: gpu.to_string(),
+                    mig_uuid: String::new(),
+                    pid,
+                    pod_uid: uid.into(),
+                    pod_namespace: ns.into(),
+                    pod: pod.into(),
+                    used_memory_bytes: gib << 30,
+                }
+            };
+        let mut want = vec![
+            row(&g2, 100, "ml", "trainer", UID, 2),
+            row(&g3, 200, "", "", "", 3),
+        ];
+        want.sort();
+        assert_eq!(s.processes, want);
+        assert!(s.usage_ok);
+        assert_eq!(s.gpus.len(), inv.gpus.len());
+        assert_eq!(s.gpus[2].device, format!("gpu-{}", inv.gpus[2].minor));
+        assert_eq!(s.gpus[2].usage, sim.usage().unwrap()[2]);
+        assert_eq!(s.gpus[2].usage.memory_used_bytes, 3 << 30);
+    }
+}

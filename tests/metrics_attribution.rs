@@ -1,0 +1,533 @@
+//! `/metrics` of a running `nvdra run --mode both` on simulated GPUs, read by a Prometheus parser
+//! we did not write (Python `prometheus_client`, tests/support/promclient.rs): which pod holds
+//! which GPU — a DRA claim prepared through the grpcio kubelet stand-in and a device-plugin
+//! container that the stand-in's PodResources lists — and each GPU's readings, equal to what the
+//! simulated backend reports. Also: every metric the Grafana dashboard under `manifests/`
+//! queries is one a real scrape exports.
+//!
+//! Needs python3 with `prometheus_client` (skipped unless `NVDRA_REQUIRE_PROMCLIENT` is set) and,
+//! for the `both` test, the stand-in's grpcio packages (as tests/both_grpcio.rs).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
+use nvdra::inventory::{DeviceBackend, sim::SimBackend};
+use serde_json::{Value, json};
+use support::grpcio::{STANDIN, have_grpcio};
+use support::promclient::{self, Family, Sample, have_promclient};
+
+const NODE: &str = "node-a";
+const DRIVER: &str = "gpu.nvidia.com";
+const PROFILE: &str = "dgx-h100";
+/// How long a change may take to reach `/metrics` (PodResources is polled every second; not a
+/// speed test).
+const WAIT: Duration = Duration::from_secs(30);
+const CLAIM_UID: &str = "44444444-0000-0000-0000-000000000004";
+const POD_UID: &str = "55555555-0000-0000-0000-000000000005";
+
+/// Kills the children when dropped.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `nvdra run` on simulated GPUs.
+fn nvdra(root: &std::path::Path, mode: &str, port: u16) -> Child {
+    nvdra_with(root, mode, port, &["--profile", PROFILE])
+}
+
+/// `nvdra run` with `backend` (the backend flags), its files under `root`.
+fn nvdra_with(root: &std::path::Path, mode: &str, port: u16, backend: &[&str]) -> Child {
+    let p = |s: &str| root.join(s);
+    Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args(["run", "--mode", mode])
+        .args(backend)
+        .env("NVDRA_PROC_ROOT", p("proc"))
+        .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
+        .args(["--node-name", NODE])
+        .arg("--kubelet-root")
+        .arg(p("kubelet"))
+        .arg("--cdi-root")
+        .arg(p("cdi"))
+        .arg("--driver-root")
+        .arg(p("driver"))
+        .arg("--api-dir")
+        .arg(p("api"))
+        .args(["--metrics-address", &format!("127.0.0.1:{port}")])
+        .env("NVDRA_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// The grpcio kubelet stand-in (`standin.py node`: kubelet.sock, PodResources, the DRA calls),
+/// driven one JSON command per line; killed when dropped.
+struct Standin {
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    _child: Procs,
+}
+
+impl Standin {
+    fn start(root: &std::path::Path) -> Standin {
+        let p = |s: &str| root.join(s);
+        let mut child = Command::new("python3")
+            .arg(STANDIN)
+            .arg("node")
+            .arg("--proto-root")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/kubelet-plugin/proto"
+            ))
+            .arg("--stubs-cache")
+            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
+            .arg("--root")
+            .arg(p("kubelet"))
+            .arg("--dra")
+            .arg(p(&format!("kubelet/plugins/{DRIVER}/dra.sock")))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains("serving"), "stand-in: {line:?}");
+        Standin {
+            stdin,
+            stdout,
+            _child: Procs(vec![child]),
+        }
+    }
+
+    /// Sends one command; fails unless the stand-in answers `ok`.
+    fn call(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["ok"], true, "{cmd} → {v}");
+        v
+    }
+}
+
+/// Scrapes until `pred` holds on the parsed families; fails with the last scrape.
+fn scrape_until(port: u16, what: &str, pred: impl Fn(&[Family]) -> bool) -> Vec<Family> {
+    let deadline = Instant::now() + WAIT;
+    let addr = format!("127.0.0.1:{port}");
+    let mut last = String::new();
+    loop {
+        if let Ok((status, body)) = promclient::get(&addr, "/metrics") {
+            assert!(status.contains(" 200 "), "{status}\n{body}");
+            let families = promclient::parse(&body);
+            if pred(&families) {
+                return families;
+            }
+            last = body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/metrics never {what} within {WAIT:?}:\n{last}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn allocations(families: &[Family]) -> Vec<BTreeMap<String, String>> {
+    promclient::samples(families)
+        .into_iter()
+        .filter(|s| s.name == "nvdra_device_allocation_info")
+        .map(|s| {
+            assert_eq!(s.value, 1.0, "{s:?}");
+            s.labels
+        })
+        .collect()
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// The one sample of `name` whose `gpu_uuid` is `uuid`.
+fn gpu_value(samples: &[Sample], name: &str, uuid: &str) -> f64 {
+    let found: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.name == name && s.labels.get("gpu_uuid").map(String::as_str) == Some(uuid))
+        .collect();
+    assert_eq!(found.len(), 1, "{name} of {uuid}: {found:?}");
+    found[0].value
+}
+
+/// A DRA claim (reserved for pod `ml/trainer`) prepared through the kubelet stand-in, and a
+/// device-plugin container that PodResources lists: both are on `/metrics` with their pods,
+/// once each, no series twice, and the GPUs' readings are the simulated backend's.
+#[test]
+fn a_claim_and_a_device_plugin_container_are_attributed_to_their_pods() {
+    if !have_promclient() || !have_grpcio() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let p = |s: &str| root.path().join(s);
+    std::fs::write(p("boot_id"), "boot-1\n").unwrap();
+    let mut claim = nvdra::api::allocated_claim(
+        "ml",
+        "train",
+        CLAIM_UID,
+        vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, "gpu-0")],
+        vec![],
+    );
+    claim.status.as_mut().unwrap().reserved_for = Some(vec![ResourceClaimConsumerReference {
+        api_group: None,
+        resource: "pods".into(),
+        name: "trainer".into(),
+        uid: POD_UID.into(),
+    }]);
+    nvdra::api::dir::write_claim(&p("api"), &claim).unwrap();
+
+    let mut standin = Standin::start(root.path());
+    let mut call = |cmd: Value| standin.call(cmd);
+    call(json!({"op": "pods", "pods": [], "wait": false}));
+
+    let port = promclient::free_port();
+    let _nvdra = Procs(vec![nvdra(root.path(), "both", port)]);
+    call(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
+
+    let sim = SimBackend::from_profile(PROFILE, NODE).unwrap();
+    let inv = sim.snapshot().unwrap();
+    let (g0, g1) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
+
+    let prepared = call(json!({"op": "prepare", "claims": [
+        {"namespace": "ml", "name": "train", "uid": CLAIM_UID}
+    ]}));
+    assert_eq!(prepared["claims"][CLAIM_UID]["error"], "", "{prepared}");
+    let allocated = call(json!({"op": "allocate", "resource": "nvidia.com/gpu", "ids": [g1]}));
+    assert_eq!(allocated["allocated"], true, "{allocated}");
+    call(
+        json!({"op": "pods", "pods": [{"namespace": "default", "name": "legacy", "containers": [
+            {"name": "cuda", "devices": [{"resource": "nvidia.com/gpu", "ids": [g1]}]}
+        ]}]}),
+    );
+
+    let families = scrape_until(port, "showed both allocations", |f| {
+        allocations(f).len() == 2
+    });
+    let dra = labels(&[
+        ("device", "gpu-0"),
+        ("gpu_uuid", &g0),
+        ("mig_profile", ""),
+        ("claim_namespace", "ml"),
+        ("claim_name", "train"),
+        ("pod_namespace", "ml"),
+        ("pod", "trainer"),
+        ("container", ""),
+        ("path", "dra"),
+        ("sharing", "exclusive"),
+    ]);
+    let device_plugin = labels(&[
+        ("device", &g1),
+        ("gpu_uuid", &g1),
+        ("mig_profile", ""),
+        ("claim_namespace", ""),
+        ("claim_name", ""),
+        ("pod_namespace", "default"),
+        ("pod", "legacy"),
+        ("container", "cuda"),
+        ("path", "device-plugin"),
+        ("sharing", "exclusive"),
+    ]);
+    let mut found = allocations(&families);
+    found.sort();
+    let mut want = vec![dra, device_plugin];
+    want.sort();
+    assert_eq!(found, want);
+    assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
+
+    // Each GPU's readings are the simulated backend's (it has no processes: 1 GiB baseline).
+    let samples = promclient::samples(&families);
+    let usage = sim.usage().unwrap();
+    assert_eq!(usage.len(), 8);
+    for u in &usage {
+        let uuid = u.gpu.to_string();
+        let v = |name: &str| gpu_value(&samples, name, &uuid);
+        assert_eq!(v("nvdra_gpu_memory_used_bytes"), u.memory_used_bytes as f64);
+        assert_eq!(
+            v("nvdra_gpu_memory_total_bytes"),
+            u.memory_total_bytes as f64
+        );
+        let pct = |x: Option<u32>| f64::from(x.unwrap());
+        assert_eq!(
+            v("nvdra_gpu_utilization_percent"),
+            pct(u.utilization_percent)
+        );
+        assert_eq!(
+            v("nvdra_gpu_memory_utilization_percent"),
+            pct(u.memory_utilization_percent)
+        );
+        assert_eq!(v("nvdra_gpu_power_watts"), pct(u.power_milliwatts) / 1000.0);
+        assert_eq!(
+            v("nvdra_gpu_temperature_celsius"),
+            pct(u.temperature_celsius)
+        );
+    }
+    assert!(
+        samples
+            .iter()
+            .any(|s| s.name == "nvdra_gpu_usage_readable" && s.value == 1.0),
+        "{samples:?}"
+    );
+    assert!(
+        samples
+            .iter()
+            .any(|s| s.name == "nvdra_prepare_claims_total"
+                && s.labels.get("result").map(String::as_str) == Some("ok")
+                && s.value == 1.0),
+        "the prepare is counted: {samples:?}"
+    );
+
+    // Unprepared: the claim's series goes, the container's stays.
+    let unprepared = call(json!({"op": "unprepare", "claims": [
+        {"namespace": "ml", "name": "train", "uid": CLAIM_UID}
+    ]}));
+    assert_eq!(unprepared["claims"][CLAIM_UID]["error"], "", "{unprepared}");
+    let families = scrape_until(port, "dropped the claim", |f| allocations(f).len() == 1);
+    assert_eq!(allocations(&families)[0]["path"], "device-plugin");
+}
+
+/// In `--mode device-plugin` (no DRA, no ledger), the containers PodResources lists are on
+/// `/metrics` too, with the device plugin's sharing.
+#[test]
+fn device_plugin_mode_attributes_the_containers_podresources_lists() {
+    if !have_promclient() || !have_grpcio() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
+    let mut standin = Standin::start(root.path());
+    let inv = SimBackend::from_profile(PROFILE, NODE)
+        .unwrap()
+        .snapshot()
+        .unwrap();
+    let g2 = inv.gpus[2].uuid.to_string();
+    standin.call(
+        json!({"op": "pods", "pods": [{"namespace": "default", "name": "legacy", "containers": [
+        {"name": "cuda", "devices": [{"resource": "nvidia.com/gpu", "ids": [g2]}]}
+    ]}], "wait": false}),
+    );
+    let port = promclient::free_port();
+    let _nvdra = Procs(vec![nvdra(root.path(), "device-plugin", port)]);
+    standin.call(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
+    let families = scrape_until(port, "showed the container", |f| allocations(f).len() == 1);
+    assert_eq!(
+        allocations(&families),
+        vec![labels(&[
+            ("device", &g2),
+            ("gpu_uuid", &g2),
+            ("mig_profile", ""),
+            ("claim_namespace", ""),
+            ("claim_name", ""),
+            ("pod_namespace", "default"),
+            ("pod", "legacy"),
+            ("container", "cuda"),
+            ("path", "device-plugin"),
+            ("sharing", "exclusive"),
+        ])]
+    );
+    assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
+    // The pod ends: its series goes.
+    standin.call(json!({"op": "pods", "pods": []}));
+    scrape_until(port, "dropped the container", |f| allocations(f).is_empty());
+}
+
+/// On the NVML backend (the fake library under the driver root), each GPU's readings and each
+/// process's memory on `/metrics` are what the fake NVML reports, the process's pod UID read
+/// from its cgroup under the (fake) proc root, and its MIG device named.
+#[test]
+fn nvml_readings_on_metrics_are_what_the_fake_nvml_reports() {
+    if !have_promclient() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let p = |s: &str| root.path().join(s);
+    std::fs::write(p("boot_id"), "boot-1\n").unwrap();
+    let lib_dir = p("driver/usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    std::os::unix::fs::symlink(
+        support::fake_nvml::library(),
+        lib_dir.join(nvdra::inventory::nvml::LIBRARY),
+    )
+    .unwrap();
+    // PID 4000 (the fake's process on GPU 0) is in a pod; the others in none.
+    std::fs::create_dir_all(p("proc/4000")).unwrap();
+    let cgroup = format!(
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-1.scope\n",
+        POD_UID.replace('-', "_")
+    );
+    std::fs::write(p("proc/4000/cgroup"), cgroup).unwrap();
+
+    let port = promclient::free_port();
+    let _procs = Procs(vec![nvdra_with(
+        root.path(),
+        "dra",
+        port,
+        &["--backend", "nvml"],
+    )]);
+    let families = scrape_until(port, "showed the GPUs' readings", |f| {
+        promclient::samples(f)
+            .iter()
+            .any(|s| s.name == "nvdra_gpu_temperature_celsius")
+    });
+    assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
+    let samples = promclient::samples(&families);
+    let gpus = fake_nvml::model::a100_l40s();
+    for (i, g) in gpus.iter().enumerate() {
+        let want = fake_nvml::usage::readings(i, g);
+        let v = |name: &str| gpu_value(&samples, name, &g.uuid);
+        assert_eq!(v("nvdra_gpu_memory_used_bytes"), want.memory_used() as f64);
+        assert_eq!(v("nvdra_gpu_memory_total_bytes"), g.memory_bytes as f64);
+        assert_eq!(
+            v("nvdra_gpu_utilization_percent"),
+            f64::from(want.utilization_gpu)
+        );
+        assert_eq!(
+            v("nvdra_gpu_memory_utilization_percent"),
+            f64::from(want.utilization_memory)
+        );
+        assert_eq!(
+            v("nvdra_gpu_power_watts"),
+            f64::from(want.power_milliwatts) / 1000.0
+        );
+        assert_eq!(
+            v("nvdra_gpu_temperature_celsius"),
+            f64::from(want.temperature_celsius)
+        );
+        let proc = &want.processes[0];
+        let mig = g
+            .instance(proc.gpu_instance)
+            .map(|gi| gi.compute[0].uuid.clone())
+            .unwrap_or_default();
+        let pod_uid = if proc.pid == 4000 { POD_UID } else { "" };
+        let want_labels = labels(&[
+            ("gpu_uuid", &g.uuid),
+            ("mig_uuid", &mig),
+            ("pid", &proc.pid.to_string()),
+            ("pod_uid", pod_uid),
+            ("pod_namespace", ""),
+            ("pod", ""),
+        ]);
+        let found: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| {
+                s.name == "nvdra_gpu_process_memory_used_bytes"
+                    && s.labels.get("gpu_uuid") == Some(&g.uuid)
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].labels, want_labels);
+        assert_eq!(found[0].value, proc.used_bytes as f64);
+    }
+    assert!(
+        !fake_nvml::model::a100_l40s()[0].instances.is_empty(),
+        "GPU 0 has a MIG device for its process"
+    );
+}
+
+/// The metric names a PromQL expression refers to: identifiers that start with `nvdra_`.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("nvdra_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .unwrap_or(tail.len());
+        out.push(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// Every `expr` of every panel (nested rows included).
+fn exprs(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("expr", Value::String(e)) => out.push(e.clone()),
+                    _ => exprs(v, out),
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|v| exprs(v, out)),
+        _ => {}
+    }
+}
+
+/// The Grafana dashboard's queries name only metrics a real scrape of nvdra exports (the
+/// families' names as the parser reads them, with their samples' names: `_total`, `_bucket`,
+/// `_info`).
+#[test]
+fn the_grafana_dashboard_queries_only_metrics_nvdra_exports() {
+    if !have_promclient() {
+        return;
+    }
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/manifests/grafana/nvdra-dashboard.json"
+    );
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut all = Vec::new();
+    exprs(&dashboard, &mut all);
+    assert!(all.len() >= 5, "the dashboard has queries: {all:?}");
+
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
+    let port = promclient::free_port();
+    let _procs = Procs(vec![nvdra(root.path(), "dra", port)]);
+    let families = scrape_until(port, "answered", |f| !f.is_empty());
+    let mut exported: Vec<String> = families
+        .iter()
+        .flat_map(|f| {
+            let mut names: Vec<String> = f.samples.iter().map(|s| s.name.clone()).collect();
+            names.push(f.name.clone());
+            // A family with no sample yet: its samples' names are the family's with the suffix.
+            match f.kind.as_str() {
+                "counter" => names.push(format!("{}_total", f.name)),
+                "histogram" => {
+                    names.extend(["_bucket", "_sum", "_count"].map(|s| format!("{}{s}", f.name)))
+                }
+                _ => {}
+            }
+            names
+        })
+        .collect();
+    exported.sort();
+    exported.dedup();
+    for expr in &all {
+        let names = metric_names(expr);
+        assert!(!names.is_empty(), "{expr:?} queries no nvdra metric");
+        for name in names {
+            assert!(
+                exported.binary_search(&name).is_ok(),
+                "the dashboard queries {name} ({expr:?}), which nvdra does not export: {exported:?}"
+            );
+        }
+    }
+}

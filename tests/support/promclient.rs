@@ -1,0 +1,148 @@
+//! The Prometheus text format read by a parser nvdra did not write: the Python
+//! `prometheus_client` library's `text_string_to_metric_families` (what its own tests and many
+//! exporters' use), pinned in `.ci/run`.
+// Each test binary uses what it needs.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use serde::Deserialize;
+
+/// What CI installs (`.ci/run`).
+pub const PIP: &str = "python3 -m pip install prometheus_client==0.26.0";
+
+fn required() -> bool {
+    std::env::var("NVDRA_REQUIRE_PROMCLIENT").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Whether python3 can import `prometheus_client` (probed once per test binary); skips or, when
+/// `NVDRA_REQUIRE_PROMCLIENT` is set, fails the calling test otherwise.
+pub fn have_promclient() -> bool {
+    static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
+    let probe = PROBE.get_or_init(|| {
+        let out = Command::new("python3")
+            .args(["-c", "import prometheus_client.parser"])
+            .output()
+            .map_err(|e| format!("cannot run python3: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "python3 cannot import prometheus_client: {}",
+                String::from_utf8_lossy(&out.stderr)
+                    .trim()
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            ))
+        }
+    });
+    match probe {
+        Ok(()) => true,
+        Err(why) if required() => panic!("NVDRA_REQUIRE_PROMCLIENT is set but {why}; run: {PIP}"),
+        Err(why) => {
+            eprintln!(
+                "skipped: the Python Prometheus parser: {why} (run: {PIP}; set NVDRA_REQUIRE_PROMCLIENT=1 to make this a failure)"
+            );
+            false
+        }
+    }
+}
+
+/// One metric family as the parser reads it.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Family {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub samples: Vec<Sample>,
+}
+
+/// One sample.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+const PARSE: &str = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = [{"name": f.name, "type": f.type,
+        "samples": [{"name": s.name, "labels": s.labels, "value": s.value} for s in f.samples]}
+       for f in text_string_to_metric_families(sys.stdin.read())]
+print(json.dumps(out))
+"#;
+
+/// `text` parsed by `prometheus_client`; panics with the parser's error when it refuses it.
+pub fn parse(text: &str) -> Vec<Family> {
+    let mut child = Command::new("python3")
+        .args(["-c", PARSE])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "prometheus_client refused the text: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Every sample of every family.
+pub fn samples(families: &[Family]) -> Vec<Sample> {
+    families.iter().flat_map(|f| f.samples.clone()).collect()
+}
+
+/// The series (name and labels) that appear more than once.
+pub fn duplicates(families: &[Family]) -> Vec<String> {
+    let mut seen = BTreeMap::new();
+    for s in samples(families) {
+        *seen
+            .entry(format!("{}{:?}", s.name, s.labels))
+            .or_insert(0u32) += 1;
+    }
+    seen.into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(k, _)| k)
+        .collect()
+}
+
+/// A raw HTTP GET of `path` on `addr`: the status line and the body.
+pub fn get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
+    Ok((
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    ))
+}
+
+/// A port nothing listens on now (bound and released), for a daemon's `--metrics-address`.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

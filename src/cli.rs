@@ -290,7 +290,7 @@ fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
 /// Opens the backend the configuration names.
 pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>> {
     Ok(match &config.backend {
-        Backend::Nvml { .. } => Arc::new(NvmlBackend::open(&config.driver_root)?),
+        Backend::Nvml { .. } => Arc::new(NvmlBackend::open(config.driver_root.ctr())?),
         Backend::Profile(name) => Arc::new(SimBackend::from_profile(name, &config.node_name)?),
         Backend::Topology(path) => Arc::new(SimBackend::from_file(path, &config.node_name)?),
     })

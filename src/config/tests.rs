@@ -38,7 +38,7 @@ fn defaults() {
         c.plugin_dir(),
         PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com")
     );
-    assert_eq!(c.driver_root, PathBuf::from("/"));
+    assert_eq!(c.driver_root, crate::cdi::DriverRoot::at(Path::new("/")));
     assert_eq!(c.metrics_address.to_string(), DEFAULT_METRICS_ADDRESS);
     assert_eq!(c.log_format, LogFormat::Plain);
 }

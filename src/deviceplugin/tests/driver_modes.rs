@@ -102,7 +102,8 @@ fn mode_specs_hold_the_hosts_nodes_and_only_present_modes_are_named() {
     let root = driver_root_with(&["gdrdrv", "nvidia-fs0", "nvidia-fs1", "nvidia0"]);
     std::fs::create_dir_all(root.path().join("etc")).unwrap();
     std::fs::write(root.path().join("etc/cufile.json"), "{}").unwrap();
-    let cdi_opts = cdi::options("gpu.nvidia.com", root.path()).unwrap();
+    let cdi_opts =
+        cdi::options("gpu.nvidia.com", &crate::cdi::DriverRoot::at(root.path())).unwrap();
     let nodes = |m: DriverMode| -> Vec<String> {
         cdi::mode_spec(&cdi_opts, m)
             .map(|s| {
@@ -201,7 +202,8 @@ fn mofed_spec_takes_uverbs_and_rdma_cm() {
         "infiniband/rdma_cm",
         "infiniband/umad0",
     ]);
-    let cdi_opts = cdi::options("gpu.nvidia.com", root.path()).unwrap();
+    let cdi_opts =
+        cdi::options("gpu.nvidia.com", &crate::cdi::DriverRoot::at(root.path())).unwrap();
     let s = cdi::mode_spec(&cdi_opts, DriverMode::Mofed).unwrap();
     let paths: Vec<&str> = s.devices[0]
         .container_edits

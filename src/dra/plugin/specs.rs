@@ -1,9 +1,9 @@
 //! The plugin's claim CDI specs: the directory they live in, the options that name them and the
 //! driver files they mount, as one value, so that no call can pair a root with the wrong options.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
+use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
 
@@ -15,7 +15,7 @@ pub(super) struct Specs {
 
 impl Specs {
     /// Specs of `driver` in `root`, for a host whose driver files are under `driver_root`.
-    pub fn new(driver: &str, driver_root: &Path, root: PathBuf) -> Result<Self, cdi::Error> {
+    pub fn new(driver: &str, driver_root: &DriverRoot, root: PathBuf) -> Result<Self, cdi::Error> {
         Ok(Self {
             opts: CdiOptions::resolve(driver, driver_root)?,
             driver_files: cdi::discover_driver_files(driver_root),

@@ -104,7 +104,7 @@ async fn start(
         pool: NODE.into(),
         plugin_dir: dir.join("plugin"),
         cdi_root: dir.join("cdi"),
-        driver_root: dir.join("driver"),
+        driver_root: crate::cdi::DriverRoot::at(&dir.join("driver")),
         boot_id: "boot-1".into(),
         partitionable: true,
     };
@@ -567,7 +567,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         pool: NODE.into(),
         plugin_dir: dir.path().join("plugin"),
         cdi_root: dir.path().join("cdi"),
-        driver_root: dir.path().join("driver"),
+        driver_root: crate::cdi::DriverRoot::at(&dir.path().join("driver")),
         boot_id: "b".into(),
         partitionable: false,
     };
@@ -598,7 +598,7 @@ async fn outcomes_are_counted_in_metrics() {
         pool: NODE.into(),
         plugin_dir: dir.path().join("plugin"),
         cdi_root: dir.path().join("cdi"),
-        driver_root: dir.path().join("driver"),
+        driver_root: crate::cdi::DriverRoot::at(&dir.path().join("driver")),
         boot_id: "b".into(),
         partitionable: false,
     };

@@ -167,7 +167,17 @@ impl Config {
 /// Layers the command line and environment (`cli`, as clap merged them) over the file over the
 /// defaults, and validates the result.
 pub fn resolve(cli: Settings, file: Option<FileConfig>) -> Result<Config> {
-    let file = file.map(|f| f.settings).unwrap_or_default().under(&cli);
+    resolve_over(cli, file, Settings::default())
+}
+
+/// [`resolve`] with one more level between the file and the defaults: settings another
+/// program's config gives (the driver roots of NVIDIA's device-plugin config).
+pub fn resolve_over(cli: Settings, file: Option<FileConfig>, below: Settings) -> Result<Config> {
+    let file = file
+        .map(|f| f.settings)
+        .unwrap_or_default()
+        .or(below)
+        .under(&cli);
     let merged = cli.or(file);
     let defaults = Settings::defaults().under(&merged);
     validate(merged.or(defaults))

@@ -3,7 +3,8 @@
 //! written where podman reads CDI specs, and a container started with the claim's CDI device id
 //! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES` with the GPU's UUID
 //! and the driver files mounted read-only. A third test runs the daemon itself: the spec podman
-//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket.
+//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket, with the driver
+//! laid out as the GPU Operator lays it out (host and container paths of the driver root apart).
 //!
 //! Needs root, `podman`, `runc` and `busybox-static` (see `.ci/run`). Without them the test says
 //! why and passes — unless `NVDRA_REQUIRE_PODMAN` is set (CI sets it to 1), in which case an
@@ -200,11 +201,33 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
 
     let tmp = tempfile::tempdir()?;
     let root = tmp.path();
-    let driver_root = root.join("driver");
+    // The GPU Operator's layout: the host sees the driver container's root at
+    // `<tmp>/run/nvidia/driver`, nvdra reads it at `<tmp>/driver-root` (a link standing in for
+    // its pod's mount). The spec must name host paths only.
+    let driver_root = root.join("run/nvidia/driver");
+    let ctr_path = root.join("driver-root");
+    std::fs::create_dir_all(&driver_root)?;
+    std::os::unix::fs::symlink(&driver_root, &ctr_path)?;
     let gpu = load_profile("dgx-h100", NODE)?.gpus[0].clone();
     mknod(&driver_root.join(format!("dev/nvidia{}", gpu.minor)))?;
     mknod(&driver_root.join("dev/nvidiactl"))?;
     mknod(&driver_root.join("dev/nvidia-uvm"))?;
+    let lib = driver_root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib)?;
+    std::fs::write(lib.join("libnvidia-ml.so.550.163.01"), "fake NVML\n")?;
+    std::os::unix::fs::symlink("libnvidia-ml.so.550.163.01", lib.join("libnvidia-ml.so.1"))?;
+    // A stand-in nvidia-cdi-hook that records which hook ran.
+    let hook_log = root.join("hooks.log");
+    let hook = driver_root.join("usr/bin/nvidia-cdi-hook");
+    std::fs::create_dir_all(hook.parent().context("parent")?)?;
+    std::fs::write(
+        &hook,
+        format!(
+            "#!/bin/sh\ncat >/dev/null\necho \"$1\" >> {}\n",
+            hook_log.display()
+        ),
+    )?;
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let cdi_root = if engine.has_spec_dir_flag {
         root.join("cdi")
     } else {
@@ -237,6 +260,8 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         .arg(&cdi_root)
         .arg("--driver-root")
         .arg(&driver_root)
+        .arg("--driver-root-ctr-path")
+        .arg(&ctr_path)
         .args(["--metrics-address", "127.0.0.1:0"])
         .env("NVDRA_LOG", "warn")
         .spawn()
@@ -301,10 +326,14 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
             ids == vec![format!("k8s.{DRIVER}/claim={claim_uid}-gpu-{}", gpu.minor)],
             "CDI ids {ids:?}"
         );
+        let spec_text = std::fs::read_to_string(&spec_file)
+            .with_context(|| format!("prepare wrote no spec at {}", spec_file.display()))?;
         ensure!(
-            spec_file.exists(),
-            "prepare wrote no spec at {}",
-            spec_file.display()
+            spec_text.contains(&format!(
+                "{}/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01",
+                driver_root.display()
+            )) && !spec_text.contains(&ctr_path.display().to_string()),
+            "the spec does not name the driver's host paths only:\n{spec_text}"
         );
 
         let dir_arg = cdi_root.display().to_string();
@@ -336,6 +365,17 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         assert_null_node(&out, &format!("/dev/nvidia{}", gpu.minor))?;
         assert_null_node(&out, "/dev/nvidiactl")?;
         assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+        let ran = std::fs::read_to_string(&hook_log).context("no hook ran")?;
+        ensure!(
+            ran.lines().collect::<Vec<_>>()
+                == [
+                    "create-symlinks",
+                    "enable-cuda-compat",
+                    "update-ldcache",
+                    "disable-device-node-modification"
+                ],
+            "hooks that ran: {ran}"
+        );
 
         let (_, error) = call(false)?;
         ensure!(error.is_empty(), "unprepare failed: {error}");

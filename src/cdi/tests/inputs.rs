@@ -59,3 +59,34 @@ fn files_outside_the_driver_root_are_not_mounted() {
     .unwrap();
     assert!(spec.container_edits.mounts.is_empty());
 }
+
+/// Host paths under the host driver root are read under the container path; others (a device
+/// root outside the driver root) where the host has them; read paths map back to host paths.
+#[test]
+fn driver_root_maps_host_paths_to_read_paths_and_back() {
+    let root = DriverRoot::new(
+        "/run/nvidia/driver".into(),
+        "/driver-root".into(),
+        "/".into(),
+    );
+    let host = Path::new("/run/nvidia/driver/usr/bin/nvidia-smi");
+    let read = Path::new("/driver-root/usr/bin/nvidia-smi");
+    assert_eq!(root.read_path(host), read);
+    assert_eq!(root.host_path(read), host);
+    assert_eq!(
+        root.read_path(Path::new("/dev/nvidia0")),
+        Path::new("/dev/nvidia0")
+    );
+    // `/` has a `dev/`, so the device nodes are under /dev.
+    assert_eq!(root.dev_dir(), Path::new("/dev"));
+    // A device root without `dev/` falls back to /dev as well; one with it is used.
+    let host = Host::new();
+    let at = DriverRoot::new(
+        "/nonexistent-host".into(),
+        host.root().to_path_buf(),
+        "/nonexistent-host".into(),
+    );
+    assert_eq!(at.dev_dir(), Path::new("/nonexistent-host/dev"));
+    let none = DriverRoot::at(Path::new("/nonexistent-root"));
+    assert_eq!(none.dev_dir(), Path::new("/dev"));
+}

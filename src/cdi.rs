@@ -113,8 +113,7 @@ mod names;
 mod writer;
 
 pub use builder::{claim_spec, device_id, existing_node, host_node};
-pub use driver::{DriverFiles, HOOK_BINARIES, Symlink, discover_driver_files};
-pub use hooks::{CREATE_CONTAINER, HOOK_ENV};
+pub use driver::{DriverFiles, Symlink, discover_driver_files};
 pub use inputs::{CdiOptions, DriverRoot, PreparedDevice};
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use names::{validate_class, validate_device_name, validate_vendor};

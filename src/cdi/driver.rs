@@ -63,7 +63,7 @@ pub(super) const BINARIES: [&str; 7] = [
     "nvidia-imex-ctl",
 ];
 /// The hook binaries, in the order they are looked for.
-pub const HOOK_BINARIES: [&str; 2] = ["nvidia-cdi-hook", "nvidia-ctk"];
+const HOOK_BINARIES: [&str; 2] = ["nvidia-cdi-hook", "nvidia-ctk"];
 /// The IPC sockets (under `run/` or `var/run/`) and the MPS pipe directory (under the root).
 const SOCKETS: [&str; 2] = ["nvidia-persistenced/socket", "nvidia-fabricmanager/socket"];
 pub(super) const MPS_IPC_DIR: &str = "tmp/nvidia-mps";

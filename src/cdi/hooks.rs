@@ -19,9 +19,9 @@ use std::path::Path;
 use super::{DriverFiles, Hook};
 
 /// The OCI hook point of every NVIDIA hook.
-pub const CREATE_CONTAINER: &str = "createContainer";
+const CREATE_CONTAINER: &str = "createContainer";
 /// The hooks' environment (nvcdi's default: no debug logging).
-pub const HOOK_ENV: &str = "NVIDIA_CTK_DEBUG=false";
+const HOOK_ENV: &str = "NVIDIA_CTK_DEBUG=false";
 
 /// The hooks for `files`, given the container directories of the mounted libraries (in mount
 /// order); none without a hook binary.

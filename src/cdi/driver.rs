@@ -17,7 +17,8 @@
 //! - **Binaries**: `nvidia-smi`, `nvidia-debugdump`, `nvidia-persistenced`, the MPS control and
 //!   server, `nvidia-imex` and `nvidia-imex-ctl`, first found in the bin directories.
 //! - **The hook binary**: `nvidia-cdi-hook`, else `nvidia-ctk` (whose hooks are under `hook`),
-//!   first found in the bin directories and the toolkit's `usr/local/nvidia/toolkit`.
+//!   first found in the bin directories and the toolkit's `usr/local/nvidia/toolkit`, and on
+//!   GPU Operator nodes in the host's toolkit directory ([`find_hook`]).
 //!
 //! Without a hook binary the soname links are mounted as files instead (as before hooks), so
 //! `libcuda.so.1` still resolves in the container; with one, only the versioned files are
@@ -151,11 +152,7 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
         .filter_map(|b| first_in(base, &BIN_DIRS, b))
         .map(|p| root.host_path(&p))
         .collect();
-    let hook_dirs: Vec<&str> = BIN_DIRS.iter().copied().chain([TOOLKIT_DIR]).collect();
-    files.hook = HOOK_BINARIES
-        .iter()
-        .find_map(|b| first_in(base, &hook_dirs, b))
-        .map(|p| root.host_path(&p));
+    files.hook = find_hook(root, Path::new("/").join(TOOLKIT_DIR).as_path());
     if files.hook.is_none() && !NO_HOOK_LOGGED.swap(true, Ordering::Relaxed) {
         tracing::warn!(
             driver_root = %root.host().display(),
@@ -167,6 +164,28 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
         );
     }
     files
+}
+
+/// `nvidia-cdi-hook`, else `nvidia-ctk`, under the driver root's bin directories or toolkit
+/// directory, as a host path. On GPU Operator nodes the toolkit installs them on the host, beside
+/// and not in the driver container's root: when nvdra reads the driver root elsewhere than at its
+/// host path (a pod's mount), `host_toolkit` (the host's `/usr/local/nvidia/toolkit`) is looked
+/// at too, at the same path, where the pod sees it when it mounts that host directory there.
+fn find_hook(root: &DriverRoot, host_toolkit: &Path) -> Option<PathBuf> {
+    let dirs: Vec<&str> = BIN_DIRS.iter().copied().chain([TOOLKIT_DIR]).collect();
+    let under_root = HOOK_BINARIES
+        .iter()
+        .find_map(|b| first_in(root.ctr(), &dirs, b))
+        .map(|p| root.host_path(&p));
+    under_root.or_else(|| {
+        if root.host() == root.ctr() {
+            return None;
+        }
+        HOOK_BINARIES
+            .iter()
+            .map(|b| host_toolkit.join(b))
+            .find(|p| p.is_file())
+    })
 }
 
 /// The driver version and its library directory (read side): the suffix of the regular file
@@ -331,4 +350,39 @@ fn firmware(base: &Path, version: &str) -> Vec<PathBuf> {
         }
     }
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Operator's toolkit is on the host, not in the driver container's root.
+    #[test]
+    fn the_hook_is_found_under_the_driver_root_then_in_the_hosts_toolkit_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctr = dir.path().join("driver-root");
+        let toolkit = dir.path().join("toolkit");
+        std::fs::create_dir_all(ctr.join("usr/bin")).unwrap();
+        std::fs::create_dir_all(&toolkit).unwrap();
+        std::fs::write(toolkit.join("nvidia-ctk"), "ctk").unwrap();
+        let operator = DriverRoot::new("/run/nvidia/driver".into(), ctr.clone(), "/".into());
+        assert_eq!(
+            find_hook(&operator, &toolkit),
+            Some(toolkit.join("nvidia-ctk"))
+        );
+        std::fs::write(toolkit.join("nvidia-cdi-hook"), "hook").unwrap();
+        assert_eq!(
+            find_hook(&operator, &toolkit),
+            Some(toolkit.join("nvidia-cdi-hook"))
+        );
+        // One under the driver root comes first, named by its host path.
+        std::fs::write(ctr.join("usr/bin/nvidia-ctk"), "ctk").unwrap();
+        assert_eq!(
+            find_hook(&operator, &toolkit),
+            Some(PathBuf::from("/run/nvidia/driver/usr/bin/nvidia-ctk"))
+        );
+        // A driver root read at its host path has the host's toolkit directory under it, if any.
+        let host = DriverRoot::at(&dir.path().join("empty"));
+        assert_eq!(find_hook(&host, &toolkit), None);
+    }
 }

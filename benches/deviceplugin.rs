@@ -47,7 +47,7 @@ fn main() {
             Settings {
                 dir: dir.clone(),
                 driver: "gpu.nvidia.com".into(),
-                driver_root: root.path().join("driver"),
+                driver_root: nvdra::cdi::DriverRoot::at(&root.path().join("driver")),
                 cdi_root: root.path().join("cdi"),
                 watch: Duration::from_millis(250),
                 poll: Duration::from_secs(5),

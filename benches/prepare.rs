@@ -243,7 +243,7 @@ async fn main() {
             pool: NODE.into(),
             plugin_dir: dir.path().join("plugin"),
             cdi_root: dir.path().join("cdi"),
-            driver_root: dir.path().join("driver"),
+            driver_root: nvdra::cdi::DriverRoot::at(&dir.path().join("driver")),
             boot_id: "bench".into(),
             partitionable: false,
             shared_capacity: true,

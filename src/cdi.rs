@@ -13,9 +13,14 @@
 //!   Nothing that could conflict when several devices of one claim are injected together.
 //! - **Spec-wide** (applied once whenever any device of the claim is injected): the control nodes
 //!   (`/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools`, `/dev/nvidia-modeset`, each
-//!   when present), read-only bind mounts of the driver's libraries and binaries, an
-//!   `update-ldcache` hook when `nvidia-cdi-hook` is installed, the MPS environment and
-//!   `NVIDIA_VISIBLE_DEVICES`.
+//!   when present), read-only bind mounts of the driver's libraries, firmware and binaries and
+//!   mounts of its IPC sockets (found as NVIDIA's CDI library finds them, `driver`), NVIDIA's
+//!   `createContainer` hooks when `nvidia-cdi-hook` or `nvidia-ctk` is installed (`hooks`), the
+//!   MPS environment and `NVIDIA_VISIBLE_DEVICES`.
+//!
+//! Host paths and read paths: the spec names host paths, under `--driver-root`; nvdra reads the
+//! same files where that root is mounted in its own container (`--driver-root-ctr-path`), see
+//! [`DriverRoot`].
 //!
 //! `NVIDIA_VISIBLE_DEVICES`: NVIDIA's driver sets it to `void` so that a legacy NVIDIA runtime
 //! hook injects nothing on top of CDI. nvdra sets it to the comma-separated UUIDs of the claim's
@@ -48,6 +53,8 @@ pub const MPS_PIPE_CONTAINER_DIR: &str = "/tmp/nvidia-mps";
 pub const NVIDIA_MAJOR: i64 = 195;
 /// Options of the read-only driver file mounts, as NVIDIA writes them.
 pub const READ_ONLY_MOUNT: [&str; 5] = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
+/// Options of the IPC socket mounts, as NVIDIA writes them (writable: clients talk over them).
+pub const IPC_MOUNT: [&str; 5] = ["nosuid", "nodev", "rbind", "rprivate", "noexec"];
 
 /// Control device nodes every GPU container needs, each included only when present.
 const CONTROL_NODES: [&str; 4] = [
@@ -98,15 +105,16 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 }
 
 mod builder;
+mod driver;
+mod hooks;
 mod inputs;
 mod model;
 mod names;
 mod writer;
 
-pub use builder::{claim_spec, device_id, existing_node};
-pub use inputs::{
-    CdiOptions, DriverFiles, PreparedDevice, discover_driver_files, resolve_dev_root,
-};
+pub use builder::{claim_spec, device_id, existing_node, host_node};
+pub use driver::{DriverFiles, Symlink, discover_driver_files};
+pub use inputs::{CdiOptions, DriverRoot, PreparedDevice};
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use names::{validate_class, validate_device_name, validate_vendor};
 pub use writer::{list_claim_specs, remove_spec, spec_path, write_spec, write_spec_text};

@@ -268,10 +268,26 @@ impl From<inventory::Error> for Failure {
     }
 }
 
-/// `settings` (the command line and environment) over the `--config` file, validated.
+/// `settings` (the command line and environment) over the `--config` file, over the driver
+/// roots NVIDIA's device-plugin config names (`--device-plugin-config`), validated.
 fn load_config(cli: &Cli, settings: Settings) -> Result<Config, config::Error> {
     let file = cli.config.as_deref().map(FileConfig::load).transpose()?;
-    config::resolve(settings, file)
+    let nvidia_file = settings.serve.device_plugin_config.clone().or_else(|| {
+        file.as_ref()
+            .and_then(|f| f.settings.serve.device_plugin_config.clone())
+    });
+    let backend = nvidia_file
+        .as_deref()
+        .map(crate::deviceplugin::nvconfig::driver_roots)
+        .unwrap_or_default();
+    config::resolve_over(
+        settings,
+        file,
+        Settings {
+            backend,
+            ..Settings::default()
+        },
+    )
 }
 
 /// Logs to stderr in `format`, filtered by `filter` (`--log`, `NVDRA_LOG`) or, where that is
@@ -294,7 +310,7 @@ fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
 /// Opens the backend the configuration names.
 pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>> {
     Ok(match &config.backend {
-        Backend::Nvml { .. } => Arc::new(NvmlBackend::open(&config.driver_root)?),
+        Backend::Nvml { .. } => Arc::new(NvmlBackend::open(config.driver_root.ctr())?),
         Backend::Profile(name) => Arc::new(SimBackend::from_profile(name, &config.node_name)?),
         Backend::Topology(path) => Arc::new(SimBackend::from_file(path, &config.node_name)?),
     })

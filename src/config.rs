@@ -19,6 +19,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
+use crate::cdi::DriverRoot;
 use crate::inventory::topology;
 
 mod file;
@@ -117,7 +118,8 @@ pub struct Config {
     pub backend: Backend,
     pub node_name: String,
     pub driver_name: String,
-    pub driver_root: PathBuf,
+    /// The driver's root on the host, where nvdra reads it, and the device nodes' root.
+    pub driver_root: DriverRoot,
     pub kubelet_root: PathBuf,
     pub cdi_root: PathBuf,
     pub api: Api,
@@ -167,7 +169,17 @@ impl Config {
 /// Layers the command line and environment (`cli`, as clap merged them) over the file over the
 /// defaults, and validates the result.
 pub fn resolve(cli: Settings, file: Option<FileConfig>) -> Result<Config> {
-    let file = file.map(|f| f.settings).unwrap_or_default().under(&cli);
+    resolve_over(cli, file, Settings::default())
+}
+
+/// [`resolve`] with one more level between the file and the defaults: settings another
+/// program's config gives (the driver roots of NVIDIA's device-plugin config).
+pub fn resolve_over(cli: Settings, file: Option<FileConfig>, below: Settings) -> Result<Config> {
+    let file = file
+        .map(|f| f.settings)
+        .unwrap_or_default()
+        .or(below)
+        .under(&cli);
     let merged = cli.or(file);
     let defaults = Settings::defaults().under(&merged);
     validate(merged.or(defaults))
@@ -260,7 +272,17 @@ fn validate(settings: Settings) -> Result<Config> {
         )
     })?;
 
-    let driver_root = absolute("--driver-root", need(backend.driver_root, "--driver-root")?)?;
+    let host_root = absolute("--driver-root", need(backend.driver_root, "--driver-root")?)?;
+    // Both default to the driver root: a host install, read at the same path.
+    let dev_root = match backend.dev_root {
+        Some(d) => absolute("--dev-root", d)?,
+        None => host_root.clone(),
+    };
+    let ctr_root = match backend.driver_root_ctr_path {
+        Some(d) => absolute("--driver-root-ctr-path", d)?,
+        None => host_root.clone(),
+    };
+    let driver_root = DriverRoot::new(host_root, ctr_root, dev_root);
     let kubelet_root = absolute(
         "--kubelet-root",
         need(kubelet.kubelet_root, "--kubelet-root")?,

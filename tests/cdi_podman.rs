@@ -3,50 +3,27 @@
 //! written where podman reads CDI specs, and a container started with the claim's CDI device id
 //! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES` with the GPU's UUID
 //! and the driver files mounted read-only. A third test runs the daemon itself: the spec podman
-//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket, for a whole GPU
-//! and for a consumable-capacity share of one (its MPS limits and pipe directory).
+//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket, with the driver
+//! laid out as the GPU Operator lays it out (host and container paths of the driver root apart),
+//! for a whole GPU and for a consumable-capacity share of one (its MPS limits and pipe directory).
 //!
 //! Needs root, `podman`, `runc` and `busybox-static` (see `.ci/run`). Without them the test says
 //! why and passes — unless `NVDRA_REQUIRE_PODMAN` is set (CI sets it to 1), in which case an
 //! engine that cannot run is a failure. A spec the engine rejects is always a failure.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::path::PathBuf;
+use std::process::Command;
 
-#[path = "support/mps.rs"]
-mod mps;
-
-use anyhow::{Context, Result, bail, ensure};
-use nvdra::cdi::{self, CdiOptions, PreparedDevice};
-use nvdra::ids::ClaimUid;
+use anyhow::{Context, Result, ensure};
+use nvdra::cdi::{self, CdiOptions, DriverRoot, PreparedDevice};
 use nvdra::inventory::topology::load_profile;
 use nvdra::sharing::{MpsSettings, Sharing};
 
-const IMAGE: &str = "localhost/cdi-test:latest";
-/// Where podman versions without `--cdi-spec-dir` read specs (the other is `/etc/cdi`).
-const SYSTEM_CDI_DIR: &str = "/var/run/cdi";
-/// Generous bound on one podman command, so a wedged engine fails the test instead of hanging it.
-const PODMAN_TIMEOUT_S: &str = "180";
-
-fn required() -> bool {
-    std::env::var("NVDRA_REQUIRE_PODMAN").is_ok_and(|v| !v.is_empty() && v != "0")
-}
-
-/// Runs `check` against the engine, or skips (or fails, when required) without one. The engine
-/// is probed once per test binary, so parallel tests do not import the image twice.
-fn with_engine(check: impl FnOnce(&Engine) -> Result<()>) {
-    static ENGINE: OnceLock<Result<Engine, String>> = OnceLock::new();
-    match ENGINE.get_or_init(|| engine().map_err(|e| format!("{e:#}"))) {
-        Ok(engine) => check(engine).unwrap_or_else(|e| panic!("{e:#}")),
-        Err(why) if required() => {
-            panic!("NVDRA_REQUIRE_PODMAN is set but podman cannot run containers here: {why}")
-        }
-        Err(why) => eprintln!(
-            "skipping the podman CDI test: {why} (set NVDRA_REQUIRE_PODMAN=1 to make this a failure)"
-        ),
-    }
-}
+#[path = "support/podman.rs"]
+mod engine;
+#[path = "support/mps.rs"]
+mod mps;
+use engine::*;
 
 #[test]
 fn podman_applies_a_full_gpu_claim_spec() {
@@ -61,210 +38,6 @@ fn podman_applies_a_mig_claim_spec_with_mps() {
 #[test]
 fn podman_applies_the_device_plugin_spec() {
     with_engine(check_device_plugin_spec);
-}
-
-/// A podman that can run the test image, and how to point it at a spec directory.
-struct Engine {
-    /// Podman 4.4+ takes `--cdi-spec-dir`; older ones read only the system directories.
-    has_spec_dir_flag: bool,
-}
-
-fn podman(global: &[&str], args: &[&str]) -> Result<Output> {
-    Command::new("timeout")
-        .arg(PODMAN_TIMEOUT_S)
-        .arg("podman")
-        .args(["--runtime", "runc", "--cgroup-manager=cgroupfs"])
-        .args(global)
-        .args(args)
-        .output()
-        .context("cannot start podman (through timeout)")
-}
-
-fn ok(out: &Output, what: &str) -> Result<String> {
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    ensure!(
-        out.status.success(),
-        "{what} failed ({}): {}{}",
-        out.status,
-        stdout,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(stdout)
-}
-
-/// Checks podman is installed and can run a plain container of the test image (importing the
-/// image once). Any error here means "the engine cannot run", not "the spec is wrong".
-fn engine() -> Result<Engine> {
-    let version = Command::new("podman")
-        .arg("--version")
-        .output()
-        .context("podman is not installed (apt-get install podman runc busybox-static)")?;
-    ok(&version, "podman --version")?;
-    let help = ok(
-        &Command::new("podman").arg("--help").output()?,
-        "podman --help",
-    )?;
-    let has_spec_dir_flag = help.contains("--cdi-spec-dir");
-
-    let exists = podman(&[], &["image", "exists", IMAGE])?;
-    if !exists.status.success() {
-        import_image()?;
-    }
-    let smoke = podman(
-        &[],
-        &[
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            IMAGE,
-            "sh",
-            "-c",
-            "echo ok",
-        ],
-    )?;
-    let out = ok(&smoke, "a plain podman run")?;
-    ensure!(out.trim() == "ok", "a plain podman run printed {out:?}");
-    Ok(Engine { has_spec_dir_flag })
-}
-
-/// Builds a busybox root filesystem and imports it as the test image (no registry needed).
-fn import_image() -> Result<()> {
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .context("busybox not found (apt-get install busybox-static)")?;
-    let dir = tempfile::tempdir()?;
-    let rootfs = dir.path().join("rootfs");
-    std::fs::create_dir_all(rootfs.join("bin"))?;
-    for d in ["dev", "proc", "sys", "tmp", "etc", "usr/bin", "usr/lib"] {
-        std::fs::create_dir_all(rootfs.join(d))?;
-    }
-    std::fs::copy(busybox, rootfs.join("bin/busybox"))?;
-    for applet in ["sh", "ls", "cat", "env", "test", "echo"] {
-        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet))?;
-    }
-    let tar = dir.path().join("rootfs.tar");
-    let out = Command::new("tar")
-        .arg("-C")
-        .arg(&rootfs)
-        .arg("-cf")
-        .arg(&tar)
-        .arg(".")
-        .output()?;
-    ok(&out, "tar of the test rootfs")?;
-    let out = podman(&[], &["import", &tar.display().to_string(), IMAGE])?;
-    ok(&out, "podman import")?;
-    Ok(())
-}
-
-/// Removes the spec on drop, so a failing test leaves nothing in the system CDI directory.
-struct SpecGuard {
-    cdi_root: PathBuf,
-    opts: CdiOptions,
-    claim_uid: ClaimUid,
-}
-
-impl Drop for SpecGuard {
-    fn drop(&mut self) {
-        if let Err(e) = cdi::remove_spec(
-            &self.cdi_root,
-            &self.opts,
-            &self.claim_uid,
-            nvdra::durable::Durability::Atomic,
-        ) {
-            eprintln!("cannot remove the test CDI spec: {e}");
-        }
-    }
-}
-
-fn mknod(path: &Path) -> Result<()> {
-    std::fs::create_dir_all(path.parent().context("device path has a parent")?)?;
-    let out = Command::new("mknod")
-        .arg(path)
-        .args(["c", "1", "3"])
-        .output()
-        .context("cannot run mknod")?;
-    ok(&out, &format!("mknod {} (needs root)", path.display()))?;
-    Ok(())
-}
-
-/// Writes the claim's spec where the engine reads it, runs `script` in a container given the
-/// CDI ids of `devices`, and returns its output; the spec is removed afterwards.
-fn run_claim(
-    engine: &Engine,
-    opts: &CdiOptions,
-    devices: &[PreparedDevice],
-    files: &cdi::DriverFiles,
-    script: &str,
-) -> Result<String> {
-    let claim_uid = format!("nvdra-podman-test-{:016x}", rand::random::<u64>());
-    let spec = cdi::claim_spec(opts, &claim_uid, devices, files)?;
-    let claim_uid = ClaimUid::parse(claim_uid)?;
-    let spec_dir = tempfile::tempdir()?;
-    let cdi_root = if engine.has_spec_dir_flag {
-        spec_dir.path().to_path_buf()
-    } else {
-        PathBuf::from(SYSTEM_CDI_DIR)
-    };
-    let _guard = SpecGuard {
-        cdi_root: cdi_root.clone(),
-        opts: opts.clone(),
-        claim_uid: claim_uid.clone(),
-    };
-    cdi::write_spec(
-        &cdi_root,
-        opts,
-        &claim_uid,
-        &spec,
-        nvdra::durable::Durability::Atomic,
-    )?;
-
-    let dir_arg = cdi_root.display().to_string();
-    let global: Vec<&str> = if engine.has_spec_dir_flag {
-        vec!["--cdi-spec-dir", &dir_arg]
-    } else {
-        vec![]
-    };
-    let ids: Vec<String> = devices
-        .iter()
-        .map(|d| cdi::device_id(opts, claim_uid.as_str(), &d.name))
-        .collect();
-    let mut args = vec!["run", "--rm", "--network", "none"];
-    for id in &ids {
-        args.extend(["--device", id.as_str()]);
-    }
-    args.extend([IMAGE, "sh", "-c", script]);
-    let out = podman(&global, &args)?;
-    let stdout = ok(
-        &out,
-        &format!("podman run --device {}", ids.join(" --device ")),
-    )
-    .with_context(|| format!("the spec was:\n{}", spec.to_yaml().unwrap_or_default()))?;
-    eprintln!("container output:\n{stdout}");
-    Ok(stdout)
-}
-
-/// Checks `node` is listed by `ls -l` in `output` as the char device 1:3 (what `mknod` made).
-fn assert_null_node(output: &str, node: &str) -> Result<()> {
-    let line = output
-        .lines()
-        .find(|l| l.ends_with(&format!(" {node}")))
-        .with_context(|| format!("{node} missing in the container:\n{output}"))?;
-    ensure!(
-        line.starts_with('c') && line.contains("1,") && line.contains(" 3 "),
-        "{node} is not the char device 1:3 in the container: {line}"
-    );
-    Ok(())
-}
-
-fn assert_line(output: &str, line: &str) -> Result<()> {
-    if output.lines().any(|l| l == line) {
-        Ok(())
-    } else {
-        bail!("expected the line {line:?} in the container output:\n{output}")
-    }
 }
 
 fn check_full_gpu(engine: &Engine) -> Result<()> {
@@ -282,13 +55,13 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
     std::fs::create_dir_all(nvml.parent().context("parent")?)?;
     std::fs::write(&nvml, "fake NVML\n")?;
 
-    let opts = CdiOptions::resolve("gpu.nvidia.com", root)?;
+    let opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(root))?;
     ensure!(
         opts.dev_root == root.join("dev"),
         "dev root {:?}",
         opts.dev_root
     );
-    let files = cdi::discover_driver_files(root);
+    let files = cdi::discover_driver_files(&opts.root);
     ensure!(
         files.binaries == vec![smi.clone()],
         "binaries {:?}",
@@ -380,7 +153,7 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
     std::fs::create_dir_all(&caps)?;
     std::fs::write(caps.join("mig-minors"), minors)?;
 
-    let opts = CdiOptions::resolve("gpu.nvidia.com", root)?;
+    let opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(root))?;
     let script = format!(
         "ls -l /dev/nvidia{m} /dev/nvidia-caps/*; \
          echo VISIBLE=$NVIDIA_VISIBLE_DEVICES; \
@@ -440,11 +213,33 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
 
     let tmp = tempfile::tempdir()?;
     let root = tmp.path();
-    let driver_root = root.join("driver");
+    // The GPU Operator's layout: the host sees the driver container's root at
+    // `<tmp>/run/nvidia/driver`, nvdra reads it at `<tmp>/driver-root` (a link standing in for
+    // its pod's mount). The spec must name host paths only.
+    let driver_root = root.join("run/nvidia/driver");
+    let ctr_path = root.join("driver-root");
+    std::fs::create_dir_all(&driver_root)?;
+    std::os::unix::fs::symlink(&driver_root, &ctr_path)?;
     let gpu = load_profile("dgx-h100", NODE)?.gpus[0].clone();
     mknod(&driver_root.join(format!("dev/nvidia{}", gpu.minor)))?;
     mknod(&driver_root.join("dev/nvidiactl"))?;
     mknod(&driver_root.join("dev/nvidia-uvm"))?;
+    let lib = driver_root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib)?;
+    std::fs::write(lib.join("libnvidia-ml.so.550.163.01"), "fake NVML\n")?;
+    std::os::unix::fs::symlink("libnvidia-ml.so.550.163.01", lib.join("libnvidia-ml.so.1"))?;
+    // A stand-in nvidia-cdi-hook that records which hook ran.
+    let hook_log = root.join("hooks.log");
+    let hook = driver_root.join("usr/bin/nvidia-cdi-hook");
+    std::fs::create_dir_all(hook.parent().context("parent")?)?;
+    std::fs::write(
+        &hook,
+        format!(
+            "#!/bin/sh\ncat >/dev/null\necho \"$1\" >> {}\n",
+            hook_log.display()
+        ),
+    )?;
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let cdi_root = if engine.has_spec_dir_flag {
         root.join("cdi")
     } else {
@@ -485,6 +280,8 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         .arg(&cdi_root)
         .arg("--driver-root")
         .arg(&driver_root)
+        .arg("--driver-root-ctr-path")
+        .arg(&ctr_path)
         .args(["--metrics-address", "127.0.0.1:0"])
         .args(share.then_some("--shared-capacity"))
         .env("NVDRA_LOG", "warn")
@@ -554,10 +351,14 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             ids == vec![format!("k8s.{DRIVER}/claim={claim_uid}-{device}")],
             "CDI ids {ids:?}"
         );
+        let spec_text = std::fs::read_to_string(&spec_file)
+            .with_context(|| format!("prepare wrote no spec at {}", spec_file.display()))?;
         ensure!(
-            spec_file.exists(),
-            "prepare wrote no spec at {}",
-            spec_file.display()
+            spec_text.contains(&format!(
+                "{}/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01",
+                driver_root.display()
+            )) && !spec_text.contains(&ctr_path.display().to_string()),
+            "the spec does not name the driver's host paths only:\n{spec_text}"
         );
 
         let dir_arg = cdi_root.display().to_string();
@@ -608,6 +409,17 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
                 mps::log(&driver_root)
             );
         }
+        let ran = std::fs::read_to_string(&hook_log).context("no hook ran")?;
+        ensure!(
+            ran.lines().collect::<Vec<_>>()
+                == [
+                    "create-symlinks",
+                    "enable-cuda-compat",
+                    "update-ldcache",
+                    "disable-device-node-modification"
+                ],
+            "hooks that ran: {ran}"
+        );
 
         let (_, error) = call(false)?;
         ensure!(error.is_empty(), "unprepare failed: {error}");
@@ -658,7 +470,7 @@ fn check_device_plugin_spec(engine: &Engine) -> Result<()> {
     std::fs::create_dir_all(smi.parent().context("parent")?)?;
     std::fs::write(&smi, "fake nvidia-smi for nvdra\n")?;
 
-    let opts = deviceplugin::cdi::options("gpu.nvidia.com", root)?;
+    let opts = deviceplugin::cdi::options("gpu.nvidia.com", &DriverRoot::at(root))?;
     let spec_dir = tempfile::tempdir()?;
     let cdi_root = if engine.has_spec_dir_flag {
         spec_dir.path().to_path_buf()

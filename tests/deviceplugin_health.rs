@@ -21,7 +21,7 @@ fn settings(root: &std::path::Path, poll: Duration) -> Settings {
     Settings {
         dir: root.join("device-plugins"),
         driver: "gpu.nvidia.com".into(),
-        driver_root: root.join("driver"),
+        driver_root: nvdra::cdi::DriverRoot::at(&root.join("driver")),
         cdi_root: root.join("cdi"),
         watch: Duration::from_millis(20),
         poll,

@@ -293,7 +293,7 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
         Settings {
             dir: root.path().join("device-plugins"),
             driver: DRIVER.into(),
-            driver_root: root.path().join("driver"),
+            driver_root: nvdra::cdi::DriverRoot::at(&root.path().join("driver")),
             cdi_root: root.path().join("cdi"),
             watch: Duration::from_millis(20),
             poll: Duration::from_secs(3600),

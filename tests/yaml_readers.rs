@@ -227,7 +227,8 @@ fn a_claim_cdi_spec_reads_as_nvdra_wrote_it() {
                 mps_pipe_dir: Some(pipe),
             },
         ];
-        let opts = CdiOptions::resolve("gpu.nvidia.com", root.path()).unwrap();
+        let opts = CdiOptions::resolve("gpu.nvidia.com", &nvdra::cdi::DriverRoot::at(root.path()))
+            .unwrap();
         let files = cdi::DriverFiles::default();
         let spec = cdi::claim_spec(&opts, "0000-07-00", &devices, &files).unwrap();
         let want = serde_json::to_value(&spec).unwrap();

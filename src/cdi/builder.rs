@@ -7,12 +7,13 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use super::inputs::CDI_HOOK;
+use super::driver::MPS_IPC_DIR;
+use super::hooks::driver_hooks;
 use super::names::validate_claim_uid;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
-    Hook, MPS_PIPE_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice, READ_ONLY_MOUNT, Result,
-    Spec, validate_class, validate_device_name, validate_vendor,
+    IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice, READ_ONLY_MOUNT,
+    Result, Spec, validate_class, validate_device_name, validate_vendor,
 };
 use crate::inventory::{Gpu, MigDevice};
 use crate::sharing::{MpsSettings, Sharing};
@@ -64,7 +65,8 @@ pub fn claim_spec(
         }
         let mut nodes = vec![gpu_node(opts, &device.gpu)];
         if let Some(mig) = &device.mig {
-            let table = mig_minors.get_or_insert_with(|| read_mig_minors(&opts.driver_root));
+            let table = mig_minors
+                .get_or_insert_with(|| read_mig_minors(&opts.root.read_path(opts.root.host())));
             nodes.extend(mig_cap_nodes(
                 opts,
                 table.as_ref(),
@@ -89,9 +91,10 @@ pub fn claim_spec(
         .push(format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(",")));
     common.device_nodes = CONTROL_NODES
         .iter()
-        .filter_map(|n| existing_node(&opts.dev_root.join(n), &format!("/dev/{n}")))
+        .filter_map(|n| host_node(opts, &opts.dev_root.join(n), &format!("/dev/{n}")))
         .collect();
-    driver_file_edits(opts, driver_files, &mut common);
+    let mps = devices.iter().any(|d| matches!(d.sharing, Sharing::Mps(_)));
+    driver_file_edits(opts, driver_files, mps, &mut common);
     mps_edits(claim_uid, devices, &mut common)?;
 
     Ok(Spec {
@@ -108,7 +111,7 @@ pub fn claim_spec(
 pub(super) fn gpu_node(opts: &CdiOptions, gpu: &Gpu) -> DeviceNode {
     let path = format!("/dev/nvidia{}", gpu.minor);
     let host = opts.dev_root.join(format!("nvidia{}", gpu.minor));
-    existing_node(&host, &path).unwrap_or_else(|| {
+    host_node(opts, &host, &path).unwrap_or_else(|| {
         tracing::warn!(
             gpu.uuid = %gpu.uuid,
             host_path = %host.display(),
@@ -127,14 +130,20 @@ pub(super) fn gpu_node(opts: &CdiOptions, gpu: &Gpu) -> DeviceNode {
     })
 }
 
-/// A device node for `host` if it exists and is a device (symlinks are followed), with its type,
-/// numbers and mode read from the host so dynamic majors (`nvidia-uvm`) are right.
-pub fn existing_node(host: &Path, container_path: &str) -> Option<DeviceNode> {
-    let meta = match fs::metadata(host) {
+/// [`existing_node`] for the host path `host`, read where nvdra sees it.
+pub fn host_node(opts: &CdiOptions, host: &Path, container_path: &str) -> Option<DeviceNode> {
+    existing_node(&opts.root.read_path(host), host, container_path)
+}
+
+/// A device node with host path `host` if `read` (where nvdra sees it) exists and is a device
+/// (symlinks are followed), with its type, numbers and mode read from the host so dynamic majors
+/// (`nvidia-uvm`) are right.
+pub fn existing_node(read: &Path, host: &Path, container_path: &str) -> Option<DeviceNode> {
+    let meta = match fs::metadata(read) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
         Err(e) => {
-            tracing::warn!(path = %host.display(), error = %e, "cannot inspect device node; skipped");
+            tracing::warn!(path = %read.display(), error = %e, "cannot inspect device node; skipped");
             return None;
         }
     };
@@ -144,7 +153,7 @@ pub fn existing_node(host: &Path, container_path: &str) -> Option<DeviceNode> {
     } else if file_type.is_block_device() {
         "b"
     } else {
-        tracing::warn!(path = %host.display(), "not a device node; skipped");
+        tracing::warn!(path = %read.display(), "not a device node; skipped");
         return None;
     };
     let (major, minor) = split_dev(meta.rdev());
@@ -214,7 +223,7 @@ pub(super) fn mig_cap_nodes(
             continue;
         };
         let host = opts.dev_root.join(format!("nvidia-caps/nvidia-cap{n}"));
-        match existing_node(&host, &format!("/dev/nvidia-caps/nvidia-cap{n}")) {
+        match host_node(opts, &host, &format!("/dev/nvidia-caps/nvidia-cap{n}")) {
             Some(node) => nodes.push(node),
             None => tracing::warn!(
                 device,
@@ -226,15 +235,19 @@ pub(super) fn mig_cap_nodes(
     nodes
 }
 
-/// Read-only mounts of the driver files at their path relative to the driver root, plus the
-/// `update-ldcache` hook and `NVIDIA_CTK_LIBCUDA_DIR` when they apply.
+/// Mounts of the driver files at their path relative to the driver root (read-only; the IPC
+/// sockets with NVIDIA's IPC options), `NVIDIA_CTK_LIBCUDA_DIR`, and NVIDIA's hooks when the
+/// hook binary is installed. Without it the soname links are mounted too, so that
+/// `libcuda.so.1` resolves without `create-symlinks`. A claim with MPS gets its own daemon's
+/// pipe directory at `/tmp/nvidia-mps`, so the host's is not mounted there.
 pub(super) fn driver_file_edits(
     opts: &CdiOptions,
     files: &DriverFiles,
+    mps: bool,
     edits: &mut ContainerEdits,
 ) {
     let in_container = |host: &Path| -> Option<String> {
-        match host.strip_prefix(&opts.driver_root) {
+        match host.strip_prefix(opts.root.host()) {
             Ok(rel) => Some(Path::new("/").join(rel).display().to_string()),
             Err(_) => {
                 tracing::warn!(path = %host.display(), "driver file outside the driver root; not mounted");
@@ -242,21 +255,20 @@ pub(super) fn driver_file_edits(
             }
         }
     };
-    let mut hook = None;
-    let mut mounts = BTreeMap::new();
-    let mut lib_dirs = BTreeSet::new();
+    let read_only = || READ_ONLY_MOUNT.iter().map(|s| s.to_string()).collect();
+    let mut mounts: BTreeMap<String, (String, Vec<String>)> = BTreeMap::new();
+    let mut lib_dirs: Vec<String> = Vec::new();
     let mut libcuda_dir = None;
-    for host in files.libraries.iter().chain(&files.binaries) {
-        if host.file_name().is_some_and(|n| n == CDI_HOOK) {
-            hook = Some(host.display().to_string());
-            continue;
-        }
+    let soname_links = if files.hook.is_some() {
+        &[][..]
+    } else {
+        &files.soname_links[..]
+    };
+    for host in files.libraries.iter().chain(soname_links) {
         let Some(target) = in_container(host) else {
             continue;
         };
-        if files.libraries.contains(host)
-            && let Some(dir) = Path::new(&target).parent()
-        {
+        if let Some(dir) = Path::new(&target).parent() {
             let dir = dir.display().to_string();
             if host
                 .file_name()
@@ -265,35 +277,39 @@ pub(super) fn driver_file_edits(
             {
                 libcuda_dir.get_or_insert_with(|| dir.clone());
             }
-            lib_dirs.insert(dir);
+            if !lib_dirs.contains(&dir) {
+                lib_dirs.push(dir);
+            }
         }
-        mounts.insert(target, host.display().to_string());
+        mounts.insert(target, (host.display().to_string(), read_only()));
     }
-    edits
-        .mounts
-        .extend(mounts.into_iter().map(|(container_path, host_path)| Mount {
-            host_path,
-            container_path,
-            options: READ_ONLY_MOUNT.iter().map(|s| s.to_string()).collect(),
-        }));
+    for host in files.firmware.iter().chain(&files.binaries) {
+        if let Some(target) = in_container(host) {
+            mounts.insert(target, (host.display().to_string(), read_only()));
+        }
+    }
+    let mps_dir = Path::new("/").join(MPS_IPC_DIR).display().to_string();
+    for host in &files.ipc {
+        if let Some(target) = in_container(host)
+            && !(mps && target == mps_dir)
+        {
+            let options = IPC_MOUNT.iter().map(|s| s.to_string()).collect();
+            mounts.insert(target, (host.display().to_string(), options));
+        }
+    }
+    edits.mounts.extend(
+        mounts
+            .into_iter()
+            .map(|(container_path, (host_path, options))| Mount {
+                host_path,
+                container_path,
+                options,
+            }),
+    );
     if let Some(dir) = libcuda_dir {
         edits.env.push(format!("NVIDIA_CTK_LIBCUDA_DIR={dir}"));
     }
-    if let Some(path) = hook
-        && !lib_dirs.is_empty()
-    {
-        let mut args = vec![CDI_HOOK.to_string(), "update-ldcache".to_string()];
-        for dir in lib_dirs {
-            args.push("--folder".into());
-            args.push(dir);
-        }
-        edits.hooks.push(Hook {
-            hook_name: "createContainer".into(),
-            path,
-            args,
-            env: Vec::new(),
-        });
-    }
+    edits.hooks.extend(driver_hooks(files, &lib_dirs));
 }
 
 /// The MPS client environment. MPS is per process, so these are claim-wide: all MPS devices of

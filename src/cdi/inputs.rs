@@ -1,13 +1,84 @@
-//! Builder inputs: CDI options, the prepared devices of a claim and the driver files found on the
-//! host.
+//! Builder inputs: the driver root (host and container paths), CDI options and the prepared
+//! devices of a claim.
 
-use std::collections::BTreeSet;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::{Result, validate_class, validate_vendor};
 use crate::inventory::{Gpu, MigDevice};
 use crate::sharing::Sharing;
+
+/// Where the driver is, seen from the host and from nvdra.
+///
+/// The CDI spec names host paths (the runtime resolves them on the host), while nvdra reads the
+/// driver's files wherever the host's driver root is mounted in its own container. On a node
+/// with the driver installed on the host both are `/`; on a GPU Operator node the driver lives in
+/// a container whose root the host sees at `/run/nvidia/driver`, and nvdra's pod mounts that
+/// elsewhere (NVIDIA's charts use `/driver-root`). The device nodes have a root of their own
+/// (`<dev root>/dev`), by default the driver root, as in NVIDIA's `nvidiaDevRoot`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverRoot {
+    host: PathBuf,
+    ctr: PathBuf,
+    dev: PathBuf,
+}
+
+impl DriverRoot {
+    /// `host`: the driver root on the host (`--driver-root`); `ctr`: where nvdra reads it
+    /// (`--driver-root-ctr-path`); `dev`: the host root whose `dev/` holds the device nodes
+    /// (`--dev-root`).
+    pub fn new(host: PathBuf, ctr: PathBuf, dev: PathBuf) -> Self {
+        Self { host, ctr, dev }
+    }
+
+    /// A driver root nvdra reads at its host path, with the device nodes under it: a host
+    /// install, or a test's temporary directory.
+    pub fn at(path: &Path) -> Self {
+        Self::new(path.to_path_buf(), path.to_path_buf(), path.to_path_buf())
+    }
+
+    /// The driver root on the host: what CDI specs name.
+    pub fn host(&self) -> &Path {
+        &self.host
+    }
+
+    /// Where nvdra reads the host's driver root.
+    pub fn ctr(&self) -> &Path {
+        &self.ctr
+    }
+
+    /// The host root holding the device nodes' `dev/`.
+    pub fn dev(&self) -> &Path {
+        &self.dev
+    }
+
+    /// Where nvdra reads the host path `host`: under the container path when it is under the
+    /// host driver root, else at the same path (a device root mounted where the host has it).
+    pub fn read_path(&self, host: &Path) -> PathBuf {
+        match host.strip_prefix(&self.host) {
+            Ok(rel) if self.host != self.ctr => self.ctr.join(rel),
+            _ => host.to_path_buf(),
+        }
+    }
+
+    /// The host path of `read`, a path nvdra read under the container path.
+    pub fn host_path(&self, read: &Path) -> PathBuf {
+        match read.strip_prefix(&self.ctr) {
+            Ok(rel) if self.host != self.ctr => self.host.join(rel),
+            _ => read.to_path_buf(),
+        }
+    }
+
+    /// The host directory of the device nodes: `<dev root>/dev` when nvdra finds it a directory
+    /// (a driver container exposes its nodes there), else `/dev` (NVIDIA's rule too).
+    pub fn dev_dir(&self) -> PathBuf {
+        let candidate = self.dev.join("dev");
+        if self.read_path(&candidate).is_dir() {
+            candidate
+        } else {
+            PathBuf::from("/dev")
+        }
+    }
+}
 
 /// Where CDI names and host paths come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,22 +87,21 @@ pub struct CdiOptions {
     pub vendor: String,
     /// `claim`.
     pub class: String,
-    /// The host directory holding the driver's user-space files (`/` on most nodes,
-    /// `/run/nvidia/driver` with the driver container).
-    pub driver_root: PathBuf,
-    /// The host directory holding the `nvidia*` device nodes; see [`resolve_dev_root`].
+    /// The driver's root on the host and where nvdra reads it.
+    pub root: DriverRoot,
+    /// The host directory holding the `nvidia*` device nodes ([`DriverRoot::dev_dir`]).
     pub dev_root: PathBuf,
 }
 
 impl CdiOptions {
     /// Options for `driver` (e.g. `gpu.nvidia.com`): vendor `k8s.<driver>`, class `claim`, the
-    /// device root found under `driver_root`. Fails when the vendor is not a valid CDI vendor.
-    pub fn resolve(driver: &str, driver_root: &Path) -> Result<Self> {
+    /// device directory found from `root`. Fails when the vendor is not a valid CDI vendor.
+    pub fn resolve(driver: &str, root: &DriverRoot) -> Result<Self> {
         let opts = Self {
             vendor: format!("k8s.{driver}"),
             class: "claim".into(),
-            driver_root: driver_root.to_path_buf(),
-            dev_root: resolve_dev_root(driver_root),
+            root: root.clone(),
+            dev_root: root.dev_dir(),
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;
@@ -41,16 +111,6 @@ impl CdiOptions {
     /// The spec's `kind`, `<vendor>/<class>`.
     pub fn kind(&self) -> String {
         format!("{}/{}", self.vendor, self.class)
-    }
-}
-
-/// `<driver_root>/dev` when it exists (a driver container exposes its nodes there), else `/dev`.
-pub fn resolve_dev_root(driver_root: &Path) -> PathBuf {
-    let candidate = driver_root.join("dev");
-    if candidate.is_dir() {
-        candidate
-    } else {
-        PathBuf::from("/dev")
     }
 }
 
@@ -74,96 +134,5 @@ impl PreparedDevice {
             Some(m) => m.uuid.as_str(),
             None => self.gpu.uuid.as_str(),
         }
-    }
-}
-
-/// The driver's user-space files to mount into containers (host paths under the driver root).
-///
-/// A binary named `nvidia-cdi-hook` is not mounted: it is used for the `update-ldcache` hook.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DriverFiles {
-    pub libraries: Vec<PathBuf>,
-    pub binaries: Vec<PathBuf>,
-}
-
-/// Library directories searched under the driver root, in order.
-pub(super) const LIB_DIRS: [&str; 7] = [
-    "usr/lib/x86_64-linux-gnu",
-    "usr/lib/aarch64-linux-gnu",
-    "usr/lib64",
-    "usr/lib",
-    "lib/x86_64-linux-gnu",
-    "lib/aarch64-linux-gnu",
-    "lib64",
-];
-/// Binary directories searched under the driver root.
-pub(super) const BIN_DIRS: [&str; 3] = ["usr/bin", "bin", "usr/sbin"];
-/// The compute libraries a CUDA container needs (the `<name>.so.` prefix of their files).
-pub(super) const LIBRARIES: [&str; 14] = [
-    "libcuda.so",
-    "libcudadebugger.so",
-    "libnvidia-ml.so",
-    "libnvidia-ptxjitcompiler.so",
-    "libnvidia-nvvm.so",
-    "libnvidia-opencl.so",
-    "libnvidia-gpucomp.so",
-    "libnvidia-allocator.so",
-    "libnvidia-cfg.so",
-    "libnvidia-pkcs11.so",
-    "libnvidia-pkcs11-openssl3.so",
-    "libnvidia-nscq.so",
-    "libnvidia-encode.so",
-    "libnvcuvid.so",
-];
-pub(super) const BINARIES: [&str; 6] = [
-    "nvidia-smi",
-    "nvidia-debugdump",
-    "nvidia-persistenced",
-    "nvidia-cuda-mps-control",
-    "nvidia-cuda-mps-server",
-    "nvidia-cdi-hook",
-];
-pub(super) const CDI_HOOK: &str = "nvidia-cdi-hook";
-
-/// Finds the driver's libraries (versioned files and soname links, e.g. `libcuda.so.550.163.01`
-/// and `libcuda.so.1`) and binaries under `driver_root`. Directories reached twice through
-/// symlinks (`/lib` → `/usr/lib`) are searched once. Sorted; missing directories are skipped.
-pub fn discover_driver_files(driver_root: &Path) -> DriverFiles {
-    let mut seen_dirs = BTreeSet::new();
-    let mut scan = |dirs: &[&str], wanted: &dyn Fn(&str) -> bool| {
-        let mut found = BTreeSet::new();
-        for dir in dirs {
-            let dir = driver_root.join(dir);
-            let Ok(canonical) = dir.canonicalize() else {
-                continue;
-            };
-            if !seen_dirs.insert(canonical) {
-                continue;
-            }
-            let Ok(entries) = fs::read_dir(&dir) else {
-                continue;
-            };
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                let Some(name) = name.to_str() else { continue };
-                let path = entry.path();
-                if wanted(name) && path.is_file() {
-                    found.insert(path);
-                }
-            }
-        }
-        found.into_iter().collect::<Vec<_>>()
-    };
-    let libraries = scan(&LIB_DIRS, &|name| {
-        LIBRARIES.iter().any(|lib| {
-            name.strip_prefix(lib)
-                .and_then(|rest| rest.strip_prefix('.'))
-                .is_some_and(|version| !version.is_empty())
-        })
-    });
-    let binaries = scan(&BIN_DIRS, &|name| BINARIES.contains(&name));
-    DriverFiles {
-        libraries,
-        binaries,
     }
 }

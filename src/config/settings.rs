@@ -51,9 +51,20 @@ pub struct BackendSettings {
     #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
     pub topology: Option<PathBuf>,
 
-    /// Root of the NVIDIA driver installation (where libnvidia-ml.so.1 and the device nodes are).
+    /// Root of the NVIDIA driver installation on the host: `/`, or `/run/nvidia/driver` with
+    /// the GPU Operator's driver container. CDI specs name host paths under it.
     #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
     pub driver_root: Option<PathBuf>,
+
+    /// Host root whose dev/ holds the NVIDIA device nodes (/dev when it has none); defaults to
+    /// the driver root.
+    #[arg(long, env = "NVIDIA_DEV_ROOT", value_name = "DIR")]
+    pub dev_root: Option<PathBuf>,
+
+    /// Where the host's driver root is mounted in nvdra's container, i.e. where nvdra reads
+    /// the driver's files (libnvidia-ml.so.1, nvidia-smi, ...); defaults to the driver root.
+    #[arg(long, env = "DRIVER_ROOT_CTR_PATH", value_name = "DIR")]
+    pub driver_root_ctr_path: Option<PathBuf>,
 
     /// This node's name; defaults to the host name.
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
@@ -75,6 +86,8 @@ impl Section for BackendSettings {
             profile,
             topology,
             driver_root,
+            dev_root,
+            driver_root_ctr_path,
             node_name,
         } = self;
         Self {
@@ -82,6 +95,8 @@ impl Section for BackendSettings {
             profile: profile.or(lower.profile),
             topology: topology.or(lower.topology),
             driver_root: driver_root.or(lower.driver_root),
+            dev_root: dev_root.or(lower.dev_root),
+            driver_root_ctr_path: driver_root_ctr_path.or(lower.driver_root_ctr_path),
             node_name: node_name.or(lower.node_name),
         }
     }

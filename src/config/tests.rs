@@ -38,9 +38,43 @@ fn defaults() {
         c.plugin_dir(),
         PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com")
     );
-    assert_eq!(c.driver_root, PathBuf::from("/"));
+    assert_eq!(c.driver_root, crate::cdi::DriverRoot::at(Path::new("/")));
     assert_eq!(c.metrics_address.to_string(), DEFAULT_METRICS_ADDRESS);
     assert_eq!(c.log_format, LogFormat::Plain);
+}
+
+/// The GPU Operator's layout: the host path CDI specs name, the path nvdra reads, and the device
+/// root, each defaulting to the driver root.
+#[test]
+fn driver_root_splits_into_host_container_and_device_roots() {
+    use crate::cdi::DriverRoot;
+    let c = resolve(
+        with(|s| {
+            s.backend.driver_root = Some("/run/nvidia/driver".into());
+            s.backend.driver_root_ctr_path = Some("/driver-root".into());
+        }),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        c.driver_root,
+        DriverRoot::new(
+            "/run/nvidia/driver".into(),
+            "/driver-root".into(),
+            "/run/nvidia/driver".into()
+        )
+    );
+    assert_eq!(
+        c.driver_root
+            .read_path(Path::new("/run/nvidia/driver/usr/bin/nvidia-smi")),
+        Path::new("/driver-root/usr/bin/nvidia-smi")
+    );
+    let f = file("version: v1\ndevRoot: /\n").unwrap();
+    let c = resolve(base(), Some(f)).unwrap();
+    assert_eq!(
+        c.driver_root,
+        DriverRoot::new("/".into(), "/".into(), "/".into())
+    );
 }
 
 #[test]
@@ -196,6 +230,8 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("profile: dgx-h100", "profile"),
         ("topology: /t.yaml", "topology"),
         ("driverRoot: /run/nvidia/driver", "driverRoot"),
+        ("devRoot: /", "devRoot"),
+        ("driverRootCtrPath: /driver-root", "driverRootCtrPath"),
         ("nodeName: n1", "nodeName"),
         ("driverName: gpu.example.com", "driverName"),
         ("partitionable: true", "partitionable"),
@@ -224,6 +260,8 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "profile" => s.backend.profile.is_some(),
             "topology" => s.backend.topology.is_some(),
             "driverRoot" => s.backend.driver_root.is_some(),
+            "devRoot" => s.backend.dev_root.is_some(),
+            "driverRootCtrPath" => s.backend.driver_root_ctr_path.is_some(),
             "nodeName" => s.backend.node_name.is_some(),
             "driverName" => s.plugin.driver_name.is_some(),
             "partitionable" => s.plugin.partitionable == Some(true),

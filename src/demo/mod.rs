@@ -53,7 +53,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         backend: Backend::Profile(PROFILE.into()),
         node_name: NODE.into(),
         driver_name: DRIVER.into(),
-        driver_root: root.join("driver"),
+        driver_root: crate::cdi::DriverRoot::at(&root.join("driver")),
         kubelet_root: root.join("kubelet"),
         cdi_root: root.join("cdi"),
         api: Api::Dir(root.join("api")),

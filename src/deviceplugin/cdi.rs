@@ -19,7 +19,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice, Spec};
+use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice, Spec};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
 use crate::inventory::Inventory;
@@ -40,7 +40,7 @@ pub fn spec_name() -> ClaimUid {
 }
 
 /// CDI options for `driver`: vendor `k8s.<driver>`, class [`CLASS`].
-pub fn options(driver: &str, driver_root: &Path) -> cdi::Result<CdiOptions> {
+pub fn options(driver: &str, driver_root: &DriverRoot) -> cdi::Result<CdiOptions> {
     let mut opts = CdiOptions::resolve(driver, driver_root)?;
     opts.class = CLASS.into();
     cdi::validate_class(&opts.class)?;
@@ -99,7 +99,7 @@ pub fn write(
     inv: &Inventory,
     ids: IdStrategy,
 ) -> cdi::Result<PathBuf> {
-    let files = cdi::discover_driver_files(&opts.driver_root);
+    let files = cdi::discover_driver_files(&opts.root);
     let spec = spec(opts, inv, ids, &files)?;
     cdi::write_spec(cdi_root, opts, &spec_name(), &spec, Durability::Durable)
 }
@@ -160,7 +160,7 @@ pub fn mode_spec(opts: &CdiOptions, mode: DriverMode) -> Option<Spec> {
     let mut edits = cdi::ContainerEdits::default();
     for &(sub, prefix, whole) in patterns {
         let dir = dev.join(sub);
-        let mut names: Vec<String> = match std::fs::read_dir(&dir) {
+        let mut names: Vec<String> = match std::fs::read_dir(opts.root.read_path(&dir)) {
             Ok(rd) => rd
                 .filter_map(|e| e.ok())
                 .filter_map(|e| e.file_name().into_string().ok())
@@ -181,7 +181,7 @@ pub fn mode_spec(opts: &CdiOptions, mode: DriverMode) -> Option<Spec> {
             } else {
                 format!("/dev/{sub}/{n}")
             };
-            if let Some(node) = cdi::existing_node(&dir.join(&n), &container) {
+            if let Some(node) = cdi::host_node(opts, &dir.join(&n), &container) {
                 edits.device_nodes.push(node);
             }
         }
@@ -191,8 +191,8 @@ pub fn mode_spec(opts: &CdiOptions, mode: DriverMode) -> Option<Spec> {
     }
     if mode == DriverMode::Gds {
         for p in ["etc/cufile.json", "run/udev"] {
-            let host = opts.driver_root.join(p);
-            if host.exists() {
+            let host = opts.root.host().join(p);
+            if opts.root.read_path(&host).exists() {
                 edits.mounts.push(cdi::Mount {
                     host_path: host.display().to_string(),
                     container_path: format!("/{p}"),

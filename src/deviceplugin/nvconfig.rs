@@ -7,9 +7,11 @@
 //! the MPS daemon) or for discovery nvdra does its own way are accepted and ignored, so one file
 //! serves both; the ones that change what is advertised or allocated are applied. Also unlike
 //! NVIDIA's plugin, `sharing.*.resources[].rename` and `devices` are honoured, so GPUs can be
-//! shared one by one.
+//! shared one by one. The driver roots (`flags.nvidiaDriverRoot`, `flags.nvidiaDevRoot`,
+//! `flags.plugin.containerDriverRoot`) become nvdra's `--driver-root`, `--dev-root` and
+//! `--driver-root-ctr-path` where nvdra's own settings leave them unset ([`driver_roots`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -186,6 +188,48 @@ struct Imex {
     channel_ids: Vec<u32>,
     #[serde(default)]
     required: bool,
+}
+
+/// The driver roots NVIDIA's file names, as nvdra's settings: `flags.nvidiaDriverRoot` is
+/// `--driver-root`, `flags.nvidiaDevRoot` `--dev-root`, `flags.plugin.containerDriverRoot`
+/// `--driver-root-ctr-path`. Read leniently (other keys ignored, an unreadable file gives none):
+/// the whole file is checked, with errors naming its keys, when the device plugin starts.
+pub fn driver_roots(path: &Path) -> crate::config::BackendSettings {
+    #[derive(Default, Deserialize)]
+    struct RootsFile {
+        #[serde(default)]
+        flags: RootFlags,
+    }
+    #[derive(Default, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct RootFlags {
+        nvidia_driver_root: Option<PathBuf>,
+        nvidia_dev_root: Option<PathBuf>,
+        #[serde(default)]
+        plugin: RootPluginFlags,
+    }
+    #[derive(Default, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct RootPluginFlags {
+        container_driver_root: Option<PathBuf>,
+    }
+    let file: RootsFile = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| crate::yaml::from_str(&text).ok())
+        .unwrap_or_default();
+    let RootFlags {
+        nvidia_driver_root,
+        nvidia_dev_root,
+        plugin,
+    } = file.flags;
+    // NVIDIA's files leave unset keys empty.
+    let set = |p: Option<PathBuf>| p.filter(|p| !p.as_os_str().is_empty());
+    crate::config::BackendSettings {
+        driver_root: set(nvidia_driver_root),
+        dev_root: set(nvidia_dev_root),
+        driver_root_ctr_path: set(plugin.container_driver_root),
+        ..Default::default()
+    }
 }
 
 /// Reads and applies the file at `path` over NVIDIA's defaults.

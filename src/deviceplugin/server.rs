@@ -90,7 +90,7 @@ pub struct Settings {
     pub dir: PathBuf,
     /// The DRA driver name: the CDI vendor is `k8s.<driver>`.
     pub driver: String,
-    pub driver_root: PathBuf,
+    pub driver_root: crate::cdi::DriverRoot,
     pub cdi_root: PathBuf,
     pub watch: Duration,
     pub poll: Duration,

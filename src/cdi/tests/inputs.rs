@@ -10,7 +10,8 @@ fn discovery_finds_driver_files_once() {
         .root()
         .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
     symlink("libnvidia-ml.so.550.163.01", &soname).unwrap();
-    // The development link, other libraries and dangling links are not driver files.
+    // The development link, libraries of other versions and dangling links are not driver
+    // files.
     symlink(
         "libnvidia-ml.so.1",
         host.root().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so"),
@@ -29,11 +30,15 @@ fn discovery_finds_driver_files_once() {
     symlink("usr/lib", host.root().join("lib")).unwrap();
     symlink("usr/bin", host.root().join("bin")).unwrap();
 
-    let files = discover_driver_files(host.root());
-    assert_eq!(files.libraries, vec![soname, versioned]);
+    let files = discover_driver_files(&host.opts.root);
+    assert_eq!(files.version.as_deref(), Some("550.163.01"));
+    // The versioned file is the library; its soname link is kept for specs without hooks.
+    assert_eq!(files.libraries, vec![versioned]);
+    assert_eq!(files.soname_links, vec![soname]);
     assert_eq!(files.binaries, vec![smi]);
+    assert_eq!(files.hook, None);
     assert_eq!(
-        discover_driver_files(Path::new("/nonexistent-root")),
+        discover_driver_files(&DriverRoot::at(Path::new("/nonexistent-root"))),
         DriverFiles::default()
     );
 }
@@ -43,7 +48,7 @@ fn files_outside_the_driver_root_are_not_mounted() {
     let host = Host::new();
     let files = DriverFiles {
         libraries: vec![PathBuf::from("/elsewhere/libcuda.so.1")],
-        binaries: vec![],
+        ..Default::default()
     };
     let spec = claim_spec(
         &host.opts,
@@ -53,4 +58,35 @@ fn files_outside_the_driver_root_are_not_mounted() {
     )
     .unwrap();
     assert!(spec.container_edits.mounts.is_empty());
+}
+
+/// Host paths under the host driver root are read under the container path; others (a device
+/// root outside the driver root) where the host has them; read paths map back to host paths.
+#[test]
+fn driver_root_maps_host_paths_to_read_paths_and_back() {
+    let root = DriverRoot::new(
+        "/run/nvidia/driver".into(),
+        "/driver-root".into(),
+        "/".into(),
+    );
+    let host = Path::new("/run/nvidia/driver/usr/bin/nvidia-smi");
+    let read = Path::new("/driver-root/usr/bin/nvidia-smi");
+    assert_eq!(root.read_path(host), read);
+    assert_eq!(root.host_path(read), host);
+    assert_eq!(
+        root.read_path(Path::new("/dev/nvidia0")),
+        Path::new("/dev/nvidia0")
+    );
+    // `/` has a `dev/`, so the device nodes are under /dev.
+    assert_eq!(root.dev_dir(), Path::new("/dev"));
+    // A device root without `dev/` falls back to /dev as well; one with it is used.
+    let host = Host::new();
+    let at = DriverRoot::new(
+        "/nonexistent-host".into(),
+        host.root().to_path_buf(),
+        "/nonexistent-host".into(),
+    );
+    assert_eq!(at.dev_dir(), Path::new("/nonexistent-host/dev"));
+    let none = DriverRoot::at(Path::new("/nonexistent-root"));
+    assert_eq!(none.dev_dir(), Path::new("/dev"));
 }

@@ -31,7 +31,7 @@ impl Host {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().to_path_buf();
         fs::create_dir_all(root.join("dev")).unwrap();
-        let opts = CdiOptions::resolve("gpu.nvidia.com", &root).unwrap();
+        let opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(&root)).unwrap();
         Self { dir, opts }
     }
 

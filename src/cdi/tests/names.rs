@@ -24,7 +24,7 @@ fn cdi_names_follow_the_grammar() {
         assert!(validate_device_name(bad).is_err(), "{bad}");
     }
 
-    let e = CdiOptions::resolve("gpu.nvidia.com.", Path::new("/")).unwrap_err();
+    let e = CdiOptions::resolve("gpu.nvidia.com.", &DriverRoot::at(Path::new("/"))).unwrap_err();
     assert!(e.to_string().contains("k8s.gpu.nvidia.com."), "{e}");
 
     let host = Host::new();
@@ -56,7 +56,11 @@ fn cdi_names_follow_the_grammar() {
 
 #[test]
 fn ids_and_paths_follow_nvidia() {
-    let opts = CdiOptions::resolve("gpu.nvidia.com", Path::new("/nonexistent-root")).unwrap();
+    let opts = CdiOptions::resolve(
+        "gpu.nvidia.com",
+        &DriverRoot::at(Path::new("/nonexistent-root")),
+    )
+    .unwrap();
     assert_eq!(opts.dev_root, PathBuf::from("/dev"));
     assert_eq!(
         device_id(&opts, UID, "gpu-0"),

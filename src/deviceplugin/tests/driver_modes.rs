@@ -102,7 +102,8 @@ fn mode_specs_hold_the_hosts_nodes_and_only_present_modes_are_named() {
     let root = driver_root_with(&["gdrdrv", "nvidia-fs0", "nvidia-fs1", "nvidia0"]);
     std::fs::create_dir_all(root.path().join("etc")).unwrap();
     std::fs::write(root.path().join("etc/cufile.json"), "{}").unwrap();
-    let cdi_opts = cdi::options("gpu.nvidia.com", root.path()).unwrap();
+    let cdi_opts =
+        cdi::options("gpu.nvidia.com", &crate::cdi::DriverRoot::at(root.path())).unwrap();
     let nodes = |m: DriverMode| -> Vec<String> {
         cdi::mode_spec(&cdi_opts, m)
             .map(|s| {
@@ -201,7 +202,8 @@ fn mofed_spec_takes_uverbs_and_rdma_cm() {
         "infiniband/rdma_cm",
         "infiniband/umad0",
     ]);
-    let cdi_opts = cdi::options("gpu.nvidia.com", root.path()).unwrap();
+    let cdi_opts =
+        cdi::options("gpu.nvidia.com", &crate::cdi::DriverRoot::at(root.path())).unwrap();
     let s = cdi::mode_spec(&cdi_opts, DriverMode::Mofed).unwrap();
     let paths: Vec<&str> = s.devices[0]
         .container_edits
@@ -296,4 +298,52 @@ fn mps_limits_name_every_gpu_of_a_request() {
         )
     );
     assert_eq!(a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
+}
+
+/// NVIDIA's `nvidiaDriverRoot`, `nvidiaDevRoot` and `plugin.containerDriverRoot` are nvdra's
+/// `--driver-root`, `--dev-root` and `--driver-root-ctr-path`, below nvdra's own settings.
+#[test]
+fn nvidia_driver_roots_are_honoured_below_nvdras_own_settings() {
+    use crate::cdi::DriverRoot;
+    use crate::config::{self, BackendSettings, Settings};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(
+        &path,
+        "version: v1\nflags:\n  migStrategy: none\n  nvidiaDriverRoot: /run/nvidia/driver\n  \
+         nvidiaDevRoot: \"\"\n  plugin:\n    containerDriverRoot: /driver-root\n",
+    )
+    .unwrap();
+    let roots = nvconfig::driver_roots(&path);
+    assert_eq!(
+        roots,
+        BackendSettings {
+            driver_root: Some("/run/nvidia/driver".into()),
+            dev_root: None,
+            driver_root_ctr_path: Some("/driver-root".into()),
+            ..Default::default()
+        }
+    );
+    let below = || Settings {
+        backend: roots.clone(),
+        ..Settings::default()
+    };
+    let mut cli = Settings::default();
+    cli.backend.node_name = Some("n".into());
+    let c = config::resolve_over(cli.clone(), None, below()).unwrap();
+    assert_eq!(
+        c.driver_root,
+        DriverRoot::new(
+            "/run/nvidia/driver".into(),
+            "/driver-root".into(),
+            "/run/nvidia/driver".into()
+        )
+    );
+    // nvdra's own flag wins.
+    cli.backend.driver_root_ctr_path = Some("/host-driver".into());
+    let c = config::resolve_over(cli, None, below()).unwrap();
+    assert_eq!(c.driver_root.ctr(), std::path::Path::new("/host-driver"));
+    // A file that is not NVIDIA's config names no roots (the device plugin reports it).
+    std::fs::write(&path, "flags: [").unwrap();
+    assert_eq!(nvconfig::driver_roots(&path), BackendSettings::default());
 }

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use super::mps::Mps;
 use crate::api::ClaimReader;
+use crate::cdi::DriverRoot;
 use crate::ids::ClaimUid;
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::{self, Ledger};
@@ -76,7 +77,7 @@ pub struct Options {
     /// `<kubelet root>/plugins/<driver>`: checkpoint, lock, MPS directories.
     pub plugin_dir: PathBuf,
     pub cdi_root: PathBuf,
-    pub driver_root: PathBuf,
+    pub driver_root: DriverRoot,
     pub boot_id: String,
     /// MIG placements without an instance may be prepared (the instance is created).
     pub partitionable: bool,
@@ -118,7 +119,11 @@ impl Plugin {
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
-        let mps = Mps::new(opts.plugin_dir.join("mps"), opts.driver_root.clone());
+        // The MPS control binary runs here, so it is found where nvdra reads the driver.
+        let mps = Mps::new(
+            opts.plugin_dir.join("mps"),
+            opts.driver_root.ctr().to_path_buf(),
+        );
         let node_lock = NodeLock::new(&opts.plugin_dir);
         Ok((
             Plugin {

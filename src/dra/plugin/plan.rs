@@ -349,7 +349,7 @@ pub(super) mod tests {
             pool: "node-a".into(),
             plugin_dir: "/nonexistent/plugin".into(),
             cdi_root: "/nonexistent/cdi".into(),
-            driver_root: "/nonexistent".into(),
+            driver_root: crate::cdi::DriverRoot::at(std::path::Path::new("/nonexistent")),
             boot_id: "b".into(),
             partitionable,
             shared_capacity: true,
@@ -382,7 +382,11 @@ pub(super) mod tests {
     #[test]
     fn plans_our_results_once_per_device_and_says_what_touches_the_gpu() {
         let inv = load_profile("a100-mig-mixed", "node-a").unwrap();
-        let cdi = CdiOptions::resolve(DRIVER, Path::new("/nonexistent")).unwrap();
+        let cdi = CdiOptions::resolve(
+            DRIVER,
+            &crate::cdi::DriverRoot::at(Path::new("/nonexistent")),
+        )
+        .unwrap();
         let rc = crate::api::allocated_claim(
             "ns",
             "c",

@@ -274,7 +274,11 @@ mod tests {
     #[test]
     fn a_conflict_names_the_claim_that_holds_the_device() {
         let inv = load_profile("dgx-h100", "node-a").unwrap();
-        let cdi = CdiOptions::resolve(DRIVER, Path::new("/nonexistent")).unwrap();
+        let cdi = CdiOptions::resolve(
+            DRIVER,
+            &crate::cdi::DriverRoot::at(Path::new("/nonexistent")),
+        )
+        .unwrap();
         let rc = |uid: &str| {
             crate::api::allocated_claim(
                 "ns",

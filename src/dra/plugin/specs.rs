@@ -1,24 +1,27 @@
 //! The plugin's claim CDI specs: the directory they live in, the options that name them and the
 //! driver files they mount, as one value, so that no call can pair a root with the wrong options.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Mutex;
 
-use crate::cdi::{self, CdiOptions, DriverFiles, PreparedDevice};
+use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
 
 pub(super) struct Specs {
     root: PathBuf,
     opts: CdiOptions,
-    driver_files: DriverFiles,
+    /// Found at start; looked for again while none are found, since on GPU Operator nodes the
+    /// driver container may come up after nvdra.
+    driver_files: Mutex<DriverFiles>,
 }
 
 impl Specs {
     /// Specs of `driver` in `root`, for a host whose driver files are under `driver_root`.
-    pub fn new(driver: &str, driver_root: &Path, root: PathBuf) -> Result<Self, cdi::Error> {
+    pub fn new(driver: &str, driver_root: &DriverRoot, root: PathBuf) -> Result<Self, cdi::Error> {
         Ok(Self {
             opts: CdiOptions::resolve(driver, driver_root)?,
-            driver_files: cdi::discover_driver_files(driver_root),
+            driver_files: Mutex::new(cdi::discover_driver_files(driver_root)),
             root,
         })
     }
@@ -50,7 +53,28 @@ impl Specs {
 
     /// The claim's spec as [`Specs::write`] writes it.
     fn render(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<String, cdi::Error> {
-        cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files)?.to_yaml()
+        cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files())?.to_yaml()
+    }
+
+    /// The driver's files, looked for again if none were found before.
+    fn driver_files(&self) -> DriverFiles {
+        // A poisoned lock still holds a complete value: it is only ever replaced whole.
+        let mut files = self
+            .driver_files
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if files.version.is_none() {
+            let found = cdi::discover_driver_files(&self.opts.root);
+            if let Some(version) = &found.version {
+                tracing::info!(
+                    driver.version = %version,
+                    driver_root = %self.opts.root.host().display(),
+                    "driver files found; claim specs mount them from now on"
+                );
+                *files = found;
+            }
+        }
+        files.clone()
     }
 
     fn replace(&self, uid: &ClaimUid, text: &str) -> Result<(), cdi::Error> {
@@ -76,5 +100,41 @@ impl Specs {
     /// The claim UIDs of the specs in the directory.
     pub fn list(&self) -> Result<Vec<ClaimUid>, cdi::Error> {
         cdi::list_claim_specs(&self.root, &self.opts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::topology::load_profile;
+    use crate::sharing::Sharing;
+
+    /// The driver (an Operator's driver container) shows up after nvdra started: the next spec
+    /// mounts its files.
+    #[test]
+    fn driver_files_found_after_start_reach_the_next_spec() {
+        let dir = tempfile::tempdir().unwrap();
+        let driver = dir.path().join("driver");
+        let specs = Specs::new(
+            "gpu.nvidia.com",
+            &DriverRoot::at(&driver),
+            dir.path().join("cdi"),
+        )
+        .unwrap();
+        let gpu = load_profile("dgx-h100", "n").unwrap().gpus[0].clone();
+        let devices = [PreparedDevice {
+            name: "gpu-0".into(),
+            gpu,
+            mig: None,
+            sharing: Sharing::Exclusive,
+            mps_pipe_dir: None,
+        }];
+        let uid = ClaimUid::parse("uid-1").unwrap();
+        let lib = "usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01";
+        assert!(!specs.render(&uid, &devices).unwrap().contains(lib));
+        let path = driver.join(lib);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "libcuda").unwrap();
+        assert!(specs.render(&uid, &devices).unwrap().contains(lib));
     }
 }

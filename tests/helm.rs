@@ -385,12 +385,6 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
     }
 }
 
-/// Names the chart renders that `nvdra run` does not declare yet: they come with branches that
-/// are merged with this one (`--shared-capacity`; the driver root split into `--dev-root` and
-/// `--driver-root-ctr-path`). Each must still be missing: once it lands, this test fails until
-/// its entry is removed here.
-const PENDING: &[&str] = &["NVIDIA_DEV_ROOT", "DRIVER_ROOT_CTR_PATH"];
-
 /// Variables the chart sets for the NVIDIA container toolkit and glibc, not for nvdra.
 const NOT_NVDRA: &[&str] = &[
     "NVIDIA_VISIBLE_DEVICES",
@@ -418,12 +412,6 @@ fn every_flag_and_variable_the_chart_renders_is_one_nvdra_run_declares() {
             help.contains(&format!("[env: {name}="))
         }
     };
-    for pending in PENDING {
-        assert!(
-            !declared(pending),
-            "nvdra run declares {pending} now: remove it from PENDING"
-        );
-    }
     let mut checked = 0;
     for docs in [every_value(helm), template(helm, "nvdra", &[]).unwrap()] {
         let c = container(&docs);
@@ -438,7 +426,7 @@ fn every_flag_and_variable_the_chart_renders_is_one_nvdra_run_declares() {
             .filter(|n| !NOT_NVDRA.contains(n));
         for name in flags.chain(vars) {
             assert!(
-                declared(name) || PENDING.contains(&name),
+                declared(name),
                 "the chart renders {name}, which nvdra run does not declare"
             );
             checked += 1;

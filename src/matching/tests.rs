@@ -479,8 +479,12 @@ fn three_shares_of_24gi_fit_one_gpu_and_a_fourth_does_not() {
         r[3].reason.as_deref(),
         Some("request gpu needs 1 device, 0 fit")
     );
-    // The whole GPU is not the share's class.
-    assert!(rejected(&r[3], "gpu-0").starts_with("class gpu-shared.nvidia.com selector[0]"));
+    // The whole GPU is not the share's class, and its lack of the attribute is no error.
+    assert_eq!(
+        rejected(&r[3], "gpu-0"),
+        "class gpu-shared.nvidia.com selector[1]: 'shared' in device.attributes['gpu.nvidia.com'] \
+         && device.attributes['gpu.nvidia.com'].shared is false"
+    );
 }
 
 #[test]

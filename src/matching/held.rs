@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::AllocationResult;
 
-use super::{Candidate, Node, format_milli, parse_milli, qualify};
+use super::{Amounts, Candidate, Node, Pick, format_milli, parse_milli, qualify};
 
 /// The devices of a node that claims hold, and how much of each.
 #[derive(Debug, Default, Clone)]
@@ -18,12 +18,12 @@ pub struct Held {
     /// Per device (index into [`Node::devices`]): each holding claim and the capacity it
     /// consumes (by the capacity's name in the device, in thousandths; empty for an exclusive
     /// device).
-    by_device: BTreeMap<usize, Vec<(String, BTreeMap<String, i128>)>>,
+    by_device: BTreeMap<usize, Vec<(String, Amounts)>>,
 }
 
 impl Held {
     /// Records that `claim` holds device `d`, consuming `consumed` of it.
-    pub fn hold(&mut self, d: usize, claim: &str, consumed: BTreeMap<String, i128>) {
+    pub fn hold(&mut self, d: usize, claim: &str, consumed: Amounts) {
         self.by_device
             .entry(d)
             .or_default()
@@ -32,12 +32,12 @@ impl Held {
 
     /// Records an allocated claim's results; the devices it names that the node does not have
     /// come back as `driver/pool/device`.
-    pub fn hold_allocation(
+    pub(super) fn hold_allocation(
         &mut self,
         node: &Node,
         claim: &str,
         allocation: &AllocationResult,
-    ) -> (Vec<(String, usize, BTreeMap<String, i128>)>, Vec<String>) {
+    ) -> (Vec<Pick>, Vec<String>) {
         let mut found = Vec::new();
         let mut missing = Vec::new();
         for r in allocation
@@ -50,8 +50,8 @@ impl Held {
                 continue;
             };
             let dev = &node.devices[d];
-            let consumed: BTreeMap<String, i128> = if dev.shared() {
-                let given: BTreeMap<String, i128> = r
+            let consumed: Amounts = if dev.shared() {
+                let given: Amounts = r
                     .consumed_capacity
                     .iter()
                     .flatten()
@@ -102,7 +102,7 @@ impl Held {
     }
 
     /// What the holders of device `d` consume together, by capacity name.
-    pub(super) fn consumed(&self, d: usize) -> BTreeMap<String, i128> {
+    pub(super) fn consumed(&self, d: usize) -> Amounts {
         let mut out = BTreeMap::new();
         for (_, c) in self.by_device.get(&d).into_iter().flatten() {
             for (k, v) in c {
@@ -132,12 +132,7 @@ impl Held {
 
     /// Why device `d` cannot take one more allocation consuming `want` (by capacity name), in
     /// words; `None` when it can.
-    pub(super) fn why_not(
-        &self,
-        node: &Node,
-        d: usize,
-        want: &BTreeMap<String, i128>,
-    ) -> Option<String> {
+    pub(super) fn why_not(&self, node: &Node, d: usize, want: &Amounts) -> Option<String> {
         let dev = &node.devices[d];
         if self.is_held(d) {
             if !dev.shared() {

@@ -149,7 +149,7 @@ struct Alternative {
     fits: Vec<usize>,
     rejected: Vec<(usize, String)>,
     /// What one allocation takes of each fitting shared device (capacity name → thousandths).
-    consumes: BTreeMap<usize, BTreeMap<String, i128>>,
+    consumes: BTreeMap<usize, Amounts>,
 }
 
 /// A request or subrequest as written, before it is checked.
@@ -171,8 +171,11 @@ struct Request {
     alternatives: Vec<Alternative>,
 }
 
-/// A device picked for a request: (request, device index, capacity consumed by name).
-type Pick = (String, usize, BTreeMap<String, i128>);
+/// Amounts by capacity or counter name, in thousandths.
+pub type Amounts = BTreeMap<String, i128>;
+
+/// A device picked for a request: (request, device index, capacity consumed).
+type Pick = (String, usize, Amounts);
 
 /// Explains the claims one after another against the node, as the scheduler allocates them:
 /// the allocated ones (`status.allocation`) hold their devices, then each of the others, in
@@ -428,7 +431,7 @@ fn check(
     capacity: &BTreeMap<String, String>,
     tolerations: &[DeviceToleration],
     cand: &Candidate,
-) -> Result<BTreeMap<String, i128>, String> {
+) -> Result<Amounts, String> {
     for (i, s) in class.selectors.iter().enumerate() {
         if !matches!(s.evaluate(env, &cand.value), Ok(true)) {
             let why = s

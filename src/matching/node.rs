@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 
-use super::{InputError, parse_milli, slice_name};
+use super::{Amounts, InputError, parse_milli, slice_name};
 use crate::cel::{DeviceValue, Environment};
 
 /// One device of the node, ready for selectors.
@@ -16,7 +16,7 @@ pub struct Candidate {
     pub value: DeviceValue,
     /// What it draws from shared counters while allocated: (index into
     /// [`Node::counter_sets`], counter → thousandths).
-    pub(super) consumes: Vec<(usize, BTreeMap<String, i128>)>,
+    pub(super) consumes: Vec<(usize, Amounts)>,
     /// Counter sets it names that no slice of its pool has.
     pub(super) unknown_sets: Vec<String>,
 }
@@ -27,7 +27,7 @@ pub struct CounterSet {
     pub pool: String,
     pub name: String,
     /// Counter → value in thousandths.
-    pub counters: BTreeMap<String, i128>,
+    pub counters: Amounts,
 }
 
 /// A node's devices and the counter sets they draw on.

@@ -22,7 +22,7 @@ struct State {
     picks: Vec<Pick>,
     /// Devices in use (held or picked) and, for shared ones, the capacity consumed
     /// (thousandths).
-    consumed: BTreeMap<usize, BTreeMap<String, i128>>,
+    consumed: BTreeMap<usize, Amounts>,
     /// What devices in use draw from shared counters: (set, counter) → thousandths.
     counters: BTreeMap<(usize, String), i128>,
     steps: u64,

@@ -45,6 +45,7 @@ fn main() {
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
         partitionable: true,
+        shared_capacity: false,
         layout: CounterLayout::Separate,
     };
     let published: Vec<_> = desired_slices(&inv, &opts)

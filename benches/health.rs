@@ -92,6 +92,7 @@ async fn main() {
                 driver: DRIVER.into(),
                 node_name: NODE.into(),
                 partitionable: false,
+                shared_capacity: false,
                 layout: CounterLayout::Separate,
             },
             Duration::from_secs(3600),

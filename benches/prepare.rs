@@ -156,6 +156,7 @@ async fn main() {
             driver_root: dir.path().join("driver"),
             boot_id: "bench".into(),
             partitionable: false,
+            shared_capacity: false,
         },
         api.cluster_api(),
         Arc::new(sim),

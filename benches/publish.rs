@@ -37,6 +37,7 @@ fn desired() -> Vec<ResourceSliceSpec> {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: true,
+            shared_capacity: false,
             layout: CounterLayout::Separate,
         },
     )

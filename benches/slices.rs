@@ -24,6 +24,7 @@ fn bench(label: &str, profile: &str, layout: CounterLayout, partitionable: bool)
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
         partitionable,
+        shared_capacity: false,
         layout,
     };
     let mut devices = 0;

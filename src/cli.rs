@@ -375,6 +375,7 @@ fn render_slices(
         driver: config.driver_name.clone(),
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
+        shared_capacity: config.shared_capacity,
         layout: layout.into(),
     };
     let mut out = String::new();

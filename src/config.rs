@@ -125,6 +125,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Publish shared counters and every possible MIG placement (DRAPartitionableDevices).
     pub partitionable: bool,
+    /// Publish shareable GPUs with consumable `memory` and `compute` (DRAConsumableCapacity).
+    pub shared_capacity: bool,
     /// Set for rolling updates: socket names carry it.
     pub pod_uid: Option<String>,
     /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
@@ -324,6 +326,7 @@ fn validate(settings: Settings) -> Result<Config> {
         metrics_address,
         log_format: need(log.log_format, "--log-format")?,
         partitionable: need(plugin.partitionable, "--partitionable")?,
+        shared_capacity: need(plugin.shared_capacity, "--shared-capacity")?,
         pod_uid: kubelet.pod_uid,
         device_plugin_config: serve
             .device_plugin_config

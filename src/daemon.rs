@@ -239,6 +239,7 @@ pub async fn run(
             driver_root: config.driver_root.clone(),
             boot_id,
             partitionable: config.partitionable,
+            shared_capacity: config.shared_capacity,
         },
         api.clone(),
         backend.clone(),
@@ -543,6 +544,7 @@ async fn publish(
         driver: config.driver_name.clone(),
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
+        shared_capacity: config.shared_capacity,
         layout: sync::layout_for(minor),
     };
     let (publisher, handle) = Publisher::with_counters(

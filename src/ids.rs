@@ -110,6 +110,17 @@ impl DeviceName {
         ))
     }
 
+    /// The shareable twin of a whole GPU (`--shared-capacity`): `gpu-<minor>-shared`, whose
+    /// `memory` and `compute` the scheduler hands out by quantity.
+    pub fn shared(minor: u32) -> Self {
+        Self(format!("gpu-{minor}-shared"))
+    }
+
+    /// Whether this names a shareable GPU ([`DeviceName::shared`]).
+    pub fn is_shared(&self) -> bool {
+        self.0.ends_with("-shared")
+    }
+
     /// Checks the grammar only; whether the device exists is the inventory's question
     /// (`dra::slices::find_device`).
     pub fn parse(name: &str) -> Result<Self, InvalidDeviceName> {
@@ -121,6 +132,7 @@ impl DeviceName {
         let valid = || {
             let rest = name.strip_prefix("gpu-")?;
             let (minor, mig) = match rest.split_once('-') {
+                Some((minor, "shared")) => return number(minor).then_some(()),
                 Some((minor, mig)) => (minor, Some(mig.strip_prefix("mig-")?)),
                 None => (rest, None),
             };

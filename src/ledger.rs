@@ -13,6 +13,7 @@
 //! | version | written by | shape |
 //! |---|---|---|
 //! | 1 | since `9a33f72` | as above; a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
+//! | 2 | since `--shared-capacity` | version 1, and a device may carry `"consumedCapacity": {"memory": <bytes>, "compute": <percent>}` (a share of a GPU); written only while some claim holds a share |
 //!
 //! A change to what the file holds gets a new version here, a reader for it, and a
 //! [`version_for`] that picks it only for a state the older versions cannot hold.
@@ -54,8 +55,12 @@ use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::sharing::Sharing;
 use kubelet_plugin::lock::lock;
 
+pub mod shares;
+
+pub use shares::Consumed;
+
 /// The newest checkpoint version this build reads.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The oldest checkpoint version nvdra ever wrote (and this build still reads).
 pub const OLDEST_VERSION: u32 = 1;
 /// The checkpoint's file name in the plugin data directory.
@@ -182,6 +187,14 @@ pub struct DeviceRecord {
     pub gpu: GpuUuid,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRecord>,
+    /// What a consumable-capacity share (`gpu-<minor>-shared`) consumes of its GPU; such a
+    /// record needs checkpoint version 2.
+    #[serde(
+        default,
+        rename = "consumedCapacity",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub consumed: Option<Consumed>,
     /// How the device is shared (enough to undo it and to rebuild the CDI spec).
     #[serde(
         default,
@@ -257,10 +270,16 @@ impl Checkpoint {
 
 /// The oldest checkpoint version that holds `cp`, which is the version it is written as.
 ///
-/// Every state fits version 1 today. A field that version 1 cannot hold raises this only for the
-/// checkpoints that use it, so pods of older builds keep reading the rest.
-pub fn version_for(_cp: &Checkpoint) -> u32 {
-    OLDEST_VERSION
+/// A field that version 1 cannot hold raises this only for the checkpoints that use it, so pods
+/// of older builds keep reading the rest: version 2 adds a device's `consumedCapacity` (a share
+/// of a GPU, `--shared-capacity`), which a build that reads only version 1 would drop and then
+/// count the GPU as free.
+pub fn version_for(cp: &Checkpoint) -> u32 {
+    let shares = cp
+        .claims
+        .values()
+        .any(|e| e.devices.iter().any(|d| d.consumed.is_some()));
+    if shares { 2 } else { OLDEST_VERSION }
 }
 
 /// The file as written: the version, then the content.
@@ -386,7 +405,8 @@ fn decode(bytes: &[u8]) -> Result<Checkpoint, Undecodable> {
         return Err(Undecodable::Corrupt("no version field".to_string()));
     };
     match version {
-        1 => {
+        // Version 2 is version 1 plus `consumedCapacity`, which the record reads when present.
+        1 | 2 => {
             let FileV1 { boot_id, claims } = serde_json::from_value(value)
                 .map_err(|e| Undecodable::Corrupt(format!("invalid: {e}")))?;
             Ok(Checkpoint { boot_id, claims })

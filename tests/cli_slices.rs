@@ -17,6 +17,7 @@ fn nvdra(args: &[&str], env: &[(&str, &str)]) -> Output {
         "NVDRA_TOPOLOGY",
         "NVDRA_DRIVER_NAME",
         "NVDRA_PARTITIONABLE",
+        "NVDRA_SHARED_CAPACITY",
         "NVDRA_COUNTER_LAYOUT",
         "NVDRA_LOG_FORMAT",
     ] {
@@ -277,4 +278,57 @@ fn mig_mode_gpus_are_published_as_mig_devices_only() {
         "{names:?}"
     );
     assert!(names.contains(&"gpu-0".to_string()) && names.contains(&"gpu-3".to_string()));
+}
+
+/// Without `--shared-capacity` the slices are byte for byte what the build before it printed
+/// (`tests/data/slices/`, written by `nvdra inventory -o slices` at `730af4d`); with it, the same
+/// pool plus the shareable GPUs, strictly parseable.
+#[test]
+fn shared_capacity_off_leaves_the_slices_byte_identical() {
+    for profile in ["dgx-h100", "a100-mig-mixed"] {
+        for partitionable in ["false", "true"] {
+            let golden = std::fs::read_to_string(format!(
+                "{}/tests/data/slices/{profile}-partitionable-{partitionable}.yaml",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap();
+            let args = |shared: &'static str| {
+                vec![
+                    "inventory".to_string(),
+                    "--profile".into(),
+                    profile.into(),
+                    "--node-name".into(),
+                    "node-a".into(),
+                    "-o".into(),
+                    "slices".into(),
+                    format!("--partitionable={partitionable}"),
+                    format!("--shared-capacity={shared}"),
+                ]
+            };
+            let run = |shared| {
+                let a = args(shared);
+                let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+                let out = nvdra(&refs, &[]);
+                assert!(
+                    out.status.success(),
+                    "{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                String::from_utf8(out.stdout).unwrap()
+            };
+            assert!(
+                run("false") == golden,
+                "{profile} partitionable={partitionable} changed"
+            );
+            let on = strict_parse(&run("true")).unwrap();
+            let names: Vec<String> = on
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .map(|d| d.name.clone())
+                .filter(|n| n.ends_with("-shared"))
+                .collect();
+            let want = if profile == "dgx-h100" { 8 } else { 2 };
+            assert_eq!(names.len(), want, "{profile}: {names:?}");
+        }
+    }
 }

@@ -150,6 +150,7 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: false,
+            shared_capacity: false,
             layout: CounterLayout::Separate,
         },
         Duration::from_secs(3600),

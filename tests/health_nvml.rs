@@ -208,6 +208,7 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
         driver: "gpu.nvidia.com".into(),
         node_name: "n".into(),
         partitionable: false,
+        shared_capacity: false,
         layout: CounterLayout::Separate,
     };
     let tainted: Vec<(String, String)> = desired_slices(&inv, &opts)

@@ -1,6 +1,7 @@
 //! Inventory → slices → publisher → test API server: changes in the (simulated) hardware reach the
 //! API server as one update, and a server that drops the partitionable fields gets the plain
-//! layout instead.
+//! layout instead; with `--shared-capacity`, the shareable GPUs as the server stores them, and
+//! whole GPUs only where the server drops consumable capacity.
 
 mod support;
 
@@ -87,6 +88,15 @@ impl Drop for Node {
 }
 
 async fn start(profile: &str, partitionable: bool, prepare: impl FnOnce(&TestApiServer)) -> Node {
+    start_with(profile, partitionable, false, prepare).await
+}
+
+async fn start_with(
+    profile: &str,
+    partitionable: bool,
+    shared_capacity: bool,
+    prepare: impl FnOnce(&TestApiServer),
+) -> Node {
     let server = TestApiServer::start().await;
     server.seed_node(NODE, "uid-node-a");
     prepare(&server);
@@ -112,6 +122,7 @@ async fn start(profile: &str, partitionable: bool, prepare: impl FnOnce(&TestApi
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable,
+            shared_capacity,
             layout,
         },
         // Long enough that only announced changes are picked up during a test.
@@ -244,6 +255,7 @@ async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: false,
+            shared_capacity: false,
             layout: CounterLayout::Separate,
         },
     )
@@ -296,4 +308,71 @@ async fn a_1_34_server_gets_counters_and_devices_together() {
         s.spec.shared_counters.is_some() && s.spec.devices.as_ref().is_some_and(|d| !d.is_empty())
     }));
     assert_eq!(layout_for(Some(34)), CounterLayout::Together);
+}
+
+/// `--shared-capacity` on the test API server: dgx-h100 publishes 8 shareable GPUs beside the
+/// 8 whole ones, each with both consumable capacities and their request policies, and what the
+/// server stores passes the API's rules.
+#[tokio::test]
+async fn shareable_gpus_are_published_with_their_capacities() {
+    let node = start_with("dgx-h100", false, true, |_| {}).await;
+    eventually("16 devices", || {
+        device_names(&node.server.slices()).len() == 16
+    })
+    .await;
+    let slices = node.server.slices();
+    let specs: Vec<_> = slices.iter().map(|s| s.spec.clone()).collect();
+    for s in &specs {
+        assert_eq!(nvdra::dra::slices::validate(s), vec![], "{s:?}");
+    }
+    assert_eq!(nvdra::dra::slices::validate_pool(&specs), vec![]);
+    let shared: Vec<_> = specs
+        .iter()
+        .flat_map(|s| s.devices.iter().flatten())
+        .filter(|d| d.name.ends_with("-shared"))
+        .collect();
+    assert_eq!(shared.len(), 8);
+    for d in shared {
+        assert_eq!(d.allow_multiple_allocations, Some(true), "{}", d.name);
+        let caps = d.capacity.as_ref().unwrap();
+        let keys: Vec<&str> = caps.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["compute", "memory"], "{}", d.name);
+        for (name, default, min, max, step) in [
+            ("memory", "1Gi", "1Gi", "80Gi", "1Gi"),
+            ("compute", "100", "1", "100", "1"),
+        ] {
+            let p = caps[name]
+                .request_policy
+                .as_ref()
+                .expect("a request policy");
+            let r = p.valid_range.as_ref().unwrap();
+            assert_eq!(p.default.as_ref().unwrap().0, default);
+            assert_eq!(r.min.0, min);
+            assert_eq!(r.max.as_ref().unwrap().0, max);
+            assert_eq!(r.step.as_ref().unwrap().0, step);
+        }
+        let consumes = d.consumes_counters.as_ref().unwrap();
+        assert_eq!(consumes.len(), 1);
+        let whole = d.name.trim_end_matches("-shared");
+        assert_eq!(consumes[0].counter_set, format!("{whole}-counter-set"));
+    }
+}
+
+/// A server without DRAConsumableCapacity drops what shares need: whole GPUs only, settled.
+#[tokio::test]
+async fn dropped_consumable_capacity_falls_back_to_whole_gpus() {
+    let mut node = start_with("dgx-h100", false, true, |server| {
+        server.drop_field("devices[].allowMultipleAllocations");
+        server.drop_field("devices[].capacity.memory.requestPolicy");
+        server.drop_field("devices[].capacity.compute.requestPolicy");
+    })
+    .await;
+    eventually("whole GPUs only", || {
+        let slices = node.server.slices();
+        slices.len() == 1 && device_names(&slices) == gpus(8)
+    })
+    .await;
+    let slices = node.server.slices();
+    assert!(slices.iter().all(|s| s.spec.shared_counters.is_none()));
+    node.assert_announcing_writes_nothing().await;
 }

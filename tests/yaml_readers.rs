@@ -247,6 +247,7 @@ async fn an_api_dir_slice_file_reads_as_the_stored_slice() {
         driver: "gpu.nvidia.com".into(),
         node_name: NODE.into(),
         partitionable: false,
+        shared_capacity: false,
         layout: Default::default(),
     };
     let mut spec = slices::desired_slices(&inventory, &opts).unwrap().remove(0);

@@ -223,6 +223,7 @@ fn node_slices(
         driver: config.driver_name.clone(),
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
+        shared_capacity: config.shared_capacity,
         layout: slices::CounterLayout::Separate,
     };
     Ok(slices::desired_slices(&inv, &opts)?

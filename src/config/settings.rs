@@ -115,6 +115,20 @@ pub struct PluginSettings {
         default_missing_value = "true"
     )]
     pub partitionable: Option<bool>,
+
+    /// Also publish each whole GPU outside MIG mode as a shareable device (`gpu-<minor>-shared`)
+    /// whose `memory` and `compute` the scheduler hands out by quantity, enforced at prepare with
+    /// one MPS daemon per GPU (needs the DRAConsumableCapacity and DRAPartitionableDevices
+    /// feature gates).
+    #[arg(
+        long,
+        env = "NVDRA_SHARED_CAPACITY",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub shared_capacity: Option<bool>,
 }
 
 impl Section for PluginSettings {
@@ -122,6 +136,7 @@ impl Section for PluginSettings {
         Self {
             driver_name: Some(DEFAULT_DRIVER_NAME.into()),
             partitionable: Some(false),
+            shared_capacity: Some(false),
         }
     }
 
@@ -129,10 +144,12 @@ impl Section for PluginSettings {
         let Self {
             driver_name,
             partitionable,
+            shared_capacity,
         } = self;
         Self {
             driver_name: driver_name.or(lower.driver_name),
             partitionable: partitionable.or(lower.partitionable),
+            shared_capacity: shared_capacity.or(lower.shared_capacity),
         }
     }
 }

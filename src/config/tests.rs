@@ -199,6 +199,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("nodeName: n1", "nodeName"),
         ("driverName: gpu.example.com", "driverName"),
         ("partitionable: true", "partitionable"),
+        ("sharedCapacity: true", "sharedCapacity"),
         ("kubeletRoot: /k", "kubeletRoot"),
         ("cdiRoot: /etc/cdi", "cdiRoot"),
         ("kubeconfig: /kc", "kubeconfig"),
@@ -226,6 +227,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "nodeName" => s.backend.node_name.is_some(),
             "driverName" => s.plugin.driver_name.is_some(),
             "partitionable" => s.plugin.partitionable == Some(true),
+            "sharedCapacity" => s.plugin.shared_capacity == Some(true),
             "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
             "cdiRoot" => s.kubelet.cdi_root.is_some(),
             "kubeconfig" => s.api.cluster.kubeconfig.is_some(),
@@ -267,7 +269,10 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
 
 #[test]
 fn keys_come_from_the_derive() {
-    assert_eq!(keys_of::<PluginSettings>(), ["driverName", "partitionable"]);
+    assert_eq!(
+        keys_of::<PluginSettings>(),
+        ["driverName", "partitionable", "sharedCapacity"]
+    );
     // Skipped fields are not file keys.
     assert_eq!(keys_of::<KubeletSettings>(), ["kubeletRoot", "cdiRoot"]);
 }

@@ -60,6 +60,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         metrics_address: "127.0.0.1:0".parse().context("loopback address")?,
         log_format: LogFormat::Plain,
         partitionable: false,
+        shared_capacity: false,
         pod_uid: None,
         device_plugin_config: None,
         device_plugin_gpu_memory: false,

@@ -301,6 +301,7 @@ mod tests {
                 placement: m.placement,
                 created: false,
             }),
+            consumed: None,
             sharing: Sharing::Exclusive,
         }
     }
@@ -349,6 +350,39 @@ mod tests {
         want.sort();
         assert_eq!(got, want);
         assert!(got.contains(&m1.uuid.to_string()));
+    }
+
+    /// One ledger: a GPU shared by capacity (`gpu-<minor>-shared`) is held for the device-plugin
+    /// path as a whole claim's GPU is, naming the claim.
+    #[test]
+    fn a_gpu_with_a_capacity_share_is_held_for_the_device_plugin() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _w, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (inv, res) = resources();
+        let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
+        let share = DeviceRecord {
+            device: DeviceName::shared(whole.minor),
+            share_id: Some("0b6a4c1e-0000-4000-8000-000000000001".into()),
+            consumed: Some(crate::ledger::Consumed {
+                memory: 4 << 30,
+                compute: 10,
+            }),
+            ..record(whole, None)
+        };
+        claim(&ledger, "s", share);
+        let out = overlay(&ledger, res);
+        assert_eq!(unhealthy(&out), vec![whole.uuid.to_string()]);
+        let d = out
+            .iter()
+            .flat_map(|r| &r.devices)
+            .find(|d| d.uuid == DeviceUuid::Gpu(whole.uuid.clone()))
+            .unwrap();
+        assert_eq!(
+            d.health,
+            Health::Unhealthy {
+                reason: "prepared for DRA resource claim ns/claim-s (s)".into()
+            }
+        );
     }
 
     #[test]

@@ -293,6 +293,7 @@ mod tests {
                 placement: Placement { start, size },
                 created: false,
             }),
+            consumed: None,
             sharing: Sharing::Exclusive,
         }
     }

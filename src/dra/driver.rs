@@ -52,6 +52,7 @@ fn prepared(d: DeviceRecord) -> PreparedDevice {
         admin_access: _,
         gpu: _,
         mig: _,
+        consumed: _,
         sharing: _,
     } = d;
     PreparedDevice {
@@ -110,6 +111,7 @@ mod tests {
             admin_access: false,
             gpu: GpuUuid("GPU-0".into()),
             mig: None,
+            consumed: None,
             sharing: Sharing::Exclusive,
         }
     }

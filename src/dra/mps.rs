@@ -1,23 +1,36 @@
-//! MPS control daemons for claims shared with the MPS strategy.
+//! MPS control daemons: one per claim shared with the MPS strategy, and one per GPU that
+//! consumable-capacity shares use (`--shared-capacity`).
 //!
-//! One daemon per claim, serving all of the claim's MPS devices: a container has one
+//! **Per claim**: one daemon serves all of the claim's MPS devices: a container has one
 //! `CUDA_MPS_PIPE_DIRECTORY`, so every MPS device it sees must sit behind one daemon. Since a
-//! device belongs to one claim at a time, this is also one daemon per shared GPU. The daemon is
-//! started (`nvidia-cuda-mps-control -d`, found under the driver root) when the claim is prepared
-//! and stopped (`echo quit | nvidia-cuda-mps-control`) when it is unprepared.
+//! device belongs to one claim at a time, this is also one daemon per shared GPU. It is started
+//! when the claim is prepared and stopped when it is unprepared; it lives in
+//! `<plugin dir>/mps/<claim-uid>/{pipe,log}`.
 //!
-//! Each daemon lives in `<plugin dir>/mps/<claim-uid>/{pipe,log}` (its `CUDA_MPS_PIPE_DIRECTORY`
-//! and `CUDA_MPS_LOG_DIRECTORY`); the CDI spec mounts the pipe directory into containers and sets
-//! the per-client limits. The directory's existence is the record that a daemon was started, so
-//! stop is idempotent and survives restarts. All methods block (they run processes): call them
-//! off the async runtime.
+//! **Per GPU** (shares of `gpu-<minor>-shared`): many claims share the GPU, so the daemon belongs
+//! to the GPU: started with the first share ([`Mps::ensure_gpu`]), stopped after the last
+//! ([`Mps::stop_gpu`], which the caller invokes once the ledger holds no other share of it). It
+//! lives in `<plugin dir>/mps/shared-<gpu-uuid>/{pipe,log}`. Each share's limits are its client
+//! environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), set by
+//! its CDI spec. A lock per GPU makes "start unless running" and "stop" atomic against each
+//! other, so a share prepared while the last other share goes never finds its daemon stopped.
+//!
+//! A daemon is started with `nvidia-cuda-mps-control -d` (found under the driver root) and
+//! stopped with `echo quit | nvidia-cuda-mps-control`. The directory's existence is the record
+//! that a daemon was started, so stop is idempotent and survives restarts; its `control` pipe
+//! tells whether the daemon still runs. All methods block (they run processes): call them off
+//! the async runtime.
 
+use std::collections::HashMap;
+use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 
 use crate::ids::ClaimUid;
-use crate::inventory::DeviceUuid;
+use crate::inventory::{DeviceUuid, GpuUuid};
+use kubelet_plugin::lock::lock;
 
 pub const CONTROL: &str = "nvidia-cuda-mps-control";
 
@@ -33,37 +46,71 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{CONTROL} {action} for claim {claim} failed: {reason}")]
+    #[error("{CONTROL} {action} for {owner} failed: {reason}")]
     Control {
         action: &'static str,
-        claim: ClaimUid,
+        owner: Owner,
         reason: String,
     },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Whose daemon: a claim's, or a GPU's (its consumable-capacity shares).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Owner {
+    Claim(ClaimUid),
+    Gpu(GpuUuid),
+}
+
+impl fmt::Display for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Owner::Claim(c) => write!(f, "claim {c}"),
+            Owner::Gpu(g) => write!(f, "the shares of GPU {g}"),
+        }
+    }
+}
+
 pub struct Mps {
     root: PathBuf,
     driver_root: PathBuf,
+    /// One lock per GPU with shares: start and stop of its daemon exclude each other.
+    gpu_locks: Mutex<HashMap<GpuUuid, Arc<Mutex<()>>>>,
 }
 
 impl Mps {
     pub fn new(root: PathBuf, driver_root: PathBuf) -> Self {
-        Self { root, driver_root }
+        Self {
+            root,
+            driver_root,
+            gpu_locks: Mutex::new(HashMap::new()),
+        }
     }
 
-    fn claim_dir(&self, claim: &ClaimUid) -> PathBuf {
-        self.root.join(claim.as_str())
+    fn dir(&self, owner: &Owner) -> PathBuf {
+        match owner {
+            Owner::Claim(c) => self.root.join(c.as_str()),
+            Owner::Gpu(g) => self.root.join(format!("shared-{}", g.as_str())),
+        }
+    }
+
+    fn owner_pipe_dir(&self, owner: &Owner) -> PathBuf {
+        self.dir(owner).join("pipe")
+    }
+
+    fn log_dir(&self, owner: &Owner) -> PathBuf {
+        self.dir(owner).join("log")
     }
 
     /// The claim's `CUDA_MPS_PIPE_DIRECTORY` on the host.
     pub fn pipe_dir(&self, claim: &ClaimUid) -> PathBuf {
-        self.claim_dir(claim).join("pipe")
+        self.owner_pipe_dir(&Owner::Claim(claim.clone()))
     }
 
-    fn log_dir(&self, claim: &ClaimUid) -> PathBuf {
-        self.claim_dir(claim).join("log")
+    /// The `CUDA_MPS_PIPE_DIRECTORY` of a GPU's shares on the host.
+    pub fn gpu_pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
+        self.owner_pipe_dir(&Owner::Gpu(gpu.clone()))
     }
 
     fn control(&self) -> Result<PathBuf> {
@@ -78,22 +125,26 @@ impl Mps {
 
     /// Starts the claim's daemon for `devices` (GPU or MIG UUIDs); returns the pipe directory.
     pub fn start(&self, claim: &ClaimUid, devices: &[DeviceUuid]) -> Result<PathBuf> {
+        self.start_for(&Owner::Claim(claim.clone()), devices)
+    }
+
+    fn start_for(&self, owner: &Owner, devices: &[DeviceUuid]) -> Result<PathBuf> {
         let control = self.control()?;
-        for dir in [self.pipe_dir(claim), self.log_dir(claim)] {
+        for dir in [self.owner_pipe_dir(owner), self.log_dir(owner)] {
             std::fs::create_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })?;
         }
         let visible: Vec<&str> = devices.iter().map(DeviceUuid::as_str).collect();
         let out = self
-            .command(&control, claim)
+            .command(&control, owner)
             .env("CUDA_VISIBLE_DEVICES", visible.join(","))
             .arg("-d")
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| self.fail("start", claim, e.to_string()))?;
+            .map_err(|e| fail("start", owner, e.to_string()))?;
         if !out.status.success() {
-            return Err(self.fail(
+            return Err(fail(
                 "start",
-                claim,
+                owner,
                 format!(
                     "{}: {}",
                     out.status,
@@ -101,8 +152,8 @@ impl Mps {
                 ),
             ));
         }
-        tracing::info!(claim.uid = %claim, devices = %visible.join(","), "MPS control daemon started");
-        Ok(self.pipe_dir(claim))
+        tracing::info!(%owner, devices = %visible.join(","), "MPS control daemon started");
+        Ok(self.owner_pipe_dir(owner))
     }
 
     /// At start-up, for a prepared claim: starts the daemon only when its control pipe is
@@ -114,42 +165,76 @@ impl Mps {
         self.start(claim, devices)
     }
 
+    /// Starts the GPU's share daemon unless it runs; returns its pipe directory.
+    pub fn ensure_gpu(&self, gpu: &GpuUuid) -> Result<PathBuf> {
+        let l = self.gpu_lock(gpu);
+        let _g = lock(&l);
+        let owner = Owner::Gpu(gpu.clone());
+        let pipe = self.owner_pipe_dir(&owner);
+        if pipe.join("control").exists() {
+            return Ok(pipe);
+        }
+        self.start_for(&owner, &[DeviceUuid::Gpu(gpu.clone())])
+    }
+
+    /// Stops the GPU's share daemon if `still_shared` (asked under the GPU's lock, so no share
+    /// can start using the daemon in between) says no share of it is left.
+    pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {
+        let l = self.gpu_lock(gpu);
+        let _g = lock(&l);
+        if still_shared() {
+            return Ok(());
+        }
+        self.stop_for(&Owner::Gpu(gpu.clone()))
+    }
+
+    fn gpu_lock(&self, gpu: &GpuUuid) -> Arc<Mutex<()>> {
+        lock(&self.gpu_locks)
+            .entry(gpu.clone())
+            .or_default()
+            .clone()
+    }
+
     /// Stops the claim's daemon and removes its directory. A claim without one is a no-op; a
     /// daemon that is already gone is logged, not an error, so unprepare can always finish.
     pub fn stop(&self, claim: &ClaimUid) -> Result<()> {
-        let dir = self.claim_dir(claim);
+        self.stop_for(&Owner::Claim(claim.clone()))
+    }
+
+    fn stop_for(&self, owner: &Owner) -> Result<()> {
+        let dir = self.dir(owner);
         if !dir.exists() {
             return Ok(());
         }
-        match self.quit(claim) {
-            Ok(()) => tracing::info!(claim.uid = %claim, "MPS control daemon stopped"),
+        match self.quit(owner) {
+            Ok(()) => tracing::info!(%owner, "MPS control daemon stopped"),
             Err(e @ Error::NoControl { .. }) => return Err(e),
             Err(e) => {
-                tracing::warn!(claim.uid = %claim, error = %kubelet_plugin::report::chain(&e), "MPS control daemon did not stop cleanly; assuming it is gone")
+                tracing::warn!(%owner, error = %kubelet_plugin::report::chain(&e), "MPS control daemon did not stop cleanly; assuming it is gone")
             }
         }
         std::fs::remove_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })
     }
 
-    fn quit(&self, claim: &ClaimUid) -> Result<()> {
+    fn quit(&self, owner: &Owner) -> Result<()> {
         let control = self.control()?;
         let mut child = self
-            .command(&control, claim)
+            .command(&control, owner)
             .stdin(Stdio::piped())
             .spawn()
-            .map_err(|e| self.fail("stop", claim, e.to_string()))?;
+            .map_err(|e| fail("stop", owner, e.to_string()))?;
         if let Some(mut stdin) = child.stdin.take() {
             stdin
                 .write_all(b"quit\n")
-                .map_err(|e| self.fail("stop", claim, e.to_string()))?;
+                .map_err(|e| fail("stop", owner, e.to_string()))?;
         }
         let out = child
             .wait_with_output()
-            .map_err(|e| self.fail("stop", claim, e.to_string()))?;
+            .map_err(|e| fail("stop", owner, e.to_string()))?;
         if !out.status.success() {
-            return Err(self.fail(
+            return Err(fail(
                 "stop",
-                claim,
+                owner,
                 format!(
                     "{}: {}",
                     out.status,
@@ -160,21 +245,21 @@ impl Mps {
         Ok(())
     }
 
-    fn fail(&self, action: &'static str, claim: &ClaimUid, reason: String) -> Error {
-        Error::Control {
-            action,
-            claim: claim.clone(),
-            reason,
-        }
-    }
-
-    fn command(&self, control: &Path, claim: &ClaimUid) -> Command {
+    fn command(&self, control: &Path, owner: &Owner) -> Command {
         let mut c = Command::new(control);
-        c.env("CUDA_MPS_PIPE_DIRECTORY", self.pipe_dir(claim))
-            .env("CUDA_MPS_LOG_DIRECTORY", self.log_dir(claim))
+        c.env("CUDA_MPS_PIPE_DIRECTORY", self.owner_pipe_dir(owner))
+            .env("CUDA_MPS_LOG_DIRECTORY", self.log_dir(owner))
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         c
+    }
+}
+
+fn fail(action: &'static str, owner: &Owner, reason: String) -> Error {
+    Error::Control {
+        action,
+        owner: owner.clone(),
+        reason,
     }
 }
 
@@ -192,7 +277,9 @@ pub(crate) mod tests {
         let log = driver_root.join("mps.log");
         let script = format!(
             "#!/bin/sh\nif [ \"$1\" = -d ]; then echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; \
-             else while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; done; fi\n",
+             : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
+             else while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; done; \
+             rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
             log = log.display()
         );
         let p = bin.join(CONTROL);
@@ -242,5 +329,35 @@ pub(crate) mod tests {
             )
             .unwrap_err();
         assert!(e.to_string().contains("nvidia-cuda-mps-control"), "{e}");
+    }
+
+    #[test]
+    fn a_gpus_share_daemon_starts_once_and_stops_when_no_share_is_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let driver_root = dir.path().join("driver");
+        fake_control(&driver_root);
+        let mps = Mps::new(dir.path().join("mps"), driver_root.clone());
+        let gpu = GpuUuid("GPU-a".into());
+        let pipe = mps.ensure_gpu(&gpu).unwrap();
+        assert_eq!(
+            mps.ensure_gpu(&gpu).unwrap(),
+            pipe,
+            "a running daemon is reused"
+        );
+        assert_eq!(pipe, mps.gpu_pipe_dir(&gpu));
+        mps.stop_gpu(&gpu, || true).unwrap();
+        assert!(pipe.join("control").exists(), "kept while a share is left");
+        mps.stop_gpu(&gpu, || false).unwrap();
+        mps.stop_gpu(&gpu, || false).unwrap();
+        assert!(!pipe.exists());
+        let log = std::fs::read_to_string(driver_root.join("mps.log")).unwrap();
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(
+            lines,
+            vec![
+                format!("start GPU-a {}", pipe.display()),
+                format!("quit {}", pipe.display())
+            ]
+        );
     }
 }

@@ -153,7 +153,11 @@ pub struct SliceOptions {
     /// Publish every possible MIG placement with shared counters (DRAPartitionableDevices)
     /// instead of only what exists.
     pub partitionable: bool,
-    /// Only matters when `partitionable` is set.
+    /// Also publish each GPU outside MIG mode as a shareable device (`gpu-<minor>-shared`) with
+    /// consumable `memory` and `compute` (DRAConsumableCapacity), drawing on the same counters as
+    /// the whole GPU so the two exclude each other.
+    pub shared_capacity: bool,
+    /// Matters when `partitionable` or `shared_capacity` is set.
     pub layout: CounterLayout,
 }
 

@@ -30,6 +30,8 @@ use kubelet_plugin::publisher::PublisherHandle;
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
 const PARTITIONABLE_FIELDS: [&str; 2] = ["sharedCounters", "consumesCounters"];
+/// The fields whose loss means consumable capacity cannot work on this cluster.
+const CONSUMABLE_FIELDS: [&str; 2] = ["allowMultipleAllocations", "requestPolicy"];
 /// The field whose loss means device taints do not reach the scheduler.
 const TAINTS_FIELD: &str = "taints";
 
@@ -178,6 +180,28 @@ impl SliceSync {
             .map(String::as_str)
             .filter(|f| PARTITIONABLE_FIELDS.contains(f))
             .collect();
+        let lost_consumable: Vec<&str> = fields
+            .iter()
+            .map(String::as_str)
+            .filter(|f| CONSUMABLE_FIELDS.contains(f))
+            .collect();
+        if self.options.shared_capacity && !(lost.is_empty() && lost_consumable.is_empty()) {
+            // Without consumable capacity a share reads as the whole GPU; without counters the
+            // scheduler could hand the GPU out whole and in shares at once.
+            let gate = if lost_consumable.is_empty() {
+                "DRAPartitionableDevices"
+            } else {
+                "DRAConsumableCapacity"
+            };
+            tracing::warn!(
+                fields = ?[&lost[..], &lost_consumable[..]].concat(),
+                "the API server drops fields shareable GPUs need (feature gate {gate} is off); \
+                 publishing whole GPUs only, not gpu-<minor>-shared. Enable the gate or run \
+                 without --shared-capacity to silence this"
+            );
+            self.options.shared_capacity = false;
+            self.stale = true;
+        }
         if self.options.partitionable && !self.fell_back && !lost.is_empty() {
             tracing::warn!(
                 fields = ?lost,
@@ -315,6 +339,7 @@ mod tests {
             driver: "gpu.nvidia.com".into(),
             node_name: "n1".into(),
             partitionable: false,
+            shared_capacity: false,
             layout: CounterLayout::Separate,
         };
         let (sync, _) = SliceSync::new(

@@ -17,6 +17,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
                 admin_access: false,
                 gpu: GpuUuid("GPU-1".into()),
                 mig: None,
+                consumed: None,
                 sharing: Sharing::Exclusive,
             })
             .collect(),
@@ -132,6 +133,7 @@ fn fixture_state() -> Checkpoint {
         admin_access: false,
         gpu: GpuUuid(format!("GPU-{gpu}-1111-2222-3333-444455556666")),
         mig: None,
+        consumed: None,
         sharing: Sharing::Exclusive,
     };
     let entry = |state, namespace: &str, name: &str, d: DeviceRecord| ClaimEntry {
@@ -234,18 +236,18 @@ fn writes_the_oldest_version_the_previous_release_reads() {
 
 #[tokio::test]
 async fn a_newer_version_is_refused_and_left_in_place() {
-    let newer = "{\"version\": 2, \"bootId\": \"b\", \"claims\": {}, \"somethingNew\": 1}";
+    let newer = "{\"version\": 3, \"bootId\": \"b\", \"claims\": {}, \"somethingNew\": 1}";
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(FILE_NAME);
     std::fs::write(&path, newer).unwrap();
     let Err(e) = Ledger::open(dir.path(), "b") else {
-        panic!("a version 2 checkpoint was accepted");
+        panic!("a version 3 checkpoint was accepted");
     };
-    assert!(matches!(e, Error::TooNew { found: 2, .. }), "{e:?}");
+    assert!(matches!(e, Error::TooNew { found: 3, .. }), "{e:?}");
     let text = e.to_string();
     assert!(text.contains(&path.display().to_string()), "{text}");
     assert!(
-        text.contains("version 2") && text.contains("1..=1"),
+        text.contains("version 3") && text.contains("1..=2"),
         "{text}"
     );
     assert_eq!(std::fs::read_to_string(&path).unwrap(), newer);
@@ -468,6 +470,7 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
                     placement: Placement { start, size },
                     created,
                 }),
+                consumed: None,
                 sharing,
             },
         )
@@ -510,4 +513,30 @@ proptest! {
         write_file(&path, &back).unwrap();
         prop_assert_eq!(first, std::fs::read(&path).unwrap());
     }
+}
+
+/// A share of a GPU needs version 2 (a version-1 reader would drop what it consumes and count
+/// the GPU free); without shares the file stays version 1, which older pods read.
+#[test]
+fn shares_are_written_as_version_2_and_read_back() {
+    let mut cp = fixture_state();
+    assert_eq!(version_for(&cp), 1);
+    let v1: serde_json::Value = serde_json::from_slice(&encode(&cp).unwrap()).unwrap();
+    assert_eq!(v1["version"], 1);
+    let entry = cp.claims.values_mut().next().unwrap();
+    entry.devices[0].share_id = Some("6f1c2d3e-0000-4000-8000-000000000001".into());
+    entry.devices[0].consumed = Some(Consumed {
+        memory: 24 << 30,
+        compute: 25,
+    });
+    assert_eq!(version_for(&cp), 2);
+    let bytes = encode(&cp).unwrap();
+    let v2: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v2["version"], 2);
+    let device = &v2["claims"].as_object().unwrap().values().next().unwrap()["devices"][0];
+    assert_eq!(
+        device["consumedCapacity"],
+        serde_json::json!({"memory": 24u64 << 30, "compute": 25})
+    );
+    assert_eq!(decode(&bytes).ok(), Some(cp));
 }

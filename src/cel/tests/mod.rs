@@ -440,6 +440,7 @@ fn profile_devices(profile: &str) -> Vec<Device> {
         driver: "gpu.nvidia.com".into(),
         node_name: "node-a".into(),
         partitionable: false,
+        shared_capacity: false,
         layout: slices::CounterLayout::Separate,
     };
     slices::desired_slices(&inv, &opts)

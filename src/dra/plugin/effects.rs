@@ -9,7 +9,7 @@
 use crate::cdi::PreparedDevice;
 use crate::dra::mps::Mps;
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceUuid, Inventory, MigDevice, TimeSlice};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, TimeSlice};
 use crate::ledger::DeviceRecord;
 use crate::sharing::{Sharing, TimeSliceInterval};
 
@@ -72,6 +72,9 @@ impl Plugin {
         if !mps.is_empty() {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.start(&owner, &mps)).await??;
+        }
+        for gpu in shared_gpus(devices) {
+            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
         }
         Ok(())
     }
@@ -169,9 +172,28 @@ impl Plugin {
         uid: &ClaimUid,
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
-        if devices.iter().any(|d| matches!(d.sharing, Sharing::Mps(_))) {
+        if !mps_devices(devices).is_empty() {
             let uid = uid.clone();
             self.blocking(move |i| i.mps.stop(&uid)).await??;
+        }
+        for gpu in shared_gpus(devices) {
+            // The GPU's daemon goes with its last share: asked under the GPU's lock, against
+            // the ledger, where this claim still is and any other share already is (a share is
+            // reserved before it starts or reuses the daemon).
+            let (ledger, owner) = (self.inner.ledger.clone(), uid.clone());
+            self.blocking(move |i| {
+                i.mps.stop_gpu(&gpu, || {
+                    ledger.read(|c| {
+                        c.claims.iter().any(|(u, e)| {
+                            *u != owner
+                                && e.devices
+                                    .iter()
+                                    .any(|o| o.consumed.is_some() && o.gpu == gpu)
+                        })
+                    })
+                })
+            })
+            .await??;
         }
         for d in devices {
             if let (Sharing::TimeSlicing { .. }, None) = (&d.sharing, &d.mig) {
@@ -225,16 +247,28 @@ impl Plugin {
     }
 }
 
-/// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its MPS daemon.
+/// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its own MPS daemon; shares of a
+/// GPU use the GPU's daemon instead ([`shared_gpus`]).
 pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
     devices
         .iter()
-        .filter(|d| matches!(d.sharing, Sharing::Mps(_)))
+        .filter(|d| matches!(d.sharing, Sharing::Mps(_)) && d.consumed.is_none())
         .map(|d| match d.mig.as_ref().and_then(|m| m.uuid.clone()) {
             Some(mig) => DeviceUuid::Mig(mig),
             None => DeviceUuid::Gpu(d.gpu.clone()),
         })
         .collect()
+}
+
+/// The GPUs a claim holds consumable-capacity shares of, each once.
+pub(super) fn shared_gpus(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
+    let mut gpus: Vec<GpuUuid> = devices
+        .iter()
+        .filter(|d| d.consumed.is_some())
+        .map(|d| d.gpu.clone())
+        .collect();
+    gpus.dedup();
+    gpus
 }
 
 pub(super) fn time_slice(i: TimeSliceInterval) -> TimeSlice {
@@ -284,7 +318,11 @@ pub(super) fn cdi_devices(
                 name: d.device.to_string(),
                 gpu: gpu.clone(),
                 mig,
-                mps_pipe_dir: matches!(d.sharing, Sharing::Mps(_)).then(|| mps.pipe_dir(uid)),
+                mps_pipe_dir: match (&d.sharing, d.consumed) {
+                    (Sharing::Mps(_), Some(_)) => Some(mps.gpu_pipe_dir(&d.gpu)),
+                    (Sharing::Mps(_), None) => Some(mps.pipe_dir(uid)),
+                    _ => None,
+                },
                 sharing: d.sharing.clone(),
             })
         })

@@ -58,6 +58,25 @@ pub enum ClaimError {
         held: String,
         holder: String,
     },
+    #[error(
+        "{device} cannot be prepared: the share asks {wanted}, but GPU {gpu} has {total} in all \
+         and its other shares hold {held} ({holders}); the scheduler allocated more than the GPU \
+         has (stale allocation?), so the claim is refused rather than overcommit the GPU"
+    )]
+    OverCapacity {
+        device: String,
+        gpu: String,
+        wanted: ledger::Consumed,
+        total: ledger::Consumed,
+        held: ledger::Consumed,
+        holders: String,
+    },
+    #[error("{device} of request {request} cannot be prepared as a share: {reason}")]
+    BadShare {
+        device: String,
+        request: String,
+        reason: String,
+    },
     #[error("invalid device configuration for request {request}")]
     Config {
         request: String,

@@ -7,15 +7,16 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 
 use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions};
 use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
 use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement};
-use crate::ledger::{DeviceRecord, MigRecord};
-use crate::sharing::{self, DeviceKind, Sharing};
+use crate::ledger::shares::FULL_COMPUTE;
+use crate::ledger::{Consumed, DeviceRecord, MigRecord};
+use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
 
 /// What preparing one claim takes: the devices to reserve, in allocation order, one record per
 /// distinct device (a device several requests share is one record naming them all).
@@ -85,16 +86,28 @@ pub(super) fn plan(
             .unwrap_or(&r.request)
             .to_string();
         if let Some(&i) = index.get(&(r.pool.as_str(), r.device.as_str())) {
+            if out[i].consumed.is_some() {
+                return Err(ClaimError::BadShare {
+                    device: r.device.clone(),
+                    request: r.request.clone(),
+                    reason: format!(
+                        "the claim already has a share of it (request {}); a container sees \
+                         one memory and compute limit per GPU, so ask for one share of the sum",
+                        out[i].requests.join(", ")
+                    ),
+                });
+            }
             let d: &mut DeviceRecord = &mut out[i];
             if !d.requests.contains(&base) {
                 d.requests.push(base);
             }
             continue;
         }
-        let resolved = resolve_device(inv, &r.device, opts.partitionable).map_err(unknown)?;
+        let resolved = resolve_device(inv, &r.device, opts).map_err(unknown)?;
         // The name the inventory gives the device: the allocation's name, parsed.
         let name = match resolved {
             Resolved::Gpu(g) => DeviceName::gpu(g.minor),
+            Resolved::Shared(g) => DeviceName::shared(g.minor),
             Resolved::Mig(g, m) => {
                 DeviceName::mig(g.minor, &m.profile, m.gi_profile_id, m.placement.start)
             }
@@ -103,7 +116,7 @@ pub(super) fn plan(
             }
         };
         let (gpu, mig, kind) = match resolved {
-            Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
+            Resolved::Gpu(g) | Resolved::Shared(g) => (g, None, DeviceKind::Gpu),
             Resolved::Mig(g, m) => (
                 g,
                 Some(MigRecord {
@@ -134,7 +147,18 @@ pub(super) fn plan(
         let config =
             sharing::config_for_device(&entries, &opts.driver, &r.request, kind, &r.device)
                 .map_err(config_err)?;
-        let sharing = sharing::sharing_for(config, kind, &r.device).map_err(config_err)?;
+        let mut sharing = sharing::sharing_for(config, kind, &r.device).map_err(config_err)?;
+        let mut consumed = None;
+        if let Resolved::Shared(g) = resolved {
+            let share = share(r, g, &sharing, &out)?;
+            consumed = Some(share);
+            // The share's limits are its MPS client settings, behind the GPU's daemon.
+            sharing = Sharing::Mps(MpsSettings {
+                active_thread_percentage: Some(share.compute),
+                pinned_memory_limit: Some(share.memory),
+                per_device_pinned_memory_limit: BTreeMap::new(),
+            });
+        }
         index.insert((r.pool.as_str(), r.device.as_str()), out.len());
         out.push(DeviceRecord {
             requests: vec![base],
@@ -145,16 +169,86 @@ pub(super) fn plan(
             admin_access: r.admin_access.unwrap_or(false),
             gpu: gpu.uuid.clone(),
             mig,
+            consumed,
             sharing,
         });
     }
     Ok(Plan { devices: out })
 }
 
+/// What a share of `gpu-<minor>-shared` consumes, from its allocation result: `consumedCapacity`
+/// (`memory` in bytes, `compute` in percent), the published request policy's default where the
+/// scheduler left one out. Refused: a result without a `shareID` (not a consumable-capacity
+/// allocation), a claim config that asks for another sharing (the share's sharing is its
+/// capacity), quantities that are not the published kind, and a second GPU's share beside the
+/// claim's first (a container has one MPS pipe directory).
+fn share(
+    r: &DeviceRequestAllocationResult,
+    gpu: &Gpu,
+    configured: &Sharing,
+    earlier: &[DeviceRecord],
+) -> Result<Consumed, ClaimError> {
+    let bad = |reason: String| ClaimError::BadShare {
+        device: r.device.clone(),
+        request: r.request.clone(),
+        reason,
+    };
+    if r.share_id.is_none() {
+        return Err(bad(
+            "the allocation has no shareID; the scheduler did not allocate it as a \
+             consumable-capacity share (is the DRAConsumableCapacity feature gate on in the \
+             scheduler?)"
+                .into(),
+        ));
+    }
+    if !matches!(configured, Sharing::Exclusive) {
+        return Err(bad(
+            "a claim config sets its sharing, but a share is shared by its consumed capacity \
+             (MPS per GPU); drop the sharing config for this request"
+                .into(),
+        ));
+    }
+    if let Some(other) = earlier
+        .iter()
+        .find(|d| d.consumed.is_some() && d.gpu != gpu.uuid)
+    {
+        return Err(bad(format!(
+            "the claim already has a share of another GPU ({}); a container has one MPS pipe \
+             directory, so one claim's shares must be of one GPU",
+            other.device
+        )));
+    }
+    let consumed = r.consumed_capacity.as_ref();
+    let get = |name: &str| consumed.and_then(|c| c.get(name)).map(|q| q.0.as_str());
+    let memory = match get("memory") {
+        None => 1 << 30,
+        Some(q) => inventory::parse_quantity(q)
+            .ok_or_else(|| bad(format!("consumed memory {q:?} is not a quantity of bytes")))?,
+    };
+    let compute = match get("compute") {
+        None => FULL_COMPUTE,
+        Some(q) => q
+            .parse::<u32>()
+            .ok()
+            .filter(|c| (1..=FULL_COMPUTE).contains(c))
+            .ok_or_else(|| {
+                bad(format!(
+                    "consumed compute {q:?} is not a whole percent from 1 to {FULL_COMPUTE}"
+                ))
+            })?,
+    };
+    if memory == 0 {
+        return Err(bad("the share consumes no memory".into()));
+    }
+    Ok(Consumed { memory, compute })
+}
+
 /// What an allocated device name stands for on this node.
 #[derive(Clone, Copy)]
 enum Resolved<'a> {
     Gpu(&'a Gpu),
+    /// A share of a whole GPU (`gpu-<minor>-shared`).
+    Shared(&'a Gpu),
     Mig(&'a Gpu, &'a MigDevice),
     /// A placement with no instance yet: created at prepare (partitionable mode).
     MigToCreate(&'a Gpu, &'a inventory::MigProfile, Placement),
@@ -165,8 +259,9 @@ enum Resolved<'a> {
 fn resolve_device<'a>(
     inv: &'a Inventory,
     name: &str,
-    partitionable: bool,
+    opts: &Options,
 ) -> Result<Resolved<'a>, String> {
+    let partitionable = opts.partitionable;
     match slices::find_device(inv, name) {
         None => Err(
             "no such GPU, MIG device or MIG placement (names look like gpu-<minor> \
@@ -178,6 +273,16 @@ fn resolve_device<'a>(
             g.minor
         )),
         Some(PublishedDevice::Gpu(g)) => Ok(Resolved::Gpu(g)),
+        Some(PublishedDevice::Shared(_)) if !opts.shared_capacity => Err(
+            "shareable GPUs are published, and their shares prepared, only with \
+             --shared-capacity"
+                .into(),
+        ),
+        Some(PublishedDevice::Shared(g)) if g.in_mig_mode() => Err(format!(
+            "GPU {} is in MIG mode and is not shared by capacity",
+            g.minor
+        )),
+        Some(PublishedDevice::Shared(g)) => Ok(Resolved::Shared(g)),
         Some(PublishedDevice::Mig {
             parent,
             existing: Some(m),
@@ -207,8 +312,6 @@ fn resolve_device<'a>(
 pub(super) mod tests {
     use std::path::Path;
 
-    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
-
     use super::*;
     use crate::ids::ClaimUid;
     use crate::inventory::topology::load_profile;
@@ -224,6 +327,7 @@ pub(super) mod tests {
             driver_root: "/nonexistent".into(),
             boot_id: "b".into(),
             partitionable,
+            shared_capacity: true,
         }
     }
 

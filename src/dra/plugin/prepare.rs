@@ -66,9 +66,17 @@ impl Plugin {
 
     /// Records the claim in memory, atomically with the check that no other claim, and no
     /// container of the device-plugin path (`--mode both`), holds its devices.
-    fn reserve(&self, claim: &ClaimRef, plan: &Plan, state: ClaimState) -> Result<(), ClaimError> {
+    /// Shares of a GPU must fit beside the shares other claims hold of it.
+    fn reserve(
+        &self,
+        claim: &ClaimRef,
+        plan: &Plan,
+        state: ClaimState,
+        inv: &Inventory,
+    ) -> Result<(), ClaimError> {
         self.inner.ledger.update_with_holds(|claims, holds| {
             conflict(claims, &claim.uid, &plan.devices)?;
+            fits(claims, &claim.uid, &plan.devices, inv)?;
             for d in &plan.devices {
                 if let Some(h) = holds.holder_of(d) {
                     return Err(ClaimError::HeldByContainer {
@@ -99,7 +107,7 @@ impl Plugin {
         inv: &Inventory,
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
         let uid = &claim.uid;
-        self.reserve(claim, &plan, ClaimState::PrepareCompleted)?;
+        self.reserve(claim, &plan, ClaimState::PrepareCompleted, inv)?;
         crash_point!(self, AfterStarted);
         let spec = async {
             if plan.devices.is_empty() {
@@ -127,7 +135,7 @@ impl Plugin {
         inv: &Inventory,
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
         let uid = &claim.uid;
-        self.reserve(claim, &plan, ClaimState::PrepareStarted)?;
+        self.reserve(claim, &plan, ClaimState::PrepareStarted, inv)?;
         if let Err(e) = self.inner.ledger.flush().await {
             self.inner.ledger.update(|c| c.remove(uid));
             return Err(e.into());
@@ -211,6 +219,36 @@ pub(super) fn conflict(
             namespace: other.namespace.clone(),
             name: other.name.clone(),
             uid: other_uid.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The first share of `devices` that does not fit on its GPU beside the other shares of it, as
+/// that claim's error naming the GPU, what is held and by whom.
+pub(super) fn fits(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+    inv: &Inventory,
+) -> Result<(), ClaimError> {
+    let memory_of =
+        |g: &crate::inventory::GpuUuid| inv.gpu_by_uuid(g.as_str()).map(|g| g.memory_bytes);
+    match ledger::shares::overcommitted(claims, uid, devices, memory_of) {
+        Some(o) => Err(ClaimError::OverCapacity {
+            device: o.device,
+            gpu: inv
+                .gpu_by_uuid(o.gpu.as_str())
+                .map(|g| format!("gpu-{} ({})", g.minor, o.gpu))
+                .unwrap_or_else(|| o.gpu.to_string()),
+            wanted: o.wanted,
+            total: o.total,
+            held: o.held,
+            holders: if o.holders.is_empty() {
+                "no other share".into()
+            } else {
+                o.holders.join("; ")
+            },
         }),
         None => Ok(()),
     }

@@ -5,7 +5,7 @@
 //! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
 //! can finish.
 
-use super::effects::mps_devices;
+use super::effects::{mps_devices, shared_gpus};
 use super::{ClaimError, Plugin};
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, Inventory};
@@ -74,6 +74,9 @@ impl Plugin {
         if !mps.is_empty() {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
+        }
+        for gpu in shared_gpus(&entry.devices) {
+            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
         }
         if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, inv).await? {
             tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten from the checkpoint");

@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity};
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{
@@ -197,6 +199,55 @@ pub(super) fn gpu_device(gpu: &Gpu) -> Device {
         capacity: Some(c),
         ..Default::default()
     }
+}
+
+/// Smallest share of a GPU's memory the scheduler may hand out, and the step between shares.
+pub(super) const GIB: u64 = 1 << 30;
+
+/// The shareable twin of a whole GPU (`--shared-capacity`): the GPU's attributes with `type`
+/// `gpu-shared` (so a class selecting `type == 'gpu'`, NVIDIA's included, never hands a share out
+/// as a whole GPU) and `shared: true`; several allocations at once, each consuming `memory` (1 GiB
+/// steps, default 1 GiB) and `compute` (percent of the SMs, default 100). `None` for a GPU with
+/// less than 2 GiB, where no share of a whole GiB is left beside the smallest.
+pub(super) fn shared_gpu_device(gpu: &Gpu) -> Option<Device> {
+    let whole_gib = gpu.memory_bytes / GIB;
+    if whole_gib < 2 {
+        return None;
+    }
+    let mut a = gpu_attributes(gpu);
+    a.insert("type".into(), string("gpu-shared"));
+    a.insert("shared".into(), boolean(true));
+    let policy = |default: &str, min: &str, max: String, step: &str| CapacityRequestPolicy {
+        default: Some(Quantity(default.into())),
+        valid_range: Some(CapacityRequestPolicyRange {
+            min: Quantity(min.into()),
+            max: Some(Quantity(max)),
+            step: Some(Quantity(step.into())),
+        }),
+        valid_values: None,
+    };
+    let mut c = Capacities::new();
+    c.insert(
+        "memory".into(),
+        DeviceCapacity {
+            value: Quantity(quantity(gpu.memory_bytes)),
+            request_policy: Some(policy("1Gi", "1Gi", format!("{whole_gib}Gi"), "1Gi")),
+        },
+    );
+    c.insert(
+        "compute".into(),
+        DeviceCapacity {
+            value: Quantity("100".into()),
+            request_policy: Some(policy("100", "1", "100".into(), "1")),
+        },
+    );
+    Some(Device {
+        name: DeviceName::shared(gpu.minor).into(),
+        attributes: Some(a),
+        capacity: Some(c),
+        allow_multiple_allocations: Some(true),
+        ..Default::default()
+    })
 }
 
 /// What a MIG device is made of, whether it exists or is a placement that could be created.

@@ -6,7 +6,7 @@ use k8s_openapi::api::resource::v1::{
 };
 
 use super::attributes::{MigShape, gpu_device, mig_device};
-use super::counters::partitioned;
+use super::counters::{partitioned, shareable};
 use super::{
     CounterLayout, Error, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, sort_devices,
@@ -74,92 +74,82 @@ pub(super) struct Draft {
 pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<ResourceSliceSpec>> {
     let healthy = inv.gpus.iter().filter(|g| !g.health.is_withdrawn());
     let driver = opts.driver.as_str();
+    // GPUs whose devices draw on shared counters, and devices that stand alone.
+    let mut groups = Vec::new();
+    let mut plain = Vec::new();
+    for gpu in healthy {
+        let group = if gpu.in_mig_mode() && opts.partitionable {
+            partitioned(gpu)?
+        } else if gpu.in_mig_mode() {
+            for d in gpu.mig.devices.iter().filter(|d| !d.health.is_withdrawn()) {
+                // A MIG device is as sick as its parent.
+                let health = if gpu.health.is_healthy() {
+                    &d.health
+                } else {
+                    &gpu.health
+                };
+                let dev = mig_device(gpu, &MigShape::existing(d));
+                plain.push(tainted(dev, health, driver));
+            }
+            continue;
+        } else if opts.shared_capacity {
+            shareable(gpu)
+        } else {
+            plain.push(tainted(gpu_device(gpu), &gpu.health, driver));
+            continue;
+        };
+        let mut g = group;
+        g.devices = g
+            .devices
+            .into_iter()
+            .map(|d| tainted(d, &gpu.health, driver))
+            .collect();
+        groups.push(g);
+    }
     let mut drafts = Vec::new();
-    if opts.partitionable {
-        let mut groups = Vec::new();
-        let mut plain = Vec::new();
-        for gpu in healthy {
-            if gpu.in_mig_mode() {
-                let mut g = partitioned(gpu)?;
-                g.devices = g
-                    .devices
-                    .into_iter()
-                    .map(|d| tainted(d, &gpu.health, driver))
-                    .collect();
-                groups.push(g);
-            } else {
-                plain.push(tainted(gpu_device(gpu), &gpu.health, driver));
+    match opts.layout {
+        CounterLayout::Together => {
+            for g in groups {
+                if g.devices.len() > MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS {
+                    return Err(Error::TooManyDevicesTogether {
+                        minor: g.minor,
+                        devices: g.devices.len(),
+                        max: MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
+                    });
+                }
+                drafts.push(Draft {
+                    counters: Some(g.counters).filter(|c| !c.is_empty()),
+                    devices: Some(g.devices),
+                });
             }
         }
-        match opts.layout {
-            CounterLayout::Together => {
-                for g in groups {
-                    if g.devices.len() > MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS {
-                        return Err(Error::TooManyDevicesTogether {
-                            minor: g.minor,
-                            devices: g.devices.len(),
-                            max: MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
-                        });
-                    }
+        CounterLayout::Separate => {
+            let all_sets: Vec<CounterSet> = groups
+                .iter()
+                .flat_map(|g| g.counters.iter().cloned())
+                .collect();
+            for chunk in all_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
+                drafts.push(Draft {
+                    counters: Some(chunk.to_vec()),
+                    devices: None,
+                });
+            }
+            for g in groups {
+                for chunk in chunk_devices(g.devices) {
                     drafts.push(Draft {
-                        counters: Some(g.counters),
-                        devices: Some(g.devices),
+                        counters: None,
+                        devices: Some(chunk),
                     });
                 }
             }
-            CounterLayout::Separate => {
-                let all_sets: Vec<CounterSet> = groups
-                    .iter()
-                    .flat_map(|g| g.counters.iter().cloned())
-                    .collect();
-                for chunk in all_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
-                    drafts.push(Draft {
-                        counters: Some(chunk.to_vec()),
-                        devices: None,
-                    });
-                }
-                for g in groups {
-                    for chunk in chunk_devices(g.devices) {
-                        drafts.push(Draft {
-                            counters: None,
-                            devices: Some(chunk),
-                        });
-                    }
-                }
-            }
         }
-        sort_devices(&mut plain);
-        for chunk in chunk_devices(plain) {
-            drafts.push(Draft {
-                counters: None,
-                devices: Some(chunk),
-            });
-        }
-    } else {
-        let mut devices = Vec::new();
-        for gpu in healthy {
-            if gpu.in_mig_mode() {
-                for d in gpu.mig.devices.iter().filter(|d| !d.health.is_withdrawn()) {
-                    // A MIG device is as sick as its parent.
-                    let health = if gpu.health.is_healthy() {
-                        &d.health
-                    } else {
-                        &gpu.health
-                    };
-                    let dev = mig_device(gpu, &MigShape::existing(d));
-                    devices.push(tainted(dev, health, driver));
-                }
-            } else {
-                devices.push(tainted(gpu_device(gpu), &gpu.health, driver));
-            }
-        }
-        sort_devices(&mut devices);
-        for chunk in chunk_devices(devices) {
-            drafts.push(Draft {
-                counters: None,
-                devices: Some(chunk),
-            });
-        }
+    }
+    sort_devices(&mut plain);
+    for chunk in chunk_devices(plain) {
+        drafts.push(Draft {
+            counters: None,
+            devices: Some(chunk),
+        });
     }
     if drafts.is_empty() {
         drafts.push(Draft {

@@ -13,7 +13,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, Device, DeviceAttribute, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{
     MAX_ATTRIBUTES_AND_CAPACITIES, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTER_SETS_PER_SLICE,
@@ -273,6 +276,9 @@ fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Ve
                  set allowMultipleAllocations"
             ));
         }
+        if let Some(p) = &c.request_policy {
+            check_request_policy(name, &c.value.0, p, &mut out);
+        }
     }
     if let Some(consumptions) = &d.consumes_counters {
         if consumptions.len() > MAX_CONSUMPTIONS_PER_DEVICE {
@@ -370,6 +376,71 @@ fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Ve
         );
     }
     out
+}
+
+/// The rules of a consumable capacity's `requestPolicy` (as the API server validates them), for
+/// quantities that are whole numbers (bytes, counts); others are left to the quantity check.
+fn check_request_policy(name: &str, value: &str, p: &CapacityRequestPolicy, out: &mut Vec<String>) {
+    let n = |q: &Quantity| parse_quantity(&q.0);
+    let mut fail = |rule: &str| {
+        out.push(format!(
+            "request-policy: capacity {name:?} (value {value}): {rule}"
+        ))
+    };
+    let Some(value) = parse_quantity(value) else {
+        return;
+    };
+    let default = p.default.as_ref().and_then(n);
+    match (&p.valid_range, &p.valid_values) {
+        (Some(_), Some(_)) => fail("validRange and validValues are mutually exclusive"),
+        (Some(r), None) => {
+            let (Some(min), max, step) = (
+                n(&r.min),
+                r.max.as_ref().and_then(n),
+                r.step.as_ref().and_then(n),
+            ) else {
+                return;
+            };
+            let max_or_value = max.unwrap_or(value);
+            if min > max_or_value || max_or_value > value {
+                fail("validRange must have min <= max <= value");
+            }
+            if let Some(d) = default
+                && (d < min || d > max_or_value)
+            {
+                fail("the default must lie within validRange");
+            }
+            if let Some(step) = step {
+                if step == 0 {
+                    fail("validRange.step must be positive");
+                    return;
+                }
+                if min.saturating_add(step) > value {
+                    fail("validRange.min + step must not exceed the value");
+                }
+                let off_step = |x: u64| x >= min && !(x - min).is_multiple_of(step);
+                if max.is_some_and(off_step) {
+                    fail("validRange.max must be min plus a multiple of step");
+                }
+                if default.is_some_and(off_step) {
+                    fail("the default must be min plus a multiple of step");
+                }
+            }
+        }
+        (None, Some(values)) => {
+            let values: Vec<u64> = values.iter().filter_map(n).collect();
+            if values.is_empty() || values.len() > 10 {
+                fail("validValues must hold 1 to 10 values");
+            }
+            if !values.windows(2).all(|w| w[0] < w[1]) || values.iter().any(|v| *v > value) {
+                fail("validValues must be ascending and at most the value");
+            }
+            if default.is_some_and(|d| !values.contains(&d)) {
+                fail("validValues must contain the default");
+            }
+        }
+        (None, None) => {}
+    }
 }
 
 fn check_counter(name: &str, value: &str, out: &mut Vec<String>) {

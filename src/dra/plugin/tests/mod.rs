@@ -107,6 +107,7 @@ async fn start(
         driver_root: dir.join("driver"),
         boot_id: "boot-1".into(),
         partitionable: true,
+        shared_capacity: true,
     };
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
     let stop = CancellationToken::new();
@@ -570,6 +571,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         driver_root: dir.path().join("driver"),
         boot_id: "b".into(),
         partitionable: false,
+        shared_capacity: false,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
@@ -601,6 +603,7 @@ async fn outcomes_are_counted_in_metrics() {
         driver_root: dir.path().join("driver"),
         boot_id: "b".into(),
         partitionable: false,
+        shared_capacity: false,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();
@@ -620,3 +623,4 @@ async fn outcomes_are_counted_in_metrics() {
 }
 
 mod recovery;
+mod shares;

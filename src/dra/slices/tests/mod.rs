@@ -22,6 +22,7 @@ mod attributes;
 mod mig;
 mod names;
 mod partitionable;
+mod shared;
 mod splitting;
 mod taints;
 mod validation;
@@ -33,7 +34,16 @@ fn opts(partitionable: bool, layout: CounterLayout) -> SliceOptions {
         driver: DRIVER.into(),
         node_name: "node-a".into(),
         partitionable,
+        shared_capacity: false,
         layout,
+    }
+}
+
+/// `--shared-capacity`, with or without `--partitionable`.
+fn shared(partitionable: bool) -> SliceOptions {
+    SliceOptions {
+        shared_capacity: true,
+        ..opts(partitionable, CounterLayout::Separate)
     }
 }
 

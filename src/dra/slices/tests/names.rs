@@ -13,7 +13,7 @@ fn profile_labels_are_rfc1123() {
 #[test]
 fn find_device_inverts_naming() {
     let inv = profile("a100-mig-mixed");
-    for p in [plain(), opts(true, CounterLayout::Separate)] {
+    for p in [plain(), opts(true, CounterLayout::Separate), shared(true)] {
         let specs = desired_slices(&inv, &p).unwrap();
         for d in all_devices(&specs) {
             let found =
@@ -21,6 +21,10 @@ fn find_device_inverts_naming() {
             match found {
                 PublishedDevice::Gpu(g) => {
                     assert_eq!(DeviceName::gpu(g.minor).as_str(), d.name);
+                    assert_eq!(attr(d, "uuid"), &s(g.uuid.as_str()));
+                }
+                PublishedDevice::Shared(g) => {
+                    assert_eq!(DeviceName::shared(g.minor).as_str(), d.name);
                     assert_eq!(attr(d, "uuid"), &s(g.uuid.as_str()));
                 }
                 PublishedDevice::Mig {

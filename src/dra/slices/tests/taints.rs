@@ -4,7 +4,7 @@
 use super::*;
 use crate::inventory::{Taint, TaintEffect, TaintKey};
 
-fn tainted(key: TaintKey, effect: TaintEffect) -> Health {
+pub(super) fn tainted(key: TaintKey, effect: TaintEffect) -> Health {
     Health::Tainted {
         reason: "test".into(),
         taint: Taint { key, effect },

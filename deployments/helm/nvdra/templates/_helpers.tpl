@@ -1,0 +1,34 @@
+{{/* Whether DRA is served: every mode but device-plugin. */}}
+{{- define "nvdra.dra" -}}
+{{- if ne .Values.mode "device-plugin" }}true{{ end -}}
+{{- end }}
+
+{{/* The device-plugin config the chart renders (devicePluginConfig with `sharing` merged in), as YAML; empty when there is none. */}}
+{{- define "nvdra.devicePluginConfig" -}}
+{{- $config := deepCopy .Values.devicePluginConfig }}
+{{- if .Values.sharing }}
+{{- if hasKey $config "sharing" }}
+{{- fail "sharing: set it or devicePluginConfig.sharing, not both" }}
+{{- end }}
+{{- $_ := set $config "sharing" .Values.sharing }}
+{{- end }}
+{{- if $config }}
+{{- if .Values.devicePluginConfigMap }}
+{{- fail "devicePluginConfigMap: set it or devicePluginConfig/sharing, not both" }}
+{{- end }}
+{{- if not (hasKey $config "version") }}
+{{- $_ := set $config "version" "v1" }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+{{- end }}
+
+{{/* The ConfigMap the daemon reads its device-plugin config from; empty when none. */}}
+{{- define "nvdra.devicePluginConfigMap" -}}
+{{- if include "nvdra.devicePluginConfig" . }}nvdra-device-plugin{{ else }}{{ .Values.devicePluginConfigMap }}{{ end -}}
+{{- end }}
+
+{{/* The service account's user name, as the admission policy matches it. */}}
+{{- define "nvdra.user" -}}
+system:serviceaccount:{{ .Release.Namespace }}:nvdra
+{{- end }}

@@ -1,0 +1,375 @@
+//! The manifests' objects and the checks every build of them must pass, whoever builds them:
+//! `kubectl kustomize` (tests/manifests.rs) or `helm template` (tests/helm.rs).
+// Each test binary uses what it needs.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Where the Helm chart mounts a driver root other than `/` in nvdra's container.
+pub const DRIVER_ROOT_CTR_PATH: &str = "/driver-root";
+
+pub fn manifests() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests")
+}
+
+pub fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The documents of a multi-document YAML text (empty documents left out).
+pub fn documents(text: &str, origin: &str) -> Vec<Value> {
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(text).unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
+    docs.into_iter().filter(|d| !d.is_null()).collect()
+}
+
+pub fn str_at<'a>(v: &'a Value, pointer: &str) -> &'a str {
+    v.pointer(pointer).and_then(Value::as_str).unwrap_or("")
+}
+
+/// `kind/name` of an object, for messages and lookups.
+pub fn id(v: &Value) -> String {
+    format!("{}/{}", str_at(v, "/kind"), str_at(v, "/metadata/name"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed round trip.
+
+/// Deserializes `doc` as `T`, serializes it back and lists where the two differ.
+pub fn round_trip<T>(doc: &Value) -> Result<Vec<String>, String>
+where
+    T: serde::de::DeserializeOwned + serde::Serialize,
+{
+    let typed: T = serde_json::from_value(doc.clone()).map_err(|e| e.to_string())?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    let mut diffs = Vec::new();
+    diff(doc, &back, String::new(), &mut diffs);
+    Ok(diffs)
+}
+
+/// Where `input` and `output` differ. A number written where the type holds a string (a
+/// quantity `1`, which k8s-openapi keeps as `"1"`) is the same value.
+pub fn diff(input: &Value, output: &Value, path: String, out: &mut Vec<String>) {
+    match (input, output) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in a {
+                let p = format!("{path}.{k}");
+                match b.get(k) {
+                    Some(w) => diff(v, w, p, out),
+                    None => out.push(format!("{p}: unknown field (dropped by the typed read)")),
+                }
+            }
+            for k in b.keys().filter(|k| !a.contains_key(*k)) {
+                out.push(format!("{path}.{k}: added by the typed read"));
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (v, w)) in a.iter().zip(b).enumerate() {
+                diff(v, w, format!("{path}[{i}]"), out);
+            }
+        }
+        (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
+        (a, b) if a == b => {}
+        (a, b) => out.push(format!("{path}: {a} became {b}")),
+    }
+}
+
+/// The typed round trip for every kind the manifests may hold; an unknown kind is an error.
+pub fn check_typed(doc: &Value) -> Result<Vec<String>, String> {
+    use k8s_openapi::api::admissionregistration::v1 as admission;
+    use k8s_openapi::api::apps::v1 as apps;
+    use k8s_openapi::api::core::v1 as core;
+    use k8s_openapi::api::rbac::v1 as rbac;
+    use k8s_openapi::api::resource::v1 as resource;
+    match (str_at(doc, "/apiVersion"), str_at(doc, "/kind")) {
+        ("v1", "Namespace") => round_trip::<core::Namespace>(doc),
+        ("v1", "ServiceAccount") => round_trip::<core::ServiceAccount>(doc),
+        ("v1", "ConfigMap") => round_trip::<core::ConfigMap>(doc),
+        ("v1", "Service") => round_trip::<core::Service>(doc),
+        ("v1", "Pod") => round_trip::<core::Pod>(doc),
+        ("apps/v1", "DaemonSet") => round_trip::<apps::DaemonSet>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<rbac::ClusterRole>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            round_trip::<rbac::ClusterRoleBinding>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            round_trip::<admission::ValidatingAdmissionPolicy>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            round_trip::<admission::ValidatingAdmissionPolicyBinding>(doc)
+        }
+        ("resource.k8s.io/v1", "DeviceClass") => round_trip::<resource::DeviceClass>(doc),
+        ("resource.k8s.io/v1", "ResourceClaim") => round_trip::<resource::ResourceClaim>(doc),
+        ("resource.k8s.io/v1", "ResourceClaimTemplate") => {
+            round_trip::<resource::ResourceClaimTemplate>(doc)
+        }
+        (api_version, kind) => Err(format!(
+            "{api_version} {kind} is not a kind this test knows; add it to check_typed"
+        )),
+    }
+}
+
+/// Every object of `docs` reads back unchanged; panics listing every difference.
+pub fn assert_typed(docs: &[Value], origin: &str) {
+    let mut problems = Vec::new();
+    for doc in docs {
+        match check_typed(doc) {
+            Ok(diffs) => problems.extend(diffs.into_iter().map(|d| format!("{}{d}", id(doc)))),
+            Err(e) => problems.push(format!("{}: {e}", id(doc))),
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{origin}:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kustomize.
+
+pub fn kubectl() -> Option<&'static str> {
+    let found = Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found && std::env::var_os("NVDRA_REQUIRE_KUBECTL").is_some_and(|v| v == "1") {
+        panic!("NVDRA_REQUIRE_KUBECTL=1 but `kubectl version --client` does not run");
+    }
+    found.then_some("kubectl")
+}
+
+/// `kubectl kustomize dir`, parsed.
+pub fn kustomize(kubectl: &str, dir: &Path) -> Vec<Value> {
+    let out = Command::new(kubectl)
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .expect("kubectl runs");
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("kustomize prints UTF-8");
+    let docs = documents(&text, &dir.display().to_string());
+    assert_typed(&docs, &format!("kubectl kustomize {}", dir.display()));
+    docs
+}
+
+pub fn overlay(kubectl: &str, name: &str) -> Vec<Value> {
+    kustomize(kubectl, &manifests().join("overlays").join(name))
+}
+
+pub fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
+    docs.iter()
+        .find(|d| str_at(d, "/kind") == kind && str_at(d, "/metadata/name") == name)
+}
+
+pub fn kinds(docs: &[Value]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for d in docs {
+        *m.entry(str_at(d, "/kind").to_string()).or_default() += 1;
+    }
+    m
+}
+
+pub fn container(docs: &[Value]) -> &Value {
+    let ds = find(docs, "DaemonSet", "nvdra").expect("the DaemonSet");
+    &ds["spec"]["template"]["spec"]["containers"][0]
+}
+
+/// Every (apiGroup, resource, verb) the ClusterRoles of `docs` grant.
+pub fn grants(docs: &[Value]) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for role in docs.iter().filter(|d| str_at(d, "/kind") == "ClusterRole") {
+        for rule in role["rules"].as_array().into_iter().flatten() {
+            let list = |k: &str| -> Vec<String> {
+                rule[k]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            };
+            for g in list("apiGroups") {
+                for r in list("resources") {
+                    for v in list("verbs") {
+                        out.insert((g.clone(), r.clone(), v));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What every overlay's DaemonSet must keep, whatever the overlay changes.
+pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
+    let ds = find(docs, "DaemonSet", "nvdra").expect("the DaemonSet");
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = container(docs);
+    // The kubelet's directories at the same paths: the socket paths are handed over verbatim.
+    let volumes: BTreeMap<&str, &Value> = pod["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .map(|v| (str_at(v, "/name"), v))
+        .collect();
+    let mut host_mounts = 0;
+    for m in c["volumeMounts"].as_array().expect("volume mounts") {
+        let v = volumes[str_at(m, "/name")];
+        if let Some(host) = v.pointer("/hostPath/path") {
+            if m["mountPath"] == DRIVER_ROOT_CTR_PATH {
+                // The one host directory mounted elsewhere (the chart's driverRoot other than /):
+                // nvdra only reads the driver's files there.
+                assert_eq!(
+                    m["readOnly"], true,
+                    "{origin}: the driver root is read-only"
+                );
+            } else {
+                assert_eq!(
+                    host, &m["mountPath"],
+                    "{origin}: {} not at its host path",
+                    m["name"]
+                );
+            }
+            host_mounts += 1;
+        }
+        // nvdra mounts nothing, and Bidirectional propagation needs a privileged container;
+        // HostToContainer (the driver root, which the GPU Operator's driver container may mount
+        // after nvdra started) does not.
+        assert!(
+            m.get("mountPropagation")
+                .is_none_or(|p| p == "HostToContainer"),
+            "{origin}: {} propagates mounts back to the host",
+            m["name"]
+        );
+    }
+    assert!(host_mounts >= 2, "{origin}: {host_mounts} host mounts");
+    // The downward API.
+    let env: BTreeMap<&str, &Value> = c["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| (str_at(e, "/name"), e))
+        .collect();
+    assert_eq!(
+        str_at(env["NODE_NAME"], "/valueFrom/fieldRef/fieldPath"),
+        "spec.nodeName"
+    );
+    assert_eq!(
+        str_at(env["POD_UID"], "/valueFrom/fieldRef/fieldPath"),
+        "metadata.uid"
+    );
+    // glibc's malloc as benches/rss.rs measured it (no thread caches, two arenas).
+    assert_eq!(
+        str_at(env["GLIBC_TUNABLES"], "/value"),
+        "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=2",
+        "{origin}"
+    );
+    // Surge updates: the new pod is up before the old one goes.
+    let rolling = &ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert_eq!(rolling["maxSurge"], 1, "{origin}");
+    assert_eq!(rolling["maxUnavailable"], 0, "{origin}");
+    // Probes on the metrics port, which is nvdra's default metrics port.
+    let port = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["name"] == "metrics")
+        .expect("a metrics port");
+    let default_port = nvdra::config::DEFAULT_METRICS_ADDRESS
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u64>().ok());
+    assert_eq!(port["containerPort"].as_u64(), default_port, "{origin}");
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(
+            str_at(c, &format!("/{probe}/httpGet/path")),
+            path,
+            "{origin}"
+        );
+        assert_eq!(
+            str_at(c, &format!("/{probe}/httpGet/port")),
+            "metrics",
+            "{origin}"
+        );
+    }
+    // No wider than it needs: not privileged, every capability dropped but SYS_ADMIN (MIG).
+    let sc = &c["securityContext"];
+    assert_eq!(sc["privileged"], false, "{origin}");
+    assert_eq!(
+        sc["capabilities"]["drop"],
+        serde_json::json!(["ALL"]),
+        "{origin}"
+    );
+    assert_eq!(
+        sc["capabilities"]["add"],
+        serde_json::json!(["SYS_ADMIN"]),
+        "{origin}"
+    );
+    assert_eq!(sc["readOnlyRootFilesystem"], true, "{origin}");
+    // GPU nodes only.
+    assert_eq!(
+        str_at(pod, "/nodeSelector/nvidia.com~1gpu.present"),
+        "true",
+        "{origin}"
+    );
+    // Sized from benches/rss.rs: 15 MiB resident after load; a request below that would be a lie.
+    let mib = |q: &str| q.strip_suffix("Mi").and_then(|n| n.parse::<u64>().ok());
+    let request = mib(str_at(c, "/resources/requests/memory")).expect("a memory request in Mi");
+    let limit = mib(str_at(c, "/resources/limits/memory")).expect("a memory limit in Mi");
+    assert!(
+        (15..=limit).contains(&request),
+        "{origin}: {request}Mi / {limit}Mi"
+    );
+    // The identity the policy and the binding name is the pod's.
+    let sa = str_at(pod, "/serviceAccountName");
+    let ns = str_at(ds, "/metadata/namespace");
+    assert!(
+        find(docs, "ServiceAccount", sa).is_some(),
+        "{origin}: no ServiceAccount {sa}"
+    );
+    if let Some(crb) = find(docs, "ClusterRoleBinding", "nvdra") {
+        assert_eq!(str_at(crb, "/subjects/0/name"), sa, "{origin}");
+        assert_eq!(str_at(crb, "/subjects/0/namespace"), ns, "{origin}");
+    }
+    if let Some(vap) = find(docs, "ValidatingAdmissionPolicy", "nvdra-resourceslices") {
+        let user = format!("system:serviceaccount:{ns}:{sa}");
+        let condition = str_at(vap, "/spec/matchConditions/0/expression");
+        assert!(
+            condition.contains(&format!("\"{user}\"")),
+            "{origin}: {condition}"
+        );
+        let binding = find(
+            docs,
+            "ValidatingAdmissionPolicyBinding",
+            "nvdra-resourceslices",
+        )
+        .expect("the policy's binding");
+        assert_eq!(str_at(binding, "/spec/policyName"), "nvdra-resourceslices");
+        assert_eq!(
+            binding["spec"]["validationActions"],
+            serde_json::json!(["Deny"])
+        );
+    }
+}
+
+pub fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.path().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}

@@ -161,7 +161,7 @@ fn every_manifest_parses_typed_with_no_unknown_field() {
         assert_typed(&docs, &origin);
         checked += docs.len();
     }
-    // The base alone has 11 objects; the examples add more.
+    // The base alone has 12 objects; the examples add more.
     assert!(checked > 20, "only {checked} objects checked");
 }
 
@@ -177,7 +177,7 @@ fn the_plain_overlay_is_dra_without_options() {
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
-        ("DeviceClass", 4),
+        ("DeviceClass", 5),
         ("Namespace", 1),
         ("ServiceAccount", 1),
         ("ValidatingAdmissionPolicy", 1),

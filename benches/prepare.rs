@@ -13,6 +13,14 @@
 //! prepared concurrently as 64 separate RPCs (like 64 pods starting at once), reporting wall
 //! time, claims per second and how many checkpoint writes group commit needed.
 //!
+//! Shares of a GPU (`--shared-capacity`, `gpu-<minor>-shared` with consumed memory and compute):
+//! a share prepared while another share of its GPU keeps the GPU's MPS daemon running,
+//! interleaved with whole-GPU prepares in one loop so that both see the same disk (goal: share
+//! p50 <= 1.2x whole-GPU p50); and, reported apart, a GPU's first share, whose prepare starts the
+//! daemon. `nvidia-cuda-mps-control` is a shell script under the driver root that creates and
+//! removes the daemon's `control` pipe file, so the first-share figure is nvdra's cost plus one
+//! fork/exec of `sh`, not a real daemon's start-up.
+//!
 //! The node is a DGX A100 profile widened to 64 GPUs, simulated. Run with
 //! `cargo bench --bench prepare`.
 
@@ -34,6 +42,8 @@ mod bench_api {
         client: Arc<KubeApi>,
         node: String,
         driver: String,
+        /// Shares seeded so far: each gets its own shareID.
+        shares: std::sync::atomic::AtomicU64,
     }
 
     pub async fn start(node: &str, driver: &str) -> BenchApi {
@@ -44,6 +54,7 @@ mod bench_api {
             client,
             node: node.into(),
             driver: driver.into(),
+            shares: Default::default(),
         }
     }
 
@@ -65,6 +76,31 @@ mod bench_api {
                     &self.node,
                     device,
                 )],
+                vec![],
+            ));
+        }
+        /// A share of `device` (`gpu-<minor>-shared`) as the scheduler allocates one: a
+        /// shareID and the consumed capacity.
+        pub async fn add_share(&self, uid: &str, device: &str, memory: &str, compute: &str) {
+            use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+            let mut result =
+                nvdra::api::allocated_device("share", &self.driver, &self.node, device);
+            let n = self
+                .shares
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            result.share_id = Some(format!("5f0e0000-0000-4000-8000-{n:012}"));
+            result.consumed_capacity = Some(
+                [
+                    ("memory".to_string(), Quantity(memory.into())),
+                    ("compute".to_string(), Quantity(compute.into())),
+                ]
+                .into(),
+            );
+            self.server.seed_claim(nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![result],
                 vec![],
             ));
         }
@@ -92,6 +128,27 @@ const GPUS: u32 = 64;
 const SEQ_RUNS: usize = 300;
 const FLOOR_RUNS: usize = 500;
 const BURSTS: usize = 10;
+/// First shares of a GPU (each starts the GPU's daemon; its unprepare stops it again).
+const FIRST_SHARE_RUNS: usize = 100;
+/// The GPU whose shares the benchmark prepares, and the one its first shares go to.
+const SHARED_GPU: u32 = 0;
+const FIRST_SHARE_GPU: u32 = 1;
+
+/// A `nvidia-cuda-mps-control` under `driver_root`: `-d` makes the daemon's `control` pipe file,
+/// `quit` on stdin removes it (what nvdra looks at to tell whether the daemon runs).
+fn fake_mps_control(driver_root: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = driver_root.join("usr/bin");
+    std::fs::create_dir_all(&bin).expect("driver root");
+    let path = bin.join("nvidia-cuda-mps-control");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\nif [ \"$1\" = -d ]; then : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
+         else cat > /dev/null; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
+    )
+    .expect("write the fake MPS control");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -141,9 +198,42 @@ fn claim_ref(uid: &str) -> v1::Claim {
     }
 }
 
+type Client = v1::dra_plugin_client::DraPluginClient<Channel>;
+
+/// Prepares one claim, which must succeed; the call's time.
+async fn prepare_ok(client: &mut Client, uid: &str) -> Duration {
+    let s = Instant::now();
+    let r = client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim_ref(uid)],
+        })
+        .await
+        .expect("prepare")
+        .into_inner();
+    let t = s.elapsed();
+    assert_eq!(r.claims[uid].error, "", "{uid}");
+    t
+}
+
+/// Unprepares one claim, which must succeed; the call's time.
+async fn unprepare_ok(client: &mut Client, uid: &str) -> Duration {
+    let s = Instant::now();
+    let r = client
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: vec![claim_ref(uid)],
+        })
+        .await
+        .expect("unprepare")
+        .into_inner();
+    let t = s.elapsed();
+    assert_eq!(r.claims[uid].error, "", "{uid}");
+    t
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
+    fake_mps_control(&dir.path().join("driver"));
     let api = bench_api::start(NODE, DRIVER).await;
     let inv = wide_inventory();
     let sim = SimBackend::new(inv);
@@ -156,7 +246,7 @@ async fn main() {
             driver_root: dir.path().join("driver"),
             boot_id: "bench".into(),
             partitionable: false,
-            shared_capacity: false,
+            shared_capacity: true,
         },
         api.cluster_api(),
         Arc::new(sim),
@@ -275,6 +365,66 @@ async fn main() {
         "1-GPU prepare p50 / sum of floor p50s ({floors:.3?}): {:.2}x (goal <= 1.5x)",
         prepare.as_secs_f64() / floors.as_secs_f64()
     );
+
+    // Shares of one GPU beside whole GPUs, interleaved. A share held throughout keeps the GPU's
+    // daemon running, as on a node where the GPU is already shared.
+    let shared = format!("gpu-{SHARED_GPU}-shared");
+    api.add_share("anchor", &shared, "1Gi", "1").await;
+    prepare_ok(&mut client, "anchor").await;
+    let whole_gpus: Vec<u32> = (0..GPUS)
+        .filter(|g| ![SHARED_GPU, FIRST_SHARE_GPU].contains(g))
+        .collect();
+    for i in 0..SEQ_RUNS {
+        api.add_share(&format!("share-{i}"), &shared, "1Gi", "1")
+            .await;
+        api.add_claim(
+            &format!("whole-{i}"),
+            &format!("gpu-{}", whole_gpus[i % whole_gpus.len()]),
+        )
+        .await;
+    }
+    let (mut share_prep, mut share_unprep, mut whole_prep) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..SEQ_RUNS {
+        // Alternate which goes first, so neither always follows the other's writes.
+        let (first, second) = if i % 2 == 0 {
+            (format!("share-{i}"), format!("whole-{i}"))
+        } else {
+            (format!("whole-{i}"), format!("share-{i}"))
+        };
+        for uid in [first, second] {
+            let p = prepare_ok(&mut client, &uid).await;
+            let u = unprepare_ok(&mut client, &uid).await;
+            if uid.starts_with("share") {
+                share_prep.push(p);
+                share_unprep.push(u);
+            } else {
+                whole_prep.push(p);
+            }
+        }
+    }
+    let whole = report("interleaved: 1-GPU claim prepare", whole_prep);
+    let share = report("interleaved: share prepare (daemon running)", share_prep);
+    report("interleaved: share unprepare (daemon stays)", share_unprep);
+    println!(
+        "share prepare p50 / whole-GPU prepare p50 (same loop): {:.2}x (goal <= 1.2x)",
+        share.as_secs_f64() / whole.as_secs_f64()
+    );
+    unprepare_ok(&mut client, "anchor").await;
+
+    // A GPU's first share: its prepare starts the GPU's daemon, its unprepare stops it.
+    let first_shared = format!("gpu-{FIRST_SHARE_GPU}-shared");
+    for i in 0..FIRST_SHARE_RUNS {
+        api.add_share(&format!("first-{i}"), &first_shared, "1Gi", "1")
+            .await;
+    }
+    let (mut first_prep, mut last_unprep) = (Vec::new(), Vec::new());
+    for i in 0..FIRST_SHARE_RUNS {
+        let uid = format!("first-{i}");
+        first_prep.push(prepare_ok(&mut client, &uid).await);
+        last_unprep.push(unprepare_ok(&mut client, &uid).await);
+    }
+    report("first share prepare (starts the daemon)", first_prep);
+    report("last share unprepare (stops the daemon)", last_unprep);
 
     // 64 claims at once, one RPC each, on separate connections like separate pods would share
     // one kubelet connection: use clones of one channel (HTTP/2 multiplexing).

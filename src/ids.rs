@@ -116,11 +116,6 @@ impl DeviceName {
         Self(format!("gpu-{minor}-shared"))
     }
 
-    /// Whether this names a shareable GPU ([`DeviceName::shared`]).
-    pub fn is_shared(&self) -> bool {
-        self.0.ends_with("-shared")
-    }
-
     /// Checks the grammar only; whether the device exists is the inventory's question
     /// (`dra::slices::find_device`).
     pub fn parse(name: &str) -> Result<Self, InvalidDeviceName> {

@@ -3,7 +3,8 @@
 //! written where podman reads CDI specs, and a container started with the claim's CDI device id
 //! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES` with the GPU's UUID
 //! and the driver files mounted read-only. A third test runs the daemon itself: the spec podman
-//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket.
+//! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket, for a whole GPU
+//! and for a consumable-capacity share of one (its MPS limits and pipe directory).
 //!
 //! Needs root, `podman`, `runc` and `busybox-static` (see `.ci/run`). Without them the test says
 //! why and passes — unless `NVDRA_REQUIRE_PODMAN` is set (CI sets it to 1), in which case an
@@ -12,6 +13,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
+
+#[path = "support/mps.rs"]
+mod mps;
 
 use anyhow::{Context, Result, bail, ensure};
 use nvdra::cdi::{self, CdiOptions, PreparedDevice};
@@ -410,13 +414,22 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
 
 #[test]
 fn podman_runs_a_claim_prepared_by_the_daemon() {
-    with_engine(check_prepared_by_daemon);
+    with_engine(|e| check_prepared_by_daemon(e, false));
+}
+
+/// As above for a share of the GPU (`--shared-capacity`, 24Gi and 25% compute of
+/// `gpu-0-shared`): the container also gets the share's MPS limits and the GPU's MPS pipe
+/// directory, in which it sees the daemon's `control` (made by a fake `nvidia-cuda-mps-control`).
+#[test]
+fn podman_runs_a_share_prepared_by_the_daemon() {
+    with_engine(|e| check_prepared_by_daemon(e, true));
 }
 
 /// The whole path a pod's GPU takes: `nvdra run` (simulated DGX H100, directory API, fake driver
 /// root) prepares an allocated claim over its DRA socket, and podman runs a container with the
-/// CDI id prepare returned, reading the spec prepare wrote. Unprepare then removes the spec.
-fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
+/// CDI id prepare returned, reading the spec prepare wrote. Unprepare then removes the spec. A
+/// `share` is a consumable-capacity share of the GPU, served by the GPU's MPS daemon.
+fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
     use kubelet_plugin::proto::dra::v1;
 
     // Its own driver name, so that this daemon's orphan clean-up in a shared CDI directory never
@@ -438,18 +451,26 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         PathBuf::from(SYSTEM_CDI_DIR)
     };
 
-    let claim = nvdra::api::allocated_claim(
-        "default",
-        "podman",
-        &claim_uid,
-        vec![nvdra::api::allocated_device(
+    let device = if share {
+        format!("gpu-{}-shared", gpu.minor)
+    } else {
+        format!("gpu-{}", gpu.minor)
+    };
+    let result = if share {
+        mps::fake_control(&driver_root);
+        mps::share(
             "gpu",
             DRIVER,
             NODE,
-            &format!("gpu-{}", gpu.minor),
-        )],
-        vec![],
-    );
+            &device,
+            "5f0e0000-0000-4000-8000-000000000001",
+            "24Gi",
+            "25",
+        )
+    } else {
+        nvdra::api::allocated_device("gpu", DRIVER, NODE, &device)
+    };
+    let claim = nvdra::api::allocated_claim("default", "podman", &claim_uid, vec![result], vec![]);
     nvdra::api::dir::write_claim(&root.join("api"), &claim)?;
 
     let kubelet = root.join("kubelet");
@@ -465,9 +486,14 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         .arg("--driver-root")
         .arg(&driver_root)
         .args(["--metrics-address", "127.0.0.1:0"])
+        .args(share.then_some("--shared-capacity"))
         .env("NVDRA_LOG", "warn")
         .spawn()
         .context("cannot start nvdra run")?;
+    let pipe = mps::gpu_pipe_dir(
+        &kubelet.join(format!("plugins/{DRIVER}")),
+        gpu.uuid.as_str(),
+    );
     let dra_socket = kubelet.join(format!("plugins/{DRIVER}/dra.sock"));
     let spec_file = cdi_root.join(format!("k8s.{DRIVER}-claim_{claim_uid}.yaml"));
 
@@ -525,7 +551,7 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         let (ids, error) = prepared.context("nvdra did not serve its DRA socket within 30 s")?;
         ensure!(error.is_empty(), "prepare failed: {error}");
         ensure!(
-            ids == vec![format!("k8s.{DRIVER}/claim={claim_uid}-gpu-{}", gpu.minor)],
+            ids == vec![format!("k8s.{DRIVER}/claim={claim_uid}-{device}")],
             "CDI ids {ids:?}"
         );
         ensure!(
@@ -540,10 +566,18 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         } else {
             vec![]
         };
-        let script = format!(
+        let mut script = format!(
             "ls -l /dev/nvidia{} /dev/nvidiactl; echo VISIBLE=$NVIDIA_VISIBLE_DEVICES",
             gpu.minor
         );
+        if share {
+            script.push_str(
+                "; echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; \
+                 echo PIPE_FILES=$(ls $CUDA_MPS_PIPE_DIRECTORY); \
+                 echo THREADS=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; \
+                 echo LIMITS=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+            );
+        }
         let out = podman(
             &global,
             &[
@@ -563,6 +597,17 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
         assert_null_node(&out, &format!("/dev/nvidia{}", gpu.minor))?;
         assert_null_node(&out, "/dev/nvidiactl")?;
         assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+        if share {
+            assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
+            assert_line(&out, "PIPE_FILES=control")?;
+            assert_line(&out, "THREADS=25")?;
+            assert_line(&out, &format!("LIMITS={}=24576M", gpu.uuid))?;
+            ensure!(
+                mps::log(&driver_root) == vec![format!("start {} {}", gpu.uuid, pipe.display())],
+                "MPS daemon log {:?}",
+                mps::log(&driver_root)
+            );
+        }
 
         let (_, error) = call(false)?;
         ensure!(error.is_empty(), "unprepare failed: {error}");
@@ -571,6 +616,13 @@ fn check_prepared_by_daemon(engine: &Engine) -> Result<()> {
             "unprepare left {}",
             spec_file.display()
         );
+        if share {
+            ensure!(
+                !pipe.exists() && mps::count(&driver_root, "quit") == 1,
+                "the GPU's MPS daemon outlived its last share: {:?}",
+                mps::log(&driver_root)
+            );
+        }
         Ok(())
     })();
 

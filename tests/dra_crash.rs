@@ -2,9 +2,13 @@
 //! (`NVDRA_TEST_CRASH_AT`), restarted, and the kubelet's retry must then leave the claim prepared
 //! exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry. Also: a
 //! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
-//! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind).
+//! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind). `shares`:
+//! the same for consumable-capacity shares of a GPU and their MPS daemon, unprepare included.
 
 mod support;
+
+#[path = "dra_crash/shares.rs"]
+mod shares;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -29,6 +33,8 @@ struct Dirs {
     /// `nvml-state`, `nvidia-smi` a script under the driver root logging to `nvidia-smi.log`),
     /// instead of the simulated backend.
     nvml: bool,
+    /// Run with `--shared-capacity` (shares of GPUs: `shares`).
+    shared_capacity: bool,
 }
 
 impl Dirs {
@@ -39,6 +45,7 @@ impl Dirs {
             profile: "dgx-h100",
             metrics_address: "127.0.0.1:0".into(),
             nvml: false,
+            shared_capacity: false,
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -177,6 +184,9 @@ impl Dirs {
         }
         if self.partitionable {
             cmd.arg("--partitionable");
+        }
+        if self.shared_capacity {
+            cmd.arg("--shared-capacity");
         }
         cmd
     }
@@ -740,10 +750,13 @@ fn a_newer_checkpoint_fails_the_start_and_is_left_in_place() {
     let d = Dirs::new();
     let dir = d.checkpoint().parent().unwrap().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
-    let newer = r#"{"version": 2, "bootId": "b", "claims": {"a": {"somethingNew": true}}}"#;
-    std::fs::write(d.checkpoint(), newer).unwrap();
+    let v = nvdra::ledger::VERSION + 1;
+    let newer = format!(
+        r#"{{"version": {v}, "bootId": "b", "claims": {{"a": {{"somethingNew": true}}}}}}"#
+    );
+    std::fs::write(d.checkpoint(), &newer).unwrap();
     let err = assert_failed_start(&d, &d.checkpoint().display().to_string());
-    assert!(err.contains("version 2"), "{err}");
+    assert!(err.contains(&format!("version {v}")), "{err}");
     assert_eq!(std::fs::read_to_string(d.checkpoint()).unwrap(), newer);
     let stray: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -761,11 +774,13 @@ async fn a_running_instance_refuses_a_newer_checkpoint_written_beside_it() {
     d.add_claim("a", "gpu-1");
     let mut p = d.spawn(None);
     wait_ready(&d, &mut p).await;
-    let newer = r#"{"version": 2, "bootId": "b", "claims": {}}"#;
-    std::fs::write(d.checkpoint(), newer).unwrap();
+    let v = nvdra::ledger::VERSION + 1;
+    let newer = format!(r#"{{"version": {v}, "bootId": "b", "claims": {{}}}}"#);
+    std::fs::write(d.checkpoint(), &newer).unwrap();
     let r = prepare(&d, "a").await.unwrap();
     assert!(
-        r.error.contains(&d.checkpoint().display().to_string()) && r.error.contains("version 2"),
+        r.error.contains(&d.checkpoint().display().to_string())
+            && r.error.contains(&format!("version {v}")),
         "{}",
         r.error
     );

@@ -5,12 +5,16 @@
 //! one form of it over the registration and the DRA socket — registration, DRA v1 and v1beta1
 //! prepare/unprepare, the health stream, several and concurrent calls on one channel — and
 //! asserts on the stand-in's JSON, its exit code and what the daemon left on disk. The README's
-//! "check a node's sockets" snippet is run as printed.
+//! "check a node's sockets" snippet is run as printed. `shares`: three consumable-capacity
+//! shares of one GPU prepared and unprepared out of order through the stand-in's `node` mode.
 //!
 //! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (see `.ci/run`). Without them the
 //! tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set (CI sets it to 1).
 
 mod support;
+
+#[path = "kubelet_grpcio/shares.rs"]
+mod shares;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -46,21 +50,31 @@ impl Drop for Daemon {
 
 impl Daemon {
     async fn start() -> Daemon {
+        Self::start_with(&[], |api| {
+            for (uid, device) in CLAIMS {
+                let c = nvdra::api::allocated_claim(
+                    "default",
+                    &format!("claim-{uid}"),
+                    uid,
+                    vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, device)],
+                    vec![],
+                );
+                nvdra::api::dir::write_claim(api, &c).unwrap();
+            }
+        })
+        .await
+    }
+
+    /// `nvdra run` with `args` added, after `setup` wrote its claims in the API directory (given)
+    /// and anything else it needs in the root (the API directory's parent).
+    async fn start_with(args: &[&str], setup: impl FnOnce(&Path)) -> Daemon {
         let root = tempfile::tempdir().unwrap();
         let p = |s: &str| root.path().join(s);
         std::fs::write(p("boot_id"), "boot-1\n").unwrap();
-        for (uid, device) in CLAIMS {
-            let c = nvdra::api::allocated_claim(
-                "default",
-                &format!("claim-{uid}"),
-                uid,
-                vec![nvdra::api::allocated_device("gpu", DRIVER, NODE, device)],
-                vec![],
-            );
-            nvdra::api::dir::write_claim(&p("api"), &c).unwrap();
-        }
+        setup(&p("api"));
         let child = Command::new(env!("CARGO_BIN_EXE_nvdra"))
             .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
+            .args(args)
             .args(["--node-name", NODE])
             .arg("--api-dir")
             .arg(p("api"))

@@ -177,6 +177,14 @@ impl Mps {
         self.start_for(&owner, &[DeviceUuid::Gpu(gpu.clone())])
     }
 
+    /// Whether the GPU's share daemon runs (its control pipe exists), asked under the GPU's lock:
+    /// a stop that had begun has finished.
+    pub fn gpu_running(&self, gpu: &GpuUuid) -> bool {
+        let l = self.gpu_lock(gpu);
+        let _g = lock(&l);
+        self.gpu_pipe_dir(gpu).join("control").exists()
+    }
+
     /// Stops the GPU's share daemon if `still_shared` (asked under the GPU's lock, so no share
     /// can start using the daemon in between) says no share of it is left.
     pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {

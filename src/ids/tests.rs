@@ -26,6 +26,8 @@ fn device_names_parse_by_the_grammar_they_are_made_with() {
         DeviceName::gpu(17),
         DeviceName::mig(3, "1g.5gb+me", 20, 6),
         DeviceName::mig(1, "7g.141gb", 0, 0),
+        DeviceName::shared(0),
+        DeviceName::shared(12),
     ] {
         assert_eq!(DeviceName::parse(name.as_str()).unwrap(), name);
         let json = serde_json::to_string(&name).unwrap();
@@ -42,6 +44,10 @@ fn device_names_parse_by_the_grammar_they_are_made_with() {
         "gpu-0-mig-1g.5gb-19-0",
         "gpu-0-nic-1",
         "gpu-0-mig--19-0",
+        "gpu-01-shared",
+        "gpu--shared",
+        "gpu-0-shared-1",
+        "gpu-shared",
     ] {
         let e = DeviceName::parse(bad).unwrap_err();
         assert!(

@@ -4,3 +4,4 @@ pub mod apiserver;
 pub mod fake_nvml;
 pub mod grpcio;
 pub mod manifests;
+pub mod mps;

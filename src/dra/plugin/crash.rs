@@ -15,9 +15,11 @@ pub const CRASH_ENV: &str = "NVDRA_TEST_CRASH_AT";
 /// The file (in the plugin directory) a process stopped at its crash point leaves behind.
 pub const CRASH_MARKER: &str = "test-crash-point-reached";
 
-/// Where a crash test makes prepare stop. A claim that changes GPU state passes them in order;
-/// for one that does not (its spec and record are written in parallel), each point is one of
-/// the states a crash can leave: nothing written, the spec only, the record only, both.
+/// Where a crash test makes prepare or unprepare stop. A claim that changes GPU state passes the
+/// prepare points in order; for one that does not (its spec and record are written in parallel),
+/// each point is one of the states a crash can leave: nothing written, the spec only, the record
+/// only, both. Unprepare (any rollback) passes [`CrashPoint::AfterUndo`], then one of the two
+/// halves of its parallel removals.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CrashPoint {
     /// Reconfiguring: `PrepareStarted` is durable, nothing else is done. Otherwise: the claim is
@@ -30,12 +32,20 @@ pub enum CrashPoint {
     BeforeCompleted,
     /// Everything is durable; the reply was not sent.
     AfterCompleted,
+    /// Rollback (an unprepare, or undoing a failed prepare): the GPU is back (MIG instances
+    /// destroyed, time slices reset, MPS daemons stopped); the claim's spec and entry remain.
+    AfterUndo,
+    /// Rollback: the GPU is back and the spec removed; the entry is still durable.
+    AfterSpecRemoved,
+    /// Rollback: the GPU is back and the entry's removal durable; the spec remains.
+    AfterForgotten,
 }
 
 /// A [`CRASH_ENV`] value that names no crash point.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{CRASH_ENV}={value:?}: expected after-started, after-cdi, before-completed or after-completed"
+    "{CRASH_ENV}={value:?}: expected after-started, after-cdi, before-completed, after-completed, \
+     after-undo, after-spec-removed or after-forgotten"
 )]
 pub struct BadCrashPoint {
     pub value: String,
@@ -49,6 +59,9 @@ impl std::str::FromStr for CrashPoint {
             "after-cdi" => Self::AfterCdi,
             "before-completed" => Self::BeforeCompleted,
             "after-completed" => Self::AfterCompleted,
+            "after-undo" => Self::AfterUndo,
+            "after-spec-removed" => Self::AfterSpecRemoved,
+            "after-forgotten" => Self::AfterForgotten,
             _ => {
                 return Err(BadCrashPoint {
                     value: s.to_string(),
@@ -97,18 +110,47 @@ impl Plugin {
         spec: A,
         record: B,
     ) -> (A::Output, B::Output) {
+        self.crash_between_at(
+            (spec, CrashPoint::AfterCdi),
+            (record, CrashPoint::BeforeCompleted),
+        )
+        .await
+    }
+
+    /// The parallel spec removal and entry removal of a rollback: at
+    /// [`CrashPoint::AfterSpecRemoved`] and [`CrashPoint::AfterForgotten`] one half runs alone
+    /// and the process stops before the other starts.
+    pub(super) async fn crash_between_removals<A: Future, B: Future>(
+        &self,
+        spec: A,
+        record: B,
+    ) -> (A::Output, B::Output) {
+        self.crash_between_at(
+            (spec, CrashPoint::AfterSpecRemoved),
+            (record, CrashPoint::AfterForgotten),
+        )
+        .await
+    }
+
+    /// Runs `a` and `b` in parallel, unless the crash point set is one of theirs: then that one
+    /// runs alone and the process stops there.
+    async fn crash_between_at<A: Future, B: Future>(
+        &self,
+        (a, a_alone): (A, CrashPoint),
+        (b, b_alone): (B, CrashPoint),
+    ) -> (A::Output, B::Output) {
         match self.inner.crash_at.get() {
-            Some(CrashPoint::AfterCdi) => {
-                let spec = spec.await;
-                self.crash(CrashPoint::AfterCdi);
-                (spec, record.await)
+            Some(&at) if at == a_alone => {
+                let a = a.await;
+                self.crash(at);
+                (a, b.await)
             }
-            Some(CrashPoint::BeforeCompleted) => {
-                let record = record.await;
-                self.crash(CrashPoint::BeforeCompleted);
-                (spec.await, record)
+            Some(&at) if at == b_alone => {
+                let b = b.await;
+                self.crash(at);
+                (a.await, b)
             }
-            _ => tokio::join!(spec, record),
+            _ => tokio::join!(a, b),
         }
     }
 }

@@ -13,7 +13,7 @@ use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, TimeSlice};
 use crate::ledger::DeviceRecord;
 use crate::sharing::{Sharing, TimeSliceInterval};
 
-use super::{ClaimError, Plugin};
+use super::{ClaimError, Plugin, crash_point};
 
 /// A reconfiguration that stopped part-way: the error, and the devices as far as they got (with
 /// the UUIDs of MIG devices already created), for the rollback.
@@ -74,6 +74,27 @@ impl Plugin {
             self.blocking(move |i| i.mps.start(&owner, &mps)).await??;
         }
         for gpu in shared_gpus(devices) {
+            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
+        }
+        Ok(())
+    }
+
+    /// Starts the MPS daemon of each GPU `devices` hold shares of, unless it runs. The claim is
+    /// reserved already, so no unprepare of another share stops a daemon found running here
+    /// ([`Plugin::undo_devices`] asks the ledger under the GPU's lock, as
+    /// [`Mps::gpu_running`] looks under it). Before a start the claim's record is made durable:
+    /// a crash then leaves the daemon to a recorded share, which start-up keeps or rolls back,
+    /// never to nobody.
+    pub(super) async fn ensure_share_daemons(
+        &self,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        for gpu in shared_gpus(devices) {
+            let g = gpu.clone();
+            if self.blocking(move |i| i.mps.gpu_running(&g)).await? {
+                continue;
+            }
+            self.inner.ledger.flush().await?;
             self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
         }
         Ok(())
@@ -142,17 +163,20 @@ impl Plugin {
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
         self.undo_devices(uid, devices).await?;
+        crash_point!(self, AfterUndo);
         // The GPU is back to its old state; the spec and the entry may now go in parallel. A
         // crash in between leaves either an orphan spec (removed at start) or a completed entry
         // without a spec (rewritten at start, then unprepared again by the kubelet).
         let spec_uid = uid.clone();
-        let (removed, flushed) = tokio::join!(
-            self.blocking(move |i| i.specs.remove(&spec_uid).map_err(ClaimError::from)),
-            async {
-                self.inner.ledger.update(|c| c.remove(uid));
-                self.inner.ledger.flush().await
-            }
-        );
+        let spec = self.blocking(move |i| i.specs.remove(&spec_uid).map_err(ClaimError::from));
+        let record = async {
+            self.inner.ledger.update(|c| c.remove(uid));
+            self.inner.ledger.flush().await
+        };
+        #[cfg(feature = "crash-points")]
+        let (removed, flushed) = self.crash_between_removals(spec, record).await;
+        #[cfg(not(feature = "crash-points"))]
+        let (removed, flushed) = tokio::join!(spec, record);
         removed??;
         flushed?;
         Ok(())

@@ -26,12 +26,15 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    /// Whether preparing changes GPU state (creates a MIG instance, starts an MPS daemon, sets a
-    /// time slice), which must be recorded durably before it happens so that a crash can be
-    /// undone.
+    /// Whether preparing changes GPU state (creates a MIG instance, starts the claim's MPS
+    /// daemon, sets a time slice), which must be recorded durably before it happens so that a
+    /// crash can be undone. A share of a GPU (`consumed`) does not count: its daemon is the GPU's,
+    /// usually running already, and started only once the claim's completed record is durable
+    /// (`Plugin::ensure_share_daemons`), which start-up then completes rather than undoes.
     pub fn touches_hardware(&self) -> bool {
         self.devices.iter().any(|d| {
-            d.mig.as_ref().is_some_and(|m| m.created) || !matches!(d.sharing, Sharing::Exclusive)
+            d.mig.as_ref().is_some_and(|m| m.created)
+                || (!matches!(d.sharing, Sharing::Exclusive) && d.consumed.is_none())
         })
     }
 }

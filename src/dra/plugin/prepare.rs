@@ -7,6 +7,9 @@
 //!   start-up; then reconfigures, writes its CDI spec and records `PrepareCompleted`.
 //! - **A claim that changes nothing on the GPU** is recorded `PrepareCompleted` at once, and its
 //!   CDI spec and that record are written in parallel: one durable write on the critical path.
+//!   Shares of a GPU take this path too: their GPU's MPS daemon usually runs already; where it
+//!   does not, the completed record is made durable before the daemon starts, so a crash leaves
+//!   a recorded share whose daemon and spec start-up brings back.
 //!   Whichever half a crash leaves, start-up repairs: a spec without an entry is removed, a
 //!   completed entry without a spec gets its spec rewritten.
 
@@ -109,6 +112,9 @@ impl Plugin {
         let uid = &claim.uid;
         self.reserve(claim, &plan, ClaimState::PrepareCompleted, inv)?;
         crash_point!(self, AfterStarted);
+        if let Err(e) = self.ensure_share_daemons(&plan.devices).await {
+            return Err(self.rollback_after(uid, (e, plan.devices)).await);
+        }
         let spec = async {
             if plan.devices.is_empty() {
                 Ok(())

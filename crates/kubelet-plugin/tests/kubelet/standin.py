@@ -1103,6 +1103,8 @@ def node_main(argv):
       {"op": "prepare" | "unprepare", "claims": [{"namespace", "name", "uid"}]}
                                                    v1 NodePrepare/UnprepareResources on --dra with
                                                    grpc-go's authority; answers per-claim results
+                                                   (prepare: error, and per device its name,
+                                                   shareID or null, and CDI device ids)
       {"op": "quit"}
     """
     p = argparse.ArgumentParser(prog="standin.py node")
@@ -1174,7 +1176,11 @@ def node_main(argv):
             if op == "prepare":
                 resp = dra.NodePrepareResources(dra_pb.NodePrepareResourcesRequest(claims=claims(cmd)),
                                                 timeout=TIMEOUT_S)
-                return {"claims": {u: {"error": r.error, "devices": [d.device_name for d in r.devices]}
+                # share_id is proto3 optional: None when the plugin left it unset.
+                return {"claims": {u: {"error": r.error, "devices": [d.device_name for d in r.devices],
+                                       "share_ids": [d.share_id if d.HasField("share_id") else None
+                                                     for d in r.devices],
+                                       "cdi_device_ids": [list(d.cdi_device_ids) for d in r.devices]}
                                    for u, r in resp.claims.items()}}
             resp = dra.NodeUnprepareResources(dra_pb.NodeUnprepareResourcesRequest(claims=claims(cmd)),
                                               timeout=TIMEOUT_S)

@@ -1,0 +1,400 @@
+//! SIGKILL at each step of a share's prepare, beside another claim's share of the GPU and as the
+//! GPU's first, and of the last share's unprepare (`--shared-capacity`; shares of
+//! `gpu-2-shared`, 8Gi and 10% compute each). One MPS control
+//! daemon serves a GPU's shares; the fake `nvidia-cuda-mps-control` under the driver root logs its
+//! starts and stops across the processes, and its `control` file says whether it runs. After
+//! every crash, the restart and the kubelet's retry: exactly the shares whose prepare completed
+//! are in the checkpoint, the daemon runs if and only if a share is held (started once for as
+//! long as one is), and unpreparing everything leaves no daemon, no spec and no entry.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use kubelet_plugin::proto::dra::v1;
+
+use super::{
+    DRIVER, Dirs, NODE, SIGKILL, left_behind, prepare, terminate, unix_channel, unprepare,
+    wait_exit, wait_ready,
+};
+use crate::support::mps;
+
+const DEVICE: &str = "gpu-2-shared";
+
+fn share_id(uid: &str) -> String {
+    format!("5f0e0000-0000-4000-8000-{:012x}", uid.as_bytes()[0])
+}
+
+impl Dirs {
+    /// `a` and `b`, shares of [`DEVICE`], allocated; the fake MPS control installed.
+    fn with_shares() -> Dirs {
+        let mut d = Dirs::new();
+        d.shared_capacity = true;
+        mps::fake_control(&d.p("driver"));
+        for uid in ["a", "b"] {
+            let c = nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![mps::share(
+                    "nb",
+                    DRIVER,
+                    NODE,
+                    DEVICE,
+                    &share_id(uid),
+                    "8Gi",
+                    "10",
+                )],
+                vec![],
+            );
+            nvdra::api::dir::write_claim(&d.p("api"), &c).unwrap();
+        }
+        d
+    }
+
+    fn driver(&self) -> PathBuf {
+        self.p("driver")
+    }
+
+    /// The pipe directory of GPU 2's share daemon.
+    fn share_pipe(&self) -> PathBuf {
+        use nvdra::inventory::DeviceBackend;
+        let gpu = nvdra::inventory::sim::SimBackend::from_profile(self.profile, NODE)
+            .unwrap()
+            .snapshot()
+            .unwrap()
+            .gpus[2]
+            .uuid
+            .to_string();
+        mps::gpu_pipe_dir(&self.p(&format!("kubelet/plugins/{DRIVER}")), &gpu)
+    }
+
+    fn daemon_runs(&self) -> bool {
+        self.share_pipe().join("control").exists()
+    }
+
+    /// The claims in the checkpoint, each with its state, in UID order.
+    fn claim_states(&self) -> Vec<(String, String)> {
+        let cp = self.checkpoint_json();
+        cp["claims"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(uid, e)| (uid.clone(), e["state"].as_str().unwrap().to_string()))
+            .collect()
+    }
+
+    /// The fake daemon's (starts, stops) so far.
+    fn daemon_starts_stops(&self) -> (usize, usize) {
+        (
+            mps::count(&self.driver(), "start"),
+            mps::count(&self.driver(), "quit"),
+        )
+    }
+}
+
+/// `nvdra run`, SIGKILLed when dropped, so a failed assertion leaves no process behind.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Dirs {
+    fn run(&self, crash_at: Option<&str>) -> Running {
+        Running(self.spawn(crash_at))
+    }
+}
+
+fn completed(uids: &[&str]) -> Vec<(String, String)> {
+    uids.iter()
+        .map(|u| (u.to_string(), "PrepareCompleted".to_string()))
+        .collect()
+}
+
+fn spec_names(uids: &[&str]) -> Vec<String> {
+    uids.iter().map(|u| Dirs::spec_name(u)).collect()
+}
+
+/// A non-panicking unprepare, for the call the process dies in.
+async fn unprepare_call(dra_socket: &Path, uid: &str) -> Result<String, tonic::Status> {
+    let ch = unix_channel(dra_socket).await.unwrap();
+    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
+    let mut r = c
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: vec![v1::Claim {
+                namespace: "default".into(),
+                uid: uid.into(),
+                name: format!("claim-{uid}"),
+            }],
+        })
+        .await?
+        .into_inner();
+    Ok(r.claims.remove(uid).expect("an entry").error)
+}
+
+/// Waits for `child` to stop at `point` and SIGKILLs it there.
+async fn kill_at_crash_point(d: &Dirs, child: &mut Child, point: &str) {
+    let marker = d.p(&format!(
+        "kubelet/plugins/{DRIVER}/{}",
+        nvdra::dra::plugin::crash::CRASH_MARKER
+    ));
+    for _ in 0..3000 {
+        if marker.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        marker.exists(),
+        "{point}: the crash point was never reached"
+    );
+    let killed = Command::new("kill")
+        .args(["-KILL", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = wait_exit(child).await;
+    assert_eq!(status.signal(), Some(SIGKILL), "{point}: {status}");
+    std::fs::remove_file(&marker).unwrap();
+}
+
+/// Prepares `uids` one by one with a process of its own, then stops it (SIGTERM).
+async fn prepared_before(d: &Dirs, uids: &[&str], then_unprepare: &[&str]) {
+    let mut p = d.run(None);
+    wait_ready(d, &mut p.0).await;
+    for uid in uids {
+        let r = prepare(d, uid).await.unwrap();
+        assert_eq!(r.error, "", "{uid}");
+    }
+    for uid in then_unprepare {
+        assert_eq!(unprepare(d, uid).await, "", "{uid}");
+    }
+    assert!(terminate(&mut p.0).await.success());
+}
+
+/// With `a`'s share of the GPU prepared (and its daemon running) when `beside_a`, else alone,
+/// the process dies at `point` of `b`'s prepare.
+async fn crash_a_share_prepare(point: &str, beside_a: bool) {
+    let d = Dirs::with_shares();
+    let others: &[&str] = if beside_a { &["a"] } else { &[] };
+    let starts = others.len();
+    prepared_before(&d, others, &[]).await;
+    assert_eq!(d.daemon_runs(), beside_a);
+    assert_eq!(d.daemon_starts_stops(), (starts, 0));
+
+    let mut first = d.run(Some(point));
+    wait_ready(&d, &mut first.0).await;
+    assert_eq!(
+        d.daemon_starts_stops(),
+        (starts, 0),
+        "{point}: a running daemon is kept at start-up"
+    );
+    let dra_socket = d.dra_socket();
+    let call = tokio::spawn(async move { super::prepare_at(&dra_socket, "b").await });
+    kill_at_crash_point(&d, &mut first.0, point).await;
+    let r = call.await.unwrap();
+    assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
+
+    // Beside a running daemon a share changes nothing on the GPU: its spec and record are
+    // written in parallel, as a whole GPU's. As the GPU's first, its record is made durable
+    // before the daemon starts, so every point after the start has it.
+    let (state, spec) = if beside_a || point == "after-started" {
+        left_behind(point, false)
+    } else {
+        (Some("PrepareCompleted"), point != "before-completed")
+    };
+    let mut want = completed(others);
+    if let Some(state) = state {
+        want.push(("b".into(), state.into()));
+    }
+    assert_eq!(d.claim_states(), want, "{point}");
+    let mut specs = spec_names(others);
+    if spec {
+        specs.push(Dirs::spec_name("b"));
+    }
+    assert_eq!(d.specs(), specs, "{point}");
+    let started_by_b = !beside_a && point != "after-started";
+    assert_eq!(d.daemon_runs(), beside_a || started_by_b, "{point}");
+    let starts = starts + usize::from(started_by_b);
+    assert_eq!(d.daemon_starts_stops(), (starts, 0), "{point}");
+
+    let mut second = d.run(None);
+    wait_ready(&d, &mut second.0).await;
+    // Recovery keeps exactly the shares whose prepare completed, and the daemon iff one is.
+    let mut held = others.to_vec();
+    if state == Some("PrepareCompleted") {
+        held.push("b");
+    }
+    assert_eq!(d.claim_states(), completed(&held), "{point}");
+    assert_eq!(d.specs(), spec_names(&held), "{point}");
+    let running = !held.is_empty();
+    assert_eq!(d.daemon_runs(), running, "{point}");
+    let stops = usize::from(started_by_b && !running);
+    assert_eq!(d.daemon_starts_stops(), (starts, stops), "{point}");
+
+    // The kubelet retries b.
+    let r = prepare(&d, "b").await.unwrap();
+    assert_eq!(r.error, "", "{point}");
+    assert_eq!(r.devices.len(), 1);
+    assert_eq!(r.devices[0].share_id.as_deref(), Some(&*share_id("b")));
+    assert_eq!(
+        r.devices[0].cdi_device_ids,
+        vec![format!("k8s.{DRIVER}/claim=b-{DEVICE}")]
+    );
+    let mut held = others.to_vec();
+    held.push("b");
+    assert_eq!(d.claim_states(), completed(&held), "{point}");
+    assert_eq!(d.specs(), spec_names(&held));
+    let cp = d.checkpoint_json();
+    for uid in &held {
+        assert_eq!(
+            cp["claims"][*uid]["devices"][0]["consumedCapacity"],
+            serde_json::json!({"memory": 8u64 << 30, "compute": 10}),
+            "{point}: {cp}"
+        );
+    }
+    assert!(d.daemon_runs(), "{point}");
+    let starts = starts + usize::from(!running);
+    assert_eq!(
+        d.daemon_starts_stops(),
+        (starts, stops),
+        "{point}: one daemon while a share is held"
+    );
+
+    // Unprepared, b first: the daemon goes with the last share.
+    assert_eq!(unprepare(&d, "b").await, "");
+    assert_eq!(
+        d.daemon_runs(),
+        beside_a,
+        "{point}: runs iff a is still held"
+    );
+    if beside_a {
+        assert_eq!(unprepare(&d, "a").await, "");
+    }
+    assert!(!d.daemon_runs() && !d.share_pipe().exists(), "{point}");
+    assert_eq!(d.daemon_starts_stops(), (starts, stops + 1), "{point}");
+    assert!(d.specs().is_empty(), "{point}: {:?}", d.specs());
+    assert!(d.claim_states().is_empty(), "{point}");
+    let status = terminate(&mut second.0).await;
+    assert!(status.success(), "{point}: clean exit on SIGTERM: {status}");
+}
+
+/// `a` and `b` were prepared and `b` unprepared; the process dies at `point` of the unprepare of
+/// `a`, the GPU's last share.
+async fn crash_the_last_shares_unprepare(point: &str) {
+    let d = Dirs::with_shares();
+    prepared_before(&d, &["a", "b"], &["b"]).await;
+    assert!(d.daemon_runs());
+    assert_eq!(d.daemon_starts_stops(), (1, 0));
+
+    let mut first = d.run(Some(point));
+    wait_ready(&d, &mut first.0).await;
+    let dra_socket = d.dra_socket();
+    let call = tokio::spawn(async move { unprepare_call(&dra_socket, "a").await });
+    kill_at_crash_point(&d, &mut first.0, point).await;
+    let r = call.await.unwrap();
+    assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
+
+    // Every point comes after the daemon's stop; then the spec and the entry go in parallel.
+    assert!(!d.daemon_runs(), "{point}");
+    assert_eq!(d.daemon_starts_stops(), (1, 1), "{point}");
+    let (entry, spec) = match point {
+        "after-undo" => (true, true),
+        "after-spec-removed" => (true, false),
+        "after-forgotten" => (false, true),
+        _ => panic!("not an unprepare crash point: {point}"),
+    };
+    let a: &[&str] = &["a"];
+    assert_eq!(
+        d.claim_states(),
+        completed(if entry { a } else { &[] }),
+        "{point}"
+    );
+    assert_eq!(d.specs(), spec_names(if spec { a } else { &[] }), "{point}");
+
+    let mut second = d.run(None);
+    wait_ready(&d, &mut second.0).await;
+    if entry {
+        // Still prepared as far as the checkpoint goes: recovery brings its daemon and spec back
+        // for the kubelet's retry to take down again.
+        assert!(d.daemon_runs(), "{point}: a is held");
+        assert_eq!(d.daemon_starts_stops(), (2, 1), "{point}");
+        assert_eq!(d.specs(), spec_names(a), "{point}");
+    } else {
+        // Forgotten: its orphan spec goes, and no daemon comes back.
+        assert!(!d.daemon_runs(), "{point}: no share is held");
+        assert_eq!(d.daemon_starts_stops(), (1, 1), "{point}");
+        assert!(d.specs().is_empty(), "{point}: {:?}", d.specs());
+        assert!(d.claim_states().is_empty(), "{point}");
+    }
+
+    // The kubelet retries the unprepare.
+    assert_eq!(unprepare(&d, "a").await, "", "{point}");
+    assert!(!d.daemon_runs() && !d.share_pipe().exists(), "{point}");
+    let (starts, stops) = d.daemon_starts_stops();
+    assert_eq!(starts, stops, "{point}: every start stopped");
+    assert!(d.specs().is_empty(), "{point}: {:?}", d.specs());
+    assert!(d.claim_states().is_empty(), "{point}");
+    let status = terminate(&mut second.0).await;
+    assert!(status.success(), "{point}: clean exit on SIGTERM: {status}");
+}
+
+#[tokio::test]
+async fn share_crash_after_started() {
+    crash_a_share_prepare("after-started", true).await;
+}
+
+#[tokio::test]
+async fn first_share_crash_after_started() {
+    crash_a_share_prepare("after-started", false).await;
+}
+
+#[tokio::test]
+async fn share_crash_after_cdi() {
+    crash_a_share_prepare("after-cdi", true).await;
+}
+
+#[tokio::test]
+async fn first_share_crash_after_cdi() {
+    crash_a_share_prepare("after-cdi", false).await;
+}
+
+#[tokio::test]
+async fn share_crash_before_completed() {
+    crash_a_share_prepare("before-completed", true).await;
+}
+
+#[tokio::test]
+async fn first_share_crash_before_completed() {
+    crash_a_share_prepare("before-completed", false).await;
+}
+
+#[tokio::test]
+async fn share_crash_after_completed() {
+    crash_a_share_prepare("after-completed", true).await;
+}
+
+#[tokio::test]
+async fn first_share_crash_after_completed() {
+    crash_a_share_prepare("after-completed", false).await;
+}
+
+#[tokio::test]
+async fn last_share_unprepare_crash_after_undo() {
+    crash_the_last_shares_unprepare("after-undo").await;
+}
+
+#[tokio::test]
+async fn last_share_unprepare_crash_after_spec_removed() {
+    crash_the_last_shares_unprepare("after-spec-removed").await;
+}
+
+#[tokio::test]
+async fn last_share_unprepare_crash_after_forgotten() {
+    crash_the_last_shares_unprepare("after-forgotten").await;
+}

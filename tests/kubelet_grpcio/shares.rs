@@ -1,0 +1,275 @@
+//! Shares of one GPU (`--shared-capacity`) through the stand-in's `node` mode, which makes the
+//! kubelet's v1 NodePrepare/UnprepareResources calls with grpcio as the test tells it: three
+//! claims each get a quarter of GPU 0 (`gpu-0-shared`, 24Gi and 25% compute), one MPS control
+//! daemon serves them all (a fake `nvidia-cuda-mps-control` under the driver root logs its starts
+//! and stops), each claim's CDI spec carries its own limits, a fourth share that does not fit is
+//! refused naming the three holders, and the daemon stops with the last share, whatever the
+//! order of the unprepares.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use serde_json::{Value, json};
+
+use super::{DRIVER, Daemon, NODE, STANDIN, have_grpcio};
+use crate::support::mps;
+
+const SHARES: [&str; 4] = ["s1", "s2", "s3", "s4"];
+
+fn share_id(uid: &str) -> String {
+    format!("5f0e0000-0000-4000-8000-0000000000{}", &uid[1..2])
+}
+
+/// The stand-in in `node` mode against `d`'s DRA socket, killed when dropped.
+struct Kubelet {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Kubelet {
+    fn start(d: &Daemon) -> Kubelet {
+        let mut child = Command::new("python3")
+            .arg(STANDIN)
+            .arg("node")
+            .arg("--proto-root")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/kubelet-plugin/proto"
+            ))
+            .arg("--stubs-cache")
+            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
+            .arg("--root")
+            .arg(d.root.path().join("standin"))
+            .arg("--dra")
+            .arg(d.dra_socket())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains("serving"), "stand-in: {line:?}");
+        Kubelet {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// `op` (prepare or unprepare) of `uids` in one call; each claim's result.
+    fn call(&mut self, op: &str, uids: &[&str]) -> Value {
+        let claims: Vec<Value> = uids
+            .iter()
+            .map(|u| json!({"namespace": "default", "name": format!("claim-{u}"), "uid": u}))
+            .collect();
+        let cmd = json!({"op": op, "claims": claims});
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["ok"], true, "{cmd} → {v}");
+        v["claims"].clone()
+    }
+
+    fn unprepare(&mut self, uid: &str) {
+        let r = self.call("unprepare", &[uid]);
+        assert_eq!(r[uid]["error"], "", "unprepare {uid}: {r}");
+    }
+}
+
+fn plugin_dir(d: &Daemon) -> PathBuf {
+    d.root.path().join(format!("kubelet/plugins/{DRIVER}"))
+}
+
+fn driver_root(d: &Daemon) -> PathBuf {
+    d.root.path().join("driver")
+}
+
+/// The env entries of a claim's CDI spec (the spec's and its devices' edits) and its mounts as
+/// (host path, container path).
+fn spec_edits(d: &Daemon, uid: &str) -> (Vec<String>, Vec<(String, String)>) {
+    let path = d
+        .root
+        .path()
+        .join(format!("cdi/k8s.{DRIVER}-claim_{uid}.yaml"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("the spec of {uid} ({}): {e}", path.display()));
+    let spec: nvdra::cdi::Spec = nvdra::yaml::from_str(&text).unwrap();
+    let edits = std::iter::once(&spec.container_edits)
+        .chain(spec.devices.iter().map(|d| &d.container_edits));
+    let (mut env, mut mounts) = (Vec::new(), Vec::new());
+    for e in edits {
+        env.extend(e.env.iter().cloned());
+        mounts.extend(
+            e.mounts
+                .iter()
+                .map(|m| (m.host_path.clone(), m.container_path.clone())),
+        );
+    }
+    (env, mounts)
+}
+
+#[tokio::test]
+async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
+    if !have_grpcio() {
+        return;
+    }
+    let d = Daemon::start_with(&["--shared-capacity"], |api| {
+        mps::fake_control(&api.parent().unwrap().join("driver"));
+        for uid in SHARES {
+            let c = nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![mps::share(
+                    "nb",
+                    DRIVER,
+                    NODE,
+                    "gpu-0-shared",
+                    &share_id(uid),
+                    "24Gi",
+                    "25",
+                )],
+                vec![],
+            );
+            nvdra::api::dir::write_claim(api, &c).unwrap();
+        }
+    })
+    .await;
+    let gpu = gpu0_uuid();
+    let pipe = mps::gpu_pipe_dir(&plugin_dir(&d), &gpu);
+    let driver = driver_root(&d);
+    let mut k = Kubelet::start(&d);
+
+    // Three pods' claims in one call, as a kubelet batching them would: one daemon start.
+    let r = k.call("prepare", &SHARES[..3]);
+    for uid in &SHARES[..3] {
+        let c = &r[*uid];
+        assert_eq!(c["error"], "", "{uid}: {r}");
+        assert_eq!(c["devices"], json!(["gpu-0-shared"]), "{uid}");
+        assert_eq!(c["share_ids"], json!([share_id(uid)]), "{uid}: the shareID");
+        assert_eq!(
+            c["cdi_device_ids"],
+            json!([[format!("k8s.{DRIVER}/claim={uid}-gpu-0-shared")]]),
+            "{uid}"
+        );
+    }
+    assert_eq!(
+        mps::log(&driver),
+        vec![format!("start {gpu} {}", pipe.display())],
+        "one daemon for the GPU's three shares"
+    );
+    assert!(pipe.join("control").exists());
+    for uid in &SHARES[..3] {
+        let (env, mounts) = spec_edits(&d, uid);
+        for want in [
+            format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24576M"),
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25".into(),
+            format!(
+                "CUDA_MPS_PIPE_DIRECTORY={}",
+                nvdra::cdi::MPS_PIPE_CONTAINER_DIR
+            ),
+        ] {
+            assert!(env.contains(&want), "{uid}: no {want} in {env:?}");
+        }
+        assert!(
+            mounts.contains(&(
+                pipe.display().to_string(),
+                nvdra::cdi::MPS_PIPE_CONTAINER_DIR.to_string()
+            )),
+            "{uid}: the GPU's pipe directory is not mounted: {mounts:?}"
+        );
+    }
+    let cp = checkpoint(&d);
+    assert_eq!(cp["version"], 2, "shares need checkpoint version 2: {cp}");
+    for uid in &SHARES[..3] {
+        assert_eq!(
+            cp["claims"][*uid]["devices"][0]["consumedCapacity"],
+            json!({"memory": 24u64 << 30, "compute": 25}),
+            "{uid}: {cp}"
+        );
+    }
+
+    // 72Gi of the H100's 80Gi are held: a fourth quarter does not fit, and the error the kubelet
+    // gets names the GPU and every holder.
+    let r = k.call("prepare", &["s4"]);
+    let err = r["s4"]["error"].as_str().unwrap();
+    for holder in &SHARES[..3] {
+        assert!(
+            err.contains(&format!(
+                "default/claim-{holder} ({holder}): 24Gi memory, 25% compute"
+            )),
+            "{err}"
+        );
+    }
+    assert!(err.contains(&format!("gpu-0 ({gpu})")), "{err}");
+    assert_eq!(r["s4"]["devices"], json!([]), "{r}");
+    assert!(checkpoint(&d)["claims"].get("s4").is_none());
+    assert_eq!(mps::count(&driver, "start"), 1, "no daemon for the refused");
+
+    // Unprepared 2, 3, 1: the daemon stays while any share is left.
+    for (uid, left) in [("s2", 2), ("s3", 1)] {
+        k.unprepare(uid);
+        assert!(pipe.join("control").exists(), "daemon stopped after {uid}");
+        assert_eq!(mps::count(&driver, "quit"), 0, "after {uid}");
+        assert_eq!(checkpoint(&d)["claims"].as_object().unwrap().len(), left);
+    }
+    assert_eq!(specs(&d), vec![format!("k8s.{DRIVER}-claim_s1.yaml")]);
+    k.unprepare("s1");
+    assert_eq!(
+        mps::log(&driver),
+        vec![
+            format!("start {gpu} {}", pipe.display()),
+            format!("quit {}", pipe.display())
+        ],
+        "the daemon stops after the last share"
+    );
+    assert!(!pipe.exists(), "its directory goes with it");
+    assert!(specs(&d).is_empty(), "{:?}", specs(&d));
+    let cp = checkpoint(&d);
+    assert!(cp["claims"].as_object().unwrap().is_empty(), "{cp}");
+    assert_eq!(cp["version"], 1, "no share held: version 1 again: {cp}");
+
+    // With the room back the fourth fits, and gets a daemon of its own start.
+    let r = k.call("prepare", &["s4"]);
+    assert_eq!(r["s4"]["error"], "", "{r}");
+    assert_eq!(mps::count(&driver, "start"), 2);
+    k.unprepare("s4");
+    assert_eq!(mps::count(&driver, "quit"), 2);
+    assert!(specs(&d).is_empty());
+}
+
+fn gpu0_uuid() -> String {
+    use nvdra::inventory::DeviceBackend;
+    nvdra::inventory::sim::SimBackend::from_profile("dgx-h100", NODE)
+        .unwrap()
+        .snapshot()
+        .unwrap()
+        .gpus[0]
+        .uuid
+        .to_string()
+}
+
+fn checkpoint(d: &Daemon) -> Value {
+    serde_json::from_slice(&std::fs::read(plugin_dir(d).join("checkpoint.json")).unwrap()).unwrap()
+}
+
+fn specs(d: &Daemon) -> Vec<String> {
+    let mut v = d.cdi_specs();
+    v.sort();
+    v
+}

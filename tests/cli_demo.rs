@@ -22,9 +22,13 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
         stdout.contains("\"v1.DRAPlugin\", \"v1beta1.DRAPlugin\""),
         "{stdout}"
     );
-    // Eight H100s published.
+    // Eight H100s published, each whole and as a share (--shared-capacity).
     assert!(
-        stdout.contains("with 8 devices for pool demo-node"),
+        stdout.contains("with 16 devices for pool demo-node"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("8 counter sets keep the two apart"),
         "{stdout}"
     );
     assert!(
@@ -33,7 +37,13 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
     );
     // The claim that cannot fit is explained device by device.
     assert!(
-        stdout.contains("gpu-7  selectors[0]: memory 80Gi < 100Gi"),
+        stdout.contains("gpu-7         selectors[0]: memory 80Gi < 100Gi"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "gpu-7-shared  class gpu.nvidia.com selector[0]: type \"gpu-shared\" != \"gpu\""
+        ),
         "{stdout}"
     );
     assert!(
@@ -53,6 +63,32 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
         "{stdout}"
     );
     assert!(stdout.contains("demo/notebook gets gpu-0"), "{stdout}");
+    // Two pods share gpu-0 by memory: allocated as nvdra match allocates, prepared with one MPS
+    // daemon for the GPU and each claim's pinned memory limit in its CDI spec.
+    for n in [1, 2] {
+        assert!(
+            stdout.contains(&format!(
+                "demo/gpu-share-20gi-{n} -> gpu-0-shared (compute 50, memory 20Gi)"
+            )),
+            "{stdout}"
+        );
+    }
+    let limits: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.split("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=").nth(1))
+        .collect();
+    assert_eq!(limits.len(), 2, "{stdout}");
+    assert!(
+        limits.iter().all(|l| l.starts_with("GPU-")
+            && l.contains("=20480M, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50")),
+        "{stdout}"
+    );
+    assert_eq!(limits[0], limits[1], "both shares are of one GPU");
+    assert!(
+        stdout.contains("One MPS control daemon serves the GPU's shares (start GPU-"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("the daemon is told to quit"), "{stdout}");
     assert!(stdout.contains("shut down cleanly"), "{stdout}");
     // The injected fault: the health stream says why, the slice keeps the device, tainted.
     assert!(stdout.contains("gpu-3 Unhealthy: XID 79"), "{stdout}");

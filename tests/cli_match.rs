@@ -283,7 +283,7 @@ fn validate_reports_object_field_path_and_column() {
     ]);
     assert_eq!(ok.status.code(), Some(0), "{}", stdout(&ok));
     assert!(
-        stdout(&ok).contains("6 objects, every CEL expression compiles"),
+        stdout(&ok).contains("7 objects, every CEL expression compiles"),
         "{}",
         stdout(&ok)
     );
@@ -553,4 +553,113 @@ spec:
         .map(|a| a["device"].as_str().unwrap())
         .collect();
     assert_eq!(devices, ["gpu-0", "gpu-1"]);
+}
+
+/// A ResourceClaim `name` for one device of `class` on the GPU of index 0, asking `capacity`
+/// (a YAML flow mapping, or empty), with `status` (a status block, or empty).
+fn on_gpu0(name: &str, class: &str, capacity: &str, status: &str) -> String {
+    let capacity = match capacity {
+        "" => String::new(),
+        c => format!("        capacity: {{requests: {c}}}\n"),
+    };
+    format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: {class}\n        selectors:\n        - cel: {{expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}}\n{capacity}{status}"
+    )
+}
+
+#[test]
+fn shares_of_a_gpu_add_up_and_exclude_the_whole_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let slices = dir.path().join("slices.yaml");
+    let inv = nvdra(&[
+        "inventory",
+        "--profile",
+        "dgx-h100",
+        "-o",
+        "slices",
+        "--shared-capacity",
+    ]);
+    assert!(
+        inv.status.success(),
+        "{}",
+        String::from_utf8_lossy(&inv.stderr)
+    );
+    std::fs::write(&slices, &inv.stdout).unwrap();
+    let run = |claims: &str| -> (Option<i32>, Value, String) {
+        let file = dir.path().join("claims.yaml");
+        std::fs::write(&file, claims).unwrap();
+        let (f, s) = (file.to_str().unwrap(), slices.to_str().unwrap());
+        let out = nvdra(&["match", "-f", f, "--slices", s, "-o", "json"]);
+        // Built in-process from the profile, the slices are the same.
+        let same = nvdra(&[
+            "match",
+            "-f",
+            f,
+            "--profile",
+            "dgx-h100",
+            "--shared-capacity",
+        ]);
+        assert_eq!(same.status.code(), out.status.code(), "{}", stdout(&same));
+        (out.status.code(), json(&out), stdout(&same))
+    };
+    let reason = |claim: &Value, device: &str| -> String {
+        claim["requests"][0]["rejected"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["device"] == device)
+            .unwrap_or_else(|| panic!("{device} fits: {claim}"))["reason"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    const SHARE: &str = "gpu-shared.nvidia.com";
+    const SHARE_24: &str = "{memory: 24Gi, compute: \"25\"}";
+
+    // Three shares of 24Gi fit on gpu-0's share, a fourth does not: its memory is gone.
+    let four: String = ["a", "b", "c", "d"]
+        .iter()
+        .map(|n| on_gpu0(n, SHARE, SHARE_24, ""))
+        .collect();
+    let (code, v, _) = run(&four);
+    assert_eq!(code, Some(1), "{v}");
+    for share in &v.as_array().unwrap()[..3] {
+        let a = &share["allocation"][0];
+        assert_eq!(a["device"], "gpu-0-shared", "{share}");
+        assert_eq!(a["consumedCapacity"]["memory"], "24Gi", "{share}");
+        assert_eq!(a["consumedCapacity"]["compute"], "25", "{share}");
+    }
+    assert_eq!(v[3]["satisfiable"], false);
+    assert_eq!(
+        reason(&v[3], "gpu-0-shared"),
+        "memory 24Gi > 8Gi left (gpu-0-shared: 72Gi held by claims a, b, c)"
+    );
+
+    // A whole-GPU claim for gpu-0 does not fit once a share of it is taken.
+    let (code, v, _) = run(&format!(
+        "{}{}",
+        on_gpu0("share", SHARE, SHARE_24, ""),
+        on_gpu0("whole", "gpu.nvidia.com", "", "")
+    ));
+    assert_eq!(code, Some(1), "{v}");
+    assert_eq!(v[0]["allocation"][0]["device"], "gpu-0-shared");
+    assert_eq!(
+        reason(&v[1], "gpu-0"),
+        "counter memory of gpu-0-counter-set is taken by gpu-0-shared (claim share)"
+    );
+
+    // Nor a share of a GPU allocated whole (status.allocation, as the scheduler wrote it).
+    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: node-a, device: gpu-0}\n";
+    let (code, v, table) = run(&format!(
+        "{}{}",
+        on_gpu0("share", SHARE, SHARE_24, ""),
+        on_gpu0("whole", "gpu.nvidia.com", "", status)
+    ));
+    assert_eq!(code, Some(1), "{v}");
+    assert_eq!(
+        reason(&v[0], "gpu-0-shared"),
+        "counter memory of gpu-0-counter-set is taken by gpu-0 (claim whole)"
+    );
+    assert_eq!(v[1]["allocated"], true);
+    assert!(table.contains("  allocated: gpu → gpu-0\n"), "{table}");
 }

@@ -161,7 +161,7 @@ fn every_manifest_parses_typed_with_no_unknown_field() {
         assert_typed(&docs, &origin);
         checked += docs.len();
     }
-    // The base alone has 11 objects; the examples add more.
+    // The base alone has 12 objects; the examples add more.
     assert!(checked > 20, "only {checked} objects checked");
 }
 
@@ -177,7 +177,7 @@ fn the_plain_overlay_is_dra_without_options() {
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
-        ("DeviceClass", 4),
+        ("DeviceClass", 5),
         ("Namespace", 1),
         ("ServiceAccount", 1),
         ("ValidatingAdmissionPolicy", 1),
@@ -599,13 +599,15 @@ fn requests_map_to_the_verbs_the_api_server_authorizes() {
 // ---------------------------------------------------------------------------------------------
 // The examples' match lines.
 
-/// `# nvdra-match: fits=a,b fails=c,d` or `# nvdra-match: skip (reason)`: which built-in
-/// profiles (`nvdra inventory --profile NAME`, default flags) can satisfy the example's claims.
+/// `# nvdra-match: fits=a,b fails=c,d [flags=--x,--y=z]` or `# nvdra-match: skip (reason)`:
+/// which built-in profiles (`nvdra inventory --profile NAME`, default flags or the given ones)
+/// can satisfy the example's claims.
 #[derive(Debug, PartialEq)]
 enum MatchLine {
     Expect {
         fits: Vec<String>,
         fails: Vec<String>,
+        flags: Vec<String>,
     },
     Skip,
 }
@@ -636,13 +638,17 @@ fn match_line(text: &str) -> Result<MatchLine, String> {
             return Err(format!("{k} twice"));
         }
     }
+    let flags = fields.remove("flags").unwrap_or_default();
     let keys: Vec<&str> = fields.keys().copied().collect();
     if keys != ["fails", "fits"] {
-        return Err(format!("{line:?}: want exactly fits=... fails=..."));
+        return Err(format!("{line:?}: want fits=... fails=... [flags=...]"));
+    }
+    if let Some(f) = flags.iter().find(|f| !f.starts_with("--")) {
+        return Err(format!("flags: {f:?} is not a --flag"));
     }
     let fits = fields.remove("fits").unwrap_or_default();
     let fails = fields.remove("fails").unwrap_or_default();
-    Ok(MatchLine::Expect { fits, fails })
+    Ok(MatchLine::Expect { fits, fails, flags })
 }
 
 #[test]
@@ -651,9 +657,19 @@ fn match_lines_parse() {
         match_line("x\n# nvdra-match: fits=a,b fails=c\n").unwrap(),
         MatchLine::Expect {
             fits: vec!["a".into(), "b".into()],
-            fails: vec!["c".into()]
+            fails: vec!["c".into()],
+            flags: vec![],
         }
     );
+    assert_eq!(
+        match_line("# nvdra-match: fits=a fails=c flags=--x,--y=1").unwrap(),
+        MatchLine::Expect {
+            fits: vec!["a".into()],
+            fails: vec!["c".into()],
+            flags: vec!["--x".into(), "--y=1".into()],
+        }
+    );
+    assert!(match_line("# nvdra-match: fits=a fails=c flags=x").is_err());
     assert_eq!(
         match_line("# nvdra-match: skip (no claim)").unwrap(),
         MatchLine::Skip
@@ -694,7 +710,7 @@ fn every_example_says_which_profiles_it_fits() {
             .count();
         match match_line(&text).unwrap_or_else(|e| panic!("{origin}: {e}")) {
             MatchLine::Skip => assert_eq!(claims, 0, "{origin}: skips, but has claims"),
-            MatchLine::Expect { fits, fails } => {
+            MatchLine::Expect { fits, fails, .. } => {
                 assert!(claims > 0, "{origin}: a match line without a claim");
                 for p in fits.iter().chain(&fails) {
                     assert!(
@@ -739,6 +755,41 @@ fn class_names(v: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// kubectl reads every example as it reads what users apply: each file, as a kustomize resource,
+/// comes out with the same objects, equal to ours (a peer's YAML parser, not serde's).
+#[test]
+fn kubectl_reads_every_example_as_nvdra_does() {
+    let Some(kubectl) = kubectl() else {
+        eprintln!("kubectl not found: skipping (NVDRA_REQUIRE_KUBECTL=1 makes this fail)");
+        return;
+    };
+    let mut files = Vec::new();
+    yaml_files(&manifests().join("examples"), &mut files);
+    let dir = tempfile::tempdir().unwrap();
+    for file in files {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        let origin = file.display().to_string();
+        let ours = documents(&read(&file), &origin);
+        let sub = dir.path().join(name.trim_end_matches(".yaml"));
+        std::fs::create_dir(&sub).unwrap();
+        std::fs::copy(&file, sub.join(&name)).unwrap();
+        std::fs::write(
+            sub.join("kustomization.yaml"),
+            format!("resources: [{name}]\n"),
+        )
+        .unwrap();
+        let theirs = kustomize(kubectl, &sub);
+        assert_eq!(theirs.len(), ours.len(), "{origin}");
+        for d in &ours {
+            let t = theirs
+                .iter()
+                .find(|t| id(t) == id(d))
+                .unwrap_or_else(|| panic!("{origin}: kubectl lost {}", id(d)));
+            assert_eq!(t, d, "{origin}: {} as kubectl reads it", id(d));
+        }
+    }
+}
+
 /// `nvdra match` agrees with every example's `# nvdra-match:` line: exit 0 on each profile it
 /// fits, 1 on each it does not, with the installed DeviceClasses.
 #[test]
@@ -748,7 +799,7 @@ fn nvdra_match_agrees_with_every_example() {
     let classes = manifests().join("base/deviceclasses.yaml");
     let mut checked = 0;
     for file in files {
-        let MatchLine::Expect { fits, fails } =
+        let MatchLine::Expect { fits, fails, flags } =
             match_line(&read(&file)).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
         else {
             continue;
@@ -765,14 +816,16 @@ fn nvdra_match_agrees_with_every_example() {
                 .arg("-f")
                 .arg(&classes)
                 .args(["--profile", profile, "--node-name", "node-a"])
+                .args(&flags)
                 .env_remove("NVDRA_LOG")
                 .output()
                 .expect("nvdra runs");
             assert_eq!(
                 out.status.code(),
                 Some(want),
-                "nvdra match -f {} --profile {profile}: want exit {want}\n{}\n{}",
+                "nvdra match -f {} --profile {profile} {}: want exit {want}\n{}\n{}",
                 file.display(),
+                flags.join(" "),
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );

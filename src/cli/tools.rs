@@ -140,9 +140,8 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     let result = matching::compile_classes(&objects.classes).and_then(|classes| {
         let mut reports = Vec::new();
         for (node, slices) in &nodes {
-            let devices = matching::candidates(&env, slices)?;
-            for c in &objects.claims {
-                let mut r = matching::explain(&env, c, &classes, &devices)?;
+            let devices = matching::Node::from_slices(&env, slices)?;
+            for mut r in matching::explain_all(&env, &objects.claims, &classes, &devices)? {
                 if !node.is_empty() {
                     r.node = Some(node.clone());
                 }

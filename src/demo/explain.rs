@@ -36,8 +36,14 @@ pub fn run(out: &mut (dyn Write + Send), slices: &[ResourceSlice], step: u32) ->
     matching::input::read_text(Path::new("big-training.yaml"), CLAIM, &mut objects)?;
     let env = crate::cel::Environment::new();
     let classes = matching::compile_classes(&objects.classes)?;
-    let devices = matching::candidates(&env, slices)?;
-    let report = matching::explain(&env, &objects.claims[0], &classes, &devices)?;
+    let node = matching::Node::from_slices(&env, slices)?;
+    let report = matching::explain(
+        &env,
+        &objects.claims[0],
+        &classes,
+        &node,
+        &matching::Held::default(),
+    )?;
     ensure!(
         !report.satisfiable,
         "the demo's oversized claim fits the node"

@@ -3,14 +3,16 @@
 //! It runs the real daemon ([`crate::daemon::run`]) on a simulated DGX H100 with the directory
 //! API in a temporary directory, and plays the kubelet's part over the real sockets: the
 //! registration handshake, reading the published ResourceSlices, preparing two claims that want
-//! the same GPU (the second is refused until the first is released), unpreparing, a claim that cannot fit explained by `nvdra match` ([`explain`]), and a
-//! GPU fault injected through the fault file ([`fault`]); then the same node as a legacy device
-//! plugin ([`legacy`]). Everything it prints comes from what the
+//! the same GPU (the second is refused until the first is released), unpreparing, a claim that
+//! cannot fit explained by `nvdra match` ([`explain`]), two pods sharing one GPU by memory
+//! (`--shared-capacity`, [`shares`]), and a GPU fault injected through the fault file
+//! ([`fault`]); then the same node as a legacy device plugin ([`legacy`]). Everything it prints comes from what the
 //! daemon wrote or answered.
 
 mod explain;
 mod fault;
 mod legacy;
+mod shares;
 
 use std::io::Write;
 use std::path::Path;
@@ -60,7 +62,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         metrics_address: "127.0.0.1:0".parse().context("loopback address")?,
         log_format: LogFormat::Plain,
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: true,
         pod_uid: None,
         device_plugin_config: None,
         device_plugin_gpu_memory: false,
@@ -89,6 +91,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         root.display()
     )?;
 
+    shares::install_mps_stand_in(&config.driver_root)?;
     // Two claims the scheduler allocated: both got gpu-0, as after a force-deleted pod.
     write_claim(root, "train", "uid-train", &["gpu-0", "gpu-1"], true)?;
     write_claim(root, "notebook", "uid-notebook", &["gpu-0"], false)?;
@@ -135,6 +138,14 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
             "2. nvdra published {} ResourceSlice(s) with {} devices for pool {NODE}:",
             slices.len(),
             devices.len()
+        )?;
+        let counter_sets = slices
+            .iter()
+            .flat_map(|s| s.spec.shared_counters.iter().flatten())
+            .count();
+        writeln!(
+            out,
+            "   (each GPU whole and as a share, --shared-capacity; {counter_sets} counter sets keep the two apart)"
         )?;
         for d in devices.iter().take(2) {
             let attrs = d.attributes.as_ref();
@@ -236,8 +247,11 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         let un = unprepare(&mut dra, "notebook", "uid-notebook").await?;
         ensure!(un.is_empty(), "unpreparing demo/notebook failed: {un}");
 
-        // 7. A GPU fault reaches the health stream and the slices.
-        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 7).await?;
+        // 7. Two pods share one GPU by memory.
+        shares::run(out, root, &mut dra, &slices, 7).await?;
+
+        // 8. A GPU fault reaches the health stream and the slices.
+        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 8).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -251,7 +265,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         "   The daemon shut down cleanly and removed its sockets.\n"
     )?;
 
-    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 8).await?;
+    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 9).await?;
     writeln!(
         out,
         "Next: deploy for real with `kubectl apply -k manifests/overlays/plain` (README, Deploying)."
@@ -298,8 +312,11 @@ fn claim(name: &str, uid: &str) -> Vec<v1::Claim> {
     }]
 }
 
+/// The kubelet's DRA client.
+type DraClient = v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>;
+
 async fn prepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    dra: &mut DraClient,
     name: &str,
     uid: &str,
 ) -> Result<v1::NodePrepareResourceResponse> {
@@ -314,11 +331,7 @@ async fn prepare(
         .context("no response entry for the claim")
 }
 
-async fn unprepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
-    name: &str,
-    uid: &str,
-) -> Result<String> {
+async fn unprepare(dra: &mut DraClient, name: &str, uid: &str) -> Result<String> {
     let mut r = dra
         .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
             claims: claim(name, uid),
@@ -362,8 +375,25 @@ pub(super) async fn wait_for_slices<T>(
                 }
             }
         }
-        if !slices.is_empty() {
-            slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        // The whole pool: as many slices as each says it has (one generation).
+        let complete = slices.first().is_some_and(|first| {
+            let pool = &first.spec.pool;
+            slices.len() as i64 == pool.resource_slice_count
+                && slices
+                    .iter()
+                    .all(|s| s.spec.pool.generation == pool.generation)
+        });
+        if complete {
+            // In device order (slice names are generated): the scheduler's first fit.
+            slices.sort_by_cached_key(|s| {
+                s.spec
+                    .devices
+                    .iter()
+                    .flatten()
+                    .map(|d| d.name.clone())
+                    .min()
+                    .unwrap_or_default()
+            });
             return Ok(slices);
         }
         if daemon.is_finished() {

@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
+    AllocationResult, DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate,
+    ResourceSlice,
 };
 
 /// Input that cannot be used (exit code 2).
@@ -79,6 +80,8 @@ pub struct ClaimInput {
     /// `spec` for a claim, `spec.spec` for a template: where the claim's fields are.
     pub spec_path: &'static str,
     pub origin: Origin,
+    /// A claim's `status.allocation`: the devices it already holds.
+    pub allocation: Option<AllocationResult>,
 }
 
 /// Everything read from the `-f` files (and `--slices`).
@@ -182,6 +185,7 @@ fn read_value(
                 spec: c.spec,
                 spec_path: "spec",
                 origin: origin.clone(),
+                allocation: c.status.and_then(|s| s.allocation),
             });
         }
         "ResourceClaimTemplate" => {
@@ -192,6 +196,7 @@ fn read_value(
                 spec: t.spec.spec,
                 spec_path: "spec.spec",
                 origin: origin.clone(),
+                allocation: None,
             });
         }
         "ResourceSlice" => out.slices.push(typed(value, origin, &kind, &name)?),

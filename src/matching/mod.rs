@@ -3,18 +3,28 @@
 //! For every request (and every `firstAvailable` subrequest) each device is checked as the
 //! scheduler checks it — the class's selectors, then the request's, then `capacity.requests`
 //! against the device's (consumable) capacity, then the device's `NoSchedule`/`NoExecute` taints
-//! against the request's tolerations — and the first failing check is kept with the values that
-//! decided it (`memory 48Gi < 80Gi`, `tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated`). Then a possible allocation is searched by
+//! against the request's tolerations, then what other claims already hold ([`Held`]) — and the
+//! first failing check is kept with the values that decided it (`memory 48Gi < 80Gi`,
+//! `tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated`, `memory 24Gi > 8Gi left
+//! (gpu-0-shared: 72Gi held by claims a, b, c)`). Then a possible allocation is searched by
 //! backtracking: `count` or `allocationMode: All`, the first subrequest that works, devices
-//! used once (or shared, with their capacity consumed, when `allowMultipleAllocations`), and
-//! every `matchAttribute` / `distinctAttribute` constraint. The search is bounded
-//! ([`MAX_SEARCH_STEPS`]); running out is reported, not waited for.
+//! used once (or shared, with their capacity consumed, when `allowMultipleAllocations`), shared
+//! counters (`consumesCounters`, taken once per device), and every `matchAttribute` /
+//! `distinctAttribute` constraint. The search is bounded ([`MAX_SEARCH_STEPS`]); running out is
+//! reported, not waited for.
 //!
-//! Not modelled: shared counters of partitionable devices (`consumesCounters`), admin access
-//! (which taints still apply to), DeviceTaintRules (only taints in the slices count), and
-//! devices other claims already hold.
+//! Several claims are matched as the scheduler allocates them, one after another
+//! ([`explain_all`]): claims that have a `status.allocation` hold their devices first, then the
+//! others in input order, each one that fits holding what it got for the claims after it.
+//! A share's capacity is what the request asks, rounded up to the device's request policy, or
+//! the policy's default when it does not ask (the whole capacity without a policy).
+//!
+//! Not modelled: admin access (which taints still apply to), DeviceTaintRules (only taints in
+//! the slices count), and which node the scheduler would prefer among several.
 
+mod held;
 pub mod input;
+mod node;
 mod report;
 mod search;
 mod taints;
@@ -23,49 +33,21 @@ mod validate;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, Device, DeviceClass, DeviceConstraint, DeviceSelector, DeviceToleration,
+    CapacityRequestPolicy, DeviceClass, DeviceConstraint, DeviceSelector, DeviceToleration,
     ResourceClaimSpec, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::cel::{DeviceValue, Environment, Selector};
+use crate::cel::{Environment, Selector};
+pub use held::Held;
 pub use input::{ClaimInput, FieldError, InputError, Objects, Origin};
+pub use node::{Candidate, CounterSet, Node};
 pub use report::{ClaimReport, RequestReport, render_table};
 use search::{Outcome, Search};
 pub use validate::{Problem, validate};
 
 /// Most search steps before the allocation search gives up.
 pub const MAX_SEARCH_STEPS: u64 = 200_000;
-
-/// One device of the node, ready for selectors.
-pub struct Candidate {
-    pub driver: String,
-    pub pool: String,
-    pub device: Device,
-    pub value: DeviceValue,
-}
-
-/// The devices of `slices`, converted for CEL.
-pub fn candidates(
-    env: &Environment,
-    slices: &[ResourceSlice],
-) -> Result<Vec<Candidate>, InputError> {
-    let mut out = Vec::new();
-    for s in slices {
-        for d in s.spec.devices.iter().flatten() {
-            let value = env
-                .device(&s.spec.driver, d)
-                .map_err(|e| InputError::Other(format!("ResourceSlice {}: {e}", slice_name(s))))?;
-            out.push(Candidate {
-                driver: s.spec.driver.clone(),
-                pool: s.spec.pool.name.clone(),
-                device: d.clone(),
-                value,
-            });
-        }
-    }
-    Ok(out)
-}
 
 /// Slices per node, by name: a node's own slices plus those for all nodes or a node selector
 /// (which may apply to any node).
@@ -166,7 +148,8 @@ struct Alternative {
     /// Fitting devices (indices into the candidates) and, for the others, why not.
     fits: Vec<usize>,
     rejected: Vec<(usize, String)>,
-    capacity: BTreeMap<String, String>,
+    /// What one allocation takes of each fitting shared device (capacity name → thousandths).
+    consumes: BTreeMap<usize, Amounts>,
 }
 
 /// A request or subrequest as written, before it is checked.
@@ -188,13 +171,60 @@ struct Request {
     alternatives: Vec<Alternative>,
 }
 
-/// Explains one claim against the node's devices.
+/// Amounts by capacity or counter name, in thousandths.
+pub type Amounts = BTreeMap<String, i128>;
+
+/// A device picked for a request: (request, device index, capacity consumed).
+type Pick = (String, usize, Amounts);
+
+/// Explains the claims one after another against the node, as the scheduler allocates them:
+/// the allocated ones (`status.allocation`) hold their devices, then each of the others, in
+/// input order, is matched against what is left and, when it fits, holds what it got.
+pub fn explain_all(
+    env: &Environment,
+    claims: &[ClaimInput],
+    classes: &BTreeMap<String, Class>,
+    node: &Node,
+) -> Result<Vec<ClaimReport>, InputError> {
+    let mut held = Held::default();
+    let mut reports: Vec<Option<ClaimReport>> = claims.iter().map(|_| None).collect();
+    for (i, c) in claims.iter().enumerate() {
+        if let Some(a) = &c.allocation {
+            let (found, missing) = held.hold_allocation(node, &c.name, a);
+            reports[i] = Some(report::allocated(c, node, found, missing));
+        }
+    }
+    for (i, c) in claims.iter().enumerate() {
+        if c.allocation.is_some() {
+            continue;
+        }
+        let (report, picks) = explain_on(env, c, classes, node, &held)?;
+        for (_, d, consumed) in picks.into_iter().flatten() {
+            held.hold(d, &c.name, consumed);
+        }
+        reports[i] = Some(report);
+    }
+    Ok(reports.into_iter().flatten().collect())
+}
+
+/// Explains one claim against the node's devices, with what `held` already holds.
 pub fn explain(
     env: &Environment,
     claim: &ClaimInput,
     classes: &BTreeMap<String, Class>,
-    devices: &[Candidate],
+    node: &Node,
+    held: &Held,
 ) -> Result<ClaimReport, InputError> {
+    Ok(explain_on(env, claim, classes, node, held)?.0)
+}
+
+fn explain_on(
+    env: &Environment,
+    claim: &ClaimInput,
+    classes: &BTreeMap<String, Class>,
+    node: &Node,
+    held: &Held,
+) -> Result<(ClaimReport, Option<Vec<Pick>>), InputError> {
     let field = |path: String, message: String| {
         InputError::from(FieldError {
             file: claim.origin.file.clone(),
@@ -319,10 +349,19 @@ pub fn explain(
             }
             let mut fits = Vec::new();
             let mut rejected = Vec::new();
-            for (d, cand) in devices.iter().enumerate() {
-                match check(env, class, &own, &capacity, tolerations, cand) {
-                    None => fits.push(d),
-                    Some(why) => rejected.push((d, why)),
+            let mut consumes = BTreeMap::new();
+            for d in 0..node.devices.len() {
+                let checked = check(env, class, &own, &capacity, tolerations, &node.devices[d])
+                    .and_then(|c| match held.why_not(node, d, &c) {
+                        Some(why) => Err(why),
+                        None => Ok(c),
+                    });
+                match checked {
+                    Ok(c) => {
+                        fits.push(d);
+                        consumes.insert(d, c);
+                    }
+                    Err(why) => rejected.push((d, why)),
                 }
             }
             alternatives.push(Alternative {
@@ -331,7 +370,7 @@ pub fn explain(
                 want,
                 fits,
                 rejected,
-                capacity,
+                consumes,
             });
         }
         requests.push(Request {
@@ -356,7 +395,8 @@ pub fn explain(
         }
     }
     let search = Search {
-        devices,
+        node,
+        held,
         requests: &requests,
         constraints: &constraints,
     };
@@ -371,17 +411,19 @@ pub fn explain(
         ),
         Outcome::None => (None, Some(search.why_not())),
     };
-    Ok(report::build(
+    let report = report::build(
         claim,
         &requests,
         &constraints,
-        devices,
-        allocation,
+        node,
+        allocation.clone(),
         reason,
-    ))
+    );
+    Ok((report, allocation))
 }
 
-/// The first check `cand` fails, in words; `None` when it fits.
+/// The first check `cand` fails, in words; when it fits, what one allocation consumes of it
+/// (by capacity name, in thousandths; nothing for an exclusive device, which is taken whole).
 fn check(
     env: &Environment,
     class: &Class,
@@ -389,13 +431,13 @@ fn check(
     capacity: &BTreeMap<String, String>,
     tolerations: &[DeviceToleration],
     cand: &Candidate,
-) -> Option<String> {
+) -> Result<Amounts, String> {
     for (i, s) in class.selectors.iter().enumerate() {
         if !matches!(s.evaluate(env, &cand.value), Ok(true)) {
             let why = s
                 .explain(env, &cand.value)
                 .unwrap_or_else(|| "false".into());
-            return Some(format!("class {} selector[{i}]: {why}", class.name));
+            return Err(format!("class {} selector[{i}]: {why}", class.name));
         }
     }
     for (i, s) in own.iter().enumerate() {
@@ -403,40 +445,77 @@ fn check(
             let why = s
                 .explain(env, &cand.value)
                 .unwrap_or_else(|| "false".into());
-            return Some(format!("selectors[{i}]: {why}"));
+            return Err(format!("selectors[{i}]: {why}"));
         }
     }
-    for (name, q) in capacity {
+    if let Some(set) = cand.unknown_sets.first() {
+        return Err(format!(
+            "consumes counters of {set}, which no slice of pool {} has",
+            cand.pool
+        ));
+    }
+    let shared = cand.shared();
+    for name in capacity.keys() {
         let qualified = qualify(name, &cand.driver);
-        let Some(have) = cand
+        if !cand
             .device
             .capacity
             .iter()
             .flatten()
-            .find(|(k, _)| qualify(k, &cand.driver) == qualified)
-            .map(|(_, v)| v)
-        else {
-            return Some(format!("capacity {name}: the device has none"));
-        };
-        let (Some(want), Some(value)) = (parse_milli(q), parse_milli(&have.value.0)) else {
-            return Some(format!(
-                "capacity {name}: invalid quantity {:?}",
+            .any(|(k, _)| qualify(k, &cand.driver) == qualified)
+        {
+            return Err(format!("capacity {name}: the device has none"));
+        }
+    }
+    // Every capacity of a shared device is consumed: what the request asks, rounded up to the
+    // policy, or else the policy's default, or else all of it.
+    let mut consumes = BTreeMap::new();
+    for (key, have) in cand.device.capacity.iter().flatten() {
+        let qualified = qualify(key, &cand.driver);
+        let asked = capacity
+            .iter()
+            .find(|(k, _)| qualify(k, &cand.driver) == qualified);
+        if !shared && asked.is_none() {
+            continue;
+        }
+        let Some(value) = parse_milli(&have.value.0) else {
+            return Err(format!(
+                "capacity {key}: invalid quantity {:?}",
                 have.value.0
             ));
         };
-        let want = match (&have.request_policy, cand.device.allow_multiple_allocations) {
-            (Some(p), Some(true)) => match round_up(p, want) {
-                Some(w) => w,
-                None => {
-                    return Some(format!(
-                        "capacity {name}: {q} is outside the device's request policy"
-                    ));
-                }
-            },
-            _ => want,
+        let (want, shown) = match asked {
+            Some((name, q)) => {
+                // Checked in `explain`.
+                let want = parse_milli(q).unwrap_or(0);
+                let want = match (&have.request_policy, shared) {
+                    (Some(p), true) => round_up(p, want).ok_or_else(|| {
+                        format!("capacity {name}: {q} is outside the device's request policy")
+                    })?,
+                    _ => want,
+                };
+                (want, format!("capacity {name}"))
+            }
+            None => {
+                let default = have
+                    .request_policy
+                    .as_ref()
+                    .and_then(|p| p.default.as_ref())
+                    .and_then(|q| parse_milli(&q.0));
+                (
+                    default.unwrap_or(value),
+                    format!("capacity {key} (default)"),
+                )
+            }
         };
         if want > value {
-            return Some(format!("capacity {name} {} < requested {q}", have.value.0));
+            let q = asked
+                .map(|(_, q)| q.clone())
+                .unwrap_or_else(|| format_milli(want));
+            return Err(format!("{shown} {} < requested {q}", have.value.0));
+        }
+        if shared {
+            consumes.insert(key.clone(), want);
         }
     }
     // Taints last: a health taint is about the device's state, not its kind, so the report
@@ -448,9 +527,9 @@ fn check(
     );
     if !left.is_empty() {
         let names: Vec<String> = left.into_iter().map(taints::describe).collect();
-        return Some(format!("tainted {}, not tolerated", names.join(", ")));
+        return Err(format!("tainted {}, not tolerated", names.join(", ")));
     }
-    None
+    Ok(consumes)
 }
 
 /// A capacity request rounded up to the next value the policy allows; `None` above its max.
@@ -552,6 +631,25 @@ pub fn parse_milli(s: &str) -> Option<i128> {
     let den = 10i128.checked_pow(frac.len() as u32 + den_pow10)?;
     let v = scaled / den;
     Some(if neg { -v } else { v })
+}
+
+/// Thousandths as a Kubernetes quantity: `24Gi`, `7831Mi`, `25`, `1500m`.
+pub fn format_milli(v: i128) -> String {
+    if v % 1000 != 0 {
+        return format!("{v}m");
+    }
+    let n = v / 1000;
+    for (suffix, unit) in [
+        ("Ti", 1i128 << 40),
+        ("Gi", 1 << 30),
+        ("Mi", 1 << 20),
+        ("Ki", 1 << 10),
+    ] {
+        if n != 0 && n % unit == 0 {
+            return format!("{}{suffix}", n / unit);
+        }
+    }
+    n.to_string()
 }
 
 #[cfg(test)]

@@ -1,11 +1,12 @@
 //! The result of `nvdra match` for one claim, as a table for people and JSON for machines.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use k8s_openapi::api::resource::v1::DeviceConstraint;
 use serde::Serialize;
 
-use super::{Candidate, ClaimInput, Request, Want};
+use super::{ClaimInput, Node, Pick, Request, Want, format_milli};
 
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -17,6 +18,9 @@ pub struct ClaimReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
     pub satisfiable: bool,
+    /// Already allocated (`status.allocation`): not matched again, it holds its devices.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub allocated: bool,
     pub requests: Vec<RequestReport>,
     pub constraints: Vec<String>,
     /// A possible allocation: (request, device) pairs.
@@ -33,6 +37,9 @@ pub struct Allocated {
     pub driver: String,
     pub pool: String,
     pub device: String,
+    /// What the allocation takes of a shared device, as `status.allocation` would record it.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub consumed_capacity: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -57,17 +64,18 @@ pub(super) fn build(
     claim: &ClaimInput,
     requests: &[Request],
     constraints: &[DeviceConstraint],
-    devices: &[Candidate],
-    allocation: Option<Vec<(String, usize)>>,
+    node: &Node,
+    allocation: Option<Vec<Pick>>,
     reason: Option<String>,
 ) -> ClaimReport {
-    let name = |d: usize| devices[d].device.name.clone();
+    let name = |d: usize| node.devices[d].device.name.clone();
     ClaimReport {
         kind: claim.kind.to_string(),
         name: claim.name.clone(),
         file: claim.origin.file.display().to_string(),
         node: None,
         satisfiable: allocation.is_some(),
+        allocated: false,
         requests: requests
             .iter()
             .flat_map(|r| r.alternatives.iter())
@@ -103,18 +111,51 @@ pub(super) fn build(
                 }
             })
             .collect(),
-        allocation: allocation.map(|picks| {
-            picks
-                .into_iter()
-                .map(|(request, d)| Allocated {
-                    request,
-                    driver: devices[d].driver.clone(),
-                    pool: devices[d].pool.clone(),
-                    device: name(d),
-                })
-                .collect()
-        }),
+        allocation: allocation.map(|picks| allocations(node, picks)),
         reason,
+    }
+}
+
+fn allocations(node: &Node, picks: Vec<Pick>) -> Vec<Allocated> {
+    picks
+        .into_iter()
+        .map(|(request, d, consumed)| Allocated {
+            request,
+            driver: node.devices[d].driver.clone(),
+            pool: node.devices[d].pool.clone(),
+            device: node.devices[d].device.name.clone(),
+            consumed_capacity: consumed
+                .into_iter()
+                .map(|(k, v)| (k, format_milli(v)))
+                .collect(),
+        })
+        .collect()
+}
+
+/// The report of a claim that is already allocated: the devices it holds, or which of them the
+/// node does not have.
+pub(super) fn allocated(
+    claim: &ClaimInput,
+    node: &Node,
+    found: Vec<Pick>,
+    missing: Vec<String>,
+) -> ClaimReport {
+    ClaimReport {
+        kind: claim.kind.to_string(),
+        name: claim.name.clone(),
+        file: claim.origin.file.display().to_string(),
+        node: None,
+        satisfiable: missing.is_empty(),
+        allocated: true,
+        requests: Vec::new(),
+        constraints: Vec::new(),
+        allocation: Some(allocations(node, found)),
+        reason: (!missing.is_empty()).then(|| {
+            format!(
+                "allocated to devices the node does not have: {}",
+                missing.join(", ")
+            )
+        }),
     }
 }
 
@@ -154,13 +195,32 @@ pub fn render_table(reports: &[ClaimReport]) -> String {
         for c in &r.constraints {
             let _ = writeln!(out, "  constraint: {c}");
         }
+        let picks = |a: &[Allocated]| -> String {
+            a.iter()
+                .map(|x| {
+                    if x.consumed_capacity.is_empty() {
+                        format!("{} → {}", x.request, x.device)
+                    } else {
+                        let c: Vec<String> = x
+                            .consumed_capacity
+                            .iter()
+                            .map(|(k, v)| format!("{k} {v}"))
+                            .collect();
+                        format!("{} → {} ({})", x.request, x.device, c.join(", "))
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         match (&r.allocation, &r.reason) {
+            (Some(a), Some(why)) if r.allocated => {
+                let _ = writeln!(out, "  allocated: {}; {why}", picks(a));
+            }
+            (Some(a), _) if r.allocated => {
+                let _ = writeln!(out, "  allocated: {}", picks(a));
+            }
             (Some(a), _) => {
-                let picks: Vec<String> = a
-                    .iter()
-                    .map(|x| format!("{} → {}", x.request, x.device))
-                    .collect();
-                let _ = writeln!(out, "  satisfiable: {}", picks.join(", "));
+                let _ = writeln!(out, "  satisfiable: {}", picks(a));
             }
             (None, Some(why)) => {
                 let _ = writeln!(out, "  not satisfiable: {why}");

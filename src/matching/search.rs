@@ -4,22 +4,27 @@
 use super::*;
 
 pub(super) enum Outcome {
-    Found(Vec<(String, usize)>),
+    Found(Vec<Pick>),
     None,
     GaveUp,
 }
 
 pub(super) struct Search<'a> {
-    pub(super) devices: &'a [Candidate],
+    pub(super) node: &'a Node,
+    /// What other claims hold: the search starts from it.
+    pub(super) held: &'a Held,
     pub(super) requests: &'a [Request],
     pub(super) constraints: &'a [DeviceConstraint],
 }
 
 /// The search's state: what is picked so far.
 struct State {
-    picks: Vec<(String, usize)>,
-    /// Devices used and, for shared ones, the capacity consumed (thousandths).
-    consumed: BTreeMap<usize, BTreeMap<String, i128>>,
+    picks: Vec<Pick>,
+    /// Devices in use (held or picked) and, for shared ones, the capacity consumed
+    /// (thousandths).
+    consumed: BTreeMap<usize, Amounts>,
+    /// What devices in use draw from shared counters: (set, counter) → thousandths.
+    counters: BTreeMap<(usize, String), i128>,
     steps: u64,
 }
 
@@ -27,7 +32,12 @@ impl Search<'_> {
     pub(super) fn run(&self, active: &[bool]) -> Outcome {
         let mut st = State {
             picks: Vec::new(),
-            consumed: BTreeMap::new(),
+            consumed: self
+                .held
+                .devices()
+                .map(|d| (d, self.held.consumed(d)))
+                .collect(),
+            counters: self.held.counters(self.node),
             steps: 0,
         };
         match self.request(0, active, &mut st) {
@@ -88,7 +98,8 @@ impl Search<'_> {
                 continue;
             }
             let undo = self.take(alt, d, st);
-            st.picks.push((alt.name.clone(), d));
+            let consumed = alt.consumes.get(&d).cloned().unwrap_or_default();
+            st.picks.push((alt.name.clone(), d, consumed));
             if self.pick(r, alt, need - 1, k + 1, active, st)? {
                 return Some(true);
             }
@@ -99,17 +110,28 @@ impl Search<'_> {
     }
 
     fn can_take(&self, alt: &Alternative, d: usize, active: &[bool], st: &State) -> bool {
-        let dev = &self.devices[d];
-        let shared = dev.device.allow_multiple_allocations == Some(true);
+        let dev = &self.node.devices[d];
+        let want = alt.consumes.get(&d);
         if let Some(used) = st.consumed.get(&d) {
-            if !shared {
+            if !dev.shared() {
                 return false;
             }
-            for (name, q) in &alt.capacity {
-                let cap = capacity_of(dev, name).unwrap_or(0);
-                let used_q = used.get(name).copied().unwrap_or(0);
-                if used_q + parse_milli(q).unwrap_or(0) > cap {
+            for (name, q) in want.into_iter().flatten() {
+                let cap = dev.capacity(name).unwrap_or(0);
+                if used.get(name).copied().unwrap_or(0) + q > cap {
                     return false;
+                }
+            }
+        } else {
+            // The device's first allocation draws on its counter sets.
+            for (set, counters) in &dev.consumes {
+                let cs = &self.node.counter_sets[*set];
+                for (name, q) in counters {
+                    let total = cs.counters.get(name).copied().unwrap_or(0);
+                    let used = st.counters.get(&(*set, name.clone())).copied().unwrap_or(0);
+                    if used + q > total {
+                        return false;
+                    }
                 }
             }
         }
@@ -124,14 +146,18 @@ impl Search<'_> {
                     .as_deref()
                     .or(c.distinct_attribute.as_deref()),
             );
-            let others = st.picks.iter().filter(|(n, _)| covers(c, n)).map(|(_, o)| {
-                attribute(
-                    &self.devices[*o],
-                    c.match_attribute
-                        .as_deref()
-                        .or(c.distinct_attribute.as_deref()),
-                )
-            });
+            let others = st
+                .picks
+                .iter()
+                .filter(|(n, _, _)| covers(c, n))
+                .map(|(_, o, _)| {
+                    attribute(
+                        &self.node.devices[*o],
+                        c.match_attribute
+                            .as_deref()
+                            .or(c.distinct_attribute.as_deref()),
+                    )
+                });
             if c.match_attribute.is_some() {
                 if value.is_none() {
                     return false;
@@ -153,9 +179,12 @@ impl Search<'_> {
 
     fn take(&self, alt: &Alternative, d: usize, st: &mut State) -> bool {
         let fresh = !st.consumed.contains_key(&d);
+        if fresh {
+            self.count(d, 1, st);
+        }
         let used = st.consumed.entry(d).or_default();
-        for (name, q) in &alt.capacity {
-            *used.entry(name.clone()).or_default() += parse_milli(q).unwrap_or(0);
+        for (name, q) in alt.consumes.get(&d).into_iter().flatten() {
+            *used.entry(name.clone()).or_default() += q;
         }
         fresh
     }
@@ -163,9 +192,19 @@ impl Search<'_> {
     fn untake(&self, alt: &Alternative, d: usize, fresh: bool, st: &mut State) {
         if fresh {
             st.consumed.remove(&d);
+            self.count(d, -1, st);
         } else if let Some(used) = st.consumed.get_mut(&d) {
-            for (name, q) in &alt.capacity {
-                *used.entry(name.clone()).or_default() -= parse_milli(q).unwrap_or(0);
+            for (name, q) in alt.consumes.get(&d).into_iter().flatten() {
+                *used.entry(name.clone()).or_default() -= q;
+            }
+        }
+    }
+
+    /// Adds (`sign` 1) or removes (-1) device `d`'s draw on its counter sets.
+    fn count(&self, d: usize, sign: i128, st: &mut State) {
+        for (set, counters) in &self.node.devices[d].consumes {
+            for (name, q) in counters {
+                *st.counters.entry((*set, name.clone())).or_default() += sign * q;
             }
         }
     }
@@ -222,9 +261,9 @@ impl Search<'_> {
                     continue;
                 }
                 for &d in &alt.fits {
-                    let v =
-                        attribute(&self.devices[d], Some(attr)).unwrap_or_else(|| "(none)".into());
-                    let name = &self.devices[d].device.name;
+                    let v = attribute(&self.node.devices[d], Some(attr))
+                        .unwrap_or_else(|| "(none)".into());
+                    let name = &self.node.devices[d].device.name;
                     let e = values.entry(v).or_default();
                     if !e.contains(name) {
                         e.push(name.clone());
@@ -241,16 +280,6 @@ impl Search<'_> {
             groups.join("; ")
         )
     }
-}
-
-fn capacity_of(dev: &Candidate, name: &str) -> Option<i128> {
-    let q = qualify(name, &dev.driver);
-    dev.device
-        .capacity
-        .iter()
-        .flatten()
-        .find(|(k, _)| qualify(k, &dev.driver) == q)
-        .and_then(|(_, v)| parse_milli(&v.value.0))
 }
 
 /// Whether constraint `c` covers request `name` (`req` or `req/sub`).

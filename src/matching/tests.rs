@@ -37,9 +37,9 @@ fn run(slices: &str, claim: &str) -> ClaimReport {
     )
     .unwrap();
     let env = Environment::new();
-    let devices = candidates(&env, &objects.slices).unwrap();
+    let node = Node::from_slices(&env, &objects.slices).unwrap();
     let classes = compile_classes(&objects.classes).unwrap();
-    explain(&env, &objects.claims[0], &classes, &devices).unwrap()
+    explain(&env, &objects.claims[0], &classes, &node, &Held::default()).unwrap()
 }
 
 fn picked(r: &ClaimReport) -> Vec<String> {
@@ -371,9 +371,11 @@ fn an_unknown_toleration_operator_is_bad_input() {
     let mut objects = Objects::default();
     input::read_text(Path::new("t.yaml"), &text, &mut objects).unwrap();
     let env = Environment::new();
-    let devices = candidates(&env, &objects.slices).unwrap();
+    let node = Node::from_slices(&env, &objects.slices).unwrap();
     let classes = compile_classes(&objects.classes).unwrap();
-    let Err(InputError::Field(e)) = explain(&env, &objects.claims[0], &classes, &devices) else {
+    let Err(InputError::Field(e)) =
+        explain(&env, &objects.claims[0], &classes, &node, &Held::default())
+    else {
         panic!("an operator In was accepted");
     };
     assert_eq!(
@@ -384,4 +386,278 @@ fn an_unknown_toleration_operator_is_bad_input() {
         e.message,
         "unknown toleration operator \"In\" (Exists or Equal)"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared GPUs: consumable capacity, shared counters, and claims one after another.
+
+/// A node of `gpus` 80Gi GPUs as `--shared-capacity` publishes them: per GPU the whole device
+/// `gpu-<i>` and the share `gpu-<i>-shared`, both drawing all of `gpu-<i>-counter-set`.
+fn shared_node(gpus: usize) -> String {
+    let mut sets = String::new();
+    let mut devices = String::new();
+    for i in 0..gpus {
+        sets.push_str(&format!(
+            "  - name: gpu-{i}-counter-set\n    counters: {{memory: {{value: 80Gi}}}}\n"
+        ));
+        let consumes = format!(
+            "    consumesCounters:\n    - counterSet: gpu-{i}-counter-set\n      counters: {{memory: {{value: 80Gi}}}}\n"
+        );
+        devices.push_str(&format!(
+            "  - name: gpu-{i}\n    attributes:\n      type: {{string: gpu}}\n      index: {{int: {i}}}\n    capacity:\n      memory: {{value: 80Gi}}\n{consumes}"
+        ));
+        devices.push_str(&format!(
+            "  - name: gpu-{i}-shared\n    allowMultipleAllocations: true\n    attributes:\n      type: {{string: gpu-shared}}\n      shared: {{bool: true}}\n      index: {{int: {i}}}\n    capacity:\n      memory:\n        value: 80Gi\n        requestPolicy: {{default: 1Gi, validRange: {{min: 1Gi, max: 80Gi, step: 1Gi}}}}\n      compute:\n        value: \"100\"\n        requestPolicy: {{default: \"100\", validRange: {{min: \"1\", max: \"100\", step: \"1\"}}}}\n{consumes}"
+        ));
+    }
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: counters}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 2}}\n  sharedCounters:\n{sets}---\napiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: devices}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 2}}\n  devices:\n{devices}"
+    )
+}
+
+/// A claim `name` for one device of `class` on GPU 0 asking `capacity` (a YAML flow mapping or
+/// empty), and `status` (a claim's status block, or empty).
+fn on_gpu0(name: &str, class: &str, capacity: &str, status: &str) -> String {
+    let capacity = if capacity.is_empty() {
+        String::new()
+    } else {
+        format!("        capacity: {{requests: {capacity}}}\n")
+    };
+    format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: {class}\n        selectors:\n        - cel: {{expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}}\n{capacity}{status}"
+    )
+}
+
+const SHARE: &str = "gpu-shared.nvidia.com";
+const WHOLE: &str = "gpu.nvidia.com";
+const SHARE_24: &str = "{memory: 24Gi, compute: \"25\"}";
+
+/// Every claim of the input, matched one after another.
+fn run_all(text: &str) -> Vec<ClaimReport> {
+    let mut objects = Objects::default();
+    input::read_text(Path::new("t.yaml"), text, &mut objects).unwrap();
+    let env = Environment::new();
+    let node = Node::from_slices(&env, &objects.slices).unwrap();
+    let classes = compile_classes(&objects.classes).unwrap();
+    explain_all(&env, &objects.claims, &classes, &node).unwrap()
+}
+
+/// The reason device `device` did not fit the claim's first request.
+fn rejected<'a>(r: &'a ClaimReport, device: &str) -> &'a str {
+    &r.requests[0]
+        .rejected
+        .iter()
+        .find(|x| x.device == device)
+        .unwrap_or_else(|| panic!("{device} fits: {r:?}"))
+        .reason
+}
+
+#[test]
+fn three_shares_of_24gi_fit_one_gpu_and_a_fourth_does_not() {
+    let claims: String = ["a", "b", "c", "d"]
+        .iter()
+        .map(|n| on_gpu0(n, SHARE, SHARE_24, ""))
+        .collect();
+    let r = run_all(&format!("{}{claims}", shared_node(2)));
+    for share in &r[..3] {
+        assert_eq!(picked(share), ["gpu=gpu-0-shared"], "{share:?}");
+        let a = &share.allocation.as_ref().unwrap()[0];
+        assert_eq!(
+            a.consumed_capacity,
+            BTreeMap::from([
+                ("compute".into(), "25".into()),
+                ("memory".into(), "24Gi".into())
+            ])
+        );
+    }
+    assert!(!r[3].satisfiable);
+    assert_eq!(
+        rejected(&r[3], "gpu-0-shared"),
+        "memory 24Gi > 8Gi left (gpu-0-shared: 72Gi held by claims a, b, c)"
+    );
+    assert_eq!(
+        r[3].reason.as_deref(),
+        Some("request gpu needs 1 device, 0 fit")
+    );
+    // The whole GPU is not the share's class, and its lack of the attribute is no error.
+    assert_eq!(
+        rejected(&r[3], "gpu-0"),
+        "class gpu-shared.nvidia.com selector[1]: 'shared' in device.attributes['gpu.nvidia.com'] \
+         && device.attributes['gpu.nvidia.com'].shared is false"
+    );
+}
+
+#[test]
+fn a_share_that_does_not_ask_for_compute_takes_all_of_it() {
+    let claims = format!(
+        "{}{}",
+        on_gpu0("greedy", SHARE, "{memory: 8Gi}", ""),
+        on_gpu0("next", SHARE, SHARE_24, "")
+    );
+    let r = run_all(&format!("{}{claims}", shared_node(1)));
+    assert_eq!(
+        r[0].allocation.as_ref().unwrap()[0].consumed_capacity["compute"],
+        "100"
+    );
+    assert_eq!(
+        rejected(&r[1], "gpu-0-shared"),
+        "compute 25 > 0 left (gpu-0-shared: 100 held by claim greedy)"
+    );
+}
+
+#[test]
+fn share_requests_round_up_to_the_policy_and_above_its_max_do_not_fit() {
+    let claims = format!(
+        "{}{}",
+        on_gpu0("odd", SHARE, "{memory: 1500Mi, compute: \"10\"}", ""),
+        on_gpu0("huge", SHARE, "{memory: 81Gi, compute: \"10\"}", "")
+    );
+    let r = run_all(&format!("{}{claims}", shared_node(1)));
+    assert_eq!(
+        r[0].allocation.as_ref().unwrap()[0].consumed_capacity["memory"],
+        "2Gi"
+    );
+    assert_eq!(
+        rejected(&r[1], "gpu-0-shared"),
+        "capacity memory: 81Gi is outside the device's request policy"
+    );
+}
+
+#[test]
+fn a_whole_gpu_and_its_shares_exclude_each_other_through_the_counters() {
+    let text = format!(
+        "{}{}{}",
+        shared_node(1),
+        on_gpu0("share", SHARE, SHARE_24, ""),
+        on_gpu0("whole", WHOLE, "", "")
+    );
+    let r = run_all(&text);
+    assert_eq!(picked(&r[0]), ["gpu=gpu-0-shared"]);
+    assert!(!r[1].satisfiable);
+    assert_eq!(
+        rejected(&r[1], "gpu-0"),
+        "counter memory of gpu-0-counter-set is taken by gpu-0-shared (claim share)"
+    );
+    // The other way round: the whole GPU first, then no share of it.
+    let text = format!(
+        "{}{}{}",
+        shared_node(1),
+        on_gpu0("whole", WHOLE, "", ""),
+        on_gpu0("share", SHARE, SHARE_24, "")
+    );
+    let r = run_all(&text);
+    assert_eq!(picked(&r[0]), ["gpu=gpu-0"]);
+    assert_eq!(
+        rejected(&r[1], "gpu-0-shared"),
+        "counter memory of gpu-0-counter-set is taken by gpu-0 (claim whole)"
+    );
+    // Each claim alone fits: what the other holds is what stops it.
+    assert!(
+        run_all(&format!(
+            "{}{}",
+            shared_node(1),
+            on_gpu0("share", SHARE, SHARE_24, "")
+        ))[0]
+            .satisfiable
+    );
+}
+
+#[test]
+fn a_shared_device_draws_its_counters_once_for_all_its_allocations() {
+    // Two requests of one claim on the same share: the counter set holds one GPU's memory, so
+    // counting it per allocation would refuse the second.
+    let two = "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: pair}\nspec:\n  devices:\n    requests:\n    - name: x\n      exactly: {deviceClassName: gpu-shared.nvidia.com, capacity: {requests: {memory: 24Gi, compute: \"50\"}}}\n    - name: y\n      exactly: {deviceClassName: gpu-shared.nvidia.com, capacity: {requests: {memory: 24Gi, compute: \"50\"}}}\n";
+    let r = run_all(&format!("{}{two}", shared_node(1)));
+    assert_eq!(picked(&r[0]), ["x=gpu-0-shared", "y=gpu-0-shared"]);
+    // Whereas two exclusive devices on one counter set cannot both be taken.
+    let node = shared_node(1).replace(
+        "  - name: gpu-0-shared",
+        "  - name: gpu-0-twin\n    attributes:\n      type: {string: gpu}\n    capacity:\n      memory: {value: 80Gi}\n    consumesCounters:\n    - counterSet: gpu-0-counter-set\n      counters: {memory: {value: 80Gi}}\n  - name: gpu-0-shared",
+    );
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n",
+        ),
+    );
+    assert!(!r.satisfiable);
+    assert_eq!(r.requests[0].fits, ["gpu-0", "gpu-0-twin"]);
+    assert!(r.reason.unwrap().contains("compete"));
+}
+
+#[test]
+fn allocated_claims_hold_their_devices_before_the_others_are_matched() {
+    // Listed last, the allocated claim still holds 64Gi of the share first.
+    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: n, device: gpu-0-shared, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {memory: 64Gi, compute: \"50\"}}\n";
+    let text = format!(
+        "{}{}{}",
+        shared_node(1),
+        on_gpu0("pending", SHARE, SHARE_24, ""),
+        on_gpu0("running", SHARE, SHARE_24, status)
+    );
+    let r = run_all(&text);
+    assert_eq!(r.len(), 2);
+    assert_eq!(
+        rejected(&r[0], "gpu-0-shared"),
+        "memory 24Gi > 16Gi left (gpu-0-shared: 64Gi held by claim running)"
+    );
+    assert!(r[1].allocated && r[1].satisfiable);
+    assert_eq!(picked(&r[1]), ["gpu=gpu-0-shared"]);
+    // A whole GPU allocated to a claim is not offered to another.
+    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: n, device: gpu-0}\n";
+    let text = format!(
+        "{}{}{}",
+        shared_node(1),
+        on_gpu0("running", WHOLE, "", status),
+        on_gpu0("pending", WHOLE, "", "")
+    );
+    let r = run_all(&text);
+    assert_eq!(rejected(&r[1], "gpu-0"), "allocated to claim running");
+    // An allocation to a device the node does not have is said so.
+    let text = format!(
+        "{}{}",
+        shared_node(1),
+        on_gpu0("elsewhere", WHOLE, "", &status.replace("gpu-0}", "gpu-9}"))
+    );
+    let r = run_all(&text);
+    assert!(!r[0].satisfiable);
+    assert_eq!(
+        r[0].reason.as_deref(),
+        Some("allocated to devices the node does not have: gpu.nvidia.com/n/gpu-9")
+    );
+}
+
+#[test]
+fn partly_used_counters_say_how_much_is_left() {
+    // Two halves and the whole on one counter set (as MIG placements are published).
+    let node = "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {name: s}\nspec:\n  driver: gpu.nvidia.com\n  nodeName: n\n  pool: {name: n, generation: 1, resourceSliceCount: 1}\n  sharedCounters:\n  - name: set\n    counters: {memory: {value: 80Gi}}\n  devices:\n  - name: half-a\n    attributes: {type: {string: gpu}}\n    consumesCounters: [{counterSet: set, counters: {memory: {value: 40Gi}}}]\n  - name: whole\n    attributes: {type: {string: gpu}}\n    consumesCounters: [{counterSet: set, counters: {memory: {value: 80Gi}}}]\n  - name: lost\n    attributes: {type: {string: gpu}}\n    consumesCounters: [{counterSet: nowhere, counters: {memory: {value: 1Gi}}}]\n";
+    let one = |n: &str| {
+        format!(
+            "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {n}}}\nspec:\n  devices:\n    requests:\n    - name: g\n      exactly: {{deviceClassName: gpu.nvidia.com}}\n"
+        )
+    };
+    let r = run_all(&format!("{node}{}{}", one("first"), one("second")));
+    assert_eq!(picked(&r[0]), ["g=half-a"]);
+    assert_eq!(
+        rejected(&r[1], "whole"),
+        "counter memory of set: 80Gi > 40Gi left (taken by half-a (claim first))"
+    );
+    assert_eq!(
+        rejected(&r[1], "lost"),
+        "consumes counters of nowhere, which no slice of pool n has"
+    );
+}
+
+#[test]
+fn quantities_format_as_kubernetes_writes_them() {
+    for (s, want) in [
+        ("24Gi", "24Gi"),
+        ("7831Mi", "7831Mi"),
+        ("25", "25"),
+        ("1500m", "1500m"),
+        ("0", "0"),
+        ("1Ti", "1Ti"),
+    ] {
+        assert_eq!(format_milli(parse_milli(s).unwrap()), want, "{s}");
+    }
 }

@@ -1,0 +1,228 @@
+//! What other claims already hold on a node, as the scheduler's allocator counts it.
+//!
+//! An exclusive device is held whole by one claim. A device with `allowMultipleAllocations` is
+//! held by any number of claims, each consuming part of its capacity (what its allocation
+//! result's `consumedCapacity` says), and their sum never exceeds the device's capacity. A held
+//! device consumes its shared counters (`consumesCounters`) once, however many claims share it:
+//! so a whole GPU and a share of it, which draw on the same counter set, exclude each other.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::AllocationResult;
+
+use super::{Amounts, Candidate, Node, Pick, format_milli, parse_milli, qualify};
+
+/// The devices of a node that claims hold, and how much of each.
+#[derive(Debug, Default, Clone)]
+pub struct Held {
+    /// Per device (index into [`Node::devices`]): each holding claim and the capacity it
+    /// consumes (by the capacity's name in the device, in thousandths; empty for an exclusive
+    /// device).
+    by_device: BTreeMap<usize, Vec<(String, Amounts)>>,
+}
+
+impl Held {
+    /// Records that `claim` holds device `d`, consuming `consumed` of it.
+    pub fn hold(&mut self, d: usize, claim: &str, consumed: Amounts) {
+        self.by_device
+            .entry(d)
+            .or_default()
+            .push((claim.to_string(), consumed));
+    }
+
+    /// Records an allocated claim's results; the devices it names that the node does not have
+    /// come back as `driver/pool/device`.
+    pub(super) fn hold_allocation(
+        &mut self,
+        node: &Node,
+        claim: &str,
+        allocation: &AllocationResult,
+    ) -> (Vec<Pick>, Vec<String>) {
+        let mut found = Vec::new();
+        let mut missing = Vec::new();
+        for r in allocation
+            .devices
+            .iter()
+            .flat_map(|d| d.results.iter().flatten())
+        {
+            let Some(d) = node.find(&r.driver, &r.pool, &r.device) else {
+                missing.push(format!("{}/{}/{}", r.driver, r.pool, r.device));
+                continue;
+            };
+            let dev = &node.devices[d];
+            let consumed: Amounts = if dev.shared() {
+                let given: Amounts = r
+                    .consumed_capacity
+                    .iter()
+                    .flatten()
+                    .filter_map(|(k, q)| Some((qualify(k, &r.driver), parse_milli(&q.0)?)))
+                    .collect();
+                // A share without consumedCapacity (written by hand, or by an older
+                // scheduler) is counted as the device's defaults would have it.
+                dev.device
+                    .capacity
+                    .iter()
+                    .flatten()
+                    .filter_map(|(k, c)| {
+                        let v = match given.get(&qualify(k, &r.driver)) {
+                            Some(v) => *v,
+                            None => {
+                                match c.request_policy.as_ref().and_then(|p| p.default.as_ref()) {
+                                    Some(q) => parse_milli(&q.0)?,
+                                    None => parse_milli(&c.value.0)?,
+                                }
+                            }
+                        };
+                        Some((k.clone(), v))
+                    })
+                    .collect()
+            } else {
+                BTreeMap::new()
+            };
+            self.hold(d, claim, consumed.clone());
+            found.push((r.request.clone(), d, consumed));
+        }
+        (found, missing)
+    }
+
+    /// Whether any claim holds device `d`.
+    pub(super) fn is_held(&self, d: usize) -> bool {
+        self.by_device.contains_key(&d)
+    }
+
+    /// The claims that hold device `d`, in the order they took it.
+    pub(super) fn holders(&self, d: usize) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for (c, _) in self.by_device.get(&d).into_iter().flatten() {
+            if !out.contains(&c.as_str()) {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// What the holders of device `d` consume together, by capacity name.
+    pub(super) fn consumed(&self, d: usize) -> Amounts {
+        let mut out = BTreeMap::new();
+        for (_, c) in self.by_device.get(&d).into_iter().flatten() {
+            for (k, v) in c {
+                *out.entry(k.clone()).or_default() += v;
+            }
+        }
+        out
+    }
+
+    /// Every held device, once.
+    pub(super) fn devices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.by_device.keys().copied()
+    }
+
+    /// What the held devices draw from each counter set: (set index, counter) → thousandths.
+    pub(super) fn counters(&self, node: &Node) -> BTreeMap<(usize, String), i128> {
+        let mut out = BTreeMap::new();
+        for d in self.devices() {
+            for (set, counters) in &node.devices[d].consumes {
+                for (name, v) in counters {
+                    *out.entry((*set, name.clone())).or_default() += v;
+                }
+            }
+        }
+        out
+    }
+
+    /// Why device `d` cannot take one more allocation consuming `want` (by capacity name), in
+    /// words; `None` when it can.
+    pub(super) fn why_not(&self, node: &Node, d: usize, want: &Amounts) -> Option<String> {
+        let dev = &node.devices[d];
+        if self.is_held(d) {
+            if !dev.shared() {
+                return Some(format!("allocated to {}", claims(&self.holders(d))));
+            }
+            let used = self.consumed(d);
+            for (name, need) in want {
+                let have = dev.capacity(name)?;
+                let taken = used.get(name).copied().unwrap_or(0);
+                if taken + need > have {
+                    return Some(format!(
+                        "{name} {} > {} left ({}: {} held by {})",
+                        format_milli(*need),
+                        format_milli(have - taken),
+                        dev.device.name,
+                        format_milli(taken),
+                        claims(&self.holders(d))
+                    ));
+                }
+            }
+            return None;
+        }
+        let used = self.counters(node);
+        for (set, counters) in &dev.consumes {
+            let cs = &node.counter_sets[*set];
+            for (name, need) in counters {
+                let total = cs.counters.get(name).copied().unwrap_or(0);
+                let taken = used.get(&(*set, name.clone())).copied().unwrap_or(0);
+                if taken + need <= total {
+                    continue;
+                }
+                let by: Vec<String> = self
+                    .devices()
+                    .filter(|h| {
+                        node.devices[*h]
+                            .consumes
+                            .iter()
+                            .any(|(s, c)| s == set && c.get(name).is_some_and(|v| *v > 0))
+                    })
+                    .map(|h| {
+                        format!(
+                            "{} ({})",
+                            node.devices[h].device.name,
+                            claims(&self.holders(h))
+                        )
+                    })
+                    .collect();
+                return Some(if taken >= total {
+                    format!(
+                        "counter {name} of {} is taken by {}",
+                        cs.name,
+                        by.join(", ")
+                    )
+                } else {
+                    format!(
+                        "counter {name} of {}: {} > {} left (taken by {})",
+                        cs.name,
+                        format_milli(*need),
+                        format_milli(total - taken),
+                        by.join(", ")
+                    )
+                });
+            }
+        }
+        None
+    }
+}
+
+/// `claim a` or `claims a, b`.
+fn claims(names: &[&str]) -> String {
+    match names {
+        [one] => format!("claim {one}"),
+        many => format!("claims {}", many.join(", ")),
+    }
+}
+
+impl Candidate {
+    /// Whether several claims may share the device (`allowMultipleAllocations`).
+    pub(super) fn shared(&self) -> bool {
+        self.device.allow_multiple_allocations == Some(true)
+    }
+
+    /// The device's capacity `name` (as the device spells it, or qualified), in thousandths.
+    pub(super) fn capacity(&self, name: &str) -> Option<i128> {
+        let q = qualify(name, &self.driver);
+        self.device
+            .capacity
+            .iter()
+            .flatten()
+            .find(|(k, _)| qualify(k, &self.driver) == q)
+            .and_then(|(_, v)| parse_milli(&v.value.0))
+    }
+}

@@ -91,7 +91,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         root.display()
     )?;
 
-    shares::install_mps_stand_in(&config.driver_root)?;
+    shares::install_mps_stand_in(config.driver_root.ctr())?;
     // Two claims the scheduler allocated: both got gpu-0, as after a force-deleted pod.
     write_claim(root, "train", "uid-train", &["gpu-0", "gpu-1"], true)?;
     write_claim(root, "notebook", "uid-notebook", &["gpu-0"], false)?;

@@ -207,7 +207,13 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
 
     // Its own driver name, so that this daemon's orphan clean-up in a shared CDI directory never
     // touches the specs of the other tests.
-    const DRIVER: &str = "podman-test.nvdra.io";
+    // A driver name of its own per test: podman 4.3 has no --cdi-spec-dir, so both tests write to
+    // /var/run/cdi, and a daemon's start-up removes the specs of its driver it has no claim for.
+    let driver = if share {
+        "podman-share.nvdra.io"
+    } else {
+        "podman-test.nvdra.io"
+    };
     const NODE: &str = "node-a";
     let claim_uid = format!("podman-{:016x}", rand::random::<u64>());
 
@@ -255,7 +261,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         mps::fake_control(&driver_root);
         mps::share(
             "gpu",
-            DRIVER,
+            driver,
             NODE,
             &device,
             "5f0e0000-0000-4000-8000-000000000001",
@@ -263,7 +269,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             "25",
         )
     } else {
-        nvdra::api::allocated_device("gpu", DRIVER, NODE, &device)
+        nvdra::api::allocated_device("gpu", driver, NODE, &device)
     };
     let claim = nvdra::api::allocated_claim("default", "podman", &claim_uid, vec![result], vec![]);
     nvdra::api::dir::write_claim(&root.join("api"), &claim)?;
@@ -271,7 +277,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
     let kubelet = root.join("kubelet");
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_nvdra"))
         .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
-        .args(["--node-name", NODE, "--driver-name", DRIVER])
+        .args(["--node-name", NODE, "--driver-name", driver])
         .arg("--api-dir")
         .arg(root.join("api"))
         .arg("--kubelet-root")
@@ -288,11 +294,11 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         .spawn()
         .context("cannot start nvdra run")?;
     let pipe = mps::gpu_pipe_dir(
-        &kubelet.join(format!("plugins/{DRIVER}")),
+        &kubelet.join(format!("plugins/{driver}")),
         gpu.uuid.as_str(),
     );
-    let dra_socket = kubelet.join(format!("plugins/{DRIVER}/dra.sock"));
-    let spec_file = cdi_root.join(format!("k8s.{DRIVER}-claim_{claim_uid}.yaml"));
+    let dra_socket = kubelet.join(format!("plugins/{driver}/dra.sock"));
+    let spec_file = cdi_root.join(format!("k8s.{driver}-claim_{claim_uid}.yaml"));
 
     let result = (|| -> Result<()> {
         let rt = tokio::runtime::Runtime::new()?;
@@ -348,7 +354,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         let (ids, error) = prepared.context("nvdra did not serve its DRA socket within 30 s")?;
         ensure!(error.is_empty(), "prepare failed: {error}");
         ensure!(
-            ids == vec![format!("k8s.{DRIVER}/claim={claim_uid}-{device}")],
+            ids == vec![format!("k8s.{driver}/claim={claim_uid}-{device}")],
             "CDI ids {ids:?}"
         );
         let spec_text = std::fs::read_to_string(&spec_file)

@@ -154,7 +154,9 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
         .collect();
     files.hook = find_hook(root, Path::new("/").join(TOOLKIT_DIR).as_path());
     if files.hook.is_none() && !NO_HOOK_LOGGED.swap(true, Ordering::Relaxed) {
-        tracing::warn!(
+        // Info, not a warning: specs without hooks work (the links are mounted instead), and
+        // most nodes without NVIDIA's container toolkit are meant to be so.
+        tracing::info!(
             driver_root = %root.host().display(),
             "neither nvidia-cdi-hook nor nvidia-ctk is installed under the driver root's bin \
              directories or {TOOLKIT_DIR}: CDI specs get no create-symlinks, enable-cuda-compat, \

@@ -248,6 +248,11 @@ async fn unprepare(d: &Dirs, uid: &str) -> String {
 }
 
 async fn unprepare_at(dra_socket: &Path, uid: &str) -> String {
+    unprepare_call(dra_socket, uid).await.unwrap()
+}
+
+/// A non-panicking unprepare, for a call the process may die in.
+async fn unprepare_call(dra_socket: &Path, uid: &str) -> Result<String, tonic::Status> {
     let ch = unix_channel(dra_socket).await.unwrap();
     let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
     let mut r = c
@@ -258,10 +263,37 @@ async fn unprepare_at(dra_socket: &Path, uid: &str) -> String {
                 name: format!("claim-{uid}"),
             }],
         })
-        .await
-        .unwrap()
+        .await?
         .into_inner();
-    r.claims.remove(uid).unwrap().error
+    Ok(r.claims.remove(uid).expect("an entry").error)
+}
+
+/// Waits for `child` to stop at `point` and SIGKILLs it there, as the kernel's OOM killer or a
+/// node failure would: no chance to clean up.
+async fn kill_at_crash_point(d: &Dirs, child: &mut Child, point: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    let marker = d.p(&format!(
+        "kubelet/plugins/{DRIVER}/{}",
+        nvdra::dra::plugin::crash::CRASH_MARKER
+    ));
+    for _ in 0..3000 {
+        if marker.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        marker.exists(),
+        "{point}: the crash point was never reached"
+    );
+    let killed = Command::new("kill")
+        .args(["-KILL", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = wait_exit(child).await;
+    assert_eq!(status.signal(), Some(SIGKILL), "{point}: {status}");
+    std::fs::remove_file(&marker).unwrap();
 }
 
 /// Waits for the process to exit without blocking the runtime, which must keep serving the
@@ -297,7 +329,6 @@ async fn crash_then_retry(point: &str, device: &str, partitionable: bool) {
 /// [`crash_then_retry`], on the NVML backend over the fake library when `nvml`: the MIG
 /// instances then outlive the killed process, as on a GPU, and none may be left over.
 async fn crash_then_retry_on(point: &str, device: &str, partitionable: bool, nvml: bool) {
-    use std::os::unix::process::ExitStatusExt;
     let mut d = Dirs::new();
     d.nvml = nvml;
     if partitionable {
@@ -312,32 +343,10 @@ async fn crash_then_retry_on(point: &str, device: &str, partitionable: bool, nvm
     wait_ready(&d, &mut first).await;
     let dra_socket = d.dra_socket();
     let call = tokio::spawn(async move { prepare_at(&dra_socket, "a").await });
-    // The process stops at the crash point; kill it there, as the kernel's OOM killer or a node
-    // failure would: SIGKILL, no chance to clean up.
-    let marker = d.p(&format!(
-        "kubelet/plugins/{DRIVER}/{}",
-        nvdra::dra::plugin::crash::CRASH_MARKER
-    ));
-    for _ in 0..3000 {
-        if marker.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(
-        marker.exists(),
-        "{point}: the crash point was never reached"
-    );
-    let killed = Command::new("kill")
-        .args(["-KILL", &first.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = wait_exit(&mut first).await;
-    assert_eq!(status.signal(), Some(SIGKILL), "{point}: {status}");
+    // The process stops at the crash point; kill it there.
+    kill_at_crash_point(&d, &mut first, point).await;
     let r = call.await.unwrap();
     assert!(r.is_err(), "{point}: the process died mid-call: {r:?}");
-    std::fs::remove_file(&marker).unwrap();
 
     // What the crash left: the claim's record and its spec, as far as they got.
     let (state, spec) = left_behind(point, partitionable);

@@ -7,16 +7,12 @@
 //! are in the checkpoint, the daemon runs if and only if a share is held (started once for as
 //! long as one is), and unpreparing everything leaves no daemon, no spec and no entry.
 
-use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::Duration;
-
-use kubelet_plugin::proto::dra::v1;
+use std::path::PathBuf;
+use std::process::Child;
 
 use super::{
-    DRIVER, Dirs, NODE, SIGKILL, left_behind, prepare, terminate, unix_channel, unprepare,
-    wait_exit, wait_ready,
+    DRIVER, Dirs, NODE, kill_at_crash_point, left_behind, prepare, terminate, unprepare,
+    unprepare_call, wait_ready,
 };
 use crate::support::mps;
 
@@ -118,49 +114,6 @@ fn completed(uids: &[&str]) -> Vec<(String, String)> {
 
 fn spec_names(uids: &[&str]) -> Vec<String> {
     uids.iter().map(|u| Dirs::spec_name(u)).collect()
-}
-
-/// A non-panicking unprepare, for the call the process dies in.
-async fn unprepare_call(dra_socket: &Path, uid: &str) -> Result<String, tonic::Status> {
-    let ch = unix_channel(dra_socket).await.unwrap();
-    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
-    let mut r = c
-        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: "default".into(),
-                uid: uid.into(),
-                name: format!("claim-{uid}"),
-            }],
-        })
-        .await?
-        .into_inner();
-    Ok(r.claims.remove(uid).expect("an entry").error)
-}
-
-/// Waits for `child` to stop at `point` and SIGKILLs it there.
-async fn kill_at_crash_point(d: &Dirs, child: &mut Child, point: &str) {
-    let marker = d.p(&format!(
-        "kubelet/plugins/{DRIVER}/{}",
-        nvdra::dra::plugin::crash::CRASH_MARKER
-    ));
-    for _ in 0..3000 {
-        if marker.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(
-        marker.exists(),
-        "{point}: the crash point was never reached"
-    );
-    let killed = Command::new("kill")
-        .args(["-KILL", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = wait_exit(child).await;
-    assert_eq!(status.signal(), Some(SIGKILL), "{point}: {status}");
-    std::fs::remove_file(&marker).unwrap();
 }
 
 /// Prepares `uids` one by one with a process of its own, then stops it (SIGTERM).

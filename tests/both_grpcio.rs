@@ -8,11 +8,10 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::grpcio::{STANDIN, have_grpcio};
+use support::grpcio::{NodeStandin, have_grpcio};
 
 use nvdra::api::SliceApi;
 use nvdra::api::dir::DirApi;
@@ -39,19 +38,14 @@ fn uuid(index: usize) -> String {
 /// A kubelet root with the stand-in and `nvdra run --mode both`, both killed when dropped.
 struct Node {
     root: tempfile::TempDir,
-    standin: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    standin: NodeStandin,
     nvdra: Child,
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
-        for c in [&mut self.nvdra, &mut self.standin] {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        let _ = self.nvdra.kill();
+        let _ = self.nvdra.wait();
     }
 }
 
@@ -78,39 +72,8 @@ impl Node {
             nvdra::api::dir::write_claim(&p("api"), &c).unwrap();
         }
         let dra = p(&format!("kubelet/plugins/{DRIVER}/dra.sock"));
-        let mut standin = Command::new("python3")
-            .arg(STANDIN)
-            .arg("node")
-            .arg("--proto-root")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/crates/kubelet-plugin/proto"
-            ))
-            .arg("--stubs-cache")
-            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
-            .arg("--root")
-            .arg(p("kubelet"))
-            .arg("--dra")
-            .arg(&dra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut stdin = standin.stdin.take().unwrap();
-        let mut stdout = BufReader::new(standin.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert!(line.contains("serving"), "stand-in: {line:?}");
-        writeln!(
-            stdin,
-            "{}",
-            json!({"op": "pods", "pods": pods, "wait": false})
-        )
-        .unwrap();
-        line.clear();
-        stdout.read_line(&mut line).unwrap();
-        assert!(line.contains("\"ok\": true"), "stand-in: {line:?}");
+        let mut standin = NodeStandin::start(&p("kubelet"), &dra);
+        standin.ok(json!({"op": "pods", "pods": pods, "wait": false}));
         let nvdra = Command::new(env!("CARGO_BIN_EXE_nvdra"))
             .args(["run", "--mode", "both", "--profile", PROFILE])
             .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
@@ -132,27 +95,14 @@ impl Node {
         let mut node = Node {
             root,
             standin,
-            stdin,
-            stdout,
             nvdra,
         };
         node.ok(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
         node
     }
 
-    /// Sends one command and returns the stand-in's answer.
-    fn call(&mut self, cmd: Value) -> Value {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
-        serde_json::from_str(&line).unwrap()
-    }
-
     fn ok(&mut self, cmd: Value) -> Value {
-        let v = self.call(cmd.clone());
-        assert_eq!(v["ok"], true, "{cmd} → {v}");
-        v
+        self.standin.ok(cmd)
     }
 
     fn prepare(&mut self, op: &str, uid: &str) -> Value {

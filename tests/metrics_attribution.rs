@@ -11,14 +11,13 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
 use nvdra::inventory::{DeviceBackend, sim::SimBackend};
 use serde_json::{Value, json};
-use support::grpcio::{STANDIN, have_grpcio};
+use support::grpcio::{NodeStandin, have_grpcio};
 use support::promclient::{self, Family, Sample, have_promclient};
 
 const NODE: &str = "node-a";
@@ -72,58 +71,12 @@ fn nvdra_with(root: &std::path::Path, mode: &str, port: u16, backend: &[&str]) -
         .unwrap()
 }
 
-/// The grpcio kubelet stand-in (`standin.py node`: kubelet.sock, PodResources, the DRA calls),
-/// driven one JSON command per line; killed when dropped.
-struct Standin {
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    _child: Procs,
-}
-
-impl Standin {
-    fn start(root: &std::path::Path) -> Standin {
-        let p = |s: &str| root.join(s);
-        let mut child = Command::new("python3")
-            .arg(STANDIN)
-            .arg("node")
-            .arg("--proto-root")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/crates/kubelet-plugin/proto"
-            ))
-            .arg("--stubs-cache")
-            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
-            .arg("--root")
-            .arg(p("kubelet"))
-            .arg("--dra")
-            .arg(p(&format!("kubelet/plugins/{DRIVER}/dra.sock")))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert!(line.contains("serving"), "stand-in: {line:?}");
-        Standin {
-            stdin,
-            stdout,
-            _child: Procs(vec![child]),
-        }
-    }
-
-    /// Sends one command; fails unless the stand-in answers `ok`.
-    fn call(&mut self, cmd: Value) -> Value {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
-        let v: Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v["ok"], true, "{cmd} → {v}");
-        v
-    }
+/// The grpcio kubelet stand-in against the daemon nvdra runs under `root`.
+fn standin(root: &std::path::Path) -> NodeStandin {
+    NodeStandin::start(
+        &root.join("kubelet"),
+        &root.join(format!("kubelet/plugins/{DRIVER}/dra.sock")),
+    )
 }
 
 /// Scrapes until `pred` holds on the parsed families; fails with the last scrape.
@@ -202,8 +155,8 @@ fn a_claim_and_a_device_plugin_container_are_attributed_to_their_pods() {
     }]);
     nvdra::api::dir::write_claim(&p("api"), &claim).unwrap();
 
-    let mut standin = Standin::start(root.path());
-    let mut call = |cmd: Value| standin.call(cmd);
+    let mut standin = standin(root.path());
+    let mut call = |cmd: Value| standin.ok(cmd);
     call(json!({"op": "pods", "pods": [], "wait": false}));
 
     let port = promclient::free_port();
@@ -320,20 +273,20 @@ fn device_plugin_mode_attributes_the_containers_podresources_lists() {
     }
     let root = tempfile::tempdir().unwrap();
     std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
-    let mut standin = Standin::start(root.path());
+    let mut standin = standin(root.path());
     let inv = SimBackend::from_profile(PROFILE, NODE)
         .unwrap()
         .snapshot()
         .unwrap();
     let g2 = inv.gpus[2].uuid.to_string();
-    standin.call(
+    standin.ok(
         json!({"op": "pods", "pods": [{"namespace": "default", "name": "legacy", "containers": [
         {"name": "cuda", "devices": [{"resource": "nvidia.com/gpu", "ids": [g2]}]}
     ]}], "wait": false}),
     );
     let port = promclient::free_port();
     let _nvdra = Procs(vec![nvdra(root.path(), "device-plugin", port)]);
-    standin.call(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
+    standin.ok(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
     let families = scrape_until(port, "showed the container", |f| allocations(f).len() == 1);
     assert_eq!(
         allocations(&families),
@@ -352,7 +305,7 @@ fn device_plugin_mode_attributes_the_containers_podresources_lists() {
     );
     assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
     // The pod ends: its series goes.
-    standin.call(json!({"op": "pods", "pods": []}));
+    standin.ok(json!({"op": "pods", "pods": []}));
     scrape_until(port, "dropped the container", |f| allocations(f).is_empty());
 }
 

@@ -6,13 +6,12 @@
 //! refused naming the three holders, and the daemon stops with the last share, whatever the
 //! order of the unprepares.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use serde_json::{Value, json};
 
-use super::{DRIVER, Daemon, NODE, STANDIN, have_grpcio};
+use super::{DRIVER, Daemon, NODE, have_grpcio};
+use crate::support::grpcio::NodeStandin;
 use crate::support::mps;
 
 const SHARES: [&str; 4] = ["s1", "s2", "s3", "s4"];
@@ -21,52 +20,15 @@ fn share_id(uid: &str) -> String {
     format!("5f0e0000-0000-4000-8000-0000000000{}", &uid[1..2])
 }
 
-/// The stand-in in `node` mode against `d`'s DRA socket, killed when dropped.
-struct Kubelet {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Drop for Kubelet {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+/// The stand-in in `node` mode against `d`'s DRA socket.
+struct Kubelet(NodeStandin);
 
 impl Kubelet {
     fn start(d: &Daemon) -> Kubelet {
-        let mut child = Command::new("python3")
-            .arg(STANDIN)
-            .arg("node")
-            .arg("--proto-root")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/crates/kubelet-plugin/proto"
-            ))
-            .arg("--stubs-cache")
-            .arg(concat!(env!("CARGO_TARGET_TMPDIR"), "/kubelet-standin"))
-            .arg("--root")
-            .arg(d.root.path().join("standin"))
-            .arg("--dra")
-            .arg(d.dra_socket())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert!(line.contains("serving"), "stand-in: {line:?}");
-        Kubelet {
-            child,
-            stdin,
-            stdout,
-        }
+        Kubelet(NodeStandin::start(
+            &d.root.path().join("standin"),
+            &d.dra_socket(),
+        ))
     }
 
     /// `op` (prepare or unprepare) of `uids` in one call; each claim's result.
@@ -75,14 +37,7 @@ impl Kubelet {
             .iter()
             .map(|u| json!({"namespace": "default", "name": format!("claim-{u}"), "uid": u}))
             .collect();
-        let cmd = json!({"op": op, "claims": claims});
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        assert!(!line.is_empty(), "the stand-in exited on {cmd}");
-        let v: Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v["ok"], true, "{cmd} → {v}");
-        v["claims"].clone()
+        self.0.ok(json!({"op": op, "claims": claims}))["claims"].clone()
     }
 
     fn unprepare(&mut self, uid: &str) {

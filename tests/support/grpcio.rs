@@ -16,46 +16,17 @@ pub const STANDIN: &str = concat!(
     "/crates/kubelet-plugin/tests/kubelet/standin.py"
 );
 
-fn required() -> bool {
-    std::env::var("NVDRA_REQUIRE_GRPCIO").is_ok_and(|v| !v.is_empty() && v != "0")
-}
-
 /// Whether python3 can import what the stand-in needs (probed once per test binary); skips or,
-/// when required, fails the calling test otherwise.
+/// when `NVDRA_REQUIRE_GRPCIO` is set, fails the calling test otherwise.
 pub fn have_grpcio() -> bool {
     static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
-    let probe = PROBE.get_or_init(|| {
-        let out = Command::new("python3")
-            .args([
-                "-c",
-                "import grpc, grpc_tools.protoc, google.protobuf, hpack",
-            ])
-            .output()
-            .map_err(|e| format!("cannot run python3: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "python3 cannot import grpc, grpc_tools, protobuf and hpack: {}",
-                // The exception, not the traceback above it.
-                String::from_utf8_lossy(&out.stderr)
-                    .trim()
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            ))
-        }
-    });
-    match probe {
-        Ok(()) => true,
-        Err(why) if required() => panic!("NVDRA_REQUIRE_GRPCIO is set but {why}; run: {PIP}"),
-        Err(why) => {
-            eprintln!(
-                "skipped: the grpcio kubelet stand-in: {why} (run: {PIP}; set NVDRA_REQUIRE_GRPCIO=1 to make this a failure)"
-            );
-            false
-        }
-    }
+    super::python::have(
+        &PROBE,
+        "import grpc, grpc_tools.protoc, google.protobuf, hpack",
+        "the grpcio kubelet stand-in",
+        "NVDRA_REQUIRE_GRPCIO",
+        PIP,
+    )
 }
 
 /// The stand-in in `node` mode (`standin.py node`: the kubelet's registration and PodResources

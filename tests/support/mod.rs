@@ -6,3 +6,4 @@ pub mod grpcio;
 pub mod manifests;
 pub mod mps;
 pub mod promclient;
+pub mod python;

@@ -6,7 +6,6 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use serde::Deserialize;
@@ -14,42 +13,17 @@ use serde::Deserialize;
 /// What CI installs (`.ci/run`).
 pub const PIP: &str = "python3 -m pip install prometheus_client==0.26.0";
 
-fn required() -> bool {
-    std::env::var("NVDRA_REQUIRE_PROMCLIENT").is_ok_and(|v| !v.is_empty() && v != "0")
-}
-
 /// Whether python3 can import `prometheus_client` (probed once per test binary); skips or, when
 /// `NVDRA_REQUIRE_PROMCLIENT` is set, fails the calling test otherwise.
 pub fn have_promclient() -> bool {
     static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
-    let probe = PROBE.get_or_init(|| {
-        let out = Command::new("python3")
-            .args(["-c", "import prometheus_client.parser"])
-            .output()
-            .map_err(|e| format!("cannot run python3: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "python3 cannot import prometheus_client: {}",
-                String::from_utf8_lossy(&out.stderr)
-                    .trim()
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            ))
-        }
-    });
-    match probe {
-        Ok(()) => true,
-        Err(why) if required() => panic!("NVDRA_REQUIRE_PROMCLIENT is set but {why}; run: {PIP}"),
-        Err(why) => {
-            eprintln!(
-                "skipped: the Python Prometheus parser: {why} (run: {PIP}; set NVDRA_REQUIRE_PROMCLIENT=1 to make this a failure)"
-            );
-            false
-        }
-    }
+    super::python::have(
+        &PROBE,
+        "import prometheus_client.parser",
+        "the Python Prometheus parser",
+        "NVDRA_REQUIRE_PROMCLIENT",
+        PIP,
+    )
 }
 
 /// One metric family as the parser reads it.
@@ -80,26 +54,8 @@ print(json.dumps(out))
 
 /// `text` parsed by `prometheus_client`; panics with the parser's error when it refuses it.
 pub fn parse(text: &str) -> Vec<Family> {
-    let mut child = Command::new("python3")
-        .args(["-c", PARSE])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "prometheus_client refused the text: {}\n{text}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let v = super::python::json_of(PARSE, &[], text, "prometheus_client refused the text");
+    serde_json::from_value(v).unwrap()
 }
 
 /// Every sample of every family.

@@ -104,6 +104,17 @@ pub enum Sharing {
     Mps(MpsSettings),
 }
 
+impl Sharing {
+    /// The strategy as the checkpoint spells it (`exclusive`, `timeSlicing`, `mps`).
+    pub fn strategy(&self) -> &'static str {
+        match self {
+            Sharing::Exclusive => "exclusive",
+            Sharing::TimeSlicing { .. } => "timeSlicing",
+            Sharing::Mps(_) => "mps",
+        }
+    }
+}
+
 /// A decoded opaque device configuration.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind")]

@@ -14,8 +14,12 @@ use super::{ClaimEntry, DeviceRecord};
 use crate::ids::ClaimUid;
 use crate::inventory::{GpuUuid, quantity};
 
-/// All of a GPU's compute, in percent of its SMs.
+/// All of a GPU's compute, in percent of its SMs: the published `compute` capacity, and what a
+/// share takes when its claim does not ask (the request policy's default).
 pub const FULL_COMPUTE: u32 = 100;
+/// The smallest share of a GPU's memory and the step between shares (1 GiB), also what a share
+/// takes when its claim does not ask (the request policy's default).
+pub const MEMORY_STEP: u64 = 1 << 30;
 
 /// What one share consumes of its GPU: the allocation's `consumedCapacity`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

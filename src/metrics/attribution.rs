@@ -196,12 +196,9 @@ pub fn dra_allocations<'a>(
             // A consumable-capacity share (`--shared-capacity`) is MPS underneath, but its
             // sharing is the capacity the scheduler counted.
             let sharing = if d.consumed.is_some() {
-                "capacity".to_string()
+                "capacity"
             } else {
-                serde_json::to_value(&d.sharing)
-                    .ok()
-                    .and_then(|v| v.get("strategy")?.as_str().map(str::to_string))
-                    .unwrap_or_default()
+                d.sharing.strategy()
             };
             for pod in &pods {
                 out.insert(Allocation {
@@ -222,7 +219,7 @@ pub fn dra_allocations<'a>(
                     pod: (*pod).to_string(),
                     container: String::new(),
                     path: "dra",
-                    sharing: sharing.clone(),
+                    sharing: sharing.to_string(),
                 });
             }
         }

@@ -489,3 +489,19 @@ fn decoded_configs_round_trip_through_serde() {
         assert_eq!(back, config, "{text}");
     }
 }
+
+/// `/metrics` labels a device with `Sharing::strategy`; the checkpoint spells it with serde. One
+/// spelling.
+#[test]
+fn the_strategy_name_is_the_checkpoints() {
+    for s in [
+        Sharing::Exclusive,
+        Sharing::TimeSlicing {
+            interval: TimeSliceInterval::Short,
+        },
+        Sharing::Mps(MpsSettings::default()),
+    ] {
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["strategy"], s.strategy(), "{s:?}");
+    }
+}

@@ -14,7 +14,7 @@ use crate::cdi::{self, CdiOptions};
 use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
 use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement};
-use crate::ledger::shares::FULL_COMPUTE;
+use crate::ledger::shares::{FULL_COMPUTE, MEMORY_STEP};
 use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
 use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
 
@@ -246,7 +246,7 @@ fn share(
     let consumed = r.consumed_capacity.as_ref();
     let get = |name: &str| consumed.and_then(|c| c.get(name)).map(|q| q.0.as_str());
     let memory = match get("memory") {
-        None => 1 << 30,
+        None => MEMORY_STEP,
         Some(q) => inventory::parse_quantity(q)
             .ok_or_else(|| bad(format!("consumed memory {q:?} is not a quantity of bytes")))?,
     };

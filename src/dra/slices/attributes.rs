@@ -13,6 +13,7 @@ use super::{
 };
 use crate::ids::DeviceName;
 use crate::inventory::{Engines, Gpu, MigDevice, MigProfile, MigUuid, Placement, quantity};
+use crate::ledger::shares::{FULL_COMPUTE, MEMORY_STEP};
 
 /// Normalizes a driver-reported version to semantic versioning 2.0.0, or `None` when it cannot be
 /// read as one (the attribute is then left out rather than published as a string, which would
@@ -201,16 +202,13 @@ pub(super) fn gpu_device(gpu: &Gpu) -> Device {
     }
 }
 
-/// Smallest share of a GPU's memory the scheduler may hand out, and the step between shares.
-pub(super) const GIB: u64 = 1 << 30;
-
 /// The shareable twin of a whole GPU (`--shared-capacity`): the GPU's attributes with `type`
 /// `gpu-shared` (so a class selecting `type == 'gpu'`, NVIDIA's included, never hands a share out
 /// as a whole GPU) and `shared: true`; several allocations at once, each consuming `memory` (1 GiB
 /// steps, default 1 GiB) and `compute` (percent of the SMs, default 100). `None` for a GPU with
 /// less than 2 GiB, where no share of a whole GiB is left beside the smallest.
 pub(super) fn shared_gpu_device(gpu: &Gpu) -> Option<Device> {
-    let whole_gib = gpu.memory_bytes / GIB;
+    let whole_gib = gpu.memory_bytes / MEMORY_STEP;
     if whole_gib < 2 {
         return None;
     }
@@ -226,19 +224,25 @@ pub(super) fn shared_gpu_device(gpu: &Gpu) -> Option<Device> {
         }),
         valid_values: None,
     };
+    let (step, full) = (quantity(MEMORY_STEP), FULL_COMPUTE.to_string());
     let mut c = Capacities::new();
     c.insert(
         "memory".into(),
         DeviceCapacity {
             value: Quantity(quantity(gpu.memory_bytes)),
-            request_policy: Some(policy("1Gi", "1Gi", format!("{whole_gib}Gi"), "1Gi")),
+            request_policy: Some(policy(
+                &step,
+                &step,
+                quantity(whole_gib * MEMORY_STEP),
+                &step,
+            )),
         },
     );
     c.insert(
         "compute".into(),
         DeviceCapacity {
-            value: Quantity("100".into()),
-            request_policy: Some(policy("100", "1", "100".into(), "1")),
+            value: Quantity(full.clone()),
+            request_policy: Some(policy(&full, "1", full.clone(), "1")),
         },
     );
     Some(Device {

@@ -315,15 +315,22 @@ pub(crate) mod tests {
         mps.stop(&claim).unwrap();
         mps.stop(&claim).unwrap();
         assert!(!pipe.exists());
-        let log = std::fs::read_to_string(driver_root.join("mps.log")).unwrap();
-        let lines: Vec<&str> = log.lines().collect();
         assert_eq!(
-            lines,
+            logged(&driver_root),
             vec![
                 format!("start GPU-a,GPU-b {}", pipe.display()),
                 format!("quit {}", pipe.display())
             ]
         );
+    }
+
+    /// What the fake control was asked, a line each.
+    fn logged(driver_root: &Path) -> Vec<String> {
+        std::fs::read_to_string(driver_root.join("mps.log"))
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect()
     }
 
     #[test]
@@ -358,10 +365,8 @@ pub(crate) mod tests {
         mps.stop_gpu(&gpu, || false).unwrap();
         mps.stop_gpu(&gpu, || false).unwrap();
         assert!(!pipe.exists());
-        let log = std::fs::read_to_string(driver_root.join("mps.log")).unwrap();
-        let lines: Vec<&str> = log.lines().collect();
         assert_eq!(
-            lines,
+            logged(&driver_root),
             vec![
                 format!("start GPU-a {}", pipe.display()),
                 format!("quit {}", pipe.display())

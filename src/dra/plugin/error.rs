@@ -61,7 +61,8 @@ pub enum ClaimError {
     #[error(
         "{device} cannot be prepared: the share asks {wanted}, but GPU {gpu} has {total} in all \
          and its other shares hold {held} ({holders}); the scheduler allocated more than the GPU \
-         has (stale allocation?), so the claim is refused rather than overcommit the GPU"
+         has (stale allocation?), so the claim is refused rather than overcommit the GPU: delete \
+         the pod (and its claim) so the scheduler places it again, or wait for a share to end"
     )]
     OverCapacity {
         device: String,

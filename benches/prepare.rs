@@ -13,7 +13,7 @@
 //! prepared concurrently as 64 separate RPCs (like 64 pods starting at once), reporting wall
 //! time, claims per second and how many checkpoint writes group commit needed.
 //!
-//! Shares of a GPU (`--shared-capacity`, `gpu-<minor>-shared` with consumed memory and compute):
+//! Shares of a GPU (`--shared-capacity`, allocations of `gpu-<minor>` consuming 2Gi of memory):
 //! a share prepared while another share of its GPU keeps the GPU's MPS daemon running,
 //! interleaved with whole-GPU prepares in one loop so that both see the same disk (goal: share
 //! p50 <= 1.2x whole-GPU p50); and, reported apart, a GPU's first share, whose prepare starts the

@@ -203,7 +203,7 @@ fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
 /// A share is an allocation with a `shareID` whose `consumedCapacity` holds less `memory` than
 /// the GPU publishes (`--shared-capacity`). Without a `shareID` the allocation is a plain one;
 /// without `memory`, or with all of it, it took the policy's default, the whole GPU: both are
-/// the GPU, exclusive, with no MPS. A share's CUDA memory limit is its memory less its part of
+/// the GPU, exclusive, with no MPS. An admin-access allocation is never a share. A share's CUDA memory limit is its memory less its part of
 /// the MPS server's own ([`shares::cuda_limit`]); its thread percentage comes from its config
 /// (`mpsConfig.defaultActiveThreadPercentage`), else from the multiprocessors it asked for,
 /// else it has none. Refused: a share where the GPU is not published shareable, memory below
@@ -222,7 +222,8 @@ fn share(
         request: r.request.clone(),
         reason,
     };
-    if r.share_id.is_none() {
+    // Admin access (monitoring) reaches the GPU beside whoever uses it, outside its MPS daemon.
+    if r.share_id.is_none() || r.admin_access == Some(true) {
         return Ok(None);
     }
     let consumed = r.consumed_capacity.as_ref();

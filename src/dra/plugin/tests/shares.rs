@@ -214,6 +214,24 @@ async fn all_of_the_memory_is_the_gpu_whole_without_mps() {
     ));
 }
 
+/// An admin-access allocation (monitoring) of a shared GPU is no share: it runs beside the
+/// shares, outside the GPU's MPS daemon, and is not counted against its memory.
+#[tokio::test]
+async fn admin_access_beside_shares_is_no_share() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    e.add(claim("s", vec![share("nb", "gpu-6", "72Gi")]));
+    let mut admin = share("mon", "gpu-6", "24Gi");
+    admin.admin_access = Some(true);
+    e.add(claim("admin", vec![admin]));
+    e.prepare("s").await.unwrap();
+    let d = e.prepare("admin").await.unwrap();
+    assert_eq!(d[0].consumed, None);
+    assert_eq!(d[0].sharing, Sharing::Exclusive);
+    let spec = std::fs::read_to_string(e.spec("admin")).unwrap();
+    assert!(!spec.contains("CUDA_MPS"), "{spec}");
+}
+
 /// What a share asks of the SMs is a cap (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`): from its
 /// config's `defaultActiveThreadPercentage` when set, else the smallest percentage covering the
 /// multiprocessors it asked for (132 on an H100).
@@ -256,7 +274,8 @@ async fn a_shares_sm_cap_comes_from_its_config_or_the_multiprocessors_it_asked()
     ));
     e.prepare("both").await.unwrap();
     assert_eq!(pct("both"), "60");
-    // SMs are not counted: three shares asking 100 of 132 each still fit.
+    // The node checks memory only: asked SMs are the scheduler's to count (it would not place
+    // these three together) and the node's to cap, so three asking 100 of 132 each still fit.
     for uid in ["x1", "x2", "x3"] {
         e.add(claim(uid, vec![share_sms("nb", "gpu-5", "8Gi", "100")]));
         e.prepare(uid).await.unwrap();

@@ -479,9 +479,10 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
             any::<bool>(),
         )),
         arb_sharing(),
+        proptest::option::of((any::<u64>(), proptest::option::of(any::<u32>()))),
     )
         .prop_map(
-            |(requests, device, share_id, admin, mig, sharing)| DeviceRecord {
+            |(requests, device, share_id, admin, mig, sharing, consumed)| DeviceRecord {
                 requests,
                 pool: "node-a".into(),
                 cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{device}")],
@@ -496,7 +497,10 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
                     placement: Placement { start, size },
                     created,
                 }),
-                consumed: None,
+                consumed: consumed.map(|(memory, multiprocessors)| Consumed {
+                    memory,
+                    multiprocessors,
+                }),
                 sharing,
             },
         )

@@ -4,8 +4,8 @@
 //!
 //! A shareable GPU is one device, `gpu-<minor>`, that the scheduler may allocate many times
 //! (`allowMultipleAllocations`). Each allocation consumes `memory` (the policy's default is the
-//! whole GPU, so a claim that asks for none is exclusive) and `multiprocessors` (default 0: SMs
-//! are a cap, not a count). An allocation that consumes less than the whole memory is a share,
+//! whole GPU, so a claim that asks for none is exclusive) and `multiprocessors` (default 0, so a
+//! share that asks for none is charged none; what one asks the node applies as a cap). An allocation that consumes less than the whole memory is a share,
 //! run under the GPU's MPS daemon with a pinned memory limit; one that consumes all of it is the
 //! GPU, exclusive, with no MPS.
 //!
@@ -88,8 +88,8 @@ pub fn thread_percentage(asked: u32, total: u32) -> u32 {
 pub struct Consumed {
     /// GPU memory in bytes.
     pub memory: u64,
-    /// SMs the claim asked for (a cap through the thread percentage, not a reservation); absent
-    /// when it asked for none.
+    /// SMs the claim asked for (counted by the scheduler, applied here as a cap through the
+    /// thread percentage; the node does not count them); absent when it asked for none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multiprocessors: Option<u32>,
 }

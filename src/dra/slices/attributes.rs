@@ -211,7 +211,8 @@ pub(super) fn gpu_device(gpu: &Gpu) -> Device {
 ///   lets at most 48 shares (MPS's clients per GPU) fit; steps of 1Mi.
 /// - `multiprocessors`: default 0, from 0 to all in steps of 1, so a share that does not ask
 ///   for SMs is not charged all of them (without a policy the scheduler charges the whole value
-///   to each allocation). What a share asks becomes a cap, never a count.
+///   to each allocation). What a share asks the scheduler counts, and the node applies as a
+///   cap (MPS's active thread percentage): SMs are not partitioned.
 ///
 /// `None` for a GPU too small to share ([`shares::is_shareable`]): it is published as without
 /// the switch.

@@ -5,11 +5,12 @@
 //! A shareable GPU is one device, `gpu-<minor>`, that the scheduler may allocate many times
 //! (`allowMultipleAllocations`). Each allocation consumes `memory` (the policy's default is the
 //! whole GPU, so a claim that asks for none is exclusive) and `multiprocessors` (default 0, so a
-//! share that asks for none is charged none; what one asks the node applies as a cap). An allocation that consumes less than the whole memory is a share,
-//! run under the GPU's MPS daemon with a pinned memory limit; one that consumes all of it is the
-//! GPU, exclusive, with no MPS.
+//! share that asks for none is charged none; what one asks the node applies as a cap). An
+//! allocation that consumes less than the whole memory is a share, run under the GPU's MPS
+//! daemon with a pinned memory limit; one that consumes all of it is the GPU, exclusive, with
+//! no MPS.
 //!
-//! The scheduler counts the same quantities, so a share that does not fit here is an allocation
+//! The scheduler counts memory the same way, so a share that does not fit here is an allocation
 //! made against slices that have changed since (or a scheduler bug); the node refuses it rather
 //! than promise memory the GPU does not have.
 

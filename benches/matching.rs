@@ -1,8 +1,8 @@
 //! `nvdra match` over many claims: claims per second when each is matched against what the
-//! claims before it hold (shares of consumable capacity, shared counters), on a DGX H100
-//! published with `--shared-capacity` (8 GPUs, each whole and as a share). The claims ask for
-//! 20Gi and compute 25 of a share, so four fit each GPU: 32 fit, the rest are explained as not
-//! fitting, naming what is held. This bounds how long `nvdra match` takes on a node full of
+//! claims before it hold (shares of consumable capacity), on a DGX H100 published with
+//! `--shared-capacity` (8 GPUs, each allocatable many times). The claims ask gpu.nvidia.com for
+//! 20Gi, so four fit each GPU: 32 fit, the rest are explained as not fitting, naming what is
+//! held. This bounds how long `nvdra match` takes on a node full of
 //! shares, where every claim's search starts from the holdings of all the claims before it.
 //!
 //! Run with `cargo bench --bench matching`; prints the median over the runs.
@@ -23,7 +23,7 @@ fn claims(n: usize) -> String {
     (0..n)
         .map(|i| {
             format!(
-                "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: share-{i}}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: gpu-shared.nvidia.com\n        capacity: {{requests: {{memory: 20Gi, compute: \"25\"}}}}\n"
+                "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: share-{i}}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        capacity: {{requests: {{memory: 20Gi}}}}\n"
             )
         })
         .collect()
@@ -63,11 +63,11 @@ fn main() {
             times.push(start.elapsed());
             fit = reports.iter().filter(|r| r.satisfiable).count();
         }
-        assert_eq!(fit, n.min(32), "four 20Gi/25 shares per GPU, eight GPUs");
+        assert_eq!(fit, n.min(32), "four 20Gi shares per GPU, eight GPUs");
         times.sort();
         let median = times[RUNS / 2];
         println!(
-            "match {n:>3} share claims ({fit:>2} fit) on 16 devices  median {median:>9.3?}  {:>7.0} claims/s",
+            "match {n:>3} share claims ({fit:>2} fit) on 8 devices  median {median:>9.3?}  {:>7.0} claims/s",
             n as f64 / median.as_secs_f64()
         );
     }

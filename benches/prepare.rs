@@ -13,7 +13,7 @@
 //! prepared concurrently as 64 separate RPCs (like 64 pods starting at once), reporting wall
 //! time, claims per second and how many checkpoint writes group commit needed.
 //!
-//! Shares of a GPU (`--shared-capacity`, `gpu-<minor>-shared` with consumed memory and compute):
+//! Shares of a GPU (`--shared-capacity`, allocations of `gpu-<minor>` consuming 2Gi of memory):
 //! a share prepared while another share of its GPU keeps the GPU's MPS daemon running,
 //! interleaved with whole-GPU prepares in one loop so that both see the same disk (goal: share
 //! p50 <= 1.2x whole-GPU p50); and, reported apart, a GPU's first share, whose prepare starts the
@@ -79,9 +79,9 @@ mod bench_api {
                 vec![],
             ));
         }
-        /// A share of `device` (`gpu-<minor>-shared`) as the scheduler allocates one: a
-        /// shareID and the consumed capacity.
-        pub async fn add_share(&self, uid: &str, device: &str, memory: &str, compute: &str) {
+        /// A share of `device` (`gpu-<minor>`, `--shared-capacity`) as the scheduler allocates
+        /// one: a shareID and the consumed capacity.
+        pub async fn add_share(&self, uid: &str, device: &str, memory: &str, sms: &str) {
             use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
             let mut result =
                 nvdra::api::allocated_device("share", &self.driver, &self.node, device);
@@ -92,7 +92,7 @@ mod bench_api {
             result.consumed_capacity = Some(
                 [
                     ("memory".to_string(), Quantity(memory.into())),
-                    ("compute".to_string(), Quantity(compute.into())),
+                    ("multiprocessors".to_string(), Quantity(sms.into())),
                 ]
                 .into(),
             );
@@ -369,14 +369,14 @@ async fn main() {
 
     // Shares of one GPU beside whole GPUs, interleaved. A share held throughout keeps the GPU's
     // daemon running, as on a node where the GPU is already shared.
-    let shared = format!("gpu-{SHARED_GPU}-shared");
-    api.add_share("anchor", &shared, "1Gi", "1").await;
+    let shared = format!("gpu-{SHARED_GPU}");
+    api.add_share("anchor", &shared, "2Gi", "0").await;
     prepare_ok(&mut client, "anchor").await;
     let whole_gpus: Vec<u32> = (0..GPUS)
         .filter(|g| ![SHARED_GPU, FIRST_SHARE_GPU].contains(g))
         .collect();
     for i in 0..SEQ_RUNS {
-        api.add_share(&format!("share-{i}"), &shared, "1Gi", "1")
+        api.add_share(&format!("share-{i}"), &shared, "2Gi", "0")
             .await;
         api.add_claim(
             &format!("whole-{i}"),
@@ -413,9 +413,9 @@ async fn main() {
     unprepare_ok(&mut client, "anchor").await;
 
     // A GPU's first share: its prepare starts the GPU's daemon, its unprepare stops it.
-    let first_shared = format!("gpu-{FIRST_SHARE_GPU}-shared");
+    let first_shared = format!("gpu-{FIRST_SHARE_GPU}");
     for i in 0..FIRST_SHARE_RUNS {
-        api.add_share(&format!("first-{i}"), &first_shared, "1Gi", "1")
+        api.add_share(&format!("first-{i}"), &first_shared, "2Gi", "0")
             .await;
     }
     let (mut first_prep, mut last_unprep) = (Vec::new(), Vec::new());

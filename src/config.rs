@@ -127,7 +127,7 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Publish shared counters and every possible MIG placement (DRAPartitionableDevices).
     pub partitionable: bool,
-    /// Publish shareable GPUs with consumable `memory` and `compute` (DRAConsumableCapacity).
+    /// Publish GPUs as shareable by consumable `memory` (DRAConsumableCapacity).
     pub shared_capacity: bool,
     /// Set for rolling updates: socket names carry it.
     pub pod_uid: Option<String>,

@@ -110,12 +110,6 @@ impl DeviceName {
         ))
     }
 
-    /// The shareable twin of a whole GPU (`--shared-capacity`): `gpu-<minor>-shared`, whose
-    /// `memory` and `compute` the scheduler hands out by quantity.
-    pub fn shared(minor: u32) -> Self {
-        Self(format!("gpu-{minor}-shared"))
-    }
-
     /// Checks the grammar only; whether the device exists is the inventory's question
     /// (`dra::slices::find_device`).
     pub fn parse(name: &str) -> Result<Self, InvalidDeviceName> {
@@ -127,6 +121,8 @@ impl DeviceName {
         let valid = || {
             let rest = name.strip_prefix("gpu-")?;
             let (minor, mig) = match rest.split_once('-') {
+                // The shareable twin of a GPU that nvdra published before one device per
+                // GPU (checkpoint version 2): never made any more, still read back.
                 Some((minor, "shared")) => return number(minor).then_some(()),
                 Some((minor, mig)) => (minor, Some(mig.strip_prefix("mig-")?)),
                 None => (rest, None),

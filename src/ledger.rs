@@ -13,7 +13,8 @@
 //! | version | written by | shape |
 //! |---|---|---|
 //! | 1 | since `9a33f72` | as above, plus an optional `"pods": [{"name", "uid"}]` per claim since per-pod metrics (read as none when absent; older builds ignore it); a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
-//! | 2 | since `--shared-capacity` | version 1, and a device may carry `"consumedCapacity": {"memory": <bytes>, "compute": <percent>}` (a share of a GPU); written only while some claim holds a share |
+//! | 2 | since `--shared-capacity` (`4a041ed`) | version 1, and a device (`gpu-<minor>-shared`) may carry `"consumedCapacity": {"memory": <bytes>, "compute": <percent>}` (a share of a GPU); written only while some claim holds a share |
+//! | 3 | since one device per shareable GPU | version 1, and a device (`gpu-<minor>`) may carry `"consumedCapacity": {"memory": <bytes>, "multiprocessors"?: <count>}` (a share of a GPU; no `compute`, which version-2 readers require); written only while some claim holds a share. Version 2 reads as version 3 with `compute` dropped |
 //!
 //! A change to what the file holds gets a new version here, a reader for it, and a
 //! [`version_for`] that picks it only for a state the older versions cannot hold.
@@ -60,7 +61,7 @@ pub mod shares;
 pub use shares::Consumed;
 
 /// The newest checkpoint version this build reads.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// The oldest checkpoint version nvdra ever wrote (and this build still reads).
 pub const OLDEST_VERSION: u32 = 1;
 /// The checkpoint's file name in the plugin data directory.
@@ -187,8 +188,10 @@ pub struct DeviceRecord {
     pub gpu: GpuUuid,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRecord>,
-    /// What a consumable-capacity share (`gpu-<minor>-shared`) consumes of its GPU; such a
-    /// record needs checkpoint version 2.
+    /// What a consumable-capacity share of a GPU (`--shared-capacity`: an allocation of
+    /// `gpu-<minor>` that consumes less than its whole memory) consumes of it; `None` for
+    /// anything else, a whole GPU allocated with a `shareID` included. Such a record needs
+    /// checkpoint version 3.
     #[serde(
         default,
         rename = "consumedCapacity",
@@ -206,12 +209,14 @@ pub struct DeviceRecord {
 
 impl DeviceRecord {
     /// Whether `self` and `other` need the same hardware and may not share it: the same GPU,
-    /// whole or by overlapping MIG placements, unless either has admin access or both are shared
-    /// allocations (`shareID`).
+    /// whole or by overlapping MIG placements, unless either has admin access or both are shares
+    /// of it (`consumed`; whether shares fit together is [`shares::overcommitted`]'s question).
+    /// A whole GPU allocated with a `shareID` (it consumed all of a shareable GPU's memory) is
+    /// whole: it conflicts with every share of the GPU.
     pub fn conflicts_with(&self, other: &DeviceRecord) -> bool {
         if self.admin_access
             || other.admin_access
-            || (self.share_id.is_some() && other.share_id.is_some())
+            || (self.consumed.is_some() && other.consumed.is_some())
         {
             return false;
         }
@@ -283,15 +288,16 @@ impl Checkpoint {
 /// The oldest checkpoint version that holds `cp`, which is the version it is written as.
 ///
 /// A field that version 1 cannot hold raises this only for the checkpoints that use it, so pods
-/// of older builds keep reading the rest: version 2 adds a device's `consumedCapacity` (a share
-/// of a GPU, `--shared-capacity`), which a build that reads only version 1 would drop and then
-/// count the GPU as free.
+/// of older builds keep reading the rest: a device's `consumedCapacity` (a share of a GPU,
+/// `--shared-capacity`) needs version 3, as a build that reads only version 1 would drop it and
+/// count the GPU as free, and one that reads version 2 would find no `compute` and move the
+/// file aside. Version 2 is never written again.
 pub fn version_for(cp: &Checkpoint) -> u32 {
     let shares = cp
         .claims
         .values()
         .any(|e| e.devices.iter().any(|d| d.consumed.is_some()));
-    if shares { 2 } else { OLDEST_VERSION }
+    if shares { 3 } else { OLDEST_VERSION }
 }
 
 /// The file as written: the version, then the content.
@@ -417,8 +423,9 @@ fn decode(bytes: &[u8]) -> Result<Checkpoint, Undecodable> {
         return Err(Undecodable::Corrupt("no version field".to_string()));
     };
     match version {
-        // Version 2 is version 1 plus `consumedCapacity`, which the record reads when present.
-        1 | 2 => {
+        // Versions 2 and 3 are version 1 plus `consumedCapacity`, which the record reads when
+        // present (dropping version 2's `compute`).
+        1..=3 => {
             let FileV1 { boot_id, claims } = serde_json::from_value(value)
                 .map_err(|e| Undecodable::Corrupt(format!("invalid: {e}")))?;
             Ok(Checkpoint { boot_id, claims })

@@ -214,6 +214,44 @@ pub fn sharing_for(
     }
 }
 
+/// The `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` that the config chosen for a share of a GPU
+/// (`--shared-capacity`) sets, if any; or why the config cannot apply to a share.
+///
+/// A share runs under its GPU's MPS daemon beside other claims' shares, with the memory limit
+/// its consumed capacity gives it. So of a `GpuConfig`'s sharing only MPS's
+/// `defaultActiveThreadPercentage` (a cap on the share's SMs) applies; time slicing, which the
+/// GPU's other shares would not follow, and a pinned memory limit, which would contradict the
+/// memory the scheduler counted, are refused with the field that sets them.
+pub fn share_thread_percentage(configured: &Sharing) -> Result<Option<u32>> {
+    match configured {
+        Sharing::Exclusive => Ok(None),
+        Sharing::TimeSlicing { .. } => Err(field_error(
+            "sharing.strategy",
+            "TimeSlicing cannot apply to a share of a GPU: a share runs under the GPU's MPS \
+             daemon, beside other claims' shares; use strategy MPS (to cap its SMs with \
+             defaultActiveThreadPercentage), drop the config, or ask for the whole GPU (no \
+             capacity.requests.memory)",
+        )),
+        Sharing::Mps(m) => {
+            if m.pinned_memory_limit.is_some() {
+                return Err(field_error(
+                    "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
+                    "a share's memory limit is the memory it consumes \
+                     (capacity.requests.memory), which the scheduler counted; drop this field",
+                ));
+            }
+            if !m.per_device_pinned_memory_limit.is_empty() {
+                return Err(field_error(
+                    "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit",
+                    "a share's memory limit is the memory it consumes \
+                     (capacity.requests.memory), which the scheduler counted; drop this field",
+                ));
+            }
+            Ok(m.active_thread_percentage)
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decoding
 

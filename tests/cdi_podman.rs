@@ -190,8 +190,8 @@ fn podman_runs_a_claim_prepared_by_the_daemon() {
     with_engine(|e| check_prepared_by_daemon(e, false));
 }
 
-/// As above for a share of the GPU (`--shared-capacity`, 24Gi and 25% compute of
-/// `gpu-0-shared`): the container also gets the share's MPS limits and the GPU's MPS pipe
+/// As above for a share of the GPU (`--shared-capacity`, 24Gi and 33 of the 132 SMs of `gpu-0`):
+/// the container also gets the share's MPS limits and the GPU's MPS pipe
 /// directory, in which it sees the daemon's `control` (made by a fake `nvidia-cuda-mps-control`).
 #[test]
 fn podman_runs_a_share_prepared_by_the_daemon() {
@@ -252,11 +252,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         PathBuf::from(SYSTEM_CDI_DIR)
     };
 
-    let device = if share {
-        format!("gpu-{}-shared", gpu.minor)
-    } else {
-        format!("gpu-{}", gpu.minor)
-    };
+    let device = format!("gpu-{}", gpu.minor);
     let result = if share {
         mps::fake_control(&driver_root);
         mps::share(
@@ -266,7 +262,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             &device,
             "5f0e0000-0000-4000-8000-000000000001",
             "24Gi",
-            "25",
+            "33",
         )
     } else {
         nvdra::api::allocated_device("gpu", driver, NODE, &device)
@@ -408,7 +404,8 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
             assert_line(&out, "PIPE_FILES=control")?;
             assert_line(&out, "THREADS=25")?;
-            assert_line(&out, &format!("LIMITS={}=24576M", gpu.uuid))?;
+            // 24Gi less its part of the MPS server's reserve (24576 MiB × 79/80); 33 of 132 SMs.
+            assert_line(&out, &format!("LIMITS={}=24268M", gpu.uuid))?;
             ensure!(
                 mps::log(&driver_root) == vec![format!("start {} {}", gpu.uuid, pipe.display())],
                 "MPS daemon log {:?}",

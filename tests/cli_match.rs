@@ -283,7 +283,7 @@ fn validate_reports_object_field_path_and_column() {
     ]);
     assert_eq!(ok.status.code(), Some(0), "{}", stdout(&ok));
     assert!(
-        stdout(&ok).contains("7 objects, every CEL expression compiles"),
+        stdout(&ok).contains("6 objects, every CEL expression compiles"),
         "{}",
         stdout(&ok)
     );
@@ -613,53 +613,59 @@ fn shares_of_a_gpu_add_up_and_exclude_the_whole_gpu() {
             .unwrap()
             .to_string()
     };
-    const SHARE: &str = "gpu-shared.nvidia.com";
-    const SHARE_24: &str = "{memory: 24Gi, compute: \"25\"}";
+    // NVIDIA's claim shape: the GPU class and a memory request.
+    const GPU: &str = "gpu.nvidia.com";
+    const SHARE_24: &str = "{memory: 24Gi}";
 
-    // Three shares of 24Gi fit on gpu-0's share, a fourth does not: its memory is gone.
+    // Three shares of 24Gi fit on gpu-0, a fourth does not: its memory is gone.
     let four: String = ["a", "b", "c", "d"]
         .iter()
-        .map(|n| on_gpu0(n, SHARE, SHARE_24, ""))
+        .map(|n| on_gpu0(n, GPU, SHARE_24, ""))
         .collect();
     let (code, v, _) = run(&four);
     assert_eq!(code, Some(1), "{v}");
     for share in &v.as_array().unwrap()[..3] {
         let a = &share["allocation"][0];
-        assert_eq!(a["device"], "gpu-0-shared", "{share}");
+        assert_eq!(a["device"], "gpu-0", "{share}");
         assert_eq!(a["consumedCapacity"]["memory"], "24Gi", "{share}");
-        assert_eq!(a["consumedCapacity"]["compute"], "25", "{share}");
+        assert_eq!(a["consumedCapacity"]["multiprocessors"], "0", "{share}");
+        assert!(a["consumedCapacity"].get("compute").is_none(), "{share}");
     }
     assert_eq!(v[3]["satisfiable"], false);
     assert_eq!(
-        reason(&v[3], "gpu-0-shared"),
-        "memory 24Gi > 8Gi left (gpu-0-shared: 72Gi held by claims a, b, c)"
+        reason(&v[3], "gpu-0"),
+        "memory 24Gi > 8Gi left (gpu-0: 72Gi held by claims a, b, c)"
     );
 
-    // A whole-GPU claim for gpu-0 does not fit once a share of it is taken.
+    // A claim that asks for no memory gets all of gpu-0 (the policy's default): it does not fit
+    // once a share of it is taken.
     let (code, v, _) = run(&format!(
         "{}{}",
-        on_gpu0("share", SHARE, SHARE_24, ""),
-        on_gpu0("whole", "gpu.nvidia.com", "", "")
+        on_gpu0("share", GPU, SHARE_24, ""),
+        on_gpu0("whole", GPU, "", "")
     ));
     assert_eq!(code, Some(1), "{v}");
-    assert_eq!(v[0]["allocation"][0]["device"], "gpu-0-shared");
+    assert_eq!(v[0]["allocation"][0]["device"], "gpu-0");
     assert_eq!(
         reason(&v[1], "gpu-0"),
-        "counter memory of gpu-0-counter-set is taken by gpu-0-shared (claim share)"
+        "memory 80Gi > 56Gi left (gpu-0: 24Gi held by claim share)"
     );
 
     // Nor a share of a GPU allocated whole (status.allocation, as the scheduler wrote it).
-    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: node-a, device: gpu-0}\n";
+    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: node-a, device: gpu-0, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {memory: 80Gi, multiprocessors: \"0\"}}\n";
     let (code, v, table) = run(&format!(
         "{}{}",
-        on_gpu0("share", SHARE, SHARE_24, ""),
-        on_gpu0("whole", "gpu.nvidia.com", "", status)
+        on_gpu0("share", GPU, SHARE_24, ""),
+        on_gpu0("whole", GPU, "", status)
     ));
     assert_eq!(code, Some(1), "{v}");
     assert_eq!(
-        reason(&v[0], "gpu-0-shared"),
-        "counter memory of gpu-0-counter-set is taken by gpu-0 (claim whole)"
+        reason(&v[0], "gpu-0"),
+        "memory 24Gi > 0 left (gpu-0: 80Gi held by claim whole)"
     );
     assert_eq!(v[1]["allocated"], true);
-    assert!(table.contains("  allocated: gpu → gpu-0\n"), "{table}");
+    assert!(
+        table.contains("  allocated: gpu → gpu-0 (memory 80Gi, multiprocessors 0)\n"),
+        "{table}"
+    );
 }

@@ -282,7 +282,7 @@ fn mig_mode_gpus_are_published_as_mig_devices_only() {
 
 /// Without `--shared-capacity` the slices are byte for byte what the build before it printed
 /// (`tests/data/slices/`, written by `nvdra inventory -o slices` at `730af4d`); with it, the same
-/// pool plus the shareable GPUs, strictly parseable.
+/// devices, the GPUs outside MIG mode allocatable many times, strictly parseable.
 #[test]
 fn shared_capacity_off_leaves_the_slices_byte_identical() {
     for profile in ["dgx-h100", "a100-mig-mixed"] {
@@ -320,15 +320,104 @@ fn shared_capacity_off_leaves_the_slices_byte_identical() {
                 run("false") == golden,
                 "{profile} partitionable={partitionable} changed"
             );
+            let names = |slices: &[ResourceSlice]| -> Vec<String> {
+                slices
+                    .iter()
+                    .flat_map(|s| s.spec.devices.iter().flatten())
+                    .map(|d| d.name.clone())
+                    .collect()
+            };
             let on = strict_parse(&run("true")).unwrap();
-            let names: Vec<String> = on
+            let off = strict_parse(&golden).unwrap();
+            assert_eq!(names(&on), names(&off), "{profile}: no twins");
+            let shareable: Vec<String> = on
                 .iter()
                 .flat_map(|s| s.spec.devices.iter().flatten())
+                .filter(|d| d.allow_multiple_allocations == Some(true))
                 .map(|d| d.name.clone())
-                .filter(|n| n.ends_with("-shared"))
                 .collect();
             let want = if profile == "dgx-h100" { 8 } else { 2 };
-            assert_eq!(names.len(), want, "{profile}: {names:?}");
+            assert_eq!(shareable.len(), want, "{profile}: {shareable:?}");
+            assert!(
+                shareable.iter().all(|n| !n.contains("-mig-")),
+                "{shareable:?}"
+            );
         }
     }
+}
+
+/// The issue's must-show: `nvdra inventory --profile dgx-h100 -o slices --shared-capacity` prints
+/// 8 devices, each allocatable many times, whose `memory` policy defaults to the whole GPU (a
+/// claim that asks for no memory gets the GPU whole) and lets at most 48 shares fit, and whose
+/// `multiprocessors` policy defaults to 0; no twins, no counters.
+#[test]
+fn dgx_h100_with_shared_capacity_prints_8_shareable_gpus() {
+    let out = nvdra(
+        &[
+            "inventory",
+            "--profile",
+            "dgx-h100",
+            "--node-name",
+            "node-a",
+            "-o",
+            "slices",
+            "--shared-capacity",
+        ],
+        &[],
+    );
+    let slices = parse_slices(&out);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(slices.len(), 1);
+    assert!(slices[0].spec.shared_counters.is_none());
+    let devices = slices[0].spec.devices.as_ref().unwrap();
+    let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6", "gpu-7"
+        ]
+    );
+    for d in devices {
+        assert_eq!(d.allow_multiple_allocations, Some(true), "{}", d.name);
+        assert_eq!(d.consumes_counters, None, "{}", d.name);
+        let caps = d.capacity.as_ref().unwrap();
+        let policy = |name: &str| {
+            let c = &caps[name];
+            let p = c.request_policy.as_ref().unwrap();
+            let r = p.valid_range.as_ref().unwrap();
+            (
+                c.value.0.as_str(),
+                p.default.as_ref().unwrap().0.as_str(),
+                r.min.0.as_str(),
+                r.max.as_ref().unwrap().0.as_str(),
+                r.step.as_ref().unwrap().0.as_str(),
+            )
+        };
+        assert_eq!(
+            policy("memory"),
+            ("80Gi", "80Gi", "1672Mi", "80Gi", "1Mi"),
+            "{}",
+            d.name
+        );
+        assert_eq!(
+            policy("multiprocessors"),
+            ("132", "0", "0", "132", "1"),
+            "{}",
+            d.name
+        );
+    }
+    // As a person reads it.
+    assert_eq!(text.matches("allowMultipleAllocations: true").count(), 8);
+    assert!(
+        text.contains(
+            "      memory:\n        requestPolicy:\n          default: 80Gi\n          \
+             validRange:\n            max: 80Gi\n            min: 1672Mi\n            step: 1Mi\n        \
+             value: 80Gi\n"
+        ),
+        "{text}"
+    );
+    assert!(
+        !text.contains("-shared") && !text.contains("compute"),
+        "{text}"
+    );
 }

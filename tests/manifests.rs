@@ -177,7 +177,7 @@ fn the_plain_overlay_is_dra_without_options() {
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
-        ("DeviceClass", 5),
+        ("DeviceClass", 4),
         ("Namespace", 1),
         ("ServiceAccount", 1),
         ("ValidatingAdmissionPolicy", 1),

@@ -1,7 +1,7 @@
 //! Inventory → slices → publisher → test API server: changes in the (simulated) hardware reach the
 //! API server as one update, and a server that drops the partitionable fields gets the plain
 //! layout instead; with `--shared-capacity`, the shareable GPUs as the server stores them, and
-//! whole GPUs only where the server drops consumable capacity.
+//! plain whole GPUs where the server drops consumable capacity.
 
 mod support;
 
@@ -310,69 +310,87 @@ async fn a_1_34_server_gets_counters_and_devices_together() {
     assert_eq!(layout_for(Some(34)), CounterLayout::Together);
 }
 
-/// `--shared-capacity` on the test API server: dgx-h100 publishes 8 shareable GPUs beside the
-/// 8 whole ones, each with both consumable capacities and their request policies, and what the
-/// server stores passes the API's rules.
+/// `--shared-capacity` on the test API server: dgx-h100 publishes its 8 GPUs once each, every
+/// one allocatable many times, with the request policies of its consumable capacities (memory:
+/// the whole GPU unless asked; multiprocessors: none unless asked), and what the server stores
+/// passes the API's rules.
 #[tokio::test]
 async fn shareable_gpus_are_published_with_their_capacities() {
     let node = start_with("dgx-h100", false, true, |_| {}).await;
-    eventually("16 devices", || {
-        device_names(&node.server.slices()).len() == 16
+    eventually("8 shareable devices", || {
+        let slices = node.server.slices();
+        device_names(&slices) == gpus(8)
+            && slices
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .all(|d| d.allow_multiple_allocations == Some(true))
     })
     .await;
     let slices = node.server.slices();
     let specs: Vec<_> = slices.iter().map(|s| s.spec.clone()).collect();
     for s in &specs {
         assert_eq!(nvdra::dra::slices::validate(s), vec![], "{s:?}");
+        assert!(s.shared_counters.is_none(), "no counters for shares");
     }
     assert_eq!(nvdra::dra::slices::validate_pool(&specs), vec![]);
-    let shared: Vec<_> = specs
+    let devices: Vec<_> = specs
         .iter()
         .flat_map(|s| s.devices.iter().flatten())
-        .filter(|d| d.name.ends_with("-shared"))
         .collect();
-    assert_eq!(shared.len(), 8);
-    for d in shared {
-        assert_eq!(d.allow_multiple_allocations, Some(true), "{}", d.name);
+    assert_eq!(devices.len(), 8, "no twins");
+    for d in devices {
+        assert_eq!(d.consumes_counters, None, "{}", d.name);
         let caps = d.capacity.as_ref().unwrap();
-        let keys: Vec<&str> = caps.keys().map(String::as_str).collect();
-        assert_eq!(keys, ["compute", "memory"], "{}", d.name);
-        for (name, default, min, max, step) in [
-            ("memory", "1Gi", "1Gi", "80Gi", "1Gi"),
-            ("compute", "100", "1", "100", "1"),
+        for (name, value, default, min, step) in [
+            ("memory", "80Gi", "80Gi", "1672Mi", "1Mi"),
+            ("multiprocessors", "132", "0", "0", "1"),
         ] {
-            let p = caps[name]
-                .request_policy
-                .as_ref()
-                .expect("a request policy");
+            let c = &caps[name];
+            let p = c.request_policy.as_ref().expect("a request policy");
             let r = p.valid_range.as_ref().unwrap();
+            assert_eq!(c.value.0, value, "{} {name}", d.name);
             assert_eq!(p.default.as_ref().unwrap().0, default);
             assert_eq!(r.min.0, min);
-            assert_eq!(r.max.as_ref().unwrap().0, max);
+            assert_eq!(r.max.as_ref().unwrap().0, value);
             assert_eq!(r.step.as_ref().unwrap().0, step);
         }
-        let consumes = d.consumes_counters.as_ref().unwrap();
-        assert_eq!(consumes.len(), 1);
-        let whole = d.name.trim_end_matches("-shared");
-        assert_eq!(consumes[0].counter_set, format!("{whole}-counter-set"));
+        assert!(
+            caps.iter()
+                .filter(|(k, _)| !["memory", "multiprocessors"].contains(&k.as_str()))
+                .all(|(_, c)| c.request_policy.is_none())
+        );
     }
 }
 
-/// A server without DRAConsumableCapacity drops what shares need: whole GPUs only, settled.
+/// A server without DRAConsumableCapacity drops what shares need: each GPU is published as a
+/// plain whole GPU, the slices the switch off gives, settled.
 #[tokio::test]
 async fn dropped_consumable_capacity_falls_back_to_whole_gpus() {
     let mut node = start_with("dgx-h100", false, true, |server| {
         server.drop_field("devices[].allowMultipleAllocations");
         server.drop_field("devices[].capacity.memory.requestPolicy");
-        server.drop_field("devices[].capacity.compute.requestPolicy");
+        server.drop_field("devices[].capacity.multiprocessors.requestPolicy");
     })
     .await;
-    eventually("whole GPUs only", || {
+    let plain = desired_slices(
+        &node.sim.snapshot().unwrap(),
+        &SliceOptions {
+            driver: DRIVER.into(),
+            node_name: NODE.into(),
+            partitionable: false,
+            shared_capacity: false,
+            layout: CounterLayout::Separate,
+        },
+    )
+    .unwrap();
+    eventually("plain whole GPUs desired", || {
+        node.publisher.desired().is_some_and(|d| *d == plain)
+    })
+    .await;
+    eventually("plain whole GPUs stored", || {
         let slices = node.server.slices();
-        slices.len() == 1 && device_names(&slices) == gpus(8)
+        slices.len() == 1 && slices[0].spec.devices == plain[0].devices
     })
     .await;
-    let slices = node.server.slices();
-    assert!(slices.iter().all(|s| s.spec.shared_counters.is_none()));
     node.assert_announcing_writes_nothing().await;
 }

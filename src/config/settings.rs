@@ -131,10 +131,10 @@ pub struct PluginSettings {
     )]
     pub partitionable: Option<bool>,
 
-    /// Also publish each whole GPU outside MIG mode as a shareable device (`gpu-<minor>-shared`)
-    /// whose `memory` and `compute` the scheduler hands out by quantity, enforced at prepare with
-    /// one MPS daemon per GPU (needs the DRAConsumableCapacity and DRAPartitionableDevices
-    /// feature gates).
+    /// Publish each GPU outside MIG mode as one device the scheduler may allocate many times:
+    /// a claim asking `capacity.requests.memory` below the whole GPU gets a share of it,
+    /// enforced at prepare with the GPU's MPS daemon; one asking no memory gets the GPU whole
+    /// (needs the DRAConsumableCapacity feature gate).
     #[arg(
         long,
         env = "NVDRA_SHARED_CAPACITY",

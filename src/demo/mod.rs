@@ -139,13 +139,13 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
             slices.len(),
             devices.len()
         )?;
-        let counter_sets = slices
+        let shareable = devices
             .iter()
-            .flat_map(|s| s.spec.shared_counters.iter().flatten())
+            .filter(|d| d.allow_multiple_allocations == Some(true))
             .count();
         writeln!(
             out,
-            "   (each GPU whole and as a share, --shared-capacity; {counter_sets} counter sets keep the two apart)"
+            "   ({shareable} of them allocatable whole or in shares by memory, --shared-capacity)"
         )?;
         for d in devices.iter().take(2) {
             let attrs = d.attributes.as_ref();

@@ -1,9 +1,9 @@
 //! The demo's fractional GPU: two pods, each with a claim from the template of
-//! `manifests/examples/gpu-share-20gi.yaml` (20Gi of memory and half the compute of a GPU),
-//! allocated as `nvdra match` allocates them one after another — both on `gpu-0-shared` — and
-//! prepared: one MPS daemon for the GPU, each claim's CDI spec with its own pinned device memory
-//! limit and thread percentage. The GPUs are simulated, so a stand-in for
-//! `nvidia-cuda-mps-control` under the driver root records what nvdra asks of it.
+//! `manifests/examples/gpu-share-20gi.yaml` (class `gpu.nvidia.com`, 20Gi of memory),
+//! allocated as `nvdra match` allocates them one after another — both on `gpu-0`, which
+//! `--shared-capacity` publishes allocatable many times — and prepared: one MPS daemon for the
+//! GPU, each claim's CDI spec with its own pinned device memory limit. The GPUs are simulated, so
+//! a stand-in for `nvidia-cuda-mps-control` under the driver root records what nvdra asks of it.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -75,7 +75,7 @@ pub async fn run(
     writeln!(
         out,
         "{step}. Two pods share one GPU by memory: each gets a claim from gpu-share-20gi \
-         (class gpu-shared.nvidia.com, memory 20Gi, compute 50), allocated as `nvdra match` does:"
+         (class gpu.nvidia.com, memory 20Gi), allocated as `nvdra match` does:"
     )?;
     for (i, (report, (name, uid))) in reports.iter().zip(CLAIMS).enumerate() {
         let picked = match (&report.allocation, report.satisfiable) {
@@ -142,11 +142,15 @@ pub async fn run(
                 .map(String::from)
                 .with_context(|| format!("the CDI spec of {name} has no {key}"))
         };
+        // No SM cap: the claim asked for no multiprocessors and its config sets none.
+        ensure!(
+            !spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="),
+            "the CDI spec of {name} caps the SMs, which the claim did not ask"
+        );
         writeln!(
             out,
-            "   {NAMESPACE}/{name}: {}, {}",
+            "   {NAMESPACE}/{name}: {} (20Gi less its part of what MPS itself takes), no SM cap",
             env_line("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=")?,
-            env_line("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=")?
         )?;
     }
     let log = root.join("driver/mps.log");

@@ -385,8 +385,8 @@ mod tests {
         assert!(got.contains(&m1.uuid.to_string()));
     }
 
-    /// One ledger: a GPU shared by capacity (`gpu-<minor>-shared`) is held for the device-plugin
-    /// path as a whole claim's GPU is, naming the claim.
+    /// One ledger: a GPU shared by capacity (a share of `gpu-<minor>`) is held for the
+    /// device-plugin path as a whole claim's GPU is, naming the claim.
     #[test]
     fn a_gpu_with_a_capacity_share_is_held_for_the_device_plugin() {
         let dir = tempfile::tempdir().unwrap();
@@ -394,11 +394,11 @@ mod tests {
         let (inv, res) = resources();
         let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
         let share = DeviceRecord {
-            device: DeviceName::shared(whole.minor),
+            device: DeviceName::gpu(whole.minor),
             share_id: Some("0b6a4c1e-0000-4000-8000-000000000001".into()),
             consumed: Some(crate::ledger::Consumed {
                 memory: 4 << 30,
-                compute: 10,
+                multiprocessors: None,
             }),
             ..record(whole, None)
         };

@@ -17,7 +17,8 @@
 //!   silicon keeps its name across restarts. Devices are sorted by name within each slice.
 //! - The same silicon is never offered twice: without partitioning, a GPU in MIG mode publishes
 //!   only its MIG devices; with partitioning, shared counters make overlapping devices mutually
-//!   exclusive. GPUs and MIG devices marked unhealthy for good are not published; those the
+//!   exclusive. A shareable GPU (`--shared-capacity`) is one device, allocated whole or in
+//!   shares by its consumable capacity. GPUs and MIG devices marked unhealthy for good are not published; those the
 //!   health monitor saw fail are published with a device taint (`<driver>/xid`,
 //!   `<driver>/gpu-lost`), so a running pod's device does not vanish from the slice.
 //! - Every limit of `resource.k8s.io/v1` in Kubernetes 1.34 and 1.35 holds: at most 128 devices
@@ -153,11 +154,11 @@ pub struct SliceOptions {
     /// Publish every possible MIG placement with shared counters (DRAPartitionableDevices)
     /// instead of only what exists.
     pub partitionable: bool,
-    /// Also publish each GPU outside MIG mode as a shareable device (`gpu-<minor>-shared`) with
-    /// consumable `memory` and `compute` (DRAConsumableCapacity), drawing on the same counters as
-    /// the whole GPU so the two exclude each other.
+    /// Publish each GPU outside MIG mode as one device the scheduler may allocate many times,
+    /// by consumable `memory` (DRAConsumableCapacity): a claim that asks for part of its memory
+    /// gets a share, one that asks for none the whole GPU.
     pub shared_capacity: bool,
-    /// Matters when `partitionable` or `shared_capacity` is set.
+    /// Matters when `partitionable` is set.
     pub layout: CounterLayout,
 }
 

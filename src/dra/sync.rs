@@ -9,6 +9,8 @@
 //! It also owns the one decision that needs the API server's answers: when the server drops the
 //! partitionable fields (`sharedCounters`, `consumesCounters`: the DRAPartitionableDevices gate is
 //! off), it logs that once and falls back to the plain layout, so the node stays schedulable.
+//! Likewise for consumable capacity (`allowMultipleAllocations`, `requestPolicy`: the
+//! DRAConsumableCapacity gate is off): each shareable GPU is then published as a plain whole GPU.
 //! Likewise for device taints (the DRADeviceTaints gate is off): GPUs the health monitor marked
 //! are then withdrawn from the slices instead of published tainted, so the scheduler still keeps
 //! new claims off them.
@@ -185,19 +187,16 @@ impl SliceSync {
             .map(String::as_str)
             .filter(|f| CONSUMABLE_FIELDS.contains(f))
             .collect();
-        if self.options.shared_capacity && !(lost.is_empty() && lost_consumable.is_empty()) {
-            // Without consumable capacity a share reads as the whole GPU; without counters the
-            // scheduler could hand the GPU out whole and in shares at once.
-            let gate = if lost_consumable.is_empty() {
-                "DRAPartitionableDevices"
-            } else {
-                "DRAConsumableCapacity"
-            };
+        if self.options.shared_capacity && !lost_consumable.is_empty() {
+            // Without `allowMultipleAllocations` the server stores each shareable GPU as a plain
+            // device, which the scheduler hands out whole, and without `requestPolicy` a
+            // capacity with nothing to say: publish the plain GPUs the server would store.
             tracing::warn!(
-                fields = ?[&lost[..], &lost_consumable[..]].concat(),
-                "the API server drops fields shareable GPUs need (feature gate {gate} is off); \
-                 publishing whole GPUs only, not gpu-<minor>-shared. Enable the gate or run \
-                 without --shared-capacity to silence this"
+                fields = ?lost_consumable,
+                "the API server drops fields shareable GPUs need (feature gate \
+                 DRAConsumableCapacity is off); publishing each GPU as a plain whole GPU, \
+                 allocated to one claim at a time. Enable the gate or run without \
+                 --shared-capacity to silence this"
             );
             self.options.shared_capacity = false;
             self.stale = true;

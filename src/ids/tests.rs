@@ -26,8 +26,9 @@ fn device_names_parse_by_the_grammar_they_are_made_with() {
         DeviceName::gpu(17),
         DeviceName::mig(3, "1g.5gb+me", 20, 6),
         DeviceName::mig(1, "7g.141gb", 0, 0),
-        DeviceName::shared(0),
-        DeviceName::shared(12),
+        // The shareable twins of checkpoint version 2.
+        DeviceName::parse("gpu-0-shared").unwrap(),
+        DeviceName::parse("gpu-12-shared").unwrap(),
     ] {
         assert_eq!(DeviceName::parse(name.as_str()).unwrap(), name);
         let json = serde_json::to_string(&name).unwrap();

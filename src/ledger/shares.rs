@@ -1,8 +1,17 @@
-//! Consumable-capacity shares of a GPU (`--shared-capacity`): what each share consumes, and the
-//! check, made when a claim is reserved, that the shares of one GPU fit in it.
+//! Consumable-capacity shares of a GPU (`--shared-capacity`): the request policy a shareable GPU
+//! publishes, what each share consumes, the memory limit CUDA gets for it, and the check, made
+//! when a claim is reserved, that the shares of one GPU fit in it.
 //!
-//! The scheduler counts the same quantities, so a share that does not fit here is a scheduler
-//! bug or an allocation made against slices that have changed since; the node refuses it rather
+//! A shareable GPU is one device, `gpu-<minor>`, that the scheduler may allocate many times
+//! (`allowMultipleAllocations`). Each allocation consumes `memory` (the policy's default is the
+//! whole GPU, so a claim that asks for none is exclusive) and `multiprocessors` (default 0, so a
+//! share that asks for none is charged none; what one asks the node applies as a cap). An
+//! allocation that consumes less than the whole memory is a share, run under the GPU's MPS
+//! daemon with a pinned memory limit; one that consumes all of it is the GPU, exclusive, with
+//! no MPS.
+//!
+//! The scheduler counts memory the same way, so a share that does not fit here is an allocation
+//! made against slices that have changed since (or a scheduler bug); the node refuses it rather
 //! than promise memory the GPU does not have.
 
 use std::collections::BTreeMap;
@@ -14,62 +23,108 @@ use super::{ClaimEntry, DeviceRecord};
 use crate::ids::ClaimUid;
 use crate::inventory::{GpuUuid, quantity};
 
-/// All of a GPU's compute, in percent of its SMs: the published `compute` capacity, and what a
-/// share takes when its claim does not ask (the request policy's default).
-pub const FULL_COMPUTE: u32 = 100;
-/// The smallest share of a GPU's memory and the step between shares (1 GiB), also what a share
-/// takes when its claim does not ask (the request policy's default).
-pub const MEMORY_STEP: u64 = 1 << 30;
+/// The step of the published memory policy and the unit of the limit MPS takes (MiB), as in
+/// NVIDIA's driver (`consumable_shares.go`).
+pub const MEMORY_STEP: u64 = 1 << 20;
+/// Most clients one MPS server serves on Volta and later GPUs: no policy allows more shares of a
+/// GPU than this (see [`min_share`]).
+pub const MAX_SHARES: u64 = 48;
+/// The GPU memory the MPS server itself takes, per GPU, out of what its shares consume: each
+/// share's CUDA limit is its consumed memory scaled by `(total - MPS_RESERVE) / total`, so that
+/// the shares' limits together leave this much for the server. An estimate (the server's
+/// context and the per-client state it keeps); the device check (`nvdra` issue 24, item 9)
+/// measures it on a real GPU.
+pub const MPS_RESERVE: u64 = 1 << 30;
+
+/// The memory a shareable GPU publishes: its memory rounded down to a [`MEMORY_STEP`], so that
+/// the policy's maximum and default lie on a step, as the API server requires.
+pub fn shareable_memory(memory_bytes: u64) -> u64 {
+    memory_bytes / MEMORY_STEP * MEMORY_STEP
+}
+
+/// Whether a GPU of this much memory is published shareable: it must hold the MPS server's
+/// reserve and at least as much again for shares.
+pub fn is_shareable(memory_bytes: u64) -> bool {
+    shareable_memory(memory_bytes) > 2 * MPS_RESERVE
+}
+
+/// The smallest share of a GPU publishing `value` bytes (the policy's `validRange.min`): the
+/// smallest whole number of MiB such that at most [`MAX_SHARES`] shares fit, i.e. such that
+/// `MAX_SHARES + 1` of them exceed the GPU.
+pub fn min_share(value: u64) -> u64 {
+    (value / ((MAX_SHARES + 1) * MEMORY_STEP) + 1) * MEMORY_STEP
+}
+
+/// The pinned device memory limit CUDA gets for a share consuming `consumed` of a GPU publishing
+/// `total`: scaled by `(total - MPS_RESERVE) / total` (see [`MPS_RESERVE`]), rounded down to a
+/// MiB (the unit MPS takes).
+pub fn cuda_limit(consumed: u64, total: u64) -> u64 {
+    if total == 0 {
+        return 0;
+    }
+    let usable = total.saturating_sub(MPS_RESERVE);
+    // u128: 80 GiB × 80 GiB overflows u64.
+    let scaled = u128::from(consumed) * u128::from(usable) / u128::from(total);
+    // At most `consumed`, so it fits a u64.
+    (scaled as u64) / MEMORY_STEP * MEMORY_STEP
+}
+
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` for a share that asks for `asked` of `total` SMs: the
+/// smallest whole percentage that covers them, 1..=100.
+pub fn thread_percentage(asked: u32, total: u32) -> u32 {
+    if total == 0 {
+        return 100;
+    }
+    (u64::from(asked) * 100)
+        .div_ceil(u64::from(total))
+        .clamp(1, 100) as u32
+}
 
 /// What one share consumes of its GPU: the allocation's `consumedCapacity`.
+///
+/// Checkpoints of version 2 also carry `compute` (percent of the SMs, counted before compute
+/// became a cap); it is read and dropped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Consumed {
     /// GPU memory in bytes.
     pub memory: u64,
-    /// Percent of the GPU's SMs, 1..=100.
-    pub compute: u32,
-}
-
-impl Consumed {
-    fn plus(self, other: Consumed) -> Consumed {
-        Consumed {
-            memory: self.memory.saturating_add(other.memory),
-            compute: self.compute.saturating_add(other.compute),
-        }
-    }
+    /// SMs the claim asked for (counted by the scheduler, applied here as a cap through the
+    /// thread percentage; the node does not count them); absent when it asked for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiprocessors: Option<u32>,
 }
 
 impl fmt::Display for Consumed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} memory, {}% compute",
-            quantity(self.memory),
-            self.compute
-        )
+        write!(f, "{} memory", quantity(self.memory))?;
+        if let Some(sms) = self.multiprocessors {
+            write!(f, ", {sms} multiprocessors")?;
+        }
+        Ok(())
     }
 }
 
 /// A share that does not fit beside the others on its GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Overcommit {
-    /// The device the share is of (`gpu-<minor>-shared`).
+    /// The device the share is of (`gpu-<minor>`).
     pub device: String,
     pub gpu: GpuUuid,
-    pub wanted: Consumed,
-    /// What the GPU has in all: its memory, and 100% compute.
-    pub total: Consumed,
-    /// What the other shares hold, in all.
-    pub held: Consumed,
+    /// Memory the share consumes, in bytes.
+    pub wanted: u64,
+    /// The GPU's memory, in bytes.
+    pub total: u64,
+    /// What the other shares hold, in all, in bytes.
+    pub held: u64,
     /// The holders, `namespace/name (uid): <consumed>`, in claim order.
     pub holders: Vec<String>,
 }
 
 /// The first share of `devices` (a claim `uid` is about to reserve) that does not fit on its GPU
 /// beside the shares other claims hold there, and beside the claim's own earlier shares of it.
-/// `memory_of` gives a GPU's memory; a GPU it does not know is not checked (the plan already
-/// refused devices that are not on this node).
+/// Only memory is counted: multiprocessors are a cap. `memory_of` gives a GPU's memory; a GPU it
+/// does not know is not checked (the plan already refused devices that are not on this node).
 pub fn overcommitted(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     uid: &ClaimUid,
@@ -80,43 +135,94 @@ pub fn overcommitted(
         let Some(wanted) = d.consumed else {
             continue;
         };
-        let Some(memory) = memory_of(&d.gpu) else {
+        let Some(total) = memory_of(&d.gpu) else {
             continue;
         };
-        let mut held = Consumed::default();
+        let mut held = 0u64;
         let mut holders = Vec::new();
         for (other_uid, other) in claims.iter().filter(|(u, _)| *u != uid) {
-            let mut theirs = Consumed::default();
-            for c in other.devices.iter().filter(|o| o.gpu == d.gpu) {
-                theirs = theirs.plus(c.consumed.unwrap_or_default());
-            }
-            if theirs != Consumed::default() {
-                held = held.plus(theirs);
+            let theirs: u64 = other
+                .devices
+                .iter()
+                .filter(|o| o.gpu == d.gpu)
+                .filter_map(|o| o.consumed)
+                .map(|c| c.memory)
+                .fold(0, u64::saturating_add);
+            if theirs > 0 {
+                held = held.saturating_add(theirs);
                 holders.push(format!(
-                    "{}/{} ({other_uid}): {theirs}",
-                    other.namespace, other.name
+                    "{}/{} ({other_uid}): {}",
+                    other.namespace,
+                    other.name,
+                    quantity(theirs)
                 ));
             }
         }
         for own in devices[..i].iter().filter(|o| o.gpu == d.gpu) {
-            let theirs = own.consumed.unwrap_or_default();
-            held = held.plus(theirs);
-            holders.push(format!("this claim's earlier share: {theirs}"));
+            let theirs = own.consumed.map_or(0, |c| c.memory);
+            held = held.saturating_add(theirs);
+            holders.push(format!("this claim's earlier share: {}", quantity(theirs)));
         }
-        let after = held.plus(wanted);
-        if after.memory > memory || after.compute > FULL_COMPUTE {
+        if held.saturating_add(wanted.memory) > total {
             return Some(Overcommit {
                 device: d.device.to_string(),
                 gpu: d.gpu.clone(),
-                wanted,
-                total: Consumed {
-                    memory,
-                    compute: FULL_COMPUTE,
-                },
+                wanted: wanted.memory,
+                total,
                 held,
                 holders,
             });
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H100: u64 = 80 << 30;
+
+    #[test]
+    fn the_policy_allows_at_most_the_clients_mps_serves() {
+        for memory in [H100, 81559 << 20, (94 << 30) + 12345, 16 << 30, 3 << 30] {
+            let value = shareable_memory(memory);
+            assert_eq!(value % MEMORY_STEP, 0);
+            assert!(value <= memory && memory - value < MEMORY_STEP);
+            let min = min_share(value);
+            assert_eq!(min % MEMORY_STEP, 0, "{memory}");
+            assert!(
+                value / min <= MAX_SHARES,
+                "{memory}: {} shares",
+                value / min
+            );
+            // And no larger than that: one MiB less would let a 49th share in.
+            assert!(value / (min - MEMORY_STEP) > MAX_SHARES, "{memory}");
+        }
+        // 81920 MiB: 48 × 1672 MiB fit, 49 do not (49 × 1671 MiB would).
+        assert_eq!(min_share(H100), 1672 << 20);
+        assert!(is_shareable(H100));
+        assert!(!is_shareable(2 << 30));
+    }
+
+    #[test]
+    fn a_shares_cuda_limit_leaves_the_reserve_for_the_server() {
+        // 24Gi of 80Gi: 24576 MiB × 79/80 = 24268.8 MiB, rounded down.
+        assert_eq!(cuda_limit(24 << 30, H100), 24268 << 20);
+        // The whole GPU's worth of shares leaves exactly the reserve.
+        assert_eq!(cuda_limit(H100, H100), H100 - MPS_RESERVE);
+        let three = 3 * cuda_limit(H100 / 3 / MEMORY_STEP * MEMORY_STEP, H100);
+        assert!(three <= H100 - MPS_RESERVE, "{three}");
+        assert_eq!(cuda_limit(1 << 30, 0), 0);
+    }
+
+    #[test]
+    fn asked_multiprocessors_become_the_smallest_percentage_covering_them() {
+        assert_eq!(thread_percentage(132, 132), 100);
+        assert_eq!(thread_percentage(33, 132), 25);
+        assert_eq!(thread_percentage(34, 132), 26);
+        assert_eq!(thread_percentage(1, 132), 1);
+        assert_eq!(thread_percentage(0, 132), 1);
+        assert_eq!(thread_percentage(500, 132), 100);
+    }
 }

@@ -262,18 +262,18 @@ fn the_pods_of_a_claim_round_trip_and_are_absent_when_none() {
 
 #[tokio::test]
 async fn a_newer_version_is_refused_and_left_in_place() {
-    let newer = "{\"version\": 3, \"bootId\": \"b\", \"claims\": {}, \"somethingNew\": 1}";
+    let newer = "{\"version\": 4, \"bootId\": \"b\", \"claims\": {}, \"somethingNew\": 1}";
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(FILE_NAME);
     std::fs::write(&path, newer).unwrap();
     let Err(e) = Ledger::open(dir.path(), "b") else {
-        panic!("a version 3 checkpoint was accepted");
+        panic!("a version 4 checkpoint was accepted");
     };
-    assert!(matches!(e, Error::TooNew { found: 3, .. }), "{e:?}");
+    assert!(matches!(e, Error::TooNew { found: 4, .. }), "{e:?}");
     let text = e.to_string();
     assert!(text.contains(&path.display().to_string()), "{text}");
     assert!(
-        text.contains("version 3") && text.contains("1..=2"),
+        text.contains("version 4") && text.contains("1..=3"),
         "{text}"
     );
     assert_eq!(std::fs::read_to_string(&path).unwrap(), newer);
@@ -297,10 +297,10 @@ async fn a_newer_version_written_by_another_pod_is_refused_on_reload() {
         )
     });
     l.flush().await.unwrap();
-    let newer = "{\"version\": 3, \"bootId\": \"b\", \"claims\": {}}";
+    let newer = "{\"version\": 4, \"bootId\": \"b\", \"claims\": {}}";
     std::fs::write(l.path(), newer).unwrap();
     let e = l.reload_if_changed().unwrap_err();
-    assert!(matches!(e, Error::TooNew { found: 3, .. }), "{e:?}");
+    assert!(matches!(e, Error::TooNew { found: 4, .. }), "{e:?}");
     assert!(l.read(|c| c.claims.contains_key(&ClaimUid::parse("a").unwrap())));
     assert_eq!(std::fs::read_to_string(l.path()).unwrap(), newer);
 }
@@ -479,9 +479,10 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
             any::<bool>(),
         )),
         arb_sharing(),
+        proptest::option::of((any::<u64>(), proptest::option::of(any::<u32>()))),
     )
         .prop_map(
-            |(requests, device, share_id, admin, mig, sharing)| DeviceRecord {
+            |(requests, device, share_id, admin, mig, sharing, consumed)| DeviceRecord {
                 requests,
                 pool: "node-a".into(),
                 cdi_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{device}")],
@@ -496,7 +497,10 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
                     placement: Placement { start, size },
                     created,
                 }),
-                consumed: None,
+                consumed: consumed.map(|(memory, multiprocessors)| Consumed {
+                    memory,
+                    multiprocessors,
+                }),
                 sharing,
             },
         )
@@ -542,10 +546,11 @@ proptest! {
     }
 }
 
-/// A share of a GPU needs version 2 (a version-1 reader would drop what it consumes and count
-/// the GPU free); without shares the file stays version 1, which older pods read.
+/// A share of a GPU needs version 3 (a version-1 reader would drop what it consumes and count
+/// the GPU free, a version-2 reader would miss its `compute`); without shares the file stays
+/// version 1, which older pods read.
 #[test]
-fn shares_are_written_as_version_2_and_read_back() {
+fn shares_are_written_as_version_3_and_read_back() {
     let mut cp = fixture_state();
     assert_eq!(version_for(&cp), 1);
     let v1: serde_json::Value = serde_json::from_slice(&encode(&cp).unwrap()).unwrap();
@@ -554,16 +559,81 @@ fn shares_are_written_as_version_2_and_read_back() {
     entry.devices[0].share_id = Some("6f1c2d3e-0000-4000-8000-000000000001".into());
     entry.devices[0].consumed = Some(Consumed {
         memory: 24 << 30,
-        compute: 25,
+        multiprocessors: None,
     });
-    assert_eq!(version_for(&cp), 2);
+    assert_eq!(version_for(&cp), 3);
     let bytes = encode(&cp).unwrap();
-    let v2: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-    assert_eq!(v2["version"], 2);
-    let device = &v2["claims"].as_object().unwrap().values().next().unwrap()["devices"][0];
+    let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v3["version"], 3);
+    let device = &v3["claims"].as_object().unwrap().values().next().unwrap()["devices"][0];
     assert_eq!(
         device["consumedCapacity"],
-        serde_json::json!({"memory": 24u64 << 30, "compute": 25})
+        serde_json::json!({"memory": 24u64 << 30})
+    );
+    assert_eq!(decode(&bytes).ok(), Some(cp.clone()));
+    // Asked multiprocessors are kept.
+    cp.claims.values_mut().next().unwrap().devices[0].consumed = Some(Consumed {
+        memory: 24 << 30,
+        multiprocessors: Some(33),
+    });
+    let bytes = encode(&cp).unwrap();
+    let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    let device = &v3["claims"].as_object().unwrap().values().next().unwrap()["devices"][0];
+    assert_eq!(
+        device["consumedCapacity"],
+        serde_json::json!({"memory": 24u64 << 30, "multiprocessors": 33})
     );
     assert_eq!(decode(&bytes).ok(), Some(cp));
+}
+
+/// A version-2 checkpoint (a share of the twin `gpu-<minor>-shared`, its `compute` counted)
+/// still reads: the share keeps its memory, `compute` is dropped, and it is written back as
+/// version 3.
+#[test]
+fn a_version_2_share_reads_without_its_compute() {
+    let v2 = r#"{
+  "version": 2,
+  "bootId": "b",
+  "claims": {
+    "6f1c2d3e-0000-4000-8000-0000000000aa": {
+      "state": "PrepareCompleted",
+      "namespace": "default",
+      "name": "notebook",
+      "devices": [
+        {
+          "requests": ["gpu"],
+          "pool": "node-a",
+          "device": "gpu-0-shared",
+          "cdiIds": ["k8s.gpu.nvidia.com/claim=6f1c2d3e-0000-4000-8000-0000000000aa-gpu-0-shared"],
+          "shareId": "5f0e0004-0000-4000-8000-000000000001",
+          "gpu": "GPU-00000000-0000-0000-0000-000000000000",
+          "consumedCapacity": {"memory": 25769803776, "compute": 25},
+          "sharing": {"strategy": "mps", "activeThreadPercentage": 25, "pinnedMemoryLimit": 25769803776, "perDevicePinnedMemoryLimit": {}}
+        }
+      ]
+    }
+  }
+}"#;
+    let cp = decode(v2.as_bytes()).unwrap_or_else(|_| panic!("version 2 does not read"));
+    let d = &cp.claims.values().next().unwrap().devices[0];
+    assert_eq!(d.device, "gpu-0-shared");
+    assert_eq!(
+        d.consumed,
+        Some(Consumed {
+            memory: 24 << 30,
+            multiprocessors: None
+        })
+    );
+    let again: serde_json::Value = serde_json::from_slice(&encode(&cp).unwrap()).unwrap();
+    assert_eq!(again["version"], 3);
+    let device = &again["claims"]
+        .as_object()
+        .unwrap()
+        .values()
+        .next()
+        .unwrap()["devices"][0];
+    assert_eq!(
+        device["consumedCapacity"],
+        serde_json::json!({"memory": 24u64 << 30})
+    );
 }

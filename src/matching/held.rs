@@ -2,9 +2,10 @@
 //!
 //! An exclusive device is held whole by one claim. A device with `allowMultipleAllocations` is
 //! held by any number of claims, each consuming part of its capacity (what its allocation
-//! result's `consumedCapacity` says), and their sum never exceeds the device's capacity. A held
-//! device consumes its shared counters (`consumesCounters`) once, however many claims share it:
-//! so a whole GPU and a share of it, which draw on the same counter set, exclude each other.
+//! result's `consumedCapacity` says, or the policy's defaults where it says nothing), and their
+//! sum never exceeds the device's capacity: a claim holding all of a GPU's memory leaves no
+//! room for a share of it. A held device consumes its shared counters (`consumesCounters`) once,
+//! however many claims share it.
 
 use std::collections::BTreeMap;
 

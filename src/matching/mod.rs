@@ -6,7 +6,7 @@
 //! against the request's tolerations, then what other claims already hold ([`Held`]) — and the
 //! first failing check is kept with the values that decided it (`memory 48Gi < 80Gi`,
 //! `tainted gpu.nvidia.com/xid=79:NoSchedule, not tolerated`, `memory 24Gi > 8Gi left
-//! (gpu-0-shared: 72Gi held by claims a, b, c)`). Then a possible allocation is searched by
+//! (gpu-0: 72Gi held by claims a, b, c)`). Then a possible allocation is searched by
 //! backtracking: `count` or `allocationMode: All`, the first subrequest that works, devices
 //! used once (or shared, with their capacity consumed, when `allowMultipleAllocations`), shared
 //! counters (`consumesCounters`, taken once per device), and every `matchAttribute` /
@@ -16,8 +16,12 @@
 //! Several claims are matched as the scheduler allocates them, one after another
 //! ([`explain_all`]): claims that have a `status.allocation` hold their devices first, then the
 //! others in input order, each one that fits holding what it got for the claims after it.
-//! A share's capacity is what the request asks, rounded up to the device's request policy, or
-//! the policy's default when it does not ask (the whole capacity without a policy).
+//! Each allocation of a device with `allowMultipleAllocations` consumes every capacity of it, as
+//! the 1.36 allocator counts: what the request asks, rounded up to the device's request policy
+//! (below its minimum: the minimum; between steps: the next step), or the policy's default when
+//! it does not ask (the whole capacity without a policy). So on a GPU that `--shared-capacity`
+//! publishes, a claim that asks for no memory consumes all of it (its policy's default) and
+//! nothing else fits beside it, and one that asks for no multiprocessors consumes none.
 //!
 //! Not modelled: admin access (which taints still apply to), DeviceTaintRules (only taints in
 //! the slices count), and which node the scheduler would prefer among several.

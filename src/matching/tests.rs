@@ -389,29 +389,19 @@ fn an_unknown_toleration_operator_is_bad_input() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared GPUs: consumable capacity, shared counters, and claims one after another.
+// Shared GPUs: consumable capacity and claims one after another.
 
-/// A node of `gpus` 80Gi GPUs as `--shared-capacity` publishes them: per GPU the whole device
-/// `gpu-<i>` and the share `gpu-<i>-shared`, both drawing all of `gpu-<i>-counter-set`.
+/// A node of `gpus` H100s as `--shared-capacity` publishes them: per GPU one device `gpu-<i>`
+/// allocatable many times, whose `memory` defaults to all of it and `multiprocessors` to none.
 fn shared_node(gpus: usize) -> String {
-    let mut sets = String::new();
     let mut devices = String::new();
     for i in 0..gpus {
-        sets.push_str(&format!(
-            "  - name: gpu-{i}-counter-set\n    counters: {{memory: {{value: 80Gi}}}}\n"
-        ));
-        let consumes = format!(
-            "    consumesCounters:\n    - counterSet: gpu-{i}-counter-set\n      counters: {{memory: {{value: 80Gi}}}}\n"
-        );
         devices.push_str(&format!(
-            "  - name: gpu-{i}\n    attributes:\n      type: {{string: gpu}}\n      index: {{int: {i}}}\n    capacity:\n      memory: {{value: 80Gi}}\n{consumes}"
-        ));
-        devices.push_str(&format!(
-            "  - name: gpu-{i}-shared\n    allowMultipleAllocations: true\n    attributes:\n      type: {{string: gpu-shared}}\n      shared: {{bool: true}}\n      index: {{int: {i}}}\n    capacity:\n      memory:\n        value: 80Gi\n        requestPolicy: {{default: 1Gi, validRange: {{min: 1Gi, max: 80Gi, step: 1Gi}}}}\n      compute:\n        value: \"100\"\n        requestPolicy: {{default: \"100\", validRange: {{min: \"1\", max: \"100\", step: \"1\"}}}}\n{consumes}"
+            "  - name: gpu-{i}\n    allowMultipleAllocations: true\n    attributes:\n      type: {{string: gpu}}\n      index: {{int: {i}}}\n    capacity:\n      memory:\n        value: 80Gi\n        requestPolicy: {{default: 80Gi, validRange: {{min: 1672Mi, max: 80Gi, step: 1Mi}}}}\n      multiprocessors:\n        value: \"132\"\n        requestPolicy: {{default: \"0\", validRange: {{min: \"0\", max: \"132\", step: \"1\"}}}}\n"
         ));
     }
     format!(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: counters}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 2}}\n  sharedCounters:\n{sets}---\napiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: devices}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 2}}\n  devices:\n{devices}"
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: devices}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 1}}\n  devices:\n{devices}"
     )
 }
 
@@ -428,9 +418,9 @@ fn on_gpu0(name: &str, class: &str, capacity: &str, status: &str) -> String {
     )
 }
 
-const SHARE: &str = "gpu-shared.nvidia.com";
-const WHOLE: &str = "gpu.nvidia.com";
-const SHARE_24: &str = "{memory: 24Gi, compute: \"25\"}";
+/// NVIDIA's claim shape: the GPU class, with or without a memory request.
+const GPU: &str = "gpu.nvidia.com";
+const SHARE_24: &str = "{memory: 24Gi}";
 
 /// Every claim of the input, matched one after another.
 fn run_all(text: &str) -> Vec<ClaimReport> {
@@ -452,172 +442,184 @@ fn rejected<'a>(r: &'a ClaimReport, device: &str) -> &'a str {
         .reason
 }
 
+fn consumed(r: &ClaimReport) -> BTreeMap<String, String> {
+    r.allocation.as_ref().unwrap()[0].consumed_capacity.clone()
+}
+
+fn amounts(memory: &str, sms: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("memory".into(), memory.into()),
+        ("multiprocessors".into(), sms.into()),
+    ])
+}
+
 #[test]
 fn three_shares_of_24gi_fit_one_gpu_and_a_fourth_does_not() {
     let claims: String = ["a", "b", "c", "d"]
         .iter()
-        .map(|n| on_gpu0(n, SHARE, SHARE_24, ""))
+        .map(|n| on_gpu0(n, GPU, SHARE_24, ""))
         .collect();
     let r = run_all(&format!("{}{claims}", shared_node(2)));
     for share in &r[..3] {
-        assert_eq!(picked(share), ["gpu=gpu-0-shared"], "{share:?}");
-        let a = &share.allocation.as_ref().unwrap()[0];
-        assert_eq!(
-            a.consumed_capacity,
-            BTreeMap::from([
-                ("compute".into(), "25".into()),
-                ("memory".into(), "24Gi".into())
-            ])
-        );
+        assert_eq!(picked(share), ["gpu=gpu-0"], "{share:?}");
+        // Charged no multiprocessors: it asked for none.
+        assert_eq!(consumed(share), amounts("24Gi", "0"));
     }
     assert!(!r[3].satisfiable);
     assert_eq!(
-        rejected(&r[3], "gpu-0-shared"),
-        "memory 24Gi > 8Gi left (gpu-0-shared: 72Gi held by claims a, b, c)"
+        rejected(&r[3], "gpu-0"),
+        "memory 24Gi > 8Gi left (gpu-0: 72Gi held by claims a, b, c)"
     );
     assert_eq!(
         r[3].reason.as_deref(),
         Some("request gpu needs 1 device, 0 fit")
     );
-    // The whole GPU is not the share's class, and its lack of the attribute is no error.
-    assert_eq!(
-        rejected(&r[3], "gpu-0"),
-        "class gpu-shared.nvidia.com selector[1]: 'shared' in device.attributes['gpu.nvidia.com'] \
-         && device.attributes['gpu.nvidia.com'].shared is false"
-    );
 }
 
 #[test]
-fn a_share_that_does_not_ask_for_compute_takes_all_of_it() {
+fn a_claim_that_asks_for_no_memory_takes_the_whole_gpu() {
     let claims = format!(
         "{}{}",
-        on_gpu0("greedy", SHARE, "{memory: 8Gi}", ""),
-        on_gpu0("next", SHARE, SHARE_24, "")
+        on_gpu0("whole", GPU, "", ""),
+        on_gpu0("next", GPU, SHARE_24, "")
     );
     let r = run_all(&format!("{}{claims}", shared_node(1)));
-    assert_eq!(
-        r[0].allocation.as_ref().unwrap()[0].consumed_capacity["compute"],
-        "100"
-    );
-    assert_eq!(
-        rejected(&r[1], "gpu-0-shared"),
-        "compute 25 > 0 left (gpu-0-shared: 100 held by claim greedy)"
-    );
-}
-
-#[test]
-fn share_requests_round_up_to_the_policy_and_above_its_max_do_not_fit() {
-    let claims = format!(
-        "{}{}",
-        on_gpu0("odd", SHARE, "{memory: 1500Mi, compute: \"10\"}", ""),
-        on_gpu0("huge", SHARE, "{memory: 81Gi, compute: \"10\"}", "")
-    );
-    let r = run_all(&format!("{}{claims}", shared_node(1)));
-    assert_eq!(
-        r[0].allocation.as_ref().unwrap()[0].consumed_capacity["memory"],
-        "2Gi"
-    );
-    assert_eq!(
-        rejected(&r[1], "gpu-0-shared"),
-        "capacity memory: 81Gi is outside the device's request policy"
-    );
-}
-
-#[test]
-fn a_whole_gpu_and_its_shares_exclude_each_other_through_the_counters() {
-    let text = format!(
-        "{}{}{}",
-        shared_node(1),
-        on_gpu0("share", SHARE, SHARE_24, ""),
-        on_gpu0("whole", WHOLE, "", "")
-    );
-    let r = run_all(&text);
-    assert_eq!(picked(&r[0]), ["gpu=gpu-0-shared"]);
-    assert!(!r[1].satisfiable);
+    assert_eq!(consumed(&r[0]), amounts("80Gi", "0"));
     assert_eq!(
         rejected(&r[1], "gpu-0"),
-        "counter memory of gpu-0-counter-set is taken by gpu-0-shared (claim share)"
+        "memory 24Gi > 0 left (gpu-0: 80Gi held by claim whole)"
     );
-    // The other way round: the whole GPU first, then no share of it.
-    let text = format!(
-        "{}{}{}",
-        shared_node(1),
-        on_gpu0("whole", WHOLE, "", ""),
-        on_gpu0("share", SHARE, SHARE_24, "")
+    // The other way round: a share first, then no whole GPU.
+    let claims = format!(
+        "{}{}",
+        on_gpu0("share", GPU, SHARE_24, ""),
+        on_gpu0("whole", GPU, "", "")
     );
-    let r = run_all(&text);
+    let r = run_all(&format!("{}{claims}", shared_node(1)));
     assert_eq!(picked(&r[0]), ["gpu=gpu-0"]);
     assert_eq!(
-        rejected(&r[1], "gpu-0-shared"),
-        "counter memory of gpu-0-counter-set is taken by gpu-0 (claim whole)"
+        rejected(&r[1], "gpu-0"),
+        "memory 80Gi > 56Gi left (gpu-0: 24Gi held by claim share)"
     );
     // Each claim alone fits: what the other holds is what stops it.
     assert!(
         run_all(&format!(
             "{}{}",
             shared_node(1),
-            on_gpu0("share", SHARE, SHARE_24, "")
+            on_gpu0("whole", GPU, "", "")
         ))[0]
             .satisfiable
     );
 }
 
 #[test]
-fn a_shared_device_draws_its_counters_once_for_all_its_allocations() {
-    // Two requests of one claim on the same share: the counter set holds one GPU's memory, so
-    // counting it per allocation would refuse the second.
-    let two = "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: pair}\nspec:\n  devices:\n    requests:\n    - name: x\n      exactly: {deviceClassName: gpu-shared.nvidia.com, capacity: {requests: {memory: 24Gi, compute: \"50\"}}}\n    - name: y\n      exactly: {deviceClassName: gpu-shared.nvidia.com, capacity: {requests: {memory: 24Gi, compute: \"50\"}}}\n";
-    let r = run_all(&format!("{}{two}", shared_node(1)));
-    assert_eq!(picked(&r[0]), ["x=gpu-0-shared", "y=gpu-0-shared"]);
-    // Whereas two exclusive devices on one counter set cannot both be taken.
-    let node = shared_node(1).replace(
-        "  - name: gpu-0-shared",
-        "  - name: gpu-0-twin\n    attributes:\n      type: {string: gpu}\n    capacity:\n      memory: {value: 80Gi}\n    consumesCounters:\n    - counterSet: gpu-0-counter-set\n      counters: {memory: {value: 80Gi}}\n  - name: gpu-0-shared",
+fn asked_multiprocessors_are_counted_and_unasked_ones_are_not() {
+    let claims = format!(
+        "{}{}{}",
+        on_gpu0("a", GPU, "{memory: 8Gi, multiprocessors: \"100\"}", ""),
+        on_gpu0("b", GPU, "{memory: 8Gi, multiprocessors: \"40\"}", ""),
+        on_gpu0("c", GPU, "{memory: 8Gi}", "")
     );
+    let r = run_all(&format!("{}{claims}", shared_node(1)));
+    assert_eq!(consumed(&r[0]), amounts("8Gi", "100"));
+    assert_eq!(
+        rejected(&r[1], "gpu-0"),
+        "multiprocessors 40 > 32 left (gpu-0: 100 held by claim a)"
+    );
+    assert_eq!(consumed(&r[2]), amounts("8Gi", "0"));
+}
+
+#[test]
+fn share_requests_round_up_to_the_policy_and_above_its_max_do_not_fit() {
+    let claims = format!(
+        "{}{}{}",
+        on_gpu0("tiny", GPU, "{memory: 1Gi}", ""),
+        on_gpu0("odd", GPU, "{memory: 2048001Ki}", ""),
+        on_gpu0("huge", GPU, "{memory: 81Gi}", "")
+    );
+    let r = run_all(&format!("{}{claims}", shared_node(1)));
+    // Below the minimum: the minimum (at most 48 shares of a GPU).
+    assert_eq!(consumed(&r[0])["memory"], "1672Mi");
+    // Between steps: the next MiB.
+    assert_eq!(consumed(&r[1])["memory"], "2001Mi");
+    assert_eq!(
+        rejected(&r[2], "gpu-0"),
+        "capacity memory: 81Gi is outside the device's request policy"
+    );
+}
+
+#[test]
+fn two_requests_of_one_claim_may_share_a_gpu() {
+    let two = "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: pair}\nspec:\n  devices:\n    requests:\n    - name: x\n      exactly: {deviceClassName: gpu.nvidia.com, capacity: {requests: {memory: 24Gi}}}\n    - name: y\n      exactly: {deviceClassName: gpu.nvidia.com, capacity: {requests: {memory: 24Gi}}}\n";
+    let r = run_all(&format!("{}{two}", shared_node(1)));
+    assert_eq!(picked(&r[0]), ["x=gpu-0", "y=gpu-0"]);
+}
+
+#[test]
+fn a_shared_device_draws_its_counters_once_for_all_its_allocations() {
+    // A device allocatable many times and an exclusive one on one counter set (not nvdra's
+    // shape, but the scheduler's rule): two allocations of the first draw its counters once.
+    let node = "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {name: s}\nspec:\n  driver: gpu.nvidia.com\n  nodeName: n\n  pool: {name: n, generation: 1, resourceSliceCount: 1}\n  sharedCounters:\n  - name: set\n    counters: {memory: {value: 80Gi}}\n  devices:\n  - name: many\n    allowMultipleAllocations: true\n    attributes: {type: {string: gpu}, index: {int: 0}}\n    capacity:\n      memory: {value: 80Gi, requestPolicy: {default: 1Gi, validRange: {min: 1Gi, max: 80Gi, step: 1Gi}}}\n    consumesCounters: [{counterSet: set, counters: {memory: {value: 80Gi}}}]\n  - name: one\n    attributes: {type: {string: gpu}, index: {int: 1}}\n    capacity: {memory: {value: 80Gi}}\n    consumesCounters: [{counterSet: set, counters: {memory: {value: 80Gi}}}]\n";
+    let two = "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: pair}\nspec:\n  devices:\n    requests:\n    - name: x\n      exactly: {deviceClassName: gpu.nvidia.com, selectors: [{cel: {expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}}], capacity: {requests: {memory: 24Gi}}}\n    - name: y\n      exactly: {deviceClassName: gpu.nvidia.com, selectors: [{cel: {expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}}], capacity: {requests: {memory: 24Gi}}}\n";
+    let r = run_all(&format!("{node}{two}"));
+    assert_eq!(picked(&r[0]), ["x=many", "y=many"]);
+    // Whereas the two devices of one counter set cannot both be taken.
     let r = run(
-        &node,
+        node,
         &claim(
             "    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, count: 2}\n",
         ),
     );
     assert!(!r.satisfiable);
-    assert_eq!(r.requests[0].fits, ["gpu-0", "gpu-0-twin"]);
+    assert_eq!(r.requests[0].fits, ["many", "one"]);
     assert!(r.reason.unwrap().contains("compete"));
 }
 
 #[test]
 fn allocated_claims_hold_their_devices_before_the_others_are_matched() {
-    // Listed last, the allocated claim still holds 64Gi of the share first.
-    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: n, device: gpu-0-shared, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {memory: 64Gi, compute: \"50\"}}\n";
+    // Listed last, the allocated claim still holds 64Gi of the GPU first.
+    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: n, device: gpu-0, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {memory: 64Gi, multiprocessors: \"0\"}}\n";
     let text = format!(
         "{}{}{}",
         shared_node(1),
-        on_gpu0("pending", SHARE, SHARE_24, ""),
-        on_gpu0("running", SHARE, SHARE_24, status)
+        on_gpu0("pending", GPU, SHARE_24, ""),
+        on_gpu0("running", GPU, SHARE_24, status)
     );
     let r = run_all(&text);
     assert_eq!(r.len(), 2);
     assert_eq!(
-        rejected(&r[0], "gpu-0-shared"),
-        "memory 24Gi > 16Gi left (gpu-0-shared: 64Gi held by claim running)"
+        rejected(&r[0], "gpu-0"),
+        "memory 24Gi > 16Gi left (gpu-0: 64Gi held by claim running)"
     );
     assert!(r[1].allocated && r[1].satisfiable);
-    assert_eq!(picked(&r[1]), ["gpu=gpu-0-shared"]);
-    // A whole GPU allocated to a claim is not offered to another.
+    assert_eq!(picked(&r[1]), ["gpu=gpu-0"]);
+    // An allocation without consumedCapacity (an older scheduler) counts the policy's
+    // defaults: the whole GPU.
     let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: n, device: gpu-0}\n";
     let text = format!(
         "{}{}{}",
         shared_node(1),
-        on_gpu0("running", WHOLE, "", status),
-        on_gpu0("pending", WHOLE, "", "")
+        on_gpu0("running", GPU, "", status),
+        on_gpu0("pending", GPU, SHARE_24, "")
     );
     let r = run_all(&text);
-    assert_eq!(rejected(&r[1], "gpu-0"), "allocated to claim running");
+    assert_eq!(
+        rejected(&r[1], "gpu-0"),
+        "memory 24Gi > 0 left (gpu-0: 80Gi held by claim running)"
+    );
+    // An exclusive device allocated to a claim is not offered to another.
+    let node = slice(&[("gpu-a", "80Gi", 0, false)]);
+    let text = format!(
+        "{node}---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: running}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly: {{deviceClassName: gpu.nvidia.com}}\n{}---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: pending}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly: {{deviceClassName: gpu.nvidia.com}}\n",
+        status.replace("gpu-0}", "gpu-a}")
+    );
+    let r = run_all(&text);
+    assert_eq!(rejected(&r[1], "gpu-a"), "allocated to claim running");
     // An allocation to a device the node does not have is said so.
     let text = format!(
         "{}{}",
         shared_node(1),
-        on_gpu0("elsewhere", WHOLE, "", &status.replace("gpu-0}", "gpu-9}"))
+        on_gpu0("elsewhere", GPU, "", &status.replace("gpu-0}", "gpu-9}"))
     );
     let r = run_all(&text);
     assert!(!r[0].satisfiable);

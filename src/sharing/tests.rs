@@ -505,3 +505,38 @@ fn the_strategy_name_is_the_checkpoints() {
         assert_eq!(v["strategy"], s.strategy(), "{s:?}");
     }
 }
+
+/// A share of a GPU takes only MPS's thread percentage from its config; what would contradict
+/// the GPU's daemon or the memory the scheduler counted is refused, naming the field.
+#[test]
+fn a_share_takes_the_thread_percentage_and_refuses_what_it_cannot_follow() {
+    let sharing = |v: serde_json::Value| decode(&gpu_config(v)).unwrap().into_sharing();
+    assert_eq!(share_thread_percentage(&Sharing::Exclusive), Ok(None));
+    assert_eq!(
+        share_thread_percentage(&sharing(json!({"strategy": "MPS"}))),
+        Ok(None)
+    );
+    assert_eq!(
+        share_thread_percentage(&sharing(json!({
+            "strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}
+        }))),
+        Ok(Some(30))
+    );
+    for (config, field) in [
+        (
+            json!({"strategy": "TimeSlicing"}),
+            "sharing.strategy: TimeSlicing cannot apply",
+        ),
+        (
+            json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "4Gi"}}),
+            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: a share's memory limit",
+        ),
+        (
+            json!({"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"0": "4Gi"}}}),
+            "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: a share's memory limit",
+        ),
+    ] {
+        let e = share_thread_percentage(&sharing(config)).unwrap_err();
+        assert!(chain(e.clone()).starts_with(field), "{}", chain(e));
+    }
+}

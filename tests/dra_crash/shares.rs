@@ -1,6 +1,6 @@
 //! SIGKILL at each step of a share's prepare, beside another claim's share of the GPU and as the
 //! GPU's first, and of the last share's unprepare (`--shared-capacity`; shares of
-//! `gpu-2-shared`, 8Gi and 10% compute each). One MPS control
+//! `gpu-2`, 8Gi each). One MPS control
 //! daemon serves a GPU's shares; the fake `nvidia-cuda-mps-control` under the driver root logs its
 //! starts and stops across the processes, and its `control` file says whether it runs. After
 //! every crash, the restart and the kubelet's retry: exactly the shares whose prepare completed
@@ -16,7 +16,7 @@ use super::{
 };
 use crate::support::mps;
 
-const DEVICE: &str = "gpu-2-shared";
+const DEVICE: &str = "gpu-2";
 
 fn share_id(uid: &str) -> String {
     format!("5f0e0000-0000-4000-8000-{:012x}", uid.as_bytes()[0])
@@ -40,7 +40,7 @@ impl Dirs {
                     DEVICE,
                     &share_id(uid),
                     "8Gi",
-                    "10",
+                    "0",
                 )],
                 vec![],
             );
@@ -207,7 +207,7 @@ async fn crash_a_share_prepare(point: &str, beside_a: bool) {
     for uid in &held {
         assert_eq!(
             cp["claims"][*uid]["devices"][0]["consumedCapacity"],
-            serde_json::json!({"memory": 8u64 << 30, "compute": 10}),
+            serde_json::json!({"memory": 8u64 << 30}),
             "{point}: {cp}"
         );
     }

@@ -1,6 +1,6 @@
 //! Shares of one GPU (`--shared-capacity`) through the stand-in's `node` mode, which makes the
 //! kubelet's v1 NodePrepare/UnprepareResources calls with grpcio as the test tells it: three
-//! claims each get a quarter of GPU 0 (`gpu-0-shared`, 24Gi and 25% compute), one MPS control
+//! claims each get 24Gi of GPU 0 (`gpu-0`, allocated many times), one MPS control
 //! daemon serves them all (a fake `nvidia-cuda-mps-control` under the driver root logs its starts
 //! and stops), each claim's CDI spec carries its own limits, a fourth share that does not fit is
 //! refused naming the three holders, and the daemon stops with the last share, whatever the
@@ -94,10 +94,10 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
                     "nb",
                     DRIVER,
                     NODE,
-                    "gpu-0-shared",
+                    "gpu-0",
                     &share_id(uid),
                     "24Gi",
-                    "25",
+                    "0",
                 )],
                 vec![],
             );
@@ -115,11 +115,11 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     for uid in &SHARES[..3] {
         let c = &r[*uid];
         assert_eq!(c["error"], "", "{uid}: {r}");
-        assert_eq!(c["devices"], json!(["gpu-0-shared"]), "{uid}");
+        assert_eq!(c["devices"], json!(["gpu-0"]), "{uid}");
         assert_eq!(c["share_ids"], json!([share_id(uid)]), "{uid}: the shareID");
         assert_eq!(
             c["cdi_device_ids"],
-            json!([[format!("k8s.{DRIVER}/claim={uid}-gpu-0-shared")]]),
+            json!([[format!("k8s.{DRIVER}/claim={uid}-gpu-0")]]),
             "{uid}"
         );
     }
@@ -132,8 +132,8 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     for uid in &SHARES[..3] {
         let (env, mounts) = spec_edits(&d, uid);
         for want in [
-            format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24576M"),
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25".into(),
+            // 24Gi less its part of the MPS server's reserve: 24576 MiB × 79/80.
+            format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24268M"),
             format!(
                 "CUDA_MPS_PIPE_DIRECTORY={}",
                 nvdra::cdi::MPS_PIPE_CONTAINER_DIR
@@ -141,6 +141,11 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
         ] {
             assert!(env.contains(&want), "{uid}: no {want} in {env:?}");
         }
+        assert!(
+            !env.iter()
+                .any(|e| e.starts_with("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=")),
+            "{uid}: no SM cap unless asked: {env:?}"
+        );
         assert!(
             mounts.contains(&(
                 pipe.display().to_string(),
@@ -150,11 +155,11 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
         );
     }
     let cp = checkpoint(&d);
-    assert_eq!(cp["version"], 2, "shares need checkpoint version 2: {cp}");
+    assert_eq!(cp["version"], 3, "shares need checkpoint version 3: {cp}");
     for uid in &SHARES[..3] {
         assert_eq!(
             cp["claims"][*uid]["devices"][0]["consumedCapacity"],
-            json!({"memory": 24u64 << 30, "compute": 25}),
+            json!({"memory": 24u64 << 30}),
             "{uid}: {cp}"
         );
     }
@@ -165,9 +170,7 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     let err = r["s4"]["error"].as_str().unwrap();
     for holder in &SHARES[..3] {
         assert!(
-            err.contains(&format!(
-                "default/claim-{holder} ({holder}): 24Gi memory, 25% compute"
-            )),
+            err.contains(&format!("default/claim-{holder} ({holder}): 24Gi")),
             "{err}"
         );
     }

@@ -56,8 +56,8 @@ pub fn gpu_pipe_dir(plugin_dir: &Path, uuid: &str) -> PathBuf {
     plugin_dir.join(format!("mps/shared-{uuid}/pipe"))
 }
 
-/// A share of `device` (`gpu-<minor>-shared`) as the scheduler allocates one: a `shareID` and the
-/// consumed capacity.
+/// A share of `device` (`gpu-<minor>`, `--shared-capacity`) as the scheduler allocates one: a
+/// `shareID` and the consumed capacity (`multiprocessors` "0" unless the claim asked for SMs).
 pub fn share(
     request: &str,
     driver: &str,
@@ -65,7 +65,7 @@ pub fn share(
     device: &str,
     share_id: &str,
     memory: &str,
-    compute: &str,
+    multiprocessors: &str,
 ) -> k8s_openapi::api::resource::v1::DeviceRequestAllocationResult {
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     let mut r = nvdra::api::allocated_device(request, driver, pool, device);
@@ -73,7 +73,10 @@ pub fn share(
     r.consumed_capacity = Some(
         [
             ("memory".to_string(), Quantity(memory.into())),
-            ("compute".to_string(), Quantity(compute.into())),
+            (
+                "multiprocessors".to_string(),
+                Quantity(multiprocessors.into()),
+            ),
         ]
         .into(),
     );

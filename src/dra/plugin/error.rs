@@ -59,17 +59,41 @@ pub enum ClaimError {
         holder: String,
     },
     #[error(
-        "{device} cannot be prepared: the share asks {wanted}, but GPU {gpu} has {total} in all \
-         and its other shares hold {held} ({holders}); the scheduler allocated more than the GPU \
-         has (stale allocation?), so the claim is refused rather than overcommit the GPU: delete \
-         the pod (and its claim) so the scheduler places it again, or wait for a share to end"
+        "the scheduler placed this share on GPU {device}, which claim {namespace}/{name} ({uid}) \
+         uses whole; the node refuses the share rather than run it beside a claim that owns \
+         the GPU (the allocation was made against an older state): delete the pod so the \
+         scheduler places it again, or wait until that claim ends"
+    )]
+    ShareOnWholeGpu {
+        device: String,
+        namespace: String,
+        name: String,
+        uid: ClaimUid,
+    },
+    #[error(
+        "the scheduler placed a whole-GPU claim on {device}, which shares of {holders} hold; \
+         the node refuses it rather than hand a GPU in use whole (the allocation was made \
+         against an older state): delete the pod so the scheduler places it again, or wait \
+         until those shares end"
+    )]
+    WholeGpuOnShares {
+        device: String,
+        /// `claim ns/name (uid)`, or `claims ns/a (uid), ns/b (uid)`.
+        holders: String,
+    },
+    #[error(
+        "the scheduler placed this share of {wanted} memory on GPU {gpu}, which has {total} in \
+         all, and its other shares hold {held} ({holders}): more than the GPU has (the \
+         allocation was made against an older state), so the node refuses it rather than \
+         overcommit the GPU: delete the pod so the scheduler places it again, or wait for a \
+         share to end"
     )]
     OverCapacity {
-        device: String,
         gpu: String,
-        wanted: ledger::Consumed,
-        total: ledger::Consumed,
-        held: ledger::Consumed,
+        /// Quantities (`24Gi`).
+        wanted: String,
+        total: String,
+        held: String,
         holders: String,
     },
     #[error("{device} of request {request} cannot be prepared as a share: {reason}")]

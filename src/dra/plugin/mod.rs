@@ -81,7 +81,8 @@ pub struct Options {
     pub boot_id: String,
     /// MIG placements without an instance may be prepared (the instance is created).
     pub partitionable: bool,
-    /// Shares of `gpu-<minor>-shared` may be prepared (`--shared-capacity`).
+    /// Shares of a GPU (allocations of `gpu-<minor>` consuming less than its memory) may be
+    /// prepared (`--shared-capacity`).
     pub shared_capacity: bool,
 }
 

@@ -13,8 +13,8 @@ use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions};
 use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
-use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement};
-use crate::ledger::shares::{FULL_COMPUTE, MEMORY_STEP};
+use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement, quantity};
+use crate::ledger::shares;
 use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
 use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
 
@@ -91,13 +91,13 @@ pub(super) fn plan(
             .unwrap_or(&r.request)
             .to_string();
         if let Some(&i) = index.get(&(r.pool.as_str(), r.device.as_str())) {
-            if out[i].consumed.is_some() {
+            if out[i].share_id.is_some() || r.share_id.is_some() {
                 return Err(ClaimError::BadShare {
                     device: r.device.clone(),
                     request: r.request.clone(),
                     reason: format!(
-                        "the claim already has a share of it (request {}); a container sees \
-                         one memory and compute limit per GPU, so ask for one share of the sum",
+                        "the claim already has an allocation of it (request {}); a container \
+                         sees one memory limit per GPU, so ask for one share of the sum",
                         out[i].requests.join(", ")
                     ),
                 });
@@ -112,7 +112,6 @@ pub(super) fn plan(
         // The name the inventory gives the device: the allocation's name, parsed.
         let name = match resolved {
             Resolved::Gpu(g) => DeviceName::gpu(g.minor),
-            Resolved::Shared(g) => DeviceName::shared(g.minor),
             Resolved::Mig(g, m) => {
                 DeviceName::mig(g.minor, &m.profile, m.gi_profile_id, m.placement.start)
             }
@@ -121,7 +120,7 @@ pub(super) fn plan(
             }
         };
         let (gpu, mig, kind) = match resolved {
-            Resolved::Gpu(g) | Resolved::Shared(g) => (g, None, DeviceKind::Gpu),
+            Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
             Resolved::Mig(g, m) => (
                 g,
                 Some(MigRecord {
@@ -154,15 +153,12 @@ pub(super) fn plan(
                 .map_err(config_err)?;
         let mut sharing = sharing::sharing_for(config, kind, &r.device).map_err(config_err)?;
         let mut consumed = None;
-        if let Resolved::Shared(g) = resolved {
-            let share = share(r, g, &sharing, &out)?;
+        if let Resolved::Gpu(g) = resolved
+            && let Some((share, settings)) = share(opts, r, g, &sharing, &out)?
+        {
             consumed = Some(share);
             // The share's limits are its MPS client settings, behind the GPU's daemon.
-            sharing = Sharing::Mps(MpsSettings {
-                active_thread_percentage: Some(share.compute),
-                pinned_memory_limit: Some(share.memory),
-                per_device_pinned_memory_limit: BTreeMap::new(),
-            });
+            sharing = Sharing::Mps(settings);
         }
         index.insert((r.pool.as_str(), r.device.as_str()), out.len());
         out.push(DeviceRecord {
@@ -201,37 +197,73 @@ fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
     pods
 }
 
-/// What a share of `gpu-<minor>-shared` consumes, from its allocation result: `consumedCapacity`
-/// (`memory` in bytes, `compute` in percent), the published request policy's default where the
-/// scheduler left one out. Refused: a result without a `shareID` (not a consumable-capacity
-/// allocation), a claim config that asks for another sharing (the share's sharing is its
-/// capacity), quantities that are not the published kind, and a second GPU's share beside the
-/// claim's first (a container has one MPS pipe directory).
+/// Whether result `r` of GPU `gpu` is a share of it, and if so what it consumes and the MPS
+/// client settings that enforce it; `None` for the GPU whole.
+///
+/// A share is an allocation with a `shareID` whose `consumedCapacity` holds less `memory` than
+/// the GPU publishes (`--shared-capacity`). Without a `shareID` the allocation is a plain one;
+/// without `memory`, or with all of it, it took the policy's default, the whole GPU: both are
+/// the GPU, exclusive, with no MPS. An admin-access allocation is never a share. A share's CUDA memory limit is its memory less its part of
+/// the MPS server's own ([`shares::cuda_limit`]); its thread percentage comes from its config
+/// (`mpsConfig.defaultActiveThreadPercentage`), else from the multiprocessors it asked for,
+/// else it has none. Refused: a share where the GPU is not published shareable, memory below
+/// the policy's minimum, quantities that are not the published kind, a config the share cannot
+/// follow ([`sharing::share_thread_percentage`]), and a second GPU's share beside the claim's
+/// first (a container has one MPS pipe directory).
 fn share(
+    opts: &Options,
     r: &DeviceRequestAllocationResult,
     gpu: &Gpu,
     configured: &Sharing,
     earlier: &[DeviceRecord],
-) -> Result<Consumed, ClaimError> {
+) -> Result<Option<(Consumed, MpsSettings)>, ClaimError> {
     let bad = |reason: String| ClaimError::BadShare {
         device: r.device.clone(),
         request: r.request.clone(),
         reason,
     };
-    if r.share_id.is_none() {
-        return Err(bad(
-            "the allocation has no shareID; the scheduler did not allocate it as a \
-             consumable-capacity share (is the DRAConsumableCapacity feature gate on in the \
-             scheduler?)"
-                .into(),
-        ));
+    // Admin access (monitoring) reaches the GPU beside whoever uses it, outside its MPS daemon.
+    if r.share_id.is_none() || r.admin_access == Some(true) {
+        return Ok(None);
     }
-    if !matches!(configured, Sharing::Exclusive) {
-        return Err(bad(
-            "a claim config sets its sharing, but a share is shared by its consumed capacity \
-             (MPS per GPU); drop the sharing config for this request"
-                .into(),
-        ));
+    let consumed = r.consumed_capacity.as_ref();
+    let get = |name: &str| consumed.and_then(|c| c.get(name)).map(|q| q.0.as_str());
+    let Some(q) = get("memory") else {
+        return Ok(None);
+    };
+    let memory = inventory::parse_quantity(q)
+        .ok_or_else(|| bad(format!("consumed memory {q:?} is not a quantity of bytes")))?;
+    let total = shares::shareable_memory(gpu.memory_bytes);
+    if memory >= total {
+        return Ok(None);
+    }
+    if !opts.shared_capacity {
+        return Err(bad(format!(
+            "it consumes {} of the GPU's memory, a share, but shares are prepared only with \
+             --shared-capacity (was the switch turned off after the claim was allocated?); \
+             delete the pod so the scheduler places it again",
+            quantity(memory)
+        )));
+    }
+    if !shares::is_shareable(gpu.memory_bytes) {
+        return Err(bad(format!(
+            "it consumes {} of the GPU's memory, a share, but the GPU ({} of memory) is too \
+             small to be shared and is not published shareable; delete the pod so the \
+             scheduler places it again",
+            quantity(memory),
+            quantity(gpu.memory_bytes)
+        )));
+    }
+    let min = shares::min_share(total);
+    if memory < min {
+        return Err(bad(format!(
+            "it consumes {} of the GPU's memory, less than the smallest share the GPU publishes \
+             ({}, so that at most {} shares fit, as many as MPS serves); the allocation was made \
+             against other slices: delete the pod so the scheduler places it again",
+            quantity(memory),
+            quantity(min),
+            shares::MAX_SHARES
+        )));
     }
     if let Some(other) = earlier
         .iter()
@@ -243,37 +275,46 @@ fn share(
             other.device
         )));
     }
-    let consumed = r.consumed_capacity.as_ref();
-    let get = |name: &str| consumed.and_then(|c| c.get(name)).map(|q| q.0.as_str());
-    let memory = match get("memory") {
-        None => MEMORY_STEP,
-        Some(q) => inventory::parse_quantity(q)
-            .ok_or_else(|| bad(format!("consumed memory {q:?} is not a quantity of bytes")))?,
+    let multiprocessors = match get("multiprocessors") {
+        None => None,
+        Some(q) => {
+            let n = inventory::parse_quantity(q)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "consumed multiprocessors {q:?} is not a whole number of SMs"
+                    ))
+                })?;
+            (n > 0).then_some(n)
+        }
     };
-    let compute = match get("compute") {
-        None => FULL_COMPUTE,
-        Some(q) => q
-            .parse::<u32>()
-            .ok()
-            .filter(|c| (1..=FULL_COMPUTE).contains(c))
-            .ok_or_else(|| {
-                bad(format!(
-                    "consumed compute {q:?} is not a whole percent from 1 to {FULL_COMPUTE}"
-                ))
-            })?,
-    };
-    if memory == 0 {
-        return Err(bad("the share consumes no memory".into()));
-    }
-    Ok(Consumed { memory, compute })
+    let configured =
+        sharing::share_thread_percentage(configured).map_err(|source| ClaimError::Config {
+            request: r.request.clone(),
+            source,
+        })?;
+    let active_thread_percentage = configured.or_else(|| {
+        let total = gpu.multiprocessors?;
+        multiprocessors.map(|k| shares::thread_percentage(k, total))
+    });
+    Ok(Some((
+        Consumed {
+            memory,
+            multiprocessors,
+        },
+        MpsSettings {
+            active_thread_percentage,
+            pinned_memory_limit: Some(shares::cuda_limit(memory, total)),
+            per_device_pinned_memory_limit: BTreeMap::new(),
+        },
+    )))
 }
 
 /// What an allocated device name stands for on this node.
 #[derive(Clone, Copy)]
 enum Resolved<'a> {
+    /// A whole GPU, or (`--shared-capacity`) a share of it: its allocation result says which.
     Gpu(&'a Gpu),
-    /// A share of a whole GPU (`gpu-<minor>-shared`).
-    Shared(&'a Gpu),
     Mig(&'a Gpu, &'a MigDevice),
     /// A placement with no instance yet: created at prepare (partitionable mode).
     MigToCreate(&'a Gpu, &'a inventory::MigProfile, Placement),
@@ -298,16 +339,6 @@ fn resolve_device<'a>(
             g.minor
         )),
         Some(PublishedDevice::Gpu(g)) => Ok(Resolved::Gpu(g)),
-        Some(PublishedDevice::Shared(_)) if !opts.shared_capacity => Err(
-            "shareable GPUs are published, and their shares prepared, only with \
-             --shared-capacity"
-                .into(),
-        ),
-        Some(PublishedDevice::Shared(g)) if g.in_mig_mode() => Err(format!(
-            "GPU {} is in MIG mode and is not shared by capacity",
-            g.minor
-        )),
-        Some(PublishedDevice::Shared(g)) => Ok(Resolved::Shared(g)),
         Some(PublishedDevice::Mig {
             parent,
             existing: Some(m),

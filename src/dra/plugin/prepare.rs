@@ -21,7 +21,7 @@ use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
 use crate::api;
 use crate::ids::ClaimUid;
-use crate::inventory::Inventory;
+use crate::inventory::{Inventory, quantity};
 use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord};
 use std::collections::BTreeMap;
 
@@ -214,21 +214,51 @@ impl Plugin {
     }
 }
 
-/// The first of `devices` that another claim in `claims` holds, as that claim's error.
+/// The first of `devices` that another claim in `claims` holds, as that claim's error: a share
+/// meeting a claim that holds its GPU whole, a whole GPU meeting shares of it, or a device in
+/// use.
 pub(super) fn conflict(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     uid: &ClaimUid,
     devices: &[DeviceRecord],
 ) -> Result<(), ClaimError> {
-    match ledger::held_by_another(claims, uid, devices) {
-        Some((d, other_uid, other)) => Err(ClaimError::DeviceInUse {
+    let Some((d, other_uid, other)) = ledger::held_by_another(claims, uid, devices) else {
+        return Ok(());
+    };
+    if d.consumed.is_some() {
+        return Err(ClaimError::ShareOnWholeGpu {
             device: d.device.to_string(),
             namespace: other.namespace.clone(),
             name: other.name.clone(),
             uid: other_uid.clone(),
-        }),
-        None => Ok(()),
+        });
     }
+    let shares_of_gpu = |e: &ClaimEntry| {
+        e.devices
+            .iter()
+            .any(|o| o.gpu == d.gpu && o.consumed.is_some())
+    };
+    if shares_of_gpu(other) {
+        let holders: Vec<String> = claims
+            .iter()
+            .filter(|(u, e)| *u != uid && shares_of_gpu(e))
+            .map(|(u, e)| format!("{}/{} ({u})", e.namespace, e.name))
+            .collect();
+        let holders = match holders.as_slice() {
+            [one] => format!("claim {one}"),
+            many => format!("claims {}", many.join(", ")),
+        };
+        return Err(ClaimError::WholeGpuOnShares {
+            device: d.device.to_string(),
+            holders,
+        });
+    }
+    Err(ClaimError::DeviceInUse {
+        device: d.device.to_string(),
+        namespace: other.namespace.clone(),
+        name: other.name.clone(),
+        uid: other_uid.clone(),
+    })
 }
 
 /// The first share of `devices` that does not fit on its GPU beside the other shares of it, as
@@ -239,18 +269,19 @@ pub(super) fn fits(
     devices: &[DeviceRecord],
     inv: &Inventory,
 ) -> Result<(), ClaimError> {
-    let memory_of =
-        |g: &crate::inventory::GpuUuid| inv.gpu_by_uuid(g.as_str()).map(|g| g.memory_bytes);
+    let memory_of = |g: &crate::inventory::GpuUuid| {
+        inv.gpu_by_uuid(g.as_str())
+            .map(|g| ledger::shares::shareable_memory(g.memory_bytes))
+    };
     match ledger::shares::overcommitted(claims, uid, devices, memory_of) {
         Some(o) => Err(ClaimError::OverCapacity {
-            device: o.device,
             gpu: inv
                 .gpu_by_uuid(o.gpu.as_str())
                 .map(|g| format!("gpu-{} ({})", g.minor, o.gpu))
                 .unwrap_or_else(|| o.gpu.to_string()),
-            wanted: o.wanted,
-            total: o.total,
-            held: o.held,
+            wanted: quantity(o.wanted),
+            total: quantity(o.total),
+            held: quantity(o.held),
             holders: if o.holders.is_empty() {
                 "no other share".into()
             } else {

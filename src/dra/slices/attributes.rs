@@ -13,7 +13,7 @@ use super::{
 };
 use crate::ids::DeviceName;
 use crate::inventory::{Engines, Gpu, MigDevice, MigProfile, MigUuid, Placement, quantity};
-use crate::ledger::shares::{FULL_COMPUTE, MEMORY_STEP};
+use crate::ledger::shares;
 
 /// Normalizes a driver-reported version to semantic versioning 2.0.0, or `None` when it cannot be
 /// read as one (the attribute is then left out rather than published as a string, which would
@@ -202,56 +202,61 @@ pub(super) fn gpu_device(gpu: &Gpu) -> Device {
     }
 }
 
-/// The shareable twin of a whole GPU (`--shared-capacity`): the GPU's attributes with `type`
-/// `gpu-shared` (so a class selecting `type == 'gpu'`, NVIDIA's included, never hands a share out
-/// as a whole GPU) and `shared: true`; several allocations at once, each consuming `memory` (1 GiB
-/// steps, default 1 GiB) and `compute` (percent of the SMs, default 100). `None` for a GPU with
-/// less than 2 GiB, where no share of a whole GiB is left beside the smallest.
-pub(super) fn shared_gpu_device(gpu: &Gpu) -> Option<Device> {
-    let whole_gib = gpu.memory_bytes / MEMORY_STEP;
-    if whole_gib < 2 {
+/// A GPU outside MIG mode as `--shared-capacity` publishes it: the whole GPU's device, which the
+/// scheduler may allocate many times (`allowMultipleAllocations`), each allocation consuming
+/// part of it by the request policies (see [`crate::ledger::shares`]):
+///
+/// - `memory` (rounded down to a MiB): default the whole GPU, so a claim that asks for no memory
+///   gets the GPU exclusively, as on a GPU published without the switch; the smallest share
+///   lets at most 48 shares (MPS's clients per GPU) fit; steps of 1Mi.
+/// - `multiprocessors`: default 0, from 0 to all in steps of 1, so a share that does not ask
+///   for SMs is not charged all of them (without a policy the scheduler charges the whole value
+///   to each allocation). What a share asks the scheduler counts, and the node applies as a
+///   cap (MPS's active thread percentage): SMs are not partitioned.
+///
+/// `None` for a GPU too small to share ([`shares::is_shareable`]): it is published as without
+/// the switch.
+pub(super) fn shareable_gpu_device(gpu: &Gpu) -> Option<Device> {
+    if !shares::is_shareable(gpu.memory_bytes) {
         return None;
     }
-    let mut a = gpu_attributes(gpu);
-    a.insert("type".into(), string("gpu-shared"));
-    a.insert("shared".into(), boolean(true));
-    let policy = |default: &str, min: &str, max: String, step: &str| CapacityRequestPolicy {
-        default: Some(Quantity(default.into())),
-        valid_range: Some(CapacityRequestPolicyRange {
-            min: Quantity(min.into()),
-            max: Some(Quantity(max)),
-            step: Some(Quantity(step.into())),
-        }),
-        valid_values: None,
-    };
-    let (step, full) = (quantity(MEMORY_STEP), FULL_COMPUTE.to_string());
-    let mut c = Capacities::new();
+    let mut d = gpu_device(gpu);
+    let memory = shares::shareable_memory(gpu.memory_bytes);
+    let c = d.capacity.get_or_insert_with(Capacities::new);
     c.insert(
         "memory".into(),
-        DeviceCapacity {
-            value: Quantity(quantity(gpu.memory_bytes)),
-            request_policy: Some(policy(
-                &step,
-                &step,
-                quantity(whole_gib * MEMORY_STEP),
-                &step,
-            )),
-        },
+        consumable(
+            quantity(memory),
+            quantity(memory),
+            quantity(shares::min_share(memory)),
+            quantity(shares::MEMORY_STEP),
+        ),
     );
-    c.insert(
-        "compute".into(),
-        DeviceCapacity {
-            value: Quantity(full.clone()),
-            request_policy: Some(policy(&full, "1", full.clone(), "1")),
-        },
-    );
-    Some(Device {
-        name: DeviceName::shared(gpu.minor).into(),
-        attributes: Some(a),
-        capacity: Some(c),
-        allow_multiple_allocations: Some(true),
-        ..Default::default()
-    })
+    if let Some(sms) = gpu.multiprocessors {
+        c.insert(
+            "multiprocessors".into(),
+            consumable(sms.to_string(), "0".into(), "0".into(), "1".into()),
+        );
+    }
+    d.allow_multiple_allocations = Some(true);
+    Some(d)
+}
+
+/// A consumable capacity of `value` whose request policy defaults to `default` and allows
+/// `min..=value` in steps of `step` from `min`.
+fn consumable(value: String, default: String, min: String, step: String) -> DeviceCapacity {
+    DeviceCapacity {
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(Quantity(default)),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min: Quantity(min),
+                max: Some(Quantity(value.clone())),
+                step: Some(Quantity(step)),
+            }),
+            valid_values: None,
+        }),
+        value: Quantity(value),
+    }
 }
 
 /// What a MIG device is made of, whether it exists or is a placement that could be created.

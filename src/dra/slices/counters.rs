@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceCounterConsumption};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::attributes::{MigShape, gpu_device, mig_device, shared_gpu_device};
+use super::attributes::{MigShape, mig_device};
 use super::names::extra_counter_set_name;
 use super::{
     Error, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTERS_PER_SET, Result, counter_set_name,
@@ -191,49 +191,4 @@ pub(super) fn partitioned(gpu: &Gpu) -> Result<Partitioned> {
         counters: counters.sets,
         devices,
     })
-}
-
-/// A GPU outside MIG mode with `--shared-capacity`: the whole GPU and its shareable twin, both
-/// consuming all of the GPU's memory from one counter set (`gpu-<minor>-counter-set`), so the
-/// scheduler hands the GPU out whole or in shares, never both. The shareable device consumes its
-/// counters once, however many shares it has (how the allocator counts a device that allows
-/// multiple allocations). A GPU too small to share (see [`shared_gpu_device`]) is the whole GPU
-/// alone, without counters.
-pub(super) fn shareable(gpu: &Gpu) -> Partitioned {
-    let memory = quantity(gpu.memory_bytes);
-    let set = counter_set_name(gpu.minor);
-    let consumption = || {
-        vec![DeviceCounterConsumption {
-            counter_set: set.clone(),
-            counters: BTreeMap::from([(
-                "memory".to_string(),
-                Counter {
-                    value: Quantity(memory.clone()),
-                },
-            )]),
-        }]
-    };
-    let mut whole = gpu_device(gpu);
-    let Some(mut shared) = shared_gpu_device(gpu) else {
-        return Partitioned {
-            minor: gpu.minor,
-            counters: Vec::new(),
-            devices: vec![whole],
-        };
-    };
-    whole.consumes_counters = Some(consumption());
-    shared.consumes_counters = Some(consumption());
-    Partitioned {
-        minor: gpu.minor,
-        counters: vec![CounterSet {
-            name: set.clone(),
-            counters: BTreeMap::from([(
-                "memory".to_string(),
-                Counter {
-                    value: Quantity(memory.clone()),
-                },
-            )]),
-        }],
-        devices: vec![whole, shared],
-    }
 }

@@ -15,10 +15,8 @@ pub(super) fn extra_counter_set_name(minor: u32, n: usize) -> String {
 /// What a published device name stands for on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PublishedDevice<'a> {
-    /// A whole GPU.
+    /// A whole GPU (with `--shared-capacity`, also what a share of it is allocated from).
     Gpu(&'a Gpu),
-    /// The shareable twin of a whole GPU (`--shared-capacity`), handed out by quantity.
-    Shared(&'a Gpu),
     /// A MIG device: one that exists, or (in partitionable mode) a placement that could be
     /// created.
     Mig {
@@ -36,7 +34,6 @@ pub enum PublishedDevice<'a> {
 pub fn find_device<'a>(inv: &'a Inventory, name: &str) -> Option<PublishedDevice<'a>> {
     let rest = name.strip_prefix("gpu-")?;
     let (minor, mig) = match rest.split_once('-') {
-        Some((minor, "shared")) => (minor, None),
         Some((minor, mig)) => (minor, Some(mig.strip_prefix("mig-")?)),
         None => (rest, None),
     };
@@ -44,9 +41,6 @@ pub fn find_device<'a>(inv: &'a Inventory, name: &str) -> Option<PublishedDevice
         return None;
     }
     let parent = inv.gpu_by_minor(minor.parse().ok()?)?;
-    if rest.ends_with("-shared") {
-        return Some(PublishedDevice::Shared(parent));
-    }
     if mig.is_none() {
         return Some(PublishedDevice::Gpu(parent));
     }

@@ -5,8 +5,8 @@ use k8s_openapi::api::resource::v1::{
     CounterSet, Device, DeviceTaint, ResourcePool, ResourceSliceSpec,
 };
 
-use super::attributes::{MigShape, gpu_device, mig_device};
-use super::counters::{partitioned, shareable};
+use super::attributes::{MigShape, gpu_device, mig_device, shareable_gpu_device};
+use super::counters::partitioned;
 use super::{
     CounterLayout, Error, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, sort_devices,
@@ -92,10 +92,13 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
                 plain.push(tainted(dev, health, driver));
             }
             continue;
-        } else if opts.shared_capacity {
-            shareable(gpu)
         } else {
-            plain.push(tainted(gpu_device(gpu), &gpu.health, driver));
+            let whole = opts
+                .shared_capacity
+                .then(|| shareable_gpu_device(gpu))
+                .flatten()
+                .unwrap_or_else(|| gpu_device(gpu));
+            plain.push(tainted(whole, &gpu.health, driver));
             continue;
         };
         let mut g = group;

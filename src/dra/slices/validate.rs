@@ -391,6 +391,9 @@ fn check_request_policy(name: &str, value: &str, p: &CapacityRequestPolicy, out:
         return;
     };
     let default = p.default.as_ref().and_then(n);
+    if p.default.is_none() && (p.valid_range.is_some() || p.valid_values.is_some()) {
+        fail("a default is required when validRange or validValues is set");
+    }
     match (&p.valid_range, &p.valid_values) {
         (Some(_), Some(_)) => fail("validRange and validValues are mutually exclusive"),
         (Some(r), None) => {

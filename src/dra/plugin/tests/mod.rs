@@ -328,8 +328,10 @@ async fn a_device_is_never_prepared_for_two_claims() {
     e.prepare("admin").await.unwrap();
 }
 
+/// A shareID without consumed memory is an allocation of the policy's default, the whole GPU:
+/// recorded, and exclusive (shares are `shares.rs`).
 #[tokio::test]
-async fn shared_allocations_carry_share_ids_and_may_overlap() {
+async fn share_ids_are_recorded_and_a_whole_allocation_stays_exclusive() {
     let e = env("dgx-h100").await;
     let shared = |id: &str| {
         let mut r = result("gpu", "gpu-0");
@@ -339,10 +341,12 @@ async fn shared_allocations_carry_share_ids_and_may_overlap() {
     e.add(claim("s1", vec![shared("aaa")]));
     e.add(claim("s2", vec![shared("bbb")]));
     let d1 = e.prepare("s1").await.unwrap();
-    let d2 = e.prepare("s2").await.unwrap();
     assert_eq!(d1[0].share_id.as_deref(), Some("aaa"));
-    assert_eq!(d2[0].share_id.as_deref(), Some("bbb"));
-    // An exclusive claim on the same GPU is refused.
+    assert_eq!(d1[0].consumed, None);
+    assert!(matches!(
+        e.prepare("s2").await.unwrap_err(),
+        ClaimError::DeviceInUse { .. }
+    ));
     e.add(claim("x", vec![result("gpu", "gpu-0")]));
     assert!(matches!(
         e.prepare("x").await.unwrap_err(),

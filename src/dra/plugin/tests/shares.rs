@@ -1,27 +1,42 @@
 //! Consumable-capacity shares of a GPU (`--shared-capacity`): one MPS daemon per GPU, each
-//! share's limits in its claim's CDI spec, the GPU's capacity enforced across claims.
+//! share's limits in its claim's CDI spec, the GPU's memory enforced across claims, and an
+//! allocation of all of a GPU's memory prepared as the GPU whole.
 
 use super::*;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-pub(super) fn share(
+/// An allocation of `device` as the scheduler makes one of a shareable GPU: a shareID and what
+/// it consumes of each capacity (`multiprocessors` at its policy's default, 0).
+pub(super) fn share(request: &str, device: &str, memory: &str) -> DeviceRequestAllocationResult {
+    share_sms(request, device, memory, "0")
+}
+
+/// [`share`], asking for `sms` multiprocessors.
+pub(super) fn share_sms(
     request: &str,
     device: &str,
     memory: &str,
-    compute: &str,
+    sms: &str,
 ) -> DeviceRequestAllocationResult {
     DeviceRequestAllocationResult {
         share_id: Some(format!(
             "5f0e{:0>4}-0000-4000-8000-{:0>12}",
             memory.len(),
-            device.len()
+            request.len() * 100 + device.len()
         )),
         consumed_capacity: Some(BTreeMap::from([
             ("memory".to_string(), Quantity(memory.into())),
-            ("compute".to_string(), Quantity(compute.into())),
+            ("multiprocessors".to_string(), Quantity(sms.into())),
         ])),
         ..result(request, device)
     }
+}
+
+fn mps_config(mps: serde_json::Value) -> DeviceAllocationConfiguration {
+    opaque(
+        &[],
+        serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": mps}}),
+    )
 }
 
 fn mps_log(e: &Env) -> Vec<String> {
@@ -38,20 +53,28 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     mps::tests::fake_control(&e.dir.path().join("driver"));
     let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
     for uid in ["s1", "s2", "s3", "s4"] {
-        e.add(claim(uid, vec![share("nb", "gpu-0-shared", "24Gi", "25")]));
+        e.add(claim(uid, vec![share("nb", "gpu-0", "24Gi")]));
     }
     for uid in ["s1", "s2", "s3"] {
         let d = e.prepare(uid).await.unwrap();
-        assert_eq!(d[0].device, "gpu-0-shared");
+        assert_eq!(d[0].device, "gpu-0");
         assert!(d[0].share_id.is_some());
+        assert_eq!(
+            d[0].consumed,
+            Some(crate::ledger::Consumed {
+                memory: 24 << 30,
+                multiprocessors: None
+            })
+        );
         let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
+        // 24Gi less its part of the MPS server's reserve: 24576 MiB × 79/80.
         assert!(
-            spec.contains(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24576M")),
+            spec.contains(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24268M")),
             "{spec}"
         );
         assert!(
-            spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
-            "{spec}"
+            !spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            "no SM cap unless asked: {spec}"
         );
         assert!(
             spec.contains("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
@@ -73,15 +96,21 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     let err = e.prepare("s4").await.unwrap_err().to_string();
     for holder in ["s1", "s2", "s3"] {
         assert!(
-            err.contains(&format!(
-                "default/claim-{holder} ({holder}): 24Gi memory, 25% compute"
-            )),
+            err.contains(&format!("default/claim-{holder} ({holder}): 24Gi")),
             "{err}"
         );
     }
-    assert!(err.contains(&format!("gpu-0 ({gpu})")), "{err}");
-    assert!(err.contains("80Gi memory, 100% compute in all"), "{err}");
-    assert!(err.contains("hold 72Gi memory, 75% compute"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "the scheduler placed this share of 24Gi memory on GPU gpu-0 ({gpu}), which has \
+             80Gi in all, and its other shares hold 72Gi"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("delete the pod so the scheduler places it again"),
+        "{err}"
+    );
     assert_eq!(
         e.state("s4"),
         None,
@@ -107,25 +136,151 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     e.prepare("s4").await.unwrap();
 }
 
+/// A share and a claim that holds the GPU whole exclude each other, whichever came first, and
+/// the refusal names the real cause and what to do: the scheduler placed it on a GPU in use.
 #[tokio::test]
 async fn a_share_and_the_whole_gpu_exclude_each_other() {
     let e = env("dgx-h100").await;
     mps::tests::fake_control(&e.dir.path().join("driver"));
-    e.add(claim("s", vec![share("nb", "gpu-1-shared", "8Gi", "10")]));
-    e.add(claim("w", vec![result("gpu", "gpu-1")]));
+    e.add(claim("s", vec![share("nb", "gpu-1", "8Gi")]));
+    e.add(claim("t", vec![share("nb", "gpu-1", "8Gi")]));
+    // Whole as the scheduler allocates a claim that asks for no memory: all of it.
+    e.add(claim("w", vec![share("gpu", "gpu-1", "80Gi")]));
     e.prepare("s").await.unwrap();
-    let err = e.prepare("w").await.unwrap_err().to_string();
-    assert!(
-        err.contains("already prepared for claim default/claim-s"),
-        "{err}"
+    e.prepare("t").await.unwrap();
+    let err = e.prepare("w").await.unwrap_err();
+    assert!(matches!(err, ClaimError::WholeGpuOnShares { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "the scheduler placed a whole-GPU claim on gpu-1, which shares of claims \
+         default/claim-s (s), default/claim-t (t) hold; the node refuses it rather than hand a \
+         GPU in use whole (the allocation was made against an older state): delete the pod so \
+         the scheduler places it again, or wait until those shares end"
     );
     e.unprepare("s").await.unwrap();
+    e.unprepare("t").await.unwrap();
     e.prepare("w").await.unwrap();
-    let err = e.prepare("s").await.unwrap_err().to_string();
+    let err = e.prepare("s").await.unwrap_err();
+    assert!(matches!(err, ClaimError::ShareOnWholeGpu { .. }), "{err}");
     assert!(
-        err.contains("already prepared for claim default/claim-w"),
+        err.to_string().starts_with(
+            "the scheduler placed this share on GPU gpu-1, which claim default/claim-w (w) uses \
+             whole;"
+        ),
         "{err}"
     );
+    assert!(
+        err.to_string().ends_with(
+            "delete the pod so the scheduler places it again, or wait until that claim ends"
+        ),
+        "{err}"
+    );
+    // A plain allocation (no shareID) of the GPU is whole too.
+    e.unprepare("w").await.unwrap();
+    e.add(claim("p", vec![result("gpu", "gpu-1")]));
+    e.prepare("p").await.unwrap();
+    assert!(matches!(
+        e.prepare("s").await.unwrap_err(),
+        ClaimError::ShareOnWholeGpu { .. }
+    ));
+}
+
+/// An allocation that consumes all of a shareable GPU's memory (a claim that asked for none,
+/// or for all of it) is the GPU whole: exclusive, no MPS, no share recorded.
+#[tokio::test]
+async fn all_of_the_memory_is_the_gpu_whole_without_mps() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let mut no_capacity = result("gpu", "gpu-3");
+    no_capacity.share_id = Some("5f0e0000-0000-4000-8000-000000000003".into());
+    for (uid, r) in [
+        ("whole", share("gpu", "gpu-2", "80Gi")),
+        ("no-capacity", no_capacity),
+    ] {
+        e.add(claim(uid, vec![r]));
+        let d = e.prepare(uid).await.unwrap();
+        assert_eq!(d[0].consumed, None, "{uid}");
+        assert_eq!(d[0].sharing, Sharing::Exclusive, "{uid}");
+        assert!(d[0].share_id.is_some(), "{uid}");
+        let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
+        assert!(!spec.contains("CUDA_MPS"), "{uid}: {spec}");
+    }
+    assert!(mps_log(&e).is_empty(), "no MPS daemon for a whole GPU");
+    // Exclusive: the second whole allocation of gpu-2 is refused as any second claim is.
+    e.add(claim("again", vec![share("gpu", "gpu-2", "80Gi")]));
+    assert!(matches!(
+        e.prepare("again").await.unwrap_err(),
+        ClaimError::DeviceInUse { .. }
+    ));
+}
+
+/// An admin-access allocation (monitoring) of a shared GPU is no share: it runs beside the
+/// shares, outside the GPU's MPS daemon, and is not counted against its memory.
+#[tokio::test]
+async fn admin_access_beside_shares_is_no_share() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    e.add(claim("s", vec![share("nb", "gpu-6", "72Gi")]));
+    let mut admin = share("mon", "gpu-6", "24Gi");
+    admin.admin_access = Some(true);
+    e.add(claim("admin", vec![admin]));
+    e.prepare("s").await.unwrap();
+    let d = e.prepare("admin").await.unwrap();
+    assert_eq!(d[0].consumed, None);
+    assert_eq!(d[0].sharing, Sharing::Exclusive);
+    let spec = std::fs::read_to_string(e.spec("admin")).unwrap();
+    assert!(!spec.contains("CUDA_MPS"), "{spec}");
+}
+
+/// What a share asks of the SMs is a cap (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`): from its
+/// config's `defaultActiveThreadPercentage` when set, else the smallest percentage covering the
+/// multiprocessors it asked for (132 on an H100).
+#[tokio::test]
+async fn a_shares_sm_cap_comes_from_its_config_or_the_multiprocessors_it_asked() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let pct = |uid: &str| {
+        let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
+        spec.lines()
+            .find_map(|l| {
+                l.split("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=")
+                    .nth(1)
+                    .map(|v| v.trim_matches(|c: char| !c.is_ascii_digit()).to_string())
+            })
+            .unwrap_or_default()
+    };
+    e.add(claim("sms", vec![share_sms("nb", "gpu-4", "16Gi", "33")]));
+    let d = e.prepare("sms").await.unwrap();
+    assert_eq!(d[0].consumed.unwrap().multiprocessors, Some(33));
+    assert_eq!(pct("sms"), "25");
+
+    e.add(claim_with(
+        "cfg",
+        vec![share("nb", "gpu-4", "16Gi")],
+        vec![mps_config(
+            serde_json::json!({"defaultActiveThreadPercentage": 40}),
+        )],
+    ));
+    e.prepare("cfg").await.unwrap();
+    assert_eq!(pct("cfg"), "40");
+
+    // The config wins over the asked SMs.
+    e.add(claim_with(
+        "both",
+        vec![share_sms("nb", "gpu-4", "16Gi", "33")],
+        vec![mps_config(
+            serde_json::json!({"defaultActiveThreadPercentage": 60}),
+        )],
+    ));
+    e.prepare("both").await.unwrap();
+    assert_eq!(pct("both"), "60");
+    // The node checks memory only: asked SMs are the scheduler's to count (it would not place
+    // these three together) and the node's to cap, so three asking 100 of 132 each still fit.
+    for uid in ["x1", "x2", "x3"] {
+        e.add(claim(uid, vec![share_sms("nb", "gpu-5", "8Gi", "100")]));
+        e.prepare(uid).await.unwrap();
+        assert_eq!(pct(uid), "76");
+    }
 }
 
 #[tokio::test]
@@ -139,40 +294,52 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
         &str,
     )> = vec![
         (
-            "a",
-            vec![result("nb", "gpu-0-shared")],
-            vec![],
-            "has no shareID",
-        ),
-        (
             "b",
-            vec![share("nb", "gpu-0-shared", "200Gi", "10")],
+            vec![share("nb", "gpu-0", "1Gi")],
             vec![],
-            "200Gi memory",
+            "less than the smallest share the GPU publishes (1672Mi",
         ),
         (
             "c",
-            vec![share("nb", "gpu-0-shared", "4Gi", "250")],
+            vec![share("nb", "gpu-0", "lots")],
             vec![],
-            "not a whole percent",
+            "consumed memory \"lots\" is not a quantity of bytes",
         ),
         (
             "d",
-            vec![
-                share("a", "gpu-0-shared", "4Gi", "10"),
-                share("b", "gpu-1-shared", "4Gi", "10"),
-            ],
+            vec![share("a", "gpu-0", "4Gi"), share("b", "gpu-1", "4Gi")],
             vec![],
             "one claim's shares must be of one GPU",
         ),
         (
             "e",
-            vec![share("nb", "gpu-0-shared", "4Gi", "10")],
+            vec![share("nb", "gpu-0", "4Gi")],
             vec![opaque(
                 &[],
                 serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing"}}),
             )],
-            "drop the sharing config",
+            "sharing.strategy: TimeSlicing cannot apply to a share of a GPU",
+        ),
+        (
+            "f",
+            vec![share("nb", "gpu-0", "4Gi")],
+            vec![mps_config(
+                serde_json::json!({"defaultPinnedDeviceMemoryLimit": "2Gi"}),
+            )],
+            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: a share's memory limit is the \
+             memory it consumes",
+        ),
+        (
+            "g",
+            vec![share("a", "gpu-0", "4Gi"), share("b", "gpu-0", "4Gi")],
+            vec![],
+            "the claim already has an allocation of it (request a)",
+        ),
+        (
+            "h",
+            vec![share_sms("nb", "gpu-0", "4Gi", "1.5")],
+            vec![],
+            "consumed multiprocessors \"1.5\" is not a whole number of SMs",
         ),
     ];
     for (uid, results, config, want) in cases {
@@ -188,7 +355,7 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
 async fn a_restart_brings_the_gpus_daemon_back_for_its_shares() {
     let e = env("dgx-h100").await;
     mps::tests::fake_control(&e.dir.path().join("driver"));
-    e.add(claim("s", vec![share("nb", "gpu-2-shared", "8Gi", "10")]));
+    e.add(claim("s", vec![share("nb", "gpu-2", "8Gi")]));
     e.prepare("s").await.unwrap();
     let gpu = e.sim.snapshot().unwrap().gpus[2].uuid.clone();
     let pipe = e.dir.path().join(format!("plugin/mps/shared-{gpu}/pipe"));

@@ -1,5 +1,5 @@
-//! `--shared-capacity`: the shareable twin of every whole GPU, its consumable capacities and the
-//! counters that keep it and the whole GPU apart.
+//! `--shared-capacity`: each GPU outside MIG mode is one device the scheduler may allocate many
+//! times, by consumable `memory` (default: the whole GPU) and `multiprocessors` (default: 0).
 
 use super::*;
 use crate::inventory::{TaintEffect, TaintKey};
@@ -17,131 +17,174 @@ fn policy(d: &Device, name: &str) -> (String, String, String, String, String) {
     )
 }
 
+fn q(v: &str) -> String {
+    v.to_string()
+}
+
 #[test]
-fn every_whole_gpu_gets_a_shareable_twin_drawing_on_the_same_counters() {
+fn every_whole_gpu_is_one_device_allocated_whole_or_in_shares() {
     let inv = profile("dgx-h100");
     let specs = desired_slices(&inv, &shared(false)).unwrap();
-    let devices = all_devices(&specs);
-    assert_eq!(devices.len(), 16, "{:?}", names(&specs));
+    let off = desired_slices(&inv, &plain()).unwrap();
+    assert_eq!(names(&specs), names(&off), "no twins");
+    assert_eq!(names(&specs).len(), 8);
+    assert!(specs.iter().all(|s| s.shared_counters.is_none()));
     for g in &inv.gpus {
-        let whole = device(&specs, &format!("gpu-{}", g.minor));
-        let twin = device(&specs, &format!("gpu-{}-shared", g.minor));
-        assert_eq!(twin.allow_multiple_allocations, Some(true));
-        assert_eq!(whole.allow_multiple_allocations, None);
-        // The whole GPU's attributes, but typed so that `type == 'gpu'` never picks a share.
-        let mut expected = whole.attributes.clone().unwrap();
-        expected.insert("type".into(), s("gpu-shared"));
-        expected.insert("shared".into(), boolean(true));
-        assert_eq!(twin.attributes.as_ref().unwrap(), &expected);
-        let memory = cap(whole, "memory");
-        assert_eq!(memory, "80Gi");
+        let d = device(&specs, &format!("gpu-{}", g.minor));
+        let whole = device(&off, &format!("gpu-{}", g.minor));
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        assert_eq!(d.consumes_counters, None);
+        // The same attributes: `type == 'gpu'` selects it, whole or a share.
+        assert_eq!(d.attributes, whole.attributes);
+        assert_eq!(attr(d, "type"), &s("gpu"));
+        // A claim that asks for no memory gets all of it; at most 48 shares fit.
         assert_eq!(
-            policy(twin, "memory"),
-            (
-                memory.clone(),
-                "1Gi".into(),
-                "1Gi".into(),
-                "80Gi".into(),
-                "1Gi".into()
-            )
+            policy(d, "memory"),
+            (q("80Gi"), q("80Gi"), q("1672Mi"), q("80Gi"), q("1Mi"))
         );
+        // Asked SMs are a cap; a share that asks none is charged none.
         assert_eq!(
-            policy(twin, "compute"),
-            (
-                "100".into(),
-                "100".into(),
-                "1".into(),
-                "100".into(),
-                "1".into()
-            )
+            policy(d, "multiprocessors"),
+            (q("132"), q("0"), q("0"), q("132"), q("1"))
         );
-        assert_eq!(twin.capacity.as_ref().unwrap().len(), 2);
-        let set = format!("gpu-{}-counter-set", g.minor);
-        let want = BTreeMap::from([((set.clone(), "memory".to_string()), memory.clone())]);
-        assert_eq!(consumed(whole), want);
-        assert_eq!(consumed(twin), want);
-        let sets: Vec<&CounterSet> = specs
-            .iter()
-            .flat_map(|s| s.shared_counters.iter().flatten())
-            .filter(|c| c.name == set)
-            .collect();
-        assert_eq!(sets.len(), 1);
-        assert_eq!(sets[0].counters["memory"].value.0, memory);
+        // Everything else as without the switch, without a policy.
+        let mut rest = d.capacity.clone().unwrap();
+        rest.remove("memory");
+        rest.remove("multiprocessors");
+        let mut want = whole.capacity.clone().unwrap();
+        want.remove("memory");
+        want.remove("multiprocessors");
+        assert_eq!(rest, want);
+        assert!(rest.values().all(|c| c.request_policy.is_none()));
     }
 }
 
 #[test]
-fn both_layouts_pass_the_api_rules() {
-    let inv = profile("dgx-h100");
-    // 1.35+: a counters-only slice, then the devices.
+fn memory_is_published_in_whole_mib_so_the_policy_lies_on_its_steps() {
+    let mut inv = profile("dgx-h100");
+    // A GPU whose memory is not a whole number of MiB (NVML reports bytes).
+    inv.gpus[3].memory_bytes = (81559 << 20) + 123_456;
     let specs = desired_slices(&inv, &shared(false)).unwrap();
-    assert!(specs[0].devices.is_none() && specs[0].shared_counters.is_some());
-    // 1.34: each GPU's counters with its two devices.
-    let together = SliceOptions {
-        layout: CounterLayout::Together,
-        ..shared(false)
-    };
-    let specs = desired_slices(&inv, &together).unwrap();
-    assert_eq!(specs.len(), 8);
-    for s in &specs {
-        assert_eq!(s.devices.as_ref().unwrap().len(), 2);
-        assert_eq!(s.shared_counters.as_ref().unwrap().len(), 1);
-        assert!(validate(s).is_empty());
-    }
-    assert!(validate_pool(&specs).is_empty());
+    let d = device(&specs, "gpu-3");
+    assert_eq!(
+        policy(d, "memory"),
+        (
+            q("81559Mi"),
+            q("81559Mi"),
+            q("1665Mi"),
+            q("81559Mi"),
+            q("1Mi")
+        )
+    );
+    assert!(validate(&specs[0]).is_empty());
+    // Without the switch the byte count stays as it is.
+    let off = desired_slices(&inv, &plain()).unwrap();
+    assert_eq!(
+        cap(device(&off, "gpu-3"), "memory"),
+        format!("{}", (81559u64 << 20) + 123_456)
+    );
 }
 
 #[test]
-fn gpus_in_mig_mode_are_not_shared_by_capacity() {
+fn the_policies_pass_the_api_rules_and_the_rules_catch_a_broken_one() {
+    for name in [
+        "dgx-h100",
+        "dgx-a100",
+        "l40s-pcie",
+        "pcie-pairs",
+        "hgx-h200",
+    ] {
+        let inv = profile(name);
+        let specs = desired_slices(&inv, &shared(false)).unwrap();
+        for s in &specs {
+            assert!(validate(s).is_empty(), "{name}: {:?}", validate(s));
+        }
+        assert!(validate_pool(&specs).is_empty(), "{name}");
+    }
+    let inv = profile("dgx-h100");
+    let specs = desired_slices(&inv, &shared(false)).unwrap();
+    let broken = |f: &dyn Fn(&mut CapacityRequestPolicy)| {
+        let mut spec = specs[0].clone();
+        let d = &mut spec.devices.as_mut().unwrap()[0];
+        f(d.capacity
+            .as_mut()
+            .unwrap()
+            .get_mut("memory")
+            .unwrap()
+            .request_policy
+            .as_mut()
+            .unwrap());
+        validate(&spec)
+            .into_iter()
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    assert!(broken(&|p| p.default = None).contains("a default is required"));
+    assert!(
+        broken(&|p| p.default = Some(Quantity("1Gi".into())))
+            .contains("the default must lie within validRange")
+    );
+    assert!(
+        broken(&|p| p.default = Some(Quantity("2147483649".into())))
+            .contains("the default must be min plus a multiple of step")
+    );
+    assert!(
+        broken(&|p| p.valid_range.as_mut().unwrap().min = Quantity("81Gi".into()))
+            .contains("min <= max <= value")
+    );
+}
+
+#[test]
+fn gpus_in_mig_mode_keep_their_mig_devices_and_gpus_too_small_are_not_shared() {
     let inv = profile("a100-mig-mixed");
     for partitionable in [false, true] {
-        let specs = desired_slices(&inv, &shared(partitionable)).unwrap();
-        let twins: Vec<String> = names(&specs)
+        let on = desired_slices(&inv, &shared(partitionable)).unwrap();
+        let off = desired_slices(
+            &inv,
+            &SliceOptions {
+                shared_capacity: false,
+                ..shared(partitionable)
+            },
+        )
+        .unwrap();
+        assert_eq!(names(&on), names(&off));
+        for g in &inv.gpus {
+            let whole = format!("gpu-{}", g.minor);
+            let multiple = all_devices(&on)
+                .into_iter()
+                .filter(|d| d.allow_multiple_allocations == Some(true))
+                .any(|d| d.name == whole);
+            assert_eq!(multiple, !g.in_mig_mode(), "{whole}");
+        }
+        // MIG devices are as without the switch.
+        for d in all_devices(&off)
             .into_iter()
-            .filter(|n| n.ends_with("-shared"))
-            .collect();
-        let whole: Vec<u32> = inv
-            .gpus
-            .iter()
-            .filter(|g| !g.in_mig_mode())
-            .map(|g| g.minor)
-            .collect();
-        assert!(!whole.is_empty());
-        assert_eq!(
-            twins,
-            whole
-                .iter()
-                .map(|m| format!("gpu-{m}-shared"))
-                .collect::<Vec<_>>()
-        );
+            .filter(|d| d.name.contains("-mig-"))
+        {
+            assert_eq!(device(&on, &d.name), d);
+        }
     }
+    let mut small = profile("dgx-h100");
+    small.gpus[0].memory_bytes = 2 << 30;
+    let specs = desired_slices(&small, &shared(false)).unwrap();
+    let d = device(&specs, "gpu-0");
+    assert_eq!(d.allow_multiple_allocations, None);
+    assert!(
+        d.capacity.as_ref().unwrap()["memory"]
+            .request_policy
+            .is_none()
+    );
 }
 
 #[test]
-fn an_unhealthy_gpu_taints_its_twin_too() {
+fn an_unhealthy_gpu_is_tainted_as_without_the_switch() {
     let mut inv = profile("dgx-h100");
-    let plain_taint = {
-        let mut sick = inv.clone();
-        sick.gpus[2].health = super::taints::tainted(TaintKey::Xid(79), TaintEffect::NoSchedule);
-        let specs = desired_slices(&sick, &plain()).unwrap();
-        device(&specs, "gpu-2").taints.clone()
-    };
     inv.gpus[2].health = super::taints::tainted(TaintKey::Xid(79), TaintEffect::NoSchedule);
+    let plain_taint = device(&desired_slices(&inv, &plain()).unwrap(), "gpu-2")
+        .taints
+        .clone();
     let specs = desired_slices(&inv, &shared(false)).unwrap();
     assert!(plain_taint.is_some());
     assert_eq!(device(&specs, "gpu-2").taints, plain_taint);
-    assert_eq!(device(&specs, "gpu-2-shared").taints, plain_taint);
-}
-
-#[test]
-fn the_rest_of_the_pool_is_as_without_the_switch() {
-    // Switched on, the whole GPUs keep their attributes and capacities; only counters are new.
-    let inv = profile("dgx-h100");
-    let off = desired_slices(&inv, &plain()).unwrap();
-    let on = desired_slices(&inv, &shared(false)).unwrap();
-    for d in all_devices(&off) {
-        let mut twin = device(&on, &d.name).clone();
-        twin.consumes_counters = None;
-        assert_eq!(&twin, d);
-    }
 }

@@ -247,6 +247,7 @@ async fn main() {
             boot_id: "bench".into(),
             partitionable: false,
             shared_capacity: true,
+            mps_root: dir.path().join("mps"),
         },
         api.cluster_api(),
         Arc::new(sim),

@@ -69,6 +69,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         health: Default::default(),
         fault_file: Some(root.join("faults")),
         node_labels: false,
+        mps_root: root.join("mps"),
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {

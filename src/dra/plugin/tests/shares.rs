@@ -35,7 +35,7 @@ fn mps_log(e: &Env) -> Vec<String> {
 #[tokio::test]
 async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
     for uid in ["s1", "s2", "s3", "s4"] {
         e.add(claim(uid, vec![share("nb", "gpu-0-shared", "24Gi", "25")]));
@@ -58,7 +58,7 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
             "{spec}"
         );
     }
-    let pipe = e.dir.path().join(format!("plugin/mps/shared-{gpu}/pipe"));
+    let pipe = e.plugin.inner.mps.gpu_pipe_dir(&gpu);
     assert_eq!(
         mps_log(&e),
         vec![format!("start {gpu} {}", pipe.display())],
@@ -92,10 +92,11 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     // Unprepared out of order: the daemon stays while any share is left.
     e.unprepare("s2").await.unwrap();
     e.unprepare("s1").await.unwrap();
-    assert!(pipe.join("control").exists());
+    assert!(e.plugin.inner.mps.gpu_requested(&gpu));
     assert!(e.spec("s3").exists());
     e.unprepare("s3").await.unwrap();
-    assert!(!pipe.exists());
+    assert!(!e.plugin.inner.mps.gpu_requested(&gpu));
+    mps::tests::eventually("the host removes the released daemon", || !pipe.exists());
     assert_eq!(
         mps_log(&e),
         vec![
@@ -110,7 +111,7 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
 #[tokio::test]
 async fn a_share_and_the_whole_gpu_exclude_each_other() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     e.add(claim("s", vec![share("nb", "gpu-1-shared", "8Gi", "10")]));
     e.add(claim("w", vec![result("gpu", "gpu-1")]));
     e.prepare("s").await.unwrap();
@@ -131,7 +132,7 @@ async fn a_share_and_the_whole_gpu_exclude_each_other() {
 #[tokio::test]
 async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let cases: Vec<(
         &str,
         Vec<DeviceRequestAllocationResult>,
@@ -187,21 +188,25 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
 #[tokio::test]
 async fn a_restart_brings_the_gpus_daemon_back_for_its_shares() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     e.add(claim("s", vec![share("nb", "gpu-2-shared", "8Gi", "10")]));
     e.prepare("s").await.unwrap();
     let gpu = e.sim.snapshot().unwrap().gpus[2].uuid.clone();
-    let pipe = e.dir.path().join(format!("plugin/mps/shared-{gpu}/pipe"));
-    // The node rebooted: the daemon is gone.
-    std::fs::remove_file(pipe.join("control")).unwrap();
-    let (_p, rec, _stop) = e.restart(e.sim.clone()).await;
+    let pipe = e.plugin.inner.mps.gpu_pipe_dir(&gpu);
+    // The node rebooted: the MPS root (a tmpfs) is empty.
+    std::fs::remove_dir_all(pipe.parent().unwrap()).unwrap();
+    let (p, rec, _stop) = e.restart(e.sim.clone()).await;
     assert!(rec.failed.is_empty(), "{rec:?}");
-    assert!(pipe.join("control").exists(), "restarted for the share");
-    assert_eq!(
+    assert!(
+        p.inner.mps.gpu_requested(&gpu),
+        "asked for again for the share"
+    );
+    mps::tests::eventually("the host starts it again", || {
         mps_log(&e)
             .iter()
             .filter(|l| l.starts_with("start"))
-            .count(),
-        2
-    );
+            .count()
+            == 2
+    });
+    assert!(p.inner.mps.alive_gpu(&gpu));
 }

@@ -166,7 +166,8 @@ pub struct MpsHostArgs {
         long,
         env = "NVDRA_MPS_PRIVATE_SHM",
         value_name = "BOOL",
-        default_value = "true",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
         hide = true
     )]
     pub private_shm: bool,

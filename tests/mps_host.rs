@@ -9,7 +9,8 @@
 //!   answers and serves new clients;
 //! - a reboot (a new boot id): the host removes the directories of the old boot and keeps one
 //!   requested in the new boot;
-//! - a `quit` that hangs: the daemon is killed after the deadline and its directory removed.
+//! - a `quit` that hangs: the daemon is killed after the deadline and its directory removed;
+//! - a daemon serves a second UID only when the request asks for multi-user mode (`-M`).
 //!
 //! Runs as root (the host gives each daemon its own mount namespace), as the CI does.
 
@@ -394,4 +395,51 @@ async fn a_daemon_whose_quit_hangs_is_killed_after_the_deadline() {
         0,
         "it never quit by itself"
     );
+}
+
+/// The stand-in daemon serves one UID at a time, as MPS does, unless the request asks for
+/// multi-user mode, which the host passes on as `-M`.
+#[test]
+fn a_daemon_serves_another_uid_only_in_multi_user_mode() {
+    use nvdra::mps::dir::{DaemonId, DaemonSpec, Layout};
+    let n = Node::new(&[]);
+    let _host = n.host(&[]);
+    let layout = Layout::new(n.p("mps"));
+    for (i, multi_user) in [false, true].into_iter().enumerate() {
+        let id = DaemonId::gpu(&nvdra::inventory::GpuUuid(n.gpu(i)));
+        let staging = n.p(&format!("mps/.new-{i}"));
+        std::fs::create_dir(&staging).unwrap();
+        Layout::make_subdirs(&staging).unwrap();
+        let spec = DaemonSpec {
+            devices: vec![n.gpu(i)],
+            multi_user,
+            owner: format!("test {i}"),
+            boot_id: Some("boot-1".into()),
+        };
+        std::fs::write(
+            staging.join("daemon.json"),
+            serde_json::to_vec(&spec).unwrap(),
+        )
+        .unwrap();
+        std::fs::rename(&staging, layout.dir(&id)).unwrap();
+        let pipe = layout.pipe(&id);
+        mps::eventually("the daemon answers", || {
+            mps::ask(&n.driver(), &pipe, "get_server_list").is_some()
+        });
+        let first = mps::ask(&n.driver(), &pipe, "start_server -uid 1000").unwrap();
+        assert!(first.trim().parse::<u32>().is_ok(), "{first:?}");
+        let second = mps::ask(&n.driver(), &pipe, "start_server -uid 1001").unwrap();
+        if multi_user {
+            assert!(second.trim().parse::<u32>().is_ok(), "{second:?}");
+            assert_ne!(first, second);
+        } else {
+            assert!(second.contains("uid 1000 is running"), "{second:?}");
+        }
+        let servers = mps::ask(&n.driver(), &pipe, "get_server_list").unwrap();
+        assert_eq!(
+            servers.lines().count(),
+            1 + usize::from(multi_user),
+            "{servers:?}"
+        );
+    }
 }

@@ -17,9 +17,9 @@
 //! a share prepared while another share of its GPU keeps the GPU's MPS daemon running,
 //! interleaved with whole-GPU prepares in one loop so that both see the same disk (goal: share
 //! p50 <= 1.2x whole-GPU p50); and, reported apart, a GPU's first share, whose prepare starts the
-//! daemon. `nvidia-cuda-mps-control` is a shell script under the driver root that creates and
-//! removes the daemon's `control` pipe file, so the first-share figure is nvdra's cost plus one
-//! fork/exec of `sh`, not a real daemon's start-up.
+//! daemon. The daemons are the stand-in `nvidia-cuda-mps-control` (`nvdra mps-standin`), run by
+//! `nvdra mps-host` as on a node: the first-share figure includes the host noticing the request
+//! (it scans every 200 ms) and the daemon answering, not a real daemon's start-up.
 //!
 //! The node is a DGX A100 profile widened to 64 GPUs, simulated. Run with
 //! `cargo bench --bench prepare`.
@@ -134,20 +134,34 @@ const FIRST_SHARE_RUNS: usize = 100;
 const SHARED_GPU: u32 = 0;
 const FIRST_SHARE_GPU: u32 = 1;
 
-/// A `nvidia-cuda-mps-control` under `driver_root`: `-d` makes the daemon's `control` pipe file,
-/// `quit` on stdin removes it (what nvdra looks at to tell whether the daemon runs).
-fn fake_mps_control(driver_root: &Path) {
+/// The stand-in MPS (`nvdra mps-standin`, real processes) under the driver root and
+/// `nvdra mps-host` running its daemons, as on a node: a share's prepare waits until its GPU's
+/// daemon answers. The host is killed with the returned child (its daemons die with it).
+fn mps_host(root: &Path) -> std::process::Child {
     use std::os::unix::fs::PermissionsExt;
-    let bin = driver_root.join("usr/bin");
+    let bin = root.join("driver/usr/bin");
     std::fs::create_dir_all(&bin).expect("driver root");
     let path = bin.join("nvidia-cuda-mps-control");
     std::fs::write(
         &path,
-        "#!/bin/sh\nif [ \"$1\" = -d ]; then : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
-         else cat > /dev/null; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
+        format!(
+            "#!/bin/sh\nexec '{}' mps-standin \"$@\"\n",
+            env!("CARGO_BIN_EXE_nvdra")
+        ),
     )
-    .expect("write the fake MPS control");
+    .expect("write the stand-in MPS control");
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::write(root.join("boot_id"), "bench\n").expect("boot id");
+    std::process::Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .arg("mps-host")
+        .arg("--mps-root")
+        .arg(root.join("mps"))
+        .arg("--driver-root")
+        .arg(root.join("driver"))
+        .env("NVDRA_BOOT_ID_FILE", root.join("boot_id"))
+        .env("NVDRA_LOG", "warn")
+        .spawn()
+        .expect("nvdra mps-host")
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -233,7 +247,7 @@ async fn unprepare_ok(client: &mut Client, uid: &str) -> Duration {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
-    fake_mps_control(&dir.path().join("driver"));
+    let mut host = mps_host(dir.path());
     let api = bench_api::start(NODE, DRIVER).await;
     let inv = wide_inventory();
     let sim = SimBackend::new(inv);
@@ -247,6 +261,7 @@ async fn main() {
             boot_id: "bench".into(),
             partitionable: false,
             shared_capacity: true,
+            mps_root: dir.path().join("mps"),
         },
         api.cluster_api(),
         Arc::new(sim),
@@ -477,4 +492,6 @@ async fn main() {
     );
     stop.cancel();
     api.stop().await;
+    let _ = host.kill();
+    let _ = host.wait();
 }

@@ -11,8 +11,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::{
     self, ApiSettings, Backend, BackendSettings, Config, DaemonSettings, FileConfig,
-    HealthSettings, KubeletSettings, LogFormat, LogSettings, PluginSettings, ServeSettings,
-    Settings,
+    HealthSettings, KubeletSettings, LogFormat, LogSettings, MpsRootSettings, PluginSettings,
+    ServeSettings, Settings,
 };
 use crate::dra::slices;
 #[cfg(feature = "tools")]
@@ -65,6 +65,17 @@ pub enum Command {
     /// all compile; 1: some do not; 2: bad input.
     #[cfg(feature = "tools")]
     Validate(ValidateArgs),
+    /// Run the node's MPS control daemons (for shared GPUs) in their own DaemonSet: one per
+    /// request the plugin writes under --mps-root, restarted when it exits, quit when released.
+    MpsHost(Box<MpsHostArgs>),
+    /// A stand-in for nvidia-cuda-mps-control (daemon, server, client, CUDA client) as real
+    /// processes, for tests and the demo.
+    #[cfg(feature = "tools")]
+    #[command(hide = true, disable_help_flag = true)]
+    MpsStandin {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Flags of `nvdra run`.
@@ -91,6 +102,9 @@ pub struct RunArgs {
     #[command(flatten)]
     pub health: HealthSettings,
 
+    #[command(flatten)]
+    pub mps: MpsRootSettings,
+
     /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
     #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
     pub boot_id_file: Option<PathBuf>,
@@ -111,6 +125,61 @@ impl RunArgs {
             daemon: self.daemon.clone(),
             log: log.clone(),
             health: self.health.clone(),
+            mps: self.mps.clone(),
+        }
+    }
+}
+
+/// Flags of `nvdra mps-host`: the MPS root, and the driver root where the control binary is.
+#[derive(Debug, Args)]
+#[command(
+    mut_arg("backend", |a| a.hide(true)),
+    mut_arg("profile", |a| a.hide(true)),
+    mut_arg("topology", |a| a.hide(true)),
+    mut_arg("dev_root", |a| a.hide(true)),
+    mut_arg("node_name", |a| a.hide(true))
+)]
+pub struct MpsHostArgs {
+    #[command(flatten)]
+    pub backend: BackendSettings,
+
+    #[command(flatten)]
+    pub mps: MpsRootSettings,
+
+    /// Read the boot id from this file instead of /proc/sys/kernel/random/boot_id (tests).
+    #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
+    pub boot_id_file: Option<PathBuf>,
+
+    /// How long a released daemon may take to quit before it is killed.
+    #[arg(
+        long,
+        env = "NVDRA_MPS_QUIT_DEADLINE",
+        value_name = "DURATION",
+        default_value = "10s",
+        hide = true
+    )]
+    pub quit_deadline: String,
+
+    /// Give each daemon its own /dev/shm (needs CAP_SYS_ADMIN). `false` only for demos and
+    /// tests without that privilege: daemons then share the host's /dev/shm.
+    #[arg(
+        long,
+        env = "NVDRA_MPS_PRIVATE_SHM",
+        value_name = "BOOL",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        hide = true
+    )]
+    pub private_shm: bool,
+}
+
+impl MpsHostArgs {
+    fn settings(&self, log: &LogSettings) -> Settings {
+        Settings {
+            backend: self.backend.clone(),
+            mps: self.mps.clone(),
+            log: log.clone(),
+            ..Settings::default()
         }
     }
 }
@@ -223,6 +292,7 @@ pub fn main() -> ExitCode {
     match &cli.command {
         Command::Match(args) => return tools::run_match(&cli, args),
         Command::Validate(args) => return tools::run_validate(args),
+        Command::MpsStandin { args } => return crate::mps::standin::main(args),
         _ => {}
     }
     match run(cli) {
@@ -348,7 +418,29 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Demo => tools::run_demo(&cli),
         // Dispatched by `main` before `run`: they have exit codes of their own.
         #[cfg(feature = "tools")]
-        Command::Match(_) | Command::Validate(_) => Ok(()),
+        Command::Match(_) | Command::Validate(_) | Command::MpsStandin { .. } => Ok(()),
+        Command::MpsHost(args) => {
+            let config = load_config(&cli, args.settings(&cli.log))?;
+            init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
+            let quit_deadline =
+                crate::health::parse_duration(&args.quit_deadline).map_err(|e| {
+                    Failure::Config(config::Error {
+                        key: "--quit-deadline".into(),
+                        message: e.to_string(),
+                    })
+                })?;
+            crate::mps::host::main(crate::mps::host::Options {
+                root: config.mps_root.clone(),
+                driver_root: config.driver_root.ctr().to_path_buf(),
+                boot_id_file: args
+                    .boot_id_file
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from(crate::ledger::BOOT_ID_PATH)),
+                quit_deadline,
+                private_shm: args.private_shm,
+            })
+            .map_err(|e| Failure::Other(e.into()))
+        }
         Command::Run(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");

@@ -28,7 +28,7 @@ mod settings;
 pub use file::FileConfig;
 pub use settings::{
     ApiSettings, BackendSettings, ClusterSettings, DaemonSettings, HealthSettings, KubeletSettings,
-    LogSettings, PluginSettings, Section, ServeSettings, Settings,
+    LogSettings, MpsRootSettings, PluginSettings, Section, ServeSettings, Settings,
 };
 
 /// The config file version this build reads.
@@ -41,6 +41,9 @@ pub const DEFAULT_CDI_ROOT: &str = "/var/run/cdi";
 /// Prometheus' exporter range, with node-exporter on 9100 and dcgm-exporter on 9400; 10250-10259
 /// the kubelet and control plane; 30000-32767 NodePorts; 32768 and up the ephemeral range).
 pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:8496";
+/// A tmpfs on every Linux host (`/run`), and short: `<root>/<id>/pipe/control` stays far under
+/// the 107 bytes a socket path may hold.
+pub const DEFAULT_MPS_ROOT: &str = "/run/nvdra/mps";
 
 /// A configuration problem. `key` names the flag, variable or file key at fault.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -141,6 +144,8 @@ pub struct Config {
     pub fault_file: Option<PathBuf>,
     /// Keep gpu-feature-discovery's labels on the Node current.
     pub node_labels: bool,
+    /// Where the MPS control daemons' directories are (`crate::mps::dir`).
+    pub mps_root: PathBuf,
 }
 
 /// Every path under the kubelet's root directory is derived here, from `kubelet_root`.
@@ -196,6 +201,7 @@ fn validate(settings: Settings) -> Result<Config> {
         daemon,
         log,
         health,
+        mps,
     } = settings;
 
     let names = || topology::profile_names().join(", ");
@@ -359,6 +365,7 @@ fn validate(settings: Settings) -> Result<Config> {
             "--device-plugin-gpu-memory",
         )?,
         node_labels: need(daemon.node_labels, "--node-labels")?,
+        mps_root: absolute("--mps-root", need(mps.mps_root, "--mps-root")?)?,
     })
 }
 

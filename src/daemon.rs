@@ -254,6 +254,7 @@ pub async fn run(
             boot_id,
             partitionable: config.partitionable,
             shared_capacity: config.shared_capacity,
+            mps_root: config.mps_root.clone(),
         },
         api.clone(),
         backend.clone(),

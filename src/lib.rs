@@ -27,5 +27,6 @@ pub mod ledger;
 #[cfg(feature = "tools")]
 pub mod matching;
 pub mod metrics;
+pub mod mps;
 pub mod sharing;
 pub mod yaml;

@@ -191,8 +191,9 @@ fn podman_runs_a_claim_prepared_by_the_daemon() {
 }
 
 /// As above for a share of the GPU (`--shared-capacity`, 24Gi and 33 of the 132 SMs of `gpu-0`):
-/// the container also gets the share's MPS limits and the GPU's MPS pipe
-/// directory, in which it sees the daemon's `control` (made by a fake `nvidia-cuda-mps-control`).
+/// the container also gets the share's MPS limits and the GPU's MPS pipe directory, in which it
+/// sees the control socket of the daemon `nvdra mps-host` runs (the stand-in
+/// `nvidia-cuda-mps-control`).
 #[test]
 fn podman_runs_a_share_prepared_by_the_daemon() {
     with_engine(|e| check_prepared_by_daemon(e, true));
@@ -254,7 +255,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
 
     let device = format!("gpu-{}", gpu.minor);
     let result = if share {
-        mps::fake_control(&driver_root);
+        mps::install_standin(&driver_root);
         mps::share(
             "gpu",
             driver,
@@ -271,6 +272,15 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
     nvdra::api::dir::write_claim(&root.join("api"), &claim)?;
 
     let kubelet = root.join("kubelet");
+    let mps_root = root.join("mps");
+    let _host = share.then(|| {
+        mps::Host::start(
+            &mps_root,
+            &driver_root,
+            std::path::Path::new(nvdra::ledger::BOOT_ID_PATH),
+            &[],
+        )
+    });
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_nvdra"))
         .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
         .args(["--node-name", NODE, "--driver-name", driver])
@@ -284,15 +294,14 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         .arg(&driver_root)
         .arg("--driver-root-ctr-path")
         .arg(&ctr_path)
+        .arg("--mps-root")
+        .arg(&mps_root)
         .args(["--metrics-address", "127.0.0.1:0"])
         .args(share.then_some("--shared-capacity"))
         .env("NVDRA_LOG", "warn")
         .spawn()
         .context("cannot start nvdra run")?;
-    let pipe = mps::gpu_pipe_dir(
-        &kubelet.join(format!("plugins/{driver}")),
-        gpu.uuid.as_str(),
-    );
+    let pipe = mps::gpu_pipe_dir(&mps_root, gpu.uuid.as_str());
     let dra_socket = kubelet.join(format!("plugins/{driver}/dra.sock"));
     let spec_file = cdi_root.join(format!("k8s.{driver}-claim_{claim_uid}.yaml"));
 
@@ -432,6 +441,13 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             spec_file.display()
         );
         if share {
+            // The host quits the released daemon and removes its directory.
+            for _ in 0..500 {
+                if !pipe.exists() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
             ensure!(
                 !pipe.exists() && mps::count(&driver_root, "quit") == 1,
                 "the GPU's MPS daemon outlived its last share: {:?}",

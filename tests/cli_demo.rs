@@ -88,7 +88,10 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
         stdout.contains("One MPS control daemon serves the GPU's shares (start GPU-"),
         "{stdout}"
     );
-    assert!(stdout.contains("the daemon is told to quit"), "{stdout}");
+    assert!(
+        stdout.contains("the MPS host has the daemon quit"),
+        "{stdout}"
+    );
     assert!(stdout.contains("shut down cleanly"), "{stdout}");
     // The injected fault: the health stream says why, the slice keeps the device, tainted.
     assert!(stdout.contains("gpu-3 Unhealthy: XID 79"), "{stdout}");

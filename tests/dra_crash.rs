@@ -15,10 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kubelet_plugin::proto::dra::v1;
-use kubelet_plugin::proto::pluginregistration::{
-    InfoRequest, registration_client::RegistrationClient,
-};
-use tonic::transport::Channel;
+use support::dra::{prepare_at, terminate, unprepare_at, unprepare_call, wait_exit, wait_ready_at};
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
@@ -35,6 +32,8 @@ struct Dirs {
     nvml: bool,
     /// Run with `--shared-capacity` (shares of GPUs: `shares`).
     shared_capacity: bool,
+    /// `nvdra mps-host` over the MPS root `mps`, for shares.
+    mps_host: Option<support::mps::Host>,
 }
 
 impl Dirs {
@@ -46,6 +45,7 @@ impl Dirs {
             metrics_address: "127.0.0.1:0".into(),
             nvml: false,
             shared_capacity: false,
+            mps_host: None,
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -172,6 +172,8 @@ impl Dirs {
             .arg(self.p("cdi"))
             .arg("--driver-root")
             .arg(self.p("driver"))
+            .arg("--mps-root")
+            .arg(self.p("mps"))
             .args(["--metrics-address", &self.metrics_address])
             .env("NVDRA_BOOT_ID_FILE", self.boot_file())
             .env_remove("NVDRA_TEST_CRASH_AT")
@@ -192,80 +194,18 @@ impl Dirs {
     }
 }
 
-async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    kubelet_plugin::socket::connect(path).await
-}
-
 /// Waits until the process answers GetInfo on its registration socket (so its DRA socket
 /// serves), failing if it exits or 30 s pass.
 async fn wait_ready(d: &Dirs, child: &mut Child) {
     wait_ready_at(&d.reg_socket(), child).await
 }
 
-async fn wait_ready_at(reg_socket: &Path, child: &mut Child) {
-    for _ in 0..3000 {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("nvdra exited before serving: {status}");
-        }
-        if let Ok(ch) = unix_channel(reg_socket).await
-            && RegistrationClient::new(ch)
-                .get_info(InfoRequest {})
-                .await
-                .is_ok()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("nvdra did not serve within 30 s");
-}
-
 async fn prepare(d: &Dirs, uid: &str) -> Result<v1::NodePrepareResourceResponse, tonic::Status> {
     prepare_at(&d.dra_socket(), uid).await
 }
 
-async fn prepare_at(
-    dra_socket: &Path,
-    uid: &str,
-) -> Result<v1::NodePrepareResourceResponse, tonic::Status> {
-    let ch = unix_channel(dra_socket).await.unwrap();
-    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
-    let mut r = c
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: "default".into(),
-                uid: uid.into(),
-                name: format!("claim-{uid}"),
-            }],
-        })
-        .await?
-        .into_inner();
-    Ok(r.claims.remove(uid).expect("an entry for the claim"))
-}
-
 async fn unprepare(d: &Dirs, uid: &str) -> String {
     unprepare_at(&d.dra_socket(), uid).await
-}
-
-async fn unprepare_at(dra_socket: &Path, uid: &str) -> String {
-    unprepare_call(dra_socket, uid).await.unwrap()
-}
-
-/// A non-panicking unprepare, for a call the process may die in.
-async fn unprepare_call(dra_socket: &Path, uid: &str) -> Result<String, tonic::Status> {
-    let ch = unix_channel(dra_socket).await.unwrap();
-    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
-    let mut r = c
-        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: "default".into(),
-                uid: uid.into(),
-                name: format!("claim-{uid}"),
-            }],
-        })
-        .await?
-        .into_inner();
-    Ok(r.claims.remove(uid).expect("an entry").error)
 }
 
 /// Waits for `child` to stop at `point` and SIGKILLs it there, as the kernel's OOM killer or a
@@ -294,28 +234,6 @@ async fn kill_at_crash_point(d: &Dirs, child: &mut Child, point: &str) {
     let status = wait_exit(child).await;
     assert_eq!(status.signal(), Some(SIGKILL), "{point}: {status}");
     std::fs::remove_file(&marker).unwrap();
-}
-
-/// Waits for the process to exit without blocking the runtime, which must keep serving the
-/// test's client connections while the daemon drains them.
-async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    for _ in 0..6000 {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("nvdra did not exit within 60 s");
-}
-
-async fn terminate(child: &mut Child) -> std::process::ExitStatus {
-    // SIGTERM through kill(1), so the test needs no unsafe libc call.
-    let ok = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(ok.success());
-    wait_exit(child).await
 }
 
 /// Kills the daemon at `point` while it prepares claim `a` for `device`, restarts it, and checks

@@ -7,7 +7,7 @@
 //!   (`mode: device-plugin`, `extendedResources`, `nodeLabels`).
 //! - With every value set, the objects still pass the manifest checks (typed round trip with no
 //!   unknown field, the DaemonSet's contracts: no privileged container, same-path kubelet
-//!   mounts; RBAC no wider than the base's and the node-labels rule; the admission policy
+//!   mounts; the MPS host's contracts, with the plugin's image, nodes and driver root; RBAC no wider than the base's and the node-labels rule; the admission policy
 //!   naming the release's service account), every value lands where it should, every flag and
 //!   variable the chart renders is one `nvdra run` declares, and nvdra reads the device-plugin
 //!   config the chart writes.
@@ -121,7 +121,7 @@ fn the_default_values_render_the_kustomize_base_object_for_object() {
     assert_typed(&rendered, "helm template (defaults)");
     assert_same_objects(&rendered, &overlay(kubectl, "plain"), "defaults");
     // What the comparison covers: the whole base, every object, the Namespace included.
-    assert_eq!(rendered.len(), 12);
+    assert_eq!(rendered.len(), 13);
 }
 
 #[test]
@@ -236,6 +236,7 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
         .partition(|d| str_at(d, "/kind") == "ServiceMonitor");
     assert_typed(&core, origin);
     assert_daemonset_contracts(&docs, origin);
+    assert_mps_host_contracts(&docs, origin);
     // No Namespace; everything namespaced is in the release's.
     assert!(find(&docs, "Namespace", "gpu-system").is_none());
     for d in &docs {
@@ -348,6 +349,26 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
         "/spec/template/metadata/annotations/checksum~1device-plugin-config",
     );
     assert_eq!(checksum.len(), 64, "{checksum:?}");
+
+    // The MPS host: the same image, nodes and driver root as the plugin.
+    let host = find(&docs, "DaemonSet", "nvdra-mps-host").unwrap();
+    let host_pod = &host["spec"]["template"]["spec"];
+    let hc = &host_pod["containers"][0];
+    assert_eq!(hc["image"], c["image"]);
+    assert_eq!(hc["imagePullPolicy"], "IfNotPresent");
+    assert_eq!(host_pod["nodeSelector"], pod["nodeSelector"]);
+    assert_eq!(host_pod["tolerations"], pod["tolerations"]);
+    assert_eq!(host_pod["affinity"], pod["affinity"]);
+    assert_eq!(env(hc, "NVIDIA_DRIVER_ROOT"), Some("/run/nvidia/driver"));
+    assert_eq!(env(hc, "DRIVER_ROOT_CTR_PATH"), Some(DRIVER_ROOT_CTR_PATH));
+    let host_mount = hc["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "driver-root")
+        .expect("the driver root in the MPS host");
+    assert_eq!(str_at(host_mount, "/mountPath"), DRIVER_ROOT_CTR_PATH);
+    assert_eq!(host_mount["readOnly"], true);
 
     // The ServiceMonitor scrapes the Service, which selects the pods by their metrics port.
     let [monitor] = monitors.as_slice() else {

@@ -84,6 +84,8 @@ impl Daemon {
             .arg(p("cdi"))
             .arg("--driver-root")
             .arg(p("driver"))
+            .arg("--mps-root")
+            .arg(p("mps"))
             .args(["--metrics-address", "127.0.0.1:0"])
             .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
             .env_remove("NVDRA_TEST_CRASH_AT")

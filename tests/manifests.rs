@@ -8,7 +8,9 @@
 //! - The overlays do what they say (extended resources only in their overlay, nothing of DRA in
 //!   device-plugin-only, the Node patch only with the node-labels component), and the
 //!   DaemonSet keeps its contracts (same-path kubelet mounts, downward API, surge updates,
-//!   probes on the metrics port, no privileged container, sizes from the RSS benchmark).
+//!   probes on the metrics port, no privileged container, sizes from the RSS benchmark), and so
+//!   does the MPS host's (OnDelete, node-critical, no privileged container, only the
+//!   capabilities MPS needs, the MPS root shared with the plugin).
 //! - The ClusterRole allows every request nvdra's API client makes (recorded on the test API
 //!   server, one call of every `ClusterApi` method), and grants nothing that no call uses.
 //! - Each example states which built-in profiles it fits in one `# nvdra-match:` line.
@@ -161,7 +163,7 @@ fn every_manifest_parses_typed_with_no_unknown_field() {
         assert_typed(&docs, &origin);
         checked += docs.len();
     }
-    // The base alone has 12 objects; the examples add more.
+    // The base alone has 13 objects; the examples add more.
     assert!(checked > 20, "only {checked} objects checked");
 }
 
@@ -173,10 +175,11 @@ fn the_plain_overlay_is_dra_without_options() {
     let Some(kubectl) = kubectl() else { return };
     let docs = overlay(kubectl, "plain");
     assert_daemonset_contracts(&docs, "plain");
+    assert_mps_host_contracts(&docs, "plain");
     let expected: BTreeMap<String, usize> = [
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
-        ("DaemonSet", 1),
+        ("DaemonSet", 2),
         ("DeviceClass", 4),
         ("Namespace", 1),
         ("ServiceAccount", 1),
@@ -209,6 +212,7 @@ fn the_extended_resources_overlay_adds_only_the_extended_resource_name() {
     let plain = overlay(kubectl, "plain");
     let mut docs = overlay(kubectl, "extended-resources");
     assert_daemonset_contracts(&docs, "extended-resources");
+    assert_mps_host_contracts(&docs, "extended-resources");
     let class = docs
         .iter_mut()
         .find(|d| id(d) == "DeviceClass/gpu.nvidia.com")

@@ -20,7 +20,7 @@ use serde::{Deserialize, forward_to_deserialize_any};
 
 use super::{
     ApiSettings, BackendSettings, DaemonSettings, HealthSettings, KubeletSettings, LogSettings,
-    PluginSettings, ServeSettings,
+    MpsRootSettings, PluginSettings, ServeSettings,
 };
 use super::{FILE_VERSION, Result, Section, Settings, invalid};
 
@@ -87,6 +87,7 @@ pub(super) fn file_keys() -> &'static [&'static str] {
             keys_of::<DaemonSettings>(),
             keys_of::<LogSettings>(),
             keys_of::<HealthSettings>(),
+            keys_of::<MpsRootSettings>(),
         ]
         .concat()
     })
@@ -109,6 +110,7 @@ fn read_entry<'de, A: MapAccess<'de>>(
         daemon,
         log,
         health,
+        mps,
     } = settings;
     Ok(read_into(backend, key, map)?
         || read_into(plugin, key, map)?
@@ -117,7 +119,8 @@ fn read_entry<'de, A: MapAccess<'de>>(
         || read_into(serve, key, map)?
         || read_into(daemon, key, map)?
         || read_into(log, key, map)?
-        || read_into(health, key, map)?)
+        || read_into(health, key, map)?
+        || read_into(mps, key, map)?)
 }
 
 fn read_into<'de, T: Section, A: MapAccess<'de>>(

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use super::{
     BackendKind, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT,
-    DEFAULT_METRICS_ADDRESS, LogFormat, Mode,
+    DEFAULT_METRICS_ADDRESS, DEFAULT_MPS_ROOT, LogFormat, Mode,
 };
 
 /// One concern's settings, every field optional so that levels can be layered.
@@ -431,6 +431,33 @@ impl Section for HealthSettings {
     }
 }
 
+/// Where the MPS control daemons of shared GPUs live: `nvdra mps-host` runs them there, `nvdra
+/// run` asks for them there (`crate::mps::dir` describes the directory protocol).
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MpsRootSettings {
+    /// The host directory (a tmpfs, short: a socket path holds at most 107 bytes) that holds
+    /// one directory per MPS control daemon, shared by the plugin and the MPS host.
+    #[arg(long, env = "NVDRA_MPS_ROOT", value_name = "DIR")]
+    pub mps_root: Option<PathBuf>,
+}
+
+impl Section for MpsRootSettings {
+    fn defaults() -> Self {
+        Self {
+            mps_root: Some(DEFAULT_MPS_ROOT.into()),
+        }
+    }
+
+    fn or(self, lower: Self) -> Self {
+        let Self { mps_root } = self;
+        Self {
+            mps_root: mps_root.or(lower.mps_root),
+        }
+    }
+}
+
 /// How nvdra logs (every subcommand).
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
 #[cfg_attr(test, derive(serde::Serialize))]
@@ -488,6 +515,7 @@ pub struct Settings {
     pub daemon: DaemonSettings,
     pub log: LogSettings,
     pub health: HealthSettings,
+    pub mps: MpsRootSettings,
 }
 
 impl Settings {
@@ -501,6 +529,7 @@ impl Settings {
             daemon: Section::defaults(),
             log: Section::defaults(),
             health: Section::defaults(),
+            mps: Section::defaults(),
         }
     }
 
@@ -515,6 +544,7 @@ impl Settings {
             daemon,
             log,
             health,
+            mps,
         } = self;
         Self {
             backend: backend.or(lower.backend),
@@ -525,6 +555,7 @@ impl Settings {
             daemon: daemon.or(lower.daemon),
             log: log.or(lower.log),
             health: health.or(lower.health),
+            mps: mps.or(lower.mps),
         }
     }
 
@@ -539,6 +570,7 @@ impl Settings {
             daemon,
             log,
             health,
+            mps,
         } = self;
         Self {
             backend: backend.under(&higher.backend),
@@ -549,6 +581,7 @@ impl Settings {
             daemon: daemon.under(&higher.daemon),
             log: log.under(&higher.log),
             health: health.under(&higher.health),
+            mps: mps.under(&higher.mps),
         }
     }
 }

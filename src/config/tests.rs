@@ -251,6 +251,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("healthProbeInterval: 5s", "healthProbeInterval"),
         ("faultFile: /faults", "faultFile"),
         ("nodeLabels: true", "nodeLabels"),
+        ("mpsRoot: /run/mps", "mpsRoot"),
     ];
     let mut covered: Vec<&str> = vec!["version"];
     for (line, key) in cases {
@@ -281,6 +282,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "healthQuietPeriod" => s.health.health_quiet_period.is_some(),
             "healthProbeInterval" => s.health.health_probe_interval.is_some(),
             "faultFile" => s.health.fault_file.is_some(),
+            "mpsRoot" => s.mps.mps_root.is_some(),
             _ => unreachable!(),
         };
         assert!(set, "{line}: {s:?}");
@@ -295,6 +297,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             s.daemon != unset.daemon,
             s.log != unset.log,
             s.health != unset.health,
+            s.mps != unset.mps,
         ];
         assert_eq!(changed.iter().filter(|c| **c).count(), 1, "{line}");
         covered.push(key);
@@ -448,6 +451,7 @@ fn readme_configuration_table_matches_the_declarations() {
         serde_json::to_value(&d.daemon),
         serde_json::to_value(&d.log),
         serde_json::to_value(&d.health),
+        serde_json::to_value(&d.mps),
     ] {
         let serde_json::Value::Object(m) = section.unwrap() else {
             panic!("a settings struct serializes to a map");

@@ -69,6 +69,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         health: Default::default(),
         fault_file: Some(root.join("faults")),
         node_labels: false,
+        mps_root: root.join("mps"),
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
     let uuid_of = |minor: u32| -> Result<String> {
@@ -91,7 +92,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         root.display()
     )?;
 
-    shares::install_mps_stand_in(config.driver_root.ctr())?;
+    let mut mps_host = shares::start_mps_host(config.driver_root.ctr(), &config.mps_root)?;
     // Two claims the scheduler allocated: both got gpu-0, as after a force-deleted pod.
     write_claim(root, "train", "uid-train", &["gpu-0", "gpu-1"], true)?;
     write_claim(root, "notebook", "uid-notebook", &["gpu-0"], false)?;
@@ -258,6 +259,9 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
 
     stop.cancel();
     let stopped = daemon.await.context("the daemon task panicked")?;
+    // Its daemons die with it.
+    let _ = mps_host.kill();
+    let _ = mps_host.wait();
     result?;
     stopped?;
     writeln!(

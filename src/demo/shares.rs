@@ -2,12 +2,15 @@
 //! `manifests/examples/gpu-share-20gi.yaml` (class `gpu.nvidia.com`, 20Gi of memory),
 //! allocated as `nvdra match` allocates them one after another — both on `gpu-0`, which
 //! `--shared-capacity` publishes allocatable many times — and prepared: one MPS daemon for the
-//! GPU, each claim's CDI spec with its own pinned device memory limit. The GPUs are simulated, so
-//! a stand-in for `nvidia-cuda-mps-control` under the driver root records what nvdra asks of it.
+//! GPU, run by `nvdra mps-host` beside the plugin, each claim's CDI spec with its own pinned
+//! device memory limit. The GPUs are simulated, so the daemon is the stand-in for
+//! `nvidia-cuda-mps-control` (`nvdra mps-standin`), which records its starts and quits.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceSlice};
@@ -24,25 +27,51 @@ const CLAIMS: [(&str, &str); 2] = [
     ("gpu-share-20gi-2", "uid-share-2"),
 ];
 
-/// Writes the stand-in MPS control under `driver_root`: `-d` records the start and creates the
-/// daemon's control pipe (a file here), a command on stdin (`quit`) is recorded and removes it.
-pub fn install_mps_stand_in(driver_root: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
+/// The stand-in for the driver's MPS (`nvdra mps-standin`: a control daemon, servers and
+/// clients as real processes on unix sockets) under `driver_root`, logging to
+/// `<driver_root>/mps.log`, and `nvdra mps-host` running its daemons under `mps_root`, as the
+/// MPS host's DaemonSet does beside the plugin on a node. The host dies with the returned child.
+pub fn start_mps_host(driver_root: &Path, mps_root: &Path) -> Result<Child> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let nvdra = std::env::current_exe().context("cannot find the nvdra binary")?;
     let bin = driver_root.join("usr/bin");
     std::fs::create_dir_all(&bin).with_context(|| format!("cannot create {}", bin.display()))?;
-    let log = driver_root.join("mps.log");
     let script = format!(
         "#!/bin/sh\n# nvdra demo: a stand-in for the driver's MPS control on simulated GPUs.\n\
-         if [ \"$1\" = -d ]; then echo \"start $CUDA_VISIBLE_DEVICES\" >> '{log}'; \
-         : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
-         else while read l; do echo \"$l\" >> '{log}'; done; \
-         rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
-        log = log.display()
+         STANDIN_LOG='{log}' exec '{nvdra}' mps-standin \"$@\"\n",
+        log = driver_root.join("mps.log").display(),
+        nvdra = nvdra.display()
     );
     let path = bin.join(crate::dra::mps::CONTROL);
     std::fs::write(&path, script).with_context(|| format!("cannot write {}", path.display()))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
-    Ok(())
+    // A private /dev/shm per daemon needs CAP_SYS_ADMIN; a demo run by a user shares the host's.
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    let mut host = Command::new(nvdra)
+        .arg("mps-host")
+        .arg("--mps-root")
+        .arg(mps_root)
+        .arg("--driver-root")
+        .arg(driver_root)
+        .env("NVDRA_MPS_PRIVATE_SHM", root.to_string())
+        .env("NVDRA_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .context("cannot start nvdra mps-host")?;
+    // Ready once it recorded the boot.
+    let start = Instant::now();
+    while !mps_root.join("boot_id").exists() {
+        if let Some(status) = host.try_wait()? {
+            anyhow::bail!("nvdra mps-host exited: {status}");
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(10),
+            "nvdra mps-host did not start within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(host)
 }
 
 pub async fn run(
@@ -168,14 +197,27 @@ pub async fn run(
         let e = unprepare(dra, name, uid).await?;
         ensure!(e.is_empty(), "unpreparing {NAMESPACE}/{name} failed: {e}");
     }
-    let stopped = std::fs::read_to_string(&log).unwrap_or_default();
-    ensure!(
-        stopped.lines().last() == Some("quit"),
-        "the MPS daemon was not stopped: {stopped:?}"
-    );
+    // The host notices the release on its next scan, quits the daemon and removes its
+    // directory.
+    let start = Instant::now();
+    loop {
+        let stopped = std::fs::read_to_string(&log).unwrap_or_default();
+        if stopped
+            .lines()
+            .last()
+            .is_some_and(|l| l.starts_with("quit"))
+        {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(10),
+            "the MPS daemon was not stopped: {stopped:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     writeln!(
         out,
-        "   Both unprepared: the daemon is told to quit after the last share.\n"
+        "   Both unprepared: the MPS host has the daemon quit after the last share.\n"
     )?;
     Ok(())
 }

@@ -1,56 +1,71 @@
-//! MPS control daemons: one per claim shared with the MPS strategy, and one per GPU that
-//! consumable-capacity shares use (`--shared-capacity`).
+//! MPS control daemons as the plugin asks for them: one per GPU for its consumable-capacity
+//! shares, one per claim shared with the `MPS` strategy. The plugin runs none of them: it writes
+//! requests into the MPS root and the MPS host (`nvdra mps-host`, its own DaemonSet) runs the
+//! daemons, so they outlive the plugin's pod ([`crate::mps`] has the directory protocol).
 //!
-//! **Per claim**: one daemon serves all of the claim's MPS devices: a container has one
-//! `CUDA_MPS_PIPE_DIRECTORY`, so every MPS device it sees must sit behind one daemon. Since a
-//! device belongs to one claim at a time, this is also one daemon per shared GPU. It is started
-//! when the claim is prepared and stopped when it is unprepared; it lives in
-//! `<plugin dir>/mps/<claim-uid>/{pipe,log}`.
+//! **Per GPU**: the daemon belongs to the GPU: asked for with the first share
+//! ([`Mps::ensure_gpu`]), released after the last ([`Mps::stop_gpu`], which the caller invokes
+//! once the ledger holds no other share of it). A lock per GPU orders those two writes against
+//! each other, so a share prepared while the last other share goes never finds its daemon
+//! released. Only the writes run under it: waiting for the daemon to answer does not.
 //!
-//! **Per GPU** (shares of `gpu-<minor>-shared`): many claims share the GPU, so the daemon belongs
-//! to the GPU: started with the first share ([`Mps::ensure_gpu`]), stopped after the last
-//! ([`Mps::stop_gpu`], which the caller invokes once the ledger holds no other share of it). It
-//! lives in `<plugin dir>/mps/shared-<gpu-uuid>/{pipe,log}`. Each share's limits are its client
-//! environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), set by
-//! its CDI spec. A lock per GPU makes "start unless running" and "stop" atomic against each
-//! other, so a share prepared while the last other share goes never finds its daemon stopped.
+//! **Per claim**: one daemon serves all of the claim's MPS devices (a container has one
+//! `CUDA_MPS_PIPE_DIRECTORY`), asked for at prepare and released at unprepare.
 //!
-//! A daemon is started with `nvidia-cuda-mps-control -d` (found under the driver root) and
-//! stopped with `echo quit | nvidia-cuda-mps-control`. The directory's existence is the record
-//! that a daemon was started, so stop is idempotent and survives restarts; its `control` pipe
-//! tells whether the daemon still runs. All methods block (they run processes): call them off
-//! the async runtime.
+//! A daemon counts as running only when it answers `get_server_list` within 2 s
+//! ([`crate::mps::control::alive`]). After a request, the caller waits until it answers (10 s by
+//! default), or gets an error that says where to look. Releasing does not wait: the host quits
+//! the daemon. All methods block (they run processes or write files): call them off the async
+//! runtime.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, GpuUuid};
+use crate::mps::control;
+use crate::mps::dir::{DaemonId, DaemonSpec, Layout};
 use kubelet_plugin::lock::lock;
 
-pub const CONTROL: &str = "nvidia-cuda-mps-control";
+pub use crate::mps::control::CONTROL;
+
+/// How long a prepare waits for a requested daemon to answer.
+pub const START_DEADLINE: Duration = Duration::from_secs(10);
+/// An answer this recent stands for the daemon being up: a share prepared on a GPU whose daemon
+/// just answered (an earlier prepare, or the watch task's probe) runs no process.
+const ANSWER_FRESH: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error(
-        "MPS sharing was requested but {CONTROL} is not under the driver root {driver_root} \
-         (looked in usr/bin, usr/local/bin, bin); install the driver's MPS tools or use TimeSlicing"
-    )]
-    NoControl { driver_root: PathBuf },
-    #[error("cannot prepare the MPS directory {path}")]
-    Dir {
+    #[error(transparent)]
+    Control(#[from] control::Error),
+    #[error("cannot ask the MPS host for the daemon of {owner}: cannot write {path}")]
+    Request {
+        owner: Owner,
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
-    #[error("{CONTROL} {action} for {owner} failed: {reason}")]
-    Control {
-        action: &'static str,
+    #[error("cannot ask the MPS host for the daemon of {owner}")]
+    Write {
         owner: Owner,
-        reason: String,
+        #[source]
+        source: crate::durable::Error,
+    },
+    #[error(
+        "the MPS control daemon of {owner} does not answer after {waited:?}: either the MPS host \
+         (the nvdra-mps-host DaemonSet) is not running on this node, or the daemon fails to \
+         start (see {log} on the node)"
+    )]
+    NotAnswering {
+        owner: Owner,
+        waited: Duration,
+        log: PathBuf,
+        #[source]
+        last: Box<control::Error>,
     },
 }
 
@@ -63,6 +78,15 @@ pub enum Owner {
     Gpu(GpuUuid),
 }
 
+impl Owner {
+    fn id(&self) -> DaemonId {
+        match self {
+            Owner::Claim(c) => DaemonId::claim(c),
+            Owner::Gpu(g) => DaemonId::gpu(g),
+        }
+    }
+}
+
 impl fmt::Display for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -73,127 +97,116 @@ impl fmt::Display for Owner {
 }
 
 pub struct Mps {
-    root: PathBuf,
+    layout: Layout,
+    /// Where this process reads the driver's files: the control client is there.
     driver_root: PathBuf,
-    /// One lock per GPU with shares: start and stop of its daemon exclude each other.
+    /// Written into each request, so a host after a reboot knows which directories are stale.
+    boot_id: String,
+    start_deadline: Duration,
+    /// One lock per GPU with shares: its request and release exclude each other.
     gpu_locks: Mutex<HashMap<GpuUuid, Arc<Mutex<()>>>>,
+    /// When each daemon last answered.
+    answered: Mutex<HashMap<DaemonId, Instant>>,
 }
 
 impl Mps {
-    pub fn new(root: PathBuf, driver_root: PathBuf) -> Self {
+    /// `root`: the MPS root (`--mps-root`).
+    pub fn new(root: PathBuf, driver_root: PathBuf, boot_id: String) -> Self {
         Self {
-            root,
+            layout: Layout::new(root),
             driver_root,
+            boot_id,
+            start_deadline: START_DEADLINE,
             gpu_locks: Mutex::new(HashMap::new()),
+            answered: Mutex::new(HashMap::new()),
         }
     }
 
-    fn dir(&self, owner: &Owner) -> PathBuf {
-        match owner {
-            Owner::Claim(c) => self.root.join(c.as_str()),
-            Owner::Gpu(g) => self.root.join(format!("shared-{}", g.as_str())),
-        }
-    }
-
-    fn owner_pipe_dir(&self, owner: &Owner) -> PathBuf {
-        self.dir(owner).join("pipe")
-    }
-
-    fn log_dir(&self, owner: &Owner) -> PathBuf {
-        self.dir(owner).join("log")
+    /// How long a request waits for its daemon to answer (tests shorten it).
+    pub fn with_start_deadline(mut self, deadline: Duration) -> Self {
+        self.start_deadline = deadline;
+        self
     }
 
     /// The claim's `CUDA_MPS_PIPE_DIRECTORY` on the host.
     pub fn pipe_dir(&self, claim: &ClaimUid) -> PathBuf {
-        self.owner_pipe_dir(&Owner::Claim(claim.clone()))
+        self.layout.pipe(&DaemonId::claim(claim))
+    }
+
+    /// The claim's daemon's `/dev/shm` on the host, which its containers mount there too.
+    pub fn shm_dir(&self, claim: &ClaimUid) -> PathBuf {
+        self.layout.shm(&DaemonId::claim(claim))
     }
 
     /// The `CUDA_MPS_PIPE_DIRECTORY` of a GPU's shares on the host.
     pub fn gpu_pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.owner_pipe_dir(&Owner::Gpu(gpu.clone()))
+        self.layout.pipe(&DaemonId::gpu(gpu))
     }
 
-    fn control(&self) -> Result<PathBuf> {
-        ["usr/bin", "usr/local/bin", "bin"]
-            .iter()
-            .map(|d| self.driver_root.join(d).join(CONTROL))
-            .find(|p| p.is_file())
-            .ok_or_else(|| Error::NoControl {
-                driver_root: self.driver_root.clone(),
-            })
+    /// The `/dev/shm` of a GPU's share daemon and its clients on the host.
+    pub fn gpu_shm_dir(&self, gpu: &GpuUuid) -> PathBuf {
+        self.layout.shm(&DaemonId::gpu(gpu))
     }
 
-    /// Starts the claim's daemon for `devices` (GPU or MIG UUIDs); returns the pipe directory.
+    /// Asks for the claim's daemon for `devices` (GPU or MIG UUIDs) and waits until it answers;
+    /// returns the pipe directory. Asking again for a running daemon changes nothing.
     pub fn start(&self, claim: &ClaimUid, devices: &[DeviceUuid]) -> Result<PathBuf> {
-        self.start_for(&Owner::Claim(claim.clone()), devices)
+        let owner = Owner::Claim(claim.clone());
+        let devices = devices.iter().map(|d| d.as_str().to_string()).collect();
+        self.request(&owner, devices)?;
+        self.wait(&owner)?;
+        Ok(self.pipe_dir(claim))
     }
 
-    fn start_for(&self, owner: &Owner, devices: &[DeviceUuid]) -> Result<PathBuf> {
-        let control = self.control()?;
-        for dir in [self.owner_pipe_dir(owner), self.log_dir(owner)] {
-            std::fs::create_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })?;
-        }
-        let visible: Vec<&str> = devices.iter().map(DeviceUuid::as_str).collect();
-        let out = self
-            .command(&control, owner)
-            .env("CUDA_VISIBLE_DEVICES", visible.join(","))
-            .arg("-d")
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| fail("start", owner, e.to_string()))?;
-        if !out.status.success() {
-            return Err(fail(
-                "start",
-                owner,
-                format!(
-                    "{}: {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            ));
-        }
-        tracing::info!(%owner, devices = %visible.join(","), "MPS control daemon started");
-        Ok(self.owner_pipe_dir(owner))
+    /// At start-up, for a prepared claim: asks for its daemon unless it is asked for (after a
+    /// reboot, say), without waiting: the host starts it, and a plugin on a node whose host is
+    /// down still starts serving.
+    pub fn ensure(&self, claim: &ClaimUid, devices: &[DeviceUuid]) -> Result<()> {
+        let devices = devices.iter().map(|d| d.as_str().to_string()).collect();
+        self.request(&Owner::Claim(claim.clone()), devices)
     }
 
-    /// At start-up, for a prepared claim: starts the daemon only when its control pipe is
-    /// missing (the daemon died, e.g. with the node's previous boot).
-    pub fn ensure(&self, claim: &ClaimUid, devices: &[DeviceUuid]) -> Result<PathBuf> {
-        if self.pipe_dir(claim).join("control").exists() {
-            return Ok(self.pipe_dir(claim));
-        }
-        self.start(claim, devices)
-    }
-
-    /// Starts the GPU's share daemon unless it runs; returns its pipe directory.
+    /// Asks for the GPU's share daemon unless it is asked for, and waits until it answers;
+    /// returns its pipe directory.
     pub fn ensure_gpu(&self, gpu: &GpuUuid) -> Result<PathBuf> {
-        let l = self.gpu_lock(gpu);
-        let _g = lock(&l);
-        let owner = Owner::Gpu(gpu.clone());
-        let pipe = self.owner_pipe_dir(&owner);
-        if pipe.join("control").exists() {
-            return Ok(pipe);
-        }
-        self.start_for(&owner, &[DeviceUuid::Gpu(gpu.clone())])
+        self.request_gpu(gpu)?;
+        self.wait(&Owner::Gpu(gpu.clone()))?;
+        Ok(self.gpu_pipe_dir(gpu))
     }
 
-    /// Whether the GPU's share daemon runs (its control pipe exists), asked under the GPU's lock:
-    /// a stop that had begun has finished.
-    pub fn gpu_running(&self, gpu: &GpuUuid) -> bool {
+    /// Asks for the GPU's share daemon unless it is asked for, without waiting (start-up, as
+    /// [`Mps::ensure`]).
+    pub fn request_gpu(&self, gpu: &GpuUuid) -> Result<()> {
         let l = self.gpu_lock(gpu);
         let _g = lock(&l);
-        self.gpu_pipe_dir(gpu).join("control").exists()
+        self.request(&Owner::Gpu(gpu.clone()), vec![gpu.as_str().to_string()])
     }
 
-    /// Stops the GPU's share daemon if `still_shared` (asked under the GPU's lock, so no share
-    /// can start using the daemon in between) says no share of it is left.
+    /// Whether the GPU's share daemon is asked for (its request is written); says nothing of
+    /// whether it runs: [`Mps::alive_gpu`] does.
+    pub fn gpu_requested(&self, gpu: &GpuUuid) -> bool {
+        self.layout.spec(&DaemonId::gpu(gpu)).is_file()
+    }
+
+    /// Whether the GPU's share daemon answers now (within 2 s). Takes no lock.
+    pub fn alive_gpu(&self, gpu: &GpuUuid) -> bool {
+        self.answers(&Owner::Gpu(gpu.clone())).is_ok()
+    }
+
+    /// Releases the GPU's share daemon if `still_shared` (asked under the GPU's lock, so no share
+    /// can ask for it in between) says no share of it is left.
     pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {
         let l = self.gpu_lock(gpu);
         let _g = lock(&l);
         if still_shared() {
             return Ok(());
         }
-        self.stop_for(&Owner::Gpu(gpu.clone()))
+        self.release(&Owner::Gpu(gpu.clone()))
+    }
+
+    /// Releases the claim's daemon. A claim without one is a no-op.
+    pub fn stop(&self, claim: &ClaimUid) -> Result<()> {
+        self.release(&Owner::Claim(claim.clone()))
     }
 
     fn gpu_lock(&self, gpu: &GpuUuid) -> Arc<Mutex<()>> {
@@ -203,174 +216,121 @@ impl Mps {
             .clone()
     }
 
-    /// Stops the claim's daemon and removes its directory. A claim without one is a no-op; a
-    /// daemon that is already gone is logged, not an error, so unprepare can always finish.
-    pub fn stop(&self, claim: &ClaimUid) -> Result<()> {
-        self.stop_for(&Owner::Claim(claim.clone()))
-    }
-
-    fn stop_for(&self, owner: &Owner) -> Result<()> {
-        let dir = self.dir(owner);
-        if !dir.exists() {
+    /// Writes the owner's `daemon.json` unless it already asks for this. A new directory
+    /// appears whole: built under a hidden name, then renamed into place.
+    fn request(&self, owner: &Owner, devices: Vec<String>) -> Result<()> {
+        let id = owner.id();
+        let spec = DaemonSpec {
+            devices,
+            multi_user: false,
+            owner: owner.to_string(),
+            boot_id: Some(self.boot_id.clone()),
+        };
+        if matches!(self.layout.read_spec(&id), Ok(Some(s)) if s == spec) {
             return Ok(());
         }
-        match self.quit(owner) {
-            Ok(()) => tracing::info!(%owner, "MPS control daemon stopped"),
-            Err(e @ Error::NoControl { .. }) => return Err(e),
-            Err(e) => {
-                tracing::warn!(%owner, error = %kubelet_plugin::report::chain(&e), "MPS control daemon did not stop cleanly; assuming it is gone")
+        let err = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Request {
+                owner: owner.clone(),
+                path,
+                source,
+            }
+        };
+        // Serialising a struct of strings and a bool cannot fail.
+        let bytes = serde_json::to_vec(&spec).unwrap_or_default();
+        let dir = self.layout.dir(&id);
+        if !dir.is_dir() {
+            let root = self.layout.root();
+            std::fs::create_dir_all(root).map_err(err(root))?;
+            let staging = root.join(format!(".new-{id}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&staging);
+            std::fs::create_dir(&staging).map_err(err(&staging))?;
+            Layout::make_subdirs(&staging).map_err(err(&staging))?;
+            let spec_path = staging.join(crate::mps::dir::SPEC);
+            crate::durable::write(&spec_path, &bytes).map_err(write_err(owner))?;
+            match std::fs::rename(&staging, &dir) {
+                Ok(()) => {
+                    tracing::info!(%owner, daemon = %id, "MPS daemon requested");
+                    return Ok(());
+                }
+                // Made meanwhile (a release not yet removed): write the request into it.
+                Err(_) if dir.is_dir() => {
+                    let _ = std::fs::remove_dir_all(&staging);
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&staging);
+                    return Err(err(&dir)(e));
+                }
             }
         }
-        std::fs::remove_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })
-    }
-
-    fn quit(&self, owner: &Owner) -> Result<()> {
-        let control = self.control()?;
-        let mut child = self
-            .command(&control, owner)
-            .stdin(Stdio::piped())
-            .spawn()
-            .map_err(|e| fail("stop", owner, e.to_string()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(b"quit\n")
-                .map_err(|e| fail("stop", owner, e.to_string()))?;
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| fail("stop", owner, e.to_string()))?;
-        if !out.status.success() {
-            return Err(fail(
-                "stop",
-                owner,
-                format!(
-                    "{}: {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            ));
-        }
+        let spec_path = self.layout.spec(&id);
+        crate::durable::write(&spec_path, &bytes).map_err(write_err(owner))?;
+        tracing::info!(%owner, daemon = %id, "MPS daemon requested");
         Ok(())
     }
 
-    fn command(&self, control: &Path, owner: &Owner) -> Command {
-        let mut c = Command::new(control);
-        c.env("CUDA_MPS_PIPE_DIRECTORY", self.owner_pipe_dir(owner))
-            .env("CUDA_MPS_LOG_DIRECTORY", self.log_dir(owner))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        c
+    /// Removes the owner's `daemon.json`: the host quits the daemon and removes its directory.
+    fn release(&self, owner: &Owner) -> Result<()> {
+        let id = owner.id();
+        lock(&self.answered).remove(&id);
+        let path = self.layout.spec(&id);
+        match crate::durable::remove(&path) {
+            Ok(true) => {
+                tracing::info!(%owner, daemon = %id, "MPS daemon released");
+                Ok(())
+            }
+            Ok(false) => Ok(()),
+            Err(e) => Err(write_err(owner)(e)),
+        }
+    }
+
+    /// Whether the owner's daemon answers now; remembers when it did.
+    fn answers(&self, owner: &Owner) -> Result<(), control::Error> {
+        let id = owner.id();
+        let control = control::find(&self.driver_root)?;
+        let r = control::alive(&control, &self.layout.pipe(&id));
+        if r.is_ok() {
+            lock(&self.answered).insert(id, Instant::now());
+        }
+        r
+    }
+
+    /// Waits until the owner's daemon answers, up to the start deadline.
+    fn wait(&self, owner: &Owner) -> Result<()> {
+        let id = owner.id();
+        if lock(&self.answered)
+            .get(&id)
+            .is_some_and(|t| t.elapsed() < ANSWER_FRESH)
+        {
+            return Ok(());
+        }
+        let start = Instant::now();
+        loop {
+            let last = match self.answers(owner) {
+                Ok(()) => return Ok(()),
+                Err(e @ control::Error::NotFound { .. }) => return Err(e.into()),
+                Err(e) => e,
+            };
+            if start.elapsed() >= self.start_deadline {
+                return Err(Error::NotAnswering {
+                    owner: owner.clone(),
+                    waited: start.elapsed(),
+                    log: self.layout.log(&id),
+                    last: Box::new(last),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
-fn fail(action: &'static str, owner: &Owner, reason: String) -> Error {
-    Error::Control {
-        action,
+fn write_err(owner: &Owner) -> impl FnOnce(crate::durable::Error) -> Error + '_ {
+    move |source| Error::Write {
         owner: owner.clone(),
-        reason,
+        source,
     }
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::inventory::GpuUuid;
-    use std::os::unix::fs::PermissionsExt;
-
-    /// A fake `nvidia-cuda-mps-control` under `driver_root` that appends what it was asked to
-    /// `<driver_root>/mps.log`.
-    pub(crate) fn fake_control(driver_root: &Path) {
-        let bin = driver_root.join("usr/bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let log = driver_root.join("mps.log");
-        let script = format!(
-            "#!/bin/sh\nif [ \"$1\" = -d ]; then echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; \
-             : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
-             else while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; done; \
-             rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
-            log = log.display()
-        );
-        let p = bin.join(CONTROL);
-        std::fs::write(&p, script).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-
-    #[test]
-    fn daemon_started_for_the_claims_devices_and_stopped_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let driver_root = dir.path().join("driver");
-        fake_control(&driver_root);
-        let mps = Mps::new(dir.path().join("mps"), driver_root.clone());
-        let claim = ClaimUid::parse("c1").unwrap();
-        let pipe = mps
-            .start(
-                &claim,
-                &[
-                    DeviceUuid::Gpu(GpuUuid("GPU-a".into())),
-                    DeviceUuid::Gpu(GpuUuid("GPU-b".into())),
-                ],
-            )
-            .unwrap();
-        assert!(pipe.is_dir());
-        mps.stop(&claim).unwrap();
-        mps.stop(&claim).unwrap();
-        assert!(!pipe.exists());
-        assert_eq!(
-            logged(&driver_root),
-            vec![
-                format!("start GPU-a,GPU-b {}", pipe.display()),
-                format!("quit {}", pipe.display())
-            ]
-        );
-    }
-
-    /// What the fake control was asked, a line each.
-    fn logged(driver_root: &Path) -> Vec<String> {
-        std::fs::read_to_string(driver_root.join("mps.log"))
-            .unwrap()
-            .lines()
-            .map(String::from)
-            .collect()
-    }
-
-    #[test]
-    fn missing_control_binary_is_a_clear_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let mps = Mps::new(dir.path().join("mps"), dir.path().to_path_buf());
-        let e = mps
-            .start(
-                &ClaimUid::parse("c").unwrap(),
-                &[DeviceUuid::Gpu(GpuUuid("GPU-a".into()))],
-            )
-            .unwrap_err();
-        assert!(e.to_string().contains("nvidia-cuda-mps-control"), "{e}");
-    }
-
-    #[test]
-    fn a_gpus_share_daemon_starts_once_and_stops_when_no_share_is_left() {
-        let dir = tempfile::tempdir().unwrap();
-        let driver_root = dir.path().join("driver");
-        fake_control(&driver_root);
-        let mps = Mps::new(dir.path().join("mps"), driver_root.clone());
-        let gpu = GpuUuid("GPU-a".into());
-        let pipe = mps.ensure_gpu(&gpu).unwrap();
-        assert_eq!(
-            mps.ensure_gpu(&gpu).unwrap(),
-            pipe,
-            "a running daemon is reused"
-        );
-        assert_eq!(pipe, mps.gpu_pipe_dir(&gpu));
-        mps.stop_gpu(&gpu, || true).unwrap();
-        assert!(pipe.join("control").exists(), "kept while a share is left");
-        mps.stop_gpu(&gpu, || false).unwrap();
-        mps.stop_gpu(&gpu, || false).unwrap();
-        assert!(!pipe.exists());
-        assert_eq!(
-            logged(&driver_root),
-            vec![
-                format!("start GPU-a {}", pipe.display()),
-                format!("quit {}", pipe.display())
-            ]
-        );
-    }
-}
+pub(crate) mod tests;

@@ -1,8 +1,8 @@
 //! SIGKILL at each step of a share's prepare, beside another claim's share of the GPU and as the
 //! GPU's first, and of the last share's unprepare (`--shared-capacity`; shares of
-//! `gpu-2`, 8Gi each). One MPS control
-//! daemon serves a GPU's shares; the fake `nvidia-cuda-mps-control` under the driver root logs its
-//! starts and stops across the processes, and its `control` file says whether it runs. After
+//! `gpu-2`, 8Gi each). One MPS control daemon serves a GPU's shares,
+//! run by `nvdra mps-host` as the plugin asks; the stand-in `nvidia-cuda-mps-control` logs its
+//! starts and quits across the processes, and whether it answers says whether it runs. After
 //! every crash, the restart and the kubelet's retry: exactly the shares whose prepare completed
 //! are in the checkpoint, the daemon runs if and only if a share is held (started once for as
 //! long as one is), and unpreparing everything leaves no daemon, no spec and no entry.
@@ -23,11 +23,18 @@ fn share_id(uid: &str) -> String {
 }
 
 impl Dirs {
-    /// `a` and `b`, shares of [`DEVICE`], allocated; the fake MPS control installed.
+    /// `a` and `b`, shares of [`DEVICE`], allocated; the stand-in MPS installed and the MPS host
+    /// running.
     fn with_shares() -> Dirs {
         let mut d = Dirs::new();
         d.shared_capacity = true;
-        mps::fake_control(&d.p("driver"));
+        mps::install_standin(&d.p("driver"));
+        d.mps_host = Some(mps::Host::start(
+            &d.p("mps"),
+            &d.p("driver"),
+            &d.boot_file(),
+            &[],
+        ));
         for uid in ["a", "b"] {
             let c = nvdra::api::allocated_claim(
                 "default",
@@ -63,11 +70,23 @@ impl Dirs {
             .gpus[2]
             .uuid
             .to_string();
-        mps::gpu_pipe_dir(&self.p(&format!("kubelet/plugins/{DRIVER}")), &gpu)
+        mps::gpu_pipe_dir(&self.p("mps"), &gpu)
     }
 
+    /// Whether the GPU's daemon runs, once the host has followed the plugin's request: a
+    /// requested daemon answers, a released one's directory is gone.
     fn daemon_runs(&self) -> bool {
-        self.share_pipe().join("control").exists()
+        let pipe = self.share_pipe();
+        let dir = pipe.parent().unwrap();
+        let requested = dir.join("daemon.json").exists();
+        mps::eventually("the MPS host follows the request", || {
+            if requested {
+                mps::ask(&self.driver(), &pipe, "get_server_list").is_some()
+            } else {
+                !dir.exists()
+            }
+        });
+        requested
     }
 
     /// The claims in the checkpoint, each with its state, in UID order.
@@ -81,8 +100,9 @@ impl Dirs {
             .collect()
     }
 
-    /// The fake daemon's (starts, stops) so far.
+    /// The daemon's (starts, quits) so far, once the host has followed the plugin's request.
     fn daemon_starts_stops(&self) -> (usize, usize) {
+        self.daemon_runs();
         (
             mps::count(&self.driver(), "start"),
             mps::count(&self.driver(), "quit"),

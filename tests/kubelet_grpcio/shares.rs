@@ -1,10 +1,10 @@
 //! Shares of one GPU (`--shared-capacity`) through the stand-in's `node` mode, which makes the
 //! kubelet's v1 NodePrepare/UnprepareResources calls with grpcio as the test tells it: three
 //! claims each get 24Gi of GPU 0 (`gpu-0`, allocated many times), one MPS control
-//! daemon serves them all (a fake `nvidia-cuda-mps-control` under the driver root logs its starts
-//! and stops), each claim's CDI spec carries its own limits, a fourth share that does not fit is
-//! refused naming the three holders, and the daemon stops with the last share, whatever the
-//! order of the unprepares.
+//! daemon serves them all (run by `nvdra mps-host`; the stand-in `nvidia-cuda-mps-control` under
+//! the driver root logs its starts and quits), each claim's CDI spec carries its own limits, a
+//! fourth share that does not fit is refused naming the three holders, and the daemon quits with
+//! the last share, whatever the order of the unprepares.
 
 use std::path::PathBuf;
 
@@ -84,7 +84,7 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
         return;
     }
     let d = Daemon::start_with(&["--shared-capacity"], |api| {
-        mps::fake_control(&api.parent().unwrap().join("driver"));
+        mps::install_standin(&api.parent().unwrap().join("driver"));
         for uid in SHARES {
             let c = nvdra::api::allocated_claim(
                 "default",
@@ -106,8 +106,11 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     })
     .await;
     let gpu = gpu0_uuid();
-    let pipe = mps::gpu_pipe_dir(&plugin_dir(&d), &gpu);
+    let mps_root = d.root.path().join("mps");
+    let pipe = mps::gpu_pipe_dir(&mps_root, &gpu);
     let driver = driver_root(&d);
+    let _host = mps::Host::start(&mps_root, &driver, &d.root.path().join("boot_id"), &[]);
+    let answers = || mps::ask(&driver, &pipe, "get_server_list").is_some();
     let mut k = Kubelet::start(&d);
 
     // Three pods' claims in one call, as a kubelet batching them would: one daemon start.
@@ -128,7 +131,7 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
         vec![format!("start {gpu} {}", pipe.display())],
         "one daemon for the GPU's three shares"
     );
-    assert!(pipe.join("control").exists());
+    assert!(answers());
     for uid in &SHARES[..3] {
         let (env, mounts) = spec_edits(&d, uid);
         for want in [
@@ -182,12 +185,13 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     // Unprepared 2, 3, 1: the daemon stays while any share is left.
     for (uid, left) in [("s2", 2), ("s3", 1)] {
         k.unprepare(uid);
-        assert!(pipe.join("control").exists(), "daemon stopped after {uid}");
+        assert!(answers(), "daemon stopped after {uid}");
         assert_eq!(mps::count(&driver, "quit"), 0, "after {uid}");
         assert_eq!(checkpoint(&d)["claims"].as_object().unwrap().len(), left);
     }
     assert_eq!(specs(&d), vec![format!("k8s.{DRIVER}-claim_s1.yaml")]);
     k.unprepare("s1");
+    mps::eventually("the host removes the released daemon", || !pipe.exists());
     assert_eq!(
         mps::log(&driver),
         vec![
@@ -196,7 +200,6 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
         ],
         "the daemon stops after the last share"
     );
-    assert!(!pipe.exists(), "its directory goes with it");
     assert!(specs(&d).is_empty(), "{:?}", specs(&d));
     let cp = checkpoint(&d);
     assert!(cp["claims"].as_object().unwrap().is_empty(), "{cp}");
@@ -207,7 +210,9 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     assert_eq!(r["s4"]["error"], "", "{r}");
     assert_eq!(mps::count(&driver, "start"), 2);
     k.unprepare("s4");
-    assert_eq!(mps::count(&driver, "quit"), 2);
+    mps::eventually("the daemon quits again", || {
+        mps::count(&driver, "quit") == 2
+    });
     assert!(specs(&d).is_empty());
 }
 

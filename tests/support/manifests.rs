@@ -361,6 +361,73 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
     }
 }
 
+/// What the MPS host's DaemonSet must keep: replaced only on purpose (OnDelete: it ends every
+/// share of the node), node-critical, the privileges MPS needs and nothing more, the MPS root at
+/// its host path, shared with the plugin's DaemonSet.
+pub fn assert_mps_host_contracts(docs: &[Value], origin: &str) {
+    let ds = find(docs, "DaemonSet", "nvdra-mps-host").expect("the MPS host's DaemonSet");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(
+        str_at(ds, "/spec/updateStrategy/type"),
+        "OnDelete",
+        "{origin}"
+    );
+    assert_eq!(
+        str_at(pod, "/priorityClassName"),
+        "system-node-critical",
+        "{origin}"
+    );
+    assert_eq!(
+        pod["automountServiceAccountToken"], false,
+        "{origin}: no API access"
+    );
+    assert!(
+        pod.get("hostPID").is_none() && pod.get("hostIPC").is_none(),
+        "{origin}"
+    );
+    let [c] = pod["containers"].as_array().expect("containers").as_slice() else {
+        panic!("{origin}: one container");
+    };
+    assert_eq!(c["args"][0], "mps-host", "{origin}");
+    let sc = &c["securityContext"];
+    assert_eq!(sc["privileged"], false, "{origin}");
+    assert_eq!(sc["readOnlyRootFilesystem"], true, "{origin}");
+    assert_eq!(
+        sc["capabilities"]["drop"],
+        serde_json::json!(["ALL"]),
+        "{origin}"
+    );
+    assert_eq!(
+        sc["capabilities"]["add"],
+        serde_json::json!(["SYS_ADMIN", "SETUID", "SETGID", "CHOWN"]),
+        "{origin}"
+    );
+    // The MPS root: a host directory at the same path in both pods.
+    let root = nvdra::config::DEFAULT_MPS_ROOT;
+    for (name, container) in [("nvdra-mps-host", c), ("nvdra", container(docs))] {
+        let d = find(docs, "DaemonSet", name).unwrap();
+        let mount = container["volumeMounts"]
+            .as_array()
+            .expect("volume mounts")
+            .iter()
+            .find(|m| m["mountPath"] == root)
+            .unwrap_or_else(|| panic!("{origin}: {name} does not mount {root}"));
+        let volume = d["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .find(|v| v["name"] == mount["name"])
+            .expect("the mount's volume");
+        assert_eq!(str_at(volume, "/hostPath/path"), root, "{origin}: {name}");
+        assert!(
+            mount
+                .get("mountPropagation")
+                .is_none_or(|p| p == "HostToContainer"),
+            "{origin}: {name}"
+        );
+    }
+}
+
 pub fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {

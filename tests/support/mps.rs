@@ -1,39 +1,46 @@
-//! A fake `nvidia-cuda-mps-control` for the tests that run the `nvdra` binary with shares of a
-//! GPU (`--shared-capacity`): started with `-d` it logs `start <CUDA_VISIBLE_DEVICES> <pipe dir>`
-//! and creates `<pipe dir>/control`, as the real daemon creates its control pipe; given `quit`
-//! on stdin it logs `quit <pipe dir>` and removes it. The log, `<driver root>/mps.log`, counts the
-//! daemon's starts and stops across restarts of nvdra.
+//! MPS for the tests that run the `nvdra` binary with shares of a GPU: the stand-in
+//! `nvidia-cuda-mps-control` (`nvdra mps-standin`, real processes on real sockets) under a
+//! driver root, `nvdra mps-host` running its daemons, and a stand-in CUDA client.
+//!
+//! The stand-in daemon appends `start <CUDA_VISIBLE_DEVICES> <pipe dir>` and `quit <pipe dir>`
+//! to `<driver root>/mps.log`, which counts the daemons' starts and clean quits across restarts
+//! of nvdra and of the host, and writes `nvdra-standin-control.<pid>` into the `/dev/shm` it
+//! got, which names each daemon process the host started for a directory.
 // Each test binary uses what it needs.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
 
-/// Installs the fake under `<driver_root>/usr/bin`, where nvdra looks for it.
-pub fn fake_control(driver_root: &Path) {
+use nvdra::inventory::GpuUuid;
+use nvdra::mps::dir::{DaemonId, Layout};
+
+/// Installs the stand-in under `<driver_root>/usr/bin`, where nvdra and the host look for it.
+pub fn install_standin(driver_root: &Path) {
     let bin = driver_root.join("usr/bin");
     std::fs::create_dir_all(&bin).unwrap();
     let script = format!(
-        "#!/bin/sh\n\
-         if [ \"$1\" = -d ]; then\n  \
-           echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> '{log}'\n  \
-           : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n\
-         else\n  \
-           while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> '{log}'; done\n  \
-           rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n\
-         fi\n",
-        log = log_path(driver_root).display()
+        "#!/bin/sh\nSTANDIN_LOG='{log}' exec '{nvdra}' mps-standin \"$@\"\n",
+        log = log_path(driver_root).display(),
+        nvdra = env!("CARGO_BIN_EXE_nvdra"),
     );
-    let p = bin.join("nvidia-cuda-mps-control");
+    let p = control(driver_root);
     std::fs::write(&p, script).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+pub fn control(driver_root: &Path) -> PathBuf {
+    driver_root.join("usr/bin/nvidia-cuda-mps-control")
 }
 
 pub fn log_path(driver_root: &Path) -> PathBuf {
     driver_root.join("mps.log")
 }
 
-/// The fake's log lines, oldest first (none before its first call).
+/// The stand-in's log lines, oldest first (none before its first start).
 pub fn log(driver_root: &Path) -> Vec<String> {
     std::fs::read_to_string(log_path(driver_root))
         .unwrap_or_default()
@@ -50,10 +57,159 @@ pub fn count(driver_root: &Path, word: &str) -> usize {
         .count()
 }
 
-/// The pipe directory of the daemon nvdra runs for the shares of GPU `uuid`, under the plugin
-/// directory `plugin_dir` (`<kubelet root>/plugins/<driver>`).
-pub fn gpu_pipe_dir(plugin_dir: &Path, uuid: &str) -> PathBuf {
-    plugin_dir.join(format!("mps/shared-{uuid}/pipe"))
+/// The daemon directory of the shares of GPU `uuid` under `mps_root`.
+pub fn gpu_dir(mps_root: &Path, uuid: &str) -> PathBuf {
+    Layout::new(mps_root).dir(&DaemonId::gpu(&GpuUuid(uuid.into())))
+}
+
+/// The pipe directory of the daemon of the shares of GPU `uuid` under `mps_root`.
+pub fn gpu_pipe_dir(mps_root: &Path, uuid: &str) -> PathBuf {
+    gpu_dir(mps_root, uuid).join("pipe")
+}
+
+/// Sends `command` to the daemon of `pipe` through the stand-in's client; its answer, or `None`
+/// when no daemon answers.
+pub fn ask(driver_root: &Path, pipe: &Path, command: &str) -> Option<String> {
+    use std::io::Write;
+    let mut c = Command::new(control(driver_root))
+        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _ = writeln!(c.stdin.take().unwrap(), "{command}");
+    let out = c.wait_with_output().unwrap();
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Whether a process with this pid runs (a zombie, killed and not yet reaped, does not).
+pub fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')')
+            .next()
+            .is_some_and(|rest| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// The pids of the control daemons started with `dir`'s shm, in start order (each wrote its
+/// marker there).
+pub fn daemon_pids(dir: &Path) -> Vec<u32> {
+    let mut pids: Vec<(std::time::SystemTime, u32)> = std::fs::read_dir(dir.join("shm"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let pid = name.strip_prefix("nvdra-standin-control.")?.parse().ok()?;
+                    Some((e.metadata().ok()?.modified().ok()?, pid))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    pids.sort();
+    pids.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Waits up to 20 s until `f` holds, polling; panics naming `what` otherwise.
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(20), "never: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `nvdra mps-host`, SIGKILLed when dropped (its daemons die with it).
+pub struct Host {
+    pub child: Child,
+    pub root: PathBuf,
+}
+
+impl Host {
+    /// The host over `root`, the driver root `driver_root` (with the stand-in) and the boot id
+    /// in `boot_file`, with `env` added; returns once it recorded the boot (it then serves).
+    pub fn start(root: &Path, driver_root: &Path, boot_file: &Path, env: &[(&str, &str)]) -> Host {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+            .arg("mps-host")
+            .arg("--mps-root")
+            .arg(root)
+            .arg("--driver-root")
+            .arg(driver_root)
+            .env("NVDRA_BOOT_ID_FILE", boot_file)
+            .env("NVDRA_LOG", "warn")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let boot = std::fs::read_to_string(boot_file).unwrap();
+        eventually("the host records the boot", || {
+            assert!(child.try_wait().unwrap().is_none(), "mps-host exited");
+            std::fs::read_to_string(root.join("boot_id")).is_ok_and(|b| b.trim() == boot.trim())
+        });
+        Host {
+            child,
+            root: root.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The stand-in for a CUDA process using a share: connected through the daemon of `pipe` to
+/// its server, and exits (non-zero) when they go.
+pub struct CudaClient {
+    pub child: Child,
+    /// What it printed once connected.
+    pub connected: String,
+    _out: BufReader<ChildStdout>,
+}
+
+impl CudaClient {
+    pub fn start(driver_root: &Path, pipe: &Path, env: &[(&str, &str)]) -> CudaClient {
+        let mut child = Command::new(control(driver_root))
+            .arg("cuda-client")
+            .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut connected = String::new();
+        out.read_line(&mut connected).unwrap();
+        assert!(
+            connected.starts_with("connected "),
+            "the client did not connect: {connected:?}"
+        );
+        CudaClient {
+            child,
+            connected: connected.trim().to_string(),
+            _out: out,
+        }
+    }
+
+    /// Still connected: the process runs (it exits as soon as its server goes).
+    pub fn connected(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for CudaClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// A share of `device` (`gpu-<minor>`, `--shared-capacity`) as the scheduler allocates one: a

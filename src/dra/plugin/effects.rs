@@ -1,5 +1,5 @@
 //! The effects of a prepare and their undo: MIG instances created and destroyed, time slices
-//! set and reset, MPS daemons started and stopped, CDI specs written and removed. Each undo step
+//! set and reset, MPS daemons requested and released, CDI specs written and removed. Each undo step
 //! can be repeated safely, so a rollback that failed half-way is retried as a whole.
 //!
 //! Each effect is a function of the claim's device records, whether they come from this
@@ -21,7 +21,7 @@ pub(super) type Partial = (ClaimError, Vec<DeviceRecord>);
 
 impl Plugin {
     /// Changes the GPUs as `devices` ask: creates MIG instances (recording their UUIDs in the
-    /// records and the ledger), sets time slices, starts the claim's MPS daemon. Returns the MIG
+    /// records and the ledger), sets time slices, asks for the claim's MPS daemon. Returns the MIG
     /// devices created, which the inventory snapshot of the batch does not list.
     pub(super) async fn reconfigure(
         &self,
@@ -79,22 +79,21 @@ impl Plugin {
         Ok(())
     }
 
-    /// Starts the MPS daemon of each GPU `devices` hold shares of, unless it runs. The claim is
-    /// reserved already, so no unprepare of another share stops a daemon found running here
-    /// ([`Plugin::undo_devices`] asks the ledger under the GPU's lock, as
-    /// [`Mps::gpu_running`] looks under it). Before a start the claim's record is made durable:
-    /// a crash then leaves the daemon to a recorded share, which start-up keeps or rolls back,
-    /// never to nobody.
+    /// Asks for the MPS daemon of each GPU `devices` hold shares of, unless it is asked for, and
+    /// waits until it answers. The claim is reserved already, so no unprepare of another share
+    /// releases a daemon found requested here ([`Plugin::undo_devices`] asks the ledger under the
+    /// GPU's lock, which the request takes too). Before a new request the claim's record is made
+    /// durable: a crash then leaves the daemon to a recorded share, which start-up keeps or rolls
+    /// back, never to nobody.
     pub(super) async fn ensure_share_daemons(
         &self,
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
         for gpu in shared_gpus(devices) {
             let g = gpu.clone();
-            if self.blocking(move |i| i.mps.gpu_running(&g)).await? {
-                continue;
+            if !self.blocking(move |i| i.mps.gpu_requested(&g)).await? {
+                self.inner.ledger.flush().await?;
             }
-            self.inner.ledger.flush().await?;
             self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
         }
         Ok(())

@@ -74,7 +74,7 @@ pub struct Options {
     pub driver: String,
     /// The pool devices are published in: the node name.
     pub pool: String,
-    /// `<kubelet root>/plugins/<driver>`: checkpoint, lock, MPS directories.
+    /// `<kubelet root>/plugins/<driver>`: checkpoint, lock.
     pub plugin_dir: PathBuf,
     pub cdi_root: PathBuf,
     pub driver_root: DriverRoot,
@@ -84,6 +84,8 @@ pub struct Options {
     /// Shares of a GPU (allocations of `gpu-<minor>` consuming less than its memory) may be
     /// prepared (`--shared-capacity`).
     pub shared_capacity: bool,
+    /// Where MPS daemons are asked for (`--mps-root`; the MPS host runs them).
+    pub mps_root: PathBuf,
 }
 
 struct Inner {
@@ -120,10 +122,11 @@ impl Plugin {
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
-        // The MPS control binary runs here, so it is found where nvdra reads the driver.
+        // The MPS control client runs here, so it is found where nvdra reads the driver.
         let mps = Mps::new(
-            opts.plugin_dir.join("mps"),
+            opts.mps_root.clone(),
             opts.driver_root.ctr().to_path_buf(),
+            opts.boot_id.clone(),
         );
         let node_lock = NodeLock::new(&opts.plugin_dir);
         Ok((

@@ -384,6 +384,7 @@ pub(super) mod tests {
             boot_id: "b".into(),
             partitionable,
             shared_capacity: true,
+            mps_root: "/nonexistent/mps".into(),
         }
     }
 

@@ -1,5 +1,5 @@
 //! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
-//! back, completed claims get their MPS daemon back and their CDI spec rewritten if it is
+//! back, completed claims get their MPS daemon asked for again and their CDI spec rewritten if it is
 //! missing, empty or stale (specs are not fsync'd), CDI specs of ours without a ledger entry
 //! are removed. Together with the order of writes in
 //! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
@@ -62,7 +62,8 @@ impl Plugin {
         Ok(rec)
     }
 
-    /// Brings a completed claim's host state back: its MPS daemon and its CDI spec.
+    /// Brings a completed claim's host state back: its MPS daemon's request (the MPS host runs
+    /// it; start-up does not wait for it) and its CDI spec.
     async fn restore(
         &self,
         uid: &ClaimUid,
@@ -76,7 +77,7 @@ impl Plugin {
             self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
         }
         for gpu in shared_gpus(&entry.devices) {
-            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
+            self.blocking(move |i| i.mps.request_gpu(&gpu)).await??;
         }
         if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, inv).await? {
             tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten from the checkpoint");

@@ -50,6 +50,13 @@ struct Env {
 }
 
 impl Env {
+    /// A model of the MPS host for this plugin's MPS root (`mps::tests::FakeHost`).
+    fn mps_host(&self) -> mps::tests::FakeHost {
+        mps::tests::FakeHost::start(
+            &self.dir.path().join("driver"),
+            &self.dir.path().join("mps"),
+        )
+    }
     fn cdi_root(&self) -> PathBuf {
         self.dir.path().join("cdi")
     }
@@ -108,6 +115,7 @@ async fn start(
         boot_id: "boot-1".into(),
         partitionable: true,
         shared_capacity: true,
+        mps_root: dir.join("mps"),
     };
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
     let stop = CancellationToken::new();
@@ -512,7 +520,7 @@ async fn time_slicing_is_applied_and_reset() {
 #[tokio::test]
 async fn mps_daemon_per_claim() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let cfg = || {
         opaque(
             &[],
@@ -531,12 +539,13 @@ async fn mps_daemon_per_claim() {
         spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
         "{spec}"
     );
-    let pipe = e.dir.path().join("plugin/mps/p/pipe");
+    let pipe = e.plugin.inner.mps.pipe_dir(&ClaimUid::parse("p").unwrap());
     assert!(
         spec.contains(pipe.to_str().unwrap()),
         "the pipe directory is mounted: {spec}"
     );
     e.unprepare("p").await.unwrap();
+    mps::tests::eventually("the host removes the released daemon", || !pipe.exists());
     let log = std::fs::read_to_string(e.dir.path().join("driver/mps.log")).unwrap();
     let inv = e.sim.snapshot().unwrap();
     assert_eq!(
@@ -576,6 +585,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         boot_id: "b".into(),
         partitionable: false,
         shared_capacity: false,
+        mps_root: dir.path().join("mps"),
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
@@ -608,6 +618,7 @@ async fn outcomes_are_counted_in_metrics() {
         boot_id: "b".into(),
         partitionable: false,
         shared_capacity: false,
+        mps_root: dir.path().join("mps"),
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();

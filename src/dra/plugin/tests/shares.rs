@@ -50,7 +50,7 @@ fn mps_log(e: &Env) -> Vec<String> {
 #[tokio::test]
 async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
     for uid in ["s1", "s2", "s3", "s4"] {
         e.add(claim(uid, vec![share("nb", "gpu-0", "24Gi")]));
@@ -81,7 +81,7 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
             "{spec}"
         );
     }
-    let pipe = e.dir.path().join(format!("plugin/mps/shared-{gpu}/pipe"));
+    let pipe = e.plugin.inner.mps.gpu_pipe_dir(&gpu);
     assert_eq!(
         mps_log(&e),
         vec![format!("start {gpu} {}", pipe.display())],
@@ -121,10 +121,11 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
     // Unprepared out of order: the daemon stays while any share is left.
     e.unprepare("s2").await.unwrap();
     e.unprepare("s1").await.unwrap();
-    assert!(pipe.join("control").exists());
+    assert!(e.plugin.inner.mps.gpu_requested(&gpu));
     assert!(e.spec("s3").exists());
     e.unprepare("s3").await.unwrap();
-    assert!(!pipe.exists());
+    assert!(!e.plugin.inner.mps.gpu_requested(&gpu));
+    mps::tests::eventually("the host removes the released daemon", || !pipe.exists());
     assert_eq!(
         mps_log(&e),
         vec![
@@ -141,7 +142,7 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
 #[tokio::test]
 async fn a_share_and_the_whole_gpu_exclude_each_other() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     e.add(claim("s", vec![share("nb", "gpu-1", "8Gi")]));
     e.add(claim("t", vec![share("nb", "gpu-1", "8Gi")]));
     // Whole as the scheduler allocates a claim that asks for no memory: all of it.
@@ -190,7 +191,7 @@ async fn a_share_and_the_whole_gpu_exclude_each_other() {
 #[tokio::test]
 async fn all_of_the_memory_is_the_gpu_whole_without_mps() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let mut no_capacity = result("gpu", "gpu-3");
     no_capacity.share_id = Some("5f0e0000-0000-4000-8000-000000000003".into());
     for (uid, r) in [
@@ -219,7 +220,7 @@ async fn all_of_the_memory_is_the_gpu_whole_without_mps() {
 #[tokio::test]
 async fn admin_access_beside_shares_is_no_share() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     e.add(claim("s", vec![share("nb", "gpu-6", "72Gi")]));
     let mut admin = share("mon", "gpu-6", "24Gi");
     admin.admin_access = Some(true);
@@ -238,7 +239,7 @@ async fn admin_access_beside_shares_is_no_share() {
 #[tokio::test]
 async fn a_shares_sm_cap_comes_from_its_config_or_the_multiprocessors_it_asked() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let pct = |uid: &str| {
         let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
         spec.lines()
@@ -286,7 +287,7 @@ async fn a_shares_sm_cap_comes_from_its_config_or_the_multiprocessors_it_asked()
 #[tokio::test]
 async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     let cases: Vec<(
         &str,
         Vec<DeviceRequestAllocationResult>,
@@ -354,21 +355,25 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
 #[tokio::test]
 async fn a_restart_brings_the_gpus_daemon_back_for_its_shares() {
     let e = env("dgx-h100").await;
-    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let _host = e.mps_host();
     e.add(claim("s", vec![share("nb", "gpu-2", "8Gi")]));
     e.prepare("s").await.unwrap();
     let gpu = e.sim.snapshot().unwrap().gpus[2].uuid.clone();
-    let pipe = e.dir.path().join(format!("plugin/mps/shared-{gpu}/pipe"));
-    // The node rebooted: the daemon is gone.
-    std::fs::remove_file(pipe.join("control")).unwrap();
-    let (_p, rec, _stop) = e.restart(e.sim.clone()).await;
+    let pipe = e.plugin.inner.mps.gpu_pipe_dir(&gpu);
+    // The node rebooted: the MPS root (a tmpfs) is empty.
+    std::fs::remove_dir_all(pipe.parent().unwrap()).unwrap();
+    let (p, rec, _stop) = e.restart(e.sim.clone()).await;
     assert!(rec.failed.is_empty(), "{rec:?}");
-    assert!(pipe.join("control").exists(), "restarted for the share");
-    assert_eq!(
+    assert!(
+        p.inner.mps.gpu_requested(&gpu),
+        "asked for again for the share"
+    );
+    mps::tests::eventually("the host starts it again", || {
         mps_log(&e)
             .iter()
             .filter(|l| l.starts_with("start"))
-            .count(),
-        2
-    );
+            .count()
+            == 2
+    });
+    assert!(p.inner.mps.alive_gpu(&gpu));
 }

@@ -1,0 +1,242 @@
+//! The plugin's side of the directory protocol, against a model of the MPS host: a thread that
+//! does what `nvdra mps-host` does to the directory (a daemon per request, its directory removed
+//! on release) and a fake `nvidia-cuda-mps-control` client that answers while that "daemon" runs.
+//! The real host and the stand-in daemon, as processes, are tested in `tests/mps_host.rs`.
+
+use super::*;
+use crate::inventory::GpuUuid;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A fake `nvidia-cuda-mps-control` under `driver_root`, client mode only: it answers (exit 0)
+/// when `<pipe>/answering` exists, which [`FakeHost`] creates for each daemon it "runs", and
+/// otherwise fails as the real client does when no daemon listens.
+pub(crate) fn fake_control(driver_root: &Path) {
+    let bin = driver_root.join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = "#!/bin/sh\nread cmd\n\
+                  if [ -e \"$CUDA_MPS_PIPE_DIRECTORY/answering\" ]; then exit 0; fi\n\
+                  echo 'Cannot find MPS control daemon process' >&2\nexit 1\n";
+    let p = bin.join(CONTROL);
+    std::fs::write(&p, script).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// The host's part, on a thread: for each request a "daemon" (`<pipe>/answering`) and a log
+/// line `start <devices> <pipe>` in `<driver root>/mps.log`; for each release `quit <pipe>` and
+/// the directory removed.
+pub(crate) struct FakeHost {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FakeHost {
+    pub(crate) fn start(driver_root: &Path, mps_root: &Path) -> FakeHost {
+        fake_control(driver_root);
+        let (log, layout) = (driver_root.join("mps.log"), Layout::new(mps_root));
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                for id in layout.daemons().unwrap_or_default() {
+                    let (pipe, answering) = (layout.pipe(&id), layout.pipe(&id).join("answering"));
+                    match layout.read_spec(&id) {
+                        Ok(Some(spec)) if !answering.exists() => {
+                            append(
+                                &log,
+                                &format!("start {} {}", spec.devices.join(","), pipe.display()),
+                            );
+                            std::fs::write(&answering, "").unwrap();
+                        }
+                        Ok(None) => {
+                            append(&log, &format!("quit {}", pipe.display()));
+                            std::fs::remove_dir_all(layout.dir(&id)).unwrap();
+                        }
+                        _ => {}
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        FakeHost {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for FakeHost {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn append(log: &Path, line: &str) {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    writeln!(f, "{line}").unwrap();
+}
+
+/// What the fake host did, a line each.
+pub(crate) fn logged(driver_root: &Path) -> Vec<String> {
+    std::fs::read_to_string(driver_root.join("mps.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// Waits (up to 10 s) until `f` holds: the fake host works on its own thread.
+pub(crate) fn eventually(what: &str, f: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "never: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn mps(dir: &Path) -> Mps {
+    Mps::new(dir.join("mps"), dir.join("driver"), "boot-1".into())
+}
+
+#[test]
+fn a_claims_daemon_is_requested_for_its_devices_waited_for_and_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let driver = dir.path().join("driver");
+    let _host = FakeHost::start(&driver, &dir.path().join("mps"));
+    let mps = mps(dir.path());
+    let claim = ClaimUid::parse("c1").unwrap();
+    let a = DeviceUuid::Gpu(GpuUuid("GPU-a".into()));
+    let b = DeviceUuid::Gpu(GpuUuid("GPU-b".into()));
+    let pipe = mps.start(&claim, &[a.clone(), b.clone()]).unwrap();
+    assert_eq!(pipe, mps.pipe_dir(&claim));
+    // It returned once the daemon answered: the host had started it.
+    assert_eq!(
+        logged(&driver),
+        vec![format!("start GPU-a,GPU-b {}", pipe.display())]
+    );
+    let id = DaemonId::claim(&claim);
+    let spec = Layout::new(dir.path().join("mps"))
+        .read_spec(&id)
+        .unwrap()
+        .unwrap();
+    assert_eq!(spec.boot_id.as_deref(), Some("boot-1"));
+    assert_eq!(spec.owner, "claim c1");
+    let mode = |p: PathBuf| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(pipe.clone()), 0o777);
+    assert_eq!(mode(mps.shm_dir(&claim)), 0o1777);
+    // Asking again for a daemon that answers changes nothing.
+    mps.start(&claim, &[a, b]).unwrap();
+    mps.stop(&claim).unwrap();
+    mps.stop(&claim).unwrap();
+    eventually("the released directory is removed", || !pipe.exists());
+    assert_eq!(
+        logged(&driver),
+        vec![
+            format!("start GPU-a,GPU-b {}", pipe.display()),
+            format!("quit {}", pipe.display())
+        ]
+    );
+}
+
+#[test]
+fn missing_control_binary_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = mps(dir.path())
+        .start(
+            &ClaimUid::parse("c").unwrap(),
+            &[DeviceUuid::Gpu(GpuUuid("GPU-a".into()))],
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("nvidia-cuda-mps-control"), "{e}");
+}
+
+#[test]
+fn a_gpus_share_daemon_is_requested_once_and_released_when_no_share_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let driver = dir.path().join("driver");
+    let _host = FakeHost::start(&driver, &dir.path().join("mps"));
+    let mps = mps(dir.path());
+    let gpu = GpuUuid("GPU-a".into());
+    let pipe = mps.ensure_gpu(&gpu).unwrap();
+    assert_eq!(
+        mps.ensure_gpu(&gpu).unwrap(),
+        pipe,
+        "a running daemon is reused"
+    );
+    assert_eq!(pipe, mps.gpu_pipe_dir(&gpu));
+    assert!(mps.alive_gpu(&gpu));
+    mps.stop_gpu(&gpu, || true).unwrap();
+    assert!(mps.gpu_requested(&gpu), "kept while a share is left");
+    mps.stop_gpu(&gpu, || false).unwrap();
+    mps.stop_gpu(&gpu, || false).unwrap();
+    eventually("the released directory is removed", || !pipe.exists());
+    assert!(!mps.alive_gpu(&gpu));
+    assert_eq!(
+        logged(&driver),
+        vec![
+            format!("start GPU-a {}", pipe.display()),
+            format!("quit {}", pipe.display())
+        ]
+    );
+}
+
+#[test]
+fn a_daemon_that_never_answers_fails_the_request_naming_the_gpu_and_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    // A client, but no host: nothing starts the daemon. A control socket file left over from
+    // an earlier daemon does not count as one running.
+    fake_control(&dir.path().join("driver"));
+    let mps = mps(dir.path()).with_start_deadline(Duration::from_millis(300));
+    let gpu = GpuUuid("GPU-a".into());
+    std::fs::create_dir_all(mps.gpu_pipe_dir(&gpu)).unwrap();
+    std::fs::write(mps.gpu_pipe_dir(&gpu).join("control"), "").unwrap();
+    assert!(!mps.alive_gpu(&gpu));
+    let e = mps.ensure_gpu(&gpu).unwrap_err();
+    let msg = kubelet_plugin::report::chain(&e).to_string();
+    for want in [
+        "GPU-a",
+        "MPS host",
+        "not running",
+        &mps.layout.log(&DaemonId::gpu(&gpu)).display().to_string(),
+        "Cannot find MPS control daemon",
+    ] {
+        assert!(msg.contains(want), "{want:?} in {msg}");
+    }
+    assert!(
+        mps.gpu_requested(&gpu),
+        "the request stays for the host to find"
+    );
+}
+
+#[test]
+fn waiting_for_a_daemon_does_not_hold_the_gpus_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    fake_control(&dir.path().join("driver"));
+    let mps = Arc::new(mps(dir.path()).with_start_deadline(Duration::from_secs(30)));
+    let gpu = GpuUuid("GPU-a".into());
+    let waiting = {
+        let (mps, gpu) = (mps.clone(), gpu.clone());
+        std::thread::spawn(move || mps.ensure_gpu(&gpu))
+    };
+    eventually("the request is written", || mps.gpu_requested(&gpu));
+    // Releasing takes the GPU's lock: it finishes while the request still waits for an answer.
+    mps.stop_gpu(&gpu, || false).unwrap();
+    assert!(
+        !waiting.is_finished(),
+        "the request waits for 30 s without a host"
+    );
+    assert!(!mps.gpu_requested(&gpu));
+    // Let the waiting request end: a fake host answers for the re-requested daemon.
+    std::fs::create_dir_all(mps.gpu_pipe_dir(&gpu)).unwrap();
+    std::fs::write(mps.gpu_pipe_dir(&gpu).join("answering"), "").unwrap();
+    waiting.join().unwrap().unwrap();
+}

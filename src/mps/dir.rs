@@ -1,0 +1,260 @@
+//! The directory protocol between the plugin (which asks for daemons) and the MPS host (which
+//! runs them), under `--mps-root`:
+//!
+//! ```text
+//! <root>/boot_id                the boot the host last ran in
+//! <root>/<id>/daemon.json       {"devices": [uuid], "multiUser": bool, "owner": text, "bootId": id}
+//! <root>/<id>/pipe/             CUDA_MPS_PIPE_DIRECTORY (0777: clients of any UID reach it)
+//! <root>/<id>/shm/              the daemon's and its clients' /dev/shm (1777)
+//! <root>/<id>/log/              CUDA_MPS_LOG_DIRECTORY (0700)
+//! ```
+//!
+//! `<id>` is `g-<12 hex of sha256(GPU UUID)>` for the daemon of a GPU's shares and
+//! `c-<12 hex of sha256(claim UID)>` for a claim's own MPS daemon.
+//!
+//! A directory appears whole: the plugin builds it under a hidden name and renames it into place,
+//! so the host never sees an `<id>/` without its `daemon.json` other than one being released.
+//! The host removes a released directory by renaming it away first, so a request that comes back
+//! meanwhile finds either the old directory or none.
+
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::ClaimUid;
+use crate::inventory::GpuUuid;
+
+pub const SPEC: &str = "daemon.json";
+pub const BOOT_ID: &str = "boot_id";
+
+/// Modes of a daemon's directories: any client UID reaches the pipe and shm (shm sticky, as
+/// `/dev/shm` is); only the daemon's own user reads its logs.
+const PIPE_MODE: u32 = 0o777;
+const SHM_MODE: u32 = 0o1777;
+const LOG_MODE: u32 = 0o700;
+
+/// A daemon's directory name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DaemonId(String);
+
+impl DaemonId {
+    /// The daemon of a GPU's consumable-capacity shares.
+    pub fn gpu(gpu: &GpuUuid) -> Self {
+        Self(format!("g-{}", short_hash(gpu.as_str())))
+    }
+
+    /// A claim's own daemon (`GpuConfig` sharing `MPS`).
+    pub fn claim(claim: &ClaimUid) -> Self {
+        Self(format!("c-{}", short_hash(claim.as_str())))
+    }
+
+    /// A directory name that is a daemon's; `None` for anything else under the root.
+    pub fn parse(name: &str) -> Option<Self> {
+        let hex = name
+            .strip_prefix("g-")
+            .or_else(|| name.strip_prefix("c-"))?;
+        (hex.len() == 12 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| Self(name.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for DaemonId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn short_hash(s: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, s.as_bytes());
+    d.as_ref()[..6].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What the plugin asks of a daemon: `daemon.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DaemonSpec {
+    /// `CUDA_VISIBLE_DEVICES`: GPU or MIG UUIDs.
+    pub devices: Vec<String>,
+    /// `-M`: one server for clients of every UID.
+    #[serde(default)]
+    pub multi_user: bool,
+    /// Whom the daemon serves, for logs ("the shares of GPU …", "claim …").
+    pub owner: String,
+    /// The boot the request was written in: a directory of another boot is stale.
+    #[serde(default)]
+    pub boot_id: Option<String>,
+}
+
+/// The paths under one `--mps-root`.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    root: PathBuf,
+}
+
+impl Layout {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn dir(&self, id: &DaemonId) -> PathBuf {
+        self.root.join(id.as_str())
+    }
+
+    pub fn spec(&self, id: &DaemonId) -> PathBuf {
+        self.dir(id).join(SPEC)
+    }
+
+    /// `CUDA_MPS_PIPE_DIRECTORY`: the control socket is `<pipe>/control`.
+    pub fn pipe(&self, id: &DaemonId) -> PathBuf {
+        self.dir(id).join("pipe")
+    }
+
+    /// The daemon's and its clients' `/dev/shm`.
+    pub fn shm(&self, id: &DaemonId) -> PathBuf {
+        self.dir(id).join("shm")
+    }
+
+    /// `CUDA_MPS_LOG_DIRECTORY`.
+    pub fn log(&self, id: &DaemonId) -> PathBuf {
+        self.dir(id).join("log")
+    }
+
+    pub fn boot_id(&self) -> PathBuf {
+        self.root.join(BOOT_ID)
+    }
+
+    /// The daemons' directories under the root, by id.
+    pub fn daemons(&self) -> io::Result<Vec<DaemonId>> {
+        let mut out = Vec::new();
+        let entries = match std::fs::read_dir(&self.root) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let entry = entry?;
+            if let Some(id) = entry.file_name().to_str().and_then(DaemonId::parse)
+                && entry.file_type()?.is_dir()
+            {
+                out.push(id);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The daemon's `daemon.json`; `Ok(None)` when it has none (released, or never asked for).
+    pub fn read_spec(&self, id: &DaemonId) -> Result<Option<DaemonSpec>, SpecError> {
+        let path = self.spec(id);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|source| SpecError::Parse { path, source }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(SpecError::Read { path, source }),
+        }
+    }
+
+    /// Creates (or repairs) the daemon's pipe, shm and log directories with their modes, as
+    /// `chmod` sets them whatever the umask.
+    pub fn make_subdirs(dir: &Path) -> io::Result<()> {
+        for (name, mode) in [("pipe", PIPE_MODE), ("shm", SHM_MODE), ("log", LOG_MODE)] {
+            let d = dir.join(name);
+            match std::fs::create_dir(&d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode))?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path} is not a daemon request")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_short_fixed_and_parse_back() {
+        let g = DaemonId::gpu(&GpuUuid("GPU-4b7f3a1e-0000-4000-8000-000000000000".into()));
+        let c = DaemonId::claim(&ClaimUid::parse("6d1e0f0a-1111-4222-8333-444455556666").unwrap());
+        for id in [&g, &c] {
+            assert_eq!(id.as_str().len(), 14, "{id}");
+            assert_eq!(DaemonId::parse(id.as_str()).as_ref(), Some(id));
+        }
+        assert!(g.as_str().starts_with("g-") && c.as_str().starts_with("c-"));
+        assert_ne!(
+            DaemonId::gpu(&GpuUuid("GPU-a".into())),
+            DaemonId::gpu(&GpuUuid("GPU-b".into()))
+        );
+        for other in [
+            "boot_id",
+            "g-xyz",
+            ".g-0123456789ab.tmp",
+            "g-0123456789AB",
+            "c-0123456789abc",
+        ] {
+            assert_eq!(DaemonId::parse(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn the_control_socket_of_the_default_root_is_far_under_the_socket_limit() {
+        // sockaddr_un.sun_path holds 108 bytes with the terminating NUL.
+        let layout = Layout::new(crate::config::DEFAULT_MPS_ROOT);
+        let id = DaemonId::gpu(&GpuUuid("GPU-4b7f3a1e-0000-4000-8000-000000000000".into()));
+        let control = layout.pipe(&id).join("control");
+        let len = control.as_os_str().len();
+        assert_eq!(
+            control.to_str(),
+            Some(format!("/run/nvdra/mps/{id}/pipe/control").as_str())
+        );
+        assert!(len <= 107 - 60, "{} is {len} bytes", control.display());
+    }
+
+    #[test]
+    fn a_spec_round_trips_and_unknown_keys_are_refused() {
+        let spec = DaemonSpec {
+            devices: vec!["GPU-a".into()],
+            multi_user: true,
+            owner: "the shares of GPU GPU-a".into(),
+            boot_id: Some("b1".into()),
+        };
+        let text = serde_json::to_string(&spec).unwrap();
+        assert_eq!(
+            text,
+            r#"{"devices":["GPU-a"],"multiUser":true,"owner":"the shares of GPU GPU-a","bootId":"b1"}"#
+        );
+        assert_eq!(serde_json::from_str::<DaemonSpec>(&text).unwrap(), spec);
+        assert!(
+            serde_json::from_str::<DaemonSpec>(r#"{"devices":[],"owner":"x","pids":1}"#).is_err()
+        );
+    }
+}

@@ -1,0 +1,445 @@
+//! `nvdra mps-host` with `nvdra run` and the stand-in MPS (`nvdra mps-standin`) as real
+//! processes: the faults a node goes through, each with the state after it.
+//!
+//! - the plugin SIGKILLed and restarted, then replaced by a second instance (a rolling update):
+//!   a CUDA client of a share stays connected, and its daemon is the same process;
+//! - the plugin stopped and restarted leaves the host's daemons alone, and the last share's
+//!   unprepare has the host quit its daemon and remove its directory;
+//! - the daemon SIGKILLed: its client fails, as CUDA's do, and the host starts a new daemon that
+//!   answers and serves new clients;
+//! - a reboot (a new boot id): the host removes the directories of the old boot and keeps one
+//!   requested in the new boot;
+//! - a `quit` that hangs: the daemon is killed after the deadline and its directory removed;
+//! - a daemon serves a second UID only when the request asks for multi-user mode (`-M`).
+//!
+//! Runs as root (the host gives each daemon its own mount namespace), as the CI does.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use nvdra::inventory::DeviceBackend;
+use support::dra::{prepare_at, terminate, unprepare_at, wait_exit, wait_ready_at};
+use support::mps::{self, CudaClient, Host};
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+const PROFILE: &str = "dgx-h100";
+/// GPU 0's shareable device.
+const DEVICE: &str = "gpu-0-shared";
+
+/// A node's directories: API (with share claims), kubelet root, CDI root, driver root with the
+/// stand-in MPS, MPS root, boot id file.
+struct Node {
+    root: tempfile::TempDir,
+}
+
+/// `nvdra run`, SIGKILLed when dropped.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Node {
+    /// Claims `claim-<uid>` in `default`, each a 16Gi share of GPU 0.
+    fn new(shares: &[&str]) -> Node {
+        let n = Node {
+            root: tempfile::tempdir().unwrap(),
+        };
+        n.set_boot("boot-1");
+        mps::install_standin(&n.p("driver"));
+        for (i, uid) in shares.iter().enumerate() {
+            let c = nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![mps::share(
+                    "nb",
+                    DRIVER,
+                    NODE,
+                    DEVICE,
+                    &format!("5f0e0000-0000-4000-8000-{i:012}"),
+                    "16Gi",
+                    "20",
+                )],
+                vec![],
+            );
+            nvdra::api::dir::write_claim(&n.p("api"), &c).unwrap();
+        }
+        n
+    }
+
+    fn p(&self, s: &str) -> PathBuf {
+        self.root.path().join(s)
+    }
+
+    fn set_boot(&self, id: &str) {
+        std::fs::write(self.p("boot_id"), format!("{id}\n")).unwrap();
+    }
+
+    fn host(&self, env: &[(&str, &str)]) -> Host {
+        Host::start(&self.p("mps"), &self.p("driver"), &self.p("boot_id"), env)
+    }
+
+    fn reg(&self, pod: &str) -> PathBuf {
+        self.p(&format!("kubelet/plugins_registry/{DRIVER}-{pod}-reg.sock"))
+    }
+
+    fn dra(&self, pod: &str) -> PathBuf {
+        self.p(&format!("kubelet/plugins/{DRIVER}/dra-{pod}.sock"))
+    }
+
+    /// `nvdra run` as the pod `pod`, serving.
+    async fn run(&self, pod: &str) -> Running {
+        let mut r = Running(
+            Command::new(env!("CARGO_BIN_EXE_nvdra"))
+                .args([
+                    "run",
+                    "--mode",
+                    "dra",
+                    "--profile",
+                    PROFILE,
+                    "--shared-capacity",
+                ])
+                .args(["--node-name", NODE, "--pod-uid", pod])
+                .arg("--api-dir")
+                .arg(self.p("api"))
+                .arg("--kubelet-root")
+                .arg(self.p("kubelet"))
+                .arg("--cdi-root")
+                .arg(self.p("cdi"))
+                .arg("--driver-root")
+                .arg(self.p("driver"))
+                .arg("--mps-root")
+                .arg(self.p("mps"))
+                .args(["--metrics-address", "127.0.0.1:0"])
+                .env("NVDRA_BOOT_ID_FILE", self.p("boot_id"))
+                .env_remove("NVDRA_TEST_CRASH_AT")
+                .env("NVDRA_LOG", "error")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+        wait_ready_at(&self.reg(pod), &mut r.0).await;
+        r
+    }
+
+    async fn prepare(&self, pod: &str, uid: &str) {
+        let r = prepare_at(&self.dra(pod), uid).await.unwrap();
+        assert_eq!(r.error, "", "prepare {uid} through {pod}");
+    }
+
+    fn gpu(&self, index: usize) -> String {
+        nvdra::inventory::sim::SimBackend::from_profile(PROFILE, NODE)
+            .unwrap()
+            .snapshot()
+            .unwrap()
+            .gpus[index]
+            .uuid
+            .to_string()
+    }
+
+    /// GPU 0's share daemon's directory.
+    fn gpu0_dir(&self) -> PathBuf {
+        mps::gpu_dir(&self.p("mps"), &self.gpu(0))
+    }
+
+    fn gpu0_pipe(&self) -> PathBuf {
+        self.gpu0_dir().join("pipe")
+    }
+
+    fn driver(&self) -> PathBuf {
+        self.p("driver")
+    }
+
+    /// The share's limits from its claim's CDI spec, as a container's environment has them.
+    fn limits(&self, uid: &str) -> Vec<(String, String)> {
+        let text =
+            std::fs::read_to_string(self.p(&format!("cdi/k8s.{DRIVER}-claim_{uid}.yaml"))).unwrap();
+        let spec: nvdra::cdi::Spec = nvdra::yaml::from_str(&text).unwrap();
+        std::iter::once(&spec.container_edits)
+            .chain(spec.devices.iter().map(|d| &d.container_edits))
+            .flat_map(|e| e.env.iter())
+            .filter_map(|kv| kv.split_once('='))
+            .filter(|(k, _)| k.starts_with("CUDA_MPS_") && *k != "CUDA_MPS_PIPE_DIRECTORY")
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// A CUDA client of `uid`'s share, with the share's limits.
+    fn client(&self, uid: &str) -> CudaClient {
+        let limits = self.limits(uid);
+        let env: Vec<(&str, &str)> = limits
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        CudaClient::start(&self.driver(), &self.gpu0_pipe(), &env)
+    }
+}
+
+fn sigkill(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+#[tokio::test]
+async fn a_client_stays_connected_through_a_plugin_crash_and_a_rolling_update() {
+    let n = Node::new(&["s1", "s2", "s3"]);
+    let _host = n.host(&[]);
+    let first = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    let daemons = mps::daemon_pids(&n.gpu0_dir());
+    assert_eq!(daemons.len(), 1, "one daemon for the GPU");
+    let mut client = n.client("s1");
+    let limit = &n.limits("s1");
+    assert!(
+        limit
+            .iter()
+            .any(|(k, _)| k == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+        "{limit:?}"
+    );
+    for (k, v) in limit {
+        let short = match k.as_str() {
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" => "pinned",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" => "threads",
+            _ => continue,
+        };
+        assert!(
+            client.connected.contains(&format!("{short}={v}")),
+            "{}",
+            client.connected
+        );
+    }
+    let servers = mps::ask(&n.driver(), &n.gpu0_pipe(), "get_server_list").unwrap();
+    assert_eq!(
+        servers.lines().count(),
+        1,
+        "the client's server: {servers:?}"
+    );
+
+    // The plugin is SIGKILLed (an OOM kill) and its pod restarted.
+    let mut first = first;
+    sigkill(first.0.id());
+    wait_exit(&mut first.0).await;
+    let second = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    n.prepare("pod-1", "s2").await;
+
+    // A rolling update: the new pod serves beside the old one, which then stops.
+    let _third = n.run("pod-2").await;
+    n.prepare("pod-2", "s3").await;
+    let mut second = second;
+    assert!(terminate(&mut second.0).await.success());
+    assert_eq!(unprepare_at(&n.dra("pod-2"), "s2").await, "");
+
+    assert!(client.connected(), "the client lost its server");
+    assert_eq!(mps::daemon_pids(&n.gpu0_dir()), daemons, "the same daemon");
+    assert!(mps::runs(daemons[0]));
+    assert_eq!(
+        mps::ask(&n.driver(), &n.gpu0_pipe(), "get_server_list").as_deref(),
+        Some(servers.as_str()),
+        "the same server"
+    );
+    assert_eq!(mps::count(&n.driver(), "start"), 1);
+    assert_eq!(mps::count(&n.driver(), "quit"), 0);
+}
+
+#[tokio::test]
+async fn a_plugin_restart_leaves_the_daemons_alone_and_the_last_unprepare_releases_them() {
+    let n = Node::new(&["s1"]);
+    let _host = n.host(&[]);
+    let mut p = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    let daemons = mps::daemon_pids(&n.gpu0_dir());
+    assert_eq!(daemons.len(), 1);
+    assert!(terminate(&mut p.0).await.success());
+    assert!(
+        mps::runs(daemons[0]),
+        "a stopped plugin does not stop the daemon"
+    );
+    let _p = n.run("pod-1").await;
+    // The restarted plugin's recovery found the request in place: nothing restarted.
+    assert_eq!(mps::daemon_pids(&n.gpu0_dir()), daemons);
+    assert!(mps::runs(daemons[0]));
+    assert!(mps::ask(&n.driver(), &n.gpu0_pipe(), "get_server_list").is_some());
+    assert_eq!(
+        mps::log(&n.driver()).len(),
+        1,
+        "{:?}",
+        mps::log(&n.driver())
+    );
+
+    // The last share goes: the host quits the daemon and removes its directory.
+    assert_eq!(unprepare_at(&n.dra("pod-1"), "s1").await, "");
+    mps::eventually("the released directory is removed", || {
+        !n.gpu0_dir().exists()
+    });
+    assert!(!mps::runs(daemons[0]));
+    assert_eq!(
+        mps::log(&n.driver()),
+        vec![
+            format!("start {} {}", n.gpu(0), n.gpu0_pipe().display()),
+            format!("quit {}", n.gpu0_pipe().display()),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_killed_daemon_fails_its_clients_and_the_host_starts_a_new_one() {
+    let n = Node::new(&["s1", "s2"]);
+    let _host = n.host(&[]);
+    let _p = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    let old = mps::daemon_pids(&n.gpu0_dir());
+    assert_eq!(old.len(), 1);
+    let mut client = n.client("s1");
+
+    sigkill(old[0]);
+    // Its client fails, as a CUDA client of a dead MPS server does (806/810): no reattaching.
+    let status = client.child.wait().unwrap();
+    assert!(!status.success(), "{status}");
+    // The host starts a new daemon, which answers and serves new clients.
+    mps::eventually("a new daemon", || {
+        mps::daemon_pids(&n.gpu0_dir()).len() == 2
+    });
+    let new = mps::daemon_pids(&n.gpu0_dir())[1];
+    assert_ne!(new, old[0]);
+    mps::eventually("the new daemon answers", || {
+        mps::ask(&n.driver(), &n.gpu0_pipe(), "get_server_list").is_some()
+    });
+    assert!(mps::runs(new) && !mps::runs(old[0]));
+    n.prepare("pod-1", "s2").await;
+    let mut again = n.client("s2");
+    assert!(again.connected());
+    assert_eq!(mps::count(&n.driver(), "start"), 2);
+}
+
+#[tokio::test]
+async fn after_a_reboot_the_host_removes_the_old_boots_directories() {
+    use nvdra::mps::dir::{DaemonId, DaemonSpec, Layout};
+    let n = Node::new(&["s1"]);
+    {
+        let _host = n.host(&[]);
+        let _p = n.run("pod-1").await;
+        n.prepare("pod-1", "s1").await;
+        assert!(n.gpu0_dir().join("daemon.json").exists());
+    }
+    // The node reboots into boot-2 (the MPS root is not a tmpfs here, so it survived), and the
+    // plugin of the new boot asked for a daemon for GPU 1 before the host started.
+    n.set_boot("boot-2");
+    let layout = Layout::new(n.p("mps"));
+    let gpu1 = DaemonId::gpu(&nvdra::inventory::GpuUuid(n.gpu(1)));
+    let staging = n.p("mps/.new");
+    std::fs::create_dir(&staging).unwrap();
+    Layout::make_subdirs(&staging).unwrap();
+    let spec = DaemonSpec {
+        devices: vec![n.gpu(1)],
+        multi_user: false,
+        owner: "the shares of GPU 1".into(),
+        boot_id: Some("boot-2".into()),
+    };
+    std::fs::write(
+        staging.join("daemon.json"),
+        serde_json::to_vec(&spec).unwrap(),
+    )
+    .unwrap();
+    std::fs::rename(&staging, layout.dir(&gpu1)).unwrap();
+
+    let _host = n.host(&[]);
+    assert!(
+        !n.gpu0_dir().exists(),
+        "the old boot's directory is removed"
+    );
+    assert_eq!(
+        std::fs::read_to_string(n.p("mps/boot_id")).unwrap().trim(),
+        "boot-2"
+    );
+    let pipe1 = layout.pipe(&gpu1);
+    mps::eventually("the new boot's daemon answers", || {
+        mps::ask(&n.driver(), &pipe1, "get_server_list").is_some()
+    });
+    assert_eq!(
+        mps::log(&n.driver()).last().unwrap(),
+        &format!("start {} {}", n.gpu(1), pipe1.display())
+    );
+}
+
+#[tokio::test]
+async fn a_daemon_whose_quit_hangs_is_killed_after_the_deadline() {
+    let n = Node::new(&["s1"]);
+    let _host = n.host(&[
+        ("STANDIN_QUIT_HANGS", "1"),
+        ("NVDRA_MPS_QUIT_DEADLINE", "300ms"),
+    ]);
+    let _p = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    let daemons = mps::daemon_pids(&n.gpu0_dir());
+    assert_eq!(daemons.len(), 1);
+    assert_eq!(unprepare_at(&n.dra("pod-1"), "s1").await, "");
+    mps::eventually("the released directory is removed", || {
+        !n.gpu0_dir().exists()
+    });
+    assert!(!mps::runs(daemons[0]), "killed");
+    assert_eq!(
+        mps::count(&n.driver(), "quit"),
+        0,
+        "it never quit by itself"
+    );
+}
+
+/// The stand-in daemon serves one UID at a time, as MPS does, unless the request asks for
+/// multi-user mode, which the host passes on as `-M`.
+#[test]
+fn a_daemon_serves_another_uid_only_in_multi_user_mode() {
+    use nvdra::mps::dir::{DaemonId, DaemonSpec, Layout};
+    let n = Node::new(&[]);
+    let _host = n.host(&[]);
+    let layout = Layout::new(n.p("mps"));
+    for (i, multi_user) in [false, true].into_iter().enumerate() {
+        let id = DaemonId::gpu(&nvdra::inventory::GpuUuid(n.gpu(i)));
+        let staging = n.p(&format!("mps/.new-{i}"));
+        std::fs::create_dir(&staging).unwrap();
+        Layout::make_subdirs(&staging).unwrap();
+        let spec = DaemonSpec {
+            devices: vec![n.gpu(i)],
+            multi_user,
+            owner: format!("test {i}"),
+            boot_id: Some("boot-1".into()),
+        };
+        std::fs::write(
+            staging.join("daemon.json"),
+            serde_json::to_vec(&spec).unwrap(),
+        )
+        .unwrap();
+        std::fs::rename(&staging, layout.dir(&id)).unwrap();
+        let pipe = layout.pipe(&id);
+        mps::eventually("the daemon answers", || {
+            mps::ask(&n.driver(), &pipe, "get_server_list").is_some()
+        });
+        let first = mps::ask(&n.driver(), &pipe, "start_server -uid 1000").unwrap();
+        assert!(first.trim().parse::<u32>().is_ok(), "{first:?}");
+        let second = mps::ask(&n.driver(), &pipe, "start_server -uid 1001").unwrap();
+        if multi_user {
+            assert!(second.trim().parse::<u32>().is_ok(), "{second:?}");
+            assert_ne!(first, second);
+        } else {
+            assert!(second.contains("uid 1000 is running"), "{second:?}");
+        }
+        let servers = mps::ask(&n.driver(), &pipe, "get_server_list").unwrap();
+        assert_eq!(
+            servers.lines().count(),
+            1 + usize::from(multi_user),
+            "{servers:?}"
+        );
+    }
+}

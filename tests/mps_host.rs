@@ -443,3 +443,41 @@ fn a_daemon_serves_another_uid_only_in_multi_user_mode() {
         );
     }
 }
+
+/// Without CAP_SYS_ADMIN the host cannot give a daemon its own `/dev/shm`: it starts none, and
+/// says why in the daemon's log directory, where the plugin's error points.
+#[test]
+fn without_cap_sys_admin_the_daemon_is_not_started_and_its_log_says_why() {
+    use nvdra::mps::dir::{DaemonId, DaemonSpec, Layout};
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("setpriv (util-linux) is not installed: skipped");
+        return;
+    }
+    let n = Node::new(&[]);
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--bounding-set", "-sys_admin", "--"])
+        .arg(env!("CARGO_BIN_EXE_nvdra"));
+    Host::args(&mut cmd, &n.p("mps"), &n.driver(), &n.p("boot_id"), &[]);
+    let _host = Host::started(cmd, &n.p("mps"), &n.p("boot_id"));
+    let id = DaemonId::gpu(&nvdra::inventory::GpuUuid(n.gpu(0)));
+    let spec = DaemonSpec {
+        devices: vec![n.gpu(0)],
+        multi_user: false,
+        owner: "test".into(),
+        boot_id: Some("boot-1".into()),
+    };
+    mps::request(&n.p("mps"), &id, &spec);
+    let log = Layout::new(n.p("mps")).log(&id).join("control.out");
+    mps::eventually("the host notes why", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("CAP_SYS_ADMIN"))
+    });
+    assert!(mps::log(&n.driver()).is_empty(), "no daemon started");
+    assert!(
+        mps::ask(
+            &n.driver(),
+            &Layout::new(n.p("mps")).pipe(&id),
+            "get_server_list"
+        )
+        .is_none()
+    );
+}

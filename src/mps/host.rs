@@ -485,13 +485,20 @@ fn remove_released(layout: &Layout, id: &DaemonId) {
     }
 }
 
-/// Directories a host that died while removing left behind.
+/// Directories a host that died while removing one left behind (`.gone-*`), and requests a
+/// plugin that died while building one left behind (`.new-*`, a minute old: a younger one may be
+/// a request being built now).
 fn remove_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
     for e in entries.flatten() {
-        if e.file_name().to_string_lossy().starts_with(".gone-") {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let stale_request = name.starts_with(".new-")
+            && e.metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > Duration::from_secs(60)));
+        if name.starts_with(".gone-") || stale_request {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }

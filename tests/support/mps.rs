@@ -132,8 +132,21 @@ impl Host {
     /// The host over `root`, the driver root `driver_root` (with the stand-in) and the boot id
     /// in `boot_file`, with `env` added; returns once it recorded the boot (it then serves).
     pub fn start(root: &Path, driver_root: &Path, boot_file: &Path, env: &[(&str, &str)]) -> Host {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_nvdra"))
-            .arg("mps-host")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+        Self::args(&mut cmd, root, driver_root, boot_file, env);
+        Self::started(cmd, root, boot_file)
+    }
+
+    /// `nvdra mps-host`'s arguments and environment, added to `cmd` (which may be a wrapper
+    /// that runs it, such as `setpriv`).
+    pub fn args(
+        cmd: &mut Command,
+        root: &Path,
+        driver_root: &Path,
+        boot_file: &Path,
+        env: &[(&str, &str)],
+    ) {
+        cmd.arg("mps-host")
             .arg("--mps-root")
             .arg(root)
             .arg("--driver-root")
@@ -143,9 +156,12 @@ impl Host {
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+            .stderr(Stdio::inherit());
+    }
+
+    /// Runs `cmd` (a host) and waits until it recorded the boot.
+    pub fn started(mut cmd: Command, root: &Path, boot_file: &Path) -> Host {
+        let mut child = cmd.spawn().unwrap();
         let boot = std::fs::read_to_string(boot_file).unwrap();
         eventually("the host records the boot", || {
             assert!(child.try_wait().unwrap().is_none(), "mps-host exited");
@@ -156,6 +172,19 @@ impl Host {
             root: root.to_path_buf(),
         }
     }
+}
+
+/// Asks for a daemon as the plugin does: its directory, with `spec`, renamed into place whole.
+pub fn request(mps_root: &Path, id: &DaemonId, spec: &nvdra::mps::dir::DaemonSpec) {
+    let staging = mps_root.join(format!(".new-{id}"));
+    std::fs::create_dir_all(&staging).unwrap();
+    Layout::make_subdirs(&staging).unwrap();
+    std::fs::write(
+        staging.join("daemon.json"),
+        serde_json::to_vec(spec).unwrap(),
+    )
+    .unwrap();
+    std::fs::rename(&staging, Layout::new(mps_root).dir(id)).unwrap();
 }
 
 impl Drop for Host {

@@ -26,8 +26,8 @@ use support::mps::{self, CudaClient, Host};
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 const PROFILE: &str = "dgx-h100";
-/// GPU 0's shareable device.
-const DEVICE: &str = "gpu-0-shared";
+/// GPU 0, shareable with `--shared-capacity`.
+const DEVICE: &str = "gpu-0";
 
 /// A node's directories: API (with share claims), kubelet root, CDI root, driver root with the
 /// stand-in MPS, MPS root, boot id file.
@@ -65,7 +65,7 @@ impl Node {
                     DEVICE,
                     &format!("5f0e0000-0000-4000-8000-{i:012}"),
                     "16Gi",
-                    "20",
+                    "0",
                 )],
                 vec![],
             );

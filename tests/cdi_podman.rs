@@ -79,6 +79,7 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
         mig: None,
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
+        mps_shm_dir: None,
     };
     let script = format!(
         "ls -l /dev/nvidia{minor} /dev/nvidiactl /dev/nvidia-uvm; \
@@ -147,6 +148,7 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
                 per_device_pinned_memory_limit: [("1".to_string(), 1 << 30)].into(),
             }),
             mps_pipe_dir: Some(pipe.clone()),
+            mps_shm_dir: None,
         });
     }
     let caps = root.join("proc/driver/nvidia-caps");

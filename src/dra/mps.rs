@@ -271,6 +271,64 @@ fn fail(action: &'static str, owner: &Owner, reason: String) -> Error {
     }
 }
 
+// TEMPORARY (helper C): replaced by helper B's version at merge. What the enforcement side
+// needs of the MPS host's directory protocol: each daemon's `shm` directory (its `/dev/shm`,
+// mounted on every client's) and whether a GPU's share daemon answers.
+impl Mps {
+    /// The host directory a GPU's share daemon has as `/dev/shm`.
+    pub fn gpu_shm_dir(&self, gpu: &GpuUuid) -> PathBuf {
+        self.dir(&Owner::Gpu(gpu.clone())).join("shm")
+    }
+
+    /// The host directory a claim's MPS daemon has as `/dev/shm`.
+    pub fn shm_dir(&self, claim: &ClaimUid) -> PathBuf {
+        self.dir(&Owner::Claim(claim.clone())).join("shm")
+    }
+
+    /// Whether the GPU's share daemon answers `get_server_list` within [`ALIVE_DEADLINE`]. Takes
+    /// no lock a prepare waits on; blocking (it runs a process): call it off the runtime.
+    pub fn alive_gpu(&self, gpu: &GpuUuid) -> bool {
+        let Ok(control) = self.control() else {
+            return false;
+        };
+        let owner = Owner::Gpu(gpu.clone());
+        let Ok(mut child) = self
+            .command(&control, &owner)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+        else {
+            return false;
+        };
+        if let Some(mut stdin) = child.stdin.take()
+            && stdin.write_all(b"get_server_list\n").is_err()
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+            return false;
+        }
+        let deadline = std::time::Instant::now() + ALIVE_DEADLINE;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return status.success(),
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+/// How long a daemon may take to answer before it counts as down.
+pub const ALIVE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+// END TEMPORARY (helper C)
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -132,7 +132,8 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     for uid in &SHARES[..3] {
         let (env, mounts) = spec_edits(&d, uid);
         for want in [
-            format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24576M"),
+            // Keyed by the index the share's container sees (0), not by UUID.
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=24576M".to_string(),
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25".into(),
             format!(
                 "CUDA_MPS_PIPE_DIRECTORY={}",

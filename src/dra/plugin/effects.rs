@@ -347,6 +347,11 @@ pub(super) fn cdi_devices(
                     (Sharing::Mps(_), None) => Some(mps.pipe_dir(uid)),
                     _ => None,
                 },
+                mps_shm_dir: match (&d.sharing, d.consumed) {
+                    (Sharing::Mps(_), Some(_)) => Some(mps.gpu_shm_dir(&d.gpu)),
+                    (Sharing::Mps(_), None) => Some(mps.shm_dir(uid)),
+                    _ => None,
+                },
                 sharing: d.sharing.clone(),
             })
         })

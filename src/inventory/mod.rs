@@ -26,7 +26,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
+pub use backend::{ComputeMode, DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
 pub use domains::assign_nvlink_domains;
 pub use quantity::{parse_quantity, quantity};
 pub use usage::{GpuUsage, ProcessUsage};

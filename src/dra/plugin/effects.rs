@@ -68,6 +68,8 @@ impl Plugin {
                     .await??;
             }
         }
+        // Shares' GPUs are in EXCLUSIVE_PROCESS before their daemon serves them.
+        self.hold_compute_modes(devices).await?;
         let mps = mps_devices(devices);
         if !mps.is_empty() {
             let owner = uid.clone();
@@ -89,6 +91,8 @@ impl Plugin {
         &self,
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
+        // Shares' GPUs are in EXCLUSIVE_PROCESS before their daemon serves them.
+        self.hold_compute_modes(devices).await?;
         for gpu in shared_gpus(devices) {
             let g = gpu.clone();
             if self.blocking(move |i| i.mps.gpu_running(&g)).await? {
@@ -219,6 +223,8 @@ impl Plugin {
             })
             .await??;
         }
+        // After the daemon: the GPU's mode goes back with its last share.
+        self.release_compute_modes(uid, devices).await?;
         for d in devices {
             if let (Sharing::TimeSlicing { .. }, None) = (&d.sharing, &d.mig) {
                 // Back to the default unless another claim time-slices this GPU.

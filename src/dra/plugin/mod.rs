@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use super::compute_mode::ComputeModes;
 use super::mps::Mps;
 use crate::api::ClaimReader;
 use crate::cdi::DriverRoot;
@@ -41,6 +42,7 @@ mod batch;
 #[cfg(feature = "crash-points")]
 pub mod crash;
 mod effects;
+mod enforce;
 mod error;
 mod plan;
 mod prepare;
@@ -92,6 +94,8 @@ struct Inner {
     ledger: Ledger,
     specs: Specs,
     mps: Mps,
+    /// The compute mode of GPUs that hold shares, and its record.
+    compute_modes: ComputeModes,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
     /// Told when prepare or unprepare changed the hardware (MIG devices), so slices follow.
@@ -125,6 +129,7 @@ impl Plugin {
             opts.driver_root.ctr().to_path_buf(),
         );
         let node_lock = NodeLock::new(&opts.plugin_dir);
+        let compute_modes = ComputeModes::new(&opts.plugin_dir);
         Ok((
             Plugin {
                 inner: Arc::new(Inner {
@@ -134,6 +139,7 @@ impl Plugin {
                     ledger,
                     specs,
                     mps,
+                    compute_modes,
                     node_lock,
                     metrics,
                     inventory_listener: std::sync::OnceLock::new(),

@@ -1,0 +1,152 @@
+//! What keeps a GPU's shares honest on the node: one pod per share claim, the GPU's compute
+//! mode while it holds shares, and refusal while its share daemon does not answer.
+
+use super::shares::share;
+use super::*;
+use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
+
+fn reserved_for(mut c: ResourceClaim, pods: &[&str]) -> ResourceClaim {
+    c.status.get_or_insert_with(Default::default).reserved_for = Some(
+        pods.iter()
+            .map(|p| ResourceClaimConsumerReference {
+                api_group: None,
+                resource: "pods".into(),
+                name: (*p).into(),
+                uid: format!("uid-{p}"),
+            })
+            .collect(),
+    );
+    c
+}
+
+#[tokio::test]
+async fn a_share_claim_reserved_for_two_pods_is_refused_with_what_to_do() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let s = || claim("two", vec![share("nb", "gpu-0-shared", "8Gi", "10")]);
+    e.add(reserved_for(s(), &["nb-a", "nb-b"]));
+    let err = e.prepare("two").await.unwrap_err().to_string();
+    for want in [
+        "default/claim-two",
+        "reserved for 2 pods (nb-a, nb-b)",
+        "applies to each CUDA process",
+        "ResourceClaimTemplate",
+    ] {
+        assert!(err.contains(want), "no {want:?} in {err}");
+    }
+    assert_eq!(e.state("two"), None, "nothing recorded");
+    assert!(!e.spec("two").exists());
+
+    // One pod: prepared. A whole GPU may serve several pods of one claim, as before.
+    e.add(reserved_for(s(), &["nb-a"]));
+    e.prepare("two").await.unwrap();
+    e.add(reserved_for(
+        claim("whole", vec![result("gpu", "gpu-1")]),
+        &["a", "b"],
+    ));
+    e.prepare("whole").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_gpu_with_shares_is_exclusive_process_until_its_last_share_goes() {
+    use crate::inventory::ComputeMode;
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let inv = e.sim.snapshot().unwrap();
+    let (gpu, other) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+    for uid in ["s1", "s2"] {
+        e.add(claim(uid, vec![share("nb", "gpu-0-shared", "8Gi", "10")]));
+    }
+    e.add(claim("w", vec![result("gpu", "gpu-1")]));
+    e.prepare("s1").await.unwrap();
+    e.prepare("s2").await.unwrap();
+    e.prepare("w").await.unwrap();
+    assert_eq!(
+        e.sim.compute_mode(&gpu).unwrap(),
+        ComputeMode::ExclusiveProcess
+    );
+    assert_eq!(
+        e.sim.compute_mode(&other).unwrap(),
+        ComputeMode::Default,
+        "a whole GPU keeps its mode"
+    );
+    let record = e.dir.path().join("plugin/compute-mode.json");
+    let text = std::fs::read_to_string(&record).unwrap();
+    assert!(text.contains(&format!("\"{gpu}\": \"default\"")), "{text}");
+    let set = |mode| SimAction::SetComputeMode {
+        gpu: gpu.clone(),
+        mode,
+    };
+    let sets = || {
+        e.sim
+            .actions()
+            .into_iter()
+            .filter(|a| matches!(a, SimAction::SetComputeMode { .. }))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(sets(), vec![set(ComputeMode::ExclusiveProcess)], "set once");
+
+    e.unprepare("s1").await.unwrap();
+    assert_eq!(
+        e.sim.compute_mode(&gpu).unwrap(),
+        ComputeMode::ExclusiveProcess
+    );
+    e.unprepare("s2").await.unwrap();
+    assert_eq!(e.sim.compute_mode(&gpu).unwrap(), ComputeMode::Default);
+    assert!(!record.exists(), "no GPU is recorded");
+    assert_eq!(
+        sets(),
+        vec![
+            set(ComputeMode::ExclusiveProcess),
+            set(ComputeMode::Default)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn start_up_sets_the_mode_again_for_shares_and_back_for_gpus_without() {
+    use crate::inventory::ComputeMode;
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    let inv = e.sim.snapshot().unwrap();
+    let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+    e.add(claim("s", vec![share("nb", "gpu-0-shared", "8Gi", "10")]));
+    e.prepare("s").await.unwrap();
+    // A reboot reset the GPU; and a crash left gpu-1 recorded with no share of it.
+    e.sim.set_compute_mode(&a, ComputeMode::Default).unwrap();
+    e.sim
+        .set_compute_mode(&b, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    let record = e.dir.path().join("plugin/compute-mode.json");
+    std::fs::write(
+        &record,
+        format!("{{\"{a}\": \"default\", \"{b}\": \"prohibited\"}}"),
+    )
+    .unwrap();
+    let (_p, rec, _stop) = e.restart(e.sim.clone()).await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    assert_eq!(
+        e.sim.compute_mode(&a).unwrap(),
+        ComputeMode::ExclusiveProcess
+    );
+    assert_eq!(e.sim.compute_mode(&b).unwrap(), ComputeMode::Prohibited);
+    let text = std::fs::read_to_string(&record).unwrap();
+    assert!(
+        text.contains(a.as_str()) && !text.contains(b.as_str()),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_share_whose_gpu_mode_cannot_be_set_is_refused_and_leaves_nothing() {
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    // The record cannot be written: its path is a directory.
+    std::fs::create_dir_all(e.dir.path().join("plugin/compute-mode.json/x")).unwrap();
+    e.add(claim("s", vec![share("nb", "gpu-0-shared", "8Gi", "10")]));
+    let err = e.prepare("s").await.unwrap_err();
+    let msg = kubelet_plugin::report::chain(&err).to_string();
+    assert!(msg.contains("compute-mode"), "{msg}");
+    assert_eq!(e.state("s"), None);
+    assert!(!e.spec("s").exists());
+}

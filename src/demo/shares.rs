@@ -35,8 +35,9 @@ pub fn install_mps_stand_in(driver_root: &Path) -> Result<()> {
         "#!/bin/sh\n# nvdra demo: a stand-in for the driver's MPS control on simulated GPUs.\n\
          if [ \"$1\" = -d ]; then echo \"start $CUDA_VISIBLE_DEVICES\" >> '{log}'; \
          : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
-         else while read l; do echo \"$l\" >> '{log}'; done; \
-         rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
+         else while read l; do \
+         if [ \"$l\" = get_server_list ]; then [ -e \"$CUDA_MPS_PIPE_DIRECTORY/control\" ] || exit 1; continue; fi; \
+         echo \"$l\" >> '{log}'; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; done; fi\n",
         log = log.display()
     );
     let path = bin.join(crate::dra::mps::CONTROL);

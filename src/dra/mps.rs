@@ -344,8 +344,9 @@ pub(crate) mod tests {
         let script = format!(
             "#!/bin/sh\nif [ \"$1\" = -d ]; then echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; \
              : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; \
-             else while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; done; \
-             rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; fi\n",
+             else while read l; do \
+             if [ \"$l\" = get_server_list ]; then [ -e \"$CUDA_MPS_PIPE_DIRECTORY/control\" ] || exit 1; continue; fi; \
+             echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> {log}; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"; done; fi\n",
             log = log.display()
         );
         let p = bin.join(CONTROL);

@@ -110,6 +110,8 @@ pub struct Snapshot {
     pub gpus: u64,
     pub unhealthy_devices: u64,
     pub ready: bool,
+    /// Each GPU with shares (UUID) and whether its share daemon answered the last probe.
+    pub share_daemons: Vec<(String, bool)>,
     pub scrape: Option<Scrape>,
 }
 
@@ -227,6 +229,15 @@ impl Collector for Snapshot {
             "nvdra_ready",
             "1 when registered with the kubelet and slices are published.",
             u64::from(self.ready),
+        )?;
+        gauges(
+            &mut e,
+            "nvdra_mps_daemon_up",
+            "1 when the MPS daemon of a GPU's shares answered its last probe, 0 when it did not \
+             (the GPU is then tainted mps-daemon-down and refuses new shares).",
+            &self.share_daemons,
+            |(gpu, _)| [("gpu", gpu.clone())],
+            |(_, up)| Some(u64::from(*up)),
         )?;
         match &self.scrape {
             Some(s) => encode_scrape(&mut e, s),

@@ -19,8 +19,10 @@ pub fn fake_control(driver_root: &Path) {
            echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> '{log}'\n  \
            : > \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n\
          else\n  \
-           while read l; do echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> '{log}'; done\n  \
-           rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n\
+           while read l; do\n    \
+             if [ \"$l\" = get_server_list ]; then [ -e \"$CUDA_MPS_PIPE_DIRECTORY/control\" ] || exit 1; continue; fi\n    \
+             echo \"$l $CUDA_MPS_PIPE_DIRECTORY\" >> '{log}'; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n  \
+           done\n\
          fi\n",
         log = log_path(driver_root).display()
     );

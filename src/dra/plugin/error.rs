@@ -85,6 +85,18 @@ pub enum ClaimError {
         device: String,
         pods: String,
     },
+    #[error(
+        "{device} cannot be prepared as a share: the MPS control daemon of GPU {gpu} has not \
+         answered since {since} ({ago} ago), so a share started now would get no limits. The MPS \
+         host restarts the daemon; the kubelet retries this prepare (or retry it by recreating \
+         the pod once the device's mps-daemon-down taint is gone)"
+    )]
+    ShareDaemonDown {
+        device: String,
+        gpu: String,
+        since: String,
+        ago: String,
+    },
     #[error("{device} of request {request} cannot be prepared as a share: {reason}")]
     BadShare {
         device: String,

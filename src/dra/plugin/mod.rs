@@ -49,6 +49,7 @@ mod prepare;
 mod recovery;
 mod specs;
 
+pub use enforce::{DaemonReport, PROBE_DEADLINE};
 pub use error::{ClaimError, StartError};
 pub use recovery::Recovery;
 use specs::Specs;
@@ -96,6 +97,9 @@ struct Inner {
     mps: Mps,
     /// The compute mode of GPUs that hold shares, and its record.
     compute_modes: ComputeModes,
+    /// GPUs whose share daemon did not answer the watch's last probe, and since when
+    /// ([`Plugin::watch_share_daemons`]); their new shares are refused.
+    daemons_down: Mutex<crate::health::DaemonsDown>,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
     /// Told when prepare or unprepare changed the hardware (MIG devices), so slices follow.
@@ -140,6 +144,7 @@ impl Plugin {
                     specs,
                     mps,
                     compute_modes,
+                    daemons_down: Mutex::new(Default::default()),
                     node_lock,
                     metrics,
                     inventory_listener: std::sync::OnceLock::new(),

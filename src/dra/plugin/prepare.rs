@@ -58,6 +58,7 @@ impl Plugin {
             inv,
         )?;
         one_pod_per_share(claim, &plan)?;
+        self.refuse_while_daemon_down(&plan.devices)?;
         let devices = if plan.touches_hardware() {
             self.prepare_reconfiguring(claim, plan, inv).await?
         } else {

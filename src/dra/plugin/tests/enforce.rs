@@ -150,3 +150,138 @@ async fn a_share_whose_gpu_mode_cannot_be_set_is_refused_and_leaves_nothing() {
     assert_eq!(e.state("s"), None);
     assert!(!e.spec("s").exists());
 }
+
+/// A fake `nvidia-cuda-mps-control` whose daemon answers `get_server_list` while
+/// `<pipe>/answers` exists: `-d` creates it (with `control`), a test removes it to play a
+/// daemon that died, and `quit` removes both.
+fn answering_control(driver_root: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = driver_root.join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = "#!/bin/sh\n\
+        p=\"$CUDA_MPS_PIPE_DIRECTORY\"\n\
+        if [ \"$1\" = -d ]; then : > \"$p/control\"; : > \"$p/answers\"; exit 0; fi\n\
+        while read l; do case \"$l\" in\n\
+          get_server_list) [ -e \"$p/answers\" ] || { echo 'cannot connect to the MPS daemon' >&2; exit 1; } ;;\n\
+          quit) rm -f \"$p/control\" \"$p/answers\" ;;\n\
+        esac; done\n";
+    let p = bin.join(mps::CONTROL);
+    std::fs::write(&p, script).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+type Round = (
+    tokio::time::Instant,
+    BTreeMap<crate::inventory::GpuUuid, bool>,
+    crate::health::DaemonsDown,
+);
+
+/// What the watch reported, round by round, with the (paused) time of each report; `rounds`
+/// counts them, for a test to wait on.
+#[derive(Default)]
+struct Reports(Mutex<Vec<Round>>, tokio::sync::watch::Sender<usize>);
+
+impl DaemonReport for Reports {
+    fn report(
+        &self,
+        up: &BTreeMap<crate::inventory::GpuUuid, bool>,
+        down: &crate::health::DaemonsDown,
+    ) {
+        let mut r = lock(&self.0);
+        r.push((tokio::time::Instant::now(), up.clone(), down.clone()));
+        self.1.send_replace(r.len());
+    }
+}
+
+impl Reports {
+    fn last(
+        &self,
+    ) -> (
+        BTreeMap<crate::inventory::GpuUuid, bool>,
+        crate::health::DaemonsDown,
+    ) {
+        let r = lock(&self.0);
+        let (_, up, down) = r.last().unwrap();
+        (up.clone(), down.clone())
+    }
+}
+
+#[tokio::test]
+async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_it_answers() {
+    let e = env("dgx-h100").await;
+    answering_control(&e.dir.path().join("driver"));
+    let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
+    for uid in ["s1", "s2"] {
+        e.add(claim(uid, vec![share("nb", "gpu-0-shared", "8Gi", "10")]));
+    }
+    let reports = Reports::default();
+    e.plugin.probe_share_daemons(&reports).await;
+    assert_eq!(
+        reports.last(),
+        (BTreeMap::new(), BTreeMap::new()),
+        "no shares, no probes"
+    );
+
+    e.prepare("s1").await.unwrap();
+    e.plugin.probe_share_daemons(&reports).await;
+    assert_eq!(reports.last().0, BTreeMap::from([(gpu.clone(), true)]));
+    assert!(reports.last().1.is_empty());
+
+    // The daemon dies: its socket file stays, but nothing answers.
+    let pipe = e.plugin.inner.mps.gpu_pipe_dir(&gpu);
+    std::fs::remove_file(pipe.join("answers")).unwrap();
+    assert!(pipe.join("control").exists());
+    e.plugin.probe_share_daemons(&reports).await;
+    let (up, down) = reports.last();
+    assert_eq!(up, BTreeMap::from([(gpu.clone(), false)]));
+    let since = down[&gpu];
+    let err = e.prepare("s2").await.unwrap_err().to_string();
+    for want in [
+        format!("MPS control daemon of GPU {gpu} has not answered since"),
+        "The MPS host restarts the daemon".to_string(),
+        "retries".to_string(),
+    ] {
+        assert!(err.contains(&want), "no {want:?} in {err}");
+    }
+    assert_eq!(e.state("s2"), None);
+    // Still down: the time it went down stays.
+    e.plugin.probe_share_daemons(&reports).await;
+    assert_eq!(reports.last().1, BTreeMap::from([(gpu.clone(), since)]));
+    // The MPS host restarted it.
+    std::fs::write(pipe.join("answers"), "").unwrap();
+    e.plugin.probe_share_daemons(&reports).await;
+    assert_eq!(
+        reports.last(),
+        (BTreeMap::from([(gpu.clone(), true)]), BTreeMap::new())
+    );
+    e.prepare("s2").await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_watch_probes_every_interval_from_one_interval_after_start_until_shutdown() {
+    let e = env("dgx-h100").await;
+    answering_control(&e.dir.path().join("driver"));
+    let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
+    e.add(claim("s", vec![share("nb", "gpu-0-shared", "8Gi", "10")]));
+    e.prepare("s").await.unwrap();
+    let reports = Arc::new(Reports::default());
+    let stop = CancellationToken::new();
+    let start = tokio::time::Instant::now();
+    let every = std::time::Duration::from_secs(5);
+    let task = tokio::spawn(e.plugin.clone().watch_share_daemons(
+        every,
+        reports.clone(),
+        stop.clone(),
+    ));
+    // Each report is waited for; paused time moves only to the watch's next tick (and not
+    // while a probe's process runs: blocking work holds the paused clock).
+    let mut rounds = reports.1.subscribe();
+    for n in 1..=3u32 {
+        rounds.wait_for(|r| *r >= n as usize).await.unwrap();
+        let at = lock(&reports.0)[n as usize - 1].0;
+        assert_eq!(at - start, every * n, "round {n}");
+    }
+    assert!(lock(&reports.0).iter().all(|(_, up, _)| up[&gpu]));
+    stop.cancel();
+    task.await.unwrap();
+}

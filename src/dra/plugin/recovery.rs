@@ -1,9 +1,10 @@
 //! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
 //! back, completed claims get their MPS daemon back and their CDI spec rewritten if it is
 //! missing, empty or stale (specs are not fsync'd), CDI specs of ours without a ledger entry
-//! are removed. Together with the order of writes in
-//! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
-//! can finish.
+//! are removed; GPUs with shares are put in `EXCLUSIVE_PROCESS` compute mode again and recorded
+//! GPUs without shares get their mode back ([`crate::dra::compute_mode`]). Together with the
+//! order of writes in [`prepare`](super::prepare), this makes every crash point end in a state
+//! the kubelet's retry can finish.
 
 use super::effects::{mps_devices, shared_gpus};
 use super::{ClaimError, Plugin};

@@ -1,6 +1,7 @@
 //! What keeps shares honest on the node, beside their MPS daemon: the compute mode of each GPU
-//! that holds shares ([`compute_mode`](crate::dra::compute_mode)), put in place before a
-//! share's daemon is used and put back after the GPU's last share; and the daemon watch, which
+//! that holds shares, or that a claim shares through MPS as a whole GPU
+//! ([`compute_mode`](crate::dra::compute_mode)), put in place before the daemon is used and put
+//! back after the GPU's last such claim; and the daemon watch, which
 //! asks each such GPU's daemon every few seconds whether it answers. One that does not is
 //! reported (a `NoSchedule` device taint through the health monitor, `nvdra_mps_daemon_up` 0)
 //! and new shares of its GPU are refused until it answers again.
@@ -16,35 +17,36 @@ use super::{ClaimError, Plugin};
 use crate::health::DaemonsDown;
 use crate::ids::ClaimUid;
 use crate::inventory::GpuUuid;
-use crate::ledger::{ClaimEntry, ClaimState};
+use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord};
+use crate::sharing::Sharing;
 use kubelet_plugin::lock::lock;
 
 impl Plugin {
-    /// Puts each GPU `devices` hold shares of in `EXCLUSIVE_PROCESS` (recorded first). The
+    /// Puts each GPU of [`one_context_gpus`] in `EXCLUSIVE_PROCESS` (recorded first). The
     /// claim is reserved already, so a release racing with this one sees it.
     pub(super) async fn hold_compute_modes(
         &self,
-        devices: &[crate::ledger::DeviceRecord],
+        devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
-        for gpu in shared_gpus(devices) {
+        for gpu in one_context_gpus(devices) {
             self.blocking(move |i| i.compute_modes.hold(&*i.backend, &gpu))
                 .await??;
         }
         Ok(())
     }
 
-    /// Puts back the compute mode of each GPU `devices` hold shares of, where no other claim
-    /// holds a share of it (asked under the record's lock, against the ledger).
+    /// Puts back the compute mode of each GPU of [`one_context_gpus`], where no other claim
+    /// holds it so (asked under the record's lock, against the ledger).
     pub(super) async fn release_compute_modes(
         &self,
         uid: &ClaimUid,
-        devices: &[crate::ledger::DeviceRecord],
+        devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
-        for gpu in shared_gpus(devices) {
+        for gpu in one_context_gpus(devices) {
             let (ledger, owner) = (self.inner.ledger.clone(), uid.clone());
             self.blocking(move |i| {
                 i.compute_modes.release(&*i.backend, &gpu, || {
-                    ledger.read(|c| other_share(&c.claims, &owner, &gpu))
+                    ledger.read(|c| held_by_another(&c.claims, &owner, &gpu))
                 })
             })
             .await??;
@@ -59,7 +61,7 @@ impl Plugin {
         let shared: BTreeSet<GpuUuid> = entries
             .values()
             .filter(|e| e.state == ClaimState::PrepareCompleted)
-            .flat_map(|e| shared_gpus(&e.devices))
+            .flat_map(|e| one_context_gpus(&e.devices))
             .collect();
         let repaired = self
             .blocking(move |i| i.compute_modes.repair(&*i.backend, &shared))
@@ -80,18 +82,33 @@ impl Plugin {
     }
 }
 
-/// Whether a claim other than `owner` holds a share of `gpu`.
-pub(super) fn other_share(
+/// The GPUs `devices` need in `EXCLUSIVE_PROCESS`, each once: those they hold shares of, and
+/// whole GPUs a claim shares through its own MPS daemon (as NVIDIA's DRA driver does for MPS
+/// claims). The mode is per GPU, so a MIG device's GPU is left alone.
+pub(super) fn one_context_gpus(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
+    let mut gpus: Vec<GpuUuid> = devices
+        .iter()
+        .filter(|d| one_context(d))
+        .map(|d| d.gpu.clone())
+        .collect();
+    gpus.sort();
+    gpus.dedup();
+    gpus
+}
+
+fn one_context(d: &DeviceRecord) -> bool {
+    d.consumed.is_some() || (matches!(d.sharing, Sharing::Mps(_)) && d.mig.is_none())
+}
+
+/// Whether a claim other than `owner` needs `gpu` in `EXCLUSIVE_PROCESS`.
+pub(super) fn held_by_another(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     owner: &ClaimUid,
     gpu: &GpuUuid,
 ) -> bool {
-    claims.iter().any(|(u, e)| {
-        u != owner
-            && e.devices
-                .iter()
-                .any(|o| o.consumed.is_some() && o.gpu == *gpu)
-    })
+    claims
+        .iter()
+        .any(|(u, e)| u != owner && e.devices.iter().any(|o| one_context(o) && o.gpu == *gpu))
 }
 
 /// How long one probe of a GPU's share daemon may take, end to end, before it counts as down

@@ -285,3 +285,31 @@ async fn the_watch_probes_every_interval_from_one_interval_after_start_until_shu
     stop.cancel();
     task.await.unwrap();
 }
+
+#[tokio::test]
+async fn a_claims_own_mps_daemon_puts_its_whole_gpus_in_exclusive_process_too() {
+    use crate::inventory::ComputeMode;
+    let e = env("dgx-h100").await;
+    mps::tests::fake_control(&e.dir.path().join("driver"));
+    e.add(claim_with(
+        "p",
+        vec![result("gpu", "gpu-4"), result("gpu", "gpu-5")],
+        vec![opaque(
+            &[],
+            serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}),
+        )],
+    ));
+    let inv = e.sim.snapshot().unwrap();
+    let gpus = [inv.gpus[4].uuid.clone(), inv.gpus[5].uuid.clone()];
+    e.prepare("p").await.unwrap();
+    for g in &gpus {
+        assert_eq!(
+            e.sim.compute_mode(g).unwrap(),
+            ComputeMode::ExclusiveProcess
+        );
+    }
+    e.unprepare("p").await.unwrap();
+    for g in &gpus {
+        assert_eq!(e.sim.compute_mode(g).unwrap(), ComputeMode::Default);
+    }
+}

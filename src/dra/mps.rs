@@ -133,6 +133,8 @@ impl Mps {
         for dir in [self.owner_pipe_dir(owner), self.log_dir(owner)] {
             std::fs::create_dir_all(&dir).map_err(|source| Error::Dir { path: dir, source })?;
         }
+        // TEMPORARY (helper C): the clients' /dev/shm, until helper B's version makes it.
+        self.make_shm_dir(owner)?;
         let visible: Vec<&str> = devices.iter().map(DeviceUuid::as_str).collect();
         let out = self
             .command(&control, owner)
@@ -283,6 +285,15 @@ impl Mps {
     /// The host directory a claim's MPS daemon has as `/dev/shm`.
     pub fn shm_dir(&self, claim: &ClaimUid) -> PathBuf {
         self.dir(&Owner::Claim(claim.clone())).join("shm")
+    }
+
+    /// Creates the daemon's shm directory, writable by every client UID (sticky, as `/dev/shm`).
+    fn make_shm_dir(&self, owner: &Owner) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = self.dir(owner).join("shm");
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)))
+            .map_err(|source| Error::Dir { path: dir, source })
     }
 
     /// Whether the GPU's share daemon answers `get_server_list` within [`ALIVE_DEADLINE`]. Takes

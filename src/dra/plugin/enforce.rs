@@ -159,16 +159,20 @@ impl Plugin {
                 .flat_map(|e| shared_gpus(&e.devices))
                 .collect()
         });
-        let mut up = BTreeMap::new();
-        for gpu in gpus {
+        // All GPUs at once: a round takes one deadline however many daemons are down.
+        let probes = gpus.into_iter().map(|gpu| async move {
             let g = gpu.clone();
             let probe = self.blocking(move |i| i.mps.alive_gpu(&g));
             let answers = matches!(
                 tokio::time::timeout(PROBE_DEADLINE, probe).await,
                 Ok(Ok(true))
             );
-            up.insert(gpu, answers);
-        }
+            (gpu, answers)
+        });
+        let up: BTreeMap<GpuUuid, bool> = futures::future::join_all(probes)
+            .await
+            .into_iter()
+            .collect();
         let now = SystemTime::now();
         let down = {
             let mut state = lock(&self.inner.daemons_down);

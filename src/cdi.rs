@@ -49,6 +49,10 @@ use std::path::{Path, PathBuf};
 pub const CDI_VERSION: &str = "0.5.0";
 /// Where a claim's MPS pipe directory appears inside containers.
 pub const MPS_PIPE_CONTAINER_DIR: &str = "/tmp/nvidia-mps";
+/// Where an MPS client sees its daemon's shared-memory directory: MPS clients and their server
+/// exchange memory through `/dev/shm`, so both must see the same one (NVIDIA's two stacks mount
+/// one tmpfs there into the daemon and every client).
+pub const MPS_SHM_CONTAINER_DIR: &str = "/dev/shm";
 /// The NVIDIA character device major (fixed by the driver); used when a GPU node is absent.
 pub const NVIDIA_MAJOR: i64 = 195;
 /// Options of the read-only driver file mounts, as NVIDIA writes them.

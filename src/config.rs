@@ -142,6 +142,8 @@ pub struct Config {
     pub health: crate::health::Policy,
     /// Simulated backend only: the fault-injection file (`crate::health::faults`).
     pub fault_file: Option<PathBuf>,
+    /// How often each GPU's share daemon is asked whether it answers.
+    pub mps_probe_interval: std::time::Duration,
     /// Keep gpu-feature-discovery's labels on the Node current.
     pub node_labels: bool,
     /// Where the MPS control daemons' directories are (`crate::mps::dir`).
@@ -329,6 +331,12 @@ fn validate(settings: Settings) -> Result<Config> {
     if policy.probe_interval.is_zero() {
         return Err(invalid("--health-probe-interval", "must be longer than 0s"));
     }
+    let mps_probe_interval =
+        crate::health::parse_duration(&need(health.mps_probe_interval, "--mps-probe-interval")?)
+            .map_err(bad("--mps-probe-interval"))?;
+    if mps_probe_interval.is_zero() {
+        return Err(invalid("--mps-probe-interval", "must be longer than 0s"));
+    }
     if health.fault_file.is_some() && matches!(source, Backend::Nvml { .. }) {
         return Err(invalid(
             "--fault-file",
@@ -343,6 +351,7 @@ fn validate(settings: Settings) -> Result<Config> {
     Ok(Config {
         health: policy,
         fault_file,
+        mps_probe_interval,
         mode,
         backend: source,
         node_name,

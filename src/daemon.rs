@@ -383,6 +383,9 @@ async fn serve(
         &shutdown,
     )
     .await;
+    if config.shared_capacity {
+        spawn_share_daemon_watch(config, &plugin, &monitor, &metrics, &mut tasks, &shutdown);
+    }
     monitor.spawn(&mut tasks, &shutdown);
 
     spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
@@ -617,6 +620,50 @@ async fn publish(
         slice_sync.run(token).await;
         ("slice-sync", Ok(()))
     });
+}
+
+/// Where the daemon watch's rounds go: `nvdra_mps_daemon_up` and the health monitor, whose
+/// state taints a GPU whose share daemon does not answer (the slices follow its transitions).
+struct ShareDaemonReport {
+    metrics: Arc<Metrics>,
+    monitor: crate::health::MonitorHandle,
+}
+
+impl plugin::DaemonReport for ShareDaemonReport {
+    fn report(
+        &self,
+        up: &std::collections::BTreeMap<crate::inventory::GpuUuid, bool>,
+        down: &crate::health::DaemonsDown,
+    ) {
+        self.metrics
+            .set_share_daemons(up.iter().map(|(g, up)| (g.to_string(), *up)));
+        self.monitor.report_share_daemons(down.clone());
+    }
+}
+
+/// The daemon watch (`--shared-capacity`): every `--mps-probe-interval`, each GPU with shares
+/// is asked whether its daemon answers.
+fn spawn_share_daemon_watch(
+    config: &Config,
+    plugin: &Plugin,
+    monitor: &HealthMonitor,
+    metrics: &Arc<Metrics>,
+    tasks: &mut JoinSet<TaskResult>,
+    shutdown: &CancellationToken,
+) {
+    use tracing::Instrument;
+    let report = Arc::new(ShareDaemonReport {
+        metrics: metrics.clone(),
+        monitor: monitor.handle.clone(),
+    });
+    let (plugin, interval, token) = (plugin.clone(), config.mps_probe_interval, shutdown.clone());
+    tasks.spawn(
+        async move {
+            plugin.watch_share_daemons(interval, report, token).await;
+            ("share-daemon-watch", Ok(()))
+        }
+        .instrument(tracing::info_span!("share-daemon-watch", ?interval)),
+    );
 }
 
 /// The health monitor and its event source, created at start (so every consumer can subscribe)

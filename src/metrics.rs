@@ -90,6 +90,9 @@ pub struct Metrics {
     pub gpus: AtomicU64,
     pub unhealthy_devices: AtomicU64,
     pub registered: Arc<AtomicBool>,
+    /// Whether the share daemon of each GPU with shares answered the last probe, by GPU UUID
+    /// ([`Metrics::set_share_daemons`]).
+    share_daemons: Mutex<BTreeMap<String, bool>>,
     /// Free-form build info labels (version, backend, mode).
     info: Mutex<BTreeMap<&'static str, String>>,
     /// Set once the daemon has wired what a scrape reads ([`Metrics::set_source`]).
@@ -111,6 +114,12 @@ impl Metrics {
 
     pub fn set_info(&self, key: &'static str, value: impl Into<String>) {
         lock(&self.info).insert(key, value.into());
+    }
+
+    /// The daemon watch's last round: each GPU with shares and whether its daemon answered.
+    /// GPUs left out (no share any more) leave the metric.
+    pub fn set_share_daemons(&self, up: impl IntoIterator<Item = (String, bool)>) {
+        *lock(&self.share_daemons) = up.into_iter().collect();
     }
 
     /// What every scrape reads besides the counters; set once (a second call is ignored).
@@ -146,6 +155,10 @@ impl Metrics {
             gpus: load(&self.gpus),
             unhealthy_devices: load(&self.unhealthy_devices),
             ready: self.ready(),
+            share_daemons: lock(&self.share_daemons)
+                .iter()
+                .map(|(g, up)| (g.clone(), *up))
+                .collect(),
             scrape: self.source.get().map(|s| s.scrape()),
         };
         encode(snapshot)
@@ -319,6 +332,29 @@ mod tests {
                 "{name} has no TYPE line"
             );
         }
+    }
+
+    #[test]
+    fn each_gpu_with_shares_has_its_daemon_up_gauge() {
+        let m = Metrics::new();
+        let text = m.render();
+        assert!(
+            !text.lines().any(|l| l.starts_with("nvdra_mps_daemon_up{")),
+            "no GPU with shares, no sample: {text}"
+        );
+        m.set_share_daemons([("GPU-a".to_string(), true), ("GPU-b".to_string(), false)]);
+        let text = m.render();
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        for want in [
+            "nvdra_mps_daemon_up{gpu=\"GPU-a\"} 1",
+            "nvdra_mps_daemon_up{gpu=\"GPU-b\"} 0",
+        ] {
+            assert!(samples.contains(&want), "no sample {want:?} in {text}");
+        }
+        // A GPU whose last share went leaves the metric.
+        m.set_share_daemons([("GPU-b".to_string(), true)]);
+        let text = m.render();
+        assert!(!text.contains("GPU-a"), "{text}");
     }
 
     async fn get(addr: SocketAddr, path: &str) -> String {

@@ -178,6 +178,7 @@ fn gpu0() -> Result<PreparedDevice> {
         mig: None,
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
+        mps_shm_dir: None,
     })
 }
 

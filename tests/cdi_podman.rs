@@ -79,6 +79,7 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
         mig: None,
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
+        mps_shm_dir: None,
     };
     let script = format!(
         "ls -l /dev/nvidia{minor} /dev/nvidiactl /dev/nvidia-uvm; \
@@ -122,6 +123,9 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
     let pipe = root.join("run/mps/pipe");
     std::fs::create_dir_all(&pipe)?;
     std::fs::write(pipe.join("control"), "mps pipe\n")?;
+    let shm = root.join("run/mps/shm");
+    std::fs::create_dir_all(&shm)?;
+    std::fs::write(shm.join("mps-segment"), "shared with the daemon\n")?;
     let mut devices = Vec::new();
     for (i, mig) in parent.mig.devices.iter().take(2).enumerate() {
         let (gi_cap, ci_cap) = (10 + 2 * i, 11 + 2 * i);
@@ -147,6 +151,7 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
                 per_device_pinned_memory_limit: [("1".to_string(), 1 << 30)].into(),
             }),
             mps_pipe_dir: Some(pipe.clone()),
+            mps_shm_dir: Some(shm.clone()),
         });
     }
     let caps = root.join("proc/driver/nvidia-caps");
@@ -160,7 +165,8 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
          echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; \
          echo PIPE_CONTENT=$(cat $CUDA_MPS_PIPE_DIRECTORY/control); \
          echo THREADS=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; \
-         echo LIMITS=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+         echo LIMITS=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; \
+         echo SHM=$(cat /dev/shm/mps-segment)"
     );
     let out = run_claim(
         engine,
@@ -178,10 +184,10 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
     assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
     assert_line(&out, "PIPE_CONTENT=mps pipe")?;
     assert_line(&out, "THREADS=40")?;
-    assert_line(
-        &out,
-        &format!("LIMITS={}=2048M,{}=1024M", uuids[0], uuids[1]),
-    )?;
+    // By the index each device has in the container (NVIDIA's device plugin v0.15.0 found
+    // UUID-keyed limits not applied); the daemon's shm directory is the container's /dev/shm.
+    assert_line(&out, "LIMITS=0=2048M,1=1024M")?;
+    assert_line(&out, "SHM=shared with the daemon")?;
     Ok(())
 }
 
@@ -387,7 +393,8 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
                 "; echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; \
                  echo PIPE_FILES=$(ls $CUDA_MPS_PIPE_DIRECTORY); \
                  echo THREADS=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; \
-                 echo LIMITS=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                 echo LIMITS=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; \
+                 echo SHM=$(stat -c %a /dev/shm)",
             );
         }
         let out = podman(
@@ -413,8 +420,11 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
             assert_line(&out, "PIPE_FILES=control")?;
             assert_line(&out, "THREADS=25")?;
-            // 24Gi less its part of the MPS server's reserve (24576 MiB × 79/80); 33 of 132 SMs.
-            assert_line(&out, &format!("LIMITS={}=24268M", gpu.uuid))?;
+            // Keyed by the index the container sees; 24Gi less its part of the MPS server's
+            // reserve (24576 MiB × 79/80); 33 of 132 SMs.
+            assert_line(&out, "LIMITS=0=24268M")?;
+            // The GPU daemon's shm directory, usable by any client UID.
+            assert_line(&out, "SHM=1777")?;
             ensure!(
                 mps::log(&driver_root) == vec![format!("start {} {}", gpu.uuid, pipe.display())],
                 "MPS daemon log {:?}",

@@ -655,7 +655,9 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
         allocs[0]["envs"],
         serde_json::json!({
             "NVIDIA_VISIBLE_DEVICES": uuid(1),
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": format!("{}=3G", uuid(1)),
+            // Index-keyed (the container's one GPU is 0): NVIDIA's device plugin v0.15.0
+            // found UUID-keyed limits not applied.
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3G",
             "NVIDIA_GDS": "enabled",
         })
     );
@@ -690,7 +692,7 @@ fn gpu_memory_units_mps_limits_and_gds_reach_the_kubelet() {
     assert_eq!(a["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
     assert_eq!(
         a["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!("{}={}M", uuid(2), (inv.gpus[2].memory_bytes >> 20) / 2)
+        format!("0={}M", (inv.gpus[2].memory_bytes >> 20) / 2)
     );
     assert_eq!(a["envs"]["NVIDIA_GDS"], "enabled");
 }

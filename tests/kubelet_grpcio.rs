@@ -15,6 +15,8 @@ mod support;
 
 #[path = "kubelet_grpcio/shares.rs"]
 mod shares;
+#[path = "kubelet_grpcio/watch.rs"]
+mod watch;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

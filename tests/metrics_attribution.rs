@@ -484,3 +484,128 @@ fn the_grafana_dashboard_queries_only_metrics_nvdra_exports() {
         }
     }
 }
+
+/// Each share of a GPU is on `/metrics` with what the scheduler counted for it and what its
+/// pods' processes use now (NVML per process, joined to the claim through the pods' cgroups),
+/// as Python's parser reads the text: a share whose two processes outgrew it, one within its
+/// share, and a process in no claim's pod counted for none.
+#[test]
+fn each_share_shows_its_used_memory_beside_what_it_consumed() {
+    use nvdra::ids::{ClaimUid, DeviceName};
+    use nvdra::inventory::ProcessUsage;
+    use nvdra::ledger::{ClaimEntry, ClaimState, Consumed, DeviceRecord, Ledger, PodRef};
+    use nvdra::metrics::{Metrics, attribution::Attribution};
+    use std::sync::Arc;
+
+    if !have_promclient() {
+        return;
+    }
+    const POD_A: &str = "aaaaaaaa-0000-4000-8000-00000000000a";
+    const POD_B: &str = "bbbbbbbb-0000-4000-8000-00000000000b";
+    let sim = SimBackend::from_profile(PROFILE, NODE).unwrap();
+    let inv = sim.snapshot().unwrap();
+    let gpu = inv.gpus[0].uuid.clone();
+    let proc_root = tempfile::tempdir().unwrap();
+    for (pid, pod) in [(10, POD_A), (11, POD_A), (20, POD_B), (30, "")] {
+        let dir = proc_root.path().join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        let cgroup = if pod.is_empty() {
+            "0::/system.slice/other.service\n".to_string()
+        } else {
+            format!("0::/kubepods/besteffort/pod{pod}/c\n")
+        };
+        std::fs::write(dir.join("cgroup"), cgroup).unwrap();
+    }
+    let gib = |n: u64| n << 30;
+    let process = |pid, bytes| ProcessUsage {
+        pid,
+        used_memory_bytes: Some(bytes),
+        gpu_instance: None,
+    };
+    sim.set_processes(
+        &gpu,
+        vec![
+            process(10, gib(6)),
+            process(11, gib(5)),
+            process(20, gib(2)),
+            process(30, gib(1)),
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+    let share = |memory| DeviceRecord {
+        requests: vec!["nb".into()],
+        pool: NODE.into(),
+        device: DeviceName::parse("gpu-0").unwrap(),
+        cdi_ids: vec![],
+        share_id: Some("5f0e0000-0000-4000-8000-000000000001".into()),
+        admin_access: false,
+        gpu: gpu.clone(),
+        mig: None,
+        consumed: Some(Consumed {
+            memory,
+            ..Default::default()
+        }),
+        sharing: Default::default(),
+    };
+    ledger.update(|c| {
+        for (uid, name, pod, memory) in [("a", "nb-a", POD_A, gib(8)), ("b", "nb-b", POD_B, gib(4))]
+        {
+            c.insert(
+                ClaimUid::parse(uid).unwrap(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ml".into(),
+                    name: name.into(),
+                    devices: vec![share(memory)],
+                    pods: vec![PodRef {
+                        name: format!("pod-{uid}"),
+                        uid: pod.into(),
+                    }],
+                },
+            );
+        }
+    });
+    let metrics = Metrics::new();
+    metrics.set_source(Arc::new(
+        Attribution::new(Arc::new(sim))
+            .with_ledger(ledger)
+            .with_proc_root(proc_root.path()),
+    ));
+    let families = promclient::parse(&metrics.render());
+    let samples = promclient::samples(&families);
+    let value = |name: &str, claim: &str| {
+        let found: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| s.name == name && s.labels["claim"] == claim)
+            .collect();
+        assert_eq!(found.len(), 1, "{name} {claim}: {samples:?}");
+        assert_eq!(
+            found[0].labels,
+            labels(&[
+                ("namespace", "ml"),
+                ("claim", claim),
+                ("gpu", "gpu-0"),
+                ("gpu_uuid", gpu.as_str()),
+            ])
+        );
+        found[0].value
+    };
+    assert_eq!(
+        value("nvdra_share_memory_consumed_bytes", "nb-a"),
+        gib(8) as f64
+    );
+    assert_eq!(
+        value("nvdra_share_memory_used_bytes", "nb-a"),
+        gib(11) as f64
+    );
+    assert_eq!(
+        value("nvdra_share_memory_consumed_bytes", "nb-b"),
+        gib(4) as f64
+    );
+    assert_eq!(
+        value("nvdra_share_memory_used_bytes", "nb-b"),
+        gib(2) as f64
+    );
+    assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
+}

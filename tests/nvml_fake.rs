@@ -462,6 +462,32 @@ fn mig_creation_refusals_name_the_gpu_and_change_nothing() {
     assert_eq!(backend.snapshot().unwrap(), before);
 }
 
+/// The compute mode is read and set through NVML on the whole GPU; an unknown GPU is named.
+/// GPU 2 (the L40S) is used by no other test of this process, and is put back.
+#[test]
+fn compute_mode_is_read_and_set_through_nvml() {
+    use nvdra::inventory::{ComputeMode, GpuUuid};
+    let node = fake_node();
+    let backend = open(&node);
+    let gpu = GpuUuid("GPU-f00d0000-0000-4000-8000-000000000002".into());
+    assert_eq!(backend.compute_mode(&gpu).unwrap(), ComputeMode::Default);
+    for mode in [
+        ComputeMode::ExclusiveProcess,
+        ComputeMode::Prohibited,
+        ComputeMode::Default,
+    ] {
+        backend.set_compute_mode(&gpu, mode).unwrap();
+        assert_eq!(backend.compute_mode(&gpu).unwrap(), mode);
+    }
+    let nope = GpuUuid("GPU-nope".into());
+    let e = backend
+        .set_compute_mode(&nope, ComputeMode::ExclusiveProcess)
+        .unwrap_err();
+    assert!(e.to_string().contains("GPU-nope"), "{e}");
+    let e = backend.compute_mode(&nope).unwrap_err();
+    assert!(e.to_string().contains("GPU-nope"), "{e}");
+}
+
 /// The live readings (`DeviceBackend::usage`) are what the fake answers — its stable
 /// `usage::readings` — memory in use included, with the process of the MIG-enabled A100 in its
 /// first GPU instance.

@@ -218,6 +218,7 @@ fn a_claim_cdi_spec_reads_as_nvdra_wrote_it() {
                 mig: Some(mig.clone()),
                 sharing: mps.clone(),
                 mps_pipe_dir: Some(pipe.clone()),
+                mps_shm_dir: None,
             },
             PreparedDevice {
                 name: "gpu-0".into(),
@@ -225,6 +226,7 @@ fn a_claim_cdi_spec_reads_as_nvdra_wrote_it() {
                 mig: None,
                 sharing: mps,
                 mps_pipe_dir: Some(pipe),
+                mps_shm_dir: None,
             },
         ];
         let opts = CdiOptions::resolve("gpu.nvidia.com", &nvdra::cdi::DriverRoot::at(root.path()))

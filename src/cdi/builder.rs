@@ -12,8 +12,8 @@ use super::hooks::driver_hooks;
 use super::names::validate_claim_uid;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
-    IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice, READ_ONLY_MOUNT,
-    Result, Spec, validate_class, validate_device_name, validate_vendor,
+    IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, MPS_SHM_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice,
+    READ_ONLY_MOUNT, Result, Spec, validate_class, validate_device_name, validate_vendor,
 };
 use crate::inventory::{Gpu, MigDevice};
 use crate::sharing::{MpsSettings, Sharing};
@@ -313,8 +313,14 @@ pub(super) fn driver_file_edits(
 }
 
 /// The MPS client environment. MPS is per process, so these are claim-wide: all MPS devices of
-/// a claim share one control daemon (one pipe directory) and one active-thread percentage, and a
-/// claim cannot mix MPS and non-MPS devices (the client would route every device through MPS).
+/// a claim share one control daemon (one pipe directory, one `/dev/shm`) and one active-thread
+/// percentage, and a claim cannot mix MPS and non-MPS devices (the client would route every
+/// device through MPS).
+///
+/// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` is keyed by the device's index as the container's CUDA
+/// sees it: the claim's devices in order, as the daemon's `CUDA_VISIBLE_DEVICES` lists them (a
+/// share's container sees one GPU: index 0). NVIDIA's device plugin moved from UUID keys to
+/// index keys in v0.15.0 because "these limits are not applied for devices if set by UUID".
 pub(super) fn mps_edits(
     claim_uid: &str,
     devices: &[PreparedDevice],
@@ -346,6 +352,7 @@ pub(super) fn mps_edits(
     }
 
     let mut pipe_dir: Option<&Path> = None;
+    let mut shm_dir: Option<&Path> = None;
     let mut percentage: Option<(u32, &str)> = None;
     let mut limits = Vec::new();
     for (d, settings) in &mps {
@@ -366,6 +373,18 @@ pub(super) fn mps_edits(
                 )));
             }
             _ => pipe_dir = Some(dir),
+        }
+        match (shm_dir, d.mps_shm_dir.as_deref()) {
+            (Some(p), Some(dir)) if p != dir => {
+                return Err(fail(format!(
+                    "MPS devices use different shared-memory directories {} and {}; one claim \
+                     has one MPS control daemon",
+                    p.display(),
+                    dir.display()
+                )));
+            }
+            (None, dir) => shm_dir = dir,
+            _ => {}
         }
         if let Some(p) = settings.active_thread_percentage {
             match percentage {
@@ -409,7 +428,7 @@ pub(super) fn mps_edits(
             })
             .or(settings.pinned_memory_limit.as_ref());
         if let Some(bytes) = limit {
-            limits.push(format!("{}={}M", d.uuid(), bytes >> 20));
+            limits.push(format!("{index}={}M", bytes >> 20));
         }
     }
 
@@ -421,6 +440,16 @@ pub(super) fn mps_edits(
             host_path: dir.display().to_string(),
             container_path: MPS_PIPE_CONTAINER_DIR.into(),
             options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        });
+    }
+    if let Some(dir) = shm_dir {
+        edits.mounts.push(Mount {
+            host_path: dir.display().to_string(),
+            container_path: MPS_SHM_CONTAINER_DIR.into(),
+            options: ["rw", "nosuid", "nodev", "bind"]
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),

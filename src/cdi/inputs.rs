@@ -125,6 +125,9 @@ pub struct PreparedDevice {
     pub sharing: Sharing,
     /// The host directory of the claim's MPS control daemon pipes (required for MPS sharing).
     pub mps_pipe_dir: Option<PathBuf>,
+    /// The host directory the claim's MPS control daemon has as `/dev/shm`, mounted on the
+    /// client's `/dev/shm` (MPS clients and server share memory there).
+    pub mps_shm_dir: Option<PathBuf>,
 }
 
 impl PreparedDevice {

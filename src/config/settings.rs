@@ -396,6 +396,11 @@ pub struct HealthSettings {
     /// ecc GPU, lost GPU, back GPU).
     #[arg(long, env = "NVDRA_FAULT_FILE", value_name = "FILE")]
     pub fault_file: Option<PathBuf>,
+
+    /// How often the MPS daemon of each GPU that holds shares is asked whether it answers; one
+    /// that does not taints its GPU and refuses new shares until it answers again.
+    #[arg(long, env = "NVDRA_MPS_PROBE_INTERVAL", value_name = "DURATION")]
+    pub mps_probe_interval: Option<String>,
 }
 
 impl Section for HealthSettings {
@@ -410,6 +415,7 @@ impl Section for HealthSettings {
             health_quiet_period: Some("5m".into()),
             health_probe_interval: Some("30s".into()),
             fault_file: None,
+            mps_probe_interval: Some("5s".into()),
         }
     }
 
@@ -420,6 +426,7 @@ impl Section for HealthSettings {
             health_quiet_period,
             health_probe_interval,
             fault_file,
+            mps_probe_interval,
         } = self;
         Self {
             ignored_xids: ignored_xids.or(lower.ignored_xids),
@@ -427,6 +434,7 @@ impl Section for HealthSettings {
             health_quiet_period: health_quiet_period.or(lower.health_quiet_period),
             health_probe_interval: health_probe_interval.or(lower.health_probe_interval),
             fault_file: fault_file.or(lower.fault_file),
+            mps_probe_interval: mps_probe_interval.or(lower.mps_probe_interval),
         }
     }
 }

@@ -250,6 +250,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("healthQuietPeriod: 1m", "healthQuietPeriod"),
         ("healthProbeInterval: 5s", "healthProbeInterval"),
         ("faultFile: /faults", "faultFile"),
+        ("mpsProbeInterval: 2s", "mpsProbeInterval"),
         ("nodeLabels: true", "nodeLabels"),
         ("mpsRoot: /run/mps", "mpsRoot"),
     ];
@@ -283,6 +284,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "healthProbeInterval" => s.health.health_probe_interval.is_some(),
             "faultFile" => s.health.fault_file.is_some(),
             "mpsRoot" => s.mps.mps_root.is_some(),
+            "mpsProbeInterval" => s.health.mps_probe_interval.is_some(),
             _ => unreachable!(),
         };
         assert!(set, "{line}: {s:?}");
@@ -546,6 +548,7 @@ fn health_settings_resolve_into_the_policy_or_name_the_key() {
         crate::health::XidRule::Critical(crate::inventory::TaintEffect::NoExecute)
     );
     assert_eq!(c.health.quiet_period, std::time::Duration::from_secs(90));
+    assert_eq!(c.mps_probe_interval, std::time::Duration::from_secs(5));
     assert_eq!(
         c.fault_file.as_deref(),
         Some(std::path::Path::new("/run/faults"))
@@ -567,6 +570,10 @@ fn health_settings_resolve_into_the_policy_or_name_the_key() {
         (
             |s: &mut Settings| s.health.health_probe_interval = Some("0s".into()),
             "--health-probe-interval",
+        ),
+        (
+            |s: &mut Settings| s.health.mps_probe_interval = Some("0s".into()),
+            "--mps-probe-interval",
         ),
         (
             |s: &mut Settings| {

@@ -68,6 +68,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         device_plugin_gpu_memory: false,
         health: Default::default(),
         fault_file: Some(root.join("faults")),
+        mps_probe_interval: Duration::from_secs(5),
         node_labels: false,
         mps_root: root.join("mps"),
     };

@@ -16,15 +16,20 @@
 //! MPS sharing adds the pipe directory of NVIDIA's MPS control daemon and `/dev/shm`, as
 //! NVIDIA's plugin does, and — beyond it — the per-client limits that NVIDIA's MPS control
 //! daemon sets only as daemon-wide defaults (reference §3.3): `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-//! = 100 / replicas` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT = <uuid>=<memory MiB / replicas>M` per
+//! = 100 / replicas` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT = <index>=<memory MiB / replicas>M` per
 //! GPU, the same integer arithmetic as the daemon's `set_default_active_thread_percentage` and
 //! `set_default_device_pinned_mem_limit`. The values equal the daemon's defaults, so a container
 //! gets the share it would get from NVIDIA's daemon, and keeps it under a daemon started without
 //! those defaults.
 //!
 //! `nvidia.com/gpu-memory` (nvdra's extension): `k` units of one GPU give the container that GPU
-//! (as any device, per strategy) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<uuid>=<k>G`, which CUDA
-//! enforces where an MPS control daemon serves the GPU. Units of several GPUs in one request are
+//! (as any device, per strategy) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<k>G`, which CUDA
+//! enforces where an MPS control daemon serves the GPU.
+//!
+//! The limit is keyed by the device's index as the container's CUDA sees it, never by UUID:
+//! NVIDIA's device plugin made that change in v0.15.0 because "these limits are not applied for
+//! devices if set by UUID". A container's GPUs are numbered from 0 in host index order (NVML's
+//! index follows the PCI bus, the order CUDA gives identical GPUs); one GPU is index 0. Units of several GPUs in one request are
 //! refused: a process's memory share is per GPU, and a pod asking for `k` GiB means one GPU.
 //!
 //! A request with an unknown or unhealthy ID, more than one replica where
@@ -235,15 +240,16 @@ pub fn allocate(
     for mode in &opts.modes {
         out.envs.insert(mode.env().into(), "enabled".into());
     }
-    if let [gpu] = unique[..]
+    if let [_gpu] = unique[..]
         && resource.memory_units()
     {
         let mut units: Vec<&str> = ids.iter().map(String::as_str).collect();
         units.sort_unstable();
         units.dedup();
+        // The container sees this one GPU, as index 0.
         out.envs.insert(
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(),
-            format!("{}={}G", gpu.uuid.as_str(), units.len()),
+            format!("0={}G", units.len()),
         );
     }
     if let (Some(sharing), Some(root)) = (&opts.sharing, &opts.mps_root)
@@ -270,10 +276,14 @@ pub fn allocate(
 
 /// The MPS client limits for the replicated devices among `unique`: the active-thread
 /// percentage of the most-shared one (one value per container), and each GPU's pinned-memory
-/// share keyed by its UUID.
+/// share keyed by its index in the container ([`container_indices`]).
 fn mps_limits(unique: &[&super::resources::Device], envs: &mut BTreeMap<String, String>) {
-    let shared: Vec<_> = unique.iter().filter(|d| d.replica.is_some()).collect();
-    let Some(replicas) = shared.iter().map(|d| d.replicas.max(1)).max() else {
+    let indexed = container_indices(unique);
+    let shared: Vec<_> = indexed
+        .iter()
+        .filter(|(_, d)| d.replica.is_some())
+        .collect();
+    let Some(replicas) = shared.iter().map(|(_, d)| d.replicas.max(1)).max() else {
         return;
     };
     envs.insert(
@@ -282,15 +292,24 @@ fn mps_limits(unique: &[&super::resources::Device], envs: &mut BTreeMap<String, 
     );
     let limits: Vec<String> = shared
         .iter()
-        .map(|d| {
+        .map(|(index, d)| {
             format!(
-                "{}={}M",
-                d.uuid.as_str(),
+                "{index}={}M",
                 (d.memory_bytes >> 20) / u64::from(d.replicas.max(1))
             )
         })
         .collect();
     envs.insert("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), limits.join(","));
+}
+
+/// Each of a container's devices with its index as the container's CUDA numbers it: from 0, in
+/// host index order (MIG devices of one GPU by placement), in which the limits are keyed.
+fn container_indices<'a>(
+    unique: &[&'a super::resources::Device],
+) -> Vec<(usize, &'a super::resources::Device)> {
+    let mut sorted = unique.to_vec();
+    sorted.sort_by_key(|d| (d.gpu_index, d.placement.map(|p| p.start)));
+    sorted.into_iter().enumerate().collect()
 }
 
 /// The control nodes that exist under `dev_root`, then `/dev/nvidia<minor>` of each device's GPU

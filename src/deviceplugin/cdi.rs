@@ -65,6 +65,7 @@ pub fn spec(
             mig: None,
             sharing: Sharing::Exclusive,
             mps_pipe_dir: None,
+            mps_shm_dir: None,
         });
         for (j, m) in g.mig.devices.iter().enumerate() {
             devices.push(PreparedDevice {
@@ -76,6 +77,7 @@ pub fn spec(
                 mig: Some(m.clone()),
                 sharing: Sharing::Exclusive,
                 mps_pipe_dir: None,
+                mps_shm_dir: None,
             });
         }
     }

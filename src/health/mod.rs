@@ -165,7 +165,13 @@ pub enum GpuHealth {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HealthState {
     faults: BTreeMap<GpuUuid, Fault>,
+    /// GPUs whose share daemon does not answer (reported by the plugin's daemon watch, through
+    /// [`MonitorHandle::report_share_daemons`]).
+    daemons_down: DaemonsDown,
 }
+
+/// The GPUs whose MPS share daemon does not answer, each with when it was first seen down.
+pub type DaemonsDown = BTreeMap<GpuUuid, std::time::SystemTime>;
 
 impl HealthState {
     pub fn gpu(&self, uuid: &GpuUuid) -> GpuHealth {
@@ -181,11 +187,18 @@ impl HealthState {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.faults.is_empty()
+        self.faults.is_empty() && self.daemons_down.is_empty()
+    }
+
+    /// The GPUs whose share daemon does not answer.
+    pub fn daemons_down(&self) -> &DaemonsDown {
+        &self.daemons_down
     }
 
     /// Lays this state over `inv`: every GPU with a fault becomes [`Health::Tainted`] with the
-    /// fault's cause as the reason (a GPU the backend already knows as withdrawn stays so).
+    /// fault's cause as the reason (a GPU the backend already knows as withdrawn stays so); a
+    /// GPU without one whose share daemon does not answer is tainted
+    /// [`TaintKey::MpsDaemonDown`] `NoSchedule` (one taint per device: a fault's wins).
     /// Its MIG devices and replicas follow it where devices are derived.
     pub fn apply(&self, inv: &mut Inventory) {
         for g in &mut inv.gpus {
@@ -196,6 +209,14 @@ impl HealthState {
                 g.health = Health::Tainted {
                     reason: f.cause.to_string(),
                     taint: f.taint(),
+                };
+            } else if self.daemons_down.contains_key(&g.uuid) {
+                g.health = Health::Tainted {
+                    reason: "the MPS control daemon of its shares does not answer".into(),
+                    taint: Taint {
+                        key: TaintKey::MpsDaemonDown,
+                        effect: TaintEffect::NoSchedule,
+                    },
                 };
             }
         }

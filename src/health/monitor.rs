@@ -7,7 +7,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{Cause, Event, EventKind, Fault, HealthState, Policy, Watch};
+use super::{Cause, DaemonsDown, Event, EventKind, Fault, HealthState, Policy, Watch};
 use crate::inventory::{DeviceBackend, GpuUuid};
 use kubelet_plugin::lock::lock;
 
@@ -39,6 +39,7 @@ pub struct MonitorHandle {
     events: mpsc::Sender<Event>,
     state: watch::Receiver<HealthState>,
     xids: Arc<Mutex<XidCounts>>,
+    daemons: Arc<watch::Sender<DaemonsDown>>,
 }
 
 impl MonitorHandle {
@@ -61,6 +62,16 @@ impl MonitorHandle {
     pub fn xid_counts(&self) -> XidCounts {
         lock(&self.xids).clone()
     }
+
+    /// The GPUs whose share daemon does not answer now (all of them: a GPU left out is up).
+    /// The state changes, and its subscribers wake, only when the set does.
+    pub fn report_share_daemons(&self, down: DaemonsDown) {
+        self.daemons.send_if_modified(|d| {
+            let modified = *d != down;
+            *d = down;
+            modified
+        });
+    }
 }
 
 /// What the monitor keeps per unhealthy GPU beyond what it publishes.
@@ -80,6 +91,8 @@ pub struct Monitor {
     state: watch::Sender<HealthState>,
     tracked: BTreeMap<GpuUuid, Tracked>,
     xids: Arc<Mutex<XidCounts>>,
+    /// What the share-daemon watch reports, laid into the state as it is.
+    daemons: watch::Receiver<DaemonsDown>,
 }
 
 impl Monitor {
@@ -87,6 +100,7 @@ impl Monitor {
         let (tx, rx) = mpsc::channel(QUEUE);
         let (state, state_rx) = watch::channel(HealthState::default());
         let xids = Arc::new(Mutex::new(XidCounts::new()));
+        let (daemons, daemons_rx) = watch::channel(DaemonsDown::new());
         (
             Self {
                 policy,
@@ -96,11 +110,13 @@ impl Monitor {
                 state,
                 tracked: BTreeMap::new(),
                 xids: xids.clone(),
+                daemons: daemons_rx,
             },
             MonitorHandle {
                 events: tx,
                 state: state_rx,
                 xids,
+                daemons: Arc::new(daemons),
             },
         )
     }
@@ -116,6 +132,8 @@ impl Monitor {
                 () = shutdown.cancelled() => return,
                 // `_own` keeps the channel open, so `None` cannot come.
                 Some(ev) = self.events.recv() => self.on_event(ev),
+                // The handle (and so the sender) lives as long as any consumer does.
+                Ok(()) = self.daemons.changed() => self.publish(),
                 _ = probe.tick() => self.probe_all().await,
             }
         }
@@ -222,8 +240,12 @@ impl Monitor {
             .iter()
             .map(|(g, t)| (g.clone(), t.fault.clone()))
             .collect();
+        let daemons_down = self.daemons.borrow().clone();
         self.state.send_if_modified(|s| {
-            let new = HealthState { faults };
+            let new = HealthState {
+                faults,
+                daemons_down,
+            };
             let modified = *s != new;
             *s = new;
             modified

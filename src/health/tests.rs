@@ -322,3 +322,74 @@ async fn every_xid_is_counted_per_gpu_and_xid_the_ignored_ones_too() {
     assert_eq!(handle.xid_counts(), want);
     stop.cancel();
 }
+
+/// The share-daemon watch's reports reach every consumer as health: a GPU whose daemon does not
+/// answer is published with the `mps-daemon-down` NoSchedule taint, a fault's taint wins, and a
+/// daemon back up lifts it.
+#[tokio::test(start_paused = true)]
+async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
+    use crate::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+    // Whole GPUs (shares are of GPUs outside MIG mode).
+    let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+    let (monitor, handle) = Monitor::new(policy(), Arc::new(Switch::default()));
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    let (gpu0, gpu1) = (uuid(&sim, 0), uuid(&sim, 1));
+    let since = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+
+    handle.report_share_daemons(DaemonsDown::from([
+        (gpu0.clone(), since),
+        (gpu1.clone(), since),
+    ]));
+    watch.changed().await.unwrap();
+    handle
+        .events()
+        .send(Event {
+            gpu: gpu1.clone(),
+            kind: EventKind::Xid(79),
+        })
+        .await
+        .unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    assert_eq!(state.daemons_down().len(), 2);
+    let mut inv = sim.snapshot().unwrap();
+    state.apply(&mut inv);
+    let taint_of = |i: usize| match &inv.gpus[i].health {
+        Health::Tainted { taint, .. } => Some(taint.key),
+        _ => None,
+    };
+    assert_eq!(taint_of(0), Some(TaintKey::MpsDaemonDown));
+    assert_eq!(taint_of(1), Some(TaintKey::Xid(79)), "a fault's taint wins");
+    assert_eq!(taint_of(2), None);
+    // As published: the device keeps its place in the slice, tainted NoSchedule.
+    let opts = SliceOptions {
+        driver: "gpu.nvidia.com".into(),
+        node_name: "n1".into(),
+        partitionable: false,
+        shared_capacity: false,
+        layout: CounterLayout::Separate,
+    };
+    let slices = desired_slices(&inv, &opts).unwrap();
+    let device = slices
+        .iter()
+        .flat_map(|s| s.devices.iter().flatten())
+        .find(|d| d.name == format!("gpu-{}", inv.gpus[0].minor))
+        .unwrap();
+    let taints = device.taints.as_ref().unwrap();
+    assert_eq!(taints.len(), 1);
+    assert_eq!(taints[0].key, "gpu.nvidia.com/mps-daemon-down");
+    assert_eq!(taints[0].effect, "NoSchedule");
+    assert_eq!(taints[0].value, None);
+
+    // GPU 0's daemon back up lifts its taint.
+    handle.report_share_daemons(DaemonsDown::from([(gpu1.clone(), since)]));
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    let mut inv = sim.snapshot().unwrap();
+    state.apply(&mut inv);
+    assert!(inv.gpus[0].health.is_healthy());
+    assert!(!watch.has_changed().unwrap());
+    stop.cancel();
+}

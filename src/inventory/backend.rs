@@ -23,6 +23,32 @@ impl std::fmt::Display for Reconfiguration {
     }
 }
 
+/// A GPU's compute mode: how many CUDA contexts it admits (NVML `nvmlComputeMode_t`). While a
+/// GPU holds MPS shares it is [`ComputeMode::ExclusiveProcess`]: the MPS server is its one
+/// context, so a process that misses MPS fails instead of running beside it without limits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ComputeMode {
+    /// Any number of contexts.
+    #[default]
+    Default,
+    /// One context (one process) at a time.
+    ExclusiveProcess,
+    /// No contexts.
+    Prohibited,
+}
+
+impl std::fmt::Display for ComputeMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // As `nvidia-smi -c` names them.
+        f.write_str(match self {
+            ComputeMode::Default => "DEFAULT",
+            ComputeMode::ExclusiveProcess => "EXCLUSIVE_PROCESS",
+            ComputeMode::Prohibited => "PROHIBITED",
+        })
+    }
+}
+
 /// A source of inventory snapshots, and the few reconfigurations prepare needs. Implementations
 /// block (NVML is synchronous); async callers run them on the blocking pool ([`snapshot`]).
 ///
@@ -53,6 +79,24 @@ pub trait DeviceBackend: Send + Sync + 'static {
         Err(Error::Unsupported {
             backend: self.name(),
             operation: "setting the time slice",
+        })
+    }
+
+    /// The compute mode of a whole GPU.
+    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        let _ = gpu;
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "reading the compute mode",
+        })
+    }
+
+    /// Sets the compute mode of a whole GPU (needs root on real hardware).
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        let _ = (gpu, mode);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "setting the compute mode",
         })
     }
 
@@ -139,6 +183,11 @@ pub trait Wrapper: Send + Sync + 'static {
         self.inner().set_time_slice(gpu, interval)
     }
 
+    /// [`DeviceBackend::set_compute_mode`].
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        self.inner().set_compute_mode(gpu, mode)
+    }
+
     /// [`DeviceBackend::create_mig`].
     fn create_mig(
         &self,
@@ -177,6 +226,15 @@ impl<W: Wrapper> DeviceBackend for W {
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
         Wrapper::set_time_slice(self, gpu, interval)
+    }
+
+    /// Read from the hardware through every wrapper: never cached.
+    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        self.inner().compute_mode(gpu)
+    }
+
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        Wrapper::set_compute_mode(self, gpu, mode)
     }
 
     fn create_mig(

@@ -26,7 +26,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
+pub use backend::{ComputeMode, DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
 pub use domains::assign_nvlink_domains;
 pub use quantity::{parse_quantity, quantity};
 pub use usage::{GpuUsage, ProcessUsage};
@@ -227,6 +227,9 @@ pub enum TaintKey {
     GpuLost,
     /// The GPU's health cannot be watched (NVML refused its event registration).
     Unmonitored,
+    /// The MPS control daemon of the GPU's shares does not answer: a new share could not be
+    /// served (nor limited) until the MPS host has restarted it.
+    MpsDaemonDown,
 }
 
 impl TaintKey {
@@ -236,6 +239,7 @@ impl TaintKey {
             TaintKey::Xid(_) => "xid",
             TaintKey::GpuLost => "gpu-lost",
             TaintKey::Unmonitored => "unmonitored",
+            TaintKey::MpsDaemonDown => "mps-daemon-down",
         }
     }
 
@@ -243,7 +247,7 @@ impl TaintKey {
     pub fn value(&self) -> Option<String> {
         match self {
             TaintKey::Xid(x) => Some(x.to_string()),
-            TaintKey::GpuLost | TaintKey::Unmonitored => None,
+            TaintKey::GpuLost | TaintKey::Unmonitored | TaintKey::MpsDaemonDown => None,
         }
     }
 }

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
-    DeviceBackend, Error, GpuUsage, GpuUuid, Health, Inventory, MigDevice, MigUuid, Placement,
-    ProcessUsage, Result, TimeSlice, topology,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Health, Inventory, MigDevice, MigUuid,
+    Placement, ProcessUsage, Result, TimeSlice, topology,
 };
 
 /// A reconfiguration the simulated hardware went through, in order; tests read them with
@@ -26,6 +26,10 @@ pub enum SimAction {
     DestroyMig {
         gpu: GpuUuid,
         uuid: MigUuid,
+    },
+    SetComputeMode {
+        gpu: GpuUuid,
+        mode: ComputeMode,
     },
 }
 
@@ -49,6 +53,9 @@ impl std::fmt::Display for SimAction {
             SimAction::DestroyMig { gpu, uuid } => {
                 write!(f, "MIG instance {uuid} destroyed on {gpu}")
             }
+            SimAction::SetComputeMode { gpu, mode } => {
+                write!(f, "compute mode {mode} on {gpu}")
+            }
         }
     }
 }
@@ -59,6 +66,8 @@ struct Model {
     actions: Vec<SimAction>,
     /// Current time slice per GPU (absent: `Default`).
     time_slices: std::collections::BTreeMap<GpuUuid, TimeSlice>,
+    /// Current compute mode per GPU (absent: `Default`).
+    compute_modes: std::collections::BTreeMap<GpuUuid, ComputeMode>,
     /// The processes a test put on each GPU ([`SimBackend::set_processes`]).
     processes: std::collections::BTreeMap<GpuUuid, Vec<ProcessUsage>>,
 }
@@ -144,6 +153,27 @@ impl DeviceBackend for SimBackend {
         m.actions.push(SimAction::SetTimeSlice {
             gpu: gpu.clone(),
             interval,
+        });
+        Ok(())
+    }
+
+    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        let m = self.lock();
+        if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
+            return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
+        }
+        Ok(m.compute_modes.get(gpu).copied().unwrap_or_default())
+    }
+
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        let mut m = self.lock();
+        if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
+            return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
+        }
+        m.compute_modes.insert(gpu.clone(), mode);
+        m.actions.push(SimAction::SetComputeMode {
+            gpu: gpu.clone(),
+            mode,
         });
         Ok(())
     }

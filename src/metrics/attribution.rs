@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::Source;
-use super::families::{Allocation, GpuRow, ProcessRow, Scrape};
+use super::families::{Allocation, GpuRow, ProcessRow, Scrape, ShareRow};
 use crate::deviceplugin::holds::{ContainerHolds, Holder};
 use crate::health::MonitorHandle;
 use crate::inventory::{DeviceBackend, Inventory};
@@ -153,6 +153,7 @@ impl Source for Attribution {
         processes.dedup_by(|a, b| {
             (&a.gpu_uuid, &a.mig_uuid, a.pid) == (&b.gpu_uuid, &b.mig_uuid, b.pid)
         });
+        let shares = share_rows(&claims, &processes, &inv, usage_ok);
         let minors: BTreeMap<_, _> = inv.gpus.iter().map(|g| (&g.uuid, g.minor)).collect();
         let gpus = usage
             .into_iter()
@@ -176,9 +177,47 @@ impl Source for Attribution {
             gpus,
             processes,
             xids,
+            shares,
             usage_ok,
         }
     }
+}
+
+/// Each share of a GPU held by a claim, with the memory its pods' processes use now: the
+/// processes on the share's GPU whose cgroup names one of the claim's pods (by pod UID).
+pub fn share_rows(
+    claims: &BTreeMap<crate::ids::ClaimUid, ClaimEntry>,
+    processes: &[ProcessRow],
+    inv: &Inventory,
+    usage_ok: bool,
+) -> Vec<ShareRow> {
+    let mut out = Vec::new();
+    for e in claims.values() {
+        let pods: BTreeSet<&str> = e.pods.iter().map(|p| p.uid.as_str()).collect();
+        for d in &e.devices {
+            let Some(consumed) = d.consumed else {
+                continue;
+            };
+            let used = processes
+                .iter()
+                .filter(|p| p.gpu_uuid == d.gpu.as_str() && pods.contains(p.pod_uid.as_str()))
+                .map(|p| p.used_memory_bytes)
+                .sum();
+            out.push(ShareRow {
+                namespace: e.namespace.clone(),
+                claim: e.name.clone(),
+                gpu: inv
+                    .gpu_by_uuid(d.gpu.as_str())
+                    .map_or_else(String::new, |g| format!("gpu-{}", g.minor)),
+                gpu_uuid: d.gpu.to_string(),
+                consumed_bytes: consumed.memory,
+                used_bytes: usage_ok.then_some(used),
+            });
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// One allocation per device of each claim and pod it is reserved for (one without a pod when

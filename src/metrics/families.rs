@@ -76,6 +76,22 @@ pub struct ProcessRow {
     pub used_memory_bytes: u64,
 }
 
+/// One share of a GPU (a claim's consumable-capacity device): what the scheduler counted for it
+/// and what its pods' processes use now. The MPS memory limit applies to each CUDA process, so
+/// `used` above `consumed` is a claim whose processes together outgrew its share.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ShareRow {
+    pub namespace: String,
+    pub claim: String,
+    /// The device name (`gpu-0`).
+    pub gpu: String,
+    pub gpu_uuid: String,
+    pub consumed_bytes: u64,
+    /// The sum over the processes on the GPU whose cgroup names one of the claim's pods; `None`
+    /// when the readings could not be read this scrape.
+    pub used_bytes: Option<u64>,
+}
+
 /// What a scrape reads from the node ([`super::Source`]).
 #[derive(Clone, Debug, Default)]
 pub struct Scrape {
@@ -85,6 +101,8 @@ pub struct Scrape {
     pub processes: Vec<ProcessRow>,
     /// XID events per (GPU UUID, XID).
     pub xids: BTreeMap<(String, u64), u64>,
+    /// The GPU shares of DRA claims, sorted.
+    pub shares: Vec<ShareRow>,
     /// Whether the GPUs' readings could be read (`false`: none are exported this scrape).
     pub usage_ok: bool,
 }
@@ -110,6 +128,8 @@ pub struct Snapshot {
     pub gpus: u64,
     pub unhealthy_devices: u64,
     pub ready: bool,
+    /// Each GPU with shares (UUID) and whether its share daemon answered the last probe.
+    pub share_daemons: Vec<(String, bool)>,
     pub scrape: Option<Scrape>,
 }
 
@@ -228,6 +248,15 @@ impl Collector for Snapshot {
             "1 when registered with the kubelet and slices are published.",
             u64::from(self.ready),
         )?;
+        gauges(
+            &mut e,
+            "nvdra_mps_daemon_up",
+            "1 when the MPS daemon of a GPU's shares answered its last probe, 0 when it did not \
+             (the GPU is then tainted mps-daemon-down and refuses new shares).",
+            &self.share_daemons,
+            |(gpu, _)| [("gpu", gpu.clone())],
+            |(_, up)| Some(u64::from(*up)),
+        )?;
         match &self.scrape {
             Some(s) => encode_scrape(&mut e, s),
             None => Ok(()),
@@ -302,6 +331,31 @@ fn encode_scrape(e: &mut DescriptorEncoder, s: &Scrape) -> Fmt {
         let labels = [("gpu_uuid", uuid.as_str()), ("xid", xid.as_str())];
         ConstCounter::new(*n).encode(m.encode_family(&labels)?)?;
     }
+    let share = |r: &ShareRow| {
+        [
+            ("namespace", r.namespace.clone()),
+            ("claim", r.claim.clone()),
+            ("gpu", r.gpu.clone()),
+            ("gpu_uuid", r.gpu_uuid.clone()),
+        ]
+    };
+    gauges(
+        e,
+        "nvdra_share_memory_consumed_bytes",
+        "GPU memory the scheduler counted for a share (its claim's consumed capacity).",
+        &s.shares,
+        share,
+        |r| Some(r.consumed_bytes),
+    )?;
+    gauges(
+        e,
+        "nvdra_share_memory_used_bytes",
+        "GPU memory a share's pods' processes use now (NVML, per process, summed). The MPS \
+         limit applies per process, so more than consumed means its processes outgrew the share.",
+        &s.shares,
+        share,
+        |r| r.used_bytes,
+    )?;
     gauges(
         e,
         "nvdra_gpu_process_memory_used_bytes",

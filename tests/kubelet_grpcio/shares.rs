@@ -135,8 +135,9 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     for uid in &SHARES[..3] {
         let (env, mounts) = spec_edits(&d, uid);
         for want in [
-            // 24Gi less its part of the MPS server's reserve: 24576 MiB × 79/80.
-            format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24268M"),
+            // Keyed by the index the share's container sees (0), not by UUID; 24Gi less its part
+            // of the MPS server's reserve: 24576 MiB × 79/80.
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=24268M".to_string(),
             format!(
                 "CUDA_MPS_PIPE_DIRECTORY={}",
                 nvdra::cdi::MPS_PIPE_CONTAINER_DIR

@@ -268,8 +268,11 @@ fn mps_sets_client_environment_and_pipe_mount() {
     let sharing = mps(Some(50), Some(10 << 30), &[("1", 5 << 30)]);
     let mut a = gpu_device(0, sharing.clone());
     let mut b = gpu_device(1, sharing);
+    let shm = host.root().join("mps/shm");
     a.mps_pipe_dir = Some(pipe.clone());
     b.mps_pipe_dir = Some(pipe.clone());
+    a.mps_shm_dir = Some(shm.clone());
+    b.mps_shm_dir = Some(shm.clone());
     let spec = claim_spec(
         &host.opts,
         UID,
@@ -283,35 +286,42 @@ fn mps_sets_client_environment_and_pipe_mount() {
             format!("NVIDIA_VISIBLE_DEVICES={},{}", a.gpu.uuid, b.gpu.uuid),
             "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string(),
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50".to_string(),
-            format!(
-                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={}=10240M,{}=5120M",
-                a.gpu.uuid, b.gpu.uuid
-            ),
+            // Keyed by the index the container's CUDA sees, not by UUID: NVIDIA's device
+            // plugin v0.15.0 found UUID-keyed limits not applied.
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M,1=5120M".to_string(),
         ]
     );
     assert_eq!(
         spec.container_edits.mounts,
-        vec![Mount {
-            host_path: pipe.display().to_string(),
-            container_path: "/tmp/nvidia-mps".into(),
-            options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
-                .map(String::from)
-                .to_vec(),
-        }]
+        vec![
+            Mount {
+                host_path: pipe.display().to_string(),
+                container_path: "/tmp/nvidia-mps".into(),
+                options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                    .map(String::from)
+                    .to_vec(),
+            },
+            Mount {
+                host_path: shm.display().to_string(),
+                container_path: "/dev/shm".into(),
+                options: ["rw", "nosuid", "nodev", "bind"].map(String::from).to_vec(),
+            }
+        ]
     );
     // Per-device env never conflicts: devices carry only nodes.
     for d in &spec.devices {
         assert!(d.container_edits.env.is_empty());
     }
 
-    // Limits keyed by UUID; no percentage, no default: only the named device gets a limit.
+    // A limit configured by UUID is still written by index; no percentage, no default: only
+    // the named device gets a limit.
     let mut c = gpu_device(2, mps(None, None, &[]));
     c.sharing = mps(None, None, &[(c.gpu.uuid.as_str(), 3 << 30)]);
     c.mps_pipe_dir = Some(pipe);
     let spec = claim_spec(&host.opts, UID, &[c.clone()], &DriverFiles::default()).unwrap();
     assert_eq!(
         env_of(&spec.container_edits, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
-        vec![format!("{}=3072M", c.gpu.uuid)]
+        vec!["0=3072M".to_string()]
     );
     assert!(env_of(&spec.container_edits, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").is_empty());
 }
@@ -350,6 +360,19 @@ fn mps_misconfigurations_are_errors() {
         with_pipe(gpu_device(1, mps(None, None, &[])), "/b"),
     ]);
     assert!(e.contains("different pipe directories /a and /b"), "{e}");
+
+    let with_shm = |mut d: PreparedDevice, dir: &str| {
+        d.mps_shm_dir = Some(PathBuf::from(dir));
+        d
+    };
+    let e = build(&[
+        with_shm(with_pipe(gpu_device(0, mps(None, None, &[])), "/a"), "/s1"),
+        with_shm(with_pipe(gpu_device(1, mps(None, None, &[])), "/a"), "/s2"),
+    ]);
+    assert!(
+        e.contains("different shared-memory directories /s1 and /s2"),
+        "{e}"
+    );
 
     let mut d = gpu_device(0, mps(None, None, &[("1", 1 << 30)]));
     d.mps_pipe_dir = Some(pipe.clone());

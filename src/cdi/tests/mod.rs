@@ -71,6 +71,7 @@ fn gpu_device(index: usize, sharing: Sharing) -> PreparedDevice {
         mig: None,
         sharing,
         mps_pipe_dir: None,
+        mps_shm_dir: None,
     }
 }
 
@@ -90,6 +91,7 @@ fn mig_device(mig_index: usize) -> PreparedDevice {
         mig: Some(mig),
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
+        mps_shm_dir: None,
     }
 }
 

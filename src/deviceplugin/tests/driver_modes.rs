@@ -245,20 +245,16 @@ fn mps_env(
 fn mps_limits_are_the_shares_nvidias_control_daemon_sets() {
     // NVIDIA's daemon on a 16 GiB GPU with 4 replicas (its control log, reference §3.3):
     // `set_default_device_pinned_mem_limit <i> 4096M`, `set_default_active_thread_percentage 25`.
-    let (inv, env) = mps_env(4, 16384);
+    // The limit is keyed by the container's index of the GPU (0), not its UUID: NVIDIA's device
+    // plugin v0.15.0 moved to index keys because UUID-keyed limits were not applied.
+    let (_, env) = mps_env(4, 16384);
     assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
-    assert_eq!(
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!("{}=4096M", inv.gpus[1].uuid)
-    );
+    assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
     assert_eq!(env["CUDA_MPS_PIPE_DIRECTORY"], "/mps/nvidia.com/gpu/pipe");
     // Integer division, as the daemon's `100 / replicas` and `totalMiB / replicas`.
-    let (inv, env) = mps_env(3, 46068);
+    let (_, env) = mps_env(3, 46068);
     assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "33");
-    assert_eq!(
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!("{}=15356M", inv.gpus[1].uuid)
-    );
+    assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=15356M");
     // Time-slicing sets no MPS limits.
     let inv = self::inv("l40s-pcie");
     let o = opts("sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 4}\n");
@@ -279,23 +275,19 @@ fn mps_limits_name_every_gpu_of_a_request() {
     );
     let res = resources(&inv, &o).unwrap();
     let gpu = &res[0];
-    // Replica 0 of GPU 0 and replica 1 of GPU 2.
+    // Replica 1 of GPU 2 and replica 0 of GPU 0, asked in that order: the container numbers
+    // its GPUs in host order, so GPU 0 is index 0 and GPU 2 index 1.
     let a = allocate::allocate(
         gpu,
-        &[gpu.devices[0].id.clone(), gpu.devices[5].id.clone()],
+        &[gpu.devices[5].id.clone(), gpu.devices[0].id.clone()],
         &ctx(o),
     )
     .unwrap();
+    assert_eq!(gpu.devices[5].gpu, inv.gpus[2].uuid);
     let share = |i: usize| (inv.gpus[i].memory_bytes >> 20) / 2;
     assert_eq!(
         a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!(
-            "{}={}M,{}={}M",
-            inv.gpus[0].uuid,
-            share(0),
-            inv.gpus[2].uuid,
-            share(2)
-        )
+        format!("0={}M,1={}M", share(0), share(2))
     );
     assert_eq!(a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
 }

@@ -165,10 +165,9 @@ fn gpu_memory_allocate_sets_the_pinned_limit_of_one_gpu() {
     )
     .unwrap();
     assert_eq!(a.envs["NVIDIA_VISIBLE_DEVICES"], inv.gpus[2].uuid.as_str());
-    assert_eq!(
-        a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!("{}=3G", inv.gpus[2].uuid)
-    );
+    // Keyed by the index the container sees (its one GPU: 0), not by UUID: NVIDIA's device
+    // plugin v0.15.0 moved to index keys because UUID-keyed limits were not applied.
+    assert_eq!(a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=3G");
     // CDI: the GPU's CDI device, once.
     let c = ctx(Options {
         list_strategies: vec![ListStrategy::CdiCri],
@@ -179,10 +178,7 @@ fn gpu_memory_allocate_sets_the_pinned_limit_of_one_gpu() {
         a.cdi_devices,
         [format!("k8s.gpu.nvidia.com/gpu={}", inv.gpus[1].uuid)]
     );
-    assert_eq!(
-        a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-        format!("{}=2G", inv.gpus[1].uuid)
-    );
+    assert_eq!(a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=2G");
     // Spanning GPUs: refused, naming the GPUs and the rule.
     let e = allocate::allocate(
         mem,

@@ -68,6 +68,8 @@ impl Plugin {
                     .await??;
             }
         }
+        // Shares' GPUs are in EXCLUSIVE_PROCESS before their daemon serves them.
+        self.hold_compute_modes(devices).await?;
         let mps = mps_devices(devices);
         if !mps.is_empty() {
             let owner = uid.clone();
@@ -89,6 +91,8 @@ impl Plugin {
         &self,
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
+        // Shares' GPUs are in EXCLUSIVE_PROCESS before their daemon serves them.
+        self.hold_compute_modes(devices).await?;
         for gpu in shared_gpus(devices) {
             let g = gpu.clone();
             if !self.blocking(move |i| i.mps.gpu_requested(&g)).await? {
@@ -218,6 +222,8 @@ impl Plugin {
             })
             .await??;
         }
+        // After the daemon: the GPU's mode goes back with its last share.
+        self.release_compute_modes(uid, devices).await?;
         for d in devices {
             if let (Sharing::TimeSlicing { .. }, None) = (&d.sharing, &d.mig) {
                 // Back to the default unless another claim time-slices this GPU.
@@ -344,6 +350,11 @@ pub(super) fn cdi_devices(
                 mps_pipe_dir: match (&d.sharing, d.consumed) {
                     (Sharing::Mps(_), Some(_)) => Some(mps.gpu_pipe_dir(&d.gpu)),
                     (Sharing::Mps(_), None) => Some(mps.pipe_dir(uid)),
+                    _ => None,
+                },
+                mps_shm_dir: match (&d.sharing, d.consumed) {
+                    (Sharing::Mps(_), Some(_)) => Some(mps.gpu_shm_dir(&d.gpu)),
+                    (Sharing::Mps(_), None) => Some(mps.shm_dir(uid)),
                     _ => None,
                 },
                 sharing: d.sharing.clone(),

@@ -4,7 +4,7 @@ use crate::ids::{ClaimUid, InvalidClaimUid};
 use crate::ledger;
 use crate::{api, cdi, inventory, sharing};
 
-use crate::dra::mps;
+use crate::dra::{compute_mode, mps};
 use kubelet_plugin::nodelock;
 
 /// Why one claim could not be prepared or unprepared. Reported in that claim's response entry.
@@ -96,6 +96,31 @@ pub enum ClaimError {
         held: String,
         holders: String,
     },
+    #[error(
+        "resource claim {namespace}/{name} holds a GPU share ({device}) but is reserved for {} \
+         pods ({pods}); a share's memory limit applies to each CUDA process, not to the claim, so \
+         pods sharing one claim would together use more than the scheduler counted. Give each \
+         pod its own claim (a ResourceClaimTemplate in the pod spec) instead of one \
+         ResourceClaim named by several pods", pods.split(", ").count()
+    )]
+    ShareForManyPods {
+        namespace: String,
+        name: String,
+        device: String,
+        pods: String,
+    },
+    #[error(
+        "{device} cannot be prepared as a share: the MPS control daemon of GPU {gpu} has not \
+         answered since {since} ({ago} ago), so a share started now would get no limits. The MPS \
+         host restarts the daemon; the kubelet retries this prepare (or retry it by recreating \
+         the pod once the device's mps-daemon-down taint is gone)"
+    )]
+    ShareDaemonDown {
+        device: String,
+        gpu: String,
+        since: String,
+        ago: String,
+    },
     #[error("{device} of request {request} cannot be prepared as a share: {reason}")]
     BadShare {
         device: String,
@@ -116,6 +141,8 @@ pub enum ClaimError {
     Backend(#[from] inventory::Error),
     #[error(transparent)]
     Mps(#[from] mps::Error),
+    #[error(transparent)]
+    ComputeMode(#[from] compute_mode::Error),
     #[error(transparent)]
     Cdi(#[from] cdi::Error),
     #[error(transparent)]

@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use super::compute_mode::ComputeModes;
 use super::mps::Mps;
 use crate::api::ClaimReader;
 use crate::cdi::DriverRoot;
@@ -41,12 +42,14 @@ mod batch;
 #[cfg(feature = "crash-points")]
 pub mod crash;
 mod effects;
+mod enforce;
 mod error;
 mod plan;
 mod prepare;
 mod recovery;
 mod specs;
 
+pub use enforce::{DaemonReport, PROBE_DEADLINE};
 pub use error::{ClaimError, StartError};
 pub use recovery::Recovery;
 use specs::Specs;
@@ -95,6 +98,11 @@ struct Inner {
     ledger: Ledger,
     specs: Specs,
     mps: Mps,
+    /// The compute mode of GPUs that hold shares, and its record.
+    compute_modes: ComputeModes,
+    /// GPUs whose share daemon did not answer the watch's last probe, and since when
+    /// ([`Plugin::watch_share_daemons`]); their new shares are refused.
+    daemons_down: Mutex<crate::health::DaemonsDown>,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
     /// Told when prepare or unprepare changed the hardware (MIG devices), so slices follow.
@@ -129,6 +137,7 @@ impl Plugin {
             opts.boot_id.clone(),
         );
         let node_lock = NodeLock::new(&opts.plugin_dir);
+        let compute_modes = ComputeModes::new(&opts.plugin_dir);
         Ok((
             Plugin {
                 inner: Arc::new(Inner {
@@ -138,6 +147,8 @@ impl Plugin {
                     ledger,
                     specs,
                     mps,
+                    compute_modes,
+                    daemons_down: Mutex::new(Default::default()),
                     node_lock,
                     metrics,
                     inventory_listener: std::sync::OnceLock::new(),

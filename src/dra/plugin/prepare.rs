@@ -57,6 +57,8 @@ impl Plugin {
             &rc,
             inv,
         )?;
+        one_pod_per_share(claim, &plan)?;
+        self.refuse_while_daemon_down(&plan.devices)?;
         let devices = if plan.touches_hardware() {
             self.prepare_reconfiguring(claim, plan, inv).await?
         } else {
@@ -212,6 +214,31 @@ impl Plugin {
         tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
         Ok(())
     }
+}
+
+/// Refuses a claim with a GPU share that is reserved for more than one pod. The share's memory
+/// limit (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) is applied per CUDA process, so every pod of the
+/// claim would get the whole limit: together more than the scheduler counted for the claim.
+/// Checked where the kubelet prepares the claim (its first pod); a pod that joins an already
+/// prepared claim is not seen here.
+pub(super) fn one_pod_per_share(claim: &ClaimRef, plan: &Plan) -> Result<(), ClaimError> {
+    let Some(share) = plan.devices.iter().find(|d| d.consumed.is_some()) else {
+        return Ok(());
+    };
+    if plan.pods.len() <= 1 {
+        return Ok(());
+    }
+    Err(ClaimError::ShareForManyPods {
+        namespace: claim.namespace.clone(),
+        name: claim.name.clone(),
+        device: share.device.to_string(),
+        pods: plan
+            .pods
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
 }
 
 /// The first of `devices` that another claim in `claims` holds, as that claim's error: a share

@@ -1,9 +1,10 @@
 //! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
 //! back, completed claims get their MPS daemon asked for again and their CDI spec rewritten if it is
 //! missing, empty or stale (specs are not fsync'd), CDI specs of ours without a ledger entry
-//! are removed. Together with the order of writes in
-//! [`prepare`](super::prepare), this makes every crash point end in a state the kubelet's retry
-//! can finish.
+//! are removed; GPUs with shares are put in `EXCLUSIVE_PROCESS` compute mode again and recorded
+//! GPUs without shares get their mode back ([`crate::dra::compute_mode`]). Together with the
+//! order of writes in [`prepare`](super::prepare), this makes every crash point end in a state
+//! the kubelet's retry can finish.
 
 use super::effects::{mps_devices, shared_gpus};
 use super::{ClaimError, Plugin};
@@ -28,6 +29,7 @@ impl Plugin {
         let _g = self.enter().await?;
         let mut rec = Recovery::default();
         let entries = self.inner.ledger.read(|c| c.claims.clone());
+        self.repair_compute_modes(&entries).await;
         let inv = self.snapshot().await?;
         // One claim's trouble (hardware gone, a daemon that will not start) must not keep the
         // plugin from serving the others: log it, keep its entry, and go on. Its next prepare or

@@ -128,6 +128,7 @@ mod tests {
             mig: None,
             sharing: Sharing::Exclusive,
             mps_pipe_dir: None,
+            mps_shm_dir: None,
         }];
         let uid = ClaimUid::parse("uid-1").unwrap();
         let lib = "usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01";

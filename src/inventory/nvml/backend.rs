@@ -13,7 +13,7 @@ use super::{
     HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, read_usage, reconfigure,
 };
 use crate::inventory::{
-    DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
     Reconfiguration, Result, TimeSlice,
 };
 
@@ -146,6 +146,14 @@ impl DeviceBackend for NvmlBackend {
             )));
         };
         reconfigure::set_time_slice(smi, self.library.as_deref(), gpu, interval)
+    }
+
+    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        reconfigure::compute_mode(&self.nvml, gpu)
+    }
+
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        reconfigure::set_compute_mode(&self.nvml, gpu, mode)
     }
 
     fn create_mig(

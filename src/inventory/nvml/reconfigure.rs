@@ -16,7 +16,9 @@ use nvml_wrapper::{Device, Nvml};
 use super::capture::{read_gi_profiles, read_mig_devices};
 use super::ffi;
 use super::mapping::map_mig_device;
-use crate::inventory::{Error, GpuUuid, MigDevice, MigUuid, Placement, Result, TimeSlice};
+use crate::inventory::{
+    ComputeMode, Error, GpuUuid, MigDevice, MigUuid, Placement, Result, TimeSlice,
+};
 
 /// Where `nvidia-smi` is looked for under the driver root, in order (the layout of the host's
 /// `/` and of NVIDIA's driver container).
@@ -97,6 +99,48 @@ pub(super) fn set_time_slice(
         }
     }
     Ok(())
+}
+
+/// The compute mode of a whole GPU.
+pub(super) fn compute_mode(nvml: &Nvml, gpu: &GpuUuid) -> Result<ComputeMode> {
+    use nvml_wrapper::enum_wrappers::device::ComputeMode as Nvml;
+    let d = parent(nvml, gpu)?;
+    match d.compute_mode() {
+        Ok(Nvml::Default) => Ok(ComputeMode::Default),
+        Ok(Nvml::ExclusiveProcess) => Ok(ComputeMode::ExclusiveProcess),
+        Ok(Nvml::Prohibited) => Ok(ComputeMode::Prohibited),
+        // EXCLUSIVE_THREAD is gone from every driver nvdra runs with; it admits one context,
+        // which is what the record needs to put back.
+        Ok(Nvml::ExclusiveThread) => Ok(ComputeMode::ExclusiveProcess),
+        Err(e) => Err(Error::Nvml {
+            call: "nvmlDeviceGetComputeMode".into(),
+            reason: format!("GPU {gpu}: {e}"),
+        }),
+    }
+}
+
+/// Sets the compute mode of a whole GPU; a refusal says what the node needs.
+pub(super) fn set_compute_mode(nvml: &Nvml, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+    use nvml_wrapper::enum_wrappers::device::ComputeMode as Nvml;
+    let mut d = parent(nvml, gpu)?;
+    let to = match mode {
+        ComputeMode::Default => Nvml::Default,
+        ComputeMode::ExclusiveProcess => Nvml::ExclusiveProcess,
+        ComputeMode::Prohibited => Nvml::Prohibited,
+    };
+    d.set_compute_mode(to).map_err(|e| match e {
+        NvmlError::NoPermission => Error::Refused(format!(
+            "cannot set GPU {gpu} to compute mode {mode}: NVML says no permission; nvdra needs \
+             root (a privileged container) to change compute modes"
+        )),
+        NvmlError::NotSupported => Error::Refused(format!(
+            "GPU {gpu} does not support compute mode {mode} (NVML: not supported)"
+        )),
+        e => Error::Nvml {
+            call: "nvmlDeviceSetComputeMode".into(),
+            reason: format!("GPU {gpu} to {mode}: {e}; check the GPU with nvidia-smi -q -i {gpu}"),
+        },
+    })
 }
 
 fn nvml_error(call: &str, e: NvmlError) -> Error {

@@ -297,6 +297,7 @@ fn load_node() -> Result<(String, Model), String> {
                 cuda_version: 12040,
                 gpus,
                 created: 0,
+                compute_modes: Default::default(),
             }
         }
     };
@@ -605,6 +606,54 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
                 e => e,
             }
         }
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Compute mode
+// ------------------------------------------------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeMode(
+    d: nvmlDevice_t,
+    mode: *mut nvmlComputeMode_t,
+) -> nvmlReturn_t {
+    with(|m| match device(m, d) {
+        Some(Dev::Gpu(g)) => {
+            let current = m
+                .compute_modes
+                .get(&g)
+                .copied()
+                .unwrap_or(nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT);
+            unsafe { put(mode, current) }
+        }
+        _ => INVALID,
+    })
+}
+
+/// Sets a GPU's compute mode (DEFAULT, EXCLUSIVE_PROCESS or PROHIBITED; EXCLUSIVE_THREAD is
+/// NOT_SUPPORTED, as on current drivers), kept in the state file like MIG instances.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceSetComputeMode(
+    d: nvmlDevice_t,
+    mode: nvmlComputeMode_t,
+) -> nvmlReturn_t {
+    const DEFAULT: nvmlComputeMode_t = nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT;
+    const ONE_CONTEXT: [nvmlComputeMode_t; 2] = [
+        nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED,
+        nvmlComputeMode_enum_NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+    ];
+    changing(|m| match device(m, d) {
+        Some(Dev::Gpu(g)) if mode == DEFAULT => {
+            m.compute_modes.remove(&g);
+            SUCCESS
+        }
+        Some(Dev::Gpu(g)) if ONE_CONTEXT.contains(&mode) => {
+            m.compute_modes.insert(g, mode);
+            SUCCESS
+        }
+        Some(Dev::Gpu(_)) => NOT_SUPPORTED,
+        _ => INVALID,
     })
 }
 

@@ -17,6 +17,8 @@ pub struct Model {
     pub gpus: Vec<Gpu>,
     /// MIG devices created so far, for their UUIDs.
     pub created: u64,
+    /// Each GPU's compute mode (`NVML_COMPUTEMODE_*`) by index; a GPU absent is `DEFAULT`.
+    pub compute_modes: std::collections::BTreeMap<usize, c_uint>,
 }
 
 pub struct Gpu {

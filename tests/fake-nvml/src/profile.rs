@@ -257,5 +257,6 @@ pub fn model(inv: &Inventory) -> Model {
         cuda_version: cuda,
         gpus,
         created,
+        compute_modes: Default::default(),
     }
 }

@@ -1,13 +1,15 @@
-//! MIG instances kept in a file (`FAKE_NVML_STATE`), as a GPU keeps them across the processes
-//! that use it: a daemon killed after creating an instance leaves it for the next one to find.
+//! MIG instances and compute modes kept in a file (`FAKE_NVML_STATE`), as a GPU keeps them
+//! across the processes that use it: a daemon killed after creating an instance or setting a
+//! compute mode leaves it for the next one to find.
 //!
-//! One line per instance, rewritten whole (through a temporary file and a rename) after every
-//! change:
+//! One line per instance or compute mode other than DEFAULT, rewritten whole (through a
+//! temporary file and a rename) after every change:
 //!
 //! ```text
 //! created <n>
 //! gi <gpu index> <gpu-instance id> <profile id> <start>
 //! ci <gpu index> <gpu-instance id> <compute-instance id> <compute profile> <slices> <slot> <uuid>
+//! mode <gpu index> <NVML_COMPUTEMODE_* value>
 //! ```
 
 use std::os::raw::c_uint;
@@ -64,11 +66,15 @@ pub fn load(path: &Path, m: &mut Model) {
     for g in &mut m.gpus {
         g.instances.clear();
     }
+    m.compute_modes.clear();
     for line in text.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         let n = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
         match f.first() {
             Some(&"created") => m.created = n(1),
+            Some(&"mode") if (n(1) as usize) < m.gpus.len() => {
+                m.compute_modes.insert(n(1) as usize, n(2) as c_uint);
+            }
             Some(&"gi") => {
                 let Some(g) = m.gpus.get_mut(n(1) as usize) else {
                     continue;
@@ -119,6 +125,9 @@ pub fn save(path: &Path, m: &Model) {
                 ));
             }
         }
+    }
+    for (i, mode) in &m.compute_modes {
+        text.push_str(&format!("mode {i} {mode}\n"));
     }
     let tmp = path.with_extension("tmp");
     if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)) {

@@ -637,5 +637,6 @@ async fn outcomes_are_counted_in_metrics() {
     stop.cancel();
 }
 
+mod enforce;
 mod recovery;
 mod shares;

@@ -69,7 +69,7 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
         let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
         // 24Gi less its part of the MPS server's reserve: 24576 MiB × 79/80.
         assert!(
-            spec.contains(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu}=24268M")),
+            spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=24268M"),
             "{spec}"
         );
         assert!(
@@ -78,6 +78,13 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
         );
         assert!(
             spec.contains("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
+            "{spec}"
+        );
+        // The GPU daemon's shared memory is every share's `/dev/shm`.
+        let shm = e.plugin.inner.mps.gpu_shm_dir(&gpu);
+        assert!(
+            spec.contains(&format!("hostPath: {}", shm.display()))
+                && spec.contains("containerPath: /dev/shm"),
             "{spec}"
         );
     }

@@ -1,0 +1,222 @@
+//! What keeps shares honest on the node, beside their MPS daemon: the compute mode of each GPU
+//! that holds shares, or that a claim shares through MPS as a whole GPU
+//! ([`compute_mode`](crate::dra::compute_mode)), put in place before the daemon is used and put
+//! back after the GPU's last such claim; and the daemon watch, which
+//! asks each such GPU's daemon every few seconds whether it answers. One that does not is
+//! reported (a `NoSchedule` device taint through the health monitor, `nvdra_mps_daemon_up` 0)
+//! and new shares of its GPU are refused until it answers again.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use super::effects::shared_gpus;
+use super::{ClaimError, Plugin};
+use crate::health::DaemonsDown;
+use crate::ids::ClaimUid;
+use crate::inventory::GpuUuid;
+use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord};
+use crate::sharing::Sharing;
+use kubelet_plugin::lock::lock;
+
+impl Plugin {
+    /// Puts each GPU of [`one_context_gpus`] in `EXCLUSIVE_PROCESS` (recorded first). The
+    /// claim is reserved already, so a release racing with this one sees it.
+    pub(super) async fn hold_compute_modes(
+        &self,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        for gpu in one_context_gpus(devices) {
+            self.blocking(move |i| i.compute_modes.hold(&*i.backend, &gpu))
+                .await??;
+        }
+        Ok(())
+    }
+
+    /// Puts back the compute mode of each GPU of [`one_context_gpus`], where no other claim
+    /// holds it so (asked under the record's lock, against the ledger).
+    pub(super) async fn release_compute_modes(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        for gpu in one_context_gpus(devices) {
+            let (ledger, owner) = (self.inner.ledger.clone(), uid.clone());
+            self.blocking(move |i| {
+                i.compute_modes.release(&*i.backend, &gpu, || {
+                    ledger.read(|c| held_by_another(&c.claims, &owner, &gpu))
+                })
+            })
+            .await??;
+        }
+        Ok(())
+    }
+
+    /// Start-up: GPUs with completed shares in the checkpoint are held again, recorded GPUs
+    /// without are put back (an interrupted prepare's share is rolled back after this).
+    /// Failures are logged: the GPU's next share prepare or unprepare retries.
+    pub(super) async fn repair_compute_modes(&self, entries: &BTreeMap<ClaimUid, ClaimEntry>) {
+        let shared: BTreeSet<GpuUuid> = entries
+            .values()
+            .filter(|e| e.state == ClaimState::PrepareCompleted)
+            .flat_map(|e| one_context_gpus(&e.devices))
+            .collect();
+        let repaired = self
+            .blocking(move |i| i.compute_modes.repair(&*i.backend, &shared))
+            .await;
+        match repaired {
+            Ok((done, failed)) => {
+                if !(done.held.is_empty() && done.released.is_empty()) {
+                    tracing::info!(held = ?done.held, released = ?done.released, "compute modes repaired from their record");
+                }
+                for e in failed {
+                    tracing::error!(error = %kubelet_plugin::report::chain(&e), "cannot repair a GPU's compute mode at start-up");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %kubelet_plugin::report::chain(&e), "compute-mode repair failed")
+            }
+        }
+    }
+}
+
+/// The GPUs `devices` need in `EXCLUSIVE_PROCESS`, each once: those they hold shares of, and
+/// whole GPUs a claim shares through its own MPS daemon (as NVIDIA's DRA driver does for MPS
+/// claims). The mode is per GPU, so a MIG device's GPU is left alone.
+pub(super) fn one_context_gpus(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
+    let mut gpus: Vec<GpuUuid> = devices
+        .iter()
+        .filter(|d| one_context(d))
+        .map(|d| d.gpu.clone())
+        .collect();
+    gpus.sort();
+    gpus.dedup();
+    gpus
+}
+
+fn one_context(d: &DeviceRecord) -> bool {
+    d.consumed.is_some() || (matches!(d.sharing, Sharing::Mps(_)) && d.mig.is_none())
+}
+
+/// Whether a claim other than `owner` needs `gpu` in `EXCLUSIVE_PROCESS`.
+pub(super) fn held_by_another(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    owner: &ClaimUid,
+    gpu: &GpuUuid,
+) -> bool {
+    claims
+        .iter()
+        .any(|(u, e)| u != owner && e.devices.iter().any(|o| one_context(o) && o.gpu == *gpu))
+}
+
+/// How long one probe of a GPU's share daemon may take, end to end, before it counts as down
+/// (the probe's own deadline, plus the time to start the process).
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(3);
+
+/// What the daemon watch tells the rest of the node after each round: the GPUs with shares and
+/// whether each one's daemon answered, and those that do not with since when.
+pub trait DaemonReport: Send + Sync + 'static {
+    fn report(&self, up: &BTreeMap<GpuUuid, bool>, down: &DaemonsDown);
+}
+
+impl Plugin {
+    /// Refuses a new share of a GPU whose share daemon did not answer the watch's last probe.
+    pub(super) fn refuse_while_daemon_down(
+        &self,
+        devices: &[crate::ledger::DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        let down = lock(&self.inner.daemons_down);
+        let Some((d, since)) = devices
+            .iter()
+            .filter(|d| d.consumed.is_some())
+            .find_map(|d| down.get(&d.gpu).map(|s| (d, *s)))
+        else {
+            return Ok(());
+        };
+        let ago = SystemTime::now()
+            .duration_since(since)
+            .unwrap_or_default()
+            .as_secs();
+        Err(ClaimError::ShareDaemonDown {
+            device: d.device.to_string(),
+            gpu: d.gpu.to_string(),
+            since: k8s_openapi::jiff::Timestamp::try_from(since)
+                .map(|t| t.to_string())
+                .unwrap_or_else(|_| "an unknown time".into()),
+            ago: format!("{ago}s"),
+        })
+    }
+
+    /// Asks the share daemon of every GPU that holds shares, each under [`PROBE_DEADLINE`],
+    /// whether it answers, and reports the result. Runs with no lock a prepare waits on: the
+    /// ledger is copied, the probes run on the blocking pool, the state is swapped at the end.
+    pub async fn probe_share_daemons(&self, report: &dyn DaemonReport) {
+        let gpus: BTreeSet<GpuUuid> = self.inner.ledger.read(|c| {
+            c.claims
+                .values()
+                .flat_map(|e| shared_gpus(&e.devices))
+                .collect()
+        });
+        // All GPUs at once: a round takes one deadline however many daemons are down.
+        let probes = gpus.into_iter().map(|gpu| async move {
+            let g = gpu.clone();
+            let probe = self.blocking(move |i| i.mps.alive_gpu(&g));
+            let answers = matches!(
+                tokio::time::timeout(PROBE_DEADLINE, probe).await,
+                Ok(Ok(true))
+            );
+            (gpu, answers)
+        });
+        let up: BTreeMap<GpuUuid, bool> = futures::future::join_all(probes)
+            .await
+            .into_iter()
+            .collect();
+        let now = SystemTime::now();
+        let down = {
+            let mut state = lock(&self.inner.daemons_down);
+            let mut next = DaemonsDown::new();
+            for (gpu, answers) in &up {
+                match (answers, state.get(gpu)) {
+                    (true, Some(since)) => {
+                        let since = k8s_openapi::jiff::Timestamp::try_from(*since)
+                            .map(|t| t.to_string())
+                            .unwrap_or_default();
+                        tracing::info!(gpu.uuid = %gpu, down_since = %since, "the MPS daemon of the GPU's shares answers again; new shares are accepted");
+                    }
+                    (true, None) => {}
+                    (false, Some(since)) => {
+                        next.insert(gpu.clone(), *since);
+                    }
+                    (false, None) => {
+                        tracing::warn!(gpu.uuid = %gpu, "the MPS daemon of the GPU's shares does not answer; the GPU is tainted mps-daemon-down and new shares are refused until it answers (the MPS host restarts it)");
+                        next.insert(gpu.clone(), now);
+                    }
+                }
+            }
+            *state = next.clone();
+            next
+        };
+        report.report(&up, &down);
+    }
+
+    /// The daemon watch: [`Plugin::probe_share_daemons`] every `interval` until `shutdown`.
+    /// The first round comes one interval after start: start-up has just ensured the daemons.
+    pub async fn watch_share_daemons(
+        self,
+        interval: Duration,
+        report: Arc<dyn DaemonReport>,
+        shutdown: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => self.probe_share_daemons(&*report).await,
+            }
+        }
+    }
+}

@@ -121,7 +121,7 @@ fn the_default_values_render_the_kustomize_base_object_for_object() {
     assert_typed(&rendered, "helm template (defaults)");
     assert_same_objects(&rendered, &overlay(kubectl, "plain"), "defaults");
     // What the comparison covers: the whole base, every object, the Namespace included.
-    assert_eq!(rendered.len(), 13);
+    assert_eq!(rendered.len(), 12);
 }
 
 #[test]

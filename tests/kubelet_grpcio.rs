@@ -91,7 +91,10 @@ impl Daemon {
             .args(["--metrics-address", "127.0.0.1:0"])
             .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
             .env_remove("NVDRA_TEST_CRASH_AT")
-            .env("NVDRA_LOG", "error")
+            .env(
+                "NVDRA_LOG",
+                std::env::var("NVDRA_TEST_LOG").unwrap_or("error".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

@@ -107,6 +107,8 @@ pub struct Mps {
     gpu_locks: Mutex<HashMap<GpuUuid, Arc<Mutex<()>>>>,
     /// When each daemon last answered.
     answered: Mutex<HashMap<DaemonId, Instant>>,
+    /// When this process last wrote each daemon's request.
+    requested: Mutex<HashMap<DaemonId, Instant>>,
 }
 
 impl Mps {
@@ -119,6 +121,7 @@ impl Mps {
             start_deadline: START_DEADLINE,
             gpu_locks: Mutex::new(HashMap::new()),
             answered: Mutex::new(HashMap::new()),
+            requested: Mutex::new(HashMap::new()),
         }
     }
 
@@ -193,6 +196,18 @@ impl Mps {
         self.answers(&Owner::Gpu(gpu.clone())).is_ok()
     }
 
+    /// Whether the GPU's share daemon is still starting: this process asked for it less than
+    /// the start deadline ago and it has not answered since. A prepare is then waiting for it,
+    /// and a watch that does not hear it yet must not call it down.
+    pub fn starting_gpu(&self, gpu: &GpuUuid) -> bool {
+        let id = DaemonId::gpu(gpu);
+        let Some(asked) = lock(&self.requested).get(&id).copied() else {
+            return false;
+        };
+        let answered_since = lock(&self.answered).get(&id).is_some_and(|t| *t >= asked);
+        !answered_since && asked.elapsed() < self.start_deadline
+    }
+
     /// Releases the GPU's share daemon if `still_shared` (asked under the GPU's lock, so no share
     /// can ask for it in between) says no share of it is left.
     pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {
@@ -252,6 +267,7 @@ impl Mps {
             match std::fs::rename(&staging, &dir) {
                 Ok(()) => {
                     tracing::info!(%owner, daemon = %id, "MPS daemon requested");
+                    lock(&self.requested).insert(id, Instant::now());
                     return Ok(());
                 }
                 // Made meanwhile (a release not yet removed): write the request into it.
@@ -267,6 +283,7 @@ impl Mps {
         let spec_path = self.layout.spec(&id);
         crate::durable::write(&spec_path, &bytes).map_err(write_err(owner))?;
         tracing::info!(%owner, daemon = %id, "MPS daemon requested");
+        lock(&self.requested).insert(id, Instant::now());
         Ok(())
     }
 
@@ -274,6 +291,7 @@ impl Mps {
     fn release(&self, owner: &Owner) -> Result<()> {
         let id = owner.id();
         lock(&self.answered).remove(&id);
+        lock(&self.requested).remove(&id);
         let path = self.layout.spec(&id);
         match crate::durable::remove(&path) {
             Ok(true) => {

@@ -13,10 +13,12 @@ use super::{DRIVER, Daemon, NODE, have_grpcio};
 use crate::support::grpcio::NodeStandin;
 use crate::support::mps;
 
-/// The taints of GPU 0's published device (`gpu-0`).
-fn gpu0_taints(d: &Daemon) -> Vec<(String, String, String)> {
+/// The taints of GPU 0's published device (`gpu-0`); `None` while no slice read holds it (a
+/// slice being rewritten reads as nothing, not as untainted).
+fn gpu0_taints(d: &Daemon) -> Option<Vec<(String, String, String)>> {
     let dir = d.root.path().join("api/resourceslices");
     let mut out = Vec::new();
+    let mut seen = false;
     for e in std::fs::read_dir(dir).into_iter().flatten() {
         let text = std::fs::read_to_string(e.unwrap().path()).unwrap_or_default();
         let Ok(slice) = nvdra::yaml::from_str::<ResourceSlice>(&text) else {
@@ -24,6 +26,7 @@ fn gpu0_taints(d: &Daemon) -> Vec<(String, String, String)> {
         };
         for dev in slice.spec.devices.iter().flatten() {
             if dev.name == "gpu-0" {
+                seen = true;
                 for t in dev.taints.iter().flatten() {
                     out.push((dev.name.clone(), t.key.clone(), t.effect.clone()));
                 }
@@ -31,7 +34,7 @@ fn gpu0_taints(d: &Daemon) -> Vec<(String, String, String)> {
         }
     }
     out.sort();
-    out
+    seen.then_some(out)
 }
 
 /// Waits (30 s at most) until `pred` holds on GPU 0's taints.
@@ -39,7 +42,7 @@ async fn taints_until(d: &Daemon, what: &str, pred: impl Fn(&[(String, String, S
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let t = gpu0_taints(d);
-        if pred(&t) {
+        if t.as_deref().is_some_and(&pred) {
             return;
         }
         assert!(Instant::now() < deadline, "GPU 0 never {what}: {t:?}");

@@ -240,3 +240,25 @@ fn waiting_for_a_daemon_does_not_hold_the_gpus_lock() {
     std::fs::write(mps.gpu_pipe_dir(&gpu).join("answering"), "").unwrap();
     waiting.join().unwrap().unwrap();
 }
+
+/// A daemon this process has just asked for is starting (the watch must not call it down)
+/// until it answers, or until its start deadline has passed without an answer.
+#[test]
+fn a_daemon_asked_for_is_starting_until_it_answers_or_its_deadline_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    fake_control(&dir.path().join("driver"));
+    let m = mps(dir.path());
+    let gpu = GpuUuid("GPU-a".into());
+    assert!(!m.starting_gpu(&gpu), "never asked for");
+    m.request_gpu(&gpu).unwrap();
+    assert!(m.starting_gpu(&gpu));
+    assert!(!m.alive_gpu(&gpu), "no host runs it yet");
+    let _host = FakeHost::start(&dir.path().join("driver"), &dir.path().join("mps"));
+    eventually("the daemon answers", || m.alive_gpu(&gpu));
+    assert!(!m.starting_gpu(&gpu), "it answered");
+
+    let late = mps(dir.path()).with_start_deadline(Duration::ZERO);
+    let other = GpuUuid("GPU-b".into());
+    late.request_gpu(&other).unwrap();
+    assert!(!late.starting_gpu(&other), "past its start deadline");
+}

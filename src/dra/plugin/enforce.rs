@@ -162,7 +162,8 @@ impl Plugin {
         // All GPUs at once: a round takes one deadline however many daemons are down.
         let probes = gpus.into_iter().map(|gpu| async move {
             let g = gpu.clone();
-            let probe = self.blocking(move |i| i.mps.alive_gpu(&g));
+            // A daemon a prepare has just asked for and is waiting on is starting, not down.
+            let probe = self.blocking(move |i| i.mps.alive_gpu(&g) || i.mps.starting_gpu(&g));
             let answers = matches!(
                 tokio::time::timeout(PROBE_DEADLINE, probe).await,
                 Ok(Ok(true))

@@ -28,4 +28,5 @@ pub mod ledger;
 pub mod matching;
 pub mod metrics;
 pub mod sharing;
+pub mod versions;
 pub mod yaml;

@@ -50,6 +50,7 @@ use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
+use crate::versions;
 use kubelet_plugin::publisher::{self, Publisher};
 use kubelet_plugin::registration::{Registrar, Sockets};
 use kubelet_plugin::report;
@@ -567,6 +568,26 @@ fn task_failure(
     Some(Error::TaskDied { task, reason })
 }
 
+/// One warning when a switch that is on meets a Kubernetes version whose scheduler has a known
+/// bug that hits it (`crate::versions`): the slices are published all the same, as the claims the
+/// bug does not touch still work.
+fn warn_of_known_bugs(config: &Config, version: &versions::KubeVersion) {
+    let on: Vec<versions::Switch> = [
+        (config.partitionable, versions::Switch::Partitionable),
+        (config.shared_capacity, versions::Switch::SharedCapacity),
+    ]
+    .into_iter()
+    .filter_map(|(on, s)| on.then_some(s))
+    .collect();
+    if let Some(message) = versions::warning(version, &on) {
+        let bugs: Vec<String> = versions::hits(version, &on)
+            .iter()
+            .map(|(b, _)| format!("kubernetes#{}", b.issue))
+            .collect();
+        tracing::warn!(kubernetes.version = %version, bugs = %bugs.join(","), "{message}");
+    }
+}
+
 /// How often the inventory is re-read for changes nobody announced.
 pub const RESCAN: Duration = Duration::from_secs(60);
 
@@ -586,16 +607,19 @@ async fn publish(
     tasks: &mut JoinSet<TaskResult>,
     shutdown: &CancellationToken,
 ) {
-    let minor = api.server_minor().await.unwrap_or_else(|e| {
+    let version = api.server_version().await.unwrap_or_else(|e| {
         tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
         None
     });
+    if let Some(v) = &version {
+        warn_of_known_bugs(config, v);
+    }
     let opts = slices::SliceOptions {
         driver: config.driver_name.clone(),
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
         shared_capacity: config.shared_capacity,
-        layout: sync::layout_for(minor),
+        layout: sync::layout_for(version.map(|v| v.minor)),
     };
     let (publisher, handle) = Publisher::with_counters(
         api.clone(),

@@ -29,4 +29,5 @@ pub mod matching;
 pub mod metrics;
 pub mod mps;
 pub mod sharing;
+pub mod versions;
 pub mod yaml;

@@ -3,8 +3,14 @@
 //!
 //! - `helm lint --strict` passes, with the default values and with every value set.
 //! - `helm template` with the default values renders the objects of `kubectl kustomize
-//!   manifests/overlays/plain`, object for object, and each switch the objects of its overlay
-//!   (`mode: device-plugin`, `extendedResources`, `nodeLabels`).
+//!   manifests/overlays/plain`, object for object, but for the Namespace, and each switch the
+//!   objects of its overlay (`mode: device-plugin`, `extendedResources`, `nodeLabels`).
+//!   The Namespace is the one exception, on purpose: a Kustomize build is applied as it is, so the
+//!   base must carry its Namespace, but a Helm release owns every object its chart renders, and
+//!   `helm uninstall` would delete the namespace with whatever else lives in it. The chart leaves
+//!   it to `helm install --create-namespace`, as Helm's docs and NVIDIA's charts do, and renders it
+//!   only with `createNamespace: true` (for `helm template | kubectl apply`), which then equals the
+//!   base's in full.
 //! - With every value set, the objects still pass the manifest checks (typed round trip with no
 //!   unknown field, the DaemonSet's contracts: no privileged container, same-path kubelet
 //!   mounts; the MPS host's contracts, with the plugin's image, nodes and driver root; RBAC no wider than the base's and the node-labels rule; the admission policy
@@ -96,6 +102,19 @@ fn assert_same_objects(helm: &[Value], kustomize: &[Value], origin: &str) {
     assert!(!k.is_empty());
 }
 
+/// A Kustomize build less its Namespace (`nvdra`), which it must have: what the chart renders by
+/// default (see the module doc for why the two differ there).
+fn without_namespace(mut kustomized: Vec<Value>) -> Vec<Value> {
+    let before = kustomized.len();
+    kustomized.retain(|d| str_at(d, "/kind") != "Namespace");
+    assert_eq!(
+        before - kustomized.len(),
+        1,
+        "the Kustomize build has one Namespace"
+    );
+    kustomized
+}
+
 /// `kubectl kustomize` of the plain overlay with a component added, in a copy of manifests/
 /// (kustomize reads nothing outside the tree it builds).
 fn plain_with_component(kubectl: &str, component: &str) -> Vec<Value> {
@@ -119,9 +138,49 @@ fn the_default_values_render_the_kustomize_base_object_for_object() {
     };
     let rendered = template(helm, "nvdra", &[]).unwrap();
     assert_typed(&rendered, "helm template (defaults)");
-    assert_same_objects(&rendered, &overlay(kubectl, "plain"), "defaults");
-    // What the comparison covers: the whole base, every object, the Namespace included.
-    assert_eq!(rendered.len(), 12);
+    // The one exception (see the module doc): the release must not own its namespace, so the
+    // default chart has no Namespace, while the Kustomize base, applied as it is, carries one.
+    assert!(
+        !rendered.iter().any(|d| str_at(d, "/kind") == "Namespace"),
+        "the default chart renders a Namespace: the release would own it"
+    );
+    assert_same_objects(
+        &rendered,
+        &without_namespace(overlay(kubectl, "plain")),
+        "defaults",
+    );
+    // What the comparison covers: the whole base, every kind of object, the Namespace alone
+    // left out.
+    let kinds: BTreeSet<&str> = rendered.iter().map(|d| str_at(d, "/kind")).collect();
+    for kind in [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "DaemonSet",
+        "DeviceClass",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ] {
+        assert!(
+            kinds.contains(kind),
+            "the defaults render no {kind}: {kinds:?}"
+        );
+    }
+}
+
+#[test]
+fn create_namespace_renders_the_base_namespace_too() {
+    let (Some(helm), Some(kubectl)) = (helm(), kubectl()) else {
+        return;
+    };
+    let rendered = template(helm, "nvdra", &["--set", "createNamespace=true"]).unwrap();
+    assert_typed(&rendered, "createNamespace=true");
+    assert_same_objects(
+        &rendered,
+        &overlay(kubectl, "plain"),
+        "createNamespace=true",
+    );
+    assert!(find(&rendered, "Namespace", "nvdra").is_some());
 }
 
 #[test]
@@ -139,7 +198,8 @@ fn each_switch_renders_its_overlay_object_for_object() {
             "nodeLabels=true",
             plain_with_component(kubectl, "node-labels"),
         ),
-    ];
+    ]
+    .map(|(set, kustomized)| (set, without_namespace(kustomized)));
     for (set, kustomized) in cases {
         let rendered = template(helm, "nvdra", &["--set", set]).unwrap();
         assert_typed(&rendered, set);
@@ -174,7 +234,7 @@ fn helm_lints_the_chart_strictly() {
 /// Every value of values.yaml set to something other than its default.
 const EVERY_VALUE: &str = r#"
 image: {repository: registry.example.com/nvdra, tag: v0.1.0, pullPolicy: IfNotPresent}
-createNamespace: false
+createNamespace: true
 mode: both
 extendedResources: true
 nodeLabels: true
@@ -237,8 +297,8 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
     assert_typed(&core, origin);
     assert_daemonset_contracts(&docs, origin);
     assert_mps_host_contracts(&docs, origin);
-    // No Namespace; everything namespaced is in the release's.
-    assert!(find(&docs, "Namespace", "gpu-system").is_none());
+    // The release's Namespace, asked for; everything namespaced is in it.
+    assert!(find(&docs, "Namespace", "gpu-system").is_some());
     for d in &docs {
         let ns = str_at(d, "/metadata/namespace");
         assert!(ns.is_empty() || ns == "gpu-system", "{}: {ns}", id(d));

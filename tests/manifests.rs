@@ -351,8 +351,8 @@ impl SliceApi for EveryCall {
 }
 
 impl ClusterApi for EveryCall {
-    fn server_minor(&self) -> BoxFuture<'_, api::Result<Option<u32>>> {
-        self.0.server_minor()
+    fn server_version(&self) -> BoxFuture<'_, api::Result<Option<nvdra::versions::KubeVersion>>> {
+        self.0.server_version()
     }
     fn patch_node_labels<'a>(
         &'a self,
@@ -382,7 +382,7 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
         vec![],
         vec![],
     ));
-    assert!(api.server_minor().await.unwrap().is_some());
+    assert!(api.server_version().await.unwrap().is_some());
     // `--mode auto`: API discovery, then the DeviceClass list and watch.
     assert!(api.dra_served().await.unwrap());
     server.seed_device_class(

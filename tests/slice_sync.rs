@@ -101,7 +101,7 @@ async fn start_with(
     server.seed_node(NODE, "uid-node-a");
     prepare(&server);
     let api = Arc::new(KubeApi::from_url(server.url()).unwrap());
-    let layout = layout_for(api.server_minor().await.unwrap());
+    let layout = layout_for(api.server_version().await.unwrap().map(|v| v.minor));
     let options = Options {
         settle: Duration::from_millis(20),
         backoff_base: Duration::from_millis(20),

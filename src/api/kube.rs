@@ -17,6 +17,7 @@ use std::path::Path;
 use kubelet_plugin::api::kube::{WATCH_TIMEOUT_SECS, classify, classify_watch, is_gone};
 
 use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
+use crate::versions::KubeVersion;
 
 /// The API server through kube-rs.
 #[derive(Clone)]
@@ -144,14 +145,18 @@ impl SliceApi for KubeApi {
 }
 
 impl ClusterApi for KubeApi {
-    fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
+    fn server_version(&self) -> BoxFuture<'_, Result<Option<KubeVersion>>> {
         Box::pin(async move {
             let info = self
                 .client
                 .apiserver_version()
                 .await
                 .map_err(|e| classify("get /version", e))?;
-            Ok(super::parse_minor(&info.minor))
+            Ok(KubeVersion::from_version_info(
+                &info.git_version,
+                &info.major,
+                &info.minor,
+            ))
         })
     }
 

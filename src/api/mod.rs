@@ -31,10 +31,11 @@ pub trait ClaimReader: Send + Sync + 'static {
 /// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`; an
 /// `Arc<dyn ClusterApi>` coerces to the `Arc<dyn ClaimReader>` the plugin takes.
 pub trait ClusterApi: ClaimReader + SliceApi {
-    /// The API server's Kubernetes minor version (34 for 1.34), which decides the slice layout
-    /// for shared counters. `None` when there is no server to ask (the directory API), meaning
+    /// The API server's Kubernetes version: its minor version decides the slice layout for
+    /// shared counters, and the whole of it which known scheduler bugs to warn about
+    /// ([`crate::versions`]). `None` when there is no server to ask (the directory API), meaning
     /// the newest rules apply.
-    fn server_minor(&self) -> BoxFuture<'_, Result<Option<u32>>> {
+    fn server_version(&self) -> BoxFuture<'_, Result<Option<crate::versions::KubeVersion>>> {
         Box::pin(async { Ok(None) })
     }
 
@@ -116,12 +117,6 @@ pub fn allocated_device(
     }
 }
 
-/// Parses the `minor` of a `/version` answer: `"35"`, or `"35+"` as some distributions report.
-pub fn parse_minor(minor: &str) -> Option<u32> {
-    let digits: String = minor.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
-
 /// Connects to the API the configuration names: a directory, the given kubeconfig, or the
 /// in-cluster config (falling back to the default kubeconfig).
 pub async fn connect(api: &crate::config::Api) -> Result<std::sync::Arc<dyn ClusterApi>> {
@@ -131,15 +126,4 @@ pub async fn connect(api: &crate::config::Api) -> Result<std::sync::Arc<dyn Clus
         }
         crate::config::Api::Dir(dir) => std::sync::Arc::new(dir::DirApi::new(dir.clone())?),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn minor_versions_parse() {
-        assert_eq!(super::parse_minor("35"), Some(35));
-        assert_eq!(super::parse_minor("34+"), Some(34));
-        assert_eq!(super::parse_minor(""), None);
-        assert_eq!(super::parse_minor("x"), None);
-    }
 }

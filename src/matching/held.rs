@@ -6,12 +6,33 @@
 //! sum never exceeds the device's capacity: a claim holding all of a GPU's memory leaves no
 //! room for a share of it. A held device consumes its shared counters (`consumesCounters`) once,
 //! however many claims share it.
+//!
+//! Admin access (`adminAccess: true`) is not holding, as the scheduler counts it
+//! (`foreachAllocatedDevice` skips such results): an admin-access request may get a device
+//! other claims hold, and its allocation holds nothing for the claims after it: no device, no
+//! capacity, no counters. It is still checked against the capacity left on a shared device, as
+//! the allocator checks every request there. The allocator of Kubernetes 1.36 also checks and
+//! charges an admin-access request's counters (kubernetes#140729, open), so on a partitionable
+//! node it may refuse an admin-access claim for a partition in use that `match` gives it: that is
+//! the bug, and `match` says what the API promises.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::AllocationResult;
 
 use super::{Amounts, Candidate, Node, Pick, format_milli, parse_milli, qualify};
+
+/// Why a device cannot take one more allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Busy {
+    /// In words, with the values that decided it.
+    pub(super) reason: String,
+    /// The device is in use (allocated whole, or its counters taken), rather than short of
+    /// capacity left: a request for all matching devices (`allocationMode: All`) then fails, as
+    /// the scheduler allocates every one of them or none. A shared device without enough
+    /// capacity left is not one of "all" (the allocator leaves it out when it lists them).
+    pub(super) in_use: bool,
+}
 
 /// The devices of a node that claims hold, and how much of each.
 #[derive(Debug, Default, Clone)]
@@ -32,7 +53,7 @@ impl Held {
     }
 
     /// Records an allocated claim's results; the devices it names that the node does not have
-    /// come back as `driver/pool/device`.
+    /// come back as `driver/pool/device`. Results with admin access are found but not held.
     pub(super) fn hold_allocation(
         &mut self,
         node: &Node,
@@ -80,8 +101,22 @@ impl Held {
             } else {
                 BTreeMap::new()
             };
+            if r.admin_access == Some(true) {
+                found.push(Pick {
+                    request: r.request.clone(),
+                    device: d,
+                    consumed,
+                    admin: true,
+                });
+                continue;
+            }
             self.hold(d, claim, consumed.clone());
-            found.push((r.request.clone(), d, consumed));
+            found.push(Pick {
+                request: r.request.clone(),
+                device: d,
+                consumed,
+                admin: false,
+            });
         }
         (found, missing)
     }
@@ -131,29 +166,49 @@ impl Held {
         out
     }
 
-    /// Why device `d` cannot take one more allocation consuming `want` (by capacity name), in
-    /// words; `None` when it can.
-    pub(super) fn why_not(&self, node: &Node, d: usize, want: &Amounts) -> Option<String> {
+    /// Why device `d` cannot take one more allocation consuming `want` (by capacity name);
+    /// `None` when it can. With `admin` (an admin-access request), a device held whole is free
+    /// and counters are neither needed nor drawn; a shared device's capacity left still counts.
+    pub(super) fn why_not(
+        &self,
+        node: &Node,
+        d: usize,
+        want: &Amounts,
+        admin: bool,
+    ) -> Option<Busy> {
         let dev = &node.devices[d];
         if self.is_held(d) {
             if !dev.shared() {
-                return Some(format!("allocated to {}", claims(&self.holders(d))));
+                if admin {
+                    return None;
+                }
+                return Some(Busy {
+                    reason: format!("allocated to {}", claims(&self.holders(d))),
+                    in_use: true,
+                });
             }
             let used = self.consumed(d);
             for (name, need) in want {
                 let have = dev.capacity(name)?;
                 let taken = used.get(name).copied().unwrap_or(0);
                 if taken + need > have {
-                    return Some(format!(
+                    let reason = format!(
                         "{name} {} > {} left ({}: {} held by {})",
                         format_milli(*need),
                         format_milli(have - taken),
                         dev.device.name,
                         format_milli(taken),
                         claims(&self.holders(d))
-                    ));
+                    );
+                    return Some(Busy {
+                        reason,
+                        in_use: false,
+                    });
                 }
             }
+            return None;
+        }
+        if admin {
             return None;
         }
         let used = self.counters(node);
@@ -181,7 +236,7 @@ impl Held {
                         )
                     })
                     .collect();
-                return Some(if taken >= total {
+                let reason = if taken >= total {
                     format!(
                         "counter {name} of {} is taken by {}",
                         cs.name,
@@ -195,6 +250,10 @@ impl Held {
                         format_milli(total - taken),
                         by.join(", ")
                     )
+                };
+                return Some(Busy {
+                    reason,
+                    in_use: true,
                 });
             }
         }

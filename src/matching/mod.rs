@@ -23,8 +23,13 @@
 //! publishes, a claim that asks for no memory consumes all of it (its policy's default) and
 //! nothing else fits beside it, and one that asks for no multiprocessors consumes none.
 //!
-//! Not modelled: admin access (which taints still apply to), DeviceTaintRules (only taints in
-//! the slices count), and which node the scheduler would prefer among several.
+//! A request with `adminAccess: true` may get devices other claims hold, and what it gets is not
+//! held for the claims after it ([`Held`] says what the scheduler counts); taints still apply to
+//! it. A request for all matching devices (`allocationMode: All`) without admin access fails
+//! when one of them is in use, as the allocator takes every one of them or none.
+//!
+//! Not modelled: DeviceTaintRules (only taints in the slices count), and which node the
+//! scheduler would prefer among several.
 
 mod held;
 pub mod input;
@@ -149,6 +154,11 @@ struct Alternative {
     name: String,
     class: String,
     want: Want,
+    /// `adminAccess: true` (only a request's `exactly` has it, never a subrequest).
+    admin: bool,
+    /// For `All` without admin access: a matching device in use, in words; the request then
+    /// cannot be met.
+    blocked: Option<String>,
     /// Fitting devices (indices into the candidates) and, for the others, why not.
     fits: Vec<usize>,
     rejected: Vec<(usize, String)>,
@@ -168,6 +178,7 @@ struct Shape<'a> {
     count: Option<i64>,
     capacity: Option<BTreeMap<String, Quantity>>,
     tolerations: &'a [DeviceToleration],
+    admin: bool,
 }
 
 struct Request {
@@ -178,12 +189,23 @@ struct Request {
 /// Amounts by capacity or counter name, in thousandths.
 pub type Amounts = BTreeMap<String, i128>;
 
-/// A device picked for a request: (request, device index, capacity consumed).
-type Pick = (String, usize, Amounts);
+/// A device picked for a request.
+#[derive(Debug, Clone)]
+struct Pick {
+    /// `req` or `req/sub`.
+    request: String,
+    /// Index into [`Node::devices`].
+    device: usize,
+    /// The capacity it consumes of a shared device.
+    consumed: Amounts,
+    /// Admin access: the device is not held for the claims after it.
+    admin: bool,
+}
 
 /// Explains the claims one after another against the node, as the scheduler allocates them:
 /// the allocated ones (`status.allocation`) hold their devices, then each of the others, in
-/// input order, is matched against what is left and, when it fits, holds what it got.
+/// input order, is matched against what is left and, when it fits, holds what it got (but for
+/// what it got with admin access, which holds nothing).
 pub fn explain_all(
     env: &Environment,
     claims: &[ClaimInput],
@@ -203,8 +225,8 @@ pub fn explain_all(
             continue;
         }
         let (report, picks) = explain_on(env, c, classes, node, &held)?;
-        for (_, d, consumed) in picks.into_iter().flatten() {
-            held.hold(d, &c.name, consumed);
+        for p in picks.into_iter().flatten().filter(|p| !p.admin) {
+            held.hold(p.device, &c.name, p.consumed);
         }
         reports[i] = Some(report);
     }
@@ -260,6 +282,7 @@ fn explain_on(
                 count: e.count,
                 capacity: e.capacity.as_ref().and_then(|c| c.requests.clone()),
                 tolerations: e.tolerations.as_deref().unwrap_or_default(),
+                admin: e.admin_access == Some(true),
             }]
         } else if let Some(subs) = &r.first_available {
             subs.iter()
@@ -273,6 +296,7 @@ fn explain_on(
                     count: s.count,
                     capacity: s.capacity.as_ref().and_then(|c| c.requests.clone()),
                     tolerations: s.tolerations.as_deref().unwrap_or_default(),
+                    admin: false,
                 })
                 .collect()
         } else {
@@ -291,6 +315,7 @@ fn explain_on(
                 count,
                 capacity,
                 tolerations,
+                admin,
             } = shape;
             let class = classes.get(class_name.as_str()).ok_or_else(|| {
                 field(
@@ -354,24 +379,35 @@ fn explain_on(
             let mut fits = Vec::new();
             let mut rejected = Vec::new();
             let mut consumes = BTreeMap::new();
+            let mut blocked = None;
             for d in 0..node.devices.len() {
-                let checked = check(env, class, &own, &capacity, tolerations, &node.devices[d])
-                    .and_then(|c| match held.why_not(node, d, &c) {
-                        Some(why) => Err(why),
-                        None => Ok(c),
-                    });
-                match checked {
-                    Ok(c) => {
+                let c = match check(env, class, &own, &capacity, tolerations, &node.devices[d]) {
+                    Ok(c) => c,
+                    Err(why) => {
+                        rejected.push((d, why));
+                        continue;
+                    }
+                };
+                match held.why_not(node, d, &c, admin) {
+                    None => {
                         fits.push(d);
                         consumes.insert(d, c);
                     }
-                    Err(why) => rejected.push((d, why)),
+                    Some(busy) => {
+                        if want == Want::All && busy.in_use && blocked.is_none() {
+                            blocked =
+                                Some(format!("{}: {}", node.devices[d].device.name, busy.reason));
+                        }
+                        rejected.push((d, busy.reason));
+                    }
                 }
             }
             alternatives.push(Alternative {
                 name,
                 class: class.name.clone(),
                 want,
+                admin,
+                blocked,
                 fits,
                 rejected,
                 consumes,

@@ -40,6 +40,10 @@ pub struct Allocated {
     /// What the allocation takes of a shared device, as `status.allocation` would record it.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub consumed_capacity: BTreeMap<String, String>,
+    /// With admin access: the device may be in use by other claims, and this allocation holds
+    /// it for none after it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub admin_access: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -50,6 +54,9 @@ pub struct RequestReport {
     pub device_class_name: String,
     /// A number, or `All`.
     pub count: String,
+    /// `adminAccess: true`: devices in use by other claims fit.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub admin_access: bool,
     pub fits: Vec<String>,
     pub rejected: Vec<Rejected>,
 }
@@ -86,6 +93,7 @@ pub(super) fn build(
                     Want::Count(n) => n.to_string(),
                     Want::All => "All".into(),
                 },
+                admin_access: a.admin,
                 fits: a.fits.iter().map(|&d| name(d)).collect(),
                 rejected: a
                     .rejected
@@ -119,16 +127,24 @@ pub(super) fn build(
 fn allocations(node: &Node, picks: Vec<Pick>) -> Vec<Allocated> {
     picks
         .into_iter()
-        .map(|(request, d, consumed)| Allocated {
-            request,
-            driver: node.devices[d].driver.clone(),
-            pool: node.devices[d].pool.clone(),
-            device: node.devices[d].device.name.clone(),
-            consumed_capacity: consumed
-                .into_iter()
-                .map(|(k, v)| (k, format_milli(v)))
-                .collect(),
-        })
+        .map(
+            |Pick {
+                 request,
+                 device,
+                 consumed,
+                 admin,
+             }| Allocated {
+                request,
+                driver: node.devices[device].driver.clone(),
+                pool: node.devices[device].pool.clone(),
+                device: node.devices[device].device.name.clone(),
+                consumed_capacity: consumed
+                    .into_iter()
+                    .map(|(k, v)| (k, format_milli(v)))
+                    .collect(),
+                admin_access: admin,
+            },
+        )
         .collect()
 }
 
@@ -176,9 +192,14 @@ pub fn render_table(reports: &[ClaimReport]) -> String {
             }
         }
         for q in &r.requests {
+            let admin = if q.admin_access {
+                " (admin access)"
+            } else {
+                ""
+            };
             let _ = writeln!(
                 out,
-                "  request {}: {} × {}",
+                "  request {}: {} × {}{admin}",
                 q.name, q.count, q.device_class_name
             );
             let fits = if q.fits.is_empty() {
@@ -198,15 +219,18 @@ pub fn render_table(reports: &[ClaimReport]) -> String {
         let picks = |a: &[Allocated]| -> String {
             a.iter()
                 .map(|x| {
-                    if x.consumed_capacity.is_empty() {
+                    let mut notes: Vec<String> = x
+                        .consumed_capacity
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect();
+                    if x.admin_access {
+                        notes.push("admin access".into());
+                    }
+                    if notes.is_empty() {
                         format!("{} → {}", x.request, x.device)
                     } else {
-                        let c: Vec<String> = x
-                            .consumed_capacity
-                            .iter()
-                            .map(|(k, v)| format!("{k} {v}"))
-                            .collect();
-                        format!("{} → {} ({})", x.request, x.device, c.join(", "))
+                        format!("{} → {} ({})", x.request, x.device, notes.join(", "))
                     }
                 })
                 .collect::<Vec<_>>()

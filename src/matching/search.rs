@@ -1,5 +1,11 @@
 //! The bounded backtracking search for an allocation that satisfies every request and
 //! constraint of a claim ([`super::MAX_SEARCH_STEPS`]).
+//!
+//! Within one claim, as in the allocator, a device taken whole is taken once, whoever asked
+//! (admin access included); what admin access changes is only what *other* claims hold, and that
+//! it draws no counters.
+
+use std::collections::BTreeSet;
 
 use super::*;
 
@@ -20,12 +26,22 @@ pub(super) struct Search<'a> {
 /// The search's state: what is picked so far.
 struct State {
     picks: Vec<Pick>,
-    /// Devices in use (held or picked) and, for shared ones, the capacity consumed
-    /// (thousandths).
+    /// Devices in use (held by other claims, or picked) and, for shared ones, the capacity
+    /// consumed (thousandths).
     consumed: BTreeMap<usize, Amounts>,
-    /// What devices in use draw from shared counters: (set, counter) → thousandths.
+    /// Devices whose counters are drawn: those held, and those picked without admin access.
+    counted: BTreeSet<usize>,
+    /// What those devices draw from shared counters: (set, counter) → thousandths.
     counters: BTreeMap<(usize, String), i128>,
     steps: u64,
+}
+
+/// What [`Search::take`] changed, for [`Search::untake`].
+struct Undo {
+    /// The device was not in use before.
+    fresh: bool,
+    /// Its counters were drawn by this pick.
+    counted: bool,
 }
 
 impl Search<'_> {
@@ -37,6 +53,7 @@ impl Search<'_> {
                 .devices()
                 .map(|d| (d, self.held.consumed(d)))
                 .collect(),
+            counted: self.held.devices().collect(),
             counters: self.held.counters(self.node),
             steps: 0,
         };
@@ -57,7 +74,7 @@ impl Search<'_> {
             let need = match alt.want {
                 Want::Count(n) => n,
                 Want::All => {
-                    if alt.fits.is_empty() {
+                    if alt.fits.is_empty() || alt.blocked.is_some() {
                         continue;
                     }
                     alt.fits.len()
@@ -99,7 +116,12 @@ impl Search<'_> {
             }
             let undo = self.take(alt, d, st);
             let consumed = alt.consumes.get(&d).cloned().unwrap_or_default();
-            st.picks.push((alt.name.clone(), d, consumed));
+            st.picks.push(Pick {
+                request: alt.name.clone(),
+                device: d,
+                consumed,
+                admin: alt.admin,
+            });
             if self.pick(r, alt, need - 1, k + 1, active, st)? {
                 return Some(true);
             }
@@ -114,7 +136,12 @@ impl Search<'_> {
         let want = alt.consumes.get(&d);
         if let Some(used) = st.consumed.get(&d) {
             if !dev.shared() {
-                return false;
+                // Held by another claim: free to admin access alone. Picked in this claim:
+                // taken, for every request.
+                let picked_here = st.picks.iter().any(|p| p.device == d);
+                if !alt.admin || picked_here {
+                    return false;
+                }
             }
             for (name, q) in want.into_iter().flatten() {
                 let cap = dev.capacity(name).unwrap_or(0);
@@ -122,7 +149,8 @@ impl Search<'_> {
                     return false;
                 }
             }
-        } else {
+        }
+        if !alt.admin && !st.counted.contains(&d) {
             // The device's first allocation draws on its counter sets.
             for (set, counters) in &dev.consumes {
                 let cs = &self.node.counter_sets[*set];
@@ -146,18 +174,14 @@ impl Search<'_> {
                     .as_deref()
                     .or(c.distinct_attribute.as_deref()),
             );
-            let others = st
-                .picks
-                .iter()
-                .filter(|(n, _, _)| covers(c, n))
-                .map(|(_, o, _)| {
-                    attribute(
-                        &self.node.devices[*o],
-                        c.match_attribute
-                            .as_deref()
-                            .or(c.distinct_attribute.as_deref()),
-                    )
-                });
+            let others = st.picks.iter().filter(|p| covers(c, &p.request)).map(|p| {
+                attribute(
+                    &self.node.devices[p.device],
+                    c.match_attribute
+                        .as_deref()
+                        .or(c.distinct_attribute.as_deref()),
+                )
+            });
             if c.match_attribute.is_some() {
                 if value.is_none() {
                     return false;
@@ -177,22 +201,26 @@ impl Search<'_> {
         true
     }
 
-    fn take(&self, alt: &Alternative, d: usize, st: &mut State) -> bool {
+    fn take(&self, alt: &Alternative, d: usize, st: &mut State) -> Undo {
         let fresh = !st.consumed.contains_key(&d);
-        if fresh {
+        let counted = !alt.admin && st.counted.insert(d);
+        if counted {
             self.count(d, 1, st);
         }
         let used = st.consumed.entry(d).or_default();
         for (name, q) in alt.consumes.get(&d).into_iter().flatten() {
             *used.entry(name.clone()).or_default() += q;
         }
-        fresh
+        Undo { fresh, counted }
     }
 
-    fn untake(&self, alt: &Alternative, d: usize, fresh: bool, st: &mut State) {
-        if fresh {
-            st.consumed.remove(&d);
+    fn untake(&self, alt: &Alternative, d: usize, undo: Undo, st: &mut State) {
+        if undo.counted {
+            st.counted.remove(&d);
             self.count(d, -1, st);
+        }
+        if undo.fresh {
+            st.consumed.remove(&d);
         } else if let Some(used) = st.consumed.get_mut(&d) {
             for (name, q) in alt.consumes.get(&d).into_iter().flatten() {
                 *used.entry(name.clone()).or_default() -= q;
@@ -215,12 +243,20 @@ impl Search<'_> {
             let short: Vec<String> = req
                 .alternatives
                 .iter()
-                .filter_map(|a| {
-                    let need = match a.want {
-                        Want::Count(n) => n,
-                        Want::All => 1,
-                    };
-                    (a.fits.len() < need).then(|| {
+                .filter_map(|a| match (a.want, &a.blocked) {
+                    (Want::All, Some(busy)) => Some(format!(
+                        "request {} asks for all matching devices (allocationMode All), and one \
+                         is in use ({busy})",
+                        a.name
+                    )),
+                    (Want::All, None) => a.fits.is_empty().then(|| {
+                        format!(
+                            "request {} asks for all matching devices (allocationMode All), and \
+                             none fits",
+                            a.name
+                        )
+                    }),
+                    (Want::Count(need), _) => (a.fits.len() < need).then(|| {
                         format!(
                             "request {} needs {} {}, {} {}",
                             a.name,
@@ -229,7 +265,7 @@ impl Search<'_> {
                             a.fits.len(),
                             if a.fits.len() == 1 { "fits" } else { "fit" }
                         )
-                    })
+                    }),
                 })
                 .collect();
             if short.len() == req.alternatives.len() {

@@ -650,6 +650,176 @@ fn partly_used_counters_say_how_much_is_left() {
     );
 }
 
+// ---------------------------------------------------------------------------------------------
+// Admin access, and All over devices in use: as the 1.36 allocator treats them.
+
+/// A claim `name` with one request `g` for the gpu class: `fields` are more fields of its
+/// `exactly` (a YAML flow mapping's inside), `status` a status block or empty.
+fn plain(name: &str, fields: &str, status: &str) -> String {
+    let fields = if fields.is_empty() {
+        String::new()
+    } else {
+        format!(", {fields}")
+    };
+    format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}}}\nspec:\n  devices:\n    requests:\n    - name: g\n      exactly: {{deviceClassName: gpu.nvidia.com{fields}}}\n{status}"
+    )
+}
+
+/// A status that allocates `device` to request `g` (with `extra` fields in the result).
+fn allocated_to(device: &str, extra: &str) -> String {
+    format!(
+        "status:\n  allocation:\n    devices:\n      results:\n      - {{request: g, driver: gpu.nvidia.com, pool: n, device: {device}{extra}}}\n"
+    )
+}
+
+fn admin_picks(r: &ClaimReport) -> Vec<bool> {
+    r.allocation
+        .iter()
+        .flatten()
+        .map(|a| a.admin_access)
+        .collect()
+}
+
+#[test]
+fn admin_access_gets_devices_in_use_and_holds_them_for_no_claim_after_it() {
+    let node = slice(&[("gpu-a", "80Gi", 0, false), ("gpu-b", "80Gi", 0, false)]);
+    let text = format!(
+        "{node}{}{}{}",
+        plain("running", "", &allocated_to("gpu-a", "")),
+        plain("monitor", "allocationMode: All, adminAccess: true", ""),
+        plain("pending", "", "")
+    );
+    let r = run_all(&text);
+    // The admin-access claim gets gpu-a, which `running` holds, and gpu-b.
+    assert!(r[1].satisfiable, "{:?}", r[1]);
+    assert_eq!(picked(&r[1]), ["g=gpu-a", "g=gpu-b"]);
+    assert_eq!(admin_picks(&r[1]), [true, true]);
+    assert!(r[1].requests[0].admin_access);
+    // The plain claim after it is not blocked by it: gpu-b is still free, and gpu-a is held by
+    // `running` alone.
+    assert_eq!(picked(&r[2]), ["g=gpu-b"]);
+    assert_eq!(rejected(&r[2], "gpu-a"), "allocated to claim running");
+    let table = render_table(&r);
+    assert!(
+        table.contains("request g: All × gpu.nvidia.com (admin access)"),
+        "{table}"
+    );
+    assert!(
+        table.contains("satisfiable: g → gpu-a (admin access), g → gpu-b (admin access)"),
+        "{table}"
+    );
+
+    // Without admin access the same claim asks for every matching device, one is in use, and
+    // it cannot be met (the allocator takes all of them or none).
+    let text = format!(
+        "{node}{}{}",
+        plain("running", "", &allocated_to("gpu-a", "")),
+        plain("everything", "allocationMode: All", "")
+    );
+    let r = run_all(&text);
+    assert!(!r[1].satisfiable);
+    assert_eq!(
+        r[1].reason.as_deref(),
+        Some(
+            "request g asks for all matching devices (allocationMode All), and one is in use \
+             (gpu-a: allocated to claim running)"
+        )
+    );
+}
+
+#[test]
+fn an_allocated_admin_access_result_holds_nothing() {
+    let node = slice(&[("gpu-a", "80Gi", 0, false)]);
+    let text = format!(
+        "{node}{}{}",
+        plain(
+            "monitor",
+            "adminAccess: true",
+            &allocated_to("gpu-a", ", adminAccess: true")
+        ),
+        plain("pending", "", "")
+    );
+    let r = run_all(&text);
+    assert!(r[0].allocated);
+    assert_eq!(admin_picks(&r[0]), [true]);
+    assert_eq!(picked(&r[1]), ["g=gpu-a"]);
+}
+
+#[test]
+fn within_one_claim_a_device_is_taken_once_admin_access_or_not() {
+    // The allocator marks an admin-access pick as allocating for the claim: its other requests
+    // cannot have the device too.
+    let node = slice(&[("gpu-a", "80Gi", 0, false)]);
+    let two = "    requests:\n    - name: watch\n      exactly: {deviceClassName: gpu.nvidia.com, adminAccess: true}\n    - name: work\n      exactly: {deviceClassName: gpu.nvidia.com}\n";
+    let r = run(&node, &claim(two));
+    assert!(!r.satisfiable, "{r:?}");
+    let node = slice(&[("gpu-a", "80Gi", 0, false), ("gpu-b", "80Gi", 0, false)]);
+    let r = run(&node, &claim(two));
+    assert_eq!(picked(&r), ["watch=gpu-a", "work=gpu-b"]);
+}
+
+#[test]
+fn admin_access_needs_no_counters_but_the_capacity_left_of_a_shared_device() {
+    // MIG-like placements on one counter set: `whole` in use takes all of it.
+    let node = "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {name: s}\nspec:\n  driver: gpu.nvidia.com\n  nodeName: n\n  pool: {name: n, generation: 1, resourceSliceCount: 1}\n  sharedCounters:\n  - name: set\n    counters: {memory: {value: 80Gi}}\n  devices:\n  - name: half-a\n    attributes: {type: {string: gpu}}\n    consumesCounters: [{counterSet: set, counters: {memory: {value: 40Gi}}}]\n  - name: whole\n    attributes: {type: {string: gpu}}\n    consumesCounters: [{counterSet: set, counters: {memory: {value: 80Gi}}}]\n";
+    let text = format!(
+        "{node}{}{}{}",
+        plain("running", "", &allocated_to("whole", "")),
+        plain("monitor", "allocationMode: All, adminAccess: true", ""),
+        plain("pending", "", "")
+    );
+    let r = run_all(&text);
+    assert_eq!(picked(&r[1]), ["g=half-a", "g=whole"]);
+    assert!(!r[2].satisfiable);
+    assert_eq!(
+        rejected(&r[2], "half-a"),
+        "counter memory of set is taken by whole (claim running)"
+    );
+
+    // On a shared GPU an admin-access request is still held to the capacity left, but what it
+    // consumes is not held for the claims after it.
+    let status = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: n, device: gpu-0, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {memory: 64Gi, multiprocessors: \"0\"}}\n";
+    let admin = |name: &str, memory: &str| {
+        on_gpu0(name, GPU, &format!("{{memory: {memory}}}"), "").replace(
+            "deviceClassName",
+            "adminAccess: true\n        deviceClassName",
+        )
+    };
+    let text = format!(
+        "{}{}{}{}{}",
+        shared_node(1),
+        on_gpu0("running", GPU, "", status),
+        admin("too-big", "24Gi"),
+        admin("monitor", "16Gi"),
+        on_gpu0("pending", GPU, "{memory: 16Gi}", "")
+    );
+    let r = run_all(&text);
+    assert_eq!(
+        rejected(&r[1], "gpu-0"),
+        "memory 24Gi > 16Gi left (gpu-0: 64Gi held by claim running)"
+    );
+    assert_eq!(picked(&r[2]), ["gpu=gpu-0"]);
+    assert_eq!(admin_picks(&r[2]), [true]);
+    assert_eq!(picked(&r[3]), ["gpu=gpu-0"]);
+}
+
+#[test]
+fn all_that_nothing_fits_says_so_without_a_count() {
+    let node = slice(&[("gpu-a", "40Gi", 0, false)]);
+    let r = run(
+        &node,
+        &claim(
+            "    requests:\n    - name: g\n      exactly:\n        deviceClassName: gpu.nvidia.com\n        allocationMode: All\n        selectors:\n        - cel: {expression: \"device.capacity['gpu.nvidia.com'].memory.isGreaterThan(quantity('50Gi'))\"}\n",
+        ),
+    );
+    assert!(!r.satisfiable);
+    assert_eq!(
+        r.reason.as_deref(),
+        Some("request g asks for all matching devices (allocationMode All), and none fits")
+    );
+}
+
 #[test]
 fn quantities_format_as_kubernetes_writes_them() {
     for (s, want) in [

@@ -91,6 +91,8 @@ struct State {
     requests: Vec<RecordedRequest>,
     /// What `/version` reports as the minor version.
     server_minor: u32,
+    /// And as the patch release (in `gitVersion`).
+    server_patch: u32,
     /// DeviceClasses (list and watch; the watch streams changes from its start, no history).
     device_classes: BTreeMap<String, DeviceClass>,
     class_watchers: Vec<mpsc::UnboundedSender<Bytes>>,
@@ -388,9 +390,16 @@ impl TestApiServer {
         self.lock().dra_absent = true;
     }
 
-    /// Makes `/version` report Kubernetes 1.`minor` (default 1.35).
+    /// Makes `/version` report Kubernetes 1.`minor` (default 1.35.0).
     pub fn set_server_minor(&self, minor: u32) {
         self.lock().server_minor = minor;
+    }
+
+    /// Makes `/version` report Kubernetes 1.`minor`.`patch` (its `gitVersion`).
+    pub fn set_server_version(&self, minor: u32, patch: u32) {
+        let mut st = self.lock();
+        st.server_minor = minor;
+        st.server_patch = patch;
     }
 
     /// The next `n` requests (of any kind) fail with 500.
@@ -764,13 +773,16 @@ impl Server {
                 }
             }
             (Method::GET, ["version"]) => {
-                let minor = self.lock().server_minor;
+                let (minor, patch) = {
+                    let st = self.lock();
+                    (st.server_minor, st.server_patch)
+                };
                 ok_json(
                     StatusCode::OK,
                     &serde_json::json!({
                         "major": "1",
                         "minor": minor.to_string(),
-                        "gitVersion": format!("v1.{minor}.0"),
+                        "gitVersion": format!("v1.{minor}.{patch}"),
                         "gitCommit": "",
                         "gitTreeState": "clean",
                         "buildDate": "2026-01-01T00:00:00Z",

@@ -1,7 +1,7 @@
 //! Proves nvdra's claim CDI specs with a real container engine: a spec for a simulated H100 on a
 //! fake driver root (device nodes made with `mknod`, a fake `nvidia-smi` and NVML library) is
 //! written where podman reads CDI specs, and a container started with the claim's CDI device id
-//! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES` with the GPU's UUID
+//! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES=void`
 //! and the driver files mounted read-only. A third test runs the daemon itself: the spec podman
 //! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket, with the driver
 //! laid out as the GPU Operator lays it out (host and container paths of the driver root apart),
@@ -96,7 +96,7 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
     ] {
         assert_null_node(&out, &node)?;
     }
-    assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+    assert_line(&out, "VISIBLE=void")?;
     assert_line(&out, "SMI=fake nvidia-smi for nvdra")?;
     assert_line(&out, "NVML=fake NVML")?;
     assert_line(&out, "SMI_READ_ONLY")?;
@@ -173,8 +173,8 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
     for cap in 10..14 {
         assert_null_node(&out, &format!("/dev/nvidia-caps/nvidia-cap{cap}"))?;
     }
+    assert_line(&out, "VISIBLE=void")?;
     let uuids: Vec<&str> = devices.iter().map(|d| d.uuid()).collect();
-    assert_line(&out, &format!("VISIBLE={}", uuids.join(",")))?;
     assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
     assert_line(&out, "PIPE_CONTENT=mps pipe")?;
     assert_line(&out, "THREADS=40")?;
@@ -399,7 +399,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         let out = ok(&out, &format!("podman run --device {}", ids[0]))?;
         assert_null_node(&out, &format!("/dev/nvidia{}", gpu.minor))?;
         assert_null_node(&out, "/dev/nvidiactl")?;
-        assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+        assert_line(&out, "VISIBLE=void")?;
         if share {
             assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
             assert_line(&out, "PIPE_FILES=control")?;

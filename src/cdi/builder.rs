@@ -13,7 +13,7 @@ use super::names::validate_claim_uid;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
     IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice, READ_ONLY_MOUNT,
-    Result, Spec, validate_class, validate_device_name, validate_vendor,
+    Result, Spec, VISIBLE_DEVICES_VOID, validate_class, validate_device_name, validate_vendor,
 };
 use crate::inventory::{Gpu, MigDevice};
 use crate::sharing::{MpsSettings, Sharing};
@@ -85,10 +85,7 @@ pub fn claim_spec(
     }
 
     let mut common = ContainerEdits::default();
-    let uuids: Vec<&str> = devices.iter().map(PreparedDevice::uuid).collect();
-    common
-        .env
-        .push(format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(",")));
+    common.env.push(VISIBLE_DEVICES_VOID.into());
     common.device_nodes = CONTROL_NODES
         .iter()
         .filter_map(|n| host_node(opts, &opts.dev_root.join(n), &format!("/dev/{n}")))

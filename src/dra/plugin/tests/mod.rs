@@ -423,8 +423,11 @@ async fn existing_and_created_mig_devices() {
             .iter()
             .any(|m| m.uuid == uuid)
     );
+    // The spec gives the MIG device by its CDI device (parent and capability nodes), not by a
+    // UUID list: its env is NVIDIA's `void`.
     let spec = std::fs::read_to_string(e.spec("m2")).unwrap();
-    assert!(spec.contains(uuid.as_str()), "{spec}");
+    assert!(spec.contains("-gpu-2-mig-1g10gb-15-6"), "{spec}");
+    assert!(spec.contains("NVIDIA_VISIBLE_DEVICES=void"), "{spec}");
     // An overlapping placement is refused while it is held.
     e.add(claim("m3", vec![result("mig", "gpu-2-mig-1g5gb-19-6")]));
     let err = e.prepare("m3").await.unwrap_err();

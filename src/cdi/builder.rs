@@ -7,7 +7,6 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use super::driver::MPS_IPC_DIR;
 use super::hooks::driver_hooks;
 use super::names::validate_claim_uid;
 use super::{
@@ -90,8 +89,7 @@ pub fn claim_spec(
         .iter()
         .filter_map(|n| host_node(opts, &opts.dev_root.join(n), &format!("/dev/{n}")))
         .collect();
-    let mps = devices.iter().any(|d| matches!(d.sharing, Sharing::Mps(_)));
-    driver_file_edits(opts, driver_files, mps, &mut common);
+    driver_file_edits(opts, driver_files, &mut common);
     mps_edits(claim_uid, devices, &mut common)?;
 
     Ok(Spec {
@@ -235,12 +233,10 @@ pub(super) fn mig_cap_nodes(
 /// Mounts of the driver files at their path relative to the driver root (read-only; the IPC
 /// sockets with NVIDIA's IPC options), `NVIDIA_CTK_LIBCUDA_DIR`, and NVIDIA's hooks when the
 /// hook binary is installed. Without it the soname links are mounted too, so that
-/// `libcuda.so.1` resolves without `create-symlinks`. A claim with MPS gets its own daemon's
-/// pipe directory at `/tmp/nvidia-mps`, so the host's is not mounted there.
+/// `libcuda.so.1` resolves without `create-symlinks`.
 pub(super) fn driver_file_edits(
     opts: &CdiOptions,
     files: &DriverFiles,
-    mps: bool,
     edits: &mut ContainerEdits,
 ) {
     let in_container = |host: &Path| -> Option<String> {
@@ -285,11 +281,8 @@ pub(super) fn driver_file_edits(
             mounts.insert(target, (host.display().to_string(), read_only()));
         }
     }
-    let mps_dir = Path::new("/").join(MPS_IPC_DIR).display().to_string();
     for host in &files.ipc {
-        if let Some(target) = in_container(host)
-            && !(mps && target == mps_dir)
-        {
+        if let Some(target) = in_container(host) {
             let options = IPC_MOUNT.iter().map(|s| s.to_string()).collect();
             mounts.insert(target, (host.display().to_string(), options));
         }

@@ -12,8 +12,11 @@
 //!   the library (what ldconfig made from the soname), so the two agree wherever NVIDIA emits one.
 //! - **Firmware**: `nvidia/<version>/gsp*.bin` under `lib/firmware/updates/<kernel>`,
 //!   `lib/firmware/updates`, `lib/firmware/<kernel>` and `lib/firmware`.
-//! - **IPC**: the persistenced and fabric-manager sockets (first of `run/`, `var/run/`) and the
-//!   MPS pipe directory `tmp/nvidia-mps`.
+//! - **IPC**: the persistenced and fabric-manager sockets (first of `run/`, `var/run/`). Not the
+//!   host's MPS pipe directory `tmp/nvidia-mps`: nvcdi lists it but its file lookup skips
+//!   directories, so NVIDIA's specs never carry it, and mounting it made every GPU container a
+//!   client of whatever MPS daemon the host runs. Only a claim shared with MPS gets a pipe
+//!   directory, its own daemon's (the builder's MPS edits).
 //! - **Binaries**: `nvidia-smi`, `nvidia-debugdump`, `nvidia-persistenced`, the MPS control and
 //!   server, `nvidia-imex` and `nvidia-imex-ctl`, first found in the bin directories.
 //! - **The hook binary**: `nvidia-cdi-hook`, else `nvidia-ctk` (whose hooks are under `hook`),
@@ -65,9 +68,8 @@ pub(super) const BINARIES: [&str; 7] = [
 ];
 /// The hook binaries, in the order they are looked for.
 const HOOK_BINARIES: [&str; 2] = ["nvidia-cdi-hook", "nvidia-ctk"];
-/// The IPC sockets (under `run/` or `var/run/`) and the MPS pipe directory (under the root).
+/// The IPC sockets (under `run/` or `var/run/`).
 const SOCKETS: [&str; 2] = ["nvidia-persistenced/socket", "nvidia-fabricmanager/socket"];
-pub(super) const MPS_IPC_DIR: &str = "tmp/nvidia-mps";
 
 /// A link the `create-symlinks` hook makes in the container: `link` (a container path) points
 /// to `target` (a file name, relative to the link's directory).
@@ -96,7 +98,7 @@ pub struct DriverFiles {
     /// What `create-symlinks` makes, in nvcdi's order.
     pub symlinks: Vec<Symlink>,
     pub firmware: Vec<PathBuf>,
-    /// Sockets and the MPS pipe directory.
+    /// The IPC sockets.
     pub ipc: Vec<PathBuf>,
     pub binaries: Vec<PathBuf>,
     /// `nvidia-cdi-hook` or `nvidia-ctk`, if installed.
@@ -143,9 +145,6 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
         {
             files.ipc.push(root.host_path(&found));
         }
-    }
-    if base.join(MPS_IPC_DIR).is_dir() {
-        files.ipc.push(root.host_path(&base.join(MPS_IPC_DIR)));
     }
     files.binaries = BINARIES
         .iter()

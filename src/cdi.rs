@@ -8,13 +8,15 @@
 //! edits plus the spec-wide edits.
 //!
 //! What goes where:
-//! - **Per device**: the device nodes only — `/dev/nvidia<minor>` and, for a MIG device, its
-//!   GPU-instance and compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`.
+//! - **Per device**: the device nodes only — `/dev/nvidia<minor>`, a whole GPU's DRM nodes
+//!   (`/dev/dri/card<N>`, `renderD<N>`) and, for a MIG device, its GPU-instance and
+//!   compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`.
 //!   Nothing that could conflict when several devices of one claim are injected together.
 //! - **Spec-wide** (applied once whenever any device of the claim is injected): the control nodes
 //!   (`/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools`, `/dev/nvidia-modeset`, each
 //!   when present), read-only bind mounts of the driver's libraries, firmware and binaries and
-//!   mounts of its IPC sockets (found as NVIDIA's CDI library finds them, `driver`), NVIDIA's
+//!   mounts of its IPC sockets (found as NVIDIA's CDI library finds them, `driver`), its
+//!   graphics and display files (`graphics`), NVIDIA's
 //!   `createContainer` hooks when `nvidia-cdi-hook` or `nvidia-ctk` is installed (`hooks`), the
 //!   MPS environment and `NVIDIA_VISIBLE_DEVICES=void`.
 //!
@@ -106,6 +108,7 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 
 mod builder;
 mod driver;
+mod graphics;
 mod hooks;
 mod inputs;
 mod model;
@@ -114,6 +117,7 @@ mod writer;
 
 pub use builder::{claim_spec, device_id, existing_node, host_node};
 pub use driver::{DriverFiles, Symlink, discover_driver_files};
+pub use graphics::FileMount;
 pub use inputs::{CdiOptions, DriverRoot, PreparedDevice};
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use names::{validate_class, validate_device_name, validate_vendor};

@@ -7,6 +7,7 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
+use super::graphics::drm_nodes;
 use super::hooks::driver_hooks;
 use super::names::validate_claim_uid;
 use super::{
@@ -63,6 +64,10 @@ pub fn claim_spec(
             });
         }
         let mut nodes = vec![gpu_node(opts, &device.gpu)];
+        if device.mig.is_none() {
+            // NVIDIA gives a MIG device DRM nodes only for profiles with graphics (`+gfx`).
+            nodes.extend(drm_nodes(opts, &device.gpu));
+        }
         if let Some(mig) = &device.mig {
             let table = mig_minors
                 .get_or_insert_with(|| read_mig_minors(&opts.root.read_path(opts.root.host())));
@@ -275,6 +280,14 @@ pub(super) fn driver_file_edits(
             }
         }
         mounts.insert(target, (host.display().to_string(), read_only()));
+    }
+    for g in &files.graphics {
+        if in_container(&g.host).is_some() {
+            mounts.insert(
+                g.container.clone(),
+                (g.host.display().to_string(), read_only()),
+            );
+        }
     }
     for host in files.firmware.iter().chain(&files.binaries) {
         if let Some(target) = in_container(host) {

@@ -80,6 +80,20 @@ impl DriverRoot {
     }
 }
 
+impl DriverRoot {
+    /// Where nvdra reads sysfs, to find each GPU's DRM nodes: `<dev root>/sys` when it holds PCI
+    /// devices (a test's fake tree, or a device root that carries the host's sysfs), else `/sys`.
+    /// Only read, never named in a spec.
+    pub fn sys_dir(&self) -> PathBuf {
+        let candidate = self.read_path(&self.dev.join("sys"));
+        if candidate.join("bus/pci/devices").is_dir() {
+            candidate
+        } else {
+            PathBuf::from("/sys")
+        }
+    }
+}
+
 /// Where CDI names and host paths come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CdiOptions {
@@ -91,6 +105,8 @@ pub struct CdiOptions {
     pub root: DriverRoot,
     /// The host directory holding the `nvidia*` device nodes ([`DriverRoot::dev_dir`]).
     pub dev_root: PathBuf,
+    /// Where nvdra reads sysfs ([`DriverRoot::sys_dir`]).
+    pub sys_root: PathBuf,
 }
 
 impl CdiOptions {
@@ -102,6 +118,7 @@ impl CdiOptions {
             class: "claim".into(),
             root: root.clone(),
             dev_root: root.dev_dir(),
+            sys_root: root.sys_dir(),
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;

@@ -8,9 +8,11 @@
 //! edits plus the spec-wide edits.
 //!
 //! What goes where:
-//! - **Per device**: the device nodes only — `/dev/nvidia<minor>`, a whole GPU's DRM nodes
-//!   (`/dev/dri/card<N>`, `renderD<N>`) and, for a MIG device, its GPU-instance and
-//!   compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`.
+//! - **Per device**: the device nodes only — `/dev/nvidia<minor>` and the GPU's DRM nodes
+//!   (`/dev/dri/card<N>`, `renderD<N>`), of the parent for a MIG device, and for a MIG device its
+//!   GPU-instance and compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`
+//!   (described by number from procfs as NVIDIA's DRA driver writes them, else the host's nodes
+//!   through `mig-minors`).
 //!   Nothing that could conflict when several devices of one claim are injected together.
 //! - **Spec-wide** (applied once whenever any device of the claim is injected): the control nodes
 //!   (`/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools`, `/dev/nvidia-modeset`, each

@@ -63,11 +63,10 @@ pub fn claim_spec(
                 device: device.name.clone(),
             });
         }
+        // A MIG device gets its parent's nodes, DRM ones included, as NVIDIA's DRA driver
+        // builds it (the parent's device spec plus the capability nodes).
         let mut nodes = vec![gpu_node(opts, &device.gpu)];
-        if device.mig.is_none() {
-            // NVIDIA gives a MIG device DRM nodes only for profiles with graphics (`+gfx`).
-            nodes.extend(drm_nodes(opts, &device.gpu));
-        }
+        nodes.extend(drm_nodes(opts, &device.gpu));
         if let Some(mig) = &device.mig {
             let table = mig_minors
                 .get_or_insert_with(|| read_mig_minors(&opts.root.read_path(opts.root.host())));
@@ -211,11 +210,18 @@ pub(super) fn mig_cap_nodes(
     mig: &MigDevice,
     device: &str,
 ) -> Vec<DeviceNode> {
+    let gi = format!("gpu{}/gi{}/access", parent.minor, mig.gi_id);
+    let ci = format!("gpu{}/gi{}/ci{}/access", parent.minor, mig.gi_id, mig.ci_id);
+    let from_proc: Option<Vec<DeviceNode>> = [&gi, &ci]
+        .iter()
+        .map(|key| cap_node_from_proc(&opts.proc_root, key))
+        .collect();
+    if let Some(nodes) = from_proc {
+        return nodes;
+    }
     let Some(table) = table else {
         return Vec::new();
     };
-    let gi = format!("gpu{}/gi{}/access", parent.minor, mig.gi_id);
-    let ci = format!("gpu{}/gi{}/ci{}/access", parent.minor, mig.gi_id, mig.ci_id);
     let mut nodes = Vec::new();
     for key in [gi, ci] {
         let Some(n) = table.get(&key) else {
@@ -233,6 +239,45 @@ pub(super) fn mig_cap_nodes(
         }
     }
     nodes
+}
+
+/// The capability node of `key` (`gpu<N>/gi<G>[/ci<C>]/access`) as NVIDIA's DRA driver writes
+/// it: described by number, for the runtime to create, with the minor and mode of
+/// `<proc>/driver/nvidia/capabilities/gpu<N>/mig/gi<G>[/ci<C>]/access` (`DeviceFileMinor`,
+/// `DeviceFileMode`) and the `nvidia-caps` major of `<proc>/devices`. `None` when either is
+/// unreadable; the caller then looks the node up on the host through `mig-minors`.
+pub(super) fn cap_node_from_proc(proc_root: &Path, key: &str) -> Option<DeviceNode> {
+    let (gpu, rest) = key.split_once('/')?;
+    let file = proc_root
+        .join("driver/nvidia/capabilities")
+        .join(gpu)
+        .join("mig")
+        .join(rest);
+    let text = fs::read_to_string(&file).ok()?;
+    let field = |name: &str| -> Option<u32> {
+        text.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == name).then(|| v.trim().parse().ok())?
+        })
+    };
+    let minor = field("DeviceFileMinor")?;
+    let mode = field("DeviceFileMode")?;
+    let devices = fs::read_to_string(proc_root.join("devices")).ok()?;
+    let major = devices.lines().find_map(|l| {
+        let mut parts = l.split_whitespace();
+        let major = parts.next()?;
+        (parts.next()? == "nvidia-caps" && parts.next().is_none())
+            .then(|| major.parse::<i64>().ok())?
+    })?;
+    Some(DeviceNode {
+        path: format!("/dev/nvidia-caps/nvidia-cap{minor}"),
+        host_path: None,
+        node_type: Some("c".into()),
+        major: Some(major),
+        minor: Some(i64::from(minor)),
+        file_mode: Some(mode),
+        permissions: None,
+    })
 }
 
 /// Mounts of the driver files at their path relative to the driver root (read-only; the IPC

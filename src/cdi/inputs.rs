@@ -94,6 +94,20 @@ impl DriverRoot {
     }
 }
 
+impl DriverRoot {
+    /// Where nvdra reads procfs, for the MIG capabilities (`driver/nvidia/capabilities`) and the
+    /// `nvidia-caps` major (`devices`): `<dev root>/proc` when it has the NVIDIA driver's entries
+    /// (a test's fake tree), else `/proc`. Only read, never named in a spec.
+    pub fn proc_dir(&self) -> PathBuf {
+        let candidate = self.read_path(&self.dev.join("proc"));
+        if candidate.join("driver/nvidia").is_dir() {
+            candidate
+        } else {
+            PathBuf::from("/proc")
+        }
+    }
+}
+
 /// Where CDI names and host paths come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CdiOptions {
@@ -107,6 +121,8 @@ pub struct CdiOptions {
     pub dev_root: PathBuf,
     /// Where nvdra reads sysfs ([`DriverRoot::sys_dir`]).
     pub sys_root: PathBuf,
+    /// Where nvdra reads procfs ([`DriverRoot::proc_dir`]).
+    pub proc_root: PathBuf,
 }
 
 impl CdiOptions {
@@ -119,6 +135,7 @@ impl CdiOptions {
             root: root.clone(),
             dev_root: root.dev_dir(),
             sys_root: root.sys_dir(),
+            proc_root: root.proc_dir(),
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;

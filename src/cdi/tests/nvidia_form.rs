@@ -372,47 +372,70 @@ fn a_container_using_one_request_of_two_gets_only_its_gpu() {
     assert_common_edits_are_nvidias(&host, &spec);
 }
 
-/// (c) A MIG device: the parent's node and the GPU- and compute-instance access nodes
-/// (dgpu `newNvmlMigDiscoverer`), no DRM nodes (NVIDIA adds them only for `+gfx` profiles),
-/// the same common edits.
+/// (c) A MIG device, as NVIDIA's DRA driver builds it (`CreateClaimSpecFile`: the parent's
+/// device spec from nvcdi, so the parent's node and DRM nodes, then `GetDevNodesForMigDevice`):
+/// the GPU- and compute-instance access nodes, described by number — the `nvidia-caps` major
+/// from `/proc/devices`, minor and mode from `/proc/driver/nvidia/capabilities/gpu<N>/mig/
+/// gi<G>[/ci<C>]/access` — with no host path (the runtime creates them), on a fake procfs.
+/// The same common edits.
 #[test]
 fn a_mig_device_spec_is_nvidias() {
     let dev = mig_device(1);
     let mig = dev.mig.clone().unwrap();
     let host = graphics_host(&[&dev.gpu]);
     let p = dev.gpu.minor;
-    let caps = host.root().join("proc/driver/nvidia-caps");
-    fs::create_dir_all(&caps).unwrap();
+    let proc = host.root().join("proc");
+    let gi = proc.join(format!(
+        "driver/nvidia/capabilities/gpu{p}/mig/gi{}",
+        mig.gi_id
+    ));
+    let ci = gi.join(format!("ci{}", mig.ci_id));
+    fs::create_dir_all(&ci).unwrap();
     fs::write(
-        caps.join("mig-minors"),
-        format!(
-            "gpu{p}/gi{g}/access 30\ngpu{p}/gi{g}/ci{c}/access 31\n",
-            g = mig.gi_id,
-            c = mig.ci_id
-        ),
+        gi.join("access"),
+        "DeviceFileMinor: 30\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
     )
     .unwrap();
-    host.node("nvidia-caps/nvidia-cap30");
-    host.node("nvidia-caps/nvidia-cap31");
-    let files = discover_driver_files(&host.opts.root);
-    let spec = claim_spec(&host.opts, UID, std::slice::from_ref(&dev), &files).unwrap();
+    fs::write(
+        ci.join("access"),
+        "DeviceFileMinor: 31\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+    )
+    .unwrap();
+    fs::write(
+        proc.join("devices"),
+        "Character devices:\n  1 mem\n195 nvidia\n237 nvidia-caps-imex-channels\n238 nvidia-caps\n",
+    )
+    .unwrap();
+    // The proc root follows the device root: re-resolve now that it has the driver's entries.
+    let opts = CdiOptions::resolve("gpu.nvidia.com", &host.opts.root).unwrap();
+    assert_eq!(opts.proc_root, proc);
+    let files = discover_driver_files(&opts.root);
+    let spec = claim_spec(&opts, UID, std::slice::from_ref(&dev), &files).unwrap();
+    let nodes = &spec.devices[0].container_edits.device_nodes;
     assert_eq!(
-        node_paths(&spec.devices[0].container_edits.device_nodes),
+        node_paths(&nodes[..3]),
         vec![
             (
                 format!("/dev/nvidia{p}").as_str(),
                 Some(at(&host, &format!("dev/nvidia{p}")).as_str())
             ),
+            ("/dev/dri/card1", Some(at(&host, "dev/dri/card1").as_str())),
             (
-                "/dev/nvidia-caps/nvidia-cap30",
-                Some(at(&host, "dev/nvidia-caps/nvidia-cap30").as_str())
-            ),
-            (
-                "/dev/nvidia-caps/nvidia-cap31",
-                Some(at(&host, "dev/nvidia-caps/nvidia-cap31").as_str())
+                "/dev/dri/renderD128",
+                Some(at(&host, "dev/dri/renderD128").as_str())
             ),
         ]
     );
+    let cap = |minor: i64| DeviceNode {
+        path: format!("/dev/nvidia-caps/nvidia-cap{minor}"),
+        host_path: None,
+        node_type: Some("c".into()),
+        major: Some(238),
+        minor: Some(minor),
+        file_mode: Some(0o444),
+        permissions: None,
+    };
+    assert_eq!(nodes[3..], [cap(30), cap(31)]);
     assert_common_edits_are_nvidias(&host, &spec);
 }
 

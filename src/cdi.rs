@@ -8,8 +8,9 @@
 //! edits plus the spec-wide edits.
 //!
 //! What goes where:
-//! - **Per device**: the device nodes only — `/dev/nvidia<minor>` and the GPU's DRM nodes
-//!   (`/dev/dri/card<N>`, `renderD<N>`), of the parent for a MIG device, and for a MIG device its
+//! - **Per device**: the device nodes — `/dev/nvidia<minor>` and the GPU's DRM nodes
+//!   (`/dev/dri/card<N>`, `renderD<N>`, with a `create-symlinks` hook for their `/dev/dri/by-path`
+//!   links when a hook binary is installed), of the parent for a MIG device, and for a MIG device its
 //!   GPU-instance and compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`
 //!   (described by number from procfs as NVIDIA's DRA driver writes them, else the host's nodes
 //!   through `mig-minors`).

@@ -7,8 +7,8 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use super::graphics::drm_nodes;
-use super::hooks::driver_hooks;
+use super::graphics::{drm_by_path_links, drm_nodes};
+use super::hooks::{device_links_hook, driver_hooks};
 use super::names::validate_claim_uid;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
@@ -66,7 +66,12 @@ pub fn claim_spec(
         // A MIG device gets its parent's nodes, DRM ones included, as NVIDIA's DRA driver
         // builds it (the parent's device spec plus the capability nodes).
         let mut nodes = vec![gpu_node(opts, &device.gpu)];
-        nodes.extend(drm_nodes(opts, &device.gpu));
+        let drm = drm_nodes(opts, &device.gpu);
+        let hooks: Vec<_> =
+            device_links_hook(driver_files, &drm_by_path_links(opts, &device.gpu, &drm))
+                .into_iter()
+                .collect();
+        nodes.extend(drm);
         if let Some(mig) = &device.mig {
             let table = mig_minors
                 .get_or_insert_with(|| read_mig_minors(&opts.root.read_path(opts.root.host())));
@@ -82,6 +87,7 @@ pub fn claim_spec(
             name,
             container_edits: ContainerEdits {
                 device_nodes: nodes,
+                hooks,
                 ..Default::default()
             },
         });

@@ -18,7 +18,8 @@
 //!   spec): `gbm/nvidia-drm_gbm.so` → `../libnvidia-allocator.so.1`,
 //!   `libnvidia-vulkan-producer.so` and `libglxserver_nvidia.so` → their versioned files.
 //! - **DRM nodes** per GPU ([`drm_nodes`]): `/dev/dri/card<N>` and `renderD<N>`, the entries of
-//!   `<sysfs>/bus/pci/devices/<PCI bus ID>/drm/` that exist as device nodes.
+//!   `<sysfs>/bus/pci/devices/<PCI bus ID>/drm/` that exist as device nodes, and a per-device
+//!   `create-symlinks` hook for their `/dev/dri/by-path` links ([`drm_by_path_links`]).
 //!
 //! nvcdi reads `XDG_DATA_DIRS` of its own process for the share directories; nvdra uses the
 //! default (`/usr/local/share:/usr/share`), the value on the hosts NVIDIA's driver runs on.
@@ -255,4 +256,47 @@ pub(super) fn drm_nodes(opts: &CdiOptions, gpu: &Gpu) -> Vec<DeviceNode> {
             )
         })
         .collect()
+}
+
+/// The `/dev/dri/by-path` links of `gpu` whose node is among `nodes` (its DRM nodes), as
+/// `target::link` arguments of `create-symlinks`, as NVIDIA's toolkit adds them per GPU
+/// (`byPathHookDiscoverer` in `internal/platform-support/dgpu`): `pci-<bus id>-card` and
+/// `-render`, read on the host, kept when they resolve to a node the device is given.
+pub(super) fn drm_by_path_links(opts: &CdiOptions, gpu: &Gpu, nodes: &[DeviceNode]) -> Vec<String> {
+    let given: BTreeSet<&str> = nodes
+        .iter()
+        .filter_map(|n| n.host_path.as_deref())
+        .collect();
+    let mut links = Vec::new();
+    for kind in ["card", "render"] {
+        let name = format!("pci-{}-{kind}", gpu.pci_bus_id.0);
+        let host = opts.dev_root.join("dri/by-path").join(&name);
+        let Ok(target) = fs::read_link(opts.root.read_path(&host)) else {
+            continue;
+        };
+        let resolved = match host.parent() {
+            Some(dir) if target.is_relative() => clean(&dir.join(&target)),
+            _ => target.clone(),
+        };
+        if given.contains(resolved.display().to_string().as_str()) {
+            links.push(format!("{}::/dev/dri/by-path/{name}", target.display()));
+        }
+    }
+    links
+}
+
+/// `path` with `.` and `..` resolved lexically, as Go's `filepath.Join` leaves it.
+fn clean(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
 }

@@ -60,6 +60,20 @@ pub(super) fn driver_hooks(files: &DriverFiles, lib_dirs: &[String]) -> Vec<Hook
     hooks
 }
 
+/// A device's own `create-symlinks` hook for `links` (`target::link`); none without a hook
+/// binary or links.
+pub(super) fn device_links_hook(files: &DriverFiles, links: &[String]) -> Option<Hook> {
+    let binary = files.hook.as_ref()?;
+    if links.is_empty() {
+        return None;
+    }
+    let args = links
+        .iter()
+        .flat_map(|l| ["--link".to_string(), l.clone()])
+        .collect();
+    Some(hook(binary, "create-symlinks", args))
+}
+
 fn hook(binary: &Path, name: &str, args: Vec<String>) -> Hook {
     let base = binary
         .file_name()

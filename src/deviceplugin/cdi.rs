@@ -92,6 +92,8 @@ pub fn spec(
             d.container_edits
                 .device_nodes
                 .retain(|n| !n.path.starts_with("/dev/dri/"));
+            // A device's only hook makes its DRM nodes' by-path links.
+            d.container_edits.hooks.clear();
         }
     }
     spec.container_edits
@@ -243,19 +245,32 @@ mod drm_tests {
                 .join("drm/card1"),
         )
         .unwrap();
+        std::fs::create_dir_all(root.join("dev/dri/by-path")).unwrap();
+        symlink(
+            "../card1",
+            root.join(format!("dev/dri/by-path/pci-{}-card", gpu.pci_bus_id.0)),
+        )
+        .unwrap();
+        let files = DriverFiles {
+            hook: Some(root.join("usr/bin/nvidia-cdi-hook")),
+            ..Default::default()
+        };
         let opts = options("gpu.nvidia.com", &DriverRoot::at(root)).unwrap();
-        let spec = spec(&opts, &inv, IdStrategy::Uuid, &DriverFiles::default()).unwrap();
-        let dri = |name: &str| -> usize {
+        let spec = spec(&opts, &inv, IdStrategy::Uuid, &files).unwrap();
+        // (DRM nodes, by-path link hooks) of a device.
+        let dri = |name: &str| -> (usize, usize) {
             let d = spec.devices.iter().find(|d| d.name == name).unwrap();
-            d.container_edits
+            let nodes = d
+                .container_edits
                 .device_nodes
                 .iter()
                 .filter(|n| n.path == "/dev/dri/card1")
-                .count()
+                .count();
+            (nodes, d.container_edits.hooks.len())
         };
-        assert_eq!(dri(gpu.uuid.as_str()), 1);
+        assert_eq!(dri(gpu.uuid.as_str()), (1, 1));
         for m in &gpu.mig.devices {
-            assert_eq!(dri(m.uuid.as_str()), 0, "{}", m.uuid);
+            assert_eq!(dri(m.uuid.as_str()), (0, 0), "{}", m.uuid);
         }
     }
 }

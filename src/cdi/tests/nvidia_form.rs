@@ -81,6 +81,19 @@ fn graphics_host(gpus: &[&Gpu]) -> Host {
             .unwrap();
             host.node(&format!("dri/{n}"));
         }
+        let by_path = host.root().join("dev/dri/by-path");
+        fs::create_dir_all(&by_path).unwrap();
+        let bus = &g.pci_bus_id.0;
+        symlink(
+            format!("../{card}"),
+            by_path.join(format!("pci-{bus}-card")),
+        )
+        .unwrap();
+        symlink(
+            format!("../{render}"),
+            by_path.join(format!("pci-{bus}-render")),
+        )
+        .unwrap();
     }
     // The sysfs root follows the device root: re-resolve now that `sys/` exists.
     let opts = CdiOptions::resolve("gpu.nvidia.com", &host.opts.root).unwrap();
@@ -100,6 +113,27 @@ fn node_paths(nodes: &[DeviceNode]) -> Vec<(&str, Option<&str>)> {
 
 fn hook_args(spec: &Spec) -> Vec<Vec<String>> {
     spec.container_edits
+        .hooks
+        .iter()
+        .map(|h| h.args.clone())
+        .collect()
+}
+
+/// A GPU device's own hook (dgpu `byPathHookDiscoverer`): the by-path links of its DRM nodes.
+fn by_path_hook(gpu: &Gpu, card: &str, render: &str) -> Vec<Vec<String>> {
+    let bus = &gpu.pci_bus_id.0;
+    vec![vec![
+        "nvidia-cdi-hook".to_string(),
+        "create-symlinks".into(),
+        "--link".into(),
+        format!("../{card}::/dev/dri/by-path/pci-{bus}-card"),
+        "--link".into(),
+        format!("../{render}::/dev/dri/by-path/pci-{bus}-render"),
+    ]]
+}
+
+fn device_hooks(d: &Device) -> Vec<Vec<String>> {
+    d.container_edits
         .hooks
         .iter()
         .map(|h| h.args.clone())
@@ -314,6 +348,10 @@ fn a_whole_gpu_spec_is_nvidias() {
             ),
         ]
     );
+    assert_eq!(
+        device_hooks(&spec.devices[0]),
+        by_path_hook(&dev.gpu, "card1", "renderD128")
+    );
     assert_common_edits_are_nvidias(&host, &spec);
 }
 
@@ -357,12 +395,21 @@ fn a_container_using_one_request_of_two_gets_only_its_gpu() {
             ),
         ]
     );
+    assert_eq!(
+        device_hooks(&spec.devices[0]),
+        by_path_hook(&a.gpu, "card1", "renderD128")
+    );
+    assert_eq!(
+        device_hooks(&spec.devices[1]),
+        by_path_hook(&b.gpu, "card2", "renderD129")
+    );
     let seen = format!("{first:?}{:?}", spec.container_edits);
     for other in [
         b.gpu.uuid.as_str(),
         &format!("/dev/nvidia{mb}\""),
         "card2",
         "renderD129",
+        b.gpu.pci_bus_id.0.as_str(),
     ] {
         assert!(
             !seen.contains(other),
@@ -436,6 +483,10 @@ fn a_mig_device_spec_is_nvidias() {
         permissions: None,
     };
     assert_eq!(nodes[3..], [cap(30), cap(31)]);
+    assert_eq!(
+        device_hooks(&spec.devices[0]),
+        by_path_hook(&dev.gpu, "card1", "renderD128")
+    );
     assert_common_edits_are_nvidias(&host, &spec);
 }
 
@@ -457,6 +508,7 @@ fn nothing_graphical_is_added_when_absent() {
     )
     .unwrap();
     assert_eq!(spec.devices[0].container_edits.device_nodes.len(), 1);
+    assert_eq!(spec.devices[0].container_edits.hooks, vec![]);
     let creates = hook_args(&spec)
         .iter()
         .filter(|a| a[1] == "create-symlinks")

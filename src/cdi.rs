@@ -8,28 +8,31 @@
 //! edits plus the spec-wide edits.
 //!
 //! What goes where:
-//! - **Per device**: the device nodes only — `/dev/nvidia<minor>` and, for a MIG device, its
-//!   GPU-instance and compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`.
+//! - **Per device**: the device nodes — `/dev/nvidia<minor>` and the GPU's DRM nodes
+//!   (`/dev/dri/card<N>`, `renderD<N>`, with a `create-symlinks` hook for their `/dev/dri/by-path`
+//!   links when a hook binary is installed), of the parent for a MIG device, and for a MIG device its
+//!   GPU-instance and compute-instance capability nodes `/dev/nvidia-caps/nvidia-cap<N>`
+//!   (described by number from procfs as NVIDIA's DRA driver writes them, else the host's nodes
+//!   through `mig-minors`).
 //!   Nothing that could conflict when several devices of one claim are injected together.
 //! - **Spec-wide** (applied once whenever any device of the claim is injected): the control nodes
 //!   (`/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools`, `/dev/nvidia-modeset`, each
 //!   when present), read-only bind mounts of the driver's libraries, firmware and binaries and
-//!   mounts of its IPC sockets (found as NVIDIA's CDI library finds them, `driver`), NVIDIA's
+//!   mounts of its IPC sockets (found as NVIDIA's CDI library finds them, `driver`), its
+//!   graphics and display files (`graphics`), NVIDIA's
 //!   `createContainer` hooks when `nvidia-cdi-hook` or `nvidia-ctk` is installed (`hooks`), the
-//!   MPS environment and `NVIDIA_VISIBLE_DEVICES`.
+//!   MPS environment and `NVIDIA_VISIBLE_DEVICES=void`.
 //!
 //! Host paths and read paths: the spec names host paths, under `--driver-root`; nvdra reads the
 //! same files where that root is mounted in its own container (`--driver-root-ctr-path`), see
 //! [`DriverRoot`].
 //!
-//! `NVIDIA_VISIBLE_DEVICES`: NVIDIA's driver sets it to `void` so that a legacy NVIDIA runtime
-//! hook injects nothing on top of CDI. nvdra sets it to the comma-separated UUIDs of the claim's
-//! devices instead, because workloads and tools read it to learn which GPUs they were given. It
-//! is claim-level and not per device because CDI concatenates the env of all injected devices and
-//! the last assignment wins: per-device values would leave only one UUID. The price: a container
-//! that references only one request of a multi-request claim still sees every UUID of the claim
-//! (its device nodes are still only its own), and a node that also runs the legacy NVIDIA runtime
-//! hook in `legacy` mode would inject the listed GPUs too — run that hook in `cdi` mode.
+//! `NVIDIA_VISIBLE_DEVICES=void`, spec-wide, as NVIDIA's driver writes it: the devices a container
+//! gets are the CDI devices the kubelet names, never a list in the environment. A list would be
+//! claim-wide (CDI concatenates the env of every injected device and the last assignment wins),
+//! so a container that uses one request of a two-request claim would be told about the other
+//! request's GPU too, and NVIDIA's runtime in its legacy mode (common on GPU Operator nodes) would
+//! inject that GPU. `void` makes that runtime inject nothing on top of CDI.
 //!
 //! Invariants:
 //! - Every vendor, class and device name is checked against the CDI grammar before a spec is
@@ -45,6 +48,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+/// The spec-wide env of a claim spec (see the module docs).
+pub const VISIBLE_DEVICES_VOID: &str = "NVIDIA_VISIBLE_DEVICES=void";
 /// The CDI spec version written; every feature used here exists in 0.5.0.
 pub const CDI_VERSION: &str = "0.5.0";
 /// Where a claim's MPS pipe directory appears inside containers.
@@ -110,6 +115,7 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 
 mod builder;
 mod driver;
+mod graphics;
 mod hooks;
 mod inputs;
 mod model;
@@ -118,6 +124,7 @@ mod writer;
 
 pub use builder::{claim_spec, device_id, existing_node, host_node};
 pub use driver::{DriverFiles, Symlink, discover_driver_files};
+pub use graphics::FileMount;
 pub use inputs::{CdiOptions, DriverRoot, PreparedDevice};
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use names::{validate_class, validate_device_name, validate_vendor};

@@ -1,7 +1,7 @@
 //! Proves nvdra's claim CDI specs with a real container engine: a spec for a simulated H100 on a
 //! fake driver root (device nodes made with `mknod`, a fake `nvidia-smi` and NVML library) is
 //! written where podman reads CDI specs, and a container started with the claim's CDI device id
-//! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES` with the GPU's UUID
+//! must see the GPU's device node, the control node, `NVIDIA_VISIBLE_DEVICES=void`
 //! and the driver files mounted read-only. A third test runs the daemon itself: the spec podman
 //! reads is the one `nvdra run` wrote while preparing a claim over its DRA socket, with the driver
 //! laid out as the GPU Operator lays it out (host and container paths of the driver root apart),
@@ -55,6 +55,8 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
     std::fs::create_dir_all(nvml.parent().context("parent")?)?;
     std::fs::write(&nvml, "fake NVML\n")?;
 
+    fake_graphics(root, &gpu)?;
+
     let opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(root))?;
     ensure!(
         opts.dev_root == root.join("dev"),
@@ -86,7 +88,8 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
          echo VISIBLE=$NVIDIA_VISIBLE_DEVICES; \
          echo SMI=$(cat /usr/bin/nvidia-smi); \
          echo NVML=$(cat /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01); \
-         if (echo x > /usr/bin/nvidia-smi) 2>/dev/null; then echo SMI_WRITABLE; else echo SMI_READ_ONLY; fi",
+         if (echo x > /usr/bin/nvidia-smi) 2>/dev/null; then echo SMI_WRITABLE; else echo SMI_READ_ONLY; fi; \
+         {GRAPHICS_SCRIPT}",
         minor = gpu.minor
     );
     let out = run_claim(engine, &opts, &[device], &files, &script)?;
@@ -97,11 +100,57 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
     ] {
         assert_null_node(&out, &node)?;
     }
-    assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+    assert_line(&out, "VISIBLE=void")?;
     assert_line(&out, "SMI=fake nvidia-smi for nvdra")?;
     assert_line(&out, "NVML=fake NVML")?;
     assert_line(&out, "SMI_READ_ONLY")?;
+    assert_graphics(&out)?;
     Ok(())
+}
+
+/// Graphics and display files as a driver package installs them under `root`, and the DRM card
+/// and render nodes of `gpu` in sysfs (by PCI bus ID) and `dev/dri`. The X config is under
+/// `etc/`, where some distributions put it; NVIDIA mounts it at `/usr/share` all the same.
+fn fake_graphics(root: &std::path::Path, gpu: &nvdra::inventory::Gpu) -> Result<()> {
+    for (rel, content) in [
+        ("usr/share/glvnd/egl_vendor.d/10_nvidia.json", "egl vendor"),
+        ("etc/vulkan/icd.d/nvidia_icd.json", "vulkan icd"),
+        ("etc/X11/xorg.conf.d/10-nvidia.conf", "xorg conf"),
+        (
+            "usr/lib/x86_64-linux-gnu/libnvidia-egl-gbm.so.1.1.2",
+            "egl gbm",
+        ),
+    ] {
+        let path = root.join(rel);
+        std::fs::create_dir_all(path.parent().context("parent")?)?;
+        std::fs::write(&path, format!("{content}\n"))?;
+    }
+    let drm = root
+        .join("sys/bus/pci/devices")
+        .join(&gpu.pci_bus_id.0)
+        .join("drm");
+    for node in ["card1", "renderD128"] {
+        std::fs::create_dir_all(drm.join(node))?;
+        mknod(&root.join("dev/dri").join(node))?;
+    }
+    Ok(())
+}
+
+/// Prints what [`assert_graphics`] checks.
+const GRAPHICS_SCRIPT: &str = "ls -l /dev/dri/card1 /dev/dri/renderD128; \
+     echo EGL=$(cat /usr/share/glvnd/egl_vendor.d/10_nvidia.json); \
+     echo VULKAN=$(cat /etc/vulkan/icd.d/nvidia_icd.json); \
+     echo XORG=$(cat /usr/share/X11/xorg.conf.d/10-nvidia.conf); \
+     echo GBM=$(cat /usr/lib/x86_64-linux-gnu/libnvidia-egl-gbm.so.1.1.2)";
+
+/// The container got [`fake_graphics`]' files and the GPU's DRM nodes.
+fn assert_graphics(out: &str) -> Result<()> {
+    assert_null_node(out, "/dev/dri/card1")?;
+    assert_null_node(out, "/dev/dri/renderD128")?;
+    assert_line(out, "EGL=egl vendor")?;
+    assert_line(out, "VULKAN=vulkan icd")?;
+    assert_line(out, "XORG=xorg conf")?;
+    assert_line(out, "GBM=egl gbm")
 }
 
 /// Two MIG devices of one A100, shared with MPS: the parent node, each device's capability
@@ -179,8 +228,8 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
     for cap in 10..14 {
         assert_null_node(&out, &format!("/dev/nvidia-caps/nvidia-cap{cap}"))?;
     }
+    assert_line(&out, "VISIBLE=void")?;
     let uuids: Vec<&str> = devices.iter().map(|d| d.uuid()).collect();
-    assert_line(&out, &format!("VISIBLE={}", uuids.join(",")))?;
     assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
     assert_line(&out, "PIPE_CONTENT=mps pipe")?;
     assert_line(&out, "THREADS=40")?;
@@ -237,6 +286,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
     mknod(&driver_root.join(format!("dev/nvidia{}", gpu.minor)))?;
     mknod(&driver_root.join("dev/nvidiactl"))?;
     mknod(&driver_root.join("dev/nvidia-uvm"))?;
+    fake_graphics(&driver_root, &gpu)?;
     let lib = driver_root.join("usr/lib/x86_64-linux-gnu");
     std::fs::create_dir_all(&lib)?;
     std::fs::write(lib.join("libnvidia-ml.so.550.163.01"), "fake NVML\n")?;
@@ -385,7 +435,8 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             vec![]
         };
         let mut script = format!(
-            "ls -l /dev/nvidia{} /dev/nvidiactl; echo VISIBLE=$NVIDIA_VISIBLE_DEVICES",
+            "ls -l /dev/nvidia{} /dev/nvidiactl; echo VISIBLE=$NVIDIA_VISIBLE_DEVICES; \
+             {GRAPHICS_SCRIPT}",
             gpu.minor
         );
         if share {
@@ -415,7 +466,9 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         let out = ok(&out, &format!("podman run --device {}", ids[0]))?;
         assert_null_node(&out, &format!("/dev/nvidia{}", gpu.minor))?;
         assert_null_node(&out, "/dev/nvidiactl")?;
-        assert_line(&out, &format!("VISIBLE={}", gpu.uuid))?;
+        assert_line(&out, "VISIBLE=void")?;
+        // The GPU Operator layout: graphics files and DRM nodes found under the driver root.
+        assert_graphics(&out)?;
         if share {
             assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
             assert_line(&out, "PIPE_FILES=control")?;

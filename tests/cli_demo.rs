@@ -53,7 +53,11 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
         stdout.contains("gpu-1 -> k8s.gpu.nvidia.com/claim=uid-train-gpu-1"),
         "{stdout}"
     );
-    assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=GPU-"), "{stdout}");
+    assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=void"), "{stdout}");
+    assert!(
+        stdout.contains("GPU device nodes: /dev/nvidia0, /dev/nvidia1"),
+        "{stdout}"
+    );
     assert!(stdout.contains("time slice Short on GPU-"), "{stdout}");
     // The double allocation was refused with the reason, then allowed after unprepare.
     assert!(

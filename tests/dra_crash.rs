@@ -474,9 +474,11 @@ async fn nvml_prepare_creates_mig_devices_and_sets_time_slices() {
         1,
         "one compute instance spanning the GPU instance"
     );
-    // The claim's CDI spec names the new MIG device.
+    // The claim's CDI spec gives the MIG device as a CDI device (its env is NVIDIA's `void`,
+    // not a UUID list).
     let spec = std::fs::read_to_string(d.p("cdi").join(Dirs::spec_name("mig"))).unwrap();
-    assert!(spec.contains(&uuids[0]), "{spec}");
+    assert!(spec.contains("-gpu-2-mig-1g10gb-15-6"), "{spec}");
+    assert!(spec.contains("NVIDIA_VISIBLE_DEVICES=void"), "{spec}");
 
     let r = prepare(&d, "sliced").await.unwrap();
     assert_eq!(r.error, "");

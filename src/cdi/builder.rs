@@ -7,13 +7,14 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use super::driver::MPS_IPC_DIR;
-use super::hooks::driver_hooks;
+use super::graphics::{drm_by_path_links, drm_nodes};
+use super::hooks::{device_links_hook, driver_hooks};
 use super::names::validate_claim_uid;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
     IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, MPS_SHM_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice,
-    READ_ONLY_MOUNT, Result, Spec, validate_class, validate_device_name, validate_vendor,
+    READ_ONLY_MOUNT, Result, Spec, VISIBLE_DEVICES_VOID, validate_class, validate_device_name,
+    validate_vendor,
 };
 use crate::inventory::{Gpu, MigDevice};
 use crate::sharing::{MpsSettings, Sharing};
@@ -63,7 +64,15 @@ pub fn claim_spec(
                 device: device.name.clone(),
             });
         }
+        // A MIG device gets its parent's nodes, DRM ones included, as NVIDIA's DRA driver
+        // builds it (the parent's device spec plus the capability nodes).
         let mut nodes = vec![gpu_node(opts, &device.gpu)];
+        let drm = drm_nodes(opts, &device.gpu);
+        let hooks: Vec<_> =
+            device_links_hook(driver_files, &drm_by_path_links(opts, &device.gpu, &drm))
+                .into_iter()
+                .collect();
+        nodes.extend(drm);
         if let Some(mig) = &device.mig {
             let table = mig_minors
                 .get_or_insert_with(|| read_mig_minors(&opts.root.read_path(opts.root.host())));
@@ -79,22 +88,19 @@ pub fn claim_spec(
             name,
             container_edits: ContainerEdits {
                 device_nodes: nodes,
+                hooks,
                 ..Default::default()
             },
         });
     }
 
     let mut common = ContainerEdits::default();
-    let uuids: Vec<&str> = devices.iter().map(PreparedDevice::uuid).collect();
-    common
-        .env
-        .push(format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(",")));
+    common.env.push(VISIBLE_DEVICES_VOID.into());
     common.device_nodes = CONTROL_NODES
         .iter()
         .filter_map(|n| host_node(opts, &opts.dev_root.join(n), &format!("/dev/{n}")))
         .collect();
-    let mps = devices.iter().any(|d| matches!(d.sharing, Sharing::Mps(_)));
-    driver_file_edits(opts, driver_files, mps, &mut common);
+    driver_file_edits(opts, driver_files, &mut common);
     mps_edits(claim_uid, devices, &mut common)?;
 
     Ok(Spec {
@@ -211,11 +217,18 @@ pub(super) fn mig_cap_nodes(
     mig: &MigDevice,
     device: &str,
 ) -> Vec<DeviceNode> {
+    let gi = format!("gpu{}/gi{}/access", parent.minor, mig.gi_id);
+    let ci = format!("gpu{}/gi{}/ci{}/access", parent.minor, mig.gi_id, mig.ci_id);
+    let from_proc: Option<Vec<DeviceNode>> = [&gi, &ci]
+        .iter()
+        .map(|key| cap_node_from_proc(&opts.proc_root, key))
+        .collect();
+    if let Some(nodes) = from_proc {
+        return nodes;
+    }
     let Some(table) = table else {
         return Vec::new();
     };
-    let gi = format!("gpu{}/gi{}/access", parent.minor, mig.gi_id);
-    let ci = format!("gpu{}/gi{}/ci{}/access", parent.minor, mig.gi_id, mig.ci_id);
     let mut nodes = Vec::new();
     for key in [gi, ci] {
         let Some(n) = table.get(&key) else {
@@ -235,15 +248,52 @@ pub(super) fn mig_cap_nodes(
     nodes
 }
 
+/// The capability node of `key` (`gpu<N>/gi<G>[/ci<C>]/access`) as NVIDIA's DRA driver writes
+/// it: described by number, for the runtime to create, with the minor and mode of
+/// `<proc>/driver/nvidia/capabilities/gpu<N>/mig/gi<G>[/ci<C>]/access` (`DeviceFileMinor`,
+/// `DeviceFileMode`) and the `nvidia-caps` major of `<proc>/devices`. `None` when either is
+/// unreadable; the caller then looks the node up on the host through `mig-minors`.
+pub(super) fn cap_node_from_proc(proc_root: &Path, key: &str) -> Option<DeviceNode> {
+    let (gpu, rest) = key.split_once('/')?;
+    let file = proc_root
+        .join("driver/nvidia/capabilities")
+        .join(gpu)
+        .join("mig")
+        .join(rest);
+    let text = fs::read_to_string(&file).ok()?;
+    let field = |name: &str| -> Option<u32> {
+        text.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == name).then(|| v.trim().parse().ok())?
+        })
+    };
+    let minor = field("DeviceFileMinor")?;
+    let mode = field("DeviceFileMode")?;
+    let devices = fs::read_to_string(proc_root.join("devices")).ok()?;
+    let major = devices.lines().find_map(|l| {
+        let mut parts = l.split_whitespace();
+        let major = parts.next()?;
+        (parts.next()? == "nvidia-caps" && parts.next().is_none())
+            .then(|| major.parse::<i64>().ok())?
+    })?;
+    Some(DeviceNode {
+        path: format!("/dev/nvidia-caps/nvidia-cap{minor}"),
+        host_path: None,
+        node_type: Some("c".into()),
+        major: Some(major),
+        minor: Some(i64::from(minor)),
+        file_mode: Some(mode),
+        permissions: None,
+    })
+}
+
 /// Mounts of the driver files at their path relative to the driver root (read-only; the IPC
 /// sockets with NVIDIA's IPC options), `NVIDIA_CTK_LIBCUDA_DIR`, and NVIDIA's hooks when the
 /// hook binary is installed. Without it the soname links are mounted too, so that
-/// `libcuda.so.1` resolves without `create-symlinks`. A claim with MPS gets its own daemon's
-/// pipe directory at `/tmp/nvidia-mps`, so the host's is not mounted there.
+/// `libcuda.so.1` resolves without `create-symlinks`.
 pub(super) fn driver_file_edits(
     opts: &CdiOptions,
     files: &DriverFiles,
-    mps: bool,
     edits: &mut ContainerEdits,
 ) {
     let in_container = |host: &Path| -> Option<String> {
@@ -283,16 +333,21 @@ pub(super) fn driver_file_edits(
         }
         mounts.insert(target, (host.display().to_string(), read_only()));
     }
+    for g in &files.graphics {
+        if in_container(&g.host).is_some() {
+            mounts.insert(
+                g.container.clone(),
+                (g.host.display().to_string(), read_only()),
+            );
+        }
+    }
     for host in files.firmware.iter().chain(&files.binaries) {
         if let Some(target) = in_container(host) {
             mounts.insert(target, (host.display().to_string(), read_only()));
         }
     }
-    let mps_dir = Path::new("/").join(MPS_IPC_DIR).display().to_string();
     for host in &files.ipc {
-        if let Some(target) = in_container(host)
-            && !(mps && target == mps_dir)
-        {
+        if let Some(target) = in_container(host) {
             let options = IPC_MOUNT.iter().map(|s| s.to_string()).collect();
             mounts.insert(target, (host.display().to_string(), options));
         }

@@ -5,20 +5,26 @@
 //!   `libcuda.so.<version>` and its `vdpau/` subdirectory (no fixed list), plus the legacy
 //!   `libnvidia-nvvm70.so.*`. The version is the suffix of `libcuda.so.<version>` (else of
 //!   `libnvidia-ml.so.<version>`), as nvcdi infers it when NVML does not tell.
-//! - **Links** the `create-symlinks` hook makes in the container: `libcuda.so` → `libcuda.so.1`
-//!   always, and for each library its soname link and its `.so` link when the host directory has
+//! - **Links** the `create-symlinks` hook makes in the container: `libcuda.so` → `libcuda.so.1`,
+//!   `libnvidia-opticalflow.so` → `libnvidia-opticalflow.so.1` and `libGLX_indirect.so.0` →
+//!   `libGLX_nvidia.so.<version>` whenever those libraries are found, and for each library its soname link and its `.so` link when the host directory has
 //!   them. nvcdi reads the soname from the ELF `DT_SONAME` and emits the link only when a link of
 //!   that name exists beside the library; nvdra takes the link in that directory that points at
 //!   the library (what ldconfig made from the soname), so the two agree wherever NVIDIA emits one.
 //! - **Firmware**: `nvidia/<version>/gsp*.bin` under `lib/firmware/updates/<kernel>`,
 //!   `lib/firmware/updates`, `lib/firmware/<kernel>` and `lib/firmware`.
-//! - **IPC**: the persistenced and fabric-manager sockets (first of `run/`, `var/run/`) and the
-//!   MPS pipe directory `tmp/nvidia-mps`.
+//! - **IPC**: the persistenced and fabric-manager sockets (first of `run/`, `var/run/`). Not the
+//!   host's MPS pipe directory `tmp/nvidia-mps`: nvcdi lists it but its file lookup skips
+//!   directories, so NVIDIA's specs never carry it, and mounting it made every GPU container a
+//!   client of whatever MPS daemon the host runs. Only a claim shared with MPS gets a pipe
+//!   directory, its own daemon's (the builder's MPS edits).
 //! - **Binaries**: `nvidia-smi`, `nvidia-debugdump`, `nvidia-persistenced`, the MPS control and
 //!   server, `nvidia-imex` and `nvidia-imex-ctl`, first found in the bin directories.
 //! - **The hook binary**: `nvidia-cdi-hook`, else `nvidia-ctk` (whose hooks are under `hook`),
 //!   first found in the bin directories and the toolkit's `usr/local/nvidia/toolkit`, and on
 //!   GPU Operator nodes in the host's toolkit directory ([`find_hook`]).
+//!
+//! - **Graphics and display** files, links and DRM nodes: see [`super::graphics`].
 //!
 //! Without a hook binary the soname links are mounted as files instead (as before hooks), so
 //! `libcuda.so.1` still resolves in the container; with one, only the versioned files are
@@ -30,6 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::DriverRoot;
+use super::graphics::{self, FileMount};
 
 /// Library directories searched for `libcuda.so.<version>`, in order.
 pub(super) const LIB_DIRS: [&str; 7] = [
@@ -65,9 +72,8 @@ pub(super) const BINARIES: [&str; 7] = [
 ];
 /// The hook binaries, in the order they are looked for.
 const HOOK_BINARIES: [&str; 2] = ["nvidia-cdi-hook", "nvidia-ctk"];
-/// The IPC sockets (under `run/` or `var/run/`) and the MPS pipe directory (under the root).
+/// The IPC sockets (under `run/` or `var/run/`).
 const SOCKETS: [&str; 2] = ["nvidia-persistenced/socket", "nvidia-fabricmanager/socket"];
-pub(super) const MPS_IPC_DIR: &str = "tmp/nvidia-mps";
 
 /// A link the `create-symlinks` hook makes in the container: `link` (a container path) points
 /// to `target` (a file name, relative to the link's directory).
@@ -96,11 +102,15 @@ pub struct DriverFiles {
     /// What `create-symlinks` makes, in nvcdi's order.
     pub symlinks: Vec<Symlink>,
     pub firmware: Vec<PathBuf>,
-    /// Sockets and the MPS pipe directory.
+    /// The IPC sockets.
     pub ipc: Vec<PathBuf>,
     pub binaries: Vec<PathBuf>,
     /// `nvidia-cdi-hook` or `nvidia-ctk`, if installed.
     pub hook: Option<PathBuf>,
+    /// The graphics and display files ([`super::graphics`]), each at its container path.
+    pub graphics: Vec<FileMount>,
+    /// What the graphics `create-symlinks` hook makes, in nvcdi's order.
+    pub graphics_symlinks: Vec<Symlink>,
 }
 
 /// Whether "no hook binary" was logged already: once per process is enough.
@@ -133,6 +143,19 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
             .iter()
             .map(|f| root.host_path(f))
             .collect();
+        let graphics = graphics::discover(base, &version, &dir);
+        files.graphics = graphics
+            .mounts
+            .iter()
+            .map(|(read, container)| FileMount {
+                host: root.host_path(read),
+                container: container.clone(),
+            })
+            .collect();
+        files.graphics_symlinks = graphics.symlinks;
+        files
+            .soname_links
+            .extend(graphics.soname_links.iter().map(|l| root.host_path(l)));
         files.version = Some(version);
     }
     for socket in SOCKETS {
@@ -143,9 +166,6 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
         {
             files.ipc.push(root.host_path(&found));
         }
-    }
-    if base.join(MPS_IPC_DIR).is_dir() {
-        files.ipc.push(root.host_path(&base.join(MPS_IPC_DIR)));
     }
     files.binaries = BINARIES
         .iter()
@@ -234,7 +254,7 @@ fn find_version(base: &Path) -> Option<(String, PathBuf)> {
 }
 
 /// Regular files in `dir` (symlinks followed) whose name passes `wanted`, sorted.
-fn matching_in(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+pub(super) fn matching_in(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -271,11 +291,24 @@ fn links_for(base: &Path, lib: &Path) -> (Vec<Symlink>, Option<PathBuf>) {
     let container_dir = Path::new("/").join(dir.strip_prefix(base).unwrap_or(dir));
     let at = |file: &str| container_dir.join(file).display().to_string();
     let mut links = Vec::new();
-    // Applications dlopen `libcuda.so`, which only the development package would provide.
+    // nvcdi's fixed links, before the soname links (`getLinksForMount` in its
+    // `internal/discover/symlinks.go`): applications dlopen `libcuda.so` and
+    // `libnvidia-opticalflow.so`, which only development packages would provide, and GLVND
+    // needs `libGLX_indirect.so.0` for indirect GLX.
     if name.starts_with("libcuda.so.") {
         links.push(Symlink {
             target: "libcuda.so.1".into(),
             link: at("libcuda.so"),
+        });
+    } else if name.starts_with("libGLX_nvidia.so.") {
+        links.push(Symlink {
+            target: name.into(),
+            link: at("libGLX_indirect.so.0"),
+        });
+    } else if name.starts_with("libnvidia-opticalflow.so.") {
+        links.push(Symlink {
+            target: "libnvidia-opticalflow.so.1".into(),
+            link: at("libnvidia-opticalflow.so"),
         });
     }
     let soname = soname_link(dir, name);
@@ -298,7 +331,7 @@ fn links_for(base: &Path, lib: &Path) -> (Vec<Symlink>, Option<PathBuf>) {
 
 /// The name of the link in `dir` that points at `name` and is not a `.so` development link:
 /// the soname ldconfig made (`libcuda.so.1` for `libcuda.so.550.163.01`).
-fn soname_link(dir: &Path, name: &str) -> Option<String> {
+pub(super) fn soname_link(dir: &Path, name: &str) -> Option<String> {
     let entries = fs::read_dir(dir).ok()?;
     let mut found: Vec<String> = entries
         .flatten()

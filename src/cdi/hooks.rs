@@ -1,6 +1,9 @@
 //! NVIDIA's CDI hooks, in the form and order nvcdi (nvidia-container-toolkit v1.19, the version
 //! NVIDIA's DRA driver vendors) writes them into a claim spec's spec-wide edits:
 //!
+//! 0. `create-symlinks` for the graphics links (`gbm/nvidia-drm_gbm.so`,
+//!    `libnvidia-vulkan-producer.so`, `libglxserver_nvidia.so`), nvcdi's graphics discoverer
+//!    coming before its driver one (only when there is a link to make);
 //! 1. `create-symlinks --link <target>::<link> …` — the driver's soname and `.so` links, and
 //!    `libcuda.so` (only when there is a link to make);
 //! 2. `enable-cuda-compat --host-driver-version=<version>` — lets a container whose CUDA is newer
@@ -30,13 +33,14 @@ pub(super) fn driver_hooks(files: &DriverFiles, lib_dirs: &[String]) -> Vec<Hook
         return Vec::new();
     };
     let mut hooks = Vec::new();
-    let links: Vec<String> = files
-        .symlinks
-        .iter()
-        .flat_map(|l| ["--link".to_string(), l.arg()])
-        .collect();
-    if !links.is_empty() {
-        hooks.push(hook(binary, "create-symlinks", links));
+    for symlinks in [&files.graphics_symlinks, &files.symlinks] {
+        let links: Vec<String> = symlinks
+            .iter()
+            .flat_map(|l| ["--link".to_string(), l.arg()])
+            .collect();
+        if !links.is_empty() {
+            hooks.push(hook(binary, "create-symlinks", links));
+        }
     }
     if let Some(version) = &files.version {
         hooks.push(hook(
@@ -54,6 +58,20 @@ pub(super) fn driver_hooks(files: &DriverFiles, lib_dirs: &[String]) -> Vec<Hook
     }
     hooks.push(hook(binary, "disable-device-node-modification", Vec::new()));
     hooks
+}
+
+/// A device's own `create-symlinks` hook for `links` (`target::link`); none without a hook
+/// binary or links.
+pub(super) fn device_links_hook(files: &DriverFiles, links: &[String]) -> Option<Hook> {
+    let binary = files.hook.as_ref()?;
+    if links.is_empty() {
+        return None;
+    }
+    let args = links
+        .iter()
+        .flat_map(|l| ["--link".to_string(), l.clone()])
+        .collect();
+    Some(hook(binary, "create-symlinks", args))
 }
 
 fn hook(binary: &Path, name: &str, args: Vec<String>) -> Hook {

@@ -80,6 +80,34 @@ impl DriverRoot {
     }
 }
 
+impl DriverRoot {
+    /// Where nvdra reads sysfs, to find each GPU's DRM nodes: `<dev root>/sys` when it holds PCI
+    /// devices (a test's fake tree, or a device root that carries the host's sysfs), else `/sys`.
+    /// Only read, never named in a spec.
+    pub fn sys_dir(&self) -> PathBuf {
+        let candidate = self.read_path(&self.dev.join("sys"));
+        if candidate.join("bus/pci/devices").is_dir() {
+            candidate
+        } else {
+            PathBuf::from("/sys")
+        }
+    }
+}
+
+impl DriverRoot {
+    /// Where nvdra reads procfs, for the MIG capabilities (`driver/nvidia/capabilities`) and the
+    /// `nvidia-caps` major (`devices`): `<dev root>/proc` when it has the NVIDIA driver's entries
+    /// (a test's fake tree), else `/proc`. Only read, never named in a spec.
+    pub fn proc_dir(&self) -> PathBuf {
+        let candidate = self.read_path(&self.dev.join("proc"));
+        if candidate.join("driver/nvidia").is_dir() {
+            candidate
+        } else {
+            PathBuf::from("/proc")
+        }
+    }
+}
+
 /// Where CDI names and host paths come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CdiOptions {
@@ -91,6 +119,10 @@ pub struct CdiOptions {
     pub root: DriverRoot,
     /// The host directory holding the `nvidia*` device nodes ([`DriverRoot::dev_dir`]).
     pub dev_root: PathBuf,
+    /// Where nvdra reads sysfs ([`DriverRoot::sys_dir`]).
+    pub sys_root: PathBuf,
+    /// Where nvdra reads procfs ([`DriverRoot::proc_dir`]).
+    pub proc_root: PathBuf,
 }
 
 impl CdiOptions {
@@ -102,6 +134,8 @@ impl CdiOptions {
             class: "claim".into(),
             root: root.clone(),
             dev_root: root.dev_dir(),
+            sys_root: root.sys_dir(),
+            proc_root: root.proc_dir(),
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;

@@ -27,7 +27,6 @@ use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Api, Backend, Config, LogFormat, Mode};
-use crate::inventory::DeviceBackend;
 use crate::inventory::sim::SimBackend;
 use kubelet_plugin::proto::dra::v1;
 use kubelet_plugin::proto::pluginregistration::{
@@ -73,14 +72,6 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         mps_root: root.join("mps"),
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;
-    let uuid_of = |minor: u32| -> Result<String> {
-        Ok(sim
-            .snapshot()?
-            .gpu_by_minor(minor)
-            .context("the simulated GPU")?
-            .uuid
-            .to_string())
-    };
 
     writeln!(
         out,
@@ -199,16 +190,28 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
             .join(format!("k8s.{DRIVER}-claim_uid-train.yaml"));
         let spec = std::fs::read_to_string(&spec_path)
             .with_context(|| format!("prepare wrote no CDI spec at {}", spec_path.display()))?;
+        // The GPUs a container gets are the spec's device nodes; its env says `void` so that a
+        // legacy NVIDIA runtime hook adds none (as NVIDIA's driver writes it).
         let visible = spec
             .lines()
             .find(|l| l.contains("NVIDIA_VISIBLE_DEVICES="))
             .map(str::trim)
             .unwrap_or("(no NVIDIA_VISIBLE_DEVICES)");
+        let gpu_nodes: Vec<&str> = spec
+            .lines()
+            .map(str::trim)
+            .filter_map(|l| l.trim_start_matches("- ").strip_prefix("path: "))
+            .filter(|p| {
+                p.strip_prefix("/dev/nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .collect();
         writeln!(out, "   CDI spec {}:", spec_path.display())?;
+        writeln!(out, "     GPU device nodes: {}", gpu_nodes.join(", "))?;
         writeln!(out, "     {visible}")?;
         ensure!(
-            visible.contains(&uuid_of(0)?),
-            "the CDI spec does not name gpu-0's UUID"
+            gpu_nodes.contains(&"/dev/nvidia0"),
+            "the CDI spec does not give gpu-0's device node"
         );
         let actions = sim.actions();
         writeln!(

@@ -83,9 +83,19 @@ pub fn spec(
     }
     let mut spec = cdi::claim_spec(opts, SPEC_NAME, &devices, files)?;
     let prefix = format!("{SPEC_NAME}-");
-    for d in &mut spec.devices {
+    for (d, prepared) in spec.devices.iter_mut().zip(&devices) {
         if let Some(rest) = d.name.strip_prefix(&prefix) {
             d.name = rest.to_string();
+        }
+        // NVIDIA's device plugin gives a MIG device no DRM nodes (nvcdi's MIG discoverer adds
+        // them only for `+gfx` profiles); a claim's MIG device has its parent's, as NVIDIA's DRA
+        // driver writes it.
+        if prepared.mig.is_some() {
+            d.container_edits
+                .device_nodes
+                .retain(|n| !n.path.starts_with("/dev/dri/"));
+            // A device's only hook makes its DRM nodes' by-path links.
+            d.container_edits.hooks.clear();
         }
     }
     spec.container_edits
@@ -212,4 +222,57 @@ pub fn mode_spec(opts: &CdiOptions, mode: DriverMode) -> Option<Spec> {
         }],
         container_edits: cdi::ContainerEdits::default(),
     })
+}
+
+#[cfg(test)]
+mod drm_tests {
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+    use crate::inventory::topology::load_profile;
+
+    /// A GPU's device has its DRM nodes; its MIG devices have none, as in NVIDIA's device
+    /// plugin.
+    #[test]
+    fn mig_devices_of_the_device_plugin_spec_have_no_drm_nodes() {
+        let inv = load_profile("a100-mig-mixed", "n").unwrap();
+        let gpu = inv.gpus.iter().find(|g| !g.mig.devices.is_empty()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("dev/dri")).unwrap();
+        symlink("/dev/null", root.join("dev/dri/card1")).unwrap();
+        std::fs::create_dir_all(
+            root.join("sys/bus/pci/devices")
+                .join(&gpu.pci_bus_id.0)
+                .join("drm/card1"),
+        )
+        .unwrap();
+        std::fs::create_dir_all(root.join("dev/dri/by-path")).unwrap();
+        symlink(
+            "../card1",
+            root.join(format!("dev/dri/by-path/pci-{}-card", gpu.pci_bus_id.0)),
+        )
+        .unwrap();
+        let files = DriverFiles {
+            hook: Some(root.join("usr/bin/nvidia-cdi-hook")),
+            ..Default::default()
+        };
+        let opts = options("gpu.nvidia.com", &DriverRoot::at(root)).unwrap();
+        let spec = spec(&opts, &inv, IdStrategy::Uuid, &files).unwrap();
+        // (DRM nodes, by-path link hooks) of a device.
+        let dri = |name: &str| -> (usize, usize) {
+            let d = spec.devices.iter().find(|d| d.name == name).unwrap();
+            let nodes = d
+                .container_edits
+                .device_nodes
+                .iter()
+                .filter(|n| n.path == "/dev/dri/card1")
+                .count();
+            (nodes, d.container_edits.hooks.len())
+        };
+        assert_eq!(dri(gpu.uuid.as_str()), (1, 1));
+        for m in &gpu.mig.devices {
+            assert_eq!(dri(m.uuid.as_str()), (0, 0), "{}", m.uuid);
+        }
+    }
 }

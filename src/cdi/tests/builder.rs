@@ -46,7 +46,7 @@ fn full_gpu_spec_has_nodes_env_mounts_and_hook() {
     assert_eq!(
         common.env,
         vec![
-            format!("NVIDIA_VISIBLE_DEVICES={}", dev.gpu.uuid),
+            "NVIDIA_VISIBLE_DEVICES=void".to_string(),
             "NVIDIA_CTK_LIBCUDA_DIR=/usr/lib/x86_64-linux-gnu".to_string(),
         ]
     );
@@ -128,7 +128,7 @@ fn missing_gpu_node_is_described_by_number_and_optional_nodes_are_skipped() {
     assert!(spec.container_edits.hooks.is_empty());
     assert_eq!(
         spec.container_edits.env,
-        vec![format!("NVIDIA_VISIBLE_DEVICES={}", dev.gpu.uuid)]
+        vec!["NVIDIA_VISIBLE_DEVICES=void"]
     );
 }
 
@@ -202,7 +202,7 @@ fn mig_device_gets_parent_and_capability_nodes() {
     );
     assert_eq!(
         env_of(&spec.container_edits, "NVIDIA_VISIBLE_DEVICES"),
-        vec![mig.uuid.as_str()]
+        vec!["void"]
     );
 
     // A capability node missing on the host is skipped; the rest stays.
@@ -283,7 +283,7 @@ fn mps_sets_client_environment_and_pipe_mount() {
     assert_eq!(
         spec.container_edits.env,
         vec![
-            format!("NVIDIA_VISIBLE_DEVICES={},{}", a.gpu.uuid, b.gpu.uuid),
+            "NVIDIA_VISIBLE_DEVICES=void".to_string(),
             "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string(),
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50".to_string(),
             // Keyed by the index the container's CUDA sees, not by UUID: NVIDIA's device
@@ -431,9 +431,10 @@ fn multiple_devices_keep_their_order_and_duplicates_fail() {
         spec.devices[1].container_edits.device_nodes[0].path,
         format!("/dev/nvidia{}", devs[1].gpu.minor)
     );
+    // The container learns its GPUs from the device nodes, not from a UUID list.
     assert_eq!(
         env_of(&spec.container_edits, "NVIDIA_VISIBLE_DEVICES"),
-        vec![format!("{},{}", devs[0].gpu.uuid, devs[1].gpu.uuid).as_str()]
+        vec!["void"]
     );
 
     let e = claim_spec(

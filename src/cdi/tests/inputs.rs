@@ -90,3 +90,53 @@ fn driver_root_maps_host_paths_to_read_paths_and_back() {
     let none = DriverRoot::at(Path::new("/nonexistent-root"));
     assert_eq!(none.dev_dir(), Path::new("/dev"));
 }
+
+/// The host's MPS pipe directory is never a driver file (NVIDIA's lookup skips directories):
+/// a container that does not use MPS must not become a client of the host's daemon. A claim
+/// shared with MPS gets its own daemon's directory there instead.
+#[test]
+fn the_hosts_mps_directory_is_mounted_only_for_mps_claims() {
+    let host = Host::new();
+    host.file("tmp/nvidia-mps/control");
+    let socket = host.file("run/nvidia-persistenced/socket");
+    let files = discover_driver_files(&host.opts.root);
+    assert_eq!(files.ipc, vec![socket.clone()]);
+
+    let plain = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(0, Sharing::Exclusive)],
+        &files,
+    )
+    .unwrap();
+    let targets = |spec: &Spec| -> Vec<(String, String)> {
+        spec.container_edits
+            .mounts
+            .iter()
+            .map(|m| (m.container_path.clone(), m.host_path.clone()))
+            .collect()
+    };
+    assert_eq!(
+        targets(&plain),
+        vec![(
+            "/run/nvidia-persistenced/socket".to_string(),
+            socket.display().to_string()
+        )]
+    );
+
+    let pipe = host.root().join("run/nvdra/mps/claim");
+    let mut shared = gpu_device(0, Sharing::Mps(MpsSettings::default()));
+    shared.mps_pipe_dir = Some(pipe.clone());
+    let mps = claim_spec(&host.opts, UID, &[shared], &files).unwrap();
+    let mps_mounts: Vec<(String, String)> = targets(&mps)
+        .into_iter()
+        .filter(|(c, _)| c == MPS_PIPE_CONTAINER_DIR)
+        .collect();
+    assert_eq!(
+        mps_mounts,
+        vec![(
+            MPS_PIPE_CONTAINER_DIR.to_string(),
+            pipe.display().to_string()
+        )]
+    );
+}

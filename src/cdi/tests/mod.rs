@@ -15,6 +15,7 @@ use crate::sharing::{MpsSettings, Sharing, TimeSliceInterval};
 mod builder;
 mod inputs;
 mod names;
+mod nvidia_form;
 mod writer;
 
 const UID: &str = "dab5ab50-1111-2222-3333-444455556666";

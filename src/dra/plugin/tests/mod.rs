@@ -431,8 +431,11 @@ async fn existing_and_created_mig_devices() {
             .iter()
             .any(|m| m.uuid == uuid)
     );
+    // The spec gives the MIG device by its CDI device (parent and capability nodes), not by a
+    // UUID list: its env is NVIDIA's `void`.
     let spec = std::fs::read_to_string(e.spec("m2")).unwrap();
-    assert!(spec.contains(uuid.as_str()), "{spec}");
+    assert!(spec.contains("-gpu-2-mig-1g10gb-15-6"), "{spec}");
+    assert!(spec.contains("NVIDIA_VISIBLE_DEVICES=void"), "{spec}");
     // An overlapping placement is refused while it is held.
     e.add(claim("m3", vec![result("mig", "gpu-2-mig-1g5gb-19-6")]));
     let err = e.prepare("m3").await.unwrap_err();
@@ -467,6 +470,97 @@ async fn existing_and_created_mig_devices() {
     );
 }
 
+/// An existing MIG device and one created at prepare (`--partitionable`) both get their
+/// capability nodes as NVIDIA's DRA driver writes them, from procfs under the device root: the
+/// `nvidia-caps` major of `proc/devices`, the minors of the instances' `access` files.
+#[tokio::test]
+async fn mig_capability_nodes_come_from_procfs_for_existing_and_created_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let proc = dir.path().join("driver/proc");
+    std::fs::create_dir_all(&proc).unwrap();
+    std::fs::write(
+        proc.join("devices"),
+        "Character devices:\n195 nvidia\n238 nvidia-caps\n",
+    )
+    .unwrap();
+    // Minor 1000·gpu + 10·gi for a GPU instance, + ci + 1 for a compute instance.
+    for gpu in 0..8u32 {
+        for gi in 0..15u32 {
+            let gi_dir = proc.join(format!("driver/nvidia/capabilities/gpu{gpu}/mig/gi{gi}"));
+            for ci in 0..8u32 {
+                let ci_dir = gi_dir.join(format!("ci{ci}"));
+                std::fs::create_dir_all(&ci_dir).unwrap();
+                std::fs::write(
+                    ci_dir.join("access"),
+                    format!(
+                        "DeviceFileMinor: {}\nDeviceFileMode: 292\n",
+                        1000 * gpu + 10 * gi + ci + 1
+                    ),
+                )
+                .unwrap();
+            }
+            std::fs::write(
+                gi_dir.join("access"),
+                format!(
+                    "DeviceFileMinor: {}\nDeviceFileMode: 292\n",
+                    1000 * gpu + 10 * gi
+                ),
+            )
+            .unwrap();
+        }
+    }
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
+    let (plugin, _, _stop) = start(dir.path(), api.clone(), sim.clone()).await;
+    let e = Env {
+        plugin,
+        api,
+        sim,
+        dir,
+        _stop,
+    };
+    let inv = e.sim.snapshot().unwrap();
+    let existing = &inv.gpus[1].mig.devices[0];
+    let name = crate::ids::DeviceName::mig(
+        inv.gpus[1].minor,
+        &existing.profile,
+        existing.gi_profile_id,
+        existing.placement.start,
+    );
+    e.add(claim("m1", vec![result("mig", name.as_str())]));
+    e.add(claim("m2", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]));
+    for uid in ["m1", "m2"] {
+        e.prepare(uid).await.unwrap();
+        let inv = e.sim.snapshot().unwrap();
+        let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
+        let gpu = if uid == "m1" {
+            &inv.gpus[1]
+        } else {
+            &inv.gpus[2]
+        };
+        // The claim's instance: the one whose GI minor the spec names.
+        let named: Vec<(u32, u32)> = gpu
+            .mig
+            .devices
+            .iter()
+            .map(|m| (m.gi_id, m.ci_id))
+            .filter(|(gi, _)| {
+                spec.contains(&format!(
+                    "/dev/nvidia-caps/nvidia-cap{}\n",
+                    1000 * gpu.minor + 10 * gi
+                ))
+            })
+            .collect();
+        assert_eq!(named.len(), 1, "{uid}: {spec}");
+        let (gi, ci) = named[0];
+        let ci_minor = 1000 * gpu.minor + 10 * gi + ci + 1;
+        assert!(
+            spec.contains(&format!("/dev/nvidia-caps/nvidia-cap{ci_minor}\n")),
+            "{uid}: {spec}"
+        );
+        assert_eq!(spec.matches("major: 238").count(), 2, "{uid}: {spec}");
+    }
+}
 #[tokio::test]
 async fn failed_prepare_rolls_back_created_mig_devices() {
     let e = env("a100-mig-mixed").await;

@@ -118,16 +118,20 @@ mod driver;
 mod graphics;
 mod hooks;
 mod inputs;
+mod lookup;
 mod model;
 mod names;
+mod nodes;
 mod writer;
 
-pub use builder::{claim_spec, device_id, existing_node, host_node};
-pub use driver::{DriverFiles, Symlink, discover_driver_files};
+pub use builder::{claim_spec, device_id};
+pub use driver::{DriverFiles, discover_driver_files};
 pub use graphics::FileMount;
 pub use inputs::{CdiOptions, DriverRoot, PreparedDevice};
+pub use lookup::Symlink;
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use names::{validate_class, validate_device_name, validate_vendor};
+pub use nodes::{existing_node, host_node};
 pub use writer::{list_claim_specs, remove_spec, spec_path, write_spec, write_spec_text};
 
 #[cfg(test)]

@@ -229,7 +229,6 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
         assert_null_node(&out, &format!("/dev/nvidia-caps/nvidia-cap{cap}"))?;
     }
     assert_line(&out, "VISIBLE=void")?;
-    let uuids: Vec<&str> = devices.iter().map(|d| d.uuid()).collect();
     assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
     assert_line(&out, "PIPE_CONTENT=mps pipe")?;
     assert_line(&out, "THREADS=40")?;

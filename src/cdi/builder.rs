@@ -3,13 +3,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
 use super::graphics::{drm_by_path_links, drm_nodes};
 use super::hooks::{device_links_hook, driver_hooks};
 use super::names::validate_claim_uid;
+use super::nodes::host_node;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
     IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, MPS_SHM_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice,
@@ -134,52 +133,6 @@ pub(super) fn gpu_node(opts: &CdiOptions, gpu: &Gpu) -> DeviceNode {
             permissions: Some("rwm".into()),
         }
     })
-}
-
-/// [`existing_node`] for the host path `host`, read where nvdra sees it.
-pub fn host_node(opts: &CdiOptions, host: &Path, container_path: &str) -> Option<DeviceNode> {
-    existing_node(&opts.root.read_path(host), host, container_path)
-}
-
-/// A device node with host path `host` if `read` (where nvdra sees it) exists and is a device
-/// (symlinks are followed), with its type, numbers and mode read from the host so dynamic majors
-/// (`nvidia-uvm`) are right.
-pub fn existing_node(read: &Path, host: &Path, container_path: &str) -> Option<DeviceNode> {
-    let meta = match fs::metadata(read) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
-        Err(e) => {
-            tracing::warn!(path = %read.display(), error = %e, "cannot inspect device node; skipped");
-            return None;
-        }
-    };
-    let file_type = meta.file_type();
-    let node_type = if file_type.is_char_device() {
-        "c"
-    } else if file_type.is_block_device() {
-        "b"
-    } else {
-        tracing::warn!(path = %read.display(), "not a device node; skipped");
-        return None;
-    };
-    let (major, minor) = split_dev(meta.rdev());
-    Some(DeviceNode {
-        path: container_path.to_string(),
-        host_path: Some(host.display().to_string()),
-        node_type: Some(node_type.into()),
-        major: Some(major),
-        minor: Some(minor),
-        file_mode: Some(meta.mode() & 0o777),
-        permissions: Some("rwm".into()),
-    })
-}
-
-/// Linux (glibc) `dev_t` encoding, as `major(3)`/`minor(3)` decode it.
-pub(super) fn split_dev(dev: u64) -> (i64, i64) {
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & 0xffff_f000);
-    let minor = (dev & 0xff) | ((dev >> 12) & 0xffff_ff00);
-    // Both are at most 32 bits wide after the masks, so they fit in i64.
-    (major as i64, minor as i64)
 }
 
 /// `<driver_root>/proc/driver/nvidia-caps/mig-minors`: lines `gpu0/gi1/access 12`, `config 1`, ….

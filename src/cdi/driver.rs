@@ -37,27 +37,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::DriverRoot;
 use super::graphics::{self, FileMount};
+use super::lookup::Symlink;
+use super::lookup::{BIN_DIRS, LIB_DIRS, matching_in, soname_link};
 
-/// Library directories searched for `libcuda.so.<version>`, in order.
-pub(super) const LIB_DIRS: [&str; 7] = [
-    "usr/lib/x86_64-linux-gnu",
-    "usr/lib/aarch64-linux-gnu",
-    "usr/lib64",
-    "usr/lib",
-    "lib/x86_64-linux-gnu",
-    "lib/aarch64-linux-gnu",
-    "lib64",
-];
-/// Binary directories searched, in order.
-pub(super) const BIN_DIRS: [&str; 7] = [
-    "usr/bin",
-    "usr/sbin",
-    "bin",
-    "sbin",
-    "usr/local/bin",
-    "usr/local/sbin",
-    "opt/bin",
-];
 /// Where the GPU Operator's toolkit installs `nvidia-cdi-hook` and `nvidia-ctk`.
 const TOOLKIT_DIR: &str = "usr/local/nvidia/toolkit";
 /// The binaries nvcdi mounts.
@@ -74,21 +56,6 @@ pub(super) const BINARIES: [&str; 7] = [
 const HOOK_BINARIES: [&str; 2] = ["nvidia-cdi-hook", "nvidia-ctk"];
 /// The IPC sockets (under `run/` or `var/run/`).
 const SOCKETS: [&str; 2] = ["nvidia-persistenced/socket", "nvidia-fabricmanager/socket"];
-
-/// A link the `create-symlinks` hook makes in the container: `link` (a container path) points
-/// to `target` (a file name, relative to the link's directory).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Symlink {
-    pub target: String,
-    pub link: String,
-}
-
-impl Symlink {
-    /// `target::link`, the hook's `--link` argument.
-    pub fn arg(&self) -> String {
-        format!("{}::{}", self.target, self.link)
-    }
-}
 
 /// The driver's files, as host paths (under [`DriverRoot::host`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -253,22 +220,6 @@ fn find_version(base: &Path) -> Option<(String, PathBuf)> {
     None
 }
 
-/// Regular files in `dir` (symlinks followed) whose name passes `wanted`, sorted.
-pub(super) fn matching_in(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<PathBuf> {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut found: Vec<PathBuf> = entries
-        .flatten()
-        .filter(|e| e.file_name().to_str().is_some_and(&wanted))
-        .filter(|e| e.file_type().is_ok_and(|t| !t.is_symlink()))
-        .map(|e| e.path())
-        .filter(|p| p.is_file())
-        .collect();
-    found.sort();
-    found
-}
-
 /// The regular files `*.so.<version>` in `dir`, sorted (a glob's order).
 fn versioned_in(dir: &Path, version: &str) -> Vec<PathBuf> {
     let suffix = format!(".so.{version}");
@@ -327,24 +278,6 @@ fn links_for(base: &Path, lib: &Path) -> (Vec<Symlink>, Option<PathBuf>) {
         });
     }
     (links, soname.map(|s| dir.join(s)))
-}
-
-/// The name of the link in `dir` that points at `name` and is not a `.so` development link:
-/// the soname ldconfig made (`libcuda.so.1` for `libcuda.so.550.163.01`).
-pub(super) fn soname_link(dir: &Path, name: &str) -> Option<String> {
-    let entries = fs::read_dir(dir).ok()?;
-    let mut found: Vec<String> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n != name && !n.ends_with(".so"))
-        .filter(|n| {
-            fs::read_link(dir.join(n))
-                .ok()
-                .is_some_and(|t| t.file_name().is_some_and(|f| f == name))
-        })
-        .collect();
-    found.sort();
-    found.into_iter().next()
 }
 
 /// `libfoo.so` for `libfoo.so.1.2`: the name cut after its `.so`.

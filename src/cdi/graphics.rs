@@ -28,8 +28,8 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::builder::host_node;
-use super::driver::{BIN_DIRS, LIB_DIRS, Symlink, matching_in, soname_link};
+use super::lookup::{BIN_DIRS, LIB_DIRS, Symlink, matching_in, soname_link};
+use super::nodes::host_node;
 use super::{CdiOptions, DeviceNode};
 use crate::inventory::Gpu;
 

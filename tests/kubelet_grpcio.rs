@@ -41,6 +41,8 @@ const CLAIMS: [(&str, &str); 4] = [
 struct Daemon {
     child: Child,
     root: tempfile::TempDir,
+    /// What `start_with` added to `nvdra run`'s arguments, for [`Daemon::replace`].
+    args: Vec<String>,
 }
 
 impl Drop for Daemon {
@@ -71,10 +73,18 @@ impl Daemon {
     /// and anything else it needs in the root (the API directory's parent).
     async fn start_with(args: &[&str], setup: impl FnOnce(&Path)) -> Daemon {
         let root = tempfile::tempdir().unwrap();
-        let p = |s: &str| root.path().join(s);
-        std::fs::write(p("boot_id"), "boot-1\n").unwrap();
-        setup(&p("api"));
-        let child = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
+        setup(&root.path().join("api"));
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let child = Self::spawn(root.path(), &args);
+        let mut d = Daemon { child, root, args };
+        d.wait_ready().await;
+        d
+    }
+
+    fn spawn(root: &Path, args: &[String]) -> Child {
+        let p = |s: &str| root.join(s);
+        Command::new(env!("CARGO_BIN_EXE_nvdra"))
             .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
             .args(args)
             .args(["--node-name", NODE])
@@ -91,18 +101,21 @@ impl Daemon {
             .args(["--metrics-address", "127.0.0.1:0"])
             .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
             .env_remove("NVDRA_TEST_CRASH_AT")
-            .env(
-                "NVDRA_LOG",
-                std::env::var("NVDRA_TEST_LOG").unwrap_or("error".into()),
-            )
+            .env("NVDRA_LOG", "error")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
-            .unwrap();
-        let mut d = Daemon { child, root };
-        d.wait_ready().await;
-        d
+            .unwrap()
+    }
+
+    /// The plugin process replaced, as a crash and its DaemonSet's restart do: SIGKILLed, then
+    /// a new `nvdra run` on the same node directories, serving once registered.
+    async fn replace(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.root.path(), &self.args);
+        self.wait_ready().await;
     }
 
     fn reg_socket(&self) -> PathBuf {

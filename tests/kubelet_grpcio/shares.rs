@@ -237,3 +237,100 @@ fn specs(d: &Daemon) -> Vec<String> {
     v.sort();
     v
 }
+
+/// Three 24Gi shares of GPU 0 and a whole-GPU claim on GPU 1, prepared through the grpcio
+/// kubelet, a stand-in CUDA client on each share; then the plugin process replaced (SIGKILL and
+/// a new `nvdra run` on the same node, as a crash or an upgrade does). Every client stays
+/// connected to the same daemon, the new plugin answers the kubelet's retried prepares from its
+/// checkpoint, and its unprepares release the daemon after the last share.
+#[tokio::test]
+async fn shares_and_a_whole_gpu_keep_their_clients_while_the_plugin_is_replaced() {
+    if !have_grpcio() {
+        return;
+    }
+    let mut d = Daemon::start_with(&["--shared-capacity"], |api| {
+        mps::install_standin(&api.parent().unwrap().join("driver"));
+        for uid in &SHARES[..3] {
+            let share = mps::share("nb", DRIVER, NODE, "gpu-0", &share_id(uid), "24Gi", "0");
+            let c = nvdra::api::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![share],
+                vec![],
+            );
+            nvdra::api::dir::write_claim(api, &c).unwrap();
+        }
+        let whole = nvdra::api::allocated_device("gpu", DRIVER, NODE, "gpu-1");
+        let c = nvdra::api::allocated_claim("default", "claim-w", "w", vec![whole], vec![]);
+        nvdra::api::dir::write_claim(api, &c).unwrap();
+    })
+    .await;
+    let gpu = gpu0_uuid();
+    let mps_root = d.root.path().join("mps");
+    let (dir, pipe) = (
+        mps::gpu_dir(&mps_root, &gpu),
+        mps::gpu_pipe_dir(&mps_root, &gpu),
+    );
+    let driver = driver_root(&d);
+    let _host = mps::Host::start(&mps_root, &driver, &d.root.path().join("boot_id"), &[]);
+    let mut k = Kubelet::start(&d);
+    let all = ["s1", "s2", "s3", "w"];
+    let r = k.call("prepare", &all);
+    for uid in all {
+        assert_eq!(r[uid]["error"], "", "{uid}: {r}");
+    }
+    assert_eq!(r["w"]["devices"], json!(["gpu-1"]), "{r}");
+    let (env, _) = spec_edits(&d, "w");
+    assert!(
+        !env.iter().any(|e| e.starts_with("CUDA_MPS")),
+        "the whole GPU is no share: {env:?}"
+    );
+
+    // Each share's container: a CUDA process with its spec's limit, through the GPU's daemon.
+    let mut clients: Vec<mps::CudaClient> = SHARES[..3]
+        .iter()
+        .map(|uid| {
+            let (env, _) = spec_edits(&d, uid);
+            let limit = env
+                .iter()
+                .find_map(|e| e.strip_prefix("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="))
+                .unwrap_or_else(|| panic!("{uid}: no limit in {env:?}"))
+                .to_string();
+            let c = mps::CudaClient::start(
+                &driver,
+                &pipe,
+                &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit.as_str())],
+            );
+            assert!(c.connected.contains("pinned=0=24268M"), "{}", c.connected);
+            c
+        })
+        .collect();
+    let daemon = mps::daemon_pids(&dir);
+    assert_eq!(daemon.len(), 1, "one daemon for the GPU: {daemon:?}");
+
+    drop(k);
+    d.replace().await;
+    let mut k = Kubelet::start(&d);
+    for (uid, c) in SHARES[..3].iter().zip(&mut clients) {
+        assert!(c.connected(), "{uid}'s client lost its server");
+    }
+    assert_eq!(
+        mps::daemon_pids(&dir),
+        daemon,
+        "the same daemon serves them"
+    );
+    assert_eq!(mps::count(&driver, "start"), 1, "no daemon started again");
+    // The kubelet retries a prepare it did not see answered: the new plugin knows the claims.
+    let r = k.call("prepare", &all);
+    for uid in all {
+        assert_eq!(r[uid]["error"], "", "{uid} after the replacement: {r}");
+    }
+    // The pods end, then the kubelet unprepares their claims.
+    drop(clients);
+    for uid in all {
+        k.unprepare(uid);
+    }
+    mps::eventually("the host removes the released daemon", || !pipe.exists());
+    assert!(specs(&d).is_empty(), "{:?}", specs(&d));
+}

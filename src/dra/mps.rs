@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceUuid, GpuUuid};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory};
 use crate::mps::control;
 use crate::mps::dir::{DaemonId, DaemonSpec, Layout};
 use kubelet_plugin::lock::lock;
@@ -109,6 +109,9 @@ pub struct Mps {
     answered: Mutex<HashMap<DaemonId, Instant>>,
     /// When this process last wrote each daemon's request.
     requested: Mutex<HashMap<DaemonId, Instant>>,
+    /// Whether each GPU's share daemon runs in multi-user mode (`-M`): Volta and later GPUs,
+    /// where one MPS server serves clients of every UID; learnt from the inventory.
+    multi_user: Mutex<HashMap<GpuUuid, bool>>,
 }
 
 impl Mps {
@@ -122,6 +125,17 @@ impl Mps {
             gpu_locks: Mutex::new(HashMap::new()),
             answered: Mutex::new(HashMap::new()),
             requested: Mutex::new(HashMap::new()),
+            multi_user: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Learns from `inv` which GPUs' share daemons run in multi-user mode: those of compute
+    /// capability 7.0 (Volta) and later, as NVIDIA's DRA driver requires for `multiUser`. Without
+    /// it pods of different UIDs on one GPU would wait on each other's server.
+    pub fn know_gpus(&self, inv: &Inventory) {
+        let mut m = lock(&self.multi_user);
+        for g in &inv.gpus {
+            m.insert(g.uuid.clone(), g.cuda_compute_capability.major >= 7);
         }
     }
 
@@ -235,9 +249,13 @@ impl Mps {
     /// appears whole: built under a hidden name, then renamed into place.
     fn request(&self, owner: &Owner, devices: Vec<String>) -> Result<()> {
         let id = owner.id();
+        let multi_user = match owner {
+            Owner::Gpu(g) => lock(&self.multi_user).get(g).copied().unwrap_or(false),
+            Owner::Claim(_) => false,
+        };
         let spec = DaemonSpec {
             devices,
-            multi_user: false,
+            multi_user,
             owner: owner.to_string(),
             boot_id: Some(self.boot_id.clone()),
         };

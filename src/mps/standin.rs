@@ -135,8 +135,10 @@ impl Servers {
             .stdin(Stdio::null())
             .spawn()
             .map_err(|e| format!("cannot start a server: {e}"))?;
+        // Ready when it accepts a connection: the socket file appears at bind(), before
+        // listen(), and a client connecting in between is refused.
         let start = Instant::now();
-        while !socket.exists() && start.elapsed() < Duration::from_secs(5) {
+        while UnixStream::connect(&socket).is_err() && start.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(5));
         }
         let pid = child.id();

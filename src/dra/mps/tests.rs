@@ -262,3 +262,31 @@ fn a_daemon_asked_for_is_starting_until_it_answers_or_its_deadline_passes() {
     late.request_gpu(&other).unwrap();
     assert!(!late.starting_gpu(&other), "past its start deadline");
 }
+
+/// A GPU's share daemon is asked for in multi-user mode (`-M`: one server for clients of every
+/// UID) on Volta and later GPUs, and in single-user mode on older ones and on GPUs the
+/// inventory has not shown it.
+#[test]
+fn share_daemons_are_multi_user_from_volta_on() {
+    use crate::inventory::DeviceBackend;
+    let dir = tempfile::tempdir().unwrap();
+    fake_control(&dir.path().join("driver"));
+    let m = mps(dir.path());
+    let mut inv = crate::inventory::sim::SimBackend::from_profile("dgx-h100", "n")
+        .unwrap()
+        .snapshot()
+        .unwrap();
+    inv.gpus[1].cuda_compute_capability.major = 6; // a Pascal GPU
+    m.know_gpus(&inv);
+    let unknown = GpuUuid("GPU-not-in-the-inventory".into());
+    let layout = Layout::new(dir.path().join("mps"));
+    for (gpu, multi_user) in [
+        (&inv.gpus[0].uuid, true),
+        (&inv.gpus[1].uuid, false),
+        (&unknown, false),
+    ] {
+        m.request_gpu(gpu).unwrap();
+        let spec = layout.read_spec(&DaemonId::gpu(gpu)).unwrap().unwrap();
+        assert_eq!(spec.multi_user, multi_user, "{gpu}");
+    }
+}

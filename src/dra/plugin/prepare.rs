@@ -59,6 +59,10 @@ impl Plugin {
         )?;
         one_pod_per_share(claim, &plan)?;
         self.refuse_while_daemon_down(&plan.devices)?;
+        if plan.devices.iter().any(|d| d.consumed.is_some()) {
+            // A share's daemon request says whether its GPU serves every UID.
+            self.inner.mps.know_gpus(inv);
+        }
         let devices = if plan.touches_hardware() {
             self.prepare_reconfiguring(claim, plan, inv).await?
         } else {

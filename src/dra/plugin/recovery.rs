@@ -31,6 +31,7 @@ impl Plugin {
         let entries = self.inner.ledger.read(|c| c.claims.clone());
         self.repair_compute_modes(&entries).await;
         let inv = self.snapshot().await?;
+        self.inner.mps.know_gpus(&inv);
         // One claim's trouble (hardware gone, a daemon that will not start) must not keep the
         // plugin from serving the others: log it, keep its entry, and go on. Its next prepare or
         // unprepare retries.

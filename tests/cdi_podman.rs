@@ -357,6 +357,7 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         .spawn()
         .context("cannot start nvdra run")?;
     let pipe = mps::gpu_pipe_dir(&mps_root, gpu.uuid.as_str());
+    let shm_dir = pipe.parent().unwrap().join("shm");
     let dra_socket = kubelet.join(format!("plugins/{driver}/dra.sock"));
     let spec_file = cdi_root.join(format!("k8s.{driver}-claim_{claim_uid}.yaml"));
 
@@ -494,6 +495,41 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
                 ],
             "hooks that ran: {ran}"
         );
+        if share {
+            // An ordinary pod, as uid 1000: the daemon's control socket is one it may use, and
+            // the shared /dev/shm one it may write, with the limit it needs in its environment.
+            let out = podman(
+                &global,
+                &[
+                    "run",
+                    "--rm",
+                    "--network",
+                    "none",
+                    "--user",
+                    "1000:1000",
+                    "--device",
+                    &ids[0],
+                    IMAGE,
+                    "sh",
+                    "-c",
+                    "echo ID=$(id -u); \
+                     [ -S $CUDA_MPS_PIPE_DIRECTORY/control ] && [ -w $CUDA_MPS_PIPE_DIRECTORY/control ] \
+                       && echo CONTROL=usable; \
+                     echo x > /dev/shm/client-1000 && echo SHM_WRITE=ok; \
+                     echo LIMITS=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                ],
+            )?;
+            let out = ok(&out, "podman run --user 1000:1000 (a share's container)")?;
+            assert_line(&out, "ID=1000")?;
+            assert_line(&out, "CONTROL=usable")?;
+            assert_line(&out, "SHM_WRITE=ok")?;
+            assert_line(&out, "LIMITS=0=24268M")?;
+            ensure!(
+                shm_dir.join("client-1000").is_file(),
+                "the container's /dev/shm is not the daemon's {}",
+                shm_dir.display()
+            );
+        }
 
         let (_, error) = call(false)?;
         ensure!(error.is_empty(), "unprepare failed: {error}");

@@ -36,19 +36,27 @@ pub async fn wait_ready_at(reg_socket: &Path, child: &mut Child) {
     panic!("nvdra did not serve within 30 s");
 }
 
+/// The kubelet's name for claim `uid` of the tests: `default/claim-<uid>`.
+fn claim(uid: &str) -> v1::Claim {
+    v1::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: format!("claim-{uid}"),
+    }
+}
+
+async fn client(dra_socket: &Path) -> v1::dra_plugin_client::DraPluginClient<Channel> {
+    v1::dra_plugin_client::DraPluginClient::new(unix_channel(dra_socket).await.unwrap())
+}
+
 pub async fn prepare_at(
     dra_socket: &Path,
     uid: &str,
 ) -> Result<v1::NodePrepareResourceResponse, tonic::Status> {
-    let ch = unix_channel(dra_socket).await.unwrap();
-    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
-    let mut r = c
+    let mut r = client(dra_socket)
+        .await
         .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: "default".into(),
-                uid: uid.into(),
-                name: format!("claim-{uid}"),
-            }],
+            claims: vec![claim(uid)],
         })
         .await?
         .into_inner();
@@ -61,15 +69,10 @@ pub async fn unprepare_at(dra_socket: &Path, uid: &str) -> String {
 
 /// A non-panicking unprepare, for a call the process may die in.
 pub async fn unprepare_call(dra_socket: &Path, uid: &str) -> Result<String, tonic::Status> {
-    let ch = unix_channel(dra_socket).await.unwrap();
-    let mut c = v1::dra_plugin_client::DraPluginClient::new(ch);
-    let mut r = c
+    let mut r = client(dra_socket)
+        .await
         .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: "default".into(),
-                uid: uid.into(),
-                name: format!("claim-{uid}"),
-            }],
+            claims: vec![claim(uid)],
         })
         .await?
         .into_inner();

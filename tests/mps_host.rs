@@ -54,22 +54,15 @@ impl Node {
         n.set_boot("boot-1");
         mps::install_standin(&n.p("driver"));
         for (i, uid) in shares.iter().enumerate() {
-            let c = nvdra::api::allocated_claim(
-                "default",
-                &format!("claim-{uid}"),
+            mps::write_share_claim(
+                &n.p("api"),
+                DRIVER,
+                NODE,
                 uid,
-                vec![mps::share(
-                    "nb",
-                    DRIVER,
-                    NODE,
-                    DEVICE,
-                    &format!("5f0e0000-0000-4000-8000-{i:012}"),
-                    "16Gi",
-                    "0",
-                )],
-                vec![],
+                DEVICE,
+                &format!("5f0e0000-0000-4000-8000-{i:012}"),
+                "16Gi",
             );
-            nvdra::api::dir::write_claim(&n.p("api"), &c).unwrap();
         }
         n
     }

@@ -36,22 +36,15 @@ impl Dirs {
             &[],
         ));
         for uid in ["a", "b"] {
-            let c = nvdra::api::allocated_claim(
-                "default",
-                &format!("claim-{uid}"),
+            mps::write_share_claim(
+                &d.p("api"),
+                DRIVER,
+                NODE,
                 uid,
-                vec![mps::share(
-                    "nb",
-                    DRIVER,
-                    NODE,
-                    DEVICE,
-                    &share_id(uid),
-                    "8Gi",
-                    "0",
-                )],
-                vec![],
+                DEVICE,
+                &share_id(uid),
+                "8Gi",
             );
-            nvdra::api::dir::write_claim(&d.p("api"), &c).unwrap();
         }
         d
     }

@@ -86,22 +86,7 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     let d = Daemon::start_with(&["--shared-capacity"], |api| {
         mps::install_standin(&api.parent().unwrap().join("driver"));
         for uid in SHARES {
-            let c = nvdra::api::allocated_claim(
-                "default",
-                &format!("claim-{uid}"),
-                uid,
-                vec![mps::share(
-                    "nb",
-                    DRIVER,
-                    NODE,
-                    "gpu-0",
-                    &share_id(uid),
-                    "24Gi",
-                    "0",
-                )],
-                vec![],
-            );
-            nvdra::api::dir::write_claim(api, &c).unwrap();
+            mps::write_share_claim(api, DRIVER, NODE, uid, "gpu-0", &share_id(uid), "24Gi");
         }
     })
     .await;
@@ -251,15 +236,7 @@ async fn shares_and_a_whole_gpu_keep_their_clients_while_the_plugin_is_replaced(
     let mut d = Daemon::start_with(&["--shared-capacity"], |api| {
         mps::install_standin(&api.parent().unwrap().join("driver"));
         for uid in &SHARES[..3] {
-            let share = mps::share("nb", DRIVER, NODE, "gpu-0", &share_id(uid), "24Gi", "0");
-            let c = nvdra::api::allocated_claim(
-                "default",
-                &format!("claim-{uid}"),
-                uid,
-                vec![share],
-                vec![],
-            );
-            nvdra::api::dir::write_claim(api, &c).unwrap();
+            mps::write_share_claim(api, DRIVER, NODE, uid, "gpu-0", &share_id(uid), "24Gi");
         }
         let whole = nvdra::api::allocated_device("gpu", DRIVER, NODE, "gpu-1");
         let c = nvdra::api::allocated_claim("default", "claim-w", "w", vec![whole], vec![]);

@@ -60,22 +60,15 @@ async fn a_daemon_that_stops_answering_taints_its_gpu_and_refuses_shares_until_i
         |api| {
             mps::install_standin(&api.parent().unwrap().join("driver"));
             for (n, uid) in ["w1", "w2"].iter().enumerate() {
-                let c = nvdra::api::allocated_claim(
-                    "default",
-                    &format!("claim-{uid}"),
+                mps::write_share_claim(
+                    api,
+                    DRIVER,
+                    NODE,
                     uid,
-                    vec![mps::share(
-                        "nb",
-                        DRIVER,
-                        NODE,
-                        "gpu-0",
-                        &format!("5f0e0000-0000-4000-8000-00000000000{n}"),
-                        "8Gi",
-                        "0",
-                    )],
-                    vec![],
+                    "gpu-0",
+                    &format!("5f0e0000-0000-4000-8000-00000000000{n}"),
+                    "8Gi",
                 );
-                nvdra::api::dir::write_claim(api, &c).unwrap();
             }
         },
     )

@@ -267,3 +267,25 @@ pub fn share(
     );
     r
 }
+
+/// Writes claim `default/claim-<uid>` into the directory API `api`: allocated, with one share of
+/// `device` (request `nb`, `memory`, no SMs asked) as [`share`] makes it.
+pub fn write_share_claim(
+    api: &Path,
+    driver: &str,
+    pool: &str,
+    uid: &str,
+    device: &str,
+    share_id: &str,
+    memory: &str,
+) {
+    let result = share("nb", driver, pool, device, share_id, memory, "0");
+    let c = nvdra::api::allocated_claim(
+        "default",
+        &format!("claim-{uid}"),
+        uid,
+        vec![result],
+        vec![],
+    );
+    nvdra::api::dir::write_claim(api, &c).unwrap();
+}

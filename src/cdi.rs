@@ -114,6 +114,7 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 }
 
 mod builder;
+pub mod dmem;
 mod driver;
 mod graphics;
 mod hooks;

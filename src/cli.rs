@@ -68,6 +68,13 @@ pub enum Command {
     /// Run the node's MPS control daemons (for shared GPUs) in their own DaemonSet: one per
     /// request the plugin writes under --mps-root, restarted when it exits, quit when released.
     MpsHost(Box<MpsHostArgs>),
+    /// The container runtime's `createRuntime` hook that limits a GPU share's container to its
+    /// memory through the cgroup v2 `dmem` controller (written into share specs by the plugin).
+    #[command(hide = true, disable_help_flag = true)]
+    DmemHook {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// A stand-in for nvidia-cuda-mps-control (daemon, server, client, CUDA client) as real
     /// processes, for tests and the demo.
     #[cfg(feature = "tools")]
@@ -295,6 +302,16 @@ pub fn main() -> ExitCode {
         Command::MpsStandin { args } => return crate::mps::standin::main(args),
         _ => {}
     }
+    if let Command::DmemHook { args } = &cli.command {
+        // The runtime shows this message when it refuses to start the container.
+        return match crate::cdi::dmem::hook_main(args.clone()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("nvdra dmem-hook: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Config(e)) => {
@@ -419,6 +436,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         // Dispatched by `main` before `run`: they have exit codes of their own.
         #[cfg(feature = "tools")]
         Command::Match(_) | Command::Validate(_) | Command::MpsStandin { .. } => Ok(()),
+        Command::DmemHook { .. } => Ok(()),
         Command::MpsHost(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");

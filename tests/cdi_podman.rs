@@ -36,6 +36,11 @@ fn podman_applies_a_mig_claim_spec_with_mps() {
 }
 
 #[test]
+fn podman_runs_the_dmem_hook_and_a_share_without_its_limit_does_not_start() {
+    with_engine(check_dmem_hook);
+}
+
+#[test]
 fn podman_applies_the_device_plugin_spec() {
     with_engine(check_device_plugin_spec);
 }
@@ -155,6 +160,95 @@ fn assert_graphics(out: &str) -> Result<()> {
 
 /// Two MIG devices of one A100, shared with MPS: the parent node, each device's capability
 /// nodes (from `mig-minors`), both UUIDs, and the MPS pipe directory and limits.
+/// A share's spec on a node whose cgroups list its GPU's memory as a `dmem` region carries
+/// nvdra's `createRuntime` hook. runc runs the real binary on the host with the container's OCI
+/// state; the hook finds the container's cgroup in the host's real cgroup v2 hierarchy, which
+/// cannot take the limit here (no `dmem` controller, or no region of a simulated GPU), so the
+/// container must not start and podman must show the hook's reason.
+fn check_dmem_hook(engine: &Engine) -> Result<()> {
+    let Some(cgroup2) = cgroup2_mount()? else {
+        eprintln!("skipping the dmem hook run: this host has no cgroup v2 hierarchy");
+        return Ok(());
+    };
+    let host = tempfile::tempdir()?;
+    let root = host.path();
+    let gpu = load_profile("dgx-h100", "n")?.gpus[0].clone();
+    mknod(&root.join(format!("dev/nvidia{}", gpu.minor)))?;
+    mknod(&root.join("dev/nvidiactl"))?;
+    let cgroups = root.join("sys/fs/cgroup");
+    std::fs::create_dir_all(&cgroups)?;
+    std::fs::write(cgroups.join("cgroup.controllers"), "memory dmem\n")?;
+    std::fs::write(
+        cgroups.join("dmem.capacity"),
+        format!("nvidia/{}/vidmem {}\n", gpu.pci_bus_id.0, gpu.memory_bytes),
+    )?;
+    let pipe = root.join("run/mps/pipe");
+    std::fs::create_dir_all(&pipe)?;
+    let mut opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(root))?;
+    opts.dmem_hook = Some(PathBuf::from(env!("CARGO_BIN_EXE_nvdra")));
+    let share = PreparedDevice {
+        name: format!("gpu-{}", gpu.minor),
+        gpu,
+        mig: None,
+        sharing: Sharing::Mps(MpsSettings {
+            active_thread_percentage: None,
+            pinned_memory_limit: Some(24 << 30),
+            per_device_pinned_memory_limit: Default::default(),
+        }),
+        mps_pipe_dir: Some(pipe),
+        mps_shm_dir: None,
+    };
+    let mut hooked = false;
+    let e = run_claim_with(
+        engine,
+        &opts,
+        &[share],
+        &cdi::DriverFiles::default(),
+        "echo CONTAINER_RAN",
+        |spec| {
+            // The hook is the spec's; only its cgroup root moves from the fake tree (where the
+            // plugin read the regions) to the host's real hierarchy.
+            for h in &mut spec.container_edits.hooks {
+                if h.hook_name == "createRuntime"
+                    && h.args.get(1).map(String::as_str) == Some("dmem-hook")
+                {
+                    h.args[3] = cgroup2.display().to_string();
+                    hooked = true;
+                }
+            }
+        },
+    )
+    .err()
+    .context("the container started although its dmem limit could not be set")?;
+    ensure!(hooked, "the share's spec has no dmem hook");
+    let e = format!("{e:#}");
+    ensure!(
+        e.contains("nvdra dmem-hook:"),
+        "podman's error does not show the hook's: {e}"
+    );
+    ensure!(!e.contains("CONTAINER_RAN"), "the container ran: {e}");
+    // It found the container's own cgroup from the state's pid before giving up.
+    ensure!(
+        e.contains(&format!("cannot limit {}/", cgroup2.display())) || e.contains("dmem.max"),
+        "the hook did not reach the container's cgroup: {e}"
+    );
+    eprintln!("refused as expected: {e}");
+    Ok(())
+}
+
+/// Where the host's cgroup v2 hierarchy is mounted (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified`
+/// on a hybrid host), from `/proc/self/mountinfo`.
+fn cgroup2_mount() -> Result<Option<PathBuf>> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(text.lines().find_map(|l| {
+        let (left, right) = l.split_once(" - ")?;
+        if right.split_whitespace().next() != Some("cgroup2") {
+            return None;
+        }
+        left.split_whitespace().nth(4).map(PathBuf::from)
+    }))
+}
+
 fn check_mig_with_mps(engine: &Engine) -> Result<()> {
     let host = tempfile::tempdir()?;
     let root = host.path();

@@ -100,7 +100,7 @@ pub fn claim_spec(
         .filter_map(|n| host_node(opts, &opts.dev_root.join(n), &format!("/dev/{n}")))
         .collect();
     driver_file_edits(opts, driver_files, &mut common);
-    mps_edits(claim_uid, devices, &mut common)?;
+    mps_edits(opts, claim_uid, devices, &mut common)?;
 
     Ok(Spec {
         cdi_version: CDI_VERSION.into(),
@@ -329,7 +329,13 @@ pub(super) fn driver_file_edits(
 /// sees it: the claim's devices in order, as the daemon's `CUDA_VISIBLE_DEVICES` lists them (a
 /// share's container sees one GPU: index 0). NVIDIA's device plugin moved from UUID keys to
 /// index keys in v0.15.0 because "these limits are not applied for devices if set by UUID".
+///
+/// Where the node's cgroups limit GPU memory per container (`dmem`, and the hook installed), the
+/// same limits are also a `createRuntime` hook that sets them on the container's cgroup
+/// ([`super::dmem`]): then two processes of one container share the limit instead of each
+/// having it.
 pub(super) fn mps_edits(
+    opts: &CdiOptions,
     claim_uid: &str,
     devices: &[PreparedDevice],
     edits: &mut ContainerEdits,
@@ -363,6 +369,8 @@ pub(super) fn mps_edits(
     let mut shm_dir: Option<&Path> = None;
     let mut percentage: Option<(u32, &str)> = None;
     let mut limits = Vec::new();
+    let mut dmem_regions = None;
+    let mut dmem_limits = Vec::new();
     for (d, settings) in &mps {
         let dir = d.mps_pipe_dir.as_deref().ok_or_else(|| {
             fail(format!(
@@ -437,6 +445,16 @@ pub(super) fn mps_edits(
             .or(settings.pinned_memory_limit.as_ref());
         if let Some(bytes) = limit {
             limits.push(format!("{index}={}M", bytes >> 20));
+            if let Some(region) = dmem_regions
+                .get_or_insert_with(|| dmem_regions_of(opts))
+                .iter()
+                .find(|(pci, _)| *pci == d.gpu.pci_bus_id)
+            {
+                dmem_limits.push(super::dmem::Limit {
+                    region: region.1.clone(),
+                    bytes: *bytes,
+                });
+            }
         }
     }
 
@@ -474,5 +492,23 @@ pub(super) fn mps_edits(
             limits.join(",")
         ));
     }
+    if let (Some(binary), false) = (&opts.dmem_hook, dmem_limits.is_empty()) {
+        edits
+            .hooks
+            .push(super::dmem::hook(binary, &opts.cgroup_root, &dmem_limits));
+    }
     Ok(())
+}
+
+/// The GPU memory regions of the node's `dmem` controller; none (only the per-process limit
+/// applies) without the hook, or when they cannot be read.
+fn dmem_regions_of(opts: &CdiOptions) -> Vec<(crate::inventory::PciBusId, String)> {
+    if opts.dmem_hook.is_none() {
+        return Vec::new();
+    }
+    let root = opts.root.read_path(&opts.cgroup_root);
+    super::dmem::gpu_regions(&root).unwrap_or_else(|e| {
+        tracing::warn!(error = %format!("{e:#}"), "cannot read the dmem regions; shares get the per-process memory limit only");
+        Vec::new()
+    })
 }

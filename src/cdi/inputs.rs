@@ -108,6 +108,24 @@ impl DriverRoot {
     }
 }
 
+impl DriverRoot {
+    /// The host's cgroup v2 root as a host path (the `dmem` hook runs on the host; nvdra reads it
+    /// at [`DriverRoot::read_path`]): `<dev root>/sys/fs/cgroup` when that is a cgroup v2 root (a
+    /// test's fake tree, or a device root that carries the host's), else `/sys/fs/cgroup`.
+    pub fn cgroup_dir(&self) -> PathBuf {
+        let candidate = self.dev.join("sys/fs/cgroup");
+        if self
+            .read_path(&candidate)
+            .join("cgroup.controllers")
+            .is_file()
+        {
+            candidate
+        } else {
+            PathBuf::from("/sys/fs/cgroup")
+        }
+    }
+}
+
 /// Where CDI names and host paths come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CdiOptions {
@@ -123,6 +141,11 @@ pub struct CdiOptions {
     pub sys_root: PathBuf,
     /// Where nvdra reads procfs ([`DriverRoot::proc_dir`]).
     pub proc_root: PathBuf,
+    /// The host's cgroup v2 root, as a host path ([`DriverRoot::cgroup_dir`]).
+    pub cgroup_root: PathBuf,
+    /// nvdra's binary installed on the host as the `dmem` limit hook ([`super::dmem`]): set when
+    /// the node's cgroups can limit GPU memory per container, so share specs carry the hook.
+    pub dmem_hook: Option<PathBuf>,
 }
 
 impl CdiOptions {
@@ -136,6 +159,8 @@ impl CdiOptions {
             dev_root: root.dev_dir(),
             sys_root: root.sys_dir(),
             proc_root: root.proc_dir(),
+            cgroup_root: root.cgroup_dir(),
+            dmem_hook: None,
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;

@@ -192,8 +192,21 @@ pub fn run_claim(
     files: &cdi::DriverFiles,
     script: &str,
 ) -> Result<String> {
+    run_claim_with(engine, opts, devices, files, script, |_| {})
+}
+
+/// [`run_claim`], with `edit` applied to the spec before podman reads it.
+pub fn run_claim_with(
+    engine: &Engine,
+    opts: &CdiOptions,
+    devices: &[PreparedDevice],
+    files: &cdi::DriverFiles,
+    script: &str,
+    edit: impl FnOnce(&mut cdi::Spec),
+) -> Result<String> {
     let claim_uid = format!("nvdra-podman-test-{:016x}", rand::random::<u64>());
-    let spec = cdi::claim_spec(opts, &claim_uid, devices, files)?;
+    let mut spec = cdi::claim_spec(opts, &claim_uid, devices, files)?;
+    edit(&mut spec);
     let claim_uid = ClaimUid::parse(claim_uid)?;
     let spec_dir = tempfile::tempdir()?;
     let cdi_root = if engine.has_spec_dir_flag {

@@ -502,3 +502,80 @@ fn dev_numbers_decode_like_glibc() {
     let (major, minor, _) = null_numbers();
     assert_eq!((major, minor), (1, 3));
 }
+
+/// A fake host whose root cgroup lists `gpu`'s memory as a `dmem` region, with nvdra's hook
+/// installed (a file standing for the binary: the spec only names it).
+fn dmem_host(gpu: &Gpu) -> (Host, PathBuf) {
+    let mut host = Host::new();
+    let cgroups = host.root().join("sys/fs/cgroup");
+    fs::create_dir_all(&cgroups).unwrap();
+    fs::write(cgroups.join("cgroup.controllers"), "cpu memory dmem\n").unwrap();
+    // The form NVIDIA documents: one `nvidia/<pci>/vidmem` line per GPU; a DRM driver's
+    // region beside it.
+    fs::write(
+        cgroups.join("dmem.capacity"),
+        format!(
+            "drm/0000:03:00.0/vram0 8589934592\nnvidia/{}/vidmem {}\n",
+            gpu.pci_bus_id.0, gpu.memory_bytes
+        ),
+    )
+    .unwrap();
+    host.opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(host.root())).unwrap();
+    let hook = host.file("plugins/gpu.nvidia.com/bin/nvdra");
+    (host, hook)
+}
+
+#[test]
+fn a_share_limits_its_whole_container_where_the_cgroups_have_dmem() {
+    let gpu = h100(0);
+    let (mut host, hook) = dmem_host(&gpu);
+    assert_eq!(host.opts.cgroup_root, host.root().join("sys/fs/cgroup"));
+    let mut share = gpu_device(0, mps(None, Some(24 << 30), &[]));
+    share.mps_pipe_dir = Some(host.root().join("mps/pipe"));
+
+    // Without the installed hook, the per-process limit only.
+    let spec = claim_spec(&host.opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();
+    assert!(spec.container_edits.hooks.is_empty());
+
+    host.opts.dmem_hook = Some(hook.clone());
+    let spec = claim_spec(&host.opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();
+    assert_eq!(
+        spec.container_edits.hooks,
+        vec![Hook {
+            hook_name: "createRuntime".into(),
+            path: hook.display().to_string(),
+            args: vec![
+                "nvdra".into(),
+                "dmem-hook".into(),
+                "--cgroup-root".into(),
+                host.root().join("sys/fs/cgroup").display().to_string(),
+                format!("nvidia/{}/vidmem={}", gpu.pci_bus_id.0, 24u64 << 30),
+            ],
+            env: vec![],
+        }]
+    );
+    // The per-process limit stays beside it.
+    assert_eq!(
+        env_of(&spec.container_edits, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+        vec!["0=24576M"]
+    );
+
+    // A GPU the controller does not list (another driver's region only): no hook.
+    let other = gpu_device(1, mps(None, Some(24 << 30), &[]));
+    let other = PreparedDevice {
+        mps_pipe_dir: share.mps_pipe_dir.clone(),
+        ..other
+    };
+    let spec = claim_spec(&host.opts, UID, &[other], &DriverFiles::default()).unwrap();
+    assert!(spec.container_edits.hooks.is_empty());
+
+    // A whole GPU (no MPS) has no limit and so no hook.
+    let spec = claim_spec(
+        &host.opts,
+        UID,
+        &[gpu_device(0, Sharing::Exclusive)],
+        &DriverFiles::default(),
+    )
+    .unwrap();
+    assert!(spec.container_edits.hooks.is_empty());
+}

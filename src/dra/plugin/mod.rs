@@ -128,7 +128,10 @@ impl Plugin {
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
-        let specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
+        let mut specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
+        if opts.shared_capacity {
+            specs.enable_dmem(&opts.plugin_dir.join("bin"));
+        }
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
         // The MPS control client runs here, so it is found where nvdra reads the driver.
         let mps = Mps::new(

@@ -26,6 +26,39 @@ impl Specs {
         })
     }
 
+    /// Gives share specs the `dmem` limit hook when the node's cgroups list GPU memory regions
+    /// (then nvdra's binary is installed in `dir`, a host directory); otherwise, or when it
+    /// cannot be installed, shares keep the per-process limit only, as logged.
+    pub fn enable_dmem(&mut self, dir: &std::path::Path) {
+        let cgroups = self.opts.root.read_path(&self.opts.cgroup_root);
+        match cdi::dmem::gpu_regions(&cgroups) {
+            Ok(regions) if regions.is_empty() => tracing::info!(
+                cgroups = %cgroups.display(),
+                "no GPU memory regions in the cgroup v2 dmem controller: a share's memory limit \
+                 is per CUDA process (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)"
+            ),
+            Ok(regions) => match cdi::dmem::install_hook(dir) {
+                Ok(binary) => {
+                    tracing::info!(
+                        hook = %binary.display(),
+                        gpus = regions.len(),
+                        "GPU memory regions in the dmem controller: a share's memory limit also \
+                         covers its whole container"
+                    );
+                    self.opts.dmem_hook = Some(binary);
+                }
+                Err(e) => tracing::warn!(
+                    error = %format!("{e:#}"),
+                    "cannot install the dmem hook: a share's memory limit is per CUDA process only"
+                ),
+            },
+            Err(e) => tracing::warn!(
+                error = %format!("{e:#}"),
+                "cannot read the dmem regions: a share's memory limit is per CUDA process only"
+            ),
+        }
+    }
+
     pub fn options(&self) -> &CdiOptions {
         &self.opts
     }

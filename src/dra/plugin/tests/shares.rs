@@ -384,3 +384,49 @@ async fn a_restart_brings_the_gpus_daemon_back_for_its_shares() {
     });
     assert!(p.inner.mps.alive_gpu(&gpu));
 }
+
+/// On a node whose cgroups list the GPUs' memory as `dmem` regions, the plugin installs its
+/// binary as the hook and a share's spec carries the limit for the whole container beside the
+/// per-process one (`src/cdi/dmem.rs`; `tests/cdi_podman.rs` runs the hook under runc).
+#[tokio::test]
+async fn where_the_cgroups_have_dmem_a_shares_limit_covers_its_container() {
+    let e = env("dgx-h100").await;
+    let _host = e.mps_host();
+    let gpu = e.sim.snapshot().unwrap().gpus[2].clone();
+    let cgroups = e.dir.path().join("driver/sys/fs/cgroup");
+    std::fs::create_dir_all(&cgroups).unwrap();
+    std::fs::write(cgroups.join("cgroup.controllers"), "cpu memory dmem\n").unwrap();
+    std::fs::write(
+        cgroups.join("dmem.capacity"),
+        format!(
+            "nvidia/{}/vidmem {}\n",
+            gpu.pci_bus_id.0.to_uppercase(),
+            gpu.memory_bytes
+        ),
+    )
+    .unwrap();
+    // The plugin looks at start: a node's driver and kernel do not change under it.
+    let (p, rec, _stop) = e.restart(e.sim.clone()).await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    e.add(claim("s", vec![share("nb", "gpu-2", "8Gi")]));
+    let mut r = p.prepare(vec![cref("s")]).await;
+    r.pop().unwrap().1.unwrap();
+
+    let hook = e.dir.path().join("plugin/bin/nvdra");
+    assert!(hook.is_file(), "nvdra's binary is installed as the hook");
+    let spec = std::fs::read_to_string(e.spec("s")).unwrap();
+    let limit = crate::ledger::shares::cuda_limit(8 << 30, gpu.memory_bytes);
+    for line in [
+        "hookName: createRuntime".to_string(),
+        format!("path: {}", hook.display()),
+        "- dmem-hook".into(),
+        format!("- {}", cgroups.display()),
+        format!(
+            "- nvidia/{}/vidmem={limit}",
+            gpu.pci_bus_id.0.to_uppercase()
+        ),
+        format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M", limit >> 20),
+    ] {
+        assert!(spec.contains(&line), "{line} missing in:\n{spec}");
+    }
+}

@@ -114,6 +114,7 @@ async fn main() {
                             name: format!("pod-{n}"),
                             uid: pod_uid,
                         }],
+                        user: None,
                     },
                 )
             });

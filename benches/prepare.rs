@@ -326,6 +326,7 @@ async fn main() {
             name: "x".into(),
             devices: vec![],
             pods: vec![],
+            user: None,
         },
     );
     let mut t = Vec::new();

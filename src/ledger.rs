@@ -266,6 +266,31 @@ pub struct ClaimEntry {
     /// builds: an optional field that changes no decision needs no new version.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<PodRef>,
+    /// The user the claim's pod runs as, recorded when it holds a share of a GPU whose MPS
+    /// serves one user at a time (before Volta): a share for another user is refused. Absent
+    /// otherwise, and in files written before it existed; a build that predates it ignores it
+    /// (and with it the check, after a downgrade).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<ShareUser>,
+}
+
+/// The user a share's pod runs as, as far as the pod says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ShareUser {
+    /// `runAsUser` of its containers (or of the pod).
+    Uid(i64),
+    /// No `runAsUser`: the image's user, which the node cannot see before the container runs.
+    ImageDefault,
+}
+
+impl std::fmt::Display for ShareUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ShareUser::Uid(u) => write!(f, "uid {u}"),
+            ShareUser::ImageDefault => f.write_str("its image's user (no runAsUser)"),
+        }
+    }
 }
 
 /// The checkpoint's content. Its version is not part of it: that is a property of the file,

@@ -313,6 +313,13 @@ impl ClaimReader for EveryCall {
     ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
         self.0.get_claim(namespace, name)
     }
+    fn get_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Pod>> {
+        self.0.get_pod(namespace, name)
+    }
 }
 
 impl SliceApi for EveryCall {
@@ -406,6 +413,11 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
     drop(classes);
     api.get_node(node).await.unwrap();
     api.get_claim("team-a", "claim-1").await.unwrap();
+    // A share before Volta: its pod's user (the test server holds no pods).
+    assert!(matches!(
+        api.get_pod("team-a", "pod-1").await,
+        Err(api::Error::NotFound(_))
+    ));
     let mut watch = api.watch_slices(driver, node);
     assert_eq!(watch.next().await.unwrap().unwrap(), SliceEvent::Restarted);
     let slice: ResourceSlice = serde_json::from_value(serde_json::json!({

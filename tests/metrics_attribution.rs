@@ -562,6 +562,7 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
                         name: format!("pod-{uid}"),
                         uid: pod.into(),
                     }],
+                    user: None,
                 },
             );
         }

@@ -241,4 +241,17 @@ impl ClaimReader for KubeApi {
                 .map_err(|e| classify(&format!("get resourceclaim {namespace}/{name}"), e))
         })
     }
+
+    fn get_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<k8s_openapi::api::core::v1::Pod>> {
+        Box::pin(async move {
+            Api::<k8s_openapi::api::core::v1::Pod>::namespaced(self.client.clone(), namespace)
+                .get(name)
+                .await
+                .map_err(|e| classify(&format!("get pod {namespace}/{name}"), e))
+        })
+    }
 }

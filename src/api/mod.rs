@@ -10,6 +10,7 @@ pub mod kube;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
     DeviceRequestAllocationResult, ResourceClaim, ResourceClaimStatus,
@@ -26,6 +27,16 @@ pub trait ClaimReader: Send + Sync + 'static {
         namespace: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<ResourceClaim>>;
+
+    /// Reads a Pod: a share of a GPU whose MPS serves one user at a time needs the user its
+    /// pod runs as ([`crate::dra`]'s prepare). APIs that hold no pods say so.
+    fn get_pod<'a>(&'a self, namespace: &'a str, name: &'a str) -> BoxFuture<'a, Result<Pod>> {
+        Box::pin(async move {
+            Err(Error::Invalid(
+                format!("this API cannot read pod {namespace}/{name}").into(),
+            ))
+        })
+    }
 }
 
 /// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`; an

@@ -310,6 +310,7 @@ mod tests {
                     name: format!("claim-{uid}"),
                     devices: vec![record],
                     pods: vec![],
+                    user: None,
                 },
             )
         });

@@ -374,6 +374,7 @@ mod tests {
                     name: "claim-1".into(),
                     devices: vec![record(0, None)],
                     pods: vec![],
+                    user: None,
                 },
             )
         });

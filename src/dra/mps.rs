@@ -273,33 +273,41 @@ impl Mps {
         // Serialising a struct of strings and a bool cannot fail.
         let bytes = serde_json::to_vec(&spec).unwrap_or_default();
         let dir = self.layout.dir(&id);
-        if !dir.is_dir() {
-            let root = self.layout.root();
-            std::fs::create_dir_all(root).map_err(err(root))?;
-            let staging = root.join(format!(".new-{id}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&staging);
-            std::fs::create_dir(&staging).map_err(err(&staging))?;
-            Layout::make_subdirs(&staging).map_err(err(&staging))?;
-            let spec_path = staging.join(crate::mps::dir::SPEC);
-            crate::durable::write(&spec_path, &bytes).map_err(write_err(owner))?;
-            match std::fs::rename(&staging, &dir) {
-                Ok(()) => {
-                    tracing::info!(%owner, daemon = %id, "MPS daemon requested");
-                    lock(&self.requested).insert(id, Instant::now());
-                    return Ok(());
-                }
-                // Made meanwhile (a release not yet removed): write the request into it.
-                Err(_) if dir.is_dir() => {
-                    let _ = std::fs::remove_dir_all(&staging);
-                }
-                Err(e) => {
-                    let _ = std::fs::remove_dir_all(&staging);
-                    return Err(err(&dir)(e));
+        // The host may be removing a released directory of this daemon right now (it renames it
+        // away first): a write into it then finds it gone, and the next try builds a new one.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            if !dir.is_dir() {
+                let root = self.layout.root();
+                std::fs::create_dir_all(root).map_err(err(root))?;
+                let staging = root.join(format!(".new-{id}-{}", std::process::id()));
+                let _ = std::fs::remove_dir_all(&staging);
+                std::fs::create_dir(&staging).map_err(err(&staging))?;
+                Layout::make_subdirs(&staging).map_err(err(&staging))?;
+                let spec_path = staging.join(crate::mps::dir::SPEC);
+                crate::durable::write(&spec_path, &bytes).map_err(write_err(owner))?;
+                match std::fs::rename(&staging, &dir) {
+                    Ok(()) => break,
+                    // Made meanwhile (a release not yet removed): write the request into it.
+                    Err(_) if dir.is_dir() => {
+                        let _ = std::fs::remove_dir_all(&staging);
+                    }
+                    Err(e) => {
+                        let _ = std::fs::remove_dir_all(&staging);
+                        return Err(err(&dir)(e));
+                    }
                 }
             }
+            match crate::durable::write(&self.layout.spec(&id), &bytes) {
+                Ok(()) => break,
+                Err(e)
+                    if tries < 3
+                        && !dir.is_dir()
+                        && e.source.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(write_err(owner)(e)),
+            }
         }
-        let spec_path = self.layout.spec(&id);
-        crate::durable::write(&spec_path, &bytes).map_err(write_err(owner))?;
         tracing::info!(%owner, daemon = %id, "MPS daemon requested");
         lock(&self.requested).insert(id, Instant::now());
         Ok(())

@@ -22,6 +22,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
             })
             .collect(),
         pods: vec![],
+        user: None,
     }
 }
 
@@ -143,6 +144,7 @@ fn fixture_state() -> Checkpoint {
         name: name.into(),
         devices: vec![d],
         pods: vec![],
+        user: None,
     };
     let mig = DeviceRecord {
         admin_access: true,
@@ -529,6 +531,7 @@ proptest! {
                         name,
                         devices,
                         pods: vec![],
+                        user: None,
                     })
                 })
                 .collect(),

@@ -384,6 +384,7 @@ mod tests {
                         name: "trainer".into(),
                         uid: UID.into(),
                     }],
+                    user: None,
                 },
             )
         });

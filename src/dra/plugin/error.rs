@@ -110,6 +110,29 @@ pub enum ClaimError {
         pods: String,
     },
     #[error(
+        "resource claim {namespace}/{name} holds a share of {device}, whose GPU runs MPS for one \
+         user at a time (before Volta, no multi-user mode), and the user its pod runs as cannot be \
+         told: {reason}"
+    )]
+    ShareUserUnknown {
+        namespace: String,
+        name: String,
+        device: String,
+        reason: String,
+    },
+    #[error(
+        "{device} cannot be prepared as a share for {user}: its GPU runs MPS for one user at a \
+         time (before Volta, no multi-user mode), and its shares run as {holder_user} ({holders}). \
+         A client of another user would wait until those shares end. Run the pods that share \
+         this GPU as one user (runAsUser), or ask for the GPU whole"
+    )]
+    ShareOfAnotherUser {
+        device: String,
+        user: crate::ledger::ShareUser,
+        holder_user: crate::ledger::ShareUser,
+        holders: String,
+    },
+    #[error(
         "{device} cannot be prepared as a share: the MPS control daemon of GPU {gpu} has not \
          answered since {since} ({ago} ago), so a share started now would get no limits. The MPS \
          host restarts the daemon; the kubelet retries this prepare (or retry it by recreating \

@@ -25,6 +25,9 @@ pub(super) struct Plan {
     pub devices: Vec<DeviceRecord>,
     /// The pods the claim is reserved for, recorded for `/metrics`' attribution only.
     pub pods: Vec<PodRef>,
+    /// The user its pod runs as, for a share of a GPU whose MPS serves one user at a time
+    /// (set by prepare, which reads the pod).
+    pub user: Option<crate::ledger::ShareUser>,
 }
 
 impl Plan {
@@ -177,6 +180,7 @@ pub(super) fn plan(
     Ok(Plan {
         devices: out,
         pods: reserved_pods(rc),
+        user: None,
     })
 }
 

@@ -22,7 +22,7 @@ use super::{ClaimError, ClaimRef, Plugin, crash_point};
 use crate::api;
 use crate::ids::ClaimUid;
 use crate::inventory::{Inventory, quantity};
-use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord};
+use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
 use std::collections::BTreeMap;
 
 impl Plugin {
@@ -58,6 +58,7 @@ impl Plugin {
             inv,
         )?;
         one_pod_per_share(claim, &plan)?;
+        let plan = self.share_user(claim, plan, inv).await?;
         self.refuse_while_daemon_down(&plan.devices)?;
         if plan.devices.iter().any(|d| d.consumed.is_some()) {
             // A share's daemon request says whether its GPU serves every UID.
@@ -86,6 +87,7 @@ impl Plugin {
         self.inner.ledger.update_with_holds(|claims, holds| {
             conflict(claims, &claim.uid, &plan.devices)?;
             fits(claims, &claim.uid, &plan.devices, inv)?;
+            one_user_per_gpu(claims, &claim.uid, plan)?;
             for d in &plan.devices {
                 if let Some(h) = holds.holder_of(d) {
                     return Err(ClaimError::HeldByContainer {
@@ -103,6 +105,7 @@ impl Plugin {
                     name: claim.name.clone(),
                     devices: plan.devices.clone(),
                     pods: plan.pods.clone(),
+                    user: plan.user,
                 },
             );
             Ok(())
@@ -188,6 +191,51 @@ impl Plugin {
         Ok(devices)
     }
 
+    /// Sets the plan's user when it holds a share of a GPU whose MPS serves one user at a time:
+    /// the user its pod runs as, read from the pod (the kubelet's call names none).
+    async fn share_user(
+        &self,
+        claim: &ClaimRef,
+        mut plan: Plan,
+        inv: &Inventory,
+    ) -> Result<Plan, ClaimError> {
+        let Some(share) = plan
+            .devices
+            .iter()
+            .find(|d| d.consumed.is_some() && single_user(inv, &d.gpu))
+        else {
+            return Ok(plan);
+        };
+        let unknown = |reason: String| ClaimError::ShareUserUnknown {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            device: share.device.to_string(),
+            reason,
+        };
+        let pod = plan
+            .pods
+            .first()
+            .ok_or_else(|| unknown("the claim is reserved for no pod".into()))?;
+        let read = self
+            .inner
+            .api
+            .get_pod(&claim.namespace, &pod.name)
+            .await
+            .map_err(|e| unknown(format!("reading pod {}/{}: {e}", claim.namespace, pod.name)))?;
+        if read.metadata.uid.as_deref() != Some(pod.uid.as_str()) {
+            return Err(unknown(format!(
+                "pod {}/{} is not the one the claim is reserved for (UID {}, reserved for {})",
+                claim.namespace,
+                pod.name,
+                read.metadata.uid.as_deref().unwrap_or("none"),
+                pod.uid
+            )));
+        }
+        let user = pod_user(&read).map_err(unknown)?;
+        plan.user = Some(user);
+        Ok(plan)
+    }
+
     async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
         self.inner
             .api
@@ -243,6 +291,92 @@ pub(super) fn one_pod_per_share(claim: &ClaimRef, plan: &Plan) -> Result<(), Cla
             .collect::<Vec<_>>()
             .join(", "),
     })
+}
+
+/// Whether `gpu`'s MPS serves one user at a time: before Volta (compute capability 7.0) there
+/// is no multi-user mode, so the share daemon is not started with `-M`
+/// ([`crate::dra::mps::Mps::know_gpus`]).
+fn single_user(inv: &Inventory, gpu: &crate::inventory::GpuUuid) -> bool {
+    inv.gpu_by_uuid(gpu.as_str())
+        .is_some_and(|g| g.cuda_compute_capability.major < 7)
+}
+
+/// The user `pod` runs as: its containers' `runAsUser`, each falling back to the pod's. One
+/// user, or an error naming the containers of each when they differ (MPS would serve one and
+/// make the others wait).
+pub(super) fn pod_user(pod: &k8s_openapi::api::core::v1::Pod) -> Result<ShareUser, String> {
+    let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
+    let pod_level = spec.security_context.as_ref().and_then(|s| s.run_as_user);
+    let mut users: BTreeMap<Option<i64>, Vec<&str>> = BTreeMap::new();
+    for c in spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+    {
+        let user = c
+            .security_context
+            .as_ref()
+            .and_then(|s| s.run_as_user)
+            .or(pod_level);
+        users.entry(user).or_default().push(c.name.as_str());
+    }
+    let as_share_user = |u: Option<i64>| u.map_or(ShareUser::ImageDefault, ShareUser::Uid);
+    match users.len() {
+        0 => Ok(as_share_user(pod_level)),
+        1 => Ok(as_share_user(*users.keys().next().unwrap_or(&None))),
+        _ => Err(format!(
+            "its containers run as different users ({})",
+            users
+                .iter()
+                .map(|(u, names)| format!("{}: {}", as_share_user(*u), names.join(", ")))
+                .collect::<Vec<_>>()
+                .join("; ")
+        )),
+    }
+}
+
+/// Refuses a share of a single-user GPU ([`single_user`]) whose pod runs as another user than
+/// the GPU's other shares, naming both users and the claims.
+pub(super) fn one_user_per_gpu(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    plan: &Plan,
+) -> Result<(), ClaimError> {
+    let Some(user) = plan.user else {
+        return Ok(());
+    };
+    for d in plan.devices.iter().filter(|d| d.consumed.is_some()) {
+        let mut holders = Vec::new();
+        let mut holder_user = None;
+        for (other_uid, e) in claims {
+            let shares_gpu = e
+                .devices
+                .iter()
+                .any(|o| o.gpu == d.gpu && o.consumed.is_some());
+            match e.user {
+                Some(u) if other_uid != uid && shares_gpu && u != user => {
+                    holder_user.get_or_insert(u);
+                    if holder_user == Some(u) {
+                        holders.push(format!("{}/{} ({other_uid})", e.namespace, e.name));
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some(holder_user) = holder_user {
+            return Err(ClaimError::ShareOfAnotherUser {
+                device: d.device.to_string(),
+                user,
+                holder_user,
+                holders: match holders.as_slice() {
+                    [one] => format!("claim {one}"),
+                    many => format!("claims {}", many.join(", ")),
+                },
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The first of `devices` that another claim in `claims` holds, as that claim's error: a share
@@ -361,6 +495,7 @@ mod tests {
                 name: "holder".into(),
                 devices: a.devices.clone(),
                 pods: vec![],
+                user: None,
             },
         );
         // A claim does not conflict with itself (a retried prepare).

@@ -23,6 +23,7 @@ const NODE: &str = "node-a";
 #[derive(Default)]
 struct FakeApi {
     claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
+    pods: Mutex<BTreeMap<(String, String), k8s_openapi::api::core::v1::Pod>>,
     gets: AtomicUsize,
 }
 
@@ -37,6 +38,18 @@ impl ClaimReader for FakeApi {
             .get(&(ns.to_string(), name.to_string()))
             .cloned()
             .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}").into()));
+        Box::pin(async move { r })
+    }
+
+    fn get_pod<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Pod>> {
+        let r = lock(&self.pods)
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
+            .ok_or_else(|| api::Error::NotFound(format!("pod {ns}/{name}").into()));
         Box::pin(async move { r })
     }
 }

@@ -430,3 +430,146 @@ async fn where_the_cgroups_have_dmem_a_shares_limit_covers_its_container() {
         assert!(spec.contains(&line), "{line} missing in:\n{spec}");
     }
 }
+
+/// A pod `name` (UID `pod-<name>`) whose containers run as `users` (`None`: no runAsUser), the
+/// pod itself as `pod_user`.
+fn pod(
+    name: &str,
+    pod_user: Option<i64>,
+    users: &[Option<i64>],
+) -> k8s_openapi::api::core::v1::Pod {
+    use k8s_openapi::api::core::v1::{
+        Container, Pod, PodSecurityContext, PodSpec, SecurityContext,
+    };
+    Pod {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("default".into()),
+            uid: Some(format!("pod-{name}")),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            security_context: Some(PodSecurityContext {
+                run_as_user: pod_user,
+                ..Default::default()
+            }),
+            containers: users
+                .iter()
+                .enumerate()
+                .map(|(i, u)| Container {
+                    name: format!("c{i}"),
+                    security_context: Some(SecurityContext {
+                        run_as_user: *u,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+impl Env {
+    /// Adds `pod` and a share claim `uid` of `memory` of `device` reserved for it.
+    fn add_share_for(
+        &self,
+        uid: &str,
+        device: &str,
+        memory: &str,
+        p: k8s_openapi::api::core::v1::Pod,
+    ) {
+        let name = p.metadata.name.clone().unwrap();
+        let mut c = claim(uid, vec![share("nb", device, memory)]);
+        c.status.as_mut().unwrap().reserved_for = Some(vec![
+            k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+                resource: "pods".into(),
+                name: name.clone(),
+                uid: format!("pod-{name}"),
+                ..Default::default()
+            },
+        ]);
+        lock(&self.api.pods).insert(("default".into(), name), p);
+        self.add(c);
+    }
+}
+
+/// Before Volta, MPS has no multi-user mode: a client of another user than the running
+/// server's waits until that server ends. Such a share is refused, naming both users; from
+/// Volta on (multi-user daemons) users mix.
+#[tokio::test]
+async fn before_volta_a_share_for_another_user_is_refused_naming_both() {
+    let e = env("dgx-h100").await;
+    let _host = e.mps_host();
+    e.sim
+        .update(|inv| inv.gpus[1].cuda_compute_capability.major = 6); // a Pascal GPU
+    e.add_share_for("a", "gpu-1", "8Gi", pod("nb-a", Some(1000), &[None]));
+    e.add_share_for("b", "gpu-1", "8Gi", pod("nb-b", None, &[Some(2000)]));
+    e.add_share_for(
+        "c",
+        "gpu-1",
+        "8Gi",
+        pod("nb-c", Some(0), &[Some(1000), Some(1000)]),
+    );
+    e.add_share_for(
+        "d",
+        "gpu-1",
+        "8Gi",
+        pod("nb-d", Some(1000), &[None, Some(2000)]),
+    );
+    e.add_share_for("v1", "gpu-0", "8Gi", pod("nb-v1", Some(1000), &[None]));
+    e.add_share_for("v2", "gpu-0", "8Gi", pod("nb-v2", Some(2000), &[None]));
+
+    e.prepare("a").await.unwrap();
+    let recorded = e
+        .plugin
+        .ledger()
+        .read(|c| c.claims.get(&ClaimUid::parse("a").unwrap()).unwrap().user);
+    assert_eq!(recorded, Some(crate::ledger::ShareUser::Uid(1000)));
+    let err = e.prepare("b").await.unwrap_err().to_string();
+    for part in [
+        "gpu-1",
+        "for uid 2000",
+        "run as uid 1000",
+        "claim default/claim-a (a)",
+    ] {
+        assert!(err.contains(part), "{part} missing: {err}");
+    }
+    // The containers' own runAsUser wins over the pod's.
+    e.prepare("c").await.unwrap();
+    let err = e.prepare("d").await.unwrap_err().to_string();
+    assert!(
+        err.contains("different users (uid 1000: c0; uid 2000: c1)"),
+        "{err}"
+    );
+    // Volta and later: multi-user daemons, no check (and no pod read).
+    e.prepare("v1").await.unwrap();
+    e.prepare("v2").await.unwrap();
+    assert_eq!(
+        e.plugin
+            .ledger()
+            .read(|c| c.claims.get(&ClaimUid::parse("v2").unwrap()).unwrap().user),
+        None
+    );
+    // Once the other user's shares end, the GPU takes the new user.
+    e.unprepare("a").await.unwrap();
+    e.unprepare("c").await.unwrap();
+    let gpu = e.sim.snapshot().unwrap().gpus[1].uuid.clone();
+    let dir = e.plugin.inner.mps.gpu_pipe_dir(&gpu);
+    mps::tests::eventually("the host removes the released daemon", || {
+        !dir.parent().unwrap().exists()
+    });
+    e.prepare("b").await.unwrap();
+
+    // A pod that is not the one the claim is reserved for (replaced under the same name).
+    let mut replaced = pod("nb-e", Some(2000), &[None]);
+    e.add_share_for("e", "gpu-1", "8Gi", replaced.clone());
+    replaced.metadata.uid = Some("pod-nb-e-2".into());
+    lock(&e.api.pods).insert(("default".into(), "nb-e".into()), replaced);
+    let err = e.prepare("e").await.unwrap_err().to_string();
+    assert!(
+        err.contains("is not the one the claim is reserved for"),
+        "{err}"
+    );
+}

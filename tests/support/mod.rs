@@ -8,3 +8,5 @@ pub mod manifests;
 pub mod mps;
 pub mod promclient;
 pub mod python;
+#[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
+pub mod require;

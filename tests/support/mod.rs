@@ -10,3 +10,4 @@ pub mod promclient;
 pub mod python;
 #[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
 pub mod require;
+pub mod wait;

@@ -16,6 +16,9 @@ use nvdra::deviceplugin::{DevicePlugin, Options};
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
+#[path = "../tests/support/wait.rs"]
+mod wait;
+
 const ROUNDS: usize = 5000;
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -58,12 +61,11 @@ fn main() {
         let stop = CancellationToken::new();
         let task = tokio::spawn(dp.run(stop.clone()));
         let sock = dir.join("nvidia-gpu.sock");
-        let channel = loop {
-            if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
-                break c;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
+        let socket = &sock;
+        let channel = wait::until("the device plugin's socket", wait::SOON, || async move {
+            kubelet_plugin::socket::connect(socket).await.ok()
+        })
+        .await;
         let mut client = DevicePluginClient::new(channel);
         let mut list = client
             .list_and_watch(Empty {})

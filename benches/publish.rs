@@ -162,11 +162,16 @@ async fn main() {
 
         let t = Instant::now();
         std::fs::remove_file(api.slices_dir().join(format!("{victim}.yaml"))).expect("remove");
+        // Polled finer than `support::wait` polls: the poll period is this figure's resolution.
         loop {
             let now = api.list_slices(DRIVER, NODE).await.expect("list");
             if complete(&now, n) {
                 break;
             }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the deleted slice file was not restored"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         dir_one.push(t.elapsed());

@@ -13,11 +13,16 @@
 //! defaults).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use kubelet_plugin::proto::dra::v1;
 use kubelet_plugin::proto::dra::v1::dra_plugin_client::DraPluginClient;
+
+#[path = "../tests/support/daemon.rs"]
+mod daemon;
+#[path = "../tests/support/wait.rs"]
+mod wait;
 
 const PROFILE: &str = "dgx-h100";
 const GPUS: usize = 8;
@@ -90,17 +95,13 @@ fn write_claim(root: &Path, name: &str, uid: &str, device: &str) {
 }
 
 async fn wait_for(what: &str, daemon: &mut Daemon, cond: impl Fn() -> bool) {
-    let start = Instant::now();
-    while !cond() {
+    wait::until(what, Duration::from_secs(600), || {
         if let Some(status) = daemon.0.try_wait().expect("daemon status") {
             panic!("the daemon exited ({status}) before {what}");
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(600),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        std::future::ready(cond().then_some(()))
+    })
+    .await
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -130,28 +131,14 @@ async fn measure(bin: &Path, cycles: usize, reuse: bool, mode: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
     let p = |s: &str| -> PathBuf { root.join(s) };
-    std::fs::write(p("boot_id"), "rss-bench-boot\n").expect("boot id");
-    let mut command = Command::new(bin);
+    let mut command = daemon::nvdra_run_of(bin, root, mode, NODE);
     if std::env::var_os("GLIBC_TUNABLES").is_none() {
         command.env("GLIBC_TUNABLES", TUNABLES);
     }
     let mut daemon = Daemon(
         command
-            .args(["run", "--mode", mode, "--profile", PROFILE])
-            .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
-            .arg("--api-dir")
-            .arg(p("api"))
-            .arg("--kubelet-root")
-            .arg(p("kubelet"))
-            .arg("--cdi-root")
-            .arg(p("cdi"))
-            .arg("--driver-root")
-            .arg(p("driver"))
-            .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
+            .args(["--profile", PROFILE])
             .env("NVDRA_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("start nvdra"),
     );

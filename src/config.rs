@@ -3,14 +3,14 @@
 //! program reads without further checks.
 //!
 //! Each setting is declared once (`config/settings.rs`), as an optional field of the struct of
-//! its concern ([`BackendSettings`], [`PluginSettings`], [`KubeletSettings`], [`ApiSettings`]
-//! with its [`ClusterSettings`], [`ServeSettings`], [`DaemonSettings`], [`LogSettings`],
-//! [`HealthSettings`]): its clap attributes give the flag, the env name and the help (`cli`
-//! flattens the structs into the subcommands that take them), its serde name the file key (the file
-//! is one flat map over every struct, read by `config/file.rs`), and [`Section::defaults`] the
-//! default.
+//! its concern (a section, such as [`BackendSettings`]): its clap attributes give the flag, the
+//! env name and the help (`cli` flattens the structs into the subcommands that take them), its
+//! serde name the file key (the file is one flat map over every struct, read by
+//! `config/file.rs`), and [`Section::defaults`] the default. The sections are listed once, in
+//! [`Settings`]; what goes through all of them (defaults, layering, the file's keys) is derived
+//! from that list.
 //! Clap merges the command line over the environment; [`resolve`] layers that over the file over
-//! the defaults with [`Section::or`] (and [`Section::under`] for settings that are alternatives)
+//! the defaults with [`Layer::or`] (and [`Section::under`] for settings that are alternatives)
 //! and validates the result once. The README's configuration table is checked against these
 //! declarations by a test.
 
@@ -26,10 +26,8 @@ mod file;
 mod settings;
 
 pub use file::FileConfig;
-pub use settings::{
-    ApiSettings, BackendSettings, ClusterSettings, DaemonSettings, HealthSettings, KubeletSettings,
-    LogSettings, MpsRootSettings, PluginSettings, Section, ServeSettings, Settings,
-};
+// Every section, `Settings` and the traits that layer them.
+pub use settings::*;
 
 /// The config file version this build reads.
 pub const FILE_VERSION: &str = "v1";

@@ -40,12 +40,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
-use crate::deviceplugin::holds::ContainerHolds;
 use crate::deviceplugin::{self, DevicePlugin};
 use crate::dra::health::{self, NodeHealth};
 use crate::dra::plugin::{self, Plugin};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
+use crate::holds::ContainerHolds;
 use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::attribution::Attribution;

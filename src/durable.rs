@@ -276,6 +276,11 @@ mod tests {
     }
 }
 
+/// The test peers' rule for `NVDRA_REQUIRE_TMPFS`, the one every probe of nvdra's tests uses.
+#[cfg(test)]
+#[path = "../crates/kubelet-plugin/tests/support/require.rs"]
+mod require;
+
 /// Test support: a real full disk.
 #[cfg(test)]
 pub(crate) mod testing {
@@ -286,6 +291,8 @@ pub(crate) mod testing {
 
     impl TinyTmpfs {
         pub fn mount() -> Option<Self> {
+            // Read first, so a misspelt value fails here too, not only without a tmpfs.
+            let required = super::require::required("NVDRA_REQUIRE_TMPFS");
             let dir = tempfile::tempdir().unwrap();
             let out = std::process::Command::new("mount")
                 .args(["-t", "tmpfs", "-o", "size=64k", "nvdra-test"])
@@ -296,7 +303,7 @@ pub(crate) mod testing {
                 Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
                 Err(e) => e.to_string(),
             };
-            if std::env::var("NVDRA_REQUIRE_TMPFS").is_ok_and(|v| !v.is_empty() && v != "0") {
+            if required {
                 panic!("NVDRA_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}");
             }
             eprintln!("skipping the full-disk test: cannot mount a tmpfs: {why}");

@@ -21,6 +21,7 @@ pub mod dns;
 pub mod dra;
 pub mod durable;
 pub mod health;
+pub mod holds;
 pub mod ids;
 pub mod inventory;
 pub mod ledger;

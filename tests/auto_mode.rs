@@ -8,7 +8,6 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::{DeviceClass, DeviceClassSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -41,19 +40,14 @@ fn class(name: &str, extended: &str) -> DeviceClass {
     }
 }
 
-/// Waits until `path` exists (`true`) or is gone (`false`), failing after 20 s.
+/// Waits until `path` exists (`true`) or is gone (`false`).
 async fn wait_until(path: &Path, exists: bool) {
-    for _ in 0..2000 {
-        if path.exists() == exists {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!(
-        "{} did not {} within 20 s",
+    let what = format!(
+        "{} to {}",
         path.display(),
         if exists { "appear" } else { "go away" }
     );
+    support::wait::eventually(&what, || path.exists() == exists).await
 }
 
 /// Starts `nvdra run --mode auto` on a100-mig-mixed with `migStrategy: mixed` (so the device

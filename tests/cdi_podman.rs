@@ -19,6 +19,8 @@ use nvdra::cdi::{self, CdiOptions, DriverRoot, PreparedDevice};
 use nvdra::inventory::topology::load_profile;
 use nvdra::sharing::{MpsSettings, Sharing};
 
+#[path = "support/daemon.rs"]
+mod daemon;
 #[path = "support/podman.rs"]
 mod engine;
 #[path = "support/mps.rs"]
@@ -430,23 +432,17 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
             &[],
         )
     });
-    let mut daemon = Command::new(env!("CARGO_BIN_EXE_nvdra"))
-        .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
-        .args(["--node-name", NODE, "--driver-name", driver])
-        .arg("--api-dir")
-        .arg(root.join("api"))
-        .arg("--kubelet-root")
-        .arg(&kubelet)
+    let mut daemon = daemon::nvdra_run(root, "dra", NODE)
+        .args(["--profile", "dgx-h100", "--driver-name", driver])
         .arg("--cdi-root")
         .arg(&cdi_root)
         .arg("--driver-root")
         .arg(&driver_root)
         .arg("--driver-root-ctr-path")
         .arg(&ctr_path)
-        .arg("--mps-root")
-        .arg(&mps_root)
-        .args(["--metrics-address", "127.0.0.1:0"])
         .args(share.then_some("--shared-capacity"))
+        // The host's boot id, as the MPS host above reads it.
+        .env("NVDRA_BOOT_ID_FILE", nvdra::ledger::BOOT_ID_PATH)
         .env("NVDRA_LOG", "warn")
         .spawn()
         .context("cannot start nvdra run")?;

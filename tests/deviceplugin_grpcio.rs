@@ -68,24 +68,8 @@ impl Node {
     }
 
     fn command(&self, backend: &[&str], config: Option<&Path>) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
-        std::fs::write(self.path("boot_id"), "boot-1\n").unwrap();
-        cmd.args(["run", "--mode", self.mode])
-            .env("NVDRA_BOOT_ID_FILE", self.path("boot_id"))
-            .args(backend)
-            .args(["--node-name", NODE])
-            .arg("--kubelet-root")
-            .arg(self.path("kubelet"))
-            .arg("--cdi-root")
-            .arg(self.path("cdi"))
-            .arg("--driver-root")
-            .arg(self.path("driver"))
-            .arg("--api-dir")
-            .arg(self.path("api"))
-            .args(["--metrics-address", "127.0.0.1:0"])
-            .env("NVDRA_LOG", "error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
+        let mut cmd = support::daemon::nvdra_run(self.root.path(), self.mode, NODE);
+        cmd.args(backend);
         if let Some(c) = config {
             cmd.arg("--device-plugin-config").arg(c);
         }

@@ -15,6 +15,9 @@ use nvdra::inventory::Health;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
+#[path = "support/wait.rs"]
+mod wait;
+
 /// The plugin's settings in a test directory: kubelet.sock and the plugin sockets under
 /// `<root>/device-plugins`, sockets checked every 20 ms, the inventory polled every `poll`.
 fn settings(root: &std::path::Path, poll: Duration) -> Settings {
@@ -42,13 +45,15 @@ async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
     let task = tokio::spawn(dp.run(stop.clone()));
     let sock = dir.join("nvidia-gpu.sock");
     // The server binds on its first tick; no kubelet is needed for it to serve.
-    let channel = loop {
-        if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
-            break c;
-        }
-        assert!(!task.is_finished(), "the device plugin stopped: {task:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let (socket, running) = (&sock, &task);
+    let channel = wait::until("the device plugin's socket", wait::SOON, || async move {
+        assert!(
+            !running.is_finished(),
+            "the device plugin stopped: {running:?}"
+        );
+        kubelet_plugin::socket::connect(socket).await.ok()
+    })
+    .await;
     let mut client = DevicePluginClient::new(channel);
     let mut stream = client.list_and_watch(Empty {}).await.unwrap().into_inner();
     let first = stream.message().await.unwrap().unwrap();

@@ -150,8 +150,7 @@ impl Dirs {
     }
 
     fn command(&self, crash_at: Option<&str>) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
-        cmd.args(["run", "--mode", "dra"]);
+        let mut cmd = support::daemon::nvdra_run(self.root.path(), "dra", NODE);
         if self.nvml {
             self.fake_driver_root();
             cmd.args(["--backend", "nvml"])
@@ -163,24 +162,8 @@ impl Dirs {
         } else {
             cmd.args(["--profile", self.profile]);
         }
-        cmd.args(["--node-name", NODE])
-            .arg("--api-dir")
-            .arg(self.p("api"))
-            .arg("--kubelet-root")
-            .arg(self.p("kubelet"))
-            .arg("--cdi-root")
-            .arg(self.p("cdi"))
-            .arg("--driver-root")
-            .arg(self.p("driver"))
-            .arg("--mps-root")
-            .arg(self.p("mps"))
-            .args(["--metrics-address", &self.metrics_address])
-            .env("NVDRA_BOOT_ID_FILE", self.boot_file())
-            .env_remove("NVDRA_TEST_CRASH_AT")
-            .env("NVDRA_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+        cmd.args(["--metrics-address", &self.metrics_address])
+            .env("NVDRA_LOG", "warn");
         if let Some(at) = crash_at {
             cmd.env("NVDRA_TEST_CRASH_AT", at);
         }
@@ -797,16 +780,10 @@ fn bad_flags_exit_64_naming_the_flag() {
     // NVIDIA's device-plugin config file is checked strictly: an unknown key is named.
     let dp_config = d.p("dp-config.yaml");
     std::fs::write(&dp_config, "version: v1\nflags:\n  migStrategyy: mixed\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
-        .args(["run", "--mode", "device-plugin", "--profile", "l40s-pcie"])
-        .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
-        .arg("--api-dir")
-        .arg(d.p("api"))
-        .arg("--kubelet-root")
-        .arg(d.p("kubelet"))
+    let out = support::daemon::nvdra_run(d.root.path(), "device-plugin", NODE)
+        .args(["--profile", "l40s-pcie"])
         .arg("--device-plugin-config")
         .arg(&dp_config)
-        .env("NVDRA_BOOT_ID_FILE", d.boot_file())
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(64));

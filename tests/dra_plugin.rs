@@ -42,15 +42,10 @@ async fn unix_channel(path: &Path) -> Channel {
         .expect("connect to the socket")
 }
 
-/// Waits until `path` exists (the daemon creates it once it serves), failing after 20 s.
+/// Waits until `path` exists (the daemon creates it once it serves).
 async fn wait_for(path: &Path) {
-    for _ in 0..2000 {
-        if path.exists() {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("{} did not appear", path.display());
+    let what = format!("{} to appear", path.display());
+    support::wait::eventually(&what, || path.exists()).await
 }
 
 async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> TestNode {

@@ -28,12 +28,11 @@ use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Monitored, Policy}
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{DeviceBackend, MigUuid};
 use support::apiserver::TestApiServer;
+use support::wait::{SOON, eventually, until};
 use tokio_util::sync::CancellationToken;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
-/// Generous bound for things that take milliseconds; only hit when something is broken.
-const SOON: Duration = Duration::from_secs(10);
 
 /// a100-mig-mixed with GPU 3 in MIG mode too (a copy of GPU 1's instances), so GPU 3 has both a
 /// whole-GPU sibling (GPU 0) and MIG devices of its own.
@@ -79,17 +78,6 @@ fn taints(slices: &[ResourceSlice]) -> BTreeMap<String, Vec<String>> {
             (d.name.clone(), t)
         })
         .collect()
-}
-
-async fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let wait = async {
-        while !cond() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    };
-    if tokio::time::timeout(SOON, wait).await.is_err() {
-        panic!("timed out waiting for {what}");
-    }
 }
 
 struct Published {
@@ -307,13 +295,15 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
     tokio::spawn(file.run(handle.events(), stop.clone()));
     let task = tokio::spawn(dp.run(stop.clone()));
     let sock = root.path().join("device-plugins/nvidia-gpu.sock");
-    let channel = loop {
-        if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
-            break c;
-        }
-        assert!(!task.is_finished(), "the device plugin stopped: {task:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let (socket, running) = (&sock, &task);
+    let channel = until("the device plugin's socket", SOON, || async move {
+        assert!(
+            !running.is_finished(),
+            "the device plugin stopped: {running:?}"
+        );
+        kubelet_plugin::socket::connect(socket).await.ok()
+    })
+    .await;
     let mut client = DevicePluginClient::new(channel);
     let mut stream = client.list_and_watch(Empty {}).await.unwrap().into_inner();
     let first = stream.message().await.unwrap().unwrap();

@@ -36,12 +36,15 @@ fn chart() -> PathBuf {
 }
 
 fn helm() -> Option<&'static str> {
+    let required = support::require::required("NVDRA_REQUIRE_HELM");
     let found = Command::new("helm")
         .args(["version", "--short"])
         .output()
         .is_ok_and(|o| o.status.success());
-    if !found && std::env::var_os("NVDRA_REQUIRE_HELM").is_some_and(|v| v == "1") {
-        panic!("NVDRA_REQUIRE_HELM=1 but `helm version` does not run (bash .ci/helm installs it)");
+    if !found && required {
+        panic!(
+            "NVDRA_REQUIRE_HELM requires helm but `helm version` does not run (bash .ci/helm installs it)"
+        );
     }
     if !found {
         eprintln!("helm is not installed: skipped (bash .ci/helm installs it)");

@@ -73,7 +73,6 @@ impl Daemon {
     /// and anything else it needs in the root (the API directory's parent).
     async fn start_with(args: &[&str], setup: impl FnOnce(&Path)) -> Daemon {
         let root = tempfile::tempdir().unwrap();
-        std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
         setup(&root.path().join("api"));
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let child = Self::spawn(root.path(), &args);
@@ -83,28 +82,9 @@ impl Daemon {
     }
 
     fn spawn(root: &Path, args: &[String]) -> Child {
-        let p = |s: &str| root.join(s);
-        Command::new(env!("CARGO_BIN_EXE_nvdra"))
-            .args(["run", "--mode", "dra", "--profile", "dgx-h100"])
+        support::daemon::nvdra_run(root, "dra", NODE)
+            .args(["--profile", "dgx-h100"])
             .args(args)
-            .args(["--node-name", NODE])
-            .arg("--api-dir")
-            .arg(p("api"))
-            .arg("--kubelet-root")
-            .arg(p("kubelet"))
-            .arg("--cdi-root")
-            .arg(p("cdi"))
-            .arg("--driver-root")
-            .arg(p("driver"))
-            .arg("--mps-root")
-            .arg(p("mps"))
-            .args(["--metrics-address", "127.0.0.1:0"])
-            .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
-            .env_remove("NVDRA_TEST_CRASH_AT")
-            .env("NVDRA_LOG", "error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
             .spawn()
             .unwrap()
     }

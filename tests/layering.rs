@@ -2,7 +2,9 @@
 //! trees and inline alike) of every file of nvdra and of the kubelet-plugin library, test code
 //! left out. It must have no circle — neither between files nor between top-level modules — and
 //! the ledger must not import from `dra` (the ledger is below the DRA plugin that uses it).
-//! A reader cannot see a circle in one file; this test sees all of them at once.
+//! A reader cannot see a circle in one file; this test sees all of them at once. The domain
+//! modules (`inventory`, `ledger`, `holds`, `health`, `sharing`, `cdi`) must not name a
+//! transport crate (`tonic`, `kube`): adapters depend on them, never the reverse.
 //!
 //! A path names the longest module it reaches (`crate::dra::slices::DeviceName` → `dra::slices`).
 //! A module using its own ancestor or descendant is not a dependency here: a child uses its
@@ -13,11 +15,24 @@ use std::path::{Path, PathBuf};
 
 type Module = Vec<String>;
 
-/// Each file's module path, and the module paths it refers to.
+/// Each file's module path, the module paths it refers to, and the transport crates it names.
 struct Graph {
     modules: BTreeSet<Module>,
     edges: BTreeMap<Module, BTreeSet<Module>>,
+    transports: BTreeMap<Module, BTreeSet<String>>,
 }
+
+/// The crates a domain module must not name: gRPC and the Kubernetes client.
+const TRANSPORTS: [&str; 5] = [
+    "tonic",
+    "tonic_prost",
+    "kube",
+    "kube_client",
+    "kube_runtime",
+];
+
+/// The modules that know nothing of gRPC or the API server (`DESIGN.md`'s parts table).
+const DOMAIN: [&str; 6] = ["inventory", "ledger", "holds", "health", "sharing", "cdi"];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -150,6 +165,7 @@ fn scan(src: &Path) -> Graph {
     rust_files(src, &mut files);
     let modules: BTreeSet<Module> = files.iter().map(|f| module_of(src, f)).collect();
     let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
+    let mut transports: BTreeMap<Module, BTreeSet<String>> = BTreeMap::new();
     for file in &files {
         let module = module_of(src, file);
         // Test modules in files of their own.
@@ -164,6 +180,7 @@ fn scan(src: &Path) -> Graph {
         let mut i = 0;
         while i < tokens.len() {
             let t = tokens[i].as_str();
+            let prev = if i > 0 { tokens[i - 1].as_str() } else { "" };
             match t {
                 "{" => depth += 1,
                 "}" => {
@@ -193,6 +210,17 @@ fn scan(src: &Path) -> Graph {
                     i = paths(&tokens, j, base, &mut referred);
                     continue;
                 }
+                // A path that starts at an external crate (`tonic::Status`, `use kube;`), not
+                // a segment inside another path (`crate::api::kube`) or a field (`x.kube`).
+                t if TRANSPORTS.contains(&t)
+                    && !matches!(prev, "::" | ".")
+                    && (prev == "use" || tokens.get(i + 1).is_some_and(|n| n == "::")) =>
+                {
+                    transports
+                        .entry(module.clone())
+                        .or_default()
+                        .insert(t.to_string());
+                }
                 _ => {}
             }
             i += 1;
@@ -211,7 +239,24 @@ fn scan(src: &Path) -> Graph {
             }
         }
     }
-    Graph { modules, edges }
+    Graph {
+        modules,
+        edges,
+        transports,
+    }
+}
+
+/// `module → crate` for each transport crate a domain module names.
+fn domain_transports(g: &Graph) -> Vec<String> {
+    g.transports
+        .iter()
+        .filter(|(m, _)| m.first().is_some_and(|top| DOMAIN.contains(&top.as_str())))
+        .flat_map(|(m, crates)| {
+            crates
+                .iter()
+                .map(move |c| format!("{} → {c}", m.join("::")))
+        })
+        .collect()
 }
 
 /// The circles of a graph (its strongly connected components of more than one module).
@@ -325,6 +370,21 @@ fn the_ledger_imports_nothing_from_dra() {
     assert!(g.edges[&vec!["ledger".to_string()]].contains(&vec!["durable".to_string()]));
 }
 
+#[test]
+fn domain_modules_name_neither_tonic_nor_kube() {
+    let g = graph("src");
+    let found = domain_transports(&g);
+    assert!(
+        found.is_empty(),
+        "domain modules name a transport crate (move that code to an adapter): {found:?}"
+    );
+    // The scan sees the transport crates where they belong.
+    assert!(g.transports[&vec!["api".to_string(), "kube".to_string()]].contains("kube"));
+    assert!(
+        g.transports[&vec!["deviceplugin".to_string(), "server".to_string()]].contains("tonic")
+    );
+}
+
 /// The scanner itself, on a made-up crate: it finds `use` trees, inline paths, `super::` out of
 /// an inline module, and ignores comments, strings and test code.
 #[test]
@@ -354,4 +414,34 @@ fn the_scan_finds_the_paths_a_reader_would() {
     assert_eq!(g.edges[&m("c")], set(&["d"]));
     assert_eq!(g.edges[&m("d")], set(&["a"]));
     assert_eq!(circles(&g.edges), vec![vec!["a", "b", "c", "d"]]);
+}
+
+/// The transport check on a made-up crate: a planted `use tonic::…` in a domain module, and an
+/// inline `kube::…` path in another, are found; a module of the same name inside another path,
+/// a comment, test code and an adapter are not.
+#[test]
+fn a_domain_module_that_names_tonic_or_kube_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |p: &str, s: &str| {
+        let path = dir.path().join(p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, s).unwrap();
+    };
+    write("lib.rs", "mod api; mod inventory; mod ledger; mod sharing;");
+    write("api/kube.rs", "use kube::Api;\n");
+    write("inventory/mod.rs", "mod sim;\nuse tonic::Status;\n");
+    write(
+        "inventory/sim.rs",
+        "use crate::api::kube::Client; // kube::Api\n",
+    );
+    write(
+        "ledger.rs",
+        "fn f() -> u8 { let _ = kube::Api::<()>::all; 0 }\n#[cfg(test)]\nmod t { use tonic::Code; }\n",
+    );
+    write("sharing.rs", "fn g(x: &X) -> u8 { x.kube }\n");
+    let g = scan(dir.path());
+    assert_eq!(
+        domain_transports(&g),
+        vec!["inventory → tonic".to_string(), "ledger → kube".to_string()]
+    );
 }

@@ -408,7 +408,7 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
     };
     tokio::select! {
         _ = classes.next() => panic!("the DeviceClasses changed without a change"),
-        () = async { while !watching() { tokio::time::sleep(std::time::Duration::from_millis(1)).await } } => {}
+        () = support::wait::eventually("the DeviceClass watch request", watching) => {}
     }
     drop(classes);
     api.get_node(node).await.unwrap();

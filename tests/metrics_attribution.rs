@@ -11,7 +11,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
@@ -48,25 +48,10 @@ fn nvdra(root: &std::path::Path, mode: &str, port: u16) -> Child {
 
 /// `nvdra run` with `backend` (the backend flags), its files under `root`.
 fn nvdra_with(root: &std::path::Path, mode: &str, port: u16, backend: &[&str]) -> Child {
-    let p = |s: &str| root.join(s);
-    Command::new(env!("CARGO_BIN_EXE_nvdra"))
-        .args(["run", "--mode", mode])
+    support::daemon::nvdra_run(root, mode, NODE)
         .args(backend)
-        .env("NVDRA_PROC_ROOT", p("proc"))
-        .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
-        .args(["--node-name", NODE])
-        .arg("--kubelet-root")
-        .arg(p("kubelet"))
-        .arg("--cdi-root")
-        .arg(p("cdi"))
-        .arg("--driver-root")
-        .arg(p("driver"))
-        .arg("--api-dir")
-        .arg(p("api"))
+        .env("NVDRA_PROC_ROOT", root.join("proc"))
         .args(["--metrics-address", &format!("127.0.0.1:{port}")])
-        .env("NVDRA_LOG", "error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
         .spawn()
         .unwrap()
 }

@@ -19,19 +19,14 @@ fn label(n: &k8s_openapi::api::core::v1::Node, k: &str) -> Option<String> {
     n.metadata.labels.as_ref().and_then(|l| l.get(k).cloned())
 }
 
-/// Waits (up to 20 s) until the Node satisfies `pred`.
+/// Waits until the Node satisfies `pred`.
 async fn wait_node(
     api: &TestApiServer,
     what: &str,
     pred: impl Fn(&k8s_openapi::api::core::v1::Node) -> bool,
 ) {
-    for _ in 0..2000 {
-        if api.node(NODE).is_some_and(|n| pred(&n)) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the node never {what}: {:?}", api.node(NODE));
+    let what = format!("the node to be {what}");
+    support::wait::eventually(&what, || api.node(NODE).is_some_and(|n| pred(&n))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,28 +127,8 @@ async fn the_directory_api_keeps_the_labels_in_the_node_file() {
 fn nvdra_run_with_node_labels_labels_the_node() {
     let dir = tempfile::tempdir().unwrap();
     let p = |s: &str| dir.path().join(s);
-    std::fs::write(p("boot_id"), "boot-1\n").unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_nvdra"))
-        .args([
-            "run",
-            "--mode",
-            "dra",
-            "--node-labels",
-            "--profile",
-            "l40s-pcie",
-        ])
-        .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
-        .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
-        .env("NVDRA_LOG", "error")
-        .arg("--api-dir")
-        .arg(p("api"))
-        .arg("--kubelet-root")
-        .arg(p("kubelet"))
-        .arg("--cdi-root")
-        .arg(p("cdi"))
-        .arg("--driver-root")
-        .arg(p("driver"))
-        .stdout(std::process::Stdio::null())
+    let mut child = support::daemon::nvdra_run(dir.path(), "dra", NODE)
+        .args(["--node-labels", "--profile", "l40s-pcie"])
         .spawn()
         .unwrap();
     let node = p(&format!("api/nodes/{NODE}.yaml"));

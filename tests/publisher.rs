@@ -17,15 +17,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 use support::apiserver::TestApiServer;
+use support::wait::{SOON, eventually};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 const NODE_UID: &str = "0b6f3c2e-node-a";
-/// Generous bound for things that take milliseconds; only hit when something is broken. How fast
-/// a repair is, is a figure of `benches/publish.rs`, not something a test asserts.
-const SOON: Duration = Duration::from_secs(10);
 
 fn device(name: &str, memory: &str) -> Device {
     Device {
@@ -155,18 +153,6 @@ async fn kube_setup() -> (TestApiServer, Running) {
     let api = KubeApi::from_url(server.url()).expect("a client for the test server");
     let running = Running::start(Arc::new(api));
     (server, running)
-}
-
-/// Polls a condition that becomes true through the publisher's own progress.
-async fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let wait = async {
-        while !cond() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    };
-    if tokio::time::timeout(SOON, wait).await.is_err() {
-        panic!("timed out waiting for {what}");
-    }
 }
 
 /// Makes the publisher reconcile once more and waits for that reconcile: the watch is dropped and

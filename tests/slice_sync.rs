@@ -18,12 +18,11 @@ use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{self, DeviceBackend, Health, Inventory, MigDevice, MigUuid, Placement};
 use support::apiserver::TestApiServer;
+use support::wait::{SOON, eventually};
 use tokio_util::sync::CancellationToken;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
-/// Generous bound for things that take milliseconds; only hit when something is broken.
-const SOON: Duration = Duration::from_secs(10);
 
 struct Node {
     server: TestApiServer,
@@ -151,17 +150,6 @@ fn device_names(slices: &[ResourceSlice]) -> BTreeSet<String> {
 
 fn generations(slices: &[ResourceSlice]) -> BTreeSet<i64> {
     slices.iter().map(|s| s.spec.pool.generation).collect()
-}
-
-async fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let wait = async {
-        while !cond() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    };
-    if tokio::time::timeout(SOON, wait).await.is_err() {
-        panic!("timed out waiting for {what}");
-    }
 }
 
 fn gpus(n: u32) -> BTreeSet<String> {

@@ -5,7 +5,7 @@
 mod support;
 
 use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use support::apiserver::TestApiServer;
@@ -14,31 +14,22 @@ const NODE: &str = "node-a";
 
 /// `nvdra run --mode dra` with `flags` on the simulated `profile`, against `server`.
 fn nvdra_run(server: &TestApiServer, dir: &std::path::Path, flags: &[&str]) -> Child {
-    let p = |s: &str| dir.join(s);
-    std::fs::write(p("boot_id"), "boot-1\n").unwrap();
+    let kubeconfig = dir.join("kubeconfig");
     std::fs::write(
-        p("kubeconfig"),
+        &kubeconfig,
         format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\nusers:\n- name: t\n  user: {{}}\n",
             server.url()
         ),
     )
     .unwrap();
-    Command::new(env!("CARGO_BIN_EXE_nvdra"))
-        .args(["run", "--mode", "dra", "--profile", "dgx-a100-mig"])
+    support::daemon::nvdra_run(dir, "dra", NODE)
+        .args(["--profile", "dgx-a100-mig"])
         .args(flags)
-        .args(["--node-name", NODE, "--metrics-address", "127.0.0.1:0"])
-        .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
         .env("NVDRA_LOG", "warn")
+        .env_remove("NVDRA_API_DIR")
         .arg("--kubeconfig")
-        .arg(p("kubeconfig"))
-        .arg("--kubelet-root")
-        .arg(p("kubelet"))
-        .arg("--cdi-root")
-        .arg(p("cdi"))
-        .arg("--driver-root")
-        .arg(p("driver"))
-        .stdout(Stdio::null())
+        .arg(&kubeconfig)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()

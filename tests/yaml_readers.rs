@@ -27,8 +27,11 @@ use serde_json::Value;
 
 const NODE: &str = "node-a";
 
+#[path = "../crates/kubelet-plugin/tests/support/require.rs"]
+mod require;
+
 fn required() -> bool {
-    std::env::var("NVDRA_REQUIRE_PYYAML").is_ok_and(|v| !v.is_empty() && v != "0")
+    require::required("NVDRA_REQUIRE_PYYAML")
 }
 
 /// Loads YAML the way a Python tool would: `safe_load`, or `safe_load_all` for a stream. A value
@@ -46,6 +49,7 @@ print(json.dumps(data, default=show, allow_nan=False))
 /// Runs `check` with PyYAML, or skips (or fails, when required) without it. Probed once.
 fn with_pyyaml(check: impl FnOnce()) {
     static PROBE: OnceLock<Result<String, String>> = OnceLock::new();
+    let required = required();
     let probe = PROBE.get_or_init(|| {
         let out = Command::new("python3")
             .args(["-c", "import yaml; print(yaml.__version__)"])
@@ -62,7 +66,7 @@ fn with_pyyaml(check: impl FnOnce()) {
     });
     match probe {
         Ok(_) => check(),
-        Err(why) if required() => panic!("NVDRA_REQUIRE_PYYAML is set but {why}"),
+        Err(why) if required => panic!("NVDRA_REQUIRE_PYYAML is set but {why}"),
         Err(why) => eprintln!(
             "skipping the PyYAML test: {why} (set NVDRA_REQUIRE_PYYAML=1 to make this a failure)"
         ),

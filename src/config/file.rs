@@ -18,10 +18,6 @@ use std::sync::OnceLock;
 use serde::de::{self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, forward_to_deserialize_any};
 
-use super::{
-    ApiSettings, BackendSettings, DaemonSettings, HealthSettings, KubeletSettings, LogSettings,
-    MpsRootSettings, PluginSettings, ServeSettings,
-};
 use super::{FILE_VERSION, Result, Section, Settings, invalid};
 
 /// The optional config file: its version and the settings it gives.
@@ -77,53 +73,16 @@ impl FileConfig {
 pub(super) fn file_keys() -> &'static [&'static str] {
     static KEYS: OnceLock<Vec<&'static str>> = OnceLock::new();
     KEYS.get_or_init(|| {
-        [
-            &["version"][..],
-            keys_of::<BackendSettings>(),
-            keys_of::<PluginSettings>(),
-            keys_of::<KubeletSettings>(),
-            keys_of::<ApiSettings>(),
-            keys_of::<ServeSettings>(),
-            keys_of::<DaemonSettings>(),
-            keys_of::<LogSettings>(),
-            keys_of::<HealthSettings>(),
-            keys_of::<MpsRootSettings>(),
-        ]
-        .concat()
+        let mut keys = vec!["version"];
+        for section in Settings::section_keys() {
+            keys.extend_from_slice(section);
+        }
+        keys
     })
 }
 
-/// Reads the value of `key` into the settings struct that declares it; false if none does.
-fn read_entry<'de, A: MapAccess<'de>>(
-    settings: &mut Settings,
-    key: &str,
-    map: &mut A,
-) -> Result<bool, A::Error> {
-    // Destructured so that a new concern does not compile until it is read here (and listed in
-    // `file_keys`, which the tests check against this).
-    let Settings {
-        backend,
-        plugin,
-        kubelet,
-        api,
-        serve,
-        daemon,
-        log,
-        health,
-        mps,
-    } = settings;
-    Ok(read_into(backend, key, map)?
-        || read_into(plugin, key, map)?
-        || read_into(kubelet, key, map)?
-        || read_into(api, key, map)?
-        || read_into(serve, key, map)?
-        || read_into(daemon, key, map)?
-        || read_into(log, key, map)?
-        || read_into(health, key, map)?
-        || read_into(mps, key, map)?)
-}
-
-fn read_into<'de, T: Section, A: MapAccess<'de>>(
+/// Reads the value of `key` into `slot` if `key` is one of `T`'s file keys; false if it is not.
+pub(super) fn read_into<'de, T: Section, A: MapAccess<'de>>(
     slot: &mut T,
     key: &str,
     map: &mut A,
@@ -162,7 +121,7 @@ impl<'de> Visitor<'de> for FileVisitor {
         while let Some(key) = map.next_key::<String>()? {
             if key == "version" {
                 version = Some(map.next_value::<String>()?);
-            } else if !read_entry(&mut settings, &key, &mut map)? {
+            } else if !settings.read_entry(&key, &mut map)? {
                 return Err(de::Error::unknown_field(&key, file_keys()));
             }
         }

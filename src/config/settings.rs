@@ -15,11 +15,9 @@ use super::{
 };
 
 /// One concern's settings, every field optional so that levels can be layered.
-pub trait Section: Default + serde::de::DeserializeOwned {
+pub trait Section: Layer + Default + serde::de::DeserializeOwned {
     /// The built-in values; `None` where there is none, or where validation computes it.
     fn defaults() -> Self;
-    /// `self`, each unset setting taken from `lower`.
-    fn or(self, lower: Self) -> Self;
     /// `self` as a lower level under `higher`: of two alternatives (`--profile` and
     /// `--topology`), either one given at a higher level replaces both, so `--topology x`
     /// overrides `profile:` from the file instead of conflicting with it.
@@ -28,47 +26,91 @@ pub trait Section: Default + serde::de::DeserializeOwned {
     }
 }
 
-/// Where GPUs come from, and the node they belong to.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct BackendSettings {
-    /// auto: NVML when it loads. --profile or --topology imply simulated.
-    #[arg(long, env = "NVDRA_BACKEND", value_enum)]
-    pub backend: Option<BackendKind>,
+/// Two levels of a setting, or of a struct of settings, merged.
+pub trait Layer {
+    /// `self`, each unset setting taken from `lower`.
+    fn or(self, lower: Self) -> Self;
+}
 
-    /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
-    /// a100-mig-mixed, pcie-pairs.
-    #[arg(
-        long,
-        env = "NVDRA_PROFILE",
-        value_name = "NAME",
-        conflicts_with = "topology"
-    )]
-    pub profile: Option<String>,
+impl<T> Layer for Option<T> {
+    fn or(self, lower: Self) -> Self {
+        Option::or(self, lower)
+    }
+}
 
-    /// A simulated topology file (YAML, version: v1).
-    #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
-    pub topology: Option<PathBuf>,
+/// Declares a struct of settings as written, and its [`Layer`]: field by field, so that a new
+/// setting is one field (with its flag, env name, help and file key) and nothing else here.
+macro_rules! settings_struct {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $(
+                $(#[$field_meta:meta])*
+                pub $field:ident: $ty:ty,
+            )*
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name {
+            $(
+                $(#[$field_meta])*
+                pub $field: $ty,
+            )*
+        }
 
-    /// Root of the NVIDIA driver installation on the host: `/`, or `/run/nvidia/driver` with
-    /// the GPU Operator's driver container. CDI specs name host paths under it.
-    #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
-    pub driver_root: Option<PathBuf>,
+        impl Layer for $name {
+            fn or(self, lower: Self) -> Self {
+                Self {
+                    $($field: Layer::or(self.$field, lower.$field),)*
+                }
+            }
+        }
+    };
+}
 
-    /// Host root whose dev/ holds the NVIDIA device nodes (/dev when it has none); defaults to
-    /// the driver root.
-    #[arg(long, env = "NVIDIA_DEV_ROOT", value_name = "DIR")]
-    pub dev_root: Option<PathBuf>,
+settings_struct! {
+    /// Where GPUs come from, and the node they belong to.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct BackendSettings {
+        /// auto: NVML when it loads. --profile or --topology imply simulated.
+        #[arg(long, env = "NVDRA_BACKEND", value_enum)]
+        pub backend: Option<BackendKind>,
 
-    /// Where the host's driver root is mounted in nvdra's container, i.e. where nvdra reads
-    /// the driver's files (libnvidia-ml.so.1, nvidia-smi, ...); defaults to the driver root.
-    #[arg(long, env = "DRIVER_ROOT_CTR_PATH", value_name = "DIR")]
-    pub driver_root_ctr_path: Option<PathBuf>,
+        /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
+        /// a100-mig-mixed, pcie-pairs.
+        #[arg(
+            long,
+            env = "NVDRA_PROFILE",
+            value_name = "NAME",
+            conflicts_with = "topology"
+        )]
+        pub profile: Option<String>,
 
-    /// This node's name; defaults to the host name.
-    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
-    pub node_name: Option<String>,
+        /// A simulated topology file (YAML, version: v1).
+        #[arg(long, env = "NVDRA_TOPOLOGY", value_name = "FILE")]
+        pub topology: Option<PathBuf>,
+
+        /// Root of the NVIDIA driver installation on the host: `/`, or `/run/nvidia/driver` with
+        /// the GPU Operator's driver container. CDI specs name host paths under it.
+        #[arg(long, env = "NVIDIA_DRIVER_ROOT", value_name = "DIR")]
+        pub driver_root: Option<PathBuf>,
+
+        /// Host root whose dev/ holds the NVIDIA device nodes (/dev when it has none); defaults to
+        /// the driver root.
+        #[arg(long, env = "NVIDIA_DEV_ROOT", value_name = "DIR")]
+        pub dev_root: Option<PathBuf>,
+
+        /// Where the host's driver root is mounted in nvdra's container, i.e. where nvdra reads
+        /// the driver's files (libnvidia-ml.so.1, nvidia-smi, ...); defaults to the driver root.
+        #[arg(long, env = "DRIVER_ROOT_CTR_PATH", value_name = "DIR")]
+        pub driver_root_ctr_path: Option<PathBuf>,
+
+        /// This node's name; defaults to the host name.
+        #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+        pub node_name: Option<String>,
+    }
 }
 
 impl Section for BackendSettings {
@@ -80,27 +122,6 @@ impl Section for BackendSettings {
         }
     }
 
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            backend,
-            profile,
-            topology,
-            driver_root,
-            dev_root,
-            driver_root_ctr_path,
-            node_name,
-        } = self;
-        Self {
-            backend: backend.or(lower.backend),
-            profile: profile.or(lower.profile),
-            topology: topology.or(lower.topology),
-            driver_root: driver_root.or(lower.driver_root),
-            dev_root: dev_root.or(lower.dev_root),
-            driver_root_ctr_path: driver_root_ctr_path.or(lower.driver_root_ctr_path),
-            node_name: node_name.or(lower.node_name),
-        }
-    }
-
     fn under(mut self, higher: &Self) -> Self {
         if higher.profile.is_some() || higher.topology.is_some() {
             (self.profile, self.topology) = (None, None);
@@ -109,41 +130,43 @@ impl Section for BackendSettings {
     }
 }
 
-/// What the plugin publishes and under which name.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct PluginSettings {
-    /// DRA driver name (also the CDI vendor suffix and the plugin directory name).
-    #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
-    pub driver_name: Option<String>,
+settings_struct! {
+    /// What the plugin publishes and under which name.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct PluginSettings {
+        /// DRA driver name (also the CDI vendor suffix and the plugin directory name).
+        #[arg(long, env = "NVDRA_DRIVER_NAME", value_name = "NAME")]
+        pub driver_name: Option<String>,
 
-    /// Publish shared counters and every possible MIG placement, creating MIG devices at
-    /// prepare (needs the DRAPartitionableDevices feature gate); inventory -o slices shows the
-    /// result.
-    #[arg(
-        long,
-        env = "NVDRA_PARTITIONABLE",
-        value_name = "BOOL",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "true"
-    )]
-    pub partitionable: Option<bool>,
+        /// Publish shared counters and every possible MIG placement, creating MIG devices at
+        /// prepare (needs the DRAPartitionableDevices feature gate); inventory -o slices shows the
+        /// result.
+        #[arg(
+            long,
+            env = "NVDRA_PARTITIONABLE",
+            value_name = "BOOL",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true"
+        )]
+        pub partitionable: Option<bool>,
 
-    /// Publish each GPU outside MIG mode as one device the scheduler may allocate many times:
-    /// a claim asking `capacity.requests.memory` below the whole GPU gets a share of it,
-    /// enforced at prepare with the GPU's MPS daemon; one asking no memory gets the GPU whole
-    /// (needs the DRAConsumableCapacity feature gate).
-    #[arg(
-        long,
-        env = "NVDRA_SHARED_CAPACITY",
-        value_name = "BOOL",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "true"
-    )]
-    pub shared_capacity: Option<bool>,
+        /// Publish each GPU outside MIG mode as one device the scheduler may allocate many times:
+        /// a claim asking `capacity.requests.memory` below the whole GPU gets a share of it,
+        /// enforced at prepare with the GPU's MPS daemon; one asking no memory gets the GPU whole
+        /// (needs the DRAConsumableCapacity feature gate).
+        #[arg(
+            long,
+            env = "NVDRA_SHARED_CAPACITY",
+            value_name = "BOOL",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true"
+        )]
+        pub shared_capacity: Option<bool>,
+    }
 }
 
 impl Section for PluginSettings {
@@ -154,40 +177,29 @@ impl Section for PluginSettings {
             shared_capacity: Some(false),
         }
     }
-
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            driver_name,
-            partitionable,
-            shared_capacity,
-        } = self;
-        Self {
-            driver_name: driver_name.or(lower.driver_name),
-            partitionable: partitionable.or(lower.partitionable),
-            shared_capacity: shared_capacity.or(lower.shared_capacity),
-        }
-    }
 }
 
-/// Where the kubelet and the container runtime look for what the plugin writes.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct KubeletSettings {
-    /// The kubelet's --root-dir; sockets go to its plugins/ and plugins_registry/.
-    #[arg(long, env = "NVDRA_KUBELET_ROOT", value_name = "DIR")]
-    pub kubelet_root: Option<PathBuf>,
+settings_struct! {
+    /// Where the kubelet and the container runtime look for what the plugin writes.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct KubeletSettings {
+        /// The kubelet's --root-dir; sockets go to its plugins/ and plugins_registry/.
+        #[arg(long, env = "NVDRA_KUBELET_ROOT", value_name = "DIR")]
+        pub kubelet_root: Option<PathBuf>,
 
-    /// Where claim CDI specs are written (the container runtime's CDI spec directory).
-    #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
-    pub cdi_root: Option<PathBuf>,
+        /// Where claim CDI specs are written (the container runtime's CDI spec directory).
+        #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
+        pub cdi_root: Option<PathBuf>,
 
-    /// This pod's UID (downward API), for rolling updates: socket names carry it so two
-    /// instances can serve side by side.
-    // Not a file key: it differs for every pod of the DaemonSet.
-    #[arg(long, env = "POD_UID", value_name = "UID")]
-    #[serde(skip)]
-    pub pod_uid: Option<String>,
+        /// This pod's UID (downward API), for rolling updates: socket names carry it so two
+        /// instances can serve side by side.
+        // Not a file key: it differs for every pod of the DaemonSet.
+        #[arg(long, env = "POD_UID", value_name = "UID")]
+        #[serde(skip)]
+        pub pod_uid: Option<String>,
+    }
 }
 
 impl Section for KubeletSettings {
@@ -198,70 +210,48 @@ impl Section for KubeletSettings {
             pod_uid: None,
         }
     }
+}
 
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            kubelet_root,
-            cdi_root,
-            pod_uid,
-        } = self;
-        Self {
-            kubelet_root: kubelet_root.or(lower.kubelet_root),
-            cdi_root: cdi_root.or(lower.cdi_root),
-            pod_uid: pod_uid.or(lower.pod_uid),
-        }
+settings_struct! {
+    /// A kubeconfig: the one declaration of `--kubeconfig`, flattened into [`ApiSettings`] and into
+    /// `nvdra match` (which reads a live cluster through it), as kubert's client arguments are.
+    // Transparent, and renamed where ApiSettings holds it: in the file `kubeconfig` stays a key of
+    // the flat map, read by ApiSettings' derive like its other keys.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(transparent)]
+    pub struct ClusterSettings {
+        /// Talk to the API server of this kubeconfig instead of the in-cluster config.
+        #[arg(long, env = "NVDRA_KUBECONFIG", value_name = "FILE")]
+        pub kubeconfig: Option<PathBuf>,
     }
 }
 
-/// A kubeconfig: the one declaration of `--kubeconfig`, flattened into [`ApiSettings`] and into
-/// `nvdra match` (which reads a live cluster through it), as kubert's client arguments are.
-// Transparent, and renamed where ApiSettings holds it: in the file `kubeconfig` stays a key of
-// the flat map, read by ApiSettings' derive like its other keys.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(transparent)]
-pub struct ClusterSettings {
-    /// Talk to the API server of this kubeconfig instead of the in-cluster config.
-    #[arg(long, env = "NVDRA_KUBECONFIG", value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-}
+settings_struct! {
+    /// Which API server nvdra talks to.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ApiSettings {
+        #[command(flatten)]
+        #[serde(default, rename = "kubeconfig")]
+        pub cluster: ClusterSettings,
 
-/// Which API server nvdra talks to.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ApiSettings {
-    #[command(flatten)]
-    #[serde(default, rename = "kubeconfig")]
-    pub cluster: ClusterSettings,
-
-    /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
-    /// DIR/resourceslices), for runs without a cluster.
-    #[arg(
-        long,
-        env = "NVDRA_API_DIR",
-        value_name = "DIR",
-        conflicts_with = "kubeconfig"
-    )]
-    pub api_dir: Option<PathBuf>,
+        /// Use a directory as the API (claims read from DIR/resourceclaims, slices written to
+        /// DIR/resourceslices), for runs without a cluster.
+        #[arg(
+            long,
+            env = "NVDRA_API_DIR",
+            value_name = "DIR",
+            conflicts_with = "kubeconfig"
+        )]
+        pub api_dir: Option<PathBuf>,
+    }
 }
 
 impl Section for ApiSettings {
     fn defaults() -> Self {
         Self::default()
-    }
-
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            cluster: ClusterSettings { kubeconfig },
-            api_dir,
-        } = self;
-        Self {
-            cluster: ClusterSettings {
-                kubeconfig: kubeconfig.or(lower.cluster.kubeconfig),
-            },
-            api_dir: api_dir.or(lower.api_dir),
-        }
     }
 
     fn under(mut self, higher: &Self) -> Self {
@@ -272,20 +262,22 @@ impl Section for ApiSettings {
     }
 }
 
-/// Which path serves the GPUs to the kubelet: DRA, the device plugin, or both, and the device
-/// plugin's config. `nvdra run` serves them; `nvdra inventory -o paths` says what it would serve.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ServeSettings {
-    /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
-    #[arg(long, env = "NVDRA_MODE", value_enum)]
-    pub mode: Option<Mode>,
+settings_struct! {
+    /// Which path serves the GPUs to the kubelet: DRA, the device plugin, or both, and the device
+    /// plugin's config. `nvdra run` serves them; `nvdra inventory -o paths` says what it would serve.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ServeSettings {
+        /// dra, device-plugin, both, or auto (DRA where the cluster supports it).
+        #[arg(long, env = "NVDRA_MODE", value_enum)]
+        pub mode: Option<Mode>,
 
-    /// NVIDIA's device-plugin config file (version v1: flags.migStrategy, deviceListStrategy,
-    /// deviceIDStrategy, sharing.timeSlicing/mps, ...), for the device-plugin path.
-    #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
-    pub device_plugin_config: Option<PathBuf>,
+        /// NVIDIA's device-plugin config file (version v1: flags.migStrategy, deviceListStrategy,
+        /// deviceIDStrategy, sharing.timeSlicing/mps, ...), for the device-plugin path.
+        #[arg(long, env = "NVDRA_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
+        pub device_plugin_config: Option<PathBuf>,
+    }
 }
 
 impl Section for ServeSettings {
@@ -295,53 +287,44 @@ impl Section for ServeSettings {
             device_plugin_config: None,
         }
     }
-
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            mode,
-            device_plugin_config,
-        } = self;
-        Self {
-            mode: mode.or(lower.mode),
-            device_plugin_config: device_plugin_config.or(lower.device_plugin_config),
-        }
-    }
 }
 
-/// What only the node agent does: where its metrics are, and what it adds to the device-plugin
-/// path and the Node.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct DaemonSettings {
-    /// Address of /metrics, /healthz and /readyz.
-    #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
-    pub metrics_address: Option<String>,
+settings_struct! {
+    /// What only the node agent does: where its metrics are, and what it adds to the device-plugin
+    /// path and the Node.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct DaemonSettings {
+        /// Address of /metrics, /healthz and /readyz.
+        #[arg(long, env = "NVDRA_METRICS_ADDRESS", value_name = "ADDR")]
+        pub metrics_address: Option<String>,
 
-    /// Advertise each whole GPU no sharing entry selects as nvidia.com/gpu-memory instead of
-    /// nvidia.com/gpu on the device-plugin path: one device per GiB, Allocate of k units setting
-    /// the GPU's MPS pinned-memory limit to kG (nvdra's extension; NVIDIA's file has no key).
-    #[arg(
-        long,
-        env = "NVDRA_DEVICE_PLUGIN_GPU_MEMORY",
-        value_name = "BOOL",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "true"
-    )]
-    pub device_plugin_gpu_memory: Option<bool>,
+        /// Advertise each whole GPU no sharing entry selects as nvidia.com/gpu-memory instead of
+        /// nvidia.com/gpu on the device-plugin path: one device per GiB, Allocate of k units setting
+        /// the GPU's MPS pinned-memory limit to kG (nvdra's extension; NVIDIA's file has no key).
+        #[arg(
+            long,
+            env = "NVDRA_DEVICE_PLUGIN_GPU_MEMORY",
+            value_name = "BOOL",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true"
+        )]
+        pub device_plugin_gpu_memory: Option<bool>,
 
-    /// Keep gpu-feature-discovery's nvidia.com/ labels (gpu.product, gpu.count, gpu.memory, ...)
-    /// on the Node current, so nodeSelectors written for GFD keep working.
-    #[arg(
-        long,
-        env = "NVDRA_NODE_LABELS",
-        value_name = "BOOL",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "true"
-    )]
-    pub node_labels: Option<bool>,
+        /// Keep gpu-feature-discovery's nvidia.com/ labels (gpu.product, gpu.count, gpu.memory, ...)
+        /// on the Node current, so nodeSelectors written for GFD keep working.
+        #[arg(
+            long,
+            env = "NVDRA_NODE_LABELS",
+            value_name = "BOOL",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true"
+        )]
+        pub node_labels: Option<bool>,
+    }
 }
 
 impl Section for DaemonSettings {
@@ -352,55 +335,44 @@ impl Section for DaemonSettings {
             node_labels: Some(false),
         }
     }
-
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            metrics_address,
-            device_plugin_gpu_memory,
-            node_labels,
-        } = self;
-        Self {
-            metrics_address: metrics_address.or(lower.metrics_address),
-            node_labels: node_labels.or(lower.node_labels),
-            device_plugin_gpu_memory: device_plugin_gpu_memory.or(lower.device_plugin_gpu_memory),
-        }
-    }
 }
 
-/// How GPU health events are judged, how unhealthy GPUs recover, and (simulated GPUs) where
-/// faults are injected.
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct HealthSettings {
-    /// XIDs that never make a GPU unhealthy (comma-separated; empty for none): application
-    /// errors by default.
-    #[arg(long, env = "NVDRA_IGNORED_XIDS", value_name = "LIST")]
-    pub ignored_xids: Option<String>,
+settings_struct! {
+    /// How GPU health events are judged, how unhealthy GPUs recover, and (simulated GPUs) where
+    /// faults are injected.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct HealthSettings {
+        /// XIDs that never make a GPU unhealthy (comma-separated; empty for none): application
+        /// errors by default.
+        #[arg(long, env = "NVDRA_IGNORED_XIDS", value_name = "LIST")]
+        pub ignored_xids: Option<String>,
 
-    /// Per-XID rules over the ignore list: XID=ignore, XID=NoSchedule or XID=NoExecute (the
-    /// taint effect), comma-separated, e.g. 94=ignore,79=NoExecute.
-    #[arg(long, env = "NVDRA_XID_OVERRIDES", value_name = "LIST")]
-    pub xid_overrides: Option<String>,
+        /// Per-XID rules over the ignore list: XID=ignore, XID=NoSchedule or XID=NoExecute (the
+        /// taint effect), comma-separated, e.g. 94=ignore,79=NoExecute.
+        #[arg(long, env = "NVDRA_XID_OVERRIDES", value_name = "LIST")]
+        pub xid_overrides: Option<String>,
 
-    /// How long an unhealthy GPU must answer its probe with no new critical event before it is
-    /// healthy again (500ms, 30s, 5m, 1h).
-    #[arg(long, env = "NVDRA_HEALTH_QUIET_PERIOD", value_name = "DURATION")]
-    pub health_quiet_period: Option<String>,
+        /// How long an unhealthy GPU must answer its probe with no new critical event before it is
+        /// healthy again (500ms, 30s, 5m, 1h).
+        #[arg(long, env = "NVDRA_HEALTH_QUIET_PERIOD", value_name = "DURATION")]
+        pub health_quiet_period: Option<String>,
 
-    /// How often unhealthy GPUs are probed.
-    #[arg(long, env = "NVDRA_HEALTH_PROBE_INTERVAL", value_name = "DURATION")]
-    pub health_probe_interval: Option<String>,
+        /// How often unhealthy GPUs are probed.
+        #[arg(long, env = "NVDRA_HEALTH_PROBE_INTERVAL", value_name = "DURATION")]
+        pub health_probe_interval: Option<String>,
 
-    /// Simulated GPUs only: a file whose appended lines inject faults at run time (xid GPU XID,
-    /// ecc GPU, lost GPU, back GPU).
-    #[arg(long, env = "NVDRA_FAULT_FILE", value_name = "FILE")]
-    pub fault_file: Option<PathBuf>,
+        /// Simulated GPUs only: a file whose appended lines inject faults at run time (xid GPU XID,
+        /// ecc GPU, lost GPU, back GPU).
+        #[arg(long, env = "NVDRA_FAULT_FILE", value_name = "FILE")]
+        pub fault_file: Option<PathBuf>,
 
-    /// How often the MPS daemon of each GPU that holds shares is asked whether it answers; one
-    /// that does not taints its GPU and refuses new shares until it answers again.
-    #[arg(long, env = "NVDRA_MPS_PROBE_INTERVAL", value_name = "DURATION")]
-    pub mps_probe_interval: Option<String>,
+        /// How often the MPS daemon of each GPU that holds shares is asked whether it answers; one
+        /// that does not taints its GPU and refuses new shares until it answers again.
+        #[arg(long, env = "NVDRA_MPS_PROBE_INTERVAL", value_name = "DURATION")]
+        pub mps_probe_interval: Option<String>,
+    }
 }
 
 impl Section for HealthSettings {
@@ -418,37 +390,20 @@ impl Section for HealthSettings {
             mps_probe_interval: Some("5s".into()),
         }
     }
-
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            ignored_xids,
-            xid_overrides,
-            health_quiet_period,
-            health_probe_interval,
-            fault_file,
-            mps_probe_interval,
-        } = self;
-        Self {
-            ignored_xids: ignored_xids.or(lower.ignored_xids),
-            xid_overrides: xid_overrides.or(lower.xid_overrides),
-            health_quiet_period: health_quiet_period.or(lower.health_quiet_period),
-            health_probe_interval: health_probe_interval.or(lower.health_probe_interval),
-            fault_file: fault_file.or(lower.fault_file),
-            mps_probe_interval: mps_probe_interval.or(lower.mps_probe_interval),
-        }
-    }
 }
 
-/// Where the MPS control daemons of shared GPUs live: `nvdra mps-host` runs them there, `nvdra
-/// run` asks for them there (`crate::mps::dir` describes the directory protocol).
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct MpsRootSettings {
-    /// The host directory (a tmpfs, short: a socket path holds at most 107 bytes) that holds
-    /// one directory per MPS control daemon, shared by the plugin and the MPS host.
-    #[arg(long, env = "NVDRA_MPS_ROOT", value_name = "DIR")]
-    pub mps_root: Option<PathBuf>,
+settings_struct! {
+    /// Where the MPS control daemons of shared GPUs live: `nvdra mps-host` runs them there, `nvdra
+    /// run` asks for them there (`crate::mps::dir` describes the directory protocol).
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct MpsRootSettings {
+        /// The host directory (a tmpfs, short: a socket path holds at most 107 bytes) that holds
+        /// one directory per MPS control daemon, shared by the plugin and the MPS host.
+        #[arg(long, env = "NVDRA_MPS_ROOT", value_name = "DIR")]
+        pub mps_root: Option<PathBuf>,
+    }
 }
 
 impl Section for MpsRootSettings {
@@ -457,38 +412,33 @@ impl Section for MpsRootSettings {
             mps_root: Some(DEFAULT_MPS_ROOT.into()),
         }
     }
-
-    fn or(self, lower: Self) -> Self {
-        let Self { mps_root } = self;
-        Self {
-            mps_root: mps_root.or(lower.mps_root),
-        }
-    }
 }
 
-/// How nvdra logs (every subcommand).
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
-#[cfg_attr(test, derive(serde::Serialize))]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct LogSettings {
-    /// Log format on stderr.
-    #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
-    pub log_format: Option<LogFormat>,
+settings_struct! {
+    /// How nvdra logs (every subcommand).
+    #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args, Deserialize)]
+    #[cfg_attr(test, derive(serde::Serialize))]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct LogSettings {
+        /// Log format on stderr.
+        #[arg(long, env = "NVDRA_LOG_FORMAT", global = true, value_enum)]
+        pub log_format: Option<LogFormat>,
 
-    /// What is logged: a tracing filter (`debug`, `nvdra=debug,kube=warn`). Unset, or not a
-    /// filter: `info` (`error` for the demo), the subcommand's default.
-    // Raw, not a `String`: a value that is not UTF-8 falls back to the default as an invalid
-    // filter does. Hidden, and not a file key: it is known as NVDRA_LOG, which the README
-    // documents with --log-format.
-    #[arg(
-        long = "log",
-        env = "NVDRA_LOG",
-        global = true,
-        value_name = "FILTER",
-        hide = true
-    )]
-    #[serde(skip)]
-    pub log_filter: Option<OsString>,
+        /// What is logged: a tracing filter (`debug`, `nvdra=debug,kube=warn`). Unset, or not a
+        /// filter: `info` (`error` for the demo), the subcommand's default.
+        // Raw, not a `String`: a value that is not UTF-8 falls back to the default as an invalid
+        // filter does. Hidden, and not a file key: it is known as NVDRA_LOG, which the README
+        // documents with --log-format.
+        #[arg(
+            long = "log",
+            env = "NVDRA_LOG",
+            global = true,
+            value_name = "FILTER",
+            hide = true
+        )]
+        #[serde(skip)]
+        pub log_filter: Option<OsString>,
+    }
 }
 
 impl Section for LogSettings {
@@ -499,97 +449,74 @@ impl Section for LogSettings {
             log_filter: None,
         }
     }
-
-    fn or(self, lower: Self) -> Self {
-        let Self {
-            log_format,
-            log_filter,
-        } = self;
-        Self {
-            log_format: log_format.or(lower.log_format),
-            log_filter: log_filter.or(lower.log_filter),
-        }
-    }
 }
 
-/// Every setting, by concern: one level (the command line and environment, or the file).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Settings {
-    pub backend: BackendSettings,
-    pub plugin: PluginSettings,
-    pub kubelet: KubeletSettings,
-    pub api: ApiSettings,
-    pub serve: ServeSettings,
-    pub daemon: DaemonSettings,
-    pub log: LogSettings,
-    pub health: HealthSettings,
-    pub mps: MpsRootSettings,
+/// Declares [`Settings`] from its list of sections, and what goes through every section:
+/// defaults, layering, and the config file's keys and entries (`config/file.rs`).
+macro_rules! sections {
+    ($($(#[$meta:meta])* $field:ident: $ty:ty,)*) => {
+        /// Every setting, by concern: one level (the command line and environment, or the file).
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct Settings {
+            $($(#[$meta])* pub $field: $ty,)*
+        }
+
+        impl Settings {
+            pub fn defaults() -> Self {
+                Self {
+                    $($field: Section::defaults(),)*
+                }
+            }
+
+            /// `self`, each unset setting taken from `lower`.
+            pub fn or(self, lower: Self) -> Self {
+                Self {
+                    $($field: Layer::or(self.$field, lower.$field),)*
+                }
+            }
+
+            /// `self` as a lower level under `higher` (see [`Section::under`]).
+            pub fn under(self, higher: &Self) -> Self {
+                Self {
+                    $($field: self.$field.under(&higher.$field),)*
+                }
+            }
+
+            /// The file keys of each section, in order.
+            pub(super) fn section_keys() -> Vec<&'static [&'static str]> {
+                vec![$(super::file::keys_of::<$ty>(),)*]
+            }
+
+            /// Reads the value of `key` into the section that declares it; false if none does.
+            pub(super) fn read_entry<'de, A: serde::de::MapAccess<'de>>(
+                &mut self,
+                key: &str,
+                map: &mut A,
+            ) -> Result<bool, A::Error> {
+                $(if super::file::read_into(&mut self.$field, key, map)? {
+                    return Ok(true);
+                })*
+                Ok(false)
+            }
+
+            /// Each section as JSON, in order (the tests compare and list them).
+            #[cfg(test)]
+            pub(super) fn sections(&self) -> Vec<serde_json::Value> {
+                vec![$(serde_json::to_value(&self.$field).expect("settings serialize"),)*]
+            }
+        }
+    };
 }
 
-impl Settings {
-    pub fn defaults() -> Self {
-        Self {
-            backend: Section::defaults(),
-            plugin: Section::defaults(),
-            kubelet: Section::defaults(),
-            api: Section::defaults(),
-            serve: Section::defaults(),
-            daemon: Section::defaults(),
-            log: Section::defaults(),
-            health: Section::defaults(),
-            mps: Section::defaults(),
-        }
-    }
-
-    /// `self`, each unset setting taken from `lower`.
-    pub fn or(self, lower: Self) -> Self {
-        let Self {
-            backend,
-            plugin,
-            kubelet,
-            api,
-            serve,
-            daemon,
-            log,
-            health,
-            mps,
-        } = self;
-        Self {
-            backend: backend.or(lower.backend),
-            plugin: plugin.or(lower.plugin),
-            kubelet: kubelet.or(lower.kubelet),
-            api: api.or(lower.api),
-            serve: serve.or(lower.serve),
-            daemon: daemon.or(lower.daemon),
-            log: log.or(lower.log),
-            health: health.or(lower.health),
-            mps: mps.or(lower.mps),
-        }
-    }
-
-    /// `self` as a lower level under `higher` (see [`Section::under`]).
-    pub fn under(self, higher: &Self) -> Self {
-        let Self {
-            backend,
-            plugin,
-            kubelet,
-            api,
-            serve,
-            daemon,
-            log,
-            health,
-            mps,
-        } = self;
-        Self {
-            backend: backend.under(&higher.backend),
-            plugin: plugin.under(&higher.plugin),
-            kubelet: kubelet.under(&higher.kubelet),
-            api: api.under(&higher.api),
-            serve: serve.under(&higher.serve),
-            daemon: daemon.under(&higher.daemon),
-            log: log.under(&higher.log),
-            health: health.under(&higher.health),
-            mps: mps.under(&higher.mps),
-        }
-    }
+// The one list of sections; the order is the file keys' order in the config file's errors.
+sections! {
+    backend: BackendSettings,
+    plugin: PluginSettings,
+    kubelet: KubeletSettings,
+    api: ApiSettings,
+    serve: ServeSettings,
+    daemon: DaemonSettings,
+    log: LogSettings,
+    health: HealthSettings,
+    mps: MpsRootSettings,
 }

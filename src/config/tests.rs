@@ -289,19 +289,14 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         };
         assert!(set, "{line}: {s:?}");
         // Exactly one struct picked the value up.
-        let unset = Settings::default();
-        let changed = [
-            s.backend != unset.backend,
-            s.plugin != unset.plugin,
-            s.kubelet != unset.kubelet,
-            s.api != unset.api,
-            s.serve != unset.serve,
-            s.daemon != unset.daemon,
-            s.log != unset.log,
-            s.health != unset.health,
-            s.mps != unset.mps,
-        ];
-        assert_eq!(changed.iter().filter(|c| **c).count(), 1, "{line}");
+        let unset = Settings::default().sections();
+        let changed = s
+            .sections()
+            .iter()
+            .zip(&unset)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(changed, 1, "{line}");
         covered.push(key);
     }
     covered.sort_unstable();
@@ -444,18 +439,8 @@ fn readme_configuration_table_matches_the_declarations() {
 
     let mut defaults = serde_json::Map::new();
     let d = Settings::defaults();
-    for section in [
-        serde_json::to_value(&d.backend),
-        serde_json::to_value(&d.plugin),
-        serde_json::to_value(&d.kubelet),
-        serde_json::to_value(&d.api),
-        serde_json::to_value(&d.serve),
-        serde_json::to_value(&d.daemon),
-        serde_json::to_value(&d.log),
-        serde_json::to_value(&d.health),
-        serde_json::to_value(&d.mps),
-    ] {
-        let serde_json::Value::Object(m) = section.unwrap() else {
+    for section in d.sections() {
+        let serde_json::Value::Object(m) = section else {
             panic!("a settings struct serializes to a map");
         };
         defaults.extend(m);

@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::holds::{ContainerHolds, ContainerRef, Holder, Occupied, claim_holding};
 use crate::inventory::Health;
 use crate::ledger::Ledger;
 use kubelet_plugin::proto::podresources::v1 as pr;
@@ -25,7 +26,6 @@ use kubelet_plugin::proto::podresources::v1::pod_resources_lister_client::PodRes
 use kubelet_plugin::socket;
 
 use super::ResourceName;
-use super::holds::{ContainerHolds, ContainerRef, Holder, Occupied, claim_holding};
 use super::resources::Resource;
 
 /// How often PodResources is read (besides after each Allocate).

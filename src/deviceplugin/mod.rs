@@ -15,7 +15,7 @@
 //! - [`labels`]: `--node-labels`: gpu-feature-discovery's node labels;
 //! - [`both`]: `--mode both`: the ledger shared with DRA, and what PodResources says containers
 //!   hold;
-//! - [`holds`]: `--mode both`: what containers hold through this path, in memory, which the
+//! - what containers hold through this path is a node-level fact, [`crate::holds`], which the
 //!   ledger consults when a claim reserves devices;
 //! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
 //! - [`server`]: one gRPC server per resource on `<kubelet root>/device-plugins/nvidia-<name>.sock`,
@@ -30,7 +30,6 @@ pub mod allocate;
 pub mod auto;
 pub mod both;
 pub mod cdi;
-pub mod holds;
 pub mod labels;
 pub mod nvconfig;
 pub mod preferred;

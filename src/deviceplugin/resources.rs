@@ -18,9 +18,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::holds::Occupied;
 use crate::inventory::{DeviceUuid, GpuUuid, Health, Inventory, Placement};
-
-use super::holds::Occupied;
 
 use super::{DeviceSelector, IdStrategy, MigStrategy, Options, ResourceName};
 

@@ -31,6 +31,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
+use crate::holds::ContainerHolds;
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::Ledger;
 use kubelet_plugin::proto::deviceplugin::v1beta1 as pb;
@@ -41,7 +42,6 @@ use kubelet_plugin::socket;
 use super::allocate::Context;
 use super::auto::Mapped;
 use super::both::{Both, PodWatch};
-use super::holds::ContainerHolds;
 use super::resources::{self, Resource};
 use super::service::Service;
 use super::{Options, ResourceName, wire};

@@ -25,7 +25,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::slices::{self, CounterLayout, SliceOptions};
-use crate::deviceplugin::holds::{ContainerHolds, Holder, Occupied};
+use crate::holds::{ContainerHolds, Holder, Occupied};
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::metrics::Metrics;
 use kubelet_plugin::publisher::PublisherHandle;
@@ -373,7 +373,7 @@ mod tests {
 
     #[test]
     fn held_gpus_and_mig_devices_are_hidden_and_nothing_else() {
-        use crate::deviceplugin::holds::ContainerRef;
+        use crate::holds::ContainerRef;
         let mut inv = SimBackend::from_profile("a100-mig-mixed", "n1")
             .unwrap()
             .snapshot()

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use super::Source;
 use super::families::{Allocation, GpuRow, ProcessRow, Scrape, ShareRow};
-use crate::deviceplugin::holds::{ContainerHolds, Holder};
 use crate::health::MonitorHandle;
+use crate::holds::{ContainerHolds, Holder};
 use crate::inventory::{DeviceBackend, Inventory};
 use crate::ledger::{ClaimEntry, Ledger};
 

@@ -19,21 +19,17 @@ pub async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Erro
 }
 
 pub async fn wait_ready_at(reg_socket: &Path, child: &mut Child) {
-    for _ in 0..3000 {
+    super::wait::until("nvdra to serve", super::wait::SOON, || {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("nvdra exited before serving: {status}");
         }
-        if let Ok(ch) = unix_channel(reg_socket).await
-            && RegistrationClient::new(ch)
-                .get_info(InfoRequest {})
-                .await
-                .is_ok()
-        {
-            return;
+        async move {
+            let ch = unix_channel(reg_socket).await.ok()?;
+            let info = RegistrationClient::new(ch).get_info(InfoRequest {}).await;
+            info.ok().map(drop)
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("nvdra did not serve within 30 s");
+    })
+    .await
 }
 
 /// The kubelet's name for claim `uid` of the tests: `default/claim-<uid>`.
@@ -82,13 +78,10 @@ pub async fn unprepare_call(dra_socket: &Path, uid: &str) -> Result<String, toni
 /// Waits for the process to exit without blocking the runtime, which must keep serving the
 /// test's client connections while the daemon drains them.
 pub async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    for _ in 0..6000 {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("nvdra did not exit within 60 s");
+    super::wait::until("nvdra to exit", Duration::from_secs(60), || {
+        std::future::ready(child.try_wait().unwrap())
+    })
+    .await
 }
 
 pub async fn terminate(child: &mut Child) -> std::process::ExitStatus {

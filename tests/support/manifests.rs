@@ -133,12 +133,15 @@ pub fn assert_typed(docs: &[Value], origin: &str) {
 // Kustomize.
 
 pub fn kubectl() -> Option<&'static str> {
+    let required = super::require::required("NVDRA_REQUIRE_KUBECTL");
     let found = Command::new("kubectl")
         .args(["version", "--client"])
         .output()
         .is_ok_and(|o| o.status.success());
-    if !found && std::env::var_os("NVDRA_REQUIRE_KUBECTL").is_some_and(|v| v == "1") {
-        panic!("NVDRA_REQUIRE_KUBECTL=1 but `kubectl version --client` does not run");
+    if !found && required {
+        panic!(
+            "NVDRA_REQUIRE_KUBECTL requires kubectl but `kubectl version --client` does not run"
+        );
     }
     found.then_some("kubectl")
 }

@@ -1,6 +1,7 @@
 //! Shared helpers for integration tests.
 
 pub mod apiserver;
+pub mod daemon;
 pub mod dra;
 pub mod fake_nvml;
 pub mod grpcio;
@@ -8,3 +9,6 @@ pub mod manifests;
 pub mod mps;
 pub mod promclient;
 pub mod python;
+#[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
+pub mod require;
+pub mod wait;

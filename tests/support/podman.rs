@@ -16,17 +16,21 @@ pub const SYSTEM_CDI_DIR: &str = "/var/run/cdi";
 /// Generous bound on one podman command, so a wedged engine fails the test instead of hanging it.
 pub const PODMAN_TIMEOUT_S: &str = "180";
 
+#[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
+mod require;
+
 pub fn required() -> bool {
-    std::env::var("NVDRA_REQUIRE_PODMAN").is_ok_and(|v| !v.is_empty() && v != "0")
+    require::required("NVDRA_REQUIRE_PODMAN")
 }
 
 /// Runs `check` against the engine, or skips (or fails, when required) without one. The engine
 /// is probed once per test binary, so parallel tests do not import the image twice.
 pub fn with_engine(check: impl FnOnce(&Engine) -> Result<()>) {
     static ENGINE: OnceLock<Result<Engine, String>> = OnceLock::new();
+    let required = required();
     match ENGINE.get_or_init(|| engine().map_err(|e| format!("{e:#}"))) {
         Ok(engine) => check(engine).unwrap_or_else(|e| panic!("{e:#}")),
-        Err(why) if required() => {
+        Err(why) if required => {
             panic!("NVDRA_REQUIRE_PODMAN is set but podman cannot run containers here: {why}")
         }
         Err(why) => eprintln!(

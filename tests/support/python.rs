@@ -1,5 +1,6 @@
 //! Python peers of the tests (grpcio, `prometheus_client`): whether python3 can import one, with
-//! the project's rule for a missing peer (skip, saying why, unless `NVDRA_REQUIRE_<X>` is set),
+//! the project's rule for a missing peer (skip, saying why, unless `NVDRA_REQUIRE_<X>` requires
+//! it: [`super::require`]),
 //! and running a script over text.
 // Each test binary uses what it needs.
 #![allow(dead_code)]
@@ -18,6 +19,7 @@ pub fn have(
     require_var: &str,
     pip: &str,
 ) -> bool {
+    let required = super::require::required(require_var);
     let probe = probe.get_or_init(|| {
         let out = Command::new("python3")
             .args(["-c", import_line])
@@ -37,7 +39,6 @@ pub fn have(
             ))
         }
     });
-    let required = std::env::var(require_var).is_ok_and(|v| !v.is_empty() && v != "0");
     match probe {
         Ok(()) => true,
         Err(why) if required => panic!("{require_var} is set but {why}; run: {pip}"),

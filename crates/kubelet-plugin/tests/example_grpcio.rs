@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/require.rs"]
+mod require;
+
 const DRIVER: &str = "example.com";
 const NODE: &str = "node-1";
 const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
@@ -26,7 +29,7 @@ fn have_grpcio() -> bool {
         ])
         .output()
         .is_ok_and(|o| o.status.success());
-    let required = std::env::var("KUBELET_PLUGIN_REQUIRE_GRPCIO").is_ok_and(|v| v == "1");
+    let required = require::required("KUBELET_PLUGIN_REQUIRE_GRPCIO");
     assert!(
         ok || !required,
         "KUBELET_PLUGIN_REQUIRE_GRPCIO=1 but python3 cannot import the stand-in's modules; run: {PIP}"
@@ -56,6 +59,24 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// The rule every `*_REQUIRE_*` variable is read by, nvdra's included: the three spellings of
+/// yes and of no, in any case, and an unknown value refused with the variable's name.
+#[test]
+fn a_require_variable_is_yes_no_or_refused() {
+    for yes in ["1", "true", "TRUE", "Yes", " yes "] {
+        assert!(require::truth("X_REQUIRE_Y", Some(yes)), "{yes:?}");
+    }
+    for no in ["", "0", "false", "False", "no", "NO"] {
+        assert!(!require::truth("X_REQUIRE_Y", Some(no)), "{no:?}");
+    }
+    for unknown in [Some("2"), Some("on"), Some("ture"), None] {
+        let err = std::panic::catch_unwind(|| require::truth("X_REQUIRE_Y", unknown))
+            .expect_err("an unknown value is refused");
+        let text = err.downcast_ref::<String>().unwrap();
+        assert!(text.starts_with("X_REQUIRE_Y="), "{text}");
     }
 }
 

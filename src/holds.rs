@@ -1,7 +1,9 @@
-//! The device plugin's holds in `--mode both`: which GPUs (or MIG devices) containers hold
-//! through the legacy device plugin. Kept in memory only, here and not in the ledger (which owns
-//! the checkpoint only): the kubelet's PodResources API is the durable record of them, and is
-//! read again after a restart.
+//! A node-level fact in `--mode both`: which GPUs (or MIG devices) containers hold through the
+//! legacy device plugin. The device plugin records them, and the ledger, DRA's slice sync and
+//! the metrics' attribution read them, so they live beside the ledger rather than inside any one
+//! of those paths. Kept in memory only, here and not in the ledger (which owns the checkpoint
+//! only): the kubelet's PodResources API is the durable record of them, and is read again after
+//! a restart.
 //!
 //! Two sources fill them:
 //! - **Allocate** records a *pending* hold at once, atomically with the check that no DRA claim

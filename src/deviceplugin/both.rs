@@ -4,7 +4,7 @@
 //!   prepared ([`overlay`]), so the device manager does not hand it to a container; the lists are
 //!   sent again whenever the ledger changes.
 //! - Allocate of a device a claim holds fails naming the claim; otherwise its devices are held
-//!   ([`super::holds`]) at once ([`hold`]), before the kubelet's PodResources lists the pod.
+//!   ([`crate::holds`]) at once ([`hold`]), before the kubelet's PodResources lists the pod.
 //! - [`poll_pod_resources`] reads the kubelet's PodResources `List` (on
 //!   [`Config::pod_resources_socket`](crate::config::Config::pod_resources_socket)) every
 //!   [`POD_RESOURCES_POLL`] and after each Allocate, and records what each container holds; the

@@ -124,4 +124,20 @@ mod tests {
                 .any(|d| d.uuid == created.uuid)
         );
     }
+
+    /// A MIG mode change through the cache empties it, refused ones too: an Ampere's refusal
+    /// leaves the change pending, which the next read must show.
+    #[test]
+    fn mig_mode_changes_empty_the_cache() {
+        let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+        let cached = Cached::new(Arc::new(sim));
+        let gpu3 = cached.snapshot().unwrap().gpus[3].uuid.clone();
+        assert!(cached.set_mig_mode(&gpu3, true).is_err());
+        assert_eq!(cached.snapshot().unwrap().gpus[3].mig.pending, Some(true));
+        assert_eq!(
+            cached.set_mig_mode(&gpu3, false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        assert_eq!(cached.snapshot().unwrap().gpus[3].mig.pending, None);
+    }
 }

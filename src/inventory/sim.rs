@@ -324,7 +324,10 @@ impl DeviceBackend for SimBackend {
             gpu: gpu.clone(),
             reason,
         };
-        if g.mig.mode_unknown || !g.mig.capable {
+        if g.mig.mode_unknown {
+            return Err(fixed(NoMigToggle::ModeUnknown));
+        }
+        if !g.mig.capable {
             return Err(fixed(NoMigToggle::NotSupported));
         }
         // Inside a VM the driver refuses: only the host may change the MIG mode.
@@ -687,6 +690,16 @@ mod tests {
             l40s.set_mig_mode(&g.uuid, true),
             Err(Error::MigModeFixed {
                 reason: NoMigToggle::NotSupported,
+                ..
+            })
+        ));
+        l40s.update(|inv| inv.gpus[1].mig.mode_unknown = true);
+        let unknown = l40s.snapshot().unwrap().gpus[1].clone();
+        assert_eq!(unknown.mig_toggle(), Err(NoMigToggle::ModeUnknown));
+        assert!(matches!(
+            l40s.set_mig_mode(&unknown.uuid, true),
+            Err(Error::MigModeFixed {
+                reason: NoMigToggle::ModeUnknown,
                 ..
             })
         ));

@@ -62,6 +62,9 @@ fn dgx_h100_has_eight_distinct_80gib_gpus_in_one_nvlink_domain() {
         assert_eq!(x["memoryBytes"], 80u64 << 30);
         assert_eq!(x["nvlinkDomain"], 0);
         assert_eq!(x["productName"], "NVIDIA H100 80GB HBM3");
+        // What decides whether MIG mode may toggle: bare metal, nothing pending.
+        assert_eq!(x["virtualization"], "bareMetal");
+        assert_eq!(x["mig"].get("pending"), None);
     }
 }
 
@@ -149,6 +152,17 @@ fn mig_mixed_shows_mig_devices_with_profiles_and_parents() {
     );
     let text = String::from_utf8(table.stdout).unwrap();
     assert!(text.contains("  └ mig 1/0"), "{text}");
+    assert!(
+        text.lines().next().unwrap().ends_with(" MIG TOGGLE"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .find(|l| l.starts_with("gpu-0 "))
+            .unwrap()
+            .ends_with(" no: Ampere (8.0): MIG mode changes only through the operator"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! and refresh run off the async runtime.
 
 use super::{
-    Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice,
+    Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigModeChange, MigUuid, Placement, Result,
+    TimeSlice,
 };
 
 /// A reconfiguration prepare may ask of a backend.
@@ -149,6 +150,20 @@ pub trait DeviceBackend: Send + Sync + 'static {
         })
     }
 
+    /// Turns a whole GPU's MIG mode on or off, as dynamic MIG does at a GPU's first MIG claim
+    /// and after its last. Turning it on leaves no MIG devices; turning it off is refused while
+    /// any exist ([`Error::MigDevicesExist`]). [`Error::InUse`] (processes run on the GPU) is
+    /// retriable; [`Error::ResetRequired`] (the change waits for a GPU reset, as on Ampere) is
+    /// not. Callers check [`Gpu::mig_toggle`](super::Gpu::mig_toggle) first; the backend does
+    /// what the hardware does.
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        let _ = (gpu, enabled);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "changing the MIG mode",
+        })
+    }
+
     /// Each GPU's live readings ([`GpuUsage`]), read from the hardware now (never cached): for
     /// a `/metrics` scrape, never on the prepare path. Read-only.
     fn usage(&self) -> Result<Vec<GpuUsage>> {
@@ -201,6 +216,11 @@ pub trait Wrapper: Send + Sync + 'static {
     /// [`DeviceBackend::destroy_mig`].
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         self.inner().destroy_mig(gpu, mig)
+    }
+
+    /// [`DeviceBackend::set_mig_mode`].
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        self.inner().set_mig_mode(gpu, enabled)
     }
 }
 
@@ -259,6 +279,10 @@ impl<W: Wrapper> DeviceBackend for W {
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         Wrapper::destroy_mig(self, gpu, mig)
+    }
+
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        Wrapper::set_mig_mode(self, gpu, enabled)
     }
 
     /// Live readings are never cached nor overlaid: every wrapper reads the wrapped backend's.

@@ -4,11 +4,14 @@
 //! The cache is filled by the first [`DeviceBackend::snapshot`] and replaced by
 //! [`DeviceBackend::refresh`] (which the slice sync and the health stream call, so what prepare
 //! sees is never older than what the node publishes). Every reconfiguration through the cache
-//! (time slice, MIG create or destroy) empties it, so the next read sees the hardware as it now is.
+//! (time slice, MIG create or destroy, MIG mode) empties it, so the next read sees the hardware as it now is.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{DeviceBackend, GpuUuid, Inventory, MigDevice, MigUuid, Placement, Result, TimeSlice};
+use super::{
+    DeviceBackend, GpuUuid, Inventory, MigDevice, MigModeChange, MigUuid, Placement, Result,
+    TimeSlice,
+};
 
 pub struct Cached {
     backend: Arc<dyn DeviceBackend>,
@@ -70,6 +73,11 @@ impl super::Wrapper for Cached {
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         self.invalidating(self.backend.destroy_mig(gpu, mig))
     }
+
+    /// Invalidates on failure too: a refused change may still have left one pending.
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        self.invalidating(self.backend.set_mig_mode(gpu, enabled))
+    }
 }
 
 #[cfg(test)]
@@ -115,5 +123,21 @@ mod tests {
                 .iter()
                 .any(|d| d.uuid == created.uuid)
         );
+    }
+
+    /// A MIG mode change through the cache empties it, refused ones too: an Ampere's refusal
+    /// leaves the change pending, which the next read must show.
+    #[test]
+    fn mig_mode_changes_empty_the_cache() {
+        let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+        let cached = Cached::new(Arc::new(sim));
+        let gpu3 = cached.snapshot().unwrap().gpus[3].uuid.clone();
+        assert!(cached.set_mig_mode(&gpu3, true).is_err());
+        assert_eq!(cached.snapshot().unwrap().gpus[3].mig.pending, Some(true));
+        assert_eq!(
+            cached.set_mig_mode(&gpu3, false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        assert_eq!(cached.snapshot().unwrap().gpus[3].mig.pending, None);
     }
 }

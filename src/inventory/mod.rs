@@ -14,6 +14,7 @@ mod backend;
 pub mod cache;
 mod domains;
 pub mod events;
+mod mig_mode;
 pub mod nvml;
 mod quantity;
 pub mod sim;
@@ -28,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 pub use backend::{ComputeMode, DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
 pub use domains::assign_nvlink_domains;
+pub use mig_mode::{HOPPER, MigModeChange, NoMigToggle, Virtualization, on_off};
 pub use quantity::{parse_quantity, quantity};
 pub use usage::{GpuUsage, ProcessUsage};
 
@@ -57,6 +59,38 @@ pub enum Error {
     /// A reconfiguration request the hardware refuses (bad placement, unknown GPU, ...).
     #[error("{0}")]
     Refused(String),
+    /// MIG mode cannot change while processes run on the GPU (NVML's activation status
+    /// `NVML_ERROR_IN_USE`). Retriable: the same call succeeds once they exit.
+    #[error(
+        "GPU {gpu} is in use by processes {}; its MIG mode can change once they exit",
+        mig_mode::pids(processes)
+    )]
+    InUse { gpu: GpuUuid, processes: Vec<u32> },
+    /// The MIG mode change is recorded as pending and takes effect only after a GPU reset
+    /// (Ampere; or a VM that cannot reset the GPU itself).
+    #[error(
+        "the MIG mode of GPU {gpu} is {}, with {} pending: a GPU reset is required to apply it",
+        on_off(*current),
+        on_off(*pending)
+    )]
+    ResetRequired {
+        gpu: GpuUuid,
+        current: bool,
+        pending: bool,
+    },
+    /// MIG mode cannot be turned off while MIG devices exist.
+    #[error(
+        "cannot turn MIG mode off on GPU {gpu}: MIG devices {} exist; destroy them first",
+        mig_mode::mig_uuids(devices)
+    )]
+    MigDevicesExist { gpu: GpuUuid, devices: Vec<MigUuid> },
+    /// The GPU's MIG mode cannot change at all through this call.
+    #[error("the MIG mode of GPU {gpu} cannot change")]
+    MigModeFixed {
+        gpu: GpuUuid,
+        #[source]
+        reason: NoMigToggle,
+    },
     /// A driver tool (`nvidia-smi`) could not be started.
     #[error("cannot run {command}")]
     Command {
@@ -74,6 +108,14 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Whether the same call may succeed later without anyone changing the node (processes on
+    /// the GPU exit by themselves).
+    pub fn is_retriable(&self) -> bool {
+        matches!(self, Error::InUse { .. })
+    }
+}
 
 macro_rules! string_newtype {
     ($(#[$doc:meta])* $name:ident) => {
@@ -364,6 +406,10 @@ pub struct Mig {
     pub mode_unknown: bool,
     /// Current MIG mode; a GPU in MIG mode is handed out only as MIG devices.
     pub enabled: bool,
+    /// The pending MIG mode where it differs from `enabled`: a change NVML recorded that takes
+    /// effect only at the next GPU reset. `None` when nothing is pending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<bool>,
     /// Number of memory slices a placement indexes into (8 on A100/H100/H200).
     pub memory_slices: u32,
     pub devices: Vec<MigDevice>,
@@ -487,6 +533,10 @@ pub struct Gpu {
     /// The NVLink fabric registration, where NVML reports a completed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<Fabric>,
+    /// How the GPU is virtualized; `None` when NVML cannot tell. Decides, with the compute
+    /// capability and the MIG mode, whether its MIG mode may change ([`Gpu::mig_toggle`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtualization: Option<Virtualization>,
     pub health: Health,
 }
 

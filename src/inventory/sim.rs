@@ -1,12 +1,20 @@
 //! The simulated backend: an [`Inventory`] read from a topology file or a built-in profile, held
 //! in memory so tests and demos can change it (health, MIG instances) the way a real node would.
+//!
+//! MIG mode changes ([`DeviceBackend::set_mig_mode`]) follow NVML's: applied at once on Hopper
+//! and later; on Ampere only recorded as pending (a GPU reset would apply it, which the
+//! simulation never does); refused while processes run on the GPU ([`SimBackend::set_processes`])
+//! and, for turning MIG mode off, while MIG devices exist. A change that is applied takes
+//! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use super::{
-    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Health, Inventory, MigDevice, MigUuid,
-    Placement, ProcessUsage, Result, TimeSlice, topology,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, HOPPER, Health, Inventory, MigDevice,
+    MigModeChange, MigUuid, NoMigToggle, Placement, ProcessUsage, Result, TimeSlice,
+    Virtualization, on_off, topology,
 };
 
 /// A reconfiguration the simulated hardware went through, in order; tests read them with
@@ -30,6 +38,12 @@ pub enum SimAction {
     SetComputeMode {
         gpu: GpuUuid,
         mode: ComputeMode,
+    },
+    /// A MIG mode change applied at once, after waiting `delay`.
+    SetMigMode {
+        gpu: GpuUuid,
+        enabled: bool,
+        delay: Duration,
     },
 }
 
@@ -56,6 +70,16 @@ impl std::fmt::Display for SimAction {
             SimAction::SetComputeMode { gpu, mode } => {
                 write!(f, "compute mode {mode} on {gpu}")
             }
+            SimAction::SetMigMode {
+                gpu,
+                enabled,
+                delay,
+            } => write!(
+                f,
+                "MIG mode {} on {gpu} after {}ms",
+                on_off(*enabled),
+                delay.as_millis()
+            ),
         }
     }
 }
@@ -70,6 +94,8 @@ struct Model {
     compute_modes: std::collections::BTreeMap<GpuUuid, ComputeMode>,
     /// The processes a test put on each GPU ([`SimBackend::set_processes`]).
     processes: std::collections::BTreeMap<GpuUuid, Vec<ProcessUsage>>,
+    /// How long an applied MIG mode change takes ([`SimBackend::set_mig_toggle_delay`]).
+    mig_toggle_delay: Duration,
 }
 
 /// Simulated GPUs. Cloning shares the same model.
@@ -122,6 +148,12 @@ impl SimBackend {
     /// them, and the GPU's memory in use is their sum plus [`sim_usage`]'s baseline.
     pub fn set_processes(&self, gpu: &GpuUuid, processes: Vec<ProcessUsage>) {
         self.lock().processes.insert(gpu.clone(), processes);
+    }
+
+    /// Makes every MIG mode change that is applied take `delay` (the calling thread sleeps, as
+    /// it blocks in NVML), so tests and benchmarks can model slow toggles. Default: none.
+    pub fn set_mig_toggle_delay(&self, delay: Duration) {
+        self.lock().mig_toggle_delay = delay;
     }
 
     fn lock(&self) -> MutexGuard<'_, Model> {
@@ -274,6 +306,86 @@ impl DeviceBackend for SimBackend {
         Ok(())
     }
 
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        let mut m = self.lock();
+        let Model {
+            inventory,
+            actions,
+            processes,
+            mig_toggle_delay,
+            ..
+        } = &mut *m;
+        let g = inventory
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == *gpu)
+            .ok_or_else(|| Error::Refused(format!("no GPU with UUID {gpu}")))?;
+        let fixed = |reason| Error::MigModeFixed {
+            gpu: gpu.clone(),
+            reason,
+        };
+        if g.mig.mode_unknown {
+            return Err(fixed(NoMigToggle::ModeUnknown));
+        }
+        if !g.mig.capable {
+            return Err(fixed(NoMigToggle::NotSupported));
+        }
+        // Inside a VM the driver refuses: only the host may change the MIG mode.
+        match g.virtualization {
+            Some(Virtualization::BareMetal) | None => {}
+            Some(v) => return Err(fixed(NoMigToggle::Virtualized(v))),
+        }
+        let current = g.mig.enabled;
+        match g.mig.pending {
+            // Asking for the current mode withdraws the pending change, as NVML does.
+            Some(_) if enabled == current => {
+                g.mig.pending = None;
+                return Ok(MigModeChange::Unchanged);
+            }
+            Some(pending) => {
+                return Err(Error::ResetRequired {
+                    gpu: gpu.clone(),
+                    current,
+                    pending,
+                });
+            }
+            None if enabled == current => return Ok(MigModeChange::Unchanged),
+            None => {}
+        }
+        if !enabled && !g.mig.devices.is_empty() {
+            return Err(Error::MigDevicesExist {
+                gpu: gpu.clone(),
+                devices: g.mig.devices.iter().map(|d| d.uuid.clone()).collect(),
+            });
+        }
+        let running = processes.get(gpu).map_or(&[][..], Vec::as_slice);
+        if !running.is_empty() {
+            return Err(Error::InUse {
+                gpu: gpu.clone(),
+                processes: running.iter().map(|p| p.pid).collect(),
+            });
+        }
+        if g.cuda_compute_capability < HOPPER {
+            g.mig.pending = Some(enabled);
+            return Err(Error::ResetRequired {
+                gpu: gpu.clone(),
+                current,
+                pending: enabled,
+            });
+        }
+        let delay = *mig_toggle_delay;
+        // The model stays locked for the delay: NVML serializes calls on one GPU too.
+        std::thread::sleep(delay);
+        g.mig.enabled = enabled;
+        g.mig.devices.clear();
+        actions.push(SimAction::SetMigMode {
+            gpu: gpu.clone(),
+            enabled,
+            delay,
+        });
+        Ok(MigModeChange::Applied)
+    }
+
     fn usage(&self) -> Result<Vec<GpuUsage>> {
         let m = self.lock();
         Ok(m.inventory
@@ -406,5 +518,212 @@ mod tests {
         assert_eq!(u.processes[0].pid, 42);
         assert_eq!(usage[0].memory_used_bytes, 1 << 30);
         assert!(usage[0].processes.is_empty());
+    }
+
+    fn pids(processes: &[u32]) -> Vec<ProcessUsage> {
+        processes
+            .iter()
+            .map(|&pid| ProcessUsage {
+                pid,
+                used_memory_bytes: Some(1 << 30),
+                gpu_instance: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn hopper_mig_mode_changes_at_once_and_off_needs_no_mig_devices() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let g = sim.snapshot().unwrap().gpus[0].clone();
+        assert_eq!(g.mig_toggle(), Ok(()));
+
+        assert_eq!(
+            sim.set_mig_mode(&g.uuid, true).unwrap(),
+            MigModeChange::Applied
+        );
+        let on = sim.snapshot().unwrap().gpus[0].clone();
+        assert!(on.mig.enabled && on.mig.devices.is_empty(), "{:?}", on.mig);
+        assert_eq!(on.mig.pending, None);
+        assert_eq!(on.mig_toggle(), Ok(()));
+        assert_eq!(
+            sim.set_mig_mode(&g.uuid, true).unwrap(),
+            MigModeChange::Unchanged
+        );
+
+        let dev = sim
+            .create_mig(&g.uuid, 19, Placement { start: 3, size: 1 })
+            .unwrap();
+        let e = sim.set_mig_mode(&g.uuid, false).unwrap_err();
+        assert!(
+            matches!(&e, Error::MigDevicesExist { devices, .. } if devices == std::slice::from_ref(&dev.uuid)),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains(dev.uuid.as_str()), "{e}");
+        assert!(sim.snapshot().unwrap().gpus[0].mig.enabled);
+
+        sim.destroy_mig(&g.uuid, &dev.uuid).unwrap();
+        assert_eq!(
+            sim.set_mig_mode(&g.uuid, false).unwrap(),
+            MigModeChange::Applied
+        );
+        assert_eq!(sim.snapshot().unwrap().gpus[0], g);
+        let toggles: Vec<_> = sim
+            .actions()
+            .into_iter()
+            .filter_map(|a| match a {
+                SimAction::SetMigMode { enabled, delay, .. } => Some((enabled, delay)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(toggles, [(true, Duration::ZERO), (false, Duration::ZERO)]);
+    }
+
+    #[test]
+    fn ampere_mig_mode_change_is_only_pending() {
+        let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+        // GPU 3 is MIG-capable, not in MIG mode.
+        let g = sim.snapshot().unwrap().gpus[3].clone();
+        assert!(g.mig.capable && !g.mig.enabled);
+        let why = g.mig_toggle().unwrap_err();
+        assert_eq!(
+            why.to_string(),
+            "Ampere (8.0): MIG mode changes only through the operator"
+        );
+
+        let e = sim.set_mig_mode(&g.uuid, true).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::ResetRequired {
+                    current: false,
+                    pending: true,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(!e.is_retriable());
+        assert!(e.to_string().contains("reset"), "{e}");
+        let pending = sim.snapshot().unwrap().gpus[3].clone();
+        assert!(!pending.mig.enabled);
+        assert_eq!(pending.mig.pending, Some(true));
+        // Asking again changes nothing; asking for the current mode withdraws the change.
+        assert!(matches!(
+            sim.set_mig_mode(&g.uuid, true),
+            Err(Error::ResetRequired { .. })
+        ));
+        assert_eq!(
+            sim.set_mig_mode(&g.uuid, false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        assert_eq!(sim.snapshot().unwrap().gpus[3], g);
+        assert!(sim.actions().is_empty(), "{:?}", sim.actions());
+    }
+
+    #[test]
+    fn a_pending_change_makes_a_hopper_gpu_not_toggle() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        sim.update(|inv| inv.gpus[2].mig.pending = Some(true));
+        let g = sim.snapshot().unwrap().gpus[2].clone();
+        assert_eq!(
+            g.mig_toggle().unwrap_err().to_string(),
+            "MIG mode change pending (current off, pending on): reset required"
+        );
+        assert!(matches!(
+            sim.set_mig_mode(&g.uuid, true),
+            Err(Error::ResetRequired {
+                current: false,
+                pending: true,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn processes_on_the_gpu_keep_its_mig_mode_and_are_named() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let g = sim.snapshot().unwrap().gpus[1].uuid.clone();
+        sim.set_processes(&g, pids(&[4242, 4343]));
+        let e = sim.set_mig_mode(&g, true).unwrap_err();
+        assert!(
+            matches!(&e, Error::InUse { processes, .. } if processes == &[4242, 4343]),
+            "{e:?}"
+        );
+        assert!(e.is_retriable());
+        assert!(e.to_string().contains("4242, 4343"), "{e}");
+        assert!(!sim.snapshot().unwrap().gpus[1].mig.enabled);
+        // Retried once they exit, it succeeds.
+        sim.set_processes(&g, Vec::new());
+        assert_eq!(sim.set_mig_mode(&g, true).unwrap(), MigModeChange::Applied);
+    }
+
+    #[test]
+    fn gpus_in_a_vm_or_without_mig_do_not_toggle() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        sim.update(|inv| {
+            inv.gpus[0].virtualization = Some(Virtualization::VgpuGuest);
+            inv.gpus[1].virtualization = Some(Virtualization::Passthrough);
+            inv.gpus[2].virtualization = None;
+        });
+        let inv = sim.snapshot().unwrap();
+        let reason = |i: usize| inv.gpus[i].mig_toggle().unwrap_err().to_string();
+        assert_eq!(reason(0), "a vGPU guest");
+        assert_eq!(reason(1), "a passthrough VM");
+        assert_eq!(reason(2), "virtualization mode unknown");
+        let e = sim.set_mig_mode(&inv.gpus[0].uuid, true).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::MigModeFixed {
+                    reason: NoMigToggle::Virtualized(Virtualization::VgpuGuest),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(!sim.snapshot().unwrap().gpus[0].mig.enabled);
+
+        let l40s = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+        let g = l40s.snapshot().unwrap().gpus[0].clone();
+        assert_eq!(g.mig_toggle().unwrap_err().to_string(), "MIG not supported");
+        assert!(matches!(
+            l40s.set_mig_mode(&g.uuid, true),
+            Err(Error::MigModeFixed {
+                reason: NoMigToggle::NotSupported,
+                ..
+            })
+        ));
+        l40s.update(|inv| inv.gpus[1].mig.mode_unknown = true);
+        let unknown = l40s.snapshot().unwrap().gpus[1].clone();
+        assert_eq!(unknown.mig_toggle(), Err(NoMigToggle::ModeUnknown));
+        assert!(matches!(
+            l40s.set_mig_mode(&unknown.uuid, true),
+            Err(Error::MigModeFixed {
+                reason: NoMigToggle::ModeUnknown,
+                ..
+            })
+        ));
+        let e = l40s
+            .set_mig_mode(&GpuUuid("GPU-nope".into()), true)
+            .unwrap_err();
+        assert!(e.to_string().contains("GPU-nope"), "{e}");
+    }
+
+    #[test]
+    fn mig_toggle_delay_is_taken_by_each_applied_change() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let g = sim.snapshot().unwrap().gpus[0].uuid.clone();
+        sim.set_mig_toggle_delay(Duration::from_millis(3));
+        sim.set_mig_mode(&g, true).unwrap();
+        // Unchanged: nothing applied, nothing waited for.
+        sim.set_mig_mode(&g, true).unwrap();
+        assert_eq!(
+            sim.actions(),
+            [SimAction::SetMigMode {
+                gpu: g,
+                enabled: true,
+                delay: Duration::from_millis(3),
+            }]
+        );
     }
 }

@@ -2,11 +2,13 @@
 
 use std::fmt::Write;
 
-use super::{Inventory, quantity};
+use super::{Inventory, on_off, quantity};
 
 /// One line per GPU and per MIG device, columns aligned. The FABRIC column
 /// (`<clusterUUID>.<cliqueID>`) appears only when some GPU completed an NVLink fabric
-/// registration.
+/// registration. MIG shows the current mode (with the MIG device count when on) and any change
+/// pending a GPU reset; MIG TOGGLE whether nvdra may change the mode at run time
+/// ([`Gpu::mig_toggle`](super::Gpu::mig_toggle)), or why not.
 pub fn render(inv: &Inventory) -> String {
     let with_fabric = inv.gpus.iter().any(|g| g.fabric.is_some());
     let mut header: Vec<String> = [
@@ -18,6 +20,7 @@ pub fn render(inv: &Inventory) -> String {
         "NVLINK",
         "MIG",
         "HEALTH",
+        "MIG TOGGLE",
     ]
     .map(String::from)
     .into();
@@ -26,11 +29,18 @@ pub fn render(inv: &Inventory) -> String {
     }
     let mut rows: Vec<Vec<String>> = vec![header];
     for g in &inv.gpus {
-        let mig = match (g.mig.mode_unknown, g.mig.capable, g.mig.enabled) {
+        let mut mig = match (g.mig.mode_unknown, g.mig.capable, g.mig.enabled) {
             (true, _, _) => "?".to_string(),
             (false, false, _) => "-".to_string(),
             (false, true, false) => "off".to_string(),
             (false, true, true) => format!("on ({})", g.mig.devices.len()),
+        };
+        if let Some(pending) = g.mig.pending {
+            let _ = write!(mig, " → {} (pending)", on_off(pending));
+        }
+        let toggle = match g.mig_toggle() {
+            Ok(()) => "yes".to_string(),
+            Err(why) => format!("no: {why}"),
         };
         let fabric = g.fabric.as_ref().map_or("-".into(), |f| f.to_string());
         let mut row = vec![
@@ -42,6 +52,7 @@ pub fn render(inv: &Inventory) -> String {
             g.nvlink_domain.to_string(),
             mig,
             g.health.to_string(),
+            toggle,
         ];
         if with_fabric {
             row.insert(6, fabric.clone());
@@ -57,6 +68,7 @@ pub fn render(inv: &Inventory) -> String {
                 g.nvlink_domain.to_string(),
                 String::new(),
                 m.health.to_string(),
+                String::new(),
             ];
             if with_fabric {
                 row.insert(6, fabric.clone());
@@ -133,5 +145,38 @@ mod tests {
         assert!(at(lines[gpu0]).starts_with("- "), "{text}");
         let gpu2 = lines.iter().position(|l| l.starts_with("gpu-2 ")).unwrap();
         assert!(lines[gpu2].contains(" ? "), "unknown MIG mode: {text}");
+    }
+
+    #[test]
+    fn mig_toggle_column_says_yes_or_why_not_and_pending_changes_show() {
+        let h100 = load_profile("dgx-h100", "n").unwrap();
+        let text = render(&h100);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].ends_with("HEALTH   MIG TOGGLE"), "{text}");
+        assert!(lines[1].ends_with("Healthy  yes"), "{text}");
+
+        let mut a100 = load_profile("a100-mig-mixed", "n").unwrap();
+        a100.gpus[3].mig.pending = Some(true);
+        a100.gpus[1].mig.pending = Some(false);
+        let text = render(&a100);
+        let line = |minor: u32| {
+            let prefix = format!("gpu-{minor} ");
+            text.lines()
+                .find(|l| l.starts_with(&prefix))
+                .unwrap()
+                .to_string()
+        };
+        assert!(
+            line(0).ends_with("no: Ampere (8.0): MIG mode changes only through the operator"),
+            "{text}"
+        );
+        assert!(line(3).contains(" off → on (pending) "), "{text}");
+        assert!(line(1).contains(" on (4) → off (pending) "), "{text}");
+        // MIG device rows leave the column empty.
+        let gpu1 = text.lines().position(|l| l.starts_with("gpu-1 ")).unwrap();
+        assert!(
+            text.lines().nth(gpu1 + 1).unwrap().ends_with("Healthy"),
+            "{text}"
+        );
     }
 }

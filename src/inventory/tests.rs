@@ -23,6 +23,7 @@ pub(crate) fn gpu(index: u32, bus: &str, peers: &[NvLinkPeer]) -> Gpu {
         nvlink_peers: peers.iter().cloned().collect(),
         nvlink_domain: u32::MAX,
         fabric: None,
+        virtualization: Some(Virtualization::BareMetal),
         health: Health::Healthy,
     }
 }

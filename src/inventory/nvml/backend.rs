@@ -13,8 +13,8 @@ use super::{
     HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, read_usage, reconfigure,
 };
 use crate::inventory::{
-    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
-    Reconfiguration, Result, TimeSlice,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigModeChange,
+    MigUuid, Placement, Reconfiguration, Result, TimeSlice,
 };
 
 pub struct NvmlBackend {
@@ -170,6 +170,11 @@ impl DeviceBackend for NvmlBackend {
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         let _one = kubelet_plugin::lock::lock(&self.reconfiguring);
         reconfigure::destroy_mig(&self.nvml, gpu, mig)
+    }
+
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        let _one = kubelet_plugin::lock::lock(&self.reconfiguring);
+        reconfigure::set_mig_mode(&self.nvml, gpu, enabled)
     }
 
     fn start_health_events(

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use nvml_wrapper::enum_wrappers::device::Brand;
+use nvml_wrapper::enum_wrappers::device::{Brand, GpuVirtualizationMode};
 use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::{DeviceAttributes, ProfileInfo};
@@ -97,6 +97,8 @@ pub struct RawGpu {
     pub nvlinks: Vec<RawNvLink>,
     /// The NVLink fabric registration (`nvmlDeviceGetGpuFabricInfoV`).
     pub fabric: RawResult<RawFabric>,
+    /// `nvmlDeviceGetVirtualizationMode`: bare metal, passthrough, vGPU guest or host.
+    pub virtualization: RawResult<GpuVirtualizationMode>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,6 +202,7 @@ pub(super) fn read_gpu(nvml: &Nvml, index: u32, d: &Device<'_>) -> RawGpu {
         mig_devices,
         nvlinks: read_nvlinks(nvml, d),
         fabric: raw(ffi::gpu_fabric_info(nvml, d)),
+        virtualization: raw(d.virtualization_mode()),
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use nvml_wrapper::enum_wrappers::device::Brand;
+use nvml_wrapper::enum_wrappers::device::{Brand, GpuVirtualizationMode};
 use tracing::{Level, debug, warn};
 
 use super::names::{attribute_engines, cores_per_sm, profile_engines};
@@ -14,6 +14,7 @@ use super::{
 };
 use crate::inventory::{
     Error, Gpu, GpuUuid, Health, Inventory, Mig, MigDevice, MigProfile, MigUuid, PciBusId, Result,
+    Virtualization,
 };
 
 /// Turns what NVML and sysfs said into an [`Inventory`], logging every omission. See the module
@@ -106,6 +107,7 @@ pub(super) fn map_gpu(
         mig_devices,
         nvlinks,
         fabric,
+        virtualization,
     } = raw;
     let uuid = required(index, "nvmlDeviceGetUUID", uuid)?;
     let minor = required(index, "nvmlDeviceGetMinorNumber", minor)?;
@@ -209,6 +211,24 @@ pub(super) fn map_gpu(
         None => numa_node.ok(),
     };
 
+    let virtualization = match virtualization {
+        Ok(v) => Some(match v {
+            GpuVirtualizationMode::Bare => Virtualization::BareMetal,
+            GpuVirtualizationMode::PassThrough => Virtualization::Passthrough,
+            GpuVirtualizationMode::Vgpu => Virtualization::VgpuGuest,
+            GpuVirtualizationMode::HostVgpu => Virtualization::VgpuHost,
+            GpuVirtualizationMode::HostVsga => Virtualization::VsgaHost,
+        }),
+        Err(e) => {
+            omit(
+                "virtualization",
+                Level::INFO,
+                format!("nvmlDeviceGetVirtualizationMode: {e}; its MIG mode is not changed"),
+            );
+            None
+        }
+    };
+
     let mig = map_mig(
         (index, &gpu),
         mig_mode,
@@ -249,6 +269,7 @@ pub(super) fn map_gpu(
         nvlink_peers,
         nvlink_domain: index,
         fabric,
+        virtualization,
         health: Health::Healthy,
     })
 }
@@ -343,6 +364,7 @@ pub(super) fn map_mig(
         capable: true,
         mode_unknown: false,
         enabled: mode.current,
+        pending: (mode.pending != mode.current).then_some(mode.pending),
         memory_slices,
         devices: mig_devices,
         profiles: mig_profiles,

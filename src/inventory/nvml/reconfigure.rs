@@ -2,6 +2,8 @@
 //! destroyed (through NVML), and the compute time slice (through `nvidia-smi` under the driver
 //! root, as NVIDIA's DRA driver sets it on bare metal: NVML has no call for it).
 //!
+//! MIG mode is turned on and off with `nvmlDeviceSetMigMode` ([`set_mig_mode`]).
+//!
 //! A MIG device is a GPU instance with one compute instance spanning it. Creation makes the GPU
 //! instance, then the compute instance, and destroys the GPU instance again when the second step
 //! fails. A GPU instance without any compute instance — what a crash between the two steps
@@ -17,7 +19,8 @@ use super::capture::{read_gi_profiles, read_mig_devices};
 use super::ffi;
 use super::mapping::map_mig_device;
 use crate::inventory::{
-    ComputeMode, Error, GpuUuid, MigDevice, MigUuid, Placement, Result, TimeSlice,
+    ComputeMode, Error, GpuUuid, MigDevice, MigModeChange, MigUuid, NoMigToggle, Placement, Result,
+    TimeSlice,
 };
 
 /// Where `nvidia-smi` is looked for under the driver root, in order (the layout of the host's
@@ -141,6 +144,79 @@ pub(super) fn set_compute_mode(nvml: &Nvml, gpu: &GpuUuid, mode: ComputeMode) ->
             reason: format!("GPU {gpu} to {mode}: {e}; check the GPU with nvidia-smi -q -i {gpu}"),
         },
     })
+}
+
+/// Turns MIG mode on or off. `nvmlDeviceSetMigMode` (nvml.h) records the requested mode as
+/// pending, returns `NVML_SUCCESS`, and reports through its `activationStatus` out-parameter
+/// whether the change took effect: `NVML_SUCCESS`; `NVML_ERROR_IN_USE` when the GPU is not idle
+/// ("the caller of this API is expected to idle the device and retry"); or
+/// `NVML_ERROR_RESET_REQUIRED` where only a reset (a VM reboot) applies it. After IN_USE the
+/// pending mode is set back to the current one, so a later reset does not apply a change nobody
+/// waits for any more; the caller retries.
+pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+    use nvml_wrapper_sys::bindings::{
+        NVML_DEVICE_MIG_ENABLE, nvmlReturn_enum_NVML_ERROR_IN_USE as IN_USE,
+        nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED as RESET_REQUIRED,
+        nvmlReturn_enum_NVML_SUCCESS as SUCCESS,
+    };
+    let d = parent(nvml, gpu)?;
+    let fixed = |reason| Error::MigModeFixed {
+        gpu: gpu.clone(),
+        reason,
+    };
+    let (current, pending) = match d.mig_mode() {
+        Ok(m) => (
+            m.current == NVML_DEVICE_MIG_ENABLE,
+            m.pending == NVML_DEVICE_MIG_ENABLE,
+        ),
+        Err(NvmlError::NotSupported) => return Err(fixed(NoMigToggle::NotSupported)),
+        Err(e) => return Err(nvml_error("nvmlDeviceGetMigMode", e)),
+    };
+    if current == enabled && pending == enabled {
+        return Ok(MigModeChange::Unchanged);
+    }
+    if !enabled {
+        let index = d.index().map_err(|e| nvml_error("nvmlDeviceGetIndex", e))?;
+        let devices = mig_devices(nvml, &d, index, gpu);
+        if !devices.is_empty() {
+            return Err(Error::MigDevicesExist {
+                gpu: gpu.clone(),
+                devices: devices.into_iter().map(|m| m.uuid).collect(),
+            });
+        }
+    }
+    let status = match d.set_mig_mode(enabled) {
+        Ok(status) => status,
+        Err(NvmlError::NotSupported) => return Err(fixed(NoMigToggle::NotSupported)),
+        Err(e) => return Err(nvml_error("nvmlDeviceSetMigMode", e)),
+    };
+    match status {
+        SUCCESS if current == enabled => Ok(MigModeChange::Unchanged),
+        SUCCESS => Ok(MigModeChange::Applied),
+        IN_USE => {
+            // Withdraw the pending change; asking for the current mode activates nothing.
+            if let Err(e) = d.set_mig_mode(current) {
+                tracing::warn!(gpu = %gpu, error = %e, "cannot withdraw the pending MIG mode change");
+            }
+            let processes = d
+                .running_compute_processes()
+                .map(|ps| ps.into_iter().map(|p| p.pid).collect())
+                .unwrap_or_default();
+            Err(Error::InUse {
+                gpu: gpu.clone(),
+                processes,
+            })
+        }
+        RESET_REQUIRED => Err(Error::ResetRequired {
+            gpu: gpu.clone(),
+            current,
+            pending: enabled,
+        }),
+        other => Err(Error::Nvml {
+            call: "nvmlDeviceSetMigMode".into(),
+            reason: format!("GPU {gpu}: activation status {other}"),
+        }),
+    }
 }
 
 fn nvml_error(call: &str, e: NvmlError) -> Error {

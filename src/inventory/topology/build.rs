@@ -165,6 +165,7 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
             capable: model.mig.is_some(),
             mode_unknown: false,
             enabled: false,
+            pending: None,
             memory_slices: model.mig.as_ref().map_or(0, |m| m.memory_slices),
             devices: Vec::new(),
             profiles,
@@ -294,6 +295,9 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
             nvlink_peers,
             nvlink_domain: 0,
             fabric,
+            // Simulated GPUs are bare metal; a test makes one a VM guest through
+            // `SimBackend::update`.
+            virtualization: Some(crate::inventory::Virtualization::BareMetal),
             health: match &spec.unhealthy {
                 Some(reason) => Health::Unhealthy {
                     reason: reason.clone(),

@@ -39,7 +39,11 @@
 //! backend's handling of a symbol missing from an older driver is exercised too.
 //!
 //! Health events, and the hooks tests inject them with, are in `events.rs`; live readings
-//! (utilization, power, temperature, processes, memory in use) in `usage.rs`.
+//! (utilization, power, temperature, processes, memory in use) in `usage.rs`; MIG mode changes
+//! (`nvmlDeviceSetMigMode`: at once from Hopper on, pending a reset before; refused while a
+//! process runs), the virtualization mode and their hooks in `mig_mode.rs`. An applied MIG mode
+//! change takes `FAKE_NVML_MIG_TOGGLE_DELAY_MS` milliseconds (default 0). MIG modes are not
+//! kept in the `FAKE_NVML_STATE` file.
 //!
 //! Handles are opaque integers cast to pointers; they are never dereferenced by callers. Every
 //! function's contract is the one `nvml.h` documents for it: pointer arguments must be valid for
@@ -127,6 +131,8 @@ fn changing(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
 mod events;
 // Live readings (`usage.rs`): utilization, power, temperature, processes.
 pub mod usage;
+// MIG mode changes and virtualization (`mig_mode.rs`).
+mod mig_mode;
 
 fn gpu_count() -> usize {
     node().as_ref().map_or(0, |l| l.model.gpus.len())
@@ -298,6 +304,7 @@ fn load_node() -> Result<(String, Model), String> {
                 gpus,
                 created: 0,
                 compute_modes: Default::default(),
+                mig_toggle_delay: Default::default(),
             }
         }
     };
@@ -305,7 +312,8 @@ fn load_node() -> Result<(String, Model), String> {
 }
 
 /// Reads `FAKE_NVML_NODE`, `FAKE_NVML_PROFILE`, `FAKE_NVML_TOPOLOGY`, `FAKE_NVML_SEED`,
-/// `FAKE_NVML_STATE` and `FAKE_NVML_FABRIC_API` (see the crate doc).
+/// `FAKE_NVML_STATE`, `FAKE_NVML_FABRIC_API` and `FAKE_NVML_MIG_TOGGLE_DELAY_MS` (see the crate
+/// doc).
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     let api = match std::env::var("FAKE_NVML_FABRIC_API").as_deref() {
@@ -324,14 +332,25 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
             return UNKNOWN;
         }
     };
+    let delay = match mig_mode::toggle_delay() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("fake-nvml: {e}");
+            return UNKNOWN;
+        }
+    };
     let mut loaded = node();
     if loaded
         .as_ref()
         .is_some_and(|l| l.key == key && l.state == state)
     {
         FABRIC_API.store(api, Ordering::Relaxed);
+        if let Some(l) = loaded.as_mut() {
+            l.model.mig_toggle_delay = delay;
+        }
         return SUCCESS;
     }
+    model.mig_toggle_delay = delay;
     if let Some(path) = &state {
         if path.exists() {
             state::load(path, &mut model);

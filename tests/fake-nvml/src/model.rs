@@ -19,6 +19,8 @@ pub struct Model {
     pub created: u64,
     /// Each GPU's compute mode (`NVML_COMPUTEMODE_*`) by index; a GPU absent is `DEFAULT`.
     pub compute_modes: std::collections::BTreeMap<usize, c_uint>,
+    /// How long an applied MIG mode change takes (`FAKE_NVML_MIG_TOGGLE_DELAY_MS`, default 0).
+    pub mig_toggle_delay: std::time::Duration,
 }
 
 pub struct Gpu {
@@ -38,6 +40,10 @@ pub struct Gpu {
     pub attributes: Option<(c_uint, Engines)>,
     /// MIG mode (current, pending); `None` when the GPU cannot do MIG.
     pub mig_mode: Option<(c_uint, c_uint)>,
+    /// `nvmlDeviceGetVirtualizationMode`'s answer; `None`: NOT_SUPPORTED.
+    pub virtualization: Option<nvmlGpuVirtualizationMode_t>,
+    /// Its process ([`crate::usage::readings`]) has exited (test hook `fake_nvml_set_idle`).
+    pub idle: bool,
     pub profiles: Vec<Profile>,
     pub instances: Vec<GpuInstance>,
     /// Active NVLinks, in link order.
@@ -267,6 +273,8 @@ fn a100(uuid: &str, bus: &str, minor: c_uint, mig: c_uint) -> Gpu {
         instances: Vec::new(),
         links: real_switch_links(12),
         fabric: Fabric::NotSupported,
+        virtualization: Some(nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE),
+        idle: false,
     }
 }
 
@@ -320,6 +328,8 @@ pub fn a100_l40s() -> Vec<Gpu> {
         instances: Vec::new(),
         links: Vec::new(),
         fabric: Fabric::NotSupported,
+        virtualization: Some(nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE),
+        idle: false,
     };
     vec![g0, g1, l40s]
 }
@@ -353,6 +363,8 @@ fn h100(index: usize, bus: &str, switch_bus_id: &str, fabric_state: Option<u32>)
             },
             None => Fabric::NotSupported,
         },
+        virtualization: Some(nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE),
+        idle: false,
     }
 }
 

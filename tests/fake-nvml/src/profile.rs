@@ -10,7 +10,9 @@
 use std::collections::BTreeSet;
 use std::os::raw::c_uint;
 
-use nvdra::inventory::{Engines as InvEngines, Gpu as InvGpu, Inventory, NvLinkPeer};
+use nvdra::inventory::{
+    Engines as InvEngines, Gpu as InvGpu, Inventory, NvLinkPeer, Virtualization,
+};
 use nvml_wrapper_sys::bindings::*;
 
 use crate::model::{
@@ -205,7 +207,7 @@ fn gpu(g: &InvGpu, switches: &[String], created: &mut u64) -> Gpu {
         attributes: g.multiprocessors.map(|sms| (sms, engines(&g.engines))),
         mig_mode: g.mig.capable.then(|| {
             let on = c_uint::from(g.mig.enabled);
-            (on, on)
+            (on, g.mig.pending.map_or(on, c_uint::from))
         }),
         profiles,
         instances,
@@ -218,6 +220,24 @@ fn gpu(g: &InvGpu, switches: &[String], created: &mut u64) -> Gpu {
             },
             None => Fabric::NotSupported,
         },
+        virtualization: g.virtualization.map(|v| match v {
+            Virtualization::BareMetal => {
+                nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE
+            }
+            Virtualization::Passthrough => {
+                nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH
+            }
+            Virtualization::VgpuGuest => {
+                nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_VGPU
+            }
+            Virtualization::VgpuHost => {
+                nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_HOST_VGPU
+            }
+            Virtualization::VsgaHost => {
+                nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_HOST_VSGA
+            }
+        }),
+        idle: false,
     }
 }
 
@@ -258,5 +278,6 @@ pub fn model(inv: &Inventory) -> Model {
         gpus,
         created,
         compute_modes: Default::default(),
+        mig_toggle_delay: Default::default(),
     }
 }

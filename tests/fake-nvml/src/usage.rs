@@ -43,7 +43,8 @@ impl Readings {
 
 /// GPU `index`'s readings: utilization `20 + 7 * index` percent (memory: `10 + index`), power
 /// `150 + index` W, temperature `50 + index` °C, and one process, PID `4000 + index`, using
-/// `(index + 1) * 256` MiB — in the GPU's first GPU instance when it has one.
+/// `(index + 1) * 256` MiB — in the GPU's first GPU instance when it has one — unless a test
+/// made the GPU idle (`fake_nvml_set_idle`).
 pub fn readings(index: usize, gpu: &Gpu) -> Readings {
     let i = index as c_uint;
     Readings {
@@ -51,11 +52,15 @@ pub fn readings(index: usize, gpu: &Gpu) -> Readings {
         utilization_memory: 10 + i,
         power_milliwatts: (150 + i) * 1000,
         temperature_celsius: 50 + i,
-        processes: vec![Process {
-            pid: 4000 + i,
-            used_bytes: (u64::from(i) + 1) * (256 << 20),
-            gpu_instance: gpu.instances.first().map_or(NO_INSTANCE, |gi| gi.id),
-        }],
+        processes: if gpu.idle {
+            Vec::new()
+        } else {
+            vec![Process {
+                pid: 4000 + i,
+                used_bytes: (u64::from(i) + 1) * (256 << 20),
+                gpu_instance: gpu.instances.first().map_or(NO_INSTANCE, |gi| gi.id),
+            }]
+        },
     }
 }
 

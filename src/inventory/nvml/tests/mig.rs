@@ -225,3 +225,56 @@ fn devices_listed_while_mig_is_off_are_ignored() {
     let inv = map(node(vec![g]), &MapSysfs::default()).unwrap();
     assert!(inv.gpus[0].mig.devices.is_empty());
 }
+
+/// What decides whether MIG mode may toggle is read per GPU: the pending mode (kept only where
+/// it differs from the current one) and the virtualization mode (unknown when NVML fails it,
+/// with an omission, never assumed bare metal).
+#[test]
+fn pending_mig_mode_and_virtualization_are_mapped() {
+    use crate::inventory::{NoMigToggle, Virtualization};
+    let hopper = h100(0, "0000:07:00.0");
+    let mut pending = h100(1, "0000:08:00.0");
+    pending.mig_mode = Ok(RawMigMode {
+        current: false,
+        pending: true,
+    });
+    let mut guest = h100(2, "0000:09:00.0");
+    guest.virtualization = Ok(GpuVirtualizationMode::Vgpu);
+    let mut unknown = h100(3, "0000:0a:00.0");
+    unknown.virtualization = Err(CallError::Failed("unknown error".into()));
+    let mut ampere = a100_40gb(4, "0000:0b:00.0");
+    ampere.virtualization = Ok(GpuVirtualizationMode::PassThrough);
+    let (inv, omissions) = map_with_omissions(
+        node(vec![hopper, pending, guest, unknown, ampere]),
+        &MapSysfs::default(),
+    )
+    .unwrap();
+    let g = &inv.gpus;
+    assert_eq!(g[0].mig.pending, None);
+    assert_eq!(g[0].virtualization, Some(Virtualization::BareMetal));
+    assert_eq!(g[0].mig_toggle(), Ok(()));
+    assert!(!g[1].mig.enabled);
+    assert_eq!(g[1].mig.pending, Some(true));
+    assert_eq!(
+        g[1].mig_toggle(),
+        Err(NoMigToggle::Pending {
+            current: false,
+            pending: true
+        })
+    );
+    assert_eq!(g[2].virtualization, Some(Virtualization::VgpuGuest));
+    assert_eq!(g[2].mig_toggle().unwrap_err().to_string(), "a vGPU guest");
+    assert_eq!(g[3].virtualization, None);
+    assert_eq!(g[3].mig_toggle(), Err(NoMigToggle::VirtualizationUnknown));
+    assert_eq!(g[4].virtualization, Some(Virtualization::Passthrough));
+    assert_eq!(
+        g[4].mig_toggle().unwrap_err().to_string(),
+        "Ampere (8.0): MIG mode changes only through the operator"
+    );
+    let noted: Vec<u32> = omissions
+        .iter()
+        .filter(|o| o.field == "virtualization")
+        .map(|o| o.gpu_index)
+        .collect();
+    assert_eq!(noted, [3]);
+}

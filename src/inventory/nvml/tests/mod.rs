@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use nvml_wrapper::enum_wrappers::device::Brand;
+use nvml_wrapper::enum_wrappers::device::{Brand, GpuVirtualizationMode};
 use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::{DeviceAttributes, ProfileInfo};
@@ -94,6 +94,7 @@ fn h100(index: u32, bus: &str) -> RawGpu {
             state: FabricState::Completed,
             status: Ok(()),
         }),
+        virtualization: Ok(GpuVirtualizationMode::Bare),
     }
 }
 

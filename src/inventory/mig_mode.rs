@@ -1,0 +1,142 @@
+//! Whether a GPU's MIG mode can change at run time ("dynamic MIG": MIG mode turned on at the
+//! first MIG claim and off after the last), and why not.
+//!
+//! Only Hopper and later apply a MIG mode change at once; on Ampere NVML records the change as
+//! *pending* until the GPU is reset, which nvdra never does under running pods, so there MIG
+//! mode stays the operator's business (as NVIDIA's DRA driver has it). A GPU inside a VM (a vGPU
+//! guest, or passed through) cannot reset itself either.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::{ComputeCapability, Gpu, MigUuid};
+
+/// How a GPU is virtualized, as NVML's `nvmlDeviceGetVirtualizationMode` reports it
+/// (`nvmlGpuVirtualizationMode_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Virtualization {
+    /// `NVML_GPU_VIRTUALIZATION_MODE_NONE`: bare metal.
+    BareMetal,
+    /// `…_PASSTHROUGH`: the whole GPU passed through to this VM.
+    Passthrough,
+    /// `…_VGPU`: a vGPU inside a VM.
+    VgpuGuest,
+    /// `…_HOST_VGPU`: the hypervisor, serving vGPUs.
+    VgpuHost,
+    /// `…_HOST_VSGA`: the hypervisor, in vSGA mode.
+    VsgaHost,
+}
+
+impl fmt::Display for Virtualization {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Virtualization::BareMetal => "bare metal",
+            Virtualization::Passthrough => "a passthrough VM",
+            Virtualization::VgpuGuest => "a vGPU guest",
+            Virtualization::VgpuHost => "a vGPU host",
+            Virtualization::VsgaHost => "a vSGA host",
+        })
+    }
+}
+
+/// Why a GPU's MIG mode cannot change at run time ([`Gpu::mig_toggle`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NoMigToggle {
+    /// The GPU has no MIG.
+    #[error("MIG not supported")]
+    NotSupported,
+    /// NVML could not read the MIG mode.
+    #[error("MIG mode unknown")]
+    ModeUnknown,
+    /// Before Hopper a change is applied only by a GPU reset.
+    #[error("{}: MIG mode changes only through the operator", before_hopper(.architecture, .compute_capability))]
+    BeforeHopper {
+        architecture: Option<String>,
+        compute_capability: ComputeCapability,
+    },
+    /// Not on bare metal.
+    #[error("{0}")]
+    Virtualized(Virtualization),
+    /// NVML could not tell whether the GPU is virtualized.
+    #[error("virtualization mode unknown")]
+    VirtualizationUnknown,
+    /// A change waits for a GPU reset.
+    #[error("MIG mode change pending (current {}, pending {}): reset required", on_off(*.current), on_off(*.pending))]
+    Pending { current: bool, pending: bool },
+}
+
+fn before_hopper(architecture: &Option<String>, cc: &ComputeCapability) -> String {
+    match architecture {
+        Some(a) => format!("{a} ({cc})"),
+        None => format!("compute capability {cc}"),
+    }
+}
+
+/// `on` or `off`, as `nvidia-smi` shows a MIG mode.
+pub fn on_off(enabled: bool) -> &'static str {
+    if enabled { "on" } else { "off" }
+}
+
+/// The first compute capability whose MIG mode changes without a GPU reset.
+pub const HOPPER: ComputeCapability = ComputeCapability { major: 9, minor: 0 };
+
+impl Gpu {
+    /// Whether nvdra may change this GPU's MIG mode at run time; `Err` says why not. Read from
+    /// the inventory alone: MIG support and mode, compute capability, virtualization and any
+    /// pending change. The first reason found is given, in that order.
+    pub fn mig_toggle(&self) -> Result<(), NoMigToggle> {
+        if self.mig.mode_unknown {
+            return Err(NoMigToggle::ModeUnknown);
+        }
+        if !self.mig.capable {
+            return Err(NoMigToggle::NotSupported);
+        }
+        if self.cuda_compute_capability < HOPPER {
+            return Err(NoMigToggle::BeforeHopper {
+                architecture: self.architecture.clone(),
+                compute_capability: self.cuda_compute_capability,
+            });
+        }
+        match self.virtualization {
+            None => return Err(NoMigToggle::VirtualizationUnknown),
+            Some(Virtualization::BareMetal) => {}
+            Some(v) => return Err(NoMigToggle::Virtualized(v)),
+        }
+        if let Some(pending) = self.mig.pending {
+            return Err(NoMigToggle::Pending {
+                current: self.mig.enabled,
+                pending,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What [`DeviceBackend::set_mig_mode`](super::DeviceBackend::set_mig_mode) did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MigModeChange {
+    /// The GPU was already in that mode (with no other change pending).
+    Unchanged,
+    /// The mode changed and is in effect now. Turning MIG mode on leaves no MIG devices.
+    Applied,
+}
+
+/// The UUIDs of `devices`, comma-separated, for an error naming the MIG devices in the way.
+pub fn mig_uuids<'a>(devices: impl IntoIterator<Item = &'a MigUuid>) -> String {
+    devices
+        .into_iter()
+        .map(MigUuid::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Process ids, comma-separated.
+pub fn pids(processes: &[u32]) -> String {
+    processes
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,218 @@
+//! MIG mode through the NVML backend against the fake NVML (`tests/fake-nvml`): which GPUs can
+//! toggle (a Hopper, an Ampere, a vGPU guest, a Hopper with a change pending) and
+//! `DeviceBackend::set_mig_mode` (IN_USE naming the processes, success, off refused while MIG
+//! devices exist, reset required on Ampere).
+//!
+//! The fake's node is process-wide and these checks change it, so they run in a child process
+//! of this test binary with a topology of its own (`FAKE_NVML_TOPOLOGY`), one after another.
+
+mod support;
+
+use std::process::Command;
+
+use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
+use nvdra::inventory::{DeviceBackend, Error, MigModeChange, NoMigToggle, Virtualization};
+
+const CHILD: &str = "NVDRA_TEST_MIG_MODE_CHILD";
+const DONE: &str = "mig mode checks passed";
+
+/// GPU 0: Hopper; 1: Ampere; 2: Hopper, made a vGPU guest; 3: Hopper in MIG mode with one MIG
+/// device; 4: Hopper, left with a change pending.
+const TOPOLOGY: &str = r#"
+version: v1
+driverVersion: "570.124.06"
+cudaDriverVersion: "12.8"
+gpus:
+  - {index: 0, model: H100-SXM5-80GB, pciBusId: "0000:1A:00.0", numaNode: 0}
+  - {index: 1, model: A100-SXM4-40GB, pciBusId: "0000:2A:00.0", numaNode: 0}
+  - {index: 2, model: H100-SXM5-80GB, pciBusId: "0000:3A:00.0", numaNode: 0}
+  - index: 3
+    model: H100-SXM5-80GB
+    pciBusId: "0000:4A:00.0"
+    numaNode: 0
+    mig:
+      enabled: true
+      devices:
+        - {profile: 1g.10gb, placement: 0}
+  - {index: 4, model: H100-SXM5-80GB, pciBusId: "0000:5A:00.0", numaNode: 0}
+"#;
+
+/// The fake's test hooks, from the copy NVML loaded.
+struct Hooks(libloading::Library);
+
+impl Hooks {
+    fn set_idle(&self, gpu: u32, idle: bool) {
+        // SAFETY: the hook's C signature as the fake's `mig_mode.rs` declares it.
+        let f: libloading::Symbol<extern "C" fn(u32, i32) -> u32> =
+            unsafe { self.0.get(b"fake_nvml_set_idle") }.unwrap();
+        assert_eq!(f(gpu, i32::from(idle)), 0);
+    }
+
+    fn set_virtualization(&self, gpu: u32, mode: u32) {
+        // SAFETY: as above.
+        let f: libloading::Symbol<extern "C" fn(u32, u32) -> u32> =
+            unsafe { self.0.get(b"fake_nvml_set_virtualization") }.unwrap();
+        assert_eq!(f(gpu, mode), 0);
+    }
+}
+
+#[test]
+fn child_toggles_mig_mode() {
+    if std::env::var(CHILD).is_err() {
+        return;
+    }
+    let driver_root = tempfile::tempdir().unwrap();
+    let lib_dir = driver_root.path().join("usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let lib = lib_dir.join(LIBRARY);
+    std::os::unix::fs::symlink(support::fake_nvml::library(), &lib).unwrap();
+    let sysfs = tempfile::tempdir().unwrap();
+    let backend = NvmlBackend::open(driver_root.path())
+        .unwrap()
+        .with_sysfs_root(sysfs.path());
+    // SAFETY: the fake's initialisers are Rust statics; loading it again returns the copy NVML
+    // already loaded.
+    let hooks = Hooks(unsafe { libloading::Library::new(&lib) }.unwrap());
+
+    // A Hopper with a process on it: nvidia-smi (or any NVML client) asking for MIG mode leaves
+    // the change pending (activation status IN_USE).
+    let status = backend
+        .nvml()
+        .device_by_index(4)
+        .unwrap()
+        .set_mig_mode(true)
+        .unwrap();
+    assert_eq!(
+        status,
+        nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_IN_USE
+    );
+    // NVML_GPU_VIRTUALIZATION_MODE_VGPU.
+    hooks.set_virtualization(2, 2);
+
+    let inv = backend.snapshot().unwrap();
+    let gpu = |i: usize| inv.gpus[i].clone();
+    assert_eq!(gpu(0).virtualization, Some(Virtualization::BareMetal));
+    assert_eq!(gpu(0).mig_toggle(), Ok(()));
+    assert_eq!(
+        gpu(1).mig_toggle().unwrap_err().to_string(),
+        "Ampere (8.0): MIG mode changes only through the operator"
+    );
+    assert_eq!(gpu(2).virtualization, Some(Virtualization::VgpuGuest));
+    assert_eq!(
+        gpu(2).mig_toggle(),
+        Err(NoMigToggle::Virtualized(Virtualization::VgpuGuest))
+    );
+    assert_eq!(gpu(3).mig_toggle(), Ok(()));
+    assert_eq!(gpu(4).mig.pending, Some(true));
+    assert_eq!(
+        gpu(4).mig_toggle().unwrap_err().to_string(),
+        "MIG mode change pending (current off, pending on): reset required"
+    );
+
+    // Asking for the current mode withdraws the pending change.
+    assert_eq!(
+        backend.set_mig_mode(&gpu(4).uuid, false).unwrap(),
+        MigModeChange::Unchanged
+    );
+    assert_eq!(backend.snapshot().unwrap().gpus[4].mig.pending, None);
+
+    // GPU 0's process (pid 4000) keeps its MIG mode, and the change is not left pending.
+    let e = backend.set_mig_mode(&gpu(0).uuid, true).unwrap_err();
+    assert!(
+        matches!(&e, Error::InUse { processes, .. } if processes == &[4000]),
+        "{e:?}"
+    );
+    assert!(e.is_retriable());
+    assert!(e.to_string().contains("4000"), "{e}");
+    let after = backend.snapshot().unwrap();
+    assert!(!after.gpus[0].mig.enabled);
+    assert_eq!(after.gpus[0].mig.pending, None);
+
+    // Once it exits, the change applies at once (Hopper), leaving no MIG devices.
+    hooks.set_idle(0, true);
+    assert_eq!(
+        backend.set_mig_mode(&gpu(0).uuid, true).unwrap(),
+        MigModeChange::Applied
+    );
+    let on = backend.snapshot().unwrap().gpus[0].clone();
+    assert!(on.mig.enabled && on.mig.devices.is_empty(), "{:?}", on.mig);
+    assert_eq!(on.mig.pending, None);
+    assert_eq!(
+        backend.set_mig_mode(&gpu(0).uuid, true).unwrap(),
+        MigModeChange::Unchanged
+    );
+    assert_eq!(
+        backend.set_mig_mode(&gpu(0).uuid, false).unwrap(),
+        MigModeChange::Applied
+    );
+    assert!(!backend.snapshot().unwrap().gpus[0].mig.enabled);
+
+    // MIG mode stays on while a MIG device exists, which the error names.
+    let mig = gpu(3).mig.devices[0].uuid.clone();
+    let e = backend.set_mig_mode(&gpu(3).uuid, false).unwrap_err();
+    assert!(
+        matches!(&e, Error::MigDevicesExist { devices, .. } if devices == std::slice::from_ref(&mig)),
+        "{e:?}"
+    );
+    assert!(backend.snapshot().unwrap().gpus[3].mig.enabled);
+
+    // Ampere: only pending, a reset required.
+    hooks.set_idle(1, true);
+    let e = backend.set_mig_mode(&gpu(1).uuid, true).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::ResetRequired {
+                current: false,
+                pending: true,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(!e.is_retriable());
+    let a100 = backend.snapshot().unwrap().gpus[1].clone();
+    assert!(!a100.mig.enabled);
+    assert_eq!(a100.mig.pending, Some(true));
+
+    // A vGPU guest cannot change it.
+    let e = backend.set_mig_mode(&gpu(2).uuid, true).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::MigModeFixed {
+                reason: NoMigToggle::NotSupported,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    println!("{DONE}");
+}
+
+#[test]
+fn mig_mode_through_nvml_on_the_fake() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let topology = dir.path().join("topology.yaml");
+    std::fs::write(&topology, TOPOLOGY).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_toggles_mig_mode", "--nocapture"])
+        .env(CHILD, "1")
+        .env("FAKE_NVML_TOPOLOGY", &topology)
+        // Exercises the setting; what it does is not timed here.
+        .env("FAKE_NVML_MIG_TOGGLE_DELAY_MS", "1")
+        .env_remove("FAKE_NVML_NODE")
+        .env_remove("FAKE_NVML_PROFILE")
+        .env_remove("FAKE_NVML_STATE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains(DONE),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

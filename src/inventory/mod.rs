@@ -11,7 +11,6 @@
 //! [`assign_nvlink_domains`]).
 
 mod backend;
-pub mod cache;
 mod domains;
 pub mod events;
 pub mod nvml;

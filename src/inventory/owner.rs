@@ -132,8 +132,9 @@ impl InventoryHandle {
 pub struct Owner {
     backend_name: &'static str,
     reader: std::sync::mpsc::Sender<oneshot::Sender<Result<Inventory>>>,
-    /// A read that passed its deadline and is still running: the next cycle waits on it.
-    pending: Option<oneshot::Receiver<Result<Inventory>>>,
+    /// A read that passed its deadline and is still running, with the asks made before it
+    /// started: the next cycle waits on it.
+    pending: Option<(u64, oneshot::Receiver<Result<Inventory>>)>,
     tx: watch::Sender<Published>,
     asks: Arc<Asks>,
     rescan: Duration,
@@ -186,10 +187,11 @@ impl Owner {
 
     /// Reads the inventory once and publishes the result, which is also returned.
     pub async fn read(&mut self) -> Result<Arc<Inventory>, Arc<Error>> {
-        let answered = self.asks.count.load(Ordering::SeqCst);
-        let result = self.read_with_deadline().await;
+        let (started, result) = self.read_with_deadline().await;
         match result {
             Ok(inv) => {
+                // A read that started before some asks answers only those made before it.
+                let answered = started;
                 let inv = Arc::new(inv);
                 self.tx.send_modify(|p| {
                     p.inventory = Some(inv.clone());
@@ -197,9 +199,15 @@ impl Owner {
                     p.answered = p.answered.max(answered);
                     p.reads += 1;
                 });
+                if self.asks.count.load(Ordering::SeqCst) > answered {
+                    // Asks made meanwhile get a read of their own.
+                    self.asks.notify.notify_one();
+                }
                 Ok(inv)
             }
             Err(e) => {
+                // Every ask so far is answered, by the failure.
+                let answered = self.asks.count.load(Ordering::SeqCst);
                 tracing::warn!(error = %kubelet_plugin::report::chain(&e), backend = self.backend_name,
                     "cannot read the inventory; consumers keep the last one read");
                 let e = Arc::new(e);
@@ -213,27 +221,32 @@ impl Owner {
         }
     }
 
-    async fn read_with_deadline(&mut self) -> Result<Inventory> {
-        let mut reply = match self.pending.take() {
-            Some(r) => r,
+    /// The asks made before the read started, and its result.
+    async fn read_with_deadline(&mut self) -> (u64, Result<Inventory>) {
+        let (started, mut reply) = match self.pending.take() {
+            Some(p) => p,
             None => {
+                let started = self.asks.count.load(Ordering::SeqCst);
                 let (tx, rx) = oneshot::channel();
-                self.reader.send(tx).map_err(|_| Error::ReaderGone)?;
-                rx
+                if self.reader.send(tx).is_err() {
+                    return (started, Err(Error::ReaderGone));
+                }
+                (started, rx)
             }
         };
-        match tokio::time::timeout(self.deadline, &mut reply).await {
+        let result = match tokio::time::timeout(self.deadline, &mut reply).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(Error::ReaderGone),
             Err(_) => {
-                self.pending = Some(reply);
+                self.pending = Some((started, reply));
                 Err(Error::Deadline {
                     backend: self.backend_name,
                     call: CALL,
                     after: self.deadline,
                 })
             }
-        }
+        };
+        (started, result)
     }
 
     /// Reads on every rescan, ask and health transition until `shutdown`. Read failures are

@@ -104,6 +104,9 @@ async fn a_read_past_its_deadline_is_an_error_naming_the_call_and_the_owner_goes
     assert_eq!(published.reads, 1, "the failure is published");
     assert!(matches!(published.inventory(), Err(Error::Read(_))));
 
+    // An ask made while the read is stuck.
+    let ticket = handle.request();
+
     // The next cycle waits on the same read, which is not repeated: one release answers it
     // (in real time now, so that the thread's answer is not raced by a paused clock).
     tokio::time::resume();
@@ -112,6 +115,11 @@ async fn a_read_past_its_deadline_is_an_error_naming_the_call_and_the_owner_goes
     assert_eq!(inv.gpus.len(), 4);
     assert!(handle.latest().error.is_none());
     assert_eq!(handle.latest().reads, 2);
+    // That read started before the ask, so it does not answer it; the next one does.
+    assert!(handle.latest().answered < ticket);
+    release.send(()).unwrap();
+    owner.read().await.unwrap();
+    assert!(handle.latest().answered >= ticket);
 }
 
 /// A backend that can read only once: a second read would panic its thread.

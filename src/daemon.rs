@@ -231,7 +231,11 @@ async fn start(
         watched,
         monitor.handle.subscribe(),
     ));
-    let owner = owner.with_health(monitor.handle.subscribe());
+    let transitions = tokio_stream::wrappers::WatchStream::from_changes(monitor.handle.subscribe());
+    let owner = owner.with_changes(futures::StreamExt::boxed(futures::StreamExt::map(
+        transitions,
+        |_| (),
+    )));
     tasks.spawn("inventory", |token| async move { owner.run(token).await });
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());

@@ -139,7 +139,8 @@ pub struct Owner {
     asks: Arc<Asks>,
     rescan: Duration,
     deadline: Duration,
-    health: Option<crate::health::Watch>,
+    /// Other news that the hardware may have changed (the health monitor's transitions).
+    changes: Option<futures::stream::BoxStream<'static, ()>>,
 }
 
 impl Owner {
@@ -172,16 +173,16 @@ impl Owner {
                 asks: asks.clone(),
                 rescan,
                 deadline,
-                health: None,
+                changes: None,
             },
             InventoryHandle { watch, asks },
         ))
     }
 
-    /// Reads again on every transition of the health monitor (a GPU lost or back may change
-    /// what the backend lists).
-    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
-        self.health = Some(health);
+    /// Reads again on every item of `changes`: the health monitor's transitions (a GPU lost or
+    /// back may change what the backend lists), which this module does not know by type.
+    pub fn with_changes(mut self, changes: futures::stream::BoxStream<'static, ()>) -> Self {
+        self.changes = Some(changes);
         self
     }
 
@@ -256,7 +257,7 @@ impl Owner {
         let start = tokio::time::Instant::now() + self.rescan;
         let mut tick = tokio::time::interval_at(start, self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut health = self.health.take();
+        let mut changes = self.changes.take();
         let asks = self.asks.clone();
         if self.tx.borrow().reads == 0 {
             tokio::select! {
@@ -270,7 +271,18 @@ impl Owner {
                 biased;
                 () = shutdown.cancelled() => return Ok(()),
                 () = asks.notify.notified() => {}
-                Some(()) = crate::health::changed(&mut health) => {}
+                ended = async {
+                    match &mut changes {
+                        Some(c) => futures::StreamExt::next(c).await.is_none(),
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if ended {
+                        // Nothing will change any more that way.
+                        changes = None;
+                        continue;
+                    }
+                }
                 _ = tick.tick() => {}
             }
             // Cancellation first: a read stuck past shutdown is left to its thread.

@@ -21,7 +21,8 @@
 //! `nvdra mps-host` as on a node: the first-share figure includes the host noticing the request
 //! (it scans every 200 ms) and the daemon answering, not a real daemon's start-up.
 //!
-//! The node is a DGX A100 profile widened to 64 GPUs, simulated. Run with
+//! The node is a DGX A100 profile widened to 64 GPUs, simulated, read through the inventory
+//! owner as `nvdra run` reads it. Run with
 //! `cargo bench --bench prepare`.
 
 #[path = "../tests/support/apiserver.rs"]
@@ -115,6 +116,7 @@ use std::time::{Duration, Instant};
 use kubelet_plugin::proto::dra::v1;
 use kubelet_plugin::service;
 use nvdra::dra::plugin::{self, Plugin};
+use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{GpuUuid, Inventory, PciBusId, topology};
 use nvdra::ledger;
@@ -251,6 +253,16 @@ async fn main() {
     let api = bench_api::start(NODE, DRIVER).await;
     let inv = wide_inventory();
     let sim = SimBackend::new(inv);
+    let stop = CancellationToken::new();
+    // Prepare reads the inventory owner's publication, as in `nvdra run`.
+    let (mut owner, inventory) = owner::Owner::new(
+        Arc::new(sim.clone()),
+        Duration::from_secs(3600),
+        owner::DEADLINE,
+    )
+    .expect("owner");
+    owner.read().await.expect("first inventory read");
+    tokio::spawn(owner.run(stop.clone()));
     let (plugin, writer, _) = Plugin::new(
         plugin::Options {
             driver: DRIVER.into(),
@@ -264,11 +276,10 @@ async fn main() {
             mps_root: dir.path().join("mps"),
         },
         api.cluster_api(),
-        Arc::new(sim),
+        Arc::new(owner::Watched::new(Arc::new(sim), inventory)),
         Metrics::new(),
     )
     .expect("plugin");
-    let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.expect("recover");
     let socket = dir.path().join("dra.sock");

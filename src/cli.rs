@@ -474,6 +474,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     #[cfg(feature = "crash-points")]
                     crash_at: crate::dra::plugin::crash::from_env()
                         .map_err(|e| Failure::Usage(e.to_string()))?,
+                    #[cfg(feature = "crash-points")]
+                    kill_task: std::env::var(crate::daemon::KILL_ENV).ok(),
                 };
                 crate::daemon::run(config, extras, backend, api, Default::default())
                     .await

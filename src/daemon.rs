@@ -3,8 +3,10 @@
 //! Start order (each step only once the previous one works, so the kubelet never sees a
 //! registration without a serving endpoint):
 //! 0. the metrics port is bound first: a taken port fails the start before anything exists;
-//!    then the health monitor is created (and NVML's event thread started) so that every
-//!    consumer below subscribes to it, and every inventory read carries its state;
+//!    then the inventory owner ([`crate::inventory::owner`]) takes its first read: from here
+//!    on it is the only reader of the backend, and every consumer below reads its watch; then
+//!    the health monitor is created (and NVML's event thread started) so that every consumer
+//!    subscribes to it, and every inventory read carries its state;
 //! 1. the checkpoint writer, then recovery of what a crash or reboot left behind;
 //! 2. the DRA gRPC server (`v1` + `v1beta1` + health) on its socket;
 //! 3. the registration server in `plugins_registry/`;
@@ -20,22 +22,26 @@
 //! checked against the inventory before anything is served.
 //!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
-//! [`socket::OwnedSockets`] guard that unlinks it on every way out of [`serve`] — but only while
+//! [`socket::OwnedSockets`] guard that unlinks it on every way out of [`run`] — but only while
 //! the path still holds the socket this instance bound, never another instance's.
 //!
+//! Every mode starts through the one path above ([`run`]), skipping what it does not run; every
+//! long-lived task is named and supervised ([`supervise`]).
+//!
 //! Shutdown: the first SIGTERM or SIGINT cancels every task; the servers stop accepting, remove
-//! their sockets and finish in-flight calls; then the checkpoint writer flushes and stops. A
-//! second signal exits at once. A critical task ending by itself is a failure: everything else is
-//! stopped and [`run`] returns an error, so the process exits non-zero and the DaemonSet restarts
-//! it.
+//! their sockets and finish in-flight calls; then the checkpoint writer flushes and stops, and
+//! the metrics endpoint last. A second signal exits at once. Any task ending by itself —
+//! returning, failing or panicking — is a failure: `/readyz` fails naming it, everything else
+//! is stopped and [`run`] returns an error naming it, so the process exits non-zero and the
+//! DaemonSet restarts it.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::signal::unix::{SignalKind, signal};
+use std::convert::Infallible;
+
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
@@ -47,6 +53,7 @@ use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
 use crate::holds::ContainerHolds;
 use crate::inventory::DeviceBackend;
+use crate::inventory::owner::{self, InventoryHandle, Owner, Watched};
 use crate::ledger;
 use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
@@ -58,7 +65,11 @@ use kubelet_plugin::service;
 use kubelet_plugin::socket;
 
 mod runtime;
+mod supervise;
 pub use runtime::{MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
+#[cfg(feature = "crash-points")]
+pub use supervise::KILL_ENV;
+use supervise::Supervisor;
 
 /// How long in-flight work may take to finish after the first signal.
 pub const GRACE: Duration = Duration::from_secs(20);
@@ -84,6 +95,8 @@ pub enum Error {
     },
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    #[error("cannot start the inventory reader thread")]
+    Thread(#[source] std::io::Error),
     #[error("task {task} stopped unexpectedly: {reason}")]
     TaskDied { task: &'static str, reason: String },
     #[error("second signal: exiting without waiting for in-flight work")]
@@ -106,9 +119,10 @@ pub struct Extras {
     /// Crash tests only: stop at this point of prepare.
     #[cfg(feature = "crash-points")]
     pub crash_at: Option<plugin::crash::CrashPoint>,
+    /// Crash tests only: the task that SIGUSR1 makes panic ([`KILL_ENV`]).
+    #[cfg(feature = "crash-points")]
+    pub kill_task: Option<String>,
 }
-
-type TaskResult = (&'static str, Result<(), String>);
 
 /// Turns off what the backend cannot do on this node, saying so once: partitionable mode
 /// without MIG creation would publish placements that every prepare refuses. Time slicing is
@@ -134,6 +148,16 @@ fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Confi
     config
 }
 
+/// How often the inventory owner reads the hardware when nobody asked: as often as the most
+/// eager consumer read it before there was one owner (the device plugin's poll where it runs,
+/// else the DRA health stream's interval).
+fn rescan(config: &Config) -> Duration {
+    match config.mode {
+        Mode::Dra => health::INTERVAL,
+        Mode::DevicePlugin | Mode::Both | Mode::Auto => deviceplugin::server::POLL,
+    }
+}
+
 /// Runs the node agent until a signal (or `stop`, for tests) ends it.
 pub async fn run(
     config: Config,
@@ -149,107 +173,182 @@ pub async fn run(
             addr: config.metrics_address,
             source,
         })?;
-    // Prepare reads the cached inventory; the slice sync and health stream refresh it. Every
-    // consumer reads it with the health monitor's state laid over it.
-    let cached: Arc<dyn DeviceBackend> = Arc::new(crate::inventory::cache::Cached::new(backend));
-    let config = without_unavailable(config, cached.as_ref());
-    let monitor = HealthMonitor::start(&config, &cached);
+    let metrics = Metrics::new();
+    // Outlives the tasks: the servers stop (removing their sockets), then what is left goes.
+    let mut owned = socket::OwnedSockets::default();
+    let mut tasks = Supervisor::new(&stop, metrics.clone());
+    #[cfg(feature = "crash-points")]
+    tasks.kill_on_sigusr1(extras.kill_task.clone());
+    let result = match start(
+        config,
+        &extras,
+        backend,
+        api,
+        metrics,
+        metrics_listener,
+        &mut owned,
+        &mut tasks,
+    )
+    .await
+    {
+        Ok(()) => tasks.run().await,
+        Err(e) => {
+            // What did start (the checkpoint writer among it) stops as on shutdown.
+            if let Err(stopping) = tasks.stop().await {
+                tracing::warn!(error = %stopping, "stopping after a failed start");
+            }
+            Err(e)
+        }
+    };
+    // The servers removed their sockets; `owned` makes sure even a forced exit leaves none.
+    drop(owned);
+    result
+}
+
+/// Starts every task of `config.mode` under `tasks`, in the order the module doc gives.
+#[allow(clippy::too_many_arguments)]
+async fn start(
+    config: Config,
+    extras: &Extras,
+    backend: Arc<dyn DeviceBackend>,
+    api: Arc<dyn ClusterApi>,
+    metrics: Arc<Metrics>,
+    metrics_listener: tokio::net::TcpListener,
+    owned: &mut socket::OwnedSockets,
+    tasks: &mut Supervisor,
+) -> Result<()> {
+    // The inventory owner: the only reader of the backend. Its first read is taken now, so
+    // that every consumer below starts from it; a failure is published (and logged) for the
+    // consumers to report as they did when they read the backend themselves.
+    let (mut owner, inventory) =
+        Owner::new(backend.clone(), rescan(&config), owner::DEADLINE).map_err(Error::Thread)?;
+    let _ = owner.read().await;
+    let watched: Arc<dyn DeviceBackend> = Arc::new(Watched::new(backend, inventory.clone()));
+    let config = without_unavailable(config, watched.as_ref());
+    let monitor = HealthMonitor::start(&config, &watched);
+    // Every consumer reads the inventory with the health monitor's state laid over it.
     let backend: Arc<dyn DeviceBackend> = Arc::new(crate::health::Monitored::new(
-        cached,
+        watched,
         monitor.handle.subscribe(),
     ));
-    let metrics = Metrics::new();
+    let transitions = tokio_stream::wrappers::WatchStream::from_changes(monitor.handle.subscribe());
+    let owner = owner.with_changes(futures::StreamExt::boxed(futures::StreamExt::map(
+        transitions,
+        |_| (),
+    )));
+    tasks.spawn("inventory", |token| async move { owner.run(token).await });
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
 
     // `auto` becomes `device-plugin` without DRA, else `both` with the names DeviceClasses map
     // left to DRA.
     let mut config = config;
-    let _classes_guard;
     let mut mapped = None;
     if config.mode == Mode::Auto {
-        let token = stop.child_token();
-        _classes_guard = token.clone().drop_guard();
-        let (mode, m) = decide_auto(&api, token).await;
+        let (mode, m) = decide_auto(&api, tasks).await;
         config.mode = mode;
         mapped = m;
     }
     // `--node-labels`: GFD's labels, kept current beside whichever path runs.
-    let _labels_guard;
     if config.node_labels {
         let options = match &config.device_plugin_config {
             Some(path) => deviceplugin::nvconfig::load(path)?,
             None => deviceplugin::Options::default(),
         };
-        let token = stop.child_token();
-        _labels_guard = token.clone().drop_guard();
-        tokio::spawn(deviceplugin::labels::run(
-            api.clone(),
-            backend.clone(),
-            options,
-            config.node_name.clone(),
-            deviceplugin::labels::INTERVAL,
-            token,
-        ));
+        let (api, backend, node) = (api.clone(), backend.clone(), config.node_name.clone());
+        tasks.spawn("node-labels", |token| async move {
+            let interval = deviceplugin::labels::INTERVAL;
+            deviceplugin::labels::run(api, backend, options, node, interval, token).await;
+            Ok::<(), Infallible>(())
+        });
     }
     let device_plugin = match config.mode {
         Mode::DevicePlugin | Mode::Both => Some(
             device_plugin(&config, backend.clone())
                 .await?
-                .with_health(monitor.handle.subscribe()),
+                .with_health(monitor.handle.subscribe())
+                .with_inventory(inventory.subscribe()),
         ),
         Mode::Dra | Mode::Auto => None,
     };
-    let device_plugin = match mapped {
+    let mut device_plugin = match mapped {
         Some(m) => device_plugin.map(|dp| dp.with_mapped(m)),
         None => device_plugin,
     };
-    if config.mode == Mode::DevicePlugin {
-        let shutdown = stop.child_token();
-        let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
-        let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
-        let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+
+    let plugin = if config.mode == Mode::DevicePlugin {
+        tasks.install_signals()?;
         // Without DRA, ready means every resource is registered with the kubelet (there are
         // no slices to publish: the kubelet has the device lists).
         let m = metrics.clone();
-        let device_plugin = device_plugin.map(|dp| {
+        device_plugin = device_plugin.map(|dp| {
             dp.on_registered(Arc::new(move |all| {
                 use std::sync::atomic::Ordering::Relaxed;
                 m.registered.store(all, Relaxed);
                 m.slices.published.store(all, Relaxed);
             }))
+            // Which container holds which device: PodResources, read for `/metrics` only.
+            .with_pod_resources(config.pod_resources_socket())
         });
-        // Which container holds which device: PodResources, read for `/metrics` only.
-        let device_plugin =
-            device_plugin.map(|dp| dp.with_pod_resources(config.pod_resources_socket()));
-        metrics.set_source(scrape_source(
-            &backend,
-            None,
-            &monitor,
-            device_plugin.as_ref(),
-            &extras,
-        ));
-        spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
-        monitor.spawn(&mut tasks, &shutdown);
-        let (m, token) = (metrics.clone(), shutdown.clone());
-        tasks.spawn(async move {
-            metrics::serve(metrics_listener, m, token).await;
-            ("metrics", Ok(()))
-        });
-        return supervise(tasks, &shutdown, &mut sigterm, &mut sigint).await;
+        None
+    } else {
+        let plugin = start_dra(&config, extras, &api, &backend, &metrics, tasks).await?;
+        // `both`: one ledger for both paths.
+        device_plugin = device_plugin
+            .map(|dp| dp.with_ledger(plugin.ledger().clone(), config.pod_resources_socket()));
+        if let Some(dp) = &device_plugin {
+            dp.observe_once().await;
+        }
+        Some(plugin)
+    };
+    // What a scrape reads: the claims, the containers, readings, XIDs, processes' pods.
+    metrics.set_source(scrape_source(
+        &backend,
+        plugin.as_ref().map(Plugin::ledger),
+        &monitor,
+        device_plugin.as_ref(),
+        extras,
+    ));
+    if let Some(plugin) = &plugin {
+        let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
+        serve_dra(
+            &config, plugin, holds, &monitor, &api, &backend, &inventory, &metrics, owned, tasks,
+        )
+        .await?;
     }
+    monitor.spawn(tasks);
+    if let Some(dp) = device_plugin {
+        tasks.spawn("device-plugin", |token| dp.run(token));
+    }
+    // Last to stop: `/readyz` answers (failing) while the others drain.
+    let m = metrics.clone();
+    tasks.spawn_last("metrics", |token| async move {
+        metrics::serve(metrics_listener, m, token).await;
+        Ok::<(), Infallible>(())
+    });
+    Ok(())
+}
 
+/// The DRA plugin over its checkpoint, the checkpoint writer (stopping last, so it flushes
+/// what the servers recorded), and recovery of what a crash or reboot left behind.
+async fn start_dra(
+    config: &Config,
+    extras: &Extras,
+    api: &Arc<dyn ClusterApi>,
+    backend: &Arc<dyn DeviceBackend>,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Supervisor,
+) -> Result<Plugin> {
     let boot_id_file = extras
         .boot_id_file
         .clone()
         .unwrap_or_else(|| PathBuf::from(ledger::BOOT_ID_PATH));
     let boot_id = ledger::read_boot_id(&boot_id_file)?;
-    let plugin_dir = config.plugin_dir();
     let (plugin, writer, outcome) = Plugin::new(
         plugin::Options {
             driver: config.driver_name.clone(),
             pool: config.node_name.clone(),
-            plugin_dir: plugin_dir.clone(),
+            plugin_dir: config.plugin_dir(),
             cdi_root: config.cdi_root.clone(),
             driver_root: config.driver_root.clone(),
             boot_id,
@@ -266,59 +365,13 @@ pub async fn run(
         plugin.stop_at(at);
     }
     tracing::info!(checkpoint = %plugin.ledger().path().display(), ?outcome, "checkpoint loaded");
-
-    // The writer outlives the servers: it stops only after they drained.
-    let writer_stop = CancellationToken::new();
-    let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
-    let shutdown = stop.child_token();
-    // `both`: one ledger for both paths.
-    let device_plugin = device_plugin
-        .map(|dp| dp.with_ledger(plugin.ledger().clone(), config.pod_resources_socket()));
-    if let Some(dp) = &device_plugin {
-        dp.observe_once().await;
-    }
-    // What a scrape reads: the claims, the containers (`both`), readings, XIDs, processes' pods.
-    metrics.set_source(scrape_source(
-        &backend,
-        Some(plugin.ledger()),
-        &monitor,
-        device_plugin.as_ref(),
-        &extras,
-    ));
-    let result = serve(
-        &config,
-        monitor,
-        device_plugin,
-        plugin,
-        api,
-        backend,
-        metrics,
-        metrics_listener,
-        shutdown.clone(),
-    )
-    .await;
-    shutdown.cancel();
-    writer_stop.cancel();
-    match writer_task.await {
-        Ok(Ok(())) => tracing::info!("checkpoint flushed"),
-        Ok(Err(e)) => tracing::error!(error = %report::chain(&e), "checkpoint writer failed"),
-        Err(e) => tracing::error!(error = %e, "checkpoint writer panicked"),
-    }
-    result
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn serve(
-    config: &Config,
-    monitor: HealthMonitor,
-    device_plugin: Option<DevicePlugin>,
-    plugin: Plugin,
-    api: Arc<dyn ClusterApi>,
-    backend: Arc<dyn DeviceBackend>,
-    metrics: Arc<Metrics>,
-    metrics_listener: tokio::net::TcpListener,
-    shutdown: CancellationToken,
-) -> Result<()> {
+    tasks.spawn_last("checkpoint-writer", |token| async move {
+        let r = writer.run(token).await;
+        if r.is_ok() {
+            tracing::info!("checkpoint flushed");
+        }
+        r
+    });
     let rec = plugin.recover().await?;
     tracing::info!(
         rolled_back = rec.rolled_back.len(),
@@ -326,32 +379,43 @@ async fn serve(
         orphans_removed = rec.orphans_removed.len(),
         "recovered state from the checkpoint"
     );
+    Ok(plugin)
+}
 
-    let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
-
+/// The DRA gRPC server, the registration socket, the slice publisher and, with
+/// `--shared-capacity`, the share-daemon watch.
+#[allow(clippy::too_many_arguments)]
+async fn serve_dra(
+    config: &Config,
+    plugin: &Plugin,
+    holds: Option<ContainerHolds>,
+    monitor: &HealthMonitor,
+    api: &Arc<dyn ClusterApi>,
+    backend: &Arc<dyn DeviceBackend>,
+    inventory: &InventoryHandle,
+    metrics: &Arc<Metrics>,
+    owned: &mut socket::OwnedSockets,
+    tasks: &mut Supervisor,
+) -> Result<()> {
+    tasks.install_signals()?;
     let sockets = Sockets::new(
         &config.registry_dir(),
         &config.plugin_dir(),
         &config.driver_name,
         config.pod_uid.as_deref(),
     );
-    // Declared before the tasks, so dropped after them: the servers stop, then the files go.
-    let mut owned = socket::OwnedSockets::default();
-    let mut tasks: JoinSet<TaskResult> = JoinSet::new();
 
     let dra_listener = socket::bind(&sockets.dra).map_err(service::Error::from)?;
     let dra_socket = owned.adopt(&sockets.dra);
     tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     {
-        let (plugin, token) = (plugin.clone(), shutdown.clone());
+        let plugin = plugin.clone();
         let health = NodeHealth::new(backend.clone(), config.node_name.clone())
             .with_health(monitor.handle.subscribe())
-            .service(health::INTERVAL, shutdown.clone());
-        tasks.spawn(async move {
-            let r =
-                service::serve_dra(Arc::new(plugin), health, dra_listener, dra_socket, token).await;
-            ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
+            .with_owner(inventory.clone())
+            .service(health::INTERVAL, tasks.shutdown().clone());
+        tasks.spawn("dra-server", |token| async move {
+            service::serve_dra(Arc::new(plugin), health, dra_listener, dra_socket, token).await
         });
     }
 
@@ -363,48 +427,27 @@ async fn serve(
     let reg_listener = registrar.bind()?;
     let reg_socket = owned.adopt(&sockets.registration);
     tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
-    {
-        let token = shutdown.clone();
-        tasks.spawn(async move {
-            let r = registrar.run(reg_listener, reg_socket, token).await;
-            ("registration", r.map_err(|e| report::chain(&e).to_string()))
-        });
-    }
+    tasks.spawn("registration", |token| async move {
+        registrar.run(reg_listener, reg_socket, token).await
+    });
 
-    let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
     publish(
         config,
-        &plugin,
+        plugin,
         holds,
-        &api,
-        &backend,
-        &metrics,
+        api,
+        backend,
+        inventory,
+        metrics,
         monitor.handle.subscribe(),
-        &mut tasks,
-        &shutdown,
+        tasks,
     )
     .await;
     if config.shared_capacity {
-        spawn_share_daemon_watch(config, &plugin, &monitor, &metrics, &mut tasks, &shutdown);
+        spawn_share_daemon_watch(config, plugin, monitor, metrics, tasks);
     }
-    monitor.spawn(&mut tasks, &shutdown);
-
-    spawn_device_plugin(device_plugin, &mut tasks, &shutdown);
-
-    {
-        let (m, token) = (metrics.clone(), shutdown.clone());
-        tasks.spawn(async move {
-            metrics::serve(metrics_listener, m, token).await;
-            ("metrics", Ok(()))
-        });
-    }
-
-    let result = supervise(tasks, &shutdown, &mut sigterm, &mut sigint).await;
-    // The servers remove their sockets; `owned` makes sure even a forced exit leaves none.
-    drop(owned);
-    result
+    Ok(())
 }
-
 /// What a `/metrics` scrape reads: the claims (`ledger`, absent without DRA), what containers
 /// hold through the device plugin, the GPUs' readings, the XID counts, processes' pods.
 fn scrape_source(
@@ -433,11 +476,11 @@ fn scrape_source(
 pub const FIRST_CLASSES: Duration = Duration::from_secs(10);
 
 /// `--mode auto`: `device-plugin` where the API server lacks `resource.k8s.io/v1`, else `both`
-/// with the DeviceClass mapping followed until `token` (the first list awaited, up to
+/// with the DeviceClass mapping followed by a task of `tasks` (the first list awaited, up to
 /// [`FIRST_CLASSES`], so a mapped name is never registered just to be withdrawn).
 async fn decide_auto(
     api: &Arc<dyn ClusterApi>,
-    token: CancellationToken,
+    tasks: &mut Supervisor,
 ) -> (Mode, Option<watch::Receiver<deviceplugin::auto::Mapped>>) {
     let served = api.dra_served().await.unwrap_or_else(|e| {
         tracing::warn!(error = %report::chain(&e), "cannot ask the API server for resource.k8s.io/v1; assuming DRA is served");
@@ -450,7 +493,11 @@ async fn decide_auto(
         return (Mode::DevicePlugin, None);
     }
     let (tx, mut rx) = watch::channel(deviceplugin::auto::Mapped::new());
-    tokio::spawn(deviceplugin::auto::follow(api.clone(), tx, token));
+    let api = api.clone();
+    tasks.spawn("deviceclass-follow", |token| async move {
+        deviceplugin::auto::follow(api, tx, token).await;
+        Ok::<(), Infallible>(())
+    });
     if tokio::time::timeout(FIRST_CLASSES, rx.changed())
         .await
         .is_err()
@@ -489,85 +536,6 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
     Ok(dp)
 }
 
-fn spawn_device_plugin(
-    dp: Option<DevicePlugin>,
-    tasks: &mut JoinSet<TaskResult>,
-    shutdown: &CancellationToken,
-) {
-    if let Some(dp) = dp {
-        let token = shutdown.clone();
-        tasks.spawn(async move {
-            let r = dp.run(token).await;
-            (
-                "device-plugin",
-                r.map_err(|e| report::chain(&e).to_string()),
-            )
-        });
-    }
-}
-
-/// Runs `tasks` until a signal, a stop request or a task ending on its own, then drains them
-/// within [`GRACE`] unless a second signal comes.
-async fn supervise(
-    mut tasks: JoinSet<TaskResult>,
-    shutdown: &CancellationToken,
-    sigterm: &mut tokio::signal::unix::Signal,
-    sigint: &mut tokio::signal::unix::Signal,
-) -> Result<()> {
-    // Run until a signal, a stop request, or a task ending on its own.
-    let failure = tokio::select! {
-        biased;
-        _ = sigterm.recv() => { tracing::info!("SIGTERM: shutting down"); None }
-        _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); None }
-        () = shutdown.cancelled() => { tracing::info!("stop requested: shutting down"); None }
-        Some(done) = tasks.join_next() => task_failure(done, shutdown),
-    };
-    shutdown.cancel();
-
-    // Drain, unless a second signal says not to wait.
-    let drain = async {
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok((task, Err(e))) => {
-                    tracing::warn!(task, error = %e, "task ended with an error while stopping")
-                }
-                Ok((task, Ok(()))) => tracing::debug!(task, "task stopped"),
-                Err(e) => tracing::warn!(error = %e, "task panicked while stopping"),
-            }
-        }
-    };
-    let drained = tokio::select! {
-        () = drain => Ok(()),
-        _ = sigterm.recv() => Err(Error::Forced),
-        _ = sigint.recv() => Err(Error::Forced),
-        () = tokio::time::sleep(GRACE) => Err(Error::GraceExceeded(GRACE)),
-    };
-    match (failure, drained) {
-        (Some(e), _) => Err(e),
-        (None, Err(e)) => Err(e),
-        (None, Ok(())) => {
-            tracing::info!("stopped");
-            Ok(())
-        }
-    }
-}
-
-/// A task that ended before shutdown was asked for is a failure; one that ended because of it
-/// (the select saw the task first) is not.
-fn task_failure(
-    done: Result<TaskResult, tokio::task::JoinError>,
-    shutdown: &CancellationToken,
-) -> Option<Error> {
-    let (task, reason) = match done {
-        Ok((_, Ok(()))) if shutdown.is_cancelled() => return None,
-        Ok((task, Ok(()))) => (task, "ended".to_string()),
-        Ok((task, Err(e))) => (task, e),
-        Err(e) => ("unknown", format!("panicked: {e}")),
-    };
-    tracing::error!(task, %reason, "critical task stopped; shutting down");
-    Some(Error::TaskDied { task, reason })
-}
-
 /// One warning when a switch that is on meets a Kubernetes version whose scheduler has a known
 /// bug that hits it (`crate::versions`): the slices are published all the same, as the claims the
 /// bug does not touch still work.
@@ -592,8 +560,8 @@ fn warn_of_known_bugs(config: &Config, version: &versions::KubeVersion) {
 pub const RESCAN: Duration = Duration::from_secs(60);
 
 /// Starts the ResourceSlice publisher (counting into the metrics, readiness included) and the
-/// task feeding it the inventory (told about MIG changes by the plugin, and about health
-/// transitions by the monitor). `holds`: in `both`, what containers hold through the device
+/// task feeding it the inventory (woken by each of the owner's reads, and by health
+/// transitions). `holds`: in `both`, what containers hold through the device
 /// plugin, hidden from the slices.
 #[allow(clippy::too_many_arguments)]
 async fn publish(
@@ -602,10 +570,10 @@ async fn publish(
     holds: Option<ContainerHolds>,
     api: &Arc<dyn ClusterApi>,
     backend: &Arc<dyn DeviceBackend>,
+    inventory: &InventoryHandle,
     metrics: &Arc<Metrics>,
     health: crate::health::Watch,
-    tasks: &mut JoinSet<TaskResult>,
-    shutdown: &CancellationToken,
+    tasks: &mut Supervisor,
 ) {
     let version = api.server_version().await.unwrap_or_else(|e| {
         tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
@@ -628,21 +596,26 @@ async fn publish(
         publisher::Options::default(),
         metrics.slices.clone(),
     );
-    let (slice_sync, sync_handle) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
-    let mut slice_sync = slice_sync.with_metrics(metrics.clone()).with_health(health);
+    let (slice_sync, _) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
+    let mut slice_sync = slice_sync
+        .with_metrics(metrics.clone())
+        .with_health(health)
+        .with_inventory(inventory.subscribe());
     if let Some(holds) = holds {
         slice_sync = slice_sync.with_holds(holds);
     }
-    plugin.on_inventory_change(Arc::new(move || sync_handle.inventory_changed()));
-    let token = shutdown.clone();
-    tasks.spawn(async move {
+    // A MIG device created or destroyed: the owner reads again, and every consumer follows.
+    let owner = inventory.clone();
+    plugin.on_inventory_change(Arc::new(move || {
+        owner.request();
+    }));
+    tasks.spawn("publisher", |token| async move {
         publisher.run(token).await;
-        ("publisher", Ok(()))
+        Ok::<(), Infallible>(())
     });
-    let token = shutdown.clone();
-    tasks.spawn(async move {
+    tasks.spawn("slice-sync", |token| async move {
         slice_sync.run(token).await;
-        ("slice-sync", Ok(()))
+        Ok::<(), Infallible>(())
     });
 }
 
@@ -672,22 +645,18 @@ fn spawn_share_daemon_watch(
     plugin: &Plugin,
     monitor: &HealthMonitor,
     metrics: &Arc<Metrics>,
-    tasks: &mut JoinSet<TaskResult>,
-    shutdown: &CancellationToken,
+    tasks: &mut Supervisor,
 ) {
-    use tracing::Instrument;
     let report = Arc::new(ShareDaemonReport {
         metrics: metrics.clone(),
         monitor: monitor.handle.clone(),
     });
-    let (plugin, interval, token) = (plugin.clone(), config.mps_probe_interval, shutdown.clone());
-    tasks.spawn(
-        async move {
-            plugin.watch_share_daemons(interval, report, token).await;
-            ("share-daemon-watch", Ok(()))
-        }
-        .instrument(tracing::info_span!("share-daemon-watch", ?interval)),
-    );
+    let (plugin, interval) = (plugin.clone(), config.mps_probe_interval);
+    tracing::debug!(?interval, "watching the share daemons");
+    tasks.spawn("share-daemon-watch", |token| async move {
+        plugin.watch_share_daemons(interval, report, token).await;
+        Ok::<(), Infallible>(())
+    });
 }
 
 /// The health monitor and its event source, created at start (so every consumer can subscribe)
@@ -730,23 +699,22 @@ impl HealthMonitor {
         }
     }
 
-    fn spawn(self, tasks: &mut JoinSet<TaskResult>, shutdown: &CancellationToken) {
+    fn spawn(self, tasks: &mut Supervisor) {
         let Self {
             monitor,
             handle,
             faults,
         } = self;
         if let Some(f) = faults {
-            let (events, token) = (handle.events(), shutdown.clone());
-            tasks.spawn(async move {
+            let events = handle.events();
+            tasks.spawn("fault-file", |token| async move {
                 f.run(events, token).await;
-                ("fault-file", Ok(()))
+                Ok::<(), Infallible>(())
             });
         }
-        let token = shutdown.clone();
-        tasks.spawn(async move {
+        tasks.spawn("health-monitor", |token| async move {
             monitor.run(token).await;
-            ("health-monitor", Ok(()))
+            Ok::<(), Infallible>(())
         });
     }
 }

@@ -97,6 +97,8 @@ pub struct Metrics {
     info: Mutex<BTreeMap<&'static str, String>>,
     /// Set once the daemon has wired what a scrape reads ([`Metrics::set_source`]).
     source: OnceLock<Arc<dyn Source>>,
+    /// The first long-lived task that stopped unexpectedly, and why: never ready again.
+    stopped: OnceLock<String>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -129,9 +131,18 @@ impl Metrics {
         }
     }
 
-    /// Ready once the kubelet accepted the registration and the slices are published.
+    /// A long-lived task stopped unexpectedly (the process is stopping): `/readyz` fails from
+    /// now on, naming it. The first one is kept.
+    pub fn set_stopped(&self, task: &str, reason: &str) {
+        let _ = self.stopped.set(format!("task {task} stopped: {reason}"));
+    }
+
+    /// Ready once the kubelet accepted the registration and the slices are published, and
+    /// until a task stops unexpectedly.
     pub fn ready(&self) -> bool {
-        self.registered.load(Ordering::Relaxed) && self.slices.published.load(Ordering::Relaxed)
+        self.registered.load(Ordering::Relaxed)
+            && self.slices.published.load(Ordering::Relaxed)
+            && self.stopped.get().is_none()
     }
 
     /// The Prometheus text exposition format, version 0.0.4. Blocking: it reads the source.
@@ -204,6 +215,9 @@ fn respond(metrics: &Metrics, method: &Method, path: &str) -> Response<Full<Byte
         "/readyz" if metrics.ready() => text(StatusCode::OK, "ready\n".into(), "text/plain"),
         "/readyz" => {
             let mut why = Vec::new();
+            if let Some(stopped) = metrics.stopped.get() {
+                why.push(stopped.as_str());
+            }
             if !metrics.registered.load(Ordering::Relaxed) {
                 why.push("not registered with the kubelet");
             }
@@ -390,6 +404,11 @@ mod tests {
         // The sample line, not the HELP line ("# HELP nvdra_ready 1 when registered ...").
         assert!(r.lines().any(|l| l == "nvdra_ready 1"), "{r}");
         assert!(get(addr, "/nope").await.starts_with("HTTP/1.1 404"));
+        // A task that stopped unexpectedly: not ready again, and it is named.
+        m.set_stopped("checkpoint-writer", "ended");
+        let r = get(addr, "/readyz").await;
+        assert!(r.starts_with("HTTP/1.1 503"), "{r}");
+        assert!(r.contains("task checkpoint-writer stopped: ended"), "{r}");
 
         shutdown.cancel();
         task.await.unwrap();

@@ -214,3 +214,78 @@ async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
     task.await.unwrap().unwrap();
     assert!(!dir.join("nvidia-mig-7g.40gb.sock").exists());
 }
+
+/// The daemon's wiring: the device plugin reads the inventory owner's watch, with a poll far
+/// beyond the test. A MIG device created the way prepare creates one (through the owner's
+/// backend) is in the very next list of its resource, from the one read that the creation
+/// asked of the owner — not left to the slices alone.
+#[tokio::test]
+async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_inventory_read() {
+    use nvdra::inventory::owner::{self, Owner, Watched};
+    use nvdra::inventory::{DeviceBackend, Placement};
+    const SOON: Duration = Duration::from_secs(10);
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("device-plugins");
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (mut owner, inventory) = Owner::new(
+        Arc::new(sim.clone()),
+        Duration::from_secs(3600),
+        owner::DEADLINE,
+    )
+    .unwrap();
+    owner.read().await.unwrap();
+    let stop = CancellationToken::new();
+    let owner_task = tokio::spawn(owner.run(stop.clone()));
+    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), inventory.clone()));
+    let dp = DevicePlugin::new(
+        settings(root.path(), Duration::from_secs(3600)),
+        Options {
+            mig_strategy: nvdra::deviceplugin::MigStrategy::Mixed,
+            ..Options::default()
+        },
+        watched.clone(),
+    )
+    .with_inventory(inventory.subscribe());
+    let task = tokio::spawn(dp.run(stop.clone()));
+    let sock = dir.join("nvidia-mig-1g.10gb.sock");
+    let channel = tokio::time::timeout(SOON, async {
+        loop {
+            if let Ok(c) = kubelet_plugin::socket::connect(&sock).await {
+                break c;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the MIG resource is served");
+    let mut client = DevicePluginClient::new(channel);
+    let mut stream = client.list_and_watch(Empty {}).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    let reads = inventory.latest().reads;
+
+    let gpu2 = sim.snapshot().unwrap().gpus[2].uuid.clone();
+    let w = watched.clone();
+    let created = tokio::task::spawn_blocking(move || {
+        w.create_mig(&gpu2, 15, Placement { start: 6, size: 2 })
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let next = tokio::time::timeout(SOON, stream.message())
+        .await
+        .expect("the list changes without a poll")
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.devices.len(), first.devices.len() + 1);
+    assert!(
+        next.devices
+            .iter()
+            .any(|d| d.id == created.uuid.to_string()),
+        "{next:?}"
+    );
+    assert_eq!(inventory.latest().reads, reads + 1, "one inventory read");
+
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    owner_task.await.unwrap().unwrap();
+}

@@ -909,3 +909,96 @@ fn a_failed_registration_socket_removes_the_dra_socket() {
         "the DRA socket was created first"
     );
 }
+
+/// `GET /readyz` on `addr`: the status line and body, or `None` when nothing answers.
+async fn readyz(addr: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    // Accepted by the kernel after the endpoint stopped: closed unanswered.
+    (!buf.is_empty()).then_some(buf)
+}
+
+/// The checkpoint writer dies under a ready plugin (the crash-points hook: SIGUSR1 makes the task
+/// `NVDRA_TEST_KILL_TASK` names panic): `/readyz` stops answering 200 — a 503 names the task —
+/// and the process exits non-zero naming it, instead of serving prepares that cannot be recorded.
+#[tokio::test]
+async fn a_dead_checkpoint_writer_fails_readyz_and_the_process_names_it() {
+    use kubelet_plugin::proto::pluginregistration::{
+        RegistrationStatus, registration_client::RegistrationClient,
+    };
+    let mut d = Dirs::new();
+    // A free port, so the test knows where `/readyz` is.
+    d.metrics_address = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let mut child = d
+        .command(None)
+        .env("NVDRA_TEST_KILL_TASK", "checkpoint-writer")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_ready(&d, &mut child).await;
+    let reg = support::dra::unix_channel(&d.reg_socket()).await.unwrap();
+    RegistrationClient::new(reg)
+        .notify_registration_status(RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await
+        .unwrap();
+    let mut ready = false;
+    for _ in 0..3000 {
+        if readyz(&d.metrics_address)
+            .await
+            .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(ready, "/readyz did not answer 200 within 30 s");
+
+    let ok = Command::new("kill")
+        .args(["-USR1", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let mut failed = None;
+    for _ in 0..3000 {
+        match readyz(&d.metrics_address).await {
+            Some(r) if r.starts_with("HTTP/1.1 200") => {}
+            other => {
+                failed = Some(other);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let failed = failed.expect("/readyz still answers 200 30 s after the writer died");
+    if let Some(answer) = failed {
+        // Answered while the other tasks drain: it says why.
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(
+            answer.contains("task checkpoint-writer stopped"),
+            "{answer}"
+        );
+    }
+    let status = wait_exit(&mut child).await;
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "{status}: {err}");
+    assert!(
+        err.contains("task checkpoint-writer stopped unexpectedly"),
+        "the task is not named: {err}"
+    );
+    let sockets = sockets_under(&d.p("kubelet"));
+    assert!(sockets.is_empty(), "left behind: {sockets:?}");
+}

@@ -11,8 +11,10 @@
 //! re-created, or an event lost in a full queue). A refused or failed registration is logged and
 //! retried with exponential backoff (1 s up to 30 s), at once when `kubelet.sock` changes.
 //!
-//! The inventory is re-read every [`Settings::poll`], and at once on every transition of the
-//! health monitor when one is given ([`DevicePlugin::with_health`]): a changed device list
+//! The inventory is re-read every [`Settings::poll`], at once on every transition of the
+//! health monitor when one is given ([`DevicePlugin::with_health`]), and at once on every read
+//! the inventory owner publishes when its watch is given ([`DevicePlugin::with_inventory`]: a
+//! MIG device created at prepare reaches the lists from the same read as the slices): a changed device list
 //! (health, MIG instances) is sent whole to the open streams; a resource that appears (a MIG
 //! reconfiguration) gets its server and registration on the next tick; one that disappears is
 //! sent empty. The CDI spec is rewritten when the devices (not their health) change.
@@ -67,6 +69,8 @@ pub enum Error {
     Cdi(#[from] crate::cdi::Error),
     #[error(transparent)]
     Socket(#[from] socket::Error),
+    #[error("the device plugin's {task} stopped unexpectedly: {reason}")]
+    Stopped { task: &'static str, reason: String },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +111,7 @@ pub struct DevicePlugin {
     backend: Arc<dyn DeviceBackend>,
     on_registered: Option<OnRegistered>,
     health: Option<crate::health::Watch>,
+    inventory: Option<inventory::owner::Watch>,
     /// `--mode both`: the ledger shared with DRA ([`super::both`]).
     both: Option<Both>,
     /// `--mode device-plugin`: what containers hold, read from PodResources for `/metrics` only.
@@ -171,6 +176,7 @@ impl DevicePlugin {
             backend,
             on_registered: None,
             health: None,
+            inventory: None,
             both: None,
             watched: None,
             mapped: None,
@@ -284,6 +290,13 @@ impl DevicePlugin {
         self
     }
 
+    /// Re-reads the inventory (and re-sends changed lists) on every read the inventory owner
+    /// publishes, instead of waiting for the next poll.
+    pub fn with_inventory(mut self, inventory: inventory::owner::Watch) -> Self {
+        self.inventory = Some(inventory);
+        self
+    }
+
     /// Calls `f` whenever "all resources registered" changes (for readiness).
     pub fn on_registered(mut self, f: OnRegistered) -> Self {
         self.on_registered = Some(f);
@@ -314,13 +327,14 @@ impl DevicePlugin {
         }
         let served_tx = watch::channel(served(&res)).0;
         let mut changes = self.both.as_ref().map(|b| b.ledger.changes());
-        if let Some(watch) = self.pod_watch() {
+        // Part of this task: should it end, the device plugin ends with it, naming it.
+        let mut pods = self.pod_watch().map(|watch| {
             tokio::spawn(super::both::poll_pod_resources(
                 watch,
                 served_tx.subscribe(),
                 shutdown.child_token(),
-            ));
-        }
+            ))
+        });
         let mut last_res = res.clone();
         let mut mapped = self.mapped.clone();
         self.log_paths(&res);
@@ -341,6 +355,11 @@ impl DevicePlugin {
         poll.tick().await;
         let mut all_registered = false;
         let mut health = self.health.clone();
+        let mut published = self.inventory.clone();
+        if let Some(p) = &mut published {
+            // The lists above are from the latest publication already.
+            p.mark_unchanged();
+        }
         let result = loop {
             tokio::select! {
                 biased;
@@ -393,9 +412,23 @@ impl DevicePlugin {
                     update(&mut slots, &self.settings.dir, now);
                     continue;
                 }
+                Some(done) = async {
+                    match &mut pods {
+                        Some(p) => Some(p.await),
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    let reason = match done {
+                        Ok(()) => "ended".to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    break Err(Error::Stopped { task: "pod-resources-poll", reason });
+                }
                 _ = poll.tick() => {}
                 // A health transition re-reads at once instead of at the next poll.
                 Some(()) = crate::health::changed(&mut health) => poll.reset(),
+                // So does a new read of the inventory owner.
+                Some(()) = inventory::owner::changed(&mut published) => poll.reset(),
             }
             match self.check().await {
                 Ok((inv, res)) => {

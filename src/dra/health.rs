@@ -56,6 +56,7 @@ pub struct NodeHealth {
     backend: Arc<dyn DeviceBackend>,
     pool: String,
     health: Option<crate::health::Watch>,
+    owner: Option<inventory::owner::InventoryHandle>,
 }
 
 impl NodeHealth {
@@ -64,7 +65,15 @@ impl NodeHealth {
             backend,
             pool: pool.into(),
             health: None,
+            owner: None,
         }
+    }
+
+    /// Each message is read from a fresh inventory: one the owner read after it was asked
+    /// (`backend` being the owner's, [`inventory::owner::Watched`]).
+    pub fn with_owner(mut self, owner: inventory::owner::InventoryHandle) -> Self {
+        self.owner = Some(owner);
+        self
     }
 
     /// Streams re-send as soon as the monitor's state changes, not only every interval.
@@ -84,6 +93,9 @@ impl HealthSource for NodeHealth {
         &self,
     ) -> BoxFuture<'_, Result<Vec<plugin_health::DeviceHealth>, plugin_health::Error>> {
         Box::pin(async move {
+            if let Some(owner) = &self.owner {
+                owner.refresh().await?;
+            }
             let inv = inventory::refresh(self.backend.clone()).await?;
             Ok(devices(&inv, &self.pool))
         })

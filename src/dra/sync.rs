@@ -16,7 +16,8 @@
 //! new claims off them.
 //!
 //! Given the health monitor's watch ([`SliceSync::with_health`]), every health transition
-//! re-reads the inventory at once.
+//! re-reads the inventory at once; given the inventory owner's ([`SliceSync::with_inventory`]),
+//! so does every read the owner publishes (a MIG device created at prepare among them).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,6 +77,7 @@ pub struct SliceSync {
     /// Set once the server was seen dropping taints: tainted devices are withdrawn instead.
     withdraw_tainted: bool,
     health: Option<crate::health::Watch>,
+    inventory: Option<inventory::owner::Watch>,
     metrics: Option<Arc<Metrics>>,
     /// `--mode both`: the device-plugin holds, hidden from the slices.
     holds: Option<ContainerHolds>,
@@ -103,6 +105,7 @@ impl SliceSync {
                 fell_back: false,
                 withdraw_tainted: false,
                 health: None,
+                inventory: None,
                 metrics: None,
                 holds: None,
             },
@@ -113,6 +116,12 @@ impl SliceSync {
     /// Re-reads the inventory on every transition of the health monitor.
     pub fn with_health(mut self, health: crate::health::Watch) -> Self {
         self.health = Some(health);
+        self
+    }
+
+    /// Re-reads the inventory on every read the inventory owner publishes.
+    pub fn with_inventory(mut self, inventory: inventory::owner::Watch) -> Self {
+        self.inventory = Some(inventory);
         self
     }
 
@@ -134,6 +143,7 @@ impl SliceSync {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
         let mut health = self.health.take();
+        let mut published = self.inventory.take();
         let mut changes = self.holds.as_ref().map(ContainerHolds::changes);
         let mut tick = tokio::time::interval(self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -155,6 +165,7 @@ impl SliceSync {
                 }
                 () = self.trigger.notified() => {}
                 Some(()) = crate::health::changed(&mut health) => {}
+                Some(()) = inventory::owner::changed(&mut published) => {}
                 Ok(()) = async {
                     match &mut changes {
                         Some(c) => c.changed().await,

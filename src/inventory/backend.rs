@@ -57,10 +57,12 @@ impl std::fmt::Display for ComputeMode {
 pub trait DeviceBackend: Send + Sync + 'static {
     /// A short name for logs (`nvml`, `simulated`).
     fn name(&self) -> &'static str;
-    /// The current inventory. May come from a cache (see [`cache::Cached`](super::cache::Cached)).
+    /// The current inventory. May be the inventory owner's last read
+    /// ([`owner::Watched`](super::owner::Watched)).
     fn snapshot(&self) -> Result<Inventory>;
 
-    /// Reads the inventory from the hardware, bypassing any cache.
+    /// Reads the inventory from the hardware, bypassing any cache (through
+    /// [`owner::Watched`](super::owner::Watched), the owner's last read: only the owner reads).
     fn refresh(&self) -> Result<Inventory> {
         self.snapshot()
     }
@@ -174,8 +176,7 @@ pub trait DeviceBackend: Send + Sync + 'static {
     }
 }
 
-/// A backend over another that changes some of what it does: the cache
-/// ([`Cached`](super::cache::Cached)) and the health overlay
+/// A backend over another that changes some of what it does: the health overlay
 /// ([`Monitored`](crate::health::Monitored)). A wrapper implements [`Wrapper::inner`] and the
 /// methods it changes; every other [`DeviceBackend`] method goes to `inner` unchanged, through
 /// the one implementation below instead of a forwarding method per wrapper.

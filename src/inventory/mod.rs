@@ -11,11 +11,11 @@
 //! [`assign_nvlink_domains`]).
 
 mod backend;
-pub mod cache;
 mod domains;
 pub mod events;
 mod mig_mode;
 pub mod nvml;
+pub mod owner;
 mod quantity;
 pub mod sim;
 pub mod table;
@@ -98,6 +98,27 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An inventory read that did not answer in time ([`owner::DEADLINE`]).
+    #[error(
+        "the {backend} backend's {call} did not answer within {after:?}; the last inventory read is kept"
+    )]
+    Deadline {
+        backend: &'static str,
+        call: &'static str,
+        after: std::time::Duration,
+    },
+    /// No read succeeded yet; the last one failed.
+    #[error("the node's inventory could not be read")]
+    Read(#[source] std::sync::Arc<Error>),
+    /// Nothing was read yet.
+    #[error("the node's inventory has not been read yet")]
+    NotRead,
+    /// The inventory owner stopped (a supervised task, so the process is stopping).
+    #[error("the inventory owner stopped")]
+    OwnerGone,
+    /// The inventory reader thread ended (it panicked in the backend).
+    #[error("the inventory reader thread stopped (it panicked in the backend)")]
+    ReaderGone,
     /// A driver tool ran and failed.
     #[error("{command} failed ({status}): {output}")]
     CommandFailed {

@@ -1,0 +1,407 @@
+//! The inventory owner: the one task that reads the node's inventory from the backend, and the
+//! watch on which every consumer (prepare, slices, device plugin, health stream, labels,
+//! metrics) reads what it published.
+//!
+//! [`Owner::run`] reads on a rescan, when asked ([`InventoryHandle::request`]: a MIG device
+//! created or destroyed, a health transition) and publishes each result on a
+//! `tokio::sync::watch` ([`Published`]). Consumers read through [`Watched`], a backend whose
+//! snapshots are the latest publication, and wake on the watch ([`changed`]) instead of polling
+//! the hardware on a trigger of their own; so a MIG change reaches every consumer from the same
+//! read.
+//!
+//! Invariants:
+//! - Only the owner's reader thread calls [`DeviceBackend::refresh`] on the backend. It is a
+//!   thread of its own, not the blocking pool, so a slow or stuck NVML read never takes a thread
+//!   a `/metrics` scrape or a prepare needs.
+//! - Every read has a deadline ([`DEADLINE`]): one that passes it is published as
+//!   [`Error::Deadline`] naming the call, and the owner goes on (health transitions and asks are
+//!   still answered). The next cycle waits on the same read again — never a second one behind a
+//!   stuck one — so at most one thread is ever stuck in the backend.
+//! - A failed read keeps the last inventory published; only the error is new.
+//! - A reconfiguration through [`Watched`] asks for a read, and the next snapshot through it
+//!   waits for that read: prepare never resolves devices against hardware it just changed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{Notify, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
+    Reconfiguration, Result, TimeSlice,
+};
+
+/// How long one inventory read may take before it is reported as failed.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The backend call the owner makes, as errors name it.
+const CALL: &str = "refresh (the inventory read)";
+
+/// What the owner last published.
+#[derive(Clone, Debug, Default)]
+pub struct Published {
+    /// The last inventory read; `None` until a read succeeded.
+    pub inventory: Option<Arc<Inventory>>,
+    /// Why the latest read failed; `None` once one succeeds.
+    pub error: Option<Arc<Error>>,
+    /// The asks ([`InventoryHandle::request`]) that the latest read answers: it started after
+    /// each of them.
+    pub answered: u64,
+    /// Reads published so far, failed ones included.
+    pub reads: u64,
+}
+
+impl Published {
+    /// The last inventory read, or why there is none.
+    pub fn inventory(&self) -> Result<Inventory> {
+        match (&self.inventory, &self.error) {
+            (Some(inv), _) => Ok(Inventory::clone(inv)),
+            (None, Some(e)) => Err(Error::Read(e.clone())),
+            (None, None) => Err(Error::NotRead),
+        }
+    }
+}
+
+/// A subscription to the owner's publications.
+pub type Watch = watch::Receiver<Published>;
+
+/// `Some` when the owner published again; never ready without a watch or once the owner is
+/// gone. For a `select!` branch of a consumer that re-reads on every publication.
+pub async fn changed(inventory: &mut Option<Watch>) -> Option<()> {
+    if let Some(w) = inventory
+        && w.changed().await.is_ok()
+    {
+        return Some(());
+    }
+    std::future::pending().await
+}
+
+/// Asks and waits for the owner's reads.
+#[derive(Clone, Debug)]
+pub struct InventoryHandle {
+    watch: Watch,
+    asks: Arc<Asks>,
+}
+
+#[derive(Debug, Default)]
+struct Asks {
+    count: AtomicU64,
+    notify: Notify,
+}
+
+impl InventoryHandle {
+    /// The owner's publications.
+    pub fn subscribe(&self) -> Watch {
+        self.watch.clone()
+    }
+
+    /// The latest publication.
+    pub fn latest(&self) -> Published {
+        self.watch.borrow().clone()
+    }
+
+    /// Asks for a read soon (the hardware may have changed); the returned ticket is answered by
+    /// the first publication whose read started after this call ([`InventoryHandle::wait`]).
+    pub fn request(&self) -> u64 {
+        let ticket = self.asks.count.fetch_add(1, Ordering::SeqCst) + 1;
+        self.asks.notify.notify_one();
+        ticket
+    }
+
+    /// Waits until a read that answers `ticket` is published; bounded by the owner's deadline
+    /// while the owner runs.
+    pub async fn wait(&self, ticket: u64) -> Result<Published> {
+        let mut w = self.watch.clone();
+        let p = w
+            .wait_for(|p| p.answered >= ticket)
+            .await
+            .map_err(|_| Error::OwnerGone)?;
+        Ok(p.clone())
+    }
+
+    /// Asks for a read and waits for it.
+    pub async fn refresh(&self) -> Result<Inventory> {
+        let ticket = self.request();
+        self.wait(ticket).await?.inventory()
+    }
+}
+
+/// The task that owns the backend's reads.
+pub struct Owner {
+    backend_name: &'static str,
+    reader: std::sync::mpsc::Sender<oneshot::Sender<Result<Inventory>>>,
+    /// A read that passed its deadline and is still running, with the asks made before it
+    /// started: the next cycle waits on it.
+    pending: Option<(u64, oneshot::Receiver<Result<Inventory>>)>,
+    tx: watch::Sender<Published>,
+    asks: Arc<Asks>,
+    rescan: Duration,
+    deadline: Duration,
+    /// Other news that the hardware may have changed (the health monitor's transitions).
+    changes: Option<futures::stream::BoxStream<'static, ()>>,
+}
+
+impl Owner {
+    /// The owner over `backend`, reading every `rescan` and within `deadline`, and its handle.
+    /// Nothing is read until [`Owner::read`] or [`Owner::run`]. Starts the reader thread, which
+    /// ends with the owner.
+    pub fn new(
+        backend: Arc<dyn DeviceBackend>,
+        rescan: Duration,
+        deadline: Duration,
+    ) -> std::io::Result<(Self, InventoryHandle)> {
+        let (reader, requests) = std::sync::mpsc::channel::<oneshot::Sender<Result<Inventory>>>();
+        let backend_name = backend.name();
+        std::thread::Builder::new()
+            .name("nvdra-inventory".into())
+            .spawn(move || {
+                for reply in requests {
+                    // The owner may have stopped waiting (deadline, shutdown).
+                    let _ = reply.send(backend.refresh());
+                }
+            })?;
+        let (tx, watch) = watch::channel(Published::default());
+        let asks = Arc::new(Asks::default());
+        Ok((
+            Self {
+                backend_name,
+                reader,
+                pending: None,
+                tx,
+                asks: asks.clone(),
+                rescan,
+                deadline,
+                changes: None,
+            },
+            InventoryHandle { watch, asks },
+        ))
+    }
+
+    /// Reads again on every item of `changes`: the health monitor's transitions (a GPU lost or
+    /// back may change what the backend lists), which this module does not know by type.
+    pub fn with_changes(mut self, changes: futures::stream::BoxStream<'static, ()>) -> Self {
+        self.changes = Some(changes);
+        self
+    }
+
+    /// Reads the inventory once and publishes the result, which is also returned.
+    pub async fn read(&mut self) -> Result<Arc<Inventory>, Arc<Error>> {
+        let (started, result) = self.read_with_deadline().await;
+        match result {
+            Ok(inv) => {
+                // A read that started before some asks answers only those made before it.
+                let answered = started;
+                let inv = Arc::new(inv);
+                self.tx.send_modify(|p| {
+                    p.inventory = Some(inv.clone());
+                    p.error = None;
+                    p.answered = p.answered.max(answered);
+                    p.reads += 1;
+                });
+                if self.asks.count.load(Ordering::SeqCst) > answered {
+                    // Asks made meanwhile get a read of their own.
+                    self.asks.notify.notify_one();
+                }
+                Ok(inv)
+            }
+            Err(e) => {
+                // Every ask so far is answered, by the failure.
+                let answered = self.asks.count.load(Ordering::SeqCst);
+                tracing::warn!(error = %kubelet_plugin::report::chain(&e), backend = self.backend_name,
+                    "cannot read the inventory; consumers keep the last one read");
+                let e = Arc::new(e);
+                self.tx.send_modify(|p| {
+                    p.error = Some(e.clone());
+                    p.answered = p.answered.max(answered);
+                    p.reads += 1;
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// The asks made before the read started, and its result.
+    async fn read_with_deadline(&mut self) -> (u64, Result<Inventory>) {
+        let (started, mut reply) = match self.pending.take() {
+            Some(p) => p,
+            None => {
+                let started = self.asks.count.load(Ordering::SeqCst);
+                let (tx, rx) = oneshot::channel();
+                if self.reader.send(tx).is_err() {
+                    return (started, Err(Error::ReaderGone));
+                }
+                (started, rx)
+            }
+        };
+        let result = match tokio::time::timeout(self.deadline, &mut reply).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(Error::ReaderGone),
+            Err(_) => {
+                self.pending = Some((started, reply));
+                Err(Error::Deadline {
+                    backend: self.backend_name,
+                    call: CALL,
+                    after: self.deadline,
+                })
+            }
+        };
+        (started, result)
+    }
+
+    /// Reads on every rescan, ask and health transition until `shutdown`. Read failures are
+    /// published, not returned: the owner ends before shutdown only when its reader thread is
+    /// gone ([`Error::ReaderGone`]: the backend panicked), as nothing could be read again.
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<()> {
+        let start = tokio::time::Instant::now() + self.rescan;
+        let mut tick = tokio::time::interval_at(start, self.rescan);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut changes = self.changes.take();
+        let asks = self.asks.clone();
+        if self.tx.borrow().reads == 0 {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return Ok(()),
+                r = self.read() => gone(r)?,
+            }
+        }
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return Ok(()),
+                () = asks.notify.notified() => {}
+                ended = async {
+                    match &mut changes {
+                        Some(c) => futures::StreamExt::next(c).await.is_none(),
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if ended {
+                        // Nothing will change any more that way.
+                        changes = None;
+                        continue;
+                    }
+                }
+                _ = tick.tick() => {}
+            }
+            // Cancellation first: a read stuck past shutdown is left to its thread.
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return Ok(()),
+                r = self.read() => gone(r)?,
+            }
+        }
+    }
+}
+
+/// A read that failed because the reader thread is gone ends the owner; others do not.
+fn gone(read: Result<Arc<Inventory>, Arc<Error>>) -> Result<()> {
+    match read {
+        Err(e) if matches!(*e, Error::ReaderGone) => Err(Error::ReaderGone),
+        _ => Ok(()),
+    }
+}
+
+/// A backend whose reads are the owner's latest publication: what every consumer is given
+/// instead of the hardware. Reconfigurations go to the backend (prepare's few writes) and ask
+/// the owner for a read; the next snapshot waits for it. Live readings ([`DeviceBackend::usage`])
+/// and health probes are the backend's own.
+pub struct Watched {
+    backend: Arc<dyn DeviceBackend>,
+    handle: InventoryHandle,
+    /// The ask made after the last reconfiguration, which the next snapshot waits for.
+    changed: AtomicU64,
+}
+
+impl Watched {
+    pub fn new(backend: Arc<dyn DeviceBackend>, handle: InventoryHandle) -> Self {
+        Self {
+            backend,
+            handle,
+            changed: AtomicU64::new(0),
+        }
+    }
+
+    /// After a reconfiguration: the next snapshot waits for a read that saw it.
+    fn reconfigured<T>(&self, r: Result<T>) -> Result<T> {
+        let ticket = self.handle.request();
+        self.changed.fetch_max(ticket, Ordering::SeqCst);
+        r
+    }
+}
+
+impl DeviceBackend for Watched {
+    fn name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// The latest publication; after a reconfiguration, the first read that saw it. Blocks only
+    /// then (callers run it off the runtime, [`super::snapshot`]), for at most the owner's
+    /// deadline.
+    fn snapshot(&self) -> Result<Inventory> {
+        let ticket = self.changed.load(Ordering::SeqCst);
+        if self.handle.latest().answered >= ticket {
+            return self.handle.latest().inventory();
+        }
+        // tokio's watch needs no runtime to be waited on.
+        futures::executor::block_on(self.handle.wait(ticket))?.inventory()
+    }
+
+    /// The same as [`Watched::snapshot`]: only the owner reads the hardware.
+    fn refresh(&self) -> Result<Inventory> {
+        self.snapshot()
+    }
+
+    fn unavailable(&self, what: Reconfiguration) -> Option<String> {
+        self.backend.unavailable(what)
+    }
+
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        self.reconfigured(self.backend.set_time_slice(gpu, interval))
+    }
+
+    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        self.backend.compute_mode(gpu)
+    }
+
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        self.backend.set_compute_mode(gpu, mode)
+    }
+
+    fn create_mig(
+        &self,
+        gpu: &GpuUuid,
+        gi_profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigDevice> {
+        self.reconfigured(self.backend.create_mig(gpu, gi_profile_id, placement))
+    }
+
+    fn start_health_events(
+        &self,
+        sink: Box<dyn super::events::EventSink>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+        self.backend.start_health_events(sink)
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.backend.probe(gpu)
+    }
+
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        self.reconfigured(self.backend.destroy_mig(gpu, mig))
+    }
+
+    /// Re-read on failure too: a refused change may still have left one pending.
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<super::MigModeChange> {
+        self.reconfigured(self.backend.set_mig_mode(gpu, enabled))
+    }
+
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        self.backend.usage()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,176 @@
+use super::*;
+use crate::inventory::Health;
+use crate::inventory::sim::SimBackend;
+
+/// Generous bound for what takes milliseconds; only reached when something is broken.
+const SOON: Duration = Duration::from_secs(10);
+
+fn owner(sim: &SimBackend) -> (Owner, InventoryHandle) {
+    Owner::new(Arc::new(sim.clone()), Duration::from_secs(3600), DEADLINE).unwrap()
+}
+
+#[tokio::test]
+async fn consumers_read_the_last_publication_until_the_owner_reads_again() {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (mut owner, handle) = owner(&sim);
+    let watched = Watched::new(Arc::new(sim.clone()), handle.clone());
+    assert!(matches!(watched.snapshot(), Err(Error::NotRead)));
+    let first = owner.read().await.unwrap();
+    assert_eq!(watched.snapshot().unwrap(), *first);
+
+    sim.update(|inv| {
+        inv.gpus[0].health = Health::Unhealthy {
+            reason: "XID 79".into(),
+        }
+    });
+    // Not read yet: every consumer still sees the same inventory.
+    assert_eq!(watched.refresh().unwrap(), *first);
+    let mut w = handle.subscribe();
+    w.mark_unchanged();
+    owner.read().await.unwrap();
+    assert!(w.has_changed().unwrap(), "a read wakes the consumers");
+    assert!(!watched.snapshot().unwrap().gpus[0].health.is_healthy());
+}
+
+#[tokio::test]
+async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (owner, handle) = owner(&sim);
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(owner.run(stop.clone()));
+    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
+    let before = handle.refresh().await.unwrap();
+    let gpu2 = before.gpus[2].uuid.clone();
+
+    let w = watched.clone();
+    let g = gpu2.clone();
+    let created =
+        tokio::task::spawn_blocking(move || w.create_mig(&g, 15, Placement { start: 6, size: 2 }))
+            .await
+            .unwrap()
+            .unwrap();
+    // The owner's rescan is an hour away: only the reconfiguration's ask reads again.
+    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+        .await
+        .expect("the owner answers the ask")
+        .unwrap();
+    assert!(
+        after.gpus[2]
+            .mig
+            .devices
+            .iter()
+            .any(|d| d.uuid == created.uuid),
+        "the created MIG device is listed"
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+/// A MIG mode change, refused ones too, is seen by the next snapshot: an Ampere's refusal
+/// leaves the change pending, which consumers must see.
+#[tokio::test]
+async fn a_mig_mode_change_even_refused_is_seen_by_the_next_snapshot() {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (owner, handle) = owner(&sim);
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(owner.run(stop.clone()));
+    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
+    let gpu3 = handle.refresh().await.unwrap().gpus[3].uuid.clone();
+    let w = watched.clone();
+    let g = gpu3.clone();
+    let refused = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))
+        .await
+        .unwrap();
+    assert!(refused.is_err(), "an Ampere needs a reset: {refused:?}");
+    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+        .await
+        .expect("the owner answers the ask")
+        .unwrap();
+    assert_eq!(after.gpus[3].mig.pending, Some(true));
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+/// A backend whose reads block until the test lets one through.
+struct Stuck {
+    sim: SimBackend,
+    release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl DeviceBackend for Stuck {
+    fn name(&self) -> &'static str {
+        "stuck"
+    }
+    fn snapshot(&self) -> Result<Inventory> {
+        let _ = self.release.lock().unwrap().recv();
+        self.sim.snapshot()
+    }
+}
+
+/// Paused time: the deadline passes as soon as the read is the only thing left to wait for.
+#[tokio::test(start_paused = true)]
+async fn a_read_past_its_deadline_is_an_error_naming_the_call_and_the_owner_goes_on() {
+    let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+    let (release, rx) = std::sync::mpsc::channel();
+    let stuck = Stuck {
+        sim,
+        release: std::sync::Mutex::new(rx),
+    };
+    let (mut owner, handle) =
+        Owner::new(Arc::new(stuck), Duration::from_secs(3600), DEADLINE).unwrap();
+    let e = owner.read().await.unwrap_err();
+    assert!(matches!(*e, Error::Deadline { call: CALL, .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("stuck") && text.contains("refresh") && text.contains("30s"),
+        "{text}"
+    );
+    let published = handle.latest();
+    assert_eq!(published.reads, 1, "the failure is published");
+    assert!(matches!(published.inventory(), Err(Error::Read(_))));
+
+    // An ask made while the read is stuck.
+    let ticket = handle.request();
+
+    // The next cycle waits on the same read, which is not repeated: one release answers it
+    // (in real time now, so that the thread's answer is not raced by a paused clock).
+    tokio::time::resume();
+    release.send(()).unwrap();
+    let inv = owner.read().await.unwrap();
+    assert_eq!(inv.gpus.len(), 4);
+    assert!(handle.latest().error.is_none());
+    assert_eq!(handle.latest().reads, 2);
+    // That read started before the ask, so it does not answer it; the next one does.
+    assert!(handle.latest().answered < ticket);
+    release.send(()).unwrap();
+    owner.read().await.unwrap();
+    assert!(handle.latest().answered >= ticket);
+}
+
+/// A backend that can read only once: a second read would panic its thread.
+struct Once(std::sync::atomic::AtomicBool, SimBackend);
+
+impl DeviceBackend for Once {
+    fn name(&self) -> &'static str {
+        "once"
+    }
+    fn snapshot(&self) -> Result<Inventory> {
+        assert!(!self.0.swap(true, Ordering::SeqCst), "read twice");
+        self.1.snapshot()
+    }
+}
+
+#[tokio::test]
+async fn a_failed_read_keeps_the_last_inventory_and_names_what_failed() {
+    let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+    let once = Once(std::sync::atomic::AtomicBool::new(false), sim);
+    let (mut owner, handle) =
+        Owner::new(Arc::new(once), Duration::from_secs(3600), DEADLINE).unwrap();
+    let first = owner.read().await.unwrap();
+    // The reader thread panicked in the backend: the read fails, naming it.
+    let e = owner.read().await.unwrap_err();
+    assert!(matches!(*e, Error::ReaderGone), "{e:?}");
+    let p = handle.latest();
+    assert_eq!(p.inventory().unwrap(), *first, "the last inventory stays");
+    assert!(p.error.is_some());
+}

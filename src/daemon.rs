@@ -42,7 +42,7 @@ use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::deviceplugin::holds::ContainerHolds;
 use crate::deviceplugin::{self, DevicePlugin};
-use crate::dra::health::{self, NodeHealth};
+use crate::dra::health::NodeHealth;
 use crate::dra::plugin::{self, Plugin};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
@@ -50,11 +50,9 @@ use crate::inventory::DeviceBackend;
 use crate::ledger;
 use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
+use crate::report;
 use crate::versions;
 use kubelet_plugin::publisher::{self, Publisher};
-use kubelet_plugin::registration::{Registrar, Sockets};
-use kubelet_plugin::report;
-use kubelet_plugin::service;
 use kubelet_plugin::socket;
 
 mod runtime;
@@ -76,7 +74,9 @@ pub enum Error {
     #[error(transparent)]
     Boot(#[from] ledger::Error),
     #[error(transparent)]
-    Socket(#[from] service::Error),
+    Socket(#[from] kubelet_plugin::Error),
+    #[error(transparent)]
+    Names(#[from] kubelet_plugin::InvalidName),
     #[error("cannot listen for metrics on {addr}")]
     Metrics {
         addr: std::net::SocketAddr,
@@ -330,46 +330,34 @@ async fn serve(
     let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
 
-    let sockets = Sockets::new(
-        &config.registry_dir(),
-        &config.plugin_dir(),
-        &config.driver_name,
-        config.pod_uid.as_deref(),
-    );
-    // Declared before the tasks, so dropped after them: the servers stop, then the files go.
+    // The DRA side goes through the library as any driver does: it reads and checks the claims,
+    // and serves the DRA socket, then registration. nvdra orders calls itself (one lock per
+    // claim, different claims concurrently, and the node lock that reloads the checkpoint a
+    // rolling update's other instance may have changed), so the library's serialization is off.
+    let claims: Arc<dyn crate::api::ClaimReader> = api.clone();
+    let registered = metrics.registered.clone();
+    let health = NodeHealth::new(backend.clone(), config.node_name.clone())
+        .with_health(monitor.handle.subscribe());
+    let mut opts = kubelet_plugin::Options::new(&config.driver_name, &config.node_name, claims)?
+        .kubelet_root(&config.kubelet_root)
+        .serialize(false)
+        .health(Arc::new(health))
+        .on_registered(move |ok| registered.store(ok, std::sync::atomic::Ordering::Relaxed));
+    if let Some(uid) = &config.pod_uid {
+        opts = opts.pod_uid(uid);
+    }
+    let sockets = opts.sockets();
+    let serving = kubelet_plugin::start(Arc::new(plugin.clone()), opts, shutdown.clone())?;
+    // Declared before the tasks, so dropped after them: the servers stop, then the files go,
+    // even when a second signal does not wait for the servers.
     let mut owned = socket::OwnedSockets::default();
+    owned.adopt(&sockets.dra);
+    owned.adopt(&sockets.registration);
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
-
-    let dra_listener = socket::bind(&sockets.dra).map_err(service::Error::from)?;
-    let dra_socket = owned.adopt(&sockets.dra);
-    tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
-    {
-        let (plugin, token) = (plugin.clone(), shutdown.clone());
-        let health = NodeHealth::new(backend.clone(), config.node_name.clone())
-            .with_health(monitor.handle.subscribe())
-            .service(health::INTERVAL, shutdown.clone());
-        tasks.spawn(async move {
-            let r =
-                service::serve_dra(Arc::new(plugin), health, dra_listener, dra_socket, token).await;
-            ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
-        });
-    }
-
-    let registrar = Registrar {
-        driver: config.driver_name.clone(),
-        sockets: sockets.clone(),
-        registered: metrics.registered.clone(),
-    };
-    let reg_listener = registrar.bind()?;
-    let reg_socket = owned.adopt(&sockets.registration);
-    tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
-    {
-        let token = shutdown.clone();
-        tasks.spawn(async move {
-            let r = registrar.run(reg_listener, reg_socket, token).await;
-            ("registration", r.map_err(|e| report::chain(&e).to_string()))
-        });
-    }
+    tasks.spawn(async move {
+        let r = serving.wait().await;
+        ("dra-server", r.map_err(|e| report::chain(&e).to_string()))
+    });
 
     let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
     publish(
@@ -608,7 +596,7 @@ async fn publish(
     shutdown: &CancellationToken,
 ) {
     let version = api.server_version().await.unwrap_or_else(|e| {
-        tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
+        tracing::warn!(error = %crate::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
         None
     });
     if let Some(v) = &version {

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
-use kubelet_plugin::lock::lock;
+use crate::lock::lock;
 
 /// How often the watch looks at the directory.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);

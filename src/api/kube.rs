@@ -14,7 +14,7 @@ use kube::{Client, Config};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use kubelet_plugin::api::kube::{WATCH_TIMEOUT_SECS, classify, classify_watch, is_gone};
+use kubelet_plugin::api::kube::{WATCH_TIMEOUT_SECS, classify, classify_watch};
 
 use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
 use crate::versions::KubeVersion;
@@ -241,4 +241,9 @@ impl ClaimReader for KubeApi {
                 .map_err(|e| classify(&format!("get resourceclaim {namespace}/{name}"), e))
         })
     }
+}
+
+/// Whether a watch error is 410 Gone: the watcher re-lists by itself.
+fn is_gone(status: &kube::core::Status) -> bool {
+    status.code == 410 || status.reason == "Expired" || status.reason == "Gone"
 }

@@ -18,15 +18,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 pub use kubelet_plugin::api::{Cause, Error, Failure, Result, SliceApi, SliceEvent};
 
-/// What prepare needs of the API server: the claim the kubelet names.
-pub trait ClaimReader: Send + Sync + 'static {
-    /// Reads a ResourceClaim.
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<ResourceClaim>>;
-}
+/// What prepare needs of the API server: the claim the kubelet names. The library's
+/// [`ClaimSource`](kubelet_plugin::claims::ClaimSource), through which `serve` reads claims.
+pub use kubelet_plugin::claims::ClaimSource as ClaimReader;
 
 /// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`; an
 /// `Arc<dyn ClusterApi>` coerces to the `Arc<dyn ClaimReader>` the plugin takes.

@@ -25,7 +25,7 @@ impl Cached {
 
     fn last(&self) -> MutexGuard<'_, Option<Inventory>> {
         // The cache holds a complete value or none; a panic elsewhere cannot leave it torn.
-        kubelet_plugin::lock::lock(&self.last)
+        crate::lock::lock(&self.last)
     }
 
     fn invalidating<T>(&self, r: Result<T>) -> Result<T> {

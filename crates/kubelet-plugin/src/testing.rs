@@ -268,7 +268,10 @@ impl SliceApi for MemorySlices {
 
 /// Calls a plugin's DRA socket (`v1.DRAPlugin`) as the kubelet does.
 #[derive(Clone, Debug)]
-pub struct KubeletClient(v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>);
+pub struct KubeletClient {
+    client: v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    deadline: Option<std::time::Duration>,
+}
 
 /// Each claim's answer by UID: its devices' CDI IDs, or its error.
 pub type Answers = BTreeMap<String, Result<Vec<String>, String>>;
@@ -277,7 +280,25 @@ impl KubeletClient {
     /// Connects to the DRA socket at `path`.
     pub async fn connect(path: &Path) -> Result<Self, tonic::transport::Error> {
         let channel = crate::socket::connect(path).await?;
-        Ok(Self(v1::dra_plugin_client::DraPluginClient::new(channel)))
+        Ok(Self {
+            client: v1::dra_plugin_client::DraPluginClient::new(channel),
+            deadline: None,
+        })
+    }
+
+    /// Sends each call with a deadline (`grpc-timeout`), as the kubelet does: when it passes,
+    /// the call fails with `DEADLINE_EXCEEDED` and the plugin's server drops it.
+    pub fn with_deadline(mut self, deadline: std::time::Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(deadline) = self.deadline {
+            request.set_timeout(deadline);
+        }
+        request
     }
 
     fn wire(claims: &[Claim]) -> Vec<v1::Claim> {
@@ -297,10 +318,8 @@ impl KubeletClient {
         claims: &[Claim],
     ) -> Result<v1::NodePrepareResourcesResponse, tonic::Status> {
         let claims = Self::wire(claims);
-        let r = self
-            .0
-            .node_prepare_resources(v1::NodePrepareResourcesRequest { claims })
-            .await?;
+        let request = self.request(v1::NodePrepareResourcesRequest { claims });
+        let r = self.client.node_prepare_resources(request).await?;
         Ok(r.into_inner())
     }
 
@@ -329,10 +348,8 @@ impl KubeletClient {
         claims: &[Claim],
     ) -> Result<BTreeMap<String, Result<(), String>>, tonic::Status> {
         let claims = Self::wire(claims);
-        let r = self
-            .0
-            .node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims })
-            .await?;
+        let request = self.request(v1::NodeUnprepareResourcesRequest { claims });
+        let r = self.client.node_unprepare_resources(request).await?;
         Ok(r.into_inner()
             .claims
             .into_iter()

@@ -114,7 +114,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet_plugin::proto::dra::v1;
-use kubelet_plugin::service;
 use nvdra::dra::plugin::{self, Plugin};
 use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
@@ -282,18 +281,25 @@ async fn main() {
     .expect("plugin");
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.expect("recover");
-    let socket = dir.path().join("dra.sock");
-    let listener = kubelet_plugin::socket::bind(&socket).expect("bind");
+    // Served as the daemon serves it: through the library, which reads the claims, with
+    // nvdra's own ordering of calls.
+    let claims: Arc<dyn nvdra::api::ClaimReader> = api.cluster_api();
     let health =
-        nvdra::dra::health::NodeHealth::new(Arc::new(SimBackend::new(wide_inventory())), NODE)
-            .service(nvdra::dra::health::INTERVAL, stop.clone());
-    tokio::spawn(service::serve_dra(
+        nvdra::dra::health::NodeHealth::new(Arc::new(SimBackend::new(wide_inventory())), NODE);
+    let opts = kubelet_plugin::Options::new(DRIVER, NODE, claims)
+        .expect("names")
+        .kubelet_root(dir.path().join("kubelet"))
+        .serialize(false)
+        .health(Arc::new(health));
+    let socket = opts.sockets().dra;
+    tokio::spawn(kubelet_plugin::serve(
         Arc::new(plugin.clone()),
-        health,
-        listener,
-        kubelet_plugin::socket::Bound::adopt(&socket),
+        opts,
         stop.clone(),
     ));
+    while !socket.exists() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let mut client = v1::dra_plugin_client::DraPluginClient::new(unix_channel(&socket).await);
 
     println!(

@@ -538,7 +538,7 @@ fn write_stdout(text: &str) -> anyhow::Result<()> {
 
 /// An error and its causes on one line, each said once (messages do not repeat their source).
 fn one_line(e: &anyhow::Error) -> String {
-    kubelet_plugin::report::chain(e.as_ref()).to_string()
+    crate::report::chain(e.as_ref()).to_string()
 }
 
 #[cfg(test)]

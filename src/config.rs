@@ -33,7 +33,7 @@ pub use settings::*;
 pub const FILE_VERSION: &str = "v1";
 
 pub const DEFAULT_DRIVER_NAME: &str = "gpu.nvidia.com";
-pub const DEFAULT_KUBELET_ROOT: &str = "/var/lib/kubelet";
+pub const DEFAULT_KUBELET_ROOT: &str = kubelet_plugin::paths::DEFAULT_KUBELET_ROOT;
 pub const DEFAULT_CDI_ROOT: &str = "/var/run/cdi";
 /// 8496: not the default of anything else found on a GPU node (8080 is everyone's; 9090-9999 is
 /// Prometheus' exporter range, with node-exporter on 9100 and dcgm-exporter on 9400; 10250-10259
@@ -148,26 +148,27 @@ pub struct Config {
     pub mps_root: PathBuf,
 }
 
-/// Every path under the kubelet's root directory is derived here, from `kubelet_root`.
+/// Every path under the kubelet's root directory is derived here, from `kubelet_root`, by the
+/// library's [`kubelet_plugin::paths`] (the kubelet's layout, declared once).
 impl Config {
     /// Where the plugin keeps its sockets, checkpoint and locks.
     pub fn plugin_dir(&self) -> PathBuf {
-        self.kubelet_root.join("plugins").join(&self.driver_name)
+        kubelet_plugin::paths::plugin_dir(&self.kubelet_root, &self.driver_name)
     }
 
     /// `<kubelet root>/device-plugins`, where `kubelet.sock` and the device-plugin sockets are.
     pub fn device_plugin_dir(&self) -> PathBuf {
-        self.kubelet_root.join("device-plugins")
+        kubelet_plugin::paths::device_plugin_dir(&self.kubelet_root)
     }
 
     /// `<kubelet root>/plugins_registry`, where the kubelet discovers plugins by inotify.
     pub fn registry_dir(&self) -> PathBuf {
-        self.kubelet_root.join("plugins_registry")
+        kubelet_plugin::paths::registry_dir(&self.kubelet_root)
     }
 
     /// The kubelet's PodResources socket, which `--mode both` reads for what containers hold.
     pub fn pod_resources_socket(&self) -> PathBuf {
-        self.kubelet_root.join("pod-resources").join("kubelet.sock")
+        kubelet_plugin::paths::pod_resources_socket(&self.kubelet_root)
     }
 }
 

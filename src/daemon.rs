@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::ClusterApi;
 use crate::config::{Config, Mode};
 use crate::deviceplugin::{self, DevicePlugin};
-use crate::dra::health::{self, NodeHealth};
+use crate::dra::health::NodeHealth;
 use crate::dra::plugin::{self, Plugin};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
@@ -57,11 +57,9 @@ use crate::inventory::owner::{self, InventoryHandle, Owner, Watched};
 use crate::ledger;
 use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
+use crate::report;
 use crate::versions;
 use kubelet_plugin::publisher::{self, Publisher};
-use kubelet_plugin::registration::{Registrar, Sockets};
-use kubelet_plugin::report;
-use kubelet_plugin::service;
 use kubelet_plugin::socket;
 
 mod runtime;
@@ -87,7 +85,9 @@ pub enum Error {
     #[error(transparent)]
     Boot(#[from] ledger::Error),
     #[error(transparent)]
-    Socket(#[from] service::Error),
+    Socket(#[from] kubelet_plugin::Error),
+    #[error(transparent)]
+    Names(#[from] kubelet_plugin::InvalidName),
     #[error("cannot listen for metrics on {addr}")]
     Metrics {
         addr: std::net::SocketAddr,
@@ -153,7 +153,7 @@ fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Confi
 /// else the DRA health stream's interval).
 fn rescan(config: &Config) -> Duration {
     match config.mode {
-        Mode::Dra => health::INTERVAL,
+        Mode::Dra => kubelet_plugin::health::INTERVAL,
         Mode::DevicePlugin | Mode::Both | Mode::Auto => deviceplugin::server::POLL,
     }
 }
@@ -398,38 +398,30 @@ async fn serve_dra(
     tasks: &mut Supervisor,
 ) -> Result<()> {
     tasks.install_signals()?;
-    let sockets = Sockets::new(
-        &config.registry_dir(),
-        &config.plugin_dir(),
-        &config.driver_name,
-        config.pod_uid.as_deref(),
-    );
 
-    let dra_listener = socket::bind(&sockets.dra).map_err(service::Error::from)?;
-    let dra_socket = owned.adopt(&sockets.dra);
-    tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
-    {
-        let plugin = plugin.clone();
-        let health = NodeHealth::new(backend.clone(), config.node_name.clone())
-            .with_health(monitor.handle.subscribe())
-            .with_owner(inventory.clone())
-            .service(health::INTERVAL, tasks.shutdown().clone());
-        tasks.spawn("dra-server", |token| async move {
-            service::serve_dra(Arc::new(plugin), health, dra_listener, dra_socket, token).await
-        });
+    // The DRA side goes through the library as any driver does: it reads and checks the claims,
+    // and serves the DRA socket, then registration. nvdra orders calls itself (one lock per
+    // claim, different claims concurrently, and the node lock that reloads the checkpoint a
+    // rolling update's other instance may have changed), so the library's serialization is off.
+    let claims: Arc<dyn crate::api::ClaimReader> = api.clone();
+    let registered = metrics.registered.clone();
+    let health = NodeHealth::new(backend.clone(), config.node_name.clone())
+        .with_health(monitor.handle.subscribe())
+        .with_owner(inventory.clone());
+    let mut opts = kubelet_plugin::Options::new(&config.driver_name, &config.node_name, claims)?
+        .kubelet_root(&config.kubelet_root)
+        .serialize(false)
+        .health(Arc::new(health))
+        .on_registered(move |ok| registered.store(ok, std::sync::atomic::Ordering::Relaxed));
+    if let Some(uid) = &config.pod_uid {
+        opts = opts.pod_uid(uid);
     }
-
-    let registrar = Registrar {
-        driver: config.driver_name.clone(),
-        sockets: sockets.clone(),
-        registered: metrics.registered.clone(),
-    };
-    let reg_listener = registrar.bind()?;
-    let reg_socket = owned.adopt(&sockets.registration);
-    tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
-    tasks.spawn("registration", |token| async move {
-        registrar.run(reg_listener, reg_socket, token).await
-    });
+    let sockets = opts.sockets();
+    let serving = kubelet_plugin::start(Arc::new(plugin.clone()), opts, tasks.shutdown().clone())?;
+    // nvdra's own guard too: a forced exit (a second signal) leaves no socket behind either.
+    owned.adopt(&sockets.dra);
+    owned.adopt(&sockets.registration);
+    tasks.spawn("dra-server", |_token| async move { serving.wait().await });
 
     publish(
         config,
@@ -576,7 +568,7 @@ async fn publish(
     tasks: &mut Supervisor,
 ) {
     let version = api.server_version().await.unwrap_or_else(|e| {
-        tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
+        tracing::warn!(error = %crate::report::chain(&e), "cannot read the API server version; assuming the newest slice rules");
         None
     });
     if let Some(v) = &version {

@@ -168,7 +168,7 @@ mod tests {
     }
 
     fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-        kubelet_plugin::report::chain(e).to_string()
+        crate::report::chain(e).to_string()
     }
 
     #[test]

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 use crate::ids::ClaimUid;
 use crate::inventory::{GpuUuid, MigUuid, Placement};
 use crate::ledger::{ClaimEntry, DeviceRecord, HeldBy, HeldElsewhere, Ledger};
-use kubelet_plugin::lock::lock;
+use crate::lock::lock;
 
 /// How long an Allocate's hold lasts without its pod appearing in PodResources.
 pub const PENDING_TTL: Duration = Duration::from_secs(60);

@@ -53,8 +53,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ids::{ClaimUid, DeviceName};
 use crate::inventory::{GpuUuid, MigUuid, Placement};
+use crate::lock::lock;
 use crate::sharing::Sharing;
-use kubelet_plugin::lock::lock;
 
 pub mod shares;
 
@@ -727,7 +727,7 @@ impl Writer {
         .await
         .unwrap_or_else(|e| Err(Error::WriterPanicked(e)))
         .map_err(|e| {
-            tracing::error!(error = %kubelet_plugin::report::chain(&e), "checkpoint write failed");
+            tracing::error!(error = %crate::report::chain(&e), "checkpoint write failed");
             Arc::new(e)
         });
         for reply in batch {

@@ -25,10 +25,12 @@ pub mod holds;
 pub mod ids;
 pub mod inventory;
 pub mod ledger;
+pub mod lock;
 #[cfg(feature = "tools")]
 pub mod matching;
 pub mod metrics;
 pub mod mps;
+pub mod report;
 pub mod sharing;
 pub mod versions;
 pub mod yaml;

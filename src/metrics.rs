@@ -21,11 +21,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use crate::lock::lock;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use kubelet_plugin::lock::lock;
 use kubelet_plugin::publisher::SliceCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

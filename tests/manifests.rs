@@ -30,7 +30,7 @@ use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use nvdra::api::kube::KubeApi;
-use nvdra::api::{self, ClaimReader, ClusterApi, SliceApi, SliceEvent};
+use nvdra::api::{self, ClaimReader, ClaimSource, ClusterApi, SliceApi, SliceEvent};
 use serde_json::Value;
 use support::apiserver::{RecordedRequest, TestApiServer};
 use support::manifests::*;
@@ -305,7 +305,7 @@ fn the_node_patch_comes_only_with_the_node_labels_component() {
 /// compile here, which is where its call (and its RBAC rule) must be added.
 struct EveryCall(KubeApi);
 
-impl ClaimReader for EveryCall {
+impl ClaimSource for EveryCall {
     fn get_claim<'a>(
         &'a self,
         namespace: &'a str,
@@ -313,6 +313,9 @@ impl ClaimReader for EveryCall {
     ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
         self.0.get_claim(namespace, name)
     }
+}
+
+impl ClaimReader for EveryCall {
     fn get_pod<'a>(
         &'a self,
         namespace: &'a str,

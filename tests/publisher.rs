@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::api::dir::DirApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::api::{self, ClaimReader, ClusterApi, SliceApi};
+use nvdra::api::{self, ClaimSource, ClusterApi, SliceApi};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;

@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
-use kubelet_plugin::lock::lock;
+use super::{ClaimReader, ClaimSource, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
+use crate::lock::lock;
 
 /// How often the watch looks at the directory.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
@@ -482,7 +482,7 @@ struct WatchState {
     pending: std::collections::VecDeque<SliceEvent>,
 }
 
-impl ClaimReader for DirApi {
+impl ClaimSource for DirApi {
     fn get_claim<'a>(
         &'a self,
         namespace: &'a str,
@@ -495,6 +495,9 @@ impl ClaimReader for DirApi {
         }))
     }
 }
+
+/// The directory holds no pods: a share of a GPU before Volta is refused, saying so.
+impl ClaimReader for DirApi {}
 
 impl SliceApi for DirApi {
     fn list_slices<'a>(

@@ -14,9 +14,9 @@ use kube::{Client, Config};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use kubelet_plugin::api::kube::{WATCH_TIMEOUT_SECS, classify, classify_watch, is_gone};
+use kubelet_plugin::api::kube::{WATCH_TIMEOUT_SECS, classify, classify_watch};
 
-use super::{ClaimReader, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
+use super::{ClaimReader, ClaimSource, ClusterApi, Error, Failure, Result, SliceApi, SliceEvent};
 use crate::versions::KubeVersion;
 
 /// The API server through kube-rs.
@@ -228,7 +228,7 @@ impl ClusterApi for KubeApi {
     }
 }
 
-impl ClaimReader for KubeApi {
+impl ClaimSource for KubeApi {
     fn get_claim<'a>(
         &'a self,
         namespace: &'a str,
@@ -241,7 +241,9 @@ impl ClaimReader for KubeApi {
                 .map_err(|e| classify(&format!("get resourceclaim {namespace}/{name}"), e))
         })
     }
+}
 
+impl ClaimReader for KubeApi {
     fn get_pod<'a>(
         &'a self,
         namespace: &'a str,
@@ -254,4 +256,9 @@ impl ClaimReader for KubeApi {
                 .map_err(|e| classify(&format!("get pod {namespace}/{name}"), e))
         })
     }
+}
+
+/// Whether a watch error is 410 Gone: the watcher re-lists by itself.
+fn is_gone(status: &kube::core::Status) -> bool {
+    status.code == 410 || status.reason == "Expired" || status.reason == "Gone"
 }

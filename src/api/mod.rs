@@ -19,15 +19,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 pub use kubelet_plugin::api::{Cause, Error, Failure, Result, SliceApi, SliceEvent};
 
-/// What prepare needs of the API server: the claim the kubelet names.
-pub trait ClaimReader: Send + Sync + 'static {
-    /// Reads a ResourceClaim.
-    fn get_claim<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<ResourceClaim>>;
+pub use kubelet_plugin::claims::ClaimSource;
 
+/// What prepare needs of the API server: the claim the kubelet names (the library's
+/// [`ClaimSource`], through which `serve` reads claims) and, for a share of a GPU whose MPS
+/// serves one user at a time, the pod it is reserved for.
+pub trait ClaimReader: ClaimSource {
     /// Reads a Pod: a share of a GPU whose MPS serves one user at a time needs the user its
     /// pod runs as ([`crate::dra`]'s prepare). APIs that hold no pods say so.
     fn get_pod<'a>(&'a self, namespace: &'a str, name: &'a str) -> BoxFuture<'a, Result<Pod>> {

@@ -97,7 +97,7 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     use crate::matching;
     let objects = match matching::input::read_files(&args.files) {
         Ok(o) => o,
-        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
+        Err(e) => return bad_input(crate::report::chain(&e)),
     };
     if objects.claims.is_empty() {
         return bad_input(format!(
@@ -238,7 +238,7 @@ fn node_slices(
 pub(super) fn run_validate(args: &ValidateArgs) -> ExitCode {
     let objects = match crate::matching::input::read_files(&args.files) {
         Ok(o) => o,
-        Err(e) => return bad_input(kubelet_plugin::report::chain(&e)),
+        Err(e) => return bad_input(crate::report::chain(&e)),
     };
     let problems = crate::matching::validate(&objects);
     let mut text = String::new();

@@ -111,10 +111,7 @@ impl Supervisor {
         F: Future<Output = Result<(), E>> + Send + 'static,
         E: std::error::Error + 'static,
     {
-        let task = async move {
-            task.await
-                .map_err(|e| kubelet_plugin::report::chain(&e).to_string())
-        };
+        let task = async move { task.await.map_err(|e| crate::report::chain(&e).to_string()) };
         #[cfg(feature = "crash-points")]
         let task = {
             use futures::FutureExt;

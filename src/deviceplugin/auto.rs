@@ -86,7 +86,7 @@ pub async fn follow(
                     });
                 }
                 Some(Err(e)) => {
-                    tracing::warn!(error = %kubelet_plugin::report::chain(&e), retry_in = ?delay,
+                    tracing::warn!(error = %crate::report::chain(&e), retry_in = ?delay,
                         "cannot watch DeviceClasses; keeping the last mapping");
                     break;
                 }

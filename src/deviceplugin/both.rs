@@ -269,7 +269,7 @@ pub async fn poll_pod_resources(
                 both.holds.set_observed(held);
             }
             Err(e) if !failing => {
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e),
+                tracing::warn!(error = %crate::report::chain(&e),
                     "cannot read which containers hold GPUs; keeping the last known holds");
                 failing = true;
             }

@@ -230,7 +230,7 @@ pub async fn run(
         let inv = match inventory::refresh(backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e), "node labels: cannot read the inventory");
+                tracing::warn!(error = %crate::report::chain(&e), "node labels: cannot read the inventory");
                 continue;
             }
         };
@@ -246,7 +246,7 @@ pub async fn run(
                     .collect(),
                 Err(crate::api::Error::NotFound(_)) => BTreeMap::new(),
                 Err(e) => {
-                    tracing::warn!(error = %kubelet_plugin::report::chain(&e), node, "node labels: cannot read the Node");
+                    tracing::warn!(error = %crate::report::chain(&e), node, "node labels: cannot read the Node");
                     continue;
                 }
             },
@@ -262,7 +262,7 @@ pub async fn run(
                 current = Some(want);
             }
             Err(e) => {
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e), node, "node labels: patch failed; retrying");
+                tracing::warn!(error = %crate::report::chain(&e), node, "node labels: patch failed; retrying");
                 current = None;
             }
         }

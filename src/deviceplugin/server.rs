@@ -257,7 +257,7 @@ impl DevicePlugin {
         let res = match self.check().await {
             Ok((_, res)) => res,
             Err(e) => {
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot compute the device-plugin resources");
+                tracing::warn!(error = %crate::report::chain(&e), "cannot compute the device-plugin resources");
                 return;
             }
         };
@@ -270,7 +270,7 @@ impl DevicePlugin {
                 );
                 both.holds.set_observed(held);
             }
-            Err(e) => tracing::warn!(error = %kubelet_plugin::report::chain(&e),
+            Err(e) => tracing::warn!(error = %crate::report::chain(&e),
                 "cannot read which containers hold GPUs yet (is the kubelet up?); the poll retries"),
         }
     }
@@ -437,7 +437,7 @@ impl DevicePlugin {
                         && devices != last_devices
                         && let Err(e) = self.write_cdi(&cdi_opts, &inv).await
                     {
-                        tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot rewrite the device-plugin CDI spec");
+                        tracing::warn!(error = %crate::report::chain(&e), "cannot rewrite the device-plugin CDI spec");
                     }
                     last_devices = devices;
                     served_tx.send_replace(served(&res));
@@ -449,7 +449,7 @@ impl DevicePlugin {
                     );
                 }
                 Err(e) => {
-                    tracing::warn!(error = %kubelet_plugin::report::chain(&e), "device plugin: keeping the last device lists")
+                    tracing::warn!(error = %crate::report::chain(&e), "device plugin: keeping the last device lists")
                 }
             }
         };
@@ -517,7 +517,7 @@ impl DevicePlugin {
                     .serve_with_incoming_shutdown(socket::incoming(listener), t.cancelled())
                     .await;
                 if let Err(e) = r {
-                    tracing::warn!(socket = %path.display(), error = %kubelet_plugin::report::chain(&e), "device-plugin server failed");
+                    tracing::warn!(socket = %path.display(), error = %crate::report::chain(&e), "device-plugin server failed");
                 }
             });
             tracing::info!(resource = %slot.name, socket = %slot.path.display(), "device-plugin server listening");
@@ -559,7 +559,7 @@ async fn register_all(slots: &mut [Slot], kubelet_sock: &Path) {
                     Some((_, _, d)) => d,
                     None => BACKOFF_START,
                 };
-                tracing::warn!(resource = %slot.name, error = %kubelet_plugin::report::chain(&e),
+                tracing::warn!(resource = %slot.name, error = %crate::report::chain(&e),
                     retry_in = ?delay, "device-plugin registration failed");
                 slot.failed = Some((
                     kubelet,

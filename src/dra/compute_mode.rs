@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::inventory::{self, ComputeMode, DeviceBackend, GpuUuid};
-use kubelet_plugin::lock::lock;
+use crate::lock::lock;
 
 /// The record's file name in the plugin directory.
 pub const RECORD: &str = "compute-mode.json";
@@ -397,7 +397,7 @@ mod tests {
         let modes = ComputeModes::new(dir.path());
         let gone = GpuUuid("GPU-gone".into());
         let e = modes.hold(&sim, &gone).unwrap_err();
-        let msg = kubelet_plugin::report::chain(&e).to_string();
+        let msg = crate::report::chain(&e).to_string();
         assert!(
             msg.contains("GPU-gone") && msg.contains("share is refused") && msg.contains("root"),
             "{msg}"

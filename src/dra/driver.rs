@@ -1,37 +1,54 @@
-//! nvdra's [`Plugin`] as the library's [`Driver`]: where the kubelet's claims enter nvdra.
-//! Claim UIDs are parsed here, once: a claim whose UID is not one gets its error (prepare) or
-//! its success (unprepare: it cannot have been prepared) without reaching the plugin. Device
-//! records are destructured exhaustively, so a new field must be decided on here.
+//! nvdra's [`Plugin`] as the library's [`Driver`]: where the kubelet's claims enter nvdra, read
+//! and checked by the library (the claim named, allocated). Claim UIDs are parsed here, once: a
+//! claim whose UID is not one gets its error (prepare) or its success (unprepare: it cannot have
+//! been prepared) without reaching the plugin. Device records are destructured exhaustively,
+//! so a new field must be decided on here.
 
-use kubelet_plugin::{Claim, Driver, PrepareResults, PreparedDevice, UnprepareResults};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kubelet_plugin::{
+    BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,
+};
 
 use super::plugin::{ClaimError, ClaimRef, Plugin};
 use crate::ids::ClaimUid;
 use crate::ledger::DeviceRecord;
 
-/// The claims of a request: those the plugin works on, and those whose UID is invalid, under
-/// the UID the kubelet sent.
-#[derive(Debug, Default)]
-struct Claims {
-    valid: Vec<ClaimRef>,
+/// The claims of a request: those the plugin works on (with what was read of each), and those
+/// whose UID is invalid, under the UID the kubelet sent.
+#[derive(Debug)]
+struct Claims<T> {
+    valid: Vec<(ClaimRef, T)>,
     rejected: Vec<(String, ClaimError)>,
 }
 
-impl FromIterator<Claim> for Claims {
-    fn from_iter<I: IntoIterator<Item = Claim>>(iter: I) -> Self {
+impl<T> Default for Claims<T> {
+    fn default() -> Self {
+        Self {
+            valid: Vec::new(),
+            rejected: Vec::new(),
+        }
+    }
+}
+
+impl<T> FromIterator<(Claim, T)> for Claims<T> {
+    fn from_iter<I: IntoIterator<Item = (Claim, T)>>(iter: I) -> Self {
         let mut claims = Claims::default();
-        for Claim {
-            namespace,
-            name,
-            uid,
-        } in iter
-        {
+        for (claim, read) in iter {
+            let Claim {
+                namespace,
+                name,
+                uid,
+                ..
+            } = claim;
             match ClaimUid::parse(uid.as_str()) {
-                Ok(uid) => claims.valid.push(ClaimRef {
-                    namespace,
-                    name,
-                    uid,
-                }),
+                Ok(uid) => claims.valid.push((
+                    ClaimRef {
+                        namespace,
+                        name,
+                        uid,
+                    },
+                    read,
+                )),
                 Err(source) => claims
                     .rejected
                     .push((uid.clone(), ClaimError::BadUid { uid, source })),
@@ -55,42 +72,53 @@ fn prepared(d: DeviceRecord) -> PreparedDevice {
         consumed: _,
         sharing: _,
     } = d;
-    PreparedDevice {
-        requests,
-        pool,
-        device: device.into(),
-        cdi_ids,
-        share_id,
+    let device = PreparedDevice::new(requests, pool, device, cdi_ids);
+    match share_id {
+        Some(share) => device.with_share_id(share),
+        None => device,
     }
 }
 
 impl Driver for Plugin {
-    type Error = ClaimError;
-
-    async fn prepare(&self, claims: Vec<Claim>) -> PrepareResults<ClaimError> {
-        let Claims { valid, rejected } = claims.into_iter().collect();
-        let results = Plugin::prepare(self, valid).await;
+    async fn prepare(&self, claims: Vec<PrepareClaim>) -> Result<PrepareResults, BoxError> {
+        let read = claims.into_iter().map(|c| {
+            let PrepareClaim {
+                claim,
+                resource_claim,
+                ..
+            } = c;
+            (claim, resource_claim)
+        });
+        let Claims::<ResourceClaim> { valid, rejected } = read.collect();
+        let results = Plugin::prepare_read(self, valid).await;
         let results = results.into_iter().map(|(uid, r)| {
-            let devices = r.map(|records| records.into_iter().map(prepared).collect());
+            let devices = r
+                .map(|records| records.into_iter().map(prepared).collect())
+                .map_err(BoxError::from);
             (String::from(uid), devices)
         });
-        rejected
+        Ok(rejected
             .into_iter()
-            .map(|(uid, e)| (uid, Err(e)))
+            .map(|(uid, e)| (uid, Err(e.into())))
             .chain(results)
-            .collect()
+            .collect())
     }
 
-    async fn unprepare(&self, claims: Vec<Claim>) -> UnprepareResults<ClaimError> {
-        let Claims { valid, rejected } = claims.into_iter().collect();
+    async fn unprepare(&self, claims: Vec<Claim>) -> Result<UnprepareResults, BoxError> {
+        let Claims::<()> { valid, rejected } = claims.into_iter().map(|c| (c, ())).collect();
+        let valid = valid.into_iter().map(|(c, ())| c).collect();
         let results = Plugin::unprepare(self, valid).await;
         // With an invalid UID, a claim was never prepared, and unprepare of an unknown claim
         // succeeds.
-        rejected
+        Ok(rejected
             .into_iter()
             .map(|(uid, _)| (uid, Ok(())))
-            .chain(results.into_iter().map(|(uid, r)| (String::from(uid), r)))
-            .collect()
+            .chain(
+                results
+                    .into_iter()
+                    .map(|(uid, r)| (String::from(uid), r.map_err(BoxError::from))),
+            )
+            .collect())
     }
 }
 
@@ -98,8 +126,8 @@ impl Driver for Plugin {
 mod tests {
     use super::*;
     use crate::inventory::GpuUuid;
+    use crate::report::chain;
     use crate::sharing::Sharing;
-    use kubelet_plugin::report::chain;
 
     fn record(share: Option<&str>) -> DeviceRecord {
         DeviceRecord {
@@ -131,21 +159,20 @@ mod tests {
 
     #[test]
     fn a_bad_uid_is_that_claims_entry_and_never_reaches_the_plugin() {
-        let claim = |uid: &str| Claim {
-            namespace: "ns".into(),
-            uid: uid.into(),
-            name: format!("c-{}", uid.len()),
-        };
-        let claims: Claims = vec![claim("good-1"), claim("a/b"), claim("")]
+        let claim = |uid: &str| (Claim::new("ns", format!("c-{}", uid.len()), uid), ());
+        let claims: Claims<()> = vec![claim("good-1"), claim("a/b"), claim("")]
             .into_iter()
             .collect();
         assert_eq!(
             claims.valid,
-            vec![ClaimRef {
-                namespace: "ns".into(),
-                name: "c-6".into(),
-                uid: ClaimUid::parse("good-1").unwrap(),
-            }]
+            vec![(
+                ClaimRef {
+                    namespace: "ns".into(),
+                    name: "c-6".into(),
+                    uid: ClaimUid::parse("good-1").unwrap(),
+                },
+                ()
+            )]
         );
         let rejected: Vec<&str> = claims.rejected.iter().map(|(u, _)| u.as_str()).collect();
         assert_eq!(rejected, vec!["a/b", ""]);

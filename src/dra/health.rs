@@ -19,13 +19,11 @@ pub use kubelet_plugin::health::{HealthService, INTERVAL};
 
 /// The health of every device on the node.
 fn devices(inv: &Inventory, pool: &str) -> Vec<plugin_health::DeviceHealth> {
-    let entry = |name: DeviceName, health: &Health| plugin_health::DeviceHealth {
-        pool: pool.to_string(),
-        device: name.as_str().to_string(),
-        problem: match health {
-            Health::Healthy => None,
-            Health::Unhealthy { reason } | Health::Tainted { reason, .. } => Some(reason.clone()),
-        },
+    let entry = |name: DeviceName, health: &Health| match health {
+        Health::Healthy => plugin_health::DeviceHealth::healthy(pool, name.as_str()),
+        Health::Unhealthy { reason } | Health::Tainted { reason, .. } => {
+            plugin_health::DeviceHealth::unhealthy(pool, name.as_str(), reason.clone())
+        }
     };
     let mut out = Vec::new();
     for g in &inv.gpus {

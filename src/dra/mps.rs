@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, GpuUuid, Inventory};
+use crate::lock::lock;
 use crate::mps::control;
 use crate::mps::dir::{DaemonId, DaemonSpec, Layout};
-use kubelet_plugin::lock::lock;
 
 pub use crate::mps::control::CONTROL;
 

@@ -231,7 +231,7 @@ impl SliceSync {
         let mut inv = match inventory::refresh(self.backend.clone()).await {
             Ok(inv) => inv,
             Err(e) => {
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
+                tracing::warn!(error = %crate::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
                 return;
             }
         };
@@ -286,7 +286,7 @@ impl SliceSync {
                 self.stale = false;
             }
             Err(e) => {
-                tracing::error!(error = %kubelet_plugin::report::chain(&e), "bug: the publisher refused the desired slices")
+                tracing::error!(error = %crate::report::chain(&e), "bug: the publisher refused the desired slices")
             }
         }
     }

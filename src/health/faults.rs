@@ -89,7 +89,7 @@ struct SimProbe {
 
 impl Probe for SimProbe {
     fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
-        if kubelet_plugin::lock::lock(&self.lost.0).contains(gpu) {
+        if crate::lock::lock(&self.lost.0).contains(gpu) {
             return Err("lost (fault file)".into());
         }
         self.inner.probe(gpu)
@@ -151,7 +151,7 @@ impl FaultFile {
             let inv = match crate::inventory::snapshot(self.backend.clone()).await {
                 Ok(inv) => inv,
                 Err(e) => {
-                    tracing::warn!(error = %kubelet_plugin::report::chain(&e), "fault injection: cannot read the inventory; lines skipped");
+                    tracing::warn!(error = %crate::report::chain(&e), "fault injection: cannot read the inventory; lines skipped");
                     continue;
                 }
             };
@@ -175,14 +175,14 @@ impl FaultFile {
         let ev = match cmd {
             Command::Event(ev) => ev,
             Command::Lost(gpu) => {
-                kubelet_plugin::lock::lock(&self.lost.0).insert(gpu.clone());
+                crate::lock::lock(&self.lost.0).insert(gpu.clone());
                 Event {
                     gpu,
                     kind: EventKind::GpuLost,
                 }
             }
             Command::Back(gpu) => {
-                kubelet_plugin::lock::lock(&self.lost.0).remove(&gpu);
+                crate::lock::lock(&self.lost.0).remove(&gpu);
                 return true;
             }
         };

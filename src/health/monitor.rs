@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Cause, DaemonsDown, Event, EventKind, Fault, HealthState, Policy, Watch};
 use crate::inventory::{DeviceBackend, GpuUuid};
-use kubelet_plugin::lock::lock;
+use crate::lock::lock;
 
 /// How many events may wait for the monitor; a source blocks (NVML) or waits (async) beyond.
 const QUEUE: usize = 256;

@@ -134,7 +134,7 @@ pub trait DeviceBackend: Send + Sync + 'static {
     fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
         let inv = self
             .refresh()
-            .map_err(|e| kubelet_plugin::report::chain(&e).to_string())?;
+            .map_err(|e| crate::report::chain(&e).to_string())?;
         match inv.gpu_by_uuid(gpu.as_str()) {
             Some(g) if !g.health.is_withdrawn() => Ok(()),
             Some(g) => Err(g.health.to_string()),

@@ -209,7 +209,7 @@ impl Owner {
             Err(e) => {
                 // Every ask so far is answered, by the failure.
                 let answered = self.asks.count.load(Ordering::SeqCst);
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e), backend = self.backend_name,
+                tracing::warn!(error = %crate::report::chain(&e), backend = self.backend_name,
                     "cannot read the inventory; consumers keep the last one read");
                 let e = Arc::new(e);
                 self.tx.send_modify(|p| {

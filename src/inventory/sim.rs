@@ -159,7 +159,7 @@ impl SimBackend {
     fn lock(&self) -> MutexGuard<'_, Model> {
         // A panic while holding the lock cannot leave the inventory half-written in a way that
         // matters more than the panic itself; keep serving the last state.
-        kubelet_plugin::lock::lock(&self.model)
+        crate::lock::lock(&self.model)
     }
 }
 

@@ -320,7 +320,7 @@ async fn a_failed_write_names_the_file_and_reaches_every_flush() {
             panic!("{e:?}")
         };
         assert!(matches!(**inner, Error::Save(_)), "{inner:?}");
-        let text = kubelet_plugin::report::chain(&e).to_string();
+        let text = crate::report::chain(&e).to_string();
         assert!(
             text.starts_with("cannot save the checkpoint")
                 && text.contains(&format!("cannot rename into place {}", l.path().display())),
@@ -360,7 +360,7 @@ async fn a_full_disk_reads_no_space_left_with_the_checkpoint_path() {
         }
     });
     let e = l.flush().await.unwrap_err();
-    let text = kubelet_plugin::report::chain(&e).to_string();
+    let text = crate::report::chain(&e).to_string();
     assert!(
         text.contains(&format!(
             "cannot write {}: No space left on device",

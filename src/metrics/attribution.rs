@@ -79,7 +79,7 @@ impl Source for Attribution {
         let inv = match self.backend.snapshot() {
             Ok(inv) => inv,
             Err(e) => {
-                tracing::warn!(error = %kubelet_plugin::report::chain(&e), "cannot read the inventory for a scrape");
+                tracing::warn!(error = %crate::report::chain(&e), "cannot read the inventory for a scrape");
                 Inventory::default()
             }
         };
@@ -112,7 +112,7 @@ impl Source for Attribution {
         let (usage, usage_ok) = match self.backend.usage() {
             Ok(u) => (u, true),
             Err(e) => {
-                tracing::debug!(error = %kubelet_plugin::report::chain(&e), "cannot read the GPUs' usage");
+                tracing::debug!(error = %crate::report::chain(&e), "cannot read the GPUs' usage");
                 (Vec::new(), false)
             }
         };

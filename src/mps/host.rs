@@ -218,7 +218,7 @@ impl Host {
             let spec = match self.layout.read_spec(&id) {
                 Ok(spec) => spec,
                 Err(e) => {
-                    tracing::warn!(daemon = %id, error = %kubelet_plugin::report::chain(&e), "cannot read the daemon's request; leaving it as it is");
+                    tracing::warn!(daemon = %id, error = %crate::report::chain(&e), "cannot read the daemon's request; leaving it as it is");
                     seen.push(id);
                     continue;
                 }
@@ -278,7 +278,7 @@ impl Host {
                     Err(e) => {
                         d.failures += 1;
                         let delay = backoff(d.failures);
-                        let msg = kubelet_plugin::report::chain(&e).to_string();
+                        let msg = crate::report::chain(&e).to_string();
                         tracing::error!(daemon = %id, owner = %spec.owner, error = %msg, retry_in = ?delay, "cannot start the MPS control daemon");
                         note(&self.layout.log(&id), &format!("cannot start: {msg}"));
                         d.state = State::Waiting { until: now + delay };
@@ -436,7 +436,7 @@ fn quit(opts: &Options, id: &DaemonId, pipe: &Path, mut child: Child) {
     let asked = control::find(&opts.driver_root)
         .and_then(|c| control::ask(&c, pipe, "quit", opts.quit_deadline));
     if let Err(e) = asked {
-        tracing::warn!(daemon = %id, error = %kubelet_plugin::report::chain(&e), "quit was not answered");
+        tracing::warn!(daemon = %id, error = %crate::report::chain(&e), "quit was not answered");
     }
     loop {
         match child.try_wait() {

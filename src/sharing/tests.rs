@@ -8,7 +8,7 @@ fn gpu_config(sharing: serde_json::Value) -> serde_json::Value {
 
 /// An error as nvdra prints it: the message and its sources.
 fn chain(e: Error) -> String {
-    kubelet_plugin::report::chain(&e).to_string()
+    crate::report::chain(&e).to_string()
 }
 
 fn err(v: serde_json::Value) -> String {

@@ -1,24 +1,29 @@
 //! A complete DRA driver: one fake device, `dev-0`, published in the node's pool and prepared for
-//! any claim (its CDI device id is `k8s.<driver>/claim=<claim UID>-dev-0`; a real driver writes
-//! that CDI spec before answering).
+//! any claim allocated it (its CDI device id is `k8s.<driver>/claim=<claim UID>-dev-0`; a real
+//! driver writes that CDI spec before answering).
 //!
 //! ```text
-//! cargo run -p kubelet-plugin --example one-device -- --node NODE [--driver NAME] [--kubelet-root DIR]
+//! cargo run -p kubelet-plugin --example one-device -- --node NODE [--driver NAME] [--kubelet-root DIR] [--claims FILE]
 //! ```
 //!
-//! It serves the kubelet under `<kubelet root>` until Ctrl-C or SIGTERM, and publishes its
-//! ResourceSlice when a kube client can be made (in a pod, or with `$KUBECONFIG`).
+//! It serves the kubelet under `<kubelet root>` until Ctrl-C or SIGTERM. With a kube client (in
+//! a pod, or with `$KUBECONFIG`; HTTPS through the `rustls-tls` feature) it publishes its
+//! ResourceSlice and reads claims from the API server; `--claims FILE` (a JSON list of
+//! ResourceClaims) reads claims from the file instead, to run without a cluster.
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSliceSpec};
+use kubelet_plugin::claims::ClaimSource;
 use kubelet_plugin::health::{self, DeviceHealth, HealthSource};
-use kubelet_plugin::publisher::Publisher;
-use kubelet_plugin::{Claim, Driver, Options, PrepareResults, PreparedDevice, UnprepareResults};
-use tokio_util::sync::CancellationToken;
+use kubelet_plugin::k8s_openapi::api::resource::v1::{
+    Device, ResourceClaim, ResourcePool, ResourceSliceSpec,
+};
+use kubelet_plugin::testing::MemoryClaims;
+use kubelet_plugin::{
+    BoxError, CancellationToken, Claim, Driver, Options, PrepareClaim, PrepareResults,
+    PreparedDevice, UnprepareResults,
+};
 
 const DEVICE: &str = "dev-0";
 
@@ -28,96 +33,110 @@ struct OneDevice {
 }
 
 impl Driver for OneDevice {
-    type Error = Infallible;
-
-    async fn prepare(&self, claims: Vec<Claim>) -> PrepareResults<Infallible> {
-        let prepared = |uid: &str| PreparedDevice {
-            requests: Vec::new(),
-            pool: self.node.clone(),
-            device: DEVICE.into(),
-            cdi_ids: vec![format!("k8s.{}/claim={uid}-{DEVICE}", self.driver)],
-            share_id: None,
+    async fn prepare(&self, claims: Vec<PrepareClaim>) -> Result<PrepareResults, BoxError> {
+        let prepared = |c: &PrepareClaim| {
+            let requests = c.results.iter().map(|r| r.request.clone()).collect();
+            let cdi = format!("k8s.{}/claim={}-{DEVICE}", self.driver, c.claim.uid);
+            PreparedDevice::new(requests, &self.node, DEVICE, vec![cdi])
         };
-        let results = claims.into_iter().map(|c| {
-            let device = prepared(&c.uid);
-            (c.uid, Ok(vec![device]))
-        });
-        results.collect()
+        Ok(claims
+            .into_iter()
+            .map(|c| {
+                let device = prepared(&c);
+                (c.claim.uid, Ok(vec![device]))
+            })
+            .collect())
     }
 
-    async fn unprepare(&self, claims: Vec<Claim>) -> UnprepareResults<Infallible> {
-        claims.into_iter().map(|c| (c.uid, Ok(()))).collect()
+    async fn unprepare(&self, claims: Vec<Claim>) -> Result<UnprepareResults, BoxError> {
+        Ok(claims.into_iter().map(|c| (c.uid, Ok(()))).collect())
     }
 }
 
 impl HealthSource for OneDevice {
     fn device_health(&self) -> BoxFuture<'_, Result<Vec<DeviceHealth>, health::Error>> {
-        let healthy = DeviceHealth {
-            pool: self.node.clone(),
-            device: DEVICE.into(),
-            problem: None,
-        };
+        let healthy = DeviceHealth::healthy(&self.node, DEVICE);
         Box::pin(async move { Ok(vec![healthy]) })
     }
 }
 
+/// Claims from a JSON list of ResourceClaims.
+fn claims_from(path: &str) -> Result<MemoryClaims, BoxError> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let list: Vec<ResourceClaim> = serde_json::from_str(&text)
+        .map_err(|e| format!("{path} is not a JSON list of ResourceClaims: {e}"))?;
+    let claims = MemoryClaims::default();
+    list.into_iter().for_each(|c| claims.insert(c));
+    Ok(claims)
+}
+
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), BoxError> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
-    let mut opts = Options::new("example.com");
-    let mut node = None;
+    let (mut driver, mut node, mut root, mut file) = ("example.com".to_string(), None, None, None);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
         match flag.as_str() {
-            "--driver" => opts.driver = value,
-            "--kubelet-root" => opts.kubelet_root = value.into(),
+            "--driver" => driver = value,
+            "--kubelet-root" => root = Some(value),
             "--node" => node = Some(value),
+            "--claims" => file = Some(value),
             _ => return Err(format!("unknown flag {flag}").into()),
         }
     }
     let node = node.ok_or("--node NAME is required")?;
     let shutdown = CancellationToken::new();
 
-    match kube::Client::try_default().await {
+    let client = kubelet_plugin::kube::Client::try_default().await;
+    let claims: Arc<dyn ClaimSource> = match (&file, &client) {
+        (Some(path), _) => Arc::new(claims_from(path)?),
+        (None, Ok(client)) => Arc::new(client.clone()),
+        (None, Err(e)) => {
+            return Err(
+                format!("no API server to read claims from ({e}); give --claims FILE").into(),
+            );
+        }
+    };
+    let mut opts = Options::new(driver.as_str(), node.as_str(), claims)?;
+    if let Some(root) = root {
+        opts = opts.kubelet_root(root);
+    }
+    match client {
         Ok(client) => {
-            let (publisher, handle) = Publisher::new(Arc::new(client), &opts.driver, &node);
-            handle.set_desired(vec![ResourceSliceSpec {
-                driver: opts.driver.clone(),
+            let (publisher, handle) = opts.publisher(Arc::new(client));
+            let mut spec = ResourceSliceSpec {
+                driver: driver.clone(),
                 node_name: Some(node.clone()),
                 pool: ResourcePool {
                     name: node.clone(),
                     generation: 0,
                     resource_slice_count: 1,
                 },
-                devices: Some(vec![Device {
-                    name: DEVICE.into(),
-                    ..Device::default()
-                }]),
                 ..ResourceSliceSpec::default()
-            }])?;
+            };
+            spec.devices = Some(vec![Device {
+                name: DEVICE.into(),
+                ..Device::default()
+            }]);
+            handle.set_desired(vec![spec])?;
             tokio::spawn(publisher.run(shutdown.clone()));
         }
         Err(e) => tracing::warn!(error = %e, "no API server: the device is not published"),
     }
 
-    let driver = Arc::new(OneDevice {
-        driver: opts.driver.clone(),
-        node,
-    });
+    let driver = Arc::new(OneDevice { driver, node });
     let stop = shutdown.clone();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
         stop.cancel();
     });
-    let registered = Arc::new(AtomicBool::new(false));
-    kubelet_plugin::serve(driver.clone(), Some(driver), opts, registered, shutdown).await?;
+    kubelet_plugin::serve(driver.clone(), opts.health(driver), shutdown).await?;
     Ok(())
 }

@@ -39,11 +39,37 @@ pub const SERVICES: [&str; 3] = [
 
 /// One device's health, as the driver sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceHealth {
+    /// The device's pool.
     pub pool: String,
+    /// The device's name in its pool.
     pub device: String,
     /// `None` is healthy; `Some(cause)` is unhealthy, and the cause is shown to users.
     pub problem: Option<String>,
+}
+
+impl DeviceHealth {
+    /// `device` of `pool` is healthy.
+    pub fn healthy(pool: impl Into<String>, device: impl Into<String>) -> Self {
+        Self {
+            pool: pool.into(),
+            device: device.into(),
+            problem: None,
+        }
+    }
+
+    /// `device` of `pool` is unhealthy because of `problem` (shown to users).
+    pub fn unhealthy(
+        pool: impl Into<String>,
+        device: impl Into<String>,
+        problem: impl Into<String>,
+    ) -> Self {
+        Self {
+            problem: Some(problem.into()),
+            ..Self::healthy(pool, device)
+        }
+    }
 }
 
 /// The error a [`HealthSource`] may fail with; the stream logs it and skips one round.
@@ -110,6 +136,7 @@ pub struct HealthService {
 }
 
 impl HealthService {
+    /// Streams `source`'s list, re-sent at least every `interval`, until `shutdown`.
     pub fn new(
         source: Arc<dyn HealthSource>,
         interval: Duration,

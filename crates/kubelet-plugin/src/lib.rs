@@ -1,41 +1,56 @@
-//! Kubelet plugins in Rust: what a Dynamic Resource Allocation (DRA) driver needs to run on a
-//! node, and nothing about the devices it drives. The Rust counterpart of Go's
-//! `k8s.io/dynamic-resource-allocation/kubeletplugin` and `resourceslice`.
+#![doc = include_str!("../README.md")]
 //!
-//! A driver implements [`Driver`] (prepare and unprepare a batch of claims) and, if it reports
-//! device health, [`health::HealthSource`]. The library does the rest:
+//! ## Modules
 //!
 //! - [`socket`]: the Unix sockets the kubelet dials — binding, removal on every way out, and the
 //!   adapter that makes h2 accept the `:authority` grpc-go sends (with its own HPACK decoder);
-//! - [`service`]: the kubelet's DRA gRPC services `v1` and `v1beta1` on one socket — one handler,
-//!   two wire conversions — with every requested claim answered, and the health stream
-//!   ([`health`], `v1`, `v1beta1`, `v1alpha1`);
-//! - [`registration`]: the kubelet's plugin registration, with socket names that let two
-//!   instances of a driver run side by side during a rolling update;
-//! - [`nodelock`]: the `flock` that serializes those instances' prepares;
+//! - [`serve`] and [`Options`]: the kubelet's DRA gRPC services `v1` and `v1beta1` on one
+//!   socket, every requested claim answered, the health stream ([`health`]), and registration
+//!   ([`registration`]), with socket names that let two instances of a driver run side by side
+//!   during a rolling update, whose calls take turns through [`nodelock`];
+//! - [`claims`]: reading and checking the claims the kubelet names;
 //! - [`publisher`]: keeps the API server's ResourceSlices equal to the driver's desired ones
 //!   (reconcile, pool generations, detection of fields the server drops), over the small
 //!   [`api::SliceApi`] trait;
+//! - [`paths`]: the kubelet's directory layout;
 //! - [`proto`]: the generated kubelet APIs (DRA, DRA health, plugin registration, device plugin,
-//!   PodResources).
-//!
-//! [`serve`] puts the kubelet side together for a driver; `examples/one-device.rs` is a complete
-//! driver in a few lines.
+//!   PodResources);
+//! - `testing` (feature `testing`): in-memory claims and slices, and a kubelet client.
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod api;
+pub mod claims;
 mod driver;
 mod error;
 pub mod health;
-pub mod lock;
+mod lock;
+mod names;
 pub mod nodelock;
+pub mod paths;
 pub mod proto;
 pub mod publisher;
 pub mod registration;
-pub mod report;
-pub mod service;
+mod report;
+mod service;
 pub mod socket;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod wire;
 
-pub use driver::{Claim, Driver, PrepareResults, PreparedDevice, UnprepareResults};
-pub use error::Error;
-pub use service::{Options, serve};
+pub use driver::{
+    BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,
+};
+pub use error::{Error, ErrorHandler, ErrorKind, log_error};
+pub use names::InvalidName;
+pub use registration::RegistrationHook;
+pub use service::{Options, Serving, serve, start};
+
+// The foreign crates whose types are part of this API, so a driver uses the very versions the
+// library was built with.
+pub use futures;
+pub use k8s_openapi;
+#[cfg(feature = "kube")]
+pub use kube;
+pub use tokio_util::sync::CancellationToken;
+pub use tonic;

@@ -17,20 +17,33 @@ use std::time::Duration;
 // poison-ignoring is sound here.
 use crate::lock::lock;
 
+/// The lock file in the directory given (Go's helper names it the same).
 pub const FILE_NAME: &str = "serialize.lock";
 
+/// Why the lock could not be taken.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
+    /// The lock file could not be opened or locked.
     #[error("cannot lock {path}")]
     Lock {
+        /// The lock file.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
     #[error(
-        "another plugin instance has held {path} for {waited:?}; is an old nvdra pod stuck? \
+        "another instance of this plugin has held {path} for {waited:?}; is its old pod stuck? \
          The kubelet retries"
     )]
-    Busy { path: PathBuf, waited: Duration },
+    /// Another instance held the lock for the whole timeout.
+    Busy {
+        /// The lock file.
+        path: PathBuf,
+        /// How long this operation waited.
+        waited: Duration,
+    },
+    /// The blocking task that opens the file panicked.
     #[error("the lock task panicked")]
     Task(#[source] tokio::task::JoinError),
 }
@@ -46,6 +59,7 @@ struct State {
     file: Option<File>,
 }
 
+/// The lock of one directory, shared by the operations of one process (see the module doc).
 pub struct NodeLock {
     path: PathBuf,
     timeout: Duration,
@@ -60,10 +74,12 @@ pub struct Guard {
 }
 
 impl NodeLock {
+    /// The lock `<dir>/serialize.lock`, waiting at most [`TIMEOUT`] for another instance.
     pub fn new(dir: &Path) -> Self {
         Self::with_timeout(dir, TIMEOUT)
     }
 
+    /// [`NodeLock::new`], waiting at most `timeout`.
     pub fn with_timeout(dir: &Path, timeout: Duration) -> Self {
         Self {
             path: dir.join(FILE_NAME),

@@ -37,8 +37,11 @@ use tokio_util::sync::CancellationToken;
 /// `/metrics` read them).
 #[derive(Debug, Default)]
 pub struct SliceCounters {
+    /// Slices created.
     pub creates: AtomicU64,
+    /// Slices replaced.
     pub updates: AtomicU64,
+    /// Slices deleted.
     pub deletes: AtomicU64,
     /// Reconciles run (lists of the API server's slices), successful or not.
     pub reconciles: AtomicU64,
@@ -59,14 +62,20 @@ pub enum Error {
          publishes driver {want_driver:?} on node {want_node:?}; build slices with the same names"
     )]
     ForeignSlice {
+        /// The slice's index in the desired list.
         index: usize,
+        /// Its driver.
         driver: String,
+        /// Its node.
         node: String,
+        /// The publisher's driver.
         want_driver: String,
+        /// The publisher's node.
         want_node: String,
     },
 }
 
+/// The publisher handle's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Timings; the defaults suit production, tests shorten them.
@@ -98,8 +107,11 @@ impl Default for Options {
 /// renders).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
+    /// Slices created.
     pub creates: u64,
+    /// Slices replaced.
     pub updates: u64,
+    /// Slices deleted.
     pub deletes: u64,
     /// Reconciles run (lists of the API server's slices), successful or not.
     pub reconciles: u64,
@@ -208,10 +220,12 @@ impl PublisherHandle {
         self.shared.dropped.subscribe()
     }
 
+    /// The publisher's progress, as it changes.
     pub fn status(&self) -> watch::Receiver<Status> {
         self.shared.status.subscribe()
     }
 
+    /// What the publisher did so far.
     pub fn counters(&self) -> Counters {
         Counters::of(&self.shared.counters)
     }
@@ -282,9 +296,13 @@ pub struct Publisher {
     dropped: BTreeSet<FieldPath>,
     /// The Node as owner, once found.
     owner: Option<OwnerReference>,
+    /// Hears failures instead of the log ([`Publisher::on_error`]).
+    on_error: Option<crate::error::ErrorHandler>,
 }
 
 impl Publisher {
+    /// The publisher of `driver`'s slices on `node`, writing through `api`, with default
+    /// timings ([`crate::Options::publisher`] takes both names from the plugin's options).
     pub fn new(
         api: Arc<dyn SliceApi>,
         driver: impl Into<String>,
@@ -293,6 +311,7 @@ impl Publisher {
         Self::with_options(api, driver, node, Options::default())
     }
 
+    /// [`Publisher::new`] with other timings.
     pub fn with_options(
         api: Arc<dyn SliceApi>,
         driver: impl Into<String>,
@@ -328,6 +347,7 @@ impl Publisher {
             written: HashMap::new(),
             dropped: BTreeSet::new(),
             owner: None,
+            on_error: None,
         };
         let handle = PublisherHandle {
             driver,
@@ -336,6 +356,35 @@ impl Publisher {
             shared,
         };
         (publisher, handle)
+    }
+
+    /// Sends the publisher's failures to `hook` instead of the log: a slice the API server
+    /// rejects is [`ErrorKind::Fatal`](crate::ErrorKind::Fatal) (retrying cannot help), anything
+    /// else [`Recoverable`](crate::ErrorKind::Recoverable). They are retried either way.
+    pub fn on_error(mut self, hook: crate::error::ErrorHandler) -> Self {
+        self.on_error = Some(hook);
+        self
+    }
+
+    /// Tells the hook of a failure, or logs it.
+    fn failed(
+        on_error: &Option<crate::error::ErrorHandler>,
+        e: &api::Error,
+        what: &str,
+        retry_in: Duration,
+    ) {
+        match on_error {
+            Some(hook) => {
+                let kind = match e {
+                    api::Error::Invalid(_) => crate::error::ErrorKind::Fatal,
+                    _ => crate::error::ErrorKind::Recoverable,
+                };
+                hook(kind, e, what);
+            }
+            None => {
+                tracing::warn!(error = %crate::report::chain(e), ?retry_in, "{what}")
+            }
+        }
     }
 
     /// Reconciles until `shutdown` is cancelled. Never fails: errors are retried.
@@ -376,7 +425,7 @@ impl Publisher {
                     end => {
                         let delay = watch_backoff.next_delay();
                         match end {
-                            Some(Err(e)) => tracing::warn!(error = %crate::report::chain(&e), retry_in = ?delay, "resourceslice watch failed"),
+                            Some(Err(e)) => Self::failed(&self.on_error, &e, "resourceslice watch failed", delay),
                             _ => tracing::debug!(retry_in = ?delay, "resourceslice watch ended"),
                         }
                         watch = None;
@@ -412,7 +461,7 @@ impl Publisher {
                                 Failure::Retry(e) | Failure::Backoff(e) => {
                                     conflicts_in_a_row = 0;
                                     let delay = backoff.next_delay();
-                                    tracing::warn!(error = %crate::report::chain(&e), retry_in = ?delay, "publishing resourceslices failed");
+                                    Self::failed(&self.on_error, &e, "publishing resourceslices failed", delay);
                                     due = Some(Instant::now() + delay);
                                 }
                             }

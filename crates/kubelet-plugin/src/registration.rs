@@ -7,8 +7,6 @@
 //! only its own socket.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
@@ -31,10 +29,16 @@ pub const SUPPORTED_VERSIONS: [&str; 5] = [
     crate::health::SERVICES[2],
 ];
 
+/// Called with the kubelet's verdict on each registration (`true`: registered).
+pub type RegistrationHook = std::sync::Arc<dyn Fn(bool) + Send + Sync>;
+
 /// Socket paths of one plugin instance.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Sockets {
+    /// The registration socket, in the kubelet's plugin registry directory.
     pub registration: PathBuf,
+    /// The DRA socket, in the driver's plugin directory.
     pub dra: PathBuf,
 }
 
@@ -79,7 +83,7 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 struct Service {
     driver: String,
     endpoint: String,
-    registered: Arc<AtomicBool>,
+    registered: Option<RegistrationHook>,
 }
 
 #[tonic::async_trait]
@@ -111,28 +115,30 @@ impl Registration for Service {
             tracing::error!(driver = %self.driver, %error,
                 "the kubelet refused the registration; check the kubelet's DRA support and its log");
         }
-        self.registered.store(plugin_registered, Ordering::Relaxed);
+        if let Some(hook) = &self.registered {
+            hook(plugin_registered);
+        }
         Ok(Response::new(RegistrationStatusResponse {}))
     }
 }
 
 /// The registration server of one instance.
-pub struct Registrar {
-    pub driver: String,
-    pub sockets: Sockets,
-    /// Follows the kubelet's verdict on the registration (a readiness input).
-    pub registered: Arc<AtomicBool>,
+pub(crate) struct Registrar {
+    pub(crate) driver: String,
+    pub(crate) sockets: Sockets,
+    /// Hears the kubelet's verdict on the registration (a readiness input).
+    pub(crate) registered: Option<RegistrationHook>,
 }
 
 impl Registrar {
     /// Binds the registration socket (unlinking a stale one). Call once the DRA socket serves.
-    pub fn bind(&self) -> Result<UnixListener, Error> {
+    pub(crate) fn bind(&self) -> Result<UnixListener, Error> {
         Ok(socket::bind(&self.sockets.registration)?)
     }
 
     /// Serves until shutdown, then removes the socket `bound` (if it is still the one bound: see
-    /// [`socket::Bound::remove`]). The kubelet's verdict is [`Registrar::registered`].
-    pub async fn run(
+    /// [`socket::Bound::remove`]). The kubelet's verdict goes to `registered`.
+    pub(crate) async fn run(
         self,
         listener: UnixListener,
         bound: socket::Bound,

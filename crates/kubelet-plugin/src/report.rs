@@ -1,4 +1,4 @@
-//! How nvdra prints an error: its message, then each source's, joined by ": ".
+//! How the library prints an error: its message, then each source's, joined by ": ".
 //!
 //! Messages never interpolate their source (it is a `#[source]`), so walking the chain once says
 //! everything exactly once. Every place that turns an error into text for a person — the CLI's
@@ -8,13 +8,13 @@ use std::error::Error;
 use std::fmt;
 
 /// Displays `e` and its sources, `outer: inner: innermost`.
-pub fn chain<'a>(e: &'a (dyn Error + 'static)) -> Chain<'a> {
+pub(crate) fn chain<'a>(e: &'a (dyn Error + 'static)) -> Chain<'a> {
     Chain(e)
 }
 
 /// See [`chain`].
 #[derive(Clone, Copy)]
-pub struct Chain<'a>(&'a (dyn Error + 'static));
+pub(crate) struct Chain<'a>(&'a (dyn Error + 'static));
 
 impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

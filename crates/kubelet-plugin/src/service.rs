@@ -1,36 +1,169 @@
 //! The kubelet-facing gRPC servers of a DRA plugin: `v1.DRAPlugin`, `v1beta1.DRAPlugin` and
-//! `DRAResourceHealth` (`v1`, `v1beta1`, `v1alpha1`) on one Unix socket, over one [`Driver`].
-//! Errors of a claim travel in its response entry; the RPC itself never fails for a claim.
+//! `DRAResourceHealth` (`v1`, `v1beta1`, `v1alpha1`) on one Unix socket, over one [`Driver`],
+//! and [`serve`], which runs a whole plugin from its [`Options`].
 //!
-//! [`serve`] runs a whole plugin: the DRA socket first, then the registration socket (the
-//! kubelet dials the endpoint as soon as it sees the registration), until shutdown, removing
-//! both sockets on the way out.
+//! A prepare reads and checks its claims first ([`crate::claims`]; a refused claim never reaches
+//! the driver), then waits its turn (one call at a time by default; with a pod UID, also the
+//! `flock` that the other instance of a rolling update takes), then calls the driver in a task
+//! of its own: when the kubelet gives up waiting, the call still runs to its end, and the next
+//! call sees what it did. Errors of a claim travel in its response entry; the RPC itself never
+//! fails for a claim.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::driver::Driver;
-pub use crate::error::Error;
+use crate::claims::{self, ClaimSource};
+use crate::driver::{BoxError, Claim, Driver, PrepareClaim, PreparedDevice};
+use crate::error::{Error, ErrorHandler, ErrorKind};
 use crate::health::{HealthService, HealthSource, HealthV1, HealthV1beta1};
+use crate::nodelock::NodeLock;
 use crate::proto::dra::{v1, v1beta1};
 use crate::proto::health::{
     v1 as health_v1, v1alpha1 as health_v1alpha1, v1beta1 as health_v1beta1,
 };
-use crate::registration::{Registrar, Sockets};
-use crate::{socket, wire};
+use crate::registration::{Registrar, RegistrationHook, Sockets};
+use crate::report::chain;
+use crate::wire::{self, Answers};
+use crate::{names, socket};
 
-/// One handler per operation; each version's service converts its messages and calls it.
-struct Handler<D>(Arc<D>);
+/// How calls take turns: not at all, or one at a time in this process, and with a rolling
+/// update's pod UID also across the node's instances (Go's `Serialize` and its flock).
+enum Turns {
+    Concurrent,
+    OneAtATime {
+        here: tokio::sync::Mutex<()>,
+        node: Option<NodeLock>,
+    },
+}
+
+/// Held while a call runs.
+struct Turn<'a> {
+    _here: Option<tokio::sync::MutexGuard<'a, ()>>,
+    _node: Option<crate::nodelock::Guard>,
+}
+
+impl Turns {
+    async fn take(&self) -> Result<Turn<'_>, crate::nodelock::Error> {
+        let Turns::OneAtATime { here, node } = self else {
+            return Ok(Turn {
+                _here: None,
+                _node: None,
+            });
+        };
+        let here = here.lock().await;
+        let node = match node {
+            Some(l) => Some(l.enter(|| Ok::<(), crate::nodelock::Error>(())).await?),
+            None => None,
+        };
+        Ok(Turn {
+            _here: Some(here),
+            _node: node,
+        })
+    }
+}
+
+/// What every version's service calls: one handler per operation.
+struct Handler<D> {
+    driver: Arc<D>,
+    name: Arc<str>,
+    claims: Arc<dyn ClaimSource>,
+    turns: Arc<Turns>,
+    on_error: ErrorHandler,
+}
 
 impl<D> Clone for Handler<D> {
     fn clone(&self) -> Self {
-        Self(self.0.clone())
+        Self {
+            driver: self.driver.clone(),
+            name: self.name.clone(),
+            claims: self.claims.clone(),
+            turns: self.turns.clone(),
+            on_error: self.on_error.clone(),
+        }
+    }
+}
+
+/// What a driver call returned: each claim's outcome, or the batch's error.
+type Returned<T> = Result<Vec<(String, Result<T, BoxError>)>, BoxError>;
+
+/// A driver call's outcome: a batch error, or its panic (`Err`, in words), becomes every
+/// claim's error.
+fn settle<T>(uids: &[String], outcome: Result<Returned<T>, String>) -> Answers<T> {
+    let failed = |why: String| uids.iter().map(|u| (u.clone(), Err(why.clone()))).collect();
+    match outcome {
+        Ok(Ok(results)) => results
+            .into_iter()
+            .map(|(uid, r)| (uid, r.map_err(|e| chain(&*e).to_string())))
+            .collect(),
+        Ok(Err(batch)) => failed(chain(&*batch).to_string()),
+        Err(why) => failed(why),
+    }
+}
+
+impl<D: Driver> Handler<D> {
+    /// Runs `call` in a task of its own once it is this call's turn, so that a caller that gives
+    /// up (the kubelet's deadline) does not cancel it halfway. `Err` is a panic, in words.
+    async fn run<T, F>(&self, what: &'static str, call: F) -> Result<Result<T, BoxError>, String>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, BoxError>> + Send + 'static,
+    {
+        let turns = self.turns.clone();
+        let task = tokio::spawn(async move {
+            let _turn = turns.take().await.map_err(BoxError::from)?;
+            call.await
+        });
+        task.await.map_err(|join| {
+            let e = format!("the driver's {what} failed: {join}");
+            (self.on_error)(ErrorKind::Fatal, &join, &e);
+            e
+        })
+    }
+
+    async fn prepare(&self, claims: Vec<Claim>) -> Answers<Vec<PreparedDevice>> {
+        let fetched = futures::future::join_all(claims.into_iter().map(|c| async {
+            let uid = c.uid.clone();
+            (uid, claims::fetch(&*self.claims, c, &self.name).await)
+        }))
+        .await;
+        let mut answers: Answers<Vec<PreparedDevice>> = Vec::new();
+        let mut ready: Vec<PrepareClaim> = Vec::new();
+        for (uid, r) in fetched {
+            match r {
+                Ok(c) => ready.push(c),
+                Err(e) => {
+                    (self.on_error)(ErrorKind::Recoverable, &e, "claim refused before prepare");
+                    answers.push((uid, Err(chain(&e).to_string())));
+                }
+            }
+        }
+        if ready.is_empty() {
+            return answers;
+        }
+        let uids: Vec<String> = ready.iter().map(|c| c.claim.uid.clone()).collect();
+        let driver = self.driver.clone();
+        let outcome = self
+            .run("prepare", async move { driver.prepare(ready).await })
+            .await;
+        answers.extend(settle(&uids, outcome));
+        answers
+    }
+
+    async fn unprepare(&self, claims: Vec<Claim>) -> Answers<()> {
+        if claims.is_empty() {
+            return Vec::new();
+        }
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let driver = self.driver.clone();
+        let outcome = self
+            .run("unprepare", async move { driver.unprepare(claims).await })
+            .await;
+        settle(&uids, outcome)
     }
 }
 
@@ -52,7 +185,7 @@ macro_rules! serve_version {
                 );
                 let claims = wire::$claims(claims);
                 let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-                let results = (self.0).0.prepare(claims).await;
+                let results = self.0.prepare(claims).await;
                 Ok(Response::new(wire::$prepare(&asked, results)))
             }
 
@@ -67,7 +200,7 @@ macro_rules! serve_version {
                 );
                 let claims = wire::$claims(claims);
                 let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-                let results = (self.0).0.unprepare(claims).await;
+                let results = self.0.unprepare(claims).await;
                 Ok(Response::new(wire::$unprepare(&asked, results)))
             }
         }
@@ -91,19 +224,19 @@ serve_version!(
 
 /// Serves both DRA versions and the health stream on `listener` until `shutdown`, then removes
 /// the socket `bound` (if it is still the one bound: see [`socket::Bound::remove`]).
-pub async fn serve_dra<D: Driver>(
-    driver: Arc<D>,
+async fn serve_dra<D: Driver>(
+    handler: Handler<D>,
     health: HealthService,
     listener: UnixListener,
     bound: socket::Bound,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let result = tonic::transport::Server::builder()
-        .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(Handler(
-            driver.clone(),
-        ))))
+        .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(
+            handler.clone()
+        )))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(
-            Handler(driver),
+            handler,
         )))
         .add_service(
             health_v1::dra_resource_health_server::DraResourceHealthServer::new(HealthV1(
@@ -128,40 +261,166 @@ pub async fn serve_dra<D: Driver>(
     })
 }
 
-/// Where and as whom a plugin serves.
-#[derive(Clone, Debug)]
+/// Everything about a plugin but its driver: the names, where it serves, how calls take turns,
+/// where claims are read, and the hooks. Built once, from the driver and node names, which
+/// every part (sockets, claim checks, [publisher](Options::publisher)) takes from here.
+///
+/// ```
+/// # use kubelet_plugin::testing::MemoryClaims;
+/// let opts = kubelet_plugin::Options::new("fpga.example.com", "node-a", MemoryClaims::default())?
+///     .kubelet_root("/var/lib/kubelet")
+///     .pod_uid("0f2d5a3c-1234-4bcd-9876-0123456789ab");
+/// assert_eq!(
+///     opts.plugin_dir(),
+///     std::path::Path::new("/var/lib/kubelet/plugins/fpga.example.com")
+/// );
+/// # Ok::<(), kubelet_plugin::InvalidName>(())
+/// ```
+#[derive(Clone)]
 pub struct Options {
-    /// The DRA driver name (`gpu.example.com`).
-    pub driver: String,
-    /// The kubelet's directory, `/var/lib/kubelet` by default.
-    pub kubelet_root: PathBuf,
-    /// This instance's pod UID: sockets named apart, so a rolling update's two instances
-    /// never share one (see [`Sockets::new`]).
-    pub pod_uid: Option<String>,
-    /// How often the health stream re-sends an unchanged list ([`crate::health::INTERVAL`]).
-    pub health_interval: Duration,
+    driver: String,
+    node: String,
+    claims: Arc<dyn ClaimSource>,
+    kubelet_root: PathBuf,
+    pod_uid: Option<String>,
+    serialize: bool,
+    node_lock: bool,
+    health: Option<Arc<dyn HealthSource>>,
+    health_interval: Duration,
+    on_error: ErrorHandler,
+    on_registered: Option<RegistrationHook>,
 }
 
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("driver", &self.driver)
+            .field("node", &self.node)
+            .field("kubelet_root", &self.kubelet_root)
+            .field("pod_uid", &self.pod_uid)
+            .field("serialize", &self.serialize)
+            .field("node_lock", &self.node_lock)
+            .field("health_interval", &self.health_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+use names::InvalidName;
+
 impl Options {
-    pub fn new(driver: impl Into<String>) -> Self {
-        Self {
-            driver: driver.into(),
-            kubelet_root: PathBuf::from("/var/lib/kubelet"),
+    /// The plugin of driver `driver` (a DNS subdomain such as `fpga.example.com`, as in a
+    /// DeviceClass) on node `node`, reading claims from `claims` (a `kube::Client`, or
+    /// `testing::MemoryClaims`). Either name invalid is an error naming it.
+    ///
+    /// Defaults: kubelet root `/var/lib/kubelet`, no pod UID, calls one at a time, the node
+    /// lock taken when a pod UID is set, no device health, errors logged.
+    pub fn new(
+        driver: impl Into<String>,
+        node: impl Into<String>,
+        claims: impl ClaimSource,
+    ) -> Result<Self, InvalidName> {
+        let (driver, node) = (driver.into(), node.into());
+        names::check("driver", &driver)?;
+        names::check("node", &node)?;
+        Ok(Self {
+            driver,
+            node,
+            claims: Arc::new(claims),
+            kubelet_root: PathBuf::from(crate::paths::DEFAULT_KUBELET_ROOT),
             pod_uid: None,
+            serialize: true,
+            node_lock: true,
+            health: None,
             health_interval: crate::health::INTERVAL,
-        }
+            on_error: Arc::new(crate::error::log_error),
+            on_registered: None,
+        })
+    }
+
+    /// The kubelet's directory (`--root-dir`), `/var/lib/kubelet` by default.
+    pub fn kubelet_root(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.kubelet_root = dir.into();
+        self
+    }
+
+    /// This instance's pod UID (rolling updates, Go's `RollingUpdate`): sockets named apart, so
+    /// two instances of the driver never share one (see [`Sockets::new`]), and, while calls are
+    /// serialized, the node lock that makes the two instances take turns.
+    pub fn pod_uid(mut self, uid: impl Into<String>) -> Self {
+        self.pod_uid = Some(uid.into());
+        self
+    }
+
+    /// Whether calls reach the driver one at a time (default `true`, as in Go). A driver that
+    /// opts out must handle concurrent prepares and unprepares itself, and, with a pod UID,
+    /// also the other instance of a rolling update (this also turns the node lock off).
+    pub fn serialize(mut self, on: bool) -> Self {
+        self.serialize = on;
+        self
+    }
+
+    /// Whether serialized calls also take `<plugin dir>/serialize.lock` when a pod UID is set
+    /// (default `true`): the `flock` the other instance of a rolling update takes too.
+    pub fn node_lock(mut self, on: bool) -> Self {
+        self.node_lock = on;
+        self
+    }
+
+    /// Where the health stream reads device health; without one, it lists no device.
+    pub fn health(mut self, source: Arc<dyn HealthSource>) -> Self {
+        self.health = Some(source);
+        self
+    }
+
+    /// How often the health stream re-sends an unchanged list ([`crate::health::INTERVAL`]).
+    pub fn health_interval(mut self, every: Duration) -> Self {
+        self.health_interval = every;
+        self
+    }
+
+    /// Hears the errors no caller waits for (claims refused before the driver saw them, a
+    /// driver call that panicked, the publisher's failures): Go's `HandleError`. The default
+    /// is [`crate::log_error`].
+    pub fn on_error(
+        mut self,
+        hook: impl Fn(ErrorKind, &(dyn std::error::Error + 'static), &str) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_error = Arc::new(hook);
+        self
+    }
+
+    /// Called with the kubelet's verdict on each registration (a readiness input).
+    pub fn on_registered(mut self, hook: impl Fn(bool) + Send + Sync + 'static) -> Self {
+        self.on_registered = Some(Arc::new(hook));
+        self
+    }
+
+    /// The driver name.
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    /// The node name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The error hook ([`Options::on_error`]), for the driver's own background work.
+    pub fn error_handler(&self) -> ErrorHandler {
+        self.on_error.clone()
     }
 
     /// `<kubelet root>/plugins/<driver>`: the DRA socket's directory, and the driver's own.
     pub fn plugin_dir(&self) -> PathBuf {
-        self.kubelet_root.join("plugins").join(&self.driver)
+        crate::paths::plugin_dir(&self.kubelet_root, &self.driver)
     }
 
     /// `<kubelet root>/plugins_registry`, which the kubelet watches for registration sockets.
     pub fn registry_dir(&self) -> PathBuf {
-        self.kubelet_root.join("plugins_registry")
+        crate::paths::registry_dir(&self.kubelet_root)
     }
 
+    /// This instance's socket paths.
     pub fn sockets(&self) -> Sockets {
         Sockets::new(
             &self.registry_dir(),
@@ -170,51 +429,113 @@ impl Options {
             self.pod_uid.as_deref(),
         )
     }
+
+    /// The publisher of this driver's ResourceSlices on this node, writing through `api`, its
+    /// failures reported to [`Options::on_error`]. Run the [`crate::publisher::Publisher`];
+    /// give it the desired slices through the handle.
+    pub fn publisher(
+        &self,
+        api: Arc<dyn crate::api::SliceApi>,
+    ) -> (
+        crate::publisher::Publisher,
+        crate::publisher::PublisherHandle,
+    ) {
+        let (publisher, handle) = crate::publisher::Publisher::new(api, &self.driver, &self.node);
+        (publisher.on_error(self.on_error.clone()), handle)
+    }
+
+    fn turns(&self) -> Turns {
+        if !self.serialize {
+            return Turns::Concurrent;
+        }
+        let node =
+            (self.node_lock && self.pod_uid.is_some()).then(|| NodeLock::new(&self.plugin_dir()));
+        Turns::OneAtATime {
+            here: tokio::sync::Mutex::new(()),
+            node,
+        }
+    }
 }
 
-/// Serves `driver` to the kubelet until `shutdown`: the DRA services and the health stream
-/// (from `health`, or an empty device list) on the DRA socket, then registration. Returns when
-/// both servers have stopped and their sockets are gone; the first server error ends both.
-/// `registered` follows the kubelet's verdict on the registration.
+/// Serves `driver` to the kubelet until `shutdown`: [`start`], then [`Serving::wait`].
 pub async fn serve<D: Driver>(
     driver: Arc<D>,
-    health: Option<Arc<dyn HealthSource>>,
     opts: Options,
-    registered: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    start(driver, opts, shutdown)?.wait().await
+}
+
+/// A plugin whose sockets are bound: the kubelet's connections queue until it is awaited.
+#[must_use = "the plugin serves only while `wait` is awaited"]
+pub struct Serving(futures::future::BoxFuture<'static, Result<(), Error>>);
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Serving")
+    }
+}
+
+impl Serving {
+    /// Serves until `shutdown`: the DRA services and the health stream on the DRA socket, and
+    /// registration. Returns when both servers have stopped and their sockets are gone; the
+    /// first server error ends both.
+    pub async fn wait(self) -> Result<(), Error> {
+        self.0.await
+    }
+}
+
+/// Binds the plugin's sockets, the DRA socket first, then the registration socket (the kubelet
+/// dials the DRA socket as soon as it sees the registration), so that a socket that cannot be
+/// bound is an error of the start, as in Go's `Start`. Must be called within a Tokio runtime.
+/// Dropping the returned [`Serving`] unused removes both sockets again.
+pub fn start<D: Driver>(
+    driver: Arc<D>,
+    opts: Options,
+    shutdown: CancellationToken,
+) -> Result<Serving, Error> {
     let sockets = opts.sockets();
     let mut owned = socket::OwnedSockets::default();
-    let listener = socket::bind(&sockets.dra)?;
-    let bound = owned.adopt(&sockets.dra);
-    let stop = shutdown.child_token();
-    let health = HealthService::new(
-        health.unwrap_or_else(|| Arc::new(crate::health::NoHealth)),
-        opts.health_interval,
-        stop.clone(),
-    );
-    let dra = serve_dra(driver, health, listener, bound, stop.clone());
+    let dra_listener = socket::bind(&sockets.dra)?;
+    let dra_bound = owned.adopt(&sockets.dra);
+    tracing::info!(socket = %sockets.dra.display(), "DRA server listening (v1, v1beta1)");
     let registrar = Registrar {
         driver: opts.driver.clone(),
         sockets: sockets.clone(),
-        registered,
+        registered: opts.on_registered.clone(),
     };
-    let listener = registrar.bind()?;
-    let bound = owned.adopt(&sockets.registration);
-    let reg = registrar.run(listener, bound, stop.clone());
-    // Whichever server ends first (shutdown, or an error) stops the other.
-    let (dra, reg) = tokio::join!(
-        async {
-            let r = dra.await;
-            stop.cancel();
-            r
-        },
-        async {
-            let r = reg.await;
-            stop.cancel();
-            r
-        },
+    let reg_listener = registrar.bind()?;
+    let reg_bound = owned.adopt(&sockets.registration);
+    tracing::info!(socket = %sockets.registration.display(), "registration socket ready");
+    let stop = shutdown.child_token();
+    let health = HealthService::new(
+        opts.health
+            .clone()
+            .unwrap_or_else(|| Arc::new(crate::health::NoHealth)),
+        opts.health_interval,
+        stop.clone(),
     );
-    drop(owned);
-    dra.and(reg)
+    let handler = Handler {
+        driver,
+        name: opts.driver.as_str().into(),
+        claims: opts.claims.clone(),
+        turns: Arc::new(opts.turns()),
+        on_error: opts.on_error.clone(),
+    };
+    let on_error = opts.on_error;
+    Ok(Serving(Box::pin(async move {
+        let dra = serve_dra(handler, health, dra_listener, dra_bound, stop.clone());
+        let reg = registrar.run(reg_listener, reg_bound, stop.clone());
+        // Whichever server ends first (shutdown, or an error) stops the other.
+        let ended = |r: Result<(), Error>| {
+            if let Err(e) = &r {
+                on_error(ErrorKind::Fatal, e, "a server of the plugin stopped");
+            }
+            stop.cancel();
+            r
+        };
+        let (dra, reg) = tokio::join!(async { ended(dra.await) }, async { ended(reg.await) });
+        drop(owned);
+        dra.and(reg)
+    })))
 }

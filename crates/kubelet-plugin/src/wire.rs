@@ -5,9 +5,20 @@
 
 use std::collections::HashMap;
 
-use crate::driver::{Claim, PrepareResults, PreparedDevice, UnprepareResults};
+use crate::claims::base_request;
+use crate::driver::{Claim, PreparedDevice};
 use crate::proto::dra::{v1, v1beta1};
-use crate::report::chain;
+
+/// Each claim's outcome, its error already in words (the message and each cause once).
+pub type Answers<T> = Vec<(String, Result<T, String>)>;
+
+/// The kubelet wants base request names (`request`, not `request/subrequest`).
+fn base_requests(requests: Vec<String>) -> Vec<String> {
+    requests
+        .into_iter()
+        .map(|r| base_request(&r).to_string())
+        .collect()
+}
 
 fn device_v1(d: PreparedDevice) -> v1::Device {
     let PreparedDevice {
@@ -18,7 +29,7 @@ fn device_v1(d: PreparedDevice) -> v1::Device {
         share_id,
     } = d;
     v1::Device {
-        request_names: requests,
+        request_names: base_requests(requests),
         pool_name: pool,
         device_name: device,
         cdi_device_ids: cdi_ids,
@@ -36,7 +47,7 @@ fn device_v1beta1(d: PreparedDevice) -> v1beta1::Device {
         share_id: _,
     } = d;
     v1beta1::Device {
-        request_names: requests,
+        request_names: base_requests(requests),
         pool_name: pool,
         device_name: device,
         cdi_device_ids: cdi_ids,
@@ -69,9 +80,9 @@ macro_rules! same_in_both {
         }
 
         /// One entry per claim UID in `asked`, whatever the driver returned.
-        pub fn $prepare<E: std::error::Error + 'static>(
+        pub fn $prepare(
             asked: &[String],
-            results: PrepareResults<E>,
+            results: Answers<Vec<PreparedDevice>>,
         ) -> $ver::NodePrepareResourcesResponse {
             let mut claims: HashMap<String, $ver::NodePrepareResourceResponse> = results
                 .into_iter()
@@ -83,7 +94,7 @@ macro_rules! same_in_both {
                         },
                         Err(e) => $ver::NodePrepareResourceResponse {
                             devices: Vec::new(),
-                            error: chain(&e).to_string(),
+                            error: e,
                         },
                     };
                     (uid, entry)
@@ -101,14 +112,14 @@ macro_rules! same_in_both {
         }
 
         /// One entry per claim UID in `asked`, whatever the driver returned.
-        pub fn $unprepare<E: std::error::Error + 'static>(
+        pub fn $unprepare(
             asked: &[String],
-            results: UnprepareResults<E>,
+            results: Answers<()>,
         ) -> $ver::NodeUnprepareResourcesResponse {
             let mut claims: HashMap<String, $ver::NodeUnprepareResourceResponse> = results
                 .into_iter()
                 .map(|(uid, r)| {
-                    let error = r.err().map(|e| chain(&e).to_string()).unwrap_or_default();
+                    let error = r.err().unwrap_or_default();
                     (uid, $ver::NodeUnprepareResourceResponse { error })
                 })
                 .collect();
@@ -143,19 +154,12 @@ same_in_both!(
 mod tests {
     use super::*;
 
-    #[derive(Debug, thiserror::Error)]
-    #[error("claim {namespace}/{name} is not allocated")]
-    struct NotAllocated {
-        namespace: String,
-        name: String,
-    }
-
     fn device(share: Option<&str>) -> PreparedDevice {
         PreparedDevice {
-            requests: vec!["gpu".into()],
+            requests: vec!["gpu/small".into()],
             pool: "node".into(),
             device: "gpu-0".into(),
-            cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
+            cdi_ids: vec!["k8s.example.com/claim=u-gpu-0".into()],
             share_id: share.map(String::from),
         }
     }
@@ -167,25 +171,25 @@ mod tests {
     #[test]
     fn share_id_only_on_v1_and_errors_become_entries() {
         let ok = || ("a".to_string(), Ok(vec![device(Some("s1"))]));
-        let bad = || {
-            (
-                "b".to_string(),
-                Err(NotAllocated {
-                    namespace: "ns".into(),
-                    name: "b".into(),
-                }),
-            )
-        };
+        let bad = || ("b".to_string(), Err("claim ns/b is not allocated".into()));
         let asked = uids(&["a", "b"]);
         let r1 = prepare_response_v1(&asked, vec![ok(), bad()]);
         assert_eq!(r1.claims["a"].devices[0].share_id.as_deref(), Some("s1"));
         assert_eq!(r1.claims["a"].devices[0].pool_name, "node");
+        assert_eq!(
+            r1.claims["a"].devices[0].request_names,
+            vec!["gpu".to_string()]
+        );
         assert!(r1.claims["b"].error.contains("ns/b is not allocated"));
         assert!(r1.claims["b"].devices.is_empty());
         let r2 = prepare_response_v1beta1(&asked, vec![ok(), bad()]);
         assert_eq!(
             r2.claims["a"].devices[0].cdi_device_ids,
-            vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".to_string()]
+            vec!["k8s.example.com/claim=u-gpu-0".to_string()]
+        );
+        assert_eq!(
+            r2.claims["a"].devices[0].request_names,
+            vec!["gpu".to_string()]
         );
         assert!(!r2.claims["b"].error.is_empty());
     }
@@ -193,7 +197,7 @@ mod tests {
     #[test]
     fn a_claim_the_driver_left_out_still_gets_an_entry() {
         let asked = uids(&["a", "forgotten"]);
-        let done: PrepareResults<NotAllocated> = vec![("a".into(), Ok(vec![device(None)]))];
+        let done: Answers<Vec<PreparedDevice>> = vec![("a".into(), Ok(vec![device(None)]))];
         let r = prepare_response_v1(&asked, done);
         assert_eq!(r.claims.len(), 2);
         assert_eq!(r.claims["a"].error, "");
@@ -201,7 +205,7 @@ mod tests {
             r.claims["forgotten"].error,
             "the driver returned no result for claim forgotten"
         );
-        let r = unprepare_response_v1beta1::<NotAllocated>(&asked, vec![("a".into(), Ok(()))]);
+        let r = unprepare_response_v1beta1(&asked, vec![("a".into(), Ok(()))]);
         assert_eq!(r.claims["a"].error, "");
         assert!(!r.claims["forgotten"].error.is_empty());
     }

@@ -1,4 +1,4 @@
-//! The library without nvdra: its example driver (`examples/one-device.rs`) runs as a process and
+//! The library on its own: its example driver (`examples/one-device.rs`) runs as a process and
 //! is registered, prepared, unprepared and health-watched by the grpcio kubelet stand-in
 //! (`tests/kubelet/standin.py`, grpcio's C core and a raw HTTP/2 client), over every
 //! `:authority` form the kubelet and its clients send.
@@ -16,6 +16,10 @@ mod require;
 
 const DRIVER: &str = "example.com";
 const NODE: &str = "node-1";
+const CLAIMS: [&str; 2] = [
+    "0f2d5a3c-1234-4bcd-9876-0123456789ab",
+    "7a0c1e44-aaaa-4bbb-8ccc-00000000000d",
+];
 const STANDIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kubelet/standin.py");
 const PIP: &str =
     "python3 -m pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0";
@@ -89,10 +93,29 @@ fn the_example_driver_is_registered_and_prepared_by_the_grpcio_kubelet() {
     let kubelet = root.path().join("kubelet");
     let registration = kubelet.join(format!("plugins_registry/{DRIVER}-reg.sock"));
     let dra = kubelet.join(format!("plugins/{DRIVER}/dra.sock"));
+    // No API server: the claims the stand-in names (`claim-<uid>` in `default`), allocated
+    // `dev-0`, come from a file.
+    let claims: Vec<_> = CLAIMS
+        .iter()
+        .map(|uid| {
+            kubelet_plugin::testing::allocated_claim(
+                "default",
+                &format!("claim-{uid}"),
+                uid,
+                vec![kubelet_plugin::testing::allocated_device(
+                    "dev", DRIVER, NODE, "dev-0",
+                )],
+            )
+        })
+        .collect();
+    let claims_file = root.path().join("claims.json");
+    std::fs::write(&claims_file, serde_json::to_vec(&claims).unwrap()).unwrap();
     let mut child = Killed(
         Command::new(example())
             .args(["--driver", DRIVER, "--node", NODE, "--kubelet-root"])
             .arg(&kubelet)
+            .arg("--claims")
+            .arg(&claims_file)
             // No API server: the example says so and serves the kubelet regardless.
             .env("KUBECONFIG", root.path().join("none"))
             .env_remove("KUBERNETES_SERVICE_HOST")
@@ -121,8 +144,8 @@ fn the_example_driver_is_registered_and_prepared_by_the_grpcio_kubelet() {
         .arg("--dra")
         .arg(&dra)
         .args(["--driver", DRIVER, "--node", NODE])
-        .args(["--claim", "0f2d5a3c-1234-4bcd-9876-0123456789ab=dev-0"])
-        .args(["--claim", "7a0c1e44-aaaa-4bbb-8ccc-00000000000d=dev-0"]);
+        .args(["--claim", &format!("{}=dev-0", CLAIMS[0])])
+        .args(["--claim", &format!("{}=dev-0", CLAIMS[1])]);
     for form in [
         "grpc-go",
         "raw-path",

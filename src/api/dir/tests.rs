@@ -146,7 +146,7 @@ async fn causes_are_sources_said_once_not_part_of_the_message() {
     );
     let said = cause.to_string();
     assert!(!e.to_string().contains(&said), "{e}");
-    let chain = kubelet_plugin::report::chain(&e).to_string();
+    let chain = crate::report::chain(&e).to_string();
     assert_eq!(chain.matches(&said).count(), 1, "{chain}");
 
     // An I/O failure keeps the io::Error and its kind.

@@ -201,7 +201,7 @@ fn a_daemon_that_never_answers_fails_the_request_naming_the_gpu_and_the_host() {
     std::fs::write(mps.gpu_pipe_dir(&gpu).join("control"), "").unwrap();
     assert!(!mps.alive_gpu(&gpu));
     let e = mps.ensure_gpu(&gpu).unwrap_err();
-    let msg = kubelet_plugin::report::chain(&e).to_string();
+    let msg = crate::report::chain(&e).to_string();
     for want in [
         "GPU-a",
         "MPS host",

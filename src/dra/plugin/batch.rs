@@ -7,14 +7,15 @@ use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::{ClaimError, ClaimRef, Plugin};
 use crate::inventory::{DeviceBackend, Inventory};
 // The claim-lock map sees inserts and removes only, so ignoring poison is sound.
 use crate::ids::ClaimUid;
 use crate::ledger::DeviceRecord;
+use crate::lock::lock;
 use crate::metrics::Histogram;
-use kubelet_plugin::lock::lock;
 
 /// A batch's inventory snapshot: taken on the blocking pool as the batch starts (under the node
 /// lock), awaited by each claim only when it needs it, so the claims' GETs go out meanwhile
@@ -45,10 +46,29 @@ impl PendingInventory {
 }
 
 impl Plugin {
-    /// Prepares a batch; one result per claim, in order.
+    /// Prepares a batch, reading each claim from the API; one result per claim, in order.
     pub async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
+        self.prepare_claims(claims.into_iter().map(|c| (c, None)).collect())
+            .await
+    }
+
+    /// Prepares a batch of claims already read (and checked) by the kubelet-plugin library;
+    /// one result per claim, in order.
+    pub async fn prepare_read(
+        &self,
+        claims: Vec<(ClaimRef, ResourceClaim)>,
+    ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
+        self.prepare_claims(claims.into_iter().map(|(c, rc)| (c, Some(rc))).collect())
+            .await
+    }
+
+    /// Prepares a batch; a claim without its ResourceClaim is read from the API.
+    async fn prepare_claims(
+        &self,
+        claims: Vec<(ClaimRef, Option<ResourceClaim>)>,
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
         // One snapshot per batch: MIG devices created by this batch are tracked in the ledger,
         // which is what conflict checks read.
@@ -56,8 +76,8 @@ impl Plugin {
         let setup = async move { Ok(PendingInventory::start(backend)) };
         let m = &self.inner.metrics;
         let outcome = (&m.prepare_ok, &m.prepare_failed, &m.prepare_seconds);
-        self.batch(claims, "prepare", outcome, setup, |c, inv| async move {
-            self.prepare_one(&c, &inv).await
+        self.batch(claims, "prepare", outcome, setup, |c, rc, inv| async move {
+            self.prepare_one(&c, rc, &inv).await
         })
         .await
     }
@@ -70,11 +90,11 @@ impl Plugin {
         let m = &self.inner.metrics;
         let outcome = (&m.unprepare_ok, &m.unprepare_failed, &m.unprepare_seconds);
         self.batch(
-            claims,
+            claims.into_iter().map(|c| (c, ())).collect(),
             "unprepare",
             outcome,
             async { Ok(()) },
-            |c, ()| async move { self.unprepare_one(&c.uid).await },
+            |c, (), ()| async move { self.unprepare_one(&c.uid).await },
         )
         .await
     }
@@ -83,9 +103,9 @@ impl Plugin {
     /// different claims concurrently, after `setup` (whose value every claim gets). When the
     /// batch cannot start (lock, setup), every claim fails with that reason, so the kubelet still
     /// gets an entry per claim. Counts outcomes and the batch's duration.
-    async fn batch<S, T, Setup, Op, Fut>(
+    async fn batch<X, S, T, Setup, Op, Fut>(
         &self,
-        claims: Vec<ClaimRef>,
+        claims: Vec<(ClaimRef, X)>,
         what: &'static str,
         (ok, failed, seconds): (&AtomicU64, &AtomicU64, &Histogram),
         setup: Setup,
@@ -94,7 +114,7 @@ impl Plugin {
     where
         S: Clone,
         Setup: Future<Output = Result<S, ClaimError>>,
-        Op: Fn(ClaimRef, S) -> Fut,
+        Op: Fn(ClaimRef, X, S) -> Fut,
         Fut: Future<Output = Result<T, ClaimError>>,
     {
         if claims.is_empty() {
@@ -110,11 +130,11 @@ impl Plugin {
                 let cause = std::sync::Arc::new(e);
                 claims
                     .into_iter()
-                    .map(|c| (c.uid, Err(ClaimError::Unavailable(cause.clone()))))
+                    .map(|(c, _)| (c.uid, Err(ClaimError::Unavailable(cause.clone()))))
                     .collect()
             }
             Ok((_guard, shared)) => {
-                let futs = claims.into_iter().map(|c| {
+                let futs = claims.into_iter().map(|(c, x)| {
                     let (shared, op) = (shared.clone(), &op);
                     async move {
                         let uid = c.uid.clone();
@@ -122,11 +142,11 @@ impl Plugin {
                         let l = self.claim_lock(&uid);
                         let r = {
                             let _held = l.lock().await;
-                            op(c, shared).await
+                            op(c, x, shared).await
                         };
                         self.release_claim_lock(&uid, l);
                         if let Err(e) = &r {
-                            tracing::warn!(claim.uid = %uid, claim = %who, error = %kubelet_plugin::report::chain(e), "{what} failed");
+                            tracing::warn!(claim.uid = %uid, claim = %who, error = %crate::report::chain(e), "{what} failed");
                         }
                         (uid, r)
                     }

@@ -134,7 +134,7 @@ impl Plugin {
                 // lists): a spec that still reads as one stays, as the checkpoint's record does.
                 let owner = uid.clone();
                 if self.blocking(move |i| i.specs.readable(&owner)).await? {
-                    tracing::warn!(claim.uid = %uid, error = %kubelet_plugin::report::chain(&e), "cannot rebuild the CDI spec to check it; keeping the one on disk");
+                    tracing::warn!(claim.uid = %uid, error = %crate::report::chain(&e), "cannot rebuild the CDI spec to check it; keeping the one on disk");
                     return Ok(false);
                 }
                 return Err(e);
@@ -189,7 +189,7 @@ impl Plugin {
     /// failed rollback is logged and retried on the next prepare or at start-up.
     pub(super) async fn rollback_after(&self, uid: &ClaimUid, (e, devices): Partial) -> ClaimError {
         if let Err(re) = self.rollback(uid, &devices).await {
-            tracing::error!(claim.uid = %uid, error = %kubelet_plugin::report::chain(&re), "rollback after a failed prepare failed; retried on the next prepare or restart");
+            tracing::error!(claim.uid = %uid, error = %crate::report::chain(&re), "rollback after a failed prepare failed; retried on the next prepare or restart");
         }
         e
     }

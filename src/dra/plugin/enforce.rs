@@ -18,8 +18,8 @@ use crate::health::DaemonsDown;
 use crate::ids::ClaimUid;
 use crate::inventory::GpuUuid;
 use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord};
+use crate::lock::lock;
 use crate::sharing::Sharing;
-use kubelet_plugin::lock::lock;
 
 impl Plugin {
     /// Puts each GPU of [`one_context_gpus`] in `EXCLUSIVE_PROCESS` (recorded first). The
@@ -72,11 +72,11 @@ impl Plugin {
                     tracing::info!(held = ?done.held, released = ?done.released, "compute modes repaired from their record");
                 }
                 for e in failed {
-                    tracing::error!(error = %kubelet_plugin::report::chain(&e), "cannot repair a GPU's compute mode at start-up");
+                    tracing::error!(error = %crate::report::chain(&e), "cannot repair a GPU's compute mode at start-up");
                 }
             }
             Err(e) => {
-                tracing::error!(error = %kubelet_plugin::report::chain(&e), "compute-mode repair failed")
+                tracing::error!(error = %crate::report::chain(&e), "compute-mode repair failed")
             }
         }
     }

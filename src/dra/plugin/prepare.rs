@@ -26,9 +26,11 @@ use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
 use std::collections::BTreeMap;
 
 impl Plugin {
+    /// Prepares `claim`; `read` is its ResourceClaim when the caller read it already.
     pub(super) async fn prepare_one(
         &self,
         claim: &ClaimRef,
+        read: Option<ResourceClaim>,
         inv: &PendingInventory,
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
         let uid = &claim.uid;
@@ -47,7 +49,13 @@ impl Plugin {
             self.rollback(uid, &entry.devices).await?;
         }
 
-        let (rc, inv) = tokio::join!(self.read_claim(claim), inv.get());
+        let rc = async {
+            match read {
+                Some(rc) => Ok(rc),
+                None => self.read_claim(claim).await,
+            }
+        };
+        let (rc, inv) = tokio::join!(rc, inv.get());
         let (inv, rc) = (inv?, rc?);
         let inv = &*inv;
         let plan = plan::plan(

@@ -49,7 +49,7 @@ impl Plugin {
                 ClaimState::PrepareCompleted => self.restore(uid, entry, &inv, &mut rec).await,
             };
             if let Err(e) = result {
-                tracing::error!(claim.uid = %uid, %claim, error = %kubelet_plugin::report::chain(&e), "cannot recover claim; left for its next prepare or unprepare");
+                tracing::error!(claim.uid = %uid, %claim, error = %crate::report::chain(&e), "cannot recover claim; left for its next prepare or unprepare");
                 rec.failed.push(uid.clone());
             }
         }

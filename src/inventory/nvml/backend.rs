@@ -163,17 +163,17 @@ impl DeviceBackend for NvmlBackend {
         placement: Placement,
     ) -> Result<MigDevice> {
         // A panic in another reconfiguration leaves no state behind this lock.
-        let _one = kubelet_plugin::lock::lock(&self.reconfiguring);
+        let _one = crate::lock::lock(&self.reconfiguring);
         reconfigure::create_mig(&self.nvml, gpu, gi_profile_id, placement)
     }
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
-        let _one = kubelet_plugin::lock::lock(&self.reconfiguring);
+        let _one = crate::lock::lock(&self.reconfiguring);
         reconfigure::destroy_mig(&self.nvml, gpu, mig)
     }
 
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
-        let _one = kubelet_plugin::lock::lock(&self.reconfiguring);
+        let _one = crate::lock::lock(&self.reconfiguring);
         reconfigure::set_mig_mode(&self.nvml, gpu, enabled)
     }
 
@@ -242,7 +242,7 @@ impl OmissionLog {
     /// Logs the omissions not logged before (or whose reason changed) and returns them.
     pub(super) fn log_new<'a>(&self, omissions: &'a [Omission]) -> Vec<&'a Omission> {
         // A panic while logging cannot leave the map torn; keep using it.
-        let mut seen = kubelet_plugin::lock::lock(&self.0);
+        let mut seen = crate::lock::lock(&self.0);
         let mut now = BTreeMap::new();
         let mut logged = Vec::new();
         for o in omissions {

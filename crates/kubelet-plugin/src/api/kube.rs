@@ -21,11 +21,12 @@ use super::{Error, Failure, Result, SliceApi, SliceEvent};
 pub const WATCH_TIMEOUT_SECS: u32 = 290;
 
 /// `spec.driver=…,spec.nodeName=…`, the field selector the API server indexes for slices.
-pub fn slice_selector(driver: &str, node: &str) -> String {
+fn slice_selector(driver: &str, node: &str) -> String {
     format!("spec.driver={driver},spec.nodeName={node}")
 }
 
-/// Classifies a kube-rs error for callers of [`SliceApi`] and their own calls alike; `what` names the operation and object for the message.
+/// Classifies a kube-rs error by what to do about it, for [`SliceApi`]'s calls and a driver's
+/// own alike; `what` names the operation and object for the message (`get node node-a`).
 pub fn classify(what: &str, err: kube::Error) -> Error {
     match err {
         kube::Error::Api(status) => classify_status(what, &status),
@@ -38,7 +39,7 @@ pub fn classify(what: &str, err: kube::Error) -> Error {
     }
 }
 
-pub fn classify_status(what: &str, status: &kube::core::Status) -> Error {
+fn classify_status(what: &str, status: &kube::core::Status) -> Error {
     let msg = format!(
         "{what}: {} (HTTP {}, {})",
         status.message, status.code, status.reason
@@ -60,7 +61,7 @@ fn name_of(slice: &ResourceSlice) -> String {
     }
 }
 
-pub fn is_gone(status: &kube::core::Status) -> bool {
+fn is_gone(status: &kube::core::Status) -> bool {
     status.code == 410 || status.reason == "Expired" || status.reason == "Gone"
 }
 
@@ -80,6 +81,8 @@ fn slice_event(item: watcher::Result<watcher::Event<ResourceSlice>>) -> Option<R
     }
 }
 
+/// Classifies a kube-runtime watcher error as [`classify`] does (the messages name
+/// ResourceSlices, the watch this module runs).
 pub fn classify_watch(err: watcher::Error) -> Error {
     match err {
         watcher::Error::InitialListFailed(e) => classify("list resourceslices for a watch", e),

@@ -60,10 +60,12 @@ impl std::error::Error for Error {
 pub type Cause = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// What failed (the operation and object), and why. Displays `what` only; the cause is the
-/// [`Error`]'s source, so [`crate::report::chain`] says it once.
+/// [`Error`]'s source, so a printer that walks the source chain says it once.
 #[derive(Debug)]
 pub struct Failure {
+    /// The operation and object (`create resourceslice node-a-xyz`), and what went wrong.
     pub what: String,
+    /// The error underneath, if any.
     pub cause: Option<Cause>,
 }
 
@@ -95,6 +97,7 @@ impl std::fmt::Display for Failure {
     }
 }
 
+/// An API call's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Something changed among the watched slices; the publisher re-lists and reconciles.

@@ -1,6 +1,6 @@
 //! The Unix sockets the kubelet dials: binding, removal on every way out ([`Bound`],
 //! [`OwnedSockets`]), the client side used by the demo, tests and benchmarks, and — below every
-//! gRPC server nvdra runs on such a socket — the adapter that makes h2 accept what the kubelet
+//! gRPC server run on such a socket — the adapter that makes h2 accept what the kubelet
 //! sends.
 //!
 //! The kubelet is a grpc-go program. It sends the socket path as `:authority`, percent-encoded
@@ -29,20 +29,31 @@ pub use authority::Rewriter;
 /// The longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 
+/// Why a kubelet-facing socket could not be bound.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
+    /// Binding (or preparing its directory) failed.
     #[error(
         "cannot listen on {path} (is the kubelet directory mounted into the pod, and writable?)"
     )]
     Bind {
+        /// The socket.
         path: PathBuf,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
     #[error(
         "socket path {path} is {len} bytes, over the {MAX_SOCKET_PATH}-byte limit of Unix sockets; use a shorter --kubelet-root"
     )]
-    PathTooLong { path: PathBuf, len: usize },
+    /// The path does not fit a Unix socket address.
+    PathTooLong {
+        /// The socket.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+    },
 }
 
 /// Unlinks a stale socket and binds a new one (creating the directory).
@@ -97,6 +108,7 @@ impl Bound {
         }
     }
 
+    /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -151,7 +163,7 @@ pub fn incoming(
 }
 
 /// A client channel to a gRPC server on a Unix socket (the URI is a placeholder tonic requires;
-/// the connector ignores it). For `nvdra demo`, tests and benchmarks.
+/// the connector ignores it): the client side of tests, demos and benchmarks.
 pub async fn connect(path: &Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     let path = path.to_path_buf();
     tonic::transport::Endpoint::from_static("http://[::]:50051")
@@ -183,6 +195,7 @@ pub struct KubeletStream {
 const READ_CHUNK: usize = 32 * 1024;
 
 impl KubeletStream {
+    /// The kubelet's connection `inner`, with its `:authority` made acceptable to h2.
     pub fn new(inner: UnixStream) -> Self {
         KubeletStream {
             inner,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""A kubelet stand-in that nvdra did not write: grpcio (C-core) and a raw HTTP/2 client.
+"""A kubelet stand-in that the plugin under test did not write: grpcio (C-core) and a raw HTTP/2 client.
 
-The kubelet is a grpc-go program. What it sends on nvdra's sockets differs from what nvdra's own
+The kubelet is a grpc-go program. What it sends on a plugin's sockets differs from what the plugin's own
 tonic clients send, above all in `:authority`: grpc-go sends
 the percent-encoded socket path, older grpc-go the raw path, grpcio its own encoding of the path,
 the device-plugin client `localhost`, and an HTTP/2 client need not send `:authority` at all.
@@ -456,7 +456,7 @@ class H2:
         h = [(":method", "POST"), (":scheme", "http"), (":path", path)]
         if authority is not None:
             h.append((":authority", authority))
-        h += [("content-type", "application/grpc"), ("user-agent", "nvdra-kubelet-standin"),
+        h += [("content-type", "application/grpc"), ("user-agent", "kubelet-standin"),
               ("te", "trailers"), ("grpc-timeout", "20S")]
         return h + list(extra)
 
@@ -1098,7 +1098,7 @@ def node_main(argv):
       {"op": "pods", "pods": [{"namespace", "name", "containers": [{"name", "devices":
          [{"resource", "ids"}]}]}], "wait": true}
                                                    what PodResources List answers from now on;
-                                                   answers once nvdra has called List since
+                                                   answers once the plugin has called List since
                                                    (at once with "wait": false)
       {"op": "prepare" | "unprepare", "claims": [{"namespace", "name", "uid"}]}
                                                    v1 NodePrepare/UnprepareResources on --dra with
@@ -1170,7 +1170,7 @@ def node_main(argv):
             if not cmd.get("wait", True):
                 return {"lists": n}
             # List copies the pods and counts itself under one lock, so call n+1 answered the new
-            # pods; nvdra polls one call at a time, so once call n+2 came it has handled n+1.
+            # pods; the plugin polls one call at a time, so once call n+2 came it has handled n+1.
             return {"lists": pods.wait_lists(n + 2, a.timeout)}
         if op in ("prepare", "unprepare"):
             if op == "prepare":

@@ -145,7 +145,7 @@ async fn a_share_whose_gpu_mode_cannot_be_set_is_refused_and_leaves_nothing() {
     std::fs::create_dir_all(e.dir.path().join("plugin/compute-mode.json/x")).unwrap();
     e.add(claim("s", vec![share("nb", "gpu-0", "8Gi")]));
     let err = e.prepare("s").await.unwrap_err();
-    let msg = kubelet_plugin::report::chain(&err).to_string();
+    let msg = crate::report::chain(&err).to_string();
     assert!(msg.contains("compute-mode"), "{msg}");
     assert_eq!(e.state("s"), None);
     assert!(!e.spec("s").exists());

@@ -4,6 +4,7 @@ use crate::dra::mps;
 use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
 use crate::ledger::{ClaimState, DeviceRecord};
+use crate::lock::lock;
 use crate::sharing::{Sharing, TimeSliceInterval};
 use futures::future::BoxFuture;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -11,7 +12,6 @@ use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, OpaqueDeviceConfiguration,
 };
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
-use kubelet_plugin::lock::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio_util::sync::CancellationToken;
@@ -27,7 +27,7 @@ struct FakeApi {
     gets: AtomicUsize,
 }
 
-impl ClaimReader for FakeApi {
+impl api::ClaimSource for FakeApi {
     fn get_claim<'a>(
         &'a self,
         ns: &'a str,
@@ -40,7 +40,9 @@ impl ClaimReader for FakeApi {
             .ok_or_else(|| api::Error::NotFound(format!("{ns}/{name}").into()));
         Box::pin(async move { r })
     }
+}
 
+impl ClaimReader for FakeApi {
     fn get_pod<'a>(
         &'a self,
         ns: &'a str,
@@ -310,7 +312,7 @@ async fn every_error_names_the_problem() {
         vec![opaque(&[], serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "Sometimes"}}))],
     ));
     let err = e.prepare("cfg").await.unwrap_err();
-    let err = kubelet_plugin::report::chain(&err).to_string();
+    let err = crate::report::chain(&err).to_string();
     assert!(err.contains("request gpu"), "{err}");
     assert!(err.contains("claim config #0: sharing.strategy"), "{err}");
     assert_eq!(e.state("cfg"), None);

@@ -352,7 +352,7 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
     ];
     for (uid, results, config, want) in cases {
         e.add(claim_with(uid, results, config));
-        let err = kubelet_plugin::report::chain(&e.prepare(uid).await.unwrap_err()).to_string();
+        let err = crate::report::chain(&e.prepare(uid).await.unwrap_err()).to_string();
         assert!(err.contains(want), "{uid}: {err}");
         assert_eq!(e.state(uid), None, "{uid}");
     }

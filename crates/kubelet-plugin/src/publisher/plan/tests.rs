@@ -362,7 +362,7 @@ fn a_missing_owner_reference_is_added_and_other_references_kept() {
     let other = OwnerReference {
         api_version: "apps/v1".into(),
         kind: "DaemonSet".into(),
-        name: "nvdra".into(),
+        name: "fpga-driver".into(),
         uid: "ds-uid".into(),
         controller: None,
         block_owner_deletion: None,

@@ -318,7 +318,7 @@ fn any_split_of_the_stream_gives_the_same_output() {
 #[test]
 fn blocks_larger_than_a_frame_are_split_over_continuations() {
     let big = "x".repeat(40_000);
-    let mut fields = request_fields(Some("%2Frun%2Fnvdra.sock"));
+    let mut fields = request_fields(Some("%2Frun%2Fplugin.sock"));
     fields.push(("x-big", &big));
     let block = literal_block(&fields);
     let mut input = client_start();

@@ -723,8 +723,29 @@ async fn a_second_signal_exits_without_waiting_for_a_stuck_client() {
         }
     });
     wait_ready(&d, &mut p).await;
-    // A client that connects and never speaks holds up the graceful drain.
+    // A client that connects and never speaks holds up the graceful drain, once the server has
+    // accepted it: one still in the listen backlog when the first signal comes does not (the
+    // run then ends gracefully, with no second signal to see), so wait for its descriptor.
+    let sockets = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|fds| {
+                fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                    .filter(|l| l.to_string_lossy().starts_with("socket:"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let pid = p.id();
+    let before = sockets(pid);
     let _stuck = std::os::unix::net::UnixStream::connect(d.dra_socket()).unwrap();
+    let deadline = std::time::Instant::now() + support::wait::SOON;
+    while sockets(pid) <= before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the DRA server never accepted the client"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     let term = || {
         let ok = Command::new("kill")
             .args(["-TERM", &p.id().to_string()])

@@ -135,7 +135,7 @@ impl Mps {
     pub fn know_gpus(&self, inv: &Inventory) {
         let mut m = lock(&self.multi_user);
         for g in &inv.gpus {
-            m.insert(g.uuid.clone(), g.cuda_compute_capability.major >= 7);
+            m.insert(g.uuid.clone(), g.mps_multi_user());
         }
     }
 

@@ -562,6 +562,13 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// Whether MPS serves clients of several users at once on this GPU (multi-user mode,
+    /// `nvidia-cuda-mps-control -M`): Volta (compute capability 7.0) and later. Before it, a
+    /// client of another user waits until the running server's clients end.
+    pub fn mps_multi_user(&self) -> bool {
+        self.cuda_compute_capability.major >= 7
+    }
+
     /// True when this GPU's silicon is handed out as MIG devices instead of as a whole.
     pub fn in_mig_mode(&self) -> bool {
         self.mig.capable && self.mig.enabled

@@ -301,12 +301,10 @@ pub(super) fn one_pod_per_share(claim: &ClaimRef, plan: &Plan) -> Result<(), Cla
     })
 }
 
-/// Whether `gpu`'s MPS serves one user at a time: before Volta (compute capability 7.0) there
-/// is no multi-user mode, so the share daemon is not started with `-M`
-/// ([`crate::dra::mps::Mps::know_gpus`]).
+/// Whether `gpu`'s MPS serves one user at a time ([`crate::inventory::Gpu::mps_multi_user`]).
 fn single_user(inv: &Inventory, gpu: &crate::inventory::GpuUuid) -> bool {
     inv.gpu_by_uuid(gpu.as_str())
-        .is_some_and(|g| g.cuda_compute_capability.major < 7)
+        .is_some_and(|g| !g.mps_multi_user())
 }
 
 /// The user `pod` runs as: its containers' `runAsUser`, each falling back to the pod's. One
@@ -355,34 +353,30 @@ pub(super) fn one_user_per_gpu(
         return Ok(());
     };
     for d in plan.devices.iter().filter(|d| d.consumed.is_some()) {
-        let mut holders = Vec::new();
-        let mut holder_user = None;
-        for (other_uid, e) in claims {
-            let shares_gpu = e
-                .devices
+        let shares_gpu = |e: &ClaimEntry| {
+            e.devices
                 .iter()
-                .any(|o| o.gpu == d.gpu && o.consumed.is_some());
-            match e.user {
-                Some(u) if other_uid != uid && shares_gpu && u != user => {
-                    holder_user.get_or_insert(u);
-                    if holder_user == Some(u) {
-                        holders.push(format!("{}/{} ({other_uid})", e.namespace, e.name));
-                    }
-                }
-                _ => {}
-            }
-        }
-        if let Some(holder_user) = holder_user {
-            return Err(ClaimError::ShareOfAnotherUser {
-                device: d.device.to_string(),
-                user,
-                holder_user,
-                holders: match holders.as_slice() {
-                    [one] => format!("claim {one}"),
-                    many => format!("claims {}", many.join(", ")),
-                },
-            });
-        }
+                .any(|o| o.gpu == d.gpu && o.consumed.is_some())
+        };
+        let others = || claims.iter().filter(|(u, e)| *u != uid && shares_gpu(e));
+        // The GPU's shares all run as one user (this check held for each), so the first
+        // other user found is theirs.
+        let Some(holder_user) = others().find_map(|(_, e)| e.user.filter(|u| *u != user)) else {
+            continue;
+        };
+        let holders: Vec<String> = others()
+            .filter(|(_, e)| e.user == Some(holder_user))
+            .map(|(u, e)| format!("{}/{} ({u})", e.namespace, e.name))
+            .collect();
+        return Err(ClaimError::ShareOfAnotherUser {
+            device: d.device.to_string(),
+            user,
+            holder_user,
+            holders: match holders.as_slice() {
+                [one] => format!("claim {one}"),
+                many => format!("claims {}", many.join(", ")),
+            },
+        });
     }
     Ok(())
 }

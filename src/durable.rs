@@ -142,12 +142,22 @@ pub fn remove_as(path: &Path, durability: Durability) -> Result<bool> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    sync_dir(dir).map_err(|source| Error {
+    sync_after_remove(dir).map_err(|source| Error {
         step: "sync the directory of",
         path: path.to_path_buf(),
         source,
     })?;
     Ok(true)
+}
+
+/// Makes a removal from `dir` durable. Another process may remove the directory itself right
+/// after the file (an MPS host clearing a released daemon's directory): the file is gone with
+/// it, which is what was asked.
+fn sync_after_remove(dir: &Path) -> io::Result<()> {
+    match sync_dir(dir) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
@@ -245,6 +255,20 @@ mod tests {
         assert_eq!(err.step, "rename into place");
         assert_eq!(err.path, path);
         assert_eq!(names(dir.path()), vec!["taken"]);
+    }
+
+    #[test]
+    fn a_directory_removed_right_after_its_file_still_counts_as_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let gone = dir.path().join("released");
+        std::fs::create_dir(&gone).unwrap();
+        sync_after_remove(&gone).unwrap();
+        std::fs::remove_dir(&gone).unwrap();
+        sync_after_remove(&gone).unwrap();
+        // Anything else still fails: a file where the directory should be.
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(sync_after_remove(&file.join("below")).is_err());
     }
 
     #[test]

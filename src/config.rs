@@ -89,6 +89,27 @@ pub enum LogFormat {
     Json,
 }
 
+/// Whether GPUs switch MIG mode at run time (`--dynamic-mig`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "kebab-case")]
+pub enum DynamicMig {
+    /// MIG mode is the operator's: GPUs publish what their mode offers.
+    #[default]
+    Off,
+    /// MIG mode on at a GPU's first MIG claim, off after its last.
+    On,
+    /// As `on`, but MIG mode stays on after the last MIG claim (for GPUs slow to toggle).
+    KeepOn,
+}
+
+impl DynamicMig {
+    /// Whether GPUs switch MIG mode at run time at all.
+    pub fn enabled(self) -> bool {
+        self != DynamicMig::Off
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The validated configuration
 
@@ -130,6 +151,10 @@ pub struct Config {
     pub partitionable: bool,
     /// Publish GPUs as shareable by consumable `memory` (DRAConsumableCapacity).
     pub shared_capacity: bool,
+    /// Switch MIG mode at run time on GPUs that can (`--dynamic-mig`).
+    pub dynamic_mig: DynamicMig,
+    /// The MIG profiles whose placements are published; all when `None` (`--mig-profiles`).
+    pub mig_profiles: Option<Vec<String>>,
     /// Set for rolling updates: socket names carry it.
     pub pod_uid: Option<String>,
     /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
@@ -363,6 +388,8 @@ fn validate(settings: Settings) -> Result<Config> {
         log_format: need(log.log_format, "--log-format")?,
         partitionable: need(plugin.partitionable, "--partitionable")?,
         shared_capacity: need(plugin.shared_capacity, "--shared-capacity")?,
+        dynamic_mig: need(plugin.dynamic_mig, "--dynamic-mig")?,
+        mig_profiles: mig_profiles(plugin.mig_profiles)?,
         pod_uid: kubelet.pod_uid,
         device_plugin_config: serve
             .device_plugin_config
@@ -381,6 +408,35 @@ fn validate(settings: Settings) -> Result<Config> {
 /// (the `defaults` test resolves an empty configuration, so that cannot ship).
 fn need<T>(value: Option<T>, key: &str) -> Result<T> {
     value.ok_or_else(|| invalid(key, "has no value and no default"))
+}
+
+/// The `--mig-profiles` allowlist: MIG profile names as NVML and `nvidia-smi` spell them
+/// (`1g.10gb`, `1g.20gb+me`, `7g.80gb`), each once. An empty list is refused: it would publish
+/// no placement, which is what leaving out `--partitionable` and `--dynamic-mig` says.
+fn mig_profiles(list: Option<Vec<String>>) -> Result<Option<Vec<String>>> {
+    let Some(list) = list else { return Ok(None) };
+    let key = "--mig-profiles";
+    let mut out: Vec<String> = Vec::new();
+    for name in list.iter().map(|n| n.trim()) {
+        let shaped = name.split_once('g').is_some_and(|(n, rest)| {
+            !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && rest.starts_with('.')
+        }) && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+.".contains(&b));
+        if !shaped {
+            return Err(invalid(
+                key,
+                format!("{name:?} is not a MIG profile name (such as 1g.10gb or 3g.40gb)"),
+            ));
+        }
+        if !out.iter().any(|o| o == name) {
+            out.push(name.to_string());
+        }
+    }
+    if out.is_empty() {
+        return Err(invalid(key, "lists no profile"));
+    }
+    Ok(Some(out))
 }
 
 /// `path`, relative to the working directory if it is not absolute.

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use super::{
     BackendKind, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT,
-    DEFAULT_METRICS_ADDRESS, DEFAULT_MPS_ROOT, LogFormat, Mode,
+    DEFAULT_METRICS_ADDRESS, DEFAULT_MPS_ROOT, DynamicMig, LogFormat, Mode,
 };
 
 /// One concern's settings, every field optional so that levels can be layered.
@@ -166,6 +166,30 @@ settings_struct! {
             default_missing_value = "true"
         )]
         pub shared_capacity: Option<bool>,
+
+        /// Dynamic MIG: publish each GPU that can switch MIG mode at run time (Hopper and later,
+        /// on bare metal) whole and as every MIG placement, from one counter set; prepare turns
+        /// MIG mode on for the first placement and off after the last (`keep-on` leaves it on).
+        #[arg(
+            long,
+            env = "NVDRA_DYNAMIC_MIG",
+            value_name = "MODE",
+            value_enum,
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "on"
+        )]
+        pub dynamic_mig: Option<DynamicMig>,
+
+        /// MIG profiles whose placements are published (comma-separated, e.g. `1g.10gb,3g.40gb`);
+        /// all of them when unset. Fewer placements keep the scheduler's work per node small.
+        #[arg(
+            long,
+            env = "NVDRA_MIG_PROFILES",
+            value_name = "PROFILES",
+            value_delimiter = ','
+        )]
+        pub mig_profiles: Option<Vec<String>>,
     }
 }
 
@@ -175,6 +199,8 @@ impl Section for PluginSettings {
             driver_name: Some(DEFAULT_DRIVER_NAME.into()),
             partitionable: Some(false),
             shared_capacity: Some(false),
+            dynamic_mig: Some(DynamicMig::Off),
+            mig_profiles: None,
         }
     }
 }

@@ -236,6 +236,8 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("driverName: gpu.example.com", "driverName"),
         ("partitionable: true", "partitionable"),
         ("sharedCapacity: true", "sharedCapacity"),
+        ("dynamicMig: keep-on", "dynamicMig"),
+        ("migProfiles: [1g.10gb]", "migProfiles"),
         ("kubeletRoot: /k", "kubeletRoot"),
         ("cdiRoot: /etc/cdi", "cdiRoot"),
         ("kubeconfig: /kc", "kubeconfig"),
@@ -268,6 +270,8 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "driverName" => s.plugin.driver_name.is_some(),
             "partitionable" => s.plugin.partitionable == Some(true),
             "sharedCapacity" => s.plugin.shared_capacity == Some(true),
+            "dynamicMig" => s.plugin.dynamic_mig == Some(DynamicMig::KeepOn),
+            "migProfiles" => s.plugin.mig_profiles == Some(vec!["1g.10gb".into()]),
             "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
             "cdiRoot" => s.kubelet.cdi_root.is_some(),
             "kubeconfig" => s.api.cluster.kubeconfig.is_some(),
@@ -309,7 +313,13 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
 fn keys_come_from_the_derive() {
     assert_eq!(
         keys_of::<PluginSettings>(),
-        ["driverName", "partitionable", "sharedCapacity"]
+        [
+            "driverName",
+            "partitionable",
+            "sharedCapacity",
+            "dynamicMig",
+            "migProfiles"
+        ]
     );
     // Skipped fields are not file keys.
     assert_eq!(keys_of::<KubeletSettings>(), ["kubeletRoot", "cdiRoot"]);
@@ -572,5 +582,41 @@ fn health_settings_resolve_into_the_policy_or_name_the_key() {
         let mut s = base();
         set(&mut s);
         assert_eq!(resolve(s, None).unwrap_err().key, key);
+    }
+}
+
+#[test]
+fn dynamic_mig_is_off_by_default_and_a_bare_flag_turns_it_on() {
+    assert_eq!(resolve(base(), None).unwrap().dynamic_mig, DynamicMig::Off);
+    let c = resolve(
+        with(|s| s.plugin.dynamic_mig = Some(DynamicMig::KeepOn)),
+        None,
+    )
+    .unwrap();
+    assert!(c.dynamic_mig.enabled());
+}
+
+#[test]
+fn mig_profiles_are_checked_and_kept_once_each() {
+    let set = |v: &[&str]| {
+        resolve(
+            with(|s| s.plugin.mig_profiles = Some(v.iter().map(|s| s.to_string()).collect())),
+            None,
+        )
+    };
+    assert_eq!(resolve(base(), None).unwrap().mig_profiles, None);
+    assert_eq!(
+        set(&["1g.10gb", " 3g.40gb", "1g.10gb", "1g.20gb+me"])
+            .unwrap()
+            .mig_profiles,
+        Some(vec![
+            "1g.10gb".into(),
+            "3g.40gb".into(),
+            "1g.20gb+me".into()
+        ])
+    );
+    for bad in [&["1G.10GB"][..], &["gpu"], &["1g10gb"], &[]] {
+        let e = set(bad).unwrap_err().to_string();
+        assert!(e.contains("--mig-profiles"), "{bad:?}: {e}");
     }
 }

@@ -62,6 +62,8 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         log_format: LogFormat::Plain,
         partitionable: false,
         shared_capacity: true,
+        dynamic_mig: crate::config::DynamicMig::Off,
+        mig_profiles: None,
         pod_uid: None,
         device_plugin_config: None,
         device_plugin_gpu_memory: false,

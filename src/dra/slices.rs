@@ -34,33 +34,23 @@ mod attributes;
 mod counters;
 mod names;
 mod splitting;
-mod validate;
 
 use std::fmt;
 
 pub use attributes::normalize_version;
 pub use names::{PublishedDevice, counter_set_name, find_device};
 pub use splitting::desired_slices;
+#[cfg(test)]
 use splitting::is_advanced;
-pub use validate::{Violation, is_semver, validate, validate_pool};
-
-/// Most devices in one slice.
-pub const MAX_DEVICES_PER_SLICE: usize = 128;
-/// Most devices in one slice when any of them consumes counters or has taints (1.35).
-pub const MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS: usize = 64;
-/// Most attributes and capacities of one device, together.
-pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
-/// Longest string or version attribute value.
-pub const MAX_VALUE_LENGTH: usize = 64;
-/// Most counter sets in one slice (1.35).
-pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
-/// Most counters in one counter set (1.35), and in all sets of a slice that also lists devices
-/// (1.34).
-pub const MAX_COUNTERS_PER_SET: usize = 32;
-/// Most counter consumptions of one device (1.35).
-pub const MAX_CONSUMPTIONS_PER_DEVICE: usize = 2;
-/// Most counters in one consumption (1.35), and consumed by one device in all (1.34).
-pub const MAX_COUNTERS_PER_CONSUMPTION: usize = 32;
+// The API server's rules are the kubelet-plugin library's (its test API server applies them too).
+#[cfg(test)]
+use kubelet_plugin::validate;
+pub use kubelet_plugin::validate::{
+    MAX_ATTRIBUTES_AND_CAPACITIES, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTER_SETS_PER_SLICE,
+    MAX_COUNTERS_PER_CONSUMPTION, MAX_COUNTERS_PER_SET, MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, MAX_VALUE_LENGTH, Violation, is_semver,
+    validate, validate_pool,
+};
 
 /// The standard attribute for a device's PCI address (extended BDF).
 pub const ATTR_PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";

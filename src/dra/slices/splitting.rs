@@ -29,10 +29,7 @@ fn tainted(mut d: Device, health: &Health, driver: &str) -> Device {
     d
 }
 
-pub(super) fn is_advanced(d: &Device) -> bool {
-    d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
-        || d.taints.as_ref().is_some_and(|t| !t.is_empty())
-}
+pub(super) use kubelet_plugin::validate::has_counters_or_taints as is_advanced;
 
 /// Packs devices, in order, into as few chunks as the per-slice limits allow.
 pub(super) fn chunk_devices(devices: Vec<Device>) -> Vec<Vec<Device>> {

@@ -1209,217 +1209,35 @@ fn strip(v: &mut Value, segs: &[&str]) {
     }
 }
 
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-fn is_dns_subdomain(s: &str, max: usize) -> bool {
-    !s.is_empty() && s.len() <= max && s.split('.').all(is_dns_label)
-}
-
-fn is_c_identifier(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 32
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-        && !s.as_bytes()[0].is_ascii_digit()
-}
-
-fn is_qualified_name(s: &str) -> bool {
-    match s.split_once('/') {
-        Some((domain, id)) => is_dns_subdomain(domain, 63) && is_c_identifier(id),
-        None => is_c_identifier(s),
-    }
-}
-
-/// The `resource.k8s.io/v1` validation nvdra can run into: Kubernetes 1.35 limits, except that a
-/// 1.34 server (`minor` 34) still takes shared counters in the same slice as devices.
+/// The `resource.k8s.io/v1` validation: the object's name, the library's rules that the API
+/// server shares ([`crate::validate`], Kubernetes 1.34 and 1.35 limits), and one difference
+/// between the two versions: a 1.35 server (`minor` 35 and later) refuses shared counters in the
+/// same slice as devices, which 1.34 takes.
 fn validate(s: &ResourceSlice, minor: u32) -> Vec<(String, String)> {
     let mut causes: Vec<(String, String)> = Vec::new();
-    let mut bad = |field: String, msg: String| causes.push((field, msg));
     let name = s.metadata.name.as_deref().unwrap_or("");
-    if !is_dns_subdomain(name, 253) {
-        bad(
+    if !crate::validate::is_dns_subdomain(name, 253) {
+        causes.push((
             "metadata.name".into(),
             format!("{name:?} is not a DNS subdomain"),
-        );
+        ));
     }
     let spec = &s.spec;
-    if !is_dns_subdomain(&spec.driver, 63) {
-        bad(
-            "spec.driver".into(),
-            format!(
-                "{:?} is not a DNS subdomain of at most 63 characters",
-                spec.driver
-            ),
-        );
-    }
-    if spec.pool.name.is_empty()
-        || spec.pool.name.len() > 253
-        || !spec.pool.name.split('/').all(|p| is_dns_subdomain(p, 253))
-    {
-        bad(
-            "spec.pool.name".into(),
-            format!("{:?} is not a valid pool name", spec.pool.name),
-        );
-    }
-    if spec.pool.generation < 0 {
-        bad(
-            "spec.pool.generation".into(),
-            "must be greater than or equal to 0".into(),
-        );
-    }
-    if spec.pool.resource_slice_count <= 0 {
-        bad(
-            "spec.pool.resourceSliceCount".into(),
-            "must be greater than zero".into(),
-        );
-    }
-    let selections = [
-        spec.node_name.as_deref().is_some_and(|n| !n.is_empty()),
-        spec.node_selector.is_some(),
-        spec.all_nodes == Some(true),
-        spec.per_device_node_selection == Some(true),
-    ]
-    .iter()
-    .filter(|b| **b)
-    .count();
-    if selections != 1 {
-        bad(
-            "spec".into(),
-            "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required".into(),
-        );
-    }
     let devices = spec.devices.as_deref().unwrap_or(&[]);
     let counters = spec.shared_counters.as_deref().unwrap_or(&[]);
     if minor >= 35 && !devices.is_empty() && !counters.is_empty() {
-        bad(
+        causes.push((
             "spec".into(),
             "only one of `devices` and `sharedCounters` may be set".into(),
-        );
+        ));
     }
-    if counters.len() > 8 {
-        bad(
-            "spec.sharedCounters".into(),
-            format!("must have at most 8 items, has {}", counters.len()),
-        );
-    }
-    for (i, c) in counters.iter().enumerate() {
-        if !is_dns_label(&c.name) {
-            bad(
-                format!("spec.sharedCounters[{i}].name"),
-                format!("{:?} is not a DNS label", c.name),
-            );
-        }
-        if c.counters.len() > 32 {
-            bad(
-                format!("spec.sharedCounters[{i}].counters"),
-                "must have at most 32 counters".into(),
-            );
-        }
-    }
-    let advanced = devices.iter().any(|d| {
-        d.taints.as_ref().is_some_and(|t| !t.is_empty())
-            || d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
-    });
-    let max = if advanced { 64 } else { 128 };
-    if devices.len() > max {
-        bad(
-            "spec.devices".into(),
-            format!(
-                "must have at most {max} items{}, has {}",
-                if advanced {
-                    " when any device has taints or consumes counters"
-                } else {
-                    ""
-                },
-                devices.len()
-            ),
-        );
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    for (i, d) in devices.iter().enumerate() {
-        let at = format!("spec.devices[{i}]");
-        if !is_dns_label(&d.name) {
-            bad(
-                format!("{at}.name"),
-                format!("{:?} is not a DNS label", d.name),
-            );
-        }
-        if !seen.insert(d.name.as_str()) {
-            bad(
-                format!("{at}.name"),
-                format!("duplicate device name {:?}", d.name),
-            );
-        }
-        let attrs = d.attributes.as_ref().map_or(0, |a| a.len());
-        let caps = d.capacity.as_ref().map_or(0, |c| c.len());
-        if attrs + caps > 32 {
-            bad(
-                at.clone(),
-                format!(
-                    "must have at most 32 attributes and capacities combined, has {}",
-                    attrs + caps
-                ),
-            );
-        }
-        for (k, a) in d.attributes.iter().flatten() {
-            if !is_qualified_name(k) {
-                bad(
-                    format!("{at}.attributes[{k}]"),
-                    "not a qualified name".into(),
-                );
-            }
-            let set = [
-                a.int.is_some(),
-                a.bool.is_some(),
-                a.string.is_some(),
-                a.version.is_some(),
-            ]
-            .iter()
-            .filter(|b| **b)
-            .count();
-            if set != 1 {
-                bad(
-                    format!("{at}.attributes[{k}]"),
-                    "exactly one value must be set".into(),
-                );
-            }
-            for v in [&a.string, &a.version].into_iter().flatten() {
-                if v.len() > 64 {
-                    bad(
-                        format!("{at}.attributes[{k}]"),
-                        format!("may not be longer than 64 characters, is {}", v.len()),
-                    );
-                }
-            }
-        }
-        for k in d.capacity.iter().flatten().map(|(k, _)| k) {
-            if !is_qualified_name(k) {
-                bad(format!("{at}.capacity[{k}]"), "not a qualified name".into());
-            }
-        }
-        if d.consumes_counters.as_ref().is_some_and(|c| c.len() > 2) {
-            bad(
-                format!("{at}.consumesCounters"),
-                "must have at most 2 items".into(),
-            );
-        }
-        let taints = d.taints.as_deref().unwrap_or(&[]);
-        if taints.len() > 16 {
-            bad(format!("{at}.taints"), "must have at most 16 items".into());
-        }
-        for (j, t) in taints.iter().enumerate() {
-            if !["None", "NoSchedule", "NoExecute"].contains(&t.effect.as_str()) {
-                bad(
-                    format!("{at}.taints[{j}].effect"),
-                    format!("unsupported value {:?}", t.effect),
-                );
-            }
+    for v in crate::validate::validate(spec) {
+        if v.server_rejects() {
+            let field = match &v.device {
+                Some(d) => format!("spec.devices[{d}]"),
+                None => "spec".into(),
+            };
+            causes.push((field, v.rule));
         }
     }
     causes

@@ -270,26 +270,49 @@ fn check_qualified_name(name: &str) -> Option<String> {
 }
 
 fn check_attribute(name: &str, a: &DeviceAttribute, out: &mut Vec<String>) {
-    let DeviceAttribute {
-        bool: b,
-        int: i,
-        string: s,
-        version: v,
-    } = a;
-    let set = [b.is_some(), i.is_some(), s.is_some(), v.is_some()]
+    // The values set, their strings (by kind) and their versions; Kubernetes 1.36 adds lists
+    // of each kind (the program's k8s-openapi version decides whether the fields exist).
+    #[allow(unused_mut)]
+    let mut set = [
+        a.bool.is_some(),
+        a.int.is_some(),
+        a.string.is_some(),
+        a.version.is_some(),
+    ]
+    .iter()
+    .filter(|x| **x)
+    .count();
+    #[allow(unused_mut)]
+    let mut texts: Vec<(&str, &String)> = a
+        .string
+        .iter()
+        .map(|s| ("string", s))
+        .chain(a.version.iter().map(|v| ("version", v)))
+        .collect();
+    #[allow(unused_mut)]
+    let mut versions: Vec<&String> = a.version.iter().collect();
+    k8s_openapi::k8s_if_ge_1_36! {
+        set += [
+            a.bools.is_some(),
+            a.ints.is_some(),
+            a.strings.is_some(),
+            a.versions.is_some(),
+        ]
         .iter()
         .filter(|x| **x)
         .count();
+        texts.extend(a.strings.iter().flatten().map(|s| ("string", s)));
+        texts.extend(a.versions.iter().flatten().map(|v| ("version", v)));
+        versions.extend(a.versions.iter().flatten());
+    }
     if set != 1 {
         out.push(format!(
             "attribute-value: attribute {name:?} must have exactly one of bool, int, string, \
              version; it has {set}"
         ));
     }
-    for (kind, value) in [("string", s), ("version", v)] {
-        if let Some(value) = value
-            && value.len() > MAX_VALUE_LENGTH
-        {
+    for (kind, value) in texts {
+        if value.len() > MAX_VALUE_LENGTH {
             out.push(format!(
                 "value-too-long: {kind} attribute {name:?} is {} characters, at most \
                  {MAX_VALUE_LENGTH} are allowed",
@@ -297,13 +320,13 @@ fn check_attribute(name: &str, a: &DeviceAttribute, out: &mut Vec<String>) {
             ));
         }
     }
-    if let Some(v) = v
-        && !is_semver(v)
-    {
-        out.push(format!(
-            "version-not-semver: version attribute {name:?} = {v:?} is not a semantic version \
-             2.0.0 (MAJOR.MINOR.PATCH, no leading zeros)"
-        ));
+    for v in versions {
+        if !is_semver(v) {
+            out.push(format!(
+                "version-not-semver: version attribute {name:?} = {v:?} is not a semantic \
+                 version 2.0.0 (MAJOR.MINOR.PATCH, no leading zeros)"
+            ));
+        }
     }
 }
 

@@ -142,8 +142,24 @@ fn event_line(kind: &str, obj: &ResourceSlice) -> Bytes {
     Bytes::from(line)
 }
 
-/// A Kubernetes API server in the test's process (see the [module](self) for what it serves);
-/// it stops when dropped.
+/// A Kubernetes API server in the test's process, over HTTP/1 on 127.0.0.1; it stops when
+/// dropped.
+///
+/// Like the real server: cluster-scoped ResourceSlices at `/apis/resource.k8s.io/v1/resourceslices`
+/// with `fieldSelector` (`spec.driver`, `spec.nodeName`, `metadata.name`) and `labelSelector`;
+/// watches from a resourceVersion as chunked JSON lines (replaying history; an `ERROR` event with
+/// a 410 `Status` when the version was compacted away); `generateName`; optimistic concurrency
+/// (409 on a stale resourceVersion); no-op updates that store nothing; monotonically increasing
+/// resourceVersions; the [`crate::validate`] rules the server shares, as 422 `Invalid`; every
+/// error a `Status` body. Nodes and ResourceClaims to GET (stored with [`ApiServer::seed_node`]
+/// and [`ApiServer::seed_claim`]), JSON merge patches of a Node's labels, DeviceClasses (list,
+/// and a watch of changes from its start), API discovery of `resource.k8s.io/v1` and `/version`.
+///
+/// For tests: counts of requests ([`ApiServer::counts`]) and the requests themselves, external
+/// edits that bypass the counters ([`ApiServer::insert_slice`], [`ApiServer::edit_slice`],
+/// [`ApiServer::delete_slice`]), fault injection ([`ApiServer::fail_next`],
+/// [`ApiServer::conflict_next_update`]), fields dropped as when a feature gate is off
+/// ([`ApiServer::drop_field`]), compaction and closed watches.
 ///
 /// ```
 /// use kubelet_plugin::testing::ApiServer;

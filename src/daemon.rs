@@ -579,6 +579,8 @@ async fn publish(
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
         shared_capacity: config.shared_capacity,
+        dynamic_mig: config.dynamic_mig.enabled(),
+        mig_profiles: config.mig_profiles.clone(),
         layout: sync::layout_for(version.map(|v| v.minor)),
     };
     let (publisher, handle) = Publisher::with_counters(

@@ -182,6 +182,24 @@ pub struct SliceOptions {
 /// so running pods stay.
 pub const TAINT_MIG_RESET_REQUIRED: &str = "mig-reset-required";
 
+/// The names of the `--mig-profiles` allowlist that no GPU of `inv` lists: no error (the list is
+/// per fleet, and GPUs differ), but worth a word at start when none has them, as a misspelt name
+/// silently publishes nothing.
+pub fn unlisted_profiles<'a>(
+    inv: &crate::inventory::Inventory,
+    allowed: &'a [String],
+) -> Vec<&'a str> {
+    allowed
+        .iter()
+        .filter(|name| {
+            !inv.gpus
+                .iter()
+                .any(|g| g.mig.profiles.iter().any(|p| &p.name == *name))
+        })
+        .map(String::as_str)
+        .collect()
+}
+
 /// Devices in name order: how every slice lists them, so a republish compares equal.
 fn sort_devices(devices: &mut [k8s_openapi::api::resource::v1::Device]) {
     devices.sort_by(|a, b| a.name.cmp(&b.name));

@@ -390,7 +390,10 @@ fn the_allowlist_cuts_placements_but_never_existing_devices() {
     let specs = desired_slices(&mig_ready("dgx-a100"), &part).unwrap();
     assert_eq!(names(&specs).len(), 8 * 2);
 
-    // Names no GPU has are no error: the GPU is then offered whole only, with nothing to count.
+    // Names no GPU has are no error: the GPU is then offered whole only, with nothing to count
+    // (the daemon names them at start).
+    let list = ["1g.10gb".to_string(), "9g.999gb".to_string()];
+    assert_eq!(unlisted_profiles(&inv, &list), ["9g.999gb"]);
     let specs = desired_slices(&inv, &allowing(&["9g.999gb"])).unwrap();
     assert_eq!(
         names(&specs),

@@ -278,9 +278,12 @@ fn most_at_once(members: &[Member], memory_slices: u32, name: &str) -> u64 {
 ///   destroy.
 /// - `whole` is the GPU's device as it would be published without the switch (with
 ///   `--shared-capacity`, the shareable one); it consumes every counter of the set, all of
-///   each. The scheduler charges a shareable device's counters once, at its first share
-///   (kubernetes#134100 and #139040 settled that): so while any share runs no MIG placement
-///   fits, and while any MIG device is allocated no share does.
+///   each. The scheduler charges a shareable device's counters once, at its first share: its
+///   allocator skips the counter check for a shareable device already in use
+///   (`skipCounterCheck`, after kubernetes#134100) and counts committed shares when it rebuilds
+///   the counters (kubernetes#139040; releases without it forget them, kubernetes#139034). So
+///   while any share runs no MIG placement fits, and while any MIG device is allocated no share
+///   does.
 /// - A placement consumes its memory slices and what its profile takes of the resources,
 ///   NVIDIA's way, but only of the counters that can run short (each device consuming fewer
 ///   counters is less work for the scheduler, at every node it looks at): a memory slice counts

@@ -20,7 +20,7 @@ fn allowing(list: &[&str]) -> SliceOptions {
 }
 
 /// Devices of GPU `minor`: `gpu-<minor>` and its MIG devices.
-fn of_gpu<'a>(specs: &'a [ResourceSliceSpec], minor: u32) -> Vec<&'a Device> {
+fn of_gpu(specs: &[ResourceSliceSpec], minor: u32) -> Vec<&Device> {
     let whole = format!("gpu-{minor}");
     let mig = format!("gpu-{minor}-mig-");
     all_devices(specs)
@@ -498,7 +498,10 @@ fn a_pending_mode_change_is_published_as_is_with_a_reset_taint() {
     };
     let reset = (key.clone(), None, "NoSchedule".to_string());
     assert_eq!(of_gpu(&specs, 0).len(), 1, "whole, as its mode offers");
-    assert_eq!(taints(device(&specs, "gpu-0")), [reset.clone()]);
+    assert_eq!(
+        taints(device(&specs, "gpu-0")),
+        std::slice::from_ref(&reset)
+    );
     assert!(device(&specs, "gpu-0").consumes_counters.is_none());
     assert_eq!(
         taints(device(&specs, "gpu-1")),
@@ -516,7 +519,7 @@ fn a_pending_mode_change_is_published_as_is_with_a_reset_taint() {
         mig.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
         ["gpu-2-mig-3g40gb-9-0"]
     );
-    assert_eq!(taints(mig[0]), [reset.clone()]);
+    assert_eq!(taints(mig[0]), std::slice::from_ref(&reset));
     // `--partitionable` governs it as without the switch: the free placements too, tainted.
     let part = desired_slices(
         &inv,

@@ -369,6 +369,8 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
         node_name: "n1".into(),
         partitionable: false,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: CounterLayout::Separate,
     };
     let slices = desired_slices(&inv, &opts).unwrap();

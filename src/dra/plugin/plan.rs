@@ -356,10 +356,10 @@ fn resolve_device<'a>(
     name: &str,
     opts: &Options,
 ) -> Result<Resolved<'a>, String> {
-    // Dynamic MIG creates placements as partitionable mode does, switching the mode first.
-    let partitionable = opts.partitionable || opts.dynamic_mig;
     // Whether prepare may switch `g`'s MIG mode, or why not (`None` without dynamic MIG).
     let toggle = |g: &Gpu| opts.dynamic_mig.then(|| g.mig_toggle());
+    // Dynamic MIG creates the placements of a GPU it may switch, as partitionable mode does.
+    let creates = |g: &Gpu| opts.partitionable || matches!(toggle(g), Some(Ok(())));
     match slices::find_device(inv, name) {
         None => Err(
             "no such GPU, MIG device or MIG placement (names look like gpu-<minor> \
@@ -395,7 +395,7 @@ fn resolve_device<'a>(
                 _ => format!("GPU {} is not in MIG mode", parent.minor),
             })
         }
-        Some(PublishedDevice::Mig { .. }) if !partitionable => Err(
+        Some(PublishedDevice::Mig { parent, .. }) if !creates(parent) => Err(
             "no MIG device exists at this placement, and creating MIG devices at prepare needs \
              partitionable mode"
                 .into(),

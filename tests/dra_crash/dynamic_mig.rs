@@ -164,6 +164,64 @@ async fn crash_in_unprepare(point: &str) {
     assert!(status.success(), "{point}: {status}");
 }
 
+/// Kills the daemon at `point` of claim `w`'s prepare (GPU 0 whole), GPU 0 found in MIG mode
+/// with no instance (an operator's, not recorded as nvdra's), restarts it, and has the kubelet
+/// retry: the mode goes off for the whole GPU exactly once, and an interrupted prepare leaves the
+/// mode as the crash left it (the operator's on, or off), never half-recorded.
+async fn crash_in_whole_prepare(point: &str) {
+    let d = Dirs::dynamic();
+    std::fs::write(d.nvml_state(), "created 0\nmig 0 1 1\n").unwrap();
+    let mut first = d.spawn(Some(point));
+    wait_ready(&d, &mut first).await;
+    assert_eq!(d.gpu0_mig_mode(), (true, true), "{point}");
+    let dra_socket = d.dra_socket();
+    let call = tokio::spawn(async move { super::prepare_at(&dra_socket, "w").await });
+    kill_at_crash_point(&d, &mut first, point).await;
+    assert!(call.await.unwrap().is_err(), "{point}: died mid-call");
+    let off = point == "after-mig-mode-off";
+    assert_eq!(d.gpu0_mig_mode(), (!off, !off), "{point}");
+    assert_eq!(d.mig_enabled(), json!([]), "{point}: not nvdra's to record");
+
+    let mut second = d.spawn(None);
+    wait_ready(&d, &mut second).await;
+    // Rolled back; the mode stays as the crash left it.
+    assert!(
+        d.checkpoint_json()["claims"]
+            .as_object()
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(d.gpu0_mig_mode(), (!off, !off), "{point}");
+    let r = prepare(&d, "w").await.unwrap();
+    assert_eq!(r.error, "", "{point}");
+    assert_eq!(d.gpu0_mig_mode(), (false, false), "{point}");
+    let r = prepare(&d, "a").await.unwrap();
+    assert!(
+        r.error
+            .contains("already prepared for claim default/claim-w"),
+        "{point}: {}",
+        r.error
+    );
+    assert_eq!(unprepare(&d, "w").await, "", "{point}");
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "", "{point}");
+    assert_eq!(unprepare(&d, "a").await, "", "{point}");
+    assert_eq!(d.gpu0_mig_mode(), (false, false), "{point}");
+    assert_eq!(d.mig_enabled(), json!([]), "{point}");
+    let status = terminate(&mut second).await;
+    assert!(status.success(), "{point}: {status}");
+}
+
+#[tokio::test]
+async fn dynamic_mig_crash_in_whole_prepare_after_started() {
+    crash_in_whole_prepare("after-started").await;
+}
+
+#[tokio::test]
+async fn dynamic_mig_crash_in_whole_prepare_after_mig_mode_off() {
+    crash_in_whole_prepare("after-mig-mode-off").await;
+}
+
 #[tokio::test]
 async fn dynamic_mig_crash_after_started() {
     crash_in_prepare("after-started").await;

@@ -272,3 +272,63 @@ async fn start_up_turns_off_a_mode_left_on_with_no_instance() {
     assert_eq!(e.sim.snapshot().unwrap().gpus[2].mig.devices.len(), 1);
     assert_eq!(recorded(&p2), vec![g2], "kept for a later start");
 }
+
+/// A backend whose MIG mode changes wait for a GPU reset (NVML's RESET_REQUIRED), as where
+/// the driver cannot apply one at once: the change is left pending.
+struct ResetRequired(SimBackend);
+
+impl crate::inventory::Wrapper for ResetRequired {
+    fn inner(&self) -> &dyn DeviceBackend {
+        &self.0
+    }
+
+    fn set_mig_mode(
+        &self,
+        gpu: &GpuUuid,
+        enabled: bool,
+    ) -> crate::inventory::Result<MigModeChange> {
+        let current = self.0.update(|inv| {
+            let g = inv.gpus.iter_mut().find(|g| g.uuid == *gpu).unwrap();
+            g.mig.pending = Some(enabled);
+            g.mig.enabled
+        });
+        Err(crate::inventory::Error::ResetRequired {
+            gpu: gpu.clone(),
+            current,
+            pending: enabled,
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_switch_that_needs_a_reset_is_refused_and_the_gpu_no_longer_switches() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    let (plugin, _, _stop) = start_with(
+        dir.path(),
+        api.clone(),
+        ResetRequired(sim.clone()),
+        dynamic(false),
+    )
+    .await;
+    let e = Env {
+        plugin,
+        api,
+        sim,
+        dir,
+        _stop,
+    };
+    let one = placement(&e, 0, "1g.10gb", 0);
+    e.add(claim("a", vec![result("mig", &one)]));
+    let err = e.prepare("a").await.unwrap_err();
+    assert!(matches!(err, ClaimError::MigResetRequired { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("current off, pending on"), "{msg}");
+    assert!(msg.contains("never resets"), "{msg}");
+    assert!(e.state("a").is_none());
+    assert!(recorded(&e.plugin).is_empty(), "rolled back");
+    // The pending change makes the GPU one that does not switch: refused saying so.
+    let err = e.prepare("a").await.unwrap_err().to_string();
+    assert!(err.contains("reset required"), "{err}");
+}

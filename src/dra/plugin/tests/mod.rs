@@ -124,11 +124,11 @@ async fn start(
     start_with(dir, api, sim, |_| {}).await
 }
 
-/// [`start`] with `tweak` applied to the options.
+/// [`start`] with `tweak` applied to the options, on any backend.
 async fn start_with(
     dir: &std::path::Path,
     api: Arc<FakeApi>,
-    sim: SimBackend,
+    sim: impl DeviceBackend + 'static,
     tweak: impl FnOnce(&mut Options),
 ) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
     let mut opts = Options {

@@ -273,6 +273,8 @@ async fn main() {
             partitionable: false,
             shared_capacity: true,
             mps_root: dir.path().join("mps"),
+            dynamic_mig: false,
+            keep_mig_on: false,
         },
         api.cluster_api(),
         Arc::new(owner::Watched::new(Arc::new(sim), inventory)),

@@ -398,8 +398,15 @@ fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
 pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>> {
     Ok(match &config.backend {
         Backend::Nvml { .. } => Arc::new(NvmlBackend::open(config.driver_root.ctr())?),
-        Backend::Profile(name) => Arc::new(SimBackend::from_profile(name, &config.node_name)?),
-        Backend::Topology(path) => Arc::new(SimBackend::from_file(path, &config.node_name)?),
+        // The fault file may also put processes on simulated GPUs.
+        Backend::Profile(name) => Arc::new(
+            SimBackend::from_profile(name, &config.node_name)?
+                .with_process_file(config.fault_file.clone()),
+        ),
+        Backend::Topology(path) => Arc::new(
+            SimBackend::from_file(path, &config.node_name)?
+                .with_process_file(config.fault_file.clone()),
+        ),
     })
 }
 

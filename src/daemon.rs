@@ -356,6 +356,8 @@ async fn start_dra(
             partitionable: config.partitionable,
             shared_capacity: config.shared_capacity,
             mps_root: config.mps_root.clone(),
+            dynamic_mig: config.dynamic_mig.enabled(),
+            keep_mig_on: config.dynamic_mig == crate::config::DynamicMig::KeepOn,
         },
         api.clone(),
         backend.clone(),

@@ -16,6 +16,13 @@
 //! | 2 | since `--shared-capacity` (`4a041ed`) | version 1, and a device (`gpu-<minor>-shared`) may carry `"consumedCapacity": {"memory": <bytes>, "compute": <percent>}` (a share of a GPU); written only while some claim holds a share |
 //! | 3 | since one device per shareable GPU | version 1, and a device (`gpu-<minor>`) may carry `"consumedCapacity": {"memory": <bytes>, "multiprocessors"?: <count>}` (a share of a GPU; no `compute`, which version-2 readers require); written only while some claim holds a share. Version 2 reads as version 3 with `compute` dropped |
 //!
+//! Since dynamic MIG (`--dynamic-mig`) every version may also carry `"migEnabled": [<GPU UUID>,
+//! …]` at the top: the GPUs whose MIG mode nvdra turned on (recorded durably *before* it turns
+//! one on, dropped after it turned it off), so that start-up turns off a mode a crash left on
+//! with no instance. Absent when empty and read as empty; builds that predate it ignore it and
+//! drop it when they rewrite the file, which leaves such a GPU in MIG mode (never an instance
+//! destroyed): the decision it changes is only whether nvdra turns the mode off again.
+//!
 //! A change to what the file holds gets a new version here, a reader for it, and a
 //! [`version_for`] that picks it only for a state the older versions cannot hold.
 //!
@@ -41,7 +48,7 @@
 //!   lock ([`Ledger::read`]), so one exclusive GPU never has two consumers. Lock order: the
 //!   ledger's state, then the other path's holds.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -299,6 +306,10 @@ impl std::fmt::Display for ShareUser {
 pub struct Checkpoint {
     pub boot_id: String,
     pub claims: BTreeMap<ClaimUid, ClaimEntry>,
+    /// The GPUs whose MIG mode nvdra turned on (dynamic MIG): recorded before the mode changes,
+    /// forgotten after nvdra turned it off again. Start-up turns off the mode of such a GPU that
+    /// holds no instance (unless `--dynamic-mig=keep-on`).
+    pub mig_enabled: BTreeSet<GpuUuid>,
 }
 
 impl Checkpoint {
@@ -306,6 +317,7 @@ impl Checkpoint {
         Self {
             boot_id: boot_id.to_string(),
             claims: BTreeMap::new(),
+            mig_enabled: BTreeSet::new(),
         }
     }
 }
@@ -332,6 +344,8 @@ struct FileOut<'a> {
     version: u32,
     boot_id: &'a str,
     claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
+    #[serde(skip_serializing_if = "BTreeSet::is_empty")]
+    mig_enabled: &'a BTreeSet<GpuUuid>,
 }
 
 /// Version 1 as read.
@@ -340,6 +354,9 @@ struct FileOut<'a> {
 struct FileV1 {
     boot_id: String,
     claims: BTreeMap<ClaimUid, ClaimEntry>,
+    /// Absent before dynamic MIG.
+    #[serde(default)]
+    mig_enabled: BTreeSet<GpuUuid>,
 }
 
 mod v1 {
@@ -451,9 +468,17 @@ fn decode(bytes: &[u8]) -> Result<Checkpoint, Undecodable> {
         // Versions 2 and 3 are version 1 plus `consumedCapacity`, which the record reads when
         // present (dropping version 2's `compute`).
         1..=3 => {
-            let FileV1 { boot_id, claims } = serde_json::from_value(value)
+            let FileV1 {
+                boot_id,
+                claims,
+                mig_enabled,
+            } = serde_json::from_value(value)
                 .map_err(|e| Undecodable::Corrupt(format!("invalid: {e}")))?;
-            Ok(Checkpoint { boot_id, claims })
+            Ok(Checkpoint {
+                boot_id,
+                claims,
+                mig_enabled,
+            })
         }
         v if v > u64::from(VERSION) => Err(Undecodable::TooNew(v)),
         v => Err(Undecodable::Corrupt(format!(
@@ -468,6 +493,7 @@ pub fn encode(cp: &Checkpoint) -> Result<Vec<u8>> {
         version: version_for(cp),
         boot_id: &cp.boot_id,
         claims: &cp.claims,
+        mig_enabled: &cp.mig_enabled,
     };
     Ok(serde_json::to_vec_pretty(&file)?)
 }
@@ -609,6 +635,12 @@ impl Ledger {
         let r = f(&mut lock(&self.shared.state).claims);
         self.changed();
         r
+    }
+
+    /// Changes the record of the GPUs whose MIG mode nvdra turned on
+    /// ([`Checkpoint::mig_enabled`]); [`Ledger::flush`] makes it durable.
+    pub fn update_mig_enabled<R>(&self, f: impl FnOnce(&mut BTreeSet<GpuUuid>) -> R) -> R {
+        f(&mut lock(&self.shared.state).mig_enabled)
     }
 
     /// Makes every reservation ([`Ledger::update_with_holds`]) consult `holds` (`--mode both`);

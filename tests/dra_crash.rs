@@ -3,10 +3,13 @@
 //! exactly once — no device in two claims, no orphan CDI spec, one checkpoint entry. Also: a
 //! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
 //! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind). `shares`:
-//! the same for consumable-capacity shares of a GPU and their MPS daemon, unprepare included.
+//! the same for consumable-capacity shares of a GPU and their MPS daemon, unprepare included;
+//! `dynamic_mig`: for a GPU's MIG mode switched by its claims (`--dynamic-mig`).
 
 mod support;
 
+#[path = "dra_crash/dynamic_mig.rs"]
+mod dynamic_mig;
 #[path = "dra_crash/shares.rs"]
 mod shares;
 
@@ -34,6 +37,8 @@ struct Dirs {
     shared_capacity: bool,
     /// `nvdra mps-host` over the MPS root `mps`, for shares.
     mps_host: Option<support::mps::Host>,
+    /// Run with `--dynamic-mig`, the fake's GPUs idle (`dynamic_mig`).
+    dynamic_mig: bool,
 }
 
 impl Dirs {
@@ -46,6 +51,7 @@ impl Dirs {
             nvml: false,
             shared_capacity: false,
             mps_host: None,
+            dynamic_mig: false,
         };
         std::fs::write(d.boot_file(), "boot-1\n").unwrap();
         d
@@ -172,6 +178,9 @@ impl Dirs {
         }
         if self.shared_capacity {
             cmd.arg("--shared-capacity");
+        }
+        if self.dynamic_mig {
+            cmd.arg("--dynamic-mig").env("FAKE_NVML_IDLE", "1");
         }
         cmd
     }

@@ -419,6 +419,44 @@ mod tests {
         );
     }
 
+    /// Dynamic MIG: a claim's MIG instance on a GPU the device plugin lists whole (its MIG mode
+    /// switched after the list was read, or the instance not created yet: no UUID) holds the
+    /// GPU for the device-plugin path; and a container holding the GPU whole keeps a claim of a
+    /// placement of it from being reserved, before its mode would switch.
+    #[test]
+    fn a_dynamic_mig_instance_holds_its_whole_gpu_both_ways() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, _w, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (inv, res) = resources();
+        let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
+        let p = &whole.mig.profiles[0];
+        for uuid in [Some(crate::inventory::MigUuid("MIG-x".into())), None] {
+            ledger.update(|c| c.clear());
+            let placed = DeviceRecord {
+                mig: Some(MigRecord {
+                    uuid: uuid.clone(),
+                    profile: p.name.clone(),
+                    gi_profile_id: p.gi_profile_id,
+                    placement: p.placements[0],
+                    created: true,
+                }),
+                ..record(whole, None)
+            };
+            claim(&ledger, "m", placed.clone());
+            assert_eq!(
+                unhealthy(&overlay(&ledger, res.clone())),
+                vec![whole.uuid.to_string()],
+                "{uuid:?}"
+            );
+            // The other way: a container's whole GPU overlaps the placement.
+            let held = crate::holds::Occupied {
+                gpu: whole.uuid.clone(),
+                mig: None,
+            };
+            assert!(held.overlaps(&placed));
+        }
+    }
+
     #[test]
     fn pod_resources_map_to_the_hardware_of_our_ids_only() {
         let (inv, res) = resources();

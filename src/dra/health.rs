@@ -346,4 +346,62 @@ mod tests {
         stop.cancel();
         assert!(alpha.next().await.is_none());
     }
+
+    /// Dynamic MIG switches a GPU's MIG mode at run time: a fault the monitor holds for the GPU
+    /// follows it into whatever it is listed as, its MIG devices while in MIG mode and the GPU
+    /// whole again after, each listing read fresh.
+    #[tokio::test(start_paused = true)]
+    async fn a_gpu_fault_follows_the_gpu_through_mig_mode_changes() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let g0 = sim.snapshot().unwrap().gpus[0].clone();
+        let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
+        let (monitor, handle) = Monitor::new(
+            Policy {
+                quiet_period: Duration::from_secs(3600),
+                ..Policy::default()
+            },
+            Arc::new(BackendProbe(inner.clone())),
+        );
+        let stop = CancellationToken::new();
+        tokio::spawn(monitor.run(stop.clone()));
+        let source = NodeHealth::new(Arc::new(Monitored::new(inner, handle.subscribe())), "n");
+        let sick = || async {
+            let list = source.device_health().await.unwrap();
+            plugin_health::message(list, 0)
+                .devices
+                .into_iter()
+                .filter(|d| d.health == HealthStatus::Unhealthy as i32)
+                .map(|d| d.device.unwrap().device_name)
+                .collect::<Vec<_>>()
+        };
+        let mut changed = handle.subscribe();
+        handle
+            .events()
+            .send(Event {
+                gpu: g0.uuid.clone(),
+                kind: EventKind::Xid(94),
+            })
+            .await
+            .unwrap();
+        changed.changed().await.unwrap();
+        assert_eq!(sick().await, vec!["gpu-0".to_string()]);
+
+        sim.set_mig_mode(&g0.uuid, true).unwrap();
+        let p = g0
+            .mig
+            .profiles
+            .iter()
+            .find(|p| p.name == "1g.10gb")
+            .unwrap();
+        let m = sim
+            .create_mig(&g0.uuid, p.gi_profile_id, p.placements[0])
+            .unwrap();
+        let name = DeviceName::mig(g0.minor, &m.profile, m.gi_profile_id, m.placement.start);
+        assert_eq!(sick().await, vec![name.as_str().to_string()]);
+
+        sim.destroy_mig(&g0.uuid, &m.uuid).unwrap();
+        sim.set_mig_mode(&g0.uuid, false).unwrap();
+        assert_eq!(sick().await, vec!["gpu-0".to_string()]);
+        stop.cancel();
+    }
 }

@@ -13,7 +13,13 @@
 //! ecc 3         # a double-bit ECC error
 //! lost 3        # GPU 3 stops answering: unhealthy, and its probe fails until `back 3`
 //! back 3        # GPU 3 answers again (it recovers after the quiet period)
+//! process 3 4242 2048   # a process (pid 4242, 2048 MiB) runs on GPU 3: it blocks a MIG mode change
+//! exit 3 4242   # it ended
 //! ```
+//!
+//! `process` and `exit` lines are the simulated backend's
+//! ([`SimBackend::with_process_file`](crate::inventory::sim::SimBackend::with_process_file)),
+//! skipped here.
 //!
 //! `#` starts a comment; a line that is not one of these is logged and skipped. A file that
 //! shrinks (truncated or replaced) is read again from its start.
@@ -74,6 +80,8 @@ pub fn parse_line(line: &str, inv: &Inventory) -> Result<Option<Command>, LineEr
         ["ecc", g] => event(gpu(g)?, EventKind::DoubleBitEcc),
         ["lost", g] => Command::Lost(gpu(g)?),
         ["back", g] => Command::Back(gpu(g)?),
+        // The simulated backend's processes.
+        ["process", ..] | ["exit", ..] => return Ok(None),
         _ => return Err(LineError::Unknown(line.to_string())),
     }))
 }

@@ -239,6 +239,9 @@ fn fault_file_lines_name_gpus_by_index_or_uuid() {
     );
     assert_eq!(parse_line("back 3", &inv), Ok(Some(Command::Back(g3))));
     assert_eq!(parse_line("   # nothing", &inv), Ok(None));
+    // The simulated backend's processes: not faults.
+    assert_eq!(parse_line("process 3 4242 2048", &inv), Ok(None));
+    assert_eq!(parse_line("exit 3 4242", &inv), Ok(None));
     assert_eq!(
         parse_line("xid 99 79", &inv),
         Err(LineError::NoGpu("99".into()))

@@ -6,6 +6,11 @@
 //! simulation never does); refused while processes run on the GPU ([`SimBackend::set_processes`])
 //! and, for turning MIG mode off, while MIG devices exist. A change that is applied takes
 //! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles.
+//!
+//! Processes come from the test ([`SimBackend::set_processes`]) and, for a running daemon, from
+//! the fault file ([`SimBackend::with_process_file`]): `process <GPU> <pid> [<MiB>]` puts a
+//! process on a GPU (named by index or UUID), `exit <GPU> <pid>` ends it; the file is read
+//! whole at each MIG mode change and usage reading.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -96,6 +101,60 @@ struct Model {
     processes: std::collections::BTreeMap<GpuUuid, Vec<ProcessUsage>>,
     /// How long an applied MIG mode change takes ([`SimBackend::set_mig_toggle_delay`]).
     mig_toggle_delay: Duration,
+    /// Where more processes are listed ([`SimBackend::with_process_file`]).
+    process_file: Option<std::path::PathBuf>,
+}
+
+impl Model {
+    /// The processes on `gpu`: the test's and the process file's.
+    fn running(&self, gpu: &GpuUuid) -> Vec<ProcessUsage> {
+        let mut out = self.processes.get(gpu).cloned().unwrap_or_default();
+        if let Some(path) = &self.process_file {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            for p in file_processes(&text, &self.inventory, gpu) {
+                if out.iter().all(|o| o.pid != p.pid) {
+                    out.push(p);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The processes the lines of `text` leave running on `gpu` (see the module doc); other lines
+/// are the fault file's and are skipped.
+fn file_processes(text: &str, inv: &Inventory, gpu: &GpuUuid) -> Vec<ProcessUsage> {
+    let names = |w: &str| {
+        inv.gpus
+            .iter()
+            .any(|g| g.uuid == *gpu && (g.uuid.as_str() == w || w.parse() == Ok(g.index)))
+    };
+    let mut out: Vec<ProcessUsage> = Vec::new();
+    for line in text.lines() {
+        let line = line.split('#').next().unwrap_or_default();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["process", g, pid, rest @ ..] if names(g) => {
+                let Ok(pid) = pid.parse::<u32>() else {
+                    continue;
+                };
+                let mib = rest.first().and_then(|m| m.parse::<u64>().ok());
+                out.retain(|p| p.pid != pid);
+                out.push(ProcessUsage {
+                    pid,
+                    used_memory_bytes: mib.map(|m| m << 20),
+                    gpu_instance: None,
+                });
+            }
+            ["exit", g, pid] if names(g) => {
+                if let Ok(pid) = pid.parse::<u32>() {
+                    out.retain(|p| p.pid != pid);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// Simulated GPUs. Cloning shares the same model.
@@ -148,6 +207,14 @@ impl SimBackend {
     /// them, and the GPU's memory in use is their sum plus [`sim_usage`]'s baseline.
     pub fn set_processes(&self, gpu: &GpuUuid, processes: Vec<ProcessUsage>) {
         self.lock().processes.insert(gpu.clone(), processes);
+    }
+
+    /// Also lists the processes of the lines `process <GPU> <pid> [<MiB>]` and `exit <GPU> <pid>`
+    /// of `file` (the daemon's fault file), read at each MIG mode change and usage reading, so
+    /// a running daemon's GPUs can be made busy.
+    pub fn with_process_file(self, file: Option<std::path::PathBuf>) -> Self {
+        self.lock().process_file = file;
+        self
     }
 
     /// Makes every MIG mode change that is applied take `delay` (the calling thread sleeps, as
@@ -308,10 +375,10 @@ impl DeviceBackend for SimBackend {
 
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
         let mut m = self.lock();
+        let running: Vec<u32> = m.running(gpu).iter().map(|p| p.pid).collect();
         let Model {
             inventory,
             actions,
-            processes,
             mig_toggle_delay,
             ..
         } = &mut *m;
@@ -358,11 +425,10 @@ impl DeviceBackend for SimBackend {
                 devices: g.mig.devices.iter().map(|d| d.uuid.clone()).collect(),
             });
         }
-        let running = processes.get(gpu).map_or(&[][..], Vec::as_slice);
         if !running.is_empty() {
             return Err(Error::InUse {
                 gpu: gpu.clone(),
-                processes: running.iter().map(|p| p.pid).collect(),
+                processes: running,
             });
         }
         if g.cuda_compute_capability < HOPPER {
@@ -391,10 +457,7 @@ impl DeviceBackend for SimBackend {
         Ok(m.inventory
             .gpus
             .iter()
-            .map(|g| {
-                let processes = m.processes.get(&g.uuid).cloned().unwrap_or_default();
-                sim_usage(g, processes)
-            })
+            .map(|g| sim_usage(g, m.running(&g.uuid)))
             .collect())
     }
 }
@@ -725,5 +788,36 @@ mod tests {
                 delay: Duration::from_millis(3),
             }]
         );
+    }
+
+    /// A running daemon's GPUs are made busy through its fault file: `process` lines block a
+    /// MIG mode change and show in the usage readings, `exit` lines end them.
+    #[test]
+    fn the_process_file_puts_processes_on_gpus() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("faults");
+        let sim = SimBackend::from_profile("dgx-h100", "n")
+            .unwrap()
+            .with_process_file(Some(file.clone()));
+        let g = sim.snapshot().unwrap().gpus[2].uuid.clone();
+        std::fs::write(
+            &file,
+            "xid 1 79\nprocess 2 4242 2048 # a job\nprocess 3 77\n",
+        )
+        .unwrap();
+        let e = sim.set_mig_mode(&g, true).unwrap_err();
+        assert!(
+            matches!(&e, Error::InUse { processes, .. } if processes == &[4242]),
+            "{e:?}"
+        );
+        let usage = sim.usage().unwrap();
+        assert_eq!(usage[2].processes[0].used_memory_bytes, Some(2048 << 20));
+        assert_eq!(usage[3].processes[0].pid, 77);
+        std::fs::write(
+            &file,
+            format!("process 2 4242 2048\nprocess 3 77\nexit {g} 4242\n"),
+        )
+        .unwrap();
+        assert_eq!(sim.set_mig_mode(&g, true).unwrap(), MigModeChange::Applied);
     }
 }

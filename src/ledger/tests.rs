@@ -199,6 +199,7 @@ fn fixture_state() -> Checkpoint {
             ),
             (uid('d'), entry(PrepareCompleted, "default", "mps", mps)),
         ]),
+        mig_enabled: BTreeSet::new(),
     }
 }
 
@@ -535,6 +536,7 @@ proptest! {
                     })
                 })
                 .collect(),
+            mig_enabled: BTreeSet::new(),
         };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(FILE_NAME);
@@ -639,4 +641,30 @@ fn a_version_2_share_reads_without_its_compute() {
         device["consumedCapacity"],
         serde_json::json!({"memory": 24u64 << 30})
     );
+}
+
+/// The GPUs whose MIG mode nvdra turned on (dynamic MIG) are kept at the top of the file in
+/// every version, absent while there are none (so the files of every version before read and
+/// write as they did), and read back from a file that has them.
+#[test]
+fn gpus_whose_mig_mode_nvdra_turned_on_are_kept_without_a_new_version() {
+    let mut cp = fixture_state();
+    let before = encode(&cp).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&before).contains("migEnabled"),
+        "absent while empty"
+    );
+    cp.mig_enabled.insert(GpuUuid("GPU-1".into()));
+    let bytes = encode(&cp).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        v["version"], 1,
+        "no new version: older builds ignore the field"
+    );
+    assert_eq!(v["migEnabled"], serde_json::json!(["GPU-1"]));
+    let back = decode(&bytes).unwrap_or_else(|_| panic!("does not read back"));
+    assert_eq!(back, cp);
+    // A file of a build before it reads as none.
+    let old = decode(&before).unwrap_or_else(|_| panic!("does not read back"));
+    assert!(old.mig_enabled.is_empty());
 }

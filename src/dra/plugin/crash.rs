@@ -25,6 +25,13 @@ pub enum CrashPoint {
     /// Reconfiguring: `PrepareStarted` is durable, nothing else is done. Otherwise: the claim is
     /// reserved in memory, nothing is written.
     AfterStarted,
+    /// Dynamic MIG: the GPU's MIG mode was turned on (recorded durably before, with
+    /// `PrepareStarted`); no instance is created.
+    AfterMigModeOn,
+    /// A MIG instance (GPU and compute instance: the backend makes both in one call, and a GPU
+    /// instance a crash leaves without its compute instance is nobody's, destroyed when it is
+    /// in the way) was created; its UUID is not durable.
+    AfterMigCreated,
     /// The CDI spec is written; the claim's record is not durable.
     AfterCdi,
     /// Reconfiguring: `PrepareCompleted` is recorded in memory but not on disk. Otherwise: the
@@ -35,6 +42,12 @@ pub enum CrashPoint {
     /// Rollback (an unprepare, or undoing a failed prepare): the GPU is back (MIG instances
     /// destroyed, time slices reset, MPS daemons stopped); the claim's spec and entry remain.
     AfterUndo,
+    /// Dynamic MIG, unprepare: the claim's MIG instances are destroyed; the GPU's MIG mode is
+    /// not turned off yet.
+    BeforeMigModeOff,
+    /// Dynamic MIG: the GPU's MIG mode was turned off (after its last instance, or for a claim
+    /// of the GPU whole); the checkpoint still records it as turned on by nvdra.
+    AfterMigModeOff,
     /// Rollback: the GPU is back and the spec removed; the entry is still durable.
     AfterSpecRemoved,
     /// Rollback: the GPU is back and the entry's removal durable; the spec remains.
@@ -44,8 +57,9 @@ pub enum CrashPoint {
 /// A [`CRASH_ENV`] value that names no crash point.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{CRASH_ENV}={value:?}: expected after-started, after-cdi, before-completed, after-completed, \
-     after-undo, after-spec-removed or after-forgotten"
+    "{CRASH_ENV}={value:?}: expected after-started, after-mig-mode-on, after-mig-created, \
+     after-cdi, before-completed, after-completed, after-undo, before-mig-mode-off, \
+     after-mig-mode-off, after-spec-removed or after-forgotten"
 )]
 pub struct BadCrashPoint {
     pub value: String,
@@ -56,6 +70,10 @@ impl std::str::FromStr for CrashPoint {
     fn from_str(s: &str) -> Result<Self, BadCrashPoint> {
         Ok(match s {
             "after-started" => Self::AfterStarted,
+            "after-mig-mode-on" => Self::AfterMigModeOn,
+            "after-mig-created" => Self::AfterMigCreated,
+            "before-mig-mode-off" => Self::BeforeMigModeOff,
+            "after-mig-mode-off" => Self::AfterMigModeOff,
             "after-cdi" => Self::AfterCdi,
             "before-completed" => Self::BeforeCompleted,
             "after-completed" => Self::AfterCompleted,

@@ -20,16 +20,20 @@ use super::{ClaimError, Plugin, crash_point};
 pub(super) type Partial = (ClaimError, Vec<DeviceRecord>);
 
 impl Plugin {
-    /// Changes the GPUs as `devices` ask: creates MIG instances (recording their UUIDs in the
-    /// records and the ledger), sets time slices, asks for the claim's MPS daemon. Returns the MIG
-    /// devices created, which the inventory snapshot of the batch does not list.
+    /// Changes the GPUs as `devices` ask: switches the MIG modes of `mig_modes` (dynamic MIG),
+    /// creates MIG instances (recording their UUIDs in the records and the ledger), sets time
+    /// slices, asks for the claim's MPS daemon. Returns the MIG devices created, which the
+    /// inventory snapshot of the batch does not list.
     pub(super) async fn reconfigure(
         &self,
         uid: &ClaimUid,
         devices: &mut [DeviceRecord],
+        mig_modes: &[(GpuUuid, bool)],
     ) -> Result<Vec<MigDevice>, ClaimError> {
         let mut created: Vec<MigDevice> = Vec::new();
-        let result = self.reconfigure_devices(uid, devices, &mut created).await;
+        let result = self
+            .reconfigure_devices(uid, devices, mig_modes, &mut created)
+            .await;
         // Record created MIG UUIDs so a rollback finds them (not yet durable; the rollback also
         // finds instances by placement).
         if !created.is_empty() {
@@ -46,8 +50,22 @@ impl Plugin {
         &self,
         uid: &ClaimUid,
         devices: &mut [DeviceRecord],
+        mig_modes: &[(GpuUuid, bool)],
         created: &mut Vec<MigDevice>,
     ) -> Result<(), ClaimError> {
+        // Dynamic MIG: each GPU's mode switch and the instances created on it under its lock.
+        let _mig_locks = if self.inner.opts.dynamic_mig {
+            let creates = devices
+                .iter()
+                .filter(|d| d.mig.as_ref().is_some_and(|m| m.created))
+                .map(|d| d.gpu.clone());
+            let gpus = mig_modes.iter().map(|(g, _)| g.clone()).chain(creates);
+            let locks = self.lock_mig_gpus(gpus).await;
+            self.switch_mig_modes(uid, mig_modes, devices).await?;
+            locks
+        } else {
+            Vec::new()
+        };
         for d in devices.iter_mut() {
             if let Some(m) = &mut d.mig
                 && m.created
@@ -60,6 +78,7 @@ impl Plugin {
                 self.inventory_changed();
                 m.uuid = Some(dev.uuid.clone());
                 created.push(dev);
+                crash_point!(self, AfterMigCreated);
             }
             if let (Sharing::TimeSlicing { interval }, None) = (&d.sharing, &d.mig) {
                 // MIG devices are not time-sliced by interval; only whole GPUs are.
@@ -272,7 +291,8 @@ impl Plugin {
                 }
             }
         }
-        Ok(())
+        // Dynamic MIG: off after the GPU's last instance.
+        self.mig_off_after_last(uid, devices).await
     }
 }
 

@@ -144,6 +144,43 @@ pub enum ClaimError {
         since: String,
         ago: String,
     },
+    #[error(
+        "the scheduler placed a whole-GPU claim on {device}, whose MIG devices are held ({holders}); \
+         the node refuses it rather than hand a GPU in use whole (the allocation was made \
+         against an older state): delete the pod so the scheduler places it again, or wait \
+         until those claims are unprepared, after which its MIG mode is turned off"
+    )]
+    WholeGpuOnMig {
+        device: String,
+        /// `<MIG device> by claim ns/name (uid)`, `; `-separated.
+        holders: String,
+    },
+    #[error(
+        "{device} cannot be handed out whole: its GPU is in MIG mode with MIG devices nvdra did \
+         not create ({devices}), which it keeps; destroy them (nvidia-smi mig -dci, -dgi) for \
+         the GPU to be handed out whole"
+    )]
+    MigDevicesLeft { device: String, devices: String },
+    #[error(
+        "cannot turn MIG mode {mode} on GPU {gpu}: processes run on it ({processes}); the \
+         kubelet retries this prepare, which succeeds once they exit"
+    )]
+    MigModeInUse {
+        gpu: String,
+        mode: &'static str,
+        processes: String,
+    },
+    #[error(
+        "GPU {gpu} needs a reset to change its MIG mode (current {current}, pending {pending}); \
+         nvdra never resets a GPU, so it no longer switches this GPU's MIG mode (published \
+         tainted) until an operator resets it (nvidia-smi -r -i, with no process on it) or \
+         sets the mode back"
+    )]
+    MigResetRequired {
+        gpu: String,
+        current: &'static str,
+        pending: &'static str,
+    },
     #[error("{device} of request {request} cannot be prepared as a share: {reason}")]
     BadShare {
         device: String,

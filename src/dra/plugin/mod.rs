@@ -4,6 +4,7 @@
 //! - [`plan`]: pure — claim + inventory + settings → the device records to reserve;
 //! - [`effects`]: MIG create/destroy, time slices, MPS, CDI specs, each with its undo;
 //! - [`prepare`]: one claim's prepare and unprepare, the order of its writes and its rollback;
+//! - [`mig_mode`]: dynamic MIG, a GPU's MIG mode switched by the claims it is prepared for;
 //! - [`recovery`]: start-up repair of what a crash left;
 //! - [`batch`]: the kubelet's batch of claims, one entry per claim.
 //!
@@ -44,6 +45,7 @@ pub mod crash;
 mod effects;
 mod enforce;
 mod error;
+mod mig_mode;
 mod plan;
 mod prepare;
 mod recovery;
@@ -89,6 +91,12 @@ pub struct Options {
     pub shared_capacity: bool,
     /// Where MPS daemons are asked for (`--mps-root`; the MPS host runs them).
     pub mps_root: PathBuf,
+    /// `--dynamic-mig`: a GPU that can switch MIG mode at run time ([`crate::inventory::Gpu::mig_toggle`])
+    /// is switched on for a MIG placement and off for the GPU whole, and its placements are
+    /// created at prepare as in partitionable mode ([`mig_mode`]).
+    pub dynamic_mig: bool,
+    /// `--dynamic-mig=keep-on`: MIG mode is not turned off after a GPU's last instance.
+    pub keep_mig_on: bool,
 }
 
 struct Inner {
@@ -109,6 +117,8 @@ struct Inner {
     inventory_listener: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     /// One async mutex per claim being worked on.
     claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
+    /// Dynamic MIG: one async mutex per GPU whose MIG mode may change ([`mig_mode`]).
+    mig_locks: Mutex<HashMap<crate::inventory::GpuUuid, Arc<tokio::sync::Mutex<()>>>>,
     #[cfg(feature = "crash-points")]
     crash_at: std::sync::OnceLock<crash::CrashPoint>,
 }
@@ -156,6 +166,7 @@ impl Plugin {
                     metrics,
                     inventory_listener: std::sync::OnceLock::new(),
                     claim_locks: Mutex::new(HashMap::new()),
+                    mig_locks: Mutex::new(HashMap::new()),
                     #[cfg(feature = "crash-points")]
                     crash_at: std::sync::OnceLock::new(),
                 }),

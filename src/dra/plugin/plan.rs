@@ -13,7 +13,7 @@ use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions};
 use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
-use crate::inventory::{self, Gpu, Inventory, MigDevice, Placement, quantity};
+use crate::inventory::{self, Gpu, GpuUuid, Inventory, MigDevice, Placement, quantity};
 use crate::ledger::shares;
 use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
 use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
@@ -28,6 +28,10 @@ pub(super) struct Plan {
     /// The user its pod runs as, for a share of a GPU whose MPS serves one user at a time
     /// (set by prepare, which reads the pod).
     pub user: Option<crate::ledger::ShareUser>,
+    /// Dynamic MIG: the GPUs whose MIG mode this prepare switches, each once, in order of
+    /// their first device: on (`true`) for a placement on a GPU outside MIG mode, off for a
+    /// GPU in MIG mode allocated whole.
+    pub mig_modes: Vec<(GpuUuid, bool)>,
 }
 
 impl Plan {
@@ -40,7 +44,7 @@ impl Plan {
         self.devices.iter().any(|d| {
             d.mig.as_ref().is_some_and(|m| m.created)
                 || (!matches!(d.sharing, Sharing::Exclusive) && d.consumed.is_none())
-        })
+        }) || !self.mig_modes.is_empty()
     }
 }
 
@@ -73,6 +77,7 @@ pub(super) fn plan(
     };
     let entries = sharing::from_allocation(allocation);
     let mut out: Vec<DeviceRecord> = Vec::new();
+    let mut mig_modes: Vec<(GpuUuid, bool)> = Vec::new();
     let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
     for r in results.unwrap_or_default() {
         if r.driver != opts.driver {
@@ -122,6 +127,25 @@ pub(super) fn plan(
                 DeviceName::mig(g.minor, &p.name, p.gi_profile_id, placement.start)
             }
         };
+        // Dynamic MIG: the GPU's mode follows what it is allocated as.
+        let mode = match resolved {
+            Resolved::Gpu(g) if g.in_mig_mode() => Some((g, false)),
+            Resolved::MigToCreate(g, ..) if !g.in_mig_mode() => Some((g, true)),
+            _ => None,
+        };
+        if let Some((g, enable)) = mode {
+            match mig_modes.iter().find(|(u, _)| *u == g.uuid) {
+                None => mig_modes.push((g.uuid.clone(), enable)),
+                Some((_, e)) if *e == enable => {}
+                Some(_) => {
+                    return Err(unknown(format!(
+                        "the claim asks for GPU {} whole and for a MIG device of it; a GPU is \
+                         either whole or in MIG mode",
+                        g.minor
+                    )));
+                }
+            }
+        }
         let (gpu, mig, kind) = match resolved {
             Resolved::Gpu(g) => (g, None, DeviceKind::Gpu),
             Resolved::Mig(g, m) => (
@@ -181,6 +205,7 @@ pub(super) fn plan(
         devices: out,
         pods: reserved_pods(rc),
         user: None,
+        mig_modes,
     })
 }
 
@@ -331,27 +356,46 @@ fn resolve_device<'a>(
     name: &str,
     opts: &Options,
 ) -> Result<Resolved<'a>, String> {
-    let partitionable = opts.partitionable;
+    // Whether prepare may switch `g`'s MIG mode, or why not (`None` without dynamic MIG).
+    let toggle = |g: &Gpu| opts.dynamic_mig.then(|| g.mig_toggle());
+    // Dynamic MIG creates the placements of a GPU it may switch, as partitionable mode does.
+    let creates = |g: &Gpu| opts.partitionable || matches!(toggle(g), Some(Ok(())));
     match slices::find_device(inv, name) {
         None => Err(
             "no such GPU, MIG device or MIG placement (names look like gpu-<minor> \
                      or gpu-<minor>-mig-<profile>-<giProfileId>-<start>)"
                 .into(),
         ),
-        Some(PublishedDevice::Gpu(g)) if g.in_mig_mode() => Err(format!(
-            "GPU {} is in MIG mode and is handed out only as MIG devices",
-            g.minor
-        )),
+        Some(PublishedDevice::Gpu(g)) if g.in_mig_mode() => match toggle(g) {
+            Some(Ok(())) => Ok(Resolved::Gpu(g)),
+            Some(Err(why)) => Err(format!(
+                "GPU {} is in MIG mode and its MIG mode cannot change at run time ({why}), so \
+                 it is handed out only as MIG devices",
+                g.minor
+            )),
+            None => Err(format!(
+                "GPU {} is in MIG mode and is handed out only as MIG devices",
+                g.minor
+            )),
+        },
         Some(PublishedDevice::Gpu(g)) => Ok(Resolved::Gpu(g)),
         Some(PublishedDevice::Mig {
             parent,
             existing: Some(m),
             ..
         }) => Ok(Resolved::Mig(parent, m)),
-        Some(PublishedDevice::Mig { parent, .. }) if !parent.in_mig_mode() => {
-            Err(format!("GPU {} is not in MIG mode", parent.minor))
+        Some(PublishedDevice::Mig { parent, .. })
+            if !parent.in_mig_mode() && !matches!(toggle(parent), Some(Ok(()))) =>
+        {
+            Err(match toggle(parent) {
+                Some(Err(why)) => format!(
+                    "GPU {} is not in MIG mode, and its MIG mode cannot change at run time: {why}",
+                    parent.minor
+                ),
+                _ => format!("GPU {} is not in MIG mode", parent.minor),
+            })
         }
-        Some(PublishedDevice::Mig { .. }) if !partitionable => Err(
+        Some(PublishedDevice::Mig { parent, .. }) if !creates(parent) => Err(
             "no MIG device exists at this placement, and creating MIG devices at prepare needs \
              partitionable mode"
                 .into(),
@@ -389,6 +433,8 @@ pub(super) mod tests {
             partitionable,
             shared_capacity: true,
             mps_root: "/nonexistent/mps".into(),
+            dynamic_mig: false,
+            keep_mig_on: false,
         }
     }
 

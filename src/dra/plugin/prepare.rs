@@ -21,7 +21,7 @@ use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
 use crate::api;
 use crate::ids::ClaimUid;
-use crate::inventory::{Inventory, quantity};
+use crate::inventory::{GpuUuid, Inventory, quantity};
 use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
 use std::collections::BTreeMap;
 
@@ -160,12 +160,19 @@ impl Plugin {
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
         let uid = &claim.uid;
         self.reserve(claim, &plan, ClaimState::PrepareStarted, inv)?;
+        // Dynamic MIG: a GPU is nvdra's to turn off again once that is durable, before it is on.
+        let enables = plan.mig_modes.iter().filter(|(_, on)| *on);
+        for (gpu, _) in enables {
+            self.inner
+                .ledger
+                .update_mig_enabled(|s| s.insert(gpu.clone()));
+        }
         if let Err(e) = self.inner.ledger.flush().await {
             self.inner.ledger.update(|c| c.remove(uid));
             return Err(e.into());
         }
         crash_point!(self, AfterStarted);
-        match self.complete(uid, plan.devices, inv).await {
+        match self.complete(uid, plan.devices, &plan.mig_modes, inv).await {
             Ok(devices) => Ok(devices),
             Err(partial) => Err(self.rollback_after(uid, partial).await),
         }
@@ -177,9 +184,10 @@ impl Plugin {
         &self,
         uid: &ClaimUid,
         mut devices: Vec<DeviceRecord>,
+        mig_modes: &[(GpuUuid, bool)],
         inv: &Inventory,
     ) -> Result<Vec<DeviceRecord>, Partial> {
-        let created = match self.reconfigure(uid, &mut devices).await {
+        let created = match self.reconfigure(uid, &mut devices, mig_modes).await {
             Ok(created) => created,
             Err(e) => return Err((e, devices)),
         };
@@ -405,6 +413,32 @@ pub(super) fn conflict(
             .iter()
             .any(|o| o.gpu == d.gpu && o.consumed.is_some())
     };
+    // A whole GPU (dynamic MIG) meeting MIG devices of it: name every claim that holds one.
+    let mig_of_gpu = |e: &ClaimEntry| e.devices.iter().any(|o| o.gpu == d.gpu && o.mig.is_some());
+    if d.mig.is_none() && mig_of_gpu(other) {
+        let holders: Vec<String> = claims
+            .iter()
+            .filter(|(u, e)| *u != uid && mig_of_gpu(e))
+            .map(|(u, e)| {
+                let migs: Vec<&str> = e
+                    .devices
+                    .iter()
+                    .filter(|o| o.gpu == d.gpu && o.mig.is_some())
+                    .map(|o| o.device.as_str())
+                    .collect();
+                format!(
+                    "{} by claim {}/{} ({u})",
+                    migs.join(", "),
+                    e.namespace,
+                    e.name
+                )
+            })
+            .collect();
+        return Err(ClaimError::WholeGpuOnMig {
+            device: d.device.to_string(),
+            holders: holders.join("; "),
+        });
+    }
     if shares_of_gpu(other) {
         let holders: Vec<String> = claims
             .iter()

@@ -1,5 +1,5 @@
 //! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
-//! back, completed claims get their MPS daemon asked for again and their CDI spec rewritten if it is
+//! back, a MIG mode nvdra turned on and left with no instance is turned off (dynamic MIG), completed claims get their MPS daemon asked for again and their CDI spec rewritten if it is
 //! missing, empty or stale (specs are not fsync'd), CDI specs of ours without a ledger entry
 //! are removed; GPUs with shares are put in `EXCLUSIVE_PROCESS` compute mode again and recorded
 //! GPUs without shares get their mode back ([`crate::dra::compute_mode`]). Together with the
@@ -21,6 +21,9 @@ pub struct Recovery {
     pub orphans_removed: Vec<ClaimUid>,
     /// Claims that could not be recovered (logged); their entries stay.
     pub failed: Vec<ClaimUid>,
+    /// Dynamic MIG: GPUs whose MIG mode nvdra had turned on, left on with no instance by a
+    /// crash, turned off.
+    pub mig_modes_off: Vec<crate::inventory::GpuUuid>,
 }
 
 impl Plugin {
@@ -53,6 +56,8 @@ impl Plugin {
                 rec.failed.push(uid.clone());
             }
         }
+        // After the rollbacks: a MIG mode nvdra left on with no instance goes off.
+        rec.mig_modes_off = self.repair_mig_modes().await?;
         let known = self.inner.ledger.read(|c| c.claims.clone());
         for uid in self.inner.specs.list()? {
             if !known.contains_key(&uid) {

@@ -42,8 +42,9 @@
 //! (utilization, power, temperature, processes, memory in use) in `usage.rs`; MIG mode changes
 //! (`nvmlDeviceSetMigMode`: at once from Hopper on, pending a reset before; refused while a
 //! process runs), the virtualization mode and their hooks in `mig_mode.rs`. An applied MIG mode
-//! change takes `FAKE_NVML_MIG_TOGGLE_DELAY_MS` milliseconds (default 0). MIG modes are not
-//! kept in the `FAKE_NVML_STATE` file.
+//! change takes `FAKE_NVML_MIG_TOGGLE_DELAY_MS` milliseconds (default 0). MIG modes are kept in
+//! the `FAKE_NVML_STATE` file with the instances. `FAKE_NVML_IDLE=1` starts every GPU idle
+//! (no process: its MIG mode can change), as `fake_nvml_set_idle` makes one in-process.
 //!
 //! Handles are opaque integers cast to pointers; they are never dereferenced by callers. Every
 //! function's contract is the one `nvml.h` documents for it: pointer arguments must be valid for
@@ -351,6 +352,11 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
         return SUCCESS;
     }
     model.mig_toggle_delay = delay;
+    if std::env::var("FAKE_NVML_IDLE").is_ok_and(|v| v == "1") {
+        for g in &mut model.gpus {
+            g.idle = true;
+        }
+    }
     if let Some(path) = &state {
         if path.exists() {
             state::load(path, &mut model);

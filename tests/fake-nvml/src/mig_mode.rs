@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use nvml_wrapper_sys::bindings::*;
 
-use super::{Dev, INVALID, NOT_SUPPORTED, SUCCESS, device, gpu, gpu_count, put, with};
+use super::{Dev, INVALID, NOT_SUPPORTED, SUCCESS, changing, device, gpu, gpu_count, put, with};
 
 const RESET_REQUIRED: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED;
 const IN_USE: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_IN_USE;
@@ -59,7 +59,8 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
     {
         return INVALID;
     }
-    with(|m| {
+    // The state file keeps the mode, as the GPU does across processes.
+    changing(|m| {
         let Some(Dev::Gpu(i)) = device(m, d) else {
             return INVALID;
         };

@@ -1,16 +1,20 @@
-//! MIG instances and compute modes kept in a file (`FAKE_NVML_STATE`), as a GPU keeps them
-//! across the processes that use it: a daemon killed after creating an instance or setting a
-//! compute mode leaves it for the next one to find.
+//! MIG instances, compute modes and MIG modes kept in a file (`FAKE_NVML_STATE`), as a GPU
+//! keeps them across the processes that use it: a daemon killed after creating an instance,
+//! setting a compute mode or switching a MIG mode leaves it for the next one to find.
 //!
-//! One line per instance or compute mode other than DEFAULT, rewritten whole (through a
-//! temporary file and a rename) after every change:
+//! One line per instance, compute mode other than DEFAULT and MIG-capable GPU, rewritten whole
+//! (through a temporary file and a rename) after every change:
 //!
 //! ```text
 //! created <n>
 //! gi <gpu index> <gpu-instance id> <profile id> <start>
 //! ci <gpu index> <gpu-instance id> <compute-instance id> <compute profile> <slices> <slot> <uuid>
 //! mode <gpu index> <NVML_COMPUTEMODE_* value>
+//! mig <gpu index> <current MIG mode> <pending MIG mode>
 //! ```
+//!
+//! A file without `mig` lines (written before they existed) leaves the GPUs' MIG modes as the
+//! node has them.
 
 use std::os::raw::c_uint;
 use std::path::Path;
@@ -58,6 +62,19 @@ pub fn instances(path: &Path) -> Vec<Instance> {
     out
 }
 
+/// The MIG modes a state file holds: (GPU index, current, pending), 1 for on.
+pub fn mig_modes(path: &Path) -> Vec<(usize, c_uint, c_uint)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let n = |i: usize| f.get(i).and_then(|s| s.parse::<c_uint>().ok());
+            (f.first() == Some(&"mig")).then_some(())?;
+            Some((n(1)? as usize, n(2)?, n(3)?))
+        })
+        .collect()
+}
+
 /// Replaces the model's MIG instances by those of the state file, if it exists.
 pub fn load(path: &Path, m: &mut Model) {
     let Ok(text) = std::fs::read_to_string(path) else {
@@ -74,6 +91,13 @@ pub fn load(path: &Path, m: &mut Model) {
             Some(&"created") => m.created = n(1),
             Some(&"mode") if (n(1) as usize) < m.gpus.len() => {
                 m.compute_modes.insert(n(1) as usize, n(2) as c_uint);
+            }
+            Some(&"mig") => {
+                if let Some(g) = m.gpus.get_mut(n(1) as usize)
+                    && g.mig_mode.is_some()
+                {
+                    g.mig_mode = Some((n(2) as c_uint, n(3) as c_uint));
+                }
             }
             Some(&"gi") => {
                 let Some(g) = m.gpus.get_mut(n(1) as usize) else {
@@ -128,6 +152,11 @@ pub fn save(path: &Path, m: &Model) {
     }
     for (i, mode) in &m.compute_modes {
         text.push_str(&format!("mode {i} {mode}\n"));
+    }
+    for (i, g) in m.gpus.iter().enumerate() {
+        if let Some((current, pending)) = g.mig_mode {
+            text.push_str(&format!("mig {i} {current} {pending}\n"));
+        }
     }
     let tmp = path.with_extension("tmp");
     if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)) {

@@ -121,7 +121,17 @@ async fn start(
     api: Arc<FakeApi>,
     sim: SimBackend,
 ) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
-    let opts = Options {
+    start_with(dir, api, sim, |_| {}).await
+}
+
+/// [`start`] with `tweak` applied to the options, on any backend.
+async fn start_with(
+    dir: &std::path::Path,
+    api: Arc<FakeApi>,
+    sim: impl DeviceBackend + 'static,
+    tweak: impl FnOnce(&mut Options),
+) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+    let mut opts = Options {
         driver: DRIVER.into(),
         pool: NODE.into(),
         plugin_dir: dir.join("plugin"),
@@ -131,7 +141,10 @@ async fn start(
         partitionable: true,
         shared_capacity: true,
         mps_root: dir.join("mps"),
+        dynamic_mig: false,
+        keep_mig_on: false,
     };
+    tweak(&mut opts);
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
@@ -695,6 +708,8 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         partitionable: false,
         shared_capacity: false,
         mps_root: dir.path().join("mps"),
+        dynamic_mig: false,
+        keep_mig_on: false,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
@@ -728,6 +743,8 @@ async fn outcomes_are_counted_in_metrics() {
         partitionable: false,
         shared_capacity: false,
         mps_root: dir.path().join("mps"),
+        dynamic_mig: false,
+        keep_mig_on: false,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();
@@ -746,6 +763,7 @@ async fn outcomes_are_counted_in_metrics() {
     stop.cancel();
 }
 
+mod dynamic_mig;
 mod enforce;
 mod recovery;
 mod shares;

@@ -5,10 +5,12 @@
 //! and later; on Ampere only recorded as pending (a GPU reset would apply it, which the
 //! simulation never does); refused while processes run on the GPU ([`SimBackend::set_processes`])
 //! and, for turning MIG mode off, while MIG devices exist. A change that is applied takes
-//! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles.
+//! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles. A test can hold
+//! other calls ([`SimBackend::hold`]) until it lets them go, to model a driver call that hangs.
 
+use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::{
@@ -98,10 +100,45 @@ struct Model {
     mig_toggle_delay: Duration,
 }
 
+/// A call of the simulated backend that a test can hold ([`SimBackend::hold`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimCall {
+    SetTimeSlice,
+    ComputeMode,
+    SetComputeMode,
+    CreateMig,
+    DestroyMig,
+    Usage,
+    Probe,
+}
+
+/// The calls held, and the condition their callers wait on.
+#[derive(Debug, Default)]
+struct Gate {
+    held: Mutex<BTreeSet<SimCall>>,
+    released: Condvar,
+}
+
+/// While alive, every call of its kind waits (outside the model's lock) before it runs; dropping
+/// it lets them go.
+#[must_use = "the call is held only while the guard lives"]
+pub struct Held {
+    gate: Arc<Gate>,
+    call: SimCall,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        crate::lock::lock(&self.gate.held).remove(&self.call);
+        self.gate.released.notify_all();
+    }
+}
+
 /// Simulated GPUs. Cloning shares the same model.
 #[derive(Clone, Debug)]
 pub struct SimBackend {
     model: Arc<Mutex<Model>>,
+    gate: Arc<Gate>,
 }
 
 impl SimBackend {
@@ -111,6 +148,7 @@ impl SimBackend {
                 inventory,
                 ..Model::default()
             })),
+            gate: Arc::default(),
         }
     }
 
@@ -156,6 +194,27 @@ impl SimBackend {
         self.lock().mig_toggle_delay = delay;
     }
 
+    /// Holds every `call` until the returned guard is dropped: the calls block as a hung driver
+    /// call would (each in its caller's thread).
+    pub fn hold(&self, call: SimCall) -> Held {
+        crate::lock::lock(&self.gate.held).insert(call);
+        Held {
+            gate: self.gate.clone(),
+            call,
+        }
+    }
+
+    /// Waits while `call` is held.
+    fn pass(&self, call: SimCall) {
+        let held = crate::lock::lock(&self.gate.held);
+        let _released = self
+            .gate
+            .released
+            .wait_while(held, |h| h.contains(&call))
+            // The set is changed in single statements; a poisoned lock still holds a valid one.
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    }
+
     fn lock(&self) -> MutexGuard<'_, Model> {
         // A panic while holding the lock cannot leave the inventory half-written in a way that
         // matters more than the panic itself; keep serving the last state.
@@ -177,6 +236,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        self.pass(SimCall::SetTimeSlice);
         let mut m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
@@ -190,6 +250,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        self.pass(SimCall::ComputeMode);
         let m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
@@ -198,6 +259,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        self.pass(SimCall::SetComputeMode);
         let mut m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
@@ -216,6 +278,7 @@ impl DeviceBackend for SimBackend {
         gi_profile_id: u32,
         placement: Placement,
     ) -> Result<MigDevice> {
+        self.pass(SimCall::CreateMig);
         let mut m = self.lock();
         let g = m
             .inventory
@@ -288,6 +351,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        self.pass(SimCall::DestroyMig);
         let mut m = self.lock();
         let g = m
             .inventory
@@ -386,7 +450,18 @@ impl DeviceBackend for SimBackend {
         Ok(MigModeChange::Applied)
     }
 
+    /// As by default (the GPU is listed and not withdrawn), unless held.
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.pass(SimCall::Probe);
+        match self.lock().inventory.gpu_by_uuid(gpu.as_str()) {
+            Some(g) if !g.health.is_withdrawn() => Ok(()),
+            Some(g) => Err(g.health.to_string()),
+            None => Err("the GPU is no longer listed".into()),
+        }
+    }
+
     fn usage(&self) -> Result<Vec<GpuUsage>> {
+        self.pass(SimCall::Usage);
         let m = self.lock();
         Ok(m.inventory
             .gpus

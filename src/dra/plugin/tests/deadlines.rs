@@ -35,6 +35,8 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         boot_id: "boot-1".into(),
         partitionable: true,
         shared_capacity: true,
+        dynamic_mig: false,
+        keep_mig_on: false,
         mps_root: d.join("mps"),
     };
     let (plugin, writer, _) =

@@ -1,5 +1,5 @@
-//! The rules without a real driver's slices: names, device limits, the 1.34 layout, and which
-//! rules the API server shares. (nvdra's tests check every rule on its GPUs' slices.)
+//! The rules on a made-up driver's slices: names, device limits, the 1.34 layout, and which
+//! rules the API server shares. (A real driver's tests check every rule on its own slices.)
 
 use super::*;
 use k8s_openapi::api::resource::v1::{
@@ -33,7 +33,7 @@ fn ids(v: &[Violation]) -> Vec<&str> {
 
 #[test]
 fn labels() {
-    for ok in ["a", "gpu-0", "0", "a-b-c"] {
+    for ok in ["a", "fpga-0", "0", "a-b-c"] {
         assert!(is_dns_label(ok, 63), "{ok}");
     }
     for bad in ["", "-a", "a-", "A", "a.b", "a_b", "é"] {
@@ -46,10 +46,10 @@ fn labels() {
 
 #[test]
 fn subdomains() {
-    for ok in ["gpu.nvidia.com", "node-a", "a.b-c.d"] {
+    for ok in ["fpga.example.com", "node-a", "a.b-c.d"] {
         assert!(is_dns_subdomain(ok, 253), "{ok}");
     }
-    for bad in ["", ".a", "a.", "a..b", "Gpu.nvidia.com", "a/b", "-a.b"] {
+    for bad in ["", ".a", "a.", "a..b", "Fpga.example.com", "a/b", "-a.b"] {
         assert!(!is_dns_subdomain(bad, 253), "{bad}");
     }
     let long_label = format!("{}.com", "a".repeat(64));
@@ -132,10 +132,10 @@ fn stricter_rules_are_told_apart_from_the_servers() {
 #[test]
 fn violation_display_names_device_and_rule() {
     let v = Violation {
-        device: Some("gpu-0".into()),
+        device: Some("fpga-0".into()),
         rule: "device-name: x".into(),
     };
-    assert_eq!(v.to_string(), "device gpu-0: device-name: x");
+    assert_eq!(v.to_string(), "device fpga-0: device-name: x");
     assert_eq!(v.rule_id(), "device-name");
     let v = Violation {
         device: None,

@@ -52,8 +52,20 @@ pub fn run(out: &mut (dyn Write + Send), slices: &[ResourceSlice], step: u32) ->
         out,
         "{step}. Why would a pod wait? `nvdra match` on a claim for two GPUs of >= 100Gi in one NVLink domain:"
     )?;
+    // MIG placements (`--dynamic-mig`) are not of the class: one line for them all.
+    let mut placements = 0;
     for line in matching::render_table(std::slice::from_ref(&report)).lines() {
+        if line.contains(r#"type "mig" != "gpu""#) {
+            placements += 1;
+            continue;
+        }
         writeln!(out, "   {line}")?;
+    }
+    if placements > 0 {
+        writeln!(
+            out,
+            "   ({placements} MIG placements left out: class gpu.nvidia.com wants type \"gpu\")"
+        )?;
     }
     writeln!(out)?;
     Ok(())

@@ -12,6 +12,7 @@
 mod explain;
 mod fault;
 mod legacy;
+mod shapes;
 mod shares;
 
 use std::io::Write;
@@ -62,7 +63,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         log_format: LogFormat::Plain,
         partitionable: false,
         shared_capacity: true,
-        dynamic_mig: crate::config::DynamicMig::Off,
+        dynamic_mig: crate::config::DynamicMig::On,
         mig_profiles: None,
         pod_uid: None,
         device_plugin_config: None,
@@ -257,8 +258,13 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         // 7. Two pods share one GPU by memory.
         shares::run(out, root, &mut dra, &slices, 7).await?;
 
-        // 8. A GPU fault reaches the health stream and the slices.
-        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 8).await?;
+        // 8. One H100 whole, in two MIG devices, and whole again.
+        let (gpu, uuid) = shapes::reshapeable(&slices)
+            .context("no GPU of the demo is published whole and in MIG placements")?;
+        shapes::run(out, root, &mut dra, &slices_dir, &daemon, &sim, (&gpu, &uuid), 8).await?;
+
+        // 9. A GPU fault reaches the health stream and the slices.
+        fault::run(out, root, &dra_socket, &slices_dir, &daemon, 9).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -275,7 +281,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         "   The daemon shut down cleanly and removed its sockets.\n"
     )?;
 
-    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 9).await?;
+    legacy::run(out, config, SimBackend::from_profile(PROFILE, NODE)?, 10).await?;
     writeln!(
         out,
         "Next: deploy for real with `kubectl apply -k manifests/overlays/plain` (README, Deploying)."

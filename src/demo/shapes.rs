@@ -15,7 +15,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::{DRIVER, DraClient, NAMESPACE, prepare, unprepare, wait_for_slices};
+use super::{DraClient, NAMESPACE, prepare, unprepare, wait_for_slices};
 use crate::inventory::sim::{SimAction, SimBackend};
 use crate::matching;
 
@@ -77,6 +77,8 @@ struct Scheduler<'a> {
     objects: matching::Objects,
     /// Allocated claims: (name, uid), with their allocation in `objects.claims`.
     allocated: Vec<(String, String)>,
+    /// The GPU reshaped: why it was passed over is part of a refusal.
+    focus: String,
 }
 
 impl Scheduler<'_> {
@@ -112,10 +114,26 @@ impl Scheduler<'_> {
         let picked = match (&report.allocation, report.satisfiable) {
             (Some(a), true) => a.first().context("an empty allocation")?.clone(),
             _ => {
-                return Ok(Err(report
+                let mut why = report
                     .reason
                     .clone()
-                    .unwrap_or_else(|| "does not fit".into())));
+                    .unwrap_or_else(|| "does not fit".into());
+                let passed_over = report
+                    .requests
+                    .iter()
+                    .flat_map(|r| &r.rejected)
+                    .find(|r| r.device == self.focus);
+                match passed_over {
+                    Some(r) => why = format!("{why}; {}: {}", r.device, r.reason),
+                    // While MIG devices exist, the GPU is not published whole at all.
+                    None => {
+                        why = format!(
+                            "{why}; {} is not offered whole while it has MIG devices",
+                            self.focus
+                        )
+                    }
+                }
+                return Ok(Err(why));
             }
         };
         let consumed = (!picked.consumed_capacity.is_empty()).then(|| {
@@ -197,7 +215,10 @@ async fn prepared(dra: &mut DraClient, name: &str, uid: &str) -> Result<Vec<Stri
         "preparing {NAMESPACE}/{name} failed: {}",
         r.error
     );
-    Ok(r.devices.into_iter().flat_map(|d| d.cdi_device_ids).collect())
+    Ok(r.devices
+        .into_iter()
+        .flat_map(|d| d.cdi_device_ids)
+        .collect())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -224,6 +245,7 @@ pub async fn run<T>(
         slices_dir,
         objects,
         allocated: Vec::new(),
+        focus: gpu_name.to_string(),
     };
     writeln!(
         out,
@@ -336,12 +358,7 @@ pub fn reshapeable(slices: &[ResourceSlice]) -> Option<(String, String)> {
         .flat_map(|s| s.spec.devices.iter().flatten())
         .collect();
     devices.iter().rev().find_map(|d| {
-        let uuid = d
-            .attributes
-            .as_ref()?
-            .get("uuid")?
-            .string
-            .clone()?;
+        let uuid = d.attributes.as_ref()?.get("uuid")?.string.clone()?;
         let placements = format!("{}-mig-", d.name);
         devices
             .iter()

@@ -1,5 +1,7 @@
 //! How long `desired_slices` takes for a DGX A100 in partitionable mode (`dgx-a100-mig`: 8 GPUs in
-//! MIG mode, 200 devices, every placement of every MIG profile), the largest built-in case. The publisher recomputes
+//! MIG mode, 200 devices, every placement of every MIG profile), the largest built-in case, and
+//! for a DGX H100 with `--dynamic-mig` (208 devices, whose counters are pared down to the ones
+//! that can run short). The publisher recomputes
 //! slices on every inventory or health change, so this bounds its reaction time.
 //!
 //! Run with `cargo bench --bench slices`; prints median and p99 over the runs.
@@ -19,13 +21,23 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn bench(label: &str, profile: &str, layout: CounterLayout, partitionable: bool) {
+    bench_with(label, profile, layout, partitionable, false);
+}
+
+fn bench_with(
+    label: &str,
+    profile: &str,
+    layout: CounterLayout,
+    partitionable: bool,
+    dynamic_mig: bool,
+) {
     let inv = load_profile(profile, "bench-node").expect("built-in profile");
     let opts = SliceOptions {
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
         partitionable,
         shared_capacity: false,
-        dynamic_mig: false,
+        dynamic_mig,
         mig_profiles: None,
         layout,
     };
@@ -46,7 +58,7 @@ fn bench(label: &str, profile: &str, layout: CounterLayout, partitionable: bool)
     }
     times.sort();
     println!(
-        "desired_slices dgx-a100 {label:<28} {devices:>4} devices  median {:>9.3?}  p99 {:>9.3?}  (n={RUNS})",
+        "desired_slices {profile:<12} {label:<28} {devices:>4} devices  median {:>9.3?}  p99 {:>9.3?}  (n={RUNS})",
         percentile(&times, 0.5),
         percentile(&times, 0.99),
     );
@@ -66,4 +78,11 @@ fn main() {
         true,
     );
     bench("plain", "dgx-a100", CounterLayout::Separate, false);
+    bench_with(
+        "dynamic MIG, separate",
+        "dgx-h100",
+        CounterLayout::Separate,
+        false,
+        true,
+    );
 }

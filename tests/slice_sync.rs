@@ -354,6 +354,40 @@ async fn dynamic_mig_publishes_every_gpu_whole_and_in_placements() {
     }
 }
 
+/// A MIG mode change left pending (prepare met NVML's RESET_REQUIRED) reaches the API server as
+/// one update: that GPU is published whole only, tainted `mig-reset-required`, the others stay
+/// offered both ways.
+#[tokio::test]
+async fn a_pending_mig_mode_change_is_published_as_a_taint() {
+    let mut node = start_opts("dgx-h100", |o| o.dynamic_mig = true, |_| {}).await;
+    eventually("every GPU whole and in placements", || {
+        device_names(&node.server.slices()).len() == 8 * 26
+    })
+    .await;
+    node.sim.update(|inv| inv.gpus[0].mig.pending = Some(true));
+    node.announce_and_wait().await;
+    eventually("GPU 0 whole only, tainted", || {
+        let slices = node.server.slices();
+        let names = device_names(&slices);
+        let gpu0: Vec<&String> = names
+            .iter()
+            .filter(|n| *n == "gpu-0" || n.starts_with("gpu-0-"))
+            .collect();
+        let tainted = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .find(|d| d.name == "gpu-0")
+            .and_then(|d| d.taints.as_ref())
+            .is_some_and(|t| {
+                t.iter().any(|t| {
+                    t.key == "gpu.nvidia.com/mig-reset-required" && t.effect == "NoSchedule"
+                })
+            });
+        names.len() == 7 * 26 + 1 && gpu0 == ["gpu-0"] && tainted
+    })
+    .await;
+}
+
 /// `--dynamic-mig` where the server drops the counter fields: a GPU offered whole and in MIG
 /// placements without counters could be handed out both ways at once, so the node falls back
 /// to each GPU by its current mode (whole, on dgx-h100), and settles.

@@ -46,6 +46,8 @@ fn main() {
         node_name: "bench-node".into(),
         partitionable: true,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: CounterLayout::Separate,
     };
     let published: Vec<_> = desired_slices(&inv, &opts)

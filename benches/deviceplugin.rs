@@ -16,7 +16,7 @@ use nvdra::deviceplugin::{DevicePlugin, Options};
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
-#[path = "../tests/support/wait.rs"]
+#[path = "../crates/kubelet-plugin/tests/support/wait.rs"]
 mod wait;
 
 const ROUNDS: usize = 5000;

@@ -36,6 +36,8 @@ fn main() {
         node_name: "bench-node".into(),
         partitionable: false,
         shared_capacity: true,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: CounterLayout::Separate,
     };
     let slices: Vec<ResourceSlice> = desired_slices(&inv, &opts)

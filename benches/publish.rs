@@ -38,6 +38,8 @@ fn desired() -> Vec<ResourceSliceSpec> {
             node_name: NODE.into(),
             partitionable: true,
             shared_capacity: false,
+            dynamic_mig: false,
+            mig_profiles: None,
             layout: CounterLayout::Separate,
         },
     )

@@ -21,7 +21,7 @@ use kubelet_plugin::proto::dra::v1::dra_plugin_client::DraPluginClient;
 
 #[path = "../tests/support/daemon.rs"]
 mod daemon;
-#[path = "../tests/support/wait.rs"]
+#[path = "../crates/kubelet-plugin/tests/support/wait.rs"]
 mod wait;
 
 const PROFILE: &str = "dgx-h100";

@@ -25,6 +25,8 @@ fn bench(label: &str, profile: &str, layout: CounterLayout, partitionable: bool)
         node_name: "bench-node".into(),
         partitionable,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout,
     };
     let mut devices = 0;

@@ -516,6 +516,8 @@ fn render_slices(
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
         shared_capacity: config.shared_capacity,
+        dynamic_mig: config.dynamic_mig.enabled(),
+        mig_profiles: config.mig_profiles.clone(),
         layout: layout.into(),
     };
     let mut out = String::new();

@@ -223,6 +223,7 @@ async fn start(
     let (mut owner, inventory) =
         Owner::new(backend.clone(), rescan(&config), owner::DEADLINE).map_err(Error::Thread)?;
     let _ = owner.read().await;
+    warn_of_unlisted_profiles(&config, &inventory.latest());
     let watched: Arc<dyn DeviceBackend> = Arc::new(Watched::new(backend, inventory.clone()));
     let config = without_unavailable(config, watched.as_ref());
     let monitor = HealthMonitor::start(&config, &watched);
@@ -537,6 +538,7 @@ fn warn_of_known_bugs(config: &Config, version: &versions::KubeVersion) {
     let on: Vec<versions::Switch> = [
         (config.partitionable, versions::Switch::Partitionable),
         (config.shared_capacity, versions::Switch::SharedCapacity),
+        (config.dynamic_mig.enabled(), versions::Switch::DynamicMig),
     ]
     .into_iter()
     .filter_map(|(on, s)| on.then_some(s))
@@ -547,6 +549,25 @@ fn warn_of_known_bugs(config: &Config, version: &versions::KubeVersion) {
             .map(|(b, _)| format!("kubernetes#{}", b.issue))
             .collect();
         tracing::warn!(kubernetes.version = %version, bugs = %bugs.join(","), "{message}");
+    }
+}
+
+/// Names the `--mig-profiles` entries no GPU of the node has, once at start (a typo publishes no
+/// placement of that profile, silently otherwise).
+fn warn_of_unlisted_profiles(config: &Config, read: &owner::Published) {
+    let (Some(allowed), Some(inv)) = (&config.mig_profiles, &read.inventory) else {
+        return;
+    };
+    if !(config.partitionable || config.dynamic_mig.enabled()) {
+        return;
+    }
+    let unlisted = slices::unlisted_profiles(inv, allowed);
+    if !unlisted.is_empty() {
+        tracing::warn!(
+            profiles = %unlisted.join(","),
+            "no GPU of this node has these --mig-profiles entries; they publish nothing here \
+             (check the spelling against `nvidia-smi mig -lgip`)"
+        );
     }
 }
 
@@ -581,6 +602,8 @@ async fn publish(
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
         shared_capacity: config.shared_capacity,
+        dynamic_mig: config.dynamic_mig.enabled(),
+        mig_profiles: config.mig_profiles.clone(),
         layout: sync::layout_for(version.map(|v| v.minor)),
     };
     let (publisher, handle) = Publisher::with_counters(

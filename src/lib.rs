@@ -11,6 +11,7 @@ pub mod api;
 pub mod cdi;
 #[cfg(feature = "tools")]
 pub mod cel;
+pub mod child;
 pub mod cli;
 pub mod config;
 pub mod daemon;

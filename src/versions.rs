@@ -7,11 +7,14 @@
 //! for people; keep the two together.
 //!
 //! Only bugs that leave ordinary claims pending (or wrongly allocated) on a node that nvdra's
-//! switches shape are here. Bugs nvdra's slices cannot reach (kubernetes#139034 needs a device
-//! both shareable and consuming counters, which nvdra never publishes) and bugs of a rare kind
-//! of claim with no fix yet (kubernetes#140729, admin access charged counters twice) are in the
-//! README only: a warning at every start that no upgrade can silence would teach people to
-//! skip warnings.
+//! switches shape are here. kubernetes#139034 (a shareable device's counters forgotten in later
+//! scheduling cycles, so a MIG placement could be allocated beside a running share) needs a
+//! device both shareable and consuming counters, which nvdra publishes only with
+//! `--dynamic-mig` and `--shared-capacity` together; its 1.36 fix (kubernetes#139211, merged
+//! 2026-06-08) is not yet tied to a patch release here, so it is in the README only, as are bugs
+//! of a rare kind of claim with no fix yet (kubernetes#140729, admin access charged counters
+//! twice): a warning at every start that no upgrade can silence would teach people to skip
+//! warnings.
 
 use std::fmt;
 
@@ -74,6 +77,8 @@ pub enum Switch {
     Partitionable,
     /// `--shared-capacity`: GPUs allocatable many times by memory (DRAConsumableCapacity).
     SharedCapacity,
+    /// `--dynamic-mig`: GPUs offered whole and in MIG placements on shared counters.
+    DynamicMig,
 }
 
 impl Switch {
@@ -81,6 +86,7 @@ impl Switch {
         match self {
             Switch::Partitionable => "--partitionable",
             Switch::SharedCapacity => "--shared-capacity",
+            Switch::DynamicMig => "--dynamic-mig",
         }
     }
 }
@@ -127,6 +133,10 @@ pub const BUGS: &[Bug] = &[Bug {
             Switch::SharedCapacity,
             "a claim for two GPUs on one NVLink domain (matchAttribute) stays pending though it \
              fits",
+        ),
+        (
+            Switch::DynamicMig,
+            "a claim with matchAttribute over GPUs or MIG placements stays pending though it fits",
         ),
     ],
     minor: 36,
@@ -282,5 +292,16 @@ mod tests {
         );
         // One bug, named once.
         assert_eq!(text.matches("kubernetes#140436").count(), 1, "{text}");
+        // Dynamic MIG's counters meet the same leak.
+        let text = warning(&v(36, Some(3)), &[Switch::DynamicMig]).unwrap();
+        assert!(
+            text.contains("hits --dynamic-mig: kubernetes#140436"),
+            "{text}"
+        );
+        assert!(
+            text.contains("with --dynamic-mig, a claim with matchAttribute"),
+            "{text}"
+        );
+        assert_eq!(warning(&v(36, Some(4)), &[Switch::DynamicMig]), None);
     }
 }

@@ -25,6 +25,9 @@ fn nvdra(args: &[&str]) -> Output {
         "NVIDIA_DRIVER_ROOT",
         "NVDRA_DRIVER_NAME",
         "NVDRA_PARTITIONABLE",
+        "NVDRA_SHARED_CAPACITY",
+        "NVDRA_DYNAMIC_MIG",
+        "NVDRA_MIG_PROFILES",
     ] {
         cmd.env_remove(var);
     }
@@ -668,4 +671,96 @@ fn shares_of_a_gpu_add_up_and_exclude_the_whole_gpu() {
         table.contains("  allocated: gpu → gpu-0 (memory 80Gi, multiprocessors 0)\n"),
         "{table}"
     );
+}
+
+/// `nvdra match --dynamic-mig` on dgx-h100 allocates across the whole/MIG pool as the scheduler
+/// would, by the counters: a whole-GPU claim, then a 3g and a 1g claim beside each other on
+/// another GPU, never the one taken whole; the slices `nvdra inventory -o slices --dynamic-mig`
+/// prints give the same answers.
+#[test]
+fn whole_and_mig_claims_share_the_dynamic_mig_pool_by_its_counters() {
+    let dir = tempfile::tempdir().unwrap();
+    let mig = |name: &str, profile: &str| {
+        format!(
+            "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}}}\nspec:\n  devices:\n    requests:\n    - name: g\n      exactly:\n        deviceClassName: mig.nvidia.com\n        selectors:\n        - cel: {{expression: \"device.attributes['gpu.nvidia.com'].profile == '{profile}'\"}}\n"
+        )
+    };
+    let whole = "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: whole}\nspec:\n  devices:\n    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, selectors: [{cel: {expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}}]}\n";
+    let claims = dir.path().join("claims.yaml");
+    std::fs::write(
+        &claims,
+        format!(
+            "{whole}{}{}{}",
+            mig("three", "3g.40gb"),
+            mig("one", "1g.10gb"),
+            // Only GPU 0's placements: taken whole, so this one does not fit.
+            mig("on-zero", "1g.10gb").replace(
+                "== '1g.10gb'",
+                "== '1g.10gb' && device.attributes['gpu.nvidia.com'].parentIndex == 0"
+            )
+        ),
+    )
+    .unwrap();
+    let f = claims.to_str().unwrap();
+    let inv = nvdra(&[
+        "inventory",
+        "--profile",
+        "dgx-h100",
+        "-o",
+        "slices",
+        "--dynamic-mig",
+    ]);
+    assert!(
+        inv.status.success(),
+        "{}",
+        String::from_utf8_lossy(&inv.stderr)
+    );
+    let slices = dir.path().join("slices.yaml");
+    std::fs::write(&slices, &inv.stdout).unwrap();
+    let from_profile = nvdra(&[
+        "match",
+        "-f",
+        f,
+        "--profile",
+        "dgx-h100",
+        "--dynamic-mig",
+        "-o",
+        "json",
+    ]);
+    let from_file = nvdra(&[
+        "match",
+        "-f",
+        f,
+        "--slices",
+        slices.to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(json(&from_profile), json(&from_file));
+    assert_eq!(
+        from_profile.status.code(),
+        Some(1),
+        "{}",
+        stdout(&from_profile)
+    );
+    let v = json(&from_profile);
+    let device = |i: usize| {
+        v[i]["allocation"][0]["device"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(device(0), "gpu-0");
+    let (three, one) = (device(1), device(2));
+    assert!(three.starts_with("gpu-1-mig-3g40gb-9-"), "{three}");
+    assert!(one.starts_with("gpu-1-mig-1g10gb-19-"), "{one}");
+    assert_eq!(v[3]["satisfiable"], false);
+    let rejected = v[3]["requests"][0]["rejected"].as_array().unwrap();
+    let why = rejected
+        .iter()
+        .find(|r| r["device"] == "gpu-0-mig-1g10gb-19-0")
+        .unwrap()["reason"]
+        .as_str()
+        .unwrap();
+    assert!(why.contains("taken by gpu-0 (claim whole)"), "{why}");
 }

@@ -18,6 +18,8 @@ fn nvdra(args: &[&str], env: &[(&str, &str)]) -> Output {
         "NVDRA_DRIVER_NAME",
         "NVDRA_PARTITIONABLE",
         "NVDRA_SHARED_CAPACITY",
+        "NVDRA_DYNAMIC_MIG",
+        "NVDRA_MIG_PROFILES",
         "NVDRA_COUNTER_LAYOUT",
         "NVDRA_LOG_FORMAT",
     ] {
@@ -420,4 +422,135 @@ fn dgx_h100_with_shared_capacity_prints_8_shareable_gpus() {
         !text.contains("-shared") && !text.contains("compute"),
         "{text}"
     );
+}
+
+fn dgx_h100_dynamic(extra: &[&str]) -> Vec<ResourceSlice> {
+    let args = [
+        &[
+            "inventory",
+            "--profile",
+            "dgx-h100",
+            "--node-name",
+            "node-a",
+            "-o",
+            "slices",
+            "--dynamic-mig",
+        ][..],
+        extra,
+    ]
+    .concat();
+    parse_slices(&nvdra(&args, &[]))
+}
+
+/// The must-show: `nvdra inventory -o slices --dynamic-mig --profile dgx-h100` prints
+/// every H100 whole (as without the switch) and in each of its 25 MIG placements, all of a GPU's
+/// devices drawing on one counter set of its own, the whole GPU on every counter of it; the
+/// slices parse strictly as ResourceSlices (the 1.35 layout: counters in a slice of their own).
+/// With `--mig-profiles 1g.10gb,3g.40gb`, 1 + 7 + 2 devices per GPU.
+#[test]
+fn dgx_h100_with_dynamic_mig_prints_each_gpu_whole_and_in_every_placement() {
+    let plain = parse_slices(&nvdra(
+        &[
+            "inventory",
+            "--profile",
+            "dgx-h100",
+            "--node-name",
+            "node-a",
+            "-o",
+            "slices",
+        ],
+        &[],
+    ));
+    for (extra, per_gpu) in [
+        (&[][..], 1 + 7 + 7 + 4 + 3 + 2 + 1 + 1),
+        (&["--mig-profiles", "1g.10gb,3g.40gb"][..], 1 + 7 + 2),
+    ] {
+        let slices = dgx_h100_dynamic(extra);
+        let sets: Vec<_> = slices
+            .iter()
+            .flat_map(|s| s.spec.shared_counters.iter().flatten())
+            .collect();
+        assert_eq!(sets.len(), 8, "{extra:?}");
+        assert!(
+            slices
+                .iter()
+                .all(|s| s.spec.shared_counters.is_none() || s.spec.devices.is_none()),
+            "1.35 layout"
+        );
+        let devices: Vec<_> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .collect();
+        assert_eq!(devices.len(), 8 * per_gpu, "{extra:?}");
+        for gpu in 0..8 {
+            let name = format!("gpu-{gpu}");
+            let set_name = format!("gpu-{gpu}-counter-set");
+            let set = sets.iter().find(|s| s.name == set_name).unwrap();
+            let mine: Vec<_> = devices
+                .iter()
+                .filter(|d| d.name == name || d.name.starts_with(&format!("{name}-mig-")))
+                .collect();
+            assert_eq!(mine.len(), per_gpu, "{name} {extra:?}");
+            for d in &mine {
+                let consumes = d.consumes_counters.as_ref().unwrap();
+                assert_eq!(consumes.len(), 1, "{}", d.name);
+                assert_eq!(consumes[0].counter_set, set_name, "{}", d.name);
+            }
+            // The whole GPU: as without the switch, and drawing every counter, all of each.
+            let whole = mine.iter().find(|d| d.name == name).unwrap();
+            assert_eq!(
+                whole.consumes_counters.as_ref().unwrap()[0].counters,
+                set.counters
+            );
+            let mut bare = (**whole).clone();
+            bare.consumes_counters = None;
+            let before = plain[0].spec.devices.as_ref().unwrap();
+            assert_eq!(Some(&bare), before.iter().find(|d| d.name == name));
+        }
+    }
+}
+
+/// Without `--dynamic-mig` (or with `--dynamic-mig=off`) the slices are the golden ones,
+/// byte for byte; with it, a node without Hopper GPUs publishes them too.
+#[test]
+fn dynamic_mig_off_or_without_hopper_leaves_the_slices_byte_identical() {
+    for profile in ["dgx-h100", "a100-mig-mixed"] {
+        for partitionable in ["false", "true"] {
+            let golden = std::fs::read_to_string(format!(
+                "{}/tests/data/slices/{profile}-partitionable-{partitionable}.yaml",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap();
+            let partitionable = format!("--partitionable={partitionable}");
+            let mut modes = vec!["--dynamic-mig=off"];
+            if profile == "a100-mig-mixed" {
+                modes.push("--dynamic-mig");
+            }
+            for mode in modes {
+                let out = nvdra(
+                    &[
+                        "inventory",
+                        "--profile",
+                        profile,
+                        "--node-name",
+                        "node-a",
+                        "-o",
+                        "slices",
+                        &partitionable,
+                        mode,
+                    ],
+                    &[],
+                );
+                assert!(
+                    out.status.success(),
+                    "{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(
+                    String::from_utf8(out.stdout).unwrap() == golden,
+                    "{profile} {partitionable} {mode} changed"
+                );
+            }
+        }
+    }
 }

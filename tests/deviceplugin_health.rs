@@ -15,7 +15,7 @@ use nvdra::inventory::Health;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
-#[path = "support/wait.rs"]
+#[path = "../crates/kubelet-plugin/tests/support/wait.rs"]
 mod wait;
 
 /// The plugin's settings in a test directory: kubelet.sock and the plugin sockets under

@@ -139,6 +139,8 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
             node_name: NODE.into(),
             partitionable: false,
             shared_capacity: false,
+            dynamic_mig: false,
+            mig_profiles: None,
             layout: CounterLayout::Separate,
         },
         Duration::from_secs(3600),

@@ -209,6 +209,8 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
         node_name: "n".into(),
         partitionable: false,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: CounterLayout::Separate,
     };
     let tainted: Vec<(String, String)> = desired_slices(&inv, &opts)

@@ -96,6 +96,23 @@ async fn start_with(
     shared_capacity: bool,
     prepare: impl FnOnce(&TestApiServer),
 ) -> Node {
+    start_opts(
+        profile,
+        |o| {
+            o.partitionable = partitionable;
+            o.shared_capacity = shared_capacity;
+        },
+        prepare,
+    )
+    .await
+}
+
+/// Starts a node whose slice options `shape` sets (all switches off before it).
+async fn start_opts(
+    profile: &str,
+    shape: impl FnOnce(&mut SliceOptions),
+    prepare: impl FnOnce(&TestApiServer),
+) -> Node {
     let server = TestApiServer::start().await;
     server.seed_node(NODE, "uid-node-a");
     prepare(&server);
@@ -114,16 +131,20 @@ async fn start_with(
         sim: sim.clone(),
         reads: reads_tx,
     };
+    let mut slice_options = SliceOptions {
+        driver: DRIVER.into(),
+        node_name: NODE.into(),
+        partitionable: false,
+        shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
+        layout,
+    };
+    shape(&mut slice_options);
     let (sync, sync_handle) = SliceSync::new(
         Arc::new(backend),
         handle.clone(),
-        SliceOptions {
-            driver: DRIVER.into(),
-            node_name: NODE.into(),
-            partitionable,
-            shared_capacity,
-            layout,
-        },
+        slice_options,
         // Long enough that only announced changes are picked up during a test.
         Duration::from_secs(3600),
     );
@@ -244,6 +265,8 @@ async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
             node_name: NODE.into(),
             partitionable: false,
             shared_capacity: false,
+            dynamic_mig: false,
+            mig_profiles: None,
             layout: CounterLayout::Separate,
         },
     )
@@ -296,6 +319,67 @@ async fn a_1_34_server_gets_counters_and_devices_together() {
         s.spec.shared_counters.is_some() && s.spec.devices.as_ref().is_some_and(|d| !d.is_empty())
     }));
     assert_eq!(layout_for(Some(34)), CounterLayout::Together);
+}
+
+/// `--dynamic-mig` on the test API server: every H100 whole and in each of its 25 MIG
+/// placements, one counter set each, stored as sent (the server checks the API's rules), in the
+/// 1.35 layout and in the 1.34 one.
+#[tokio::test]
+async fn dynamic_mig_publishes_every_gpu_whole_and_in_placements() {
+    for minor in [35, 34] {
+        let node = start_opts(
+            "dgx-h100",
+            |o| o.dynamic_mig = true,
+            |server| server.set_server_minor(minor),
+        )
+        .await;
+        eventually("every GPU whole and in placements", || {
+            let names = device_names(&node.server.slices());
+            names.len() == 8 * 26 && gpus(8).is_subset(&names)
+        })
+        .await;
+        let slices = node.server.slices();
+        let sets: Vec<&str> = slices
+            .iter()
+            .flat_map(|s| s.spec.shared_counters.iter().flatten())
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(sets.len(), 8, "1.{minor}: {sets:?}");
+        let consuming = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()))
+            .count();
+        assert_eq!(consuming, 8 * 26, "1.{minor}");
+    }
+}
+
+/// `--dynamic-mig` where the server drops the counter fields: a GPU offered whole and in MIG
+/// placements without counters could be handed out both ways at once, so the node falls back
+/// to each GPU by its current mode (whole, on dgx-h100), and settles.
+#[tokio::test]
+async fn dynamic_mig_falls_back_to_whole_gpus_where_the_server_drops_counters() {
+    let mut node = start_opts(
+        "dgx-h100",
+        |o| o.dynamic_mig = true,
+        |server| {
+            server.drop_field("sharedCounters");
+            server.drop_field("devices[].consumesCounters");
+        },
+    )
+    .await;
+    eventually("whole GPUs only", || {
+        let slices = node.server.slices();
+        slices.len() == 1 && device_names(&slices) == gpus(8)
+    })
+    .await;
+    assert!(
+        node.server
+            .slices()
+            .iter()
+            .all(|s| s.spec.shared_counters.is_none())
+    );
+    node.assert_announcing_writes_nothing().await;
 }
 
 /// `--shared-capacity` on the test API server: dgx-h100 publishes its 8 GPUs once each, every
@@ -367,6 +451,8 @@ async fn dropped_consumable_capacity_falls_back_to_whole_gpus() {
             node_name: NODE.into(),
             partitionable: false,
             shared_capacity: false,
+            dynamic_mig: false,
+            mig_profiles: None,
             layout: CounterLayout::Separate,
         },
     )

@@ -174,7 +174,7 @@ fn inventory_yaml_reads_as_its_json_for_every_profile() {
 fn slices_read_as_the_resource_slices_they_describe_for_every_profile() {
     with_pyyaml(|| {
         for profile in profile_names() {
-            for extra in [&[][..], &["--partitionable"][..]] {
+            for extra in [&[][..], &["--partitionable"][..], &["--dynamic-mig"][..]] {
                 let args = [
                     &["inventory", "--profile", profile, "--node-name", NODE][..],
                     extra,
@@ -255,6 +255,8 @@ async fn an_api_dir_slice_file_reads_as_the_stored_slice() {
         node_name: NODE.into(),
         partitionable: false,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: Default::default(),
     };
     let mut spec = slices::desired_slices(&inventory, &opts).unwrap().remove(0);

@@ -224,6 +224,8 @@ fn node_slices(
         node_name: config.node_name.clone(),
         partitionable: config.partitionable,
         shared_capacity: config.shared_capacity,
+        dynamic_mig: config.dynamic_mig.enabled(),
+        mig_profiles: config.mig_profiles.clone(),
         layout: slices::CounterLayout::Separate,
     };
     Ok(slices::desired_slices(&inv, &opts)?

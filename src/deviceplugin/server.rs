@@ -21,6 +21,11 @@
 //!
 //! Every server goes through [`socket::incoming`], so the kubelet's `:authority` habits are
 //! handled as on the DRA socket. Streams end on shutdown and when their server is replaced.
+//!
+//! The serving loop ([`DevicePlugin::run`]) waits in one place, `Wakers::next`, for a named
+//! reason (`Wake`: the socket tick, a ledger or DeviceClass change of `--mode both` and `auto`,
+//! the end of the PodResources poll, a re-read), and hands each to its own method; a mode that
+//! waits on something new adds a `Wake` and a handler, not an arm in a long `select!`.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -122,6 +127,119 @@ pub struct DevicePlugin {
 
 /// The file identity of a socket: device, inode, mtime.
 type Identity = (u64, u64, i64, i64);
+
+/// What the serving loop keeps between wake-ups: the servers, and what they last served.
+struct State {
+    slots: Vec<Slot>,
+    kubelet_sock: PathBuf,
+    /// Whether every slot was registered at the last tick.
+    all_registered: bool,
+    /// The resources of the last inventory read (before the overlay and DRA's share).
+    last_res: Vec<Resource>,
+    /// The devices the CDI spec was last written for.
+    last_devices: Vec<(String, u32, Vec<String>)>,
+    /// The served device IDs, for the PodResources poll.
+    served_tx: watch::Sender<super::both::Served>,
+}
+
+/// What wakes the serving loop; [`Wakers::next`] looks in this order.
+enum Wake {
+    Shutdown,
+    /// Time to check the sockets and registrations ([`Settings::watch`]).
+    Tick,
+    /// `--mode both`: the ledger changed.
+    Ledger,
+    /// `--mode auto`: the DeviceClasses' mapping changed.
+    Classes,
+    /// The PodResources poll ended, with why.
+    PodsEnded(String),
+    /// Time to re-read the inventory: the poll ([`Settings::poll`]), a health transition, or a
+    /// new read of the inventory owner.
+    Reread,
+}
+
+/// Everything the serving loop waits on; each mode adds its own.
+struct Wakers {
+    tick: tokio::time::Interval,
+    poll: tokio::time::Interval,
+    /// `--mode both`: the ledger's changes.
+    changes: Option<watch::Receiver<u64>>,
+    /// `--mode auto`: the resource names DeviceClasses map to DRA.
+    mapped: Option<watch::Receiver<Mapped>>,
+    /// The PodResources poll, when one runs.
+    pods: Option<JoinHandle<()>>,
+    health: Option<crate::health::Watch>,
+    published: Option<inventory::owner::Watch>,
+}
+
+impl Wakers {
+    async fn new(
+        plugin: &DevicePlugin,
+        changes: Option<watch::Receiver<u64>>,
+        pods: Option<JoinHandle<()>>,
+    ) -> Self {
+        let mut tick = tokio::time::interval(plugin.settings.watch);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = tokio::time::interval(plugin.settings.poll);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        poll.tick().await;
+        let mut published = plugin.inventory.clone();
+        if let Some(p) = &mut published {
+            // The lists the loop starts with are from the latest publication already.
+            p.mark_unchanged();
+        }
+        Wakers {
+            tick,
+            poll,
+            changes,
+            mapped: plugin.mapped.clone(),
+            pods,
+            health: plugin.health.clone(),
+            published,
+        }
+    }
+
+    /// Waits for the next reason to act; shutdown first, then in the order of [`Wake`].
+    async fn next(&mut self, shutdown: &CancellationToken) -> Wake {
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => Wake::Shutdown,
+            _ = self.tick.tick() => Wake::Tick,
+            Ok(()) = async {
+                match &mut self.changes {
+                    Some(c) => c.changed().await,
+                    None => std::future::pending().await,
+                }
+            } => Wake::Ledger,
+            Ok(()) = async {
+                match &mut self.mapped {
+                    Some(m) => m.changed().await,
+                    None => std::future::pending().await,
+                }
+            } => Wake::Classes,
+            Some(done) = async {
+                match &mut self.pods {
+                    Some(p) => Some(p.await),
+                    None => std::future::pending().await,
+                }
+            } => Wake::PodsEnded(match done {
+                Ok(()) => "ended".to_string(),
+                Err(e) => e.to_string(),
+            }),
+            _ = self.poll.tick() => Wake::Reread,
+            // A health transition re-reads at once instead of at the next poll.
+            Some(()) = crate::health::changed(&mut self.health) => {
+                self.poll.reset();
+                Wake::Reread
+            }
+            // So does a new read of the inventory owner.
+            Some(()) = inventory::owner::changed(&mut self.published) => {
+                self.poll.reset();
+                Wake::Reread
+            }
+        }
+    }
+}
 
 fn identity(path: &Path) -> Option<Identity> {
     std::fs::symlink_metadata(path)
@@ -326,138 +444,139 @@ impl DevicePlugin {
             return Ok(());
         }
         let served_tx = watch::channel(served(&res)).0;
-        let mut changes = self.both.as_ref().map(|b| b.ledger.changes());
+        let changes = self.both.as_ref().map(|b| b.ledger.changes());
         // Part of this task: should it end, the device plugin ends with it, naming it.
-        let mut pods = self.pod_watch().map(|watch| {
+        let pods = self.pod_watch().map(|watch| {
             tokio::spawn(super::both::poll_pod_resources(
                 watch,
                 served_tx.subscribe(),
                 shutdown.child_token(),
             ))
         });
-        let mut last_res = res.clone();
-        let mut mapped = self.mapped.clone();
         self.log_paths(&res);
-        let res = self.unmapped(self.overlaid(res));
-        let mut slots: Vec<Slot> = res
+        let slots: Vec<Slot> = self
+            .unmapped(self.overlaid(res.clone()))
             .into_iter()
             .map(|r| {
                 tracing::info!(resource = %r.name, devices = r.devices.len(), "device-plugin resource");
                 Slot::new(&self.settings.dir, r)
             })
             .collect();
-        let kubelet_sock = self.settings.dir.join(KUBELET_SOCKET);
-        let mut last_devices = cdi_identity(&inv);
-        let mut tick = tokio::time::interval(self.settings.watch);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut poll = tokio::time::interval(self.settings.poll);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        poll.tick().await;
-        let mut all_registered = false;
-        let mut health = self.health.clone();
-        let mut published = self.inventory.clone();
-        if let Some(p) = &mut published {
-            // The lists above are from the latest publication already.
-            p.mark_unchanged();
-        }
+        let mut st = State {
+            slots,
+            kubelet_sock: self.settings.dir.join(KUBELET_SOCKET),
+            all_registered: false,
+            last_res: res,
+            last_devices: cdi_identity(&inv),
+            served_tx,
+        };
+        let mut wake = Wakers::new(&self, changes, pods).await;
         let result = loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => break Ok(()),
-                _ = tick.tick() => {
-                    if let Err(e) = self.ensure_servers(&mut slots, &ctx, &shutdown) {
+            match wake.next(&shutdown).await {
+                Wake::Shutdown => break Ok(()),
+                Wake::Tick => {
+                    if let Err(e) = self.on_tick(&mut st, &ctx, &shutdown).await {
                         break Err(e);
                     }
-                    register_all(&mut slots, &kubelet_sock).await;
-                    let now = slots.iter().all(|s| s.registered.is_some());
-                    if now != all_registered {
-                        all_registered = now;
-                        if let Some(f) = &self.on_registered {
-                            f(now);
-                        }
-                    }
-                    continue;
                 }
-                Ok(()) = async {
-                    match &mut changes {
-                        Some(c) => c.changed().await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    // A claim prepared or unprepared: its devices' health changes.
-                    update(&mut slots, &self.settings.dir, self.unmapped(self.overlaid(last_res.clone())));
-                    continue;
+                Wake::Ledger => self.on_ledger_change(&mut st),
+                Wake::Classes => {
+                    let names: Vec<String> = wake
+                        .mapped
+                        .as_ref()
+                        .map(|m| m.borrow().keys().cloned().collect())
+                        .unwrap_or_default();
+                    self.on_classes_changed(&mut st, &names).await;
                 }
-                Ok(()) = async {
-                    match &mut mapped {
-                        Some(m) => m.changed().await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    // DeviceClasses changed: stop serving what DRA now serves, serve again what
-                    // it no longer does.
-                    self.log_paths(&last_res);
-                    let now = self.unmapped(self.overlaid(last_res.clone()));
-                    let names: Vec<String> = mapped.as_ref().map(|m| m.borrow().keys().cloned().collect()).unwrap_or_default();
-                    let mut kept = Vec::with_capacity(slots.len());
-                    for mut slot in std::mem::take(&mut slots) {
-                        if !names.iter().any(|n| n == slot.name.as_str()) {
-                            kept.push(slot);
-                        } else {
-                            tracing::info!(resource = %slot.name, "a DeviceClass maps this resource; the device plugin stops serving it");
-                            stop_server(&mut slot).await;
-                        }
-                    }
-                    slots = kept;
-                    update(&mut slots, &self.settings.dir, now);
-                    continue;
+                Wake::PodsEnded(reason) => {
+                    break Err(Error::Stopped {
+                        task: "pod-resources-poll",
+                        reason,
+                    });
                 }
-                Some(done) = async {
-                    match &mut pods {
-                        Some(p) => Some(p.await),
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    let reason = match done {
-                        Ok(()) => "ended".to_string(),
-                        Err(e) => e.to_string(),
-                    };
-                    break Err(Error::Stopped { task: "pod-resources-poll", reason });
-                }
-                _ = poll.tick() => {}
-                // A health transition re-reads at once instead of at the next poll.
-                Some(()) = crate::health::changed(&mut health) => poll.reset(),
-                // So does a new read of the inventory owner.
-                Some(()) = inventory::owner::changed(&mut published) => poll.reset(),
-            }
-            match self.check().await {
-                Ok((inv, res)) => {
-                    let devices = cdi_identity(&inv);
-                    if wants_cdi
-                        && devices != last_devices
-                        && let Err(e) = self.write_cdi(&cdi_opts, &inv).await
-                    {
-                        tracing::warn!(error = %crate::report::chain(&e), "cannot rewrite the device-plugin CDI spec");
-                    }
-                    last_devices = devices;
-                    served_tx.send_replace(served(&res));
-                    last_res = res.clone();
-                    update(
-                        &mut slots,
-                        &self.settings.dir,
-                        self.unmapped(self.overlaid(res)),
-                    );
-                }
-                Err(e) => {
-                    tracing::warn!(error = %crate::report::chain(&e), "device plugin: keeping the last device lists")
-                }
+                Wake::Reread => self.reread(&mut st, &cdi_opts, wants_cdi).await,
             }
         };
-        for slot in &mut slots {
+        let slots = &mut st.slots;
+        for slot in slots {
             stop_server(slot).await;
         }
         tracing::info!("device plugin stopped");
         result
+    }
+
+    /// [`Wake::Tick`]: serves again the sockets that are gone or replaced, registers what the
+    /// current kubelet has not, and tells [`DevicePlugin::on_registered`] when that changes.
+    async fn on_tick(
+        &self,
+        st: &mut State,
+        ctx: &Arc<Context>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error> {
+        self.ensure_servers(&mut st.slots, ctx, shutdown)?;
+        register_all(&mut st.slots, &st.kubelet_sock).await;
+        let now = st.slots.iter().all(|s| s.registered.is_some());
+        if now != st.all_registered {
+            st.all_registered = now;
+            if let Some(f) = &self.on_registered {
+                f(now);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Wake::Ledger`]: a claim prepared or unprepared: its devices' health changes.
+    fn on_ledger_change(&self, st: &mut State) {
+        update(
+            &mut st.slots,
+            &self.settings.dir,
+            self.unmapped(self.overlaid(st.last_res.clone())),
+        );
+    }
+
+    /// [`Wake::Classes`]: DeviceClasses changed: stop serving what DRA now serves (`mapped`, the
+    /// resource names they map), serve again what it no longer does.
+    async fn on_classes_changed(&self, st: &mut State, mapped: &[String]) {
+        self.log_paths(&st.last_res);
+        let now = self.unmapped(self.overlaid(st.last_res.clone()));
+        let mut kept = Vec::with_capacity(st.slots.len());
+        for mut slot in std::mem::take(&mut st.slots) {
+            if !mapped.iter().any(|n| n == slot.name.as_str()) {
+                kept.push(slot);
+            } else {
+                tracing::info!(resource = %slot.name, "a DeviceClass maps this resource; the device plugin stops serving it");
+                stop_server(&mut slot).await;
+            }
+        }
+        st.slots = kept;
+        update(&mut st.slots, &self.settings.dir, now);
+    }
+
+    /// [`Wake::Reread`]: reads the inventory again; sends changed device lists, rewrites the CDI
+    /// spec when the devices changed, and keeps the last lists when the read fails.
+    async fn reread(&self, st: &mut State, cdi_opts: &crate::cdi::CdiOptions, wants_cdi: bool) {
+        match self.check().await {
+            Ok((inv, res)) => {
+                let devices = cdi_identity(&inv);
+                if wants_cdi
+                    && devices != st.last_devices
+                    && let Err(e) = self.write_cdi(cdi_opts, &inv).await
+                {
+                    tracing::warn!(error = %crate::report::chain(&e), "cannot rewrite the device-plugin CDI spec");
+                }
+                st.last_devices = devices;
+                st.served_tx.send_replace(served(&res));
+                st.last_res = res.clone();
+                update(
+                    &mut st.slots,
+                    &self.settings.dir,
+                    self.unmapped(self.overlaid(res)),
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::report::chain(&e), "device plugin: keeping the last device lists")
+            }
+        }
     }
 
     async fn write_cdi(&self, opts: &crate::cdi::CdiOptions, inv: &Inventory) -> Result<(), Error> {

@@ -21,6 +21,8 @@
 //!   shares by its consumable capacity. GPUs and MIG devices marked unhealthy for good are not published; those the
 //!   health monitor saw fail are published with a device taint (`<driver>/xid`,
 //!   `<driver>/gpu-lost`), so a running pod's device does not vanish from the slice.
+//!   With dynamic MIG a GPU that can switch MIG mode is offered whole and in MIG placements at
+//!   once, and its counters keep the two apart.
 //! - Every limit of `resource.k8s.io/v1` in Kubernetes 1.34 and 1.35 holds: at most 128 devices
 //!   per slice (64 when a device consumes counters or has taints), 32 attributes and capacities
 //!   per device, values of at most 64 characters, valid semantic versions, at most 8 counter sets
@@ -34,33 +36,23 @@ mod attributes;
 mod counters;
 mod names;
 mod splitting;
-mod validate;
 
 use std::fmt;
 
 pub use attributes::normalize_version;
 pub use names::{PublishedDevice, counter_set_name, find_device};
 pub use splitting::desired_slices;
+#[cfg(test)]
 use splitting::is_advanced;
-pub use validate::{Violation, is_semver, validate, validate_pool};
-
-/// Most devices in one slice.
-pub const MAX_DEVICES_PER_SLICE: usize = 128;
-/// Most devices in one slice when any of them consumes counters or has taints (1.35).
-pub const MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS: usize = 64;
-/// Most attributes and capacities of one device, together.
-pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
-/// Longest string or version attribute value.
-pub const MAX_VALUE_LENGTH: usize = 64;
-/// Most counter sets in one slice (1.35).
-pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
-/// Most counters in one counter set (1.35), and in all sets of a slice that also lists devices
-/// (1.34).
-pub const MAX_COUNTERS_PER_SET: usize = 32;
-/// Most counter consumptions of one device (1.35).
-pub const MAX_CONSUMPTIONS_PER_DEVICE: usize = 2;
-/// Most counters in one consumption (1.35), and consumed by one device in all (1.34).
-pub const MAX_COUNTERS_PER_CONSUMPTION: usize = 32;
+// The API server's rules are the kubelet-plugin library's (its test API server applies them too).
+#[cfg(test)]
+use kubelet_plugin::validate;
+pub use kubelet_plugin::validate::{
+    MAX_ATTRIBUTES_AND_CAPACITIES, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTER_SETS_PER_SLICE,
+    MAX_COUNTERS_PER_CONSUMPTION, MAX_COUNTERS_PER_SET, MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, MAX_VALUE_LENGTH, Violation, is_semver,
+    validate, validate_pool,
+};
 
 /// The standard attribute for a device's PCI address (extended BDF).
 pub const ATTR_PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
@@ -158,8 +150,44 @@ pub struct SliceOptions {
     /// by consumable `memory` (DRAConsumableCapacity): a claim that asks for part of its memory
     /// gets a share, one that asks for none the whole GPU.
     pub shared_capacity: bool,
-    /// Matters when `partitionable` is set.
+    /// Publish each GPU that can switch MIG mode at run time ([`Gpu::mig_toggle`]) whole and
+    /// in every free MIG placement, at either mode, all drawing on one counter set
+    /// (`--dynamic-mig`); prepare switches the mode. A GPU that cannot is published as without
+    /// the switch, one whose MIG mode change waits for a reset with a
+    /// [`TAINT_MIG_RESET_REQUIRED`] taint as well.
+    ///
+    /// [`Gpu::mig_toggle`]: crate::inventory::Gpu::mig_toggle
+    pub dynamic_mig: bool,
+    /// The MIG profiles whose placements `partitionable` and `dynamic_mig` publish
+    /// (`--mig-profiles`); all when `None`. Existing MIG devices are published whatever their
+    /// profile; a name no GPU has is no error (the list is per fleet, GPUs differ).
+    pub mig_profiles: Option<Vec<String>>,
+    /// Matters when `partitionable` or `dynamic_mig` is set.
     pub layout: CounterLayout,
+}
+
+/// The key (after `<driver>/`) of the taint on the devices of a GPU whose MIG mode change
+/// waits for a GPU reset, with `dynamic_mig`: prepare cannot switch its mode, and nvdra never
+/// resets a GPU, so new claims keep off it until someone does. No value; effect `NoSchedule`,
+/// so running pods stay.
+pub const TAINT_MIG_RESET_REQUIRED: &str = "mig-reset-required";
+
+/// The names of the `--mig-profiles` allowlist that no GPU of `inv` lists: no error (the list is
+/// per fleet, and GPUs differ), but worth a word at start when none has them, as a misspelt name
+/// silently publishes nothing.
+pub fn unlisted_profiles<'a>(
+    inv: &crate::inventory::Inventory,
+    allowed: &'a [String],
+) -> Vec<&'a str> {
+    allowed
+        .iter()
+        .filter(|name| {
+            !inv.gpus
+                .iter()
+                .any(|g| g.mig.profiles.iter().any(|p| &p.name == *name))
+        })
+        .map(String::as_str)
+        .collect()
 }
 
 /// Devices in name order: how every slice lists them, so a republish compares equal.

@@ -8,7 +8,8 @@
 //!
 //! It also owns the one decision that needs the API server's answers: when the server drops the
 //! partitionable fields (`sharedCounters`, `consumesCounters`: the DRAPartitionableDevices gate is
-//! off), it logs that once and falls back to the plain layout, so the node stays schedulable.
+//! off), it logs that once and falls back to the plain layout, so the node stays schedulable
+//! (with `--dynamic-mig` too: each GPU is then published by its current MIG mode).
 //! Likewise for consumable capacity (`allowMultipleAllocations`, `requestPolicy`: the
 //! DRAConsumableCapacity gate is off): each shareable GPU is then published as a plain whole GPU.
 //! Likewise for device taints (the DRADeviceTaints gate is off): GPUs the health monitor marked
@@ -212,14 +213,27 @@ impl SliceSync {
             self.options.shared_capacity = false;
             self.stale = true;
         }
-        if self.options.partitionable && !self.fell_back && !lost.is_empty() {
+        let counting = self.options.partitionable || self.options.dynamic_mig;
+        if counting && !self.fell_back && !lost.is_empty() {
+            // Dynamic MIG needs the counters as much: without them a GPU offered whole and in
+            // MIG placements could be handed out both ways at once. Each GPU is then published
+            // by its current mode, as without the switch.
+            let flags: Vec<&str> = [
+                (self.options.partitionable, "--partitionable"),
+                (self.options.dynamic_mig, "--dynamic-mig"),
+            ]
+            .into_iter()
+            .filter_map(|(on, flag)| on.then_some(flag))
+            .collect();
             tracing::warn!(
                 fields = ?lost,
                 "the API server drops the partitionable-device fields (feature gate \
                  DRAPartitionableDevices is off); publishing whole GPUs and existing MIG devices \
-                 instead. Enable the gate or run without --partitionable to silence this"
+                 instead. Enable the gate or run without {} to silence this",
+                flags.join(" and ")
             );
             self.options.partitionable = false;
+            self.options.dynamic_mig = false;
             self.fell_back = true;
             // Force a recompute even though the inventory did not change.
             self.stale = true;
@@ -350,6 +364,8 @@ mod tests {
             node_name: "n1".into(),
             partitionable: false,
             shared_capacity: false,
+            dynamic_mig: false,
+            mig_profiles: None,
             layout: CounterLayout::Separate,
         };
         let (sync, _) = SliceSync::new(

@@ -374,6 +374,17 @@ impl inventory::Wrapper for Monitored {
     fn refresh(&self) -> inventory::Result<Inventory> {
         self.backend.refresh().map(|inv| self.overlay(inv))
     }
+
+    /// The inner publication while there is nothing to lay over it (no fault, no daemon down):
+    /// the common case of a prepare, which then copies nothing.
+    fn published(&self) -> Option<Arc<Inventory>> {
+        let health = self.health.borrow();
+        if health.faults.is_empty() && health.daemons_down.is_empty() {
+            self.backend.published()
+        } else {
+            None
+        }
+    }
 }
 
 #[cfg(test)]

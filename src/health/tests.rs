@@ -372,6 +372,8 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
         node_name: "n1".into(),
         partitionable: false,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: CounterLayout::Separate,
     };
     let slices = desired_slices(&inv, &opts).unwrap();
@@ -394,5 +396,77 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
     state.apply(&mut inv);
     assert!(inv.gpus[0].health.is_healthy());
     assert!(!watch.has_changed().unwrap());
+    stop.cancel();
+}
+
+/// A recovery probe that hangs (NVML stuck) does not stop the monitor: through the inventory
+/// owner's backend it gives up at the deadline, the GPU stays unhealthy, and the monitor goes on
+/// judging events; once the probe returns, the GPU can recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on() {
+    use crate::inventory::owner::{Owner, Watched};
+    use crate::inventory::sim::SimCall;
+    let sim = sim();
+    let (mut owner, inventory) = Owner::new(
+        Arc::new(sim.clone()),
+        Duration::from_secs(3600),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    owner.read().await.unwrap();
+    let watched = Arc::new(
+        Watched::new(Arc::new(sim.clone()), inventory).with_call_deadline(Duration::from_secs(2)),
+    );
+    let policy = Policy {
+        quiet_period: Duration::ZERO,
+        probe_interval: Duration::from_millis(20),
+        ..Policy::default()
+    };
+    let (monitor, handle) = Monitor::new(policy, Arc::new(BackendProbe(watched.clone())));
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let (gpu0, gpu1) = (uuid(&sim, 0), uuid(&sim, 1));
+    let held = sim.hold(SimCall::Probe);
+    let tx = handle.events();
+    tx.send(Event {
+        gpu: gpu0.clone(),
+        kind: EventKind::Xid(79),
+    })
+    .await
+    .unwrap();
+    // The probe of GPU 0 starts and hangs; the monitor gives up on it and hears the next event.
+    let wait = |pred: Box<dyn Fn(&HealthState) -> bool + Send>| {
+        let mut w = handle.subscribe();
+        async move {
+            tokio::time::timeout(Duration::from_secs(60), w.wait_for(|s| pred(s)))
+                .await
+                .expect("the monitor answers")
+                .unwrap();
+        }
+    };
+    let overdue = watched.clone();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while overdue.overdue().is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the probe passes its deadline");
+    tx.send(Event {
+        gpu: gpu1.clone(),
+        kind: EventKind::Xid(79),
+    })
+    .await
+    .unwrap();
+    let g1 = gpu1.clone();
+    wait(Box::new(move |s| {
+        matches!(s.gpu(&g1), GpuHealth::Unhealthy(_))
+    }))
+    .await;
+    assert!(matches!(handle.state().gpu(&gpu0), GpuHealth::Unhealthy(_)));
+
+    // The probe returns: both GPUs answer their next probes and recover.
+    drop(held);
+    wait(Box::new(|s| s.is_empty())).await;
     stop.cancel();
 }

@@ -61,6 +61,15 @@ pub trait DeviceBackend: Send + Sync + 'static {
     /// ([`owner::Watched`](super::owner::Watched)).
     fn snapshot(&self) -> Result<Inventory>;
 
+    /// The inventory [`snapshot`](Self::snapshot) would return, when it is already read and
+    /// can be shared without blocking or copying (the owner's publication, through
+    /// [`owner::Watched`](super::owner::Watched)); `None` otherwise, and by default. Prepare
+    /// takes this first: a snapshot on the blocking pool costs a thread hand-off and a copy of
+    /// the whole inventory on every call.
+    fn published(&self) -> Option<std::sync::Arc<Inventory>> {
+        None
+    }
+
     /// Reads the inventory from the hardware, bypassing any cache (through
     /// [`owner::Watched`](super::owner::Watched), the owner's last read: only the owner reads).
     fn refresh(&self) -> Result<Inventory> {
@@ -194,6 +203,12 @@ pub trait Wrapper: Send + Sync + 'static {
         self.inner().refresh()
     }
 
+    /// [`DeviceBackend::published`]: `None` unless the wrapper says its snapshot is the
+    /// inner one unchanged.
+    fn published(&self) -> Option<std::sync::Arc<Inventory>> {
+        None
+    }
+
     /// [`DeviceBackend::set_time_slice`].
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
         self.inner().set_time_slice(gpu, interval)
@@ -239,6 +254,10 @@ impl<W: Wrapper> DeviceBackend for W {
 
     fn refresh(&self) -> Result<Inventory> {
         Wrapper::refresh(self)
+    }
+
+    fn published(&self) -> Option<std::sync::Arc<Inventory>> {
+        Wrapper::published(self)
     }
 
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {

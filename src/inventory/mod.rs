@@ -11,6 +11,7 @@
 //! [`assign_nvlink_domains`]).
 
 mod backend;
+pub mod deadline;
 mod domains;
 pub mod events;
 mod mig_mode;
@@ -105,6 +106,43 @@ pub enum Error {
     Deadline {
         backend: &'static str,
         call: &'static str,
+        after: std::time::Duration,
+    },
+    /// A backend call (a reconfiguration, a live reading, a probe) that did not return within
+    /// its deadline ([`deadline::Deadlines`]); it goes on in the background.
+    #[error(
+        "the {backend} backend's {call} did not return within {after:?}; it goes on in the background"
+    )]
+    CallDeadline {
+        backend: &'static str,
+        call: String,
+        after: std::time::Duration,
+    },
+    /// A call not made because another of its kind passed its deadline and still runs.
+    #[error(
+        "not calling {call}: the {backend} backend's {stuck} has not returned, {after:?} after it \
+         was called; nvdra calls again once it returns"
+    )]
+    Overdue {
+        backend: &'static str,
+        call: String,
+        stuck: String,
+        after: std::time::Duration,
+    },
+    /// No thread could be started for a backend call.
+    #[error("cannot start a thread for {call}")]
+    Thread {
+        call: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A backend call panicked.
+    #[error("the {backend} backend's {call} panicked")]
+    CallPanicked { backend: &'static str, call: String },
+    /// A driver tool that did not finish within its deadline, and was killed.
+    #[error("{command} did not finish within {after:?} and was killed")]
+    CommandDeadline {
+        command: String,
         after: std::time::Duration,
     },
     /// No read succeeded yet; the last one failed.

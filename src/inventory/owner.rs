@@ -28,6 +28,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::deadline::{Deadlines, Lane};
 use super::{
     ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
     Reconfiguration, Result, TimeSlice,
@@ -306,28 +307,68 @@ fn gone(read: Result<Arc<Inventory>, Arc<Error>>) -> Result<()> {
 /// A backend whose reads are the owner's latest publication: what every consumer is given
 /// instead of the hardware. Reconfigurations go to the backend (prepare's few writes) and ask
 /// the owner for a read; the next snapshot waits for it. Live readings ([`DeviceBackend::usage`])
-/// and health probes are the backend's own.
+/// and health probes are the backend's own. Every call that reaches the backend from here has
+/// a deadline ([`Deadlines`], [`DEADLINE`] by default): a stuck reconfiguration, `/metrics`
+/// reading or recovery probe is reported as such instead of hanging its caller.
 pub struct Watched {
     backend: Arc<dyn DeviceBackend>,
     handle: InventoryHandle,
     /// The ask made after the last reconfiguration, which the next snapshot waits for.
-    changed: AtomicU64,
+    changed: Arc<AtomicU64>,
+    deadlines: Deadlines,
 }
 
 impl Watched {
     pub fn new(backend: Arc<dyn DeviceBackend>, handle: InventoryHandle) -> Self {
+        let deadlines = Deadlines::new(backend.name(), DEADLINE);
         Self {
             backend,
             handle,
-            changed: AtomicU64::new(0),
+            changed: Arc::new(AtomicU64::new(0)),
+            deadlines,
         }
     }
 
-    /// After a reconfiguration: the next snapshot waits for a read that saw it.
-    fn reconfigured<T>(&self, r: Result<T>) -> Result<T> {
-        let ticket = self.handle.request();
-        self.changed.fetch_max(ticket, Ordering::SeqCst);
-        r
+    /// The same, with backend calls waited for at most `after` (tests).
+    pub fn with_call_deadline(mut self, after: Duration) -> Self {
+        self.deadlines = Deadlines::new(self.backend.name(), after);
+        self
+    }
+
+    /// The backend calls past their deadline that still run.
+    pub fn overdue(&self) -> Vec<String> {
+        self.deadlines.overdue()
+    }
+
+    /// A reconfiguration, under the deadline. Once it returns (even after its caller gave up,
+    /// even refused: a refused change may still have left one pending), the next snapshot waits
+    /// for a read that saw it.
+    fn reconfigure<T: Send + 'static>(
+        &self,
+        call: String,
+        f: impl FnOnce(&dyn DeviceBackend) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let (backend, handle, changed) = (
+            self.backend.clone(),
+            self.handle.clone(),
+            self.changed.clone(),
+        );
+        self.deadlines.call(Lane::Write, call, move || {
+            let r = f(&*backend);
+            changed.fetch_max(handle.request(), Ordering::SeqCst);
+            r
+        })
+    }
+
+    /// A call that changes no inventory, under the deadline.
+    fn call<T: Send + 'static>(
+        &self,
+        lane: Lane,
+        call: String,
+        f: impl FnOnce(&dyn DeviceBackend) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let backend = self.backend.clone();
+        self.deadlines.call(lane, call, move || f(&*backend))
     }
 }
 
@@ -348,6 +389,16 @@ impl DeviceBackend for Watched {
         futures::executor::block_on(self.handle.wait(ticket))?.inventory()
     }
 
+    /// The latest publication as published, unless a reconfiguration waits for its read (then
+    /// [`Watched::snapshot`] must wait).
+    fn published(&self) -> Option<Arc<Inventory>> {
+        let latest = self.handle.watch.borrow();
+        if latest.answered < self.changed.load(Ordering::SeqCst) {
+            return None;
+        }
+        latest.inventory.clone()
+    }
+
     /// The same as [`Watched::snapshot`]: only the owner reads the hardware.
     fn refresh(&self) -> Result<Inventory> {
         self.snapshot()
@@ -358,15 +409,26 @@ impl DeviceBackend for Watched {
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
-        self.reconfigured(self.backend.set_time_slice(gpu, interval))
+        let gpu = gpu.clone();
+        self.reconfigure(format!("set_time_slice (GPU {gpu})"), move |b| {
+            b.set_time_slice(&gpu, interval)
+        })
     }
 
     fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
-        self.backend.compute_mode(gpu)
+        let gpu = gpu.clone();
+        self.call(Lane::Write, format!("compute_mode (GPU {gpu})"), move |b| {
+            b.compute_mode(&gpu)
+        })
     }
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
-        self.backend.set_compute_mode(gpu, mode)
+        let gpu = gpu.clone();
+        self.call(
+            Lane::Write,
+            format!("set_compute_mode {mode} (GPU {gpu})"),
+            move |b| b.set_compute_mode(&gpu, mode),
+        )
     }
 
     fn create_mig(
@@ -375,7 +437,11 @@ impl DeviceBackend for Watched {
         gi_profile_id: u32,
         placement: Placement,
     ) -> Result<MigDevice> {
-        self.reconfigured(self.backend.create_mig(gpu, gi_profile_id, placement))
+        let gpu = gpu.clone();
+        self.reconfigure(
+            format!("create_mig of profile {gi_profile_id} (GPU {gpu})"),
+            move |b| b.create_mig(&gpu, gi_profile_id, placement),
+        )
     }
 
     fn start_health_events(
@@ -385,21 +451,35 @@ impl DeviceBackend for Watched {
         self.backend.start_health_events(sink)
     }
 
+    /// Under the deadline: a probe that does not answer in time says so.
     fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        self.backend.probe(gpu)
+        let gpu = gpu.clone();
+        self.call(Lane::Probe, format!("probe (GPU {gpu})"), move |b| {
+            Ok(b.probe(&gpu))
+        })
+        .unwrap_or_else(|e| Err(crate::report::chain(&e).to_string()))
     }
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
-        self.reconfigured(self.backend.destroy_mig(gpu, mig))
+        let (gpu, mig) = (gpu.clone(), mig.clone());
+        self.reconfigure(format!("destroy_mig {mig} (GPU {gpu})"), move |b| {
+            b.destroy_mig(&gpu, &mig)
+        })
     }
 
-    /// Re-read on failure too: a refused change may still have left one pending.
+    /// Re-read on failure too: a refused change may still have left one pending. (No deadline
+    /// of its own: a MIG mode change may wait for a GPU reset.)
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<super::MigModeChange> {
-        self.reconfigured(self.backend.set_mig_mode(gpu, enabled))
+        let r = self.backend.set_mig_mode(gpu, enabled);
+        self.changed
+            .fetch_max(self.handle.request(), Ordering::SeqCst);
+        r
     }
 
+    /// Under the deadline: a `/metrics` scrape reports readings it could not get in time as
+    /// unreadable instead of waiting for them.
     fn usage(&self) -> Result<Vec<GpuUsage>> {
-        self.backend.usage()
+        self.call(Lane::Usage, "usage".into(), |b| b.usage())
     }
 }
 

@@ -5,15 +5,17 @@
 //! and later; on Ampere only recorded as pending (a GPU reset would apply it, which the
 //! simulation never does); refused while processes run on the GPU ([`SimBackend::set_processes`])
 //! and, for turning MIG mode off, while MIG devices exist. A change that is applied takes
-//! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles.
+//! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles. A test can hold
+//! other calls ([`SimBackend::hold`]) until it lets them go, to model a driver call that hangs.
 //!
 //! Processes come from the test ([`SimBackend::set_processes`]) and, for a running daemon, from
 //! the fault file ([`SimBackend::with_process_file`]): `process <GPU> <pid> [<MiB>]` puts a
 //! process on a GPU (named by index or UUID), `exit <GPU> <pid>` ends it; the file is read
 //! whole at each MIG mode change and usage reading.
 
+use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::{
@@ -157,10 +159,45 @@ fn file_processes(text: &str, inv: &Inventory, gpu: &GpuUuid) -> Vec<ProcessUsag
     out
 }
 
+/// A call of the simulated backend that a test can hold ([`SimBackend::hold`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimCall {
+    SetTimeSlice,
+    ComputeMode,
+    SetComputeMode,
+    CreateMig,
+    DestroyMig,
+    Usage,
+    Probe,
+}
+
+/// The calls held, and the condition their callers wait on.
+#[derive(Debug, Default)]
+struct Gate {
+    held: Mutex<BTreeSet<SimCall>>,
+    released: Condvar,
+}
+
+/// While alive, every call of its kind waits (outside the model's lock) before it runs; dropping
+/// it lets them go.
+#[must_use = "the call is held only while the guard lives"]
+pub struct Held {
+    gate: Arc<Gate>,
+    call: SimCall,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        crate::lock::lock(&self.gate.held).remove(&self.call);
+        self.gate.released.notify_all();
+    }
+}
+
 /// Simulated GPUs. Cloning shares the same model.
 #[derive(Clone, Debug)]
 pub struct SimBackend {
     model: Arc<Mutex<Model>>,
+    gate: Arc<Gate>,
 }
 
 impl SimBackend {
@@ -170,6 +207,7 @@ impl SimBackend {
                 inventory,
                 ..Model::default()
             })),
+            gate: Arc::default(),
         }
     }
 
@@ -223,6 +261,27 @@ impl SimBackend {
         self.lock().mig_toggle_delay = delay;
     }
 
+    /// Holds every `call` until the returned guard is dropped: the calls block as a hung driver
+    /// call would (each in its caller's thread).
+    pub fn hold(&self, call: SimCall) -> Held {
+        crate::lock::lock(&self.gate.held).insert(call);
+        Held {
+            gate: self.gate.clone(),
+            call,
+        }
+    }
+
+    /// Waits while `call` is held.
+    fn pass(&self, call: SimCall) {
+        let held = crate::lock::lock(&self.gate.held);
+        let _released = self
+            .gate
+            .released
+            .wait_while(held, |h| h.contains(&call))
+            // The set is changed in single statements; a poisoned lock still holds a valid one.
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    }
+
     fn lock(&self) -> MutexGuard<'_, Model> {
         // A panic while holding the lock cannot leave the inventory half-written in a way that
         // matters more than the panic itself; keep serving the last state.
@@ -244,6 +303,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
+        self.pass(SimCall::SetTimeSlice);
         let mut m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
@@ -257,6 +317,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
+        self.pass(SimCall::ComputeMode);
         let m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
@@ -265,6 +326,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
+        self.pass(SimCall::SetComputeMode);
         let mut m = self.lock();
         if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
@@ -283,6 +345,7 @@ impl DeviceBackend for SimBackend {
         gi_profile_id: u32,
         placement: Placement,
     ) -> Result<MigDevice> {
+        self.pass(SimCall::CreateMig);
         let mut m = self.lock();
         let g = m
             .inventory
@@ -355,6 +418,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
+        self.pass(SimCall::DestroyMig);
         let mut m = self.lock();
         let g = m
             .inventory
@@ -452,7 +516,18 @@ impl DeviceBackend for SimBackend {
         Ok(MigModeChange::Applied)
     }
 
+    /// As by default (the GPU is listed and not withdrawn), unless held.
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.pass(SimCall::Probe);
+        match self.lock().inventory.gpu_by_uuid(gpu.as_str()) {
+            Some(g) if !g.health.is_withdrawn() => Ok(()),
+            Some(g) => Err(g.health.to_string()),
+            None => Err("the GPU is no longer listed".into()),
+        }
+    }
+
     fn usage(&self) -> Result<Vec<GpuUsage>> {
+        self.pass(SimCall::Usage);
         let m = self.lock();
         Ok(m.inventory
             .gpus

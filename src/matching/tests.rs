@@ -833,3 +833,179 @@ fn quantities_format_as_kubernetes_writes_them() {
         assert_eq!(format_milli(parse_milli(s).unwrap()), want, "{s}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Dynamic MIG: GPUs offered whole and in MIG placements on one counter set each, as
+// `--dynamic-mig` publishes dgx-h100; the counters decide what lands where.
+
+/// The first `gpus` GPUs of dgx-h100 as `--dynamic-mig` (and `--shared-capacity` when `shared`)
+/// publishes them, with the claims of `claims` matched one after another.
+fn dynamic_h100(gpus: usize, shared: bool, claims: &str) -> Vec<ClaimReport> {
+    use crate::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    let inv = crate::inventory::topology::load_profile("dgx-h100", "n").unwrap();
+    let inv = crate::inventory::Inventory::new(inv.gpus[..gpus].to_vec()).unwrap();
+    let opts = SliceOptions {
+        driver: DRIVER.into(),
+        node_name: "n".into(),
+        partitionable: false,
+        shared_capacity: shared,
+        dynamic_mig: true,
+        mig_profiles: None,
+        layout: CounterLayout::Separate,
+    };
+    let mut objects = Objects::default();
+    input::read_text(Path::new("t.yaml"), claims, &mut objects).unwrap();
+    objects.slices = desired_slices(&inv, &opts)
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(i, spec)| ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(format!("n-{i}")),
+                ..Default::default()
+            },
+            spec,
+        })
+        .collect();
+    let env = Environment::new();
+    let node = Node::from_slices(&env, &objects.slices).unwrap();
+    let classes = compile_classes(&objects.classes).unwrap();
+    explain_all(&env, &objects.claims, &classes, &node).unwrap()
+}
+
+/// A claim `name` for one device of `class`, with a CEL `selector` (or none) and `status` (a
+/// status block, or empty).
+fn one_of(name: &str, class: &str, selector: &str, status: &str) -> String {
+    let selectors = if selector.is_empty() {
+        String::new()
+    } else {
+        format!(", selectors: [{{cel: {{expression: \"{selector}\"}}}}]")
+    };
+    format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}}}\nspec:\n  devices:\n    requests:\n    - name: g\n      exactly: {{deviceClassName: {class}{selectors}}}\n{status}"
+    )
+}
+
+/// A claim `name` for one MIG device of `profile`.
+fn mig_claim(name: &str, profile: &str) -> String {
+    one_of(
+        name,
+        "mig.nvidia.com",
+        &format!("device.attributes['gpu.nvidia.com'].profile == '{profile}'"),
+        "",
+    )
+}
+
+/// The one device a claim got.
+fn got(r: &ClaimReport) -> String {
+    assert!(r.satisfiable, "{} does not fit: {:?}", r.name, r.reason);
+    let a = r.allocation.as_ref().unwrap();
+    assert_eq!(a.len(), 1);
+    a[0].device.clone()
+}
+
+/// `gpu-<minor>` of a device name.
+fn gpu_of(device: &str) -> String {
+    device.split('-').take(2).collect::<Vec<_>>().join("-")
+}
+
+#[test]
+fn a_3g_then_a_1g_claim_fit_one_gpu_beside_each_other() {
+    let r = dynamic_h100(
+        1,
+        false,
+        &format!(
+            "{}{}",
+            mig_claim("big", "3g.40gb"),
+            mig_claim("small", "1g.10gb")
+        ),
+    );
+    let (big, small) = (got(&r[0]), got(&r[1]));
+    assert!(big.starts_with("gpu-0-mig-3g40gb-9-"), "{big}");
+    assert!(small.starts_with("gpu-0-mig-1g10gb-19-"), "{small}");
+    // Their memory slices do not overlap: 3g takes 4 slices from its start, 1g one.
+    let start = |d: &str| d.rsplit('-').next().unwrap().parse::<u32>().unwrap();
+    let (b, s) = (start(&big), start(&small));
+    assert!(s < b || s >= b + 4, "{big} and {small} overlap");
+    // And the whole GPU no longer fits.
+    let r = dynamic_h100(
+        1,
+        false,
+        &format!(
+            "{}{}{}",
+            mig_claim("big", "3g.40gb"),
+            mig_claim("small", "1g.10gb"),
+            plain("whole", "", "")
+        ),
+    );
+    assert!(!r[2].satisfiable);
+    let why = rejected(&r[2], "gpu-0");
+    assert!(
+        why.contains("gpu-0-counter-set") && why.contains("taken by"),
+        "{why}"
+    );
+}
+
+#[test]
+fn a_whole_gpu_does_not_fit_a_gpu_whose_placement_is_taken() {
+    // A 1g placement allocated on GPU 0 (listed last, it still holds first).
+    let text = format!(
+        "{}{}",
+        plain("whole", "", ""),
+        one_of(
+            "running",
+            "mig.nvidia.com",
+            "",
+            &allocated_to("gpu-0-mig-1g10gb-19-3", "")
+        )
+    );
+    let r = dynamic_h100(1, false, &text);
+    assert!(r[1].allocated);
+    assert!(!r[0].satisfiable);
+    let why = rejected(&r[0], "gpu-0");
+    assert!(
+        why.contains("memory-slice-3") && why.contains("gpu-0-mig-1g10gb-19-3 (claim running)"),
+        "{why}"
+    );
+}
+
+#[test]
+fn whole_and_mig_claims_land_on_different_gpus_as_the_counters_say() {
+    let claims = format!(
+        "{}{}{}{}",
+        plain("whole", "", ""),
+        mig_claim("a", "3g.40gb"),
+        mig_claim("b", "3g.40gb"),
+        mig_claim("c", "1g.10gb"),
+    );
+    let r = dynamic_h100(2, false, &claims);
+    let whole = got(&r[0]);
+    let (a, b) = (got(&r[1]), got(&r[2]));
+    // The MIG devices cannot be on the GPU taken whole; both 3g fit the other one.
+    assert_eq!(gpu_of(&a), gpu_of(&b));
+    assert_ne!(gpu_of(&a), whole);
+    assert_ne!(a, b);
+    // Two 3g devices leave no 1g placement on that GPU, and the other is taken whole.
+    assert!(!r[3].satisfiable, "{:?}", r[3].allocation);
+
+    // With shares: the whole GPU is allocatable many times, its counters drawn once; while a
+    // share runs, no MIG device fits that GPU.
+    let on0 = |name: &str| on_gpu0(name, GPU, SHARE_24, "");
+    let claims = format!(
+        "{}{}{}",
+        on0("share-a"),
+        on0("share-b"),
+        mig_claim("mig", "1g.10gb"),
+    );
+    let r = dynamic_h100(1, true, &claims);
+    assert_eq!(got(&r[0]), "gpu-0");
+    assert_eq!(got(&r[1]), "gpu-0");
+    assert!(!r[2].satisfiable);
+    // The other way round: a MIG device first, then no share fits.
+    let claims = format!("{}{}", mig_claim("mig", "1g.10gb"), on0("share"));
+    let r = dynamic_h100(1, true, &claims);
+    assert!(got(&r[0]).starts_with("gpu-0-mig-"));
+    assert!(!r[1].satisfiable);
+}

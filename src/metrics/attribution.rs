@@ -327,6 +327,39 @@ mod tests {
         assert_eq!(pod_uid_of(root.path(), 8), None, "no such process");
     }
 
+    /// A usage read that hangs (NVML stuck) does not hang `/metrics`: the scrape gives up on it
+    /// at the backend's deadline and says the readings were not readable
+    /// (`nvdra_gpu_usage_readable` 0); the call left running is named.
+    #[tokio::test]
+    async fn a_scrape_reports_usage_it_could_not_read_in_time_as_unreadable() {
+        use crate::inventory::owner::{Owner, Watched};
+        use crate::inventory::sim::{SimBackend, SimCall};
+
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let (mut owner, handle) = Owner::new(
+            Arc::new(sim.clone()),
+            std::time::Duration::from_secs(3600),
+            crate::inventory::owner::DEADLINE,
+        )
+        .unwrap();
+        owner.read().await.unwrap();
+        let watched = Arc::new(
+            Watched::new(Arc::new(sim.clone()), handle)
+                .with_call_deadline(std::time::Duration::from_secs(2)),
+        );
+        let _held = sim.hold(SimCall::Usage);
+        let source = Attribution::new(watched.clone());
+        let s = tokio::task::spawn_blocking(move || source.scrape())
+            .await
+            .unwrap();
+        assert!(
+            !s.usage_ok,
+            "a reading past its deadline is reported unreadable"
+        );
+        assert!(s.gpus.is_empty() && s.processes.is_empty());
+        assert_eq!(watched.overdue(), vec!["usage".to_string()]);
+    }
+
     /// A scrape of a simulated node: a claim's device with its pod (the ledger's), a process on
     /// that GPU whose cgroup names the pod (a fake `/proc`), one on another GPU in no pod, and
     /// the readings the backend reports.

@@ -11,4 +11,5 @@ pub mod promclient;
 pub mod python;
 #[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
 pub mod require;
+#[path = "../../crates/kubelet-plugin/tests/support/wait.rs"]
 pub mod wait;

@@ -12,6 +12,8 @@
 //! - [`publisher`]: keeps the API server's ResourceSlices equal to the driver's desired ones
 //!   (reconcile, pool generations, detection of fields the server drops), over the small
 //!   [`api::SliceApi`] trait;
+//! - [`validate`]: the API server's rules for ResourceSlices, to check desired slices before
+//!   publishing them;
 //! - [`paths`]: the kubelet's directory layout;
 //! - [`proto`]: the generated kubelet APIs (DRA, DRA health, plugin registration, device plugin,
 //!   PodResources);
@@ -36,6 +38,7 @@ mod service;
 pub mod socket;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod validate;
 mod wire;
 
 pub use driver::{

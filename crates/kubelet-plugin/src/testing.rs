@@ -1,7 +1,8 @@
 //! What a driver's tests need instead of a cluster and a kubelet (feature `testing`): claims
 //! and ResourceSlices in memory ([`MemoryClaims`], [`MemorySlices`]), claims as the scheduler
-//! leaves them ([`allocated_claim`]), and a client that calls a plugin's DRA socket as the
-//! kubelet does ([`KubeletClient`]).
+//! leaves them ([`allocated_claim`]), a client that calls a plugin's DRA socket as the
+//! kubelet does ([`KubeletClient`]), and a small Kubernetes API server over HTTP
+//! ([`ApiServer`]) for end-to-end tests through `kube::Client`.
 //!
 //! ```
 //! use kubelet_plugin::testing::{MemoryClaims, allocated_claim, allocated_device};
@@ -37,6 +38,10 @@ use crate::claims::ClaimSource;
 use crate::driver::Claim;
 use crate::lock::lock;
 use crate::proto::dra::v1;
+
+mod apiserver;
+
+pub use apiserver::{ApiCounts, ApiServer, RecordedRequest};
 
 /// ResourceClaims in memory, by namespace and name; clones share them.
 #[derive(Clone, Debug, Default)]

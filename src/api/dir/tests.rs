@@ -255,3 +255,131 @@ fn diff_reports_new_changed_and_removed_files() {
         ]
     );
 }
+
+/// The test peers' deadline ([`wait::SOON`]) and wait helper.
+#[path = "../../../crates/kubelet-plugin/tests/support/wait.rs"]
+mod wait;
+
+/// The library's publisher over the directory API (moved here from the end-to-end tests of the
+/// publisher, which are the library's own now): the first publish, a deleted file restored, and
+/// no writes while nothing changes.
+mod publishing {
+    use super::super::DirApi;
+    use super::wait::{SOON, eventually};
+    use crate::api::SliceApi;
+    use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
+    use kubelet_plugin::publisher::{Options, Publisher};
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const DRIVER: &str = "gpu.nvidia.com";
+    const NODE: &str = "node-a";
+
+    /// Two slices: gpu-0..3 and gpu-4..7.
+    fn two_slices() -> Vec<ResourceSliceSpec> {
+        (0..2)
+            .map(|s| ResourceSliceSpec {
+                driver: DRIVER.into(),
+                node_name: Some(NODE.into()),
+                pool: ResourcePool {
+                    name: NODE.into(),
+                    generation: 0,
+                    resource_slice_count: 0,
+                },
+                devices: Some(
+                    (0..4)
+                        .map(|i| Device {
+                            name: format!("gpu-{}", s * 4 + i),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    /// `n` slices of one generation that hold gpu-0..7.
+    fn complete(slices: &[ResourceSlice], n: usize) -> bool {
+        let generations: BTreeSet<i64> = slices.iter().map(|s| s.spec.pool.generation).collect();
+        let names: BTreeSet<String> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
+            .collect();
+        slices.len() == n
+            && generations.len() == 1
+            && slices
+                .iter()
+                .all(|s| s.spec.pool.resource_slice_count == n as i64)
+            && names == (0..8).map(|i| format!("gpu-{i}")).collect()
+    }
+
+    #[tokio::test]
+    async fn dir_api_first_publish_and_external_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = DirApi::new(dir.path()).unwrap();
+        let fast = Options {
+            settle: Duration::from_millis(20),
+            backoff_base: Duration::from_millis(20),
+            backoff_cap: Duration::from_millis(200),
+            conflict_retries: 5,
+        };
+        let (publisher, handle) =
+            Publisher::with_options(Arc::new(api.clone()), DRIVER, NODE, fast);
+        let token = kubelet_plugin::CancellationToken::new();
+        let task = tokio::spawn(publisher.run(token.clone()));
+        let publish = || async {
+            let seq = handle
+                .set_desired(two_slices())
+                .expect("specs for our node");
+            tokio::time::timeout(SOON, handle.wait_synced(seq))
+                .await
+                .unwrap_or_else(|_| panic!("not published: {:?}", handle.status().borrow()));
+        };
+        publish().await;
+
+        let read = || api.list_slices(DRIVER, NODE);
+        let slices = read().await.unwrap();
+        assert!(complete(&slices, 2), "{slices:#?}");
+        assert!(slices.iter().all(|s| s.metadata.owner_references.is_none()));
+
+        // Someone removes a file: it is restored (how fast: `benches/publish.rs`).
+        let victim = slices[0].metadata.name.clone().unwrap();
+        std::fs::remove_file(api.slices_dir().join(format!("{victim}.yaml"))).unwrap();
+        let restored = tokio::time::timeout(SOON, async {
+            loop {
+                let now = read().await.unwrap();
+                if complete(&now, 2) {
+                    return now;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the deleted slice file is restored");
+        assert!(restored.iter().all(|s| s.spec.pool.generation == 2));
+
+        // Quiet: the files stay as they are. Once the repair is counted, reconciles that re-read
+        // every file (the same desired state set again, twice) write nothing.
+        eventually("the repair to be counted", || {
+            let c = handle.counters();
+            (c.creates, c.updates) == (3, 1)
+        })
+        .await;
+        let c = handle.counters();
+        publish().await;
+        publish().await;
+        let after = handle.counters();
+        assert!(
+            after.reconciles >= c.reconciles + 2,
+            "it did look: {after:?}"
+        );
+        assert_eq!(after.writes(), c.writes());
+        token.cancel();
+        tokio::time::timeout(SOON, task)
+            .await
+            .expect("the publisher stops promptly on shutdown")
+            .expect("the publisher task does not panic");
+    }
+}

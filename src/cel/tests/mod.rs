@@ -441,6 +441,8 @@ fn profile_devices(profile: &str) -> Vec<Device> {
         node_name: "node-a".into(),
         partitionable: false,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout: slices::CounterLayout::Separate,
     };
     slices::desired_slices(&inv, &opts)

@@ -17,9 +17,10 @@ use crate::ledger::DeviceRecord;
 use crate::lock::lock;
 use crate::metrics::Histogram;
 
-/// A batch's inventory snapshot: taken on the blocking pool as the batch starts (under the node
-/// lock), awaited by each claim only when it needs it, so the claims' GETs go out meanwhile
-/// instead of after it.
+/// A batch's inventory snapshot, taken as the batch starts (under the node lock): the owner's
+/// publication when the backend has one ready ([`DeviceBackend::published`]: no copy, no
+/// thread), else read on the blocking pool and awaited by each claim only when it needs it, so
+/// a claim's own GET goes out meanwhile instead of after it.
 #[derive(Clone)]
 pub(super) struct PendingInventory(
     Shared<BoxFuture<'static, Result<Arc<Inventory>, Arc<ClaimError>>>>,
@@ -27,6 +28,9 @@ pub(super) struct PendingInventory(
 
 impl PendingInventory {
     fn start(backend: Arc<dyn DeviceBackend>) -> Self {
+        if let Some(inv) = backend.published() {
+            return Self(futures::future::ready(Ok(inv)).boxed().shared());
+        }
         // Started now (a blocking-pool task runs whether or not it is awaited).
         let snapshot = tokio::task::spawn_blocking(move || backend.snapshot());
         let result = async move {

@@ -2,7 +2,7 @@
 
 use crate::ids::{ClaimUid, InvalidClaimUid};
 use crate::ledger;
-use crate::{api, cdi, inventory, sharing};
+use crate::{cdi, inventory, sharing};
 
 use crate::dra::{compute_mode, mps};
 use kubelet_plugin::nodelock;
@@ -10,28 +10,10 @@ use kubelet_plugin::nodelock;
 /// Why one claim could not be prepared or unprepared. Reported in that claim's response entry.
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
-    #[error("resource claim {namespace}/{name} not found in the API server (deleted?)")]
-    NotFound { namespace: String, name: String },
-    #[error("cannot read resource claim {namespace}/{name}")]
-    Api {
-        namespace: String,
-        name: String,
-        source: api::Error,
-    },
-    #[error(
-        "resource claim {namespace}/{name} now has UID {found}, not {expected}: it was deleted and \
-         re-created; the kubelet retries with the new claim"
-    )]
-    UidChanged {
-        namespace: String,
-        name: String,
-        expected: String,
-        found: String,
-    },
-    #[error(
-        "resource claim {namespace}/{name} is not allocated; the scheduler has not placed it yet"
-    )]
-    NotAllocated { namespace: String, name: String },
+    /// Refused as read (missing, unreadable, replaced, unallocated): the kubelet-plugin
+    /// library's checks, which every claim passes before it is planned.
+    #[error(transparent)]
+    Claim(#[from] kubelet_plugin::claims::Error),
     #[error("device {device} of pool {pool} is not on this node (pool {ours}): {reason}")]
     UnknownDevice {
         pool: String,

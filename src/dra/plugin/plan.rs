@@ -48,8 +48,9 @@ impl Plan {
     }
 }
 
-/// Checks that `rc` is the claim the kubelet named and is allocated, and turns the results of
-/// our driver into device records.
+/// Turns the results of our driver in `rc` into device records. `rc` was checked where it was
+/// read (`kubelet_plugin::claims::check`: the claim the kubelet named, allocated), so it is not
+/// checked again here.
 pub(super) fn plan(
     opts: &Options,
     cdi: &CdiOptions,
@@ -57,25 +58,11 @@ pub(super) fn plan(
     rc: &ResourceClaim,
     inv: &Inventory,
 ) -> Result<Plan, ClaimError> {
-    let found = rc.metadata.uid.as_deref().unwrap_or_default();
-    if found != claim.uid.as_str() {
-        return Err(ClaimError::UidChanged {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            expected: claim.uid.to_string(),
-            found: found.to_string(),
-        });
-    }
     let allocation = rc.status.as_ref().and_then(|s| s.allocation.as_ref());
-    let Some((allocation, results)) =
-        allocation.and_then(|a| a.devices.as_ref().map(|d| (a, d.results.as_deref())))
-    else {
-        return Err(ClaimError::NotAllocated {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-        });
-    };
-    let entries = sharing::from_allocation(allocation);
+    let entries = allocation.map(sharing::from_allocation).unwrap_or_default();
+    let results = allocation
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_deref());
     let mut out: Vec<DeviceRecord> = Vec::new();
     let mut mig_modes: Vec<(GpuUuid, bool)> = Vec::new();
     let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
@@ -512,9 +499,5 @@ pub(super) mod tests {
         );
         let p = plan(&opts(false), &cdi, &claim_ref("u2"), &rc, &inv).unwrap();
         assert!(!p.touches_hardware());
-
-        // The claim must be the one the kubelet named.
-        let e = plan(&opts(false), &cdi, &claim_ref("u3"), &rc, &inv).unwrap_err();
-        assert!(matches!(e, ClaimError::UidChanged { .. }), "{e}");
     }
 }

@@ -19,7 +19,6 @@ use super::batch::PendingInventory;
 use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
-use crate::api;
 use crate::ids::ClaimUid;
 use crate::inventory::{GpuUuid, Inventory, quantity};
 use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
@@ -252,22 +251,13 @@ impl Plugin {
         Ok(plan)
     }
 
+    /// Reads `claim` and checks it as the library does for the claims it hands over
+    /// ([`kubelet_plugin::claims::fetch`]), so that a claim is checked in one place whichever
+    /// way it came.
     async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
-        self.inner
-            .api
-            .get_claim(&claim.namespace, &claim.name)
-            .await
-            .map_err(|e| match e {
-                api::Error::NotFound(_) => ClaimError::NotFound {
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                },
-                source => ClaimError::Api {
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                    source,
-                },
-            })
+        let named = kubelet_plugin::Claim::new(&claim.namespace, &claim.name, claim.uid.as_str());
+        let checked = kubelet_plugin::claims::fetch(&*self.inner.api, named, self.driver()).await?;
+        Ok(checked.resource_claim)
     }
 
     pub(super) async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {

@@ -1,6 +1,6 @@
 //! Partitionable devices: a GPU's shared counters and what each MIG placement consumes of them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceCounterConsumption};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -25,11 +25,16 @@ pub(super) struct GpuCounters {
     pub(super) has_multiprocessors: bool,
 }
 
-pub(super) fn resource_counters(
+/// The resource counter a GPU's memory is counted in; its value is a quantity of bytes.
+const MEMORY: &str = "memory";
+
+/// The resources a GPU or MIG device has, as counter name and amount, leaving out those it has
+/// none of.
+fn resource_amounts(
     memory_bytes: u64,
     multiprocessors: u32,
     e: &Engines,
-) -> Vec<(String, String)> {
+) -> Vec<(&'static str, u64)> {
     let Engines {
         copy_engines,
         decoders,
@@ -37,10 +42,7 @@ pub(super) fn resource_counters(
         jpeg_engines,
         ofa_engines,
     } = *e;
-    let mut out = Vec::new();
-    if memory_bytes > 0 {
-        out.push(("memory".to_string(), quantity(memory_bytes)));
-    }
+    let mut out = vec![(MEMORY, memory_bytes)];
     for (name, n) in [
         ("multiprocessors", multiprocessors),
         ("copy-engines", copy_engines),
@@ -49,11 +51,30 @@ pub(super) fn resource_counters(
         ("jpeg-engines", jpeg_engines),
         ("ofa-engines", ofa_engines),
     ] {
-        if n > 0 {
-            out.push((name.to_string(), n.to_string()));
-        }
+        out.push((name, u64::from(n)));
     }
+    out.retain(|(_, n)| *n > 0);
     out
+}
+
+/// A counter's amount as its quantity: memory in bytes with a binary suffix, the rest as is.
+fn amount(name: &str, n: u64) -> String {
+    if name == MEMORY {
+        quantity(n)
+    } else {
+        n.to_string()
+    }
+}
+
+pub(super) fn resource_counters(
+    memory_bytes: u64,
+    multiprocessors: u32,
+    e: &Engines,
+) -> Vec<(String, String)> {
+    resource_amounts(memory_bytes, multiprocessors, e)
+        .into_iter()
+        .map(|(name, n)| (name.to_string(), amount(name, n)))
+        .collect()
 }
 
 pub(super) fn memory_slice_counter(i: u32) -> String {
@@ -71,6 +92,11 @@ impl GpuCounters {
             &gpu.engines,
         );
         all.extend((0..gpu.mig.memory_slices).map(|i| (memory_slice_counter(i), "1".to_string())));
+        Self::with(gpu, all)
+    }
+
+    /// The sets holding exactly the counters `all`, in that order.
+    fn with(gpu: &Gpu, all: Vec<(String, String)>) -> Result<Self> {
         let needed = all.len();
         let max = MAX_CONSUMPTIONS_PER_DEVICE * MAX_COUNTERS_PER_SET;
         if needed > max {
@@ -164,7 +190,10 @@ pub(super) struct Partitioned {
 /// (`7g.*` at 0) covers the whole GPU. The GPU itself is not: in MIG mode CUDA cannot use it
 /// whole, and switching MIG mode at prepare time would need the GPU idle (and on some models a
 /// reset), which a kubelet plugin must not impose on a node.
-pub(super) fn partitioned(gpu: &Gpu) -> Result<Partitioned> {
+///
+/// Only the placements of the profiles in `allowed` are published (`--mig-profiles`; all when
+/// `None`); existing MIG devices are, whatever their profile.
+pub(super) fn partitioned(gpu: &Gpu, allowed: Option<&[String]>) -> Result<Partitioned> {
     let counters = GpuCounters::new(gpu)?;
     let existing: &[MigDevice] = &gpu.mig.devices;
     let mut devices = Vec::new();
@@ -174,7 +203,12 @@ pub(super) fn partitioned(gpu: &Gpu) -> Result<Partitioned> {
         dev.consumes_counters = Some(counters.consume_mig(&shape));
         devices.push(dev);
     }
-    for p in &gpu.mig.profiles {
+    for p in gpu
+        .mig
+        .profiles
+        .iter()
+        .filter(|p| is_allowed(allowed, &p.name))
+    {
         for pl in &p.placements {
             if existing.iter().any(|d| d.placement.overlaps(pl)) {
                 continue;
@@ -189,6 +223,216 @@ pub(super) fn partitioned(gpu: &Gpu) -> Result<Partitioned> {
     Ok(Partitioned {
         minor: gpu.minor,
         counters: counters.sets,
+        devices,
+    })
+}
+
+/// Whether the placements of MIG profile `name` are published under the `--mig-profiles`
+/// allowlist (`None`: every profile).
+pub(super) fn is_allowed(allowed: Option<&[String]>, name: &str) -> bool {
+    allowed.is_none_or(|list| list.iter().any(|p| p == name))
+}
+
+/// One device of a dynamic-MIG GPU, before its counter consumption is known.
+struct Member {
+    device: Device,
+    /// The memory slices it takes.
+    slices: std::ops::Range<u32>,
+    /// What it takes of each resource counter (none left out as zero).
+    amounts: Vec<(&'static str, u64)>,
+}
+
+/// The most of resource `name` that MIG devices on pairwise disjoint memory slices take
+/// together: the heaviest set of non-overlapping intervals, by dynamic programming over the
+/// slice boundaries (`best[b]`: the most using only slices below `b`).
+fn most_at_once(members: &[Member], memory_slices: u32, name: &str) -> u64 {
+    let end = members
+        .iter()
+        .map(|m| m.slices.end)
+        .max()
+        .unwrap_or(0)
+        .max(memory_slices) as usize;
+    let mut best = vec![0u64; end + 1];
+    for b in 1..=end {
+        best[b] = best[b - 1];
+        for m in members.iter().filter(|m| m.slices.end as usize == b) {
+            let n = m
+                .amounts
+                .iter()
+                .find(|(c, _)| *c == name)
+                .map_or(0, |(_, n)| *n);
+            best[b] = best[b].max(best[m.slices.start as usize] + n);
+        }
+    }
+    best[end]
+}
+
+/// A GPU under dynamic MIG (`--dynamic-mig`): the whole GPU and every free placement of every
+/// allowed profile, at whichever MIG mode the GPU is in now, all drawing on one counter set, so
+/// the scheduler hands out the GPU whole or in MIG devices, never both at once. Prepare switches
+/// the mode the allocated device needs.
+///
+/// - Existing MIG devices are published as they are (whatever `allowed` says), and placements
+///   overlapping one are not, as in [`partitioned`]. The whole GPU is published only while no
+///   MIG device exists: it overlaps every one, and one nvdra did not create is not nvdra's to
+///   destroy.
+/// - `whole` is the GPU's device as it would be published without the switch (with
+///   `--shared-capacity`, the shareable one); it consumes every counter of the set, all of
+///   each. The scheduler charges a shareable device's counters once, at its first share: its
+///   allocator skips the counter check for a shareable device already in use
+///   (`skipCounterCheck`, after kubernetes#134100) and counts committed shares when it rebuilds
+///   the counters (kubernetes#139040; releases without it forget them, kubernetes#139034). So
+///   while any share runs no MIG placement fits, and while any MIG device is allocated no share
+///   does.
+/// - A placement consumes its memory slices and what its profile takes of the resources,
+///   NVIDIA's way, but only of the counters that can run short (each device consuming fewer
+///   counters is less work for the scheduler, at every node it looks at): a memory slice counts
+///   where two devices share it and no other slice's devices include its devices (a slice only
+///   the largest profiles reach adds nothing to the one beside it); a resource counts where
+///   MIG devices on disjoint memory slices can take more of it than the GPU has. On an H100 that
+///   leaves seven memory slices and the one OFA engine (two `+me` placements would want two):
+///   memory, multiprocessors, copy engines, decoders and JPEG engines never run short before
+///   the memory slices do.
+/// - The counters hold the GPU's own totals, where NVIDIA's driver uses the maximum over its
+///   profiles (the largest profile's memory is a little below the GPU's). Both exclude the same
+///   allocations: the whole GPU takes every memory slice, so it never shares the set with a
+///   MIG device, and the totals are what the silicon has, known without walking every profile.
+///   Of the counters kept, only the OFA engine's value matters, and it is 1 either way.
+pub(super) fn dynamic(gpu: &Gpu, allowed: Option<&[String]>, whole: Device) -> Result<Partitioned> {
+    let sms = |n: u32| if gpu.multiprocessors.is_some() { n } else { 0 };
+    let existing: &[MigDevice] = &gpu.mig.devices;
+    let mut members = Vec::new();
+    let mut add = |shape: MigShape<'_>| {
+        members.push(Member {
+            device: mig_device(gpu, &shape),
+            slices: shape.placement.slices(),
+            amounts: resource_amounts(
+                shape.memory_bytes,
+                sms(shape.multiprocessors),
+                &shape.engines,
+            ),
+        });
+    };
+    for d in existing.iter().filter(|d| !d.health.is_withdrawn()) {
+        add(MigShape::existing(d));
+    }
+    for p in gpu
+        .mig
+        .profiles
+        .iter()
+        .filter(|p| is_allowed(allowed, &p.name))
+    {
+        for pl in &p.placements {
+            if !existing.iter().any(|d| d.placement.overlaps(pl)) {
+                add(MigShape::possible(p, *pl));
+            }
+        }
+    }
+    let whole = existing.is_empty().then_some(whole);
+
+    // Resource counters that MIG devices can exhaust. The whole GPU alone takes exactly what
+    // the GPU has, so it never exhausts one.
+    let totals = resource_amounts(
+        gpu.memory_bytes,
+        gpu.multiprocessors.unwrap_or(0),
+        &gpu.engines,
+    );
+    let total = |name: &str| {
+        totals
+            .iter()
+            .find(|(c, _)| *c == name)
+            .map_or(0, |(_, n)| *n)
+    };
+    let mut names: Vec<&'static str> = members
+        .iter()
+        .flat_map(|m| m.amounts.iter().map(|(c, _)| *c))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    let resources: Vec<&'static str> = names
+        .into_iter()
+        .filter(|c| most_at_once(&members, gpu.mig.memory_slices, c) > total(c))
+        .collect();
+
+    // Memory-slice counters: who takes each slice (the whole GPU, last, takes all of them).
+    let takers: Vec<BTreeSet<usize>> = (0..gpu.mig.memory_slices)
+        .map(|i| {
+            let mut s: BTreeSet<usize> = members
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.slices.contains(&i))
+                .map(|(k, _)| k)
+                .collect();
+            if whole.is_some() {
+                s.insert(members.len());
+            }
+            s
+        })
+        .collect();
+    // Slice i's counter is needed when two devices take it, unless another slice's takers
+    // include all of its own (then that slice's counter keeps them apart already; of equal
+    // ones the first stays). The slice kept for a dropped one is itself kept, or dropped for a
+    // larger one still: every overlap is kept apart by some counter.
+    let slices: Vec<u32> = (0..gpu.mig.memory_slices)
+        .filter(|&i| {
+            let mine = &takers[i as usize];
+            mine.len() >= 2
+                && !takers.iter().enumerate().any(|(j, other)| {
+                    j != i as usize
+                        && mine.is_subset(other)
+                        && (mine.len() < other.len() || j < i as usize)
+                })
+        })
+        .collect();
+
+    let mut all: Vec<(String, String)> = resources
+        .iter()
+        .filter(|c| total(c) > 0)
+        .map(|c| (c.to_string(), amount(c, total(c))))
+        .collect();
+    all.extend(
+        slices
+            .iter()
+            .map(|&i| (memory_slice_counter(i), "1".to_string())),
+    );
+    let counters = if all.is_empty() {
+        None
+    } else {
+        Some(GpuCounters::with(gpu, all.clone())?)
+    };
+    let consumption = |c: Vec<(String, String)>| {
+        counters
+            .as_ref()
+            .map(|set| set.consume(c))
+            .filter(|c| !c.is_empty())
+    };
+
+    let mut devices = Vec::new();
+    for m in members {
+        let mut c: Vec<(String, String)> = m
+            .amounts
+            .iter()
+            .filter(|(name, _)| resources.contains(name))
+            .map(|(name, n)| (name.to_string(), amount(name, *n)))
+            .collect();
+        c.extend(
+            slices
+                .iter()
+                .filter(|i| m.slices.contains(i))
+                .map(|&i| (memory_slice_counter(i), "1".to_string())),
+        );
+        let mut dev = m.device;
+        dev.consumes_counters = consumption(c);
+        devices.push(dev);
+    }
+    if let Some(mut w) = whole {
+        w.consumes_counters = consumption(all);
+        devices.push(w);
+    }
+    sort_devices(&mut devices);
+    Ok(Partitioned {
+        minor: gpu.minor,
+        counters: counters.map(|c| c.sets).unwrap_or_default(),
         devices,
     })
 }

@@ -6,13 +6,13 @@ use k8s_openapi::api::resource::v1::{
 };
 
 use super::attributes::{MigShape, gpu_device, mig_device, shareable_gpu_device};
-use super::counters::partitioned;
+use super::counters::{dynamic, partitioned};
 use super::{
     CounterLayout, Error, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
-    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, Violations, sort_devices,
-    validate, validate_pool,
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, Result, SliceOptions, TAINT_MIG_RESET_REQUIRED,
+    Violations, sort_devices, validate, validate_pool,
 };
-use crate::inventory::{Health, Inventory};
+use crate::inventory::{Health, Inventory, NoMigToggle, TaintEffect};
 
 /// `d` with the taint a monitored failure puts on it (`<driver>/xid=79:NoSchedule`); the
 /// server sets `timeAdded`. A device has at most one taint: the first failure's (the 1.34 limit
@@ -29,10 +29,20 @@ fn tainted(mut d: Device, health: &Health, driver: &str) -> Device {
     d
 }
 
-pub(super) fn is_advanced(d: &Device) -> bool {
-    d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
-        || d.taints.as_ref().is_some_and(|t| !t.is_empty())
+/// `d` with the [`TAINT_MIG_RESET_REQUIRED`] taint added when `reset` (after any health taint).
+fn reset_required(mut d: Device, reset: bool, driver: &str) -> Device {
+    if reset {
+        d.taints.get_or_insert_with(Vec::new).push(DeviceTaint {
+            key: format!("{driver}/{TAINT_MIG_RESET_REQUIRED}"),
+            value: None,
+            effect: TaintEffect::NoSchedule.as_str().to_string(),
+            time_added: None,
+        });
+    }
+    d
 }
+
+pub(super) use kubelet_plugin::validate::has_counters_or_taints as is_advanced;
 
 /// Packs devices, in order, into as few chunks as the per-slice limits allow.
 pub(super) fn chunk_devices(devices: Vec<Device>) -> Vec<Vec<Device>> {
@@ -77,9 +87,22 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
     // GPUs whose devices draw on shared counters, and devices that stand alone.
     let mut groups = Vec::new();
     let mut plain = Vec::new();
+    let allowed = opts.mig_profiles.as_deref();
     for gpu in healthy {
-        let group = if gpu.in_mig_mode() && opts.partitionable {
-            partitioned(gpu)?
+        // With dynamic MIG: whether this GPU switches mode, and if not, whether a reset would
+        // let it (its devices are then tainted).
+        let toggle = opts.dynamic_mig.then(|| gpu.mig_toggle());
+        let reset = matches!(toggle, Some(Err(NoMigToggle::Pending { .. })));
+        let whole = || {
+            opts.shared_capacity
+                .then(|| shareable_gpu_device(gpu))
+                .flatten()
+                .unwrap_or_else(|| gpu_device(gpu))
+        };
+        let group = if let Some(Ok(())) = toggle {
+            dynamic(gpu, allowed, whole())?
+        } else if gpu.in_mig_mode() && opts.partitionable {
+            partitioned(gpu, allowed)?
         } else if gpu.in_mig_mode() {
             for d in gpu.mig.devices.iter().filter(|d| !d.health.is_withdrawn()) {
                 // A MIG device is as sick as its parent.
@@ -89,23 +112,22 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
                     &gpu.health
                 };
                 let dev = mig_device(gpu, &MigShape::existing(d));
-                plain.push(tainted(dev, health, driver));
+                plain.push(reset_required(tainted(dev, health, driver), reset, driver));
             }
             continue;
         } else {
-            let whole = opts
-                .shared_capacity
-                .then(|| shareable_gpu_device(gpu))
-                .flatten()
-                .unwrap_or_else(|| gpu_device(gpu));
-            plain.push(tainted(whole, &gpu.health, driver));
+            plain.push(reset_required(
+                tainted(whole(), &gpu.health, driver),
+                reset,
+                driver,
+            ));
             continue;
         };
         let mut g = group;
         g.devices = g
             .devices
             .into_iter()
-            .map(|d| tainted(d, &gpu.health, driver))
+            .map(|d| reset_required(tainted(d, &gpu.health, driver), reset, driver))
             .collect();
         groups.push(g);
     }

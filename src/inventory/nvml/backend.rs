@@ -145,7 +145,13 @@ impl DeviceBackend for NvmlBackend {
                 reconfigure::no_nvidia_smi(&self.driver_root)
             )));
         };
-        reconfigure::set_time_slice(smi, self.library.as_deref(), gpu, interval)
+        reconfigure::set_time_slice(
+            smi,
+            self.library.as_deref(),
+            gpu,
+            interval,
+            reconfigure::NVIDIA_SMI_DEADLINE,
+        )
     }
 
     fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {

@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
@@ -44,6 +45,10 @@ pub(super) fn no_nvidia_smi(driver_root: &Path) -> String {
     )
 }
 
+/// How long one `nvidia-smi` run may take before it is killed (it answers in a second or two;
+/// one that hangs, on a driver that does, must not hold a prepare for good).
+pub(super) const NVIDIA_SMI_DEADLINE: Duration = Duration::from_secs(20);
+
 /// `nvidia-smi compute-policy --set-timeslice` takes 0 (default), 1 (short), 2 (medium) and 3
 /// (long), the values of NVIDIA's `TimeSlicingConfig.interval`.
 fn timeslice_value(interval: TimeSlice) -> u32 {
@@ -64,6 +69,7 @@ pub(super) fn set_time_slice(
     library: Option<&Path>,
     gpu: &GpuUuid,
     interval: TimeSlice,
+    deadline: Duration,
 ) -> Result<()> {
     let slice = format!("--set-timeslice={}", timeslice_value(interval));
     for args in [
@@ -81,9 +87,11 @@ pub(super) fn set_time_slice(
             cmd.env("LD_PRELOAD", preload);
         }
         let command = format!("{} {}", nvidia_smi.display(), args.join(" "));
-        let out = cmd.output().map_err(|source| Error::Command {
-            command: command.clone(),
-            source,
+        let out = crate::child::output(&mut cmd, &command, deadline).map_err(|e| match e {
+            crate::child::Error::Spawn { command, source } => Error::Command { command, source },
+            crate::child::Error::Deadline { command, after } => {
+                Error::CommandDeadline { command, after }
+            }
         })?;
         if !out.status.success() {
             let mut said = String::from_utf8_lossy(&out.stdout).trim().to_string();
@@ -439,7 +447,7 @@ mod tests {
             TimeSlice::Medium,
             TimeSlice::Long,
         ] {
-            set_time_slice(&smi, None, &gpu, i).unwrap();
+            set_time_slice(&smi, None, &gpu, i, NVIDIA_SMI_DEADLINE).unwrap();
         }
         let text = std::fs::read_to_string(&log).unwrap();
         let slices: Vec<&str> = text
@@ -456,13 +464,37 @@ mod tests {
         );
 
         let smi = script(root.path(), "echo 'Insufficient Permissions'; exit 4");
-        let e = set_time_slice(&smi, None, &gpu, TimeSlice::Long).unwrap_err();
+        let e = set_time_slice(&smi, None, &gpu, TimeSlice::Long, NVIDIA_SMI_DEADLINE).unwrap_err();
         let msg = e.to_string();
         assert!(
             msg.contains("nvidia-smi -i GPU-1 -c DEFAULT")
                 && msg.contains("Insufficient Permissions")
                 && msg.contains("4"),
             "{msg}"
+        );
+    }
+
+    #[test]
+    fn an_nvidia_smi_that_hangs_is_killed_and_named_with_its_deadline() {
+        let root = tempfile::tempdir().unwrap();
+        // `exec`, so the kill reaches the sleep itself; a minute against a fifth of a second.
+        let smi = script(root.path(), "exec sleep 60");
+        let gpu = GpuUuid("GPU-1".into());
+        let e = set_time_slice(
+            &smi,
+            None,
+            &gpu,
+            TimeSlice::Long,
+            Duration::from_millis(200),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::CommandDeadline { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{} -i GPU-1 -c DEFAULT did not finish within 200ms and was killed",
+                smi.display()
+            )
         );
     }
 }

@@ -174,3 +174,127 @@ async fn a_failed_read_keeps_the_last_inventory_and_names_what_failed() {
     assert_eq!(p.inventory().unwrap(), *first, "the last inventory stays");
     assert!(p.error.is_some());
 }
+
+/// Waits (at most [`SOON`]) until no call of `watched` is past its deadline.
+fn until_returned(watched: &Watched) {
+    let start = std::time::Instant::now();
+    while !watched.overdue().is_empty() {
+        assert!(start.elapsed() < SOON, "{:?} still runs", watched.overdue());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[tokio::test]
+async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_until_it_returns() {
+    use crate::inventory::sim::SimCall;
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (owner, handle) = owner(&sim);
+    let stop = CancellationToken::new();
+    tokio::spawn(owner.run(stop.clone()));
+    let before = handle.refresh().await.unwrap();
+    let gpu2 = before.gpus[2].uuid.clone();
+    // Two seconds against a call held until the test lets it go.
+    let watched = Arc::new(
+        Watched::new(Arc::new(sim.clone()), handle.clone())
+            .with_call_deadline(Duration::from_secs(2)),
+    );
+    let held = sim.hold(SimCall::CreateMig);
+    let (w, g) = (watched.clone(), gpu2.clone());
+    let e =
+        tokio::task::spawn_blocking(move || w.create_mig(&g, 15, Placement { start: 6, size: 2 }))
+            .await
+            .unwrap()
+            .unwrap_err();
+    assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "the simulated backend's create_mig of profile 15 (GPU {gpu2}) did not return within \
+             2s; it goes on in the background"
+        )
+    );
+    // No other write races it (an undo would find the hardware half-changed).
+    let (w, g) = (watched.clone(), gpu2.clone());
+    let e = tokio::task::spawn_blocking(move || w.set_time_slice(&g, TimeSlice::Long))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, Error::Overdue { .. }), "{e:?}");
+    assert!(e.to_string().contains("create_mig of profile 15"), "{e}");
+    assert!(sim.time_slice(&gpu2) == TimeSlice::Default);
+
+    // It returns: the device exists, and the next snapshot is read after it.
+    drop(held);
+    until_returned(&watched);
+    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+        .await
+        .expect("the owner answers the late write's ask")
+        .unwrap();
+    assert_eq!(
+        after.gpus[2].mig.devices.len(),
+        before.gpus[2].mig.devices.len() + 1
+    );
+    let (w, g) = (watched.clone(), gpu2.clone());
+    tokio::task::spawn_blocking(move || w.set_time_slice(&g, TimeSlice::Long))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(sim.time_slice(&gpu2), TimeSlice::Long);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_stuck_usage_read_or_probe_is_reported_and_not_waited_for() {
+    use crate::inventory::sim::SimCall;
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (mut owner, handle) = owner(&sim);
+    owner.read().await.unwrap();
+    let watched = Arc::new(
+        Watched::new(Arc::new(sim.clone()), handle).with_call_deadline(Duration::from_secs(2)),
+    );
+    let gpu0 = sim.snapshot().unwrap().gpus[0].uuid.clone();
+    let held = (sim.hold(SimCall::Usage), sim.hold(SimCall::Probe));
+    let w = watched.clone();
+    let (usage, probe, again) =
+        tokio::task::spawn_blocking(move || (w.usage(), w.probe(&gpu0), w.usage()))
+            .await
+            .unwrap();
+    let e = usage.unwrap_err();
+    assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains("usage did not return within 2s"),
+        "{e}"
+    );
+    let why = probe.unwrap_err();
+    assert!(
+        why.contains("probe (GPU") && why.contains("within 2s"),
+        "{why}"
+    );
+    // The next scrape does not start a second read behind the stuck one.
+    assert!(matches!(again, Err(Error::Overdue { .. })), "{again:?}");
+    drop(held);
+    until_returned(&watched);
+    assert!(watched.usage().is_ok());
+}
+
+#[tokio::test]
+async fn the_publication_is_shared_unless_a_reconfiguration_waits_for_its_read() {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let (mut owner, handle) = owner(&sim);
+    let watched = Watched::new(Arc::new(sim.clone()), handle.clone());
+    assert!(watched.published().is_none(), "nothing read yet");
+    let first = owner.read().await.unwrap();
+    let shared = watched.published().expect("published");
+    assert!(
+        Arc::ptr_eq(&shared, &first),
+        "the publication itself, not a copy"
+    );
+    let gpu = first.gpus[0].uuid.clone();
+    watched.set_time_slice(&gpu, TimeSlice::Short).unwrap();
+    assert!(
+        watched.published().is_none(),
+        "the read after the change is awaited"
+    );
+    owner.read().await.unwrap();
+    assert!(watched.published().is_some());
+}

@@ -286,7 +286,13 @@ async fn every_error_names_the_problem() {
     c.metadata.name = Some("claim-old".into());
     e.add(c);
     let err = e.prepare("old").await.unwrap_err();
-    assert!(matches!(err, ClaimError::UidChanged { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ClaimError::Claim(kubelet_plugin::claims::Error::UidChanged { .. })
+        ),
+        "{err}"
+    );
     assert!(
         err.to_string().contains("now has UID u-new, not old"),
         "{err}"
@@ -763,6 +769,7 @@ async fn outcomes_are_counted_in_metrics() {
     stop.cancel();
 }
 
+mod deadlines;
 mod dynamic_mig;
 mod enforce;
 mod recovery;

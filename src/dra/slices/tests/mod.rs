@@ -19,6 +19,7 @@ use crate::inventory::topology::load_profile;
 use crate::inventory::{GpuUuid, Health, Inventory, MigDevice, MigUuid, PciBusId, Placement};
 
 mod attributes;
+mod dynamic;
 mod mig;
 mod names;
 mod partitionable;
@@ -35,6 +36,8 @@ fn opts(partitionable: bool, layout: CounterLayout) -> SliceOptions {
         node_name: "node-a".into(),
         partitionable,
         shared_capacity: false,
+        dynamic_mig: false,
+        mig_profiles: None,
         layout,
     }
 }

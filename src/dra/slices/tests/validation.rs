@@ -38,21 +38,6 @@ fn valid_slices_have_no_violations() {
 }
 
 #[test]
-fn violation_display_names_device_and_rule() {
-    let v = Violation {
-        device: Some("gpu-0".into()),
-        rule: "device-name: x".into(),
-    };
-    assert_eq!(v.to_string(), "device gpu-0: device-name: x");
-    assert_eq!(v.rule_id(), "device-name");
-    let v = Violation {
-        device: None,
-        rule: "driver-name: y".into(),
-    };
-    assert_eq!(v.to_string(), "driver-name: y");
-}
-
-#[test]
 fn rule_driver_name() {
     expect_rule(valid_spec(), "driver-name", |s| {
         s.driver = "Gpu.Nvidia.com".into()

@@ -1,7 +1,7 @@
 //! Waiting for what should happen soon: polled, and always with a deadline, so a condition that
 //! never comes fails the test naming what it waited for instead of hanging the run. The
-//! deadline only bounds a failure; it asserts no speed (benchmarks measure that). The benches
-//! include this file too (`#[path]`).
+//! deadline only bounds a failure; it asserts no speed (benchmarks measure that). nvdra's tests
+//! and benches include this file too (`#[path]`).
 // Each test binary uses what it needs.
 #![allow(dead_code)]
 

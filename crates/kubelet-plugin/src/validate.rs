@@ -1,14 +1,33 @@
-//! The API server's rules for `resource.k8s.io/v1` ResourceSlices, checked before publishing.
+//! The API server's rules for `resource.k8s.io/v1` ResourceSlices, to check desired slices
+//! before publishing them (a slice the server would refuse is a driver's bug better caught in
+//! its tests than in a 422 at run time).
 //!
 //! [`validate`] checks one slice the way the API server's validation does (Kubernetes 1.34 and
 //! 1.35; where they differ, the shape of the slice says which applies: a slice with both shared
 //! counters and devices is a 1.34 slice). [`validate_pool`] checks what spans the slices of a pool:
 //! unique names, consumptions that reference existing counters. A few rules are stricter than the
 //! API server where the looser form would mislead CEL or the scheduler (an attribute given both
-//! with and without the driver's domain, a device consuming more than a counter holds).
+//! with and without the driver's domain, a device consuming more than a counter holds):
+//! [`Violation::server_rejects`] tells them apart.
 //!
 //! Every [`Violation`]'s `rule` starts with a stable rule id (`device-name: …`), so callers and
 //! tests can tell them apart.
+//!
+//! ```
+//! use kubelet_plugin::k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSliceSpec};
+//! use kubelet_plugin::validate::validate;
+//!
+//! let mut spec = ResourceSliceSpec {
+//!     driver: "fpga.example.com".into(),
+//!     node_name: Some("node-a".into()),
+//!     pool: ResourcePool { name: "node-a".into(), generation: 0, resource_slice_count: 1 },
+//!     devices: Some(vec![Device { name: "fpga-0".into(), ..Default::default() }]),
+//!     ..Default::default()
+//! };
+//! assert!(validate(&spec).is_empty());
+//! spec.devices.as_mut().unwrap()[0].name = "FPGA 0".into();
+//! assert_eq!(validate(&spec)[0].rule_id(), "device-name");
+//! ```
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -18,13 +37,75 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::{
-    MAX_ATTRIBUTES_AND_CAPACITIES, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTER_SETS_PER_SLICE,
-    MAX_COUNTERS_PER_CONSUMPTION, MAX_COUNTERS_PER_SET, MAX_DEVICES_PER_SLICE,
-    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, MAX_VALUE_LENGTH,
-};
-use crate::dns;
-use crate::inventory::parse_quantity;
+/// Most devices in one slice.
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// Most devices in one slice when any of them consumes counters or has taints (1.35).
+pub const MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS: usize = 64;
+/// Most attributes and capacities of one device, together.
+pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
+/// Longest string or version attribute value.
+pub const MAX_VALUE_LENGTH: usize = 64;
+/// Most counter sets in one slice (1.35).
+pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
+/// Most counters in one counter set (1.35), and in all sets of a slice that also lists devices
+/// (1.34).
+pub const MAX_COUNTERS_PER_SET: usize = 32;
+/// Most counter consumptions of one device (1.35).
+pub const MAX_CONSUMPTIONS_PER_DEVICE: usize = 2;
+/// Most counters in one consumption (1.35), and consumed by one device in all (1.34).
+pub const MAX_COUNTERS_PER_CONSUMPTION: usize = 32;
+
+/// The rules this module checks that the API server does not (see [`Violation::server_rejects`]).
+const STRICTER_THAN_THE_SERVER: [&str; 2] = ["duplicate-attribute", "counter-exceeded"];
+
+/// Whether `d` consumes counters or has taints: then its slice may hold at most
+/// [`MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS`] devices instead of
+/// [`MAX_DEVICES_PER_SLICE`].
+pub fn has_counters_or_taints(d: &Device) -> bool {
+    d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+        || d.taints.as_ref().is_some_and(|t| !t.is_empty())
+}
+
+/// A lower-case DNS label (RFC 1123) as Kubernetes checks it: 1..=`max` characters of
+/// `[a-z0-9-]`, alphanumeric at both ends.
+pub fn is_dns_label(s: &str, max: usize) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= max
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+}
+
+/// A lower-case DNS subdomain (RFC 1123): 1..=`max` characters, dot-separated labels of at most
+/// 63.
+pub fn is_dns_subdomain(s: &str, max: usize) -> bool {
+    !s.is_empty() && s.len() <= max && s.split('.').all(|l| is_dns_label(l, 63))
+}
+
+/// A quantity of whole units (`80Gi`, `4864Mi`, `1G`, `1024`), for the rules that compare
+/// quantities; `None` for any other form (left to [`is_quantity`]).
+fn whole_quantity(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, suffix) = s.split_at(split);
+    let value: u64 = digits.parse().ok()?;
+    let mult: u64 = match suffix {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        _ => return None,
+    };
+    value.checked_mul(mult)
+}
 
 /// Longest driver name (and attribute domain).
 const MAX_DRIVER_NAME: usize = 63;
@@ -41,7 +122,9 @@ const MAX_CONSUMED_COUNTERS_PER_SLICE_1_34: usize = 1024;
 
 /// One broken rule: which device (if the rule is about one) and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Violation {
+    /// The device the rule is about; `None` for the slice's (or pool's) own fields.
     pub device: Option<String>,
     /// `<rule-id>: <what is wrong, with the offending value>`.
     pub rule: String,
@@ -65,6 +148,13 @@ impl Violation {
     /// The stable id at the start of `rule`, e.g. `device-name`.
     pub fn rule_id(&self) -> &str {
         self.rule.split_once(':').map_or(&self.rule, |(id, _)| id)
+    }
+
+    /// Whether the API server refuses a slice for this; `false` for the few rules that are
+    /// stricter than the server's (an attribute given both with and without the driver's domain,
+    /// a device consuming more than a counter holds).
+    pub fn server_rejects(&self) -> bool {
+        !STRICTER_THAN_THE_SERVER.contains(&self.rule_id())
     }
 }
 
@@ -109,8 +199,9 @@ pub fn is_semver(s: &str) -> bool {
         && build.is_none_or(|b| b.split('.').all(ident))
 }
 
-/// A Kubernetes quantity: a decimal number and an optional suffix (`80Gi`, `1.5`, `100m`, `1e3`).
-pub(super) fn is_quantity(s: &str) -> bool {
+/// Whether `s` is a Kubernetes quantity: a decimal number and an optional suffix (`80Gi`, `1.5`,
+/// `100m`, `1e3`).
+pub fn is_quantity(s: &str) -> bool {
     let s = s.strip_prefix(['+', '-']).unwrap_or(s);
     let end = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -141,7 +232,7 @@ fn is_label_key(s: &str) -> bool {
         Some((p, n)) => (Some(p), n),
         None => (None, s),
     };
-    prefix.is_none_or(|p| dns::is_subdomain(p, 253)) && is_label_value(name) && !name.is_empty()
+    prefix.is_none_or(|p| is_dns_subdomain(p, 253)) && is_label_value(name) && !name.is_empty()
 }
 
 fn is_label_value(s: &str) -> bool {
@@ -162,7 +253,7 @@ fn check_qualified_name(name: &str) -> Option<String> {
         None => (None, name),
     };
     if let Some(d) = domain
-        && !dns::is_subdomain(d, MAX_DRIVER_NAME)
+        && !is_dns_subdomain(d, MAX_DRIVER_NAME)
     {
         return Some(format!(
             "qualified-name: domain {d:?} of {name:?} must be a lower-case DNS subdomain of at \
@@ -179,26 +270,49 @@ fn check_qualified_name(name: &str) -> Option<String> {
 }
 
 fn check_attribute(name: &str, a: &DeviceAttribute, out: &mut Vec<String>) {
-    let DeviceAttribute {
-        bool: b,
-        int: i,
-        string: s,
-        version: v,
-    } = a;
-    let set = [b.is_some(), i.is_some(), s.is_some(), v.is_some()]
+    // The values set, their strings (by kind) and their versions; Kubernetes 1.36 adds lists
+    // of each kind (the program's k8s-openapi version decides whether the fields exist).
+    #[allow(unused_mut)]
+    let mut set = [
+        a.bool.is_some(),
+        a.int.is_some(),
+        a.string.is_some(),
+        a.version.is_some(),
+    ]
+    .iter()
+    .filter(|x| **x)
+    .count();
+    #[allow(unused_mut)]
+    let mut texts: Vec<(&str, &String)> = a
+        .string
+        .iter()
+        .map(|s| ("string", s))
+        .chain(a.version.iter().map(|v| ("version", v)))
+        .collect();
+    #[allow(unused_mut)]
+    let mut versions: Vec<&String> = a.version.iter().collect();
+    k8s_openapi::k8s_if_ge_1_36! {
+        set += [
+            a.bools.is_some(),
+            a.ints.is_some(),
+            a.strings.is_some(),
+            a.versions.is_some(),
+        ]
         .iter()
         .filter(|x| **x)
         .count();
+        texts.extend(a.strings.iter().flatten().map(|s| ("string", s)));
+        texts.extend(a.versions.iter().flatten().map(|v| ("version", v)));
+        versions.extend(a.versions.iter().flatten());
+    }
     if set != 1 {
         out.push(format!(
             "attribute-value: attribute {name:?} must have exactly one of bool, int, string, \
              version; it has {set}"
         ));
     }
-    for (kind, value) in [("string", s), ("version", v)] {
-        if let Some(value) = value
-            && value.len() > MAX_VALUE_LENGTH
-        {
+    for (kind, value) in texts {
+        if value.len() > MAX_VALUE_LENGTH {
             out.push(format!(
                 "value-too-long: {kind} attribute {name:?} is {} characters, at most \
                  {MAX_VALUE_LENGTH} are allowed",
@@ -206,19 +320,19 @@ fn check_attribute(name: &str, a: &DeviceAttribute, out: &mut Vec<String>) {
             ));
         }
     }
-    if let Some(v) = v
-        && !is_semver(v)
-    {
-        out.push(format!(
-            "version-not-semver: version attribute {name:?} = {v:?} is not a semantic version \
-             2.0.0 (MAJOR.MINOR.PATCH, no leading zeros)"
-        ));
+    for v in versions {
+        if !is_semver(v) {
+            out.push(format!(
+                "version-not-semver: version attribute {name:?} = {v:?} is not a semantic \
+                 version 2.0.0 (MAJOR.MINOR.PATCH, no leading zeros)"
+            ));
+        }
     }
 }
 
 fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Vec<String> {
     let mut out = Vec::new();
-    if !dns::is_label(&d.name, 63) {
+    if !is_dns_label(&d.name, 63) {
         out.push(format!(
             "device-name: {:?} must be a DNS label (at most 63 lower-case letters, digits and '-', \
              starting and ending with a letter or digit)",
@@ -290,7 +404,7 @@ fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Ve
         }
         let mut sets = BTreeSet::new();
         for c in consumptions {
-            if !dns::is_label(&c.counter_set, 63) {
+            if !is_dns_label(&c.counter_set, 63) {
                 out.push(format!(
                     "counter-set-name: consumed counter set {:?} must be a DNS label",
                     c.counter_set
@@ -381,13 +495,13 @@ fn check_device(driver: &str, per_device_node_selection: bool, d: &Device) -> Ve
 /// The rules of a consumable capacity's `requestPolicy` (as the API server validates them), for
 /// quantities that are whole numbers (bytes, counts); others are left to the quantity check.
 fn check_request_policy(name: &str, value: &str, p: &CapacityRequestPolicy, out: &mut Vec<String>) {
-    let n = |q: &Quantity| parse_quantity(&q.0);
+    let n = |q: &Quantity| whole_quantity(&q.0);
     let mut fail = |rule: &str| {
         out.push(format!(
             "request-policy: capacity {name:?} (value {value}): {rule}"
         ))
     };
-    let Some(value) = parse_quantity(value) else {
+    let Some(value) = whole_quantity(value) else {
         return;
     };
     let default = p.default.as_ref().and_then(n);
@@ -447,7 +561,7 @@ fn check_request_policy(name: &str, value: &str, p: &CapacityRequestPolicy, out:
 }
 
 fn check_counter(name: &str, value: &str, out: &mut Vec<String>) {
-    if !dns::is_label(name, 63) {
+    if !is_dns_label(name, 63) {
         out.push(format!(
             "counter-name: counter {name:?} must be a DNS label"
         ));
@@ -462,7 +576,7 @@ fn check_counter(name: &str, value: &str, out: &mut Vec<String>) {
 /// Checks one slice against the API server's rules; empty when it would be accepted.
 pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
     let mut v = Vec::new();
-    if !dns::is_subdomain(&spec.driver, MAX_DRIVER_NAME) {
+    if !is_dns_subdomain(&spec.driver, MAX_DRIVER_NAME) {
         v.push(Violation::slice(format!(
             "driver-name: {:?} must be a lower-case DNS subdomain of at most {MAX_DRIVER_NAME} \
              characters",
@@ -472,7 +586,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
     let pool = &spec.pool;
     if pool.name.is_empty()
         || pool.name.len() > MAX_POOL_NAME
-        || !pool.name.split('/').all(|p| dns::is_subdomain(p, 253))
+        || !pool.name.split('/').all(|p| is_dns_subdomain(p, 253))
     {
         v.push(Violation::slice(format!(
             "pool-name: {:?} must be one or more DNS subdomains separated by '/', at most \
@@ -495,7 +609,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
 
     let mut selection = Vec::new();
     if let Some(n) = &spec.node_name {
-        if dns::is_subdomain(n, 253) {
+        if is_dns_subdomain(n, 253) {
             selection.push("nodeName");
         } else {
             v.push(Violation::slice(format!(
@@ -534,7 +648,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
 
     let devices: &[Device] = spec.devices.as_deref().unwrap_or_default();
     let counter_sets = spec.shared_counters.as_deref().unwrap_or_default();
-    let advanced = devices.iter().any(super::is_advanced);
+    let advanced = devices.iter().any(has_counters_or_taints);
     let max_devices = if advanced {
         MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
     } else {
@@ -574,7 +688,7 @@ pub fn validate(spec: &ResourceSliceSpec) -> Vec<Violation> {
     }
     let mut set_names = BTreeSet::new();
     for set in counter_sets {
-        if !dns::is_label(&set.name, 63) {
+        if !is_dns_label(&set.name, 63) {
             v.push(Violation::slice(format!(
                 "counter-set-name: {:?} must be a DNS label",
                 set.name
@@ -732,7 +846,7 @@ pub fn validate_pool(specs: &[ResourceSliceSpec]) -> Vec<Violation> {
                     continue;
                 };
                 if let (Some(w), Some(h)) =
-                    (parse_quantity(&want.value.0), parse_quantity(&have.value.0))
+                    (whole_quantity(&want.value.0), whole_quantity(&have.value.0))
                     && w > h
                 {
                     v.push(Violation::device(
@@ -749,3 +863,6 @@ pub fn validate_pool(specs: &[ResourceSliceSpec]) -> Vec<Violation> {
     }
     v
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1260 @@
+//! A small Kubernetes API server for tests ([`ApiServer`]): ResourceSlices, Nodes,
+//! ResourceClaims and DeviceClasses over HTTP/1 on 127.0.0.1, behaving like the real one where a
+//! DRA driver's node side depends on it.
+//!
+//! Like the real server: cluster-scoped ResourceSlices at `/apis/resource.k8s.io/v1/resourceslices`
+//! with `fieldSelector` (`spec.driver`, `spec.nodeName`, `metadata.name`) and `labelSelector`;
+//! watches from a resourceVersion as chunked JSON lines (replaying history; an `ERROR` event with
+//! a 410 `Status` when the version was compacted away); `generateName`; optimistic concurrency
+//! (409 on a stale resourceVersion); no-op updates that store nothing; monotonically increasing
+//! resourceVersions; validation of the `resource.k8s.io/v1` limits (422 `Invalid`); every error a
+//! `Status` body. For tests: a count of write requests, external edits that bypass the counters,
+//! fault injection (the next N requests fail with 500, the next update fails with 409), and dropped
+//! fields (as when a feature gate is off). DeviceClasses (list, and a watch of changes from its
+//! start), API discovery of `resource.k8s.io/v1` (absent on request), `/version`, and JSON merge
+//! patches of a Node's labels.
+
+use futures::StreamExt;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+const NAME_ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// HTTP-level counts of an [`ApiServer`] (external edits through the handle are not counted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ApiCounts {
+    /// Requests of any kind, faults injected included.
+    pub requests: u64,
+    /// Lists (ResourceSlices and DeviceClasses).
+    pub lists: u64,
+    /// Watches (ResourceSlices and DeviceClasses).
+    pub watches: u64,
+    /// Successful creates.
+    pub creates: u64,
+    /// Update requests that were accepted (no-op updates included: they are churn too).
+    pub updates: u64,
+    /// Successful deletes.
+    pub deletes: u64,
+    /// Write requests of any outcome (create, update, delete).
+    pub write_requests: u64,
+}
+
+/// One HTTP request as the server received it, for tests that check what a client asks
+/// (e.g. the RBAC rules it needs).
+///
+/// Tests build these to compare with (the three parts of a request line are all there is to
+/// one), so the struct is not `#[non_exhaustive]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedRequest {
+    /// The HTTP method (`GET`, `POST`, ...).
+    pub method: String,
+    /// The path, without the query.
+    pub path: String,
+    /// The raw query string, without the `?` (empty when there is none).
+    pub query: String,
+}
+
+impl ApiCounts {
+    /// Accepted writes.
+    pub fn writes(&self) -> u64 {
+        self.creates + self.updates + self.deletes
+    }
+}
+
+struct Watcher {
+    selector: Selector,
+    tx: mpsc::UnboundedSender<Bytes>,
+}
+
+#[derive(Default)]
+struct State {
+    slices: BTreeMap<String, ResourceSlice>,
+    nodes: BTreeMap<String, Node>,
+    claims: BTreeMap<(String, String), ResourceClaim>,
+    rv: u64,
+    /// (resourceVersion, event type, object) of every slice change since `compacted`.
+    history: Vec<(u64, &'static str, ResourceSlice)>,
+    /// Watches from below this resourceVersion get 410 Gone.
+    compacted: u64,
+    watchers: Vec<Watcher>,
+    fail_next: u32,
+    conflict_next_update: bool,
+    dropped_fields: Vec<String>,
+    counts: ApiCounts,
+    /// Every request received, in order (faults injected included).
+    requests: Vec<RecordedRequest>,
+    /// What `/version` reports as the minor version.
+    server_minor: u32,
+    /// And as the patch release (in `gitVersion`).
+    server_patch: u32,
+    /// DeviceClasses (list and watch; the watch streams changes from its start, no history).
+    device_classes: BTreeMap<String, DeviceClass>,
+    class_watchers: Vec<mpsc::UnboundedSender<Bytes>>,
+    /// API discovery answers 404 for `resource.k8s.io/v1`, as a server without DRA does.
+    dra_absent: bool,
+    /// Accepted merge patches of Nodes.
+    node_patches: u64,
+}
+
+impl State {
+    fn next_rv(&mut self) -> u64 {
+        self.rv += 1;
+        self.rv
+    }
+
+    /// Records a change: history, watchers.
+    fn emit(&mut self, kind: &'static str, obj: &ResourceSlice) {
+        let rv = self.rv;
+        self.history.push((rv, kind, obj.clone()));
+        let line = event_line(kind, obj);
+        self.watchers
+            .retain(|w| !w.selector.matches(obj) || w.tx.send(line.clone()).is_ok());
+    }
+}
+
+fn class_event(kind: &str, obj: &DeviceClass) -> Bytes {
+    let mut line = serde_json::to_vec(&json!({ "type": kind, "object": obj }))
+        .expect("a DeviceClass serialises");
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn event_line(kind: &str, obj: &ResourceSlice) -> Bytes {
+    let mut line = serde_json::to_vec(&json!({ "type": kind, "object": obj }))
+        .expect("a ResourceSlice serialises");
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+/// A Kubernetes API server in the test's process, over HTTP/1 on 127.0.0.1; it stops when
+/// dropped.
+///
+/// Like the real server: cluster-scoped ResourceSlices at `/apis/resource.k8s.io/v1/resourceslices`
+/// with `fieldSelector` (`spec.driver`, `spec.nodeName`, `metadata.name`) and `labelSelector`;
+/// watches from a resourceVersion as chunked JSON lines (replaying history; an `ERROR` event with
+/// a 410 `Status` when the version was compacted away); `generateName`; optimistic concurrency
+/// (409 on a stale resourceVersion); no-op updates that store nothing; monotonically increasing
+/// resourceVersions; the [`crate::validate`] rules the server shares, as 422 `Invalid`; every
+/// error a `Status` body. Nodes and ResourceClaims to GET (stored with [`ApiServer::seed_node`]
+/// and [`ApiServer::seed_claim`]), JSON merge patches of a Node's labels, DeviceClasses (list,
+/// and a watch of changes from its start), API discovery of `resource.k8s.io/v1` and `/version`.
+///
+/// For tests: counts of requests ([`ApiServer::counts`]) and the requests themselves, external
+/// edits that bypass the counters ([`ApiServer::insert_slice`], [`ApiServer::edit_slice`],
+/// [`ApiServer::delete_slice`]), fault injection ([`ApiServer::fail_next`],
+/// [`ApiServer::conflict_next_update`]), fields dropped as when a feature gate is off
+/// ([`ApiServer::drop_field`]), compaction and closed watches.
+///
+/// ```
+/// use kubelet_plugin::testing::ApiServer;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let server = ApiServer::start().await;
+/// server.seed_node("node-a", "0b6f3c2e-node-a");
+/// let client = server.client()?;
+/// let node = kubelet_plugin::api::SliceApi::get_node(&client, "node-a").await?;
+/// assert_eq!(node.metadata.uid.as_deref(), Some("0b6f3c2e-node-a"));
+/// # Ok(())
+/// # }
+/// ```
+pub struct ApiServer {
+    url: String,
+    state: Arc<Mutex<State>>,
+    changed: Arc<watch::Sender<u64>>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl ApiServer {
+    /// Binds 127.0.0.1:0 and serves on the current runtime.
+    pub async fn start() -> Self {
+        Self::start_on("127.0.0.1:0".parse().expect("an address")).await
+    }
+
+    /// Serves on `addr`, e.g. the address of a server that was stopped (to test an API server
+    /// coming back); retries the bind for a while, as the old listener may still be closing.
+    pub async fn start_on(addr: std::net::SocketAddr) -> Self {
+        let mut tries = 0;
+        let listener = loop {
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => break l,
+                Err(e) if tries < 100 => {
+                    tries += 1;
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("bind {addr}: {e}"),
+            }
+        };
+        let url = format!("http://{}", listener.local_addr().expect("local addr"));
+        let state = Arc::new(Mutex::new(State {
+            server_minor: 35,
+            ..State::default()
+        }));
+        let changed = Arc::new(watch::channel(0).0);
+        let shutdown = CancellationToken::new();
+        let server = Server {
+            state: state.clone(),
+            changed: changed.clone(),
+        };
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    _ = token.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                let server = server.clone();
+                let token = token.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let server = server.clone();
+                        async move { Ok::<_, Infallible>(server.handle(req).await) }
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service);
+                    tokio::select! {
+                        _ = token.cancelled() => {}
+                        _ = conn => {}
+                    }
+                });
+            }
+        });
+        ApiServer {
+            url,
+            state,
+            changed,
+            shutdown,
+        }
+    }
+
+    /// A `kube::Client` that talks plain HTTP to this server (`SliceApi` and `ClaimSource` are
+    /// implemented for it).
+    #[cfg(feature = "kube")]
+    pub fn client(&self) -> Result<kube::Client, kube::Error> {
+        let uri: http::Uri = self.url.parse().expect("the url is a valid URI");
+        kube::Client::try_from(kube::Config::new(uri))
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The address it listens on (to start another one there with [`ApiServer::start_on`]).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.url
+            .trim_start_matches("http://")
+            .parse()
+            .expect("the url holds an address")
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn notify(&self) {
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// All stored slices, by name.
+    pub fn slices(&self) -> Vec<ResourceSlice> {
+        self.lock().slices.values().cloned().collect()
+    }
+
+    /// Every request received so far, in order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.lock().requests.clone()
+    }
+
+    /// The HTTP-level counts so far.
+    pub fn counts(&self) -> ApiCounts {
+        self.lock().counts
+    }
+
+    /// Accepted HTTP writes so far.
+    pub fn writes(&self) -> u64 {
+        self.lock().counts.writes()
+    }
+
+    /// The current resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        self.lock().rv
+    }
+
+    /// A Node as stored.
+    pub fn node(&self, name: &str) -> Option<Node> {
+        self.lock().nodes.get(name).cloned()
+    }
+
+    /// Accepted Node merge patches so far.
+    pub fn node_patches(&self) -> u64 {
+        self.lock().node_patches
+    }
+
+    /// Sets a Node label directly (as another controller would).
+    pub fn set_node_label(&self, name: &str, key: &str, value: &str) {
+        let mut st = self.lock();
+        if let Some(n) = st.nodes.get_mut(name) {
+            n.metadata
+                .labels
+                .get_or_insert_with(Default::default)
+                .insert(key.into(), value.into());
+        }
+    }
+
+    /// Stores a Node with this name and UID (the owner of a node's ResourceSlices).
+    pub fn seed_node(&self, name: &str, uid: &str) {
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let mut st = self.lock();
+        st.next_rv();
+        st.nodes.insert(name.into(), node);
+    }
+
+    /// Stores a DeviceClass (listed and watched, never written through HTTP).
+    pub fn seed_device_class(&self, class: DeviceClass) {
+        self.set_device_class(class);
+    }
+
+    /// Stores a ResourceClaim under its namespace and name (read with GET, never written).
+    pub fn seed_claim(&self, claim: ResourceClaim) {
+        let ns = claim.metadata.namespace.clone().unwrap_or_default();
+        let name = claim.metadata.name.clone().unwrap_or_default();
+        self.lock().claims.insert((ns, name), claim);
+    }
+
+    /// Stores a slice as someone else would (not counted); `metadata.name` must be set.
+    pub fn insert_slice(&self, mut slice: ResourceSlice) -> ResourceSlice {
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        let name = slice
+            .metadata
+            .name
+            .clone()
+            .expect("insert_slice needs a name");
+        slice.metadata.resource_version = Some(rv.to_string());
+        slice
+            .metadata
+            .uid
+            .get_or_insert_with(|| format!("uid-{rv}"));
+        let kind = if st.slices.contains_key(&name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        st.slices.insert(name, slice.clone());
+        st.emit(kind, &slice);
+        drop(st);
+        self.notify();
+        slice
+    }
+
+    /// Deletes a slice as someone else would (e.g. the kubelet on restart); not counted.
+    pub fn delete_slice(&self, name: &str) -> bool {
+        let mut st = self.lock();
+        let Some(mut obj) = st.slices.remove(name) else {
+            return false;
+        };
+        let rv = st.next_rv();
+        obj.metadata.resource_version = Some(rv.to_string());
+        st.emit("DELETED", &obj);
+        drop(st);
+        self.notify();
+        true
+    }
+
+    /// Edits a slice as someone else would; not counted.
+    pub fn edit_slice(&self, name: &str, edit: impl FnOnce(&mut ResourceSlice)) {
+        let mut slice = self
+            .lock()
+            .slices
+            .get(name)
+            .cloned()
+            .expect("no such slice");
+        edit(&mut slice);
+        self.insert_slice(slice);
+    }
+
+    /// Creates or replaces a DeviceClass, telling the DeviceClass watches.
+    pub fn set_device_class(&self, mut class: DeviceClass) {
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        class.metadata.resource_version = Some(rv.to_string());
+        let name = class
+            .metadata
+            .name
+            .clone()
+            .expect("a DeviceClass has a name");
+        let kind = if st.device_classes.contains_key(&name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        let line = class_event(kind, &class);
+        st.class_watchers.retain(|w| w.send(line.clone()).is_ok());
+        st.device_classes.insert(name, class);
+    }
+
+    /// Deletes a DeviceClass, telling the DeviceClass watches; false if there was none.
+    pub fn delete_device_class(&self, name: &str) -> bool {
+        let mut st = self.lock();
+        let Some(mut class) = st.device_classes.remove(name) else {
+            return false;
+        };
+        class.metadata.resource_version = Some(st.next_rv().to_string());
+        let line = class_event("DELETED", &class);
+        st.class_watchers.retain(|w| w.send(line.clone()).is_ok());
+        true
+    }
+
+    /// API discovery answers 404 for `resource.k8s.io/v1` (a cluster without DRA).
+    pub fn set_dra_absent(&self) {
+        self.lock().dra_absent = true;
+    }
+
+    /// Makes `/version` report Kubernetes 1.`minor` (default 1.35.0).
+    pub fn set_server_minor(&self, minor: u32) {
+        self.lock().server_minor = minor;
+    }
+
+    /// Makes `/version` report Kubernetes 1.`minor`.`patch` (its `gitVersion`).
+    pub fn set_server_version(&self, minor: u32, patch: u32) {
+        let mut st = self.lock();
+        st.server_minor = minor;
+        st.server_patch = patch;
+    }
+
+    /// The next `n` requests (of any kind) fail with 500.
+    pub fn fail_next(&self, n: u32) {
+        self.lock().fail_next = n;
+    }
+
+    /// The next update fails with 409 Conflict, whatever its resourceVersion.
+    pub fn conflict_next_update(&self) {
+        self.lock().conflict_next_update = true;
+    }
+
+    /// Silently drops a spec field on create and update, as the API server does for a field whose
+    /// feature gate is off: `sharedCounters`, `devices[].consumesCounters`, `devices[].taints`.
+    pub fn drop_field(&self, path: &str) {
+        self.lock().dropped_fields.push(path.into());
+    }
+
+    /// Moves the resourceVersion on (as writes elsewhere in the cluster do) and forgets the event
+    /// history: a watch from any earlier resourceVersion gets 410 Gone.
+    pub fn compact(&self) {
+        let mut st = self.lock();
+        st.history.clear();
+        st.compacted = st.next_rv();
+    }
+
+    /// Ends every open watch (as a server restart or a load balancer would).
+    pub fn close_watches(&self) {
+        self.lock().watchers.clear();
+    }
+
+    /// Open watches.
+    pub fn watchers(&self) -> usize {
+        let mut st = self.lock();
+        st.watchers.retain(|w| !w.tx.is_closed());
+        st.watchers.len()
+    }
+
+    /// Waits until `pred` holds for the stored slices; panics with the slices after `timeout`.
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&[ResourceSlice]) -> bool,
+    ) -> Vec<ResourceSlice> {
+        let mut rx = self.changed.subscribe();
+        let wait = async {
+            loop {
+                let slices = self.slices();
+                if pred(&slices) {
+                    return slices;
+                }
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(slices) => slices,
+            Err(_) => panic!(
+                "condition not met within {timeout:?}; slices: {:#?}",
+                self.slices()
+            ),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Server {
+    state: Arc<Mutex<State>>,
+    changed: Arc<watch::Sender<u64>>,
+}
+
+fn full(status: StatusCode, body: Vec<u8>) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)).boxed())
+        .expect("a valid response")
+}
+
+fn ok_json(status: StatusCode, v: &impl k8s_openapi::serde::Serialize) -> Response<Body> {
+    full(status, serde_json::to_vec(v).expect("serialisable"))
+}
+
+fn status_value(code: u16, reason: &str, message: &str, details: Option<Value>) -> Value {
+    let mut v = json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    });
+    if let Some(d) = details {
+        v["details"] = d;
+    }
+    v
+}
+
+fn error(code: u16, reason: &str, message: impl Into<String>) -> Response<Body> {
+    let status = StatusCode::from_u16(code).expect("a valid status code");
+    ok_json(status, &status_value(code, reason, &message.into(), None))
+}
+
+fn not_found(kind: &str, name: &str) -> Response<Body> {
+    error(404, "NotFound", format!("{kind} \"{name}\" not found"))
+}
+
+fn conflict(name: &str) -> Response<Body> {
+    error(
+        409,
+        "Conflict",
+        format!(
+            "Operation cannot be fulfilled on resourceslices.resource.k8s.io \"{name}\": the \
+             object has been modified; please apply your changes to the latest version and try again"
+        ),
+    )
+}
+
+fn invalid(name: &str, causes: Vec<(String, String)>) -> Response<Body> {
+    let message = format!(
+        "ResourceSlice.resource.k8s.io \"{name}\" is invalid: {}",
+        causes
+            .iter()
+            .map(|(f, m)| format!("{f}: {m}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let details = json!({
+        "name": name,
+        "group": "resource.k8s.io",
+        "kind": "ResourceSlice",
+        "causes": causes.iter().map(|(f, m)| json!({"reason": "FieldValueInvalid", "message": m, "field": f})).collect::<Vec<_>>(),
+    });
+    ok_json(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &status_value(422, "Invalid", &message, Some(details)),
+    )
+}
+
+fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
+    req.uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A parsed field and label selector.
+#[derive(Clone, Debug, Default)]
+struct Selector {
+    /// (field, value, equal?)
+    fields: Vec<(String, String, bool)>,
+    labels: Vec<LabelReq>,
+}
+
+#[derive(Clone, Debug)]
+enum LabelReq {
+    Eq(String, String),
+    Ne(String, String),
+    Exists(String),
+    NotExists(String),
+}
+
+impl Selector {
+    fn parse(q: &BTreeMap<String, String>) -> Result<Self, String> {
+        let mut sel = Selector::default();
+        for term in q
+            .get("fieldSelector")
+            .map(String::as_str)
+            .unwrap_or("")
+            .split(',')
+            .filter(|t| !t.is_empty())
+        {
+            let (field, value, eq) = if let Some((f, v)) = term.split_once("!=") {
+                (f, v, false)
+            } else if let Some((f, v)) = term.split_once("==") {
+                (f, v, true)
+            } else if let Some((f, v)) = term.split_once('=') {
+                (f, v, true)
+            } else {
+                return Err(format!("invalid field selector term {term:?}"));
+            };
+            if !["spec.driver", "spec.nodeName", "metadata.name"].contains(&field) {
+                return Err(format!(
+                    "field label not supported: {field} (resourceslices support spec.driver, \
+                     spec.nodeName, metadata.name)"
+                ));
+            }
+            sel.fields.push((field.into(), value.into(), eq));
+        }
+        for term in q
+            .get("labelSelector")
+            .map(String::as_str)
+            .unwrap_or("")
+            .split(',')
+            .filter(|t| !t.is_empty())
+        {
+            let req = if let Some((k, v)) = term.split_once("!=") {
+                LabelReq::Ne(k.into(), v.into())
+            } else if let Some((k, v)) = term.split_once("==") {
+                LabelReq::Eq(k.into(), v.into())
+            } else if let Some((k, v)) = term.split_once('=') {
+                LabelReq::Eq(k.into(), v.into())
+            } else if let Some(k) = term.strip_prefix('!') {
+                LabelReq::NotExists(k.into())
+            } else {
+                LabelReq::Exists(term.into())
+            };
+            sel.labels.push(req);
+        }
+        Ok(sel)
+    }
+
+    fn matches(&self, s: &ResourceSlice) -> bool {
+        let fields_ok = self.fields.iter().all(|(f, v, eq)| {
+            let actual = match f.as_str() {
+                "spec.driver" => s.spec.driver.as_str(),
+                "spec.nodeName" => s.spec.node_name.as_deref().unwrap_or(""),
+                _ => s.metadata.name.as_deref().unwrap_or(""),
+            };
+            (actual == v) == *eq
+        });
+        let labels = s.metadata.labels.clone().unwrap_or_default();
+        let labels_ok = self.labels.iter().all(|r| match r {
+            LabelReq::Eq(k, v) => labels.get(k) == Some(v),
+            LabelReq::Ne(k, v) => labels.get(k) != Some(v),
+            LabelReq::Exists(k) => labels.contains_key(k),
+            LabelReq::NotExists(k) => !labels.contains_key(k),
+        });
+        fields_ok && labels_ok
+    }
+}
+
+impl Server {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+        {
+            let mut st = self.lock();
+            st.counts.requests += 1;
+            st.requests.push(RecordedRequest {
+                method: req.method().to_string(),
+                path: req.uri().path().to_string(),
+                query: req.uri().query().unwrap_or_default().to_string(),
+            });
+            if st.fail_next > 0 {
+                st.fail_next -= 1;
+                return error(
+                    500,
+                    "InternalError",
+                    "Internal error occurred: injected fault",
+                );
+            }
+        }
+        let path = req.uri().path().to_string();
+        let method = req.method().clone();
+        let q = query(&req);
+        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let resp = match (method.clone(), segs.as_slice()) {
+            (Method::GET, ["apis", "resource.k8s.io", "v1", "resourceslices"]) => {
+                if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+                    self.watch(&q)
+                } else {
+                    self.list(&q)
+                }
+            }
+            (Method::POST, ["apis", "resource.k8s.io", "v1", "resourceslices"]) => {
+                match read_slice(req).await {
+                    Ok(s) => self.create(s),
+                    Err(r) => r,
+                }
+            }
+            (Method::GET, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
+                match self.lock().slices.get(*name) {
+                    Some(s) => ok_json(StatusCode::OK, s),
+                    None => not_found("resourceslices.resource.k8s.io", name),
+                }
+            }
+            (Method::PUT, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
+                let name = name.to_string();
+                match read_slice(req).await {
+                    Ok(s) => self.update(&name, s),
+                    Err(r) => r,
+                }
+            }
+            (Method::DELETE, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
+                self.delete(name)
+            }
+            (Method::GET, ["apis", "resource.k8s.io", "v1"]) => {
+                if self.lock().dra_absent {
+                    not_found("resource.k8s.io/v1", "v1")
+                } else {
+                    let r = |name: &str, kind: &str, namespaced: bool| {
+                        json!({"name": name, "singularName": "", "namespaced": namespaced,
+                               "kind": kind, "verbs": ["get", "list", "watch"]})
+                    };
+                    ok_json(
+                        StatusCode::OK,
+                        &json!({
+                            "kind": "APIResourceList",
+                            "apiVersion": "v1",
+                            "groupVersion": "resource.k8s.io/v1",
+                            "resources": [
+                                r("deviceclasses", "DeviceClass", false),
+                                r("resourceclaims", "ResourceClaim", true),
+                                r("resourceslices", "ResourceSlice", false),
+                            ],
+                        }),
+                    )
+                }
+            }
+            (Method::GET, ["apis", "resource.k8s.io", "v1", "deviceclasses"]) => {
+                let mut st = self.lock();
+                if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+                    st.counts.watches += 1;
+                    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+                    if q.get("resourceVersion")
+                        .is_none_or(|v| v.is_empty() || v == "0")
+                    {
+                        for c in st.device_classes.values() {
+                            let _ = tx.send(class_event("ADDED", c));
+                        }
+                    }
+                    st.class_watchers.push(tx);
+                    stream_response(rx)
+                } else {
+                    st.counts.lists += 1;
+                    let items: Vec<&DeviceClass> = st.device_classes.values().collect();
+                    ok_json(
+                        StatusCode::OK,
+                        &json!({
+                            "apiVersion": "resource.k8s.io/v1",
+                            "kind": "DeviceClassList",
+                            "metadata": { "resourceVersion": st.rv.to_string() },
+                            "items": items,
+                        }),
+                    )
+                }
+            }
+            (Method::GET, ["version"]) => {
+                let (minor, patch) = {
+                    let st = self.lock();
+                    (st.server_minor, st.server_patch)
+                };
+                ok_json(
+                    StatusCode::OK,
+                    &serde_json::json!({
+                        "major": "1",
+                        "minor": minor.to_string(),
+                        "gitVersion": format!("v1.{minor}.{patch}"),
+                        "gitCommit": "",
+                        "gitTreeState": "clean",
+                        "buildDate": "2026-01-01T00:00:00Z",
+                        "goVersion": "go1.25",
+                        "compiler": "gc",
+                        "platform": "linux/amd64",
+                    }),
+                )
+            }
+            (Method::PATCH, ["api", "v1", "nodes", name]) => {
+                let name = name.to_string();
+                let json_merge = req
+                    .headers()
+                    .get("content-type")
+                    .is_some_and(|v| v.as_bytes().starts_with(b"application/merge-patch+json"));
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                match (json_merge, body) {
+                    (false, _) => error(415, "UnsupportedMediaType", "only merge patches here"),
+                    (true, Err(_)) => error(400, "BadRequest", "unreadable body"),
+                    (true, Ok(bytes)) => self.patch_node(&name, &bytes),
+                }
+            }
+            (Method::GET, ["api", "v1", "nodes", name]) => match self.lock().nodes.get(*name) {
+                Some(n) => ok_json(StatusCode::OK, n),
+                None => not_found("nodes", name),
+            },
+            (
+                Method::GET,
+                [
+                    "apis",
+                    "resource.k8s.io",
+                    "v1",
+                    "namespaces",
+                    ns,
+                    "resourceclaims",
+                    name,
+                ],
+            ) => {
+                let key = (ns.to_string(), name.to_string());
+                match self.lock().claims.get(&key) {
+                    Some(c) => ok_json(StatusCode::OK, c),
+                    None => not_found("resourceclaims.resource.k8s.io", name),
+                }
+            }
+            _ => error(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource ({method} {path})"),
+            ),
+        };
+        if resp.status().is_success() && method != Method::GET {
+            self.changed.send_modify(|n| *n += 1);
+        }
+        resp
+    }
+
+    /// A JSON merge patch of `metadata.labels` (the only part of a Node this server patches).
+    fn patch_node(&self, name: &str, body: &[u8]) -> Response<Body> {
+        let patch: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return error(400, "BadRequest", format!("bad patch: {e}")),
+        };
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        let Some(node) = st.nodes.get_mut(name) else {
+            return not_found("nodes", name);
+        };
+        if let Some(labels) = patch["metadata"]["labels"].as_object() {
+            let have = node.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                match v.as_str() {
+                    Some(v) => {
+                        have.insert(k.clone(), v.to_string());
+                    }
+                    None => {
+                        have.remove(k);
+                    }
+                }
+            }
+        }
+        node.metadata.resource_version = Some(rv.to_string());
+        let node = node.clone();
+        st.node_patches += 1;
+        ok_json(StatusCode::OK, &node)
+    }
+
+    fn list(&self, q: &BTreeMap<String, String>) -> Response<Body> {
+        let sel = match Selector::parse(q) {
+            Ok(s) => s,
+            Err(e) => return error(400, "BadRequest", e),
+        };
+        let mut st = self.lock();
+        st.counts.lists += 1;
+        let items: Vec<&ResourceSlice> = st.slices.values().filter(|s| sel.matches(s)).collect();
+        ok_json(
+            StatusCode::OK,
+            &json!({
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSliceList",
+                "metadata": { "resourceVersion": st.rv.to_string() },
+                "items": items,
+            }),
+        )
+    }
+
+    fn watch(&self, q: &BTreeMap<String, String>) -> Response<Body> {
+        let sel = match Selector::parse(q) {
+            Ok(s) => s,
+            Err(e) => return error(400, "BadRequest", e),
+        };
+        let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+        let mut st = self.lock();
+        st.counts.watches += 1;
+        let from = q.get("resourceVersion").cloned().unwrap_or_default();
+        match from.parse::<u64>() {
+            Ok(rv) if rv != 0 => {
+                if rv < st.compacted {
+                    let status = status_value(
+                        410,
+                        "Expired",
+                        &format!("too old resource version: {rv} ({})", st.compacted),
+                        None,
+                    );
+                    let mut line = serde_json::to_vec(&json!({"type": "ERROR", "object": status}))
+                        .expect("serialisable");
+                    line.push(b'\n');
+                    let _ = tx.send(Bytes::from(line));
+                    drop(tx);
+                    return stream_response(rx);
+                }
+                for (_, kind, obj) in st
+                    .history
+                    .iter()
+                    .filter(|(v, _, o)| *v > rv && sel.matches(o))
+                {
+                    let _ = tx.send(event_line(kind, obj));
+                }
+            }
+            _ if from.is_empty() || from == "0" => {
+                for obj in st.slices.values().filter(|o| sel.matches(o)) {
+                    let _ = tx.send(event_line("ADDED", obj));
+                }
+            }
+            _ => {
+                return error(
+                    400,
+                    "BadRequest",
+                    format!("invalid resourceVersion {from:?}"),
+                );
+            }
+        }
+        st.watchers.push(Watcher { selector: sel, tx });
+        stream_response(rx)
+    }
+
+    fn create(&self, mut s: ResourceSlice) -> Response<Body> {
+        let mut st = self.lock();
+        st.counts.write_requests += 1;
+        drop_fields(&mut s, &st.dropped_fields);
+        let name = match (&s.metadata.name, &s.metadata.generate_name) {
+            (Some(n), _) => n.clone(),
+            (None, Some(prefix)) => {
+                let base: String = prefix.chars().take(58).collect();
+                loop {
+                    let suffix: String = (0..5)
+                        .map(|_| {
+                            char::from(NAME_ALPHABET[rand::random_range(0..NAME_ALPHABET.len())])
+                        })
+                        .collect();
+                    let name = format!("{base}{suffix}");
+                    if !st.slices.contains_key(&name) {
+                        break name;
+                    }
+                }
+            }
+            (None, None) => {
+                return invalid(
+                    "",
+                    vec![(
+                        "metadata.name".into(),
+                        "name or generateName is required".into(),
+                    )],
+                );
+            }
+        };
+        if st.slices.contains_key(&name) {
+            return error(
+                409,
+                "AlreadyExists",
+                format!("resourceslices.resource.k8s.io \"{name}\" already exists"),
+            );
+        }
+        s.metadata.name = Some(name.clone());
+        let causes = validate(&s, st.server_minor);
+        if !causes.is_empty() {
+            return invalid(&name, causes);
+        }
+        let rv = st.next_rv();
+        s.metadata.resource_version = Some(rv.to_string());
+        s.metadata.uid = Some(format!("uid-{rv}"));
+        s.metadata.generation = Some(1);
+        s.metadata.creation_timestamp = Some(now());
+        s.metadata.managed_fields = None;
+        stamp_taints(&mut s, None);
+        st.slices.insert(name, s.clone());
+        st.counts.creates += 1;
+        st.emit("ADDED", &s);
+        ok_json(StatusCode::CREATED, &s)
+    }
+
+    fn update(&self, name: &str, mut s: ResourceSlice) -> Response<Body> {
+        let mut st = self.lock();
+        st.counts.write_requests += 1;
+        if s.metadata.name.as_deref() != Some(name) {
+            return error(
+                400,
+                "BadRequest",
+                format!(
+                    "the name of the object ({:?}) does not match the name on the URL ({name})",
+                    s.metadata.name
+                ),
+            );
+        }
+        let Some(current) = st.slices.get(name).cloned() else {
+            return not_found("resourceslices.resource.k8s.io", name);
+        };
+        if std::mem::take(&mut st.conflict_next_update) {
+            return conflict(name);
+        }
+        if let Some(rv) = s.metadata.resource_version.as_deref()
+            && !rv.is_empty()
+            && Some(rv) != current.metadata.resource_version.as_deref()
+        {
+            return conflict(name);
+        }
+        drop_fields(&mut s, &st.dropped_fields);
+        let mut causes = validate(&s, st.server_minor);
+        for (field, old, new) in [
+            (
+                "spec.driver",
+                Some(&current.spec.driver),
+                Some(&s.spec.driver),
+            ),
+            (
+                "spec.pool.name",
+                Some(&current.spec.pool.name),
+                Some(&s.spec.pool.name),
+            ),
+            (
+                "spec.nodeName",
+                current.spec.node_name.as_ref(),
+                s.spec.node_name.as_ref(),
+            ),
+        ] {
+            if old != new {
+                causes.push((field.into(), "field is immutable".into()));
+            }
+        }
+        if !causes.is_empty() {
+            return invalid(name, causes);
+        }
+        // Server-owned metadata.
+        s.metadata.uid = current.metadata.uid.clone();
+        s.metadata.creation_timestamp = current.metadata.creation_timestamp.clone();
+        s.metadata.generate_name = s
+            .metadata
+            .generate_name
+            .or(current.metadata.generate_name.clone());
+        s.metadata.managed_fields = None;
+        stamp_taints(&mut s, Some(&current));
+        let spec_changed = current.spec != s.spec;
+        s.metadata.generation =
+            Some(current.metadata.generation.unwrap_or(1) + i64::from(spec_changed));
+        s.metadata.resource_version = current.metadata.resource_version.clone();
+        st.counts.updates += 1;
+        if s == current {
+            // A no-op update stores nothing and emits no event.
+            return ok_json(StatusCode::OK, &current);
+        }
+        let rv = st.next_rv();
+        s.metadata.resource_version = Some(rv.to_string());
+        st.slices.insert(name.into(), s.clone());
+        st.emit("MODIFIED", &s);
+        ok_json(StatusCode::OK, &s)
+    }
+
+    fn delete(&self, name: &str) -> Response<Body> {
+        let mut st = self.lock();
+        st.counts.write_requests += 1;
+        let Some(mut obj) = st.slices.remove(name) else {
+            return not_found("resourceslices.resource.k8s.io", name);
+        };
+        let rv = st.next_rv();
+        obj.metadata.resource_version = Some(rv.to_string());
+        st.counts.deletes += 1;
+        st.emit("DELETED", &obj);
+        ok_json(StatusCode::OK, &obj)
+    }
+}
+
+fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>) -> Response<Body> {
+    let frames = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+        .map(|b| Ok::<_, Infallible>(Frame::data(b)));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(BodyExt::boxed(StreamBody::new(frames)))
+        .expect("a valid response")
+}
+
+async fn read_slice(req: Request<Incoming>) -> Result<ResourceSlice, Response<Body>> {
+    let bytes = req
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| error(400, "BadRequest", format!("reading the body: {e}")))?
+        .to_bytes();
+    serde_json::from_slice(&bytes)
+        .map_err(|e| error(400, "BadRequest", format!("decoding a ResourceSlice: {e}")))
+}
+
+fn now() -> Time {
+    let t = k8s_openapi::jiff::Timestamp::now();
+    Time(k8s_openapi::jiff::Timestamp::from_second(t.as_second()).unwrap_or(t))
+}
+
+/// Sets `timeAdded` on taints that lack it, keeping the stored time of an unchanged taint.
+fn stamp_taints(s: &mut ResourceSlice, current: Option<&ResourceSlice>) {
+    for d in s.spec.devices.iter_mut().flatten() {
+        let old = current
+            .and_then(|c| c.spec.devices.as_ref())
+            .and_then(|ds| ds.iter().find(|o| o.name == d.name))
+            .and_then(|o| o.taints.clone())
+            .unwrap_or_default();
+        for t in d.taints.iter_mut().flatten() {
+            if t.time_added.is_none() {
+                t.time_added = old
+                    .iter()
+                    .find(|o| o.key == t.key && o.value == t.value && o.effect == t.effect)
+                    .and_then(|o| o.time_added.clone())
+                    .or_else(|| Some(now()));
+            }
+        }
+    }
+}
+
+/// Removes the configured spec fields (`a.b[].c` paths) from a slice.
+fn drop_fields(s: &mut ResourceSlice, paths: &[String]) {
+    if paths.is_empty() {
+        return;
+    }
+    let mut spec = serde_json::to_value(&s.spec).expect("a spec serialises");
+    for path in paths {
+        let segs: Vec<&str> = path.split('.').collect();
+        strip(&mut spec, &segs);
+    }
+    s.spec = serde_json::from_value(spec).expect("a spec minus optional fields still parses");
+}
+
+fn strip(v: &mut Value, segs: &[&str]) {
+    let Some((first, rest)) = segs.split_first() else {
+        return;
+    };
+    let (key, each) = match first.strip_suffix("[]") {
+        Some(k) => (k, true),
+        None => (*first, false),
+    };
+    let Value::Object(map) = v else {
+        return;
+    };
+    if rest.is_empty() && !each {
+        map.remove(key);
+        return;
+    }
+    let Some(child) = map.get_mut(key) else {
+        return;
+    };
+    if each {
+        if let Value::Array(items) = child {
+            for item in items {
+                strip(item, rest);
+            }
+        }
+    } else {
+        strip(child, rest);
+    }
+}
+
+/// The `resource.k8s.io/v1` validation: the object's name, the library's rules that the API
+/// server shares ([`crate::validate`], Kubernetes 1.34 and 1.35 limits), and one difference
+/// between the two versions: a 1.35 server (`minor` 35 and later) refuses shared counters in the
+/// same slice as devices, which 1.34 takes.
+fn validate(s: &ResourceSlice, minor: u32) -> Vec<(String, String)> {
+    let mut causes: Vec<(String, String)> = Vec::new();
+    let name = s.metadata.name.as_deref().unwrap_or("");
+    if !crate::validate::is_dns_subdomain(name, 253) {
+        causes.push((
+            "metadata.name".into(),
+            format!("{name:?} is not a DNS subdomain"),
+        ));
+    }
+    let spec = &s.spec;
+    let devices = spec.devices.as_deref().unwrap_or(&[]);
+    let counters = spec.shared_counters.as_deref().unwrap_or(&[]);
+    if minor >= 35 && !devices.is_empty() && !counters.is_empty() {
+        causes.push((
+            "spec".into(),
+            "only one of `devices` and `sharedCounters` may be set".into(),
+        ));
+    }
+    for v in crate::validate::validate(spec) {
+        if v.server_rejects() {
+            let field = match &v.device {
+                Some(d) => format!("spec.devices[{d}]"),
+                None => "spec".into(),
+            };
+            causes.push((field, v.rule));
+        }
+    }
+    causes
+}

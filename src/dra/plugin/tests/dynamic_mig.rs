@@ -332,3 +332,28 @@ async fn a_switch_that_needs_a_reset_is_refused_and_the_gpu_no_longer_switches()
     let err = e.prepare("a").await.unwrap_err().to_string();
     assert!(err.contains("reset required"), "{err}");
 }
+
+/// Claims of one batch run concurrently: two placements of one GPU switch it on once (the
+/// second waits on the GPU's lock, then finds it on), and their unprepares in one batch switch
+/// it off once, after both instances are gone.
+#[tokio::test]
+async fn concurrent_claims_of_one_gpu_switch_it_once_each_way() {
+    let e = env_dynamic("dgx-h100", false).await;
+    let g0 = gpu(&e, 0);
+    let (x, y) = (
+        placement(&e, 0, "1g.10gb", 0),
+        placement(&e, 0, "2g.20gb", 2),
+    );
+    e.add(claim("x", vec![result("mig", &x)]));
+    e.add(claim("y", vec![result("mig", &y)]));
+    for (_, r) in e.plugin.prepare(vec![cref("x"), cref("y")]).await {
+        r.unwrap();
+    }
+    assert_eq!(switches(&e), vec![(g0.clone(), true)]);
+    assert_eq!(creates(&e), 2);
+    for (_, r) in e.plugin.unprepare(vec![cref("x"), cref("y")]).await {
+        r.unwrap();
+    }
+    assert_eq!(switches(&e), vec![(g0.clone(), true), (g0, false)]);
+    assert!(recorded(&e.plugin).is_empty());
+}

@@ -22,9 +22,10 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
         stdout.contains("\"v1.DRAPlugin\", \"v1beta1.DRAPlugin\""),
         "{stdout}"
     );
-    // Eight H100s published once each, allocatable whole or in shares (--shared-capacity).
+    // Eight H100s published once each, allocatable whole or in shares (--shared-capacity),
+    // and in every MIG placement (--dynamic-mig): 1 + 25 devices each.
     assert!(
-        stdout.contains("with 8 devices for pool demo-node"),
+        stdout.contains("with 208 devices for pool demo-node"),
         "{stdout}"
     );
     assert!(
@@ -37,7 +38,14 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
     );
     // The claim that cannot fit is explained device by device.
     assert!(
-        stdout.contains("gpu-7  selectors[0]: memory 80Gi < 100Gi"),
+        stdout.lines().any(|l| {
+            let l = l.trim();
+            l.starts_with("gpu-7 ") && l.ends_with(" selectors[0]: memory 80Gi < 100Gi")
+        }),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("(200 MIG placements left out: class gpu.nvidia.com wants type \"gpu\")"),
         "{stdout}"
     );
     assert!(
@@ -93,6 +101,44 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
     );
     assert!(
         stdout.contains("the MPS host has the daemon quit"),
+        "{stdout}"
+    );
+    // Any shape on demand: the last H100 whole, then two MIG devices (mode on, two instances),
+    // refused whole while they run, whole again after (mode off), beside a share of gpu-0.
+    assert!(
+        stdout.contains("demo/notebook-share (memory 20Gi) -> gpu-0, shared by memory"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("demo/train-whole -> gpu-7: prepared whole, MIG mode off"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("demo/infer-3g -> gpu-7-mig-3g40gb-9-0: prepared as")
+            && stdout.contains("demo/infer-1g -> gpu-7-mig-1g10gb-19-"),
+        "{stdout}"
+    );
+    let recorded: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("the simulated GPU recorded: "))
+        .collect();
+    assert_eq!(recorded.len(), 2, "{stdout}");
+    assert!(
+        recorded[0].contains("MIG mode on on GPU-")
+            && recorded[0].matches(" created on ").count() == 2,
+        "{stdout}"
+    );
+    assert!(
+        recorded[1].matches(" destroyed on ").count() == 2
+            && recorded[1].contains("MIG mode off on GPU-"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("gpu-7 is not offered whole while it has MIG devices"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("demo/train-whole -> gpu-7: prepared whole again"),
         "{stdout}"
     );
     assert!(stdout.contains("shut down cleanly"), "{stdout}");

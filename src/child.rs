@@ -1,6 +1,6 @@
 //! Child processes with a deadline: a driver tool (`nvidia-smi`) that hangs is killed when its
 //! deadline passes, and its caller gets an error naming the command and the deadline instead of
-//! a thread blocked for good. (The MPS control client has its own: `mps::control::ask`.)
+//! a thread blocked for good. The MPS control client (`mps::control::ask`) runs through it too.
 
 use std::io::Read;
 use std::process::{Command, ExitStatus, Stdio};
@@ -30,12 +30,27 @@ pub enum Error {
 /// Runs `cmd` (named `command` in errors) with no input, collecting its output, and kills it
 /// when it has not exited within `deadline`.
 pub fn output(cmd: &mut Command, command: &str, deadline: Duration) -> Result<Output, Error> {
+    output_fed(cmd, command, None, deadline)
+}
+
+/// As [`output`], writing `input` to the child's stdin first (then closing it) when given.
+pub fn output_fed(
+    cmd: &mut Command,
+    command: &str,
+    input: Option<&[u8]>,
+    deadline: Duration,
+) -> Result<Output, Error> {
     let spawn_err = |source| Error::Spawn {
         command: command.to_string(),
         source,
     };
+    let stdin = if input.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    };
     let mut child = cmd
-        .stdin(Stdio::null())
+        .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -52,6 +67,10 @@ pub fn output(cmd: &mut Command, command: &str, deadline: Duration) -> Result<Ou
     };
     let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
     let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    if let (Some(bytes), Some(mut pipe)) = (input, child.stdin.take()) {
+        // A child that exits before reading closes the pipe: its status says why.
+        let _ = std::io::Write::write_all(&mut pipe, bytes);
+    }
     let start = Instant::now();
     let mut pause = Duration::from_millis(1);
     let status = loop {
@@ -117,5 +136,18 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.to_string(), "cannot run tool");
+    }
+
+    #[test]
+    fn a_fed_child_reads_its_input() {
+        let o = output_fed(
+            &mut Command::new("cat"),
+            "cat",
+            Some(b"get_server_list\n"),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        assert!(o.status.success());
+        assert_eq!(o.stdout, b"get_server_list\n");
     }
 }

@@ -1,10 +1,9 @@
 //! `nvidia-cuda-mps-control` as a client: find it under the driver root, and send a daemon one
 //! command (`get_server_list`, `quit`) through it, with a deadline.
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitStatus};
+use std::time::Duration;
 
 pub const CONTROL: &str = "nvidia-cuda-mps-control";
 
@@ -51,60 +50,27 @@ pub fn find(driver_root: &Path) -> Result<PathBuf> {
 /// The client is killed when it has not finished by `deadline`: a daemon that does not answer in
 /// time counts as not answering.
 pub fn ask(control: &Path, pipe: &Path, command: &str, deadline: Duration) -> Result<String> {
-    let mut child = Command::new(control)
-        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| Error::Spawn {
-            control: control.to_path_buf(),
-            source,
+    let mut cmd = Command::new(control);
+    cmd.env("CUDA_MPS_PIPE_DIRECTORY", pipe);
+    let input = format!("{command}\n");
+    let out = crate::child::output_fed(&mut cmd, command, Some(input.as_bytes()), deadline)
+        .map_err(|e| match e {
+            crate::child::Error::Spawn { source, .. } => Error::Spawn {
+                control: control.to_path_buf(),
+                source,
+            },
+            crate::child::Error::Deadline { .. } => Error::Timeout {
+                command: command.to_string(),
+                deadline,
+            },
         })?;
-    if let Some(mut stdin) = child.stdin.take() {
-        // A client that exits before reading (no daemon) closes the pipe: its status says why.
-        let _ = stdin.write_all(format!("{command}\n").as_bytes());
-    }
-    let start = Instant::now();
-    let mut pause = Duration::from_millis(1);
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if start.elapsed() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(Error::Timeout {
-                    command: command.to_string(),
-                    deadline,
-                });
-            }
-            Ok(None) => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(20));
-            }
-            Err(source) => {
-                let _ = child.kill();
-                return Err(Error::Spawn {
-                    control: control.to_path_buf(),
-                    source,
-                });
-            }
-        }
-    };
-    let (mut out, mut err) = (String::new(), String::new());
-    if let Some(mut s) = child.stdout.take() {
-        let _ = s.read_to_string(&mut out);
-    }
-    if let Some(mut s) = child.stderr.take() {
-        let _ = s.read_to_string(&mut err);
-    }
-    if status.success() {
-        Ok(out)
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
         Err(Error::Failed {
             command: command.to_string(),
-            status,
-            stderr: err.trim().to_string(),
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         })
     }
 }

@@ -12,24 +12,8 @@ pub fn quantity(bytes: u64) -> String {
     format!("{value}{}", UNITS[unit])
 }
 
-/// Parses a Kubernetes quantity of bytes (`80Gi`, `4864Mi`, `1G`, `1024`) into bytes.
+/// Parses a Kubernetes quantity of bytes (`80Gi`, `4864Mi`, `1G`, `1024`) into bytes, as the
+/// slice rules of the kubelet-plugin library read one.
 pub fn parse_quantity(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, suffix) = s.split_at(split);
-    let value: u64 = digits.parse().ok()?;
-    let mult: u64 = match suffix {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "Pi" => 1 << 50,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        _ => return None,
-    };
-    value.checked_mul(mult)
+    kubelet_plugin::validate::whole_quantity(s)
 }

@@ -84,9 +84,14 @@ pub fn is_dns_subdomain(s: &str, max: usize) -> bool {
     !s.is_empty() && s.len() <= max && s.split('.').all(|l| is_dns_label(l, 63))
 }
 
-/// A quantity of whole units (`80Gi`, `4864Mi`, `1G`, `1024`), for the rules that compare
-/// quantities; `None` for any other form (left to [`is_quantity`]).
-fn whole_quantity(s: &str) -> Option<u64> {
+/// A quantity of whole units (`80Gi`, `4864Mi`, `1G`, `1024`), as the rules that compare
+/// quantities read it; `None` for any other form (left to [`is_quantity`]) or on overflow.
+///
+/// ```
+/// assert_eq!(kubelet_plugin::validate::whole_quantity("80Gi"), Some(80 << 30));
+/// assert_eq!(kubelet_plugin::validate::whole_quantity("1.5Gi"), None);
+/// ```
+pub fn whole_quantity(s: &str) -> Option<u64> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (digits, suffix) = s.split_at(split);

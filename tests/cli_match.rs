@@ -404,14 +404,7 @@ async fn a_live_cluster_is_explained_per_node() {
     }
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\nusers:\n- name: t\n  user: {{}}\n",
-            server.url()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
     let writes_before = server.counts().write_requests;
     let kc = kubeconfig.to_str().unwrap().to_string();
     let all = {

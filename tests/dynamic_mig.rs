@@ -48,14 +48,7 @@ impl Daemon {
     async fn start(server: &TestApiServer) -> Daemon {
         let root = tempfile::tempdir().unwrap();
         let kubeconfig = root.path().join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\nusers:\n- name: t\n  user: {{}}\n",
-                server.url()
-            ),
-        )
-        .unwrap();
+        std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
         let mut child = support::daemon::nvdra_run(root.path(), "dra", NODE)
             .args(["--profile", "dgx-h100", "--dynamic-mig"])
             .arg("--fault-file")

@@ -21,6 +21,7 @@ mod watch;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
+use support::apiserver::TestApiServer;
 use support::grpcio::{STANDIN, have_grpcio};
 
 use kubelet_plugin::proto::pluginregistration::{
@@ -81,9 +82,28 @@ impl Daemon {
         d
     }
 
+    /// `nvdra run` with `args` added against the test API server `server` (`--kubeconfig`, not
+    /// the directory API), which holds the claims; `setup` prepares the root as for
+    /// [`Daemon::start_with`] (its API directory goes unused).
+    async fn start_on(server: &TestApiServer, args: &[&str], setup: impl FnOnce(&Path)) -> Daemon {
+        let root = tempfile::tempdir().unwrap();
+        setup(&root.path().join("api"));
+        let kubeconfig = root.path().join("kubeconfig");
+        std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        args.extend(["--kubeconfig".into(), kubeconfig.display().to_string()]);
+        let child = Self::spawn(root.path(), &args);
+        let mut d = Daemon { child, root, args };
+        d.wait_ready().await;
+        d
+    }
+
     fn spawn(root: &Path, args: &[String]) -> Child {
-        support::daemon::nvdra_run(root, "dra", NODE)
-            .args(["--profile", "dgx-h100"])
+        let mut cmd = support::daemon::nvdra_run(root, "dra", NODE);
+        if args.iter().any(|a| a == "--kubeconfig") {
+            cmd.env_remove("NVDRA_API_DIR");
+        }
+        cmd.args(["--profile", "dgx-h100"])
             .args(args)
             .spawn()
             .unwrap()

@@ -15,14 +15,7 @@ const NODE: &str = "node-a";
 /// `nvdra run --mode dra` with `flags` on the simulated `profile`, against `server`.
 fn nvdra_run(server: &TestApiServer, dir: &std::path::Path, flags: &[&str]) -> Child {
     let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\nusers:\n- name: t\n  user: {{}}\n",
-            server.url()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
     support::daemon::nvdra_run(dir, "dra", NODE)
         .args(["--profile", "dgx-a100-mig"])
         .args(flags)

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 
-use super::{DRIVER, Daemon, NODE, have_grpcio};
+use super::{DRIVER, Daemon, NODE, TestApiServer, have_grpcio};
 use crate::support::grpcio::NodeStandin;
 use crate::support::mps;
 
@@ -25,10 +25,10 @@ struct Kubelet(NodeStandin);
 
 impl Kubelet {
     fn start(d: &Daemon) -> Kubelet {
-        Kubelet(NodeStandin::start(
-            &d.root.path().join("standin"),
-            &d.dra_socket(),
-        ))
+        let (dir, socket) = (d.root.path().join("standin"), d.dra_socket());
+        Kubelet(tokio::task::block_in_place(|| {
+            NodeStandin::start(&dir, &socket)
+        }))
     }
 
     /// `op` (prepare or unprepare) of `uids` in one call; each claim's result.
@@ -37,7 +37,9 @@ impl Kubelet {
             .iter()
             .map(|u| json!({"namespace": "default", "name": format!("claim-{u}"), "uid": u}))
             .collect();
-        self.0.ok(json!({"op": op, "claims": claims}))["claims"].clone()
+        let cmd = json!({"op": op, "claims": claims});
+        // Off the runtime's workers: the test API server may be answering the daemon meanwhile.
+        tokio::task::block_in_place(|| self.0.ok(cmd))["claims"].clone()
     }
 
     fn unprepare(&mut self, uid: &str) {
@@ -78,7 +80,7 @@ fn spec_edits(d: &Daemon, uid: &str) -> (Vec<String>, Vec<(String, String)>) {
     (env, mounts)
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     if !have_grpcio() {
         return;
@@ -223,26 +225,43 @@ fn specs(d: &Daemon) -> Vec<String> {
     v
 }
 
-/// Three 24Gi shares of GPU 0 and a whole-GPU claim on GPU 1, prepared through the grpcio
-/// kubelet, a stand-in CUDA client on each share; then the plugin process replaced (SIGKILL and
-/// a new `nvdra run` on the same node, as a crash or an upgrade does). Every client stays
-/// connected to the same daemon, the new plugin answers the kubelet's retried prepares from its
-/// checkpoint, and its unprepares release the daemon after the last share.
-#[tokio::test]
+/// Three 24Gi shares of GPU 0 and a whole-GPU claim on GPU 1, allocated in the test API server
+/// (which nvdra reads over `--kubeconfig` and publishes its slices to) and prepared through the
+/// grpcio kubelet, a stand-in CUDA client on each share; then the plugin process replaced
+/// (SIGKILL and a new `nvdra run` on the same node, as a crash or an upgrade does). Every client
+/// stays connected to the same daemon, the new plugin answers the kubelet's retried prepares from
+/// its checkpoint, and its unprepares release the daemon after the last share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shares_and_a_whole_gpu_keep_their_clients_while_the_plugin_is_replaced() {
     if !have_grpcio() {
         return;
     }
-    let mut d = Daemon::start_with(&["--shared-capacity"], |api| {
+    let server = TestApiServer::start().await;
+    server.seed_node(NODE, "uid-node-a");
+    for uid in &SHARES[..3] {
+        server.seed_claim(mps::share_claim(
+            DRIVER,
+            NODE,
+            uid,
+            "gpu-0",
+            &share_id(uid),
+            "24Gi",
+        ));
+    }
+    let whole = nvdra::api::allocated_device("gpu", DRIVER, NODE, "gpu-1");
+    server.seed_claim(nvdra::api::allocated_claim(
+        "default",
+        "claim-w",
+        "w",
+        vec![whole],
+        vec![],
+    ));
+    let mut d = Daemon::start_on(&server, &["--shared-capacity"], |api| {
         mps::install_standin(&api.parent().unwrap().join("driver"));
-        for uid in &SHARES[..3] {
-            mps::write_share_claim(api, DRIVER, NODE, uid, "gpu-0", &share_id(uid), "24Gi");
-        }
-        let whole = nvdra::api::allocated_device("gpu", DRIVER, NODE, "gpu-1");
-        let c = nvdra::api::allocated_claim("default", "claim-w", "w", vec![whole], vec![]);
-        nvdra::api::dir::write_claim(api, &c).unwrap();
     })
     .await;
+    // What the scheduler allocated from: GPU 0 published once, shareable, in the server.
+    wait_for_shareable_gpu0(&server).await;
     let gpu = gpu0_uuid();
     let mps_root = d.root.path().join("mps");
     let (dir, pipe) = (
@@ -274,11 +293,13 @@ async fn shares_and_a_whole_gpu_keep_their_clients_while_the_plugin_is_replaced(
                 .find_map(|e| e.strip_prefix("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="))
                 .unwrap_or_else(|| panic!("{uid}: no limit in {env:?}"))
                 .to_string();
-            let c = mps::CudaClient::start(
-                &driver,
-                &pipe,
-                &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit.as_str())],
-            );
+            let c = tokio::task::block_in_place(|| {
+                mps::CudaClient::start(
+                    &driver,
+                    &pipe,
+                    &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit.as_str())],
+                )
+            });
             assert!(c.connected.contains("pinned=0=24268M"), "{}", c.connected);
             c
         })
@@ -308,6 +329,34 @@ async fn shares_and_a_whole_gpu_keep_their_clients_while_the_plugin_is_replaced(
     for uid in all {
         k.unprepare(uid);
     }
-    mps::eventually("the host removes the released daemon", || !pipe.exists());
+    tokio::task::block_in_place(|| {
+        mps::eventually("the host removes the released daemon", || !pipe.exists())
+    });
     assert!(specs(&d).is_empty(), "{:?}", specs(&d));
+}
+
+/// Until the server holds GPU 0 as one shareable device (`gpu-0`, `allowMultipleAllocations`,
+/// a `memory` capacity), 30 s at most.
+async fn wait_for_shareable_gpu0(server: &TestApiServer) {
+    for _ in 0..600 {
+        let gpu0: Vec<_> = server
+            .slices()
+            .into_iter()
+            .flat_map(|s| s.spec.devices.unwrap_or_default())
+            .filter(|d| d.name == "gpu-0")
+            .collect();
+        if let [d] = gpu0.as_slice()
+            && d.allow_multiple_allocations == Some(true)
+            && d.capacity
+                .as_ref()
+                .is_some_and(|c| c.contains_key("memory"))
+        {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!(
+        "GPU 0 was never published as one shareable device: {:?}",
+        server.slices()
+    );
 }

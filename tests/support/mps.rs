@@ -268,8 +268,27 @@ pub fn share(
     r
 }
 
-/// Writes claim `default/claim-<uid>` into the directory API `api`: allocated, with one share of
-/// `device` (request `nb`, `memory`, no SMs asked) as [`share`] makes it.
+/// Claim `default/claim-<uid>`, allocated, with one share of `device` (request `nb`, `memory`,
+/// no SMs asked) as [`share`] makes it.
+pub fn share_claim(
+    driver: &str,
+    pool: &str,
+    uid: &str,
+    device: &str,
+    share_id: &str,
+    memory: &str,
+) -> k8s_openapi::api::resource::v1::ResourceClaim {
+    let result = share("nb", driver, pool, device, share_id, memory, "0");
+    nvdra::api::allocated_claim(
+        "default",
+        &format!("claim-{uid}"),
+        uid,
+        vec![result],
+        vec![],
+    )
+}
+
+/// Writes [`share_claim`] into the directory API `api`.
 pub fn write_share_claim(
     api: &Path,
     driver: &str,
@@ -279,13 +298,6 @@ pub fn write_share_claim(
     share_id: &str,
     memory: &str,
 ) {
-    let result = share("nb", driver, pool, device, share_id, memory, "0");
-    let c = nvdra::api::allocated_claim(
-        "default",
-        &format!("claim-{uid}"),
-        uid,
-        vec![result],
-        vec![],
-    );
+    let c = share_claim(driver, pool, uid, device, share_id, memory);
     nvdra::api::dir::write_claim(api, &c).unwrap();
 }

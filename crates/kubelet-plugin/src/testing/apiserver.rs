@@ -266,6 +266,17 @@ impl ApiServer {
         &self.url
     }
 
+    /// A kubeconfig that points a client (kubectl, or a program under test started with
+    /// `--kubeconfig`) at this server over plain HTTP, with no credentials.
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{}\"}}\n\
+             contexts:\n- name: t\n  context: {{cluster: t, user: t}}\ncurrent-context: t\n\
+             users:\n- name: t\n  user: {{}}\n",
+            self.url
+        )
+    }
+
     /// The address it listens on (to start another one there with [`ApiServer::start_on`]).
     pub fn addr(&self) -> std::net::SocketAddr {
         self.url

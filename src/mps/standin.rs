@@ -10,7 +10,8 @@
 //!   another UID while it runs is refused unless the daemon runs with `-M` (multi-user). At start
 //!   it writes `nvdra-standin-control.<pid>` into `/dev/shm`, so a test sees which `/dev/shm` it
 //!   got, and with `STANDIN_LOG=FILE` it appends `start <CUDA_VISIBLE_DEVICES> <pipe dir>` and
-//!   `quit <pipe dir>` lines there.
+//!   `quit <pipe dir>` lines there. With `STANDIN_START_FAILS_WHILE=FILE` it exits at once,
+//!   failing, while FILE exists (a daemon that cannot come back, as on a GPU in a bad state).
 //! - `server SOCKET` (started by the daemon): accepts clients and holds their connections; it
 //!   exits when its daemon does, so its clients notice, as CUDA clients of a dead MPS do.
 //! - no mode: the command-line client. Sends stdin's lines to the daemon and prints the answers;
@@ -155,6 +156,11 @@ impl Servers {
 }
 
 fn daemon(pipe: &Path, multi_user: bool) -> Result<()> {
+    if let Some(block) = std::env::var_os("STANDIN_START_FAILS_WHILE").map(PathBuf::from)
+        && block.exists()
+    {
+        return Err(format!("cannot start while {} exists", block.display()));
+    }
     let socket = pipe.join("control");
     let _ = std::fs::remove_file(&socket);
     let listener = listen(&socket)?;

@@ -204,7 +204,8 @@ async fn three_shares_of_one_gpu_one_daemon_unprepared_out_of_order() {
     assert!(specs(&d).is_empty());
 }
 
-fn gpu0_uuid() -> String {
+/// The UUID of GPU 0 of the simulated DGX H100 of node `NODE`.
+pub(super) fn gpu0_uuid() -> String {
     use nvdra::inventory::DeviceBackend;
     nvdra::inventory::sim::SimBackend::from_profile("dgx-h100", NODE)
         .unwrap()

@@ -8,11 +8,13 @@
 //! the host itself, so nothing restarts the daemon until the host is back. The kubelet's calls
 //! come from the grpcio stand-in.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::json;
 
+use super::shares::gpu0_uuid;
 use super::{DRIVER, Daemon, NODE, have_grpcio};
 use crate::support::grpcio::NodeStandin;
 use crate::support::mps;
@@ -54,80 +56,124 @@ async fn taints_until(d: &Daemon, what: &str, pred: impl Fn(&[(String, String, S
     }
 }
 
-/// The UUID of GPU 0 of the simulated DGX H100.
-fn gpu0() -> String {
-    use nvdra::inventory::DeviceBackend;
-    nvdra::inventory::sim::SimBackend::from_profile("dgx-h100", NODE)
-        .unwrap()
-        .snapshot()
-        .unwrap()
-        .gpus[0]
-        .uuid
-        .to_string()
+/// `nvdra run --shared-capacity` probing its daemons every 100 ms, with two 8Gi share claims of
+/// GPU 0 (`w1`, `w2`), the stand-in daemon under its driver root, `/metrics` on a port of its
+/// own and the grpcio kubelet; the MPS host is the test's to start.
+struct Node {
+    d: Daemon,
+    k: NodeStandin,
+    metrics: String,
+    mps_root: PathBuf,
+    driver: PathBuf,
+    gpu: String,
+    pipe: PathBuf,
 }
 
-/// `nvdra run --shared-capacity` probing its daemons every 100 ms, `/metrics` on `metrics`, with
-/// two 8Gi share claims of GPU 0 (`w1`, `w2`) and the stand-in daemon under its driver root.
-async fn shares_daemon(metrics: &str) -> Daemon {
-    Daemon::start_with(
-        &[
-            "--shared-capacity",
-            "--mps-probe-interval",
-            "100ms",
-            "--metrics-address",
+impl Node {
+    async fn start() -> Node {
+        let metrics = format!("127.0.0.1:{}", crate::support::promclient::free_port());
+        let d = Daemon::start_with(
+            &[
+                "--shared-capacity",
+                "--mps-probe-interval",
+                "100ms",
+                "--metrics-address",
+                &metrics,
+            ],
+            |api| {
+                mps::install_standin(&api.parent().unwrap().join("driver"));
+                for (n, uid) in ["w1", "w2"].iter().enumerate() {
+                    mps::write_share_claim(
+                        api,
+                        DRIVER,
+                        NODE,
+                        uid,
+                        "gpu-0",
+                        &format!("5f0e0000-0000-4000-8000-00000000000{n}"),
+                        "8Gi",
+                    );
+                }
+            },
+        )
+        .await;
+        let k = NodeStandin::start(&d.root.path().join("standin"), &d.dra_socket());
+        let (mps_root, driver) = (d.root.path().join("mps"), d.root.path().join("driver"));
+        let gpu = gpu0_uuid();
+        let pipe = mps::gpu_pipe_dir(&mps_root, &gpu);
+        Node {
+            d,
+            k,
             metrics,
-        ],
-        |api| {
-            mps::install_standin(&api.parent().unwrap().join("driver"));
-            for (n, uid) in ["w1", "w2"].iter().enumerate() {
-                mps::write_share_claim(
-                    api,
-                    DRIVER,
-                    NODE,
-                    uid,
-                    "gpu-0",
-                    &format!("5f0e0000-0000-4000-8000-00000000000{n}"),
-                    "8Gi",
-                );
-            }
-        },
-    )
-    .await
-}
-
-/// The kubelet's prepare of claim `uid`: the error it got ("" when prepared).
-fn prepare(k: &mut NodeStandin, uid: &str) -> String {
-    k.ok(json!({"op": "prepare", "claims": [
-        {"namespace": "default", "name": format!("claim-{uid}"), "uid": uid}
-    ]}))["claims"][uid]["error"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
-/// Waits (30 s at most) until `/metrics` on `addr` says GPU `gpu`'s daemon is `up` (1 or 0).
-async fn daemon_up_until(addr: &str, gpu: &str, up: u8) {
-    let want = format!("nvdra_mps_daemon_up{{gpu=\"{gpu}\"}} {up}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let body = crate::support::promclient::get(addr, "/metrics")
-            .map(|(_, body)| body)
-            .unwrap_or_default();
-        if body.lines().any(|l| l == want) {
-            return;
+            mps_root,
+            driver,
+            gpu,
+            pipe,
         }
-        assert!(
-            Instant::now() < deadline,
-            "never `{want}` in /metrics:\n{body}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
 
-fn down_taint(t: &[(String, String, String)]) -> bool {
-    let key = format!("{DRIVER}/mps-daemon-down");
-    t.iter()
-        .any(|(dev, k, e)| dev == "gpu-0" && *k == key && e == "NoSchedule")
+    /// `nvdra mps-host` for this node, with `env` added.
+    fn host(&self, env: &[(&str, &str)]) -> mps::Host {
+        let boot = self.d.root.path().join("boot_id");
+        mps::Host::start(&self.mps_root, &self.driver, &boot, env)
+    }
+
+    /// The kubelet's prepare of claim `uid`: the error it got ("" when prepared).
+    fn prepare(&mut self, uid: &str) -> String {
+        self.k.ok(json!({"op": "prepare", "claims": [
+            {"namespace": "default", "name": format!("claim-{uid}"), "uid": uid}
+        ]}))["claims"][uid]["error"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
+    fn answers(&self) -> bool {
+        mps::ask(&self.driver, &self.pipe, "get_server_list").is_some()
+    }
+
+    /// Waits (30 s at most) until `/metrics` says GPU 0's daemon is `up` (1 or 0).
+    async fn daemon_up_until(&self, up: u8) {
+        let want = format!("nvdra_mps_daemon_up{{gpu=\"{}\"}} {up}", self.gpu);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let body = crate::support::promclient::get(&self.metrics, "/metrics")
+                .map(|(_, body)| body)
+                .unwrap_or_default();
+            if body.lines().any(|l| l == want) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never `{want}` in /metrics:\n{body}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// GPU 0 tainted `mps-daemon-down`, `nvdra_mps_daemon_up` 0 and a new share refused saying
+    /// since when, all without a prepare of GPU 0 having failed first.
+    async fn noticed_down(&mut self) {
+        self.daemon_up_until(0).await;
+        let key = format!("{DRIVER}/mps-daemon-down");
+        taints_until(&self.d, "was tainted mps-daemon-down", |t| {
+            t.iter()
+                .any(|(dev, k, e)| dev == "gpu-0" && *k == key && e == "NoSchedule")
+        })
+        .await;
+        let err = self.prepare("w2");
+        let want = format!(
+            "MPS control daemon of GPU {} has not answered since",
+            self.gpu
+        );
+        assert!(err.contains(&want), "{err}");
+    }
+
+    /// The taint gone, the metric 1 and the refused share prepared.
+    async fn noticed_up(&mut self) {
+        self.daemon_up_until(1).await;
+        taints_until(&self.d, "lost its taint", |t| t.is_empty()).await;
+        assert_eq!(self.prepare("w2"), "");
+    }
 }
 
 #[tokio::test]
@@ -135,28 +181,15 @@ async fn a_sigkilled_daemon_is_noticed_tainted_refused_and_restarted() {
     if !have_grpcio() {
         return;
     }
-    let metrics = format!("127.0.0.1:{}", crate::support::promclient::free_port());
-    let d = shares_daemon(&metrics).await;
-    let (mps_root, boot) = (d.root.path().join("mps"), d.root.path().join("boot_id"));
-    let driver = d.root.path().join("driver");
-    let blocked = d.root.path().join("daemon-cannot-start");
+    let mut n = Node::start().await;
+    let blocked = n.d.root.path().join("daemon-cannot-start");
     let blocked_env = blocked.display().to_string();
-    let _host = mps::Host::start(
-        &mps_root,
-        &driver,
-        &boot,
-        &[("STANDIN_START_FAILS_WHILE", blocked_env.as_str())],
-    );
-    let mut k = NodeStandin::start(&d.root.path().join("standin"), &d.dra_socket());
-    let gpu = gpu0();
-    let (dir, pipe) = (
-        mps::gpu_dir(&mps_root, &gpu),
-        mps::gpu_pipe_dir(&mps_root, &gpu),
-    );
-    assert_eq!(prepare(&mut k, "w1"), "");
-    let mut client = mps::CudaClient::start(&driver, &pipe, &[]);
-    taints_until(&d, "was published untainted", |t| t.is_empty()).await;
-    daemon_up_until(&metrics, &gpu, 1).await;
+    let _host = n.host(&[("STANDIN_START_FAILS_WHILE", blocked_env.as_str())]);
+    let dir = mps::gpu_dir(&n.mps_root, &n.gpu);
+    assert_eq!(n.prepare("w1"), "");
+    let mut client = mps::CudaClient::start(&n.driver, &n.pipe, &[]);
+    taints_until(&n.d, "was published untainted", |t| t.is_empty()).await;
+    n.daemon_up_until(1).await;
     let first = mps::daemon_pids(&dir);
     assert_eq!(first.len(), 1, "one daemon: {first:?}");
 
@@ -170,31 +203,21 @@ async fn a_sigkilled_daemon_is_noticed_tainted_refused_and_restarted() {
     mps::eventually("the share's client fails with its daemon", || {
         !client.connected()
     });
-    daemon_up_until(&metrics, &gpu, 0).await;
-    taints_until(&d, "was tainted mps-daemon-down", down_taint).await;
-    let err = prepare(&mut k, "w2");
+    n.noticed_down().await;
     assert!(
-        err.contains(&format!(
-            "MPS control daemon of GPU {gpu} has not answered since"
-        )),
-        "{err}"
-    );
-    assert!(
-        mps::ask(&driver, &pipe, "get_server_list").is_none(),
+        !n.answers(),
         "nothing answers while the daemon cannot start"
     );
 
     // The host's next restart succeeds: a new daemon, noticed without a prepare.
     std::fs::remove_file(&blocked).unwrap();
-    daemon_up_until(&metrics, &gpu, 1).await;
-    taints_until(&d, "lost its taint", |t| t.is_empty()).await;
+    n.noticed_up().await;
     let now = mps::daemon_pids(&dir);
     assert!(
         now.last().is_some_and(|p| *p != first[0] && mps::runs(*p)),
         "a new daemon process serves: {first:?} then {now:?}"
     );
-    assert_eq!(prepare(&mut k, "w2"), "");
-    let mut again = mps::CudaClient::start(&driver, &pipe, &[]);
+    let mut again = mps::CudaClient::start(&n.driver, &n.pipe, &[]);
     assert!(again.connected(), "a new client is served");
 }
 
@@ -203,37 +226,19 @@ async fn a_daemon_whose_host_is_gone_taints_its_gpu_and_refuses_shares_until_it_
     if !have_grpcio() {
         return;
     }
-    let metrics = format!("127.0.0.1:{}", crate::support::promclient::free_port());
-    let d = shares_daemon(&metrics).await;
-    let (mps_root, boot) = (d.root.path().join("mps"), d.root.path().join("boot_id"));
-    let driver = d.root.path().join("driver");
-    let host = mps::Host::start(&mps_root, &driver, &boot, &[]);
-    let mut k = NodeStandin::start(&d.root.path().join("standin"), &d.dra_socket());
-    assert_eq!(prepare(&mut k, "w1"), "");
-    taints_until(&d, "was published untainted", |t| t.is_empty()).await;
-    let gpu = gpu0();
-    let pipe = mps::gpu_pipe_dir(&mps_root, &gpu);
-    assert!(mps::ask(&driver, &pipe, "get_server_list").is_some());
+    let mut n = Node::start().await;
+    let host = n.host(&[]);
+    assert_eq!(n.prepare("w1"), "");
+    taints_until(&n.d, "was published untainted", |t| t.is_empty()).await;
+    assert!(n.answers());
 
     // The MPS host is killed, and its daemon with it: the request and the socket file stay, but
     // nothing answers and nothing starts it again.
     drop(host);
-    mps::eventually("the daemon is gone", || {
-        mps::ask(&driver, &pipe, "get_server_list").is_none()
-    });
-    taints_until(&d, "was tainted mps-daemon-down", down_taint).await;
-    daemon_up_until(&metrics, &gpu, 0).await;
-    let err = prepare(&mut k, "w2");
-    assert!(
-        err.contains(&format!(
-            "MPS control daemon of GPU {gpu} has not answered since"
-        )),
-        "{err}"
-    );
+    mps::eventually("the daemon is gone", || !n.answers());
+    n.noticed_down().await;
 
     // The MPS host is back (its DaemonSet restarted it) and starts the daemon again.
-    let _host = mps::Host::start(&mps_root, &driver, &boot, &[]);
-    taints_until(&d, "lost its taint", |t| t.is_empty()).await;
-    daemon_up_until(&metrics, &gpu, 1).await;
-    assert_eq!(prepare(&mut k, "w2"), "");
+    let _host = n.host(&[]);
+    n.noticed_up().await;
 }

@@ -71,8 +71,12 @@ client() { # label, env assignments...
   # against the same before the daemon started.
   HOLD_SECONDS=8 timeout 60 "$py" "$here/mps_client.py" 128 128 >"$dir/hold.out" 2>&1 &
   holder=$!
-  for _ in $(seq 1 40); do grep -q holding "$dir/hold.out" 2>/dev/null && break; sleep 0.25; done
-  used_with=$(query memory.used)
+  used_with=null
+  for _ in $(seq 1 40); do
+    grep -q holding "$dir/hold.out" 2>/dev/null && { used_with=$(query memory.used); break; }
+    kill -0 "$holder" 2>/dev/null || break  # it ended without allocating
+    sleep 0.25
+  done
   apps=$(timeout 20 "$smi" -i 0 --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | tr '\n' ';')
   wait "$holder"
   echo "\"used_mib_before_daemon\": $used_before, \"used_mib_with_one_128mib_client\": $used_with,"
@@ -96,5 +100,9 @@ for k, v in r["cases"].items():
     applied = v["allocated_mib"] <= limit
     print(f"{k}: allocated {v['allocated_mib']} MiB of a {r['cap_mib']} MiB cap, "
           f"{'limit APPLIED' if applied else 'no limit'}; multiprocessors {v.get('multiprocessors')}")
-print(f"MPS server + one client context: {r['used_mib_with_one_128mib_client'] - r['used_mib_before_daemon'] - 128} MiB beyond the 128 MiB allocated")
+held = r["used_mib_with_one_128mib_client"]
+if held is None:
+    print("MPS server + one client context: not measured (the holding client did not allocate)")
+else:
+    print(f"MPS server + one client context: {held - r['used_mib_before_daemon'] - 128} MiB beyond the 128 MiB allocated")
 PY

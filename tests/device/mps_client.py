@@ -84,7 +84,11 @@ def main():
     cap_mib = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     chunk_mib = int(sys.argv[2]) if len(sys.argv) > 2 else 128
     lib, path = load_cudart()
-    out = run_runtime(lib, cap_mib, chunk_mib) if lib else run_driver(cap_mib, chunk_mib)
+    try:
+        out = run_runtime(lib, cap_mib, chunk_mib) if lib else run_driver(cap_mib, chunk_mib)
+    except OSError as e:
+        # No CUDA library at all: still one JSON line, so the check's report stays readable.
+        out = {"error": f"cannot load CUDA: {e}"}
     out["library"] = path or "libcuda.so.1"
     out["limit_env"] = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
     out["thread_env"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")

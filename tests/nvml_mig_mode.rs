@@ -1,7 +1,9 @@
 //! MIG mode through the NVML backend against the fake NVML (`tests/fake-nvml`): which GPUs can
 //! toggle (a Hopper, an Ampere, a vGPU guest, a Hopper with a change pending) and
 //! `DeviceBackend::set_mig_mode` (IN_USE naming the processes, success, off refused while MIG
-//! devices exist, reset required on Ampere).
+//! devices exist, reset required on Ampere), and the GPU instances a MIG creation left without
+//! a compute instance (removed where a new MIG device needs their slices, and before MIG mode
+//! goes off).
 //!
 //! The fake's node is process-wide and these checks change it, so they run in a child process
 //! of this test binary with a topology of its own (`FAKE_NVML_TOPOLOGY`), one after another.
@@ -11,7 +13,9 @@ mod support;
 use std::process::Command;
 
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
-use nvdra::inventory::{DeviceBackend, Error, MigModeChange, NoMigToggle, Virtualization};
+use nvdra::inventory::{
+    DeviceBackend, Error, MigModeChange, NoMigToggle, Placement, Virtualization,
+};
 
 const CHILD: &str = "NVDRA_TEST_MIG_MODE_CHILD";
 const DONE: &str = "mig mode checks passed";
@@ -54,6 +58,30 @@ impl Hooks {
             unsafe { self.0.get(b"fake_nvml_set_virtualization") }.unwrap();
         assert_eq!(f(gpu, mode), 0);
     }
+}
+
+/// H100's `1g.10gb` GPU-instance profile id.
+const PROFILE_1G: u32 = 19;
+
+/// A GPU instance of `profile` at slice `start` of GPU `index`, with no compute instance in it,
+/// made through the NVML the backend loaded.
+fn empty_gpu_instance(backend: &NvmlBackend, index: u32, profile: u32, start: u32) {
+    use nvml_wrapper_sys::bindings::{
+        nvmlGpuInstance_t, nvmlGpuInstancePlacement_t, nvmlReturn_enum_NVML_SUCCESS,
+    };
+    let nvml = backend.nvml();
+    let device = nvml.device_by_index(index).unwrap();
+    let create = nvml
+        .lib()
+        .nvmlDeviceCreateGpuInstanceWithPlacement
+        .as_ref()
+        .unwrap();
+    let at = nvmlGpuInstancePlacement_t { start, size: 1 };
+    let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+    // SAFETY: NVML's signature; a live device handle, a placement NVML only reads and a valid
+    // out-pointer.
+    let r = unsafe { create(device.handle(), profile, &at, &mut gi) };
+    assert_eq!(r, nvmlReturn_enum_NVML_SUCCESS);
 }
 
 #[test]
@@ -141,6 +169,20 @@ fn child_toggles_mig_mode() {
         backend.set_mig_mode(&gpu(0).uuid, true).unwrap(),
         MigModeChange::Unchanged
     );
+
+    // A MIG creation that stopped between its GPU instance and its compute instance (a crash,
+    // an NVML error) leaves a GPU instance that is no MIG device but holds its slices: a new
+    // MIG device there removes it first.
+    empty_gpu_instance(&backend, 0, PROFILE_1G, 0);
+    let m = backend
+        .create_mig(&gpu(0).uuid, PROFILE_1G, Placement { start: 0, size: 1 })
+        .unwrap();
+    assert_eq!(m.placement, Placement { start: 0, size: 1 });
+    backend.destroy_mig(&gpu(0).uuid, &m.uuid).unwrap();
+    // And such a one would keep the MIG mode on (IN_USE naming no process): turning the mode
+    // off removes it.
+    empty_gpu_instance(&backend, 0, PROFILE_1G, 3);
+    assert!(backend.snapshot().unwrap().gpus[0].mig.devices.is_empty());
     assert_eq!(
         backend.set_mig_mode(&gpu(0).uuid, false).unwrap(),
         MigModeChange::Applied

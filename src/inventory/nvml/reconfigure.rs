@@ -192,6 +192,10 @@ pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<
                 devices: devices.into_iter().map(|m| m.uuid).collect(),
             });
         }
+        // A GPU instance without a compute instance is no MIG device, yet it keeps the mode on
+        // (the change would answer IN_USE naming no process): left by a creation that stopped
+        // half-way, it goes first.
+        remove_orphans(nvml, &d, gpu, None)?;
     }
     let status = match d.set_mig_mode(enabled) {
         Ok(status) => status,
@@ -277,7 +281,7 @@ pub(super) fn create_mig(
     let at = || format!("{}..{}", placement.start, placement.start + placement.size);
     let gi = match ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement) {
         Ok(gi) => gi,
-        Err(e) if no_room(&e) && remove_orphans(nvml, &d, gpu, placement)? > 0 => {
+        Err(e) if no_room(&e) && remove_orphans(nvml, &d, gpu, Some(placement))? > 0 => {
             ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement)
                 .map_err(|e| refused_create(gpu, gi_profile_id, &at(), e))?
         }
@@ -336,13 +340,13 @@ fn refused_create(gpu: &GpuUuid, profile: u32, at: &str, e: NvmlError) -> Error 
     }
 }
 
-/// Destroys the GPU instances overlapping `placement` that hold no compute instance (left by a
-/// creation that stopped half-way); returns how many.
+/// Destroys the GPU instances overlapping `within` (`None`: anywhere on the GPU) that hold no
+/// compute instance (left by a creation that stopped half-way); returns how many.
 fn remove_orphans(
     nvml: &Nvml,
     d: &Device<'_>,
     gpu: &GpuUuid,
-    placement: Placement,
+    within: Option<Placement>,
 ) -> Result<usize> {
     let mut removed = 0;
     for p in read_gi_profiles(nvml, d) {
@@ -352,7 +356,7 @@ fn remove_orphans(
             Err(e) => return Err(nvml_error("nvmlDeviceGetGpuInstances", e)),
         };
         for (gi, id, at) in gis {
-            if !at.overlaps(&placement) {
+            if within.is_some_and(|p| !at.overlaps(&p)) {
                 continue;
             }
             let cis = ffi::compute_instance_count(nvml, gi)

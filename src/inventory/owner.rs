@@ -467,13 +467,15 @@ impl DeviceBackend for Watched {
         })
     }
 
-    /// Re-read on failure too: a refused change may still have left one pending. (No deadline
-    /// of its own: a MIG mode change may wait for a GPU reset.)
+    /// A reconfiguration like the others: under the deadline, and re-read on failure too (a
+    /// refused change may still have left one pending). A change that needs a GPU reset does
+    /// not wait for it: NVML answers RESET_REQUIRED at once.
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<super::MigModeChange> {
-        let r = self.backend.set_mig_mode(gpu, enabled);
-        self.changed
-            .fetch_max(self.handle.request(), Ordering::SeqCst);
-        r
+        let gpu = gpu.clone();
+        self.reconfigure(
+            format!("set_mig_mode {} (GPU {gpu})", super::on_off(enabled)),
+            move |b| b.set_mig_mode(&gpu, enabled),
+        )
     }
 
     /// Under the deadline: a `/metrics` scrape reports readings it could not get in time as

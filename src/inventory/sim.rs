@@ -167,6 +167,7 @@ pub enum SimCall {
     SetComputeMode,
     CreateMig,
     DestroyMig,
+    SetMigMode,
     Usage,
     Probe,
 }
@@ -438,6 +439,7 @@ impl DeviceBackend for SimBackend {
     }
 
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+        self.pass(SimCall::SetMigMode);
         let mut m = self.lock();
         let running: Vec<u32> = m.running(gpu).iter().map(|p| p.pid).collect();
         let Model {

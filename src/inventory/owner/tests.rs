@@ -243,6 +243,59 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
     stop.cancel();
 }
 
+/// A MIG mode switch is a reconfiguration like the others: one that hangs in the driver is
+/// reported at the deadline, holds back the other writes until it returns, and the snapshot
+/// after it shows the mode it left.
+#[tokio::test]
+async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_it_returns() {
+    use crate::inventory::sim::SimCall;
+    let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+    let (owner, handle) = owner(&sim);
+    let stop = CancellationToken::new();
+    tokio::spawn(owner.run(stop.clone()));
+    let gpu = handle.refresh().await.unwrap().gpus[5].uuid.clone();
+    let watched = Arc::new(
+        Watched::new(Arc::new(sim.clone()), handle.clone())
+            .with_call_deadline(Duration::from_secs(2)),
+    );
+    let held = sim.hold(SimCall::SetMigMode);
+    let (w, g) = (watched.clone(), gpu.clone());
+    let e = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "the simulated backend's set_mig_mode on (GPU {gpu}) did not return within 2s; it \
+             goes on in the background"
+        )
+    );
+    let (w, g) = (watched.clone(), gpu.clone());
+    let e = tokio::task::spawn_blocking(move || w.set_compute_mode(&g, ComputeMode::Default))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, Error::Overdue { .. }), "{e:?}");
+    assert!(e.to_string().contains("set_mig_mode on"), "{e}");
+
+    drop(held);
+    until_returned(&watched);
+    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+        .await
+        .expect("the owner answers the late switch's ask")
+        .unwrap();
+    assert!(after.gpus[5].mig.enabled, "{:?}", after.gpus[5].mig);
+    let (w, g) = (watched.clone(), gpu.clone());
+    let again = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again, crate::inventory::MigModeChange::Unchanged);
+    stop.cancel();
+}
+
 #[tokio::test]
 async fn a_stuck_usage_read_or_probe_is_reported_and_not_waited_for() {
     use crate::inventory::sim::SimCall;

@@ -392,6 +392,16 @@ pub fn assert_mps_host_contracts(docs: &[Value], origin: &str) {
         panic!("{origin}: one container");
     };
     assert_eq!(c["args"][0], "mps-host", "{origin}");
+    // The daemons and servers live in this container's cgroup: a memory limit would let one
+    // OOM kill end every share of the node.
+    assert!(
+        c["resources"]["limits"].get("memory").is_none(),
+        "{origin}: the MPS host has a memory limit"
+    );
+    assert!(
+        c["resources"]["requests"].get("memory").is_some(),
+        "{origin}: the MPS host reserves no memory"
+    );
     let sc = &c["securityContext"];
     assert_eq!(sc["privileged"], false, "{origin}");
     assert_eq!(sc["readOnlyRootFilesystem"], true, "{origin}");

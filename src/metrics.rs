@@ -188,7 +188,8 @@ fn encode(snapshot: Snapshot) -> String {
     out
 }
 
-/// The answer to `method path`. Blocking for `/metrics` (the scrape source reads the hardware).
+/// The answer to `method path`. Blocking for `/metrics` (the scrape source reads the hardware);
+/// the probes only read memory.
 fn respond(metrics: &Metrics, method: &Method, path: &str) -> Response<Full<Bytes>> {
     let text = |status: StatusCode, body: String, ctype: &'static str| {
         let mut r = Response::new(Full::new(Bytes::from(body)));
@@ -259,14 +260,23 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: Cance
                 let (metrics, method) = (metrics.clone(), req.method().clone());
                 let path = req.uri().path().to_string();
                 async move {
+                    // Only a scrape reads the hardware; the probes answer from memory, here,
+                    // also while the process drains and the blocking pool takes no more work.
+                    if path != "/metrics" {
+                        return Ok(respond(&metrics, &method, &path));
+                    }
                     let resp =
                         tokio::task::spawn_blocking(move || respond(&metrics, &method, &path))
                             .await
                             .unwrap_or_else(|e| {
-                                tracing::error!(error = %e, "rendering the metrics panicked");
-                                let mut r =
-                                    Response::new(Full::new(Bytes::from("internal error\n")));
-                                *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                                let (status, body) = if e.is_cancelled() {
+                                    (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+                                } else {
+                                    tracing::error!(error = %e, "rendering the metrics panicked");
+                                    (StatusCode::INTERNAL_SERVER_ERROR, "internal error\n")
+                                };
+                                let mut r = Response::new(Full::new(Bytes::from(body)));
+                                *r.status_mut() = status;
                                 r
                             });
                     Ok::<_, std::convert::Infallible>(resp)

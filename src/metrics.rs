@@ -393,6 +393,67 @@ mod tests {
         buf
     }
 
+    /// A scrape that reads no further until the test lets it; `entered` once it is stuck.
+    struct StuckSource {
+        entered: Arc<std::sync::atomic::AtomicBool>,
+        release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl Source for StuckSource {
+        fn scrape(&self) -> Scrape {
+            self.entered.store(true, Ordering::SeqCst);
+            let _ = lock(&self.release).recv();
+            Scrape::default()
+        }
+    }
+
+    /// The kubelet's probes never wait behind a scrape: with the only blocking thread held by
+    /// a scrape stuck in the hardware, `/healthz` and `/readyz` still answer at once.
+    #[test]
+    fn the_probes_answer_while_a_scrape_is_stuck() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let m = Metrics::new();
+            let (release, stuck) = std::sync::mpsc::channel();
+            let entered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            m.set_source(Arc::new(StuckSource {
+                entered: entered.clone(),
+                release: std::sync::Mutex::new(stuck),
+            }));
+            let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let shutdown = CancellationToken::new();
+            tokio::spawn(serve(listener, m.clone(), shutdown.clone()));
+            let scrape = tokio::spawn(async move { get(addr, "/metrics").await });
+            for _ in 0..500 {
+                if entered.load(Ordering::SeqCst) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(entered.load(Ordering::SeqCst), "the scrape never started");
+            for path in ["/healthz", "/readyz"] {
+                let r = tokio::time::timeout(Duration::from_secs(5), get(addr, path))
+                    .await
+                    .unwrap_or_else(|_| panic!("{path} waited behind the stuck scrape"));
+                assert!(
+                    r.starts_with("HTTP/1.1 200") || r.starts_with("HTTP/1.1 503"),
+                    "{r}"
+                );
+            }
+            assert!(!scrape.is_finished(), "the scrape answered while stuck");
+            release.send(()).unwrap();
+            let r = scrape.await.unwrap();
+            assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+            shutdown.cancel();
+        });
+    }
+
     #[tokio::test]
     async fn endpoints_answer_and_readiness_follows_state() {
         let m = Metrics::new();

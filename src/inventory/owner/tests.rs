@@ -9,6 +9,21 @@ fn owner(sim: &SimBackend) -> (Owner, InventoryHandle) {
     Owner::new(Arc::new(sim.clone()), Duration::from_secs(3600), DEADLINE).unwrap()
 }
 
+/// `sim`'s owner running (until the token is cancelled), and its calls under a deadline of two
+/// seconds, against calls the tests hold until they let them go.
+fn running_with_short_deadline(
+    sim: &SimBackend,
+) -> (Arc<Watched>, InventoryHandle, CancellationToken) {
+    let (owner, handle) = owner(sim);
+    let stop = CancellationToken::new();
+    tokio::spawn(owner.run(stop.clone()));
+    let watched = Arc::new(
+        Watched::new(Arc::new(sim.clone()), handle.clone())
+            .with_call_deadline(Duration::from_secs(2)),
+    );
+    (watched, handle, stop)
+}
+
 #[tokio::test]
 async fn consumers_read_the_last_publication_until_the_owner_reads_again() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
@@ -188,16 +203,9 @@ fn until_returned(watched: &Watched) {
 async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_until_it_returns() {
     use crate::inventory::sim::SimCall;
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
-    let (owner, handle) = owner(&sim);
-    let stop = CancellationToken::new();
-    tokio::spawn(owner.run(stop.clone()));
+    let (watched, handle, stop) = running_with_short_deadline(&sim);
     let before = handle.refresh().await.unwrap();
     let gpu2 = before.gpus[2].uuid.clone();
-    // Two seconds against a call held until the test lets it go.
-    let watched = Arc::new(
-        Watched::new(Arc::new(sim.clone()), handle.clone())
-            .with_call_deadline(Duration::from_secs(2)),
-    );
     let held = sim.hold(SimCall::CreateMig);
     let (w, g) = (watched.clone(), gpu2.clone());
     let e =
@@ -250,14 +258,8 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
 async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_it_returns() {
     use crate::inventory::sim::SimCall;
     let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
-    let (owner, handle) = owner(&sim);
-    let stop = CancellationToken::new();
-    tokio::spawn(owner.run(stop.clone()));
+    let (watched, handle, stop) = running_with_short_deadline(&sim);
     let gpu = handle.refresh().await.unwrap().gpus[5].uuid.clone();
-    let watched = Arc::new(
-        Watched::new(Arc::new(sim.clone()), handle.clone())
-            .with_call_deadline(Duration::from_secs(2)),
-    );
     let held = sim.hold(SimCall::SetMigMode);
     let (w, g) = (watched.clone(), gpu.clone());
     let e = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))

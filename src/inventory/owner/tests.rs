@@ -9,6 +9,16 @@ fn owner(sim: &SimBackend) -> (Owner, InventoryHandle) {
     Owner::new(Arc::new(sim.clone()), Duration::from_secs(3600), DEADLINE).unwrap()
 }
 
+/// `f` on `watched` from a blocking thread, as prepare calls the backend (a call held in the
+/// simulated backend blocks its caller).
+async fn blocking<T: Send + 'static>(
+    watched: &Arc<Watched>,
+    f: impl FnOnce(&Watched) -> T + Send + 'static,
+) -> T {
+    let w = watched.clone();
+    tokio::task::spawn_blocking(move || f(&w)).await.unwrap()
+}
+
 /// `sim`'s owner running (until the token is cancelled), and its calls under a deadline of two
 /// seconds, against calls the tests hold until they let them go.
 fn running_with_short_deadline(
@@ -57,13 +67,12 @@ async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
     let before = handle.refresh().await.unwrap();
     let gpu2 = before.gpus[2].uuid.clone();
 
-    let w = watched.clone();
     let g = gpu2.clone();
-    let created =
-        tokio::task::spawn_blocking(move || w.create_mig(&g, 15, Placement { start: 6, size: 2 }))
-            .await
-            .unwrap()
-            .unwrap();
+    let created = blocking(&watched, move |w| {
+        w.create_mig(&g, 15, Placement { start: 6, size: 2 })
+    })
+    .await
+    .unwrap();
     // The owner's rescan is an hour away: only the reconfiguration's ask reads again.
     let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
         .await
@@ -91,11 +100,8 @@ async fn a_mig_mode_change_even_refused_is_seen_by_the_next_snapshot() {
     let task = tokio::spawn(owner.run(stop.clone()));
     let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
     let gpu3 = handle.refresh().await.unwrap().gpus[3].uuid.clone();
-    let w = watched.clone();
     let g = gpu3.clone();
-    let refused = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))
-        .await
-        .unwrap();
+    let refused = blocking(&watched, move |w| w.set_mig_mode(&g, true)).await;
     assert!(refused.is_err(), "an Ampere needs a reset: {refused:?}");
     let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
         .await
@@ -207,12 +213,12 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
     let before = handle.refresh().await.unwrap();
     let gpu2 = before.gpus[2].uuid.clone();
     let held = sim.hold(SimCall::CreateMig);
-    let (w, g) = (watched.clone(), gpu2.clone());
-    let e =
-        tokio::task::spawn_blocking(move || w.create_mig(&g, 15, Placement { start: 6, size: 2 }))
-            .await
-            .unwrap()
-            .unwrap_err();
+    let g = gpu2.clone();
+    let e = blocking(&watched, move |w| {
+        w.create_mig(&g, 15, Placement { start: 6, size: 2 })
+    })
+    .await
+    .unwrap_err();
     assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
     assert_eq!(
         e.to_string(),
@@ -222,10 +228,9 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
         )
     );
     // No other write races it (an undo would find the hardware half-changed).
-    let (w, g) = (watched.clone(), gpu2.clone());
-    let e = tokio::task::spawn_blocking(move || w.set_time_slice(&g, TimeSlice::Long))
+    let g = gpu2.clone();
+    let e = blocking(&watched, move |w| w.set_time_slice(&g, TimeSlice::Long))
         .await
-        .unwrap()
         .unwrap_err();
     assert!(matches!(e, Error::Overdue { .. }), "{e:?}");
     assert!(e.to_string().contains("create_mig of profile 15"), "{e}");
@@ -242,10 +247,9 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
         after.gpus[2].mig.devices.len(),
         before.gpus[2].mig.devices.len() + 1
     );
-    let (w, g) = (watched.clone(), gpu2.clone());
-    tokio::task::spawn_blocking(move || w.set_time_slice(&g, TimeSlice::Long))
+    let g = gpu2.clone();
+    blocking(&watched, move |w| w.set_time_slice(&g, TimeSlice::Long))
         .await
-        .unwrap()
         .unwrap();
     assert_eq!(sim.time_slice(&gpu2), TimeSlice::Long);
     stop.cancel();
@@ -261,10 +265,9 @@ async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_i
     let (watched, handle, stop) = running_with_short_deadline(&sim);
     let gpu = handle.refresh().await.unwrap().gpus[5].uuid.clone();
     let held = sim.hold(SimCall::SetMigMode);
-    let (w, g) = (watched.clone(), gpu.clone());
-    let e = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))
+    let g = gpu.clone();
+    let e = blocking(&watched, move |w| w.set_mig_mode(&g, true))
         .await
-        .unwrap()
         .unwrap_err();
     assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
     assert_eq!(
@@ -274,11 +277,12 @@ async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_i
              goes on in the background"
         )
     );
-    let (w, g) = (watched.clone(), gpu.clone());
-    let e = tokio::task::spawn_blocking(move || w.set_compute_mode(&g, ComputeMode::Default))
-        .await
-        .unwrap()
-        .unwrap_err();
+    let g = gpu.clone();
+    let e = blocking(&watched, move |w| {
+        w.set_compute_mode(&g, ComputeMode::Default)
+    })
+    .await
+    .unwrap_err();
     assert!(matches!(e, Error::Overdue { .. }), "{e:?}");
     assert!(e.to_string().contains("set_mig_mode on"), "{e}");
 
@@ -289,10 +293,9 @@ async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_i
         .expect("the owner answers the late switch's ask")
         .unwrap();
     assert!(after.gpus[5].mig.enabled, "{:?}", after.gpus[5].mig);
-    let (w, g) = (watched.clone(), gpu.clone());
-    let again = tokio::task::spawn_blocking(move || w.set_mig_mode(&g, true))
+    let g = gpu.clone();
+    let again = blocking(&watched, move |w| w.set_mig_mode(&g, true))
         .await
-        .unwrap()
         .unwrap();
     assert_eq!(again, crate::inventory::MigModeChange::Unchanged);
     stop.cancel();
@@ -309,11 +312,8 @@ async fn a_stuck_usage_read_or_probe_is_reported_and_not_waited_for() {
     );
     let gpu0 = sim.snapshot().unwrap().gpus[0].uuid.clone();
     let held = (sim.hold(SimCall::Usage), sim.hold(SimCall::Probe));
-    let w = watched.clone();
     let (usage, probe, again) =
-        tokio::task::spawn_blocking(move || (w.usage(), w.probe(&gpu0), w.usage()))
-            .await
-            .unwrap();
+        blocking(&watched, move |w| (w.usage(), w.probe(&gpu0), w.usage())).await;
     let e = usage.unwrap_err();
     assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
     assert!(

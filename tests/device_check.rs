@@ -1,7 +1,7 @@
 //! The prepared device check (`tests/device/mps-limits.sh`) run here end to end, on stand-ins:
 //! `nvidia-smi` a script that answers the queries the check makes, `nvidia-cuda-mps-control` the
-//! MPS stand-in (a daemon that listens and quits), and no CUDA library, so every client case
-//! reports why it has no result. What is checked is the check itself: that it starts the daemon
+//! MPS stand-in (a daemon that listens and quits), and no GPU, so every client case reports why
+//! it has no result. What is checked is the check itself: that it starts the daemon
 //! and stops it again, runs each key form with its environment, writes a report that parses,
 //! and exits 0 with the GPU's settings as they were. Its figures only mean something on a GPU.
 //!
@@ -50,8 +50,6 @@ fn the_mps_limits_check_starts_and_stops_its_daemon_and_reports_every_case() {
         ))
         .env("PATH", path)
         .env("OUT", dir.path())
-        // No CUDA here: the clients must not find the host's either.
-        .env("LD_LIBRARY_PATH", dir.path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -81,11 +79,11 @@ fn the_mps_limits_check_starts_and_stops_its_daemon_and_reports_every_case() {
         let c = &cases[case];
         assert_eq!(c["limit_env"], limit, "{case}: {c}");
         assert_eq!(c["thread_env"], threads, "{case}: {c}");
+        // Without a GPU the client reports why it has no figure (here: no CUDA library at
+        // all; on a host with CUDA and no GPU, CUDA's error), never a figure.
         assert!(
-            c["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("cannot load CUDA")),
-            "{case} has no CUDA here and says so: {c}"
+            c["error"].is_string() && c.get("allocated_mib").is_none(),
+            "{case}: {c}"
         );
     }
     assert_eq!(report["used_mib_with_one_128mib_client"], Value::Null);

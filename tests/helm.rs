@@ -12,8 +12,10 @@
 //!   only with `createNamespace: true` (for `helm template | kubectl apply`), which then equals the
 //!   base's in full.
 //! - With every value set, the objects still pass the manifest checks (typed round trip with no
-//!   unknown field, the DaemonSet's contracts: no privileged container, same-path kubelet
-//!   mounts; the MPS host's contracts, with the plugin's image, nodes and driver root; RBAC no wider than the base's and the node-labels rule; the admission policy
+//!   unknown field, the DaemonSet's contracts: no privileged container, no host PID/IPC
+//!   namespace, same-path kubelet mounts; the MPS host's contracts: the host PID namespace, no
+//!   privileged container, with the plugin's image, nodes and driver root; RBAC no wider than
+//!   the base's and the node-labels rule; the admission policy
 //!   naming the release's service account), every value lands where it should, every flag and
 //!   variable the chart renders is one `nvdra run` declares, and nvdra reads the device-plugin
 //!   config the chart writes.
@@ -141,6 +143,9 @@ fn the_default_values_render_the_kustomize_base_object_for_object() {
     };
     let rendered = template(helm, "nvdra", &[]).unwrap();
     assert_typed(&rendered, "helm template (defaults)");
+    // Held by helm's own rendering too, not only through the comparison below.
+    assert_daemonset_contracts(&rendered, "helm template (defaults)");
+    assert_mps_host_contracts(&rendered, "helm template (defaults)");
     // The one exception (see the module doc): the release must not own its namespace, so the
     // default chart has no Namespace, while the Kustomize base, applied as it is, carries one.
     assert!(

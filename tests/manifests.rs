@@ -8,8 +8,9 @@
 //! - The overlays do what they say (extended resources only in their overlay, nothing of DRA in
 //!   device-plugin-only, the Node patch only with the node-labels component), and the
 //!   DaemonSet keeps its contracts (same-path kubelet mounts, downward API, surge updates,
-//!   probes on the metrics port, no privileged container, sizes from the RSS benchmark), and so
-//!   does the MPS host's (OnDelete, node-critical, no privileged container, only the
+//!   probes on the metrics port, no privileged container, no host PID/IPC/network namespace,
+//!   sizes from the RSS benchmark), and so does the MPS host's (OnDelete, node-critical, the
+//!   host PID namespace as NVIDIA runs MPS but no host IPC, no privileged container, only the
 //!   capabilities MPS needs, the MPS root shared with the plugin).
 //! - The ClusterRole allows every request nvdra's API client makes (recorded on the test API
 //!   server, one call of every `ClusterApi` method), and grants nothing that no call uses.

@@ -304,7 +304,15 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
             "{origin}"
         );
     }
-    // No wider than it needs: not privileged, every capability dropped but SYS_ADMIN (MIG).
+    // No wider than it needs: none of the host's PID, IPC or network namespaces (only the MPS
+    // host shares the host's PIDs), not privileged, every capability dropped but SYS_ADMIN
+    // (MIG).
+    for namespace in ["hostPID", "hostIPC", "hostNetwork"] {
+        assert!(
+            pod.get(namespace).is_none_or(|v| v == false),
+            "{origin}: the plugin's pod has {namespace}"
+        );
+    }
     let sc = &c["securityContext"];
     assert_eq!(sc["privileged"], false, "{origin}");
     assert_eq!(
@@ -384,9 +392,15 @@ pub fn assert_mps_host_contracts(docs: &[Value], origin: &str) {
         pod["automountServiceAccountToken"], false,
         "{origin}: no API access"
     );
+    // The host PID namespace, as NVIDIA runs its MPS daemons (README, "The MPS host"); no
+    // host IPC: clients and servers share memory through each daemon's own /dev/shm.
+    assert_eq!(
+        pod["hostPID"], true,
+        "{origin}: the MPS host is not in the host PID namespace"
+    );
     assert!(
-        pod.get("hostPID").is_none() && pod.get("hostIPC").is_none(),
-        "{origin}"
+        pod.get("hostIPC").is_none_or(|v| v == false),
+        "{origin}: the MPS host shares the host's IPC namespace"
     );
     let [c] = pod["containers"].as_array().expect("containers").as_slice() else {
         panic!("{origin}: one container");

@@ -1,6 +1,8 @@
 //! The backend seam: [`DeviceBackend`], [`Wrapper`] for backends over another, and the snapshot
 //! and refresh run off the async runtime.
 
+use std::path::Path;
+
 use super::{
     Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigModeChange, MigUuid, Placement, Result,
     TimeSlice,
@@ -47,6 +49,47 @@ impl std::fmt::Display for ComputeMode {
             ComputeMode::ExclusiveProcess => "EXCLUSIVE_PROCESS",
             ComputeMode::Prohibited => "PROHIBITED",
         })
+    }
+}
+
+/// NVML's `NVML_DEVICE_MEMORY_LIMIT_MAX`, the hard limit that means "none" (nvml.h, CUDA 13.4 /
+/// R615). NVIDIA's reference names the macro without its value; third-party readings of the
+/// CUDA 13.4 header give `UINT64_MAX` (clearing is soft 0, hard `UINT64_MAX`). The one place
+/// nvdra (and its fake NVML) spells the value.
+pub const MEMORY_LIMIT_MAX: u64 = u64::MAX;
+
+/// A cgroup's limits on one GPU's memory, in bytes (NVIDIA's MPS v3 memory partitioning, set
+/// and read through NVML): below `soft` the memory is guaranteed; past it the cgroup "borrows"
+/// and MPS may evict it under contention; past `hard` an allocation fails with out-of-memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryLimits {
+    pub soft: u64,
+    pub hard: u64,
+}
+
+impl MemoryLimits {
+    /// No limit (NVML's documented "clear": soft 0, hard [`MEMORY_LIMIT_MAX`]).
+    pub const NONE: Self = Self {
+        soft: 0,
+        hard: MEMORY_LIMIT_MAX,
+    };
+
+    /// `bytes` guaranteed and no more: a share that does not burst.
+    pub fn fixed(bytes: u64) -> Self {
+        Self {
+            soft: bytes,
+            hard: bytes,
+        }
+    }
+}
+
+impl std::fmt::Display for MemoryLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hard = match self.hard {
+            MEMORY_LIMIT_MAX => "max".to_string(),
+            n => n.to_string(),
+        };
+        write!(f, "soft {} hard {hard}", self.soft)
     }
 }
 
@@ -109,6 +152,18 @@ pub trait DeviceBackend: Send + Sync + 'static {
         Err(Error::Unsupported {
             backend: self.name(),
             operation: "setting the compute mode",
+        })
+    }
+
+    /// The limits `cgroup` (a cgroup v2 directory, as this process sees it) has on `gpu`'s
+    /// memory, read with `nvmlDeviceGetMemoryLimits_v1`: an answer means the driver partitions
+    /// the GPU's memory per cgroup (MPS v3 memory partitioning); an error says why it does not,
+    /// or cannot tell (a driver older than R615, a MIG device, the call refused).
+    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &Path) -> Result<MemoryLimits> {
+        let _ = (gpu, cgroup);
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "reading per-cgroup memory limits",
         })
     }
 
@@ -275,6 +330,11 @@ impl<W: Wrapper> DeviceBackend for W {
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
         Wrapper::set_compute_mode(self, gpu, mode)
+    }
+
+    /// Read from the driver through every wrapper: never cached.
+    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &Path) -> Result<MemoryLimits> {
+        self.inner().memory_limits(gpu, cgroup)
     }
 
     fn create_mig(

@@ -28,7 +28,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{ComputeMode, DeviceBackend, Reconfiguration, Wrapper, refresh, snapshot};
+pub use backend::{
+    ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration, Wrapper, refresh,
+    snapshot,
+};
 pub use domains::assign_nvlink_domains;
 pub use mig_mode::{HOPPER, MigModeChange, NoMigToggle, Virtualization, on_off};
 pub use quantity::{parse_quantity, quantity};

@@ -25,7 +25,8 @@
 //! them the loaded library and driver root allow.
 //!
 //! nvml-wrapper 0.13 does not wrap the MIG identity calls (GPU/compute-instance ids, GPU-instance
-//! info), MIG creation and destruction, nor the fabric registration, and its `possible_placements` and
+//! info), MIG creation and destruction, the per-cgroup memory limits of R615, nor the fabric
+//! registration, and its `possible_placements` and
 //! `NvLink::remote_device_type` return nothing useful (the first never sets the vector's length,
 //! the second writes into a temporary). Those calls go through the raw symbol table in the private
 //! `ffi` module (`nvml/ffi.rs`), the only `unsafe` code here, using the `Result` fields of
@@ -57,6 +58,12 @@ pub use names::{
 };
 pub use sysfs::{HostSysfs, Sysfs, pcie_root_of};
 pub use usage::read_usage;
+
+/// Per-cgroup memory limits (MPS v3 memory partitioning), for nvdra's container hook
+/// (`cdi::memlimit`): the raw calls, on a library the hook loads itself.
+pub mod memory_limits {
+    pub use super::ffi::{GET_MEMORY_LIMITS, SET_MEMORY_LIMITS, memory_limits, set_memory_limits};
+}
 
 /// The library NVML is loaded from.
 pub const LIBRARY: &str = "libnvidia-ml.so.1";

@@ -30,8 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::deadline::{Deadlines, Lane};
 use super::{
-    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigUuid, Placement,
-    Reconfiguration, Result, TimeSlice,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MemoryLimits, MigDevice,
+    MigUuid, Placement, Reconfiguration, Result, TimeSlice,
 };
 
 /// How long one inventory read may take before it is reported as failed.
@@ -420,6 +420,16 @@ impl DeviceBackend for Watched {
         self.call(Lane::Write, format!("compute_mode (GPU {gpu})"), move |b| {
             b.compute_mode(&gpu)
         })
+    }
+
+    /// Under the write lane's deadline: a driver call like the compute-mode read.
+    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &std::path::Path) -> Result<MemoryLimits> {
+        let (gpu, cgroup) = (gpu.clone(), cgroup.to_path_buf());
+        self.call(
+            Lane::Write,
+            format!("memory_limits (GPU {gpu})"),
+            move |b| b.memory_limits(&gpu, &cgroup),
+        )
     }
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {

@@ -105,6 +105,8 @@ struct Model {
     mig_toggle_delay: Duration,
     /// Where more processes are listed ([`SimBackend::with_process_file`]).
     process_file: Option<std::path::PathBuf>,
+    /// Whether the driver partitions memory per cgroup ([`SimBackend::set_memory_limits`]).
+    memory_limits: bool,
 }
 
 impl Model {
@@ -262,6 +264,13 @@ impl SimBackend {
         self.lock().mig_toggle_delay = delay;
     }
 
+    /// Makes the simulated driver partition each whole GPU's memory per cgroup (MPS v3 memory
+    /// partitioning): [`DeviceBackend::memory_limits`] answers "no limit" for every GPU instead
+    /// of "unsupported". Default: off, as on a driver older than R615.
+    pub fn set_memory_limits(&self, supported: bool) {
+        self.lock().memory_limits = supported;
+    }
+
     /// Holds every `call` until the returned guard is dropped: the calls block as a hung driver
     /// call would (each in its caller's thread).
     pub fn hold(&self, call: SimCall) -> Held {
@@ -324,6 +333,26 @@ impl DeviceBackend for SimBackend {
             return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
         }
         Ok(m.compute_modes.get(gpu).copied().unwrap_or_default())
+    }
+
+    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &Path) -> Result<super::MemoryLimits> {
+        let m = self.lock();
+        if !m.memory_limits {
+            return Err(Error::Unsupported {
+                backend: self.name(),
+                operation: "reading per-cgroup memory limits",
+            });
+        }
+        if m.inventory.gpu_by_uuid(gpu.as_str()).is_none() {
+            return Err(Error::Refused(format!("no GPU with UUID {gpu}")));
+        }
+        if !cgroup.is_dir() {
+            return Err(Error::Refused(format!(
+                "{} is not a cgroup directory",
+                cgroup.display()
+            )));
+        }
+        Ok(super::MemoryLimits::NONE)
     }
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {

@@ -13,8 +13,8 @@ use super::{
     HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, read_usage, reconfigure,
 };
 use crate::inventory::{
-    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MigDevice, MigModeChange,
-    MigUuid, Placement, Reconfiguration, Result, TimeSlice,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MemoryLimits, MigDevice,
+    MigModeChange, MigUuid, Placement, Reconfiguration, Result, TimeSlice,
 };
 
 pub struct NvmlBackend {
@@ -160,6 +160,27 @@ impl DeviceBackend for NvmlBackend {
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
         reconfigure::set_compute_mode(&self.nvml, gpu, mode)
+    }
+
+    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &Path) -> Result<MemoryLimits> {
+        let device = self
+            .nvml
+            .device_by_uuid(gpu.as_str())
+            .map_err(|e| match e {
+                NvmlError::NotFound | NvmlError::InvalidArg => {
+                    Error::Refused(format!("no GPU with UUID {gpu}"))
+                }
+                e => Error::Nvml {
+                    call: "nvmlDeviceGetHandleByUUID".into(),
+                    reason: e.to_string(),
+                },
+            })?;
+        ffi::memory_limits(&self.nvml, &device, cgroup)
+            .map(|(limits, _used)| limits)
+            .map_err(|e| Error::Nvml {
+                call: ffi::GET_MEMORY_LIMITS.into(),
+                reason: e.to_string(),
+            })
     }
 
     fn create_mig(

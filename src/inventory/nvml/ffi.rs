@@ -1,10 +1,14 @@
 //! Raw NVML calls nvml-wrapper 0.13 lacks or gets wrong.
 //!
 //! The only `unsafe` code of the NVML backend. Each function resolves its symbol from the loaded
-//! library's table (`Result` fields: a symbol the driver lacks is an error, not a panic), calls
-//! it with out-pointers to locals, and converts the answer to owned values.
+//! library's table (`Result` fields: a symbol the driver lacks is an error, not a panic), or by
+//! name for calls newer than that table (the per-cgroup memory limits), calls it with
+//! out-pointers to locals, and converts the answer to owned values.
 
+use std::ffi::{CString, c_char, c_ulonglong};
 use std::os::raw::c_uint;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::ptr;
 
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
@@ -12,9 +16,9 @@ use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
-    nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuFabricInfo_t,
-    nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
-    nvmlGpuInstancePlacement_t,
+    nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t, nvmlDevice_t,
+    nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t,
+    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as LINK_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU as LINK_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as LINK_SWITCH,
@@ -25,6 +29,7 @@ use nvml_wrapper_sys::bindings::{
 };
 
 use super::{FabricState, Placement, RawFabric, RawGpuInstance, RemoteDevice, raw};
+use crate::inventory::MemoryLimits;
 
 /// `nvmlDeviceGetGpuInstanceId` of a MIG device handle.
 pub fn gpu_instance_id(nvml: &Nvml, mig: &Device<'_>) -> Result<u32, NvmlError> {
@@ -483,4 +488,105 @@ pub fn has_mig_reconfiguration(nvml: &Nvml) -> Result<(), &'static str> {
         }
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Per-cgroup memory limits (MPS v3 memory partitioning, R615 / CUDA 13.4): nvml-wrapper-sys's
+// table predates them, so their symbols are resolved here by name.
+// ------------------------------------------------------------------------------------------------
+
+/// `nvmlDeviceSetMemoryLimits_v1`.
+pub const SET_MEMORY_LIMITS: &str = "nvmlDeviceSetMemoryLimits_v1";
+/// `nvmlDeviceGetMemoryLimits_v1`.
+pub const GET_MEMORY_LIMITS: &str = "nvmlDeviceGetMemoryLimits_v1";
+
+/// `nvmlSetMemoryLimits_v1_t` (nvml.h): the cgroup by the full path of its sysfs directory, and
+/// the limits to set, in bytes.
+#[repr(C)]
+struct SetMemoryLimitsV1 {
+    name_space: *const c_char,
+    soft_limit: c_ulonglong,
+    hard_limit: c_ulonglong,
+}
+
+/// `nvmlGetMemoryLimits_v1_t` (nvml.h): the cgroup in, its limits and the memory it uses out.
+#[repr(C)]
+struct GetMemoryLimitsV1 {
+    name_space: *const c_char,
+    soft_limit: c_ulonglong,
+    hard_limit: c_ulonglong,
+    current_used: c_ulonglong,
+}
+
+/// `nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t, nvmlSetMemoryLimits_v1_t *)`.
+type SetMemoryLimitsFn = unsafe extern "C" fn(nvmlDevice_t, *mut SetMemoryLimitsV1) -> nvmlReturn_t;
+/// `nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t, nvmlGetMemoryLimits_v1_t *)`.
+type GetMemoryLimitsFn = unsafe extern "C" fn(nvmlDevice_t, *mut GetMemoryLimitsV1) -> nvmlReturn_t;
+
+/// The cgroup directory as the C string NVML reads.
+fn name_space(cgroup: &Path) -> Result<CString, NvmlError> {
+    Ok(CString::new(cgroup.as_os_str().as_bytes())?)
+}
+
+/// `nvmlDeviceSetMemoryLimits_v1` on `cgroup` (its full sysfs path). Needs root. A library
+/// without the symbol (a driver older than R615) is [`NvmlError::FailedToLoadSymbol`].
+pub fn set_memory_limits(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    cgroup: &Path,
+    limits: MemoryLimits,
+) -> Result<(), NvmlError> {
+    // SAFETY: `SetMemoryLimitsFn` is the signature nvml.h declares for this symbol.
+    let f = unsafe { symbol::<SetMemoryLimitsFn>(nvml, SET_MEMORY_LIMITS) }?;
+    let ns = name_space(cgroup)?;
+    let mut arg = SetMemoryLimitsV1 {
+        name_space: ns.as_ptr(),
+        soft_limit: limits.soft,
+        hard_limit: limits.hard,
+    };
+    // SAFETY: declared signature, from the library `nvml` keeps loaded for this borrow; live
+    // handle; `arg` is fully initialized and its `name_space` points to `ns`, a NUL-terminated
+    // string that outlives the call. NVML keeps no pointer into either.
+    nvml_try(unsafe { f(device.handle(), &mut arg) })
+}
+
+/// `nvmlDeviceGetMemoryLimits_v1` on `cgroup`: its limits and the memory it uses, in bytes.
+/// Needs no privilege.
+pub fn memory_limits(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    cgroup: &Path,
+) -> Result<(MemoryLimits, u64), NvmlError> {
+    // SAFETY: `GetMemoryLimitsFn` is the signature nvml.h declares for this symbol.
+    let f = unsafe { symbol::<GetMemoryLimitsFn>(nvml, GET_MEMORY_LIMITS) }?;
+    let ns = name_space(cgroup)?;
+    let mut arg = GetMemoryLimitsV1 {
+        name_space: ns.as_ptr(),
+        soft_limit: 0,
+        hard_limit: 0,
+        current_used: 0,
+    };
+    // SAFETY: as in `set_memory_limits`; NVML writes only the three out-fields of `arg`.
+    nvml_try(unsafe { f(device.handle(), &mut arg) })?;
+    Ok((
+        MemoryLimits {
+            soft: arg.soft_limit,
+            hard: arg.hard_limit,
+        },
+        arg.current_used,
+    ))
+}
+
+/// The function `name` of the library `nvml` loaded, as a `T`.
+///
+/// # Safety
+/// `T` must be the function pointer type nvml.h declares for `name`. The pointer returned is
+/// valid while the library is loaded: callers use it only while they borrow `nvml`.
+unsafe fn symbol<T: Copy>(nvml: &Nvml, name: &str) -> Result<T, NvmlError> {
+    let mut cname = name.as_bytes().to_vec();
+    cname.push(0);
+    // SAFETY: the caller's contract: `T` is the symbol's declared type.
+    unsafe { nvml.lib().__library.get::<T>(&cname) }
+        .map(|s| *s)
+        .map_err(|e| NvmlError::FailedToLoadSymbol(format!("{name}: {e}")))
 }

@@ -1,96 +1,680 @@
 //! The prepared device check (`tests/device/mps-limits.sh`) run here end to end, on stand-ins:
-//! `nvidia-smi` a script that answers the queries the check makes, `nvidia-cuda-mps-control` the
-//! MPS stand-in (a daemon that listens and quits), and no GPU, so every client case reports why
-//! it has no result. What is checked is the check itself: that it starts the daemon
-//! and stops it again, runs each key form with its environment, writes a report that parses,
-//! and exits 0 with the GPU's settings as they were. Its figures only mean something on a GPU.
+//! `nvidia-smi` a script that answers the queries the check makes (in nvidia-smi's documented
+//! CSV form) and keeps the memory limits it is given where the driver's `dmem` backend keeps
+//! them, `nvidia-cuda-mps-control` the MPS stand-in (daemons, servers and clients as real
+//! processes), a client program over the stand-in's CUDA client in place of CUDA, and a
+//! directory with a `cgroup.controllers` as the cgroup v2 root. What is checked is the check
+//! itself, so that the one run a lent GPU allows is not spent on a broken script:
 //!
-//! Needs bash and python3 (both in CI's image).
+//! - every case runs within its deadline and writes its result, or says why it has none;
+//! - daemons start as the MPS host starts them, clients reach them (as uid 1000 too, from
+//!   outside the daemon's PID namespace too) with the environment each case gives them, a
+//!   SIGKILLed daemon is followed by a new one over its directories, the scratch cgroup gets its
+//!   limits, its clients, and the limits cleared;
+//! - it stops only what it started: processes named like MPS's own that it did not start are
+//!   still running after it, and nothing it started is (no process has one of its pipe
+//!   directories in its environment);
+//! - it leaves a GPU in MIG mode alone, says why where the driver or cgroup version rules out
+//!   the memory-limits case, and fails when a GPU setting changed under it.
+//!
+//! Its figures only mean something on a GPU. Needs bash and python3 (both in CI's image); run
+//! as root (as CI is) it also runs the uid-1000 and PID-namespace cases.
 
 mod support;
 
-use std::os::unix::fs::PermissionsExt;
-use std::process::Command;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 
 use serde_json::Value;
 use support::mps;
 
 const UUID: &str = "GPU-11111111-2222-3333-4444-555555555555";
+const OLD_DRIVER: &str = "580.95.05";
+const R615_DRIVER: &str = "615.20.03";
+
+/// A GPU node of stand-ins in a temporary directory that uid 1000 may enter. Dropped, it removes
+/// the stand-in's markers of its processes from the host's `/dev/shm`.
+struct Node {
+    dir: tempfile::TempDir,
+    created: std::time::SystemTime,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        remove_standin_markers(self.created);
+    }
+}
+
+impl Node {
+    /// GPU 0 with `driver_version` and MIG mode `mig`; the compute mode `Default`, or
+    /// `Exclusive_Process` from the second time it is asked when `mode_changes`.
+    fn new(driver_version: &str, mig: &str, mode_changes: bool) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let node = Node {
+            dir,
+            created: std::time::SystemTime::now(),
+        };
+        open_to_all(node.path());
+        mps::install_standin(&node.driver());
+        for d in [node.driver(), node.driver().join("usr"), node.bin()] {
+            open_to_all(&d);
+        }
+        let compute_mode = if mode_changes {
+            // One answer, then another: the mode changed while the check ran.
+            format!(
+                "if [ -e '{seen}' ]; then echo Exclusive_Process; else touch '{seen}'; echo Default; fi",
+                seen = node.path().join("mode-asked").display()
+            )
+        } else {
+            "echo Default".into()
+        };
+        write_exe(
+            &node.bin().join("nvidia-smi"),
+            &FAKE_SMI
+                .replace("@UUID@", UUID)
+                .replace("@MIG@", mig)
+                .replace("@DRIVER@", driver_version)
+                .replace("@COMPUTE_MODE@", &compute_mode)
+                .replace("@LOG@", &node.smi_log().display().to_string()),
+        );
+        write_exe(
+            &node.client(),
+            &CLIENT.replace(
+                "@CONTROL@",
+                &mps::control(&node.driver()).display().to_string(),
+            ),
+        );
+        std::fs::create_dir_all(node.cgroup_root()).unwrap();
+        std::fs::write(
+            node.cgroup_root().join("cgroup.controllers"),
+            "cpuset cpu io memory hugetlb pids rdma misc dmem\n",
+        )
+        .unwrap();
+        node
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+    fn driver(&self) -> PathBuf {
+        self.path().join("driver")
+    }
+    fn bin(&self) -> PathBuf {
+        self.driver().join("usr/bin")
+    }
+    fn client(&self) -> PathBuf {
+        self.path().join("client.sh")
+    }
+    fn smi_log(&self) -> PathBuf {
+        self.path().join("smi.log")
+    }
+    fn cgroup_root(&self) -> PathBuf {
+        self.path().join("cgroup")
+    }
+    fn report_path(&self) -> PathBuf {
+        self.path().join("mps-limits.json")
+    }
+
+    /// Runs the check with `env` added; its output and its report.
+    fn run(&self, env: &[(&str, &str)]) -> (Output, Value) {
+        let path = format!(
+            "{}:{}",
+            self.bin().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = Command::new("bash")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/device/mps-limits.sh"
+            ))
+            .env("PATH", path)
+            .env("OUT", self.path())
+            .env("HOLD_SECONDS", "1")
+            .env("MPS_CHECK_CLIENT", self.client())
+            .env("CGROUP_ROOT", self.cgroup_root())
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let report: Value = serde_json::from_slice(
+            &std::fs::read(self.report_path()).unwrap_or_else(|e| panic!("no report ({e})")),
+        )
+        .unwrap_or_else(|e| panic!("the report is not JSON ({e}):\n{}", text(&out)));
+        (out, report)
+    }
+}
+
+/// nvidia-smi as the check asks it: the `--query-gpu` fields in `csv,noheader,nounits` form, no
+/// compute processes, and `memory-limits --set`, kept where the driver's dmem backend keeps a
+/// cgroup's limits (hard as `dmem.max`, soft as `dmem.min`, bytes; NVIDIA's MPS v3 docs) and
+/// logged; anything else is refused as nvidia-smi refuses an unknown flag (exit 2).
+const FAKE_SMI: &str = r#"#!/bin/sh
+case "$*" in
+  *--query-gpu=uuid\ *) echo @UUID@ ;;
+  *--query-gpu=mig.mode.current\ *) echo @MIG@ ;;
+  *--query-gpu=compute_mode\ *) @COMPUTE_MODE@ ;;
+  *--query-gpu=memory.total\ *) echo 81559 ;;
+  *--query-gpu=memory.used\ *) echo 0 ;;
+  *--query-gpu=memory.free\ *) echo 81008 ;;
+  *--query-gpu=driver_version\ *) echo @DRIVER@ ;;
+  *--query-compute-apps=*) ;;
+  "memory-limits --set "*)
+    shift 2
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        -n) cg=$2 ;; --soft-limit) soft=$2 ;; --hard-limit) hard=$2 ;; -i) ;;
+        *) echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."; exit 2 ;;
+      esac
+      shift 2
+    done
+    echo "set $cg $soft $hard" >>'@LOG@'
+    bytes() { if [ "$1" = max ]; then echo max; else echo $(($1 * 1048576)); fi; }
+    echo "nvidia/0000:01:00.0/vidmem $(bytes "$hard")" >"$cg/dmem.max"
+    echo "nvidia/0000:01:00.0/vidmem $(bytes "$soft")" >"$cg/dmem.min" ;;
+  *) echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."; exit 2 ;;
+esac
+"#;
+
+/// The check's client program (in place of `mps_client.py`, which needs CUDA): the stand-in's
+/// CUDA client, its first line as JSON (`"mps"`: whether it went through a daemon), held for
+/// HOLD_SECONDS when it got a context; POSIX sh, so that uid 1000 runs it too.
+const CLIENT: &str = r#"#!/bin/sh
+out=$(mktemp) || exit 1
+'@CONTROL@' cuda-client >"$out" 2>"$out.err" </dev/null &
+pid=$!
+i=0
+while [ ! -s "$out" ] && [ ! -s "$out.err" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+line=$(head -n 1 "$out")
+case "$line" in
+  connected*) mps=true ;;
+  *) mps=false ;;
+esac
+json="{\"standin\": \"$line\", \"pid\": $$, \"uid\": $(id -u), \"limit_env\": \"${CUDA_MPS_PINNED_DEVICE_MEM_LIMIT:-}\", \"thread_env\": \"${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-}\""
+if [ -n "$line" ]; then
+  echo "$json, \"holding\": true}"
+  sleep "${HOLD_SECONDS:-0}"
+else
+  json="$json, \"error\": \"$(tr -d '"\\' <"$out.err" | tr '\n' ' ')\""
+fi
+kill $pid 2>/dev/null
+wait $pid 2>/dev/null
+rm -f "$out" "$out.err"
+echo "$json, \"mps\": $mps}"
+"#;
+
+fn write_exe(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn open_to_all(dir: &Path) {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn is_root() -> bool {
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// A process named as MPS's own that the check did not start, as another share's daemon on the
+/// node would be: a copy of `sleep` called `name`. Killed when dropped.
+struct Bystander(Child);
+
+impl Bystander {
+    fn start(dir: &Path, name: &str) -> Bystander {
+        let sleep = ["/bin/sleep", "/usr/bin/sleep"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .expect("a sleep binary");
+        let exe = dir.join(name);
+        std::fs::copy(sleep, &exe).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let child = Command::new(&exe)
+            .arg("600")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Bystander(child)
+    }
+}
+
+impl Drop for Bystander {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The processes whose environment names a pipe directory under `workdir` (the check's).
+fn left_behind(workdir: &str) -> Vec<String> {
+    let needle = format!("CUDA_MPS_PIPE_DIRECTORY={workdir}/");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if env
+            .split(|b| *b == 0)
+            .any(|v| v.starts_with(needle.as_bytes()))
+            && mps::runs(pid)
+        {
+            let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            found.push(format!(
+                "{pid}: {}",
+                String::from_utf8_lossy(&cmd).replace('\0', " ")
+            ));
+        }
+    }
+    found
+}
+
+/// Removes the markers the stand-in's daemons and servers wrote into the host's `/dev/shm` (the
+/// check gives them no private one) since `since`, for processes that no longer run (a marker of
+/// the PID-namespace case names a PID of that namespace: no stand-in of ours has it here).
+fn remove_standin_markers(since: std::time::SystemTime) {
+    for entry in std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("nvdra-standin-")
+            .and_then(|rest| rest.rsplit('.').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let recent = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t >= since);
+        let standin = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.windows(12).any(|w| w == b"mps-standin\0"));
+        if recent && !(mps::runs(pid) && standin) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+fn check<'a>(report: &'a Value, name: &str) -> &'a Value {
+    let c = &report["checks"][name];
+    assert!(c.is_object(), "no check {name} in the report: {report:#}");
+    c
+}
+
+/// The client record `label` of check `c`: it ran, and says whether it connected.
+fn client<'a>(c: &'a Value, label: &str) -> &'a Value {
+    let r = &c[label];
+    assert!(
+        r["connected"].is_boolean(),
+        "{label}: no connection verdict: {r:#}"
+    );
+    r
+}
+
+fn standin_line(r: &Value) -> &str {
+    r["result"]["standin"].as_str().unwrap_or_default()
+}
 
 #[test]
-fn the_mps_limits_check_starts_and_stops_its_daemon_and_reports_every_case() {
-    let dir = tempfile::tempdir().unwrap();
-    let driver = dir.path().join("driver");
-    mps::install_standin(&driver);
-    let smi = driver.join("usr/bin/nvidia-smi");
-    std::fs::write(
-        &smi,
-        format!(
-            "#!/bin/sh\ncase \"$*\" in\n\
-             *query-gpu=uuid*) echo {UUID};;\n\
-             *mig.mode.current*) echo Disabled;;\n\
-             *compute_mode*) echo Default;;\n\
-             *memory.total*) echo 81559;;\n\
-             *memory.used*) echo 0;;\n\
-             *driver_version*) echo 580.159.03;;\n\
-             esac\n"
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = format!(
-        "{}:{}",
-        driver.join("usr/bin").display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let out = Command::new("bash")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/device/mps-limits.sh"
-        ))
-        .env("PATH", path)
-        .env("OUT", dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
+fn the_check_runs_every_case_on_stand_ins_and_stops_only_what_it_started() {
+    let node = Node::new(R615_DRIVER, "Disabled", false);
+    let others = [
+        Bystander::start(node.path(), "nvidia-cuda-mps-control"),
+        Bystander::start(node.path(), "nvidia-cuda-mps-server"),
+    ];
+    let (out, report) = node.run(&[]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
     assert!(
-        stdout.contains("MPS control daemon answers"),
-        "{stdout}\n{stderr}"
+        all.contains("after: MIG mode Disabled, compute mode Default"),
+        "{all}"
     );
-    assert!(
-        stdout.contains("after: MIG mode Disabled, compute mode Default"),
-        "{stdout}"
-    );
-
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("mps-limits.json")).unwrap())
-            .unwrap_or_else(|e| panic!("the report is not JSON ({e}):\n{stdout}"));
     assert_eq!(report["gpu"], UUID);
-    let cases = report["cases"].as_object().unwrap();
-    for (case, limit, threads) in [
-        ("no-limit", "", ""),
-        ("uuid-key", &*format!("{UUID}=2048M"), ""),
-        ("index-key", "0=2048M", ""),
-        ("index-key-gib", "0=2G", ""),
-        ("threads-25", "", "25"),
-    ] {
-        let c = &cases[case];
-        assert_eq!(c["limit_env"], limit, "{case}: {c}");
-        assert_eq!(c["thread_env"], threads, "{case}: {c}");
-        // Without a GPU the client reports why it has no figure (here: no CUDA library at
-        // all; on a host with CUDA and no GPU, CUDA's error), never a figure.
+    assert_eq!(report["settings_unchanged"], true, "{report:#}");
+
+    // It stopped only what it started, and everything it started.
+    for mut b in others {
         assert!(
-            c["error"].is_string() && c.get("allocated_mib").is_none(),
-            "{case}: {c}"
+            b.0.try_wait().unwrap().is_none(),
+            "the check ended a process it did not start"
         );
     }
-    assert_eq!(report["used_mib_with_one_128mib_client"], Value::Null);
+    let workdir = report["workdir"].as_str().unwrap();
+    assert_eq!(left_behind(workdir), Vec::<String>::new(), "left running");
+    assert!(!Path::new(workdir).exists(), "{workdir} is left");
 
-    // The daemon it started answered, then quit when asked.
-    let log = mps::log(&driver);
-    assert_eq!(log.len(), 2, "{log:?}");
-    assert!(log[0].starts_with(&format!("start {UUID} ")), "{log:?}");
-    assert!(log[1].starts_with("quit "), "{log:?}");
+    // Every case ran within its deadline and wrote what it found.
+    let names = [
+        "host-start",
+        "key-forms",
+        "pid-namespace",
+        "uid-1000",
+        "concurrent",
+        "default-limit",
+        "sigkill-restart",
+        "quit-as-uid-1000",
+        "memory-limits",
+    ];
+    for name in names {
+        let c = check(&report, name);
+        assert!(c.get("timed_out").is_none(), "{name}: {c:#}");
+        assert!(
+            c["elapsed_s"].as_u64().unwrap() <= c["deadline_s"].as_u64().unwrap(),
+            "{name}: {c:#}"
+        );
+    }
+
+    // The daemon's flags: -M only where its help lists it (the stand-in's may not).
+    let flags = report["daemon_flags"].as_str().unwrap();
+    let multi_user = report["control_help_M_line"] != "absent";
+    assert_eq!(flags.contains("-M"), multi_user, "{report:#}");
+
+    // host-start: the daemon answered and a client went through it.
+    let c = check(&report, "host-start");
+    assert_eq!(c["answered"], true, "{c:#}");
+    assert_eq!(client(c, "client")["connected"], true, "{c:#}");
+
+    // key-forms: each client got its case's environment (the stand-in client echoes it); no
+    // figure without CUDA, and the verdict says so.
+    let c = check(&report, "key-forms");
+    for (label, limit, threads) in [
+        ("no-limit", "unset", "unset"),
+        ("uuid-key", &*format!("{UUID}=2048M"), "unset"),
+        ("index-key", "0=2048M", "unset"),
+        ("index-key-gib", "0=2G", "unset"),
+        ("threads-25", "unset", "25"),
+    ] {
+        let line = standin_line(client(c, label));
+        assert!(
+            line.contains(&format!(" pinned={limit} "))
+                && line.contains(&format!(" threads={threads} ")),
+            "{label}: {line}"
+        );
+    }
+    assert!(
+        c["verdict"]["index-key"]
+            .as_str()
+            .unwrap()
+            .starts_with("not measured"),
+        "{c:#}"
+    );
+
+    // concurrent: 1, 2 and 4 clients, each connected; the memory figures asked for each.
+    let c = check(&report, "concurrent");
+    for (n, labels) in [
+        (1, &["1-1"][..]),
+        (2, &["2-1", "2-2"]),
+        (4, &["4-1", "4-2", "4-3", "4-4"]),
+    ] {
+        for label in labels {
+            assert_eq!(client(c, label)["connected"], true, "{label}: {c:#}");
+        }
+        assert!(c[format!("used_mib_with_{n}")].is_number(), "{c:#}");
+        assert!(
+            c["verdict"][n.to_string()]
+                .as_str()
+                .unwrap()
+                .starts_with("not measured"),
+            "{c:#}"
+        );
+    }
+    assert!(c["used_mib_before_daemon"].is_number(), "{c:#}");
+
+    // default-limit: the daemon was sent the default (the stand-in answers that it does not
+    // know it) and the client asked for more.
+    let c = check(&report, "default-limit");
+    assert!(
+        c["set_answer"]
+            .as_str()
+            .unwrap()
+            .contains("set_default_device_pinned_mem_limit 0 2048M"),
+        "{c:#}"
+    );
+    assert!(
+        standin_line(client(c, "client-asks-more")).contains(" pinned=0=4096M "),
+        "{c:#}"
+    );
+    assert!(
+        c["verdict"].as_str().unwrap().starts_with("not measured"),
+        "{c:#}"
+    );
+
+    // sigkill-restart: the daemon and its server went, a new daemon over the same directories
+    // answered and served.
+    let c = check(&report, "sigkill-restart");
+    assert_eq!(c["restarted"], true, "{c:#}");
+    assert_eq!(client(c, "before-kill")["connected"], true, "{c:#}");
+    assert_eq!(client(c, "after-restart")["connected"], true, "{c:#}");
+    assert!(
+        c["stale_files"].as_str().unwrap().contains("control"),
+        "{c:#}"
+    );
+    let log = mps::log(&node.driver());
+    let restart_pipe = format!("{workdir}/restart/pipe");
+    let starts = |pipe: &str| {
+        log.iter()
+            .filter(|l| **l == format!("start {UUID} {pipe}"))
+            .count()
+    };
+    let quits = |pipe: &str| log.iter().filter(|l| **l == format!("quit {pipe}")).count();
+    assert_eq!(starts(&restart_pipe), 2, "{log:#?}");
+    assert_eq!(quits(&restart_pipe), 1, "{log:#?}");
+
+    // Every other daemon started as the MPS host starts it, for the GPU, and quit when asked.
+    for name in ["host", "keys", "conc", "deflim", "cgroup"] {
+        let pipe = format!("{workdir}/{name}/pipe");
+        assert_eq!((starts(&pipe), quits(&pipe)), (1, 1), "{name}: {log:#?}");
+    }
+    assert!(
+        log.iter()
+            .all(|l| !l.starts_with("start ") || l.starts_with(&format!("start {UUID} "))),
+        "{log:#?}"
+    );
+
+    // memory-limits (driver 615, cgroup v2): the scratch cgroup got both limits, read back as
+    // set; its clients ran in it; the limits were cleared; it was removed (here: tried, as a
+    // plain directory keeps the files the fakes wrote).
+    let c = check(&report, "memory-limits");
+    let v = &c["verdict"];
+    assert_eq!(v["set"], true, "{c:#}");
+    assert_eq!(
+        v["read_back"], "dmem.min matches, dmem.max matches",
+        "{c:#}"
+    );
+    assert_eq!(
+        v["read_back_after_clear"], "dmem.min matches, dmem.max matches",
+        "{c:#}"
+    );
+    assert_eq!(v["cleared"], true, "{c:#}");
+    let cgroup = c["cgroup"].as_str().unwrap();
+    assert!(
+        cgroup.starts_with(&node.cgroup_root().display().to_string()),
+        "{c:#}"
+    );
+    let smi = std::fs::read_to_string(node.smi_log()).unwrap();
+    assert!(
+        smi.starts_with(&format!("set {cgroup} 1024 2048\nset {cgroup} 0 max\n")),
+        "{smi}"
+    );
+    let procs = std::fs::read_to_string(Path::new(cgroup).join("cgroup.procs")).unwrap();
+    assert!(procs.trim().parse::<u32>().is_ok(), "{procs:?}");
+    assert_eq!(client(c, "past-hard")["connected"], true, "{c:#}");
+    assert_eq!(client(c, "under-hard")["connected"], true, "{c:#}");
+    // The third reached no daemon, on purpose.
+    assert_eq!(
+        client(c, "past-hard-without-mps")["connected"],
+        false,
+        "{c:#}"
+    );
+    assert!(
+        c["cgroup_removed"]
+            .as_str()
+            .is_some_and(|s| s.contains("rmdir")),
+        "{c:#}"
+    );
+
+    // The cases that need root: uid 1000 and a PID namespace of the daemon's own.
+    let uid = check(&report, "uid-1000");
+    let pidns = check(&report, "pid-namespace");
+    let quit = check(&report, "quit-as-uid-1000");
+    if !is_root() {
+        for c in [uid, quit] {
+            assert!(
+                c["not_measured"].as_str().unwrap().contains("uid 1000"),
+                "{c:#}"
+            );
+        }
+        assert!(pidns["not_measured"].is_string(), "{pidns:#}");
+        return;
+    }
+    // A client of uid 1000 went through the daemon; root's beside it did only in multi-user
+    // mode (the stand-in refuses another UID without -M, where MPS makes it wait).
+    let r = client(uid, "uid-1000");
+    assert_eq!(r["result"]["uid"], 1000, "{r:#}");
+    assert_eq!(r["connected"], true, "{r:#}");
+    let r = client(uid, "root-beside");
+    assert_eq!(r["result"]["uid"], 0, "{r:#}");
+    assert_eq!(r["connected"], multi_user, "{r:#}");
+    // The daemon ran as a namespace's second process (its shell is the first), and a client
+    // outside reached it.
+    assert_eq!(pidns["answered"], true, "{pidns:#}");
+    let line = pidns["log_daemon_out"].as_str().unwrap();
+    let pid: u32 = line
+        .strip_prefix("stand-in MPS control daemon ")
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(pid < 10, "not in a PID namespace of its own: {line}");
+    assert_eq!(client(pidns, "client")["connected"], true, "{pidns:#}");
+    // The stand-in obeys anyone's quit.
+    assert_eq!(quit["obeyed"], true, "{quit:#}");
+    assert!(
+        quit["answer"].as_str().unwrap().contains("(exit 0)"),
+        "{quit:#}"
+    );
+}
+
+#[test]
+fn the_memory_limits_case_says_why_it_does_not_run_on_an_older_driver_or_cgroup_v1() {
+    // An older driver, with cgroup v2.
+    let node = Node::new(OLD_DRIVER, "Disabled", false);
+    let (out, report) = node.run(&[("CASES", "memory-limits")]);
+    assert!(out.status.success(), "{}", text(&out));
+    let c = check(&report, "memory-limits");
+    let why = c["not_measured"].as_str().unwrap();
+    assert!(
+        why.starts_with(&format!("driver {OLD_DRIVER} / cgroup ")),
+        "{why}"
+    );
+    // Only the case asked for ran.
+    assert_eq!(report["checks"].as_object().unwrap().len(), 1, "{report:#}");
+    // R615, but cgroup v1 (no cgroup.controllers at the root).
+    let node = Node::new(R615_DRIVER, "Disabled", false);
+    std::fs::remove_file(node.cgroup_root().join("cgroup.controllers")).unwrap();
+    let (out, report) = node.run(&[("CASES", "memory-limits")]);
+    assert!(out.status.success(), "{}", text(&out));
+    let c = check(&report, "memory-limits");
+    assert_eq!(c["cgroup_v2"], false, "{c:#}");
+    assert!(
+        c["not_measured"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("driver {R615_DRIVER} / cgroup ")),
+        "{c:#}"
+    );
+    // Nothing was set, nothing made.
+    assert!(!node.smi_log().exists());
+    assert_eq!(std::fs::read_dir(node.cgroup_root()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_case_past_its_deadline_is_cut_off_and_leaves_nothing_running() {
+    // The client holds for 10 s; the case has 3.
+    let node = Node::new(R615_DRIVER, "Disabled", false);
+    let (out, report) = node.run(&[
+        ("CASES", "host-start"),
+        ("DEADLINES", "host-start=3"),
+        ("HOLD_SECONDS", "10"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let c = check(&report, "host-start");
+    assert_eq!(c["timed_out"], true, "{c:#}");
+    assert_eq!(c["deadline_s"], 3, "{c:#}");
+    // What it found before the deadline is kept; the client it was waiting for is not.
+    assert_eq!(c["answered"], true, "{c:#}");
+    assert!(c.get("client").is_none(), "{c:#}");
+    let workdir = report["workdir"].as_str().unwrap();
+    assert_eq!(left_behind(workdir), Vec::<String>::new(), "left running");
+    // Its daemon was killed, not asked to quit.
+    let log = mps::log(&node.driver());
+    assert_eq!(log.len(), 1, "{log:#?}");
+    assert!(log[0].starts_with("start "), "{log:#?}");
+}
+
+#[test]
+fn a_gpu_in_mig_mode_is_left_alone() {
+    let node = Node::new(R615_DRIVER, "Enabled", false);
+    let (out, report) = node.run(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(report["skipped"], "MIG enabled", "{report:#}");
+    assert!(report.get("checks").is_none(), "{report:#}");
+    assert_eq!(mps::log(&node.driver()), Vec::<String>::new());
+}
+
+#[test]
+fn a_gpu_setting_changed_while_it_ran_fails_the_check() {
+    let node = Node::new(R615_DRIVER, "Disabled", true);
+    let (out, report) = node.run(&[("CASES", "none")]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("GPU settings changed!"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(report["settings_unchanged"], false, "{report:#}");
+    assert_eq!(report["compute_mode_after"], "Exclusive_Process");
+}
+
+#[test]
+fn the_cuda_client_prints_one_json_line_whatever_it_finds() {
+    // Without a GPU it says why it has no figure (here no CUDA library; on a host with CUDA
+    // and no GPU, CUDA's error); with one, what it allocated. Its pid is there, for the logs.
+    let out = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/device/mps_client.py"
+        ))
+        .args(["128", "128"])
+        .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=2048M")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    let [line] = lines.as_slice() else {
+        panic!("{stdout}");
+    };
+    let v: Value = serde_json::from_str(line).unwrap();
+    assert!(
+        v["error"].is_string() || v["allocated_mib"].is_number(),
+        "{v}"
+    );
+    assert!(v["pid"].is_number() && v["uid"].is_number(), "{v}");
+    assert_eq!(v["limit_env"], "0=2048M");
 }

@@ -1,5 +1,8 @@
 """A CUDA client for tests/device/mps-limits.sh: allocates device memory in chunks until CUDA
-refuses or a cap is reached, and prints one JSON line with what it got.
+refuses or a cap is reached, and prints one JSON line with what it got. With HOLD_SECONDS set it
+first prints the same line with "holding": true and keeps its memory that long, so that the check
+can look at the GPU and the MPS daemon meanwhile. Its pid and uid are in the line, to be found in
+the daemon's logs.
 
 It uses the CUDA runtime from NVIDIA's PyPI wheel (`nvidia-cuda-runtime`, as PyTorch and CuPy
 install it) through ctypes, so it needs no compiler and no framework; where that wheel is missing
@@ -48,10 +51,7 @@ def run_runtime(lib, cap_mib, chunk_mib):
         got += chunk_mib
     out = {"api": "runtime", "devices": count.value, "multiprocessors": sms.value,
            "allocated_mib": got, "stopped_by": "cap" if last == 0 else f"cudaMalloc error {last}"}
-    hold = float(os.environ.get("HOLD_SECONDS", "0"))
-    if hold:
-        print(json.dumps(dict(out, holding=True)), flush=True)
-        time.sleep(hold)
+    hold(out)
     for p in ptrs:
         lib.cudaFree(p)
     return out
@@ -76,8 +76,23 @@ def run_driver(cap_mib, chunk_mib):
         if last != 0:
             break
         got += chunk_mib
-    return {"api": "driver", "multiprocessors": sms.value, "allocated_mib": got,
-            "stopped_by": "cap" if last == 0 else f"cuMemAlloc error {last}"}
+    out = {"api": "driver", "multiprocessors": sms.value, "allocated_mib": got,
+           "stopped_by": "cap" if last == 0 else f"cuMemAlloc error {last}"}
+    # The context and its memory go with the process.
+    hold(out)
+    return out
+
+
+def hold(out):
+    """Keeps what was allocated for HOLD_SECONDS, once said so on a line of its own."""
+    seconds = float(os.environ.get("HOLD_SECONDS", "0"))
+    if seconds:
+        print(json.dumps(dict(out, holding=True, **ids())), flush=True)
+        time.sleep(seconds)
+
+
+def ids():
+    return {"pid": os.getpid(), "uid": os.getuid()}
 
 
 def main():
@@ -89,6 +104,7 @@ def main():
     except OSError as e:
         # No CUDA library at all: still one JSON line, so the check's report stays readable.
         out = {"error": f"cannot load CUDA: {e}"}
+    out.update(ids())
     out["library"] = path or "libcuda.so.1"
     out["limit_env"] = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
     out["thread_env"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")

@@ -43,7 +43,10 @@
 //! (`nvmlDeviceSetMigMode`: at once from Hopper on, pending a reset before; refused while a
 //! process runs), the virtualization mode and their hooks in `mig_mode.rs`. An applied MIG mode
 //! change takes `FAKE_NVML_MIG_TOGGLE_DELAY_MS` milliseconds (default 0). MIG modes are kept in
-//! the `FAKE_NVML_STATE` file with the instances. `FAKE_NVML_IDLE=1` starts every GPU idle
+//! the `FAKE_NVML_STATE` file with the instances. Per-cgroup memory limits (R615's
+//! `nvmlDeviceSetMemoryLimits_v1` and `nvmlDeviceGetMemoryLimits_v1`, `FAKE_NVML_MEMORY_LIMITS`
+//! to make them missing, unsupported or failing) are in `memory_limits.rs`, kept in the state
+//! file too. `FAKE_NVML_IDLE=1` starts every GPU idle
 //! (no process: its MIG mode can change), as `fake_nvml_set_idle` makes one in-process.
 //!
 //! Handles are opaque integers cast to pointers; they are never dereferenced by callers. Every
@@ -134,6 +137,8 @@ mod events;
 pub mod usage;
 // MIG mode changes and virtualization (`mig_mode.rs`).
 mod mig_mode;
+// Per-cgroup memory limits (`memory_limits.rs`).
+pub mod memory_limits;
 
 fn gpu_count() -> usize {
     node().as_ref().map_or(0, |l| l.model.gpus.len())
@@ -306,6 +311,7 @@ fn load_node() -> Result<(String, Model), String> {
                 created: 0,
                 compute_modes: Default::default(),
                 mig_toggle_delay: Default::default(),
+                memory_limits: Default::default(),
             }
         }
     };

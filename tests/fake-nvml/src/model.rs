@@ -21,6 +21,9 @@ pub struct Model {
     pub compute_modes: std::collections::BTreeMap<usize, c_uint>,
     /// How long an applied MIG mode change takes (`FAKE_NVML_MIG_TOGGLE_DELAY_MS`, default 0).
     pub mig_toggle_delay: std::time::Duration,
+    /// Per-cgroup memory limits (soft, hard) by GPU index and cgroup path
+    /// ([`crate::memory_limits`]); absent: none.
+    pub memory_limits: std::collections::BTreeMap<(usize, String), (u64, u64)>,
 }
 
 pub struct Gpu {

@@ -279,5 +279,6 @@ pub fn model(inv: &Inventory) -> Model {
         created,
         compute_modes: Default::default(),
         mig_toggle_delay: Default::default(),
+        memory_limits: Default::default(),
     }
 }

@@ -1,9 +1,10 @@
-//! MIG instances, compute modes and MIG modes kept in a file (`FAKE_NVML_STATE`), as a GPU
-//! keeps them across the processes that use it: a daemon killed after creating an instance,
-//! setting a compute mode or switching a MIG mode leaves it for the next one to find.
+//! MIG instances, compute modes, MIG modes and per-cgroup memory limits kept in a file
+//! (`FAKE_NVML_STATE`), as a GPU keeps them across the processes that use it: a daemon killed
+//! after creating an instance, setting a compute mode or switching a MIG mode leaves it for the
+//! next one to find, and the limits a container hook set are there for the test to read.
 //!
-//! One line per instance, compute mode other than DEFAULT and MIG-capable GPU, rewritten whole
-//! (through a temporary file and a rename) after every change:
+//! One line per instance, compute mode other than DEFAULT, MIG-capable GPU and limited cgroup,
+//! rewritten whole (through a temporary file and a rename) after every change:
 //!
 //! ```text
 //! created <n>
@@ -11,6 +12,7 @@
 //! ci <gpu index> <gpu-instance id> <compute-instance id> <compute profile> <slices> <slot> <uuid>
 //! mode <gpu index> <NVML_COMPUTEMODE_* value>
 //! mig <gpu index> <current MIG mode> <pending MIG mode>
+//! limits <gpu index> <soft bytes> <hard bytes> <cgroup path>
 //! ```
 //!
 //! A file without `mig` lines (written before they existed) leaves the GPUs' MIG modes as the
@@ -75,6 +77,34 @@ pub fn mig_modes(path: &Path) -> Vec<(usize, c_uint, c_uint)> {
         .collect()
 }
 
+/// A cgroup's memory limits on one GPU, as the state file lists them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CgroupLimits {
+    pub gpu: usize,
+    /// The `nameSpace` they were set on: the cgroup's full path.
+    pub cgroup: String,
+    pub soft: u64,
+    pub hard: u64,
+}
+
+/// The per-cgroup memory limits a state file holds (none when it does not exist).
+pub fn memory_limits(path: &Path) -> Vec<CgroupLimits> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines().filter_map(limits_line).collect()
+}
+
+/// `limits <gpu> <soft> <hard> <cgroup>` (the path last: it may hold spaces).
+fn limits_line(line: &str) -> Option<CgroupLimits> {
+    let mut f = line.splitn(5, ' ');
+    (f.next()? == "limits").then_some(())?;
+    Some(CgroupLimits {
+        gpu: f.next()?.parse().ok()?,
+        soft: f.next()?.parse().ok()?,
+        hard: f.next()?.parse().ok()?,
+        cgroup: f.next()?.to_string(),
+    })
+}
+
 /// Replaces the model's MIG instances by those of the state file, if it exists.
 pub fn load(path: &Path, m: &mut Model) {
     let Ok(text) = std::fs::read_to_string(path) else {
@@ -84,6 +114,12 @@ pub fn load(path: &Path, m: &mut Model) {
         g.instances.clear();
     }
     m.compute_modes.clear();
+    m.memory_limits = text
+        .lines()
+        .filter_map(limits_line)
+        .filter(|l| l.gpu < m.gpus.len())
+        .map(|l| ((l.gpu, l.cgroup), (l.soft, l.hard)))
+        .collect();
     for line in text.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         let n = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
@@ -134,7 +170,7 @@ pub fn load(path: &Path, m: &mut Model) {
     }
 }
 
-/// Writes the model's MIG instances. A failure is reported on stderr: the fake has no other
+/// Writes the model's MIG instances, modes and memory limits. A failure is reported on stderr: the fake has no other
 /// channel, and the test reading the file will see what is missing.
 pub fn save(path: &Path, m: &Model) {
     let mut text = format!("created {}\n", m.created);
@@ -157,6 +193,9 @@ pub fn save(path: &Path, m: &Model) {
         if let Some((current, pending)) = g.mig_mode {
             text.push_str(&format!("mig {i} {current} {pending}\n"));
         }
+    }
+    for ((i, cgroup), (soft, hard)) in &m.memory_limits {
+        text.push_str(&format!("limits {i} {soft} {hard} {cgroup}\n"));
     }
     let tmp = path.with_extension("tmp");
     if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)) {

@@ -19,6 +19,8 @@
 //! - [`ComputeModes::repair`] (start-up): GPUs with shares in the checkpoint are set
 //!   `EXCLUSIVE_PROCESS` again (a reboot or another agent may have reset them), recorded GPUs
 //!   without shares get their mode back.
+//! - [`ComputeModes::recheck`] (the daemon watch, every round): a recorded GPU found out of
+//!   `EXCLUSIVE_PROCESS` while it holds shares is put back.
 //!
 //! All methods block (NVML, fsync): run them off the async runtime.
 
@@ -188,6 +190,38 @@ impl ComputeModes {
             }
         }
         (done, failed)
+    }
+
+    /// The daemon watch: every recorded GPU (held for shares) found out of `EXCLUSIVE_PROCESS`
+    /// — a GPU reset, a driver reload, another agent — is put back. Returns those put back, with
+    /// the mode they were found in, and those that could not be read or put back (their shares
+    /// then have no guard against a process outside MPS: the caller refuses new ones).
+    pub fn recheck(
+        &self,
+        backend: &dyn DeviceBackend,
+    ) -> (Vec<(GpuUuid, ComputeMode)>, Vec<Error>) {
+        let mut restored = Vec::new();
+        let mut failed = Vec::new();
+        let mut g = lock(&self.record);
+        let recorded = match self.loaded(&mut g) {
+            Ok(r) => r.clone(),
+            Err(e) => return (restored, vec![e]),
+        };
+        for gpu in recorded.keys() {
+            let hold = |source| Error::Hold {
+                gpu: gpu.clone(),
+                source: Box::new(source),
+            };
+            match backend.compute_mode(gpu) {
+                Ok(ComputeMode::ExclusiveProcess) => {}
+                Ok(found) => match backend.set_compute_mode(gpu, ComputeMode::ExclusiveProcess) {
+                    Ok(()) => restored.push((gpu.clone(), found)),
+                    Err(e) => failed.push(hold(e)),
+                },
+                Err(e) => failed.push(hold(e)),
+            }
+        }
+        (restored, failed)
     }
 
     fn set_exclusive(

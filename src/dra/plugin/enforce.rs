@@ -159,6 +159,7 @@ impl Plugin {
                 .flat_map(|e| shared_gpus(&e.devices))
                 .collect()
         });
+        let unguarded = self.recheck_compute_modes().await;
         // All GPUs at once: a round takes one deadline however many daemons are down.
         let probes = gpus.into_iter().map(|gpu| async move {
             let g = gpu.clone();
@@ -170,9 +171,16 @@ impl Plugin {
             );
             (gpu, answers)
         });
+
+        // A GPU out of EXCLUSIVE_PROCESS that cannot be put back is as unguarded as one whose
+        // daemon does not answer.
         let up: BTreeMap<GpuUuid, bool> = futures::future::join_all(probes)
             .await
             .into_iter()
+            .map(|(gpu, answers)| {
+                let guarded = !unguarded.contains(&gpu);
+                (gpu, answers && guarded)
+            })
             .collect();
         let now = SystemTime::now();
         let down = {
@@ -200,6 +208,36 @@ impl Plugin {
             next
         };
         report.report(&up, &down);
+    }
+
+    /// Puts back in `EXCLUSIVE_PROCESS` every GPU held for shares that left it (a reset, a driver
+    /// reload, another agent: a CUDA process outside MPS could then take the GPU beside the
+    /// shares). Returns the GPUs that could not be put back: the watch reports them as it does
+    /// a daemon that does not answer (tainted, new shares refused).
+    async fn recheck_compute_modes(&self) -> BTreeSet<GpuUuid> {
+        let checked = self
+            .blocking(|i| i.compute_modes.recheck(&*i.backend))
+            .await;
+        let (restored, failed) = match checked {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %crate::report::chain(&e), "cannot check the compute modes of the GPUs with shares");
+                return BTreeSet::new();
+            }
+        };
+        for (gpu, found) in restored {
+            tracing::warn!(gpu.uuid = %gpu, found = ?found, "a GPU with shares was found out of EXCLUSIVE_PROCESS (a reset, a driver reload or another agent); put back");
+        }
+        failed
+            .into_iter()
+            .filter_map(|e| {
+                tracing::error!(error = %crate::report::chain(&e), "a GPU with shares is out of EXCLUSIVE_PROCESS and cannot be put back; it is tainted and refuses new shares until it is");
+                match e {
+                    crate::dra::compute_mode::Error::Hold { gpu, .. } => Some(gpu),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 
     /// The daemon watch: [`Plugin::probe_share_daemons`] every `interval` until `shutdown`.

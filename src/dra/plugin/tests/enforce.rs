@@ -243,6 +243,49 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     e.prepare("s2").await.unwrap();
 }
 
+/// A GPU reset, a driver reload or another agent can leave a GPU with shares in `DEFAULT`:
+/// the watch notices in its next round, without a prepare, and puts it back, so a CUDA process
+/// that misses MPS is refused again. One that cannot be read or put back is returned as
+/// unguarded (the watch then reports it as it reports a daemon that does not answer).
+#[tokio::test]
+async fn the_watch_puts_a_gpu_with_shares_back_in_exclusive_process() {
+    use crate::inventory::ComputeMode;
+    let e = env("dgx-h100").await;
+    let _host = e.mps_host();
+    let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
+    e.add(claim("s", vec![share("nb", "gpu-0", "8Gi")]));
+    e.prepare("s").await.unwrap();
+    // Reset behind nvdra's back.
+    e.sim.set_compute_mode(&gpu, ComputeMode::Default).unwrap();
+    let reports = Reports::default();
+    e.plugin.probe_share_daemons(&reports).await;
+    assert_eq!(
+        e.sim.compute_mode(&gpu).unwrap(),
+        ComputeMode::ExclusiveProcess,
+        "put back by the watch"
+    );
+    assert_eq!(
+        reports.last(),
+        (BTreeMap::from([(gpu.clone(), true)]), BTreeMap::new())
+    );
+    // A record naming a GPU the backend cannot read (gone from the bus): returned unguarded.
+    let gone = crate::inventory::GpuUuid("GPU-00000000-0000-4000-8000-0000000000ff".into());
+    let modes = crate::dra::compute_mode::ComputeModes::new(&e.dir.path().join("plugin"));
+    modes.hold(&e.sim, &gpu).unwrap();
+    let record = e.dir.path().join("plugin/compute-mode.json");
+    let mut text: BTreeMap<String, String> =
+        serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
+    text.insert(gone.to_string(), "default".into());
+    std::fs::write(&record, serde_json::to_string(&text).unwrap()).unwrap();
+    let modes = crate::dra::compute_mode::ComputeModes::new(&e.dir.path().join("plugin"));
+    let (restored, failed) = modes.recheck(&e.sim);
+    assert!(restored.is_empty(), "{restored:?}");
+    assert!(
+        matches!(failed.as_slice(), [crate::dra::compute_mode::Error::Hold { gpu: g, .. }] if *g == gone),
+        "{failed:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_watch_probes_every_interval_from_one_interval_after_start_until_shutdown() {
     let e = env("dgx-h100").await;

@@ -225,10 +225,17 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
         .map(|v| (str_at(v, "/name"), v))
         .collect();
     let mut host_mounts = 0;
+    let mut host_proc = None;
     for m in c["volumeMounts"].as_array().expect("volume mounts") {
         let v = volumes[str_at(m, "/name")];
         if let Some(host) = v.pointer("/hostPath/path") {
-            if m["mountPath"] == DRIVER_ROOT_CTR_PATH {
+            if host == "/proc" {
+                // The host's processes, for /metrics' attribution (a GPU process's pod from
+                // its cgroup), read-only and elsewhere than the container's own /proc.
+                assert_eq!(m["readOnly"], true, "{origin}: the host's /proc is read-only");
+                assert_ne!(m["mountPath"], "/proc", "{origin}");
+                host_proc = Some(str_at(m, "/mountPath"));
+            } else if m["mountPath"] == DRIVER_ROOT_CTR_PATH {
                 // The one host directory mounted elsewhere (the chart's driverRoot other than /):
                 // nvdra only reads the driver's files there.
                 assert_eq!(
@@ -262,6 +269,12 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
         .iter()
         .map(|e| (str_at(e, "/name"), e))
         .collect();
+    // Attribution as shipped: nvdra reads GPU processes' cgroups where the host's /proc is.
+    assert_eq!(
+        env.get("NVDRA_PROC_ROOT").map(|e| str_at(e, "/value")),
+        Some(host_proc.expect("the host's /proc is mounted (per-share and per-pod metrics)")),
+        "{origin}: NVDRA_PROC_ROOT names the host's /proc mount"
+    );
     assert_eq!(
         str_at(env["NODE_NAME"], "/valueFrom/fieldRef/fieldPath"),
         "spec.nodeName"

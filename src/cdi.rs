@@ -113,18 +113,20 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
     }
 }
 
+mod binary;
 mod builder;
-pub mod dmem;
 mod driver;
 mod graphics;
 mod hooks;
 mod inputs;
 mod lookup;
+pub mod memlimit;
 mod model;
 mod names;
 mod nodes;
 mod writer;
 
+pub use binary::install_hook;
 pub use builder::{claim_spec, device_id};
 pub use driver::{DriverFiles, discover_driver_files};
 pub use graphics::FileMount;

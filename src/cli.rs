@@ -68,8 +68,16 @@ pub enum Command {
     /// Run the node's MPS control daemons (for shared GPUs) in their own DaemonSet: one per
     /// request the plugin writes under --mps-root, restarted when it exits, quit when released.
     MpsHost(Box<MpsHostArgs>),
-    /// The container runtime's `createRuntime` hook that limits a GPU share's container to its
-    /// memory through the cgroup v2 `dmem` controller (written into share specs by the plugin).
+    /// The container runtime's hooks that set a GPU share's memory limits on its container's
+    /// own cgroup through NVML (`createRuntime`) and clear them (`poststop`), written into share
+    /// specs by the plugin where the driver partitions memory per cgroup.
+    #[command(hide = true, disable_help_flag = true)]
+    MemoryLimitHook {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// What specs of an older nvdra name: refuses, so that such a container does not start
+    /// without its limit before the plugin rewrote its spec.
     #[command(hide = true, disable_help_flag = true)]
     DmemHook {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -302,12 +310,20 @@ pub fn main() -> ExitCode {
         Command::MpsStandin { args } => return crate::mps::standin::main(args),
         _ => {}
     }
-    if let Command::DmemHook { args } = &cli.command {
+    if let Command::MemoryLimitHook { args } | Command::DmemHook { args } = &cli.command {
+        use crate::cdi::memlimit;
+        let (name, r) = match &cli.command {
+            Command::DmemHook { .. } => (
+                memlimit::LEGACY_SUBCOMMAND,
+                memlimit::legacy_main(args.clone()),
+            ),
+            _ => (memlimit::SUBCOMMAND, memlimit::hook_main(args.clone())),
+        };
         // The runtime shows this message when it refuses to start the container.
-        return match crate::cdi::dmem::hook_main(args.clone()) {
+        return match r {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("nvdra dmem-hook: {e:#}");
+                eprintln!("nvdra {name}: {e:#}");
                 ExitCode::FAILURE
             }
         };
@@ -443,7 +459,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         // Dispatched by `main` before `run`: they have exit codes of their own.
         #[cfg(feature = "tools")]
         Command::Match(_) | Command::Validate(_) | Command::MpsStandin { .. } => Ok(()),
-        Command::DmemHook { .. } => Ok(()),
+        Command::MemoryLimitHook { .. } | Command::DmemHook { .. } => Ok(()),
         Command::MpsHost(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");

@@ -179,6 +179,7 @@ fn gpu0() -> Result<PreparedDevice> {
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
         mps_shm_dir: None,
+        memory_limits: None,
     })
 }
 

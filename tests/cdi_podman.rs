@@ -16,6 +16,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
 use nvdra::cdi::{self, CdiOptions, DriverRoot, PreparedDevice};
+use nvdra::inventory::MemoryLimits;
 use nvdra::inventory::topology::load_profile;
 use nvdra::sharing::{MpsSettings, Sharing};
 
@@ -23,6 +24,8 @@ use nvdra::sharing::{MpsSettings, Sharing};
 mod daemon;
 #[path = "support/podman.rs"]
 mod engine;
+#[path = "support/fake_nvml.rs"]
+mod fake_nvml_lib;
 #[path = "support/mps.rs"]
 mod mps;
 use engine::*;
@@ -38,8 +41,8 @@ fn podman_applies_a_mig_claim_spec_with_mps() {
 }
 
 #[test]
-fn podman_runs_the_dmem_hook_and_a_share_without_its_limit_does_not_start() {
-    with_engine(check_dmem_hook);
+fn podman_runs_the_memory_limit_hook_on_the_containers_own_cgroup() {
+    with_engine(check_memory_limit_hook);
 }
 
 #[test]
@@ -89,6 +92,7 @@ fn check_full_gpu(engine: &Engine) -> Result<()> {
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
         mps_shm_dir: None,
+        memory_limits: None,
     };
     let script = format!(
         "ls -l /dev/nvidia{minor} /dev/nvidiactl /dev/nvidia-uvm; \
@@ -162,77 +166,149 @@ fn assert_graphics(out: &str) -> Result<()> {
 
 /// Two MIG devices of one A100, shared with MPS: the parent node, each device's capability
 /// nodes (from `mig-minors`), both UUIDs, and the MPS pipe directory and limits.
-/// A share's spec on a node whose cgroups list its GPU's memory as a `dmem` region carries
-/// nvdra's `createRuntime` hook. runc runs the real binary on the host with the container's OCI
-/// state; the hook finds the container's cgroup in the host's real cgroup v2 hierarchy, which
-/// cannot take the limit here (no `dmem` controller, or no region of a simulated GPU), so the
-/// container must not start and podman must show the hook's reason.
-fn check_dmem_hook(engine: &Engine) -> Result<()> {
+/// A share's spec on a node whose driver partitions GPU memory per cgroup carries nvdra's
+/// `createRuntime` and `poststop` hooks. runc runs the real binary on the host with the
+/// container's OCI state; the hook finds the container's own cgroup in the host's real cgroup v2
+/// hierarchy and sets the share's soft and hard limit on it through the fake NVML (a real one
+/// needs a GPU), which keeps them in its state file: the test reads there which cgroup got which
+/// limits. A limit that cannot be set (the fake told to refuse) stops the container, with the
+/// hook's reason in podman's error.
+fn check_memory_limit_hook(engine: &Engine) -> Result<()> {
     let Some(cgroup2) = cgroup2_mount()? else {
-        eprintln!("skipping the dmem hook run: this host has no cgroup v2 hierarchy");
+        eprintln!("skipping the memory-limit hook run: this host has no cgroup v2 hierarchy");
         return Ok(());
     };
     let host = tempfile::tempdir()?;
     let root = host.path();
+    // The fake NVML serves the same profile, seed and so UUIDs (FAKE_NVML_PROFILE below).
     let gpu = load_profile("dgx-h100", "n")?.gpus[0].clone();
     mknod(&root.join(format!("dev/nvidia{}", gpu.minor)))?;
     mknod(&root.join("dev/nvidiactl"))?;
-    let cgroups = root.join("sys/fs/cgroup");
-    std::fs::create_dir_all(&cgroups)?;
-    std::fs::write(cgroups.join("cgroup.controllers"), "memory dmem\n")?;
-    std::fs::write(
-        cgroups.join("dmem.capacity"),
-        format!("nvidia/{}/vidmem {}\n", gpu.pci_bus_id.0, gpu.memory_bytes),
-    )?;
     let pipe = root.join("run/mps/pipe");
     std::fs::create_dir_all(&pipe)?;
     let mut opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(root))?;
-    opts.dmem_hook = Some(PathBuf::from(env!("CARGO_BIN_EXE_nvdra")));
+    opts.partitioning = Some(cdi::memlimit::Partitioning {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_nvdra")),
+        nvml: fake_nvml_lib::library(),
+        gpus: [gpu.uuid.clone()].into(),
+    });
+    // Soft: what the scheduler counted; hard: a burst limit above it.
+    let (soft, hard) = (8u64 << 30, 12u64 << 30);
     let share = PreparedDevice {
         name: format!("gpu-{}", gpu.minor),
-        gpu,
+        gpu: gpu.clone(),
         mig: None,
         sharing: Sharing::Mps(MpsSettings {
             active_thread_percentage: None,
-            pinned_memory_limit: Some(24 << 30),
+            pinned_memory_limit: Some(soft),
             per_device_pinned_memory_limit: Default::default(),
         }),
         mps_pipe_dir: Some(pipe),
         mps_shm_dir: None,
+        memory_limits: Some(MemoryLimits { soft, hard }),
     };
-    let mut hooked = false;
-    let e = run_claim_with(
-        engine,
-        &opts,
-        &[share],
-        &cdi::DriverFiles::default(),
-        "echo CONTAINER_RAN",
-        |spec| {
-            // The hook is the spec's; only its cgroup root moves from the fake tree (where the
-            // plugin read the regions) to the host's real hierarchy.
-            for h in &mut spec.container_edits.hooks {
-                if h.hook_name == "createRuntime"
-                    && h.args.get(1).map(String::as_str) == Some("dmem-hook")
-                {
-                    h.args[3] = cgroup2.display().to_string();
-                    hooked = true;
+    let state = root.join("nvml-state");
+    let run = |driver: &str| {
+        let mut hooked = 0;
+        let out = run_claim_with(
+            engine,
+            &opts,
+            std::slice::from_ref(&share),
+            &cdi::DriverFiles::default(),
+            "cat /etc/hostname; echo; echo CONTAINER_RAN",
+            |spec| {
+                // The hooks are the spec's; only their cgroup root moves from the fake tree to
+                // the host's real hierarchy, and the fake NVML gets its settings.
+                for h in &mut spec.container_edits.hooks {
+                    if h.args.get(1).map(String::as_str) != Some(cdi::memlimit::SUBCOMMAND) {
+                        continue;
+                    }
+                    let at = h.args.iter().position(|a| a == "--cgroup-root").unwrap() + 1;
+                    h.args[at] = cgroup2.display().to_string();
+                    h.env = vec![
+                        format!("FAKE_NVML_STATE={}", state.display()),
+                        "FAKE_NVML_PROFILE=dgx-h100".into(),
+                        "FAKE_NVML_SEED=n".into(),
+                        format!("FAKE_NVML_MEMORY_LIMITS={driver}"),
+                    ];
+                    hooked += 1;
                 }
-            }
-        },
-    )
-    .err()
-    .context("the container started although its dmem limit could not be set")?;
-    ensure!(hooked, "the share's spec has no dmem hook");
-    let e = format!("{e:#}");
+            },
+        );
+        (out, hooked)
+    };
+
+    let (out, hooked) = run("");
     ensure!(
-        e.contains("nvdra dmem-hook:"),
-        "podman's error does not show the hook's: {e}"
+        hooked == 2,
+        "the share's spec has {hooked} memory-limit hooks, not 2"
+    );
+    let out = out?;
+    ensure!(
+        out.contains("CONTAINER_RAN"),
+        "the container did not run: {out}"
+    );
+    // podman names the container's cgroup after its ID, and its hostname is the ID's start.
+    let hostname = out.lines().next().unwrap_or_default().trim().to_string();
+    ensure!(hostname.len() >= 12, "no hostname in {out:?}");
+    let set = fake_nvml::state::memory_limits(&state);
+    ensure!(
+        set.len() == 1,
+        "the fake NVML holds {set:?}, not one cgroup's limits"
+    );
+    let l = &set[0];
+    let leaf = PathBuf::from(&l.cgroup);
+    ensure!(
+        leaf.starts_with(&cgroup2) && leaf != cgroup2,
+        "the limits were set on {}, not a cgroup below {}",
+        leaf.display(),
+        cgroup2.display()
+    );
+    ensure!(
+        leaf.file_name()
+            .is_some_and(|n| n.to_string_lossy().contains(&hostname)),
+        "the limits were set on {}, not the container's own cgroup (its ID starts {hostname})",
+        leaf.display()
+    );
+    ensure!(
+        (l.gpu, l.soft, l.hard) == (0, soft, hard),
+        "the fake NVML holds GPU {} soft {} hard {}, not GPU 0 soft {soft} hard {hard}",
+        l.gpu,
+        l.soft,
+        l.hard
+    );
+    // runc removed the container's cgroup before its poststop hooks ran (libcontainer's
+    // destroy): the poststop hook found nothing to clear, and the driver dropped the limits
+    // with the cgroup. The fake, which does not know the cgroup is gone, still lists them.
+    ensure!(!leaf.exists(), "{} outlived its container", leaf.display());
+
+    // A limit that cannot be set: the container does not start.
+    std::fs::remove_file(&state)?;
+    let (out, _) = run("fail");
+    let e = format!(
+        "{:#}",
+        out.err()
+            .context("the container started although its memory limit could not be set")?
     );
     ensure!(!e.contains("CONTAINER_RAN"), "the container ran: {e}");
-    // It found the container's own cgroup from the state's pid before giving up.
     ensure!(
-        e.contains(&format!("cannot limit {}/", cgroup2.display())) || e.contains("dmem.max"),
-        "the hook did not reach the container's cgroup: {e}"
+        e.contains("nvdra memory-limit-hook:"),
+        "podman's error does not show the hook's: {e}"
+    );
+    for want in [
+        gpu.uuid.as_str(),
+        &format!("cgroup {}/", cgroup2.display()),
+        "does not have permission",
+    ] {
+        ensure!(
+            e.contains(want),
+            "the hook's error does not name {want:?}: {e}"
+        );
+    }
+    let set = fake_nvml::state::memory_limits(&state);
+    ensure!(
+        set.is_empty(),
+        "the fake NVML holds {set:?} after a refused set"
     );
     eprintln!("refused as expected: {e}");
     Ok(())
@@ -297,6 +373,7 @@ fn check_mig_with_mps(engine: &Engine) -> Result<()> {
             }),
             mps_pipe_dir: Some(pipe.clone()),
             mps_shm_dir: Some(shm.clone()),
+            memory_limits: None,
         });
     }
     let caps = root.join("proc/driver/nvidia-caps");

@@ -223,6 +223,7 @@ fn a_claim_cdi_spec_reads_as_nvdra_wrote_it() {
                 sharing: mps.clone(),
                 mps_pipe_dir: Some(pipe.clone()),
                 mps_shm_dir: None,
+                memory_limits: None,
             },
             PreparedDevice {
                 name: "gpu-0".into(),
@@ -231,6 +232,7 @@ fn a_claim_cdi_spec_reads_as_nvdra_wrote_it() {
                 sharing: mps,
                 mps_pipe_dir: Some(pipe),
                 mps_shm_dir: None,
+                memory_limits: None,
             },
         ];
         let opts = CdiOptions::resolve("gpu.nvidia.com", &nvdra::cdi::DriverRoot::at(root.path()))

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use super::graphics::{drm_by_path_links, drm_nodes};
 use super::hooks::{device_links_hook, driver_hooks};
+use super::memlimit::{Enforcement, GpuLimit};
 use super::names::validate_claim_uid;
 use super::nodes::host_node;
 use super::{
@@ -330,10 +331,10 @@ pub(super) fn driver_file_edits(
 /// share's container sees one GPU: index 0). NVIDIA's device plugin moved from UUID keys to
 /// index keys in v0.15.0 because "these limits are not applied for devices if set by UUID".
 ///
-/// Where the node's cgroups limit GPU memory per container (`dmem`, and the hook installed), the
-/// same limits are also a `createRuntime` hook that sets them on the container's cgroup
-/// ([`super::dmem`]): then two processes of one container share the limit instead of each
-/// having it.
+/// A share of a GPU whose driver partitions memory per cgroup also gets NVIDIA's per-container
+/// limits, soft (what the scheduler counted) and hard (its burst limit), set on the container's
+/// own cgroup by nvdra's hooks ([`super::memlimit`]): then two processes of one container share
+/// the limit instead of each having it.
 pub(super) fn mps_edits(
     opts: &CdiOptions,
     claim_uid: &str,
@@ -369,8 +370,7 @@ pub(super) fn mps_edits(
     let mut shm_dir: Option<&Path> = None;
     let mut percentage: Option<(u32, &str)> = None;
     let mut limits = Vec::new();
-    let mut dmem_regions = None;
-    let mut dmem_limits = Vec::new();
+    let mut container_limits = Vec::new();
     for (d, settings) in &mps {
         let dir = d.mps_pipe_dir.as_deref().ok_or_else(|| {
             fail(format!(
@@ -445,16 +445,14 @@ pub(super) fn mps_edits(
             .or(settings.pinned_memory_limit.as_ref());
         if let Some(bytes) = limit {
             limits.push(format!("{index}={}M", bytes >> 20));
-            if let Some(region) = dmem_regions
-                .get_or_insert_with(|| dmem_regions_of(opts))
-                .iter()
-                .find(|(pci, _)| *pci == d.gpu.pci_bus_id)
-            {
-                dmem_limits.push(super::dmem::Limit {
-                    region: region.1.clone(),
-                    bytes: *bytes,
-                });
-            }
+        }
+        if let (Some(limits), Some(Enforcement::Container)) =
+            (d.memory_limits, super::memlimit::enforcement(opts, d))
+        {
+            container_limits.push(GpuLimit {
+                gpu: d.gpu.uuid.clone(),
+                limits,
+            });
         }
     }
 
@@ -492,23 +490,10 @@ pub(super) fn mps_edits(
             limits.join(",")
         ));
     }
-    if let (Some(binary), false) = (&opts.dmem_hook, dmem_limits.is_empty()) {
+    if let (Some(partitioning), false) = (&opts.partitioning, container_limits.is_empty()) {
         edits
             .hooks
-            .push(super::dmem::hook(binary, &opts.cgroup_root, &dmem_limits));
+            .extend(partitioning.hooks(&opts.cgroup_root, &container_limits));
     }
     Ok(())
-}
-
-/// The GPU memory regions of the node's `dmem` controller; none (only the per-process limit
-/// applies) without the hook, or when they cannot be read.
-fn dmem_regions_of(opts: &CdiOptions) -> Vec<(crate::inventory::PciBusId, String)> {
-    if opts.dmem_hook.is_none() {
-        return Vec::new();
-    }
-    let root = opts.root.read_path(&opts.cgroup_root);
-    super::dmem::gpu_regions(&root).unwrap_or_else(|e| {
-        tracing::warn!(error = %format!("{e:#}"), "cannot read the dmem regions; shares get the per-process memory limit only");
-        Vec::new()
-    })
 }

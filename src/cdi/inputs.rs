@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{Result, validate_class, validate_vendor};
-use crate::inventory::{Gpu, MigDevice};
+use crate::inventory::{Gpu, MemoryLimits, MigDevice};
 use crate::sharing::Sharing;
 
 /// Where the driver is, seen from the host and from nvdra.
@@ -109,9 +109,10 @@ impl DriverRoot {
 }
 
 impl DriverRoot {
-    /// The host's cgroup v2 root as a host path (the `dmem` hook runs on the host; nvdra reads it
-    /// at [`DriverRoot::read_path`]): `<dev root>/sys/fs/cgroup` when that is a cgroup v2 root (a
-    /// test's fake tree, or a device root that carries the host's), else `/sys/fs/cgroup`.
+    /// The host's cgroup v2 root as a host path (the memory-limit hook runs on the host; nvdra
+    /// reads it at [`DriverRoot::read_path`]): `<dev root>/sys/fs/cgroup` when that is a cgroup
+    /// v2 root (a test's fake tree, or a device root that carries the host's), else
+    /// `/sys/fs/cgroup`.
     pub fn cgroup_dir(&self) -> PathBuf {
         let candidate = self.dev.join("sys/fs/cgroup");
         if self
@@ -143,9 +144,9 @@ pub struct CdiOptions {
     pub proc_root: PathBuf,
     /// The host's cgroup v2 root, as a host path ([`DriverRoot::cgroup_dir`]).
     pub cgroup_root: PathBuf,
-    /// nvdra's binary installed on the host as the `dmem` limit hook ([`super::dmem`]): set when
-    /// the node's cgroups can limit GPU memory per container, so share specs carry the hook.
-    pub dmem_hook: Option<PathBuf>,
+    /// MPS v3 memory partitioning ([`super::memlimit`]): set by the plugin where the driver
+    /// limits GPU memory per cgroup, so the specs of shares of those GPUs carry the hook.
+    pub partitioning: Option<super::memlimit::Partitioning>,
 }
 
 impl CdiOptions {
@@ -160,7 +161,7 @@ impl CdiOptions {
             sys_root: root.sys_dir(),
             proc_root: root.proc_dir(),
             cgroup_root: root.cgroup_dir(),
-            dmem_hook: None,
+            partitioning: None,
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;
@@ -187,6 +188,9 @@ pub struct PreparedDevice {
     /// The host directory the claim's MPS control daemon has as `/dev/shm`, mounted on the
     /// client's `/dev/shm` (MPS clients and server share memory there).
     pub mps_shm_dir: Option<PathBuf>,
+    /// A share's memory on its GPU: soft = what the scheduler counted, hard = the most it may
+    /// use (its burst limit). `None` for a device that is not a share.
+    pub memory_limits: Option<MemoryLimits>,
 }
 
 impl PreparedDevice {

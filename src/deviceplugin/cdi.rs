@@ -66,6 +66,7 @@ pub fn spec(
             sharing: Sharing::Exclusive,
             mps_pipe_dir: None,
             mps_shm_dir: None,
+            memory_limits: None,
         });
         for (j, m) in g.mig.devices.iter().enumerate() {
             devices.push(PreparedDevice {
@@ -78,6 +79,7 @@ pub fn spec(
                 sharing: Sharing::Exclusive,
                 mps_pipe_dir: None,
                 mps_shm_dir: None,
+                memory_limits: None,
             });
         }
     }

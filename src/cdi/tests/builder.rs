@@ -503,56 +503,59 @@ fn dev_numbers_decode_like_glibc() {
     assert_eq!((major, minor), (1, 3));
 }
 
-/// A fake host whose root cgroup lists `gpu`'s memory as a `dmem` region, with nvdra's hook
-/// installed (a file standing for the binary: the spec only names it).
-fn dmem_host(gpu: &Gpu) -> (Host, PathBuf) {
-    let mut host = Host::new();
-    let cgroups = host.root().join("sys/fs/cgroup");
-    fs::create_dir_all(&cgroups).unwrap();
-    fs::write(cgroups.join("cgroup.controllers"), "cpu memory dmem\n").unwrap();
-    // The form NVIDIA documents: one `nvidia/<pci>/vidmem` line per GPU; a DRM driver's
-    // region beside it.
-    fs::write(
-        cgroups.join("dmem.capacity"),
-        format!(
-            "drm/0000:03:00.0/vram0 8589934592\nnvidia/{}/vidmem {}\n",
-            gpu.pci_bus_id.0, gpu.memory_bytes
-        ),
-    )
-    .unwrap();
-    host.opts = CdiOptions::resolve("gpu.nvidia.com", &DriverRoot::at(host.root())).unwrap();
-    let hook = host.file("plugins/gpu.nvidia.com/bin/nvdra");
-    (host, hook)
-}
-
 #[test]
-fn a_share_limits_its_whole_container_where_the_cgroups_have_dmem() {
+fn a_share_limits_its_whole_container_where_the_driver_partitions_memory() {
     let gpu = h100(0);
-    let (mut host, hook) = dmem_host(&gpu);
-    assert_eq!(host.opts.cgroup_root, host.root().join("sys/fs/cgroup"));
+    let host = Host::new();
+    let mut opts = host.opts.clone();
     let mut share = gpu_device(0, mps(None, Some(24 << 30), &[]));
     share.mps_pipe_dir = Some(host.root().join("mps/pipe"));
+    // What the scheduler counted (24Gi) as soft, a burst limit as hard.
+    let limits = crate::inventory::MemoryLimits {
+        soft: 24 << 30,
+        hard: 32 << 30,
+    };
+    share.memory_limits = Some(limits);
 
-    // Without the installed hook, the per-process limit only.
-    let spec = claim_spec(&host.opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();
+    // Without partitioning, the per-process limit only.
+    let spec = claim_spec(&opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();
     assert!(spec.container_edits.hooks.is_empty());
+    assert_eq!(
+        memlimit::spec_enforcement(&spec),
+        memlimit::Enforcement::Process
+    );
 
-    host.opts.dmem_hook = Some(hook.clone());
-    let spec = claim_spec(&host.opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();
+    let partitioning = memlimit::Partitioning {
+        binary: host.root().join("plugins/gpu.nvidia.com/bin/nvdra"),
+        nvml: host
+            .root()
+            .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.615.10"),
+        gpus: [gpu.uuid.clone()].into(),
+    };
+    opts.partitioning = Some(partitioning.clone());
+    let spec = claim_spec(&opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();
+    let limit = memlimit::GpuLimit {
+        gpu: gpu.uuid.clone(),
+        limits,
+    };
     assert_eq!(
         spec.container_edits.hooks,
-        vec![Hook {
-            hook_name: "createRuntime".into(),
-            path: hook.display().to_string(),
-            args: vec![
-                "nvdra".into(),
-                "dmem-hook".into(),
-                "--cgroup-root".into(),
-                host.root().join("sys/fs/cgroup").display().to_string(),
-                format!("nvidia/{}/vidmem={}", gpu.pci_bus_id.0, 24u64 << 30),
-            ],
-            env: vec![],
-        }]
+        partitioning.hooks(&opts.cgroup_root, &[limit]).to_vec()
+    );
+    let [set, clear] = &spec.container_edits.hooks[..] else {
+        panic!("{:?}", spec.container_edits.hooks)
+    };
+    assert_eq!(
+        (set.hook_name.as_str(), clear.hook_name.as_str()),
+        ("createRuntime", "poststop")
+    );
+    assert_eq!(
+        set.args.last().unwrap(),
+        &format!("{}={}:{}", gpu.uuid.as_str(), 24u64 << 30, 32u64 << 30)
+    );
+    assert_eq!(
+        memlimit::spec_enforcement(&spec),
+        memlimit::Enforcement::Container
     );
     // The per-process limit stays beside it.
     assert_eq!(
@@ -560,18 +563,26 @@ fn a_share_limits_its_whole_container_where_the_cgroups_have_dmem() {
         vec!["0=24576M"]
     );
 
-    // A GPU the controller does not list (another driver's region only): no hook.
-    let other = gpu_device(1, mps(None, Some(24 << 30), &[]));
+    // A GPU whose driver did not answer: no hook.
     let other = PreparedDevice {
         mps_pipe_dir: share.mps_pipe_dir.clone(),
-        ..other
+        memory_limits: Some(limits),
+        ..gpu_device(1, mps(None, Some(24 << 30), &[]))
     };
-    let spec = claim_spec(&host.opts, UID, &[other], &DriverFiles::default()).unwrap();
+    let spec = claim_spec(&opts, UID, &[other], &DriverFiles::default()).unwrap();
+    assert!(spec.container_edits.hooks.is_empty());
+
+    // An MPS claim that is not a share (its own daemon, a configured per-process limit): no hook.
+    let claim = PreparedDevice {
+        memory_limits: None,
+        ..share.clone()
+    };
+    let spec = claim_spec(&opts, UID, &[claim], &DriverFiles::default()).unwrap();
     assert!(spec.container_edits.hooks.is_empty());
 
     // A whole GPU (no MPS) has no limit and so no hook.
     let spec = claim_spec(
-        &host.opts,
+        &opts,
         UID,
         &[gpu_device(0, Sharing::Exclusive)],
         &DriverFiles::default(),

@@ -74,6 +74,7 @@ fn gpu_device(index: usize, sharing: Sharing) -> PreparedDevice {
         sharing,
         mps_pipe_dir: None,
         mps_shm_dir: None,
+        memory_limits: None,
     }
 }
 
@@ -94,6 +95,7 @@ fn mig_device(mig_index: usize) -> PreparedDevice {
         sharing: Sharing::Exclusive,
         mps_pipe_dir: None,
         mps_shm_dir: None,
+        memory_limits: None,
     }
 }
 

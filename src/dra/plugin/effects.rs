@@ -9,7 +9,7 @@
 use crate::cdi::PreparedDevice;
 use crate::dra::mps::Mps;
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, TimeSlice};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MemoryLimits, MigDevice, TimeSlice};
 use crate::ledger::DeviceRecord;
 use crate::sharing::{Sharing, TimeSliceInterval};
 
@@ -378,6 +378,8 @@ pub(super) fn cdi_devices(
                     _ => None,
                 },
                 sharing: d.sharing.clone(),
+                // What the scheduler counted, guaranteed and the most it may use.
+                memory_limits: d.consumed.map(|c| MemoryLimits::fixed(c.memory)),
             })
         })
         .collect()

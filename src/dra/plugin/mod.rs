@@ -140,7 +140,7 @@ impl Plugin {
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let mut specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         if opts.shared_capacity {
-            specs.enable_dmem(&opts.plugin_dir.join("bin"));
+            specs.enable_memory_limits(&opts.plugin_dir.join("bin"), backend.clone());
         }
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
         // The MPS control client runs here, so it is found where nvdra reads the driver.

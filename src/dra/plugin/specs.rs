@@ -1,16 +1,23 @@
 //! The plugin's claim CDI specs: the directory they live in, the options that name them and the
 //! driver files they mount, as one value, so that no call can pair a root with the wrong options.
 
-use std::path::PathBuf;
-use std::sync::Mutex;
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
+use crate::cdi::memlimit::{Enforcement, Partitioning};
 use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
+use crate::inventory::{DeviceBackend, GpuUuid};
 
 pub(super) struct Specs {
     root: PathBuf,
     opts: CdiOptions,
+    /// Where the driver may partition GPU memory per cgroup: how each GPU is asked, and its
+    /// answer ([`Specs::enable_memory_limits`]).
+    partitioning: Option<Probe>,
     /// Found at start; looked for again while none are found, since on GPU Operator nodes the
     /// driver container may come up after nvdra.
     driver_files: Mutex<DriverFiles>,
@@ -21,42 +28,96 @@ impl Specs {
     pub fn new(driver: &str, driver_root: &DriverRoot, root: PathBuf) -> Result<Self, cdi::Error> {
         Ok(Self {
             opts: CdiOptions::resolve(driver, driver_root)?,
+            partitioning: None,
             driver_files: Mutex::new(cdi::discover_driver_files(driver_root)),
             root,
         })
     }
 
-    /// Gives share specs the `dmem` limit hook when the node's cgroups list GPU memory regions
-    /// (then nvdra's binary is installed in `dir`, a host directory); otherwise, or when it
-    /// cannot be installed, shares keep the per-process limit only, as logged.
-    pub fn enable_dmem(&mut self, dir: &std::path::Path) {
+    /// Gives the specs of shares the driver's per-container memory limits ([`cdi::memlimit`])
+    /// where they can hold: a cgroup v2 hierarchy at the cgroup root, the driver's NVML library
+    /// found under the driver root, and nvdra's binary installed in `dir` (a host directory).
+    /// Each whole GPU is then asked through `backend` at its first share whether its driver
+    /// partitions memory per cgroup ([`DeviceBackend::memory_limits`] on the cgroup root), and
+    /// the answer kept: a node's driver does not change under the plugin. Anywhere else a
+    /// share's limit is per CUDA process only, as logged.
+    pub fn enable_memory_limits(&mut self, dir: &Path, backend: Arc<dyn DeviceBackend>) {
+        const PER_PROCESS: &str =
+            "a share's memory limit is per CUDA process (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)";
         let cgroups = self.opts.root.read_path(&self.opts.cgroup_root);
-        match cdi::dmem::gpu_regions(&cgroups) {
-            Ok(regions) if regions.is_empty() => tracing::info!(
+        if !cgroups.join("cgroup.controllers").is_file() {
+            tracing::info!(
                 cgroups = %cgroups.display(),
-                "no GPU memory regions in the cgroup v2 dmem controller: a share's memory limit \
-                 is per CUDA process (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)"
-            ),
-            Ok(regions) => match cdi::dmem::install_hook(dir) {
-                Ok(binary) => {
-                    tracing::info!(
-                        hook = %binary.display(),
-                        gpus = regions.len(),
-                        "GPU memory regions in the dmem controller: a share's memory limit also \
-                         covers its whole container"
-                    );
-                    self.opts.dmem_hook = Some(binary);
-                }
-                Err(e) => tracing::warn!(
-                    error = %format!("{e:#}"),
-                    "cannot install the dmem hook: a share's memory limit is per CUDA process only"
-                ),
-            },
-            Err(e) => tracing::warn!(
-                error = %format!("{e:#}"),
-                "cannot read the dmem regions: a share's memory limit is per CUDA process only"
-            ),
+                "no cgroup v2 hierarchy there, so no per-container memory limits: {PER_PROCESS}"
+            );
+            return;
         }
+        let Some(nvml) = nvml_library(&self.driver_files()) else {
+            tracing::info!(
+                driver_root = %self.opts.root.host().display(),
+                "no libnvidia-ml.so under the driver root, so no per-container memory limits: \
+                 {PER_PROCESS}"
+            );
+            return;
+        };
+        let binary = match cdi::install_hook(dir) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(
+                    error = %format!("{e:#}"),
+                    "cannot install the memory-limit hook: {PER_PROCESS}"
+                );
+                return;
+            }
+        };
+        tracing::info!(
+            hook = %binary.display(),
+            nvml = %nvml.display(),
+            "each GPU's driver is asked at its first share whether it limits memory per cgroup"
+        );
+        self.opts.partitioning = Some(Partitioning {
+            binary,
+            nvml,
+            gpus: Default::default(),
+        });
+        self.partitioning = Some(Probe {
+            backend,
+            cgroup: cgroups,
+            answers: Mutex::default(),
+        });
+    }
+
+    /// Which limit holds `device`'s memory: `None` for a device that is not a share. Asks the
+    /// device's GPU first if it was not asked yet (blocking).
+    pub fn enforcement(&self, device: &PreparedDevice) -> Option<Enforcement> {
+        cdi::memlimit::enforcement(&self.options_for(std::slice::from_ref(device)), device)
+    }
+
+    /// The options for a spec of `devices`: the GPUs of their shares asked whether their driver
+    /// partitions memory per cgroup, and those that do listed.
+    fn options_for(&self, devices: &[PreparedDevice]) -> Cow<'_, CdiOptions> {
+        let (Some(probe), Some(partitioning)) = (&self.partitioning, &self.opts.partitioning)
+        else {
+            return Cow::Borrowed(&self.opts);
+        };
+        let mut shares = devices
+            .iter()
+            .filter(|d| d.memory_limits.is_some() && d.mig.is_none())
+            .map(|d| &d.gpu.uuid)
+            .peekable();
+        if shares.peek().is_none() {
+            return Cow::Borrowed(&self.opts);
+        }
+        let gpus = shares
+            .filter(|gpu| probe.partitions(gpu))
+            .cloned()
+            .collect();
+        let mut opts = self.opts.clone();
+        opts.partitioning = Some(Partitioning {
+            gpus,
+            ..partitioning.clone()
+        });
+        Cow::Owned(opts)
     }
 
     pub fn options(&self) -> &CdiOptions {
@@ -68,7 +129,13 @@ impl Specs {
     /// from the checkpoint, so a prepare waits for one fsync'd write (the checkpoint's), not two.
     pub fn write(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<(), cdi::Error> {
         let text = self.render(uid, devices)?;
-        self.replace(uid, &text)
+        self.replace(uid, &text)?;
+        for d in devices {
+            if let Some(level) = self.enforcement(d) {
+                tracing::debug!(claim.uid = %uid, device = %d.name, %level, "share memory limit");
+            }
+        }
+        Ok(())
     }
 
     /// Rewrites the claim's spec unless the file already holds exactly what [`Specs::write`]
@@ -86,7 +153,8 @@ impl Specs {
 
     /// The claim's spec as [`Specs::write`] writes it.
     fn render(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<String, cdi::Error> {
-        cdi::claim_spec(&self.opts, uid.as_str(), devices, &self.driver_files())?.to_yaml()
+        let opts = self.options_for(devices);
+        cdi::claim_spec(&opts, uid.as_str(), devices, &self.driver_files())?.to_yaml()
     }
 
     /// The driver's files, looked for again if none were found before.
@@ -136,6 +204,56 @@ impl Specs {
     }
 }
 
+/// How each GPU is asked whether its driver partitions memory per cgroup, and the answers.
+struct Probe {
+    backend: Arc<dyn DeviceBackend>,
+    /// The cgroup root as nvdra reads it: the cgroup asked about.
+    cgroup: PathBuf,
+    answers: Mutex<BTreeMap<GpuUuid, bool>>,
+}
+
+impl Probe {
+    /// Whether `gpu`'s driver partitions its memory per cgroup: asked once, and logged.
+    fn partitions(&self, gpu: &GpuUuid) -> bool {
+        if let Some(known) = crate::lock::lock(&self.answers).get(gpu) {
+            return *known;
+        }
+        // Not under the lock: a driver call, under the backend's deadline.
+        let answer = self.backend.memory_limits(gpu, &self.cgroup);
+        match &answer {
+            Ok(limits) => tracing::info!(
+                gpu = %gpu,
+                cgroup = %self.cgroup.display(),
+                %limits,
+                "the driver limits this GPU's memory per cgroup: each share's container gets \
+                 its own soft and hard limit"
+            ),
+            Err(e) => tracing::info!(
+                gpu = %gpu,
+                reason = %crate::report::chain(e),
+                "no per-cgroup memory limits on this GPU: a share's memory limit is per CUDA \
+                 process (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)"
+            ),
+        }
+        *crate::lock::lock(&self.answers)
+            .entry(gpu.clone())
+            .or_insert(answer.is_ok())
+    }
+}
+
+/// The driver's NVML library among its files (a host path), which the hook loads.
+fn nvml_library(files: &DriverFiles) -> Option<PathBuf> {
+    files
+        .libraries
+        .iter()
+        .find(|l| {
+            l.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvidia-ml.so."))
+        })
+        .cloned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,6 +280,7 @@ mod tests {
             sharing: Sharing::Exclusive,
             mps_pipe_dir: None,
             mps_shm_dir: None,
+            memory_limits: None,
         }];
         let uid = ClaimUid::parse("uid-1").unwrap();
         let lib = "usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01";

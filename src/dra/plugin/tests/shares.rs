@@ -385,27 +385,28 @@ async fn a_restart_brings_the_gpus_daemon_back_for_its_shares() {
     assert!(p.inner.mps.alive_gpu(&gpu));
 }
 
-/// On a node whose cgroups list the GPUs' memory as `dmem` regions, the plugin installs its
-/// binary as the hook and a share's spec carries the limit for the whole container beside the
-/// per-process one (`src/cdi/dmem.rs`; `tests/cdi_podman.rs` runs the hook under runc).
+/// Where the driver partitions GPU memory per cgroup (MPS v3 memory partitioning: the backend
+/// answers `nvmlDeviceGetMemoryLimits_v1`), the plugin installs its binary and a share's spec
+/// carries the hooks that set its soft and hard limit on its container's own cgroup through the
+/// driver's NVML library, beside the per-process limit (`src/cdi/memlimit.rs`;
+/// `tests/cdi_podman.rs` runs the hook under runc). Where it does not, the spec has no hook and
+/// the share is held per process.
 #[tokio::test]
-async fn where_the_cgroups_have_dmem_a_shares_limit_covers_its_container() {
+async fn where_the_driver_partitions_memory_a_shares_limits_cover_its_container() {
     let e = env("dgx-h100").await;
     let _host = e.mps_host();
     let gpu = e.sim.snapshot().unwrap().gpus[2].clone();
     let cgroups = e.dir.path().join("driver/sys/fs/cgroup");
     std::fs::create_dir_all(&cgroups).unwrap();
-    std::fs::write(cgroups.join("cgroup.controllers"), "cpu memory dmem\n").unwrap();
-    std::fs::write(
-        cgroups.join("dmem.capacity"),
-        format!(
-            "nvidia/{}/vidmem {}\n",
-            gpu.pci_bus_id.0.to_uppercase(),
-            gpu.memory_bytes
-        ),
-    )
-    .unwrap();
+    std::fs::write(cgroups.join("cgroup.controllers"), "cpu memory\n").unwrap();
+    let nvml = e
+        .dir
+        .path()
+        .join("driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.615.10.01");
+    std::fs::create_dir_all(nvml.parent().unwrap()).unwrap();
+    std::fs::write(&nvml, "NVML").unwrap();
     // The plugin looks at start: a node's driver and kernel do not change under it.
+    e.sim.set_memory_limits(true);
     let (p, rec, _stop) = e.restart(e.sim.clone()).await;
     assert!(rec.failed.is_empty(), "{rec:?}");
     e.add(claim("s", vec![share("nb", "gpu-2", "8Gi")]));
@@ -416,19 +417,70 @@ async fn where_the_cgroups_have_dmem_a_shares_limit_covers_its_container() {
     assert!(hook.is_file(), "nvdra's binary is installed as the hook");
     let spec = std::fs::read_to_string(e.spec("s")).unwrap();
     let limit = crate::ledger::shares::cuda_limit(8 << 30, gpu.memory_bytes);
-    for line in [
-        "hookName: createRuntime".to_string(),
-        format!("path: {}", hook.display()),
-        "- dmem-hook".into(),
-        format!("- {}", cgroups.display()),
-        format!(
-            "- nvidia/{}/vidmem={limit}",
-            gpu.pci_bus_id.0.to_uppercase()
-        ),
-        format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M", limit >> 20),
-    ] {
-        assert!(spec.contains(&line), "{line} missing in:\n{spec}");
+    // The hooks' arguments, in order: YAML lists them one per line.
+    let args = |release: bool| {
+        let mut lines = vec![
+            format!("path: {}", hook.display()),
+            "args:".into(),
+            "- nvdra".into(),
+            "- memory-limit-hook".into(),
+        ];
+        if release {
+            lines.push("- --release".into());
+        }
+        lines.extend([
+            "- --nvml".into(),
+            format!("- {}", nvml.display()),
+            "- --cgroup-root".into(),
+            format!("- {}", cgroups.display()),
+            // Soft and hard: what the scheduler counted, not the per-process limit.
+            format!("- {}={}:{}", gpu.uuid.as_str(), 8u64 << 30, 8u64 << 30),
+        ]);
+        lines
+    };
+    let lines: Vec<&str> = spec.lines().map(str::trim).collect();
+    for (point, release) in [("createRuntime", false), ("poststop", true)] {
+        let mut want = vec![format!("- hookName: {point}")];
+        want.extend(args(release));
+        assert!(
+            lines.windows(want.len()).any(|w| w == want),
+            "no {point} hook with {want:#?} in:\n{spec}"
+        );
     }
+    assert!(
+        spec.contains(&format!(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
+            limit >> 20
+        )),
+        "{spec}"
+    );
+    let level = |p: &Plugin| {
+        p.inner.specs.enforcement(&crate::cdi::PreparedDevice {
+            name: "gpu-2".into(),
+            gpu: gpu.clone(),
+            mig: None,
+            sharing: crate::sharing::Sharing::Exclusive,
+            mps_pipe_dir: None,
+            mps_shm_dir: None,
+            memory_limits: Some(crate::inventory::MemoryLimits::fixed(8 << 30)),
+        })
+    };
+    assert_eq!(
+        level(&p),
+        Some(crate::cdi::memlimit::Enforcement::Container)
+    );
+
+    // A driver without partitioning: no hook, the per-process limit alone, said so.
+    e.sim.set_memory_limits(false);
+    let (p, rec, _stop) = e.restart(e.sim.clone()).await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    e.add(claim("t", vec![share("nb", "gpu-2", "8Gi")]));
+    let mut r = p.prepare(vec![cref("t")]).await;
+    r.pop().unwrap().1.unwrap();
+    let spec = std::fs::read_to_string(e.spec("t")).unwrap();
+    assert!(!spec.contains("memory-limit-hook"), "{spec}");
+    assert!(spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="), "{spec}");
+    assert_eq!(level(&p), Some(crate::cdi::memlimit::Enforcement::Process));
 }
 
 /// A pod `name` (UID `pod-<name>`) whose containers run as `users` (`None`: no runAsUser), the

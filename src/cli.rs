@@ -83,6 +83,13 @@ pub enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The container runtime's `createRuntime` hook that lets a container of an MPS claim start
+    /// only while its MPS daemon answers with a server up (written into MPS claims' specs).
+    #[command(hide = true, disable_help_flag = true)]
+    MpsGate {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// A stand-in for nvidia-cuda-mps-control (daemon, server, client, CUDA client) as real
     /// processes, for tests and the demo.
     #[cfg(feature = "tools")]
@@ -124,8 +131,10 @@ pub struct RunArgs {
     #[arg(long, env = "NVDRA_BOOT_ID_FILE", value_name = "FILE", hide = true)]
     pub boot_id_file: Option<PathBuf>,
 
-    /// Read a GPU process's cgroup from <DIR>/<pid>/cgroup instead of /proc (tests).
-    #[arg(long, env = "NVDRA_PROC_ROOT", value_name = "DIR", hide = true)]
+    /// Read a GPU process's cgroup from <DIR>/<pid>/cgroup instead of /proc: the host's /proc
+    /// mounted read-only (the manifests mount it at /host/proc), so that /metrics names the pod
+    /// of each GPU process without the host PID namespace.
+    #[arg(long, env = "NVDRA_PROC_ROOT", value_name = "DIR")]
     pub proc_root: Option<PathBuf>,
 }
 
@@ -174,6 +183,16 @@ pub struct MpsHostArgs {
         hide = true
     )]
     pub quit_deadline: String,
+
+    /// How often each running daemon is asked whether it answers; one that misses three
+    /// questions in a row is killed and started again.
+    #[arg(
+        long,
+        env = "NVDRA_MPS_HOST_PROBE_INTERVAL",
+        value_name = "DURATION",
+        default_value = "5s"
+    )]
+    pub probe_interval: String,
 
     /// Give each daemon its own /dev/shm (needs CAP_SYS_ADMIN). `false` only for demos and
     /// tests without that privilege: daemons then share the host's /dev/shm.
@@ -328,6 +347,16 @@ pub fn main() -> ExitCode {
             }
         };
     }
+    if let Command::MpsGate { args } = &cli.command {
+        // The runtime shows this message when it refuses to start the container.
+        return match crate::mps::gate::main(args.clone()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("nvdra mps-gate: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Config(e)) => {
@@ -459,7 +488,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
         // Dispatched by `main` before `run`: they have exit codes of their own.
         #[cfg(feature = "tools")]
         Command::Match(_) | Command::Validate(_) | Command::MpsStandin { .. } => Ok(()),
-        Command::MemoryLimitHook { .. } | Command::DmemHook { .. } => Ok(()),
+        Command::MemoryLimitHook { .. } | Command::DmemHook { .. } | Command::MpsGate { .. } => {
+            Ok(())
+        }
         Command::MpsHost(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
@@ -467,6 +498,13 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 crate::health::parse_duration(&args.quit_deadline).map_err(|e| {
                     Failure::Config(config::Error {
                         key: "--quit-deadline".into(),
+                        message: e.to_string(),
+                    })
+                })?;
+            let probe_interval =
+                crate::health::parse_duration(&args.probe_interval).map_err(|e| {
+                    Failure::Config(config::Error {
+                        key: "--probe-interval".into(),
                         message: e.to_string(),
                     })
                 })?;
@@ -478,6 +516,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     .clone()
                     .unwrap_or_else(|| PathBuf::from(crate::ledger::BOOT_ID_PATH)),
                 quit_deadline,
+                probe_interval,
                 private_shm: args.private_shm,
             })
             .map_err(|e| Failure::Other(e.into()))

@@ -437,6 +437,55 @@ fn a_daemon_serves_another_uid_only_in_multi_user_mode() {
     }
 }
 
+/// A driver whose `nvidia-cuda-mps-control` does not take `-M` (its usage text does not list it):
+/// the host says so in `host.json` (which the plugin reads to refuse shares of different users)
+/// and starts a daemon asked for multi-user mode without `-M`, which serves, instead of one that
+/// exits at every start and fails every share. Where it takes `-M`, `host.json` says so.
+#[test]
+fn a_control_daemon_without_multi_user_mode_runs_single_user_instead_of_failing() {
+    use nvdra::mps::dir::{DaemonId, DaemonSpec, HostCapabilities, Layout};
+    for supported in [true, false] {
+        let n = Node::new(&[]);
+        let env: &[(&str, &str)] = if supported {
+            &[]
+        } else {
+            &[("STANDIN_NO_MULTI_USER", "1")]
+        };
+        let host = n.host(env);
+        let layout = Layout::new(n.p("mps"));
+        assert_eq!(
+            layout.read_capabilities(),
+            HostCapabilities {
+                multi_user: Some(supported)
+            }
+        );
+        let id = DaemonId::gpu(&nvdra::inventory::GpuUuid(n.gpu(0)));
+        mps::request(
+            &n.p("mps"),
+            &id,
+            &DaemonSpec {
+                devices: vec![n.gpu(0)],
+                multi_user: true,
+                owner: "test".into(),
+                boot_id: Some("boot-1".into()),
+            },
+        );
+        let pipe = layout.pipe(&id);
+        mps::eventually("the daemon answers", || {
+            mps::ask(&n.driver(), &pipe, "get_server_list").is_some()
+        });
+        mps::ask(&n.driver(), &pipe, "start_server -uid 1000").unwrap();
+        let second = mps::ask(&n.driver(), &pipe, "start_server -uid 1001").unwrap();
+        assert_eq!(
+            second.trim().parse::<u32>().is_ok(),
+            supported,
+            "a second user's server: {second:?}"
+        );
+        assert_eq!(mps::count(&n.driver(), "start"), 1, "started once");
+        drop(host);
+    }
+}
+
 /// Without CAP_SYS_ADMIN the host cannot give a daemon its own `/dev/shm`: it starts none, and
 /// says why in the daemon's log directory, where the plugin's error points.
 #[test]
@@ -473,4 +522,99 @@ fn without_cap_sys_admin_the_daemon_is_not_started_and_its_log_says_why() {
         )
         .is_none()
     );
+}
+
+fn signal(sig: &str, pid: u32) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+/// A daemon that is alive but does not answer (SIGSTOPped here; a deadlock, or a tenant's doing,
+/// on a node) is as useless to its shares as a dead one: the host's probes notice, kill it, clear
+/// what it left in its pipe and shm directories, start a new one, and start a server for the
+/// user the old one served without waiting for a client — so that on a GPU in
+/// `EXCLUSIVE_PROCESS` (the stand-in's `STANDIN_GPU_DIR`) a CUDA process that misses MPS is
+/// refused before and after, and never gets a plain context.
+#[tokio::test]
+async fn a_daemon_that_stops_answering_is_replaced_and_its_server_started_again() {
+    let n = Node::new(&["s1", "s2"]);
+    let gpu_state = n.p("gpu-state");
+    std::fs::create_dir_all(&gpu_state).unwrap();
+    let gpu_env = gpu_state.display().to_string();
+    let _host = n.host(&[
+        ("STANDIN_GPU_DIR", gpu_env.as_str()),
+        ("NVDRA_MPS_HOST_PROBE_INTERVAL", "200ms"),
+    ]);
+    let _p = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    let mut client = n.client("s1");
+    let first = mps::daemon_pids(&n.gpu0_dir());
+    assert_eq!(first.len(), 1);
+    let out_log = n.gpu0_dir().join("log/control.out");
+    mps::eventually("the host's probe sees the server's user", || {
+        std::fs::read_to_string(&out_log).is_ok_and(|l| l.contains("serves uid 0"))
+    });
+    // A CUDA process that finds no daemon (a pipe directory with none) while the server holds
+    // the GPU: refused, as EXCLUSIVE_PROCESS refuses a second context.
+    let nowhere = n.p("no-daemon");
+    std::fs::create_dir_all(&nowhere).unwrap();
+    let outside = [("STANDIN_GPU_DIR", gpu_env.as_str())];
+    match CudaClient::try_start(&n.driver(), &nowhere, &outside) {
+        mps::Started::Failed(status) => assert_eq!(status.code(), Some(4), "{status}"),
+        mps::Started::Plain(c) => panic!("a plain context beside the MPS server: {}", c.connected),
+        mps::Started::Mps(_) => panic!("connected through no daemon"),
+    }
+
+    signal("-STOP", first[0]);
+    std::fs::write(n.gpu0_pipe().join("stale.pid"), "1\n").unwrap();
+    std::fs::write(n.gpu0_dir().join("shm/stale-segment"), "x").unwrap();
+    mps::eventually("the host replaces the daemon that does not answer", || {
+        mps::daemon_pids(&n.gpu0_dir()).len() == 2
+    });
+    assert!(!mps::runs(first[0]), "the stopped daemon was killed");
+    mps::eventually("the client of the old daemon fails", || !client.connected());
+    assert!(
+        !n.gpu0_pipe().join("stale.pid").exists()
+            && !n.gpu0_dir().join("shm/stale-segment").exists(),
+        "the dead daemon's files were cleared before the new one started"
+    );
+    let log = std::fs::read_to_string(&out_log).unwrap();
+    assert!(
+        log.contains(&format!(
+            "daemon {} did not answer {} probes in a row; killed",
+            first[0],
+            nvdra::mps::host::PROBE_MISSES
+        )),
+        "{log}"
+    );
+    // A server for the user the old one served (root, here), with no client asking.
+    mps::eventually("the new daemon has a server", || {
+        mps::ask(&n.driver(), &n.gpu0_pipe(), "get_server_list")
+            .is_some_and(|l| l.split_whitespace().count() == 1)
+    });
+    match CudaClient::try_start(&n.driver(), &nowhere, &outside) {
+        mps::Started::Failed(status) => assert_eq!(status.code(), Some(4), "{status}"),
+        mps::Started::Plain(c) => panic!("a plain context beside the MPS server: {}", c.connected),
+        mps::Started::Mps(_) => panic!("connected through no daemon"),
+    }
+    // The plugin's own watch saw the daemon down meanwhile and refuses new shares until its
+    // next probe hears it; the kubelet retries.
+    let start = std::time::Instant::now();
+    loop {
+        let r = prepare_at(&n.dra("pod-1"), "s2").await.unwrap();
+        if r.error.is_empty() {
+            break;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "{}",
+            r.error
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let mut again = n.client("s2");
+    assert!(again.connected());
 }

@@ -139,6 +139,14 @@ impl Mps {
         }
     }
 
+    /// Whether `gpu`'s share daemon serves clients of several users at once: a GPU that can
+    /// ([`crate::inventory::Gpu::mps_multi_user`]) with a control daemon that takes `-M` (as
+    /// the MPS host found at its start; assumed where it could not tell). One rule for the
+    /// daemon's `-M` and for refusing a share of another user.
+    pub fn multi_user(&self, gpu: &crate::inventory::Gpu) -> bool {
+        gpu.mps_multi_user() && self.layout.read_capabilities().multi_user != Some(false)
+    }
+
     /// How long a request waits for its daemon to answer (tests shorten it).
     pub fn with_start_deadline(mut self, deadline: Duration) -> Self {
         self.start_deadline = deadline;
@@ -250,7 +258,10 @@ impl Mps {
     fn request(&self, owner: &Owner, devices: Vec<String>) -> Result<()> {
         let id = owner.id();
         let multi_user = match owner {
-            Owner::Gpu(g) => lock(&self.multi_user).get(g).copied().unwrap_or(false),
+            Owner::Gpu(g) => {
+                lock(&self.multi_user).get(g).copied().unwrap_or(false)
+                    && self.layout.read_capabilities().multi_user != Some(false)
+            }
             Owner::Claim(_) => false,
         };
         let spec = DaemonSpec {

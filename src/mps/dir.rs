@@ -3,8 +3,9 @@
 //!
 //! ```text
 //! <root>/boot_id                the boot the host last ran in
+//! <root>/host.json              what the host's control daemon can do: {"multiUser": bool|null}
 //! <root>/<id>/daemon.json       {"devices": [uuid], "multiUser": bool, "owner": text, "bootId": id}
-//! <root>/<id>/pipe/             CUDA_MPS_PIPE_DIRECTORY (0777: clients of any UID reach it)
+//! <root>/<id>/pipe/             CUDA_MPS_PIPE_DIRECTORY (1777: clients of any UID reach it)
 //! <root>/<id>/shm/              the daemon's and its clients' /dev/shm (1777)
 //! <root>/<id>/log/              CUDA_MPS_LOG_DIRECTORY (0700)
 //! ```
@@ -28,10 +29,24 @@ use crate::inventory::GpuUuid;
 
 pub const SPEC: &str = "daemon.json";
 pub const BOOT_ID: &str = "boot_id";
+/// What the host found its control daemon can do ([`HostCapabilities`]).
+pub const CAPABILITIES: &str = "host.json";
 
-/// Modes of a daemon's directories: any client UID reaches the pipe and shm (shm sticky, as
-/// `/dev/shm` is); only the daemon's own user reads its logs.
-const PIPE_MODE: u32 = 0o777;
+/// What the MPS host found at start that the plugin must know: `<root>/host.json`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HostCapabilities {
+    /// Whether the driver's `nvidia-cuda-mps-control` takes `-M` (multi-user): `None` when the
+    /// host could not tell (its daemons are then started with `-M` where asked).
+    #[serde(default)]
+    pub multi_user: Option<bool>,
+}
+
+/// Modes of a daemon's directories: any client UID reaches the pipe and shm, both sticky (as
+/// `/tmp` and `/dev/shm` are), so that a tenant may make files of its own there but cannot
+/// remove or replace the daemon's control socket or another tenant's files; only the daemon's
+/// own user reads its logs.
+const PIPE_MODE: u32 = 0o1777;
 const SHM_MODE: u32 = 0o1777;
 const LOG_MODE: u32 = 0o700;
 
@@ -77,7 +92,9 @@ fn short_hash(s: &str) -> String {
 
 /// What the plugin asks of a daemon: `daemon.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+// Unknown keys are ignored: the host is updated OnDelete (a node drain), so an older host reads
+// the requests of a newer plugin, and must still run the daemons they ask for.
+#[serde(rename_all = "camelCase")]
 pub struct DaemonSpec {
     /// `CUDA_VISIBLE_DEVICES`: GPU or MIG UUIDs.
     pub devices: Vec<String>,
@@ -131,6 +148,19 @@ impl Layout {
 
     pub fn boot_id(&self) -> PathBuf {
         self.root.join(BOOT_ID)
+    }
+
+    pub fn capabilities(&self) -> PathBuf {
+        self.root.join(CAPABILITIES)
+    }
+
+    /// What the host recorded of its control daemon; the default (nothing known) when it
+    /// recorded nothing readable.
+    pub fn read_capabilities(&self) -> HostCapabilities {
+        std::fs::read(self.capabilities())
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
     }
 
     /// The daemons' directories under the root, by id.
@@ -240,7 +270,7 @@ mod tests {
     }
 
     #[test]
-    fn a_spec_round_trips_and_unknown_keys_are_refused() {
+    fn a_spec_round_trips_and_a_newer_plugins_keys_are_ignored() {
         let spec = DaemonSpec {
             devices: vec!["GPU-a".into()],
             multi_user: true,
@@ -253,8 +283,19 @@ mod tests {
             r#"{"devices":["GPU-a"],"multiUser":true,"owner":"the shares of GPU GPU-a","bootId":"b1"}"#
         );
         assert_eq!(serde_json::from_str::<DaemonSpec>(&text).unwrap(), spec);
-        assert!(
-            serde_json::from_str::<DaemonSpec>(r#"{"devices":[],"owner":"x","pids":1}"#).is_err()
+        // A newer plugin's request: what this host knows of it is read, the rest ignored.
+        let newer: DaemonSpec = serde_json::from_str(
+            r#"{"devices":["GPU-a"],"multiUser":true,"owner":"o","bootId":"b1","shmSize":"1Gi","serverUid":1000}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            newer,
+            DaemonSpec {
+                owner: "o".into(),
+                ..spec
+            }
         );
+        // What it cannot do without is still required.
+        assert!(serde_json::from_str::<DaemonSpec>(r#"{"owner":"x"}"#).is_err());
     }
 }

@@ -7,8 +7,20 @@
 //! - wanted and not running: start it (in its own mount namespace, `/dev/shm` = `<id>/shm`);
 //! - running and exited by itself: start it again after a backoff (0.5 s doubling to 30 s; reset
 //!   once it ran a minute), logging how it ended;
+//! - running and not answering: every `probe_interval` it is asked `get_server_list` (off the
+//!   loop's thread, with a deadline); after [`PROBE_MISSES`] unanswered questions in a row it is
+//!   killed (SIGKILL: a daemon that does not answer may not obey `quit` either) and started
+//!   again as one that exited. A process that is alive but stuck, stopped, or deadlocked is as
+//!   useless to its shares as a dead one, and any tenant may cause it;
+//! - answering with no MPS server while its clients had one before (a restarted daemon): a
+//!   server is started at once for the user the last one served, so that a GPU in
+//!   `EXCLUSIVE_PROCESS` refuses a CUDA process outside MPS from then on, not only from the next
+//!   client on;
 //! - released (`daemon.json` gone): `quit` with a deadline, SIGKILL after it, then the directory
 //!   is removed — all off the loop's thread, so one daemon slow to quit holds up no other.
+//!
+//! Before each start the daemon's pipe and shm directories are emptied: a killed daemon leaves
+//! its sockets, pid files and shared-memory segments, and its clients died with it.
 //!
 //! At start-up the root's `boot_id` tells whether the node rebooted since the host last ran:
 //! if so, every directory whose request was written in another boot is removed (its daemon died
@@ -39,6 +51,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 const HEALTHY_RUN: Duration = Duration::from_secs(60);
 /// The file in a daemon's log directory that gets its stdout and stderr and the host's notes.
 pub const OUT_LOG: &str = "control.out";
+/// Unanswered probes in a row after which a running daemon is killed and started again.
+pub const PROBE_MISSES: u32 = 3;
 
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -48,6 +62,8 @@ pub struct Options {
     pub driver_root: PathBuf,
     pub boot_id_file: PathBuf,
     pub quit_deadline: Duration,
+    /// How often a running daemon is asked whether it answers.
+    pub probe_interval: Duration,
     /// Give each daemon its own `/dev/shm` (needs CAP_SYS_ADMIN); off only for demos and tests
     /// without the privilege.
     pub private_shm: bool,
@@ -101,11 +117,10 @@ enum State {
     Running {
         child: Child,
         since: Instant,
+        probe: Probe,
     },
     /// Not running; (re)started at `until`.
-    Waiting {
-        until: Instant,
-    },
+    Waiting { until: Instant },
     /// Quitting (and, for a released daemon, its directory being removed).
     Stopping(JoinHandle<()>),
 }
@@ -114,12 +129,40 @@ struct Daemon {
     state: State,
     /// Exits in a row without a healthy run, for the backoff.
     failures: u32,
+    /// The user of the MPS server it last had, read from `/proc` (the host runs in the host PID
+    /// namespace): a restarted daemon gets a server for that user at once.
+    server_uid: Option<u32>,
+}
+
+/// The questions asked of one running daemon.
+struct Probe {
+    /// The question being asked now: the servers' pids, or why it was not answered.
+    asking: Option<JoinHandle<Result<Vec<u32>, String>>>,
+    /// When the last question was asked (or the daemon started).
+    last: Instant,
+    /// Unanswered questions in a row.
+    misses: u32,
+    /// A server was asked for since this start (asked once).
+    server_asked: bool,
+}
+
+impl Probe {
+    fn new(now: Instant) -> Self {
+        Self {
+            asking: None,
+            last: now,
+            misses: 0,
+            server_asked: false,
+        }
+    }
 }
 
 pub struct Host {
     opts: Options,
     layout: Layout,
     boot_id: String,
+    /// Whether the control daemon takes `-M`, as found at start ([`multi_user_support`]).
+    multi_user: Option<bool>,
     daemons: BTreeMap<DaemonId, Daemon>,
 }
 
@@ -155,13 +198,21 @@ impl Host {
             }
         }
         remove_leftovers(&opts.root);
+        let multi_user = multi_user_support(&opts.driver_root);
+        let caps = super::dir::HostCapabilities { multi_user };
+        crate::durable::write(
+            &layout.capabilities(),
+            &serde_json::to_vec(&caps).unwrap_or_default(),
+        )
+        .map_err(Error::WriteBootId)?;
         crate::durable::write(&layout.boot_id(), format!("{boot_id}\n").as_bytes())
             .map_err(Error::WriteBootId)?;
-        tracing::info!(root = %opts.root.display(), boot.id = %boot_id, "MPS host started");
+        tracing::info!(root = %opts.root.display(), boot.id = %boot_id, multi_user = ?multi_user, "MPS host started");
         Ok(Host {
             opts,
             layout,
             boot_id,
+            multi_user,
             daemons: BTreeMap::new(),
         })
     }
@@ -246,12 +297,35 @@ impl Host {
         let d = self.daemons.entry(id.clone()).or_insert(Daemon {
             state: State::Waiting { until: now },
             failures: 0,
+            server_uid: None,
         });
         match &mut d.state {
-            State::Running { child, since } => {
+            State::Running {
+                child,
+                since,
+                probe,
+            } => {
                 let status = match child.try_wait() {
                     Ok(Some(status)) => status,
-                    Ok(None) => return,
+                    Ok(None) => {
+                        let (opts, layout) = (&self.opts, &self.layout);
+                        if !probe_running(opts, layout, &id, probe, &mut d.server_uid, now) {
+                            tracing::error!(daemon = %id, owner = %spec.owner, pid = child.id(), misses = PROBE_MISSES, "MPS control daemon runs but does not answer; killing it and starting a new one");
+                            note(
+                                &layout.log(&id),
+                                &format!(
+                                    "daemon {} did not answer {PROBE_MISSES} probes in a row; killed",
+                                    child.id()
+                                ),
+                            );
+                            let _ = child.kill();
+                            let _ = child.wait();
+                            d.failures += 1;
+                            let delay = backoff(d.failures);
+                            d.state = State::Waiting { until: now + delay };
+                        }
+                        return;
+                    }
                     Err(e) => {
                         tracing::warn!(daemon = %id, error = %e, "cannot check the daemon");
                         return;
@@ -270,10 +344,14 @@ impl Host {
                 d.state = State::Waiting { until: now + delay };
             }
             State::Waiting { until } if *until <= now => {
-                match spawn(&self.opts, &self.layout, &id, spec) {
+                match spawn(&self.opts, &self.layout, &id, spec, self.multi_user) {
                     Ok(child) => {
                         tracing::info!(daemon = %id, owner = %spec.owner, devices = %spec.devices.join(","), multi_user = spec.multi_user, pid = child.id(), "MPS control daemon started");
-                        d.state = State::Running { child, since: now };
+                        d.state = State::Running {
+                            child,
+                            since: now,
+                            probe: Probe::new(now),
+                        };
                     }
                     Err(e) => {
                         d.failures += 1;
@@ -295,6 +373,7 @@ impl Host {
                 until: Instant::now(),
             },
             failures: 0,
+            server_uid: None,
         });
         if let State::Stopping(_) = d.state {
             return;
@@ -305,6 +384,157 @@ impl Host {
         }
         d.state = stopping(&self.opts, &self.layout, &id, child, true);
     }
+}
+
+/// One step of the questions to a running daemon: takes the answer of the question asked
+/// before, if it came, and asks the next one when it is time. `false` once the daemon missed
+/// [`PROBE_MISSES`] in a row.
+fn probe_running(
+    opts: &Options,
+    layout: &Layout,
+    id: &DaemonId,
+    probe: &mut Probe,
+    server_uid: &mut Option<u32>,
+    now: Instant,
+) -> bool {
+    use futures::FutureExt;
+    if let Some(asking) = probe.asking.take_if(|h| h.is_finished()) {
+        let answer = match asking.now_or_never() {
+            Some(Ok(answer)) => answer,
+            Some(Err(e)) => Err(format!("the probe failed: {e}")),
+            None => Err("the probe did not finish".into()),
+        };
+        match answer {
+            Ok(servers) => {
+                if probe.misses > 0 {
+                    tracing::info!(daemon = %id, missed = probe.misses, "MPS control daemon answers again");
+                }
+                probe.misses = 0;
+                match servers.first().and_then(|pid| Some((*pid, uid_of(*pid)?))) {
+                    Some((pid, uid)) => {
+                        if *server_uid != Some(uid) {
+                            note(
+                                &layout.log(id),
+                                &format!("MPS server {pid} serves uid {uid}"),
+                            );
+                        }
+                        *server_uid = Some(uid);
+                    }
+                    None if servers.is_empty() && !probe.server_asked => {
+                        if let Some(uid) = *server_uid {
+                            probe.server_asked = true;
+                            start_server(opts, layout, id, uid);
+                        }
+                    }
+                    None => {}
+                }
+            }
+            Err(e) => {
+                probe.misses += 1;
+                tracing::warn!(daemon = %id, error = %e, misses = probe.misses, "MPS control daemon did not answer");
+                if probe.misses >= PROBE_MISSES {
+                    return false;
+                }
+            }
+        }
+    }
+    if probe.asking.is_none() && now.duration_since(probe.last) >= opts.probe_interval {
+        probe.last = now;
+        let (driver_root, pipe) = (opts.driver_root.clone(), layout.pipe(id));
+        probe.asking = Some(tokio::task::spawn_blocking(move || {
+            let control = control::find(&driver_root).map_err(|e| e.to_string())?;
+            let list = control::ask(&control, &pipe, "get_server_list", control::ALIVE_DEADLINE)
+                .map_err(|e| crate::report::chain(&e).to_string())?;
+            Ok(list
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect())
+        }));
+    }
+    true
+}
+
+/// Asks the daemon for a server for `uid`, off the loop's thread; the outcome is logged.
+fn start_server(opts: &Options, layout: &Layout, id: &DaemonId, uid: u32) {
+    let (driver_root, pipe, id) = (opts.driver_root.clone(), layout.pipe(id), id.clone());
+    tokio::task::spawn_blocking(move || {
+        let asked = control::find(&driver_root).and_then(|c| {
+            control::ask(
+                &c,
+                &pipe,
+                &format!("start_server -uid {uid}"),
+                control::ALIVE_DEADLINE,
+            )
+        });
+        match asked {
+            Ok(answer) => {
+                tracing::info!(daemon = %id, uid, answer = %answer.trim(), "MPS server started again for the user it served")
+            }
+            Err(e) => {
+                tracing::warn!(daemon = %id, uid, error = %crate::report::chain(&e), "cannot start an MPS server again for the user it served")
+            }
+        }
+    });
+}
+
+/// The real user of process `pid`, from `/proc/<pid>/status`.
+fn uid_of(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Removes everything in `dir` (not `dir` itself): what a killed daemon and its clients left.
+fn clear(dir: &Path) -> std::io::Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in entries {
+        let e = e?;
+        let path = e.path();
+        let removed = if e.file_type()?.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Whether the driver's control daemon takes `-M`, from its usage text (`-h`): `None` when it
+/// cannot be told (no binary, no usage text within the deadline). NVIDIA documents `-M` for
+/// multi-user MPS servers, but it is not among the flags of every driver's MPS.
+fn multi_user_support(driver_root: &Path) -> Option<bool> {
+    let control = control::find(driver_root).ok()?;
+    let mut cmd = Command::new(&control);
+    cmd.arg("-h");
+    let out = crate::child::output_fed(&mut cmd, "-h", None, control::ALIVE_DEADLINE).ok()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if text.trim().is_empty() {
+        return None;
+    }
+    let takes_m = text
+        .split(|c: char| c.is_whitespace() || matches!(c, '[' | ']' | '|' | ','))
+        .any(|w| w == "-M");
+    if !takes_m {
+        tracing::warn!(control = %control.display(), "this driver's nvidia-cuda-mps-control does not list -M: every daemon runs single-user, and a share whose pod runs as another user than the GPU's others is refused");
+    }
+    Some(takes_m)
 }
 
 /// Quits `child` (if any) off the loop's thread, then removes the directory when `remove`.
@@ -379,6 +609,7 @@ fn spawn(
     layout: &Layout,
     id: &DaemonId,
     spec: &DaemonSpec,
+    multi_user: Option<bool>,
 ) -> Result<Child, SpawnError> {
     let control = control::find(&opts.driver_root)?;
     let dir = layout.dir(id);
@@ -387,6 +618,14 @@ fn spawn(
         source,
     };
     Layout::make_subdirs(&dir).map_err(dir_err)?;
+    // No daemon of this directory runs (this host starts them, one at a time): whatever is in its
+    // pipe and shm directories is a dead daemon's.
+    for stale in [layout.pipe(id), layout.shm(id)] {
+        clear(&stale).map_err(|source| SpawnError::Dir {
+            path: stale.clone(),
+            source,
+        })?;
+    }
     let out_path = layout.log(id).join(OUT_LOG);
     let out = OpenOptions::new()
         .create(true)
@@ -402,7 +641,10 @@ fn spawn(
     })?;
     let mut cmd = Command::new(&control);
     cmd.arg("-f");
-    if spec.multi_user {
+    // A daemon that does not know `-M` would exit at every start and fail every share: it runs
+    // single-user instead, and the plugin, which reads the same finding, refuses a share whose
+    // pod runs as another user than the GPU's others.
+    if spec.multi_user && multi_user != Some(false) {
         cmd.arg("-M");
     }
     cmd.env("CUDA_VISIBLE_DEVICES", spec.devices.join(","))

@@ -21,11 +21,15 @@
 //! - `<id>` is short and fixed-length (`g-`/`c-` and 12 hex digits), so `<root>/<id>/pipe/control`
 //!   stays far under the 107 bytes of a socket path.
 //!
+//! [`gate`] is the other side of the plugin's MPS claims: the runtime hook that lets a share's
+//! container start only while its daemon answers with a server up.
+//!
 //! [`standin`] is a stand-in for `nvidia-cuda-mps-control` (daemon, server, CLI and a CUDA client)
 //! as real processes, for tests and the demo on nodes without NVIDIA's tools.
 
 pub mod control;
 pub mod dir;
+pub mod gate;
 pub mod host;
 mod ns;
 #[cfg(feature = "tools")]

@@ -9,17 +9,29 @@
 //!   stand-in CUDA client's request for its server's socket. A server serves one UID; asking for
 //!   another UID while it runs is refused unless the daemon runs with `-M` (multi-user). At start
 //!   it writes `nvdra-standin-control.<pid>` into `/dev/shm`, so a test sees which `/dev/shm` it
-//!   got, and with `STANDIN_LOG=FILE` it appends `start <CUDA_VISIBLE_DEVICES> <pipe dir>` and
+//!   got, and its pid into `$CUDA_MPS_LOG_DIRECTORY/standin-daemons`, and with `STANDIN_LOG=FILE` it appends `start <CUDA_VISIBLE_DEVICES> <pipe dir>` and
 //!   `quit <pipe dir>` lines there. With `STANDIN_START_FAILS_WHILE=FILE` it exits at once,
 //!   failing, while FILE exists (a daemon that cannot come back, as on a GPU in a bad state).
 //! - `server SOCKET` (started by the daemon): accepts clients and holds their connections; it
 //!   exits when its daemon does, so its clients notice, as CUDA clients of a dead MPS do.
+//! - `-h`: the usage text, which lists `-M` unless `STANDIN_NO_MULTI_USER=1`; with that set, a
+//!   daemon asked for `-M` exits at once with "invalid option", as an MPS without it would.
 //! - no mode: the command-line client. Sends stdin's lines to the daemon and prints the answers;
 //!   exits 1 with "Cannot find MPS control daemon process" when nothing answers.
 //! - `cuda-client`: stands in for a CUDA process. Asks the daemon for a server, connects, prints
 //!   one line (`connected server=<pid> pinned=<CUDA_MPS_PINNED_DEVICE_MEM_LIMIT>
 //!   threads=<CUDA_MPS_ACTIVE_THREAD_PERCENTAGE> shm=<yes|no>`), stays connected, and exits 2
-//!   when the server or the daemon goes away (CUDA's errors 805/806/810).
+//!   when the server or the daemon goes away (CUDA's errors 805/806/810). When no daemon
+//!   answers it does what CUDA does (nvidia-cuda-mps-control(1): "the program continues to run
+//!   as it normally would without MPS"): it opens a plain context, unlimited, and prints
+//!   `plain-context pid=<pid> pinned=<...>` — unless the GPU is in `EXCLUSIVE_PROCESS` and
+//!   another context holds it, when it exits 4 (`cudaErrorDevicesUnavailable`).
+//!
+//! The GPU's compute mode is modelled with `STANDIN_GPU_DIR=DIR`: the GPU is then in
+//! `EXCLUSIVE_PROCESS`, and a context is an exclusive `flock` on `DIR/context`, taken by each
+//! MPS server for its life and by each plain context. So, as on a GPU: while a server runs, a
+//! plain context is refused; while a plain context runs, no server starts (the daemon answers
+//! `error` to its clients). Without it the GPU is in `DEFAULT` mode: any number of contexts.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -45,6 +57,11 @@ pub fn main(args: &[String]) -> ExitCode {
             None => Err("server needs a socket path".into()),
         },
         Some("cuda-client") => return cuda_client(&pipe),
+        Some("-h") => {
+            println!("{}", usage());
+            return ExitCode::SUCCESS;
+        }
+        _ if has("-M") && no_multi_user() => Err("invalid option -- 'M'".to_string()),
         _ if has("-d") => background(args),
         _ if has("-f") => daemon(&pipe, has("-M")),
         _ => return cli(&pipe),
@@ -59,6 +76,17 @@ pub fn main(args: &[String]) -> ExitCode {
 }
 
 type Result<T, E = String> = std::result::Result<T, E>;
+
+/// `STANDIN_NO_MULTI_USER=1`: an MPS without `-M` (it is not among every driver's flags).
+fn no_multi_user() -> bool {
+    std::env::var_os("STANDIN_NO_MULTI_USER").is_some_and(|v| v == "1")
+}
+
+/// The usage text, `-M` listed unless [`no_multi_user`].
+fn usage() -> String {
+    let m = if no_multi_user() { "" } else { " [-M]" };
+    format!("Usage: {} [-d | -f]{m} [-h]", super::control::CONTROL)
+}
 
 fn exe() -> Result<PathBuf> {
     std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))
@@ -130,16 +158,22 @@ impl Servers {
         }
         let socket = self.socket(uid);
         let _ = std::fs::remove_file(&socket);
-        let child = Command::new(exe()?)
+        let mut child = Command::new(exe()?)
             .args(["mps-standin", "server"])
             .arg(&socket)
             .stdin(Stdio::null())
             .spawn()
             .map_err(|e| format!("cannot start a server: {e}"))?;
         // Ready when it accepts a connection: the socket file appears at bind(), before
-        // listen(), and a client connecting in between is refused.
+        // listen(), and a client connecting in between is refused. A server that cannot take
+        // the GPU exits instead.
         let start = Instant::now();
         while UnixStream::connect(&socket).is_err() && start.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "the MPS server for uid {uid} exited at start ({status})"
+                ));
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
         let pid = child.id();
@@ -165,6 +199,16 @@ fn daemon(pipe: &Path, multi_user: bool) -> Result<()> {
     let _ = std::fs::remove_file(&socket);
     let listener = listen(&socket)?;
     mark_shm("control");
+    // Which daemon processes served this directory, in start order: the host clears `/dev/shm`
+    // at each start, so the log directory keeps the history.
+    if let Some(log) = std::env::var_os("CUDA_MPS_LOG_DIRECTORY")
+        && let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(Path::new(&log).join("standin-daemons"))
+    {
+        let _ = writeln!(f, "{}", std::process::id());
+    }
     let devices = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
     record(&format!("start {devices} {}", pipe.display()));
     eprintln!(
@@ -222,9 +266,9 @@ fn session(conn: UnixStream, servers: &Mutex<Servers>) -> std::io::Result<()> {
                 Some(uid) => {
                     let started = lock().ensure(uid);
                     match started {
-                        Ok(_) if words[0] == "client" => {
-                            format!("{}\n", lock().socket(uid).display())
-                        }
+                        // The socket's name in the pipe directory: a client in a container sees
+                        // the directory at another path.
+                        Ok(_) if words[0] == "client" => format!("server-{uid}\n"),
                         Ok(pid) => format!("{pid}\n"),
                         Err(e) => format!("error: {e}\n"),
                     }
@@ -253,6 +297,16 @@ fn session(conn: UnixStream, servers: &Mutex<Servers>) -> std::io::Result<()> {
 
 /// A server: holds its clients' connections until its daemon goes.
 fn server(socket: &Path) -> Result<()> {
+    // The GPU's one context under EXCLUSIVE_PROCESS, held for this server's life.
+    let _context = match take_context() {
+        Ok(held) => held,
+        Err(e) => {
+            return Err(format!(
+                "cannot create the MPS server's context: {e} (a process outside MPS holds the \
+                 GPU in EXCLUSIVE_PROCESS)"
+            ));
+        }
+    };
     let listener = listen(socket)?;
     mark_shm("server");
     let parent = std::os::unix::process::parent_id();
@@ -307,6 +361,36 @@ fn cli(pipe: &Path) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// The GPU's context lock (`STANDIN_GPU_DIR/context`), taken without waiting: `Ok(None)` when
+/// the GPU is in `DEFAULT` mode (no `STANDIN_GPU_DIR`: contexts do not exclude each other);
+/// an error when another context holds it. Held while the returned file is open.
+fn take_context() -> Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd;
+    let Some(dir) = std::env::var_os("STANDIN_GPU_DIR").map(PathBuf::from) else {
+        return Ok(None);
+    };
+    let path = dir.join("context");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: flock on a descriptor this function owns; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err("another context holds the GPU".into());
+    }
+    Ok(Some(file))
+}
+
+/// How a client's attempt to reach MPS ended short of a server.
+enum Missed {
+    /// No daemon answers: CUDA runs without MPS.
+    NoDaemon(String),
+    /// The daemon answered but gave no server: CUDA fails.
+    Refused(String),
+}
+
 /// A CUDA process's view of MPS.
 fn cuda_client(pipe: &Path) -> ExitCode {
     match cuda_connect(pipe) {
@@ -317,43 +401,84 @@ fn cuda_client(pipe: &Path) -> ExitCode {
             eprintln!("MPS server went away (as CUDA's cudaErrorMpsRpcFailure, 806)");
             ExitCode::from(2)
         }
-        Err(e) => {
+        Err(Missed::Refused(e)) => {
             eprintln!("{e}");
             ExitCode::from(3)
+        }
+        Err(Missed::NoDaemon(e)) => plain_context(&e),
+    }
+}
+
+/// What CUDA does when no MPS daemon answers: a context of its own, outside MPS, with no MPS
+/// limit — refused only where the GPU is in `EXCLUSIVE_PROCESS` and a context holds it.
+fn plain_context(why: &str) -> ExitCode {
+    match take_context() {
+        Ok(held) => {
+            println!(
+                "plain-context pid={} pinned={} (outside MPS, unlimited: {why})",
+                std::process::id(),
+                client_env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+            );
+            let _ = std::io::stdout().flush();
+            let _held = held;
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        Err(e) => {
+            eprintln!(
+                "cudaErrorDevicesUnavailable (46): all CUDA-capable devices are busy or \
+                 unavailable ({e}; {why})"
+            );
+            ExitCode::from(4)
         }
     }
 }
 
-fn cuda_connect(pipe: &Path) -> Result<UnixStream> {
+fn client_env(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| "unset".into())
+}
+
+fn cuda_connect(pipe: &Path) -> std::result::Result<UnixStream, Missed> {
     let uid = std::fs::metadata("/proc/self")
         .map(|m| m.uid())
-        .map_err(|e| format!("cannot read this process's uid: {e}"))?;
-    let mut control = UnixStream::connect(pipe.join("control"))
-        .map_err(|e| format!("{NO_DAEMON} in {}: {e}", pipe.display()))?;
-    writeln!(control, "client -uid {uid}").map_err(|e| e.to_string())?;
+        .map_err(|e| Missed::Refused(format!("cannot read this process's uid: {e}")))?;
+    let refused = |e: std::io::Error| Missed::Refused(e.to_string());
+    let no_daemon =
+        |e: std::io::Error| Missed::NoDaemon(format!("{NO_DAEMON} in {}: {e}", pipe.display()));
+    let mut control = UnixStream::connect(pipe.join("control")).map_err(no_daemon)?;
+    writeln!(control, "client -uid {uid}").map_err(no_daemon)?;
     let mut reply = String::new();
     BufReader::new(&control)
         .read_line(&mut reply)
-        .map_err(|e| e.to_string())?;
+        .map_err(no_daemon)?;
     let reply = reply.trim();
-    if reply.is_empty() || reply.starts_with("error") {
-        return Err(format!("the MPS daemon refused a server: {reply}"));
+    if reply.is_empty() {
+        return Err(Missed::NoDaemon(format!(
+            "{NO_DAEMON}: the daemon in {} closed the connection",
+            pipe.display()
+        )));
     }
-    let mut server =
-        UnixStream::connect(reply).map_err(|e| format!("cannot reach the server {reply}: {e}"))?;
-    let env = |k: &str| std::env::var(k).unwrap_or_else(|_| "unset".into());
+    if reply.starts_with("error") {
+        return Err(Missed::Refused(format!(
+            "the MPS daemon refused a server: {reply}"
+        )));
+    }
+    let name = Path::new(reply).file_name().unwrap_or_default();
+    let mut server = UnixStream::connect(pipe.join(name))
+        .map_err(|e| Missed::Refused(format!("cannot reach the server {reply}: {e}")))?;
     let (pinned, threads) = (
-        env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
-        env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        client_env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+        client_env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
     );
-    writeln!(server, "hello uid={uid}").map_err(|e| e.to_string())?;
+    writeln!(server, "hello uid={uid}").map_err(refused)?;
     let mut ok = String::new();
-    let mut reader = BufReader::new(server.try_clone().map_err(|e| e.to_string())?);
-    reader.read_line(&mut ok).map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(server.try_clone().map_err(refused)?);
+    reader.read_line(&mut ok).map_err(refused)?;
     let pid = ok
         .trim()
         .strip_prefix("ok ")
-        .ok_or_else(|| format!("the server did not accept: {ok:?}"))?
+        .ok_or_else(|| Missed::Refused(format!("the server did not accept: {ok:?}")))?
         .to_string();
     let shm = Path::new(&format!("/dev/shm/nvdra-standin-server.{pid}")).exists();
     println!(

@@ -232,7 +232,10 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
             if host == "/proc" {
                 // The host's processes, for /metrics' attribution (a GPU process's pod from
                 // its cgroup), read-only and elsewhere than the container's own /proc.
-                assert_eq!(m["readOnly"], true, "{origin}: the host's /proc is read-only");
+                assert_eq!(
+                    m["readOnly"], true,
+                    "{origin}: the host's /proc is read-only"
+                );
                 assert_ne!(m["mountPath"], "/proc", "{origin}");
                 host_proc = Some(str_at(m, "/mountPath"));
             } else if m["mountPath"] == DRIVER_ROOT_CTR_PATH {

@@ -4,8 +4,9 @@
 //!
 //! The stand-in daemon appends `start <CUDA_VISIBLE_DEVICES> <pipe dir>` and `quit <pipe dir>`
 //! to `<driver root>/mps.log`, which counts the daemons' starts and clean quits across restarts
-//! of nvdra and of the host, and writes `nvdra-standin-control.<pid>` into the `/dev/shm` it
-//! got, which names each daemon process the host started for a directory.
+//! of nvdra and of the host, writes `nvdra-standin-control.<pid>` into the `/dev/shm` it got,
+//! and appends its pid to `<dir>/log/standin-daemons`, which names each daemon process the host
+//! started for a directory.
 // Each test binary uses what it needs.
 #![allow(dead_code)]
 
@@ -94,23 +95,24 @@ pub fn runs(pid: u32) -> bool {
     })
 }
 
-/// The pids of the control daemons started with `dir`'s shm, in start order (each wrote its
-/// marker there).
+/// The pids of the control daemons started for `dir`, in start order (each appended its pid to
+/// `<dir>/log/standin-daemons`). Each one still running has `<dir>/shm` as its `/dev/shm`: it
+/// wrote its marker there.
 pub fn daemon_pids(dir: &Path) -> Vec<u32> {
-    let mut pids: Vec<(std::time::SystemTime, u32)> = std::fs::read_dir(dir.join("shm"))
-        .map(|entries| {
-            entries
-                .flatten()
-                .filter_map(|e| {
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    let pid = name.strip_prefix("nvdra-standin-control.")?.parse().ok()?;
-                    Some((e.metadata().ok()?.modified().ok()?, pid))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    pids.sort();
-    pids.into_iter().map(|(_, p)| p).collect()
+    let pids: Vec<u32> = std::fs::read_to_string(dir.join("log/standin-daemons"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    for pid in &pids {
+        let marker = dir.join(format!("shm/nvdra-standin-control.{pid}"));
+        assert!(
+            !runs(*pid) || marker.exists(),
+            "daemon {pid} runs without {} (not its /dev/shm?)",
+            marker.display()
+        );
+    }
+    pids
 }
 
 /// Waits up to 20 s until `f` holds, polling; panics naming `what` otherwise.
@@ -203,8 +205,26 @@ pub struct CudaClient {
     _out: BufReader<ChildStdout>,
 }
 
+/// How a stand-in CUDA process started: on MPS, outside it (a plain context, unlimited: what no
+/// share may ever get), or not at all.
+pub enum Started {
+    Mps(CudaClient),
+    Plain(CudaClient),
+    Failed(std::process::ExitStatus),
+}
+
 impl CudaClient {
     pub fn start(driver_root: &Path, pipe: &Path, env: &[(&str, &str)]) -> CudaClient {
+        match Self::try_start(driver_root, pipe, env) {
+            Started::Mps(c) => c,
+            Started::Plain(c) => panic!("the client runs outside MPS: {}", c.connected),
+            Started::Failed(status) => panic!("the client did not connect: {status}"),
+        }
+    }
+
+    /// A CUDA process as CUDA starts one: through the daemon of `pipe` when it answers, else on
+    /// a plain context when the GPU lets it have one.
+    pub fn try_start(driver_root: &Path, pipe: &Path, env: &[(&str, &str)]) -> Started {
         let mut child = Command::new(control(driver_root))
             .arg("cuda-client")
             .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
@@ -217,14 +237,18 @@ impl CudaClient {
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut connected = String::new();
         out.read_line(&mut connected).unwrap();
-        assert!(
-            connected.starts_with("connected "),
-            "the client did not connect: {connected:?}"
-        );
-        CudaClient {
+        let client = |child, connected: &str| CudaClient {
             child,
             connected: connected.trim().to_string(),
             _out: out,
+        };
+        if connected.starts_with("connected ") {
+            Started::Mps(client(child, &connected))
+        } else if connected.starts_with("plain-context ") {
+            Started::Plain(client(child, &connected))
+        } else {
+            assert!(connected.is_empty(), "the client printed {connected:?}");
+            Started::Failed(child.wait().unwrap())
         }
     }
 

@@ -131,7 +131,7 @@ fn a_claims_daemon_is_requested_for_its_devices_waited_for_and_released() {
     assert_eq!(spec.boot_id.as_deref(), Some("boot-1"));
     assert_eq!(spec.owner, "claim c1");
     let mode = |p: PathBuf| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
-    assert_eq!(mode(pipe.clone()), 0o777);
+    assert_eq!(mode(pipe.clone()), 0o1777);
     assert_eq!(mode(mps.shm_dir(&claim)), 0o1777);
     // Asking again for a daemon that answers changes nothing.
     mps.start(&claim, &[a, b]).unwrap();
@@ -289,4 +289,28 @@ fn share_daemons_are_multi_user_from_volta_on() {
         let spec = layout.read_spec(&DaemonId::gpu(gpu)).unwrap().unwrap();
         assert_eq!(spec.multi_user, multi_user, "{gpu}");
     }
+}
+
+/// One rule for `-M` and the refusal of a share of another user: a Volta or later GPU whose
+/// host found `-M` (or could not tell); never a pre-Volta GPU, nor where the host found the
+/// driver's control daemon without it.
+#[test]
+fn multi_user_needs_the_gpu_and_the_hosts_control_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let mps = mps(dir.path());
+    let inv = crate::inventory::topology::load_profile("dgx-h100", "n").unwrap();
+    let mut volta = inv.gpus[0].clone();
+    let mut pascal = volta.clone();
+    pascal.cuda_compute_capability.major = 6;
+    volta.cuda_compute_capability.major = 7;
+    assert!(
+        mps.multi_user(&volta) && !mps.multi_user(&pascal),
+        "nothing recorded"
+    );
+    let caps = dir.path().join("mps/host.json");
+    std::fs::create_dir_all(caps.parent().unwrap()).unwrap();
+    std::fs::write(&caps, r#"{"multiUser":true}"#).unwrap();
+    assert!(mps.multi_user(&volta) && !mps.multi_user(&pascal));
+    std::fs::write(&caps, r#"{"multiUser":false}"#).unwrap();
+    assert!(!mps.multi_user(&volta) && !mps.multi_user(&pascal));
 }

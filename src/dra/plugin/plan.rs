@@ -197,7 +197,7 @@ pub(super) fn plan(
 }
 
 /// The pods of `rc`'s `status.reservedFor` (entries of other resources are left out).
-fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
+pub(super) fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
     let mut pods: Vec<PodRef> = rc
         .status
         .iter()

@@ -36,6 +36,27 @@ impl Plugin {
         // Idempotency: a completed claim is answered from the ledger.
         if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
             if entry.state == ClaimState::PrepareCompleted {
+                // A pod that joins a prepared share claim is checked as the first was: the
+                // share's limit applies per CUDA process, so a second pod would double it.
+                if let Some(share) = entry.devices.iter().find(|d| d.consumed.is_some()) {
+                    let rc = match read {
+                        Some(rc) => rc,
+                        None => self.read_claim(claim).await?,
+                    };
+                    let pods = plan::reserved_pods(&rc);
+                    if pods.len() > 1 {
+                        return Err(ClaimError::ShareForManyPods {
+                            namespace: claim.namespace.clone(),
+                            name: claim.name.clone(),
+                            device: share.device.to_string(),
+                            pods: pods
+                                .iter()
+                                .map(|p| p.name.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                        });
+                    }
+                }
                 let inv = inv.get().await?;
                 if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, &inv).await? {
                     tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten");
@@ -206,6 +227,12 @@ impl Plugin {
         Ok(devices)
     }
 
+    /// Whether `gpu`'s MPS serves one user at a time ([`crate::dra::mps::Mps::multi_user`]).
+    fn single_user(&self, inv: &Inventory, gpu: &crate::inventory::GpuUuid) -> bool {
+        inv.gpu_by_uuid(gpu.as_str())
+            .is_some_and(|g| !self.inner.mps.multi_user(g))
+    }
+
     /// Sets the plan's user when it holds a share of a GPU whose MPS serves one user at a time:
     /// the user its pod runs as, read from the pod (the kubelet's call names none).
     async fn share_user(
@@ -217,7 +244,7 @@ impl Plugin {
         let Some(share) = plan
             .devices
             .iter()
-            .find(|d| d.consumed.is_some() && single_user(inv, &d.gpu))
+            .find(|d| d.consumed.is_some() && self.single_user(inv, &d.gpu))
         else {
             return Ok(plan);
         };
@@ -278,7 +305,7 @@ impl Plugin {
 /// limit (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) is applied per CUDA process, so every pod of the
 /// claim would get the whole limit: together more than the scheduler counted for the claim.
 /// Checked where the kubelet prepares the claim (its first pod); a pod that joins an already
-/// prepared claim is not seen here.
+/// prepared claim is checked on the idempotent path of [`Plugin::prepare_one`].
 pub(super) fn one_pod_per_share(claim: &ClaimRef, plan: &Plan) -> Result<(), ClaimError> {
     let Some(share) = plan.devices.iter().find(|d| d.consumed.is_some()) else {
         return Ok(());
@@ -297,12 +324,6 @@ pub(super) fn one_pod_per_share(claim: &ClaimRef, plan: &Plan) -> Result<(), Cla
             .collect::<Vec<_>>()
             .join(", "),
     })
-}
-
-/// Whether `gpu`'s MPS serves one user at a time ([`crate::inventory::Gpu::mps_multi_user`]).
-fn single_user(inv: &Inventory, gpu: &crate::inventory::GpuUuid) -> bool {
-    inv.gpu_by_uuid(gpu.as_str())
-        .is_some_and(|g| !g.mps_multi_user())
 }
 
 /// The user `pod` runs as: its containers' `runAsUser`, each falling back to the pod's. One
@@ -340,7 +361,7 @@ pub(super) fn pod_user(pod: &k8s_openapi::api::core::v1::Pod) -> Result<ShareUse
     }
 }
 
-/// Refuses a share of a single-user GPU ([`single_user`]) whose pod runs as another user than
+/// Refuses a share of a single-user GPU ([`Plugin::single_user`]) whose pod runs as another user than
 /// the GPU's other shares, naming both users and the claims.
 pub(super) fn one_user_per_gpu(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,

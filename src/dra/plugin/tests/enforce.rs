@@ -40,6 +40,18 @@ async fn a_share_claim_reserved_for_two_pods_is_refused_with_what_to_do() {
     // One pod: prepared. A whole GPU may serve several pods of one claim, as before.
     e.add(reserved_for(s(), &["nb-a"]));
     e.prepare("two").await.unwrap();
+    // A second pod joins the prepared claim: refused as two pods at once were; the first pod's
+    // share stays prepared.
+    e.add(reserved_for(s(), &["nb-a", "nb-c"]));
+    let err = e.prepare("two").await.unwrap_err().to_string();
+    assert!(err.contains("reserved for 2 pods (nb-a, nb-c)"), "{err}");
+    assert!(
+        e.state("two").is_some(),
+        "the first pod's share is still prepared"
+    );
+    assert!(e.spec("two").exists());
+    e.add(reserved_for(s(), &["nb-a"]));
+    e.prepare("two").await.unwrap();
     e.add(reserved_for(
         claim("whole", vec![result("gpu", "gpu-1")]),
         &["a", "b"],

@@ -116,6 +116,7 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 mod binary;
 mod builder;
 mod driver;
+pub mod gate;
 mod graphics;
 mod hooks;
 mod inputs;

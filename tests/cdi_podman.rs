@@ -638,7 +638,9 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
         assert_graphics(&out)?;
         if share {
             assert_line(&out, &format!("PIPE={}", cdi::MPS_PIPE_CONTAINER_DIR))?;
-            assert_line(&out, "PIPE_FILES=control")?;
+            // The control socket, and the server socket of the MPS server the start gate had
+            // the daemon start for the container's user (root) before the container ran.
+            assert_line(&out, "PIPE_FILES=control server-0")?;
             assert_line(&out, "THREADS=25")?;
             // Keyed by the index the container sees; 24Gi less its part of the MPS server's
             // reserve (24576 MiB × 79/80); 33 of 132 SMs.

@@ -321,6 +321,9 @@ pub(super) fn driver_file_edits(
     edits.hooks.extend(driver_hooks(files, &lib_dirs));
 }
 
+/// The driver's MPS binaries, left out of MPS claims' containers.
+const MPS_TOOLS: [&str; 2] = ["nvidia-cuda-mps-control", "nvidia-cuda-mps-server"];
+
 /// The MPS client environment. MPS is per process, so these are claim-wide: all MPS devices of
 /// a claim share one control daemon (one pipe directory, one `/dev/shm`) and one active-thread
 /// percentage, and a claim cannot mix MPS and non-MPS devices (the client would route every
@@ -456,7 +459,19 @@ pub(super) fn mps_edits(
         }
     }
 
+    // A share's container gets no MPS control client or server binary (every other claim gets
+    // them, as NVIDIA's specs give them): `echo quit | nvidia-cuda-mps-control` from one tenant
+    // would end every share of the daemon. The MPS host, not the workload, drives the daemon.
+    edits.mounts.retain(|m| {
+        !MPS_TOOLS
+            .iter()
+            .any(|t| m.container_path.rsplit('/').next() == Some(*t))
+    });
     if let Some(dir) = pipe_dir {
+        // First of the share's hooks: nothing else is done for a container that must not start.
+        if let Some(gate) = &opts.mps_gate {
+            edits.hooks.push(gate.hook(dir));
+        }
         edits
             .env
             .push(format!("CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_CONTAINER_DIR}"));

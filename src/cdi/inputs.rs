@@ -147,6 +147,9 @@ pub struct CdiOptions {
     /// MPS v3 memory partitioning ([`super::memlimit`]): set by the plugin where the driver
     /// limits GPU memory per cgroup, so the specs of shares of those GPUs carry the hook.
     pub partitioning: Option<super::memlimit::Partitioning>,
+    /// The MPS start gate ([`super::gate`]): set when the plugin installed it, so that every
+    /// container of an MPS claim starts only while its daemon answers with a server up.
+    pub mps_gate: Option<super::gate::Gate>,
 }
 
 impl CdiOptions {
@@ -162,6 +165,7 @@ impl CdiOptions {
             proc_root: root.proc_dir(),
             cgroup_root: root.cgroup_dir(),
             partitioning: None,
+            mps_gate: None,
         };
         validate_vendor(&opts.vendor)?;
         validate_class(&opts.class)?;

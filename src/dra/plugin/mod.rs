@@ -142,6 +142,17 @@ impl Plugin {
         if opts.shared_capacity {
             specs.enable_memory_limits(&opts.plugin_dir.join("bin"), backend.clone());
         }
+        match specs.enable_mps_gate(&opts.plugin_dir.join("bin")) {
+            Ok(true) => tracing::info!(
+                "MPS start gate installed: a container of an MPS claim starts only while its \
+                 daemon answers with a server up"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::error!(
+                error = %format!("{e:#}"),
+                "cannot install the MPS start gate; MPS claims and shares will be refused"
+            ),
+        }
         let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
         // The MPS control client runs here, so it is found where nvdra reads the driver.
         let mps = Mps::new(

@@ -21,6 +21,8 @@ pub(super) struct Specs {
     /// Found at start; looked for again while none are found, since on GPU Operator nodes the
     /// driver container may come up after nvdra.
     driver_files: Mutex<DriverFiles>,
+    /// Why the MPS start gate could not be installed; MPS claims are then refused.
+    gate_error: Option<String>,
 }
 
 impl Specs {
@@ -31,6 +33,7 @@ impl Specs {
             partitioning: None,
             driver_files: Mutex::new(cdi::discover_driver_files(driver_root)),
             root,
+            gate_error: None,
         })
     }
 
@@ -120,6 +123,29 @@ impl Specs {
         Cow::Owned(opts)
     }
 
+    /// Gives MPS claims' specs the start gate ([`cdi::gate`]): where the driver has
+    /// `nvidia-cuda-mps-control`, nvdra's binary is installed in `dir` (a host directory) and
+    /// named in the hook. Without the control binary no MPS claim can be prepared anyway. An
+    /// install that fails is returned: the caller refuses MPS claims rather than start their
+    /// containers ungated.
+    pub fn enable_mps_gate(&mut self, dir: &std::path::Path) -> anyhow::Result<bool> {
+        let Ok(control) = crate::mps::control::find(self.opts.root.ctr()) else {
+            return Ok(false);
+        };
+        let binary = match cdi::install_hook(dir) {
+            Ok(b) => b,
+            Err(e) => {
+                self.gate_error = Some(format!("{e:#}"));
+                return Err(e);
+            }
+        };
+        self.opts.mps_gate = Some(cdi::gate::Gate {
+            binary,
+            control: self.opts.root.host_path(&control),
+        });
+        Ok(true)
+    }
+
     pub fn options(&self) -> &CdiOptions {
         &self.opts
     }
@@ -153,6 +179,18 @@ impl Specs {
 
     /// The claim's spec as [`Specs::write`] writes it.
     fn render(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<String, cdi::Error> {
+        if let Some(e) = &self.gate_error
+            && devices.iter().any(|d| d.mps_pipe_dir.is_some())
+        {
+            return Err(cdi::Error::Mps {
+                claim_uid: uid.to_string(),
+                message: format!(
+                    "the MPS start gate could not be installed at start ({e}): an MPS claim's \
+                     containers could start while its daemon is down and run outside MPS, so \
+                     none is prepared; fix the plugin directory and restart the plugin"
+                ),
+            });
+        }
         let opts = self.options_for(devices);
         cdi::claim_spec(&opts, uid.as_str(), devices, &self.driver_files())?.to_yaml()
     }

@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use nvdra::cel::{Environment, Selector};
-use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::inventory::topology::load_profile;
 
 const DEVICES: usize = 1000;
@@ -45,7 +45,7 @@ fn main() {
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
         partitionable: true,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout: CounterLayout::Separate,

@@ -29,7 +29,7 @@ use kubelet_plugin::proto::health::v1alpha1::{HealthStatus, NodeWatchResourcesRe
 use kubelet_plugin::publisher::{Options, Publisher};
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::health::NodeHealth;
-use nvdra::dra::slices::{CounterLayout, SliceOptions};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Monitored, Policy};
 use nvdra::inventory::DeviceBackend;
@@ -92,7 +92,7 @@ async fn main() {
                 driver: DRIVER.into(),
                 node_name: NODE.into(),
                 partitionable: false,
-                shared_capacity: false,
+                shared_capacity: ConsumableShares::Disabled,
                 dynamic_mig: false,
                 mig_profiles: None,
                 layout: CounterLayout::Separate,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use nvdra::cel::Environment;
-use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::inventory::topology::load_profile;
 use nvdra::matching::{self, Node, Objects};
 
@@ -35,7 +35,7 @@ fn main() {
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
         partitionable: false,
-        shared_capacity: true,
+        shared_capacity: ConsumableShares::Memory,
         dynamic_mig: false,
         mig_profiles: None,
         layout: CounterLayout::Separate,

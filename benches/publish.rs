@@ -17,7 +17,7 @@ use kubelet_plugin::publisher::{Options, Publisher};
 use nvdra::api::SliceApi;
 use nvdra::api::dir::{DirApi, POLL_INTERVAL};
 use nvdra::api::kube::KubeApi;
-use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::inventory::topology::load_profile;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,7 +37,7 @@ fn desired() -> Vec<ResourceSliceSpec> {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: true,
-            shared_capacity: false,
+            shared_capacity: ConsumableShares::Disabled,
             dynamic_mig: false,
             mig_profiles: None,
             layout: CounterLayout::Separate,

@@ -9,7 +9,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::inventory::topology::load_profile;
 
 const WARMUP: usize = 20;
@@ -36,7 +36,7 @@ fn bench_with(
         driver: "gpu.nvidia.com".into(),
         node_name: "bench-node".into(),
         partitionable,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         dynamic_mig,
         mig_profiles: None,
         layout,

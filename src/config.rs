@@ -149,8 +149,9 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Publish shared counters and every possible MIG placement (DRAPartitionableDevices).
     pub partitionable: bool,
-    /// Publish GPUs as shareable by consumable `memory` (DRAConsumableCapacity).
-    pub shared_capacity: bool,
+    /// How GPUs are published shareable (DRAConsumableCapacity): `--consumable-shares`, or
+    /// `memory` for `--shared-capacity`; [`ConsumableShares::Disabled`] publishes them whole.
+    pub shared_capacity: ConsumableShares,
     /// Switch MIG mode at run time on GPUs that can (`--dynamic-mig`).
     pub dynamic_mig: DynamicMig,
     /// The MIG profiles whose placements are published; all when `None` (`--mig-profiles`).
@@ -387,7 +388,10 @@ fn validate(settings: Settings) -> Result<Config> {
         metrics_address,
         log_format: need(log.log_format, "--log-format")?,
         partitionable: need(plugin.partitionable, "--partitionable")?,
-        shared_capacity: need(plugin.shared_capacity, "--shared-capacity")?,
+        shared_capacity: consumable_shares(
+            need(plugin.shared_capacity, "--shared-capacity")?,
+            need(plugin.consumable_shares, "--consumable-shares")?,
+        )?,
         dynamic_mig: need(plugin.dynamic_mig, "--dynamic-mig")?,
         mig_profiles: mig_profiles(plugin.mig_profiles)?,
         pod_uid: kubelet.pod_uid,
@@ -408,6 +412,25 @@ fn validate(settings: Settings) -> Result<Config> {
 /// (the `defaults` test resolves an empty configuration, so that cannot ship).
 fn need<T>(value: Option<T>, key: &str) -> Result<T> {
     value.ok_or_else(|| invalid(key, "has no value and no default"))
+}
+
+/// The share mode of `--shared-capacity` and `--consumable-shares` together: the former is the
+/// latter's `memory`, so both may say `memory`; any other mode beside `--shared-capacity` is a
+/// contradiction, named rather than settled by a rule the user has to guess.
+fn consumable_shares(shared_capacity: bool, mode: ConsumableShares) -> Result<ConsumableShares> {
+    match (shared_capacity, mode) {
+        (false, mode) => Ok(mode),
+        (true, ConsumableShares::Disabled | ConsumableShares::Memory) => {
+            Ok(ConsumableShares::Memory)
+        }
+        (true, other) => Err(invalid(
+            "--shared-capacity/--consumable-shares",
+            format!(
+                "--shared-capacity shares GPUs by memory (--consumable-shares=memory), but \
+                 --consumable-shares={other} asks for another mode; give one of them"
+            ),
+        )),
+    }
 }
 
 /// The `--mig-profiles` allowlist: MIG profile names as NVML and `nvidia-smi` spell them

@@ -354,7 +354,7 @@ async fn start_dra(
             driver_root: config.driver_root.clone(),
             boot_id,
             partitionable: config.partitionable,
-            shared_capacity: config.shared_capacity,
+            shared_capacity: config.shared_capacity.enabled(),
             mps_root: config.mps_root.clone(),
             dynamic_mig: config.dynamic_mig.enabled(),
             keep_mig_on: config.dynamic_mig == crate::config::DynamicMig::KeepOn,
@@ -438,7 +438,7 @@ async fn serve_dra(
         tasks,
     )
     .await;
-    if config.shared_capacity {
+    if config.shared_capacity.enabled() {
         spawn_share_daemon_watch(config, plugin, monitor, metrics, tasks);
     }
     Ok(())
@@ -537,7 +537,10 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
 fn warn_of_known_bugs(config: &Config, version: &versions::KubeVersion) {
     let on: Vec<versions::Switch> = [
         (config.partitionable, versions::Switch::Partitionable),
-        (config.shared_capacity, versions::Switch::SharedCapacity),
+        (
+            config.shared_capacity.enabled(),
+            versions::Switch::SharedCapacity,
+        ),
         (config.dynamic_mig.enabled(), versions::Switch::DynamicMig),
     ]
     .into_iter()

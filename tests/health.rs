@@ -21,7 +21,7 @@ use kubelet_plugin::publisher::{Options, Publisher};
 use nvdra::api::kube::KubeApi;
 use nvdra::deviceplugin::DevicePlugin;
 use nvdra::deviceplugin::server::Settings;
-use nvdra::dra::slices::{CounterLayout, SliceOptions};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::faults::FaultFile;
 use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Monitored, Policy};
@@ -138,7 +138,7 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: false,
-            shared_capacity: false,
+            shared_capacity: ConsumableShares::Disabled,
             dynamic_mig: false,
             mig_profiles: None,
             layout: CounterLayout::Separate,

@@ -16,7 +16,7 @@ use kubelet_plugin::proto::health::v1alpha1::{
     HealthStatus, NodeWatchResourcesRequest, dra_resource_health_server::DraResourceHealth,
 };
 use nvdra::dra::health::NodeHealth;
-use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Monitored, Policy};
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
 use nvdra::inventory::{DeviceBackend, GpuUuid};
@@ -208,7 +208,7 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
         driver: "gpu.nvidia.com".into(),
         node_name: "n".into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout: CounterLayout::Separate,

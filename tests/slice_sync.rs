@@ -13,7 +13,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{self, DeviceBackend, Health, Inventory, MigDevice, MigUuid, Placement};
@@ -100,7 +100,11 @@ async fn start_with(
         profile,
         |o| {
             o.partitionable = partitionable;
-            o.shared_capacity = shared_capacity;
+            o.shared_capacity = if shared_capacity {
+                ConsumableShares::Memory
+            } else {
+                ConsumableShares::Disabled
+            };
         },
         prepare,
     )
@@ -135,7 +139,7 @@ async fn start_opts(
         driver: DRIVER.into(),
         node_name: NODE.into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout,
@@ -264,7 +268,7 @@ async fn dropped_partitionable_fields_fall_back_to_the_plain_layout() {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: false,
-            shared_capacity: false,
+            shared_capacity: ConsumableShares::Disabled,
             dynamic_mig: false,
             mig_profiles: None,
             layout: CounterLayout::Separate,
@@ -484,7 +488,7 @@ async fn dropped_consumable_capacity_falls_back_to_whole_gpus() {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             partitionable: false,
-            shared_capacity: false,
+            shared_capacity: ConsumableShares::Disabled,
             dynamic_mig: false,
             mig_profiles: None,
             layout: CounterLayout::Separate,

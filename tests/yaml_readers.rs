@@ -256,7 +256,7 @@ async fn an_api_dir_slice_file_reads_as_the_stored_slice() {
         driver: "gpu.nvidia.com".into(),
         node_name: NODE.into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: slices::ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout: Default::default(),

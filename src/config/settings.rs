@@ -9,6 +9,8 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
+pub use crate::ledger::shares::ConsumableShares;
+
 use super::{
     BackendKind, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT,
     DEFAULT_METRICS_ADDRESS, DEFAULT_MPS_ROOT, DynamicMig, LogFormat, Mode,
@@ -167,6 +169,14 @@ settings_struct! {
         )]
         pub shared_capacity: Option<bool>,
 
+        /// NVIDIA's consumable-shares modes, as its DRA driver takes them: `memory` (what
+        /// --shared-capacity publishes), `unlimited` (`memory` defaults to 0: claims that ask for
+        /// nothing share a GPU, each MPS client without a memory limit), or a number N of
+        /// `shares` per GPU (1 per claim unless it asks more; each share held to its part of the
+        /// GPU's memory and SMs); `disabled` publishes GPUs whole. Needs DRAConsumableCapacity.
+        #[arg(long, env = "CONSUMABLE_SHARES", value_name = "MODE")]
+        pub consumable_shares: Option<ConsumableShares>,
+
         /// Dynamic MIG: publish each GPU that can switch MIG mode at run time (Hopper and later,
         /// on bare metal) whole and as every MIG placement, from one counter set; prepare turns
         /// MIG mode on for the first placement and off after the last (`keep-on` leaves it on).
@@ -199,6 +209,7 @@ impl Section for PluginSettings {
             driver_name: Some(DEFAULT_DRIVER_NAME.into()),
             partitionable: Some(false),
             shared_capacity: Some(false),
+            consumable_shares: Some(ConsumableShares::Disabled),
             dynamic_mig: Some(DynamicMig::Off),
             mig_profiles: None,
         }

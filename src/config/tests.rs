@@ -236,6 +236,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("driverName: gpu.example.com", "driverName"),
         ("partitionable: true", "partitionable"),
         ("sharedCapacity: true", "sharedCapacity"),
+        ("consumableShares: 4", "consumableShares"),
         ("dynamicMig: keep-on", "dynamicMig"),
         ("migProfiles: [1g.10gb]", "migProfiles"),
         ("kubeletRoot: /k", "kubeletRoot"),
@@ -270,6 +271,10 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "driverName" => s.plugin.driver_name.is_some(),
             "partitionable" => s.plugin.partitionable == Some(true),
             "sharedCapacity" => s.plugin.shared_capacity == Some(true),
+            "consumableShares" => s
+                .plugin
+                .consumable_shares
+                .is_some_and(|m| m.to_string() == "4"),
             "dynamicMig" => s.plugin.dynamic_mig == Some(DynamicMig::KeepOn),
             "migProfiles" => s.plugin.mig_profiles == Some(vec!["1g.10gb".into()]),
             "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
@@ -317,6 +322,7 @@ fn keys_come_from_the_derive() {
             "driverName",
             "partitionable",
             "sharedCapacity",
+            "consumableShares",
             "dynamicMig",
             "migProfiles"
         ]
@@ -619,4 +625,79 @@ fn mig_profiles_are_checked_and_kept_once_each() {
         let e = set(bad).unwrap_err().to_string();
         assert!(e.contains("--mig-profiles"), "{bad:?}: {e}");
     }
+}
+
+/// `--consumable-shares` takes NVIDIA's modes; `--shared-capacity` is its `memory` and keeps
+/// meaning that alone; the two saying different modes is an error naming both.
+#[test]
+fn shared_capacity_is_the_memory_mode_and_contradicting_it_names_both_flags() {
+    let mode = |shared: Option<bool>, mode: Option<&str>| {
+        resolve(
+            with(|s| {
+                s.plugin.shared_capacity = shared;
+                s.plugin.consumable_shares = mode.map(|m| m.parse().unwrap());
+            }),
+            None,
+        )
+        .map(|c| c.shared_capacity.to_string())
+    };
+    assert_eq!(mode(None, None).unwrap(), "disabled");
+    assert_eq!(mode(Some(true), None).unwrap(), "memory");
+    assert_eq!(mode(Some(true), Some("memory")).unwrap(), "memory");
+    assert_eq!(mode(None, Some("memory")).unwrap(), "memory");
+    assert_eq!(mode(None, Some("unlimited")).unwrap(), "unlimited");
+    assert_eq!(mode(Some(false), Some("4")).unwrap(), "4");
+    for other in ["unlimited", "4"] {
+        let e = mode(Some(true), Some(other)).unwrap_err();
+        assert_eq!(e.key, "--shared-capacity/--consumable-shares");
+        assert!(
+            e.message.contains(&format!("--consumable-shares={other}")),
+            "{e}"
+        );
+    }
+    // The file takes NVIDIA's Helm spelling (a string) and a bare number; a bad mode is an
+    // error at the key.
+    let c = resolve(
+        base(),
+        Some(file("version: v1\nconsumableShares: \"8\"\n").unwrap()),
+    );
+    assert_eq!(c.unwrap().shared_capacity.to_string(), "8");
+    let e = file("version: v1\nconsumableShares: 64\n").unwrap_err();
+    assert!(e.to_string().contains("consumableShares"), "{e}");
+    assert!(e.to_string().contains("at most 48"), "{e}");
+    // From the file too, against --shared-capacity on the command line.
+    let e = resolve(
+        with(|s| s.plugin.shared_capacity = Some(true)),
+        Some(file("version: v1\nconsumableShares: unlimited\n").unwrap()),
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "--shared-capacity/--consumable-shares");
+}
+
+/// The flag and NVIDIA's environment name, as clap reads them.
+#[test]
+fn consumable_shares_is_read_from_the_flag_and_nvidias_env_name() {
+    use clap::Parser;
+    let cli = crate::cli::Cli::try_parse_from([
+        "nvdra",
+        "inventory",
+        "--profile",
+        "dgx-h100",
+        "--consumable-shares=4",
+    ])
+    .unwrap();
+    let crate::cli::Command::Inventory(args) = &cli.command else {
+        panic!("inventory");
+    };
+    assert_eq!(
+        args.plugin
+            .consumable_shares
+            .map(|m| m.to_string())
+            .as_deref(),
+        Some("4")
+    );
+    let e = crate::cli::Cli::try_parse_from(["nvdra", "inventory", "--consumable-shares=0"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 to 48"), "{e}");
 }

@@ -62,7 +62,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         metrics_address: "127.0.0.1:0".parse().context("loopback address")?,
         log_format: LogFormat::Plain,
         partitionable: false,
-        shared_capacity: true,
+        shared_capacity: crate::config::ConsumableShares::Memory,
         dynamic_mig: crate::config::DynamicMig::On,
         mig_profiles: None,
         pod_uid: None,

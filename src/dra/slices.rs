@@ -17,8 +17,8 @@
 //!   silicon keeps its name across restarts. Devices are sorted by name within each slice.
 //! - The same silicon is never offered twice: without partitioning, a GPU in MIG mode publishes
 //!   only its MIG devices; with partitioning, shared counters make overlapping devices mutually
-//!   exclusive. A shareable GPU (`--shared-capacity`) is one device, allocated whole or in
-//!   shares by its consumable capacity. GPUs and MIG devices marked unhealthy for good are not published; those the
+//!   exclusive. A shareable GPU (`--shared-capacity`, `--consumable-shares`) is one device,
+//!   allocated whole or in shares by its consumable capacity. GPUs and MIG devices marked unhealthy for good are not published; those the
 //!   health monitor saw fail are published with a device taint (`<driver>/xid`,
 //!   `<driver>/gpu-lost`), so a running pod's device does not vanish from the slice.
 //!   With dynamic MIG a GPU that can switch MIG mode is offered whole and in MIG placements at
@@ -39,6 +39,7 @@ mod splitting;
 
 use std::fmt;
 
+pub use crate::ledger::shares::ConsumableShares;
 pub use attributes::normalize_version;
 pub use names::{PublishedDevice, counter_set_name, find_device};
 pub use splitting::desired_slices;
@@ -147,9 +148,11 @@ pub struct SliceOptions {
     /// instead of only what exists.
     pub partitionable: bool,
     /// Publish each GPU outside MIG mode as one device the scheduler may allocate many times,
-    /// by consumable `memory` (DRAConsumableCapacity): a claim that asks for part of its memory
-    /// gets a share, one that asks for none the whole GPU.
-    pub shared_capacity: bool,
+    /// by consumable capacity (DRAConsumableCapacity), in one of NVIDIA's consumable-shares
+    /// modes (`--consumable-shares`; `memory` is `--shared-capacity`): in `memory` a claim that
+    /// asks for part of its memory gets a share, one that asks for none the whole GPU; in
+    /// `unlimited` and integer mode every claim gets a share.
+    pub shared_capacity: ConsumableShares,
     /// Publish each GPU that can switch MIG mode at run time ([`Gpu::mig_toggle`]) whole and
     /// in every free MIG placement, at either mode, all drawing on one counter set
     /// (`--dynamic-mig`); prepare switches the mode. A GPU that cannot is published as without

@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::slices::{self, CounterLayout, SliceOptions};
+use super::slices::{self, ConsumableShares, CounterLayout, SliceOptions};
 use crate::holds::{ContainerHolds, Holder, Occupied};
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::metrics::Metrics;
@@ -199,7 +199,7 @@ impl SliceSync {
             .map(String::as_str)
             .filter(|f| CONSUMABLE_FIELDS.contains(f))
             .collect();
-        if self.options.shared_capacity && !lost_consumable.is_empty() {
+        if self.options.shared_capacity.enabled() && !lost_consumable.is_empty() {
             // Without `allowMultipleAllocations` the server stores each shareable GPU as a plain
             // device, which the scheduler hands out whole, and without `requestPolicy` a
             // capacity with nothing to say: publish the plain GPUs the server would store.
@@ -208,9 +208,9 @@ impl SliceSync {
                 "the API server drops fields shareable GPUs need (feature gate \
                  DRAConsumableCapacity is off); publishing each GPU as a plain whole GPU, \
                  allocated to one claim at a time. Enable the gate or run without \
-                 --shared-capacity to silence this"
+                 --shared-capacity and --consumable-shares to silence this"
             );
-            self.options.shared_capacity = false;
+            self.options.shared_capacity = ConsumableShares::Disabled;
             self.stale = true;
         }
         let counting = self.options.partitionable || self.options.dynamic_mig;
@@ -363,7 +363,7 @@ mod tests {
             driver: "gpu.nvidia.com".into(),
             node_name: "n1".into(),
             partitionable: false,
-            shared_capacity: false,
+            shared_capacity: ConsumableShares::Disabled,
             dynamic_mig: false,
             mig_profiles: None,
             layout: CounterLayout::Separate,

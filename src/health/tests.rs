@@ -371,7 +371,7 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
         driver: "gpu.nvidia.com".into(),
         node_name: "n1".into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: crate::dra::slices::ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout: CounterLayout::Separate,

@@ -1,14 +1,17 @@
-//! Consumable-capacity shares of a GPU (`--shared-capacity`): the request policy a shareable GPU
-//! publishes, what each share consumes, the memory limit CUDA gets for it, and the check, made
-//! when a claim is reserved, that the shares of one GPU fit in it.
+//! Consumable-capacity shares of a GPU (`--shared-capacity`, `--consumable-shares`): the modes,
+//! the request policies a shareable GPU publishes in each, what each share consumes, the memory
+//! limit CUDA gets for it, and the check, made when a claim is reserved, that the shares of one
+//! GPU fit in it.
 //!
 //! A shareable GPU is one device, `gpu-<minor>`, that the scheduler may allocate many times
-//! (`allowMultipleAllocations`). Each allocation consumes `memory` (the policy's default is the
-//! whole GPU, so a claim that asks for none is exclusive) and `multiprocessors` (default 0, so a
-//! share that asks for none is charged none; what one asks the node applies as a cap). An
-//! allocation that consumes less than the whole memory is a share, run under the GPU's MPS
-//! daemon with a pinned memory limit; one that consumes all of it is the GPU, exclusive, with
-//! no MPS.
+//! (`allowMultipleAllocations`). Each allocation consumes every capacity the device publishes:
+//! what the claim asks, else the policy's default ([`ConsumableShares`] says which in each mode).
+//! `multiprocessors` defaults to 0 in every mode, so a share that asks for none is charged none;
+//! what one asks the node applies as a cap. In `memory` mode (`--shared-capacity`) `memory`
+//! defaults to the whole GPU, so a claim that asks for none is exclusive: an allocation that
+//! consumes less than the whole memory is a share, run under the GPU's MPS daemon with a pinned
+//! memory limit, one that consumes all of it is the GPU, exclusive, with no MPS. In `unlimited`
+//! and integer mode `memory` defaults to 0 and every allocation is a share.
 //!
 //! The scheduler counts memory the same way, so a share that does not fit here is an allocation
 //! made against slices that have changed since (or a scheduler bug); the node refuses it rather
@@ -16,6 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +39,116 @@ pub const MAX_SHARES: u64 = 48;
 /// context and the per-client state it keeps); the device check (`nvdra` issue 24, item 9)
 /// measures it on a real GPU.
 pub const MPS_RESERVE: u64 = 1 << 30;
+
+/// How GPUs are published shareable: the values of NVIDIA's DRA driver's `--consumable-shares`
+/// (env `CONSUMABLE_SHARES`), which nvdra takes as a drop-in; `memory` is also
+/// `--shared-capacity`. The scheduler counts what each mode publishes; the node holds each share
+/// to it as far as the mode allows ([`held_memory`], [`shares_thread_percentage`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ConsumableShares {
+    /// GPUs are published plain, allocated whole.
+    #[default]
+    Disabled,
+    /// `memory` defaults to the whole GPU (a claim that asks for none gets it exclusively); a
+    /// claim asks for a share by memory.
+    Memory,
+    /// `memory` defaults to 0, so claims that ask for nothing share a GPU without bound (up to
+    /// the clients MPS serves); one that asks for memory is held to it.
+    Unlimited,
+    /// A `shares` capacity of N per GPU, 1 per claim unless it asks for more; `memory` defaults
+    /// to 0 as in [`ConsumableShares::Unlimited`].
+    Count(ShareCount),
+}
+
+/// The `N` of integer mode: 1 to [`MAX_SHARES`], as no more clients fit one MPS server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ShareCount(u32);
+
+impl ShareCount {
+    /// `n` when it is 1 to [`MAX_SHARES`].
+    pub fn new(n: u32) -> Option<Self> {
+        (1..=MAX_SHARES as u32).contains(&n).then_some(Self(n))
+    }
+
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+impl ConsumableShares {
+    /// Whether GPUs are published shareable at all.
+    pub fn enabled(self) -> bool {
+        self != ConsumableShares::Disabled
+    }
+
+    /// Whether an allocation that consumes all of a GPU's memory is the GPU whole (only in
+    /// `memory` mode, where nothing else fits beside it); in the other modes a claim that asks
+    /// for nothing consumes no memory, and every allocation is a share.
+    pub fn all_memory_is_whole(self) -> bool {
+        self == ConsumableShares::Memory
+    }
+}
+
+impl fmt::Display for ConsumableShares {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConsumableShares::Disabled => f.write_str("disabled"),
+            ConsumableShares::Memory => f.write_str("memory"),
+            ConsumableShares::Unlimited => f.write_str("unlimited"),
+            ConsumableShares::Count(n) => write!(f, "{}", n.get()),
+        }
+    }
+}
+
+impl FromStr for ConsumableShares {
+    type Err = String;
+
+    /// NVIDIA's spellings: `disabled`, `memory`, `unlimited`, or a positive integer (here at
+    /// most [`MAX_SHARES`]).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "disabled" => Ok(ConsumableShares::Disabled),
+            "memory" => Ok(ConsumableShares::Memory),
+            "unlimited" => Ok(ConsumableShares::Unlimited),
+            n if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+                match n.parse::<u32>().ok().and_then(ShareCount::new) {
+                    Some(n) => Ok(ConsumableShares::Count(n)),
+                    None => Err(format!(
+                        "{n} shares per GPU: give 1 to {MAX_SHARES}, as one MPS server serves at \
+                         most {MAX_SHARES} clients per GPU"
+                    )),
+                }
+            }
+            other => Err(format!(
+                "{other:?} is not a mode: give disabled, memory, unlimited or a number of shares \
+                 per GPU (1 to {MAX_SHARES})"
+            )),
+        }
+    }
+}
+
+impl Serialize for ConsumableShares {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// A string as NVIDIA's Helm value renders it, or a bare number (`consumableShares: 4`).
+impl<'de> Deserialize<'de> for ConsumableShares {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Number(u64),
+        }
+        let text = match Raw::deserialize(d)? {
+            Raw::Text(t) => t,
+            Raw::Number(n) => n.to_string(),
+        };
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
 
 /// The memory a shareable GPU publishes: its memory rounded down to a [`MEMORY_STEP`], so that
 /// the policy's maximum and default lie on a step, as the API server requires.
@@ -77,6 +191,29 @@ pub fn thread_percentage(asked: u32, total: u32) -> u32 {
     }
     (u64::from(asked) * 100)
         .div_ceil(u64::from(total))
+        .clamp(1, 100) as u32
+}
+
+/// The memory a share is held to, in bytes, of a GPU publishing `total`: what it consumed (what
+/// the scheduler counted), else in integer mode its `shares` part of the GPU (`count` of `of`,
+/// rounded down to a MiB), else none (an `unlimited` share that asked for no memory: MPS runs it
+/// without a memory limit, as the scheduler promised it nothing).
+pub fn held_memory(consumed: u64, shares: Option<(u32, ShareCount)>, total: u64) -> Option<u64> {
+    if consumed > 0 {
+        return Some(consumed);
+    }
+    let (count, of) = shares?;
+    // u128: 80 GiB × 48 fits a u64, but a bogus count need not.
+    let part = u128::from(total) * u128::from(count.min(of.get())) / u128::from(of.get());
+    // At most `total`, so it fits a u64.
+    Some((part as u64) / MEMORY_STEP * MEMORY_STEP)
+}
+
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` for `count` of `of` shares: the smallest whole
+/// percentage that covers them, 1..=100 (25 for 1 of 4, 34 for 1 of 3).
+pub fn shares_thread_percentage(count: u32, of: ShareCount) -> u32 {
+    (u64::from(count) * 100)
+        .div_ceil(u64::from(of.get()))
         .clamp(1, 100) as u32
 }
 
@@ -214,6 +351,63 @@ mod tests {
         let three = 3 * cuda_limit(H100 / 3 / MEMORY_STEP * MEMORY_STEP, H100);
         assert!(three <= H100 - MPS_RESERVE, "{three}");
         assert_eq!(cuda_limit(1 << 30, 0), 0);
+    }
+
+    #[test]
+    fn modes_read_as_nvidia_spells_them_and_refuse_what_mps_cannot_serve() {
+        let parse = |s: &str| s.parse::<ConsumableShares>();
+        assert_eq!(parse("disabled"), Ok(ConsumableShares::Disabled));
+        assert_eq!(parse("memory"), Ok(ConsumableShares::Memory));
+        assert_eq!(parse(" unlimited "), Ok(ConsumableShares::Unlimited));
+        let four = ShareCount::new(4).unwrap();
+        assert_eq!(parse("4"), Ok(ConsumableShares::Count(four)));
+        assert_eq!(parse("48").unwrap().to_string(), "48");
+        for bad in ["0", "49", "99999999999", "-1", "Memory", "", "4.5"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        assert!(parse("49").unwrap_err().contains("at most 48 clients"));
+        for m in ["disabled", "memory", "unlimited", "7"] {
+            assert_eq!(parse(m).unwrap().to_string(), m);
+        }
+        // The file may give the number bare, as YAML reads `consumableShares: 4`.
+        let from_yaml = |t: &str| serde_json::from_str::<ConsumableShares>(t);
+        assert_eq!(from_yaml("4").unwrap(), ConsumableShares::Count(four));
+        assert_eq!(from_yaml("\"4\"").unwrap(), ConsumableShares::Count(four));
+        assert_eq!(
+            from_yaml("\"unlimited\"").unwrap(),
+            ConsumableShares::Unlimited
+        );
+        assert!(from_yaml("0").is_err());
+        assert_eq!(
+            serde_json::to_string(&ConsumableShares::Count(four)).unwrap(),
+            "\"4\""
+        );
+        assert!(ConsumableShares::Unlimited.enabled() && !ConsumableShares::Disabled.enabled());
+        assert!(ConsumableShares::Memory.all_memory_is_whole());
+        assert!(!ConsumableShares::Count(four).all_memory_is_whole());
+        assert!(!ConsumableShares::Unlimited.all_memory_is_whole());
+    }
+
+    #[test]
+    fn a_share_is_held_to_its_memory_else_its_part_of_the_gpu_else_nothing() {
+        let four = ShareCount::new(4).unwrap();
+        let three = ShareCount::new(3).unwrap();
+        // Asked memory wins, in any mode.
+        assert_eq!(held_memory(8 << 30, Some((1, four)), H100), Some(8 << 30));
+        assert_eq!(held_memory(8 << 30, None, H100), Some(8 << 30));
+        // k of N shares: k/N of the GPU, in whole MiB.
+        assert_eq!(held_memory(0, Some((1, four)), H100), Some(20 << 30));
+        assert_eq!(held_memory(0, Some((2, four)), H100), Some(40 << 30));
+        assert_eq!(held_memory(0, Some((1, three)), H100), Some(27306 << 20));
+        assert_eq!(held_memory(0, Some((3, three)), H100), Some(H100));
+        // More than N cannot be allocated; if a record says so, it is held to the GPU.
+        assert_eq!(held_memory(0, Some((9, four)), H100), Some(H100));
+        // unlimited, asking nothing: no memory limit.
+        assert_eq!(held_memory(0, None, H100), None);
+        assert_eq!(shares_thread_percentage(1, four), 25);
+        assert_eq!(shares_thread_percentage(1, three), 34);
+        assert_eq!(shares_thread_percentage(4, four), 100);
+        assert_eq!(shares_thread_percentage(0, four), 1);
     }
 
     #[test]

@@ -841,7 +841,7 @@ fn quantities_format_as_kubernetes_writes_them() {
 /// The first `gpus` GPUs of dgx-h100 as `--dynamic-mig` (and `--shared-capacity` when `shared`)
 /// publishes them, with the claims of `claims` matched one after another.
 fn dynamic_h100(gpus: usize, shared: bool, claims: &str) -> Vec<ClaimReport> {
-    use crate::dra::slices::{CounterLayout, SliceOptions, desired_slices};
+    use crate::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
     use k8s_openapi::api::resource::v1::ResourceSlice;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     let inv = crate::inventory::topology::load_profile("dgx-h100", "n").unwrap();
@@ -850,7 +850,11 @@ fn dynamic_h100(gpus: usize, shared: bool, claims: &str) -> Vec<ClaimReport> {
         driver: DRIVER.into(),
         node_name: "n".into(),
         partitionable: false,
-        shared_capacity: shared,
+        shared_capacity: if shared {
+            ConsumableShares::Memory
+        } else {
+            ConsumableShares::Disabled
+        },
         dynamic_mig: true,
         mig_profiles: None,
         layout: CounterLayout::Separate,

@@ -440,7 +440,7 @@ fn profile_devices(profile: &str) -> Vec<Device> {
         driver: "gpu.nvidia.com".into(),
         node_name: "node-a".into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: crate::dra::slices::ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout: slices::CounterLayout::Separate,

@@ -13,7 +13,7 @@ use super::{
 };
 use crate::ids::DeviceName;
 use crate::inventory::{Engines, Gpu, MigDevice, MigProfile, MigUuid, Placement, quantity};
-use crate::ledger::shares;
+use crate::ledger::shares::{self, ConsumableShares};
 
 /// Normalizes a driver-reported version to semantic versioning 2.0.0, or `None` when it cannot be
 /// read as one (the attribute is then left out rather than published as a string, which would
@@ -202,36 +202,61 @@ pub(super) fn gpu_device(gpu: &Gpu) -> Device {
     }
 }
 
-/// A GPU outside MIG mode as `--shared-capacity` publishes it: the whole GPU's device, which the
-/// scheduler may allocate many times (`allowMultipleAllocations`), each allocation consuming
-/// part of it by the request policies (see [`crate::ledger::shares`]):
+/// A GPU outside MIG mode as a consumable-shares `mode` publishes it: the whole GPU's device,
+/// which the scheduler may allocate many times (`allowMultipleAllocations`), each allocation
+/// consuming part of it by the request policies (see [`crate::ledger::shares`]):
 ///
-/// - `memory` (rounded down to a MiB): default the whole GPU, so a claim that asks for no memory
-///   gets the GPU exclusively, as on a GPU published without the switch; the smallest share
-///   lets at most 48 shares (MPS's clients per GPU) fit; steps of 1Mi.
+/// - `memory` (rounded down to a MiB), steps of 1Mi. In `memory` mode (`--shared-capacity`) the
+///   default is the whole GPU, so a claim that asks for no memory gets the GPU exclusively, as on
+///   a GPU published without the switch, and the smallest share lets at most 48 shares (MPS's
+///   clients per GPU) fit. In `unlimited` and integer mode the default and the minimum are 0, as
+///   NVIDIA's driver publishes them: a claim that asks for nothing consumes no memory.
+/// - `shares` (integer mode `N` only): N, default 1, from 1 to N in steps of 1, as NVIDIA's
+///   (without the step when N is 1, which the API server would refuse).
 /// - `multiprocessors`: default 0, from 0 to all in steps of 1, so a share that does not ask
 ///   for SMs is not charged all of them (without a policy the scheduler charges the whole value
 ///   to each allocation). What a share asks the scheduler counts, and the node applies as a
-///   cap (MPS's active thread percentage): SMs are not partitioned.
+///   cap (MPS's active thread percentage): SMs are not partitioned. NVIDIA's driver publishes
+///   no `multiprocessors` on a GPU; a claim that does not ask for them sees no difference.
 ///
-/// `None` for a GPU too small to share ([`shares::is_shareable`]): it is published as without
-/// the switch.
-pub(super) fn shareable_gpu_device(gpu: &Gpu) -> Option<Device> {
-    if !shares::is_shareable(gpu.memory_bytes) {
+/// `None` when `mode` is disabled, and for a GPU too small to share ([`shares::is_shareable`]):
+/// it is published as without the switch.
+pub(super) fn shareable_gpu_device(gpu: &Gpu, mode: ConsumableShares) -> Option<Device> {
+    if !mode.enabled() || !shares::is_shareable(gpu.memory_bytes) {
         return None;
     }
     let mut d = gpu_device(gpu);
     let memory = shares::shareable_memory(gpu.memory_bytes);
+    let (default, min) = match mode {
+        ConsumableShares::Memory => (memory, shares::min_share(memory)),
+        _ => (0, 0),
+    };
     let c = d.capacity.get_or_insert_with(Capacities::new);
     c.insert(
         "memory".into(),
         consumable(
             quantity(memory),
-            quantity(memory),
-            quantity(shares::min_share(memory)),
+            quantity(default),
+            quantity(min),
             quantity(shares::MEMORY_STEP),
         ),
     );
+    if let ConsumableShares::Count(n) = mode {
+        let mut shares = consumable(n.get().to_string(), "1".into(), "1".into(), "1".into());
+        if n.get() == 1 {
+            // The API server wants min + step within the value: with one share NVIDIA's step
+            // of 1 would have the slice refused. Without a step the range allows 1 alone all
+            // the same.
+            if let Some(r) = shares
+                .request_policy
+                .as_mut()
+                .and_then(|p| p.valid_range.as_mut())
+            {
+                r.step = None;
+            }
+        }
+        c.insert("shares".into(), shares);
+    }
     if let Some(sms) = gpu.multiprocessors {
         c.insert(
             "multiprocessors".into(),

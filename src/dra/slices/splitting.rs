@@ -93,12 +93,8 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
         // let it (its devices are then tainted).
         let toggle = opts.dynamic_mig.then(|| gpu.mig_toggle());
         let reset = matches!(toggle, Some(Err(NoMigToggle::Pending { .. })));
-        let whole = || {
-            opts.shared_capacity
-                .then(|| shareable_gpu_device(gpu))
-                .flatten()
-                .unwrap_or_else(|| gpu_device(gpu))
-        };
+        let whole =
+            || shareable_gpu_device(gpu, opts.shared_capacity).unwrap_or_else(|| gpu_device(gpu));
         let group = if let Some(Ok(())) = toggle {
             dynamic(gpu, allowed, whole())?
         } else if gpu.in_mig_mode() && opts.partitionable {

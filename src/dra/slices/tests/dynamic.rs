@@ -414,7 +414,7 @@ fn the_allowlist_cuts_placements_but_never_existing_devices() {
 fn with_shares_the_whole_gpu_is_the_shareable_device_and_consumes_the_counters() {
     let inv = profile("dgx-h100");
     let both = SliceOptions {
-        shared_capacity: true,
+        shared_capacity: ConsumableShares::Memory,
         ..dynamic(CounterLayout::Separate)
     };
     let specs = desired_slices(&inv, &both).unwrap();

@@ -35,7 +35,7 @@ fn opts(partitionable: bool, layout: CounterLayout) -> SliceOptions {
         driver: DRIVER.into(),
         node_name: "node-a".into(),
         partitionable,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         dynamic_mig: false,
         mig_profiles: None,
         layout,
@@ -45,7 +45,7 @@ fn opts(partitionable: bool, layout: CounterLayout) -> SliceOptions {
 /// `--shared-capacity`, with or without `--partitionable`.
 fn shared(partitionable: bool) -> SliceOptions {
     SliceOptions {
-        shared_capacity: true,
+        shared_capacity: ConsumableShares::Memory,
         ..opts(partitionable, CounterLayout::Separate)
     }
 }

@@ -1,5 +1,7 @@
-//! `--shared-capacity`: each GPU outside MIG mode is one device the scheduler may allocate many
-//! times, by consumable `memory` (default: the whole GPU) and `multiprocessors` (default: 0).
+//! `--shared-capacity` and `--consumable-shares`: each GPU outside MIG mode is one device the
+//! scheduler may allocate many times, by consumable `memory` (default: the whole GPU in `memory`
+//! mode, 0 in NVIDIA's `unlimited` and integer modes), `shares` (integer mode) and
+//! `multiprocessors` (default: 0).
 
 use super::*;
 use crate::inventory::{TaintEffect, TaintKey};
@@ -143,7 +145,7 @@ fn gpus_in_mig_mode_keep_their_mig_devices_and_gpus_too_small_are_not_shared() {
         let off = desired_slices(
             &inv,
             &SliceOptions {
-                shared_capacity: false,
+                shared_capacity: ConsumableShares::Disabled,
                 ..shared(partitionable)
             },
         )
@@ -187,4 +189,155 @@ fn an_unhealthy_gpu_is_tainted_as_without_the_switch() {
     let specs = desired_slices(&inv, &shared(false)).unwrap();
     assert!(plain_taint.is_some());
     assert_eq!(device(&specs, "gpu-2").taints, plain_taint);
+}
+
+/// `--consumable-shares`, any mode.
+fn mode(m: &str) -> SliceOptions {
+    SliceOptions {
+        shared_capacity: m.parse().unwrap(),
+        ..plain()
+    }
+}
+
+/// NVIDIA's `unlimited` and integer modes, as its `consumable_shares.go` publishes them:
+/// `memory` rounded down to a MiB with default 0, min 0, max all of it, steps of 1Mi, and in
+/// integer mode `shares` of N with default 1, min 1, max N, step 1.
+#[test]
+fn unlimited_and_integer_modes_publish_nvidias_policies() {
+    let inv = profile("dgx-h100");
+    let off = desired_slices(&inv, &plain()).unwrap();
+    for (m, shares) in [("unlimited", None), ("4", Some("4")), ("48", Some("48"))] {
+        let specs = desired_slices(&inv, &mode(m)).unwrap();
+        assert_eq!(names(&specs), names(&off), "{m}: no twins");
+        for g in &inv.gpus {
+            let d = device(&specs, &format!("gpu-{}", g.minor));
+            let whole = device(&off, &format!("gpu-{}", g.minor));
+            assert_eq!(d.allow_multiple_allocations, Some(true), "{m}");
+            assert_eq!(d.attributes, whole.attributes, "{m}");
+            assert_eq!(
+                policy(d, "memory"),
+                (q("80Gi"), q("0"), q("0"), q("80Gi"), q("1Mi")),
+                "{m}"
+            );
+            assert_eq!(
+                policy(d, "multiprocessors"),
+                (q("132"), q("0"), q("0"), q("132"), q("1")),
+                "{m}"
+            );
+            match shares {
+                Some(n) => assert_eq!(
+                    policy(d, "shares"),
+                    (q(n), q("1"), q("1"), q(n), q("1")),
+                    "{m}"
+                ),
+                None => assert!(!d.capacity.as_ref().unwrap().contains_key("shares"), "{m}"),
+            }
+            let extra = usize::from(shares.is_some());
+            assert_eq!(
+                d.capacity.as_ref().unwrap().len(),
+                whole.capacity.as_ref().unwrap().len() + extra,
+                "{m}: nothing else added"
+            );
+        }
+    }
+    // `memory` mode is --shared-capacity, field for field; `disabled` is no switch at all.
+    assert_eq!(
+        desired_slices(&inv, &mode("memory")).unwrap(),
+        desired_slices(&inv, &shared(false)).unwrap()
+    );
+    assert_eq!(desired_slices(&inv, &mode("disabled")).unwrap(), off);
+}
+
+#[test]
+fn every_mode_passes_the_api_rules_on_every_profile() {
+    for name in [
+        "dgx-h100",
+        "dgx-a100",
+        "dgx-a100-mig",
+        "a100-mig-mixed",
+        "l40s-pcie",
+        "pcie-pairs",
+        "hgx-h200",
+    ] {
+        let inv = profile(name);
+        for m in ["memory", "unlimited", "1", "7", "48"] {
+            for partitionable in [false, true] {
+                let specs = desired_slices(
+                    &inv,
+                    &SliceOptions {
+                        partitionable,
+                        ..mode(m)
+                    },
+                )
+                .unwrap();
+                for s in &specs {
+                    assert!(validate(s).is_empty(), "{name} {m}: {:?}", validate(s));
+                }
+                assert!(validate_pool(&specs).is_empty(), "{name} {m}");
+            }
+        }
+    }
+    // One share per GPU: NVIDIA's step of 1 breaks the rule that min + step lie within the
+    // value, so it has none (and 1 is the only value the range allows).
+    let specs = desired_slices(&profile("dgx-h100"), &mode("1")).unwrap();
+    let p = all_devices(&specs)[0].capacity.as_ref().unwrap()["shares"]
+        .request_policy
+        .clone()
+        .unwrap();
+    let r = p.valid_range.unwrap();
+    assert_eq!((r.min.0.as_str(), r.step), ("1", None));
+    assert_eq!(r.max.map(|m| m.0).as_deref(), Some("1"));
+    // The rules catch a `shares` policy whose default is out of its range.
+    let specs = desired_slices(&profile("dgx-h100"), &mode("4")).unwrap();
+    let mut spec = specs[0].clone();
+    let d = &mut spec.devices.as_mut().unwrap()[0];
+    d.capacity
+        .as_mut()
+        .unwrap()
+        .get_mut("shares")
+        .unwrap()
+        .request_policy = Some(CapacityRequestPolicy {
+        default: Some(Quantity("5".into())),
+        ..d.capacity.as_ref().unwrap()["shares"]
+            .request_policy
+            .clone()
+            .unwrap()
+    });
+    let v: Vec<String> = validate(&spec).iter().map(|v| v.to_string()).collect();
+    assert!(
+        v.iter()
+            .any(|v| v.contains("the default must lie within validRange")),
+        "{v:?}"
+    );
+}
+
+/// Every mode leaves GPUs in MIG mode to their MIG devices, published as without it, and a GPU
+/// too small to share plain.
+#[test]
+fn every_mode_leaves_mig_devices_and_small_gpus_as_they_were() {
+    let inv = profile("a100-mig-mixed");
+    let off = desired_slices(&inv, &plain()).unwrap();
+    for m in ["memory", "unlimited", "4"] {
+        let on = desired_slices(&inv, &mode(m)).unwrap();
+        assert_eq!(names(&on), names(&off), "{m}");
+        for d in all_devices(&off)
+            .into_iter()
+            .filter(|d| d.name.contains("-mig-"))
+        {
+            assert_eq!(device(&on, &d.name), d, "{m}");
+        }
+        let mut small = profile("dgx-h100");
+        small.gpus[0].memory_bytes = 2 << 30;
+        let specs = desired_slices(&small, &mode(m)).unwrap();
+        assert_eq!(
+            device(&specs, "gpu-0").allow_multiple_allocations,
+            None,
+            "{m}"
+        );
+        assert_eq!(
+            device(&specs, "gpu-1").allow_multiple_allocations,
+            Some(true),
+            "{m}"
+        );
+    }
 }

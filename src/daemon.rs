@@ -305,7 +305,7 @@ async fn start(
     // What a scrape reads: the claims, the containers, readings, XIDs, processes' pods.
     metrics.set_source(scrape_source(
         &backend,
-        plugin.as_ref().map(Plugin::ledger),
+        plugin.as_ref(),
         &monitor,
         device_plugin.as_ref(),
         extras,
@@ -447,14 +447,17 @@ async fn serve_dra(
 /// hold through the device plugin, the GPUs' readings, the XID counts, processes' pods.
 fn scrape_source(
     backend: &Arc<dyn DeviceBackend>,
-    ledger: Option<&ledger::Ledger>,
+    plugin: Option<&Plugin>,
     monitor: &HealthMonitor,
     device_plugin: Option<&DevicePlugin>,
     extras: &Extras,
 ) -> Arc<Attribution> {
     let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
-    if let Some(ledger) = ledger {
-        source = source.with_ledger(ledger.clone());
+    if let Some(plugin) = plugin {
+        let levels = plugin.clone();
+        source = source
+            .with_ledger(plugin.ledger().clone())
+            .with_share_levels(Arc::new(move || levels.share_levels()));
     }
     if let Some(dp) = device_plugin
         && let Some(holds) = dp.holds()

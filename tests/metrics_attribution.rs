@@ -556,10 +556,26 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
     metrics.set_source(Arc::new(
         Attribution::new(Arc::new(sim))
             .with_ledger(ledger)
-            .with_proc_root(proc_root.path()),
+            .with_proc_root(proc_root.path())
+            // One share whose container the driver limits, one limited per process only.
+            .with_share_levels(Arc::new(|| {
+                [("a", "container"), ("b", "process")]
+                    .into_iter()
+                    .map(|(uid, level)| (ClaimUid::parse(uid).unwrap(), level))
+                    .collect()
+            })),
     ));
     let families = promclient::parse(&metrics.render());
     let samples = promclient::samples(&families);
+    for (claim, level) in [("nb-a", "container"), ("nb-b", "process")] {
+        let found: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| s.name == "nvdra_share_enforcement" && s.labels["claim"] == claim)
+            .collect();
+        assert_eq!(found.len(), 1, "{claim}: {samples:?}");
+        assert_eq!(found[0].labels["level"], level, "{claim}");
+        assert_eq!(found[0].value, 1.0);
+    }
     let value = |name: &str, claim: &str| {
         let found: Vec<&Sample> = samples
             .iter()

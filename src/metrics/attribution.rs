@@ -26,7 +26,12 @@ pub struct Attribution {
     monitor: Option<MonitorHandle>,
     proc_root: PathBuf,
     device_plugin_sharing: String,
+    share_levels: Option<ShareLevels>,
 }
+
+/// Which limit holds each prepared share claim's memory (`container` or `process`).
+pub type ShareLevels =
+    Arc<dyn Fn() -> BTreeMap<crate::ids::ClaimUid, &'static str> + Send + Sync>;
 
 impl Attribution {
     pub fn new(backend: Arc<dyn DeviceBackend>) -> Self {
@@ -37,7 +42,14 @@ impl Attribution {
             monitor: None,
             proc_root: PathBuf::from("/proc"),
             device_plugin_sharing: "exclusive".into(),
+            share_levels: None,
         }
+    }
+
+    /// Which limit holds each share's memory.
+    pub fn with_share_levels(mut self, levels: ShareLevels) -> Self {
+        self.share_levels = Some(levels);
+        self
     }
 
     /// The DRA claims.
@@ -153,7 +165,8 @@ impl Source for Attribution {
         processes.dedup_by(|a, b| {
             (&a.gpu_uuid, &a.mig_uuid, a.pid) == (&b.gpu_uuid, &b.mig_uuid, b.pid)
         });
-        let shares = share_rows(&claims, &processes, &inv, usage_ok);
+        let levels = self.share_levels.as_ref().map(|f| f()).unwrap_or_default();
+        let shares = share_rows(&claims, &processes, &inv, usage_ok, &levels);
         let minors: BTreeMap<_, _> = inv.gpus.iter().map(|g| (&g.uuid, g.minor)).collect();
         let gpus = usage
             .into_iter()
@@ -190,9 +203,10 @@ pub fn share_rows(
     processes: &[ProcessRow],
     inv: &Inventory,
     usage_ok: bool,
+    levels: &BTreeMap<crate::ids::ClaimUid, &'static str>,
 ) -> Vec<ShareRow> {
     let mut out = Vec::new();
-    for e in claims.values() {
+    for (uid, e) in claims {
         let pods: BTreeSet<&str> = e.pods.iter().map(|p| p.uid.as_str()).collect();
         for d in &e.devices {
             let Some(consumed) = d.consumed else {
@@ -212,6 +226,7 @@ pub fn share_rows(
                 gpu_uuid: d.gpu.to_string(),
                 consumed_bytes: consumed.memory,
                 used_bytes: usage_ok.then_some(used),
+                level: levels.get(uid).copied().unwrap_or_default().to_string(),
             });
         }
     }

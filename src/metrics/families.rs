@@ -90,6 +90,9 @@ pub struct ShareRow {
     /// The sum over the processes on the GPU whose cgroup names one of the claim's pods; `None`
     /// when the readings could not be read this scrape.
     pub used_bytes: Option<u64>,
+    /// Which limit holds the share's memory: `container` (the driver's per-cgroup limits on its
+    /// container) or `process` (the MPS per-process limit only); empty when not known.
+    pub level: String,
 }
 
 /// What a scrape reads from the node ([`super::Source`]).
@@ -346,6 +349,20 @@ fn encode_scrape(e: &mut DescriptorEncoder, s: &Scrape) -> Fmt {
         &s.shares,
         share,
         |r| Some(r.consumed_bytes),
+    )?;
+    gauges(
+        e,
+        "nvdra_share_enforcement",
+        "Which limit holds a share's GPU memory (1 for its level): container (the driver's soft \
+         and hard limits on its container's cgroup, MPS v3 memory partitioning) or process (the \
+         MPS limit on each CUDA process only).",
+        &s.shares,
+        |r: &ShareRow| {
+            let mut labels = share(r).to_vec();
+            labels.push(("level", r.level.clone()));
+            labels
+        },
+        |r| (!r.level.is_empty()).then_some(1),
     )?;
     gauges(
         e,

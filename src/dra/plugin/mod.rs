@@ -25,7 +25,7 @@
 //! - Unprepare of an unknown claim succeeds.
 //! - One claim's failure is that claim's error, never the batch's.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -198,6 +198,17 @@ impl Plugin {
         if let Some(f) = self.inner.inventory_listener.get() {
             f();
         }
+    }
+
+    /// Which limit holds each prepared share claim's memory: `container` (the driver's limits on
+    /// the container's cgroup) or `process` (the MPS per-process limit only).
+    pub fn share_levels(&self) -> BTreeMap<ClaimUid, &'static str> {
+        self.inner
+            .specs
+            .levels()
+            .into_iter()
+            .map(|(uid, level)| (uid, level.as_str()))
+            .collect()
     }
 
     pub fn ledger(&self) -> &Ledger {

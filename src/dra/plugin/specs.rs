@@ -11,6 +11,7 @@ use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceBackend, GpuUuid};
+use crate::lock::lock;
 
 pub(super) struct Specs {
     root: PathBuf,
@@ -23,6 +24,8 @@ pub(super) struct Specs {
     driver_files: Mutex<DriverFiles>,
     /// Why the MPS start gate could not be installed; MPS claims are then refused.
     gate_error: Option<String>,
+    /// Which limit holds each share claim's memory, as its written spec says (for `/metrics`).
+    levels: Mutex<BTreeMap<ClaimUid, Enforcement>>,
 }
 
 impl Specs {
@@ -34,6 +37,7 @@ impl Specs {
             driver_files: Mutex::new(cdi::discover_driver_files(driver_root)),
             root,
             gate_error: None,
+            levels: Mutex::default(),
         })
     }
 
@@ -156,12 +160,33 @@ impl Specs {
     pub fn write(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<(), cdi::Error> {
         let text = self.render(uid, devices)?;
         self.replace(uid, &text)?;
-        for d in devices {
-            if let Some(level) = self.enforcement(d) {
-                tracing::debug!(claim.uid = %uid, device = %d.name, %level, "share memory limit");
-            }
+        if let Some(level) = self.record_level(uid, devices) {
+            let how = match level {
+                Enforcement::Container => {
+                    "per container: the driver's soft and hard limits on the container's cgroup \
+                     (NVML), and the MPS per-process limit"
+                }
+                Enforcement::Process => {
+                    "per CUDA process only (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT): this GPU's driver \
+                     does not partition memory per cgroup"
+                }
+            };
+            tracing::info!(claim.uid = %uid, %level, "share memory limit {how}");
         }
         Ok(())
+    }
+
+    /// Records which limit holds the claim's shares (the weaker one where its shares differ);
+    /// `None` for a claim without shares.
+    fn record_level(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Option<Enforcement> {
+        let level = devices.iter().filter_map(|d| self.enforcement(d)).max()?;
+        lock(&self.levels).insert(uid.clone(), level);
+        Some(level)
+    }
+
+    /// Which limit holds each prepared share claim's memory.
+    pub fn levels(&self) -> BTreeMap<ClaimUid, Enforcement> {
+        lock(&self.levels).clone()
     }
 
     /// Rewrites the claim's spec unless the file already holds exactly what [`Specs::write`]
@@ -169,6 +194,7 @@ impl Specs {
     /// Whether it wrote.
     pub fn ensure(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<bool, cdi::Error> {
         let text = self.render(uid, devices)?;
+        self.record_level(uid, devices);
         let path = cdi::spec_path(&self.root, &self.opts, uid);
         if std::fs::read(&path).is_ok_and(|on_disk| on_disk == text.as_bytes()) {
             return Ok(false);
@@ -233,7 +259,9 @@ impl Specs {
     /// Whether there was a spec to remove. Not durable either: a spec that comes back after a
     /// power loss has no checkpoint entry, and start-up removes it.
     pub fn remove(&self, uid: &ClaimUid) -> Result<bool, cdi::Error> {
-        cdi::remove_spec(&self.root, &self.opts, uid, Durability::Atomic)
+        let removed = cdi::remove_spec(&self.root, &self.opts, uid, Durability::Atomic)?;
+        lock(&self.levels).remove(uid);
+        Ok(removed)
     }
 
     /// The claim UIDs of the specs in the directory.

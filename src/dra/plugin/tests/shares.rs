@@ -469,6 +469,9 @@ async fn where_the_driver_partitions_memory_a_shares_limits_cover_its_container(
         level(&p),
         Some(crate::cdi::memlimit::Enforcement::Container)
     );
+    // What /metrics says of the claim (nvdra_share_enforcement).
+    let uid = |u: &str| ClaimUid::parse(u).unwrap();
+    assert_eq!(p.share_levels(), BTreeMap::from([(uid("s"), "container")]));
 
     // A driver without partitioning: no hook, the per-process limit alone, said so.
     e.sim.set_memory_limits(false);
@@ -481,6 +484,14 @@ async fn where_the_driver_partitions_memory_a_shares_limits_cover_its_container(
     assert!(!spec.contains("memory-limit-hook"), "{spec}");
     assert!(spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="), "{spec}");
     assert_eq!(level(&p), Some(crate::cdi::memlimit::Enforcement::Process));
+    // Start-up rewrote "s"'s spec for this driver: both are limited per process now.
+    assert_eq!(
+        p.share_levels(),
+        BTreeMap::from([(uid("s"), "process"), (uid("t"), "process")])
+    );
+    let mut r = p.unprepare(vec![cref("t")]).await;
+    r.pop().unwrap().1.unwrap();
+    assert_eq!(p.share_levels(), BTreeMap::from([(uid("s"), "process")]));
 }
 
 /// A pod `name` (UID `pod-<name>`) whose containers run as `users` (`None`: no runAsUser), the

@@ -101,7 +101,7 @@ async fn run(delay: Duration, n: usize) {
         driver_root: nvdra::cdi::DriverRoot::at(&dir.path().join("driver")),
         boot_id: "bench".into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: nvdra::dra::slices::ConsumableShares::Disabled,
         mps_root: dir.path().join("mps"),
         dynamic_mig: true,
         keep_mig_on: false,

@@ -283,7 +283,7 @@ async fn main() {
             driver_root: nvdra::cdi::DriverRoot::at(&dir.path().join("driver")),
             boot_id: "bench".into(),
             partitionable: false,
-            shared_capacity: true,
+            shared_capacity: nvdra::dra::slices::ConsumableShares::Memory,
             mps_root: dir.path().join("mps"),
             dynamic_mig: false,
             keep_mig_on: false,

@@ -354,7 +354,7 @@ async fn start_dra(
             driver_root: config.driver_root.clone(),
             boot_id,
             partitionable: config.partitionable,
-            shared_capacity: config.shared_capacity.enabled(),
+            shared_capacity: config.shared_capacity,
             mps_root: config.mps_root.clone(),
             dynamic_mig: config.dynamic_mig.enabled(),
             keep_mig_on: config.dynamic_mig == crate::config::DynamicMig::KeepOn,

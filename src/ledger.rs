@@ -14,7 +14,7 @@
 //! |---|---|---|
 //! | 1 | since `9a33f72` | as above, plus an optional `"pods": [{"name", "uid"}]` per claim since per-pod metrics (read as none when absent; older builds ignore it); a device's `sharing` is `{"strategy": "TimeSlicing"\|"MPS", …}` up to `24aada3`, then `{"strategy": "timeSlicing"\|"mps", …}` (this build reads both and writes the latter, which the builds since `24aada3` read; an exclusive device has no `sharing` in either) |
 //! | 2 | since `--shared-capacity` (`4a041ed`) | version 1, and a device (`gpu-<minor>-shared`) may carry `"consumedCapacity": {"memory": <bytes>, "compute": <percent>}` (a share of a GPU); written only while some claim holds a share |
-//! | 3 | since one device per shareable GPU | version 1, and a device (`gpu-<minor>`) may carry `"consumedCapacity": {"memory": <bytes>, "multiprocessors"?: <count>}` (a share of a GPU; no `compute`, which version-2 readers require); written only while some claim holds a share. Version 2 reads as version 3 with `compute` dropped |
+//! | 3 | since one device per shareable GPU | version 1, and a device (`gpu-<minor>`) may carry `"consumedCapacity": {"memory": <bytes>, "multiprocessors"?: <count>}` (a share of a GPU; no `compute`, which version-2 readers require); written only while some claim holds a share. Version 2 reads as version 3 with `compute` dropped. Since `--consumable-shares`, `consumedCapacity` may also carry `"shares": {"count", "of"}` (integer mode: the share's part of the GPU), read as absent when missing; builds that predate it ignore it and drop it when they rewrite the file: they count such a share as a share, but a spec they rebuild for an `unlimited` or integer share that asked for no memory (`"memory": 0`) carries their container memory limit of 0 (they knew only `memory` shares) |
 //!
 //! Since dynamic MIG (`--dynamic-mig`) every version may also carry `"migEnabled": [<GPU UUID>,
 //! …]` at the top: the GPUs whose MIG mode nvdra turned on (recorded durably *before* it turns
@@ -65,7 +65,7 @@ use crate::sharing::Sharing;
 
 pub mod shares;
 
-pub use shares::Consumed;
+pub use shares::{Consumed, Shares};
 
 /// The newest checkpoint version this build reads.
 pub const VERSION: u32 = 3;

@@ -400,6 +400,7 @@ mod tests {
             consumed: Some(crate::ledger::Consumed {
                 memory: 4 << 30,
                 multiprocessors: None,
+                shares: None,
             }),
             ..record(whole, None)
         };

@@ -194,26 +194,42 @@ pub fn thread_percentage(asked: u32, total: u32) -> u32 {
         .clamp(1, 100) as u32
 }
 
+/// A share's part in integer mode: `count` of the `of` shares its GPU publishes (what the
+/// allocation's `consumedCapacity` says of `shares`, and the mode's N when it was prepared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shares {
+    pub count: u32,
+    pub of: u32,
+}
+
+impl fmt::Display for Shares {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} of {} shares", self.count, self.of)
+    }
+}
+
 /// The memory a share is held to, in bytes, of a GPU publishing `total`: what it consumed (what
-/// the scheduler counted), else in integer mode its `shares` part of the GPU (`count` of `of`,
-/// rounded down to a MiB), else none (an `unlimited` share that asked for no memory: MPS runs it
+/// the scheduler counted), else in integer mode its part of the GPU (`count` of `of`, rounded
+/// down to a MiB), else none (an `unlimited` share that asked for no memory: MPS runs it
 /// without a memory limit, as the scheduler promised it nothing).
-pub fn held_memory(consumed: u64, shares: Option<(u32, ShareCount)>, total: u64) -> Option<u64> {
+pub fn held_memory(consumed: u64, shares: Option<Shares>, total: u64) -> Option<u64> {
     if consumed > 0 {
         return Some(consumed);
     }
-    let (count, of) = shares?;
-    // u128: 80 GiB × 48 fits a u64, but a bogus count need not.
-    let part = u128::from(total) * u128::from(count.min(of.get())) / u128::from(of.get());
+    let Shares { count, of } = shares.filter(|s| s.of > 0)?;
+    let part = u128::from(total) * u128::from(count.min(of)) / u128::from(of);
     // At most `total`, so it fits a u64.
     Some((part as u64) / MEMORY_STEP * MEMORY_STEP)
 }
 
-/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` for `count` of `of` shares: the smallest whole
-/// percentage that covers them, 1..=100 (25 for 1 of 4, 34 for 1 of 3).
-pub fn shares_thread_percentage(count: u32, of: ShareCount) -> u32 {
-    (u64::from(count) * 100)
-        .div_ceil(u64::from(of.get()))
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` for a share of `s`: the smallest whole percentage that
+/// covers its part of the GPU, 1..=100 (25 for 1 of 4, 34 for 1 of 3).
+pub fn shares_thread_percentage(s: Shares) -> u32 {
+    if s.of == 0 {
+        return 100;
+    }
+    (u64::from(s.count) * 100)
+        .div_ceil(u64::from(s.of))
         .clamp(1, 100) as u32
 }
 
@@ -230,6 +246,18 @@ pub struct Consumed {
     /// thread percentage; the node does not count them); absent when it asked for none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multiprocessors: Option<u32>,
+    /// Integer mode (`--consumable-shares=N`): the shares it consumed, of how many. Absent in
+    /// the other modes, and in records of builds before it (which read it as absent and drop
+    /// it: it decides only the limits of a rewritten CDI spec, and the metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shares: Option<Shares>,
+}
+
+impl Consumed {
+    /// The memory this share is held to on a GPU publishing `total` ([`held_memory`]).
+    pub fn held_memory(&self, total: u64) -> Option<u64> {
+        held_memory(self.memory, self.shares, total)
+    }
 }
 
 impl fmt::Display for Consumed {
@@ -237,6 +265,9 @@ impl fmt::Display for Consumed {
         write!(f, "{} memory", quantity(self.memory))?;
         if let Some(sms) = self.multiprocessors {
             write!(f, ", {sms} multiprocessors")?;
+        }
+        if let Some(s) = self.shares {
+            write!(f, ", {s}")?;
         }
         Ok(())
     }
@@ -309,6 +340,34 @@ pub fn overcommitted(
                 held,
                 holders,
             });
+        }
+    }
+    None
+}
+
+/// The first GPU of `devices` (a claim `uid` is about to reserve) on which its shares, beside
+/// those of the other claims, would be more than [`MAX_SHARES`]: the GPU and how many shares
+/// it would hold. One MPS server serves at most that many clients; `memory` mode's smallest
+/// share already keeps a GPU under it, but in `unlimited` mode claims that ask for nothing
+/// consume nothing, and the scheduler allocates them without bound.
+pub fn too_many_shares(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+) -> Option<(GpuUuid, usize)> {
+    for (i, d) in devices.iter().enumerate() {
+        if d.consumed.is_none() {
+            continue;
+        }
+        let on = |o: &&DeviceRecord| o.gpu == d.gpu && o.consumed.is_some();
+        let others: usize = claims
+            .iter()
+            .filter(|(u, _)| *u != uid)
+            .map(|(_, e)| e.devices.iter().filter(on).count())
+            .sum();
+        let held = others + devices[..=i].iter().filter(on).count();
+        if held > MAX_SHARES as usize {
+            return Some((d.gpu.clone(), held));
         }
     }
     None
@@ -390,24 +449,33 @@ mod tests {
 
     #[test]
     fn a_share_is_held_to_its_memory_else_its_part_of_the_gpu_else_nothing() {
-        let four = ShareCount::new(4).unwrap();
-        let three = ShareCount::new(3).unwrap();
+        let of = |count, of| Some(Shares { count, of });
         // Asked memory wins, in any mode.
-        assert_eq!(held_memory(8 << 30, Some((1, four)), H100), Some(8 << 30));
+        assert_eq!(held_memory(8 << 30, of(1, 4), H100), Some(8 << 30));
         assert_eq!(held_memory(8 << 30, None, H100), Some(8 << 30));
         // k of N shares: k/N of the GPU, in whole MiB.
-        assert_eq!(held_memory(0, Some((1, four)), H100), Some(20 << 30));
-        assert_eq!(held_memory(0, Some((2, four)), H100), Some(40 << 30));
-        assert_eq!(held_memory(0, Some((1, three)), H100), Some(27306 << 20));
-        assert_eq!(held_memory(0, Some((3, three)), H100), Some(H100));
-        // More than N cannot be allocated; if a record says so, it is held to the GPU.
-        assert_eq!(held_memory(0, Some((9, four)), H100), Some(H100));
-        // unlimited, asking nothing: no memory limit.
+        assert_eq!(held_memory(0, of(1, 4), H100), Some(20 << 30));
+        assert_eq!(held_memory(0, of(2, 4), H100), Some(40 << 30));
+        assert_eq!(held_memory(0, of(1, 3), H100), Some(27306 << 20));
+        assert_eq!(held_memory(0, of(3, 3), H100), Some(H100));
+        // More than N cannot be allocated; a record that says so is held to the GPU.
+        assert_eq!(held_memory(0, of(9, 4), H100), Some(H100));
+        // unlimited, asking nothing (and a broken record): no memory limit.
         assert_eq!(held_memory(0, None, H100), None);
-        assert_eq!(shares_thread_percentage(1, four), 25);
-        assert_eq!(shares_thread_percentage(1, three), 34);
-        assert_eq!(shares_thread_percentage(4, four), 100);
-        assert_eq!(shares_thread_percentage(0, four), 1);
+        assert_eq!(held_memory(0, of(1, 0), H100), None);
+        let c = Consumed {
+            memory: 0,
+            multiprocessors: None,
+            shares: of(1, 4),
+        };
+        assert_eq!(c.held_memory(H100), Some(20 << 30));
+        assert_eq!(c.to_string(), "0 memory, 1 of 4 shares");
+        let pct = |count, of| shares_thread_percentage(Shares { count, of });
+        assert_eq!(pct(1, 4), 25);
+        assert_eq!(pct(1, 3), 34);
+        assert_eq!(pct(4, 4), 100);
+        assert_eq!(pct(0, 4), 1);
+        assert_eq!(pct(1, 0), 100);
     }
 
     #[test]

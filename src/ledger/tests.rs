@@ -482,7 +482,11 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
             any::<bool>(),
         )),
         arb_sharing(),
-        proptest::option::of((any::<u64>(), proptest::option::of(any::<u32>()))),
+        proptest::option::of((
+            any::<u64>(),
+            proptest::option::of(any::<u32>()),
+            proptest::option::of((any::<u32>(), any::<u32>())),
+        )),
     )
         .prop_map(
             |(requests, device, share_id, admin, mig, sharing, consumed)| DeviceRecord {
@@ -500,9 +504,10 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
                     placement: Placement { start, size },
                     created,
                 }),
-                consumed: consumed.map(|(memory, multiprocessors)| Consumed {
+                consumed: consumed.map(|(memory, multiprocessors, shares)| Consumed {
                     memory,
                     multiprocessors,
+                    shares: shares.map(|(count, of)| Shares { count, of }),
                 }),
                 sharing,
             },
@@ -565,6 +570,7 @@ fn shares_are_written_as_version_3_and_read_back() {
     entry.devices[0].consumed = Some(Consumed {
         memory: 24 << 30,
         multiprocessors: None,
+        shares: None,
     });
     assert_eq!(version_for(&cp), 3);
     let bytes = encode(&cp).unwrap();
@@ -580,6 +586,7 @@ fn shares_are_written_as_version_3_and_read_back() {
     cp.claims.values_mut().next().unwrap().devices[0].consumed = Some(Consumed {
         memory: 24 << 30,
         multiprocessors: Some(33),
+        shares: None,
     });
     let bytes = encode(&cp).unwrap();
     let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
@@ -587,6 +594,22 @@ fn shares_are_written_as_version_3_and_read_back() {
     assert_eq!(
         device["consumedCapacity"],
         serde_json::json!({"memory": 24u64 << 30, "multiprocessors": 33})
+    );
+    assert_eq!(decode(&bytes).ok(), Some(cp.clone()));
+    // An integer-mode share keeps its part (`--consumable-shares=N`); a reader that predates it
+    // reads the rest.
+    cp.claims.values_mut().next().unwrap().devices[0].consumed = Some(Consumed {
+        memory: 0,
+        multiprocessors: None,
+        shares: Some(Shares { count: 1, of: 4 }),
+    });
+    let bytes = encode(&cp).unwrap();
+    let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v3["version"], 3);
+    let device = &v3["claims"].as_object().unwrap().values().next().unwrap()["devices"][0];
+    assert_eq!(
+        device["consumedCapacity"],
+        serde_json::json!({"memory": 0, "shares": {"count": 1, "of": 4}})
     );
     assert_eq!(decode(&bytes).ok(), Some(cp));
 }
@@ -626,7 +649,8 @@ fn a_version_2_share_reads_without_its_compute() {
         d.consumed,
         Some(Consumed {
             memory: 24 << 30,
-            multiprocessors: None
+            multiprocessors: None,
+            shares: None,
         })
     );
     let again: serde_json::Value = serde_json::from_slice(&encode(&cp).unwrap()).unwrap();

@@ -378,8 +378,13 @@ pub(super) fn cdi_devices(
                     _ => None,
                 },
                 sharing: d.sharing.clone(),
-                // What the scheduler counted, guaranteed and the most it may use.
-                memory_limits: d.consumed.map(|c| MemoryLimits::fixed(c.memory)),
+                // What the share is held to (what the scheduler counted, or its part of the GPU
+                // in integer mode), guaranteed and the most it may use; none for an `unlimited`
+                // share that asked for no memory.
+                memory_limits: d.consumed.and_then(|c| {
+                    c.held_memory(crate::ledger::shares::shareable_memory(gpu.memory_bytes))
+                        .map(MemoryLimits::fixed)
+                }),
             })
         })
         .collect()

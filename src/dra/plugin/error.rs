@@ -79,6 +79,18 @@ pub enum ClaimError {
         holders: String,
     },
     #[error(
+        "the scheduler placed this share on GPU {gpu}, which would then serve {shares} shares, \
+         more than the {max} clients one MPS server serves per GPU (claims that ask for no \
+         memory consume none in --consumable-shares=unlimited, so the scheduler does not bound \
+         them); the node refuses it rather than start a client MPS would turn away: delete the \
+         pod so the scheduler places it again, or wait for a share to end"
+    )]
+    TooManyShares {
+        gpu: String,
+        shares: usize,
+        max: u64,
+    },
+    #[error(
         "resource claim {namespace}/{name} holds a GPU share ({device}) but is reserved for {} \
          pods ({pods}); a share's memory limit applies to each CUDA process, not to the claim, so \
          pods sharing one claim would together use more than the scheduler counted. Give each \

@@ -86,9 +86,10 @@ pub struct Options {
     pub boot_id: String,
     /// MIG placements without an instance may be prepared (the instance is created).
     pub partitionable: bool,
-    /// Shares of a GPU (allocations of `gpu-<minor>` consuming less than its memory) may be
-    /// prepared (`--shared-capacity`).
-    pub shared_capacity: bool,
+    /// Which shares of a GPU may be prepared, and how each is held (`--shared-capacity`,
+    /// `--consumable-shares`): in `memory` mode allocations of `gpu-<minor>` consuming less than
+    /// its memory, in `unlimited` and integer mode every allocation of it with a `shareID`.
+    pub shared_capacity: crate::ledger::shares::ConsumableShares,
     /// Where MPS daemons are asked for (`--mps-root`; the MPS host runs them).
     pub mps_root: PathBuf,
     /// `--dynamic-mig`: a GPU that can switch MIG mode at run time ([`crate::inventory::Gpu::mig_toggle`])
@@ -139,7 +140,7 @@ impl Plugin {
         metrics: Arc<Metrics>,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let mut specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
-        if opts.shared_capacity {
+        if opts.shared_capacity.enabled() {
             specs.enable_memory_limits(&opts.plugin_dir.join("bin"), backend.clone());
         }
         match specs.enable_mps_gate(&opts.plugin_dir.join("bin")) {

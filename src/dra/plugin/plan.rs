@@ -14,7 +14,7 @@ use crate::cdi::{self, CdiOptions};
 use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
 use crate::inventory::{self, Gpu, GpuUuid, Inventory, MigDevice, Placement, quantity};
-use crate::ledger::shares;
+use crate::ledger::shares::{self, ConsumableShares, Shares};
 use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
 use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
 
@@ -216,16 +216,24 @@ pub(super) fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
 /// Whether result `r` of GPU `gpu` is a share of it, and if so what it consumes and the MPS
 /// client settings that enforce it; `None` for the GPU whole.
 ///
-/// A share is an allocation with a `shareID` whose `consumedCapacity` holds less `memory` than
-/// the GPU publishes (`--shared-capacity`). Without a `shareID` the allocation is a plain one;
-/// without `memory`, or with all of it, it took the policy's default, the whole GPU: both are
-/// the GPU, exclusive, with no MPS. An admin-access allocation is never a share. A share's CUDA memory limit is its memory less its part of
-/// the MPS server's own ([`shares::cuda_limit`]); its thread percentage comes from its config
-/// (`mpsConfig.defaultActiveThreadPercentage`), else from the multiprocessors it asked for,
-/// else it has none. Refused: a share where the GPU is not published shareable, memory below
-/// the policy's minimum, quantities that are not the published kind, a config the share cannot
-/// follow ([`sharing::share_thread_percentage`]), and a second GPU's share beside the claim's
-/// first (a container has one MPS pipe directory).
+/// Without a `shareID` the allocation is a plain one, and an admin-access allocation is never a
+/// share. Which allocation with a `shareID` is a share depends on the mode
+/// (`opts.shared_capacity`):
+/// - `memory` (`--shared-capacity`): one whose `consumedCapacity` holds less `memory` than the
+///   GPU publishes; without `memory`, or with all of it, it took the policy's default, the whole
+///   GPU: exclusive, with no MPS.
+/// - `unlimited` and integer `N` (`--consumable-shares`): every one, as the policy's default
+///   memory is 0 and others may be allocated beside it.
+///
+/// A share's CUDA memory limit is the memory it is held to ([`Consumed::held_memory`]: what it
+/// consumed, else in integer mode its `shares` part of the GPU, else none) less its part of the
+/// MPS server's own ([`shares::cuda_limit`]); its thread percentage comes from its config
+/// (`mpsConfig.defaultActiveThreadPercentage`), else from the multiprocessors it asked for, else
+/// in integer mode from its shares, else it has none. Refused: a share where the GPU is not
+/// published shareable, memory below the `memory` mode's minimum or above the GPU, `shares`
+/// above N or outside integer mode, quantities that are not the published kind, a config the
+/// share cannot follow ([`sharing::share_thread_percentage`]), and a second GPU's share beside
+/// the claim's first (a container has one MPS pipe directory).
 fn share(
     opts: &Options,
     r: &DeviceRequestAllocationResult,
@@ -238,49 +246,92 @@ fn share(
         request: r.request.clone(),
         reason,
     };
+    let again = "the allocation was made against other slices: delete the pod so the scheduler \
+                 places it again";
     // Admin access (monitoring) reaches the GPU beside whoever uses it, outside its MPS daemon.
     if r.share_id.is_none() || r.admin_access == Some(true) {
         return Ok(None);
     }
+    let mode = opts.shared_capacity;
     let consumed = r.consumed_capacity.as_ref();
     let get = |name: &str| consumed.and_then(|c| c.get(name)).map(|q| q.0.as_str());
-    let Some(q) = get("memory") else {
-        return Ok(None);
+    let memory = match get("memory") {
+        None => None,
+        Some(q) => Some(
+            inventory::parse_quantity(q)
+                .ok_or_else(|| bad(format!("consumed memory {q:?} is not a quantity of bytes")))?,
+        ),
     };
-    let memory = inventory::parse_quantity(q)
-        .ok_or_else(|| bad(format!("consumed memory {q:?} is not a quantity of bytes")))?;
     let total = shares::shareable_memory(gpu.memory_bytes);
-    if memory >= total {
+    // Where a claim that asks for no memory takes all of it, all of it is the GPU whole.
+    if (!mode.enabled() || mode.all_memory_is_whole()) && memory.is_none_or(|m| m >= total) {
         return Ok(None);
     }
-    if !opts.shared_capacity {
+    let memory = memory.unwrap_or(0);
+    if !mode.enabled() {
         return Err(bad(format!(
             "it consumes {} of the GPU's memory, a share, but shares are prepared only with \
-             --shared-capacity (was the switch turned off after the claim was allocated?); \
-             delete the pod so the scheduler places it again",
+             --shared-capacity or --consumable-shares (was the switch turned off after the \
+             claim was allocated?); delete the pod so the scheduler places it again",
             quantity(memory)
         )));
     }
     if !shares::is_shareable(gpu.memory_bytes) {
         return Err(bad(format!(
-            "it consumes {} of the GPU's memory, a share, but the GPU ({} of memory) is too \
-             small to be shared and is not published shareable; delete the pod so the \
-             scheduler places it again",
+            "it is a share ({} of the GPU's memory), but the GPU ({} of memory) is too small to \
+             be shared and is not published shareable; delete the pod so the scheduler places \
+             it again",
             quantity(memory),
             quantity(gpu.memory_bytes)
         )));
     }
+    if memory > total {
+        return Err(bad(format!(
+            "it consumes {} of the GPU's memory, more than the GPU publishes ({}); {again}",
+            quantity(memory),
+            quantity(total)
+        )));
+    }
     let min = shares::min_share(total);
-    if memory < min {
+    if mode == ConsumableShares::Memory && memory < min {
         return Err(bad(format!(
             "it consumes {} of the GPU's memory, less than the smallest share the GPU publishes \
-             ({}, so that at most {} shares fit, as many as MPS serves); the allocation was made \
-             against other slices: delete the pod so the scheduler places it again",
+             ({}, so that at most {} shares fit, as many as MPS serves); {again}",
             quantity(memory),
             quantity(min),
             shares::MAX_SHARES
         )));
     }
+    let shares = match (mode, get("shares")) {
+        (ConsumableShares::Count(n), q) => {
+            // Absent only where an allocation was written without it: the policy's default.
+            let count = match q {
+                None => 1,
+                Some(q) => inventory::parse_quantity(q)
+                    .and_then(|k| u32::try_from(k).ok())
+                    .filter(|k| *k > 0)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "consumed shares {q:?} is not a whole number of shares of at least 1"
+                        ))
+                    })?,
+            };
+            if count > n.get() {
+                return Err(bad(format!(
+                    "it consumes {count} shares, more than the {} the GPU publishes; {again}",
+                    n.get()
+                )));
+            }
+            Some(Shares { count, of: n.get() })
+        }
+        (_, None) => None,
+        (_, Some(q)) => {
+            return Err(bad(format!(
+                "it consumes shares ({q}), but GPUs publish shares only with \
+                 --consumable-shares=<N>, and this node runs --consumable-shares={mode}; {again}"
+            )));
+        }
+    };
     if let Some(other) = earlier
         .iter()
         .find(|d| d.consumed.is_some() && d.gpu != gpu.uuid)
@@ -309,18 +360,24 @@ fn share(
             request: r.request.clone(),
             source,
         })?;
-    let active_thread_percentage = configured.or_else(|| {
-        let total = gpu.multiprocessors?;
-        multiprocessors.map(|k| shares::thread_percentage(k, total))
-    });
+    let active_thread_percentage = configured
+        .or_else(|| {
+            let total = gpu.multiprocessors?;
+            multiprocessors.map(|k| shares::thread_percentage(k, total))
+        })
+        .or_else(|| shares.map(shares::shares_thread_percentage));
+    let consumed = Consumed {
+        memory,
+        multiprocessors,
+        shares,
+    };
     Ok(Some((
-        Consumed {
-            memory,
-            multiprocessors,
-        },
+        consumed,
         MpsSettings {
             active_thread_percentage,
-            pinned_memory_limit: Some(shares::cuda_limit(memory, total)),
+            pinned_memory_limit: consumed
+                .held_memory(total)
+                .map(|held| shares::cuda_limit(held, total)),
             per_device_pinned_memory_limit: BTreeMap::new(),
         },
     )))
@@ -418,7 +475,7 @@ pub(super) mod tests {
             driver_root: crate::cdi::DriverRoot::at(std::path::Path::new("/nonexistent")),
             boot_id: "b".into(),
             partitionable,
-            shared_capacity: true,
+            shared_capacity: crate::ledger::shares::ConsumableShares::Memory,
             mps_root: "/nonexistent/mps".into(),
             dynamic_mig: false,
             keep_mig_on: false,

@@ -473,8 +473,9 @@ pub(super) fn conflict(
     })
 }
 
-/// The first share of `devices` that does not fit on its GPU beside the other shares of it, as
-/// that claim's error naming the GPU, what is held and by whom.
+/// The first share of `devices` that does not fit on its GPU beside the other shares of it (by
+/// memory, or beyond the clients MPS serves), as that claim's error naming the GPU, what is held
+/// and by whom.
 pub(super) fn fits(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     uid: &ClaimUid,
@@ -485,12 +486,21 @@ pub(super) fn fits(
         inv.gpu_by_uuid(g.as_str())
             .map(|g| ledger::shares::shareable_memory(g.memory_bytes))
     };
+    let name = |gpu: &crate::inventory::GpuUuid| {
+        inv.gpu_by_uuid(gpu.as_str())
+            .map(|g| format!("gpu-{} ({gpu})", g.minor))
+            .unwrap_or_else(|| gpu.to_string())
+    };
+    if let Some((gpu, shares)) = ledger::shares::too_many_shares(claims, uid, devices) {
+        return Err(ClaimError::TooManyShares {
+            gpu: name(&gpu),
+            shares,
+            max: ledger::shares::MAX_SHARES,
+        });
+    }
     match ledger::shares::overcommitted(claims, uid, devices, memory_of) {
         Some(o) => Err(ClaimError::OverCapacity {
-            gpu: inv
-                .gpu_by_uuid(o.gpu.as_str())
-                .map(|g| format!("gpu-{} ({})", g.minor, o.gpu))
-                .unwrap_or_else(|| o.gpu.to_string()),
+            gpu: name(&o.gpu),
             wanted: quantity(o.wanted),
             total: quantity(o.total),
             held: quantity(o.held),

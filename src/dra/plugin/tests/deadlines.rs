@@ -34,7 +34,7 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         driver_root: crate::cdi::DriverRoot::at(&d.join("driver")),
         boot_id: "boot-1".into(),
         partitionable: true,
-        shared_capacity: true,
+        shared_capacity: crate::ledger::shares::ConsumableShares::Memory,
         dynamic_mig: false,
         keep_mig_on: false,
         mps_root: d.join("mps"),

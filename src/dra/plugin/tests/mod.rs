@@ -3,6 +3,7 @@ use crate::api;
 use crate::dra::mps;
 use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
+use crate::ledger::shares::ConsumableShares;
 use crate::ledger::{ClaimState, DeviceRecord};
 use crate::lock::lock;
 use crate::sharing::{Sharing, TimeSliceInterval};
@@ -139,7 +140,7 @@ async fn start_with(
         driver_root: crate::cdi::DriverRoot::at(&dir.join("driver")),
         boot_id: "boot-1".into(),
         partitionable: true,
-        shared_capacity: true,
+        shared_capacity: ConsumableShares::Memory,
         mps_root: dir.join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
@@ -712,7 +713,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         driver_root: crate::cdi::DriverRoot::at(&dir.path().join("driver")),
         boot_id: "b".into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         mps_root: dir.path().join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
@@ -747,7 +748,7 @@ async fn outcomes_are_counted_in_metrics() {
         driver_root: crate::cdi::DriverRoot::at(&dir.path().join("driver")),
         boot_id: "b".into(),
         partitionable: false,
-        shared_capacity: false,
+        shared_capacity: ConsumableShares::Disabled,
         mps_root: dir.path().join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
@@ -773,4 +774,5 @@ mod deadlines;
 mod dynamic_mig;
 mod enforce;
 mod recovery;
+mod share_modes;
 mod shares;

@@ -63,7 +63,8 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
             d[0].consumed,
             Some(crate::ledger::Consumed {
                 memory: 24 << 30,
-                multiprocessors: None
+                multiprocessors: None,
+                shares: None,
             })
         );
         let spec = std::fs::read_to_string(e.spec(uid)).unwrap();

@@ -1,8 +1,8 @@
 //! `nvdra match` and `nvdra validate` end to end: the built binary on the example claims over
 //! the built-in profiles, its exit codes (0 satisfiable, 1 not, 2 bad input), the JSON output,
 //! ResourceSlices read from a file as `nvdra inventory -o slices` prints them, a health-tainted
-//! GPU kept out unless the claim tolerates its taint, and validation
-//! errors with their object, field path and column.
+//! GPU kept out unless the claim tolerates its taint, NVIDIA's consumable-shares demos as they
+//! allocate on NVIDIA's driver, and validation errors with their object, field path and column.
 
 mod support;
 
@@ -26,6 +26,7 @@ fn nvdra(args: &[&str]) -> Output {
         "NVDRA_DRIVER_NAME",
         "NVDRA_PARTITIONABLE",
         "NVDRA_SHARED_CAPACITY",
+        "CONSUMABLE_SHARES",
         "NVDRA_DYNAMIC_MIG",
         "NVDRA_MIG_PROFILES",
     ] {
@@ -756,4 +757,240 @@ fn whole_and_mig_claims_share_the_dynamic_mig_pool_by_its_counters() {
         .as_str()
         .unwrap();
     assert!(why.contains("taken by gpu-0 (claim whole)"), "{why}");
+}
+
+/// NVIDIA's three consumable-shares demos, as NVIDIA ships them.
+const NVIDIA_DEMOS: [&str; 3] = [
+    "tests/data/nvidia-consumable-shares/integer-sharing.yaml",
+    "tests/data/nvidia-consumable-shares/unlimited-sharing.yaml",
+    "tests/data/nvidia-consumable-shares/memory-sharing.yaml",
+];
+
+/// The dgx-h100 profile's 8 GPUs (80Gi each) as NVIDIA's DRA driver publishes them with
+/// `--consumable-shares=<mode>`: each `gpu-<minor>` of type `gpu` with one capacity, `memory`
+/// (rounded down to 1Mi), and in integer mode `shares`, with the request policies of its
+/// `cmd/gpu-kubelet-plugin/consumable_shares.go` (kubernetes-sigs/dra-driver-nvidia-gpu at
+/// 95932046): `memory` default all of it and min 1Mi in `memory` mode, default and min 0
+/// otherwise, max all of it, step 1Mi; `shares` N, default 1, min 1, max N, step 1.
+fn nvidia_slices(mode: &str) -> Value {
+    let (default, min) = match mode {
+        "memory" => ("80Gi", "1Mi"),
+        _ => ("0", "0"),
+    };
+    let devices: Vec<Value> = (0..8)
+        .map(|minor| {
+            let mut capacity = serde_json::json!({
+                "memory": {
+                    "value": "80Gi",
+                    "requestPolicy": {
+                        "default": default,
+                        "validRange": {"min": min, "max": "80Gi", "step": "1Mi"},
+                    },
+                },
+            });
+            if let Ok(n) = mode.parse::<u32>() {
+                capacity["shares"] = serde_json::json!({
+                    "value": n.to_string(),
+                    "requestPolicy": {
+                        "default": "1",
+                        "validRange": {"min": "1", "max": n.to_string(), "step": "1"},
+                    },
+                });
+            }
+            serde_json::json!({
+                "name": format!("gpu-{minor}"),
+                "allowMultipleAllocations": true,
+                "attributes": {
+                    "type": {"string": "gpu"},
+                    "productName": {"string": "NVIDIA H100 80GB HBM3"},
+                },
+                "capacity": capacity,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-a-gpu.nvidia.com-nvidia"},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "nodeName": "node-a",
+            "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    })
+}
+
+/// Each claim `nvdra match` explained, with the device it got and what it consumed of the
+/// capacities both drivers publish (`memory`, `shares`), in order.
+fn allocations(out: &Output) -> Vec<(String, String, String, Option<String>)> {
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(out));
+    json(out)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let a = &c["allocation"][0];
+            let consumed = &a["consumedCapacity"];
+            (
+                c["name"].as_str().unwrap().to_string(),
+                a["device"].as_str().unwrap().to_string(),
+                consumed["memory"].as_str().unwrap_or("?").to_string(),
+                consumed["shares"].as_str().map(String::from),
+            )
+        })
+        .collect()
+}
+
+/// NVIDIA's consumable-shares demos, unchanged (a Namespace, a ResourceClaimTemplate, and a
+/// Deployment whose replicas each get a claim from it), allocate on nvdra's slices in each of
+/// NVIDIA's modes as on slices of NVIDIA's shape: the same GPUs, consuming the same memory and
+/// shares. And as NVIDIA's README says: in integer mode (`4`) the four replicas of
+/// `integer-sharing.yaml` pack onto one GPU, one share each; in `unlimited` mode replicas that
+/// ask for nothing consume no memory and share one GPU; in `memory` mode one that asks for no
+/// memory takes a GPU whole, and `memory-sharing.yaml`'s 4Gi replicas share one.
+#[test]
+fn nvidias_consumable_shares_demos_allocate_as_on_nvidias_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    // The claims Kubernetes makes from the template, one per replica.
+    let pods = |template: &str, deployment: &str, n: usize| -> Vec<String> {
+        (1..=n)
+            .map(|i| format!("{template} (Deployment {deployment}, pod {i} of {n})"))
+            .collect()
+    };
+    // Per mode and demo: the GPU of each replica, and what it consumes of memory and shares.
+    let one = Some("1");
+    let cases: [(&str, [Vec<(&str, &str, Option<&str>)>; 3]); 3] = [
+        (
+            "4",
+            [
+                vec![("gpu-0", "0", one); 4],
+                vec![("gpu-0", "0", one); 2],
+                vec![("gpu-0", "4Gi", one); 2],
+            ],
+        ),
+        (
+            "unlimited",
+            [
+                vec![("gpu-0", "0", None); 4],
+                vec![("gpu-0", "0", None); 2],
+                vec![("gpu-0", "4Gi", None); 2],
+            ],
+        ),
+        (
+            "memory",
+            [
+                vec![
+                    ("gpu-0", "80Gi", None),
+                    ("gpu-1", "80Gi", None),
+                    ("gpu-2", "80Gi", None),
+                    ("gpu-3", "80Gi", None),
+                ],
+                vec![("gpu-0", "80Gi", None), ("gpu-1", "80Gi", None)],
+                vec![("gpu-0", "4Gi", None); 2],
+            ],
+        ),
+    ];
+    for (mode, expected) in cases {
+        let theirs = dir.path().join(format!("nvidia-{mode}.json"));
+        std::fs::write(&theirs, nvidia_slices(mode).to_string()).unwrap();
+        for (demo, want) in NVIDIA_DEMOS.iter().zip(expected) {
+            let ours = allocations(&nvdra(&[
+                "match",
+                "-f",
+                demo,
+                "--profile",
+                "dgx-h100",
+                &format!("--consumable-shares={mode}"),
+                "-o",
+                "json",
+            ]));
+            let nvidia = allocations(&nvdra(&[
+                "match",
+                "-f",
+                demo,
+                "--slices",
+                theirs.to_str().unwrap(),
+                "-o",
+                "json",
+            ]));
+            assert_eq!(ours, nvidia, "{demo} with --consumable-shares={mode}");
+            let (template, deployment) = match *demo {
+                d if d.contains("integer") => ("gpu-1share", "integer-sharing"),
+                d if d.contains("unlimited") => ("gpu-unlimited", "unlimited-sharing"),
+                _ => ("gpu-4gi", "memory-sharing"),
+            };
+            let names = pods(template, deployment, want.len());
+            let want: Vec<(String, String, String, Option<String>)> = names
+                .into_iter()
+                .zip(want)
+                .map(|(name, (gpu, memory, shares))| {
+                    (name, gpu.into(), memory.into(), shares.map(String::from))
+                })
+                .collect();
+            assert_eq!(ours, want, "{demo} with --consumable-shares={mode}");
+        }
+    }
+}
+
+/// Up to N claims share a GPU in integer mode, as NVIDIA's README says: a fifth replica of
+/// `integer-sharing.yaml` with `--consumable-shares=4` goes to the next GPU, on nvdra's slices as
+/// on NVIDIA's; with `--shared-capacity` (the `memory` mode) the replicas take a GPU each.
+#[test]
+fn a_fifth_integer_share_goes_to_the_next_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = std::fs::read_to_string(NVIDIA_DEMOS[0]).unwrap();
+    assert!(
+        demo.contains("  replicas: 4\n"),
+        "the demo as NVIDIA ships it"
+    );
+    let five = dir.path().join("five.yaml");
+    std::fs::write(&five, demo.replace("  replicas: 4\n", "  replicas: 5\n")).unwrap();
+    let theirs = dir.path().join("nvidia-4.json");
+    std::fs::write(&theirs, nvidia_slices("4").to_string()).unwrap();
+    let five = five.to_str().unwrap();
+    let ours = allocations(&nvdra(&[
+        "match",
+        "-f",
+        five,
+        "--profile",
+        "dgx-h100",
+        "--consumable-shares=4",
+        "-o",
+        "json",
+    ]));
+    let gpus: Vec<&str> = ours.iter().map(|a| a.1.as_str()).collect();
+    assert_eq!(gpus, ["gpu-0", "gpu-0", "gpu-0", "gpu-0", "gpu-1"]);
+    let nvidia = allocations(&nvdra(&[
+        "match",
+        "-f",
+        five,
+        "--slices",
+        theirs.to_str().unwrap(),
+        "-o",
+        "json",
+    ]));
+    assert_eq!(ours, nvidia);
+    let memory = allocations(&nvdra(&[
+        "match",
+        "-f",
+        five,
+        "--profile",
+        "dgx-h100",
+        "--shared-capacity",
+        "-o",
+        "json",
+    ]));
+    let gpus: Vec<&str> = memory.iter().map(|a| a.1.as_str()).collect();
+    assert_eq!(gpus, ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4"]);
+    // The environment name NVIDIA's Helm chart sets works as the flag does.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+    cmd.args(["match", "-f", five, "--profile", "dgx-h100", "-o", "json"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NODE_NAME", "node-a")
+        .env("CONSUMABLE_SHARES", "4");
+    for var in ["NVDRA_CONFIG", "NVDRA_SHARED_CAPACITY"] {
+        cmd.env_remove(var);
+    }
+    assert_eq!(allocations(&cmd.output().unwrap()), ours);
 }

@@ -95,10 +95,14 @@ fn bad_input(e: impl std::fmt::Display) -> ExitCode {
 
 pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     use crate::matching;
-    let objects = match matching::input::read_files(&args.files) {
+    let mut objects = match matching::input::read_files(&args.files) {
         Ok(o) => o,
         Err(e) => return bad_input(crate::report::chain(&e)),
     };
+    // One claim per pod of each workload that names a template, as Kubernetes makes them.
+    if let Err(e) = matching::input::expand_workloads(&mut objects) {
+        return bad_input(crate::report::chain(&e));
+    }
     if objects.claims.is_empty() {
         return bad_input(format!(
             "no ResourceClaim or ResourceClaimTemplate in {}",
@@ -109,7 +113,6 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
                 .join(", ")
         ));
     }
-    let mut objects = objects;
     // Per node: (node name or "" for the one node of a backend or a file, its slices).
     let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
         if let Some(kubeconfig) = &args.cluster.kubeconfig {

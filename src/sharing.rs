@@ -214,40 +214,98 @@ pub fn sharing_for(
     }
 }
 
-/// The `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` that the config chosen for a share of a GPU
-/// (`--shared-capacity`) sets, if any; or why the config cannot apply to a share.
+/// Where a share's config asks for its burst limit: NVIDIA's `defaultPinnedDeviceMemoryLimit`,
+/// the most device memory each MPS client may allocate, which on a share is the most it may use.
+pub const BURST_LIMIT_FIELD: &str = "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit";
+
+/// What the config chosen for a share of a GPU (`--shared-capacity`, `--consumable-shares`)
+/// sets ([`share_config`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShareConfig {
+    /// `mpsConfig.defaultActiveThreadPercentage`: a cap on the share's SMs.
+    pub active_thread_percentage: Option<u32>,
+    /// `mpsConfig.defaultPinnedDeviceMemoryLimit` ([`BURST_LIMIT_FIELD`]), in bytes: the share's
+    /// burst limit, the most memory it may use (its hard limit). What the scheduler counted
+    /// (the memory it consumes) stays its soft limit, guaranteed; between the two it uses
+    /// memory the GPU's other shares leave idle, which MPS may take back under pressure where
+    /// the driver partitions memory. The scheduler packs shares by what they consume, never
+    /// by this. Checked against both by [`ShareConfig::hard_limit`].
+    pub burst_limit: Option<u64>,
+}
+
+impl ShareConfig {
+    /// The share's hard memory limit, in bytes, where its soft limit is `soft` (what the
+    /// scheduler counted; `None` for a share held to nothing, such as an `unlimited` share
+    /// that asked for no memory) on a GPU publishing `total`: its burst limit, else `soft`.
+    /// A burst limit below `soft` (it would take back what the scheduler promised) or above
+    /// the GPU is refused, naming the field.
+    pub fn hard_limit(&self, soft: Option<u64>, total: u64) -> Result<Option<u64>> {
+        let Some(burst) = self.burst_limit else {
+            return Ok(soft);
+        };
+        let q = crate::inventory::quantity;
+        if let Some(soft) = soft.filter(|s| burst < *s) {
+            return Err(field_error(
+                BURST_LIMIT_FIELD,
+                format!(
+                    "{} is below the {} of memory the share consumes (capacity.requests.memory, \
+                     what the scheduler counted and the share is guaranteed); on a share this \
+                     field is its burst limit, the most it may use: set it to {} or more, or \
+                     drop it",
+                    q(burst),
+                    q(soft),
+                    q(soft)
+                ),
+            ));
+        }
+        if burst > total {
+            return Err(field_error(
+                BURST_LIMIT_FIELD,
+                format!(
+                    "{} is more than the GPU's {} of memory; on a share this field is its burst \
+                     limit, the most it may use: set it to {} or less",
+                    q(burst),
+                    q(total),
+                    q(total)
+                ),
+            ));
+        }
+        Ok(Some(burst))
+    }
+}
+
+/// What the config chosen for a share of a GPU sets, or why the config cannot apply to a share.
 ///
-/// A share runs under its GPU's MPS daemon beside other claims' shares, with the memory limit
-/// its consumed capacity gives it. So of a `GpuConfig`'s sharing only MPS's
-/// `defaultActiveThreadPercentage` (a cap on the share's SMs) applies; time slicing, which the
-/// GPU's other shares would not follow, and a pinned memory limit, which would contradict the
-/// memory the scheduler counted, are refused with the field that sets them.
-pub fn share_thread_percentage(configured: &Sharing) -> Result<Option<u32>> {
+/// A share runs under its GPU's MPS daemon beside other claims' shares, held to the memory its
+/// consumed capacity gives it. So of a `GpuConfig`'s sharing only MPS's settings apply:
+/// `defaultActiveThreadPercentage` (a cap on the share's SMs) and `defaultPinnedDeviceMemoryLimit`
+/// (its burst limit, [`ShareConfig::burst_limit`]). Time slicing, which the GPU's other shares
+/// would not follow, and per-device pinned limits (one share, one limit: use the default one)
+/// are refused with the field that sets them.
+pub fn share_config(configured: &Sharing) -> Result<ShareConfig> {
     match configured {
-        Sharing::Exclusive => Ok(None),
+        Sharing::Exclusive => Ok(ShareConfig::default()),
         Sharing::TimeSlicing { .. } => Err(field_error(
             "sharing.strategy",
             "TimeSlicing cannot apply to a share of a GPU: a share runs under the GPU's MPS \
              daemon, beside other claims' shares; use strategy MPS (to cap its SMs with \
-             defaultActiveThreadPercentage), drop the config, or ask for the whole GPU (no \
+             defaultActiveThreadPercentage, or let it burst with \
+             defaultPinnedDeviceMemoryLimit), drop the config, or ask for the whole GPU (no \
              capacity.requests.memory)",
         )),
         Sharing::Mps(m) => {
-            if m.pinned_memory_limit.is_some() {
-                return Err(field_error(
-                    "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
-                    "a share's memory limit is the memory it consumes \
-                     (capacity.requests.memory), which the scheduler counted; drop this field",
-                ));
-            }
             if !m.per_device_pinned_memory_limit.is_empty() {
                 return Err(field_error(
                     "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit",
-                    "a share's memory limit is the memory it consumes \
-                     (capacity.requests.memory), which the scheduler counted; drop this field",
+                    "a share's memory is what it consumes (capacity.requests.memory), which the \
+                     scheduler counted; to let it use more (burst), set its limit with \
+                     defaultPinnedDeviceMemoryLimit instead, or drop this field",
                 ));
             }
-            Ok(m.active_thread_percentage)
+            Ok(ShareConfig {
+                active_thread_percentage: m.active_thread_percentage,
+                burst_limit: m.pinned_memory_limit,
+            })
         }
     }
 }

@@ -401,6 +401,7 @@ mod tests {
                 memory: 4 << 30,
                 multiprocessors: None,
                 shares: None,
+                burst_limit: None,
             }),
             ..record(whole, None)
         };

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{ClaimEntry, DeviceRecord};
 use crate::ids::ClaimUid;
-use crate::inventory::{GpuUuid, quantity};
+use crate::inventory::{GpuUuid, MemoryLimits, quantity};
 
 /// The step of the published memory policy and the unit of the limit MPS takes (MiB), as in
 /// NVIDIA's driver (`consumable_shares.go`).
@@ -251,12 +251,36 @@ pub struct Consumed {
     /// it: it decides only the limits of a rewritten CDI spec, and the metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shares: Option<Shares>,
+    /// The share's burst limit in bytes, where its config asks for one
+    /// (`mpsConfig.defaultPinnedDeviceMemoryLimit`, checked at prepare to lie between what it
+    /// is held to and the GPU's memory): the most it may use, its hard limit. Not consumed: the
+    /// scheduler packs by `memory` alone. Absent without one, and in records of builds before
+    /// it (which read it as absent and drop it: a CDI spec they rewrite holds the container to
+    /// its soft limit as its hard one, while the per-process limit in the record's `sharing`
+    /// keeps the burst).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_limit: Option<u64>,
 }
 
 impl Consumed {
     /// The memory this share is held to on a GPU publishing `total` ([`held_memory`]).
     pub fn held_memory(&self, total: u64) -> Option<u64> {
         held_memory(self.memory, self.shares, total)
+    }
+
+    /// The share's memory limits on a GPU publishing `total`: soft, the memory it is held to
+    /// ([`Consumed::held_memory`], what the scheduler counted; 0 where that is nothing), and
+    /// hard, its burst limit, else the soft one. `None` for a share held to nothing that asks
+    /// for no burst limit either (an `unlimited` share that asked for no memory). Never soft
+    /// above hard, whatever the record says.
+    pub fn memory_limits(&self, total: u64) -> Option<MemoryLimits> {
+        let soft = self.held_memory(total);
+        let hard = self.burst_limit.or(soft)?;
+        let soft = soft.unwrap_or(0);
+        Some(MemoryLimits {
+            soft,
+            hard: hard.max(soft),
+        })
     }
 }
 
@@ -268,6 +292,9 @@ impl fmt::Display for Consumed {
         }
         if let Some(s) = self.shares {
             write!(f, ", {s}")?;
+        }
+        if let Some(b) = self.burst_limit {
+            write!(f, ", burst limit {}", quantity(b))?;
         }
         Ok(())
     }
@@ -467,6 +494,7 @@ mod tests {
             memory: 0,
             multiprocessors: None,
             shares: of(1, 4),
+            burst_limit: None,
         };
         assert_eq!(c.held_memory(H100), Some(20 << 30));
         assert_eq!(c.to_string(), "0 memory, 1 of 4 shares");
@@ -476,6 +504,48 @@ mod tests {
         assert_eq!(pct(4, 4), 100);
         assert_eq!(pct(0, 4), 1);
         assert_eq!(pct(1, 0), 100);
+    }
+
+    /// Soft: what the share is held to (what the scheduler counted); hard: its burst limit,
+    /// else the soft one. The hook refuses soft above hard, so no record may give that.
+    #[test]
+    fn a_shares_limits_are_what_it_is_held_to_and_its_burst() {
+        let c = |memory, shares, burst_limit| Consumed {
+            memory,
+            multiprocessors: None,
+            shares,
+            burst_limit,
+        };
+        let limits = |soft, hard| Some(MemoryLimits { soft, hard });
+        assert_eq!(
+            c(24 << 30, None, None).memory_limits(H100),
+            limits(24 << 30, 24 << 30)
+        );
+        assert_eq!(
+            c(24 << 30, None, Some(40 << 30)).memory_limits(H100),
+            limits(24 << 30, 40 << 30)
+        );
+        // 1 of 4 shares: a fourth of the GPU guaranteed, up to its burst.
+        let quarter = Some(Shares { count: 1, of: 4 });
+        assert_eq!(
+            c(0, quarter, Some(H100)).memory_limits(H100),
+            limits(20 << 30, H100)
+        );
+        // unlimited, asking nothing: no limit, unless it caps itself (nothing guaranteed).
+        assert_eq!(c(0, None, None).memory_limits(H100), None);
+        assert_eq!(
+            c(0, None, Some(8 << 30)).memory_limits(H100),
+            limits(0, 8 << 30)
+        );
+        // A record with its burst below what it consumed (prepare refuses that): the soft.
+        assert_eq!(
+            c(24 << 30, None, Some(8 << 30)).memory_limits(H100),
+            limits(24 << 30, 24 << 30)
+        );
+        assert_eq!(
+            c(24 << 30, None, Some(40 << 30)).to_string(),
+            "24Gi memory, burst limit 40Gi"
+        );
     }
 
     #[test]

@@ -486,6 +486,7 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
             any::<u64>(),
             proptest::option::of(any::<u32>()),
             proptest::option::of((any::<u32>(), any::<u32>())),
+            proptest::option::of(any::<u64>()),
         )),
     )
         .prop_map(
@@ -504,10 +505,11 @@ fn arb_device() -> impl Strategy<Value = DeviceRecord> {
                     placement: Placement { start, size },
                     created,
                 }),
-                consumed: consumed.map(|(memory, multiprocessors, shares)| Consumed {
+                consumed: consumed.map(|(memory, multiprocessors, shares, burst_limit)| Consumed {
                     memory,
                     multiprocessors,
                     shares: shares.map(|(count, of)| Shares { count, of }),
+                    burst_limit,
                 }),
                 sharing,
             },
@@ -571,6 +573,7 @@ fn shares_are_written_as_version_3_and_read_back() {
         memory: 24 << 30,
         multiprocessors: None,
         shares: None,
+        burst_limit: None,
     });
     assert_eq!(version_for(&cp), 3);
     let bytes = encode(&cp).unwrap();
@@ -587,6 +590,7 @@ fn shares_are_written_as_version_3_and_read_back() {
         memory: 24 << 30,
         multiprocessors: Some(33),
         shares: None,
+        burst_limit: None,
     });
     let bytes = encode(&cp).unwrap();
     let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
@@ -602,6 +606,7 @@ fn shares_are_written_as_version_3_and_read_back() {
         memory: 0,
         multiprocessors: None,
         shares: Some(Shares { count: 1, of: 4 }),
+        burst_limit: None,
     });
     let bytes = encode(&cp).unwrap();
     let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
@@ -611,7 +616,45 @@ fn shares_are_written_as_version_3_and_read_back() {
         device["consumedCapacity"],
         serde_json::json!({"memory": 0, "shares": {"count": 1, "of": 4}})
     );
-    assert_eq!(decode(&bytes).ok(), Some(cp));
+    assert_eq!(decode(&bytes).ok(), Some(cp.clone()));
+    // A burstable share keeps its burst limit, which the spec rewritten at start needs; a
+    // record without one (any build before it) reads as none.
+    cp.claims.values_mut().next().unwrap().devices[0].consumed = Some(Consumed {
+        memory: 24 << 30,
+        multiprocessors: None,
+        shares: None,
+        burst_limit: Some(40 << 30),
+    });
+    let bytes = encode(&cp).unwrap();
+    let v3: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v3["version"], 3);
+    let device = &v3["claims"].as_object().unwrap().values().next().unwrap()["devices"][0];
+    assert_eq!(
+        device["consumedCapacity"],
+        serde_json::json!({"memory": 24u64 << 30, "burstLimit": 40u64 << 30})
+    );
+    assert_eq!(decode(&bytes).ok(), Some(cp.clone()));
+    let mut older = v3.clone();
+    let (_, entry) = older["claims"]
+        .as_object_mut()
+        .unwrap()
+        .iter_mut()
+        .next()
+        .unwrap();
+    entry["devices"][0]["consumedCapacity"]
+        .as_object_mut()
+        .unwrap()
+        .remove("burstLimit");
+    let older = serde_json::to_vec(&older).unwrap();
+    let d = decode(&older)
+        .unwrap_or_else(|_| panic!("a record without a burst limit does not read"))
+        .claims
+        .into_values()
+        .next()
+        .unwrap()
+        .devices;
+    assert_eq!(d[0].consumed.unwrap().burst_limit, None);
+    assert_eq!(d[0].consumed.unwrap().memory, 24 << 30);
 }
 
 /// A version-2 checkpoint (a share of the twin `gpu-<minor>-shared`, its `compute` counted)
@@ -651,6 +694,7 @@ fn a_version_2_share_reads_without_its_compute() {
             memory: 24 << 30,
             multiprocessors: None,
             shares: None,
+            burst_limit: None,
         })
     );
     let again: serde_json::Value = serde_json::from_slice(&encode(&cp).unwrap()).unwrap();

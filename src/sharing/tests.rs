@@ -506,21 +506,25 @@ fn the_strategy_name_is_the_checkpoints() {
     }
 }
 
-/// A share of a GPU takes only MPS's thread percentage from its config; what would contradict
-/// the GPU's daemon or the memory the scheduler counted is refused, naming the field.
+/// A share takes MPS's thread percentage and its burst limit (NVIDIA's
+/// `defaultPinnedDeviceMemoryLimit`) from its config; time slicing and per-device limits are
+/// refused, naming the field.
 #[test]
-fn a_share_takes_the_thread_percentage_and_refuses_what_it_cannot_follow() {
+fn a_share_takes_its_sm_cap_and_burst_limit_and_refuses_what_it_cannot_follow() {
     let sharing = |v: serde_json::Value| decode(&gpu_config(v)).unwrap().into_sharing();
-    assert_eq!(share_thread_percentage(&Sharing::Exclusive), Ok(None));
     assert_eq!(
-        share_thread_percentage(&sharing(json!({"strategy": "MPS"}))),
-        Ok(None)
+        share_config(&Sharing::Exclusive),
+        Ok(ShareConfig::default())
     );
     assert_eq!(
-        share_thread_percentage(&sharing(json!({
-            "strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}
+        share_config(&sharing(json!({
+            "strategy": "MPS",
+            "mpsConfig": {"defaultActiveThreadPercentage": 30, "defaultPinnedDeviceMemoryLimit": "40Gi"}
         }))),
-        Ok(Some(30))
+        Ok(ShareConfig {
+            active_thread_percentage: Some(30),
+            burst_limit: Some(40 << 30),
+        })
     );
     for (config, field) in [
         (
@@ -528,15 +532,62 @@ fn a_share_takes_the_thread_percentage_and_refuses_what_it_cannot_follow() {
             "sharing.strategy: TimeSlicing cannot apply",
         ),
         (
-            json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "4Gi"}}),
-            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: a share's memory limit",
-        ),
-        (
             json!({"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"0": "4Gi"}}}),
-            "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: a share's memory limit",
+            "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: a share's memory is what it \
+             consumes",
         ),
     ] {
-        let e = share_thread_percentage(&sharing(config)).unwrap_err();
+        let e = share_config(&sharing(config)).unwrap_err();
         assert!(chain(e.clone()).starts_with(field), "{}", chain(e));
     }
+}
+
+/// A share's hard limit is its burst limit, else what the scheduler counted; a burst below what
+/// it consumes or above the GPU is refused, naming the field and the bounds.
+#[test]
+fn a_shares_hard_limit_is_its_burst_between_what_it_consumes_and_the_gpu() {
+    const GPU: u64 = 80 << 30;
+    let burst = |b: Option<u64>| ShareConfig {
+        active_thread_percentage: None,
+        burst_limit: b,
+    };
+    // No burst: the hard limit is the soft one (or none, for a share held to nothing).
+    assert_eq!(
+        burst(None).hard_limit(Some(24 << 30), GPU),
+        Ok(Some(24 << 30))
+    );
+    assert_eq!(burst(None).hard_limit(None, GPU), Ok(None));
+    // A burst from what it consumes up to the whole GPU.
+    for b in [24 << 30, 40 << 30, GPU] {
+        assert_eq!(burst(Some(b)).hard_limit(Some(24 << 30), GPU), Ok(Some(b)));
+    }
+    // A share held to nothing (`unlimited`, no memory asked) may still cap itself.
+    assert_eq!(
+        burst(Some(8 << 30)).hard_limit(None, GPU),
+        Ok(Some(8 << 30))
+    );
+    let e = chain(
+        burst(Some(8 << 30))
+            .hard_limit(Some(24 << 30), GPU)
+            .unwrap_err(),
+    );
+    assert!(
+        e.starts_with(
+            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 8Gi is below the 24Gi of memory \
+             the share consumes"
+        ) && e.contains("set it to 24Gi or more"),
+        "{e}"
+    );
+    let e = chain(
+        burst(Some(96 << 30))
+            .hard_limit(Some(24 << 30), GPU)
+            .unwrap_err(),
+    );
+    assert!(
+        e.starts_with(
+            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 96Gi is more than the GPU's 80Gi \
+             of memory"
+        ) && e.contains("set it to 80Gi or less"),
+        "{e}"
+    );
 }

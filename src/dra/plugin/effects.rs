@@ -9,7 +9,7 @@
 use crate::cdi::PreparedDevice;
 use crate::dra::mps::Mps;
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MemoryLimits, MigDevice, TimeSlice};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, TimeSlice};
 use crate::ledger::DeviceRecord;
 use crate::sharing::{Sharing, TimeSliceInterval};
 
@@ -378,12 +378,11 @@ pub(super) fn cdi_devices(
                     _ => None,
                 },
                 sharing: d.sharing.clone(),
-                // What the share is held to (what the scheduler counted, or its part of the GPU
-                // in integer mode), guaranteed and the most it may use; none for an `unlimited`
-                // share that asked for no memory.
+                // Soft: what the share is held to (what the scheduler counted, or its part of the
+                // GPU in integer mode), guaranteed; hard: its burst limit, else the soft one. None
+                // for an `unlimited` share that asked for no memory and no burst limit.
                 memory_limits: d.consumed.and_then(|c| {
-                    c.held_memory(crate::ledger::shares::shareable_memory(gpu.memory_bytes))
-                        .map(MemoryLimits::fixed)
+                    c.memory_limits(crate::ledger::shares::shareable_memory(gpu.memory_bytes))
                 }),
             })
         })

@@ -181,8 +181,10 @@ pub enum ClaimError {
         request: String,
         reason: String,
     },
-    #[error("invalid device configuration for request {request}")]
+    #[error("invalid device configuration of resource claim {claim}, request {request}")]
     Config {
+        /// `namespace/name`.
+        claim: String,
         request: String,
         source: sharing::Error,
     },

@@ -159,6 +159,7 @@ pub(super) fn plan(
             ),
         };
         let config_err = |source| ClaimError::Config {
+            claim: format!("{}/{}", claim.namespace, claim.name),
             request: r.request.clone(),
             source,
         };
@@ -168,7 +169,7 @@ pub(super) fn plan(
         let mut sharing = sharing::sharing_for(config, kind, &r.device).map_err(config_err)?;
         let mut consumed = None;
         if let Resolved::Gpu(g) = resolved
-            && let Some((share, settings)) = share(opts, r, g, &sharing, &out)?
+            && let Some((share, settings)) = share(opts, claim, r, g, &sharing, &out)?
         {
             consumed = Some(share);
             // The share's limits are its MPS client settings, behind the GPU's daemon.
@@ -225,17 +226,23 @@ pub(super) fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
 /// - `unlimited` and integer `N` (`--consumable-shares`): every one, as the policy's default
 ///   memory is 0 and others may be allocated beside it.
 ///
-/// A share's CUDA memory limit is the memory it is held to ([`Consumed::held_memory`]: what it
-/// consumed, else in integer mode its `shares` part of the GPU, else none) less its part of the
-/// MPS server's own ([`shares::cuda_limit`]); its thread percentage comes from its config
+/// A share's memory limits are soft, the memory it is held to ([`Consumed::held_memory`]: what
+/// it consumed, else in integer mode its `shares` part of the GPU, else none), and hard, its
+/// burst limit where its config asks for one (NVIDIA's `mpsConfig.defaultPinnedDeviceMemoryLimit`,
+/// between the soft limit and the GPU's memory: [`sharing::ShareConfig::hard_limit`]), else the
+/// soft one ([`Consumed::memory_limits`]). Its CUDA memory limit, per process, is the hard limit
+/// less its part of the MPS server's own ([`shares::cuda_limit`]): where the driver does not
+/// partition memory per cgroup it is the only cap. Its thread percentage comes from its config
 /// (`mpsConfig.defaultActiveThreadPercentage`), else from the multiprocessors it asked for, else
 /// in integer mode from its shares, else it has none. Refused: a share where the GPU is not
 /// published shareable, memory below the `memory` mode's minimum or above the GPU, `shares`
 /// above N or outside integer mode, quantities that are not the published kind, a config the
-/// share cannot follow ([`sharing::share_thread_percentage`]), and a second GPU's share beside
-/// the claim's first (a container has one MPS pipe directory).
+/// share cannot follow ([`sharing::share_config`]) or a burst limit outside those bounds, each
+/// naming the claim and the field, and a second GPU's share beside the claim's first (a
+/// container has one MPS pipe directory).
 fn share(
     opts: &Options,
+    claim: &ClaimRef,
     r: &DeviceRequestAllocationResult,
     gpu: &Gpu,
     configured: &Sharing,
@@ -355,29 +362,38 @@ fn share(
             (n > 0).then_some(n)
         }
     };
-    let configured =
-        sharing::share_thread_percentage(configured).map_err(|source| ClaimError::Config {
-            request: r.request.clone(),
-            source,
-        })?;
+    let config_err = |source| ClaimError::Config {
+        claim: format!("{}/{}", claim.namespace, claim.name),
+        request: r.request.clone(),
+        source,
+    };
+    let configured = sharing::share_config(configured).map_err(config_err)?;
     let active_thread_percentage = configured
+        .active_thread_percentage
         .or_else(|| {
             let total = gpu.multiprocessors?;
             multiprocessors.map(|k| shares::thread_percentage(k, total))
         })
         .or_else(|| shares.map(shares::shares_thread_percentage));
-    let consumed = Consumed {
+    let mut consumed = Consumed {
         memory,
         multiprocessors,
         shares,
+        burst_limit: None,
     };
+    // Checked against what the share is held to, and recorded: the spec rewritten at start
+    // needs it.
+    configured
+        .hard_limit(consumed.held_memory(total), total)
+        .map_err(config_err)?;
+    consumed.burst_limit = configured.burst_limit;
     Ok(Some((
         consumed,
         MpsSettings {
             active_thread_percentage,
             pinned_memory_limit: consumed
-                .held_memory(total)
-                .map(|held| shares::cuda_limit(held, total)),
+                .memory_limits(total)
+                .map(|l| shares::cuda_limit(l.hard, total)),
             per_device_pinned_memory_limit: BTreeMap::new(),
         },
     )))

@@ -82,6 +82,7 @@ async fn unlimited_shares_run_under_the_gpus_daemon_limited_only_by_what_they_as
             memory: 0,
             multiprocessors: None,
             shares: None,
+            burst_limit: None,
         })
     );
     let pipe = e.plugin.inner.mps.gpu_pipe_dir(&gpu);

@@ -65,6 +65,7 @@ async fn three_shares_of_one_gpu_share_one_daemon_and_a_fourth_is_refused() {
                 memory: 24 << 30,
                 multiprocessors: None,
                 shares: None,
+                burst_limit: None,
             })
         );
         let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
@@ -335,8 +336,38 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
             vec![mps_config(
                 serde_json::json!({"defaultPinnedDeviceMemoryLimit": "2Gi"}),
             )],
-            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: a share's memory limit is the \
-             memory it consumes",
+            "invalid device configuration of resource claim default/claim-f, request nb: \
+             sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 2Gi is below the 4Gi of memory \
+             the share consumes",
+        ),
+        (
+            "f2",
+            vec![share("nb", "gpu-0", "4Gi")],
+            vec![mps_config(
+                serde_json::json!({"defaultPinnedDeviceMemoryLimit": "81Gi"}),
+            )],
+            "invalid device configuration of resource claim default/claim-f2, request nb: \
+             sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 81Gi is more than the GPU's 80Gi \
+             of memory",
+        ),
+        (
+            "f3",
+            vec![share("nb", "gpu-0", "4Gi")],
+            vec![mps_config(
+                serde_json::json!({"defaultPinnedDeviceMemoryLimit": "lots"}),
+            )],
+            "invalid device configuration of resource claim default/claim-f3, request nb: claim \
+             config #0: sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: invalid quantity \
+             \"lots\"",
+        ),
+        (
+            "f4",
+            vec![share("nb", "gpu-0", "4Gi")],
+            vec![mps_config(
+                serde_json::json!({"defaultPerDevicePinnedMemoryLimit": {"0": "8Gi"}}),
+            )],
+            "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: a share's memory is what it \
+             consumes",
         ),
         (
             "g",
@@ -356,6 +387,7 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
         let err = crate::report::chain(&e.prepare(uid).await.unwrap_err()).to_string();
         assert!(err.contains(want), "{uid}: {err}");
         assert_eq!(e.state(uid), None, "{uid}");
+        assert!(!e.spec(uid).exists(), "{uid}");
     }
     assert!(mps_log(&e).is_empty(), "no daemon for refused shares");
 }
@@ -493,6 +525,100 @@ async fn where_the_driver_partitions_memory_a_shares_limits_cover_its_container(
     let mut r = p.unprepare(vec![cref("t")]).await;
     r.pop().unwrap().1.unwrap();
     assert_eq!(p.share_levels(), BTreeMap::from([(uid("s"), "process")]));
+}
+
+/// A burstable share (NVIDIA's `defaultPinnedDeviceMemoryLimit` on a share): the node packs it
+/// by what it consumes, its container's soft limit is that and its hard limit the burst, its
+/// per-process limit is the burst less its part of what MPS takes, and the burst survives a
+/// restart that rewrites its spec from the checkpoint. On the GPU whole the field keeps
+/// NVIDIA's meaning: the claim's own daemon's per-client limit, as given.
+#[tokio::test]
+async fn a_burstable_share_is_soft_at_what_it_consumes_and_hard_at_its_burst() {
+    let e = env("dgx-h100").await;
+    let _host = e.mps_host();
+    let gpu = e.sim.snapshot().unwrap().gpus[2].clone();
+    // The driver partitions memory (as in the test above): the spec carries the NVML hook.
+    let cgroups = e.dir.path().join("driver/sys/fs/cgroup");
+    std::fs::create_dir_all(&cgroups).unwrap();
+    std::fs::write(cgroups.join("cgroup.controllers"), "cpu memory\n").unwrap();
+    let nvml = e
+        .dir
+        .path()
+        .join("driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.615.10.01");
+    std::fs::create_dir_all(nvml.parent().unwrap()).unwrap();
+    std::fs::write(&nvml, "NVML").unwrap();
+    e.sim.set_memory_limits(true);
+    let (p, rec, _stop) = e.restart(e.sim.clone()).await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    let prepare = |p: &Plugin, uid: &str| {
+        let p = p.clone();
+        let uid = uid.to_string();
+        async move { p.prepare(vec![cref(&uid)]).await.pop().unwrap().1 }
+    };
+
+    // 24Gi that may burst to 40Gi, then 56Gi beside it: 80Gi counted, so both fit.
+    e.add(claim_with(
+        "b",
+        vec![share("nb", "gpu-2", "24Gi")],
+        vec![mps_config(
+            serde_json::json!({"defaultPinnedDeviceMemoryLimit": "40Gi"}),
+        )],
+    ));
+    let d = prepare(&p, "b").await.unwrap();
+    let consumed = d[0].consumed.unwrap();
+    assert_eq!(
+        (consumed.memory, consumed.burst_limit),
+        (24 << 30, Some(40 << 30))
+    );
+    e.add(claim("rest", vec![share("nb", "gpu-2", "56Gi")]));
+    prepare(&p, "rest").await.unwrap();
+
+    let limits = |uid: &str| {
+        let spec = std::fs::read_to_string(e.spec(uid)).unwrap();
+        let hook: Vec<String> = spec
+            .lines()
+            .map(|l| l.trim().trim_start_matches("- ").to_string())
+            .filter(|l| l.starts_with(&format!("{}=", gpu.uuid.as_str())))
+            .collect();
+        let process = spec
+            .lines()
+            .find_map(|l| l.split("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=").nth(1))
+            .map(|v| v.trim_matches(|c| c == '"' || c == '\'').to_string());
+        (hook, process)
+    };
+    // Soft 24Gi, hard 40Gi on the container (the createRuntime and poststop hooks); per process,
+    // 40Gi less its part of the MPS server's reserve: 40960 MiB × 79/80.
+    let hard = format!("{}={}:{}", gpu.uuid.as_str(), 24u64 << 30, 40u64 << 30);
+    let want = (vec![hard.clone(), hard], Some("0=40448M".to_string()));
+    assert_eq!(limits("b"), want);
+    let fixed = format!("{}={}:{}", gpu.uuid.as_str(), 56u64 << 30, 56u64 << 30);
+    assert_eq!(
+        limits("rest"),
+        (vec![fixed.clone(), fixed], Some("0=56627M".to_string()))
+    );
+
+    // The spec is rewritten at start from the checkpoint, with the burst.
+    std::fs::remove_file(e.spec("b")).unwrap();
+    let (_p, rec, _stop) = e.restart(e.sim.clone()).await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    assert_eq!(limits("b"), want);
+
+    // The GPU whole, with MPS: NVIDIA's per-client limit of the claim's own daemon, as given.
+    e.add(claim_with(
+        "w",
+        vec![result("nb", "gpu-3")],
+        vec![mps_config(
+            serde_json::json!({"defaultPinnedDeviceMemoryLimit": "40Gi"}),
+        )],
+    ));
+    let d = prepare(&_p, "w").await.unwrap();
+    assert_eq!(d[0].consumed, None);
+    let spec = std::fs::read_to_string(e.spec("w")).unwrap();
+    assert!(
+        spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M")
+            && !spec.contains("memory-limit-hook"),
+        "{spec}"
+    );
 }
 
 /// A pod `name` (UID `pod-<name>`) whose containers run as `users` (`None`: no runAsUser), the

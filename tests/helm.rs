@@ -247,6 +247,7 @@ mode: both
 extendedResources: true
 nodeLabels: true
 sharedCapacity: true
+consumableShares: memory
 devicePluginConfig:
   flags: {migStrategy: single, plugin: {deviceListStrategy: cdi-cri}}
 sharing:
@@ -351,6 +352,7 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
         ]
     );
     assert_eq!(env(c, "NVDRA_NODE_LABELS"), Some("true"));
+    assert_eq!(env(c, "CONSUMABLE_SHARES"), Some("memory"));
     assert_eq!(env(c, "NVIDIA_DRIVER_ROOT"), Some("/run/nvidia/driver"));
     assert_eq!(env(c, "DRIVER_ROOT_CTR_PATH"), Some(DRIVER_ROOT_CTR_PATH));
     assert_eq!(env(c, "NVIDIA_DEV_ROOT"), Some("/"));
@@ -572,6 +574,8 @@ fn bad_values_are_refused_naming_the_value() {
         ("kubeletRoot=var/lib/kubelet", "/kubeletRoot"),
         ("driverRoot=run/nvidia/driver", "/driverRoot"),
         ("sharedCapacity=yes", "/sharedCapacity"),
+        ("consumableShares=some", "/consumableShares"),
+        ("consumableShares=49", "/consumableShares"),
         (
             "metrics.serviceMonitor.interval=soon",
             "/metrics/serviceMonitor/interval",

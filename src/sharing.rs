@@ -248,10 +248,10 @@ impl ShareConfig {
             return Err(field_error(
                 BURST_LIMIT_FIELD,
                 format!(
-                    "{} is below the {} of memory the share consumes (capacity.requests.memory, \
-                     what the scheduler counted and the share is guaranteed); on a share this \
-                     field is its burst limit, the most it may use: set it to {} or more, or \
-                     drop it",
+                    "{} is below the {} of memory the share is guaranteed (what the scheduler \
+                     counted for it: its capacity.requests.memory, or in integer mode its part \
+                     of the GPU); on a share this field is its burst limit, the most it may \
+                     use: set it to {} or more, or drop it",
                     q(burst),
                     q(soft),
                     q(soft)

@@ -574,7 +574,7 @@ fn a_shares_hard_limit_is_its_burst_between_what_it_consumes_and_the_gpu() {
     assert!(
         e.starts_with(
             "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 8Gi is below the 24Gi of memory \
-             the share consumes"
+             the share is guaranteed"
         ) && e.contains("set it to 24Gi or more"),
         "{e}"
     );

@@ -338,7 +338,7 @@ async fn shares_that_cannot_be_enforced_are_refused_with_the_reason() {
             )],
             "invalid device configuration of resource claim default/claim-f, request nb: \
              sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 2Gi is below the 4Gi of memory \
-             the share consumes",
+             the share is guaranteed",
         ),
         (
             "f2",

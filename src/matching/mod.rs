@@ -31,6 +31,7 @@
 //! Not modelled: DeviceTaintRules (only taints in the slices count), and which node the
 //! scheduler would prefer among several.
 
+mod burst;
 mod held;
 pub mod input;
 mod node;
@@ -85,10 +86,12 @@ fn slice_name(s: &ResourceSlice) -> String {
         .unwrap_or_default()
 }
 
-/// A DeviceClass's compiled selectors.
+/// A DeviceClass's compiled selectors, and its opaque configs (what a share's config may take
+/// from its class: `nvdra match` shows a share's burst limit).
 pub struct Class {
     pub name: String,
     pub selectors: Vec<Selector>,
+    pub config: Vec<crate::sharing::ConfigEntry>,
 }
 
 /// Compiles the classes (the input's first, then the built-in ones not redefined).
@@ -109,7 +112,27 @@ pub fn compile_classes(
             "DeviceClass",
             &name,
         )?;
-        out.insert(name.clone(), Class { name, selectors });
+        let config = c
+            .spec
+            .config
+            .iter()
+            .flatten()
+            .filter_map(|x| x.opaque.as_ref())
+            .map(|o| crate::sharing::ConfigEntry {
+                source: crate::sharing::ConfigSource::FromClass,
+                requests: Vec::new(),
+                driver: o.driver.clone(),
+                parameters: o.parameters.0.clone(),
+            })
+            .collect();
+        out.insert(
+            name.clone(),
+            Class {
+                name,
+                selectors,
+                config,
+            },
+        );
     }
     Ok(out)
 }
@@ -217,7 +240,10 @@ pub fn explain_all(
     for (i, c) in claims.iter().enumerate() {
         if let Some(a) = &c.allocation {
             let (found, missing) = held.hold_allocation(node, &c.name, a);
-            reports[i] = Some(report::allocated(c, node, found, missing));
+            let mut report = report::allocated(c, node, found.clone(), missing);
+            let configs = crate::sharing::from_allocation(a);
+            burst::annotate(&mut report, &found, c, classes, node, Some(configs));
+            reports[i] = Some(report);
         }
     }
     for (i, c) in claims.iter().enumerate() {
@@ -451,13 +477,21 @@ fn explain_on(
         ),
         Outcome::None => (None, Some(search.why_not())),
     };
-    let report = report::build(
+    let mut report = report::build(
         claim,
         &requests,
         &constraints,
         node,
         allocation.clone(),
         reason,
+    );
+    burst::annotate(
+        &mut report,
+        allocation.as_deref().unwrap_or_default(),
+        claim,
+        classes,
+        node,
+        None,
     );
     Ok((report, allocation))
 }

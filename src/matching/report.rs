@@ -44,6 +44,14 @@ pub struct Allocated {
     /// it for none after it.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub admin_access: bool,
+    /// A share whose config asks for a burst limit above what it consumes: the most memory it
+    /// may use (its hard limit). The scheduler packs it by `consumedCapacity` alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst_limit: Option<String>,
+    /// What prepare would refuse in a share's config (the field and why): the scheduler
+    /// allocates it, and the node then does not prepare it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config_error: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -143,6 +151,8 @@ fn allocations(node: &Node, picks: Vec<Pick>) -> Vec<Allocated> {
                     .map(|(k, v)| (k, format_milli(v)))
                     .collect(),
                 admin_access: admin,
+                burst_limit: None,
+                config_error: None,
             },
         )
         .collect()
@@ -226,6 +236,12 @@ pub fn render_table(reports: &[ClaimReport]) -> String {
                         .collect();
                     if x.admin_access {
                         notes.push("admin access".into());
+                    }
+                    if let Some(limit) = &x.burst_limit {
+                        notes.push(format!("may burst to {limit}"));
+                    }
+                    if let Some(e) = &x.config_error {
+                        notes.push(format!("refused at prepare: {e}"));
                     }
                     if notes.is_empty() {
                         format!("{} → {}", x.request, x.device)

@@ -1013,3 +1013,170 @@ fn whole_and_mig_claims_land_on_different_gpus_as_the_counters_say() {
     assert!(got(&r[0]).starts_with("gpu-0-mig-"));
     assert!(!r[1].satisfiable);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Burstable shares: a share's burst limit beside what the scheduler packs it by.
+
+/// A claim config (under `spec.devices`) for all requests: MPS with `mps` as `mpsConfig`.
+fn mps_config(mps: &str) -> String {
+    format!(
+        "    config:\n    - opaque:\n        driver: {DRIVER}\n        parameters: {{apiVersion: resource.nvidia.com/v1beta1, kind: GpuConfig, sharing: {{strategy: MPS, mpsConfig: {mps}}}}}\n"
+    )
+}
+
+#[test]
+fn a_share_is_packed_by_its_request_and_shown_with_its_burst_limit() {
+    // 24Gi that may burst to 40Gi, then 56Gi: both fit one 80Gi GPU, as the scheduler counts
+    // only what each consumes.
+    let text = format!(
+        "{}{}{}",
+        shared_node(1),
+        on_gpu0(
+            "bursty",
+            GPU,
+            SHARE_24,
+            &mps_config("{defaultPinnedDeviceMemoryLimit: 40Gi}")
+        ),
+        on_gpu0("rest", GPU, "{memory: 56Gi}", "")
+    );
+    let r = run_all(&text);
+    assert!(r[0].satisfiable && r[1].satisfiable, "{r:?}");
+    let a = &r[0].allocation.as_ref().unwrap()[0];
+    assert_eq!(a.consumed_capacity, amounts("24Gi", "0"));
+    assert_eq!(a.burst_limit.as_deref(), Some("40Gi"));
+    assert_eq!(a.config_error, None);
+    assert_eq!(r[1].allocation.as_ref().unwrap()[0].burst_limit, None);
+    let table = render_table(&r);
+    assert!(
+        table.contains(
+            "satisfiable: gpu → gpu-0 (memory 24Gi, multiprocessors 0, may burst to 40Gi)"
+        ),
+        "{table}"
+    );
+    let json = serde_json::to_value(&r[0]).unwrap();
+    assert_eq!(json["allocation"][0]["burstLimit"], "40Gi", "{json}");
+    assert!(
+        serde_json::to_value(&r[1]).unwrap()["allocation"][0]
+            .get("burstLimit")
+            .is_none()
+    );
+}
+
+#[test]
+fn a_burst_limit_prepare_would_refuse_is_named_with_its_field() {
+    for (limit, why) in [
+        (
+            "8Gi",
+            "8Gi is below the 24Gi of memory the share is guaranteed",
+        ),
+        ("96Gi", "96Gi is more than the GPU's 80Gi of memory"),
+        ("lots", "invalid quantity \"lots\""),
+    ] {
+        let text = format!(
+            "{}{}",
+            shared_node(1),
+            on_gpu0(
+                "c",
+                GPU,
+                SHARE_24,
+                &mps_config(&format!("{{defaultPinnedDeviceMemoryLimit: {limit}}}"))
+            )
+        );
+        let r = run_all(&text);
+        // The scheduler allocates it; the node then refuses to prepare it.
+        assert!(r[0].satisfiable, "{r:?}");
+        let a = &r[0].allocation.as_ref().unwrap()[0];
+        assert_eq!(a.burst_limit, None);
+        let e = a.config_error.as_deref().unwrap_or_default();
+        assert!(
+            e.contains(&format!(
+                "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: {why}"
+            )),
+            "{limit}: {e}"
+        );
+        assert!(
+            render_table(&r).contains("refused at prepare: "),
+            "{}",
+            render_table(&r)
+        );
+    }
+}
+
+#[test]
+fn a_burst_limit_comes_from_the_class_or_the_allocation_and_the_whole_gpu_has_none() {
+    // From the request's class.
+    let class = format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {{name: bursty}}\nspec:\n  selectors:\n  - cel: {{expression: \"device.driver == '{DRIVER}'\"}}\n  config:\n  - opaque:\n      driver: {DRIVER}\n      parameters: {{apiVersion: resource.nvidia.com/v1beta1, kind: GpuConfig, sharing: {{strategy: MPS, mpsConfig: {{defaultPinnedDeviceMemoryLimit: 48Gi}}}}}}\n"
+    );
+    let r = run_all(&format!(
+        "{}{class}{}",
+        shared_node(1),
+        on_gpu0("c", "bursty", SHARE_24, "")
+    ));
+    assert_eq!(
+        r[0].allocation.as_ref().unwrap()[0].burst_limit.as_deref(),
+        Some("48Gi"),
+        "{r:?}"
+    );
+    // From an allocation's configs, as prepare reads them.
+    let status = format!(
+        "status:\n  allocation:\n    devices:\n      results:\n      - {{request: gpu, driver: {DRIVER}, pool: n, device: gpu-0, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {{memory: 24Gi, multiprocessors: \"0\"}}}}\n      config:\n      - source: FromClaim\n        opaque:\n          driver: {DRIVER}\n          parameters: {{apiVersion: resource.nvidia.com/v1beta1, kind: GpuConfig, sharing: {{strategy: MPS, mpsConfig: {{defaultPinnedDeviceMemoryLimit: 32Gi}}}}}}\n"
+    );
+    let r = run_all(&format!(
+        "{}{}",
+        shared_node(1),
+        on_gpu0("running", GPU, SHARE_24, &status)
+    ));
+    assert!(r[0].allocated, "{r:?}");
+    assert_eq!(
+        r[0].allocation.as_ref().unwrap()[0].burst_limit.as_deref(),
+        Some("32Gi"),
+        "{r:?}"
+    );
+    // The whole GPU (no memory asked) is no share: the field keeps NVIDIA's meaning there, a
+    // limit per MPS client of the claim's own daemon, and no burst is shown.
+    let r = run_all(&format!(
+        "{}{}",
+        shared_node(1),
+        on_gpu0(
+            "whole",
+            GPU,
+            "",
+            &mps_config("{defaultPinnedDeviceMemoryLimit: 40Gi}")
+        )
+    ));
+    let a = &r[0].allocation.as_ref().unwrap()[0];
+    assert_eq!(
+        (a.burst_limit.as_deref(), a.config_error.as_deref()),
+        (None, None)
+    );
+}
+
+#[test]
+fn in_integer_mode_a_burst_is_checked_against_the_shares_part_of_the_gpu() {
+    // NVIDIA's integer mode with N = 4: a claim that asks for nothing takes 1 share, a fourth
+    // of the GPU (20Gi), and no memory.
+    let node = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\nmetadata: {{name: devices}}\nspec:\n  driver: {DRIVER}\n  nodeName: n\n  pool: {{name: n, generation: 1, resourceSliceCount: 1}}\n  devices:\n  - name: gpu-0\n    allowMultipleAllocations: true\n    attributes:\n      type: {{string: gpu}}\n      index: {{int: 0}}\n    capacity:\n      memory:\n        value: 80Gi\n        requestPolicy: {{default: \"0\", validRange: {{min: \"0\", max: 80Gi, step: 1Mi}}}}\n      shares:\n        value: \"4\"\n        requestPolicy: {{default: \"1\", validRange: {{min: \"1\", max: \"4\", step: \"1\"}}}}\n"
+    );
+    let burst = |limit: &str| {
+        let r = run_all(&format!(
+            "{node}{}",
+            on_gpu0(
+                "c",
+                GPU,
+                "",
+                &mps_config(&format!("{{defaultPinnedDeviceMemoryLimit: {limit}}}"))
+            )
+        ));
+        let a = r[0].allocation.as_ref().unwrap()[0].clone();
+        (a.burst_limit, a.config_error)
+    };
+    assert_eq!(burst("40Gi"), (Some("40Gi".into()), None));
+    let (limit, e) = burst("16Gi");
+    assert_eq!(limit, None);
+    assert!(
+        e.unwrap_or_default()
+            .contains("16Gi is below the 20Gi of memory the share is guaranteed"),
+    );
+}

@@ -194,6 +194,16 @@ pub struct MpsHostArgs {
     )]
     pub probe_interval: String,
 
+    /// The size of each daemon's /dev/shm, a tmpfs of its own that its share containers mount
+    /// as theirs (a quantity: 1Gi, 512Mi).
+    #[arg(
+        long,
+        env = "NVDRA_MPS_SHM_SIZE",
+        value_name = "QUANTITY",
+        default_value = crate::mps::host::DEFAULT_SHM_SIZE
+    )]
+    pub shm_size: String,
+
     /// Give each daemon its own /dev/shm (needs CAP_SYS_ADMIN). `false` only for demos and
     /// tests without that privilege: daemons then share the host's /dev/shm.
     #[arg(
@@ -508,6 +518,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
                         message: e.to_string(),
                     })
                 })?;
+            let shm_size = crate::inventory::parse_quantity(&args.shm_size)
+                .filter(|b| *b >= 1 << 20)
+                .ok_or_else(|| {
+                    Failure::Config(config::Error {
+                        key: "--shm-size".into(),
+                        message: format!(
+                            "{:?} is not a size of at least 1Mi (a quantity such as 1Gi or 512Mi)",
+                            args.shm_size
+                        ),
+                    })
+                })?;
             crate::mps::host::main(crate::mps::host::Options {
                 root: config.mps_root.clone(),
                 driver_root: config.driver_root.ctr().to_path_buf(),
@@ -518,6 +539,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 quit_deadline,
                 probe_interval,
                 private_shm: args.private_shm,
+                shm_size,
             })
             .map_err(|e| Failure::Other(e.into()))
         }

@@ -618,3 +618,64 @@ async fn a_daemon_that_stops_answering_is_replaced_and_its_server_started_again(
     let mut again = n.client("s2");
     assert!(again.connected());
 }
+
+/// Each daemon's `/dev/shm` (its clients' too) is a tmpfs of its own of `--shm-size`, not a
+/// directory of the node's `/run`: a tenant that fills it fills only its GPU's, and it is gone
+/// with the daemon's release.
+#[tokio::test]
+async fn a_daemons_dev_shm_is_a_sized_tmpfs_of_its_own_gone_at_release() {
+    let n = Node::new(&["s1"]);
+    let _host = n.host(&[("NVDRA_MPS_SHM_SIZE", "8Mi")]);
+    let _p = n.run("pod-1").await;
+    n.prepare("pod-1", "s1").await;
+    let shm = n.gpu0_dir().join("shm");
+    let (fs, size) = statfs(&shm);
+    assert_eq!(
+        fs,
+        libc::TMPFS_MAGIC,
+        "{} is not a tmpfs",
+        shm.display()
+    );
+    assert_eq!(size, 8 << 20);
+    assert_ne!(
+        statfs_dev(&n.gpu0_dir()),
+        statfs_dev(&shm),
+        "on the daemon directory's filesystem"
+    );
+    // The daemon sees it as its /dev/shm (its marker is there).
+    let pids = mps::daemon_pids(&n.gpu0_dir());
+    assert!(
+        shm.join(format!("nvdra-standin-control.{}", pids[0]))
+            .exists()
+    );
+    // Filling it fails at its size, and nothing beyond.
+    let big = vec![0u8; 9 << 20];
+    let err = std::fs::write(shm.join("fill"), &big).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    std::fs::remove_file(shm.join("fill")).unwrap();
+
+    assert_eq!(unprepare_at(&n.dra("pod-1"), "s1").await, "");
+    mps::eventually("the released directory is removed", || {
+        !n.gpu0_dir().exists()
+    });
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&shm.display().to_string()),
+        "the tmpfs outlived its release"
+    );
+}
+
+/// The filesystem type and size in bytes of the filesystem `path` is on.
+fn statfs(path: &std::path::Path) -> (i64, u64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and a statfs buffer, both live across the call.
+    assert_eq!(unsafe { libc::statfs(c.as_ptr(), &mut s) }, 0);
+    (s.f_type, s.f_blocks * s.f_bsize as u64)
+}
+
+fn statfs_dev(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().dev()
+}

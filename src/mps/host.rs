@@ -67,7 +67,13 @@ pub struct Options {
     /// Give each daemon its own `/dev/shm` (needs CAP_SYS_ADMIN); off only for demos and tests
     /// without the privilege.
     pub private_shm: bool,
+    /// With `private_shm`: the size of the tmpfs each daemon gets as `<id>/shm` (its and its
+    /// clients' `/dev/shm`), in bytes.
+    pub shm_size: u64,
 }
+
+/// The default size of a daemon's `/dev/shm` tmpfs.
+pub const DEFAULT_SHM_SIZE: &str = "1Gi";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -618,6 +624,25 @@ fn spawn(
         source,
     };
     Layout::make_subdirs(&dir).map_err(dir_err)?;
+    // The daemon's and its clients' /dev/shm: a tmpfs of its own, sized, so that no tenant can
+    // fill the node's /run, mounted where the host's mount namespace sees it (the MPS root is
+    // mounted with Bidirectional propagation) for the share containers' bind mounts.
+    let shm = layout.shm(id);
+    if opts.private_shm {
+        super::ns::ensure_tmpfs(&shm, opts.shm_size).map_err(|source| {
+            if source.raw_os_error() == Some(libc::EPERM) {
+                SpawnError::NotPermitted {
+                    shm: shm.clone(),
+                    source,
+                }
+            } else {
+                SpawnError::Dir {
+                    path: shm.clone(),
+                    source,
+                }
+            }
+        })?;
+    }
     // No daemon of this directory runs (this host starts them, one at a time): whatever is in its
     // pipe and shm directories is a dead daemon's.
     for stale in [layout.pipe(id), layout.shm(id)] {
@@ -653,7 +678,6 @@ fn spawn(
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
-    let shm = layout.shm(id);
     if opts.private_shm {
         super::ns::private_shm(&mut cmd, &shm).map_err(|source| SpawnError::Dir {
             path: shm.clone(),
@@ -704,6 +728,10 @@ fn remove_released(layout: &Layout, id: &DaemonId) {
     let dir = layout.dir(id);
     if layout.spec(id).exists() {
         return;
+    }
+    // Its clients are gone with the daemon: the tmpfs goes (lazily, should one still hold it).
+    if let Err(e) = super::ns::unmount(&layout.shm(id)) {
+        tracing::warn!(daemon = %id, error = %e, "cannot unmount the released daemon's /dev/shm");
     }
     let gone = layout
         .root()

@@ -1,6 +1,8 @@
-//! A daemon's own `/dev/shm`: the child gets a private mount namespace (so nothing it mounts
-//! reaches the host's), with `<id>/shm` bound on `/dev/shm`, where MPS keeps the memory its
-//! server and clients share; every client container mounts the same directory there. The child
+//! A daemon's own `/dev/shm`: `<id>/shm` is a tmpfs of its own ([`ensure_tmpfs`], sized, so
+//! that no tenant can fill the node's `/run`, and gone with the daemon's release), and the child
+//! gets a private mount namespace (so nothing it mounts reaches the host's), with `<id>/shm`
+//! bound on `/dev/shm`, where MPS keeps the memory its server and clients share; every client
+//! container mounts the same tmpfs there. The child
 //! also dies with the host (`PR_SET_PDEATHSIG`), as it does when the host's container ends.
 //!
 //! Needs CAP_SYS_ADMIN (the host's DaemonSet grants it); without it the spawn fails with EPERM,
@@ -68,4 +70,53 @@ pub fn die_with_parent(cmd: &mut Command) {
             Ok(())
         });
     }
+}
+
+/// Mounts a tmpfs of `size` bytes (mode 1777, no devices, no setuid) on `dir` unless one is
+/// mounted there already (a host restarted over its daemons' directories).
+pub fn ensure_tmpfs(dir: &Path, size: u64) -> io::Result<()> {
+    if is_mount_point(dir)? {
+        return Ok(());
+    }
+    let target = CString::new(dir.as_os_str().as_bytes())?;
+    let data = CString::new(format!("size={size},mode=1777"))?;
+    // SAFETY: mount(2) with C strings that live across the call; no memory is shared.
+    let r = unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            target.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            data.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Detaches whatever is mounted on `dir` (lazily: it goes once nothing holds it); nothing when
+/// nothing is mounted there or `dir` is gone.
+pub fn unmount(dir: &Path) -> io::Result<()> {
+    match is_mount_point(dir) {
+        Ok(true) => {}
+        Ok(false) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    let target = CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: umount2(2) with a C string that lives across the call.
+    if unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether something is mounted on `dir`: it is on another device than its parent.
+pub fn is_mount_point(dir: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let here = std::fs::metadata(dir)?;
+    let parent = std::fs::metadata(dir.join(".."))?;
+    Ok(here.dev() != parent.dev())
 }

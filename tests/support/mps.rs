@@ -193,6 +193,23 @@ impl Drop for Host {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        unmount_under(&self.root);
+    }
+}
+
+/// Detaches every mount under `root` (the daemons' `/dev/shm` tmpfs a SIGKILLed host left), so
+/// a test leaves none on the machine.
+pub fn unmount_under(root: &Path) {
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    for line in mounts.lines() {
+        // Field 5 is the mount point (spaces and the like octal-escaped: none in a temp dir).
+        if let Some(point) = line.split(' ').nth(4)
+            && Path::new(point).starts_with(root)
+        {
+            let _ = Command::new("umount").args(["-l", point]).status();
+        }
     }
 }
 

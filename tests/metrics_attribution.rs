@@ -473,12 +473,14 @@ fn the_grafana_dashboard_queries_only_metrics_nvdra_exports() {
 /// Each share of a GPU is on `/metrics` with what the scheduler counted for it and what its
 /// pods' processes use now (NVML per process, joined to the claim through the pods' cgroups),
 /// as Python's parser reads the text: a share whose two processes outgrew it, one within its
-/// share, and a process in no claim's pod counted for none.
+/// share, and a process in no claim's pod counted for none. A share of `--consumable-shares=4`
+/// shows the quarter of the GPU it is held to; an `unlimited` one that asked for no memory shows
+/// what it uses and nothing to exceed.
 #[test]
 fn each_share_shows_its_used_memory_beside_what_it_consumed() {
     use nvdra::ids::{ClaimUid, DeviceName};
     use nvdra::inventory::ProcessUsage;
-    use nvdra::ledger::{ClaimEntry, ClaimState, Consumed, DeviceRecord, Ledger, PodRef};
+    use nvdra::ledger::{ClaimEntry, ClaimState, Consumed, DeviceRecord, Ledger, PodRef, Shares};
     use nvdra::metrics::{Metrics, attribution::Attribution};
     use std::sync::Arc;
 
@@ -518,7 +520,7 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
     );
     let dir = tempfile::tempdir().unwrap();
     let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
-    let share = |memory| DeviceRecord {
+    let share = |memory, shares| DeviceRecord {
         requests: vec!["nb".into()],
         pool: NODE.into(),
         device: DeviceName::parse("gpu-0").unwrap(),
@@ -529,20 +531,32 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         mig: None,
         consumed: Some(Consumed {
             memory,
+            shares,
             ..Default::default()
         }),
         sharing: Default::default(),
     };
     ledger.update(|c| {
-        for (uid, name, pod, memory) in [("a", "nb-a", POD_A, gib(8)), ("b", "nb-b", POD_B, gib(4))]
-        {
+        let quarter = Some(Shares { count: 1, of: 4 });
+        for (uid, name, pod, memory, shares) in [
+            ("a", "nb-a", POD_A, gib(8), None),
+            ("b", "nb-b", POD_B, gib(4), None),
+            (
+                "c",
+                "nb-c",
+                "cccccccc-0000-4000-8000-00000000000c",
+                0,
+                quarter,
+            ),
+            ("d", "nb-d", "dddddddd-0000-4000-8000-00000000000d", 0, None),
+        ] {
             c.insert(
                 ClaimUid::parse(uid).unwrap(),
                 ClaimEntry {
                     state: ClaimState::PrepareCompleted,
                     namespace: "ml".into(),
                     name: name.into(),
-                    devices: vec![share(memory)],
+                    devices: vec![share(memory, shares)],
                     pods: vec![PodRef {
                         name: format!("pod-{uid}"),
                         uid: pod.into(),
@@ -608,6 +622,18 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
     assert_eq!(
         value("nvdra_share_memory_used_bytes", "nb-b"),
         gib(2) as f64
+    );
+    // 1 of 4 shares of an 80Gi GPU: held to 20Gi.
+    assert_eq!(
+        value("nvdra_share_memory_consumed_bytes", "nb-c"),
+        gib(20) as f64
+    );
+    assert_eq!(value("nvdra_share_memory_used_bytes", "nb-d"), 0.0);
+    assert!(
+        !samples
+            .iter()
+            .any(|s| s.name == "nvdra_share_memory_consumed_bytes" && s.labels["claim"] == "nb-d"),
+        "an unlimited share that asked for no memory is held to nothing: {samples:?}"
     );
     assert_eq!(promclient::duplicates(&families), Vec::<String>::new());
 }

@@ -30,8 +30,7 @@ pub struct Attribution {
 }
 
 /// Which limit holds each prepared share claim's memory (`container` or `process`).
-pub type ShareLevels =
-    Arc<dyn Fn() -> BTreeMap<crate::ids::ClaimUid, &'static str> + Send + Sync>;
+pub type ShareLevels = Arc<dyn Fn() -> BTreeMap<crate::ids::ClaimUid, &'static str> + Send + Sync>;
 
 impl Attribution {
     pub fn new(backend: Arc<dyn DeviceBackend>) -> Self {
@@ -217,14 +216,21 @@ pub fn share_rows(
                 .filter(|p| p.gpu_uuid == d.gpu.as_str() && pods.contains(p.pod_uid.as_str()))
                 .map(|p| p.used_memory_bytes)
                 .sum();
+            let gpu = inv.gpu_by_uuid(d.gpu.as_str());
+            // What it is held to: its part of the GPU in integer mode, so that `used` above
+            // it means the same in every mode (a GPU no longer listed: what it consumed).
+            let held = match gpu {
+                Some(g) => {
+                    consumed.held_memory(crate::ledger::shares::shareable_memory(g.memory_bytes))
+                }
+                None => (consumed.memory > 0).then_some(consumed.memory),
+            };
             out.push(ShareRow {
                 namespace: e.namespace.clone(),
                 claim: e.name.clone(),
-                gpu: inv
-                    .gpu_by_uuid(d.gpu.as_str())
-                    .map_or_else(String::new, |g| format!("gpu-{}", g.minor)),
+                gpu: gpu.map_or_else(String::new, |g| format!("gpu-{}", g.minor)),
                 gpu_uuid: d.gpu.to_string(),
-                consumed_bytes: consumed.memory,
+                consumed_bytes: held,
                 used_bytes: usage_ok.then_some(used),
                 level: levels.get(uid).copied().unwrap_or_default().to_string(),
             });

@@ -76,9 +76,9 @@ pub struct ProcessRow {
     pub used_memory_bytes: u64,
 }
 
-/// One share of a GPU (a claim's consumable-capacity device): what the scheduler counted for it
-/// and what its pods' processes use now. The MPS memory limit applies to each CUDA process, so
-/// `used` above `consumed` is a claim whose processes together outgrew its share.
+/// One share of a GPU (a claim's consumable-capacity device): the memory it is held to and what
+/// its pods' processes use now. The MPS memory limit applies to each CUDA process, so `used`
+/// above `consumed` is a claim whose processes together outgrew its share.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ShareRow {
     pub namespace: String,
@@ -86,7 +86,10 @@ pub struct ShareRow {
     /// The device name (`gpu-0`).
     pub gpu: String,
     pub gpu_uuid: String,
-    pub consumed_bytes: u64,
+    /// The memory the share is held to: what the scheduler counted for it, or in integer mode
+    /// (`--consumable-shares=N`) its part of the GPU; `None` for an `unlimited` share that asked
+    /// for none, which nothing bounds.
+    pub consumed_bytes: Option<u64>,
     /// The sum over the processes on the GPU whose cgroup names one of the claim's pods; `None`
     /// when the readings could not be read this scrape.
     pub used_bytes: Option<u64>,
@@ -345,10 +348,12 @@ fn encode_scrape(e: &mut DescriptorEncoder, s: &Scrape) -> Fmt {
     gauges(
         e,
         "nvdra_share_memory_consumed_bytes",
-        "GPU memory the scheduler counted for a share (its claim's consumed capacity).",
+        "GPU memory a share is held to: what the scheduler counted for it (its claim's consumed \
+         memory), or with --consumable-shares=N its part of the GPU; none for an unlimited share \
+         that asked for no memory.",
         &s.shares,
         share,
-        |r| Some(r.consumed_bytes),
+        |r| r.consumed_bytes,
     )?;
     gauges(
         e,

@@ -10,9 +10,17 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 /// A plugin in share `mode` on a dgx-h100 (80Gi, 132 SMs per GPU).
 async fn env_in(mode: &str) -> Env {
+    env_with(mode, false).await
+}
+
+/// [`env_in`], on a node whose driver partitions memory per cgroup (MPS v3) when `partitions`.
+async fn env_with(mode: &str, partitions: bool) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    if partitions {
+        partitioning_driver(dir.path(), &sim);
+    }
     let mode: ConsumableShares = mode.parse().unwrap();
     let (plugin, _, stop) = start_with(dir.path(), api.clone(), sim.clone(), |o| {
         o.shared_capacity = mode;
@@ -25,6 +33,18 @@ async fn env_in(mode: &str) -> Env {
         dir,
         _stop: stop,
     }
+}
+
+/// A driver root under `root` whose driver partitions memory per cgroup, as
+/// `where_the_driver_partitions_memory_a_shares_limits_cover_its_container` sets one up.
+fn partitioning_driver(root: &std::path::Path, sim: &SimBackend) {
+    let cgroups = root.join("driver/sys/fs/cgroup");
+    std::fs::create_dir_all(&cgroups).unwrap();
+    std::fs::write(cgroups.join("cgroup.controllers"), "cpu memory\n").unwrap();
+    let nvml = root.join("driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.615.10.01");
+    std::fs::create_dir_all(nvml.parent().unwrap()).unwrap();
+    std::fs::write(&nvml, "NVML").unwrap();
+    sim.set_memory_limits(true);
 }
 
 /// An allocation as the scheduler makes one on a GPU of `unlimited` or integer mode: a shareID
@@ -316,4 +336,84 @@ async fn the_modes_differ_in_what_an_allocation_without_memory_is() {
         e.add(claim("p", vec![result("gpu", "gpu-5")]));
         assert_eq!(e.prepare("p").await.unwrap()[0].consumed, None, "{mode}");
     }
+}
+
+/// Where the driver partitions memory per cgroup, an integer share's container gets its part of
+/// the GPU as its soft and hard limit, as a `memory` share gets what it consumed; an `unlimited`
+/// share that asked for no memory gets no limit at all. The record keeps the share's part, so a
+/// spec rewritten after a restart (here into a plugin of another N) holds it to the same limits.
+#[tokio::test]
+async fn container_limits_follow_the_mode_and_survive_a_restart() {
+    let e = env_with("4", true).await;
+    let _host = e.mps_host();
+    let gpu = e.sim.snapshot().unwrap().gpus[4].uuid.clone();
+    let one = [("memory", "0"), ("multiprocessors", "0"), ("shares", "1")];
+    e.add(claim("q", vec![allocated("gpu", "gpu-4", &one)]));
+    e.prepare("q").await.unwrap();
+    let quarter = 20u64 << 30;
+    let limits = format!("- {}={quarter}:{quarter}", gpu.as_str());
+    let spec = spec_of(&e, "q");
+    assert!(spec.contains("- memory-limit-hook"), "{spec}");
+    assert!(
+        spec.lines().any(|l| l.trim() == limits),
+        "{limits} in:\n{spec}"
+    );
+    assert!(
+        spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20224M"),
+        "{spec}"
+    );
+
+    // Lost (the CDI directory is a tmpfs on some nodes) and rewritten at start-up.
+    std::fs::remove_file(e.spec("q")).unwrap();
+    let (_p, rec, _stop) = start_with(e.dir.path(), e.api.clone(), e.sim.clone(), |o| {
+        o.shared_capacity = "8".parse().unwrap();
+    })
+    .await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    let again = spec_of(&e, "q");
+    assert!(
+        again.lines().any(|l| l.trim() == limits),
+        "{limits} in:\n{again}"
+    );
+    assert!(
+        again.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20224M"),
+        "{again}"
+    );
+    assert!(
+        again.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
+        "{again}"
+    );
+
+    let e = env_with("unlimited", true).await;
+    let _host = e.mps_host();
+    e.add(claim(
+        "u",
+        vec![allocated(
+            "gpu",
+            "gpu-4",
+            &[("memory", "0"), ("multiprocessors", "0")],
+        )],
+    ));
+    e.add(claim(
+        "m",
+        vec![allocated(
+            "gpu",
+            "gpu-4",
+            &[("memory", "8Gi"), ("multiprocessors", "0")],
+        )],
+    ));
+    e.prepare("u").await.unwrap();
+    e.prepare("m").await.unwrap();
+    let spec = spec_of(&e, "u");
+    assert!(
+        !spec.contains("memory-limit-hook"),
+        "held to nothing: {spec}"
+    );
+    let eight = 8u64 << 30;
+    let spec = spec_of(&e, "m");
+    assert!(
+        spec.lines()
+            .any(|l| l.trim() == format!("- {}={eight}:{eight}", gpu.as_str())),
+        "{spec}"
+    );
 }

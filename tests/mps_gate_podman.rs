@@ -7,8 +7,9 @@
 //! The daemon is SIGKILLed and cannot come back for a while (`STANDIN_START_FAILS_WHILE`): the
 //! container's process fails with its server, and a restart of the container meanwhile does not
 //! start — the runtime shows the gate's reason — instead of running outside MPS. Once the daemon
-//! is back the container starts and connects through MPS. No CUDA process of the test ever runs
-//! outside MPS.
+//! is back the container starts and connects through MPS. Then the MPS host itself is replaced
+//! without a drain (SIGKILLed, its daemons with it): the same, until a new host runs. No CUDA
+//! process of the test ever runs outside MPS.
 //!
 //! Needs root, podman, runc and busybox-static (see `.ci/run`); skips without them unless
 //! `NVDRA_REQUIRE_PODMAN` is set.
@@ -91,16 +92,13 @@ fn check_gate(engine: &Engine) -> Result<()> {
     );
     let mps_root = root.join("mps");
     std::fs::write(root.join("boot_id"), "boot-1\n")?;
-    let _host = mps::Host::start(
-        &mps_root,
-        &driver_root,
-        &root.join("boot_id"),
-        &[
-            ("STANDIN_GPU_DIR", gpu_env.as_str()),
-            ("STANDIN_START_FAILS_WHILE", blocked_env.as_str()),
-            ("NVDRA_MPS_HOST_PROBE_INTERVAL", "200ms"),
-        ],
-    );
+    let host_env = [
+        ("STANDIN_GPU_DIR", gpu_env.as_str()),
+        ("STANDIN_START_FAILS_WHILE", blocked_env.as_str()),
+        ("NVDRA_MPS_HOST_PROBE_INTERVAL", "200ms"),
+    ];
+    let start_host = || mps::Host::start(&mps_root, &driver_root, &root.join("boot_id"), &host_env);
+    let mut host = Some(start_host());
     let mut plugin = support::daemon::nvdra_run(root, "dra", NODE)
         .args(["--profile", "dgx-h100", "--driver-name", DRIVER])
         .args(["--shared-capacity", "--pod-uid", "pod-1"])
@@ -240,16 +238,47 @@ fn check_gate(engine: &Engine) -> Result<()> {
             let out = podman(&global, &["start", &name])?;
             Ok(out.status.success() && connected(2)(&logs()?))
         })?;
-        let logs = logs()?;
+        let text = logs()?;
         ensure!(
-            !logs.contains("plain-context"),
-            "a CUDA process ran outside MPS:\n{logs}"
+            !text.contains("plain-context"),
+            "a CUDA process ran outside MPS:\n{text}"
         );
         let now = mps::daemon_pids(&dir);
         ensure!(
             now.len() >= 2 && now.last() != first.first(),
             "a new daemon serves: {first:?} then {now:?}"
         );
+
+        // The MPS host itself is replaced without a drain (SIGKILLed: its daemons die with it):
+        // the container fails, does not start again while no host runs, and starts once a new
+        // host brought the daemon back.
+        drop(host.take());
+        until("the container's process fails with its host", 60, || {
+            Ok(!running()?)
+        })?;
+        let out = podman(&global, &["start", &name])?;
+        ensure!(
+            !out.status.success()
+                && String::from_utf8_lossy(&out.stderr).contains("does not answer"),
+            "a restart while no MPS host runs: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        host = Some(start_host());
+        until(
+            "the container connects through the new host's daemon",
+            90,
+            || {
+                let out = podman(&global, &["start", &name])?;
+                Ok(out.status.success() && connected(3)(&logs()?))
+            },
+        )?;
+        let logs = logs()?;
+        ensure!(
+            !logs.contains("plain-context"),
+            "a CUDA process ran outside MPS:\n{logs}"
+        );
+        drop(host);
         Ok(())
     })();
 

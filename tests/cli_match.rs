@@ -821,6 +821,9 @@ fn nvidia_slices(mode: &str) -> Value {
     })
 }
 
+/// A replica's expected GPU, and what it consumes of `memory` and `shares`.
+type Replica = (&'static str, &'static str, Option<&'static str>);
+
 /// Each claim `nvdra match` explained, with the device it got and what it consumed of the
 /// capacities both drivers publish (`memory`, `shares`), in order.
 fn allocations(out: &Output) -> Vec<(String, String, String, Option<String>)> {
@@ -860,7 +863,7 @@ fn nvidias_consumable_shares_demos_allocate_as_on_nvidias_driver() {
     };
     // Per mode and demo: the GPU of each replica, and what it consumes of memory and shares.
     let one = Some("1");
-    let cases: [(&str, [Vec<(&str, &str, Option<&str>)>; 3]); 3] = [
+    let cases: [(&str, [Vec<Replica>; 3]); 3] = [
         (
             "4",
             [

@@ -83,16 +83,28 @@ fn the_demo_runs_the_whole_flow_and_cleans_up() {
             "{stdout}"
         );
     }
+    // A third share may burst to 40Gi: packed by its 20Gi beside them (60Gi of 80Gi counted).
+    assert!(
+        stdout.contains(
+            "demo/gpu-share-burst -> gpu-0 (memory 20Gi, multiprocessors 0, may burst to 40Gi)"
+        ),
+        "{stdout}"
+    );
     let limits: Vec<&str> = stdout
         .lines()
         .filter_map(|l| l.split("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=").nth(1))
         .collect();
-    assert_eq!(limits.len(), 2, "{stdout}");
+    assert_eq!(limits.len(), 3, "{stdout}");
     assert!(
         // 20Gi × (80Gi − 1Gi) / 80Gi: the share's part of what MPS itself takes is left out.
-        limits
+        limits[..2]
             .iter()
             .all(|l| l.contains("0=20224M (20Gi less") && l.ends_with("no SM cap")),
+        "{stdout}"
+    );
+    // The burstable share's per-process limit is its burst, less the same part: 40Gi × 79/80.
+    assert!(
+        limits[2].starts_with("0=40448M (its 40Gi burst limit") && limits[2].ends_with("no SM cap"),
         "{stdout}"
     );
     assert!(

@@ -997,3 +997,62 @@ fn a_fifth_integer_share_goes_to_the_next_gpu() {
     }
     assert_eq!(allocations(&cmd.output().unwrap()), ours);
 }
+
+/// A burstable share (`manifests/examples/gpu-share-burst.yaml`: 20Gi that may burst to 40Gi)
+/// is packed by its 20Gi: four replicas fit one 80Gi H100, and each shows its burst limit
+/// beside what it consumed. A burst prepare would refuse is shown with its field.
+#[test]
+fn burstable_shares_are_packed_by_their_request_and_show_their_burst_limit() {
+    let example = std::fs::read_to_string("manifests/examples/gpu-share-burst.yaml").unwrap();
+    let template = example.split("\n---\n").next().unwrap();
+    let deployment = "---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: bursty}\nspec:\n  replicas: 4\n  selector: {matchLabels: {app: bursty}}\n  template:\n    metadata: {labels: {app: bursty}}\n    spec:\n      containers:\n      - {name: cuda, image: cuda, resources: {claims: [{name: gpu}]}}\n      resourceClaims:\n      - {name: gpu, resourceClaimTemplateName: gpu-share-burst}\n";
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bursty.yaml");
+    std::fs::write(&file, format!("{template}\n{deployment}")).unwrap();
+    let f = file.to_str().unwrap();
+    let args = |o: &'static str| {
+        [
+            "match",
+            "-f",
+            f,
+            "--profile",
+            "dgx-h100",
+            "--shared-capacity",
+            "-o",
+            o,
+        ]
+    };
+    let out = nvdra(&args("json"));
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let v = json(&out);
+    let claims = v.as_array().unwrap();
+    assert_eq!(claims.len(), 4, "{v}");
+    for c in claims {
+        let a = &c["allocation"][0];
+        assert_eq!(a["device"], "gpu-0", "{v}");
+        assert_eq!(a["consumedCapacity"]["memory"], "20Gi", "{v}");
+        assert_eq!(a["burstLimit"], "40Gi", "{v}");
+        assert!(a.get("configError").is_none(), "{v}");
+    }
+    let table = stdout(&nvdra(&args("table")));
+    assert_eq!(
+        table
+            .matches("gpu → gpu-0 (memory 20Gi, multiprocessors 0, may burst to 40Gi)")
+            .count(),
+        4,
+        "{table}"
+    );
+
+    // Above the GPU: allocated by the scheduler, refused at prepare, said so.
+    std::fs::write(&file, template.replace("40Gi", "96Gi")).unwrap();
+    let out = nvdra(&args("table"));
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains(
+            "refused at prepare: sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 96Gi is more \
+             than the GPU's 80Gi of memory"
+        ),
+        "{}",
+        stdout(&out)
+    );
+}

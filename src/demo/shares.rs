@@ -1,9 +1,11 @@
 //! The demo's fractional GPU: two pods, each with a claim from the template of
-//! `manifests/examples/gpu-share-20gi.yaml` (class `gpu.nvidia.com`, 20Gi of memory),
-//! allocated as `nvdra match` allocates them one after another — both on `gpu-0`, which
-//! `--shared-capacity` publishes allocatable many times — and prepared: one MPS daemon for the
-//! GPU, run by `nvdra mps-host` beside the plugin, each claim's CDI spec with its own pinned
-//! device memory limit. The GPUs are simulated, so the daemon is the stand-in for
+//! `manifests/examples/gpu-share-20gi.yaml` (class `gpu.nvidia.com`, 20Gi of memory), and a
+//! third with a burstable claim from `manifests/examples/gpu-share-burst.yaml` (20Gi counted,
+//! up to 40Gi used), allocated as `nvdra match` allocates them one after another — all on
+//! `gpu-0`, which `--shared-capacity` publishes allocatable many times, the burstable one packed
+//! by its 20Gi — and prepared: one MPS daemon for the GPU, run by `nvdra mps-host` beside the
+//! plugin, each claim's CDI spec with its own pinned device memory limit (the burstable one's
+//! from its burst). The GPUs are simulated, so the daemon is the stand-in for
 //! `nvidia-cuda-mps-control` (`nvdra mps-standin`), which records its starts and quits.
 
 use std::collections::BTreeMap;
@@ -13,18 +15,22 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    DeviceAllocationConfiguration, DeviceRequestAllocationResult, ResourceSlice,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{DRIVER, DraClient, NAMESPACE, prepare, unprepare};
 use crate::matching;
 
 const EXAMPLE: &str = include_str!("../../manifests/examples/gpu-share-20gi.yaml");
+const BURST_EXAMPLE: &str = include_str!("../../manifests/examples/gpu-share-burst.yaml");
 
-/// The pods' claims: (name, uid).
-const CLAIMS: [(&str, &str); 2] = [
-    ("gpu-share-20gi-1", "uid-share-1"),
-    ("gpu-share-20gi-2", "uid-share-2"),
+/// The pods' claims: (name, uid, the template it is made from).
+const CLAIMS: [(&str, &str, &str); 3] = [
+    ("gpu-share-20gi-1", "uid-share-1", "gpu-share-20gi"),
+    ("gpu-share-20gi-2", "uid-share-2", "gpu-share-20gi"),
+    ("gpu-share-burst", "uid-share-burst", "gpu-share-burst"),
 ];
 
 /// The stand-in for the driver's MPS (`nvdra mps-standin`: a control daemon, servers and
@@ -84,19 +90,27 @@ pub async fn run(
     // The scheduler's part: each pod's claim from the template, allocated in turn.
     let mut objects = matching::Objects::default();
     matching::input::read_text(Path::new("gpu-share-20gi.yaml"), EXAMPLE, &mut objects)?;
-    let template = objects
-        .claims
-        .first()
-        .context("the example has no claim template")?;
-    let claims: Vec<matching::ClaimInput> = CLAIMS
+    matching::input::read_text(
+        Path::new("gpu-share-burst.yaml"),
+        BURST_EXAMPLE,
+        &mut objects,
+    )?;
+    let claims = CLAIMS
         .iter()
-        .map(|(name, _)| matching::ClaimInput {
-            kind: "ResourceClaim",
-            name: name.to_string(),
-            spec_path: "spec",
-            ..template.clone()
+        .map(|(name, _, template)| {
+            let template = objects
+                .claims
+                .iter()
+                .find(|c| c.name == *template)
+                .with_context(|| format!("the examples have no claim template {template}"))?;
+            Ok(matching::ClaimInput {
+                kind: "ResourceClaim",
+                name: name.to_string(),
+                spec_path: "spec",
+                ..template.clone()
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     let env = crate::cel::Environment::new();
     let classes = matching::compile_classes(&objects.classes)?;
     let node = matching::Node::from_slices(&env, slices)?;
@@ -104,9 +118,13 @@ pub async fn run(
     writeln!(
         out,
         "{step}. Two pods share one GPU by memory: each gets a claim from gpu-share-20gi \
-         (class gpu.nvidia.com, memory 20Gi), allocated as `nvdra match` does:"
+         (class gpu.nvidia.com, memory 20Gi); a third's claim from gpu-share-burst asks 20Gi \
+         that may burst to 40Gi (its GpuConfig's defaultPinnedDeviceMemoryLimit), and is \
+         packed by its 20Gi. Allocated as `nvdra match` does:"
     )?;
-    for (i, (report, (name, uid))) in reports.iter().zip(CLAIMS).enumerate() {
+    for (i, ((report, claim), (name, uid, _))) in
+        reports.iter().zip(&claims).zip(CLAIMS).enumerate()
+    {
         let picked = match (&report.allocation, report.satisfiable) {
             (Some(a), true) => a.first().context("an empty allocation")?,
             _ => anyhow::bail!(
@@ -130,13 +148,29 @@ pub async fn run(
                 &picked.device,
             )
         };
-        let claim = crate::api::allocated_claim(NAMESPACE, name, uid, vec![result], Vec::new());
+        // The scheduler copies the claim's configs into the allocation (the burst limit of
+        // gpu-share-burst is one), where prepare reads them.
+        let config = claim
+            .spec
+            .devices
+            .iter()
+            .flat_map(|d| d.config.iter().flatten())
+            .map(|c| DeviceAllocationConfiguration {
+                source: "FromClaim".into(),
+                requests: c.requests.clone(),
+                opaque: c.opaque.clone(),
+            })
+            .collect();
+        let claim = crate::api::allocated_claim(NAMESPACE, name, uid, vec![result], config);
         crate::api::dir::write_claim(&root.join("api"), &claim)?;
-        let taken: Vec<String> = picked
+        let mut taken: Vec<String> = picked
             .consumed_capacity
             .iter()
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
+        if let Some(limit) = &picked.burst_limit {
+            taken.push(format!("may burst to {limit}"));
+        }
         writeln!(
             out,
             "   {NAMESPACE}/{name} -> {} ({})",
@@ -144,15 +178,15 @@ pub async fn run(
             taken.join(", ")
         )?;
     }
+    let device = |r: &matching::ClaimReport| r.allocation.as_ref().map(|a| a[0].device.clone());
     ensure!(
-        reports[0].allocation.as_ref().map(|a| &a[0].device)
-            == reports[1].allocation.as_ref().map(|a| &a[0].device),
-        "the two shares landed on different devices"
+        reports.iter().all(|r| device(r) == device(&reports[0])),
+        "the shares landed on different devices"
     );
 
-    // The kubelet's part: prepare both; each CDI spec carries its own limits.
-    writeln!(out, "   The kubelet prepares both:")?;
-    for (name, uid) in CLAIMS {
+    // The kubelet's part: prepare all three; each CDI spec carries its own limits.
+    writeln!(out, "   The kubelet prepares them:")?;
+    for (name, uid, template) in CLAIMS {
         let r = prepare(dra, name, uid).await?;
         ensure!(
             r.error.is_empty(),
@@ -176,11 +210,23 @@ pub async fn run(
             !spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="),
             "the CDI spec of {name} caps the SMs, which the claim did not ask"
         );
-        writeln!(
-            out,
-            "   {NAMESPACE}/{name}: {} (20Gi less its part of what MPS itself takes), no SM cap",
-            env_line("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=")?,
-        )?;
+        let limit = env_line("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=")?;
+        if template == "gpu-share-burst" {
+            // The simulated driver does not partition memory per cgroup: the per-process limit
+            // is its only cap, so it carries the burst.
+            writeln!(
+                out,
+                "   {NAMESPACE}/{name}: {limit} (its 40Gi burst limit less its part of what MPS \
+                 itself takes: the hard limit, per CUDA process here; where the driver \
+                 partitions memory its container also gets soft 20Gi, hard 40Gi), no SM cap",
+            )?;
+        } else {
+            writeln!(
+                out,
+                "   {NAMESPACE}/{name}: {limit} (20Gi less its part of what MPS itself takes), no \
+                 SM cap",
+            )?;
+        }
     }
     let log = root.join("driver/mps.log");
     let started = std::fs::read_to_string(&log).unwrap_or_default();
@@ -193,7 +239,7 @@ pub async fn run(
         "   One MPS control daemon serves the GPU's shares ({}).",
         started.trim()
     )?;
-    for (name, uid) in CLAIMS {
+    for (name, uid, _) in CLAIMS {
         let e = unprepare(dra, name, uid).await?;
         ensure!(e.is_empty(), "unpreparing {NAMESPACE}/{name} failed: {e}");
     }
@@ -217,7 +263,7 @@ pub async fn run(
     }
     writeln!(
         out,
-        "   Both unprepared: the MPS host has the daemon quit after the last share.\n"
+        "   All unprepared: the MPS host has the daemon quit after the last share.\n"
     )?;
     Ok(())
 }

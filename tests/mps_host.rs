@@ -630,12 +630,7 @@ async fn a_daemons_dev_shm_is_a_sized_tmpfs_of_its_own_gone_at_release() {
     n.prepare("pod-1", "s1").await;
     let shm = n.gpu0_dir().join("shm");
     let (fs, size) = statfs(&shm);
-    assert_eq!(
-        fs,
-        libc::TMPFS_MAGIC,
-        "{} is not a tmpfs",
-        shm.display()
-    );
+    assert_eq!(fs, libc::TMPFS_MAGIC, "{} is not a tmpfs", shm.display());
     assert_eq!(size, 8 << 20);
     assert_ne!(
         statfs_dev(&n.gpu0_dir()),

@@ -1,13 +1,14 @@
-//! MPS control daemons as the plugin asks for them: one per GPU for its consumable-capacity
-//! shares, one per claim shared with the `MPS` strategy. The plugin runs none of them: it writes
+//! MPS control daemons as the plugin asks for them: one per GPU or MIG device for its
+//! consumable-capacity shares, one per claim shared with the `MPS` strategy. The plugin runs none of them: it writes
 //! requests into the MPS root and the MPS host (`nvdra mps-host`, its own DaemonSet) runs the
 //! daemons, so they outlive the plugin's pod ([`crate::mps`] has the directory protocol).
 //!
-//! **Per GPU**: the daemon belongs to the GPU: asked for with the first share
-//! ([`Mps::ensure_gpu`]), released after the last ([`Mps::stop_gpu`], which the caller invokes
-//! once the ledger holds no other share of it). A lock per GPU orders those two writes against
-//! each other, so a share prepared while the last other share goes never finds its daemon
-//! released. Only the writes run under it: waiting for the daemon to answer does not.
+//! **Per shared device** (a GPU, or a MIG device: `CUDA_VISIBLE_DEVICES` is its UUID): the
+//! daemon belongs to the device: asked for with the first share ([`Mps::ensure_shares`]),
+//! released after the last ([`Mps::stop_shares`], which the caller invokes once the ledger holds
+//! no other share of it). A lock per device orders those two writes against each other, so a
+//! share prepared while the last other share goes never finds its daemon released. Only the
+//! writes run under it: waiting for the daemon to answer does not.
 //!
 //! **Per claim**: one daemon serves all of the claim's MPS devices (a container has one
 //! `CUDA_MPS_PIPE_DIRECTORY`), asked for at prepare and released at unprepare.
@@ -25,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceUuid, GpuUuid, Inventory};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigUuid};
 use crate::lock::lock;
 use crate::mps::control;
 use crate::mps::dir::{DaemonId, DaemonSpec, Layout};
@@ -71,18 +72,28 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Whose daemon: a claim's, or a GPU's (its consumable-capacity shares).
+/// Whose daemon: a claim's, or a GPU's or MIG device's (its consumable-capacity shares).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Owner {
     Claim(ClaimUid),
     Gpu(GpuUuid),
+    Mig(MigUuid),
 }
 
 impl Owner {
+    /// The owner of the daemon of `device`'s shares.
+    fn shares(device: &DeviceUuid) -> Self {
+        match device {
+            DeviceUuid::Gpu(g) => Owner::Gpu(g.clone()),
+            DeviceUuid::Mig(m) => Owner::Mig(m.clone()),
+        }
+    }
+
     fn id(&self) -> DaemonId {
         match self {
             Owner::Claim(c) => DaemonId::claim(c),
             Owner::Gpu(g) => DaemonId::gpu(g),
+            Owner::Mig(m) => DaemonId::mig(m),
         }
     }
 }
@@ -92,6 +103,7 @@ impl fmt::Display for Owner {
         match self {
             Owner::Claim(c) => write!(f, "claim {c}"),
             Owner::Gpu(g) => write!(f, "the shares of GPU {g}"),
+            Owner::Mig(m) => write!(f, "the shares of MIG device {m}"),
         }
     }
 }
@@ -103,15 +115,16 @@ pub struct Mps {
     /// Written into each request, so a host after a reboot knows which directories are stale.
     boot_id: String,
     start_deadline: Duration,
-    /// One lock per GPU with shares: its request and release exclude each other.
-    gpu_locks: Mutex<HashMap<GpuUuid, Arc<Mutex<()>>>>,
+    /// One lock per GPU or MIG device with shares: its request and release exclude each other.
+    gpu_locks: Mutex<HashMap<DeviceUuid, Arc<Mutex<()>>>>,
     /// When each daemon last answered.
     answered: Mutex<HashMap<DaemonId, Instant>>,
     /// When this process last wrote each daemon's request.
     requested: Mutex<HashMap<DaemonId, Instant>>,
-    /// Whether each GPU's share daemon runs in multi-user mode (`-M`): Volta and later GPUs,
-    /// where one MPS server serves clients of every UID; learnt from the inventory.
-    multi_user: Mutex<HashMap<GpuUuid, bool>>,
+    /// Whether each GPU's or MIG device's share daemon runs in multi-user mode (`-M`): Volta
+    /// and later GPUs (a MIG device as its GPU), where one MPS server serves clients of every
+    /// UID; learnt from the inventory.
+    multi_user: Mutex<HashMap<DeviceUuid, bool>>,
 }
 
 impl Mps {
@@ -135,7 +148,10 @@ impl Mps {
     pub fn know_gpus(&self, inv: &Inventory) {
         let mut m = lock(&self.multi_user);
         for g in &inv.gpus {
-            m.insert(g.uuid.clone(), g.mps_multi_user());
+            m.insert(DeviceUuid::Gpu(g.uuid.clone()), g.mps_multi_user());
+            for d in &g.mig.devices {
+                m.insert(DeviceUuid::Mig(d.uuid.clone()), g.mps_multi_user());
+            }
         }
     }
 
@@ -163,14 +179,24 @@ impl Mps {
         self.layout.shm(&DaemonId::claim(claim))
     }
 
-    /// The `CUDA_MPS_PIPE_DIRECTORY` of a GPU's shares on the host.
-    pub fn gpu_pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.layout.pipe(&DaemonId::gpu(gpu))
+    /// The `CUDA_MPS_PIPE_DIRECTORY` of a GPU's or MIG device's shares on the host.
+    pub fn shares_pipe_dir(&self, device: &DeviceUuid) -> PathBuf {
+        self.layout.pipe(&DaemonId::shares(device))
     }
 
-    /// The `/dev/shm` of a GPU's share daemon and its clients on the host.
+    /// The `/dev/shm` of a GPU's or MIG device's share daemon and its clients on the host.
+    pub fn shares_shm_dir(&self, device: &DeviceUuid) -> PathBuf {
+        self.layout.shm(&DaemonId::shares(device))
+    }
+
+    /// [`Mps::shares_pipe_dir`] of a GPU.
+    pub fn gpu_pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
+        self.shares_pipe_dir(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::shares_shm_dir`] of a GPU.
     pub fn gpu_shm_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.layout.shm(&DaemonId::gpu(gpu))
+        self.shares_shm_dir(&DeviceUuid::Gpu(gpu.clone()))
     }
 
     /// Asks for the claim's daemon for `devices` (GPU or MIG UUIDs) and waits until it answers;
@@ -191,38 +217,38 @@ impl Mps {
         self.request(&Owner::Claim(claim.clone()), devices)
     }
 
-    /// Asks for the GPU's share daemon unless it is asked for, and waits until it answers;
-    /// returns its pipe directory.
-    pub fn ensure_gpu(&self, gpu: &GpuUuid) -> Result<PathBuf> {
-        self.request_gpu(gpu)?;
-        self.wait(&Owner::Gpu(gpu.clone()))?;
-        Ok(self.gpu_pipe_dir(gpu))
+    /// Asks for the share daemon of `device` (a GPU or a MIG device) unless it is asked for,
+    /// and waits until it answers; returns its pipe directory.
+    pub fn ensure_shares(&self, device: &DeviceUuid) -> Result<PathBuf> {
+        self.request_shares(device)?;
+        self.wait(&Owner::shares(device))?;
+        Ok(self.shares_pipe_dir(device))
     }
 
-    /// Asks for the GPU's share daemon unless it is asked for, without waiting (start-up, as
-    /// [`Mps::ensure`]).
-    pub fn request_gpu(&self, gpu: &GpuUuid) -> Result<()> {
-        let l = self.gpu_lock(gpu);
+    /// Asks for the share daemon of `device` unless it is asked for, without waiting
+    /// (start-up, as [`Mps::ensure`]). Its `CUDA_VISIBLE_DEVICES` is the device's UUID.
+    pub fn request_shares(&self, device: &DeviceUuid) -> Result<()> {
+        let l = self.gpu_lock(device);
         let _g = lock(&l);
-        self.request(&Owner::Gpu(gpu.clone()), vec![gpu.as_str().to_string()])
+        self.request(&Owner::shares(device), vec![device.as_str().to_string()])
     }
 
-    /// Whether the GPU's share daemon is asked for (its request is written); says nothing of
-    /// whether it runs: [`Mps::alive_gpu`] does.
-    pub fn gpu_requested(&self, gpu: &GpuUuid) -> bool {
-        self.layout.spec(&DaemonId::gpu(gpu)).is_file()
+    /// Whether the share daemon of `device` is asked for (its request is written); says
+    /// nothing of whether it runs: [`Mps::alive_shares`] does.
+    pub fn shares_requested(&self, device: &DeviceUuid) -> bool {
+        self.layout.spec(&DaemonId::shares(device)).is_file()
     }
 
-    /// Whether the GPU's share daemon answers now (within 2 s). Takes no lock.
-    pub fn alive_gpu(&self, gpu: &GpuUuid) -> bool {
-        self.answers(&Owner::Gpu(gpu.clone())).is_ok()
+    /// Whether the share daemon of `device` answers now (within 2 s). Takes no lock.
+    pub fn alive_shares(&self, device: &DeviceUuid) -> bool {
+        self.answers(&Owner::shares(device)).is_ok()
     }
 
-    /// Whether the GPU's share daemon is still starting: this process asked for it less than
-    /// the start deadline ago and it has not answered since. A prepare is then waiting for it,
-    /// and a watch that does not hear it yet must not call it down.
-    pub fn starting_gpu(&self, gpu: &GpuUuid) -> bool {
-        let id = DaemonId::gpu(gpu);
+    /// Whether the share daemon of `device` is still starting: this process asked for it less
+    /// than the start deadline ago and it has not answered since. A prepare is then waiting for
+    /// it, and a watch that does not hear it yet must not call it down.
+    pub fn starting_shares(&self, device: &DeviceUuid) -> bool {
+        let id = DaemonId::shares(device);
         let Some(asked) = lock(&self.requested).get(&id).copied() else {
             return false;
         };
@@ -230,15 +256,49 @@ impl Mps {
         !answered_since && asked.elapsed() < self.start_deadline
     }
 
-    /// Releases the GPU's share daemon if `still_shared` (asked under the GPU's lock, so no share
-    /// can ask for it in between) says no share of it is left.
-    pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {
-        let l = self.gpu_lock(gpu);
+    /// Releases the share daemon of `device` if `still_shared` (asked under the device's lock,
+    /// so no share can ask for it in between) says no share of it is left.
+    pub fn stop_shares(
+        &self,
+        device: &DeviceUuid,
+        still_shared: impl FnOnce() -> bool,
+    ) -> Result<()> {
+        let l = self.gpu_lock(device);
         let _g = lock(&l);
         if still_shared() {
             return Ok(());
         }
-        self.release(&Owner::Gpu(gpu.clone()))
+        self.release(&Owner::shares(device))
+    }
+
+    /// [`Mps::ensure_shares`] of a GPU.
+    pub fn ensure_gpu(&self, gpu: &GpuUuid) -> Result<PathBuf> {
+        self.ensure_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::request_shares`] of a GPU.
+    pub fn request_gpu(&self, gpu: &GpuUuid) -> Result<()> {
+        self.request_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::shares_requested`] of a GPU.
+    pub fn gpu_requested(&self, gpu: &GpuUuid) -> bool {
+        self.shares_requested(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::alive_shares`] of a GPU.
+    pub fn alive_gpu(&self, gpu: &GpuUuid) -> bool {
+        self.alive_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::starting_shares`] of a GPU.
+    pub fn starting_gpu(&self, gpu: &GpuUuid) -> bool {
+        self.starting_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::stop_shares`] of a GPU.
+    pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {
+        self.stop_shares(&DeviceUuid::Gpu(gpu.clone()), still_shared)
     }
 
     /// Releases the claim's daemon. A claim without one is a no-op.
@@ -246,9 +306,9 @@ impl Mps {
         self.release(&Owner::Claim(claim.clone()))
     }
 
-    fn gpu_lock(&self, gpu: &GpuUuid) -> Arc<Mutex<()>> {
+    fn gpu_lock(&self, device: &DeviceUuid) -> Arc<Mutex<()>> {
         lock(&self.gpu_locks)
-            .entry(gpu.clone())
+            .entry(device.clone())
             .or_default()
             .clone()
     }
@@ -257,13 +317,15 @@ impl Mps {
     /// appears whole: built under a hidden name, then renamed into place.
     fn request(&self, owner: &Owner, devices: Vec<String>) -> Result<()> {
         let id = owner.id();
-        let multi_user = match owner {
-            Owner::Gpu(g) => {
-                lock(&self.multi_user).get(g).copied().unwrap_or(false)
-                    && self.layout.read_capabilities().multi_user != Some(false)
-            }
-            Owner::Claim(_) => false,
+        let shared = match owner {
+            Owner::Gpu(g) => Some(DeviceUuid::Gpu(g.clone())),
+            Owner::Mig(m) => Some(DeviceUuid::Mig(m.clone())),
+            Owner::Claim(_) => None,
         };
+        let multi_user = shared.is_some_and(|d| {
+            lock(&self.multi_user).get(&d).copied().unwrap_or(false)
+                && self.layout.read_capabilities().multi_user != Some(false)
+        });
         let spec = DaemonSpec {
             devices,
             multi_user,

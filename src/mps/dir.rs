@@ -10,8 +10,11 @@
 //! <root>/<id>/log/              CUDA_MPS_LOG_DIRECTORY (0700)
 //! ```
 //!
-//! `<id>` is `g-<12 hex of sha256(GPU UUID)>` for the daemon of a GPU's shares and
-//! `c-<12 hex of sha256(claim UID)>` for a claim's own MPS daemon.
+//! `<id>` is `g-<12 hex of sha256(GPU UUID)>` for the daemon of a GPU's shares,
+//! `m-<12 hex of sha256(MIG UUID)>` for the daemon of a MIG device's shares and
+//! `c-<12 hex of sha256(claim UID)>` for a claim's own MPS daemon. An MPS host older than the
+//! `m-` prefix does not see a MIG device's directory: the plugin's wait for its daemon then
+//! times out and the share is refused, naming the daemon's log.
 //!
 //! A directory appears whole: the plugin builds it under a hidden name and renames it into place,
 //! so the host never sees an `<id>/` without its `daemon.json` other than one being released.
@@ -25,7 +28,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::ids::ClaimUid;
-use crate::inventory::GpuUuid;
+use crate::inventory::{DeviceUuid, GpuUuid, MigUuid};
 
 pub const SPEC: &str = "daemon.json";
 pub const BOOT_ID: &str = "boot_id";
@@ -60,6 +63,19 @@ impl DaemonId {
         Self(format!("g-{}", short_hash(gpu.as_str())))
     }
 
+    /// The daemon of a MIG device's consumable-capacity shares.
+    pub fn mig(mig: &MigUuid) -> Self {
+        Self(format!("m-{}", short_hash(mig.as_str())))
+    }
+
+    /// The daemon of the shares of a GPU or of a MIG device.
+    pub fn shares(device: &DeviceUuid) -> Self {
+        match device {
+            DeviceUuid::Gpu(g) => Self::gpu(g),
+            DeviceUuid::Mig(m) => Self::mig(m),
+        }
+    }
+
     /// A claim's own daemon (`GpuConfig` sharing `MPS`).
     pub fn claim(claim: &ClaimUid) -> Self {
         Self(format!("c-{}", short_hash(claim.as_str())))
@@ -69,6 +85,7 @@ impl DaemonId {
     pub fn parse(name: &str) -> Option<Self> {
         let hex = name
             .strip_prefix("g-")
+            .or_else(|| name.strip_prefix("m-"))
             .or_else(|| name.strip_prefix("c-"))?;
         (hex.len() == 12 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
             .then(|| Self(name.to_string()))
@@ -235,11 +252,21 @@ mod tests {
     fn ids_are_short_fixed_and_parse_back() {
         let g = DaemonId::gpu(&GpuUuid("GPU-4b7f3a1e-0000-4000-8000-000000000000".into()));
         let c = DaemonId::claim(&ClaimUid::parse("6d1e0f0a-1111-4222-8333-444455556666").unwrap());
-        for id in [&g, &c] {
+        let mig = MigUuid("MIG-4b7f3a1e-0000-4000-8000-000000000000".into());
+        let m = DaemonId::mig(&mig);
+        for id in [&g, &c, &m] {
             assert_eq!(id.as_str().len(), 14, "{id}");
             assert_eq!(DaemonId::parse(id.as_str()).as_ref(), Some(id));
         }
         assert!(g.as_str().starts_with("g-") && c.as_str().starts_with("c-"));
+        assert!(m.as_str().starts_with("m-"));
+        assert_eq!(DaemonId::shares(&DeviceUuid::Mig(mig)), m);
+        assert_eq!(
+            DaemonId::shares(&DeviceUuid::Gpu(GpuUuid(
+                "GPU-4b7f3a1e-0000-4000-8000-000000000000".into()
+            ))),
+            g
+        );
         assert_ne!(
             DaemonId::gpu(&GpuUuid("GPU-a".into())),
             DaemonId::gpu(&GpuUuid("GPU-b".into()))
@@ -250,6 +277,8 @@ mod tests {
             ".g-0123456789ab.tmp",
             "g-0123456789AB",
             "c-0123456789abc",
+            "m-0123456789a",
+            "x-0123456789ab",
         ] {
             assert_eq!(DaemonId::parse(other), None, "{other}");
         }

@@ -189,6 +189,60 @@ fn a_gpus_share_daemon_is_requested_once_and_released_when_no_share_is_left() {
     );
 }
 
+/// A MIG device's shares get a daemon of their own, keyed by the MIG UUID (`m-…`, a directory
+/// the host finds), with the MIG device alone visible to it, in multi-user mode as its GPU, and
+/// beside the daemon of another device, which its release leaves alone.
+#[test]
+fn a_mig_devices_share_daemon_is_its_own_and_sees_only_the_mig_device() {
+    use crate::inventory::DeviceBackend;
+    let dir = tempfile::tempdir().unwrap();
+    let driver = dir.path().join("driver");
+    let _host = FakeHost::start(&driver, &dir.path().join("mps"));
+    let mps = mps(dir.path());
+    let inv = crate::inventory::sim::SimBackend::from_profile("a100-mig-mixed", "n")
+        .unwrap()
+        .snapshot()
+        .unwrap();
+    mps.know_gpus(&inv);
+    let mig = inv
+        .gpus
+        .iter()
+        .flat_map(|g| &g.mig.devices)
+        .next()
+        .expect("the profile has MIG devices")
+        .uuid
+        .clone();
+    let (mig, gpu) = (DeviceUuid::Mig(mig), GpuUuid("GPU-a".into()));
+    let pipe = mps.ensure_shares(&mig).unwrap();
+    let layout = Layout::new(dir.path().join("mps"));
+    let id = DaemonId::mig(match &mig {
+        DeviceUuid::Mig(m) => m,
+        DeviceUuid::Gpu(_) => unreachable!(),
+    });
+    assert!(id.as_str().starts_with("m-"));
+    assert_eq!(pipe, layout.pipe(&id));
+    assert_eq!(pipe, mps.shares_pipe_dir(&mig));
+    assert_eq!(mps.shares_shm_dir(&mig), layout.shm(&id));
+    let spec = layout.read_spec(&id).unwrap().unwrap();
+    assert_eq!(spec.devices, vec![mig.as_str().to_string()]);
+    assert!(spec.multi_user, "an A100's MIG device: Ampere, multi-user");
+    assert!(spec.owner.contains("MIG device"), "{}", spec.owner);
+    let gpu_pipe = mps.ensure_gpu(&gpu).unwrap();
+    assert_ne!(gpu_pipe, pipe);
+    assert!(mps.alive_shares(&mig) && mps.alive_gpu(&gpu));
+    mps.stop_shares(&mig, || false).unwrap();
+    eventually("the released directory is removed", || !pipe.exists());
+    assert!(!mps.shares_requested(&mig) && mps.gpu_requested(&gpu));
+    assert!(mps.alive_gpu(&gpu), "the GPU's daemon is another");
+    assert_eq!(
+        logged(&driver)[..2],
+        [
+            format!("start {mig} {}", pipe.display()),
+            format!("start GPU-a {}", gpu_pipe.display()),
+        ]
+    );
+}
+
 #[test]
 fn a_daemon_that_never_answers_fails_the_request_naming_the_gpu_and_the_host() {
     let dir = tempfile::tempdir().unwrap();

@@ -652,7 +652,7 @@ struct ShareDaemonReport {
 impl plugin::DaemonReport for ShareDaemonReport {
     fn report(
         &self,
-        up: &std::collections::BTreeMap<crate::inventory::GpuUuid, bool>,
+        up: &std::collections::BTreeMap<crate::inventory::DeviceUuid, bool>,
         down: &crate::health::DaemonsDown,
     ) {
         self.metrics

@@ -59,7 +59,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::ids::{ClaimUid, DeviceName};
-use crate::inventory::{GpuUuid, MigUuid, Placement};
+use crate::inventory::{DeviceUuid, GpuUuid, MigUuid, Placement};
 use crate::lock::lock;
 use crate::sharing::Sharing;
 
@@ -217,13 +217,16 @@ pub struct DeviceRecord {
 impl DeviceRecord {
     /// Whether `self` and `other` need the same hardware and may not share it: the same GPU,
     /// whole or by overlapping MIG placements, unless either has admin access or both are shares
-    /// of it (`consumed`; whether shares fit together is [`shares::overcommitted`]'s question).
-    /// A whole GPU allocated with a `shareID` (it consumed all of a shareable GPU's memory) is
-    /// whole: it conflicts with every share of the GPU.
+    /// of the same device (`consumed`, [`DeviceRecord::share_target`]; whether shares fit
+    /// together is [`shares::overcommitted`]'s question). A whole GPU or MIG device allocated
+    /// with a `shareID` (it consumed all of a shareable device's memory) is whole: it conflicts
+    /// with every share of the device.
     pub fn conflicts_with(&self, other: &DeviceRecord) -> bool {
         if self.admin_access
             || other.admin_access
-            || (self.consumed.is_some() && other.consumed.is_some())
+            || (self.consumed.is_some()
+                && other.consumed.is_some()
+                && self.share_target() == other.share_target())
         {
             return false;
         }
@@ -233,6 +236,18 @@ impl DeviceRecord {
                 (Some(x), Some(y)) => x.overlaps(&y),
                 _ => true,
             }
+    }
+}
+
+impl DeviceRecord {
+    /// The device a share of this record is of, which its MPS daemon, its count and its memory
+    /// are keyed by: the MIG device for a MIG device's share (an existing one: only those are
+    /// published shareable), else the GPU.
+    pub fn share_target(&self) -> DeviceUuid {
+        match self.mig.as_ref().and_then(|m| m.uuid.clone()) {
+            Some(mig) => DeviceUuid::Mig(mig),
+            None => DeviceUuid::Gpu(self.gpu.clone()),
+        }
     }
 }
 

@@ -170,8 +170,9 @@ pub struct HealthState {
     daemons_down: DaemonsDown,
 }
 
-/// The GPUs whose MPS share daemon does not answer, each with when it was first seen down.
-pub type DaemonsDown = BTreeMap<GpuUuid, std::time::SystemTime>;
+/// The GPUs and MIG devices whose MPS share daemon does not answer, each with when it was first
+/// seen down.
+pub type DaemonsDown = BTreeMap<crate::inventory::DeviceUuid, std::time::SystemTime>;
 
 impl HealthState {
     pub fn gpu(&self, uuid: &GpuUuid) -> GpuHealth {
@@ -198,26 +199,37 @@ impl HealthState {
     /// Lays this state over `inv`: every GPU with a fault becomes [`Health::Tainted`] with the
     /// fault's cause as the reason (a GPU the backend already knows as withdrawn stays so); a
     /// GPU without one whose share daemon does not answer is tainted
-    /// [`TaintKey::MpsDaemonDown`] `NoSchedule` (one taint per device: a fault's wins).
+    /// [`TaintKey::MpsDaemonDown`] `NoSchedule` (one taint per device: a fault's wins), and so
+    /// is a healthy MIG device whose share daemon does not answer.
     /// Its MIG devices and replicas follow it where devices are derived.
     pub fn apply(&self, inv: &mut Inventory) {
+        let daemon_down = || Health::Tainted {
+            reason: "the MPS control daemon of its shares does not answer".into(),
+            taint: Taint {
+                key: TaintKey::MpsDaemonDown,
+                effect: TaintEffect::NoSchedule,
+            },
+        };
         for g in &mut inv.gpus {
             if g.health.is_withdrawn() {
                 continue;
+            }
+            for m in &mut g.mig.devices {
+                let key = crate::inventory::DeviceUuid::Mig(m.uuid.clone());
+                if m.health.is_healthy() && self.daemons_down.contains_key(&key) {
+                    m.health = daemon_down();
+                }
             }
             if let Some(f) = self.faults.get(&g.uuid) {
                 g.health = Health::Tainted {
                     reason: f.cause.to_string(),
                     taint: f.taint(),
                 };
-            } else if self.daemons_down.contains_key(&g.uuid) {
-                g.health = Health::Tainted {
-                    reason: "the MPS control daemon of its shares does not answer".into(),
-                    taint: Taint {
-                        key: TaintKey::MpsDaemonDown,
-                        effect: TaintEffect::NoSchedule,
-                    },
-                };
+            } else if self
+                .daemons_down
+                .contains_key(&crate::inventory::DeviceUuid::Gpu(g.uuid.clone()))
+            {
+                g.health = daemon_down();
             }
         }
     }

@@ -663,6 +663,26 @@ impl Inventory {
     pub fn gpu_by_minor(&self, minor: u32) -> Option<&Gpu> {
         self.gpus.iter().find(|g| g.minor == minor)
     }
+
+    /// The MIG device of this UUID that exists now, with its GPU.
+    pub fn mig_by_uuid(&self, uuid: &MigUuid) -> Option<(&Gpu, &MigDevice)> {
+        self.gpus.iter().find_map(|g| {
+            g.mig
+                .devices
+                .iter()
+                .find(|m| m.uuid == *uuid)
+                .map(|m| (g, m))
+        })
+    }
+
+    /// The memory, in bytes, of the GPU or existing MIG device of this UUID: what a share of it
+    /// divides.
+    pub fn memory_of(&self, uuid: &DeviceUuid) -> Option<u64> {
+        match uuid {
+            DeviceUuid::Gpu(g) => self.gpu_by_uuid(g.as_str()).map(|g| g.memory_bytes),
+            DeviceUuid::Mig(m) => self.mig_by_uuid(m).map(|(_, m)| m.memory_bytes),
+        }
+    }
 }
 
 /// A compute time-slice length for GPUs shared by time-slicing (`nvidia-smi compute-policy

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{ClaimEntry, DeviceRecord};
 use crate::ids::ClaimUid;
-use crate::inventory::{GpuUuid, MemoryLimits, quantity};
+use crate::inventory::{DeviceUuid, MemoryLimits, quantity};
 
 /// The step of the published memory policy and the unit of the limit MPS takes (MiB), as in
 /// NVIDIA's driver (`consumable_shares.go`).
@@ -300,15 +300,16 @@ impl fmt::Display for Consumed {
     }
 }
 
-/// A share that does not fit beside the others on its GPU.
+/// A share that does not fit beside the others on its GPU or MIG device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Overcommit {
-    /// The device the share is of (`gpu-<minor>`).
+    /// The device the share is of (`gpu-<minor>`, or a MIG device's name).
     pub device: String,
-    pub gpu: GpuUuid,
+    /// Its UUID ([`DeviceRecord::share_target`]).
+    pub gpu: DeviceUuid,
     /// Memory the share consumes, in bytes.
     pub wanted: u64,
-    /// The GPU's memory, in bytes.
+    /// The device's memory, in bytes.
     pub total: u64,
     /// What the other shares hold, in all, in bytes.
     pub held: u64,
@@ -317,20 +318,22 @@ pub struct Overcommit {
 }
 
 /// The first share of `devices` (a claim `uid` is about to reserve) that does not fit on its GPU
-/// beside the shares other claims hold there, and beside the claim's own earlier shares of it.
-/// Only memory is counted: multiprocessors are a cap. `memory_of` gives a GPU's memory; a GPU it
-/// does not know is not checked (the plan already refused devices that are not on this node).
+/// or MIG device ([`DeviceRecord::share_target`]) beside the shares other claims hold there, and
+/// beside the claim's own earlier shares of it. Only memory is counted: multiprocessors are a
+/// cap. `memory_of` gives a shared device's memory; a device it does not know is not checked
+/// (the plan already refused devices that are not on this node).
 pub fn overcommitted(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     uid: &ClaimUid,
     devices: &[DeviceRecord],
-    memory_of: impl Fn(&GpuUuid) -> Option<u64>,
+    memory_of: impl Fn(&DeviceUuid) -> Option<u64>,
 ) -> Option<Overcommit> {
     for (i, d) in devices.iter().enumerate() {
         let Some(wanted) = d.consumed else {
             continue;
         };
-        let Some(total) = memory_of(&d.gpu) else {
+        let target = d.share_target();
+        let Some(total) = memory_of(&target) else {
             continue;
         };
         let mut held = 0u64;
@@ -339,7 +342,7 @@ pub fn overcommitted(
             let theirs: u64 = other
                 .devices
                 .iter()
-                .filter(|o| o.gpu == d.gpu)
+                .filter(|o| o.share_target() == target)
                 .filter_map(|o| o.consumed)
                 .map(|c| c.memory)
                 .fold(0, u64::saturating_add);
@@ -353,7 +356,7 @@ pub fn overcommitted(
                 ));
             }
         }
-        for own in devices[..i].iter().filter(|o| o.gpu == d.gpu) {
+        for own in devices[..i].iter().filter(|o| o.share_target() == target) {
             let theirs = own.consumed.map_or(0, |c| c.memory);
             held = held.saturating_add(theirs);
             holders.push(format!("this claim's earlier share: {}", quantity(theirs)));
@@ -361,7 +364,7 @@ pub fn overcommitted(
         if held.saturating_add(wanted.memory) > total {
             return Some(Overcommit {
                 device: d.device.to_string(),
-                gpu: d.gpu.clone(),
+                gpu: target,
                 wanted: wanted.memory,
                 total,
                 held,
@@ -372,21 +375,22 @@ pub fn overcommitted(
     None
 }
 
-/// The first GPU of `devices` (a claim `uid` is about to reserve) on which its shares, beside
-/// those of the other claims, would be more than [`MAX_SHARES`]: the GPU and how many shares
-/// it would hold. One MPS server serves at most that many clients; `memory` mode's smallest
+/// The first GPU or MIG device of `devices` (a claim `uid` is about to reserve) on which its
+/// shares, beside those of the other claims, would be more than [`MAX_SHARES`]: the device and
+/// how many shares it would hold (a MIG device's shares have an MPS server of their own). One MPS server serves at most that many clients; `memory` mode's smallest
 /// share already keeps a GPU under it, but in `unlimited` mode claims that ask for nothing
 /// consume nothing, and the scheduler allocates them without bound.
 pub fn too_many_shares(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     uid: &ClaimUid,
     devices: &[DeviceRecord],
-) -> Option<(GpuUuid, usize)> {
+) -> Option<(DeviceUuid, usize)> {
     for (i, d) in devices.iter().enumerate() {
         if d.consumed.is_none() {
             continue;
         }
-        let on = |o: &&DeviceRecord| o.gpu == d.gpu && o.consumed.is_some();
+        let target = d.share_target();
+        let on = |o: &&DeviceRecord| o.consumed.is_some() && o.share_target() == target;
         let others: usize = claims
             .iter()
             .filter(|(u, _)| *u != uid)
@@ -394,7 +398,7 @@ pub fn too_many_shares(
             .sum();
         let held = others + devices[..=i].iter().filter(on).count();
         if held > MAX_SHARES as usize {
-            return Some((d.gpu.clone(), held));
+            return Some((target, held));
         }
     }
     None

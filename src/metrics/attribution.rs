@@ -219,10 +219,9 @@ pub fn share_rows(
             let gpu = inv.gpu_by_uuid(d.gpu.as_str());
             // What it is held to: its part of the GPU in integer mode, so that `used` above
             // it means the same in every mode (a GPU no longer listed: what it consumed).
-            let held = match gpu {
-                Some(g) => {
-                    consumed.held_memory(crate::ledger::shares::shareable_memory(g.memory_bytes))
-                }
+            // Of the MIG device's memory for a share of one.
+            let held = match inv.memory_of(&d.share_target()) {
+                Some(total) => consumed.held_memory(crate::ledger::shares::shareable_memory(total)),
                 None => (consumed.memory > 0).then_some(consumed.memory),
             };
             out.push(ShareRow {

@@ -94,13 +94,15 @@ impl Plugin {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.start(&owner, &mps)).await??;
         }
-        for gpu in shared_gpus(devices) {
-            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
+        for device in shared_devices(devices) {
+            self.blocking(move |i| i.mps.ensure_shares(&device))
+                .await??;
         }
         Ok(())
     }
 
-    /// Asks for the MPS daemon of each GPU `devices` hold shares of, unless it is asked for, and
+    /// Asks for the MPS daemon of each GPU or MIG device `devices` hold shares of, unless it is
+    /// asked for, and
     /// waits until it answers. The claim is reserved already, so no unprepare of another share
     /// releases a daemon found requested here ([`Plugin::undo_devices`] asks the ledger under the
     /// GPU's lock, which the request takes too). Before a new request the claim's record is made
@@ -112,12 +114,13 @@ impl Plugin {
     ) -> Result<(), ClaimError> {
         // Shares' GPUs are in EXCLUSIVE_PROCESS before their daemon serves them.
         self.hold_compute_modes(devices).await?;
-        for gpu in shared_gpus(devices) {
-            let g = gpu.clone();
-            if !self.blocking(move |i| i.mps.gpu_requested(&g)).await? {
+        for device in shared_devices(devices) {
+            let d = device.clone();
+            if !self.blocking(move |i| i.mps.shares_requested(&d)).await? {
                 self.inner.ledger.flush().await?;
             }
-            self.blocking(move |i| i.mps.ensure_gpu(&gpu)).await??;
+            self.blocking(move |i| i.mps.ensure_shares(&device))
+                .await??;
         }
         Ok(())
     }
@@ -222,19 +225,19 @@ impl Plugin {
             let uid = uid.clone();
             self.blocking(move |i| i.mps.stop(&uid)).await??;
         }
-        for gpu in shared_gpus(devices) {
-            // The GPU's daemon goes with its last share: asked under the GPU's lock, against
-            // the ledger, where this claim still is and any other share already is (a share is
-            // reserved before it starts or reuses the daemon).
+        for device in shared_devices(devices) {
+            // The device's daemon goes with its last share: asked under the device's lock,
+            // against the ledger, where this claim still is and any other share already is (a
+            // share is reserved before it starts or reuses the daemon).
             let (ledger, owner) = (self.inner.ledger.clone(), uid.clone());
             self.blocking(move |i| {
-                i.mps.stop_gpu(&gpu, || {
+                i.mps.stop_shares(&device, || {
                     ledger.read(|c| {
                         c.claims.iter().any(|(u, e)| {
                             *u != owner
                                 && e.devices
                                     .iter()
-                                    .any(|o| o.consumed.is_some() && o.gpu == gpu)
+                                    .any(|o| o.consumed.is_some() && o.share_target() == device)
                         })
                     })
                 })
@@ -297,7 +300,7 @@ impl Plugin {
 }
 
 /// The UUIDs (GPU or MIG) of a claim's MPS-shared devices, for its own MPS daemon; shares of a
-/// GPU use the GPU's daemon instead ([`shared_gpus`]).
+/// GPU or MIG device use the device's daemon instead ([`shared_devices`]).
 pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
     devices
         .iter()
@@ -309,15 +312,17 @@ pub(super) fn mps_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
         .collect()
 }
 
-/// The GPUs a claim holds consumable-capacity shares of, each once.
-pub(super) fn shared_gpus(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
-    let mut gpus: Vec<GpuUuid> = devices
+/// The GPUs and MIG devices a claim holds consumable-capacity shares of
+/// ([`DeviceRecord::share_target`]), each once.
+pub(super) fn shared_devices(devices: &[DeviceRecord]) -> Vec<DeviceUuid> {
+    let mut shared: Vec<DeviceUuid> = devices
         .iter()
         .filter(|d| d.consumed.is_some())
-        .map(|d| d.gpu.clone())
+        .map(DeviceRecord::share_target)
         .collect();
-    gpus.dedup();
-    gpus
+    shared.sort();
+    shared.dedup();
+    shared
 }
 
 pub(super) fn time_slice(i: TimeSliceInterval) -> TimeSlice {
@@ -363,17 +368,19 @@ pub(super) fn cdi_devices(
                         .clone(),
                 ),
             };
+            // What a share divides: its MIG device's memory for a share of one.
+            let memory = mig.as_ref().map_or(gpu.memory_bytes, |m| m.memory_bytes);
             Ok(PreparedDevice {
                 name: d.device.to_string(),
                 gpu: gpu.clone(),
                 mig,
                 mps_pipe_dir: match (&d.sharing, d.consumed) {
-                    (Sharing::Mps(_), Some(_)) => Some(mps.gpu_pipe_dir(&d.gpu)),
+                    (Sharing::Mps(_), Some(_)) => Some(mps.shares_pipe_dir(&d.share_target())),
                     (Sharing::Mps(_), None) => Some(mps.pipe_dir(uid)),
                     _ => None,
                 },
                 mps_shm_dir: match (&d.sharing, d.consumed) {
-                    (Sharing::Mps(_), Some(_)) => Some(mps.gpu_shm_dir(&d.gpu)),
+                    (Sharing::Mps(_), Some(_)) => Some(mps.shares_shm_dir(&d.share_target())),
                     (Sharing::Mps(_), None) => Some(mps.shm_dir(uid)),
                     _ => None,
                 },
@@ -381,9 +388,9 @@ pub(super) fn cdi_devices(
                 // Soft: what the share is held to (what the scheduler counted, or its part of the
                 // GPU in integer mode), guaranteed; hard: its burst limit, else the soft one. None
                 // for an `unlimited` share that asked for no memory and no burst limit.
-                memory_limits: d.consumed.and_then(|c| {
-                    c.memory_limits(crate::ledger::shares::shareable_memory(gpu.memory_bytes))
-                }),
+                memory_limits: d
+                    .consumed
+                    .and_then(|c| c.memory_limits(crate::ledger::shares::shareable_memory(memory))),
             })
         })
         .collect()

@@ -12,11 +12,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
-use super::effects::shared_gpus;
+use super::effects::shared_devices;
 use super::{ClaimError, Plugin};
 use crate::health::DaemonsDown;
 use crate::ids::ClaimUid;
-use crate::inventory::GpuUuid;
+use crate::inventory::{DeviceUuid, GpuUuid};
 use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord};
 use crate::lock::lock;
 use crate::sharing::Sharing;
@@ -96,8 +96,10 @@ pub(super) fn one_context_gpus(devices: &[DeviceRecord]) -> Vec<GpuUuid> {
     gpus
 }
 
+/// A share or an MPS claim of a whole GPU; never a MIG device's (its shares included: the
+/// compute mode is the GPU's, and MIG devices beside it may be used by others).
 fn one_context(d: &DeviceRecord) -> bool {
-    d.consumed.is_some() || (matches!(d.sharing, Sharing::Mps(_)) && d.mig.is_none())
+    d.mig.is_none() && (d.consumed.is_some() || matches!(d.sharing, Sharing::Mps(_)))
 }
 
 /// Whether a claim other than `owner` needs `gpu` in `EXCLUSIVE_PROCESS`.
@@ -115,14 +117,15 @@ pub(super) fn held_by_another(
 /// (the probe's own deadline, plus the time to start the process).
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(3);
 
-/// What the daemon watch tells the rest of the node after each round: the GPUs with shares and
-/// whether each one's daemon answered, and those that do not with since when.
+/// What the daemon watch tells the rest of the node after each round: the GPUs and MIG devices
+/// with shares and whether each one's daemon answered, and those that do not with since when.
 pub trait DaemonReport: Send + Sync + 'static {
-    fn report(&self, up: &BTreeMap<GpuUuid, bool>, down: &DaemonsDown);
+    fn report(&self, up: &BTreeMap<DeviceUuid, bool>, down: &DaemonsDown);
 }
 
 impl Plugin {
-    /// Refuses a new share of a GPU whose share daemon did not answer the watch's last probe.
+    /// Refuses a new share of a GPU or MIG device whose share daemon did not answer the watch's
+    /// last probe.
     pub(super) fn refuse_while_daemon_down(
         &self,
         devices: &[crate::ledger::DeviceRecord],
@@ -131,7 +134,7 @@ impl Plugin {
         let Some((d, since)) = devices
             .iter()
             .filter(|d| d.consumed.is_some())
-            .find_map(|d| down.get(&d.gpu).map(|s| (d, *s)))
+            .find_map(|d| down.get(&d.share_target()).map(|s| (d, *s)))
         else {
             return Ok(());
         };
@@ -141,7 +144,10 @@ impl Plugin {
             .as_secs();
         Err(ClaimError::ShareDaemonDown {
             device: d.device.to_string(),
-            gpu: d.gpu.to_string(),
+            gpu: match d.share_target() {
+                DeviceUuid::Gpu(g) => format!("GPU {g}"),
+                DeviceUuid::Mig(m) => format!("MIG device {m}"),
+            },
             since: k8s_openapi::jiff::Timestamp::try_from(since)
                 .map(|t| t.to_string())
                 .unwrap_or_else(|_| "an unknown time".into()),
@@ -149,22 +155,23 @@ impl Plugin {
         })
     }
 
-    /// Asks the share daemon of every GPU that holds shares, each under [`PROBE_DEADLINE`],
+    /// Asks the share daemon of every GPU or MIG device that holds shares, each under
+    /// [`PROBE_DEADLINE`],
     /// whether it answers, and reports the result. Runs with no lock a prepare waits on: the
     /// ledger is copied, the probes run on the blocking pool, the state is swapped at the end.
     pub async fn probe_share_daemons(&self, report: &dyn DaemonReport) {
-        let gpus: BTreeSet<GpuUuid> = self.inner.ledger.read(|c| {
+        let shared: BTreeSet<DeviceUuid> = self.inner.ledger.read(|c| {
             c.claims
                 .values()
-                .flat_map(|e| shared_gpus(&e.devices))
+                .flat_map(|e| shared_devices(&e.devices))
                 .collect()
         });
         let unguarded = self.recheck_compute_modes().await;
         // All GPUs at once: a round takes one deadline however many daemons are down.
-        let probes = gpus.into_iter().map(|gpu| async move {
+        let probes = shared.into_iter().map(|gpu| async move {
             let g = gpu.clone();
             // A daemon a prepare has just asked for and is waiting on is starting, not down.
-            let probe = self.blocking(move |i| i.mps.alive_gpu(&g) || i.mps.starting_gpu(&g));
+            let probe = self.blocking(move |i| i.mps.alive_shares(&g) || i.mps.starting_shares(&g));
             let answers = matches!(
                 tokio::time::timeout(PROBE_DEADLINE, probe).await,
                 Ok(Ok(true))
@@ -173,12 +180,15 @@ impl Plugin {
         });
 
         // A GPU out of EXCLUSIVE_PROCESS that cannot be put back is as unguarded as one whose
-        // daemon does not answer.
-        let up: BTreeMap<GpuUuid, bool> = futures::future::join_all(probes)
+        // daemon does not answer (a MIG device's shares leave the GPU's mode alone).
+        let up: BTreeMap<DeviceUuid, bool> = futures::future::join_all(probes)
             .await
             .into_iter()
             .map(|(gpu, answers)| {
-                let guarded = !unguarded.contains(&gpu);
+                let guarded = match &gpu {
+                    DeviceUuid::Gpu(g) => !unguarded.contains(g),
+                    DeviceUuid::Mig(_) => true,
+                };
                 (gpu, answers && guarded)
             })
             .collect();

@@ -127,7 +127,7 @@ pub enum ClaimError {
         holders: String,
     },
     #[error(
-        "{device} cannot be prepared as a share: the MPS control daemon of GPU {gpu} has not \
+        "{device} cannot be prepared as a share: the MPS control daemon of {gpu} has not \
          answered since {since} ({ago} ago), so a share started now would get no limits. The MPS \
          host restarts the daemon; the kubelet retries this prepare (or retry it by recreating \
          the pod once the device's mps-daemon-down taint is gone)"

@@ -13,7 +13,7 @@ use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions};
 use crate::dra::slices::{self, PublishedDevice};
 use crate::ids::DeviceName;
-use crate::inventory::{self, Gpu, GpuUuid, Inventory, MigDevice, Placement, quantity};
+use crate::inventory::{self, DeviceUuid, Gpu, GpuUuid, Inventory, MigDevice, Placement, quantity};
 use crate::ledger::shares::{self, ConsumableShares, Shares};
 use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
 use crate::sharing::{self, DeviceKind, MpsSettings, Sharing};
@@ -168,11 +168,25 @@ pub(super) fn plan(
                 .map_err(config_err)?;
         let mut sharing = sharing::sharing_for(config, kind, &r.device).map_err(config_err)?;
         let mut consumed = None;
-        if let Resolved::Gpu(g) = resolved
-            && let Some((share, settings)) = share(opts, claim, r, g, &sharing, &out)?
+        // Only a GPU or a MIG device that exists is published shareable.
+        let shareable = match resolved {
+            Resolved::Gpu(g) => Some(Shareable {
+                memory_bytes: g.memory_bytes,
+                multiprocessors: g.multiprocessors,
+                target: DeviceUuid::Gpu(g.uuid.clone()),
+            }),
+            Resolved::Mig(_, m) => Some(Shareable {
+                memory_bytes: m.memory_bytes,
+                multiprocessors: Some(m.multiprocessors),
+                target: DeviceUuid::Mig(m.uuid.clone()),
+            }),
+            Resolved::MigToCreate(..) => None,
+        };
+        if let Some(shareable) = shareable
+            && let Some((share, settings)) = share(opts, claim, r, &shareable, &sharing, &out)?
         {
             consumed = Some(share);
-            // The share's limits are its MPS client settings, behind the GPU's daemon.
+            // The share's limits are its MPS client settings, behind the device's daemon.
             sharing = Sharing::Mps(settings);
         }
         index.insert((r.pool.as_str(), r.device.as_str()), out.len());
@@ -214,8 +228,17 @@ pub(super) fn reserved_pods(rc: &ResourceClaim) -> Vec<PodRef> {
     pods
 }
 
-/// Whether result `r` of GPU `gpu` is a share of it, and if so what it consumes and the MPS
-/// client settings that enforce it; `None` for the GPU whole.
+/// What a share divides: a GPU, or an existing MIG device (whose share runs under the MIG
+/// device's own MPS daemon, held per process: NVIDIA's memory partitioning excludes MIG).
+struct Shareable {
+    memory_bytes: u64,
+    multiprocessors: Option<u32>,
+    /// What the share's daemon, count and memory are keyed by ([`DeviceRecord::share_target`]).
+    target: DeviceUuid,
+}
+
+/// Whether result `r` of a GPU or MIG device (`gpu`) is a share of it, and if so what it
+/// consumes and the MPS client settings that enforce it; `None` for the device whole.
 ///
 /// Without a `shareID` the allocation is a plain one, and an admin-access allocation is never a
 /// share. Which allocation with a `shareID` is a share depends on the mode
@@ -244,7 +267,7 @@ fn share(
     opts: &Options,
     claim: &ClaimRef,
     r: &DeviceRequestAllocationResult,
-    gpu: &Gpu,
+    gpu: &Shareable,
     configured: &Sharing,
     earlier: &[DeviceRecord],
 ) -> Result<Option<(Consumed, MpsSettings)>, ClaimError> {
@@ -341,7 +364,7 @@ fn share(
     };
     if let Some(other) = earlier
         .iter()
-        .find(|d| d.consumed.is_some() && d.gpu != gpu.uuid)
+        .find(|d| d.consumed.is_some() && d.share_target() != gpu.target)
     {
         return Err(bad(format!(
             "the claim already has a share of another GPU ({}); a container has one MPS pipe \

@@ -20,7 +20,7 @@ use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point};
 use crate::ids::ClaimUid;
-use crate::inventory::{GpuUuid, Inventory, quantity};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory, quantity};
 use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
 use std::collections::BTreeMap;
 
@@ -375,7 +375,7 @@ pub(super) fn one_user_per_gpu(
         let shares_gpu = |e: &ClaimEntry| {
             e.devices
                 .iter()
-                .any(|o| o.gpu == d.gpu && o.consumed.is_some())
+                .any(|o| o.consumed.is_some() && o.share_target() == d.share_target())
         };
         let others = || claims.iter().filter(|(u, e)| *u != uid && shares_gpu(e));
         // The GPU's shares all run as one user (this check held for each), so the first
@@ -422,7 +422,7 @@ pub(super) fn conflict(
     let shares_of_gpu = |e: &ClaimEntry| {
         e.devices
             .iter()
-            .any(|o| o.gpu == d.gpu && o.consumed.is_some())
+            .any(|o| o.consumed.is_some() && o.share_target() == d.share_target())
     };
     // A whole GPU (dynamic MIG) meeting MIG devices of it: name every claim that holds one.
     let mig_of_gpu = |e: &ClaimEntry| e.devices.iter().any(|o| o.gpu == d.gpu && o.mig.is_some());
@@ -482,14 +482,24 @@ pub(super) fn fits(
     devices: &[DeviceRecord],
     inv: &Inventory,
 ) -> Result<(), ClaimError> {
-    let memory_of = |g: &crate::inventory::GpuUuid| {
-        inv.gpu_by_uuid(g.as_str())
-            .map(|g| ledger::shares::shareable_memory(g.memory_bytes))
-    };
-    let name = |gpu: &crate::inventory::GpuUuid| {
-        inv.gpu_by_uuid(gpu.as_str())
+    let memory_of = |d: &DeviceUuid| inv.memory_of(d).map(ledger::shares::shareable_memory);
+    let name = |d: &DeviceUuid| match d {
+        DeviceUuid::Gpu(gpu) => inv
+            .gpu_by_uuid(gpu.as_str())
             .map(|g| format!("gpu-{} ({gpu})", g.minor))
-            .unwrap_or_else(|| gpu.to_string())
+            .unwrap_or_else(|| gpu.to_string()),
+        DeviceUuid::Mig(mig) => inv
+            .mig_by_uuid(mig)
+            .map(|(g, m)| {
+                let name = crate::ids::DeviceName::mig(
+                    g.minor,
+                    &m.profile,
+                    m.gi_profile_id,
+                    m.placement.start,
+                );
+                format!("{name} ({mig})")
+            })
+            .unwrap_or_else(|| mig.to_string()),
     };
     if let Some((gpu, shares)) = ledger::shares::too_many_shares(claims, uid, devices) {
         return Err(ClaimError::TooManyShares {

@@ -6,7 +6,7 @@
 //! order of writes in [`prepare`](super::prepare), this makes every crash point end in a state
 //! the kubelet's retry can finish.
 
-use super::effects::{mps_devices, shared_gpus};
+use super::effects::{mps_devices, shared_devices};
 use super::{ClaimError, Plugin};
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, Inventory};
@@ -84,8 +84,9 @@ impl Plugin {
             let owner = uid.clone();
             self.blocking(move |i| i.mps.ensure(&owner, &mps)).await??;
         }
-        for gpu in shared_gpus(&entry.devices) {
-            self.blocking(move |i| i.mps.request_gpu(&gpu)).await??;
+        for device in shared_devices(&entry.devices) {
+            self.blocking(move |i| i.mps.request_shares(&device))
+                .await??;
         }
         if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, inv).await? {
             tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten from the checkpoint");

@@ -165,7 +165,7 @@ async fn a_share_whose_gpu_mode_cannot_be_set_is_refused_and_leaves_nothing() {
 
 type Round = (
     tokio::time::Instant,
-    BTreeMap<crate::inventory::GpuUuid, bool>,
+    BTreeMap<crate::inventory::DeviceUuid, bool>,
     crate::health::DaemonsDown,
 );
 
@@ -177,7 +177,7 @@ struct Reports(Mutex<Vec<Round>>, tokio::sync::watch::Sender<usize>);
 impl DaemonReport for Reports {
     fn report(
         &self,
-        up: &BTreeMap<crate::inventory::GpuUuid, bool>,
+        up: &BTreeMap<crate::inventory::DeviceUuid, bool>,
         down: &crate::health::DaemonsDown,
     ) {
         let mut r = lock(&self.0);
@@ -190,7 +190,7 @@ impl Reports {
     fn last(
         &self,
     ) -> (
-        BTreeMap<crate::inventory::GpuUuid, bool>,
+        BTreeMap<crate::inventory::DeviceUuid, bool>,
         crate::health::DaemonsDown,
     ) {
         let r = lock(&self.0);
@@ -204,6 +204,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     let e = env("dgx-h100").await;
     let host = e.mps_host();
     let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
+    let key = crate::inventory::DeviceUuid::Gpu(gpu.clone());
     for uid in ["s1", "s2"] {
         e.add(claim(uid, vec![share("nb", "gpu-0", "8Gi")]));
     }
@@ -217,7 +218,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
 
     e.prepare("s1").await.unwrap();
     e.plugin.probe_share_daemons(&reports).await;
-    assert_eq!(reports.last().0, BTreeMap::from([(gpu.clone(), true)]));
+    assert_eq!(reports.last().0, BTreeMap::from([(key.clone(), true)]));
     assert!(reports.last().1.is_empty());
 
     // The MPS host goes, and its daemon with it: the request stays, but nothing answers and
@@ -228,8 +229,8 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     assert!(e.plugin.inner.mps.gpu_requested(&gpu));
     e.plugin.probe_share_daemons(&reports).await;
     let (up, down) = reports.last();
-    assert_eq!(up, BTreeMap::from([(gpu.clone(), false)]));
-    let since = down[&gpu];
+    assert_eq!(up, BTreeMap::from([(key.clone(), false)]));
+    let since = down[&key];
     let err = e.prepare("s2").await.unwrap_err().to_string();
     for want in [
         format!("MPS control daemon of GPU {gpu} has not answered since"),
@@ -241,7 +242,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     assert_eq!(e.state("s2"), None);
     // Still down: the time it went down stays.
     e.plugin.probe_share_daemons(&reports).await;
-    assert_eq!(reports.last().1, BTreeMap::from([(gpu.clone(), since)]));
+    assert_eq!(reports.last().1, BTreeMap::from([(key.clone(), since)]));
     // The MPS host is back and starts the daemon again.
     let _host = e.mps_host();
     mps::tests::eventually("the host starts the daemon again", || {
@@ -250,7 +251,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     e.plugin.probe_share_daemons(&reports).await;
     assert_eq!(
         reports.last(),
-        (BTreeMap::from([(gpu.clone(), true)]), BTreeMap::new())
+        (BTreeMap::from([(key.clone(), true)]), BTreeMap::new())
     );
     e.prepare("s2").await.unwrap();
 }
@@ -265,6 +266,7 @@ async fn the_watch_puts_a_gpu_with_shares_back_in_exclusive_process() {
     let e = env("dgx-h100").await;
     let _host = e.mps_host();
     let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
+    let key = crate::inventory::DeviceUuid::Gpu(gpu.clone());
     e.add(claim("s", vec![share("nb", "gpu-0", "8Gi")]));
     e.prepare("s").await.unwrap();
     // Reset behind nvdra's back.
@@ -278,7 +280,7 @@ async fn the_watch_puts_a_gpu_with_shares_back_in_exclusive_process() {
     );
     assert_eq!(
         reports.last(),
-        (BTreeMap::from([(gpu.clone(), true)]), BTreeMap::new())
+        (BTreeMap::from([(key.clone(), true)]), BTreeMap::new())
     );
     // A record naming a GPU the backend cannot read (gone from the bus): returned unguarded.
     let gone = crate::inventory::GpuUuid("GPU-00000000-0000-4000-8000-0000000000ff".into());
@@ -322,7 +324,8 @@ async fn the_watch_probes_every_interval_from_one_interval_after_start_until_shu
         let at = lock(&reports.0)[n as usize - 1].0;
         assert_eq!(at - start, every * n, "round {n}");
     }
-    assert!(lock(&reports.0).iter().all(|(_, up, _)| up[&gpu]));
+    let key = crate::inventory::DeviceUuid::Gpu(gpu);
+    assert!(lock(&reports.0).iter().all(|(_, up, _)| up[&key]));
     stop.cancel();
     task.await.unwrap();
 }

@@ -773,6 +773,7 @@ async fn outcomes_are_counted_in_metrics() {
 mod deadlines;
 mod dynamic_mig;
 mod enforce;
+mod mig_shares;
 mod recovery;
 mod share_modes;
 mod shares;

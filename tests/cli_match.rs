@@ -1056,3 +1056,119 @@ fn burstable_shares_are_packed_by_their_request_and_show_their_burst_limit() {
         stdout(&out)
     );
 }
+
+/// Shares of a MIG device, as NVIDIA's modes share them: replicas of a claim template for a
+/// 3g.20gb MIG device share the one the a100-mig-mixed node has. In integer mode (`4`) four
+/// replicas that ask for nothing take one share each of it, and a fifth does not fit (no other
+/// 3g.20gb device); in `memory` mode two 8Gi replicas share it and a third does not fit
+/// (19968Mi); without a share mode a second replica does not fit. `multiprocessors`, the
+/// engines and the memory slices, which no replica asks for, are charged 0.
+#[test]
+fn replicas_share_a_mig_device_in_each_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |replicas: usize, memory: Option<&str>| {
+        let capacity = memory.map_or(String::new(), |m| {
+            format!("\n          capacity:\n            requests:\n              memory: {m}")
+        });
+        let text = format!(
+            "apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  namespace: default
+  name: mig-share
+spec:
+  spec:
+    devices:
+      requests:
+      - name: mig
+        exactly:
+          deviceClassName: mig.nvidia.com
+          selectors:
+          - cel:
+              expression: device.attributes['gpu.nvidia.com'].profile == '3g.20gb'{capacity}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  namespace: default
+  name: mig-sharing
+spec:
+  replicas: {replicas}
+  selector:
+    matchLabels:
+      app: mig-sharing
+  template:
+    metadata:
+      labels:
+        app: mig-sharing
+    spec:
+      resourceClaims:
+      - name: mig
+        resourceClaimTemplateName: mig-share
+      containers:
+      - name: ctr
+        image: ubuntu:22.04
+        resources:
+          claims:
+          - name: mig
+"
+        );
+        let path = dir
+            .path()
+            .join(format!("mig-{replicas}-{}.yaml", memory.unwrap_or("none")));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let run = |path: &std::path::Path, mode: &str| {
+        nvdra(&[
+            "match",
+            "-f",
+            path.to_str().unwrap(),
+            "--profile",
+            "a100-mig-mixed",
+            &format!("--consumable-shares={mode}"),
+            "-o",
+            "json",
+        ])
+    };
+    let device = "gpu-1-mig-3g20gb-9-4";
+    let four = allocations(&run(&file(4, None), "4"));
+    assert_eq!(four.len(), 4);
+    for (name, d, memory, shares) in &four {
+        assert_eq!(
+            (d.as_str(), memory.as_str(), shares.as_deref()),
+            (device, "0", Some("1")),
+            "{name}"
+        );
+    }
+    let out = run(&file(4, None), "4");
+    let first = &json(&out)[0]["allocation"][0]["consumedCapacity"];
+    for k in [
+        "multiprocessors",
+        "copyEngines",
+        "memorySlice4",
+        "memorySlice7",
+    ] {
+        assert_eq!(first[k].as_str(), Some("0"), "{k}: {first}");
+    }
+    let fifth = stdout(&run(&file(5, None), "4"));
+    assert!(fifth.contains("shares 1 > 0 left"), "a fifth: {fifth}");
+
+    let two = allocations(&run(&file(2, Some("8Gi")), "memory"));
+    assert_eq!(
+        two.iter()
+            .map(|a| (a.1.as_str(), a.2.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(device, "8Gi"); 2]
+    );
+    assert_ne!(
+        run(&file(3, Some("8Gi")), "memory").status.code(),
+        Some(0),
+        "24Gi is more than the device's 19968Mi"
+    );
+    let second = stdout(&run(&file(2, None), "disabled"));
+    assert!(
+        second.contains("allocated to claim mig-share (Deployment mig-sharing, pod 1 of 2)"),
+        "without a share mode the device is allocated once: {second}"
+    );
+}

@@ -284,7 +284,8 @@ fn mig_mode_gpus_are_published_as_mig_devices_only() {
 
 /// Without `--shared-capacity` the slices are byte for byte what the build before it printed
 /// (`tests/data/slices/`, written by `nvdra inventory -o slices` at `730af4d`); with it, the same
-/// devices, the GPUs outside MIG mode allocatable many times, strictly parseable.
+/// devices, the GPUs outside MIG mode and the existing MIG devices allocatable many times,
+/// strictly parseable.
 #[test]
 fn shared_capacity_off_leaves_the_slices_byte_identical() {
     for profile in ["dgx-h100", "a100-mig-mixed"] {
@@ -338,11 +339,31 @@ fn shared_capacity_off_leaves_the_slices_byte_identical() {
                 .filter(|d| d.allow_multiple_allocations == Some(true))
                 .map(|d| d.name.clone())
                 .collect();
-            let want = if profile == "dgx-h100" { 8 } else { 2 };
-            assert_eq!(shareable.len(), want, "{profile}: {shareable:?}");
-            assert!(
-                shareable.iter().all(|n| !n.contains("-mig-")),
-                "{shareable:?}"
+            // The GPUs outside MIG mode, and the MIG devices that exist (a100-mig-mixed has 2
+            // and 7); never a MIG placement with no instance (partitionable).
+            let existing_migs: Vec<String> = off
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .filter(|d| d.name.contains("-mig-"))
+                .filter(|d| {
+                    d.attributes
+                        .as_ref()
+                        .is_some_and(|a| a.contains_key("uuid"))
+                })
+                .map(|d| d.name.clone())
+                .collect();
+            let want = if profile == "dgx-h100" {
+                (8, 0)
+            } else {
+                (2, 7)
+            };
+            assert_eq!(existing_migs.len(), want.1, "{profile}");
+            let (migs, gpus): (Vec<String>, Vec<String>) =
+                shareable.into_iter().partition(|n| n.contains("-mig-"));
+            assert_eq!(gpus.len(), want.0, "{profile}: {gpus:?}");
+            assert_eq!(
+                migs, existing_migs,
+                "{profile} partitionable={partitionable}"
             );
         }
     }

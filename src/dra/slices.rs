@@ -17,8 +17,8 @@
 //!   silicon keeps its name across restarts. Devices are sorted by name within each slice.
 //! - The same silicon is never offered twice: without partitioning, a GPU in MIG mode publishes
 //!   only its MIG devices; with partitioning, shared counters make overlapping devices mutually
-//!   exclusive. A shareable GPU (`--shared-capacity`, `--consumable-shares`) is one device,
-//!   allocated whole or in shares by its consumable capacity. GPUs and MIG devices marked unhealthy for good are not published; those the
+//!   exclusive. A shareable GPU or MIG device (`--shared-capacity`, `--consumable-shares`) is
+//!   one device, allocated whole or in shares by its consumable capacity. GPUs and MIG devices marked unhealthy for good are not published; those the
 //!   health monitor saw fail are published with a device taint (`<driver>/xid`,
 //!   `<driver>/gpu-lost`), so a running pod's device does not vanish from the slice.
 //!   With dynamic MIG a GPU that can switch MIG mode is offered whole and in MIG placements at
@@ -151,7 +151,10 @@ pub struct SliceOptions {
     /// by consumable capacity (DRAConsumableCapacity), in one of NVIDIA's consumable-shares
     /// modes (`--consumable-shares`; `memory` is `--shared-capacity`): in `memory` a claim that
     /// asks for part of its memory gets a share, one that asks for none the whole GPU; in
-    /// `unlimited` and integer mode every claim gets a share.
+    /// `unlimited` and integer mode every claim gets a share. Existing MIG devices are
+    /// published shareable the same way (of their own memory; their other capacities with
+    /// default-0 policies), except those of a GPU published for `dynamic_mig`, and MIG
+    /// placements with no instance never are.
     pub shared_capacity: ConsumableShares,
     /// Publish each GPU that can switch MIG mode at run time ([`Gpu::mig_toggle`]) whole and
     /// in every free MIG placement, at either mode, all drawing on one counter set

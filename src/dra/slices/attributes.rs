@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{
     ATTR_FABRIC_CLIQUE_ID, ATTR_FABRIC_CLUSTER_UUID, ATTR_PCI_BUS_ID, ATTR_PCIE_ROOT,
-    MAX_VALUE_LENGTH, is_semver,
+    MAX_ATTRIBUTES_AND_CAPACITIES, MAX_VALUE_LENGTH, is_semver,
 };
 use crate::ids::DeviceName;
 use crate::inventory::{Engines, Gpu, MigDevice, MigProfile, MigUuid, Placement, quantity};
@@ -226,12 +226,77 @@ pub(super) fn shareable_gpu_device(gpu: &Gpu, mode: ConsumableShares) -> Option<
         return None;
     }
     let mut d = gpu_device(gpu);
-    let memory = shares::shareable_memory(gpu.memory_bytes);
+    let c = d.capacity.get_or_insert_with(Capacities::new);
+    share_capacities(c, gpu.memory_bytes, mode);
+    if let Some(sms) = gpu.multiprocessors {
+        c.insert(
+            "multiprocessors".into(),
+            consumable(sms.to_string(), "0".into(), "0".into(), "1".into()),
+        );
+    }
+    d.allow_multiple_allocations = Some(true);
+    Some(d)
+}
+
+/// An existing MIG device as a consumable-shares `mode` publishes it, as NVIDIA's driver does
+/// (`allocatable.go`): allocated many times (`allowMultipleAllocations`), each share under the
+/// MIG device's own MPS daemon. `memory` (and `shares` in integer mode) as on a shareable GPU
+/// ([`shareable_gpu_device`]), of the MIG device's memory; every other capacity
+/// (`multiprocessors`, the engines, `memorySlice<k>`) with a default-0 policy, from 0 to all in
+/// steps of 1, so that a share that does not ask for them is charged none and a second one
+/// fits (NVIDIA publishes them without a policy, so under the 1.36 allocator each claim that
+/// does not ask for them consumes all of each). Where `shares` would take a device past the
+/// API's 32 attributes and capacities (a 7g device on an 8-slice GPU with a fabric), the fabric
+/// attributes, which are nvdra's and not NVIDIA's, are left out of it.
+///
+/// `None` when `mode` is disabled, for a placement with no MIG device yet, and for a MIG
+/// device too small to share: it is published as without the switch.
+pub(super) fn shareable_mig_device(
+    gpu: &Gpu,
+    m: &MigShape<'_>,
+    mode: ConsumableShares,
+) -> Option<Device> {
+    if !mode.enabled() || m.uuid.is_none() || !shares::is_shareable(m.memory_bytes) {
+        return None;
+    }
+    let mut d = mig_device(gpu, m);
+    let c = d.capacity.get_or_insert_with(Capacities::new);
+    for (_, cap) in c.iter_mut() {
+        *cap = consumable(cap.value.0.clone(), "0".into(), "0".into(), "1".into());
+        if cap.value.0 == "0" {
+            // min + step must lie within the value: without a step 0 alone is allowed.
+            if let Some(r) = cap
+                .request_policy
+                .as_mut()
+                .and_then(|p| p.valid_range.as_mut())
+            {
+                r.step = None;
+            }
+        }
+    }
+    share_capacities(c, m.memory_bytes, mode);
+    let width = |d: &Device| {
+        d.attributes.as_ref().map_or(0, BTreeMap::len)
+            + d.capacity.as_ref().map_or(0, BTreeMap::len)
+    };
+    if width(&d) > MAX_ATTRIBUTES_AND_CAPACITIES
+        && let Some(a) = d.attributes.as_mut()
+    {
+        a.remove(ATTR_FABRIC_CLUSTER_UUID);
+        a.remove(ATTR_FABRIC_CLIQUE_ID);
+    }
+    d.allow_multiple_allocations = Some(true);
+    Some(d)
+}
+
+/// `memory` (and `shares` in integer mode) of a device of `memory_bytes` shared in `mode`
+/// ([`shareable_gpu_device`] says how).
+fn share_capacities(c: &mut Capacities, memory_bytes: u64, mode: ConsumableShares) {
+    let memory = shares::shareable_memory(memory_bytes);
     let (default, min) = match mode {
         ConsumableShares::Memory => (memory, shares::min_share(memory)),
         _ => (0, 0),
     };
-    let c = d.capacity.get_or_insert_with(Capacities::new);
     c.insert(
         "memory".into(),
         consumable(
@@ -257,14 +322,6 @@ pub(super) fn shareable_gpu_device(gpu: &Gpu, mode: ConsumableShares) -> Option<
         }
         c.insert("shares".into(), shares);
     }
-    if let Some(sms) = gpu.multiprocessors {
-        c.insert(
-            "multiprocessors".into(),
-            consumable(sms.to_string(), "0".into(), "0".into(), "1".into()),
-        );
-    }
-    d.allow_multiple_allocations = Some(true);
-    Some(d)
 }
 
 /// A consumable capacity of `value` whose request policy defaults to `default` and allows

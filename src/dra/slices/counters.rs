@@ -5,13 +5,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceCounterConsumption};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::attributes::{MigShape, mig_device};
+use super::attributes::{MigShape, mig_device, shareable_mig_device};
 use super::names::extra_counter_set_name;
 use super::{
     Error, MAX_CONSUMPTIONS_PER_DEVICE, MAX_COUNTERS_PER_SET, Result, counter_set_name,
     sort_devices,
 };
 use crate::inventory::{Engines, Gpu, MigDevice, quantity};
+use crate::ledger::shares::ConsumableShares;
 
 /// A GPU's shared counters in partitionable mode: the resources MIG devices draw on (memory,
 /// multiprocessors, engines) and one counter per memory slice, so that overlapping placements
@@ -193,13 +194,21 @@ pub(super) struct Partitioned {
 ///
 /// Only the placements of the profiles in `allowed` are published (`--mig-profiles`; all when
 /// `None`); existing MIG devices are, whatever their profile.
-pub(super) fn partitioned(gpu: &Gpu, allowed: Option<&[String]>) -> Result<Partitioned> {
+pub(super) fn partitioned(
+    gpu: &Gpu,
+    allowed: Option<&[String]>,
+    mode: ConsumableShares,
+) -> Result<Partitioned> {
     let counters = GpuCounters::new(gpu)?;
     let existing: &[MigDevice] = &gpu.mig.devices;
     let mut devices = Vec::new();
     for d in existing.iter().filter(|d| !d.health.is_withdrawn()) {
         let shape = MigShape::existing(d);
-        let mut dev = mig_device(gpu, &shape);
+        // In a share mode an existing MIG device is shareable (its counters are charged once,
+        // whatever its shares: the scheduler skips the counter check of a shareable device
+        // already in use); placements are not.
+        let mut dev =
+            shareable_mig_device(gpu, &shape, mode).unwrap_or_else(|| mig_device(gpu, &shape));
         dev.consumes_counters = Some(counters.consume_mig(&shape));
         devices.push(dev);
     }

@@ -5,7 +5,9 @@ use k8s_openapi::api::resource::v1::{
     CounterSet, Device, DeviceTaint, ResourcePool, ResourceSliceSpec,
 };
 
-use super::attributes::{MigShape, gpu_device, mig_device, shareable_gpu_device};
+use super::attributes::{
+    MigShape, gpu_device, mig_device, shareable_gpu_device, shareable_mig_device,
+};
 use super::counters::{dynamic, partitioned};
 use super::{
     CounterLayout, Error, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
@@ -98,7 +100,7 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
         let group = if let Some(Ok(())) = toggle {
             dynamic(gpu, allowed, whole())?
         } else if gpu.in_mig_mode() && opts.partitionable {
-            partitioned(gpu, allowed)?
+            partitioned(gpu, allowed, opts.shared_capacity)?
         } else if gpu.in_mig_mode() {
             for d in gpu.mig.devices.iter().filter(|d| !d.health.is_withdrawn()) {
                 // A MIG device is as sick as its parent.
@@ -107,7 +109,9 @@ pub fn desired_slices(inv: &Inventory, opts: &SliceOptions) -> Result<Vec<Resour
                 } else {
                     &gpu.health
                 };
-                let dev = mig_device(gpu, &MigShape::existing(d));
+                let shape = MigShape::existing(d);
+                let dev = shareable_mig_device(gpu, &shape, opts.shared_capacity)
+                    .unwrap_or_else(|| mig_device(gpu, &shape));
                 plain.push(reset_required(tainted(dev, health, driver), reset, driver));
             }
             continue;

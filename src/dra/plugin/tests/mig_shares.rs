@@ -7,6 +7,7 @@ use super::shares::share;
 use super::*;
 use crate::ids::DeviceName;
 use crate::inventory::{ComputeMode, DeviceUuid, MigDevice};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 /// A plugin in share `mode` on the a100-mig-mixed profile (GPU 1 in MIG mode, with a 3g.20gb
 /// device at placement 4 among others).
@@ -245,4 +246,39 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
     e.plugin.probe_share_daemons(&report).await;
     assert!(lock(&report.0).as_ref().unwrap().1.is_empty());
     e.prepare("b").await.unwrap();
+}
+
+/// In integer mode a MIG device's share is held to its part of the MIG device, not of the GPU:
+/// 1 of 4 shares of a 19968Mi 3g.20gb device is 4992Mi (less its part of the MPS server's
+/// reserve) and 25% of its SMs.
+#[tokio::test]
+async fn an_integer_share_of_a_mig_device_is_its_part_of_the_mig_device() {
+    let e = env_in("4").await;
+    let _host = e.mps_host();
+    let (_, migs) = migs(&e);
+    let (name, _) = migs.iter().find(|(_, m)| m.profile == "3g.20gb").unwrap();
+    let allocated = DeviceRequestAllocationResult {
+        consumed_capacity: Some(BTreeMap::from([
+            ("memory".to_string(), Quantity("0".into())),
+            ("shares".to_string(), Quantity("1".into())),
+            ("multiprocessors".to_string(), Quantity("0".into())),
+        ])),
+        ..share("mig", name, "0")
+    };
+    e.add(claim("a", vec![allocated]));
+    let d = e.prepare("a").await.unwrap();
+    assert_eq!(
+        d[0].consumed.unwrap().shares,
+        Some(crate::ledger::Shares { count: 1, of: 4 })
+    );
+    let spec = std::fs::read_to_string(e.spec("a")).unwrap();
+    // 4992 MiB × 18944/19968 = 4736 MiB.
+    assert!(
+        spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4736M"),
+        "{spec}"
+    );
+    assert!(
+        spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
+        "{spec}"
+    );
 }

@@ -137,8 +137,43 @@ fn the_policies_pass_the_api_rules_and_the_rules_catch_a_broken_one() {
     );
 }
 
+/// An existing MIG device as a share mode publishes it, against the same device without the
+/// switch (`off`): shareable, the same attributes and counters, `memory` with the mode's policy
+/// of the MIG device's memory, every other capacity as it was with a default-0 policy, so that
+/// a claim that asks for none of it is charged none and a second claim fits.
+fn assert_shared_mig(on: &Device, off: &Device, memory: (&str, &str, &str)) {
+    let name = &on.name;
+    assert_eq!(on.allow_multiple_allocations, Some(true), "{name}");
+    assert_eq!(on.attributes, off.attributes, "{name}");
+    assert_eq!(on.consumes_counters, off.consumes_counters, "{name}");
+    let (value, default, min) = memory;
+    assert_eq!(
+        policy(on, "memory"),
+        (q(value), q(default), q(min), q(value), q("1Mi")),
+        "{name}"
+    );
+    assert_eq!(cap(off, "memory"), value, "{name}: the MIG device's memory");
+    for (k, c) in off.capacity.as_ref().unwrap() {
+        if k == "memory" {
+            continue;
+        }
+        let p = on.capacity.as_ref().unwrap()[k].clone();
+        assert_eq!(p.value, c.value, "{name} {k}");
+        let p = p.request_policy.expect("a default-0 policy");
+        let r = p.valid_range.unwrap();
+        assert_eq!(p.default, Some(Quantity("0".into())), "{name} {k}");
+        assert_eq!(
+            (r.min.0.as_str(), r.max),
+            ("0", Some(c.value.clone())),
+            "{name} {k}"
+        );
+        let step = (c.value.0 != "0").then(|| Quantity("1".into()));
+        assert_eq!(r.step, step, "{name} {k}");
+    }
+}
+
 #[test]
-fn gpus_in_mig_mode_keep_their_mig_devices_and_gpus_too_small_are_not_shared() {
+fn gpus_in_mig_mode_share_their_existing_mig_devices_and_gpus_too_small_are_not_shared() {
     let inv = profile("a100-mig-mixed");
     for partitionable in [false, true] {
         let on = desired_slices(&inv, &shared(partitionable)).unwrap();
@@ -159,13 +194,30 @@ fn gpus_in_mig_mode_keep_their_mig_devices_and_gpus_too_small_are_not_shared() {
                 .any(|d| d.name == whole);
             assert_eq!(multiple, !g.in_mig_mode(), "{whole}");
         }
-        // MIG devices are as without the switch.
+        // Existing MIG devices are shared; placements (partitionable) are as without the
+        // switch.
+        let mut existing = 0;
         for d in all_devices(&off)
             .into_iter()
             .filter(|d| d.name.contains("-mig-"))
         {
-            assert_eq!(device(&on, &d.name), d);
+            let on = device(&on, &d.name);
+            if d.attributes.as_ref().unwrap().contains_key("uuid") {
+                existing += 1;
+                // Default: all of it; at most 48 shares fit (4864Mi / 49, rounded up).
+                let value = cap(d, "memory");
+                let min = crate::ledger::shares::min_share(
+                    crate::inventory::parse_quantity(&value).unwrap(),
+                );
+                assert_shared_mig(on, d, (&value, &value, &crate::inventory::quantity(min)));
+                if value == "4864Mi" {
+                    assert_eq!(crate::inventory::quantity(min), "100Mi");
+                }
+            } else {
+                assert_eq!(on, d);
+            }
         }
+        assert_eq!(existing, 7, "partitionable={partitionable}");
     }
     let mut small = profile("dgx-h100");
     small.gpus[0].memory_bytes = 2 << 30;
@@ -311,11 +363,18 @@ fn every_mode_passes_the_api_rules_on_every_profile() {
     );
 }
 
-/// Every mode leaves GPUs in MIG mode to their MIG devices, published as without it, and a GPU
-/// too small to share plain.
+/// Every mode shares the existing MIG devices of GPUs in MIG mode with the mode's `memory`
+/// policy (and `shares` in integer mode), as NVIDIA's driver does, leaves a MIG device too
+/// small to share, and a GPU too small to share, plain.
 #[test]
-fn every_mode_leaves_mig_devices_and_small_gpus_as_they_were() {
-    let inv = profile("a100-mig-mixed");
+fn every_mode_shares_existing_mig_devices_and_leaves_small_devices_plain() {
+    let mut inv = profile("a100-mig-mixed");
+    let tiny = {
+        let g = inv.gpus.iter_mut().find(|g| g.in_mig_mode()).unwrap();
+        let m = g.mig.devices.last_mut().unwrap();
+        m.memory_bytes = 2 << 30;
+        DeviceName::mig(g.minor, &m.profile, m.gi_profile_id, m.placement.start).to_string()
+    };
     let off = desired_slices(&inv, &plain()).unwrap();
     for m in ["memory", "unlimited", "4"] {
         let on = desired_slices(&inv, &mode(m)).unwrap();
@@ -324,7 +383,27 @@ fn every_mode_leaves_mig_devices_and_small_gpus_as_they_were() {
             .into_iter()
             .filter(|d| d.name.contains("-mig-"))
         {
-            assert_eq!(device(&on, &d.name), d, "{m}");
+            let shared = device(&on, &d.name);
+            if d.name == tiny {
+                assert_eq!(shared, d, "{m}: too small to share");
+                continue;
+            }
+            let value = cap(d, "memory");
+            let (default, min) = match m {
+                "memory" => (value.clone(), policy(shared, "memory").2),
+                _ => (q("0"), q("0")),
+            };
+            assert_shared_mig(shared, d, (&value, &default, &min));
+            let shares = shared.capacity.as_ref().unwrap().get("shares");
+            if m == "4" {
+                assert_eq!(
+                    policy(shared, "shares"),
+                    (q("4"), q("1"), q("1"), q("4"), q("1")),
+                    "{m}"
+                );
+            } else {
+                assert!(shares.is_none(), "{m}");
+            }
         }
         let mut small = profile("dgx-h100");
         small.gpus[0].memory_bytes = 2 << 30;
@@ -339,5 +418,73 @@ fn every_mode_leaves_mig_devices_and_small_gpus_as_they_were() {
             Some(true),
             "{m}"
         );
+    }
+}
+
+/// The widest MIG device, a 7g instance over all 8 memory slices of a GPU with a PCIe root, a
+/// NUMA node and a fabric, stays within the API's 32 attributes and capacities when shared in
+/// every mode, plain and partitionable: in integer mode `shares` takes the place of the fabric
+/// attributes (nvdra's, not NVIDIA's), which the other modes keep.
+#[test]
+fn the_widest_shared_mig_device_fits_the_attribute_limit() {
+    let mut inv = mig_ready("dgx-a100");
+    for g in &mut inv.gpus {
+        g.fabric = Some(crate::inventory::Fabric {
+            cluster_uuid: crate::inventory::ClusterUuid::parse(
+                "6c1f3a52-8d2e-4b7a-9f10-0123456789ab",
+            )
+            .unwrap(),
+            clique_id: 1,
+        });
+    }
+    let g = &mut inv.gpus[0];
+    let p = g
+        .mig
+        .profiles
+        .iter()
+        .find(|p| p.name.starts_with("7g"))
+        .unwrap()
+        .clone();
+    assert_eq!(p.placements[0].size, 8, "all 8 memory slices");
+    g.mig.devices.push(MigDevice {
+        uuid: MigUuid("MIG-7g".into()),
+        profile: p.name.clone(),
+        gi_profile_id: p.gi_profile_id,
+        gi_id: 0,
+        ci_id: 0,
+        placement: p.placements[0],
+        memory_bytes: p.memory_bytes,
+        multiprocessors: p.multiprocessors,
+        engines: p.engines,
+        health: Health::Healthy,
+    });
+    let name = DeviceName::mig(g.minor, &p.name, p.gi_profile_id, p.placements[0].start);
+    for partitionable in [false, true] {
+        for m in ["memory", "unlimited", "4"] {
+            let opts = SliceOptions {
+                partitionable,
+                ..mode(m)
+            };
+            // Validated against the API's rules before it is returned.
+            let specs = desired_slices(&inv, &opts)
+                .unwrap_or_else(|e| panic!("partitionable={partitionable} {m}: {e}"));
+            let d = device(&specs, name.as_str());
+            assert_eq!(d.allow_multiple_allocations, Some(true));
+            let attrs = d.attributes.as_ref().unwrap();
+            let width = attrs.len() + d.capacity.as_ref().unwrap().len();
+            // At the limit; in integer mode one under it (`shares` in, both fabric attributes,
+            // which go together, out).
+            let want = MAX_ATTRIBUTES_AND_CAPACITIES - usize::from(m == "4");
+            assert_eq!(width, want, "partitionable={partitionable} {m}");
+            assert_eq!(
+                attrs.contains_key(ATTR_FABRIC_CLIQUE_ID),
+                m != "4",
+                "partitionable={partitionable} {m}"
+            );
+            assert_eq!(
+                d.capacity.as_ref().unwrap().contains_key("shares"),
+                m == "4"
+            );
+        }
     }
 }

@@ -561,4 +561,104 @@ mod tests {
         assert_eq!(thread_percentage(0, 132), 1);
         assert_eq!(thread_percentage(500, 132), 100);
     }
+
+    /// Shares are counted per shared device: a MIG device's shares against its own memory and
+    /// MPS server, apart from its GPU's other MIG devices; a share of one MIG device does not
+    /// conflict with a share of another, but does with the MIG device whole and with a share of
+    /// the whole GPU.
+    #[test]
+    fn shares_of_a_mig_device_are_counted_and_exclusive_per_mig_device() {
+        use crate::ids::DeviceName;
+        use crate::inventory::{GpuUuid, MigUuid, Placement};
+        use crate::ledger::{ClaimState, MigRecord};
+        let gpu = GpuUuid("GPU-a".into());
+        let record = |mig: Option<(&str, u32)>, memory: Option<u64>| DeviceRecord {
+            requests: vec!["r".into()],
+            pool: "node-a".into(),
+            device: DeviceName::parse("gpu-0").unwrap(),
+            cdi_ids: vec![],
+            share_id: None,
+            admin_access: false,
+            gpu: gpu.clone(),
+            mig: mig.map(|(uuid, start)| MigRecord {
+                uuid: Some(MigUuid(uuid.into())),
+                profile: "3g.40gb".into(),
+                gi_profile_id: 9,
+                placement: Placement { start, size: 4 },
+                created: false,
+            }),
+            consumed: memory.map(|memory| Consumed {
+                memory,
+                ..Default::default()
+            }),
+            sharing: crate::sharing::Sharing::Exclusive,
+        };
+        let (m0, m4) = (Some(("MIG-0", 0)), Some(("MIG-4", 4)));
+        let share = |mig, gib: u64| record(mig, Some(gib << 30));
+        assert!(!share(m0, 8).conflicts_with(&share(m0, 8)));
+        assert!(!share(m0, 8).conflicts_with(&share(m4, 8)));
+        assert!(
+            share(m0, 8).conflicts_with(&record(m0, None)),
+            "whole MIG device"
+        );
+        assert!(
+            !share(m0, 8).conflicts_with(&record(m4, None)),
+            "another one"
+        );
+        assert!(
+            share(m0, 8).conflicts_with(&share(None, 8)),
+            "a share of the GPU"
+        );
+        assert_eq!(
+            share(m0, 8).share_target(),
+            DeviceUuid::Mig(MigUuid("MIG-0".into()))
+        );
+        assert_eq!(share(None, 8).share_target(), DeviceUuid::Gpu(gpu.clone()));
+
+        let claims: BTreeMap<ClaimUid, ClaimEntry> = [("a", m0), ("b", m4)]
+            .into_iter()
+            .map(|(uid, mig)| {
+                let e = ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: "ns".into(),
+                    name: uid.into(),
+                    devices: vec![share(mig, 30)],
+                    pods: vec![],
+                    user: None,
+                };
+                (ClaimUid::parse(uid).unwrap(), e)
+            })
+            .collect();
+        let memory_of = |d: &DeviceUuid| match d {
+            DeviceUuid::Mig(_) => Some(40 << 30),
+            DeviceUuid::Gpu(_) => Some(80 << 30),
+        };
+        let me = ClaimUid::parse("c").unwrap();
+        // 30Gi + 10Gi fit a 40Gi MIG device; the other MIG device's 30Gi are not counted.
+        assert_eq!(
+            overcommitted(&claims, &me, &[share(m0, 10)], memory_of),
+            None
+        );
+        let o = overcommitted(&claims, &me, &[share(m0, 11)], memory_of).unwrap();
+        assert_eq!(o.gpu, DeviceUuid::Mig(MigUuid("MIG-0".into())));
+        assert_eq!((o.held, o.total), (30 << 30, 40 << 30));
+        assert_eq!(o.holders.len(), 1, "{:?}", o.holders);
+        // One share each so far: the cap counts per MIG device.
+        let mut many = claims.clone();
+        for i in 0..MAX_SHARES - 1 {
+            let uid = ClaimUid::parse(format!("m{i}")).unwrap();
+            let mut e = many[&ClaimUid::parse("a").unwrap()].clone();
+            e.devices = vec![share(m0, 0)];
+            many.insert(uid, e);
+        }
+        assert_eq!(
+            too_many_shares(&many, &me, &[share(m4, 0)]),
+            None,
+            "MIG-4 holds 1"
+        );
+        assert_eq!(
+            too_many_shares(&many, &me, &[share(m0, 0)]),
+            Some((DeviceUuid::Mig(MigUuid("MIG-0".into())), 49))
+        );
+    }
 }

@@ -390,6 +390,54 @@ async fn a_daemon_whose_quit_hangs_is_killed_after_the_deadline() {
     );
 }
 
+/// A MIG device's share daemon (`m-<hash>`, as the plugin asks for one) is found and run by the
+/// host like a GPU's, with the MIG device alone visible to it (`CUDA_VISIBLE_DEVICES` is its
+/// UUID), beside the daemon of the MIG device's GPU, and quit and removed at its release.
+#[test]
+fn a_mig_devices_daemon_sees_only_the_mig_device_and_goes_at_release() {
+    use nvdra::inventory::{GpuUuid, MigUuid};
+    use nvdra::mps::dir::{DaemonId, DaemonSpec, Layout};
+    let n = Node::new(&[]);
+    let _host = n.host(&[]);
+    let layout = Layout::new(n.p("mps"));
+    let mig = "MIG-4ffe6c46-91e5-b61e-75a5-cef31121ee0d";
+    let (m, g) = (
+        DaemonId::mig(&MigUuid(mig.into())),
+        DaemonId::gpu(&GpuUuid(n.gpu(0))),
+    );
+    for (id, device) in [(&m, mig.to_string()), (&g, n.gpu(0))] {
+        mps::request(
+            &n.p("mps"),
+            id,
+            &DaemonSpec {
+                devices: vec![device],
+                multi_user: true,
+                owner: format!("the shares of {id}"),
+                boot_id: Some("boot-1".into()),
+            },
+        );
+    }
+    let (pipe, gpu_pipe) = (layout.pipe(&m), layout.pipe(&g));
+    mps::eventually("both daemons answer", || {
+        mps::ask(&n.driver(), &pipe, "get_server_list").is_some()
+            && mps::ask(&n.driver(), &gpu_pipe, "get_server_list").is_some()
+    });
+    let log = mps::log(&n.driver());
+    assert!(
+        log.contains(&format!("start {mig} {}", pipe.display())),
+        "{log:?}"
+    );
+    std::fs::remove_file(layout.spec(&m)).unwrap();
+    mps::eventually("the released directory is removed", || {
+        !layout.dir(&m).exists()
+    });
+    assert!(mps::ask(&n.driver(), &pipe, "get_server_list").is_none());
+    assert!(
+        mps::ask(&n.driver(), &gpu_pipe, "get_server_list").is_some(),
+        "the GPU's daemon stays"
+    );
+}
+
 /// The stand-in daemon serves one UID at a time, as MPS does, unless the request asks for
 /// multi-user mode, which the host passes on as `-M`.
 #[test]

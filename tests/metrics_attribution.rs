@@ -532,6 +532,8 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         consumed: Some(Consumed {
             memory,
             shares,
+            // "a" (8Gi) may burst to 16Gi.
+            burst_limit: (memory == gib(8)).then(|| gib(16)),
             ..Default::default()
         }),
         sharing: Default::default(),
@@ -629,6 +631,24 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         gib(20) as f64
     );
     assert_eq!(value("nvdra_share_memory_used_bytes", "nb-d"), 0.0);
+    // What each may use: the burst limit, else what it is held to; nothing bounds "d".
+    assert_eq!(
+        value("nvdra_share_memory_limit_bytes", "nb-a"),
+        gib(16) as f64
+    );
+    assert_eq!(
+        value("nvdra_share_memory_limit_bytes", "nb-b"),
+        gib(4) as f64
+    );
+    assert_eq!(
+        value("nvdra_share_memory_limit_bytes", "nb-c"),
+        gib(20) as f64
+    );
+    assert!(
+        !samples
+            .iter()
+            .any(|s| s.name == "nvdra_share_memory_limit_bytes" && s.labels["claim"] == "nb-d")
+    );
     assert!(
         !samples
             .iter()

@@ -211,25 +211,32 @@ pub fn share_rows(
             let Some(consumed) = d.consumed else {
                 continue;
             };
+            // A MIG device's share counts only processes on that MIG device.
+            let mig = d.mig.as_ref().and_then(|m| m.uuid.as_ref());
             let used = processes
                 .iter()
                 .filter(|p| p.gpu_uuid == d.gpu.as_str() && pods.contains(p.pod_uid.as_str()))
+                .filter(|p| mig.is_none_or(|m| p.mig_uuid == m.as_str()))
                 .map(|p| p.used_memory_bytes)
                 .sum();
             let gpu = inv.gpu_by_uuid(d.gpu.as_str());
             // What it is held to: its part of the GPU in integer mode, so that `used` above
             // it means the same in every mode (a GPU no longer listed: what it consumed).
             // Of the MIG device's memory for a share of one.
-            let held = match inv.memory_of(&d.share_target()) {
+            let total = inv.memory_of(&d.share_target());
+            let held = match total {
                 Some(total) => consumed.held_memory(crate::ledger::shares::shareable_memory(total)),
                 None => (consumed.memory > 0).then_some(consumed.memory),
             };
+            // The most it may use: its burst limit, else what it is held to.
+            let limit = consumed.burst_limit.or(held);
             out.push(ShareRow {
                 namespace: e.namespace.clone(),
                 claim: e.name.clone(),
                 gpu: gpu.map_or_else(String::new, |g| format!("gpu-{}", g.minor)),
                 gpu_uuid: d.gpu.to_string(),
                 consumed_bytes: held,
+                limit_bytes: limit,
                 used_bytes: usage_ok.then_some(used),
                 level: levels.get(uid).copied().unwrap_or_default().to_string(),
             });
@@ -311,6 +318,74 @@ pub fn pod_uid_in(line: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A share of a MIG device counts only its pods' processes on that MIG device, not those on
+    /// the GPU's other MIG devices; its limit is its burst limit, else what it is held to.
+    #[test]
+    fn a_mig_shares_used_memory_is_its_mig_devices() {
+        use crate::ids::{ClaimUid, DeviceName};
+        use crate::ledger::shares::Consumed;
+        use crate::ledger::{ClaimState, DeviceRecord, MigRecord, PodRef};
+        let inv = crate::inventory::topology::load_profile("a100-mig-mixed", "n").unwrap();
+        let (gpu, mig) = inv
+            .gpus
+            .iter()
+            .find_map(|g| g.mig.devices.first().map(|m| (g.clone(), m.clone())))
+            .expect("a MIG device");
+        let record = DeviceRecord {
+            requests: vec!["nb".into()],
+            pool: "n".into(),
+            device: DeviceName::parse("gpu-0").unwrap(),
+            cdi_ids: vec![],
+            share_id: Some("5f0e0000-0000-4000-8000-000000000001".into()),
+            admin_access: false,
+            gpu: gpu.uuid.clone(),
+            mig: Some(MigRecord {
+                uuid: Some(mig.uuid.clone()),
+                profile: mig.profile.clone(),
+                gi_profile_id: 0,
+                placement: mig.placement,
+                created: false,
+            }),
+            consumed: Some(Consumed {
+                memory: 1 << 30,
+                ..Default::default()
+            }),
+            sharing: Default::default(),
+        };
+        let pod = "0f5e2c1a-7b3d-4c2e-9a8b-000000000001";
+        let claims = BTreeMap::from([(
+            ClaimUid::parse("a").unwrap(),
+            ClaimEntry {
+                state: ClaimState::PrepareCompleted,
+                namespace: "ml".into(),
+                name: "nb".into(),
+                devices: vec![record],
+                pods: vec![PodRef {
+                    name: "p".into(),
+                    uid: pod.into(),
+                }],
+                user: None,
+            },
+        )]);
+        let process = |pid, mig_uuid: &str, bytes| ProcessRow {
+            gpu_uuid: gpu.uuid.to_string(),
+            mig_uuid: mig_uuid.into(),
+            pid,
+            pod_uid: pod.into(),
+            pod_namespace: "ml".into(),
+            pod: "p".into(),
+            used_memory_bytes: bytes,
+        };
+        let processes = [
+            process(1, mig.uuid.as_str(), 3 << 20),
+            process(2, "MIG-another", 5 << 20),
+        ];
+        let rows = share_rows(&claims, &processes, &inv, true, &BTreeMap::new());
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].used_bytes, Some(3 << 20), "its MIG device's only");
+        assert_eq!(rows[0].limit_bytes, rows[0].consumed_bytes);
+    }
 
     const UID: &str = "0f5e2c1a-7b3d-4c2e-9a8b-1234567890ab";
 

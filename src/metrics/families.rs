@@ -90,6 +90,9 @@ pub struct ShareRow {
     /// (`--consumable-shares=N`) its part of the GPU; `None` for an `unlimited` share that asked
     /// for none, which nothing bounds.
     pub consumed_bytes: Option<u64>,
+    /// The most it may use: its burst limit (`mpsConfig.defaultPinnedDeviceMemoryLimit`), else
+    /// what it is held to; `None` where nothing bounds it.
+    pub limit_bytes: Option<u64>,
     /// The sum over the processes on the GPU whose cgroup names one of the claim's pods; `None`
     /// when the readings could not be read this scrape.
     pub used_bytes: Option<u64>,
@@ -354,6 +357,16 @@ fn encode_scrape(e: &mut DescriptorEncoder, s: &Scrape) -> Fmt {
         &s.shares,
         share,
         |r| r.consumed_bytes,
+    )?;
+    gauges(
+        e,
+        "nvdra_share_memory_limit_bytes",
+        "GPU memory a share may use: its burst limit (hard limit), else what it is held to; \
+         none where nothing bounds it. Used above it means its processes together outgrew it \
+         (the MPS limit applies per process).",
+        &s.shares,
+        share,
+        |r| r.limit_bytes,
     )?;
     gauges(
         e,

@@ -191,6 +191,7 @@ fn check_memory_limit_hook(engine: &Engine) -> Result<()> {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_nvdra")),
         nvml: fake_nvml_lib::library(),
         gpus: [gpu.uuid.clone()].into(),
+        dmem: false,
     });
     // Soft: what the scheduler counted; hard: a burst limit above it.
     let (soft, hard) = (8u64 << 30, 12u64 << 30);

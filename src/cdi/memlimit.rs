@@ -102,6 +102,12 @@ pub struct Partitioning {
     pub nvml: PathBuf,
     /// The whole GPUs whose memory the driver partitions per cgroup.
     pub gpus: BTreeSet<GpuUuid>,
+    /// The driver's `dmem` backend is in use (the root cgroup's `dmem.capacity` lists NVIDIA
+    /// regions). Its soft limit is the cgroup's `dmem.min`, a reservation every ancestor keeps
+    /// unless it is zeroed before the cgroup is removed — which no hook can do: runc and crun
+    /// remove the container's cgroup before they run `poststop` hooks. So on `dmem` only the
+    /// hard limit is set (soft 0), and the scheduler's packing stands in for the guarantee.
+    pub dmem: bool,
 }
 
 impl Partitioning {
@@ -119,7 +125,13 @@ impl Partitioning {
                 "--cgroup-root".into(),
                 cgroup_root.display().to_string(),
             ]);
-            args.extend(limits.iter().map(GpuLimit::arg));
+            args.extend(limits.iter().map(|l| {
+                let mut l = l.clone();
+                if self.dmem {
+                    l.limits.soft = 0;
+                }
+                l.arg()
+            }));
             args
         };
         let hook = |hook_name: &str, release| Hook {

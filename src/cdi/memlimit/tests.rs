@@ -172,7 +172,28 @@ fn partitioning(gpus: &[&str]) -> Partitioning {
         binary: "/var/lib/kubelet/plugins/gpu.nvidia.com/bin/nvdra".into(),
         nvml: "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.615.10".into(),
         gpus: gpus.iter().map(|g| GpuUuid(g.to_string())).collect(),
+        dmem: false,
     }
+}
+
+/// On the driver's `dmem` backend a soft limit (`dmem.min`) that is not zeroed before the
+/// container's cgroup goes stays reserved in every ancestor, and runc and crun remove the cgroup
+/// before `poststop` hooks run: only the hard limit is set there.
+#[test]
+fn on_the_dmem_backend_only_the_hard_limit_is_set() {
+    let mut p = partitioning(&["GPU-1"]);
+    p.dmem = true;
+    let [set, clear] = p.hooks(Path::new("/sys/fs/cgroup"), &[limit("GPU-1", 8, 12)]);
+    for h in [&set, &clear] {
+        assert_eq!(
+            h.args.last().map(String::as_str),
+            Some("GPU-1=0:12"),
+            "{h:?}"
+        );
+    }
+    p.dmem = false;
+    let [set, _] = p.hooks(Path::new("/sys/fs/cgroup"), &[limit("GPU-1", 8, 12)]);
+    assert_eq!(set.args.last().map(String::as_str), Some("GPU-1=8:12"));
 }
 
 #[test]

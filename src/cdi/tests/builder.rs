@@ -531,6 +531,7 @@ fn a_share_limits_its_whole_container_where_the_driver_partitions_memory() {
             .root()
             .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.615.10"),
         gpus: [gpu.uuid.clone()].into(),
+        dmem: false,
     };
     opts.partitioning = Some(partitioning.clone());
     let spec = claim_spec(&opts, UID, &[share.clone()], &DriverFiles::default()).unwrap();

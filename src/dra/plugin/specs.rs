@@ -82,10 +82,20 @@ impl Specs {
             nvml = %nvml.display(),
             "each GPU's driver is asked at its first share whether it limits memory per cgroup"
         );
+        let dmem = dmem_backend(&cgroups);
+        if dmem {
+            tracing::info!(
+                "the driver partitions memory through the dmem cgroup controller: a share's \
+                 container gets its hard limit only, since its soft limit (dmem.min) could not be \
+                 cleared when the container goes (runc and crun remove the cgroup before poststop \
+                 hooks) and every ancestor cgroup would keep the reservation"
+            );
+        }
         self.opts.partitioning = Some(Partitioning {
             binary,
             nvml,
             gpus: Default::default(),
+            dmem,
         });
         self.partitioning = Some(Probe {
             backend,
@@ -318,6 +328,13 @@ fn nvml_library(files: &DriverFiles) -> Option<PathBuf> {
                 .is_some_and(|n| n.starts_with("libnvidia-ml.so."))
         })
         .cloned()
+}
+
+/// Whether the root cgroup `cgroups` lists NVIDIA device memory regions in `dmem.capacity`: the
+/// driver's `dmem` backend (kernel 6.14+), whose soft limits are reservations in the ancestors.
+fn dmem_backend(cgroups: &Path) -> bool {
+    std::fs::read_to_string(cgroups.join("dmem.capacity"))
+        .is_ok_and(|t| t.lines().any(|l| l.starts_with("nvidia/")))
 }
 
 #[cfg(test)]

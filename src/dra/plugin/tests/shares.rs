@@ -525,6 +525,25 @@ async fn where_the_driver_partitions_memory_a_shares_limits_cover_its_container(
     let mut r = p.unprepare(vec![cref("t")]).await;
     r.pop().unwrap().1.unwrap();
     assert_eq!(p.share_levels(), BTreeMap::from([(uid("s"), "process")]));
+
+    // The driver's dmem backend (the root cgroup lists NVIDIA regions): the hard limit only, as
+    // a soft one (dmem.min) could not be cleared when the container's cgroup goes.
+    std::fs::write(
+        cgroups.join("dmem.capacity"),
+        format!("nvidia/{}/vidmem {}\n", gpu.pci_bus_id, gpu.memory_bytes),
+    )
+    .unwrap();
+    e.sim.set_memory_limits(true);
+    let (p, rec, _stop) = e.restart(e.sim.clone()).await;
+    assert!(rec.failed.is_empty(), "{rec:?}");
+    e.add(claim("u", vec![share("nb", "gpu-2", "8Gi")]));
+    let mut r = p.prepare(vec![cref("u")]).await;
+    r.pop().unwrap().1.unwrap();
+    let spec = std::fs::read_to_string(e.spec("u")).unwrap();
+    assert!(
+        spec.contains(&format!("- {}=0:{}", gpu.uuid.as_str(), 8u64 << 30)),
+        "{spec}"
+    );
 }
 
 /// A burstable share (NVIDIA's `defaultPinnedDeviceMemoryLimit` on a share): the node packs it

@@ -26,6 +26,9 @@ pub(super) struct Specs {
     gate_error: Option<String>,
     /// Which limit holds each share claim's memory, as its written spec says (for `/metrics`).
     levels: Mutex<BTreeMap<ClaimUid, Enforcement>>,
+    /// nvdra's binary installed on the host for the hooks, or why it could not be: installed
+    /// once, for whichever hook asks first ([`Specs::hook_binary`]).
+    installed: Option<Result<PathBuf, String>>,
 }
 
 impl Specs {
@@ -38,7 +41,16 @@ impl Specs {
             root,
             gate_error: None,
             levels: Mutex::default(),
+            installed: None,
         })
+    }
+
+    /// nvdra's binary installed in `dir` (a host directory) for the hooks: copied at the first
+    /// call (reading the running binary and the installed copy), the same answer after.
+    fn hook_binary(&mut self, dir: &Path) -> Result<PathBuf, String> {
+        self.installed
+            .get_or_insert_with(|| cdi::install_hook(dir).map_err(|e| format!("{e:#}")))
+            .clone()
     }
 
     /// Gives the specs of shares the driver's per-container memory limits ([`cdi::memlimit`])
@@ -67,13 +79,10 @@ impl Specs {
             );
             return;
         };
-        let binary = match cdi::install_hook(dir) {
+        let binary = match self.hook_binary(dir) {
             Ok(b) => b,
             Err(e) => {
-                tracing::warn!(
-                    error = %format!("{e:#}"),
-                    "cannot install the memory-limit hook: {PER_PROCESS}"
-                );
+                tracing::warn!(error = %e, "cannot install the memory-limit hook: {PER_PROCESS}");
                 return;
             }
         };
@@ -102,12 +111,6 @@ impl Specs {
             cgroup: cgroups,
             answers: Mutex::default(),
         });
-    }
-
-    /// Which limit holds `device`'s memory: `None` for a device that is not a share. Asks the
-    /// device's GPU first if it was not asked yet (blocking).
-    pub fn enforcement(&self, device: &PreparedDevice) -> Option<Enforcement> {
-        cdi::memlimit::enforcement(&self.options_for(std::slice::from_ref(device)), device)
     }
 
     /// The options for a spec of `devices`: the GPUs of their shares asked whether their driver
@@ -146,11 +149,11 @@ impl Specs {
         let Ok(control) = crate::mps::control::find(self.opts.root.ctr()) else {
             return Ok(false);
         };
-        let binary = match cdi::install_hook(dir) {
+        let binary = match self.hook_binary(dir) {
             Ok(b) => b,
             Err(e) => {
-                self.gate_error = Some(format!("{e:#}"));
-                return Err(e);
+                self.gate_error = Some(e.clone());
+                anyhow::bail!(e);
             }
         };
         self.opts.mps_gate = Some(cdi::gate::Gate {
@@ -168,9 +171,9 @@ impl Specs {
     /// durable: a power loss may lose or empty it, and start-up's [`Specs::ensure`] repairs that
     /// from the checkpoint, so a prepare waits for one fsync'd write (the checkpoint's), not two.
     pub fn write(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<(), cdi::Error> {
-        let text = self.render(uid, devices)?;
+        let (text, level) = self.render(uid, devices)?;
         self.replace(uid, &text)?;
-        if let Some(level) = self.record_level(uid, devices) {
+        if let Some(level) = self.record_level(uid, level) {
             let how = match level {
                 Enforcement::Container => {
                     "per container: the driver's soft and hard limits on the container's cgroup \
@@ -186,10 +189,9 @@ impl Specs {
         Ok(())
     }
 
-    /// Records which limit holds the claim's shares (the weaker one where its shares differ);
-    /// `None` for a claim without shares.
-    fn record_level(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Option<Enforcement> {
-        let level = devices.iter().filter_map(|d| self.enforcement(d)).max()?;
+    /// Records which limit holds the claim's shares; `None` for a claim without shares.
+    fn record_level(&self, uid: &ClaimUid, level: Option<Enforcement>) -> Option<Enforcement> {
+        let level = level?;
         lock(&self.levels).insert(uid.clone(), level);
         Some(level)
     }
@@ -203,8 +205,8 @@ impl Specs {
     /// would write (it may be missing, empty or stale after a power loss, or edited by hand).
     /// Whether it wrote.
     pub fn ensure(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<bool, cdi::Error> {
-        let text = self.render(uid, devices)?;
-        self.record_level(uid, devices);
+        let (text, level) = self.render(uid, devices)?;
+        self.record_level(uid, level);
         let path = cdi::spec_path(&self.root, &self.opts, uid);
         if std::fs::read(&path).is_ok_and(|on_disk| on_disk == text.as_bytes()) {
             return Ok(false);
@@ -213,8 +215,13 @@ impl Specs {
         Ok(true)
     }
 
-    /// The claim's spec as [`Specs::write`] writes it.
-    fn render(&self, uid: &ClaimUid, devices: &[PreparedDevice]) -> Result<String, cdi::Error> {
+    /// The claim's spec as [`Specs::write`] writes it, and which limit holds its shares' memory
+    /// (the weaker one where they differ; `None` without shares), from the same options.
+    fn render(
+        &self,
+        uid: &ClaimUid,
+        devices: &[PreparedDevice],
+    ) -> Result<(String, Option<Enforcement>), cdi::Error> {
         if let Some(e) = &self.gate_error
             && devices.iter().any(|d| d.mps_pipe_dir.is_some())
         {
@@ -228,7 +235,13 @@ impl Specs {
             });
         }
         let opts = self.options_for(devices);
-        cdi::claim_spec(&opts, uid.as_str(), devices, &self.driver_files())?.to_yaml()
+        let text =
+            cdi::claim_spec(&opts, uid.as_str(), devices, &self.driver_files())?.to_yaml()?;
+        let level = devices
+            .iter()
+            .filter_map(|d| cdi::memlimit::enforcement(&opts, d))
+            .max();
+        Ok((text, level))
     }
 
     /// The driver's files, looked for again if none were found before.
@@ -367,10 +380,10 @@ mod tests {
         }];
         let uid = ClaimUid::parse("uid-1").unwrap();
         let lib = "usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01";
-        assert!(!specs.render(&uid, &devices).unwrap().contains(lib));
+        assert!(!specs.render(&uid, &devices).unwrap().0.contains(lib));
         let path = driver.join(lib);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, "libcuda").unwrap();
-        assert!(specs.render(&uid, &devices).unwrap().contains(lib));
+        assert!(specs.render(&uid, &devices).unwrap().0.contains(lib));
     }
 }

@@ -127,7 +127,7 @@ mod names;
 mod nodes;
 mod writer;
 
-pub use binary::install_hook;
+pub use binary::{OciState, install_hook};
 pub use builder::{claim_spec, device_id};
 pub use driver::{DriverFiles, discover_driver_files};
 pub use graphics::FileMount;

@@ -39,7 +39,6 @@
 
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
-use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -47,7 +46,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
-use super::{CdiOptions, Hook, PreparedDevice, Spec};
+use super::{CdiOptions, Hook, OciState, PreparedDevice, Spec};
 use crate::inventory::nvml::memory_limits::{
     GET_MEMORY_LIMITS, SET_MEMORY_LIMITS, memory_limits, set_memory_limits,
 };
@@ -264,40 +263,13 @@ impl Args {
     }
 }
 
-/// What the hook reads of the runtime's OCI state (the runtime spec's `State`).
-#[derive(Debug, Default, PartialEq, Eq, serde::Deserialize)]
-struct OciState {
-    /// The container's init, once created; absent (or 0) at `poststop`.
-    #[serde(default)]
-    pid: Option<u32>,
-    #[serde(default)]
-    bundle: Option<PathBuf>,
-}
-
-impl OciState {
-    fn parse(text: &str) -> Result<Self> {
-        serde_json::from_str(text)
-            .with_context(|| format!("the OCI state on stdin is not JSON: {}", text.trim()))
-    }
-
-    fn pid(&self) -> Result<u32> {
-        self.pid.filter(|p| *p > 0).ok_or_else(|| {
-            anyhow!("the OCI state on stdin has no pid: is this a createRuntime hook?")
-        })
-    }
-}
-
 /// `nvdra memory-limit-hook [--release] --nvml LIBRARY [--cgroup-root DIR] <GPU>=<soft>:<hard>...`,
 /// run by the container runtime with the container's OCI state on stdin. Exit code 0: the limits
 /// are set (or cleared); 1: not, and the runtime does not start the container (the message says
 /// why).
 pub fn hook_main(args: Vec<String>) -> Result<()> {
     let args = Args::parse(args)?;
-    let mut text = String::new();
-    std::io::stdin()
-        .read_to_string(&mut text)
-        .context("reading the container's OCI state from stdin")?;
-    let state = OciState::parse(&text)?;
+    let state = OciState::from_stdin()?;
     if args.release {
         return release(&args, &state);
     }

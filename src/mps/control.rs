@@ -75,6 +75,14 @@ pub fn ask(control: &Path, pipe: &Path, command: &str, deadline: Duration) -> Re
     }
 }
 
+/// The MPS servers' pids in an answer to `get_server_list` (one a line).
+pub fn server_pids(answer: &str) -> Vec<u32> {
+    answer
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect()
+}
+
 /// Whether the daemon of `pipe` answers `get_server_list` within [`ALIVE_DEADLINE`].
 pub fn alive(control: &Path, pipe: &Path) -> Result<()> {
     ask(control, pipe, "get_server_list", ALIVE_DEADLINE).map(|_| ())

@@ -10,11 +10,10 @@
 //! in `EXCLUSIVE_PROCESS` keep the GPU from every share's server. A server that is up is what
 //! makes `EXCLUSIVE_PROCESS` refuse such a process for the whole GPU.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 
 use super::control;
 
@@ -42,23 +41,18 @@ pub fn main(args: Vec<String>) -> Result<()> {
     let (Some(control), Some(pipe)) = (control, pipe) else {
         bail!("usage: nvdra mps-gate --control <nvidia-cuda-mps-control> --pipe <dir>");
     };
-    let mut state = String::new();
-    std::io::stdin()
-        .read_to_string(&mut state)
-        .context("reading the container's OCI state from stdin")?;
-    let uid = container_uid(&state)?;
+    let uid = crate::cdi::OciState::from_stdin()?.process_uid()?;
     let servers = check(&control, &pipe, uid)?;
     eprintln!(
-        "nvdra mps-gate: the MPS daemon of {} answers, server {}",
+        "nvdra mps-gate: the MPS daemon of {} answers, server {servers:?}",
         pipe.display(),
-        servers.join(",")
     );
     Ok(())
 }
 
 /// Whether the container may start: the daemon of `pipe` answers and has a server (started for
 /// `uid` when it had none). The servers' pids.
-pub fn check(control: &Path, pipe: &Path, uid: u32) -> Result<Vec<String>> {
+pub fn check(control: &Path, pipe: &Path, uid: u32) -> Result<Vec<u32>> {
     let not_answering = |e: control::Error| {
         anyhow!(
             "the MPS control daemon of this GPU share ({}) does not answer ({e}): the container is \
@@ -68,14 +62,8 @@ pub fn check(control: &Path, pipe: &Path, uid: u32) -> Result<Vec<String>> {
             pipe.display()
         )
     };
-    let servers = |out: String| -> Vec<String> {
-        out.split_whitespace()
-            .filter(|w| w.parse::<u32>().is_ok())
-            .map(String::from)
-            .collect()
-    };
-    let listed = servers(
-        control::ask(control, pipe, "get_server_list", ASK_DEADLINE).map_err(not_answering)?,
+    let listed = control::server_pids(
+        &control::ask(control, pipe, "get_server_list", ASK_DEADLINE).map_err(not_answering)?,
     );
     if !listed.is_empty() {
         return Ok(listed);
@@ -87,8 +75,8 @@ pub fn check(control: &Path, pipe: &Path, uid: u32) -> Result<Vec<String>> {
         ASK_DEADLINE,
     )
     .map_err(not_answering)?;
-    let listed = servers(
-        control::ask(control, pipe, "get_server_list", ASK_DEADLINE).map_err(not_answering)?,
+    let listed = control::server_pids(
+        &control::ask(control, pipe, "get_server_list", ASK_DEADLINE).map_err(not_answering)?,
     );
     if listed.is_empty() {
         bail!(
@@ -100,69 +88,4 @@ pub fn check(control: &Path, pipe: &Path, uid: u32) -> Result<Vec<String>> {
         );
     }
     Ok(listed)
-}
-
-/// The user the container's process runs as: `process.user.uid` of the bundle's `config.json`
-/// (the OCI state names the bundle); 0 when the config names none.
-fn container_uid(state: &str) -> Result<u32> {
-    let v: serde_json::Value =
-        serde_json::from_str(state).context("the OCI state on stdin is not JSON")?;
-    let bundle = v
-        .get("bundle")
-        .and_then(serde_json::Value::as_str)
-        .ok_or_else(|| anyhow!("the OCI state on stdin names no bundle: {}", state.trim()))?;
-    let path = Path::new(bundle).join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("reading the container's config {}", path.display()))?;
-    let config: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-    let uid = config.pointer("/process/user/uid").cloned();
-    match uid {
-        None => Ok(0),
-        Some(u) => u
-            .as_u64()
-            .and_then(|u| u32::try_from(u).ok())
-            .ok_or_else(|| anyhow!("{}: process.user.uid {u} is not a uid", path.display())),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_uid_is_the_bundles_process_user() {
-        let dir = tempfile::tempdir().unwrap();
-        let state = |bundle: &Path| {
-            format!(
-                r#"{{"ociVersion":"1.2.0","id":"c1","status":"creating","pid":42,"bundle":"{}"}}"#,
-                bundle.display()
-            )
-        };
-        std::fs::write(
-            dir.path().join("config.json"),
-            r#"{"process":{"user":{"uid":1000,"gid":1000},"args":["sh"]}}"#,
-        )
-        .unwrap();
-        assert_eq!(container_uid(&state(dir.path())).unwrap(), 1000);
-        std::fs::write(
-            dir.path().join("config.json"),
-            r#"{"process":{"args":["sh"]}}"#,
-        )
-        .unwrap();
-        assert_eq!(container_uid(&state(dir.path())).unwrap(), 0);
-        std::fs::write(
-            dir.path().join("config.json"),
-            r#"{"process":{"user":{"uid":-1}}}"#,
-        )
-        .unwrap();
-        let e = container_uid(&state(dir.path())).unwrap_err().to_string();
-        assert!(e.contains("is not a uid"), "{e}");
-        let e = container_uid(r#"{"pid":1}"#).unwrap_err().to_string();
-        assert!(e.contains("names no bundle"), "{e}");
-        let e = container_uid(&state(&dir.path().join("gone")))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("reading the container's config"), "{e}");
-    }
 }

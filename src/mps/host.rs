@@ -451,10 +451,7 @@ fn probe_running(
             let control = control::find(&driver_root).map_err(|e| e.to_string())?;
             let list = control::ask(&control, &pipe, "get_server_list", control::ALIVE_DEADLINE)
                 .map_err(|e| crate::report::chain(&e).to_string())?;
-            Ok(list
-                .split_whitespace()
-                .filter_map(|w| w.parse().ok())
-                .collect())
+            Ok(control::server_pids(&list))
         }));
     }
     true

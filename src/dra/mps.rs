@@ -142,25 +142,37 @@ impl Mps {
         }
     }
 
-    /// Learns from `inv` which GPUs' share daemons run in multi-user mode: those of compute
-    /// capability 7.0 (Volta) and later, as NVIDIA's DRA driver requires for `multiUser`. Without
-    /// it pods of different UIDs on one GPU would wait on each other's server.
+    /// Learns from `inv`, and from what the MPS host found of its control daemon (read once
+    /// here), which share daemons run in multi-user mode ([`Mps::multi_user`]). Without it pods
+    /// of different UIDs on one GPU would wait on each other's server.
     pub fn know_gpus(&self, inv: &Inventory) {
+        let host = self.layout.read_capabilities().multi_user;
         let mut m = lock(&self.multi_user);
         for g in &inv.gpus {
-            m.insert(DeviceUuid::Gpu(g.uuid.clone()), g.mps_multi_user());
+            let multi = Self::multi_user_with(g, host);
+            m.insert(DeviceUuid::Gpu(g.uuid.clone()), multi);
             for d in &g.mig.devices {
-                m.insert(DeviceUuid::Mig(d.uuid.clone()), g.mps_multi_user());
+                m.insert(DeviceUuid::Mig(d.uuid.clone()), multi);
             }
         }
     }
 
     /// Whether `gpu`'s share daemon serves clients of several users at once: a GPU that can
-    /// ([`crate::inventory::Gpu::mps_multi_user`]) with a control daemon that takes `-M` (as
-    /// the MPS host found at its start; assumed where it could not tell). One rule for the
-    /// daemon's `-M` and for refusing a share of another user.
+    /// (compute capability 7.0, Volta, and later: [`crate::inventory::Gpu::mps_multi_user`])
+    /// with a control daemon that takes `-M` (as the MPS host found at its start; assumed where
+    /// it could not tell). One rule for the daemon's `-M` and for refusing a share of another
+    /// user. As [`Mps::know_gpus`] learnt it; asked of the host's record for a GPU it did not.
     pub fn multi_user(&self, gpu: &crate::inventory::Gpu) -> bool {
-        gpu.mps_multi_user() && self.layout.read_capabilities().multi_user != Some(false)
+        let known = lock(&self.multi_user)
+            .get(&DeviceUuid::Gpu(gpu.uuid.clone()))
+            .copied();
+        known.unwrap_or_else(|| {
+            Self::multi_user_with(gpu, self.layout.read_capabilities().multi_user)
+        })
+    }
+
+    fn multi_user_with(gpu: &crate::inventory::Gpu, host: Option<bool>) -> bool {
+        gpu.mps_multi_user() && host != Some(false)
     }
 
     /// How long a request waits for its daemon to answer (tests shorten it).
@@ -322,10 +334,8 @@ impl Mps {
             Owner::Mig(m) => Some(DeviceUuid::Mig(m.clone())),
             Owner::Claim(_) => None,
         };
-        let multi_user = shared.is_some_and(|d| {
-            lock(&self.multi_user).get(&d).copied().unwrap_or(false)
-                && self.layout.read_capabilities().multi_user != Some(false)
-        });
+        let multi_user =
+            shared.is_some_and(|d| lock(&self.multi_user).get(&d).copied().unwrap_or(false));
         let spec = DaemonSpec {
             devices,
             multi_user,

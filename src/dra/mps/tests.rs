@@ -367,4 +367,12 @@ fn multi_user_needs_the_gpu_and_the_hosts_control_daemon() {
     assert!(mps.multi_user(&volta) && !mps.multi_user(&pascal));
     std::fs::write(&caps, r#"{"multiUser":false}"#).unwrap();
     assert!(!mps.multi_user(&volta) && !mps.multi_user(&pascal));
+    // As learnt at a share's prepare: the host's record read once for the node's GPUs.
+    let hopper = &inv.gpus[1];
+    mps.know_gpus(&inv);
+    assert!(!mps.multi_user(hopper), "the host found no -M");
+    std::fs::write(&caps, r#"{"multiUser":true}"#).unwrap();
+    assert!(!mps.multi_user(hopper), "until the next prepare learns it");
+    mps.know_gpus(&inv);
+    assert!(mps.multi_user(hopper));
 }

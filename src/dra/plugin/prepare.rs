@@ -86,12 +86,12 @@ impl Plugin {
             inv,
         )?;
         one_pod_per_share(claim, &plan)?;
-        let plan = self.share_user(claim, plan, inv).await?;
-        self.refuse_while_daemon_down(&plan.devices)?;
         if plan.devices.iter().any(|d| d.consumed.is_some()) {
-            // A share's daemon request says whether its GPU serves every UID.
+            // Whether its GPU serves every UID: for the check of its user and its daemon's request.
             self.inner.mps.know_gpus(inv);
         }
+        let plan = self.share_user(claim, plan, inv).await?;
+        self.refuse_while_daemon_down(&plan.devices)?;
         let devices = if plan.touches_hardware() {
             self.prepare_reconfiguring(claim, plan, inv).await?
         } else {

@@ -140,3 +140,64 @@ pub fn pids(processes: &[u32]) -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+/// A process holding a GPU open, as a backend read finds it: by the GPU's device file
+/// (`/dev/nvidia<minor>` among the process's open files) or by NVML's list of the GPU's compute
+/// processes.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Holder {
+    /// The PID in the host's PID namespace.
+    pub pid: u32,
+    /// The process's name (`/proc/<pid>/comm`), e.g. `nv-hostengine`; empty where unreadable.
+    pub name: String,
+    pub kind: HolderKind,
+}
+
+/// Whose a [`Holder`] is, which decides whether it keeps nvdra from switching the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum HolderKind {
+    /// Not nvdra's: a DCGM host engine, dcgm-exporter, a monitoring agent, a stray CUDA
+    /// context. The driver refuses a switch while it holds the GPU.
+    Foreign,
+    /// nvdra's own MPS control daemon or server, which exits once its last share is released
+    /// (asynchronously): nvdra waits for it before it switches or destroys an instance.
+    OwnMps,
+    /// Holds the device file without keeping the driver from switching: `nvidia-persistenced`
+    /// (persistence mode is what MIG mode needs).
+    Harmless,
+}
+
+impl Holder {
+    /// Whether this holder keeps the driver from switching the GPU's MIG mode now, and nvdra
+    /// does not expect it to go by itself.
+    pub fn blocks_switch(&self) -> bool {
+        self.kind == HolderKind::Foreign
+    }
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.name.is_empty() {
+            write!(f, "pid {}", self.pid)
+        } else {
+            write!(f, "pid {} ({})", self.pid, self.name)
+        }
+    }
+}
+
+/// Why nvdra does not switch a GPU's MIG mode now, though the GPU could at run time
+/// ([`Mig::switch_block`](super::Mig::switch_block)).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "reason")]
+pub enum SwitchBlock {
+    /// The driver answered a switch with `RESET_REQUIRED`: the change was withdrawn, and nvdra
+    /// does not switch this GPU again (until it restarts); the GPU is published as one whose
+    /// MIG mode is the operator's.
+    ResetRequired,
+    /// A prepare met `IN_USE` from these holders: the devices of the GPU that need a switch are
+    /// tainted `NoExecute` until the holders are gone, so a claim allocated on one is evicted
+    /// and rescheduled rather than retried for ever.
+    InUse { holders: Vec<Holder> },
+}

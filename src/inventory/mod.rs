@@ -33,7 +33,9 @@ pub use backend::{
     snapshot,
 };
 pub use domains::assign_nvlink_domains;
-pub use mig_mode::{HOPPER, MigModeChange, NoMigToggle, Virtualization, on_off};
+pub use mig_mode::{
+    HOPPER, Holder, HolderKind, MigModeChange, NoMigToggle, SwitchBlock, Virtualization, on_off,
+};
 pub use quantity::{parse_quantity, quantity};
 pub use usage::{GpuUsage, ProcessUsage};
 
@@ -476,6 +478,16 @@ pub struct Mig {
     pub memory_slices: u32,
     pub devices: Vec<MigDevice>,
     pub profiles: Vec<MigProfile>,
+    /// The processes that hold the GPU open (its device file, or a context NVML lists), as
+    /// the backend found them at this read: what makes the driver refuse a MIG mode switch
+    /// with `IN_USE`. Read only where the backend was asked to (`--dynamic-mig`); each says
+    /// whether it blocks a switch ([`Holder::blocks_switch`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<Holder>,
+    /// Why nvdra will not switch this GPU's MIG mode now though the GPU could at run time: set
+    /// by the plugin from what the driver answered a switch, never by a backend read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switch_block: Option<SwitchBlock>,
 }
 
 /// What the far end of an NVLink is.

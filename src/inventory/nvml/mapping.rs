@@ -368,6 +368,7 @@ pub(super) fn map_mig(
         memory_slices,
         devices: mig_devices,
         profiles: mig_profiles,
+        ..Mig::default()
     }
 }
 

@@ -169,6 +169,7 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
             memory_slices: model.mig.as_ref().map_or(0, |m| m.memory_slices),
             devices: Vec::new(),
             profiles,
+            ..Mig::default()
         };
         if let Some(m) = &spec.mig {
             if m.enabled && !mig.capable {

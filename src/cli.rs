@@ -133,7 +133,8 @@ pub struct RunArgs {
 
     /// Read a GPU process's cgroup from <DIR>/<pid>/cgroup instead of /proc: the host's /proc
     /// mounted read-only (the manifests mount it at /host/proc), so that /metrics names the pod
-    /// of each GPU process without the host PID namespace.
+    /// of each GPU process without the host PID namespace; with --dynamic-mig, also where the
+    /// processes holding each GPU's device file open are found.
     #[arg(long, env = "NVDRA_PROC_ROOT", value_name = "DIR")]
     pub proc_root: Option<PathBuf>,
 }
@@ -451,8 +452,29 @@ fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
 
 /// Opens the backend the configuration names.
 pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>> {
+    open_backend_with(config, None)
+}
+
+/// Opens the backend the configuration names; with `--dynamic-mig`, the NVML backend's reads
+/// list each GPU's holders, found under `proc_root` (`--proc-root`; default `/proc`).
+pub fn open_backend_with(
+    config: &Config,
+    proc_root: Option<&std::path::Path>,
+) -> inventory::Result<Arc<dyn DeviceBackend>> {
     Ok(match &config.backend {
-        Backend::Nvml { .. } => Arc::new(NvmlBackend::open(config.driver_root.ctr())?),
+        Backend::Nvml { .. } => {
+            let backend = NvmlBackend::open(config.driver_root.ctr())?;
+            Arc::new(if config.dynamic_mig.enabled() {
+                let root = &config.driver_root;
+                let scan = inventory::holders::HolderScan::new(
+                    proc_root.unwrap_or(std::path::Path::new("/proc")),
+                )
+                .with_device_dir(root.read_path(&root.dev_dir()));
+                backend.with_holders(scan)
+            } else {
+                backend
+            })
+        }
         // The fault file may also put processes on simulated GPUs.
         Backend::Profile(name) => Arc::new(
             SimBackend::from_profile(name, &config.node_name)?
@@ -548,7 +570,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");
             let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
             runtime.block_on(async {
-                let backend = open_backend(&config)?;
+                let backend = open_backend_with(&config, args.proc_root.as_deref())?;
                 let api = crate::api::connect(&config.api)
                     .await
                     .map_err(anyhow::Error::from)?;

@@ -60,12 +60,19 @@ impl Hooks {
     }
 }
 
-/// H100's `1g.10gb` GPU-instance profile id.
+/// H100's `1g.10gb` and `2g.20gb` GPU-instance profile ids.
 const PROFILE_1G: u32 = 19;
+const PROFILE_2G: u32 = 14;
 
-/// A GPU instance of `profile` at slice `start` of GPU `index`, with no compute instance in it,
-/// made through the NVML the backend loaded.
-fn empty_gpu_instance(backend: &NvmlBackend, index: u32, profile: u32, start: u32) {
+/// A GPU instance of `profile` (one slice) at slice `start` of GPU `index`, with no compute
+/// instance in it, made through the NVML the backend loaded, as `nvidia-smi mig -cgi` makes
+/// one.
+fn empty_gpu_instance(
+    backend: &NvmlBackend,
+    index: u32,
+    profile: u32,
+    start: u32,
+) -> nvml_wrapper_sys::bindings::nvmlGpuInstance_t {
     use nvml_wrapper_sys::bindings::{
         nvmlGpuInstance_t, nvmlGpuInstancePlacement_t, nvmlReturn_enum_NVML_SUCCESS,
     };
@@ -82,6 +89,67 @@ fn empty_gpu_instance(backend: &NvmlBackend, index: u32, profile: u32, start: u3
     // out-pointer.
     let r = unsafe { create(device.handle(), profile, &at, &mut gi) };
     assert_eq!(r, nvmlReturn_enum_NVML_SUCCESS);
+    gi
+}
+
+/// A compute instance spanning one-slice GPU instance `gi`, as `nvidia-smi mig -cci` makes one.
+fn complete_gpu_instance(backend: &NvmlBackend, gi: nvml_wrapper_sys::bindings::nvmlGpuInstance_t) {
+    use nvml_wrapper_sys::bindings::{
+        NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, nvmlComputeInstance_t, nvmlReturn_enum_NVML_SUCCESS,
+    };
+    let create = backend
+        .nvml()
+        .lib()
+        .nvmlGpuInstanceCreateComputeInstance
+        .as_ref()
+        .unwrap();
+    let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+    // SAFETY: NVML's signature; a live GPU-instance handle and a valid out-pointer.
+    let r = unsafe { create(gi, NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, &mut ci) };
+    assert_eq!(r, nvmlReturn_enum_NVML_SUCCESS);
+}
+
+/// (profile id, GPU-instance id, compute instances) of each GPU instance of GPU `index`, as
+/// NVML lists them for the one-slice profile.
+fn gpu_instances(backend: &NvmlBackend, index: u32) -> Vec<(u32, u32, u32)> {
+    use nvml_wrapper_sys::bindings::{
+        NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, nvmlComputeInstance_t, nvmlGpuInstance_t,
+        nvmlGpuInstanceInfo_t,
+    };
+    let nvml = backend.nvml();
+    let lib = nvml.lib();
+    let device = nvml.device_by_index(index).unwrap();
+    let mut out = Vec::new();
+    for profile in [PROFILE_1G, PROFILE_2G] {
+        let mut gis: [nvmlGpuInstance_t; 8] = [std::ptr::null_mut(); 8];
+        let mut count = gis.len() as u32;
+        // SAFETY: NVML's signature; `gis` holds `count` writable slots.
+        unsafe {
+            (lib.nvmlDeviceGetGpuInstances.as_ref().unwrap())(
+                device.handle(),
+                profile,
+                gis.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        for gi in &gis[..count as usize] {
+            // SAFETY: as above, for a live GPU-instance handle.
+            let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+            unsafe { (lib.nvmlGpuInstanceGetInfo.as_ref().unwrap())(*gi, &mut info) };
+            let mut cis: [nvmlComputeInstance_t; 8] = [std::ptr::null_mut(); 8];
+            let mut n = cis.len() as u32;
+            unsafe {
+                (lib.nvmlGpuInstanceGetComputeInstances.as_ref().unwrap())(
+                    *gi,
+                    NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+                    cis.as_mut_ptr(),
+                    &mut n,
+                )
+            };
+            out.push((info.profileId, info.id, n));
+        }
+    }
+    out
 }
 
 #[test]
@@ -144,7 +212,8 @@ fn child_toggles_mig_mode() {
     );
     assert_eq!(backend.snapshot().unwrap().gpus[4].mig.pending, None);
 
-    // GPU 0's process (pid 4000) keeps its MIG mode, and the change is not left pending.
+    // GPU 0's process (pid 4000) keeps its MIG mode. The change stays pending, as NVML leaves
+    // it, for the caller to withdraw: one more request, for the current mode.
     let e = backend.set_mig_mode(&gpu(0).uuid, true).unwrap_err();
     assert!(
         matches!(&e, Error::InUse { processes, .. } if processes == &[4000]),
@@ -154,7 +223,12 @@ fn child_toggles_mig_mode() {
     assert!(e.to_string().contains("4000"), "{e}");
     let after = backend.snapshot().unwrap();
     assert!(!after.gpus[0].mig.enabled);
-    assert_eq!(after.gpus[0].mig.pending, None);
+    assert_eq!(after.gpus[0].mig.pending, Some(true));
+    assert_eq!(
+        backend.set_mig_mode(&gpu(0).uuid, false).unwrap(),
+        MigModeChange::Unchanged
+    );
+    assert_eq!(backend.snapshot().unwrap().gpus[0].mig.pending, None);
 
     // Once it exits, the change applies at once (Hopper), leaving no MIG devices.
     hooks.set_idle(0, true);
@@ -171,18 +245,50 @@ fn child_toggles_mig_mode() {
     );
 
     // A MIG creation that stopped between its GPU instance and its compute instance (a crash,
-    // an NVML error) leaves a GPU instance that is no MIG device but holds its slices: a new
-    // MIG device there removes it first.
+    // an NVML error) leaves a GPU instance that is no MIG device but holds its slices. The
+    // kubelet prepares the same claim again, at the same placement: there nvdra removes it.
     empty_gpu_instance(&backend, 0, PROFILE_1G, 0);
     let m = backend
         .create_mig(&gpu(0).uuid, PROFILE_1G, Placement { start: 0, size: 1 })
         .unwrap();
     assert_eq!(m.placement, Placement { start: 0, size: 1 });
+    assert_eq!(gpu_instances(&backend, 0), [(PROFILE_1G, 1, 1)]);
     backend.destroy_mig(&gpu(0).uuid, &m.uuid).unwrap();
-    // And such a one would keep the MIG mode on (IN_USE naming no process): turning the mode
-    // off removes it.
-    empty_gpu_instance(&backend, 0, PROFILE_1G, 3);
+    // One elsewhere may be an operator's being made (`nvidia-smi mig -cgi` before `-cci`):
+    // a creation it overlaps at another placement or profile is refused naming it, and it is
+    // kept.
+    let operator = empty_gpu_instance(&backend, 0, PROFILE_1G, 3);
+    let e = backend
+        .create_mig(&gpu(0).uuid, PROFILE_2G, Placement { start: 2, size: 2 })
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("GPU instance 1 (profile 19 at 3..4) without a compute instance")
+            && msg.contains(&format!("nvidia-smi mig -dgi -gi 1 -i {}", gpu(0).uuid)),
+        "{msg}"
+    );
+    assert_eq!(gpu_instances(&backend, 0), [(PROFILE_1G, 1, 0)]);
+    // And it keeps MIG mode from going off, which names it and destroys nothing.
     assert!(backend.snapshot().unwrap().gpus[0].mig.devices.is_empty());
+    let e = backend.set_mig_mode(&gpu(0).uuid, false).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("GPU instance 1 (profile 19 at 3..4) without a compute instance exists"),
+        "{e}"
+    );
+    assert_eq!(gpu_instances(&backend, 0), [(PROFILE_1G, 1, 0)]);
+    let g0 = backend.snapshot().unwrap().gpus[0].clone();
+    assert!(g0.mig.enabled);
+    assert_eq!(g0.mig.pending, None, "nothing asked of NVML");
+    // The operator finishes it: a MIG device nvdra lists, and keeps.
+    complete_gpu_instance(&backend, operator);
+    let listed = backend.snapshot().unwrap().gpus[0].mig.devices.clone();
+    assert_eq!(listed.len(), 1);
+    assert!(matches!(
+        backend.set_mig_mode(&gpu(0).uuid, false),
+        Err(Error::MigDevicesExist { .. })
+    ));
+    backend.destroy_mig(&gpu(0).uuid, &listed[0].uuid).unwrap();
     assert_eq!(
         backend.set_mig_mode(&gpu(0).uuid, false).unwrap(),
         MigModeChange::Applied

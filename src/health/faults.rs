@@ -14,10 +14,11 @@
 //! lost 3        # GPU 3 stops answering: unhealthy, and its probe fails until `back 3`
 //! back 3        # GPU 3 answers again (it recovers after the quiet period)
 //! process 3 4242 2048   # a process (pid 4242, 2048 MiB) runs on GPU 3: it blocks a MIG mode change
+//! holder 3 900 nv-hostengine   # a process holds GPU 3 open (nvidia-persistenced: harmlessly)
 //! exit 3 4242   # it ended
 //! ```
 //!
-//! `process` and `exit` lines are the simulated backend's
+//! `process`, `holder` and `exit` lines are the simulated backend's
 //! ([`SimBackend::with_process_file`](crate::inventory::sim::SimBackend::with_process_file)),
 //! skipped here.
 //!
@@ -81,7 +82,7 @@ pub fn parse_line(line: &str, inv: &Inventory) -> Result<Option<Command>, LineEr
         ["lost", g] => Command::Lost(gpu(g)?),
         ["back", g] => Command::Back(gpu(g)?),
         // The simulated backend's processes.
-        ["process", ..] | ["exit", ..] => return Ok(None),
+        ["process", ..] | ["holder", ..] | ["exit", ..] => return Ok(None),
         _ => return Err(LineError::Unknown(line.to_string())),
     }))
 }

@@ -242,6 +242,7 @@ fn fault_file_lines_name_gpus_by_index_or_uuid() {
     // The simulated backend's processes: not faults.
     assert_eq!(parse_line("process 3 4242 2048", &inv), Ok(None));
     assert_eq!(parse_line("exit 3 4242", &inv), Ok(None));
+    assert_eq!(parse_line("holder 3 900 nv-hostengine", &inv), Ok(None));
     assert_eq!(
         parse_line("xid 99 79", &inv),
         Err(LineError::NoGpu("99".into()))

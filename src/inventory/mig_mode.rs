@@ -132,11 +132,15 @@ pub fn mig_uuids<'a>(devices: impl IntoIterator<Item = &'a MigUuid>) -> String {
         .join(", ")
 }
 
-/// Process ids, comma-separated.
-pub fn pids(processes: &[u32]) -> String {
+/// Process ids, comma-separated, each with its name where `holders` give one:
+/// `4242 (nv-hostengine), 4343`.
+pub fn in_use_by(processes: &[u32], holders: &[Holder]) -> String {
     processes
         .iter()
-        .map(u32::to_string)
+        .map(|pid| match holders.iter().find(|h| h.pid == *pid) {
+            Some(h) if !h.name.is_empty() => format!("{pid} ({})", h.name),
+            _ => pid.to_string(),
+        })
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -174,6 +178,12 @@ impl Holder {
     /// does not expect it to go by itself.
     pub fn blocks_switch(&self) -> bool {
         self.kind == HolderKind::Foreign
+    }
+
+    /// Whether the driver refuses a switch (`IN_USE`) while this holder holds the GPU: every
+    /// holder but a [`HolderKind::Harmless`] one (nvdra's MPS too, until it exits).
+    pub fn blocks_driver(&self) -> bool {
+        self.kind != HolderKind::Harmless
     }
 }
 

@@ -67,14 +67,24 @@ pub enum Error {
     #[error("{0}")]
     Refused(String),
     /// MIG mode cannot change while processes run on the GPU (NVML's activation status
-    /// `NVML_ERROR_IN_USE`). Retriable: the same call succeeds once they exit.
+    /// `NVML_ERROR_IN_USE`). Retriable: the same call succeeds once they exit. The requested
+    /// mode is left pending, as NVML leaves it: the caller withdraws it (one more request, for
+    /// the current mode) or retries.
     #[error(
         "GPU {gpu} is in use by processes {}; its MIG mode can change once they exit",
-        mig_mode::pids(processes)
+        mig_mode::in_use_by(processes, holders)
     )]
-    InUse { gpu: GpuUuid, processes: Vec<u32> },
+    InUse {
+        gpu: GpuUuid,
+        /// Every pid found in the way: NVML's compute processes, then the other holders.
+        processes: Vec<u32>,
+        /// Those of them the backend could describe (name, and whose), sorted by pid; only
+        /// holders that block a switch ([`HolderKind::Foreign`], [`HolderKind::OwnMps`]).
+        holders: Vec<Holder>,
+    },
     /// The MIG mode change is recorded as pending and takes effect only after a GPU reset
-    /// (Ampere; or a VM that cannot reset the GPU itself).
+    /// (Ampere; or a VM that cannot reset the GPU itself). The change is left pending, as NVML
+    /// leaves it: the caller withdraws it (one more request, for the current mode).
     #[error(
         "the MIG mode of GPU {gpu} is {}, with {} pending: a GPU reset is required to apply it",
         on_off(*current),

@@ -1,17 +1,31 @@
 //! The simulated backend: an [`Inventory`] read from a topology file or a built-in profile, held
 //! in memory so tests and demos can change it (health, MIG instances) the way a real node would.
 //!
-//! MIG mode changes ([`DeviceBackend::set_mig_mode`]) follow NVML's: applied at once on Hopper
-//! and later; on Ampere only recorded as pending (a GPU reset would apply it, which the
-//! simulation never does); refused while processes run on the GPU ([`SimBackend::set_processes`])
-//! and, for turning MIG mode off, while MIG devices exist. A change that is applied takes
+//! MIG mode changes ([`DeviceBackend::set_mig_mode`]) follow NVML's `nvmlDeviceSetMigMode`: the
+//! requested mode is recorded as pending, then activated or not. Activation answers `IN_USE`
+//! while anything blocking holds the GPU (a process, or a [`Foreign`](HolderKind::Foreign) or
+//! [`OwnMps`](HolderKind::OwnMps) holder), `RESET_REQUIRED` before Hopper (compute capability
+//! 9.0) or where a test makes a Hopper answer so ([`SimBackend::set_reset_required`], as some
+//! hypervisors do), and applies the change at once otherwise. After `IN_USE` and
+//! `RESET_REQUIRED` the requested mode stays pending, as NVML leaves it; asking for the
+//! current mode withdraws it, and asking again for the pending one tries again. Turning MIG mode
+//! off is refused while MIG devices exist (before anything is recorded, as the NVML backend
+//! checks first). Only a vGPU guest cannot change it at all (NVML: not supported); a
+//! passthrough VM can, with the same rules as bare metal. A change that is applied takes
 //! [`SimBackend::set_mig_toggle_delay`] (default none), to model slow toggles. A test can hold
 //! other calls ([`SimBackend::hold`]) until it lets them go, to model a driver call that hangs.
 //!
-//! Processes come from the test ([`SimBackend::set_processes`]) and, for a running daemon, from
-//! the fault file ([`SimBackend::with_process_file`]): `process <GPU> <pid> [<MiB>]` puts a
-//! process on a GPU (named by index or UUID), `exit <GPU> <pid>` ends it; the file is read
-//! whole at each MIG mode change and usage reading.
+//! Processes and holders come from the test ([`SimBackend::set_processes`],
+//! [`SimBackend::set_holders`]) and, for a running daemon, from the fault file
+//! ([`SimBackend::with_process_file`]): `process <GPU> <pid> [<MiB>]` puts a process on a GPU
+//! (named by index or UUID), `holder <GPU> <pid> [<name>]` a holder (its kind from its name, as
+//! [`holders::kind_of`](super::holders::kind_of) sorts them: `nv-hostengine` is foreign,
+//! `nvidia-persistenced` harmless, `nvidia-cuda-mps-server` nvdra's MPS), `exit <GPU> <pid>`
+//! ends either; the file is read whole at each snapshot, MIG mode change and usage reading.
+//!
+//! Snapshots list each GPU's holders in [`Mig::holders`](super::Mig::holders), as the NVML
+//! backend's read finds them; processes are not listed there: a process stands for a CUDA
+//! context that the last read did not see (it started since), so a switch meets it unannounced.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -19,9 +33,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::{
-    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, HOPPER, Health, Inventory, MigDevice,
-    MigModeChange, MigUuid, NoMigToggle, Placement, ProcessUsage, Result, TimeSlice,
-    Virtualization, on_off, topology,
+    ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, HOPPER, Health, Holder, HolderKind,
+    Inventory, MigDevice, MigModeChange, MigUuid, NoMigToggle, Placement, ProcessUsage, Result,
+    TimeSlice, Virtualization, holders, on_off, topology,
 };
 
 /// A reconfiguration the simulated hardware went through, in order; tests read them with
@@ -107,52 +121,91 @@ struct Model {
     process_file: Option<std::path::PathBuf>,
     /// Whether the driver partitions memory per cgroup ([`SimBackend::set_memory_limits`]).
     memory_limits: bool,
+    /// The holders a test put on each GPU ([`SimBackend::set_holders`]).
+    holders: std::collections::BTreeMap<GpuUuid, Vec<Holder>>,
+    /// Hopper GPUs that answer a switch with `RESET_REQUIRED`
+    /// ([`SimBackend::set_reset_required`]).
+    reset_required: BTreeSet<GpuUuid>,
 }
 
 impl Model {
-    /// The processes on `gpu`: the test's and the process file's.
-    fn running(&self, gpu: &GpuUuid) -> Vec<ProcessUsage> {
+    /// The process file's text (empty without one, or where it cannot be read).
+    fn process_file(&self) -> String {
+        self.process_file
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default()
+    }
+
+    /// The processes on `gpu`: the test's and those of `file` (the process file's text).
+    fn running(&self, gpu: &GpuUuid, file: &str) -> Vec<ProcessUsage> {
         let mut out = self.processes.get(gpu).cloned().unwrap_or_default();
-        if let Some(path) = &self.process_file {
-            let text = std::fs::read_to_string(path).unwrap_or_default();
-            for p in file_processes(&text, &self.inventory, gpu) {
-                if out.iter().all(|o| o.pid != p.pid) {
-                    out.push(p);
-                }
+        for p in file_lines(file, &self.inventory, gpu).processes {
+            if out.iter().all(|o| o.pid != p.pid) {
+                out.push(p);
             }
         }
         out
     }
+
+    /// The holders of `gpu`: the test's and those of `file`, sorted by pid.
+    fn holders(&self, gpu: &GpuUuid, file: &str) -> Vec<Holder> {
+        let mut out = self.holders.get(gpu).cloned().unwrap_or_default();
+        for h in file_lines(file, &self.inventory, gpu).holders {
+            if out.iter().all(|o| o.pid != h.pid) {
+                out.push(h);
+            }
+        }
+        out.sort();
+        out
+    }
 }
 
-/// The processes the lines of `text` leave running on `gpu` (see the module doc); other lines
-/// are the fault file's and are skipped.
-fn file_processes(text: &str, inv: &Inventory, gpu: &GpuUuid) -> Vec<ProcessUsage> {
+/// What the lines of a process file leave on one GPU.
+#[derive(Default)]
+struct FileLines {
+    processes: Vec<ProcessUsage>,
+    holders: Vec<Holder>,
+}
+
+/// The processes and holders the lines of `text` leave on `gpu` (see the module doc); other
+/// lines are the fault file's and are skipped.
+fn file_lines(text: &str, inv: &Inventory, gpu: &GpuUuid) -> FileLines {
     let names = |w: &str| {
         inv.gpus
             .iter()
             .any(|g| g.uuid == *gpu && (g.uuid.as_str() == w || w.parse() == Ok(g.index)))
     };
-    let mut out: Vec<ProcessUsage> = Vec::new();
+    let mut out = FileLines::default();
     for line in text.lines() {
         let line = line.split('#').next().unwrap_or_default();
         let words: Vec<&str> = line.split_whitespace().collect();
+        let pid = |w: &str| w.parse::<u32>().ok();
         match words.as_slice() {
-            ["process", g, pid, rest @ ..] if names(g) => {
-                let Ok(pid) = pid.parse::<u32>() else {
-                    continue;
-                };
+            ["process", g, p, rest @ ..] if names(g) => {
+                let Some(pid) = pid(p) else { continue };
                 let mib = rest.first().and_then(|m| m.parse::<u64>().ok());
-                out.retain(|p| p.pid != pid);
-                out.push(ProcessUsage {
+                out.processes.retain(|p| p.pid != pid);
+                out.processes.push(ProcessUsage {
                     pid,
                     used_memory_bytes: mib.map(|m| m << 20),
                     gpu_instance: None,
                 });
             }
-            ["exit", g, pid] if names(g) => {
-                if let Ok(pid) = pid.parse::<u32>() {
-                    out.retain(|p| p.pid != pid);
+            ["holder", g, p, rest @ ..] if names(g) => {
+                let Some(pid) = pid(p) else { continue };
+                let name = rest.first().copied().unwrap_or_default().to_string();
+                out.holders.retain(|h| h.pid != pid);
+                out.holders.push(Holder {
+                    pid,
+                    kind: holders::kind_of(&name),
+                    name,
+                });
+            }
+            ["exit", g, p] if names(g) => {
+                if let Some(pid) = pid(p) {
+                    out.processes.retain(|p| p.pid != pid);
+                    out.holders.retain(|h| h.pid != pid);
                 }
             }
             _ => {}
@@ -250,12 +303,32 @@ impl SimBackend {
         self.lock().processes.insert(gpu.clone(), processes);
     }
 
-    /// Also lists the processes of the lines `process <GPU> <pid> [<MiB>]` and `exit <GPU> <pid>`
-    /// of `file` (the daemon's fault file), read at each MIG mode change and usage reading, so
-    /// a running daemon's GPUs can be made busy.
+    /// Also lists the processes and holders of the lines `process <GPU> <pid> [<MiB>]`,
+    /// `holder <GPU> <pid> [<name>]` and `exit <GPU> <pid>` of `file` (the daemon's fault file),
+    /// read at each snapshot, MIG mode change and usage reading, so a running daemon's GPUs can
+    /// be made busy.
     pub fn with_process_file(self, file: Option<std::path::PathBuf>) -> Self {
         self.lock().process_file = file;
         self
+    }
+
+    /// Puts `holders` on `gpu` (replacing the test's earlier ones): snapshots list them in the
+    /// GPU's [`Mig::holders`](super::Mig::holders), and those that block a switch
+    /// ([`Holder::blocks_switch`], or nvdra's MPS) make a MIG mode change answer `IN_USE`
+    /// naming them, until the test takes them away again.
+    pub fn set_holders(&self, gpu: &GpuUuid, holders: Vec<Holder>) {
+        self.lock().holders.insert(gpu.clone(), holders);
+    }
+
+    /// Makes `gpu`, a Hopper or later, answer a MIG mode change with `RESET_REQUIRED` as an
+    /// Ampere does (some hypervisors' passthrough GPUs do), or stop doing so.
+    pub fn set_reset_required(&self, gpu: &GpuUuid, on: bool) {
+        let mut m = self.lock();
+        if on {
+            m.reset_required.insert(gpu.clone());
+        } else {
+            m.reset_required.remove(gpu);
+        }
     }
 
     /// Makes every MIG mode change that is applied take `delay` (the calling thread sleeps, as
@@ -305,7 +378,13 @@ impl DeviceBackend for SimBackend {
     }
 
     fn snapshot(&self) -> Result<Inventory> {
-        Ok(self.lock().inventory.clone())
+        let m = self.lock();
+        let file = m.process_file();
+        let mut inv = m.inventory.clone();
+        for g in &mut inv.gpus {
+            g.mig.holders = m.holders(&g.uuid, &file);
+        }
+        Ok(inv)
     }
 
     fn unavailable(&self, _what: super::Reconfiguration) -> Option<String> {
@@ -470,7 +549,15 @@ impl DeviceBackend for SimBackend {
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
         self.pass(SimCall::SetMigMode);
         let mut m = self.lock();
-        let running: Vec<u32> = m.running(gpu).iter().map(|p| p.pid).collect();
+        let file = m.process_file();
+        let running: Vec<u32> = m.running(gpu, &file).iter().map(|p| p.pid).collect();
+        // nvdra's MPS blocks the driver as any CUDA client does; only nvdra waits for it.
+        let blocking: Vec<Holder> = m
+            .holders(gpu, &file)
+            .into_iter()
+            .filter(Holder::blocks_driver)
+            .collect();
+        let reset_required = m.reset_required.contains(gpu);
         let Model {
             inventory,
             actions,
@@ -492,27 +579,16 @@ impl DeviceBackend for SimBackend {
         if !g.mig.capable {
             return Err(fixed(NoMigToggle::NotSupported));
         }
-        // Inside a VM the driver refuses: only the host may change the MIG mode.
-        match g.virtualization {
-            Some(Virtualization::BareMetal) | None => {}
-            Some(v) => return Err(fixed(NoMigToggle::Virtualized(v))),
+        // A vGPU guest's driver refuses (only the host may change it); a passthrough VM owns
+        // the whole GPU and may.
+        if g.virtualization == Some(Virtualization::VgpuGuest) {
+            return Err(fixed(NoMigToggle::Virtualized(Virtualization::VgpuGuest)));
         }
         let current = g.mig.enabled;
-        match g.mig.pending {
-            // Asking for the current mode withdraws the pending change, as NVML does.
-            Some(_) if enabled == current => {
-                g.mig.pending = None;
-                return Ok(MigModeChange::Unchanged);
-            }
-            Some(pending) => {
-                return Err(Error::ResetRequired {
-                    gpu: gpu.clone(),
-                    current,
-                    pending,
-                });
-            }
-            None if enabled == current => return Ok(MigModeChange::Unchanged),
-            None => {}
+        if enabled == current {
+            // Asking for the current mode withdraws a pending change, as NVML does.
+            g.mig.pending = None;
+            return Ok(MigModeChange::Unchanged);
         }
         if !enabled && !g.mig.devices.is_empty() {
             return Err(Error::MigDevicesExist {
@@ -520,14 +596,34 @@ impl DeviceBackend for SimBackend {
                 devices: g.mig.devices.iter().map(|d| d.uuid.clone()).collect(),
             });
         }
-        if !running.is_empty() {
+        // NVML records the request, then tries to activate it; what it cannot activate stays
+        // pending.
+        g.mig.pending = Some(enabled);
+        if !running.is_empty() || !blocking.is_empty() {
+            let mut processes = running;
+            let mut holders = blocking;
+            for h in &holders {
+                if !processes.contains(&h.pid) {
+                    processes.push(h.pid);
+                }
+            }
+            for &pid in &processes {
+                if holders.iter().all(|h| h.pid != pid) {
+                    holders.push(Holder {
+                        pid,
+                        name: String::new(),
+                        kind: HolderKind::Foreign,
+                    });
+                }
+            }
+            holders.sort();
             return Err(Error::InUse {
                 gpu: gpu.clone(),
-                processes: running,
+                processes,
+                holders,
             });
         }
-        if g.cuda_compute_capability < HOPPER {
-            g.mig.pending = Some(enabled);
+        if g.cuda_compute_capability < HOPPER || reset_required {
             return Err(Error::ResetRequired {
                 gpu: gpu.clone(),
                 current,
@@ -538,6 +634,7 @@ impl DeviceBackend for SimBackend {
         // The model stays locked for the delay: NVML serializes calls on one GPU too.
         std::thread::sleep(delay);
         g.mig.enabled = enabled;
+        g.mig.pending = None;
         g.mig.devices.clear();
         actions.push(SimAction::SetMigMode {
             gpu: gpu.clone(),
@@ -560,10 +657,11 @@ impl DeviceBackend for SimBackend {
     fn usage(&self) -> Result<Vec<GpuUsage>> {
         self.pass(SimCall::Usage);
         let m = self.lock();
+        let file = m.process_file();
         Ok(m.inventory
             .gpus
             .iter()
-            .map(|g| sim_usage(g, m.running(&g.uuid)))
+            .map(|g| sim_usage(g, m.running(&g.uuid, &file)))
             .collect())
     }
 }
@@ -789,23 +887,29 @@ mod tests {
         assert!(sim.actions().is_empty(), "{:?}", sim.actions());
     }
 
+    /// NVML's pending mode on Hopper: one more request for it applies it once the GPU is idle,
+    /// one for the current mode withdraws it.
     #[test]
-    fn a_pending_change_makes_a_hopper_gpu_not_toggle() {
+    fn a_pending_change_on_hopper_is_applied_by_asking_again_or_withdrawn() {
         let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
-        sim.update(|inv| inv.gpus[2].mig.pending = Some(true));
-        let g = sim.snapshot().unwrap().gpus[2].clone();
+        sim.update(|inv| {
+            inv.gpus[2].mig.pending = Some(true);
+            inv.gpus[3].mig.pending = Some(true);
+        });
+        let inv = sim.snapshot().unwrap();
         assert_eq!(
-            g.mig_toggle().unwrap_err().to_string(),
-            "MIG mode change pending (current off, pending on): reset required"
+            sim.set_mig_mode(&inv.gpus[2].uuid, true).unwrap(),
+            MigModeChange::Applied
         );
-        assert!(matches!(
-            sim.set_mig_mode(&g.uuid, true),
-            Err(Error::ResetRequired {
-                current: false,
-                pending: true,
-                ..
-            })
-        ));
+        assert_eq!(
+            sim.set_mig_mode(&inv.gpus[3].uuid, false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        let after = sim.snapshot().unwrap();
+        assert!(after.gpus[2].mig.enabled);
+        assert_eq!(after.gpus[2].mig.pending, None);
+        assert!(!after.gpus[3].mig.enabled);
+        assert_eq!(after.gpus[3].mig.pending, None);
     }
 
     #[test]
@@ -815,30 +919,154 @@ mod tests {
         sim.set_processes(&g, pids(&[4242, 4343]));
         let e = sim.set_mig_mode(&g, true).unwrap_err();
         assert!(
-            matches!(&e, Error::InUse { processes, .. } if processes == &[4242, 4343]),
+            matches!(&e, Error::InUse { processes, holders, .. }
+                if processes == &[4242, 4343]
+                    && holders.iter().map(|h| (h.pid, h.kind)).eq([(4242, HolderKind::Foreign), (4343, HolderKind::Foreign)])),
             "{e:?}"
         );
         assert!(e.is_retriable());
         assert!(e.to_string().contains("4242, 4343"), "{e}");
-        assert!(!sim.snapshot().unwrap().gpus[1].mig.enabled);
+        // Processes are no read's holders: they started since.
+        assert_eq!(sim.snapshot().unwrap().gpus[1].mig.holders, []);
+        // As NVML, the request stays pending after IN_USE, for the caller to withdraw.
+        let busy = sim.snapshot().unwrap().gpus[1].clone();
+        assert!(!busy.mig.enabled);
+        assert_eq!(busy.mig.pending, Some(true));
         // Retried once they exit, it succeeds.
         sim.set_processes(&g, Vec::new());
         assert_eq!(sim.set_mig_mode(&g, true).unwrap(), MigModeChange::Applied);
+        assert_eq!(sim.snapshot().unwrap().gpus[1].mig.pending, None);
+    }
+
+    fn holder(pid: u32, name: &str) -> Holder {
+        Holder {
+            pid,
+            name: name.into(),
+            kind: holders::kind_of(name),
+        }
+    }
+
+    /// DCGM, nvdra's MPS server and the persistence daemon hold an idle GPU: snapshots list
+    /// them; the first two make a switch answer IN_USE naming them, leaving the change pending;
+    /// the third does not.
+    #[test]
+    fn holders_are_listed_and_all_but_the_harmless_block_a_switch() {
+        let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let g = sim.snapshot().unwrap().gpus[4].uuid.clone();
+        let (dcgm, mps, persistenced) = (
+            holder(900, "nv-hostengine"),
+            holder(77, "nvidia-cuda-mps-server"),
+            holder(12, "nvidia-persistenced"),
+        );
+        assert_eq!(
+            (dcgm.kind, mps.kind, persistenced.kind),
+            (
+                HolderKind::Foreign,
+                HolderKind::OwnMps,
+                HolderKind::Harmless
+            )
+        );
+        sim.set_holders(&g, vec![dcgm.clone(), mps.clone(), persistenced.clone()]);
+        let inv = sim.snapshot().unwrap();
+        assert_eq!(
+            inv.gpus[4].mig.holders,
+            [persistenced.clone(), mps.clone(), dcgm.clone()]
+        );
+        assert!(inv.gpus[3].mig.holders.is_empty());
+
+        let e = sim.set_mig_mode(&g, true).unwrap_err();
+        assert!(
+            matches!(&e, Error::InUse { processes, holders, .. }
+                if processes == &[77, 900] && holders == &[mps.clone(), dcgm.clone()]),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("processes 77 (nvidia-cuda-mps-server), 900 (nv-hostengine)"),
+            "{e}"
+        );
+        assert_eq!(sim.snapshot().unwrap().gpus[4].mig.pending, Some(true));
+        // nvdra's MPS server goes: DCGM alone still blocks.
+        sim.set_holders(&g, vec![dcgm.clone(), persistenced.clone()]);
+        assert!(matches!(
+            sim.set_mig_mode(&g, true),
+            Err(Error::InUse { processes, .. }) if processes == [900]
+        ));
+        // Withdrawn by asking for the current mode.
+        assert_eq!(
+            sim.set_mig_mode(&g, false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        assert_eq!(sim.snapshot().unwrap().gpus[4].mig.pending, None);
+        // The persistence daemon alone lets it switch.
+        sim.set_holders(&g, vec![persistenced]);
+        assert_eq!(sim.set_mig_mode(&g, true).unwrap(), MigModeChange::Applied);
+    }
+
+    /// A cloud H100 is a passthrough VM: it switches as on bare metal. A passthrough A100
+    /// records the change and answers RESET_REQUIRED, as does a Hopper whose hypervisor needs
+    /// a reset; the change stays pending for the caller to withdraw.
+    #[test]
+    fn passthrough_gpus_switch_by_architecture_and_reset_required_leaves_the_change_pending() {
+        let h100 = SimBackend::from_profile("dgx-h100", "n").unwrap();
+        h100.update(|inv| {
+            for g in &mut inv.gpus {
+                g.virtualization = Some(Virtualization::Passthrough);
+            }
+        });
+        let inv = h100.snapshot().unwrap();
+        assert_eq!(
+            h100.set_mig_mode(&inv.gpus[0].uuid, true).unwrap(),
+            MigModeChange::Applied
+        );
+        assert!(h100.snapshot().unwrap().gpus[0].mig.enabled);
+
+        let g1 = inv.gpus[1].uuid.clone();
+        h100.set_reset_required(&g1, true);
+        let e = h100.set_mig_mode(&g1, true).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ResetRequired {
+                    current: false,
+                    pending: true,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let pending = h100.snapshot().unwrap().gpus[1].clone();
+        assert!(!pending.mig.enabled);
+        assert_eq!(pending.mig.pending, Some(true));
+        assert_eq!(
+            h100.set_mig_mode(&g1, false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        assert_eq!(h100.snapshot().unwrap().gpus[1].mig.pending, None);
+        h100.set_reset_required(&g1, false);
+        assert_eq!(
+            h100.set_mig_mode(&g1, true).unwrap(),
+            MigModeChange::Applied
+        );
+
+        let a100 = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+        a100.update(|inv| inv.gpus[3].virtualization = Some(Virtualization::Passthrough));
+        let g = a100.snapshot().unwrap().gpus[3].uuid.clone();
+        assert!(matches!(
+            a100.set_mig_mode(&g, true),
+            Err(Error::ResetRequired { pending: true, .. })
+        ));
+        assert_eq!(a100.snapshot().unwrap().gpus[3].mig.pending, Some(true));
     }
 
     #[test]
-    fn gpus_in_a_vm_or_without_mig_do_not_toggle() {
+    fn a_vgpu_guest_or_a_gpu_without_mig_does_not_switch() {
         let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
         sim.update(|inv| {
             inv.gpus[0].virtualization = Some(Virtualization::VgpuGuest);
-            inv.gpus[1].virtualization = Some(Virtualization::Passthrough);
             inv.gpus[2].virtualization = None;
         });
         let inv = sim.snapshot().unwrap();
-        let reason = |i: usize| inv.gpus[i].mig_toggle().unwrap_err().to_string();
-        assert_eq!(reason(0), "a vGPU guest");
-        assert_eq!(reason(1), "a passthrough VM");
-        assert_eq!(reason(2), "virtualization mode unknown");
         let e = sim.set_mig_mode(&inv.gpus[0].uuid, true).unwrap_err();
         assert!(
             matches!(
@@ -850,11 +1078,17 @@ mod tests {
             ),
             "{e:?}"
         );
-        assert!(!sim.snapshot().unwrap().gpus[0].mig.enabled);
+        let g0 = sim.snapshot().unwrap().gpus[0].clone();
+        assert!(!g0.mig.enabled);
+        assert_eq!(g0.mig.pending, None, "nothing recorded");
+        // A GPU whose virtualization NVML does not tell switches by what the driver does.
+        assert_eq!(
+            sim.set_mig_mode(&inv.gpus[2].uuid, true).unwrap(),
+            MigModeChange::Applied
+        );
 
         let l40s = SimBackend::from_profile("l40s-pcie", "n").unwrap();
         let g = l40s.snapshot().unwrap().gpus[0].clone();
-        assert_eq!(g.mig_toggle().unwrap_err().to_string(), "MIG not supported");
         assert!(matches!(
             l40s.set_mig_mode(&g.uuid, true),
             Err(Error::MigModeFixed {
@@ -864,7 +1098,6 @@ mod tests {
         ));
         l40s.update(|inv| inv.gpus[1].mig.mode_unknown = true);
         let unknown = l40s.snapshot().unwrap().gpus[1].clone();
-        assert_eq!(unknown.mig_toggle(), Err(NoMigToggle::ModeUnknown));
         assert!(matches!(
             l40s.set_mig_mode(&unknown.uuid, true),
             Err(Error::MigModeFixed {
@@ -897,7 +1130,8 @@ mod tests {
     }
 
     /// A running daemon's GPUs are made busy through its fault file: `process` lines block a
-    /// MIG mode change and show in the usage readings, `exit` lines end them.
+    /// MIG mode change and show in the usage readings, `holder` lines show in snapshots and
+    /// block it unless harmless, `exit` lines end either.
     #[test]
     fn the_process_file_puts_processes_on_gpus() {
         let dir = tempfile::tempdir().unwrap();
@@ -908,22 +1142,40 @@ mod tests {
         let g = sim.snapshot().unwrap().gpus[2].uuid.clone();
         std::fs::write(
             &file,
-            "xid 1 79\nprocess 2 4242 2048 # a job\nprocess 3 77\n",
+            "xid 1 79\nprocess 2 4242 2048 # a job\nprocess 3 77\nholder 2 900 nv-hostengine\n\
+             holder 2 12 nvidia-persistenced\nholder 3 5\n",
         )
         .unwrap();
         let e = sim.set_mig_mode(&g, true).unwrap_err();
         assert!(
-            matches!(&e, Error::InUse { processes, .. } if processes == &[4242]),
+            matches!(&e, Error::InUse { processes, .. } if processes == &[4242, 900]),
             "{e:?}"
         );
         let usage = sim.usage().unwrap();
         assert_eq!(usage[2].processes[0].used_memory_bytes, Some(2048 << 20));
+        assert_eq!(usage[2].processes.len(), 1, "holders are no processes");
         assert_eq!(usage[3].processes[0].pid, 77);
+        let inv = sim.snapshot().unwrap();
+        assert_eq!(
+            inv.gpus[2].mig.holders,
+            [
+                holder(12, "nvidia-persistenced"),
+                holder(900, "nv-hostengine")
+            ]
+        );
+        assert_eq!(inv.gpus[3].mig.holders, [holder(5, "")]);
         std::fs::write(
             &file,
-            format!("process 2 4242 2048\nprocess 3 77\nexit {g} 4242\n"),
+            format!(
+                "process 2 4242 2048\nprocess 3 77\nholder 2 900 nv-hostengine\n\
+                 holder 2 12 nvidia-persistenced\nexit {g} 4242\nexit 2 900\n"
+            ),
         )
         .unwrap();
+        assert_eq!(
+            sim.snapshot().unwrap().gpus[2].mig.holders,
+            [holder(12, "nvidia-persistenced")]
+        );
         assert_eq!(sim.set_mig_mode(&g, true).unwrap(), MigModeChange::Applied);
     }
 }

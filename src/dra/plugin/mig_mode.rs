@@ -214,7 +214,7 @@ impl Plugin {
             .await?;
         match r {
             Ok(c) => Ok(c),
-            Err(inventory::Error::InUse { gpu, processes }) => {
+            Err(inventory::Error::InUse { gpu, processes, .. }) => {
                 let claims = self.inner.ledger.read(|c| c.claims.clone());
                 let processes = describe_processes(&processes, &claims, |pid| {
                     crate::metrics::attribution::pod_uid_of(std::path::Path::new("/proc"), pid)

@@ -12,6 +12,7 @@ use tracing::{Level, debug, info, warn};
 use super::{
     HostSysfs, LIBRARY, SYSFS_ROOT, ffi, map_with_omissions, read_raw, read_usage, reconfigure,
 };
+use crate::inventory::holders::HolderScan;
 use crate::inventory::{
     ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MemoryLimits, MigDevice,
     MigModeChange, MigUuid, Placement, Reconfiguration, Result, TimeSlice,
@@ -29,6 +30,9 @@ pub struct NvmlBackend {
     /// One MIG reconfiguration at a time: two creations racing for overlapping slices would
     /// each see the other's half-made GPU instance as an orphan.
     reconfiguring: Mutex<()>,
+    /// Where each read finds the processes holding the GPUs ([`NvmlBackend::with_holders`]);
+    /// `None`: reads list none.
+    holders: Option<HolderScan>,
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -59,6 +63,7 @@ impl NvmlBackend {
                         library: candidate,
                         nvidia_smi: reconfigure::find_nvidia_smi(driver_root),
                         reconfiguring: Mutex::new(()),
+                        holders: None,
                     });
                 }
                 Err(NvmlError::LibloadingError(e)) => tried.push(match &candidate {
@@ -82,6 +87,16 @@ impl NvmlBackend {
     /// Reads PCI placement from another sysfs mount (for tests or unusual container layouts).
     pub fn with_sysfs_root(mut self, root: impl Into<PathBuf>) -> Self {
         self.sysfs = HostSysfs::new(root);
+        self
+    }
+
+    /// Makes each snapshot list the processes holding each MIG-capable GPU in its
+    /// [`Mig::holders`](crate::inventory::Mig::holders) (one walk of `scan`'s proc root per
+    /// read, plus NVML's compute processes of each such GPU), and an `IN_USE` answer name them:
+    /// what `--dynamic-mig` needs to offer only GPUs it can switch. Without it, reads are as
+    /// they were.
+    pub fn with_holders(mut self, scan: HolderScan) -> Self {
+        self.holders = Some(scan);
         self
     }
 
@@ -117,8 +132,11 @@ impl DeviceBackend for NvmlBackend {
     }
 
     fn snapshot(&self) -> Result<Inventory> {
-        let (inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
+        let (mut inv, omissions) = map_with_omissions(read_raw(&self.nvml)?, &self.sysfs)?;
         self.logged.log_new(&omissions);
+        if let Some(scan) = &self.holders {
+            fill_holders(&self.nvml, scan, &mut inv);
+        }
         Ok(inv)
     }
 
@@ -201,7 +219,7 @@ impl DeviceBackend for NvmlBackend {
 
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
         let _one = crate::lock::lock(&self.reconfiguring);
-        reconfigure::set_mig_mode(&self.nvml, gpu, enabled)
+        reconfigure::set_mig_mode(&self.nvml, gpu, enabled, self.holders.as_ref())
     }
 
     fn start_health_events(
@@ -213,6 +231,27 @@ impl DeviceBackend for NvmlBackend {
 
     fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
         super::events::probe(&self.nvml, gpu).map_err(|e| e.to_string())
+    }
+}
+
+/// Lists the holders of each MIG-capable GPU of `inv` in its `Mig::holders`: one scan for them
+/// all, and NVML's compute processes of each (a GPU whose list cannot be read keeps the scan's).
+fn fill_holders(nvml: &Nvml, scan: &HolderScan, inv: &mut Inventory) {
+    let minors: Vec<u32> = inv
+        .gpus
+        .iter()
+        .filter(|g| g.mig.capable)
+        .map(|g| g.minor)
+        .collect();
+    let mut found = scan.scan(&minors);
+    for g in inv.gpus.iter_mut().filter(|g| g.mig.capable) {
+        let held = found.remove(&g.minor).unwrap_or_default();
+        let compute: Vec<u32> = nvml
+            .device_by_uuid(g.uuid.as_str())
+            .and_then(|d| d.running_compute_processes())
+            .map(|ps| ps.into_iter().map(|p| p.pid).collect())
+            .unwrap_or_default();
+        g.mig.holders = scan.with_processes(held, &compute);
     }
 }
 

@@ -6,8 +6,13 @@
 //!
 //! A MIG device is a GPU instance with one compute instance spanning it. Creation makes the GPU
 //! instance, then the compute instance, and destroys the GPU instance again when the second step
-//! fails. A GPU instance without any compute instance — what a crash between the two steps
-//! leaves — is nobody's: it is destroyed when it stands in the way of a new one.
+//! fails. A GPU instance without any compute instance is what a crash between the two steps
+//! leaves, but also what an operator's `nvidia-smi mig -cgi` makes before its `-cci`: nvdra
+//! destroys one only at exactly the placement and profile it is creating (the same allocation's
+//! retry after a crash: the kubelet prepares the claim again, and the scheduler's allocation,
+//! placement included, does not change), where the instance it makes would take the same slices
+//! anyway. Elsewhere such an instance is named in the error and left alone: NVML gives no
+//! creation time or creator by which to tell nvdra's from an operator's.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,9 +24,10 @@ use nvml_wrapper::{Device, Nvml};
 use super::capture::{read_gi_profiles, read_mig_devices};
 use super::ffi;
 use super::mapping::map_mig_device;
+use crate::inventory::holders::HolderScan;
 use crate::inventory::{
-    ComputeMode, Error, GpuUuid, MigDevice, MigModeChange, MigUuid, NoMigToggle, Placement, Result,
-    TimeSlice,
+    ComputeMode, Error, GpuUuid, Holder, MigDevice, MigModeChange, MigUuid, NoMigToggle, Placement,
+    Result, TimeSlice,
 };
 
 /// Where `nvidia-smi` is looked for under the driver root, in order (the layout of the host's
@@ -158,10 +164,17 @@ pub(super) fn set_compute_mode(nvml: &Nvml, gpu: &GpuUuid, mode: ComputeMode) ->
 /// pending, returns `NVML_SUCCESS`, and reports through its `activationStatus` out-parameter
 /// whether the change took effect: `NVML_SUCCESS`; `NVML_ERROR_IN_USE` when the GPU is not idle
 /// ("the caller of this API is expected to idle the device and retry"); or
-/// `NVML_ERROR_RESET_REQUIRED` where only a reset (a VM reboot) applies it. After IN_USE the
-/// pending mode is set back to the current one, so a later reset does not apply a change nobody
-/// waits for any more; the caller retries.
-pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
+/// `NVML_ERROR_RESET_REQUIRED` where only a reset (a VM reboot) applies it. After IN_USE and
+/// RESET_REQUIRED the change is left pending, as NVML leaves it: the caller withdraws it (one
+/// more call, for the current mode: [`Error::InUse`], [`Error::ResetRequired`]), so that the
+/// plugin records its intent around the withdrawal. `holders` (where configured) names what
+/// holds the GPU in an IN_USE error, beside NVML's compute processes.
+pub(super) fn set_mig_mode(
+    nvml: &Nvml,
+    gpu: &GpuUuid,
+    enabled: bool,
+    holders: Option<&HolderScan>,
+) -> Result<MigModeChange> {
     use nvml_wrapper_sys::bindings::{
         NVML_DEVICE_MIG_ENABLE, nvmlReturn_enum_NVML_ERROR_IN_USE as IN_USE,
         nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED as RESET_REQUIRED,
@@ -183,7 +196,7 @@ pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<
     if current == enabled && pending == enabled {
         return Ok(MigModeChange::Unchanged);
     }
-    if !enabled {
+    if !enabled && current {
         let index = d.index().map_err(|e| nvml_error("nvmlDeviceGetIndex", e))?;
         let devices = mig_devices(nvml, &d, index, gpu);
         if !devices.is_empty() {
@@ -193,9 +206,20 @@ pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<
             });
         }
         // A GPU instance without a compute instance is no MIG device, yet it keeps the mode on
-        // (the change would answer IN_USE naming no process): left by a creation that stopped
-        // half-way, it goes first.
-        remove_orphans(nvml, &d, gpu, None)?;
+        // (the change would answer IN_USE naming no process). It may be an operator's being
+        // made: named, never destroyed here.
+        let orphans = orphans(nvml, &d, None)?;
+        if !orphans.is_empty() {
+            return Err(Error::Refused(format!(
+                "cannot turn MIG mode off on GPU {gpu}: {} without a compute instance exist{} \
+                 (an operator's creation in progress, or left by an interrupted one); nvdra \
+                 destroys none it cannot tell is its own: finish or destroy {} ({})",
+                describe_orphans(&orphans),
+                if orphans.len() == 1 { "s" } else { "" },
+                if orphans.len() == 1 { "it" } else { "them" },
+                destroy_command(gpu, &orphans),
+            )));
+        }
     }
     let status = match d.set_mig_mode(enabled) {
         Ok(status) => status,
@@ -206,17 +230,15 @@ pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<
         SUCCESS if current == enabled => Ok(MigModeChange::Unchanged),
         SUCCESS => Ok(MigModeChange::Applied),
         IN_USE => {
-            // Withdraw the pending change; asking for the current mode activates nothing.
-            if let Err(e) = d.set_mig_mode(current) {
-                tracing::warn!(gpu = %gpu, error = %e, "cannot withdraw the pending MIG mode change");
-            }
-            let processes = d
+            let compute: Vec<u32> = d
                 .running_compute_processes()
                 .map(|ps| ps.into_iter().map(|p| p.pid).collect())
                 .unwrap_or_default();
+            let (processes, holders) = in_use(&d, compute, holders);
             Err(Error::InUse {
                 gpu: gpu.clone(),
                 processes,
+                holders,
             })
         }
         RESET_REQUIRED => Err(Error::ResetRequired {
@@ -229,6 +251,28 @@ pub(super) fn set_mig_mode(nvml: &Nvml, gpu: &GpuUuid, enabled: bool) -> Result<
             reason: format!("GPU {gpu}: activation status {other}"),
         }),
     }
+}
+
+/// What holds `d` after an IN_USE answer: every pid in the way (NVML's compute processes
+/// first, then the other holders the scan finds) and those of them that block, described.
+/// Without a scan, the compute processes only, unnamed.
+fn in_use(d: &Device<'_>, compute: Vec<u32>, scan: Option<&HolderScan>) -> (Vec<u32>, Vec<Holder>) {
+    let found = match (scan, d.minor_number()) {
+        (Some(scan), Ok(minor)) => {
+            let held = scan.scan(&[minor]).remove(&minor).unwrap_or_default();
+            scan.with_processes(held, &compute)
+        }
+        _ => crate::inventory::holders::unnamed(&compute),
+    };
+    let holders: Vec<Holder> = found.into_iter().filter(Holder::blocks_driver).collect();
+    let mut processes = compute;
+    processes.retain(|p| holders.iter().any(|h| h.pid == *p));
+    for h in &holders {
+        if !processes.contains(&h.pid) {
+            processes.push(h.pid);
+        }
+    }
+    (processes, holders)
 }
 
 fn nvml_error(call: &str, e: NvmlError) -> Error {
@@ -281,9 +325,24 @@ pub(super) fn create_mig(
     let at = || format!("{}..{}", placement.start, placement.start + placement.size);
     let gi = match ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement) {
         Ok(gi) => gi,
-        Err(e) if no_room(&e) && remove_orphans(nvml, &d, gpu, Some(placement))? > 0 => {
+        Err(e) if no_room(&e) && remove_orphan_at(nvml, &d, gpu, gi_profile_id, placement)? => {
             ffi::create_gpu_instance(nvml, &d, gi_profile_id, placement)
                 .map_err(|e| refused_create(gpu, gi_profile_id, &at(), e))?
+        }
+        Err(e) if no_room(&e) => {
+            let orphans = orphans(nvml, &d, Some(placement))?;
+            if orphans.is_empty() {
+                return Err(refused_create(gpu, gi_profile_id, &at(), e));
+            }
+            return Err(Error::Refused(format!(
+                "insufficient resources: GPU-instance profile {gi_profile_id} at {} on GPU {gpu} \
+                 overlaps {} without a compute instance (an operator's creation in progress, or \
+                 left by an interrupted one); nvdra destroys such an instance only at exactly \
+                 the placement and profile it creates: finish or destroy it ({})",
+                at(),
+                describe_orphans(&orphans),
+                destroy_command(gpu, &orphans),
+            )));
         }
         Err(e) => return Err(refused_create(gpu, gi_profile_id, &at(), e)),
     };
@@ -340,15 +399,13 @@ fn refused_create(gpu: &GpuUuid, profile: u32, at: &str, e: NvmlError) -> Error 
     }
 }
 
-/// Destroys the GPU instances overlapping `within` (`None`: anywhere on the GPU) that hold no
-/// compute instance (left by a creation that stopped half-way); returns how many.
-fn remove_orphans(
-    nvml: &Nvml,
-    d: &Device<'_>,
-    gpu: &GpuUuid,
-    within: Option<Placement>,
-) -> Result<usize> {
-    let mut removed = 0;
+/// A GPU instance holding no compute instance: (GPU-instance id, profile id, placement).
+type Orphan = (u32, u32, Placement);
+
+/// The GPU instances of `d` overlapping `within` (`None`: anywhere) that hold no compute
+/// instance.
+fn orphans(nvml: &Nvml, d: &Device<'_>, within: Option<Placement>) -> Result<Vec<Orphan>> {
+    let mut out = Vec::new();
     for p in read_gi_profiles(nvml, d) {
         let gis = match ffi::gpu_instances(nvml, d, p.info.id) {
             Ok(gis) => gis,
@@ -356,26 +413,76 @@ fn remove_orphans(
             Err(e) => return Err(nvml_error("nvmlDeviceGetGpuInstances", e)),
         };
         for (gi, id, at) in gis {
-            if within.is_some_and(|p| !at.overlaps(&p)) {
+            if within.is_some_and(|w| !at.overlaps(&w)) {
                 continue;
             }
             let cis = ffi::compute_instance_count(nvml, gi)
                 .map_err(|e| nvml_error("nvmlGpuInstanceGetComputeInstances", e))?;
             if cis == 0 {
-                ffi::destroy_gpu_instance(nvml, gi)
-                    .map_err(|e| nvml_error("nvmlGpuInstanceDestroy", e))?;
-                tracing::warn!(
-                    gpu.uuid = %gpu,
-                    gi.id = id,
-                    start = at.start,
-                    size = at.size,
-                    "destroyed a GPU instance without compute instances (left by an interrupted MIG creation)"
-                );
-                removed += 1;
+                out.push((id, p.info.id, at));
             }
         }
     }
-    Ok(removed)
+    out.sort();
+    Ok(out)
+}
+
+/// `GPU instance 3 (profile 19 at 0..1)`, for each.
+fn describe_orphans(orphans: &[Orphan]) -> String {
+    let one = |(id, profile, at): &Orphan| {
+        format!(
+            "GPU instance {id} (profile {profile} at {}..{})",
+            at.start,
+            at.start + at.size
+        )
+    };
+    orphans.iter().map(one).collect::<Vec<_>>().join(", ")
+}
+
+/// The `nvidia-smi` command that destroys `orphans`.
+fn destroy_command(gpu: &GpuUuid, orphans: &[Orphan]) -> String {
+    let ids: Vec<String> = orphans.iter().map(|(id, ..)| id.to_string()).collect();
+    format!("nvidia-smi mig -dgi -gi {} -i {gpu}", ids.join(","))
+}
+
+/// Destroys the GPU instance of `profile_id` at exactly `placement` if it holds no compute
+/// instance: what an interrupted creation of this same MIG device left (see the module doc);
+/// returns whether there was one.
+fn remove_orphan_at(
+    nvml: &Nvml,
+    d: &Device<'_>,
+    gpu: &GpuUuid,
+    profile_id: u32,
+    placement: Placement,
+) -> Result<bool> {
+    let gis = match ffi::gpu_instances(nvml, d, profile_id) {
+        Ok(gis) => gis,
+        Err(NvmlError::NotFound | NvmlError::NotSupported | NvmlError::InvalidArg) => {
+            return Ok(false);
+        }
+        Err(e) => return Err(nvml_error("nvmlDeviceGetGpuInstances", e)),
+    };
+    for (gi, id, at) in gis {
+        if at != placement {
+            continue;
+        }
+        let cis = ffi::compute_instance_count(nvml, gi)
+            .map_err(|e| nvml_error("nvmlGpuInstanceGetComputeInstances", e))?;
+        if cis > 0 {
+            return Ok(false);
+        }
+        ffi::destroy_gpu_instance(nvml, gi).map_err(|e| nvml_error("nvmlGpuInstanceDestroy", e))?;
+        tracing::warn!(
+            gpu.uuid = %gpu,
+            gi.id = id,
+            profile = profile_id,
+            start = at.start,
+            size = at.size,
+            "destroyed a GPU instance without compute instances at the placement being created (left by an interrupted creation of the same MIG device)"
+        );
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 /// Destroys MIG device `mig` of `gpu`: its compute instance, then its GPU instance. One that no

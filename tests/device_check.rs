@@ -19,6 +19,14 @@
 //!
 //! Its figures only mean something on a GPU. Needs bash and python3 (both in CI's image); run
 //! as root (as CI is) it also runs the uid-1000 and PID-namespace cases.
+//!
+//! The read-only MIG check (`tests/device/mig-readonly.sh`) runs here too, on a stand-in
+//! `nvidia-smi` that answers in nvidia-smi's documented formats (and refuses anything but the
+//! queries the check may make), nvdra's simulated H100 node, the fake NVML for its ctypes reads
+//! and copies of `sleep` named `nv-hostengine` and `nvidia-persistenced` holding stand-in device
+//! files: on a consistent node it passes, naming the holders; NVML placements, profile facts,
+//! a virtualization mode and settings that differ from nvdra's each fail it with the difference
+//! named; an `nvidia-smi mig` silent with MIG off and a missing Python are recorded, not failed.
 
 mod support;
 
@@ -231,6 +239,11 @@ struct Bystander(Child);
 
 impl Bystander {
     fn start(dir: &Path, name: &str) -> Bystander {
+        Bystander::start_with(dir, name, |_| {})
+    }
+
+    /// The same, its command set up by `configure` (e.g. a device file as its stdin).
+    fn start_with(dir: &Path, name: &str, configure: impl FnOnce(&mut Command)) -> Bystander {
         let sleep = ["/bin/sleep", "/usr/bin/sleep"]
             .into_iter()
             .find(|p| Path::new(p).exists())
@@ -238,14 +251,13 @@ impl Bystander {
         let exe = dir.join(name);
         std::fs::copy(sleep, &exe).unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let child = Command::new(&exe)
-            .arg("600")
+        let mut cmd = Command::new(&exe);
+        cmd.arg("600")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        Bystander(child)
+            .stderr(Stdio::null());
+        configure(&mut cmd);
+        Bystander(cmd.spawn().unwrap())
     }
 }
 
@@ -677,4 +689,546 @@ fn the_cuda_client_prints_one_json_line_whatever_it_finds() {
     );
     assert!(v["pid"].is_number() && v["uid"].is_number(), "{v}");
     assert_eq!(v["limit_env"], "0=2048M");
+}
+
+// -----------------------------------------------------------------------------------------------
+// tests/device/mig-readonly.sh: the read-only MIG check, on a simulated H100 node.
+
+/// The simulated node the MIG check's nvdra reads (and the fake NVML serves the same GPUs).
+const MIG_NVDRA_ARGS: &str = "--profile dgx-h100 --node-name n";
+
+/// nvidia-smi for the MIG check: answers the queries it makes from files in DIR (written by
+/// [`MigNode`], in nvidia-smi's documented formats) and logs each (`ok ARGS`); anything else, a
+/// setter included, is refused as nvidia-smi refuses an unknown flag and logged `refused ARGS`.
+/// From the second `--query-gpu` with names on, `gpus.after.csv` answers when it exists (a
+/// setting changed while the check ran).
+const MIG_SMI: &str = r#"#!/bin/sh
+d='@DIR@'
+log() { echo "$1 $2" >>"$d/smi.log"; }
+case "$*" in
+  "--query-gpu=index,uuid,mig.mode.current,mig.mode.pending,compute_mode,name --format=csv,noheader")
+    log ok "$*"
+    if [ -e "$d/gpus.after.csv" ] && [ -e "$d/asked" ]; then cat "$d/gpus.after.csv"; else touch "$d/asked"; cat "$d/gpus.csv"; fi ;;
+  "--query-gpu=index,uuid,mig.mode.current,mig.mode.pending,compute_mode --format=csv,noheader")
+    log ok "$*"; sed 's/, [^,]*$//' "$d/gpus.csv" ;;
+  "-q" | "-q -i 0") log ok "$*"; cat "$d/q.txt" ;;
+  "mig -i 0 -lgip") log ok "$*"; cat "$d/lgip.txt"; exit "$(cat "$d/mig.rc")" ;;
+  "mig -i 0 -lgipp") log ok "$*"; cat "$d/lgipp.txt"; exit "$(cat "$d/mig.rc")" ;;
+  "--query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader")
+    log ok "$*"; cat "$d/apps.csv" ;;
+  *) log refused "$*"; echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."; exit 2 ;;
+esac
+"#;
+
+/// `nvidia-smi -q` of an idle H100 with MIG off (the part the check reads, as the R570 driver
+/// prints it); `@VIRT@` is its virtualization mode.
+const MIG_Q: &str = "
+==============NVSMI LOG==============
+
+Timestamp                                 : Sat Dec  5 12:00:00 2026
+Driver Version                            : 570.124.06
+CUDA Version                              : 12.8
+
+Attached GPUs                             : 1
+GPU 00000000:1A:00.0
+    Product Name                          : NVIDIA H100 80GB HBM3
+    Product Brand                         : NVIDIA
+    Product Architecture                  : Hopper
+    Display Mode                          : Disabled
+    Persistence Mode                      : Enabled
+    Addressing Mode                       : None
+    MIG Mode
+        Current                           : Disabled
+        Pending                           : Disabled
+    Accounting Mode                       : Disabled
+    Driver Model
+        Current                           : N/A
+        Pending                           : N/A
+    Minor Number                          : 0
+    GPU Operation Mode
+        Current                           : N/A
+        Pending                           : N/A
+    GPU C2C Mode                          : Disabled
+    GPU Virtualization Mode
+        Virtualization Mode               : @VIRT@
+        Host VGPU Mode                    : N/A
+        vGPU Heterogeneous Mode           : N/A
+    GPU Reset Status
+        Reset Required                    : No
+        Drain and Reset Recommended       : No
+";
+
+/// `nvidia-smi mig -lgip` of an H100 80GB HBM3 (as printed on one, MIG on and no instance).
+const MIG_LGIP: &str = "\
++-----------------------------------------------------------------------------+
+| GPU instance profiles:                                                      |
+| GPU   Name             ID    Instances   Memory     P2P    SM    DEC   ENC  |
+|                              Free/Total   GiB              CE    JPEG  OFA  |
+|=============================================================================|
+|   0  MIG 1g.10gb       19     7/7        9.75       No     16     1     0   |
+|                                                             1     1     0   |
++-----------------------------------------------------------------------------+
+|   0  MIG 1g.10gb+me    20     1/1        9.75       No     16     1     0   |
+|                                                             1     1     1   |
++-----------------------------------------------------------------------------+
+|   0  MIG 1g.20gb       15     4/4        19.62      No     26     1     0   |
+|                                                             1     1     0   |
++-----------------------------------------------------------------------------+
+|   0  MIG 2g.20gb       14     3/3        19.62      No     32     2     0   |
+|                                                             2     2     0   |
++-----------------------------------------------------------------------------+
+|   0  MIG 3g.40gb        9     2/2        39.50      No     60     3     0   |
+|                                                             3     3     0   |
++-----------------------------------------------------------------------------+
+|   0  MIG 4g.40gb        5     1/1        39.50      No     64     4     0   |
+|                                                             4     4     0   |
++-----------------------------------------------------------------------------+
+|   0  MIG 7g.80gb        0     1/1        79.25      No     132    7     0   |
+|                                                             8     7     1   |
++-----------------------------------------------------------------------------+
+";
+
+/// `nvidia-smi mig -lgipp` of an H100 (NVIDIA's MIG user guide).
+const MIG_LGIPP: &str = "\
+GPU  0 Profile ID 19 Placements: {0,1,2,3,4,5,6}:1
+GPU  0 Profile ID 20 Placements: {0,1,2,3,4,5,6}:1
+GPU  0 Profile ID 15 Placements: {0,2,4,6}:2
+GPU  0 Profile ID 14 Placements: {0,2,4}:2
+GPU  0 Profile ID  9 Placements: {0,4}:4
+GPU  0 Profile ID  5 Placement : {0}:4
+GPU  0 Profile ID  0 Placement : {0}:8
+";
+
+/// What the check's stand-in nvidia-smi answers, one file each; a GPU 0 that is the simulated
+/// node's first GPU, its device files under `dev/`.
+struct MigNode {
+    dir: tempfile::TempDir,
+    uuid: String,
+}
+
+impl MigNode {
+    /// H100 0 of `--profile dgx-h100` as nvidia-smi shows it: MIG off, virtualization `virt`
+    /// (nvidia-smi's word), one compute process.
+    fn new(virt: &str) -> MigNode {
+        let node = MigNode {
+            dir: tempfile::tempdir().unwrap(),
+            uuid: simulated_gpu0_uuid(),
+        };
+        std::fs::create_dir_all(node.bin()).unwrap();
+        std::fs::create_dir_all(node.dev()).unwrap();
+        for f in ["nvidia0", "nvidiactl"] {
+            std::fs::write(node.dev().join(f), "").unwrap();
+        }
+        write_exe(
+            &node.bin().join("nvidia-smi"),
+            &MIG_SMI.replace("@DIR@", &node.path().display().to_string()),
+        );
+        node.write(
+            "gpus.csv",
+            &format!(
+                "0, {}, Disabled, Disabled, Default, NVIDIA H100 80GB HBM3\n",
+                node.uuid
+            ),
+        );
+        node.write("q.txt", &MIG_Q.replace("@VIRT@", virt));
+        node.write("lgip.txt", MIG_LGIP);
+        node.write("lgipp.txt", MIG_LGIPP);
+        node.write("mig.rc", "0");
+        node.write(
+            "apps.csv",
+            &format!("{}, 4242, /usr/bin/python3, 1024 MiB\n", node.uuid),
+        );
+        node
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+    fn bin(&self) -> PathBuf {
+        self.path().join("bin")
+    }
+    fn dev(&self) -> PathBuf {
+        self.path().join("dev")
+    }
+    fn write(&self, name: &str, text: &str) {
+        std::fs::write(self.path().join(name), text).unwrap();
+    }
+
+    /// A process called `name` (a copy of `sleep`) holding `files` under `dev/` open, as DCGM's
+    /// host engine or the persistence daemon holds a GPU's device files. Killed when dropped.
+    fn holder(&self, name: &str, files: &[&str]) -> Bystander {
+        let open = |f: &str| std::fs::File::open(self.dev().join(f)).unwrap();
+        Bystander::start_with(self.path(), name, |cmd| {
+            cmd.stdin(open(files[0]));
+            if let Some(f) = files.get(1) {
+                cmd.stdout(open(f));
+            }
+        })
+    }
+
+    /// Runs the check with `env` added: its output, and the report it wrote.
+    fn run(&self, env: &[(&str, &str)]) -> (Output, String) {
+        let path = format!(
+            "{}:{}",
+            self.bin().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = Command::new("bash")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/device/mig-readonly.sh"
+            ))
+            .arg(env!("CARGO_BIN_EXE_nvdra"))
+            .env("PATH", path)
+            .env("OUT", self.path())
+            .env("DEV_ROOT", self.dev())
+            .env("NVDRA_ARGS", MIG_NVDRA_ARGS)
+            .env("NVML_LIB", support::fake_nvml::library())
+            .env("FAKE_NVML_PROFILE", "dgx-h100")
+            .env("FAKE_NVML_SEED", "n")
+            .env("REPEAT", "2")
+            .env("WAIT_MS", "50")
+            .env_remove("FAKE_NVML_NODE")
+            .env_remove("FAKE_NVML_TOPOLOGY")
+            .env_remove("FAKE_NVML_STATE")
+            .env_remove("GPUS")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let report = std::fs::read_to_string(self.path().join("mig-readonly.txt"))
+            .unwrap_or_else(|e| panic!("no report ({e}):\n{}", text(&out)));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with(&report),
+            "stdout and the report differ:\n{}",
+            text(&out)
+        );
+        (out, report)
+    }
+
+    /// What the stand-in nvidia-smi was asked, one `ok ARGS` or `refused ARGS` a line.
+    fn smi_log(&self) -> String {
+        std::fs::read_to_string(self.path().join("smi.log")).unwrap_or_default()
+    }
+}
+
+/// The UUID `nvdra inventory` gives GPU 0 of the simulated node.
+fn simulated_gpu0_uuid() -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .arg("inventory")
+        .args(MIG_NVDRA_ARGS.split(' '))
+        .args(["-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let inv: Value = serde_json::from_slice(&out.stdout).unwrap();
+    inv["gpus"][0]["uuid"].as_str().unwrap().to_string()
+}
+
+/// The report's lines of `level` and `check` (e.g. "PASS", "placements"), without those.
+fn lines_of(report: &str, level: &str, check: &str) -> Vec<String> {
+    report
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            (words.next() == Some(level) && words.next() == Some(check)).then(|| {
+                l.splitn(3, char::is_whitespace)
+                    .nth(2)
+                    .unwrap_or_default()
+                    .trim_start()
+                    .to_string()
+            })
+        })
+        .collect()
+}
+
+/// The one line of `level` and `check` that contains `needle`.
+fn line_with(report: &str, level: &str, check: &str, needle: &str) -> String {
+    let found: Vec<String> = lines_of(report, level, check)
+        .into_iter()
+        .filter(|l| l.contains(needle))
+        .collect();
+    match found.as_slice() {
+        [one] => one.clone(),
+        _ => panic!("no single {level} {check} line with {needle:?}:\n{report}"),
+    }
+}
+
+#[test]
+fn the_mig_check_finds_a_consistent_node_consistent_and_names_its_holders() {
+    let node = MigNode::new("None");
+    let dcgm = node.holder("nv-hostengine", &["nvidia0"]);
+    let persistenced = node.holder("nvidia-persistenced", &["nvidiactl", "nvidia0"]);
+    let (out, report) = node.run(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        !report
+            .lines()
+            .any(|l| l.starts_with("FAIL") || l.starts_with("DIFF")),
+        "{report}"
+    );
+    let uuid = &node.uuid;
+
+    // 1. Bare metal by all three, and nvdra would switch it.
+    let v = line_with(&report, "PASS", "virtualization", "GPU 0");
+    assert!(
+        v.contains(&format!("{uuid}) is bare metal"))
+            && v.contains("(nvidia-smi -q: None; NVML: bareMetal; nvdra: bareMetal)"),
+        "{v}"
+    );
+    let t = line_with(&report, "INFO", "mig-toggle", "GPU 0");
+    assert!(
+        t.contains("MIG TOGGLE says \"yes\"") && t.contains("architecture Hopper"),
+        "{t}"
+    );
+
+    // 2. nvidia-smi answered with MIG off; each source agrees with nvdra's tables.
+    line_with(
+        &report,
+        "INFO",
+        "placements",
+        "nvidia-smi mig -lgipp answers with MIG Disabled (7 profiles",
+    );
+    for agreed in [
+        "nvidia-smi mig -lgipp and nvdra agree: 7 profiles, 25 placements",
+        "nvidia-smi mig -lgip and nvdra agree: 7 profiles (names, instances, SMs)",
+        "NVML through ctypes and nvdra agree: 7 profiles, 25 placements (names, instances, SMs, memory)",
+    ] {
+        line_with(&report, "PASS", "placements", agreed);
+    }
+
+    // 3. Each NVML call timed, REPEAT times where repeated.
+    line_with(&report, "INFO", "timing", "nvdra inventory: ");
+    line_with(&report, "INFO", "timing", "persistence mode Enabled");
+    for call in [
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceGetVirtualizationMode",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+    ] {
+        let l = line_with(&report, "INFO", "timing", &format!("{call}: first "));
+        assert!(l.ends_with(" calls)"), "{l}");
+    }
+    line_with(&report, "INFO", "timing", "nvmlInit_v2: first ");
+
+    // 4. Both holders of the GPU's device file, by PID and name, DCGM flagged; the compute
+    // process nvidia-smi lists; persistenced also on nvidiactl.
+    let dev = node.dev().display().to_string();
+    let h = line_with(
+        &report,
+        "INFO",
+        "holders",
+        &format!("pid {} (nv-hostengine", dcgm.0.id()),
+    );
+    assert!(
+        h.contains(&format!(
+            "holds {dev}/nvidia0 — known: DCGM host engine: blocks a MIG switch"
+        )),
+        "{h}"
+    );
+    let h = line_with(
+        &report,
+        "INFO",
+        "holders",
+        &format!("pid {} (nvidia-persiste", persistenced.0.id()),
+    );
+    assert!(
+        h.contains(&format!("holds {dev}/nvidia0 — known: nvidia-persistenced")),
+        "{h}"
+    );
+    line_with(
+        &report,
+        "INFO",
+        "holders",
+        &format!(
+            "node-wide device files held: {} (nvidia-persiste): {dev}/nvidiactl",
+            persistenced.0.id()
+        ),
+    );
+    line_with(
+        &report,
+        "INFO",
+        "holders",
+        "NVML compute process (nvidia-smi): 4242, /usr/bin/python3, 1024 MiB",
+    );
+    // The simulated backend reads no /proc: said, not failed.
+    line_with(
+        &report,
+        "INFO",
+        "holders",
+        &format!("simulated backend does not name pid {}", dcgm.0.id()),
+    );
+
+    // 5. Registration, and a wait that timed out.
+    let e = line_with(&report, "PASS", "events", "GPU 0");
+    assert!(
+        e.contains("register XID: SUCCESS, wait 50 ms: TIMEOUT"),
+        "{e}"
+    );
+    line_with(&report, "PASS", "settings", "GPU 0: unchanged");
+
+    // Read-only: the stand-in was asked only what it answers, the -lgipp query included.
+    let log = node.smi_log();
+    assert!(log.lines().all(|l| l.starts_with("ok ")), "{log}");
+    assert!(log.contains("ok mig -i 0 -lgipp\n"), "{log}");
+    // Both holders still run: the check signals nothing.
+    for mut b in [dcgm, persistenced] {
+        assert!(b.0.try_wait().unwrap().is_none(), "a holder was ended");
+    }
+
+    // 6. What needs a machine that may switch, listed at the end and in the README.
+    let next = lines_of(&report, "NEXT", "needs-switch");
+    assert_eq!(next.len(), 6, "{report}");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    for item in &next {
+        let head = item.split(':').next().unwrap();
+        assert!(
+            readme.contains(&format!("- {head}:")),
+            "README does not list {head:?}"
+        );
+    }
+}
+
+#[test]
+fn the_mig_check_fails_on_placements_virtualization_and_settings_that_differ() {
+    let node = MigNode::new("Pass-Through");
+    // An -lgipp without profile 20, with one 1g.20gb placement fewer and a profile nvdra does
+    // not know; an -lgip whose 3g.40gb has fewer SMs; MIG mode left pending on by someone else.
+    node.write(
+        "lgipp.txt",
+        &(MIG_LGIPP
+            .replace("GPU  0 Profile ID 20 Placements: {0,1,2,3,4,5,6}:1\n", "")
+            .replace("{0,2,4,6}:2", "{0,2,4}:2")
+            + "GPU  0 Profile ID 47 Placements: {0,1,2,3,4,5,6}:1\n"),
+    );
+    node.write(
+        "lgip.txt",
+        &MIG_LGIP.replace(
+            "|   0  MIG 3g.40gb        9     2/2        39.50      No     60",
+            "|   0  MIG 3g.40gb        9     2/2        39.50      No     42",
+        ),
+    );
+    node.write(
+        "gpus.after.csv",
+        &format!(
+            "0, {}, Disabled, Enabled, Default, NVIDIA H100 80GB HBM3\n",
+            node.uuid
+        ),
+    );
+    let (out, report) = node.run(&[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+
+    let mut diffs = lines_of(&report, "DIFF", "placements");
+    diffs.sort();
+    assert_eq!(
+        diffs,
+        [
+            "GPU 0, nvidia-smi mig -lgip: profile 9 (3g.40gb) sms: NVML 42, nvdra 60",
+            "GPU 0, nvidia-smi mig -lgipp: profile 15 (1g.20gb) placements: NVML {0,2,4}:2, nvdra {0,2,4,6}:2",
+            "GPU 0, nvidia-smi mig -lgipp: profile 20 (1g.10gb+me) is in nvdra's tables, not NVML's",
+            "GPU 0, nvidia-smi mig -lgipp: profile 47 is NVML's, not in nvdra's tables",
+        ],
+        "{report}"
+    );
+    line_with(
+        &report,
+        "FAIL",
+        "placements",
+        "GPU 0: nvidia-smi mig -lgipp and nvdra differ (3 differences",
+    );
+    line_with(
+        &report,
+        "FAIL",
+        "placements",
+        "GPU 0: nvidia-smi mig -lgip and nvdra differ (1 difference,",
+    );
+    // The fake NVML, from nvdra's own tables, still agrees.
+    line_with(
+        &report,
+        "PASS",
+        "placements",
+        "NVML through ctypes and nvdra agree",
+    );
+    let v = line_with(&report, "FAIL", "virtualization", "GPU 0");
+    assert!(
+        v.contains("nvdra says bare metal, nvidia-smi a passthrough VM"),
+        "{v}"
+    );
+    let s = line_with(&report, "FAIL", "settings", "GPU 0");
+    assert!(
+        s.contains("before MIG Disabled (pending Disabled)")
+            && s.contains("after MIG Disabled (pending Enabled)"),
+        "{s}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("mig-readonly: 4 check(s) failed"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn the_mig_check_records_a_silent_nvidia_smi_and_skips_nvml_without_python() {
+    // Drivers whose `nvidia-smi mig` answers nothing with MIG off, and no Python for ctypes.
+    let node = MigNode::new("None");
+    node.write("lgip.txt", "No MIG-enabled devices found.\n");
+    node.write("lgipp.txt", "No MIG-enabled devices found.\n");
+    node.write("mig.rc", "6");
+    let (out, report) = node.run(&[("PYTHON", "/nonexistent/python3")]);
+    assert!(out.status.success(), "{}", text(&out));
+    for flag in ["-lgip", "-lgipp"] {
+        line_with(
+            &report,
+            "INFO",
+            "placements",
+            &format!(
+                "nvidia-smi mig {flag} does not answer with MIG Disabled (exit 6: No MIG-enabled devices found.)"
+            ),
+        );
+    }
+    line_with(
+        &report,
+        "INFO",
+        "placements",
+        "no NVML answer to compare nvdra's tables with",
+    );
+    assert!(
+        lines_of(&report, "PASS", "placements").is_empty(),
+        "{report}"
+    );
+    line_with(&report, "SKIP", "events", "skipped, no python");
+    line_with(&report, "SKIP", "timing", "skipped, no python");
+    // nvidia-smi alone still tells the virtualization mode.
+    line_with(
+        &report,
+        "PASS",
+        "virtualization",
+        "(nvidia-smi -q: None; NVML: not read; nvdra: bareMetal)",
+    );
+}
+
+#[test]
+fn the_nvml_probe_calls_no_setter() {
+    // Every NVML function the probe names reads, or is its own event set's.
+    let probe = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/device/nvml_probe.py"
+    ))
+    .unwrap();
+    let mut names: Vec<&str> = probe
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("nvml") && w.len() > 4)
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    assert!(names.contains(&"nvmlDeviceGetMigMode"), "{names:?}");
+    for name in names {
+        let own_event_set = name.starts_with("nvmlEventSet") || name == "nvmlDeviceRegisterEvents";
+        let changes = [
+            "Set", "Create", "Destroy", "Reset", "Clear", "Enable", "Disable",
+        ]
+        .iter()
+        .any(|w| name.contains(w));
+        assert!(own_event_set || !changes, "the probe calls {name}");
+    }
 }

@@ -527,3 +527,104 @@ fn usage_reads_what_the_fake_reports() {
     assert!(usage[0].processes[0].gpu_instance.is_some());
     assert_eq!(usage[1].processes[0].gpu_instance, None);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Holders
+// ------------------------------------------------------------------------------------------------
+
+/// `nvdra inventory --backend nvml -o json` lists the processes holding a GPU's device file
+/// (here a DCGM-like `nv-hostengine`, a real process holding the stand-in node under the
+/// driver root's `dev/`, where the fake keeps its device files: `FAKE_NVML_DEV_DIR`) and
+/// NVML's compute processes only with `--dynamic-mig`; without it the read is as before.
+/// nvdra itself, which holds every node through NVML, is none; a GPU without MIG has none
+/// read.
+#[test]
+fn holders_are_read_only_with_dynamic_mig() {
+    let root = fake_node();
+    let dev = root.driver_root.path().join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    for minor in [0, 5] {
+        std::fs::write(dev.join(format!("nvidia{minor}")), "").unwrap();
+    }
+    let links = tempfile::tempdir().unwrap();
+    let sleep = ["/usr/bin/sleep", "/bin/sleep"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("a sleep binary");
+    let link = links.path().join("nv-hostengine");
+    std::os::unix::fs::symlink(sleep, &link).unwrap();
+    let mut children = Vec::new();
+    // GPU 0 (an A100) and GPU 2 (minor 5, an L40S without MIG).
+    for minor in [0, 5] {
+        let node = std::fs::File::open(dev.join(format!("nvidia{minor}"))).unwrap();
+        children.push(Command::new(&link).arg("600").stdin(node).spawn().unwrap());
+    }
+    let dcgm = children[0].id();
+    let holders = |dynamic: bool| -> Vec<Value> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
+        cmd.args([
+            "inventory",
+            "--backend",
+            "nvml",
+            "--node-name",
+            "n1",
+            "-o",
+            "json",
+        ])
+        .arg("--driver-root")
+        .arg(root.driver_root.path());
+        if dynamic {
+            cmd.arg("--dynamic-mig");
+        }
+        for var in [
+            "NVDRA_CONFIG",
+            "NVDRA_BACKEND",
+            "NVDRA_PROFILE",
+            "NVDRA_TOPOLOGY",
+            "NVDRA_DYNAMIC_MIG",
+            "NODE_NAME",
+            "NVIDIA_DRIVER_ROOT",
+            "NVIDIA_DEV_ROOT",
+            "FAKE_NVML_NODE",
+        ] {
+            cmd.env_remove(var);
+        }
+        let out = cmd.env("FAKE_NVML_DEV_DIR", &dev).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let inv: Value = serde_json::from_slice(&out.stdout).unwrap();
+        inv["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["mig"]["holders"].clone())
+            .collect()
+    };
+    let with = holders(true);
+    let without = holders(false);
+    for mut c in children {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    // GPU 0: the fake's process on it (pid 4000, from NVML's compute processes) and DCGM; GPU
+    // 1: its process (4001).
+    let pids = |h: &Value| -> Vec<(u64, String)> {
+        h.as_array()
+            .into_iter()
+            .flatten()
+            .map(|h| (h["pid"].as_u64().unwrap(), h["kind"].to_string()))
+            .collect()
+    };
+    let foreign = "\"foreign\"".to_string();
+    assert_eq!(
+        pids(&with[0]),
+        [(4000, foreign.clone()), (u64::from(dcgm), foreign.clone())]
+    );
+    assert_eq!(with[0][1]["name"], "nv-hostengine");
+    assert_eq!(pids(&with[1]), [(4001, foreign)]);
+    assert_eq!(with[2], Value::Null, "no MIG: no holders read");
+    assert_eq!(without, [Value::Null, Value::Null, Value::Null]);
+}

@@ -1,9 +1,11 @@
 //! MIG mode through the NVML backend against the fake NVML (`tests/fake-nvml`): which GPUs can
 //! toggle (a Hopper, an Ampere, a vGPU guest, a Hopper with a change pending) and
-//! `DeviceBackend::set_mig_mode` (IN_USE naming the processes, success, off refused while MIG
-//! devices exist, reset required on Ampere), and the GPU instances a MIG creation left without
-//! a compute instance (removed where a new MIG device needs their slices, and before MIG mode
-//! goes off).
+//! `DeviceBackend::set_mig_mode` (IN_USE naming the processes and leaving the change pending,
+//! success, off refused while MIG devices exist, reset required on Ampere), and the GPU
+//! instances without a compute instance (removed only at the placement being created, named and
+//! kept elsewhere). On a cloud node of passthrough GPUs: the holders a read lists and a switch
+//! meets (real processes holding the fake's device files), RESET_REQUIRED on an Ampere and on a
+//! Hopper whose hypervisor needs a reset, and minors that change across a switch.
 //!
 //! The fake's node is process-wide and these checks change it, so they run in a child process
 //! of this test binary with a topology of its own (`FAKE_NVML_TOPOLOGY`), one after another.
@@ -50,6 +52,13 @@ impl Hooks {
         let f: libloading::Symbol<extern "C" fn(u32, i32) -> u32> =
             unsafe { self.0.get(b"fake_nvml_set_idle") }.unwrap();
         assert_eq!(f(gpu, i32::from(idle)), 0);
+    }
+
+    fn set_reset_required(&self, gpu: u32, on: bool) {
+        // SAFETY: as above.
+        let f: libloading::Symbol<extern "C" fn(u32, i32) -> u32> =
+            unsafe { self.0.get(b"fake_nvml_set_reset_required") }.unwrap();
+        assert_eq!(f(gpu, i32::from(on)), 0);
     }
 
     fn set_virtualization(&self, gpu: u32, mode: u32) {
@@ -340,7 +349,7 @@ fn child_toggles_mig_mode() {
 
 #[test]
 fn mig_mode_through_nvml_on_the_fake() {
-    if std::env::var(CHILD).is_ok() {
+    if std::env::var(CHILD).is_ok() || std::env::var(HOLDERS_CHILD).is_ok() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -362,5 +371,248 @@ fn mig_mode_through_nvml_on_the_fake() {
         out.status.success() && stdout.contains(DONE),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+const HOLDERS_CHILD: &str = "NVDRA_TEST_MIG_HOLDERS_CHILD";
+
+/// A cloud node: every GPU passed through to the VM (`FAKE_NVML_VIRTUALIZATION`). GPU 0: a
+/// Hopper that DCGM, nvdra's MPS server and the persistence daemon hold; 1: an Ampere; 2: a
+/// Hopper whose hypervisor needs a reset (`FAKE_NVML_RESET_REQUIRED`); 3: a Hopper. Minors
+/// change across each switch (`FAKE_NVML_MINOR_XOR=64`).
+const CLOUD: &str = r#"
+version: v1
+driverVersion: "570.124.06"
+cudaDriverVersion: "12.8"
+gpus:
+  - {index: 0, model: H100-SXM5-80GB, pciBusId: "0000:1A:00.0", numaNode: 0}
+  - {index: 1, model: A100-SXM4-40GB, pciBusId: "0000:2A:00.0", numaNode: 0}
+  - {index: 2, model: H100-SXM5-80GB, pciBusId: "0000:3A:00.0", numaNode: 0}
+  - {index: 3, model: H100-SXM5-80GB, pciBusId: "0000:4A:00.0", numaNode: 0}
+"#;
+
+/// Real processes, named by the links they were started through, each holding a file open as
+/// its stdin; killed at the end.
+struct Holders {
+    dir: tempfile::TempDir,
+    running: Vec<std::process::Child>,
+}
+
+impl Holders {
+    fn start(&mut self, name: &str, file: &std::path::Path) -> u32 {
+        let link = self.dir.path().join(name);
+        let sleep = ["/usr/bin/sleep", "/bin/sleep"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("a sleep binary");
+        std::os::unix::fs::symlink(sleep, &link).unwrap();
+        let child = Command::new(&link)
+            .arg("600")
+            .stdin(std::fs::File::open(file).unwrap())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        self.running.push(child);
+        pid
+    }
+
+    fn stop(&mut self, pid: u32) {
+        let i = self.running.iter().position(|c| c.id() == pid).unwrap();
+        let mut c = self.running.remove(i);
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+}
+
+impl Drop for Holders {
+    fn drop(&mut self) {
+        for c in &mut self.running {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn child_holders_passthrough_and_minors() {
+    use nvdra::inventory::holders::HolderScan;
+    use nvdra::inventory::{Holder, HolderKind};
+    if std::env::var(HOLDERS_CHILD).is_err() {
+        return;
+    }
+    let dev = std::path::PathBuf::from(std::env::var("FAKE_NVML_DEV_DIR").unwrap());
+    let driver_root = tempfile::tempdir().unwrap();
+    let lib_dir = driver_root.path().join("usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let lib = lib_dir.join(LIBRARY);
+    std::os::unix::fs::symlink(support::fake_nvml::library(), &lib).unwrap();
+    let sysfs = tempfile::tempdir().unwrap();
+    let backend = NvmlBackend::open(driver_root.path())
+        .unwrap()
+        .with_sysfs_root(sysfs.path())
+        .with_holders(HolderScan::new("/proc").with_device_dir(&dev));
+    // SAFETY: as in `child_toggles_mig_mode`.
+    let hooks = Hooks(unsafe { libloading::Library::new(&lib) }.unwrap());
+
+    let inv = backend.snapshot().unwrap();
+    let uuid = |i: usize| inv.gpus[i].uuid.clone();
+    assert!(
+        inv.gpus
+            .iter()
+            .all(|g| g.virtualization == Some(Virtualization::Passthrough)),
+        "{:?}",
+        inv.gpus
+            .iter()
+            .map(|g| g.virtualization)
+            .collect::<Vec<_>>()
+    );
+    // The fake holds every GPU's node for this process, as NVML does: nvdra is no holder.
+    assert!(dev.join("nvidia0").exists());
+    assert!(inv.gpus.iter().all(|g| g.mig.holders.is_empty()));
+
+    let mut holders = Holders {
+        dir: tempfile::tempdir().unwrap(),
+        running: Vec::new(),
+    };
+    let node0 = dev.join("nvidia0");
+    let dcgm = holders.start("nv-hostengine", &node0);
+    let mps = holders.start("nvidia-cuda-mps-server", &node0);
+    let persistenced = holders.start("nvidia-persistenced", &node0);
+    let holder = |pid, name: &str, kind| Holder {
+        pid,
+        name: name.into(),
+        kind,
+    };
+    let (h_dcgm, h_mps, h_pers) = (
+        holder(dcgm, "nv-hostengine", HolderKind::Foreign),
+        holder(mps, "nvidia-cuda-mps-server", HolderKind::OwnMps),
+        holder(persistenced, "nvidia-persistenced", HolderKind::Harmless),
+    );
+    let mut all = vec![h_dcgm.clone(), h_mps.clone(), h_pers.clone()];
+    all.sort();
+    let listed = backend.snapshot().unwrap();
+    assert_eq!(listed.gpus[0].mig.holders, all);
+    assert!(listed.gpus[1].mig.holders.is_empty());
+
+    // The driver refuses while DCGM or the MPS server holds the GPU, the change left pending;
+    // the persistence daemon does not keep it.
+    let e = backend.set_mig_mode(&uuid(0), true).unwrap_err();
+    let mut blocking = vec![h_dcgm.clone(), h_mps.clone()];
+    blocking.sort();
+    let pids: Vec<u32> = blocking.iter().map(|h| h.pid).collect();
+    assert!(
+        matches!(&e, Error::InUse { processes, holders, .. } if processes == &pids && holders == &blocking),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains(&format!("{dcgm} (nv-hostengine)")),
+        "{e}"
+    );
+    assert_eq!(backend.snapshot().unwrap().gpus[0].mig.pending, Some(true));
+    holders.stop(dcgm);
+    assert!(matches!(
+        backend.set_mig_mode(&uuid(0), true),
+        Err(Error::InUse { processes, .. }) if processes == [mps]
+    ));
+    holders.stop(mps);
+    // A passthrough Hopper switches at once; its minor changes (0 ^ 64).
+    assert_eq!(
+        backend.set_mig_mode(&uuid(0), true).unwrap(),
+        MigModeChange::Applied
+    );
+    let g0 = backend.snapshot().unwrap().gpus[0].clone();
+    assert!(g0.mig.enabled);
+    assert_eq!(g0.mig.pending, None);
+    assert_eq!(g0.minor, 64);
+    // The persistence daemon holds the old node, no longer this GPU's.
+    assert_eq!(g0.mig.holders, []);
+
+    // A passthrough Ampere records the change and needs a reset; so does the Hopper whose
+    // hypervisor says so. Neither withdraws it: one more request, for the current mode, does.
+    for i in [1, 2] {
+        let e = backend.set_mig_mode(&uuid(i), true).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ResetRequired {
+                    current: false,
+                    pending: true,
+                    ..
+                }
+            ),
+            "GPU {i}: {e:?}"
+        );
+        let g = backend.snapshot().unwrap().gpus[i].clone();
+        assert_eq!(
+            (g.mig.enabled, g.mig.pending, g.minor),
+            (false, Some(true), i as u32)
+        );
+        assert_eq!(
+            backend.set_mig_mode(&uuid(i), false).unwrap(),
+            MigModeChange::Unchanged
+        );
+        assert_eq!(backend.snapshot().unwrap().gpus[i].mig.pending, None);
+    }
+    hooks.set_reset_required(2, false);
+    assert_eq!(
+        backend.set_mig_mode(&uuid(2), true).unwrap(),
+        MigModeChange::Applied
+    );
+    hooks.set_reset_required(2, true);
+    assert!(matches!(
+        backend.set_mig_mode(&uuid(2), false),
+        Err(Error::ResetRequired { .. })
+    ));
+
+    // Minors change each way: 3, 67, 3.
+    backend.set_mig_mode(&uuid(3), true).unwrap();
+    assert_eq!(backend.snapshot().unwrap().gpus[3].minor, 67);
+    backend.set_mig_mode(&uuid(3), false).unwrap();
+    assert_eq!(backend.snapshot().unwrap().gpus[3].minor, 3);
+    backend.set_mig_mode(&uuid(3), true).unwrap();
+    println!("{DONE}");
+}
+
+#[test]
+fn holders_passthrough_and_minors_on_the_fake() {
+    if std::env::var(HOLDERS_CHILD).is_ok() || std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let topology = dir.path().join("topology.yaml");
+    std::fs::write(&topology, CLOUD).unwrap();
+    let state = dir.path().join("state");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_holders_passthrough_and_minors",
+            "--nocapture",
+        ])
+        .env(HOLDERS_CHILD, "1")
+        .env("FAKE_NVML_TOPOLOGY", &topology)
+        .env("FAKE_NVML_STATE", &state)
+        .env("FAKE_NVML_DEV_DIR", dir.path().join("dev"))
+        .env("FAKE_NVML_MINOR_XOR", "64")
+        .env("FAKE_NVML_RESET_REQUIRED", "2")
+        .env("FAKE_NVML_VIRTUALIZATION", "passthrough")
+        .env("FAKE_NVML_IDLE", "1")
+        .env_remove("FAKE_NVML_NODE")
+        .env_remove("FAKE_NVML_PROFILE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains(DONE),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The GPUs keep what the switches did beyond the process: modes and minors.
+    assert_eq!(
+        fake_nvml::state::minors(&state),
+        [(0, 64), (1, 1), (2, 66), (3, 67)]
+    );
+    assert_eq!(
+        fake_nvml::state::mig_modes(&state),
+        [(0, 1, 1), (1, 0, 0), (2, 1, 0), (3, 1, 1)]
     );
 }

@@ -40,8 +40,11 @@
 //!
 //! Health events, and the hooks tests inject them with, are in `events.rs`; live readings
 //! (utilization, power, temperature, processes, memory in use) in `usage.rs`; MIG mode changes
-//! (`nvmlDeviceSetMigMode`: at once from Hopper on, pending a reset before; refused while a
-//! process runs), the virtualization mode and their hooks in `mig_mode.rs`. An applied MIG mode
+//! (`nvmlDeviceSetMigMode`: at once from Hopper on, pending a reset before or where
+//! `FAKE_NVML_RESET_REQUIRED` names the GPU; refused while a process runs or, with
+//! `FAKE_NVML_DEV_DIR`, another process holds the GPU's device file; minors changed by
+//! `FAKE_NVML_MINOR_XOR`), the virtualization mode (`FAKE_NVML_VIRTUALIZATION`) and their
+//! hooks in `mig_mode.rs`. An applied MIG mode
 //! change takes `FAKE_NVML_MIG_TOGGLE_DELAY_MS` milliseconds (default 0). MIG modes are kept in
 //! the `FAKE_NVML_STATE` file with the instances. Per-cgroup memory limits (R615's
 //! `nvmlDeviceSetMemoryLimits_v1` and `nvmlDeviceGetMemoryLimits_v1`, `FAKE_NVML_MEMORY_LIMITS`
@@ -135,8 +138,8 @@ fn changing(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
 mod events;
 // Live readings (`usage.rs`): utilization, power, temperature, processes.
 pub mod usage;
-// MIG mode changes and virtualization (`mig_mode.rs`).
-mod mig_mode;
+// MIG mode changes, holders and virtualization (`mig_mode.rs`).
+pub mod mig_mode;
 // Per-cgroup memory limits (`memory_limits.rs`).
 pub mod memory_limits;
 
@@ -312,6 +315,7 @@ fn load_node() -> Result<(String, Model), String> {
                 compute_modes: Default::default(),
                 mig_toggle_delay: Default::default(),
                 memory_limits: Default::default(),
+                switching: Default::default(),
             }
         }
     };
@@ -319,8 +323,9 @@ fn load_node() -> Result<(String, Model), String> {
 }
 
 /// Reads `FAKE_NVML_NODE`, `FAKE_NVML_PROFILE`, `FAKE_NVML_TOPOLOGY`, `FAKE_NVML_SEED`,
-/// `FAKE_NVML_STATE`, `FAKE_NVML_FABRIC_API` and `FAKE_NVML_MIG_TOGGLE_DELAY_MS` (see the crate
-/// doc).
+/// `FAKE_NVML_STATE`, `FAKE_NVML_FABRIC_API`, `FAKE_NVML_MIG_TOGGLE_DELAY_MS`, `FAKE_NVML_IDLE`
+/// and those of MIG mode changes, `FAKE_NVML_DEV_DIR`, `FAKE_NVML_MINOR_XOR`,
+/// `FAKE_NVML_RESET_REQUIRED` and `FAKE_NVML_VIRTUALIZATION` (see the crate doc).
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     let api = match std::env::var("FAKE_NVML_FABRIC_API").as_deref() {
@@ -339,7 +344,9 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
             return UNKNOWN;
         }
     };
-    let delay = match mig_mode::toggle_delay() {
+    let (delay, switching) = match mig_mode::toggle_delay()
+        .and_then(|d| mig_mode::Switching::from_env().map(|s| (d, s)))
+    {
         Ok(d) => d,
         Err(e) => {
             eprintln!("fake-nvml: {e}");
@@ -358,6 +365,7 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
         return SUCCESS;
     }
     model.mig_toggle_delay = delay;
+    model.switching = switching;
     if std::env::var("FAKE_NVML_IDLE").is_ok_and(|v| v == "1") {
         for g in &mut model.gpus {
             g.idle = true;
@@ -371,6 +379,7 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
             state::save(path, &model);
         }
     }
+    mig_mode::at_init(&mut model);
     *loaded = Some(Loaded { key, model, state });
     FABRIC_API.store(api, Ordering::Relaxed);
     SUCCESS

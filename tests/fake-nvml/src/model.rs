@@ -24,6 +24,8 @@ pub struct Model {
     /// Per-cgroup memory limits (soft, hard) by GPU index and cgroup path
     /// ([`crate::memory_limits`]); absent: none.
     pub memory_limits: std::collections::BTreeMap<(usize, String), (u64, u64)>,
+    /// What MIG mode changes depend on beyond each GPU ([`crate::mig_mode`]).
+    pub switching: crate::mig_mode::Switching,
 }
 
 pub struct Gpu {

@@ -280,5 +280,6 @@ pub fn model(inv: &Inventory) -> Model {
         compute_modes: Default::default(),
         mig_toggle_delay: Default::default(),
         memory_limits: Default::default(),
+        switching: Default::default(),
     }
 }

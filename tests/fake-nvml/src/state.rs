@@ -12,11 +12,13 @@
 //! ci <gpu index> <gpu-instance id> <compute-instance id> <compute profile> <slices> <slot> <uuid>
 //! mode <gpu index> <NVML_COMPUTEMODE_* value>
 //! mig <gpu index> <current MIG mode> <pending MIG mode>
+//! minor <gpu index> <minor>
 //! limits <gpu index> <soft bytes> <hard bytes> <cgroup path>
 //! ```
 //!
 //! A file without `mig` lines (written before they existed) leaves the GPUs' MIG modes as the
-//! node has them.
+//! node has them; one without `minor` lines (written where minors do not change:
+//! `FAKE_NVML_MINOR_XOR` unset), their minors.
 
 use std::os::raw::c_uint;
 use std::path::Path;
@@ -77,6 +79,19 @@ pub fn mig_modes(path: &Path) -> Vec<(usize, c_uint, c_uint)> {
         .collect()
 }
 
+/// The minors a state file holds: (GPU index, minor).
+pub fn minors(path: &Path) -> Vec<(usize, c_uint)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let n = |i: usize| f.get(i).and_then(|s| s.parse::<c_uint>().ok());
+            (f.first() == Some(&"minor")).then_some(())?;
+            Some((n(1)? as usize, n(2)?))
+        })
+        .collect()
+}
+
 /// A cgroup's memory limits on one GPU, as the state file lists them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CgroupLimits {
@@ -127,6 +142,11 @@ pub fn load(path: &Path, m: &mut Model) {
             Some(&"created") => m.created = n(1),
             Some(&"mode") if (n(1) as usize) < m.gpus.len() => {
                 m.compute_modes.insert(n(1) as usize, n(2) as c_uint);
+            }
+            Some(&"minor") => {
+                if let Some(g) = m.gpus.get_mut(n(1) as usize) {
+                    g.minor = n(2) as c_uint;
+                }
             }
             Some(&"mig") => {
                 if let Some(g) = m.gpus.get_mut(n(1) as usize)
@@ -192,6 +212,11 @@ pub fn save(path: &Path, m: &Model) {
     for (i, g) in m.gpus.iter().enumerate() {
         if let Some((current, pending)) = g.mig_mode {
             text.push_str(&format!("mig {i} {current} {pending}\n"));
+        }
+    }
+    if m.switching.minor_xor != 0 {
+        for (i, g) in m.gpus.iter().enumerate() {
+            text.push_str(&format!("minor {i} {}\n", g.minor));
         }
     }
     for ((i, cgroup), (soft, hard)) in &m.memory_limits {

@@ -175,6 +175,12 @@ pub enum ClaimError {
         current: &'static str,
         pending: &'static str,
     },
+    #[error(
+        "{device} cannot be prepared with admin access: {why}; admin access does not create MIG \
+         instances or switch MIG mode; ask for an existing device (a MIG device that exists, or \
+         a GPU outside MIG mode)"
+    )]
+    AdminAccessNeedsChange { device: String, why: String },
     #[error("{device} of request {request} cannot be prepared as a share: {reason}")]
     BadShare {
         device: String,

@@ -104,6 +104,14 @@ pub(super) fn plan(
             continue;
         }
         let resolved = resolve_device(inv, &r.device, opts).map_err(unknown)?;
+        if r.admin_access == Some(true)
+            && let Some(why) = admin_access_changes(resolved)
+        {
+            return Err(ClaimError::AdminAccessNeedsChange {
+                device: r.device.clone(),
+                why,
+            });
+        }
         // The name the inventory gives the device: the allocation's name, parsed.
         let name = match resolved {
             Resolved::Gpu(g) => DeviceName::gpu(g.minor),
@@ -432,6 +440,30 @@ enum Resolved<'a> {
     MigToCreate(&'a Gpu, &'a inventory::MigProfile, Placement),
 }
 
+/// What preparing `resolved` would change on the GPU, which admin access must not: it is outside
+/// every conflict check (the scheduler allocates it beside other claims, and the ledger lets it
+/// overlap them), so an instance it created or a MIG mode it switched could land under a claim
+/// already prepared, e.g. turn MIG mode on under a whole-GPU claim whose pod has not started.
+/// `None` for a device that exists as it is allocated: a GPU outside MIG mode, or a MIG device.
+fn admin_access_changes(resolved: Resolved<'_>) -> Option<String> {
+    match resolved {
+        Resolved::MigToCreate(g, ..) if !g.in_mig_mode() => Some(format!(
+            "no MIG device exists at this placement and GPU {} is not in MIG mode, so preparing \
+             it would turn MIG mode on and create the instance",
+            g.minor
+        )),
+        Resolved::MigToCreate(..) => Some(
+            "no MIG device exists at this placement, so preparing it would create the instance"
+                .into(),
+        ),
+        Resolved::Gpu(g) if g.in_mig_mode() => Some(format!(
+            "GPU {} is in MIG mode, so preparing it whole would turn MIG mode off",
+            g.minor
+        )),
+        Resolved::Gpu(_) | Resolved::Mig(..) => None,
+    }
+}
+
 /// Resolves a device name (named as [`DeviceName`] does) to hardware that can be
 /// prepared now, or says why not.
 fn resolve_device<'a>(
@@ -595,5 +627,132 @@ pub(super) mod tests {
         );
         let p = plan(&opts(false), &cdi, &claim_ref("u2"), &rc, &inv).unwrap();
         assert!(!p.touches_hardware());
+    }
+
+    /// The device name of placement `i` of profile `p` of GPU `g`, as the slices publish it.
+    fn placement_name(g: &Gpu, p: usize, i: usize) -> String {
+        let p = &g.mig.profiles[p];
+        DeviceName::mig(g.minor, &p.name, p.gi_profile_id, p.placements[i].start).to_string()
+    }
+
+    fn admin(device: &str) -> DeviceRequestAllocationResult {
+        let mut r = result("mon", DRIVER, device);
+        r.admin_access = Some(true);
+        r
+    }
+
+    fn plan_of(
+        opts: &Options,
+        inv: &Inventory,
+        results: Vec<DeviceRequestAllocationResult>,
+    ) -> Result<Plan, ClaimError> {
+        let cdi = CdiOptions::resolve(
+            DRIVER,
+            &crate::cdi::DriverRoot::at(Path::new("/nonexistent")),
+        )
+        .unwrap();
+        let rc = crate::api::allocated_claim("ns", "c", "u1", results, vec![]);
+        plan(opts, &cdi, &claim_ref("u1"), &rc, inv)
+    }
+
+    /// Admin access is outside every conflict check, so it must not change a GPU: a placement
+    /// without an instance (partitionable or dynamic MIG) and, with dynamic MIG, a GPU whose
+    /// mode a whole allocation would switch are refused naming the device and why; devices
+    /// that exist as allocated stay allowed.
+    #[test]
+    fn admin_access_is_refused_where_prepare_would_create_an_instance_or_switch_mig_mode() {
+        let refused = |e: ClaimError, device: &str, why: &str| {
+            let msg = e.to_string();
+            assert!(
+                matches!(&e, ClaimError::AdminAccessNeedsChange { device: d, .. } if d == device),
+                "{e:?}"
+            );
+            assert!(msg.contains(why), "{msg}");
+            assert!(
+                msg.contains(
+                    "admin access does not create MIG instances or switch MIG mode; ask for \
+                     an existing device"
+                ),
+                "{msg}"
+            );
+        };
+
+        // Partitionable: an A100 in MIG mode with instances, and placements without one.
+        let inv = load_profile("a100-mig-mixed", "node-a").unwrap();
+        let g = inv
+            .gpus
+            .iter()
+            .find(|g| g.in_mig_mode() && !g.mig.devices.is_empty())
+            .unwrap();
+        let m = &g.mig.devices[0];
+        let existing =
+            DeviceName::mig(g.minor, &m.profile, m.gi_profile_id, m.placement.start).to_string();
+        let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
+        let ok = plan_of(
+            &opts(true),
+            &inv,
+            vec![
+                admin(&existing),
+                admin(&DeviceName::gpu(whole.minor).to_string()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(ok.devices.len(), 2);
+        assert!(ok.devices.iter().all(|d| d.admin_access));
+        assert!(!ok.touches_hardware(), "{ok:?}");
+        let free = inv
+            .gpus
+            .iter()
+            .filter(|g| g.in_mig_mode())
+            .flat_map(|g| (0..g.mig.profiles.len()).map(move |p| (g, p)))
+            .flat_map(|(g, p)| {
+                (0..g.mig.profiles[p].placements.len()).map(move |i| placement_name(g, p, i))
+            })
+            .find(|n| {
+                matches!(
+                    slices::find_device(&inv, n),
+                    Some(PublishedDevice::Mig { existing: None, .. })
+                )
+            })
+            .unwrap();
+        // Without admin access it is planned as a creation; with it, refused.
+        let created = plan_of(&opts(true), &inv, vec![result("m", DRIVER, &free)]).unwrap();
+        assert!(created.devices[0].mig.as_ref().unwrap().created);
+        refused(
+            plan_of(&opts(true), &inv, vec![admin(&free)]).unwrap_err(),
+            &free,
+            "no MIG device exists at this placement, so preparing it would create the instance",
+        );
+
+        // Dynamic MIG on an H100 outside MIG mode: its placement would switch the mode on.
+        let mut dynamic = opts(false);
+        dynamic.dynamic_mig = true;
+        let mut inv = load_profile("dgx-h100", "node-a").unwrap();
+        let placement = placement_name(&inv.gpus[0], 0, 0);
+        let planned = plan_of(&dynamic, &inv, vec![result("m", DRIVER, &placement)]).unwrap();
+        assert_eq!(planned.mig_modes, vec![(inv.gpus[0].uuid.clone(), true)]);
+        refused(
+            plan_of(&dynamic, &inv, vec![admin(&placement)]).unwrap_err(),
+            &placement,
+            "GPU 0 is not in MIG mode, so preparing it would turn MIG mode on and create the \
+             instance",
+        );
+        // The whole GPU exists as allocated.
+        let whole = plan_of(&dynamic, &inv, vec![admin("gpu-0")]).unwrap();
+        assert!(whole.mig_modes.is_empty() && !whole.touches_hardware());
+
+        // A GPU in MIG mode with no instance: whole, it would switch the mode off.
+        inv.gpus[1].mig.enabled = true;
+        let name = DeviceName::gpu(inv.gpus[1].minor).to_string();
+        let planned = plan_of(&dynamic, &inv, vec![result("g", DRIVER, &name)]).unwrap();
+        assert_eq!(planned.mig_modes, vec![(inv.gpus[1].uuid.clone(), false)]);
+        refused(
+            plan_of(&dynamic, &inv, vec![admin(&name)]).unwrap_err(),
+            &name,
+            &format!(
+                "GPU {} is in MIG mode, so preparing it whole would turn MIG mode off",
+                inv.gpus[1].minor
+            ),
+        );
     }
 }

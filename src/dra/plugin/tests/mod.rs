@@ -770,6 +770,7 @@ async fn outcomes_are_counted_in_metrics() {
     stop.cancel();
 }
 
+mod admin_access;
 mod deadlines;
 mod dynamic_mig;
 mod enforce;

@@ -518,6 +518,8 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
         None => deviceplugin::Options::default(),
     };
     options.gpu_memory = config.device_plugin_gpu_memory;
+    // Beside DRA, a GPU whose MIG mode DRA switches is DRA's to shape.
+    options.dynamic_mig = config.mode == Mode::Both && config.dynamic_mig.enabled();
     let dp = DevicePlugin::new(
         deviceplugin::server::Settings {
             dir: config.device_plugin_dir(),

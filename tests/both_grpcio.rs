@@ -58,6 +58,11 @@ impl Node {
 
     /// As [`Node::start`], with PodResources listing `pods` before nvdra starts.
     fn start_with_pods(claims: &[(&str, &str)], pods: Value) -> Node {
+        Self::start_with(claims, pods, &[])
+    }
+
+    /// As [`Node::start_with_pods`], with more arguments to `nvdra run`.
+    fn start_with(claims: &[(&str, &str)], pods: Value, args: &[&std::ffi::OsStr]) -> Node {
         let root = tempfile::tempdir().unwrap();
         let p = |s: &str| root.path().join(s);
         std::fs::write(p("boot_id"), "boot-1\n").unwrap();
@@ -87,6 +92,7 @@ impl Node {
             .arg("--api-dir")
             .arg(p("api"))
             .args(["--metrics-address", "127.0.0.1:0"])
+            .args(args)
             .env("NVDRA_LOG", "error")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -271,4 +277,70 @@ fn a_gpu_a_pod_already_holds_at_start_is_never_published() {
     let refused = node.prepare("prepare", uid);
     let err = refused["error"].as_str().unwrap();
     assert!(err.contains("pod ml/trainer container main"), "{refused}");
+}
+
+/// `--dynamic-mig` beside the device plugin, under `migStrategy: single` and `mixed`: a DRA
+/// claim of a placement switches GPU 0 to MIG mode. The device-plugin path leaves GPU 0 out of
+/// its lists instead of failing to compute them (under `single` a node of mixed MIG modes), so
+/// ListAndWatch keeps updating: an XID on GPU 1 after the switch reaches it, and GPU 0 is back,
+/// healthy, once the claim is unprepared and its MIG mode is off again.
+#[test]
+fn list_and_watch_stays_live_while_dra_switches_a_gpu_to_mig_mode() {
+    if !have_grpcio() {
+        return;
+    }
+    let (g0, g1) = (uuid(0), uuid(1));
+    for strategy in ["single", "mixed"] {
+        let files = tempfile::tempdir().unwrap();
+        let config = files.path().join("dp.yaml");
+        let text = format!("version: v1\nflags:\n  migStrategy: {strategy}\n");
+        std::fs::write(&config, text).unwrap();
+        let faults = files.path().join("faults");
+        std::fs::write(&faults, "").unwrap();
+        let uid = "44444444-0000-0000-0000-000000000004";
+        let placement = "gpu-0-mig-1g10gb-19-0";
+        let args = [
+            "--dynamic-mig".as_ref(),
+            "--device-plugin-config".as_ref(),
+            config.as_os_str(),
+            "--fault-file".as_ref(),
+            faults.as_os_str(),
+        ];
+        let mut node = Node::start_with(&[(uid, placement)], json!([]), &args);
+        let first = node.ok(json!({"op": "watch", "resource": "nvidia.com/gpu"}));
+        assert_eq!(health(&first["devices"], &g0), "Healthy", "{strategy}");
+
+        let prepared = node.prepare("prepare", uid);
+        assert_eq!(prepared["error"], "", "{strategy}: {prepared}");
+        assert_eq!(prepared["devices"], json!([placement]), "{strategy}");
+
+        std::fs::write(&faults, "xid 1 79\n").unwrap();
+        let list = node.ok(
+            json!({"op": "until", "resource": "nvidia.com/gpu", "id": g1, "health": "Unhealthy"}),
+        );
+        let ids: Vec<&str> = list["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["id"].as_str().unwrap())
+            .collect();
+        assert!(
+            !ids.contains(&g0.as_str()),
+            "{strategy}: GPU 0 left out: {list}"
+        );
+        assert_eq!(ids.len(), 7, "{strategy}: every other GPU: {list}");
+
+        let unprepared = node.prepare("unprepare", uid);
+        assert_eq!(unprepared["error"], "", "{strategy}: {unprepared}");
+        // A fresh stream: `until` looks at every list a stream sent, the first one included.
+        node.ok(json!({"op": "watch", "resource": "nvidia.com/gpu"}));
+        let back = node.ok(
+            json!({"op": "until", "resource": "nvidia.com/gpu", "id": g0, "health": "Healthy"}),
+        );
+        assert_eq!(
+            health(&back["devices"], &g1),
+            "Unhealthy",
+            "{strategy}: {back}"
+        );
+    }
 }

@@ -120,10 +120,13 @@ pub async fn render_paths(
     inv: &crate::inventory::Inventory,
 ) -> Result<String, PathsError> {
     use crate::config::Mode;
-    let options = match &config.device_plugin_config {
+    let mut options = match &config.device_plugin_config {
         Some(p) => super::nvconfig::load(p)?,
         None => super::Options::default(),
     };
+    // As `nvdra run` computes them beside DRA (`daemon::device_plugin`).
+    options.dynamic_mig =
+        matches!(config.mode, Mode::Both | Mode::Auto) && config.dynamic_mig.enabled();
     let res = super::resources::resources(inv, &options)?;
     let (dra, mapped) = match config.mode {
         Mode::Dra => (Ok(()), None),

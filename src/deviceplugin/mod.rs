@@ -174,6 +174,12 @@ pub struct Options {
     /// nvdra's extension (not in NVIDIA's config file): also advertise `nvidia.com/gpu-memory`,
     /// one device per GiB of each whole GPU (`--device-plugin-gpu-memory`).
     pub gpu_memory: bool,
+    /// nvdra's, set from `--dynamic-mig` in `--mode both`: DRA switches the MIG mode of every
+    /// GPU that can switch it at run time, so this path hands out such a GPU only whole, while
+    /// it is outside MIG mode, and leaves it out of the lists while it is in MIG mode (its MIG
+    /// devices are DRA's). Without it a switch would change the node's MIG shape under
+    /// `migStrategy: single` and stop the lists from being computed.
+    pub dynamic_mig: bool,
 }
 
 impl Default for Options {
@@ -189,6 +195,7 @@ impl Default for Options {
             mps_root: None,
             modes: Vec::new(),
             gpu_memory: false,
+            dynamic_mig: false,
         }
     }
 }

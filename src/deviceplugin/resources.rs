@@ -14,9 +14,15 @@
 //! Each physical GPU or MIG device is advertised under exactly one resource name: the device
 //! manager keeps one account per name, so a GPU under two names could go to two pods.
 //!
+//! Under dynamic MIG ([`Options::dynamic_mig`], `--mode both --dynamic-mig`) a GPU whose MIG
+//! mode DRA switches at run time is DRA's to shape: every strategy hands it out only whole,
+//! while it is outside MIG mode, and leaves it out ([`LeftOut`]) while it is in MIG mode or, under
+//! `single` on a node whose other GPUs are in MIG mode, at all. The strategy's checks (one MIG
+//! mode, one profile) apply to the other GPUs, so a switch never makes the lists fail.
+//!
 //! Pure: no I/O.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::holds::Occupied;
 use crate::inventory::{DeviceUuid, GpuUuid, Health, Inventory, Placement};
@@ -49,6 +55,37 @@ pub enum Error {
         "{name} is the GPU-memory resource (--device-plugin-gpu-memory); the sharing config must not advertise replicas under it"
     )]
     ReservedName { name: String },
+}
+
+/// A GPU the lists leave out because DRA's dynamic MIG shapes it, and why.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LeftOut {
+    pub uuid: GpuUuid,
+    pub index: u32,
+    pub why: LeftOutWhy,
+}
+
+/// Why a GPU that DRA's dynamic MIG shapes is not in the lists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, thiserror::Error)]
+pub enum LeftOutWhy {
+    /// In MIG mode: its MIG devices are DRA's (or are about to be).
+    #[error(
+        "DRA switched it to MIG mode (dynamic MIG); its MIG devices are handed out through DRA"
+    )]
+    InMigMode,
+    /// Whole, under `single` on a node whose `nvidia.com/gpu` are MIG devices.
+    #[error(
+        "migStrategy single advertises this node's MIG devices as nvidia.com/gpu, and this GPU, \
+         whose MIG mode DRA switches (dynamic MIG), is whole; it is handed out through DRA"
+    )]
+    WholeBesideMig,
+}
+
+/// The device lists, and the GPUs left out of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lists {
+    pub resources: Vec<Resource>,
+    pub left_out: Vec<LeftOut>,
 }
 
 /// `nvidia.com/gpu-memory`: GPU memory in GiB units.
@@ -141,9 +178,36 @@ pub fn mig_resource(profile: &str) -> Result<ResourceName, Error> {
     })
 }
 
+/// Whether DRA shapes `g` (dynamic MIG): it can switch MIG mode at run time, or DRA switched it
+/// (`switched`, the checkpoint's record, which holds even where the GPU no longer can).
+fn shaped_by_dra(g: &crate::inventory::Gpu, opts: &Options, switched: &BTreeSet<GpuUuid>) -> bool {
+    switched.contains(&g.uuid) || (opts.dynamic_mig && g.mig_toggle().is_ok())
+}
+
 /// The devices before sharing, by resource name.
-fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Vec<Device>>, Error> {
-    let mut out: BTreeMap<ResourceName, Vec<Device>> = BTreeMap::new();
+type Physical = BTreeMap<ResourceName, Vec<Device>>;
+
+/// The devices before sharing, and the GPUs left out.
+fn physical(
+    inv: &Inventory,
+    opts: &Options,
+    switched: &BTreeSet<GpuUuid>,
+) -> Result<(Physical, Vec<LeftOut>), Error> {
+    let mut out = Physical::new();
+    // The GPUs whose shape is the operator's, which the strategy applies to; the others are
+    // handed out whole while outside MIG mode, or left out.
+    let (dra, gpus): (Vec<_>, Vec<_>) = inv
+        .gpus
+        .iter()
+        .partition(|g| shaped_by_dra(g, opts, switched));
+    let mut left_out = Vec::new();
+    let mut leave_out = |g: &crate::inventory::Gpu, why| {
+        left_out.push(LeftOut {
+            uuid: g.uuid.clone(),
+            index: g.index,
+            why,
+        })
+    };
     let whole = |g: &crate::inventory::Gpu| Device {
         id: String::new(),
         base: match opts.id_strategy {
@@ -156,7 +220,8 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
         gpu_index: g.index,
         minor: g.minor,
         numa_node: g.numa_node,
-        health: g.health.clone(),
+        // A GPU in MIG mode listed whole (`migStrategy: none`) takes every instance's slices.
+        health: g.whole_health().clone(),
         nvlink_domain: g.nvlink_domain,
         pcie_root: g.pcie_root.clone(),
         mig: false,
@@ -204,16 +269,29 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
             .collect()
     };
     let strategy = match opts.mig_strategy {
-        MigStrategy::Single if !inv.gpus.iter().any(|g| g.in_mig_mode()) => MigStrategy::None,
+        MigStrategy::Single if !gpus.iter().any(|g| g.in_mig_mode()) => MigStrategy::None,
         s => s,
     };
+    // DRA's GPUs: whole while outside MIG mode, except beside `single`'s MIG devices.
+    let mut dra_whole = Vec::new();
+    for g in dra {
+        if g.in_mig_mode() {
+            leave_out(g, LeftOutWhy::InMigMode);
+        } else if strategy == MigStrategy::Single {
+            leave_out(g, LeftOutWhy::WholeBesideMig);
+        } else {
+            dra_whole.push(g);
+        }
+    }
     match strategy {
         MigStrategy::None => {
-            out.insert(gpu_resource(), inv.gpus.iter().map(whole).collect());
+            let mut all: Vec<_> = gpus.iter().chain(&dra_whole).copied().collect();
+            all.sort_by_key(|g| g.index);
+            out.insert(gpu_resource(), all.into_iter().map(whole).collect());
         }
         MigStrategy::Single => {
             let (enabled, disabled): (Vec<_>, Vec<_>) =
-                inv.gpus.iter().partition(|g| g.in_mig_mode());
+                gpus.iter().copied().partition(|g| g.in_mig_mode());
             if !disabled.is_empty() {
                 return Err(Error::MixedMigModes {
                     enabled: enabled.iter().map(|g| g.index).collect(),
@@ -239,7 +317,9 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
             out.insert(gpu_resource(), devices);
         }
         MigStrategy::Mixed => {
-            for g in &inv.gpus {
+            let mut all: Vec<_> = gpus.iter().chain(&dra_whole).copied().collect();
+            all.sort_by_key(|g| g.index);
+            for g in all {
                 if !g.in_mig_mode() {
                     out.entry(gpu_resource()).or_default().push(whole(g));
                     continue;
@@ -253,7 +333,7 @@ fn physical(inv: &Inventory, opts: &Options) -> Result<BTreeMap<ResourceName, Ve
             }
         }
     }
-    Ok(out)
+    Ok((out, left_out))
 }
 
 fn selected(sel: &DeviceSelector, position: usize, d: &Device) -> bool {
@@ -271,6 +351,17 @@ fn selected(sel: &DeviceSelector, position: usize, d: &Device) -> bool {
 /// Every resource to advertise, by name; resources without devices are left out (NVIDIA's
 /// plugin does not start them either).
 pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error> {
+    lists(inv, opts, &BTreeSet::new()).map(|l| l.resources)
+}
+
+/// [`resources`], and the GPUs left out because DRA's dynamic MIG shapes them: those that can
+/// switch MIG mode at run time where [`Options::dynamic_mig`] is on, and those in `switched`,
+/// whose MIG mode DRA turned on (the checkpoint's record).
+pub fn lists(
+    inv: &Inventory,
+    opts: &Options,
+    switched: &BTreeSet<GpuUuid>,
+) -> Result<Lists, Error> {
     let mut out: BTreeMap<ResourceName, Resource> = BTreeMap::new();
     let mut put = |name: &ResourceName, fail: bool, d: Device| {
         let r = out.entry(name.clone()).or_insert_with(|| Resource {
@@ -281,7 +372,8 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
         r.fail_requests_greater_than_one |= fail;
         r.devices.push(d);
     };
-    for (name, devices) in physical(inv, opts)? {
+    let (physical, left_out) = physical(inv, opts, switched)?;
+    for (name, devices) in physical {
         let entry = opts
             .sharing
             .as_ref()
@@ -341,5 +433,8 @@ pub fn resources(inv: &Inventory, opts: &Options) -> Result<Vec<Resource>, Error
             }
         }
     }
-    Ok(out)
+    Ok(Lists {
+        resources: out,
+        left_out,
+    })
 }

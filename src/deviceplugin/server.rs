@@ -138,6 +138,8 @@ struct State {
     last_res: Vec<Resource>,
     /// The devices the CDI spec was last written for.
     last_devices: Vec<(String, u32, Vec<String>)>,
+    /// The GPUs the last lists left out (dynamic MIG), so each change is logged once.
+    left_out: Vec<resources::LeftOut>,
     /// The served device IDs, for the PodResources poll.
     served_tx: watch::Sender<super::both::Served>,
 }
@@ -424,21 +426,38 @@ impl DevicePlugin {
     /// The resources for the backend's current inventory; an invalid MIG setup for the
     /// configured strategy is an error here, before anything is served.
     pub async fn check(&self) -> Result<(Inventory, Vec<Resource>), Error> {
+        let (inv, lists) = self.read().await?;
+        Ok((inv, lists.resources))
+    }
+
+    /// The backend's current inventory and its lists, leaving out the GPUs DRA's dynamic MIG
+    /// shapes: those that can switch at run time (with `--dynamic-mig`) and, in `both`, those
+    /// the shared ledger records as switched on by DRA.
+    async fn read(&self) -> Result<(Inventory, resources::Lists), Error> {
         let inv = inventory::refresh(self.backend.clone()).await?;
-        let res = resources::resources(&inv, &self.options)?;
-        Ok((inv, res))
+        let switched = self
+            .both
+            .as_ref()
+            .map(|b| b.ledger.read(|cp| cp.mig_enabled.clone()))
+            .unwrap_or_default();
+        let lists = resources::lists(&inv, &self.options, &switched)?;
+        Ok((inv, lists))
     }
 
     /// Serves until `shutdown`; then stops every server and removes its socket.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let (inv, res) = self.check().await?;
+        let (inv, lists) = self.read().await?;
+        let res = lists.resources;
+        let mut left_out = Vec::new();
+        log_left_out(&mut left_out, lists.left_out);
         let cdi_opts = super::cdi::options(&self.settings.driver, &self.settings.driver_root)?;
         let ctx = Arc::new(Context::new(self.options.clone(), &cdi_opts));
         let wants_cdi = self.options.list_strategies.iter().any(|s| s.is_cdi());
         if wants_cdi {
             self.write_cdi(&cdi_opts, &inv).await?;
         }
-        if res.is_empty() {
+        // GPUs left out (dynamic MIG) come back when DRA turns their MIG mode off: serve on.
+        if res.is_empty() && left_out.is_empty() {
             tracing::warn!("device plugin: no devices to advertise; waiting");
             shutdown.cancelled().await;
             return Ok(());
@@ -468,6 +487,7 @@ impl DevicePlugin {
             all_registered: false,
             last_res: res,
             last_devices: cdi_identity(&inv),
+            left_out,
             served_tx,
         };
         let mut wake = Wakers::new(&self, changes, pods).await;
@@ -555,8 +575,10 @@ impl DevicePlugin {
     /// [`Wake::Reread`]: reads the inventory again; sends changed device lists, rewrites the CDI
     /// spec when the devices changed, and keeps the last lists when the read fails.
     async fn reread(&self, st: &mut State, cdi_opts: &crate::cdi::CdiOptions, wants_cdi: bool) {
-        match self.check().await {
-            Ok((inv, res)) => {
+        match self.read().await {
+            Ok((inv, lists)) => {
+                let res = lists.resources;
+                log_left_out(&mut st.left_out, lists.left_out);
                 let devices = cdi_identity(&inv);
                 if wants_cdi
                     && devices != st.last_devices
@@ -755,6 +777,22 @@ async fn stop_server(slot: &mut Slot) {
             let _ = std::fs::remove_file(&slot.path);
         }
     }
+}
+
+/// Logs each GPU that `now` leaves out of the lists and `before` did not (with why), and each
+/// that is back, then remembers `now`: once per change, not once per read.
+fn log_left_out(before: &mut Vec<resources::LeftOut>, now: Vec<resources::LeftOut>) {
+    for l in now.iter().filter(|l| !before.contains(l)) {
+        tracing::info!(gpu = l.index, uuid = %l.uuid, why = %l.why,
+            "device plugin: leaving the GPU out of its lists");
+    }
+    for l in before
+        .iter()
+        .filter(|l| !now.iter().any(|n| n.uuid == l.uuid))
+    {
+        tracing::info!(gpu = l.index, uuid = %l.uuid, "device plugin: the GPU is back in its lists");
+    }
+    *before = now;
 }
 
 /// The device IDs of each resource (health aside), for reading PodResources.

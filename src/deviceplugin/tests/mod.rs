@@ -541,3 +541,173 @@ fn mps_allocate_points_at_nvidias_control_daemon() {
 
 mod driver_modes;
 mod gpu_memory;
+
+// ---------------------------------------------------------------------------------------------
+// Dynamic MIG beside DRA (`--mode both --dynamic-mig`)
+
+/// A MIG device of `gpu` at the first placement of its profile `name`, as NVML lists one.
+fn instance(gpu: &crate::inventory::Gpu, name: &str) -> crate::inventory::MigDevice {
+    let p = gpu.mig.profiles.iter().find(|p| p.name == name).unwrap();
+    crate::inventory::MigDevice {
+        uuid: crate::inventory::MigUuid(format!("MIG-{}-{name}", gpu.minor)),
+        profile: p.name.clone(),
+        gi_profile_id: p.gi_profile_id,
+        gi_id: 1,
+        ci_id: 0,
+        placement: p.placements[0],
+        memory_bytes: p.memory_bytes,
+        multiprocessors: p.multiprocessors,
+        engines: p.engines,
+        health: Health::Healthy,
+    }
+}
+
+fn with_dynamic_mig(strategy: MigStrategy) -> Options {
+    Options {
+        mig_strategy: strategy,
+        dynamic_mig: true,
+        ..Options::default()
+    }
+}
+
+fn gpu_uuids(r: &Resource) -> Vec<String> {
+    r.devices.iter().map(|d| d.uuid.to_string()).collect()
+}
+
+/// The case: DRA switched H100s 0 (one 1g instance) and 1 (MIG mode, no instance yet)
+/// to MIG mode. Under `single` that is a node of mixed MIG modes, which the strategy refuses,
+/// so the lists could not be computed (and were frozen, health included). With dynamic MIG the
+/// switched GPUs are left out, saying why, under every strategy, and the other GPUs are served
+/// as before; no `nvidia.com/mig-*` resource appears for DRA's instances.
+#[test]
+fn gpus_dra_switched_to_mig_mode_are_left_out_and_single_still_computes() {
+    use super::resources::{LeftOut, LeftOutWhy, lists};
+    let mut inv = inv("dgx-h100");
+    inv.gpus[0].mig.enabled = true;
+    let one = instance(&inv.gpus[0], "1g.10gb");
+    inv.gpus[0].mig.devices.push(one);
+    inv.gpus[1].mig.enabled = true;
+    let single = Options {
+        mig_strategy: MigStrategy::Single,
+        ..Options::default()
+    };
+    assert!(matches!(
+        resources(&inv, &single).unwrap_err(),
+        ResError::MixedMigModes { .. }
+    ));
+    let rest: Vec<String> = inv.gpus[2..].iter().map(|g| g.uuid.to_string()).collect();
+    let switched_out: Vec<LeftOut> = inv.gpus[..2]
+        .iter()
+        .map(|g| LeftOut {
+            uuid: g.uuid.clone(),
+            index: g.index,
+            why: LeftOutWhy::InMigMode,
+        })
+        .collect();
+    for strategy in [MigStrategy::Single, MigStrategy::Mixed, MigStrategy::None] {
+        let l = lists(&inv, &with_dynamic_mig(strategy), &Default::default()).unwrap();
+        let names: Vec<&str> = l.resources.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["nvidia.com/gpu"], "{strategy:?}");
+        assert_eq!(gpu_uuids(&l.resources[0]), rest, "{strategy:?}");
+        assert_eq!(l.left_out, switched_out, "{strategy:?}");
+        assert!(
+            l.left_out[0].why.to_string().contains("dynamic MIG"),
+            "{}",
+            l.left_out[0].why
+        );
+    }
+
+    // Back outside MIG mode (the last claim's unprepare), GPU 0 is served whole again.
+    inv.gpus[0].mig.devices.clear();
+    inv.gpus[0].mig.enabled = false;
+    let l = lists(
+        &inv,
+        &with_dynamic_mig(MigStrategy::Single),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        l.resources[0].devices[0].uuid.to_string(),
+        inv.gpus[0].uuid.to_string()
+    );
+    assert_eq!(l.left_out, switched_out[1..]);
+
+    // A GPU DRA switched on that can no longer switch (a change pending) is still DRA's: the
+    // ledger's record keeps it out, where the inventory alone would make `single` fail (the
+    // node's one GPU that cannot switch is in MIG mode with no instance).
+    inv.gpus[1].mig.pending = Some(false);
+    let dynamic = with_dynamic_mig(MigStrategy::Single);
+    assert_eq!(
+        lists(&inv, &dynamic, &Default::default()).unwrap_err(),
+        ResError::NoMigDevices { gpu: 1 }
+    );
+    let switched = [inv.gpus[1].uuid.clone()].into_iter().collect();
+    let l = lists(&inv, &dynamic, &switched).unwrap();
+    assert_eq!(l.left_out, switched_out[1..]);
+    assert_eq!(l.resources[0].devices.len(), 7);
+}
+
+/// GPUs that cannot switch MIG mode keep the operator's shape, which `single` applies to: on
+/// a node whose Ampere GPUs are in MIG mode, their MIG devices are `nvidia.com/gpu`, and the
+/// H100s DRA switches are left out even whole (they would be a second shape under one name).
+/// Where no GPU can switch, dynamic MIG changes nothing.
+#[test]
+fn single_applies_to_the_gpus_that_cannot_switch() {
+    use super::resources::{LeftOutWhy, lists};
+    let mut inv = inv("dgx-h100");
+    for g in &mut inv.gpus[..2] {
+        g.cuda_compute_capability = crate::inventory::ComputeCapability { major: 8, minor: 0 };
+        g.mig.enabled = true;
+        let one = instance(g, "1g.10gb");
+        g.mig.devices.push(one);
+    }
+    let l = lists(
+        &inv,
+        &with_dynamic_mig(MigStrategy::Single),
+        &Default::default(),
+    )
+    .unwrap();
+    let gpu = by_name(&l.resources, "nvidia.com/gpu");
+    assert!(gpu.devices.iter().all(|d| d.mig), "{gpu:?}");
+    assert_eq!(gpu.devices.len(), 2);
+    let out: Vec<(u32, LeftOutWhy)> = l.left_out.iter().map(|l| (l.index, l.why)).collect();
+    assert_eq!(
+        out,
+        (2..8)
+            .map(|i| (i, LeftOutWhy::WholeBesideMig))
+            .collect::<Vec<_>>()
+    );
+    // Under mixed the same H100s are served whole beside the MIG devices.
+    let l = lists(
+        &inv,
+        &with_dynamic_mig(MigStrategy::Mixed),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(by_name(&l.resources, "nvidia.com/gpu").devices.len(), 6);
+    assert_eq!(
+        by_name(&l.resources, "nvidia.com/mig-1g.10gb")
+            .devices
+            .len(),
+        2
+    );
+    assert!(l.left_out.is_empty());
+
+    // A100s only: nothing is DRA's, so the lists and the refusals are today's.
+    let a100 = super::tests::inv("a100-mig-mixed");
+    for strategy in [MigStrategy::Single, MigStrategy::Mixed, MigStrategy::None] {
+        let plain = Options {
+            mig_strategy: strategy,
+            ..Options::default()
+        };
+        let dynamic = lists(&a100, &with_dynamic_mig(strategy), &Default::default());
+        match resources(&a100, &plain) {
+            Ok(res) => {
+                let l = dynamic.unwrap();
+                assert_eq!(l.resources, res, "{strategy:?}");
+                assert!(l.left_out.is_empty());
+            }
+            Err(e) => assert_eq!(dynamic.unwrap_err(), e, "{strategy:?}"),
+        }
+    }
+}

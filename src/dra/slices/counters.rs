@@ -58,6 +58,26 @@ fn resource_amounts(
     out
 }
 
+/// The engines a GPU's counter set holds: of each kind, the most that the GPU, any of its
+/// MIG profiles or any existing MIG device has, as NVIDIA's driver takes the maximum over every
+/// profile. The GPU's own figures come from its largest profile (NVML gives no engine counts for
+/// a whole GPU), and a smaller profile may have more of one kind (a `+me.all` profile takes
+/// every media engine); a counter below what one of its devices consumes would keep that device
+/// from ever being allocated.
+fn engine_totals(gpu: &Gpu) -> Engines {
+    let profiles = gpu.mig.profiles.iter().map(|p| &p.engines);
+    let devices = gpu.mig.devices.iter().map(|d| &d.engines);
+    profiles
+        .chain(devices)
+        .fold(gpu.engines, |most, e| Engines {
+            copy_engines: most.copy_engines.max(e.copy_engines),
+            decoders: most.decoders.max(e.decoders),
+            encoders: most.encoders.max(e.encoders),
+            jpeg_engines: most.jpeg_engines.max(e.jpeg_engines),
+            ofa_engines: most.ofa_engines.max(e.ofa_engines),
+        })
+}
+
 /// A counter's amount as its quantity: memory in bytes with a binary suffix, the rest as is.
 fn amount(name: &str, n: u64) -> String {
     if name == MEMORY {
@@ -90,7 +110,7 @@ impl GpuCounters {
         let mut all = resource_counters(
             gpu.memory_bytes,
             gpu.multiprocessors.unwrap_or(0),
-            &gpu.engines,
+            &engine_totals(gpu),
         );
         all.extend((0..gpu.mig.memory_slices).map(|i| (memory_slice_counter(i), "1".to_string())));
         Self::with(gpu, all)
@@ -302,12 +322,25 @@ fn most_at_once(members: &[Member], memory_slices: u32, name: &str) -> u64 {
 ///   leaves seven memory slices and the one OFA engine (two `+me` placements would want two):
 ///   memory, multiprocessors, copy engines, decoders and JPEG engines never run short before
 ///   the memory slices do.
-/// - The counters hold the GPU's own totals, where NVIDIA's driver uses the maximum over its
-///   profiles (the largest profile's memory is a little below the GPU's). Both exclude the same
-///   allocations: the whole GPU takes every memory slice, so it never shares the set with a
-///   MIG device, and the totals are what the silicon has, known without walking every profile.
-///   Of the counters kept, only the OFA engine's value matters, and it is 1 either way.
+/// - The memory and multiprocessor counters hold the GPU's own totals, where NVIDIA's driver
+///   uses the maximum over its profiles (the largest profile's memory is a little below the
+///   GPU's). Both exclude the same allocations: the whole GPU takes every memory slice, so it
+///   never shares the set with a MIG device. The engine counters hold the maximum over the
+///   GPU and every profile, as NVIDIA's do ([`engine_totals`]): the GPU's own engine figures are
+///   its largest profile's, which a smaller profile may exceed. Of the counters kept, only the
+///   OFA engine's value matters on the GPUs made so far, and it is 1 either way.
 pub(super) fn dynamic(gpu: &Gpu, allowed: Option<&[String]>, whole: Device) -> Result<Partitioned> {
+    dynamic_with(gpu, allowed, Some(whole))
+}
+
+/// [`dynamic`], with the whole GPU left out when `whole` is `None` (a GPU in MIG mode that a
+/// process holds: turning the mode off for a whole-GPU claim would fail), its counters then
+/// only those its MIG devices need.
+pub(super) fn dynamic_with(
+    gpu: &Gpu,
+    allowed: Option<&[String]>,
+    whole: Option<Device>,
+) -> Result<Partitioned> {
     let sms = |n: u32| if gpu.multiprocessors.is_some() { n } else { 0 };
     let existing: &[MigDevice] = &gpu.mig.devices;
     let mut members = Vec::new();
@@ -337,14 +370,14 @@ pub(super) fn dynamic(gpu: &Gpu, allowed: Option<&[String]>, whole: Device) -> R
             }
         }
     }
-    let whole = existing.is_empty().then_some(whole);
+    let whole = whole.filter(|_| existing.is_empty());
 
     // Resource counters that MIG devices can exhaust. The whole GPU alone takes exactly what
     // the GPU has, so it never exhausts one.
     let totals = resource_amounts(
         gpu.memory_bytes,
         gpu.multiprocessors.unwrap_or(0),
-        &gpu.engines,
+        &engine_totals(gpu),
     );
     let total = |name: &str| {
         totals
@@ -444,4 +477,90 @@ pub(super) fn dynamic(gpu: &Gpu, allowed: Option<&[String]>, whole: Device) -> R
         counters: counters.map(|c| c.sets).unwrap_or_default(),
         devices,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::topology::load_profile;
+
+    /// Every counter a device of `devices` consumes, against the value `sets` give it.
+    fn over(sets: &[CounterSet], devices: &[Device]) -> Vec<String> {
+        let value = |set: &str, counter: &str| {
+            sets.iter()
+                .find(|s| s.name == set)
+                .and_then(|s| s.counters.get(counter))
+                .map(|c| c.value.0.clone())
+        };
+        let mut out = Vec::new();
+        for d in devices {
+            for c in d.consumes_counters.iter().flatten() {
+                for (name, want) in &c.counters {
+                    let have = value(&c.counter_set, name);
+                    let fits = have.as_ref().is_some_and(|have| {
+                        crate::inventory::parse_quantity(&want.value.0)
+                            <= crate::inventory::parse_quantity(have)
+                    });
+                    if !fits {
+                        out.push(format!("{} {name}: {} of {have:?}", d.name, want.value.0));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// An engine count NVIDIA takes as the maximum over every profile: an H100 whose `+me`
+    /// profile has more OFA engines than its largest profile (the GPU's own figures) offers that
+    /// many, so the `+me` placements fit, in dynamic and in partitionable mode; a GPU whose
+    /// profiles have none above its own keeps its counters as they were.
+    #[test]
+    fn engine_counters_are_the_maximum_over_every_profile() {
+        let inv = load_profile("dgx-h100", "n").unwrap();
+        let plain = inv.gpus[0].clone();
+        assert_eq!(
+            engine_totals(&plain),
+            plain.engines,
+            "no profile above the GPU's"
+        );
+
+        let mut gpu = plain.clone();
+        assert_eq!(gpu.engines.ofa_engines, 1);
+        let me = gpu
+            .mig
+            .profiles
+            .iter_mut()
+            .find(|p| p.name == "1g.10gb+me")
+            .unwrap();
+        me.engines.ofa_engines = 2;
+        me.engines.decoders = 9;
+        let totals = engine_totals(&gpu);
+        assert_eq!((totals.ofa_engines, totals.decoders), (2, 9));
+        assert_eq!(
+            (totals.copy_engines, totals.jpeg_engines),
+            (gpu.engines.copy_engines, gpu.engines.jpeg_engines)
+        );
+
+        let whole = Device {
+            name: "gpu-0".into(),
+            ..Default::default()
+        };
+        let d = dynamic(&gpu, None, whole).unwrap();
+        let ofa = d.counters[0].counters.get("ofa-engines").unwrap();
+        assert_eq!(ofa.value.0, "2");
+        assert_eq!(over(&d.counters, &d.devices), Vec::<String>::new());
+        let me_placements = d
+            .devices
+            .iter()
+            .filter(|d| d.name.contains("-1g10gbme-"))
+            .count();
+        assert_eq!(me_placements, 7);
+
+        let mut in_mig = gpu.clone();
+        in_mig.mig.enabled = true;
+        let p = partitioned(&in_mig, None, ConsumableShares::Disabled).unwrap();
+        assert_eq!(over(&p.counters, &p.devices), Vec::<String>::new());
+        let decoders = p.counters[0].counters.get("decoders").unwrap();
+        assert_eq!(decoders.value.0, "9");
+    }
 }

@@ -1172,3 +1172,144 @@ spec:
         "without a share mode the device is allocated once: {second}"
     );
 }
+
+/// `nvdra match --dynamic-mig` on a dgx-h100 whose idle gpu-0 a DCGM-like holder holds (the
+/// fault file's `holder` line, which the simulated backend lists in its inventory reads as the
+/// NVML backend lists the processes holding a GPU): gpu-0's placements are withdrawn, so a
+/// claim that only they would fit is not satisfiable and is explained naming the holder; gpu-0
+/// whole still fits. `nvdra inventory` says why in MIG TOGGLE. Without the holder the same claim
+/// fits gpu-0.
+#[test]
+fn a_withdrawn_placement_is_explained_naming_its_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = dir.path().join("faults");
+    std::fs::write(&faults, "holder 0 4242 nv-hostengine\n").unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!("version: v1\nfaultFile: {}\n", faults.display()),
+    )
+    .unwrap();
+    let claims = dir.path().join("claims.yaml");
+    std::fs::write(
+        &claims,
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: on-zero}\nspec:\n  devices:\n    requests:\n    - name: m\n      exactly:\n        deviceClassName: mig.nvidia.com\n        selectors:\n        - cel: {expression: \"device.attributes['gpu.nvidia.com'].profile == '1g.10gb' && device.attributes['gpu.nvidia.com'].parentIndex == 0\"}\n",
+    )
+    .unwrap();
+    let whole = dir.path().join("whole.yaml");
+    std::fs::write(
+        &whole,
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: whole}\nspec:\n  devices:\n    requests:\n    - name: g\n      exactly: {deviceClassName: gpu.nvidia.com, selectors: [{cel: {expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}}]}\n",
+    )
+    .unwrap();
+    let (config, claims, whole) = (
+        config.to_str().unwrap(),
+        claims.to_str().unwrap(),
+        whole.to_str().unwrap(),
+    );
+    let why = "placements of gpu-0 withdrawn: held by pid 4242 (nv-hostengine), which blocks a \
+               MIG mode switch";
+
+    let held = nvdra(&[
+        "--config",
+        config,
+        "match",
+        "-f",
+        claims,
+        "--profile",
+        "dgx-h100",
+        "--dynamic-mig",
+    ]);
+    let table = stdout(&held);
+    assert_eq!(
+        held.status.code(),
+        Some(1),
+        "{table}{}",
+        String::from_utf8_lossy(&held.stderr)
+    );
+    assert!(
+        table.contains(&format!(
+            "  not satisfiable: request m needs 1 device, 0 fit ({why})\n"
+        )),
+        "{table}"
+    );
+    for i in 0..7 {
+        let device = format!("gpu-0-mig-1g10gb-19-{i} ");
+        assert!(
+            table
+                .lines()
+                .any(|l| l.trim_start().starts_with(&device) && l.ends_with(why)),
+            "{device}: {table}"
+        );
+    }
+    let v = json(&nvdra(&[
+        "--config",
+        config,
+        "match",
+        "-f",
+        claims,
+        "--profile",
+        "dgx-h100",
+        "--dynamic-mig",
+        "-o",
+        "json",
+    ]));
+    let named = v[0]["requests"][0]["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["reason"] == why)
+        .count();
+    assert_eq!(named, 7, "{v}");
+
+    let whole_gpu = nvdra(&[
+        "--config",
+        config,
+        "match",
+        "-f",
+        whole,
+        "--profile",
+        "dgx-h100",
+        "--dynamic-mig",
+    ]);
+    assert!(whole_gpu.status.success(), "{}", stdout(&whole_gpu));
+    assert!(
+        stdout(&whole_gpu).contains("  satisfiable: g → gpu-0\n"),
+        "{}",
+        stdout(&whole_gpu)
+    );
+
+    let inv = nvdra(&[
+        "--config",
+        config,
+        "inventory",
+        "--profile",
+        "dgx-h100",
+        "--dynamic-mig",
+    ]);
+    let text = stdout(&inv);
+    let gpu0 = text.lines().find(|l| l.starts_with("gpu-0 ")).unwrap();
+    assert!(
+        gpu0.ends_with("  yes, not now: held by pid 4242 (nv-hostengine)"),
+        "{text}"
+    );
+
+    // Without the holder the claim fits gpu-0.
+    std::fs::write(&faults, "").unwrap();
+    let free = nvdra(&[
+        "--config",
+        config,
+        "match",
+        "-f",
+        claims,
+        "--profile",
+        "dgx-h100",
+        "--dynamic-mig",
+    ]);
+    assert!(free.status.success(), "{}", stdout(&free));
+    assert!(
+        stdout(&free).contains("  satisfiable: m → gpu-0-mig-1g10gb-19-0\n"),
+        "{}",
+        stdout(&free)
+    );
+}

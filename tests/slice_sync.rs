@@ -1,11 +1,13 @@
 //! Inventory → slices → publisher → test API server: changes in the (simulated) hardware reach the
 //! API server as one update, and a server that drops the partitionable fields gets the plain
 //! layout instead; with `--shared-capacity`, the shareable GPUs as the server stores them, and
-//! plain whole GPUs where the server drops consumable capacity.
+//! plain whole GPUs where the server drops consumable capacity. With `--dynamic-mig`: a
+//! passthrough H100 offered and switched at prepare, a holder that blocks a switch withdrawing
+//! its GPU's placements at the next read, and a prepare that met `IN_USE` tainting them.
 
 mod support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,9 +16,12 @@ use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
+use nvdra::dra::switch_blocks::SwitchBlocks;
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
-use nvdra::inventory::{self, DeviceBackend, Health, Inventory, MigDevice, MigUuid, Placement};
+use nvdra::inventory::{
+    self, DeviceBackend, Health, Holder, HolderKind, Inventory, MigDevice, MigUuid, Placement,
+};
 use support::apiserver::TestApiServer;
 use support::wait::{SOON, eventually};
 use tokio_util::sync::CancellationToken;
@@ -117,6 +122,17 @@ async fn start_opts(
     shape: impl FnOnce(&mut SliceOptions),
     prepare: impl FnOnce(&TestApiServer),
 ) -> Node {
+    let sim = SimBackend::from_profile(profile, NODE).unwrap();
+    start_sim(sim, shape, prepare, None).await
+}
+
+/// Starts a node on `sim`, publishing with `blocks` (a plugin's switch blocks) where given.
+async fn start_sim(
+    sim: SimBackend,
+    shape: impl FnOnce(&mut SliceOptions),
+    prepare: impl FnOnce(&TestApiServer),
+    blocks: Option<SwitchBlocks>,
+) -> Node {
     let server = TestApiServer::start().await;
     server.seed_node(NODE, "uid-node-a");
     prepare(&server);
@@ -129,7 +145,6 @@ async fn start_opts(
         conflict_retries: 5,
     };
     let (publisher, handle) = Publisher::with_options(api, DRIVER, NODE, options);
-    let sim = SimBackend::from_profile(profile, NODE).unwrap();
     let (reads_tx, reads) = tokio::sync::watch::channel(0);
     let backend = Counting {
         sim: sim.clone(),
@@ -152,6 +167,10 @@ async fn start_opts(
         // Long enough that only announced changes are picked up during a test.
         Duration::from_secs(3600),
     );
+    let sync = match blocks {
+        Some(b) => sync.with_switch_blocks(b),
+        None => sync,
+    };
     let token = CancellationToken::new();
     tokio::spawn(publisher.run(token.clone()));
     tokio::spawn(sync.run(token.clone()));
@@ -358,11 +377,55 @@ async fn dynamic_mig_publishes_every_gpu_whole_and_in_placements() {
     }
 }
 
-/// A MIG mode change left pending (prepare met NVML's RESET_REQUIRED) reaches the API server as
-/// one update: that GPU is published whole only, tainted `mig-reset-required`, the others stay
-/// offered both ways.
+/// The devices of GPU `minor` (whole and MIG) in `slices`, each with its taints as
+/// `key[=value]:effect`.
+fn of_gpu(slices: &[ResourceSlice], minor: u32) -> BTreeMap<String, Vec<String>> {
+    let whole = format!("gpu-{minor}");
+    let mig = format!("gpu-{minor}-mig-");
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .filter(|d| d.name == whole || d.name.starts_with(&mig))
+        .map(|d| {
+            let taints = d
+                .taints
+                .iter()
+                .flatten()
+                .map(|t| match &t.value {
+                    Some(v) => format!("{}={v}:{}", t.key, t.effect),
+                    None => format!("{}:{}", t.key, t.effect),
+                })
+                .collect();
+            (d.name.clone(), taints)
+        })
+        .collect()
+}
+
+/// Whether any device of `slices` is tainted.
+fn any_taint(slices: &[ResourceSlice]) -> bool {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+}
+
+/// `desired` as the slices the server would store.
+fn as_slices(desired: &[k8s_openapi::api::resource::v1::ResourceSliceSpec]) -> Vec<ResourceSlice> {
+    desired
+        .iter()
+        .map(|spec| ResourceSlice {
+            metadata: Default::default(),
+            spec: spec.clone(),
+        })
+        .collect()
+}
+
+/// A MIG mode change pending on a Hopper GPU (someone's `nvidia-smi -mig`, or a crash before
+/// nvdra withdrew a refused switch) reaches the API server as one update: that GPU is published
+/// by its current mode, whole only, and nothing is tainted (the plugin withdraws the change);
+/// once it is withdrawn, the GPU is offered both ways again.
 #[tokio::test]
-async fn a_pending_mig_mode_change_is_published_as_a_taint() {
+async fn a_pending_mig_mode_change_on_hopper_is_published_untainted() {
     let mut node = start_opts("dgx-h100", |o| o.dynamic_mig = true, |_| {}).await;
     eventually("every GPU whole and in placements", || {
         device_names(&node.server.slices()).len() == 8 * 26
@@ -370,24 +433,75 @@ async fn a_pending_mig_mode_change_is_published_as_a_taint() {
     .await;
     node.sim.update(|inv| inv.gpus[0].mig.pending = Some(true));
     node.announce_and_wait().await;
-    eventually("GPU 0 whole only, tainted", || {
+    eventually("GPU 0 whole only, untainted", || {
         let slices = node.server.slices();
-        let names = device_names(&slices);
-        let gpu0: Vec<&String> = names
-            .iter()
-            .filter(|n| *n == "gpu-0" || n.starts_with("gpu-0-"))
-            .collect();
-        let tainted = slices
-            .iter()
-            .flat_map(|s| s.spec.devices.iter().flatten())
-            .find(|d| d.name == "gpu-0")
-            .and_then(|d| d.taints.as_ref())
-            .is_some_and(|t| {
-                t.iter().any(|t| {
-                    t.key == "gpu.nvidia.com/mig-reset-required" && t.effect == "NoSchedule"
-                })
-            });
-        names.len() == 7 * 26 + 1 && gpu0 == ["gpu-0"] && tainted
+        let gpu0: Vec<String> = of_gpu(&slices, 0).into_keys().collect();
+        device_names(&slices).len() == 7 * 26 + 1 && gpu0 == ["gpu-0"] && !any_taint(&slices)
+    })
+    .await;
+    node.sim.update(|inv| inv.gpus[0].mig.pending = None);
+    node.announce_and_wait().await;
+    eventually("offered both ways again", || {
+        device_names(&node.server.slices()).len() == 8 * 26
+    })
+    .await;
+}
+
+/// A DCGM-like holder (`nv-hostengine`) appearing on an idle GPU that could switch withdraws
+/// the GPU's placements at the inventory read that finds it: that read's desired slices offer
+/// the GPU whole only (a claim allocated a placement there could not be prepared), and the
+/// server gets them. The persistence daemon withdraws nothing. Once the holder is gone, the
+/// placements are back.
+#[tokio::test]
+async fn a_dcgm_like_holder_withdraws_its_gpus_placements_within_one_publish() {
+    let mut node = start_opts("dgx-h100", |o| o.dynamic_mig = true, |_| {}).await;
+    eventually("every GPU whole and in placements", || {
+        device_names(&node.server.slices()).len() == 8 * 26
+    })
+    .await;
+    let inv = node.sim.snapshot().unwrap();
+    node.sim.set_holders(
+        &inv.gpus[0].uuid,
+        vec![Holder {
+            pid: 4242,
+            name: "nv-hostengine".into(),
+            kind: HolderKind::Foreign,
+        }],
+    );
+    node.sim.set_holders(
+        &inv.gpus[1].uuid,
+        vec![Holder {
+            pid: 17,
+            name: "nvidia-persistenced".into(),
+            kind: HolderKind::Harmless,
+        }],
+    );
+    let seq = node.publisher.desired_seq();
+    node.announce_and_wait().await;
+    assert_eq!(
+        node.publisher.desired_seq(),
+        seq.map(|n| n + 1),
+        "one new desired state"
+    );
+    let desired = as_slices(&node.publisher.desired().unwrap());
+    let gpu0: Vec<String> = of_gpu(&desired, 0).into_keys().collect();
+    assert_eq!(gpu0, ["gpu-0"], "whole only");
+    assert_eq!(
+        of_gpu(&desired, 1).len(),
+        26,
+        "persistenced withdraws nothing"
+    );
+    assert_eq!(device_names(&desired).len(), 7 * 26 + 1);
+    assert!(!any_taint(&desired));
+    eventually("the server has them", || {
+        device_names(&node.server.slices()) == device_names(&desired)
+    })
+    .await;
+
+    node.sim.set_holders(&inv.gpus[0].uuid, Vec::new());
+    node.announce_and_wait().await;
+    eventually("the placements are back", || {
+        device_names(&node.server.slices()).len() == 8 * 26
     })
     .await;
 }

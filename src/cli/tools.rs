@@ -114,6 +114,7 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
         ));
     }
     // Per node: (node name or "" for the one node of a backend or a file, its slices).
+    let mut withdrawn = Withdrawn::default();
     let nodes: Vec<(String, Vec<k8s_openapi::api::resource::v1::ResourceSlice>)> =
         if let Some(kubeconfig) = &args.cluster.kubeconfig {
             match live_slices(kubeconfig, args.node.as_deref()) {
@@ -135,7 +136,10 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
             }
         } else {
             match node_slices(cli, args, &objects) {
-                Ok(s) => vec![(String::new(), s)],
+                Ok((s, w)) => {
+                    withdrawn = w;
+                    vec![(String::new(), s)]
+                }
                 Err(e) => return bad_input(e),
             }
         };
@@ -143,7 +147,12 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     let result = matching::compile_classes(&objects.classes).and_then(|classes| {
         let mut reports = Vec::new();
         for (node, slices) in &nodes {
-            let devices = matching::Node::from_slices(&env, slices)?;
+            let devices = matching::Node::from_slices(&env, slices)?.with_withdrawn(
+                &env,
+                &withdrawn.driver,
+                &withdrawn.pool,
+                std::mem::take(&mut withdrawn.devices),
+            )?;
             for mut r in matching::explain_all(&env, &objects.claims, &classes, &devices)? {
                 if !node.is_empty() {
                     r.node = Some(node.clone());
@@ -196,23 +205,36 @@ fn live_slices(
     })
 }
 
+/// The devices a backend's node withdrew from its slices (`--dynamic-mig`: holders block the
+/// switch they need), each with why, and the pool they belong to.
+#[derive(Default)]
+struct Withdrawn {
+    driver: String,
+    pool: String,
+    devices: Vec<(k8s_openapi::api::resource::v1::Device, String)>,
+}
+
 /// The node's ResourceSlices: from `--slices`, from the `-f` files when they hold some and no
-/// backend is named, or built in-process from the backend as the publisher would.
+/// backend is named, or built in-process from the backend as the publisher would (with the
+/// devices it withdrew, which slices from elsewhere do not tell).
 fn node_slices(
     cli: &Cli,
     args: &MatchArgs,
     objects: &crate::matching::Objects,
-) -> anyhow::Result<Vec<k8s_openapi::api::resource::v1::ResourceSlice>> {
+) -> anyhow::Result<(
+    Vec<k8s_openapi::api::resource::v1::ResourceSlice>,
+    Withdrawn,
+)> {
     use k8s_openapi::api::resource::v1::ResourceSlice;
     if let Some(file) = &args.slices {
         let read = crate::matching::input::read_files(std::slice::from_ref(file))?;
-        return Ok(read.slices);
+        return Ok((read.slices, Withdrawn::default()));
     }
     let named = args.backend.backend.is_some()
         || args.backend.profile.is_some()
         || args.backend.topology.is_some();
     if !named && !objects.slices.is_empty() {
-        return Ok(objects.slices.clone());
+        return Ok((objects.slices.clone(), Withdrawn::default()));
     }
     let settings = Settings {
         backend: args.backend.clone(),
@@ -231,13 +253,22 @@ fn node_slices(
         mig_profiles: config.mig_profiles.clone(),
         layout: slices::CounterLayout::Separate,
     };
-    Ok(slices::desired_slices(&inv, &opts)?
+    let withdrawn = Withdrawn {
+        driver: opts.driver.clone(),
+        pool: opts.node_name.clone(),
+        devices: slices::withdrawn_devices(&inv, &opts)?
+            .into_iter()
+            .map(|w| (w.device, w.reason))
+            .collect(),
+    };
+    let slices = slices::desired_slices(&inv, &opts)?
         .into_iter()
         .map(|spec| ResourceSlice {
             metadata: Default::default(),
             spec,
         })
-        .collect())
+        .collect();
+    Ok((slices, withdrawn))
 }
 
 pub(super) fn run_validate(args: &ValidateArgs) -> ExitCode {

@@ -42,9 +42,9 @@ use std::fmt;
 pub use crate::ledger::shares::ConsumableShares;
 pub use attributes::normalize_version;
 pub use names::{PublishedDevice, counter_set_name, find_device};
-pub use splitting::desired_slices;
 #[cfg(test)]
 use splitting::is_advanced;
+pub use splitting::{Withdrawn, desired_slices, desired_slices_withdrawing, withdrawn_devices};
 // The API server's rules are the kubelet-plugin library's (its test API server applies them too).
 #[cfg(test)]
 use kubelet_plugin::validate;
@@ -159,8 +159,15 @@ pub struct SliceOptions {
     /// Publish each GPU that can switch MIG mode at run time ([`Gpu::mig_toggle`]) whole and
     /// in every free MIG placement, at either mode, all drawing on one counter set
     /// (`--dynamic-mig`); prepare switches the mode. A GPU that cannot is published as without
-    /// the switch, one whose MIG mode change waits for a reset with a
-    /// [`TAINT_MIG_RESET_REQUIRED`] taint as well.
+    /// the switch (an Ampere GPU whose MIG mode change waits for a reset with its placements,
+    /// never its whole device or existing MIG devices, tainted [`TAINT_MIG_RESET_REQUIRED`]).
+    /// Of a GPU that can, the devices that need a switch now (its placements outside MIG mode,
+    /// the whole GPU in MIG mode without an instance) are withdrawn while a process that
+    /// blocks a switch holds it ([`Holder::blocks_switch`]), and tainted
+    /// [`TAINT_MIG_SWITCH_BLOCKED`] once a prepare met `IN_USE` ([`SwitchBlock::InUse`]).
+    ///
+    /// [`Holder::blocks_switch`]: crate::inventory::Holder::blocks_switch
+    /// [`SwitchBlock::InUse`]: crate::inventory::SwitchBlock::InUse
     ///
     /// [`Gpu::mig_toggle`]: crate::inventory::Gpu::mig_toggle
     pub dynamic_mig: bool,
@@ -172,11 +179,23 @@ pub struct SliceOptions {
     pub layout: CounterLayout,
 }
 
-/// The key (after `<driver>/`) of the taint on the devices of a GPU whose MIG mode change
-/// waits for a GPU reset, with `dynamic_mig`: prepare cannot switch its mode, and nvdra never
-/// resets a GPU, so new claims keep off it until someone does. No value; effect `NoSchedule`,
-/// so running pods stay.
+/// The key (after `<driver>/`) of the taint on the MIG placements of an Ampere GPU whose MIG
+/// mode change waits for a GPU reset, with `dynamic_mig`: nvdra never resets a GPU, so new
+/// claims keep off the placements (which need an instance created) until someone does; the
+/// whole GPU and existing MIG devices are never tainted so. No value; effect `NoSchedule`, so
+/// running pods stay. A Hopper GPU never carries it: the plugin withdraws a pending change.
 pub const TAINT_MIG_RESET_REQUIRED: &str = "mig-reset-required";
+
+/// The key (after `<driver>/`) of the taint on the devices of a dynamic-MIG GPU that need a MIG
+/// mode switch, after a prepare met `IN_USE` on it ([`SwitchBlock::InUse`]): effect
+/// `NoExecute`, so the device-taint eviction controller evicts the pod whose claim was
+/// allocated there and its claim is allocated anew (a withdrawn device could not be tainted);
+/// value: the first holder in the way that blocks a switch, by its process name as a label
+/// value (none where it has no usable name). Where the server drops taints, the devices are
+/// withdrawn instead.
+///
+/// [`SwitchBlock::InUse`]: crate::inventory::SwitchBlock::InUse
+pub const TAINT_MIG_SWITCH_BLOCKED: &str = "mig-switch-blocked";
 
 /// The names of the `--mig-profiles` allowlist that no GPU of `inv` lists: no error (the list is
 /// per fleet, and GPUs differ), but worth a word at start when none has them, as a misspelt name

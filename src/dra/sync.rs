@@ -16,9 +16,15 @@
 //! are then withdrawn from the slices instead of published tainted, so the scheduler still keeps
 //! new claims off them.
 //!
+//! Likewise for the devices of a dynamic-MIG GPU on which a prepare met `IN_USE` (tainted
+//! `mig-switch-blocked` where taints reach the scheduler): withdrawn.
+//!
 //! Given the health monitor's watch ([`SliceSync::with_health`]), every health transition
 //! re-reads the inventory at once; given the inventory owner's ([`SliceSync::with_inventory`]),
-//! so does every read the owner publishes (a MIG device created at prepare among them).
+//! so does every read the owner publishes (a MIG device created at prepare among them). Given
+//! the plugin's switch blocks ([`SliceSync::with_switch_blocks`]), each inventory read carries
+//! them ([`SwitchBlocks::apply`]), so a change of them (which the plugin announces as an
+//! inventory change) is published at the next read.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +33,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::slices::{self, ConsumableShares, CounterLayout, SliceOptions};
+use super::switch_blocks::SwitchBlocks;
 use crate::holds::{ContainerHolds, Holder, Occupied};
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::metrics::Metrics;
@@ -82,6 +89,8 @@ pub struct SliceSync {
     metrics: Option<Arc<Metrics>>,
     /// `--mode both`: the device-plugin holds, hidden from the slices.
     holds: Option<ContainerHolds>,
+    /// The plugin's record of the GPUs it will not switch now, applied to each read.
+    switch_blocks: Option<SwitchBlocks>,
 }
 
 impl SliceSync {
@@ -109,6 +118,7 @@ impl SliceSync {
                 inventory: None,
                 metrics: None,
                 holds: None,
+                switch_blocks: None,
             },
             SyncHandle { trigger },
         )
@@ -136,6 +146,16 @@ impl SliceSync {
     /// device) from the slices while they hold it, re-publishing when the holds change.
     pub fn with_holds(mut self, holds: ContainerHolds) -> Self {
         self.holds = Some(holds);
+        self
+    }
+
+    /// `--dynamic-mig`: publishes each GPU with the plugin's switch block
+    /// ([`Mig::switch_block`](crate::inventory::Mig::switch_block)): one that answered
+    /// `RESET_REQUIRED` as one that cannot switch, one where a prepare met `IN_USE` with its
+    /// switch-needing devices tainted. The plugin announces each change through its inventory
+    /// hook, which makes the owner read again and this task follow.
+    pub fn with_switch_blocks(mut self, blocks: SwitchBlocks) -> Self {
+        self.switch_blocks = Some(blocks);
         self
     }
 
@@ -183,8 +203,8 @@ impl SliceSync {
         if !self.withdraw_tainted && fields.iter().any(|f| f == TAINTS_FIELD) {
             tracing::warn!(
                 "the API server drops device taints (feature gate DRADeviceTaints is off); GPUs \
-                 the health monitor marks unhealthy are withdrawn from the slices instead of \
-                 published tainted"
+                 the health monitor marks unhealthy, and devices whose MIG mode switch met \
+                 IN_USE, are withdrawn from the slices instead of published tainted"
             );
             self.withdraw_tainted = true;
             self.stale = true;
@@ -266,6 +286,9 @@ impl SliceSync {
             m.gpus.store(inv.gpus.len() as u64, Relaxed);
             m.unhealthy_devices.store(unhealthy as u64, Relaxed);
         }
+        if let Some(blocks) = &self.switch_blocks {
+            blocks.apply(&mut inv);
+        }
         if self.withdraw_tainted {
             withdraw_tainted(&mut inv);
         }
@@ -275,7 +298,11 @@ impl SliceSync {
         if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
             return;
         }
-        let desired = match slices::desired_slices(&inv, &self.options) {
+        let desired = match slices::desired_slices_withdrawing(
+            &inv,
+            &self.options,
+            self.withdraw_tainted,
+        ) {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!(error = %e, "bug: the desired slices break an API rule; keeping the published ones (please report this)");

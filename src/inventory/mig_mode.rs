@@ -3,8 +3,10 @@
 //!
 //! Only Hopper and later apply a MIG mode change at once; on Ampere NVML records the change as
 //! *pending* until the GPU is reset, which nvdra never does under running pods, so there MIG
-//! mode stays the operator's business (as NVIDIA's DRA driver has it). A GPU inside a VM (a vGPU
-//! guest, or passed through) cannot reset itself either.
+//! mode stays the operator's business (as NVIDIA's DRA driver has it). Hopper and later switch
+//! without a reset on bare metal and in a passthrough VM alike (the cloud's H100 and H200
+//! nodes), as NVIDIA's driver allows them (its issue 1006, PR 1018); a vGPU guest cannot switch
+//! at all.
 
 use std::fmt;
 
@@ -56,7 +58,7 @@ pub enum NoMigToggle {
         architecture: Option<String>,
         compute_capability: ComputeCapability,
     },
-    /// Not on bare metal.
+    /// A vGPU guest, or a hypervisor serving vGPUs ([`Gpu::mig_toggle`] says why).
     #[error("{0}")]
     Virtualized(Virtualization),
     /// NVML could not tell whether the GPU is virtualized.
@@ -65,6 +67,11 @@ pub enum NoMigToggle {
     /// A change waits for a GPU reset.
     #[error("MIG mode change pending (current {}, pending {}): reset required", on_off(*.current), on_off(*.pending))]
     Pending { current: bool, pending: bool },
+    /// The driver answered a switch of this GPU with `RESET_REQUIRED`
+    /// ([`SwitchBlock::ResetRequired`]): nvdra withdrew the change and leaves the mode to the
+    /// operator until it restarts.
+    #[error("the driver answered a switch with RESET_REQUIRED: MIG mode left to the operator")]
+    ResetRequired,
 }
 
 fn before_hopper(architecture: &Option<String>, cc: &ComputeCapability) -> String {
@@ -84,8 +91,22 @@ pub const HOPPER: ComputeCapability = ComputeCapability { major: 9, minor: 0 };
 
 impl Gpu {
     /// Whether nvdra may change this GPU's MIG mode at run time; `Err` says why not. Read from
-    /// the inventory alone: MIG support and mode, compute capability, virtualization and any
-    /// pending change. The first reason found is given, in that order.
+    /// the inventory alone: MIG support and mode, compute capability, virtualization, any
+    /// pending change and whether the driver answered a switch with `RESET_REQUIRED`
+    /// ([`Mig::switch_block`](super::Mig::switch_block)). The first reason found is given, in
+    /// that order.
+    ///
+    /// Virtualization: bare metal and a passthrough VM switch alike (the whole GPU is the
+    /// guest's, and Hopper needs no reset, which a guest could not do); NVIDIA's driver
+    /// excludes only vGPU guests. Kept out besides NVIDIA's rule: a vGPU guest (its MIG shape
+    /// is the vGPU profile the hypervisor gave it), and both host modes, `VgpuHost` and
+    /// `VsgaHost`: there the GPU (and its MIG instances, for MIG-backed vGPUs) serves the
+    /// hypervisor's VMs, whose use NVML's process lists on the host do not show, so a switch
+    /// would take the GPU from under running VMs or be refused for reasons nvdra cannot name.
+    ///
+    /// A pending change keeps the GPU out (on Hopper the plugin withdraws it, and the GPU is
+    /// offered again at the next read); so does a switch block of `RESET_REQUIRED`. An
+    /// `IN_USE` block does not: the GPU can switch once its holders are gone.
     pub fn mig_toggle(&self) -> Result<(), NoMigToggle> {
         if self.mig.mode_unknown {
             return Err(NoMigToggle::ModeUnknown);
@@ -101,7 +122,8 @@ impl Gpu {
         }
         match self.virtualization {
             None => return Err(NoMigToggle::VirtualizationUnknown),
-            Some(Virtualization::BareMetal) => {}
+            Some(Virtualization::BareMetal | Virtualization::Passthrough) => {}
+            // A vGPU guest, a vGPU or vSGA host.
             Some(v) => return Err(NoMigToggle::Virtualized(v)),
         }
         if let Some(pending) = self.mig.pending {
@@ -109,6 +131,9 @@ impl Gpu {
                 current: self.mig.enabled,
                 pending,
             });
+        }
+        if self.mig.switch_block == Some(SwitchBlock::ResetRequired) {
+            return Err(NoMigToggle::ResetRequired);
         }
         Ok(())
     }

@@ -2,13 +2,14 @@
 
 use std::fmt::Write;
 
-use super::{Inventory, on_off, quantity};
+use super::{Gpu, Holder, Inventory, SwitchBlock, on_off, quantity};
 
 /// One line per GPU and per MIG device, columns aligned. The FABRIC column
 /// (`<clusterUUID>.<cliqueID>`) appears only when some GPU completed an NVLink fabric
 /// registration. MIG shows the current mode (with the MIG device count when on) and any change
 /// pending a GPU reset; MIG TOGGLE whether nvdra may change the mode at run time
-/// ([`Gpu::mig_toggle`](super::Gpu::mig_toggle)), or why not.
+/// ([`Gpu::mig_toggle`](super::Gpu::mig_toggle)), or why not, and for one that may, what keeps
+/// it from switching now ([`toggle_now`]).
 pub fn render(inv: &Inventory) -> String {
     let with_fabric = inv.gpus.iter().any(|g| g.fabric.is_some());
     let mut header: Vec<String> = [
@@ -39,7 +40,7 @@ pub fn render(inv: &Inventory) -> String {
             let _ = write!(mig, " → {} (pending)", on_off(pending));
         }
         let toggle = match g.mig_toggle() {
-            Ok(()) => "yes".to_string(),
+            Ok(()) => toggle_now(g),
             Err(why) => format!("no: {why}"),
         };
         let fabric = g.fabric.as_ref().map_or("-".into(), |f| f.to_string());
@@ -97,6 +98,34 @@ pub fn render(inv: &Inventory) -> String {
         out.push('\n');
     }
     out
+}
+
+/// MIG TOGGLE of a GPU that may switch at run time: `yes`, or what keeps it from switching now
+/// (with `--dynamic-mig` its devices that need a switch are then withdrawn or tainted): the
+/// holders that block a switch, or those a prepare met (`IN_USE`).
+fn toggle_now(g: &Gpu) -> String {
+    let names = |holders: &mut dyn Iterator<Item = &Holder>| {
+        holders
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(SwitchBlock::InUse { holders }) = &g.mig.switch_block {
+        return format!(
+            "yes, not now: a switch met IN_USE ({})",
+            names(&mut holders.iter())
+        );
+    }
+    let mut blocking = g
+        .mig
+        .holders
+        .iter()
+        .filter(|h| h.blocks_switch())
+        .peekable();
+    if blocking.peek().is_none() {
+        return "yes".to_string();
+    }
+    format!("yes, not now: held by {}", names(&mut blocking))
 }
 
 #[cfg(test)]
@@ -178,5 +207,56 @@ mod tests {
             text.lines().nth(gpu1 + 1).unwrap().ends_with("Healthy"),
             "{text}"
         );
+    }
+
+    /// A GPU that may switch says what keeps it from switching now: a holder that blocks a
+    /// switch (not one that does not), or a prepare that met IN_USE; one whose switch answered
+    /// RESET_REQUIRED may not switch; a passthrough H100 may, a vGPU guest may not.
+    #[test]
+    fn mig_toggle_column_names_what_keeps_a_gpu_from_switching_now() {
+        use crate::inventory::{Holder, HolderKind, SwitchBlock, Virtualization};
+        let holder = |pid, name: &str, kind| Holder {
+            pid,
+            name: name.into(),
+            kind,
+        };
+        let mut inv = load_profile("dgx-h100", "n").unwrap();
+        inv.gpus[0].mig.holders = vec![
+            holder(17, "nvidia-persistenced", HolderKind::Harmless),
+            holder(4242, "nv-hostengine", HolderKind::Foreign),
+        ];
+        inv.gpus[1].mig.holders = vec![holder(17, "nvidia-persistenced", HolderKind::Harmless)];
+        inv.gpus[2].mig.switch_block = Some(SwitchBlock::InUse {
+            holders: vec![holder(99, "", HolderKind::Foreign)],
+        });
+        inv.gpus[3].mig.switch_block = Some(SwitchBlock::ResetRequired);
+        inv.gpus[4].virtualization = Some(Virtualization::Passthrough);
+        inv.gpus[5].virtualization = Some(Virtualization::VgpuGuest);
+        let text = render(&inv);
+        let line = |minor: u32| {
+            let prefix = format!("gpu-{minor} ");
+            text.lines()
+                .find(|l| l.starts_with(&prefix))
+                .unwrap()
+                .to_string()
+        };
+        assert!(
+            line(0).ends_with("  yes, not now: held by pid 4242 (nv-hostengine)"),
+            "{text}"
+        );
+        assert!(line(1).ends_with("  yes"), "{text}");
+        assert!(
+            line(2).ends_with("  yes, not now: a switch met IN_USE (pid 99)"),
+            "{text}"
+        );
+        assert!(
+            line(3).ends_with(
+                "  no: the driver answered a switch with RESET_REQUIRED: MIG mode left to the \
+                 operator"
+            ),
+            "{text}"
+        );
+        assert!(line(4).ends_with("  yes"), "{text}");
+        assert!(line(5).ends_with("  no: a vGPU guest"), "{text}");
     }
 }

@@ -51,7 +51,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use crate::cel::{Environment, Selector};
 pub use held::Held;
 pub use input::{ClaimInput, FieldError, InputError, Objects, Origin};
-pub use node::{Candidate, CounterSet, Node};
+pub use node::{Candidate, CounterSet, Node, WithdrawnCandidate};
 pub use report::{ClaimReport, RequestReport, render_table};
 use search::{Outcome, Search};
 pub use validate::{Problem, validate};
@@ -185,6 +185,8 @@ struct Alternative {
     /// Fitting devices (indices into the candidates) and, for the others, why not.
     fits: Vec<usize>,
     rejected: Vec<(usize, String)>,
+    /// Withdrawn devices ([`Node::withdrawn`]) that would fit but for that: (name, why).
+    withdrawn: Vec<(String, String)>,
     /// What one allocation takes of each fitting shared device (capacity name → thousandths).
     consumes: BTreeMap<usize, Amounts>,
 }
@@ -428,6 +430,13 @@ fn explain_on(
                     }
                 }
             }
+            // Withdrawn devices that would fit: named, with why they are not offered.
+            let withdrawn = node
+                .withdrawn
+                .iter()
+                .filter(|w| check(env, class, &own, &capacity, tolerations, &w.candidate).is_ok())
+                .map(|w| (w.candidate.device.name.clone(), w.reason.clone()))
+                .collect();
             alternatives.push(Alternative {
                 name,
                 class: class.name.clone(),
@@ -436,6 +445,7 @@ fn explain_on(
                 blocked,
                 fits,
                 rejected,
+                withdrawn,
                 consumes,
             });
         }

@@ -34,6 +34,16 @@ pub struct CounterSet {
 pub struct Node {
     pub devices: Vec<Candidate>,
     pub counter_sets: Vec<CounterSet>,
+    /// Devices the node would offer but withdrew from its slices, and why (`--dynamic-mig`: a
+    /// holder blocks the MIG mode switch they need): never allocated, named where a request
+    /// would fit them ([`Node::with_withdrawn`]).
+    pub withdrawn: Vec<WithdrawnCandidate>,
+}
+
+/// A withdrawn device, ready for selectors, and why it was withdrawn.
+pub struct WithdrawnCandidate {
+    pub candidate: Candidate,
+    pub reason: String,
 }
 
 impl Node {
@@ -108,7 +118,38 @@ impl Node {
         Ok(Node {
             devices,
             counter_sets,
+            withdrawn: Vec::new(),
         })
+    }
+
+    /// Adds the devices of `driver`'s pool `pool` that the node withdrew, each with why (as
+    /// [`withdrawn_devices`](crate::dra::slices::withdrawn_devices) gives them). Their counter
+    /// consumption is left out: they are only checked against the requests, never allocated.
+    pub fn with_withdrawn(
+        mut self,
+        env: &Environment,
+        driver: &str,
+        pool: &str,
+        withdrawn: Vec<(Device, String)>,
+    ) -> Result<Node, InputError> {
+        for (mut device, reason) in withdrawn {
+            device.consumes_counters = None;
+            let value = env
+                .device(driver, &device)
+                .map_err(|e| InputError::Other(format!("withdrawn device {}: {e}", device.name)))?;
+            self.withdrawn.push(WithdrawnCandidate {
+                candidate: Candidate {
+                    driver: driver.to_string(),
+                    pool: pool.to_string(),
+                    device,
+                    value,
+                    consumes: Vec::new(),
+                    unknown_sets: Vec::new(),
+                },
+                reason,
+            });
+        }
+        Ok(self)
     }
 
     /// The index of a device by its driver, pool and name.

@@ -110,6 +110,10 @@ pub(super) fn build(
                         device: name(*d),
                         reason: why.clone(),
                     })
+                    .chain(a.withdrawn.iter().map(|(device, why)| Rejected {
+                        device: device.clone(),
+                        reason: why.clone(),
+                    }))
                     .collect(),
             })
             .collect(),

@@ -252,18 +252,20 @@ impl Search<'_> {
                     (Want::All, None) => a.fits.is_empty().then(|| {
                         format!(
                             "request {} asks for all matching devices (allocationMode All), and \
-                             none fits",
-                            a.name
+                             none fits{}",
+                            a.name,
+                            withdrawn_note(a)
                         )
                     }),
                     (Want::Count(need), _) => (a.fits.len() < need).then(|| {
                         format!(
-                            "request {} needs {} {}, {} {}",
+                            "request {} needs {} {}, {} {}{}",
                             a.name,
                             need,
                             if need == 1 { "device" } else { "devices" },
                             a.fits.len(),
-                            if a.fits.len() == 1 { "fits" } else { "fit" }
+                            if a.fits.len() == 1 { "fits" } else { "fit" },
+                            withdrawn_note(a)
                         )
                     }),
                 })
@@ -347,5 +349,21 @@ fn attribute(dev: &Candidate, qualified: Option<&str>) -> Option<String> {
         Some(format!("{s:?}"))
     } else {
         a.version.as_ref().map(|v| format!("v{v}"))
+    }
+}
+
+/// Why the withdrawn devices that would fit `a` are not offered (each reason once), in
+/// parentheses; empty when there are none.
+fn withdrawn_note(a: &Alternative) -> String {
+    let mut reasons: Vec<&str> = Vec::new();
+    for (_, why) in &a.withdrawn {
+        if !reasons.contains(&why.as_str()) {
+            reasons.push(why);
+        }
+    }
+    if reasons.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", reasons.join("; "))
     }
 }

@@ -1180,3 +1180,140 @@ fn in_integer_mode_a_burst_is_checked_against_the_shares_part_of_the_gpu() {
             .contains("16Gi is below the 20Gi of memory the share is guaranteed"),
     );
 }
+
+// Dynamic MIG: what the node withdrew or tainted because a switch is blocked.
+
+/// dgx-h100 with `--dynamic-mig` as `nvdra match --profile` sees it: GPU 0 held by a DCGM-like
+/// holder (its placements withdrawn), GPU 1 after a prepare met IN_USE (its placements
+/// tainted `mig-switch-blocked`), the rest idle.
+fn blocked_node(env: &Environment) -> Node {
+    use crate::dra::slices::{
+        ConsumableShares, CounterLayout, SliceOptions, desired_slices, withdrawn_devices,
+    };
+    use crate::inventory::{Holder, HolderKind, SwitchBlock};
+    let mut inv = crate::inventory::topology::load_profile("dgx-h100", "n").unwrap();
+    let dcgm = Holder {
+        pid: 4242,
+        name: "nv-hostengine".into(),
+        kind: HolderKind::Foreign,
+    };
+    inv.gpus[0].mig.holders = vec![dcgm.clone()];
+    inv.gpus[1].mig.switch_block = Some(SwitchBlock::InUse {
+        holders: vec![dcgm],
+    });
+    let opts = SliceOptions {
+        driver: DRIVER.into(),
+        node_name: "n".into(),
+        partitionable: false,
+        shared_capacity: ConsumableShares::Disabled,
+        dynamic_mig: true,
+        mig_profiles: None,
+        layout: CounterLayout::Separate,
+    };
+    let slices: Vec<ResourceSlice> = desired_slices(&inv, &opts)
+        .unwrap()
+        .into_iter()
+        .map(|spec| ResourceSlice {
+            metadata: Default::default(),
+            spec,
+        })
+        .collect();
+    let withdrawn = withdrawn_devices(&inv, &opts)
+        .unwrap()
+        .into_iter()
+        .map(|w| (w.device, w.reason))
+        .collect();
+    Node::from_slices(env, &slices)
+        .unwrap()
+        .with_withdrawn(env, DRIVER, "n", withdrawn)
+        .unwrap()
+}
+
+fn one_g_claim(parent: Option<u32>) -> String {
+    let mut expr = "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'".to_string();
+    if let Some(p) = parent {
+        expr.push_str(&format!(
+            " && device.attributes['gpu.nvidia.com'].parentIndex == {p}"
+        ));
+    }
+    claim(&format!(
+        "    requests:\n    - name: m\n      exactly:\n        deviceClassName: mig.nvidia.com\n        selectors:\n        - cel: {{expression: \"{expr}\"}}\n"
+    ))
+}
+
+fn explain_on_blocked(claim_text: &str) -> ClaimReport {
+    let env = Environment::new();
+    let node = blocked_node(&env);
+    let mut objects = Objects::default();
+    input::read_text(Path::new("t.yaml"), claim_text, &mut objects).unwrap();
+    let classes = compile_classes(&objects.classes).unwrap();
+    explain(&env, &objects.claims[0], &classes, &node, &Held::default()).unwrap()
+}
+
+/// A claim that only a withdrawn placement would fit is explained naming the holders; the
+/// withdrawn placements are listed with why, and never allocated.
+#[test]
+fn a_claim_for_a_withdrawn_placement_names_the_holder() {
+    let why = "placements of gpu-0 withdrawn: held by pid 4242 (nv-hostengine), which blocks a \
+               MIG mode switch";
+    let r = explain_on_blocked(&one_g_claim(Some(0)));
+    assert!(!r.satisfiable);
+    assert_eq!(
+        r.reason.as_deref(),
+        Some(format!("request m needs 1 device, 0 fit ({why})").as_str())
+    );
+    let q = &r.requests[0];
+    assert!(q.fits.is_empty());
+    let named: Vec<&str> = q
+        .rejected
+        .iter()
+        .filter(|x| x.reason == why)
+        .map(|x| x.device.as_str())
+        .collect();
+    assert_eq!(
+        named,
+        [
+            "gpu-0-mig-1g10gb-19-0",
+            "gpu-0-mig-1g10gb-19-1",
+            "gpu-0-mig-1g10gb-19-2",
+            "gpu-0-mig-1g10gb-19-3",
+            "gpu-0-mig-1g10gb-19-4",
+            "gpu-0-mig-1g10gb-19-5",
+            "gpu-0-mig-1g10gb-19-6",
+        ]
+    );
+    // Any GPU's 1g.10gb: one of an idle GPU fits; the withdrawn ones are still named.
+    let r = explain_on_blocked(&one_g_claim(None));
+    assert!(r.satisfiable);
+    let device = &r.allocation.as_ref().unwrap()[0].device;
+    assert!(
+        !device.starts_with("gpu-0-") && !device.starts_with("gpu-1-"),
+        "{device}"
+    );
+    assert!(r.requests[0].rejected.iter().any(|x| x.reason == why));
+}
+
+/// A placement tainted `mig-switch-blocked` (a prepare met IN_USE on its GPU) is explained by
+/// its taint, valued with the holder's name.
+#[test]
+fn a_claim_for_a_switch_blocked_placement_names_the_taint() {
+    let r = explain_on_blocked(&one_g_claim(Some(1)));
+    assert!(!r.satisfiable);
+    let q = &r.requests[0];
+    let tainted: Vec<&str> = q
+        .rejected
+        .iter()
+        .filter(|x| {
+            x.reason
+                == "tainted gpu.nvidia.com/mig-switch-blocked=nv-hostengine:NoExecute, not \
+                    tolerated"
+        })
+        .map(|x| x.device.as_str())
+        .collect();
+    assert_eq!(tainted.len(), 7, "{q:?}");
+    assert!(
+        tainted
+            .iter()
+            .all(|d| d.starts_with("gpu-1-mig-1g10gb-19-"))
+    );
+}

@@ -1,9 +1,12 @@
 //! Dynamic MIG tests: a GPU that can switch MIG mode offered whole and in every placement on one
-//! counter set; the allowlist; shares; GPUs that cannot switch; a pending mode change.
+//! counter set; the allowlist; shares; GPUs that cannot switch (a passthrough H100 can); a
+//! pending mode change; holders that block a switch, and a switch that met `IN_USE`.
 
 use super::taints::tainted;
 use super::*;
-use crate::inventory::{Gpu, TaintEffect, TaintKey};
+use crate::inventory::{
+    Gpu, Holder, HolderKind, SwitchBlock, TaintEffect, TaintKey, Virtualization,
+};
 
 fn dynamic(layout: CounterLayout) -> SliceOptions {
     SliceOptions {
@@ -462,22 +465,65 @@ fn gpus_that_cannot_switch_are_published_as_without_the_switch() {
         .unwrap();
         assert_eq!(with, without, "{name} partitionable={partitionable}");
     }
-    // A Hopper GPU in a VM cannot either.
-    let mut vm = profile("dgx-h100");
-    for g in &mut vm.gpus {
-        g.virtualization = Some(crate::inventory::Virtualization::Passthrough);
+    // A passthrough A100 (a cloud A100) neither: its switch waits for a reset.
+    for name in ["dgx-a100", "dgx-a100-mig"] {
+        let mut vm = profile(name);
+        for g in &mut vm.gpus {
+            g.virtualization = Some(Virtualization::Passthrough);
+        }
+        let specs = desired_slices(&vm, &dynamic(CounterLayout::Separate)).unwrap();
+        assert_eq!(specs, desired_slices(&vm, &plain()).unwrap(), "{name}");
+        assert!(all_devices(&specs).iter().all(|d| d.taints.is_none()));
     }
-    assert_eq!(
-        desired_slices(&vm, &dynamic(CounterLayout::Separate)).unwrap(),
-        desired_slices(&vm, &plain()).unwrap()
-    );
+    // A Hopper GPU in a vGPU guest, or serving vGPUs, cannot either.
+    for v in [
+        Virtualization::VgpuGuest,
+        Virtualization::VgpuHost,
+        Virtualization::VsgaHost,
+    ] {
+        let mut vm = profile("dgx-h100");
+        for g in &mut vm.gpus {
+            g.virtualization = Some(v);
+        }
+        assert_eq!(
+            desired_slices(&vm, &dynamic(CounterLayout::Separate)).unwrap(),
+            desired_slices(&vm, &plain()).unwrap(),
+            "{v}"
+        );
+    }
 }
 
-/// A GPU whose MIG mode change waits for a reset is published by its current mode, its devices
-/// tainted `<driver>/mig-reset-required:NoSchedule` (after a health taint, if any); the other
-/// GPUs are offered whole and in placements.
+/// A cloud H100 is a passthrough VM, and switches as on bare metal: it is published whole and
+/// in every placement, exactly as bare metal is, and nothing is tainted.
 #[test]
-fn a_pending_mode_change_is_published_as_is_with_a_reset_taint() {
+fn a_passthrough_h100_is_published_as_on_bare_metal() {
+    let bare = profile("dgx-h100");
+    let mut vm = bare.clone();
+    for g in &mut vm.gpus {
+        g.virtualization = Some(Virtualization::Passthrough);
+    }
+    assert!(vm.gpus.iter().all(|g| g.mig_toggle().is_ok()));
+    for layout in [CounterLayout::Separate, CounterLayout::Together] {
+        let specs = desired_slices(&vm, &dynamic(layout)).unwrap();
+        assert_eq!(specs, desired_slices(&bare, &dynamic(layout)).unwrap());
+        assert_eq!(of_gpu(&specs, 0).len(), 26, "whole and 25 placements");
+        assert!(all_devices(&specs).iter().all(|d| d.taints.is_none()));
+    }
+}
+
+fn taint_triples(d: &Device) -> Vec<(String, Option<String>, String)> {
+    d.taints
+        .iter()
+        .flatten()
+        .map(|t| (t.key.clone(), t.value.clone(), t.effect.clone()))
+        .collect()
+}
+
+/// A Hopper GPU whose MIG mode change is pending is published by its current mode, and nothing
+/// of it is tainted `mig-reset-required` (the plugin withdraws the change, and the GPU is
+/// offered both ways again at the next read); a health taint stays.
+#[test]
+fn a_pending_change_on_hopper_is_published_as_is_untainted() {
     let key = format!("{DRIVER}/{TAINT_MIG_RESET_REQUIRED}");
     let mut inv = profile("dgx-h100");
     inv.gpus[0].mig.pending = Some(true);
@@ -488,39 +534,31 @@ fn a_pending_mode_change_is_published_as_is_with_a_reset_taint() {
     inv.gpus[2].mig.enabled = true;
     inv.gpus[2].mig.pending = Some(false);
     inv.gpus[2].mig.devices.push(i);
+    // GPU 3 is in a passthrough VM, pending on.
+    inv.gpus[3].virtualization = Some(Virtualization::Passthrough);
+    inv.gpus[3].mig.pending = Some(true);
     let specs = desired_slices(&inv, &dynamic(CounterLayout::Separate)).unwrap();
-    let taints = |d: &Device| -> Vec<(String, Option<String>, String)> {
-        d.taints
-            .iter()
-            .flatten()
-            .map(|t| (t.key.clone(), t.value.clone(), t.effect.clone()))
-            .collect()
-    };
-    let reset = (key.clone(), None, "NoSchedule".to_string());
-    assert_eq!(of_gpu(&specs, 0).len(), 1, "whole, as its mode offers");
+    for minor in [0, 3] {
+        let mine = of_gpu(&specs, minor);
+        assert_eq!(mine.len(), 1, "whole, as its mode offers");
+        assert!(mine[0].taints.is_none());
+        assert!(mine[0].consumes_counters.is_none());
+    }
     assert_eq!(
-        taints(device(&specs, "gpu-0")),
-        std::slice::from_ref(&reset)
-    );
-    assert!(device(&specs, "gpu-0").consumes_counters.is_none());
-    assert_eq!(
-        taints(device(&specs, "gpu-1")),
-        [
-            (
-                format!("{DRIVER}/xid"),
-                Some("79".into()),
-                "NoExecute".into()
-            ),
-            reset.clone()
-        ]
+        taint_triples(device(&specs, "gpu-1")),
+        [(
+            format!("{DRIVER}/xid"),
+            Some("79".into()),
+            "NoExecute".into()
+        )]
     );
     let mig: Vec<&Device> = of_gpu(&specs, 2);
     assert_eq!(
         mig.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
         ["gpu-2-mig-3g40gb-9-0"]
     );
-    assert_eq!(taints(mig[0]), std::slice::from_ref(&reset));
-    // `--partitionable` governs it as without the switch: the free placements too, tainted.
+    assert!(mig[0].taints.is_none());
+    // `--partitionable` governs it as without the switch: the free placements too, untainted.
     let part = desired_slices(
         &inv,
         &SliceOptions {
@@ -531,21 +569,276 @@ fn a_pending_mode_change_is_published_as_is_with_a_reset_taint() {
     .unwrap();
     let gpu2 = of_gpu(&part, 2);
     assert!(gpu2.len() > 1);
-    assert!(gpu2.iter().all(|d| taints(d) == [reset.clone()]));
+    assert!(gpu2.iter().all(|d| d.taints.is_none()));
     // The others are offered both ways, untainted.
-    for minor in 3..8 {
+    for minor in 4..8 {
         let mine = of_gpu(&specs, minor);
         assert_eq!(mine.len(), 26);
         assert!(mine.iter().all(|d| d.taints.is_none()));
     }
-    // Without the switch there is no such taint.
-    let off = desired_slices(&inv, &plain()).unwrap();
+    for s in [&specs, &part] {
+        assert!(
+            all_devices(s)
+                .iter()
+                .flat_map(|d| d.taints.iter().flatten())
+                .all(|t| t.key != key)
+        );
+    }
+}
+
+/// An Ampere GPU whose MIG mode change waits for a reset (on bare metal or passed through):
+/// with `--dynamic-mig --partitionable` only its placements, which need an instance created,
+/// are tainted `mig-reset-required:NoSchedule`; its whole device and existing MIG devices never
+/// are. Without `--dynamic-mig` nothing is.
+#[test]
+fn a_pending_change_on_ampere_taints_only_its_placements() {
+    let key = format!("{DRIVER}/{TAINT_MIG_RESET_REQUIRED}");
+    let reset = (key.clone(), None, "NoSchedule".to_string());
+    for passthrough in [false, true] {
+        let mut inv = profile("a100-mig-mixed");
+        for g in &mut inv.gpus {
+            g.mig.pending = Some(!g.mig.enabled);
+            if passthrough {
+                g.virtualization = Some(Virtualization::Passthrough);
+            }
+        }
+        let existing: BTreeSet<String> = inv
+            .gpus
+            .iter()
+            .flat_map(|g| {
+                g.mig.devices.iter().map(|m| {
+                    DeviceName::mig(g.minor, &m.profile, m.gi_profile_id, m.placement.start)
+                        .as_str()
+                        .to_string()
+                })
+            })
+            .collect();
+        let both = SliceOptions {
+            partitionable: true,
+            ..dynamic(CounterLayout::Separate)
+        };
+        let specs = desired_slices(&inv, &both).unwrap();
+        let (mut placements, mut others) = (0, 0);
+        for d in all_devices(&specs) {
+            if d.name.contains("-mig-") && !existing.contains(&d.name) {
+                assert_eq!(taint_triples(d), std::slice::from_ref(&reset), "{}", d.name);
+                placements += 1;
+            } else {
+                assert!(d.taints.is_none(), "{}", d.name);
+                others += 1;
+            }
+        }
+        assert!(placements > 0 && others > 0, "{placements} {others}");
+        assert!(
+            device(&specs, "gpu-0").taints.is_none(),
+            "whole, never tainted"
+        );
+        // Only the taint differs from `--partitionable` alone, which taints nothing.
+        let part = desired_slices(&inv, &opts(true, CounterLayout::Separate)).unwrap();
+        assert_eq!(names(&part), names(&specs));
+        assert!(all_devices(&part).iter().all(|d| d.taints.is_none()));
+        // Without `--partitionable` there are no placements, so nothing is tainted.
+        let no_part = desired_slices(&inv, &dynamic(CounterLayout::Separate)).unwrap();
+        assert!(all_devices(&no_part).iter().all(|d| d.taints.is_none()));
+    }
+}
+
+fn holder(pid: u32, name: &str, kind: HolderKind) -> Holder {
+    Holder {
+        pid,
+        name: name.into(),
+        kind,
+    }
+}
+
+/// `inv` without holders or switch blocks.
+fn unblocked(inv: &Inventory) -> Inventory {
+    let mut inv = inv.clone();
+    for g in &mut inv.gpus {
+        g.mig.holders.clear();
+        g.mig.switch_block = None;
+    }
+    inv
+}
+
+fn dcgm() -> Holder {
+    holder(4242, "nv-hostengine", HolderKind::Foreign)
+}
+
+/// A holder that blocks a switch on a GPU that could switch withdraws the devices that need
+/// one: outside MIG mode its placements (the GPU is then published whole only, as one that
+/// cannot switch); in MIG mode without an instance, its whole device (the placements stay).
+/// Holders that do not block one (persistenced, nvdra's own MPS, which it waits for) withdraw
+/// nothing; [`withdrawn_devices`] names what went and why. Without `--dynamic-mig` holders
+/// change nothing.
+#[test]
+fn a_holder_that_blocks_a_switch_withdraws_the_devices_that_need_one() {
+    let base = profile("dgx-h100");
+    let o = dynamic(CounterLayout::Separate);
+    let before = desired_slices(&base, &o).unwrap();
+    let mut inv = base.clone();
+    let persistenced = holder(17, "nvidia-persistenced", HolderKind::Harmless);
+    inv.gpus[0].mig.holders = vec![persistenced.clone(), dcgm()];
+    let mps = holder(5000, "nvidia-cuda-mps-server", HolderKind::OwnMps);
+    inv.gpus[1].mig.holders = vec![persistenced, mps];
+    inv.gpus[2].mig.enabled = true;
+    inv.gpus[2].mig.holders = vec![dcgm()];
+    let specs = desired_slices(&inv, &o).unwrap();
+
+    let gpu0 = of_gpu(&specs, 0);
+    assert_eq!(gpu0.len(), 1, "whole only");
+    let plain_specs = desired_slices(&base, &plain()).unwrap();
+    assert_eq!(
+        gpu0[0],
+        device(&plain_specs, "gpu-0"),
+        "as without the switch"
+    );
+    assert_eq!(of_gpu(&specs, 1), of_gpu(&before, 1), "not blocking");
+    let gpu2: BTreeSet<&str> = of_gpu(&specs, 2).iter().map(|d| d.name.as_str()).collect();
+    let mut want: BTreeSet<&str> = of_gpu(&before, 2).iter().map(|d| d.name.as_str()).collect();
+    assert!(want.remove("gpu-2"));
+    assert_eq!(gpu2, want, "the placements stay, the whole GPU goes");
+    for minor in 3..8 {
+        assert_eq!(of_gpu(&specs, minor), of_gpu(&before, minor));
+    }
+    assert!(all_devices(&specs).iter().all(|d| d.taints.is_none()));
+    assert_eq!(counter_sets(&specs).len(), 7, "gpu-0's counter set is gone");
+
+    let w = withdrawn_devices(&inv, &o).unwrap();
+    let of = |minor: u32| -> Vec<&Withdrawn> {
+        let prefix = format!("gpu-{minor}");
+        w.iter()
+            .filter(|x| x.device.name == prefix || x.device.name.starts_with(&format!("{prefix}-")))
+            .collect()
+    };
+    let w0 = of(0);
+    assert_eq!(w0.len(), 25);
+    assert!(w0.iter().all(|x| x.device.name.contains("-mig-")
+        && x.reason
+            == "placements of gpu-0 withdrawn: held by pid 4242 (nv-hostengine), which blocks \
+                a MIG mode switch"));
+    let w2 = of(2);
+    assert_eq!(w2.len(), 1);
+    assert_eq!(w2[0].device.name, "gpu-2");
+    assert_eq!(
+        w2[0].reason,
+        "gpu-2 withdrawn whole: held by pid 4242 (nv-hostengine), which blocks a MIG mode switch"
+    );
+    assert_eq!(w.len(), 26, "nothing of the other GPUs");
+    assert!(w.iter().all(|x| x.device.consumes_counters.is_none()));
+
+    assert_eq!(
+        desired_slices(&inv, &plain()).unwrap(),
+        desired_slices(&unblocked(&inv), &plain()).unwrap()
+    );
+    assert!(withdrawn_devices(&inv, &plain()).unwrap().is_empty());
+}
+
+/// After a prepare met `IN_USE` on a GPU that can switch, its devices that need a switch are
+/// published tainted `mig-switch-blocked:NoExecute`, valued with the first holder that blocks a
+/// switch, so that the pod allocated there is evicted (a withdrawn device could not be
+/// tainted): this overrides withdrawal by holders. Where the server drops taints they are
+/// withdrawn instead. A GPU whose switch answered `RESET_REQUIRED` is published as one that
+/// cannot switch, untainted.
+#[test]
+fn a_switch_that_met_in_use_taints_the_devices_that_need_one_no_execute() {
+    let key = format!("{DRIVER}/{TAINT_MIG_SWITCH_BLOCKED}");
+    let o = dynamic(CounterLayout::Separate);
+    let base = profile("dgx-h100");
+    let before = desired_slices(&base, &o).unwrap();
+    let mut inv = base.clone();
+    let mps = holder(5000, "nvidia-cuda-mps-server", HolderKind::OwnMps);
+    inv.gpus[0].mig.switch_block = Some(SwitchBlock::InUse {
+        holders: vec![mps, dcgm()],
+    });
+    inv.gpus[0].mig.holders = vec![dcgm()];
+    inv.gpus[1].mig.enabled = true;
+    inv.gpus[1].mig.switch_block = Some(SwitchBlock::InUse {
+        holders: vec![holder(77, "", HolderKind::Foreign)],
+    });
+    // GPU 2 has an instance: none of its devices needs a switch.
+    let i = instance(&inv.gpus[2], "1g.10gb", 0);
+    inv.gpus[2].mig.enabled = true;
+    inv.gpus[2].mig.devices.push(i);
+    inv.gpus[2].mig.switch_block = Some(SwitchBlock::InUse {
+        holders: vec![dcgm()],
+    });
+    inv.gpus[3].mig.switch_block = Some(SwitchBlock::ResetRequired);
+    let specs = desired_slices(&inv, &o).unwrap();
+
+    let gpu0 = of_gpu(&specs, 0);
+    assert_eq!(gpu0.len(), 26, "offered, not withdrawn");
+    for d in gpu0 {
+        if d.name == "gpu-0" {
+            assert!(d.taints.is_none(), "the whole GPU needs no switch");
+        } else {
+            assert_eq!(
+                taint_triples(d),
+                [(
+                    key.clone(),
+                    Some("nv-hostengine".into()),
+                    "NoExecute".into()
+                )],
+                "{}",
+                d.name
+            );
+        }
+    }
+    let gpu1 = of_gpu(&specs, 1);
+    assert_eq!(gpu1.len(), 26);
+    for d in gpu1 {
+        if d.name == "gpu-1" {
+            assert_eq!(taint_triples(d), [(key.clone(), None, "NoExecute".into())]);
+        } else {
+            assert!(d.taints.is_none(), "{}", d.name);
+        }
+    }
+    assert!(of_gpu(&specs, 2).iter().all(|d| d.taints.is_none()));
+    let plain_specs = desired_slices(&base, &plain()).unwrap();
+    assert_eq!(
+        of_gpu(&specs, 3),
+        [device(&plain_specs, "gpu-3")],
+        "RESET_REQUIRED: as one that cannot switch, untainted"
+    );
+    for minor in 4..8 {
+        assert_eq!(of_gpu(&specs, minor), of_gpu(&before, minor));
+    }
+
+    // A server that drops taints: withdrawn instead.
+    let w = desired_slices_withdrawing(&inv, &o, true).unwrap();
+    assert_eq!(of_gpu(&w, 0), [device(&plain_specs, "gpu-0")]);
+    let gpu1: Vec<&str> = of_gpu(&w, 1).iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(gpu1.len(), 25);
+    assert!(!gpu1.contains(&"gpu-1"));
     assert!(
-        all_devices(&off)
+        all_devices(&w)
             .iter()
             .flat_map(|d| d.taints.iter().flatten())
             .all(|t| t.key != key)
     );
+    // Without `--dynamic-mig` blocks change nothing.
+    assert_eq!(
+        desired_slices(&inv, &plain()).unwrap(),
+        desired_slices(&unblocked(&inv), &plain()).unwrap()
+    );
+}
+
+/// A holder's process name becomes a taint's label value: 63 characters at most of
+/// `[A-Za-z0-9._-]`, starting and ending with a letter or digit, or none.
+#[test]
+fn a_holder_name_becomes_a_label_value() {
+    use super::super::splitting::label_value;
+    let some = |s: &str| Some(s.to_string());
+    assert_eq!(label_value("nv-hostengine"), some("nv-hostengine"));
+    assert_eq!(label_value("dcgm-exporter"), some("dcgm-exporter"));
+    assert_eq!(label_value("kworker/0:1"), some("kworker-0-1"));
+    assert_eq!(label_value("_x.y_"), some("x.y"));
+    assert_eq!(label_value("prüfer"), some("pr-fer"));
+    assert_eq!(label_value(""), None);
+    assert_eq!(label_value("/:é"), None);
+    assert_eq!(label_value(&"a".repeat(100)), Some("a".repeat(63)));
+    let edge = format!("{}-b", "a".repeat(62));
+    assert_eq!(label_value(&edge), Some("a".repeat(62)));
 }
 
 /// A GPU in MIG mode with no instance (MIG mode left on) is offered as one in MIG mode off:

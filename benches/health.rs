@@ -122,10 +122,7 @@ async fn main() {
         };
         let t = Instant::now();
         mh.events()
-            .send(Event {
-                gpu: gpu3,
-                kind: EventKind::Xid(79),
-            })
+            .send(Event::gpu(gpu3, EventKind::Xid(79)))
             .await
             .expect("monitor");
         let m = stream.next().await.expect("message").expect("ok");

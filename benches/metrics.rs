@@ -120,10 +120,10 @@ async fn main() {
             });
             handle
                 .events()
-                .send(Event {
-                    gpu: g.uuid.clone(),
-                    kind: EventKind::Xid(13 + u64::from(start)),
-                })
+                .send(Event::gpu(
+                    g.uuid.clone(),
+                    EventKind::Xid(13 + u64::from(start)),
+                ))
                 .await
                 .expect("monitor");
         }

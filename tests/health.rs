@@ -2,7 +2,8 @@
 //! ResourceSlice on the test API server as a device taint on exactly GPU 3's devices (its MIG
 //! devices included) and an open `ListAndWatch` stream as exactly GPU 3's replicas going
 //! Unhealthy; an ignored XID changes nothing; recovery lifts all of it; a server that drops
-//! taints gets the GPU withdrawn instead. (The health stream's versions and its resend period,
+//! taints gets the GPU withdrawn instead; an XID in one MIG instance of a dynamic-MIG H100 taints
+//! that MIG device alone, in the slices and the health stream. (The health stream's versions and its resend period,
 //! in paused time, are tested next to it in `src/dra/health.rs`; the same through NVML on the fake
 //! library in `health_nvml.rs`.)
 
@@ -180,18 +181,12 @@ async fn an_xid_on_gpu_3_taints_exactly_its_devices_and_recovery_lifts_the_taint
     let tx = node.handle.events();
     // An ignored XID on GPU 0 first, then the critical one on GPU 3: the one update that
     // follows must carry only GPU 3's taints.
-    tx.send(Event {
-        gpu: inv.gpus[0].uuid.clone(),
-        kind: EventKind::Xid(43),
-    })
-    .await
-    .unwrap();
-    tx.send(Event {
-        gpu: inv.gpus[3].uuid.clone(),
-        kind: EventKind::Xid(79),
-    })
-    .await
-    .unwrap();
+    tx.send(Event::gpu(inv.gpus[0].uuid.clone(), EventKind::Xid(43)))
+        .await
+        .unwrap();
+    tx.send(Event::gpu(inv.gpus[3].uuid.clone(), EventKind::Xid(79)))
+        .await
+        .unwrap();
     eventually("GPU 3 tainted", || {
         taints(&node.server.slices())
             .get(&gpu3[0])
@@ -244,10 +239,10 @@ async fn a_server_that_drops_taints_gets_the_gpu_withdrawn_instead() {
     let inv = node.sim.snapshot().unwrap();
     node.handle
         .events()
-        .send(Event {
-            gpu: inv.gpus[3].uuid.clone(),
-            kind: EventKind::DoubleBitEcc,
-        })
+        .send(Event::gpu(
+            inv.gpus[3].uuid.clone(),
+            EventKind::DoubleBitEcc,
+        ))
         .await
         .unwrap();
     eventually("GPU 3 withdrawn", || {
@@ -424,4 +419,141 @@ async fn the_daemon_wires_the_fault_file_to_the_slices_and_every_health_stream()
     );
     stop.cancel();
     daemon.await.unwrap().unwrap();
+}
+
+/// A dynamic-MIG H100 (GPU 0, switched to MIG mode, a 3g.40gb and a 1g.10gb instance) with
+/// faults from the fault file: an XID the line attributes to the 3g.40gb instance (`gi=`, `ci=`,
+/// as NVML attributes one) taints that MIG device alone in the slices and in the DRA health
+/// stream; the other instance, the free placements and the other GPUs stay clean. A GPU-wide XID
+/// on GPU 0 then taints every device of it.
+#[tokio::test]
+async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alone() {
+    use kubelet_plugin::health::HealthSource;
+    use nvdra::inventory::Placement;
+    let dir = tempfile::tempdir().unwrap();
+    let faults = dir.path().join("faults");
+    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    let gpu0 = sim.snapshot().unwrap().gpus[0].clone();
+    assert!(gpu0.mig_toggle().is_ok(), "GPU 0 switches at run time");
+    sim.set_mig_mode(&gpu0.uuid, true).unwrap();
+    let profile = |name: &str| {
+        gpu0.mig
+            .profiles
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap()
+            .gi_profile_id
+    };
+    let sick = sim
+        .create_mig(
+            &gpu0.uuid,
+            profile("3g.40gb"),
+            Placement { start: 0, size: 4 },
+        )
+        .unwrap();
+    let well = sim
+        .create_mig(
+            &gpu0.uuid,
+            profile("1g.10gb"),
+            Placement { start: 6, size: 1 },
+        )
+        .unwrap();
+
+    let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
+    let file = FaultFile::new(faults.clone(), inner.clone());
+    let (monitor, handle) = Monitor::new(policy(), file.probe());
+    let monitored = Arc::new(Monitored::new(inner, handle.subscribe()));
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    tokio::spawn(file.run(handle.events(), stop.clone()));
+    let opts = SliceOptions {
+        driver: DRIVER.into(),
+        node_name: NODE.into(),
+        partitionable: false,
+        shared_capacity: ConsumableShares::Disabled,
+        dynamic_mig: true,
+        mig_profiles: None,
+        layout: CounterLayout::Separate,
+    };
+    let published = |backend: &Monitored| {
+        let specs =
+            nvdra::dra::slices::desired_slices(&backend.snapshot().unwrap(), &opts).unwrap();
+        let slices: Vec<ResourceSlice> = specs
+            .into_iter()
+            .map(|spec| ResourceSlice {
+                metadata: Default::default(),
+                spec,
+            })
+            .collect();
+        taints(&slices)
+    };
+    let before = published(&monitored);
+    assert!(before.values().all(Vec::is_empty));
+    let (sick_name, well_name) = ("gpu-0-mig-3g40gb-9-0", "gpu-0-mig-1g10gb-19-6");
+    assert!(before.contains_key(sick_name) && before.contains_key(well_name));
+    let free: Vec<&String> = before
+        .keys()
+        .filter(|n| n.starts_with("gpu-0-mig-") && *n != sick_name && *n != well_name)
+        .collect();
+    assert!(!free.is_empty(), "free placements on slices 4, 5 and 7");
+
+    std::fs::write(
+        &faults,
+        format!("xid 0 94 gi={} ci={}\n", sick.gi_id, sick.ci_id),
+    )
+    .unwrap();
+    eventually("the instance's fault", || {
+        handle.state().mig(&sick.uuid).is_some()
+    })
+    .await;
+    assert_eq!(handle.state().faults().count(), 0, "not GPU 0's");
+    let after = published(&monitored);
+    assert_eq!(
+        after.keys().collect::<Vec<_>>(),
+        before.keys().collect::<Vec<_>>(),
+        "nothing withdrawn"
+    );
+    for (name, t) in &after {
+        if name == sick_name {
+            assert_eq!(t, &["gpu.nvidia.com/xid=94:NoSchedule".to_string()]);
+        } else {
+            assert!(t.is_empty(), "{name}: {t:?}");
+        }
+    }
+    let health = nvdra::dra::health::NodeHealth::new(monitored.clone(), NODE)
+        .device_health()
+        .await
+        .unwrap();
+    let unhealthy: Vec<(String, String)> = health
+        .into_iter()
+        .filter_map(|d| Some((d.device, d.problem?)))
+        .collect();
+    assert_eq!(
+        unhealthy,
+        [(
+            sick_name.to_string(),
+            format!(
+                "XID 94 (contained ECC error) in GPU instance {}, compute instance {}",
+                sick.gi_id, sick.ci_id
+            )
+        )]
+    );
+    assert!(handle.state().mig(&well.uuid).is_none());
+
+    // A GPU-wide XID: every device of GPU 0.
+    std::fs::write(
+        &faults,
+        format!("xid 0 94 gi={} ci={}\nxid 0 79\n", sick.gi_id, sick.ci_id),
+    )
+    .unwrap();
+    eventually("GPU 0's fault", || handle.state().faults().count() == 1).await;
+    for (name, t) in &published(&monitored) {
+        let want: &[&str] = if name.starts_with("gpu-0-") {
+            &["gpu.nvidia.com/xid=79:NoSchedule"]
+        } else {
+            &[]
+        };
+        assert_eq!(t, want, "{name}");
+    }
+    stop.cancel();
 }

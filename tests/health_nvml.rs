@@ -2,7 +2,9 @@
 //! `events.rs`): an XID injected on GPU 0 (the A100 in MIG mode) reaches the health stream as
 //! exactly GPU 0's MIG devices unhealthy and the slices as their taint; an ignored XID changes
 //! nothing; recovery (quiet period, then a probe NVML answers) restores them; a GPU that stays
-//! lost does not recover; one GPU whose event registration fails is the only one affected.
+//! lost does not recover; one GPU whose event registration fails is the only one affected; an
+//! XID the driver attributes to one MIG instance marks that MIG device alone, until the instance
+//! is destroyed.
 //!
 //! The fake's event state is process-wide, so the tests here take turns ([`serial`]).
 
@@ -61,6 +63,15 @@ impl Fake {
         let f: libloading::Symbol<extern "C" fn(u32, u64, u64) -> u32> =
             unsafe { self.lib.get(b"fake_nvml_inject_event") }.unwrap();
         assert_eq!(f(gpu, event_type, data), 0);
+    }
+
+    /// An event attributed to GPU instance `gi` (compute instance `ci`) of GPU `gpu`; the
+    /// fake's answer (non-zero: refused, as the driver would never send it).
+    fn inject_instance(&self, gpu: u32, event_type: u64, data: u64, gi: u32, ci: u32) -> u32 {
+        // SAFETY: the hook's C signature as `events.rs` of the fake declares it.
+        let f: libloading::Symbol<extern "C" fn(u32, u64, u64, u32, u32) -> u32> =
+            unsafe { self.lib.get(b"fake_nvml_inject_instance_event") }.unwrap();
+        f(gpu, event_type, data, gi, ci)
     }
 
     fn set_lost(&self, gpu: u32, lost: bool) {
@@ -145,6 +156,10 @@ impl nvdra::health::Probe for Gated {
             return Err("gate closed".into());
         }
         self.inner.probe(gpu)
+    }
+
+    fn mig_devices(&self) -> Option<std::collections::BTreeSet<nvdra::inventory::MigUuid>> {
+        self.inner.mig_devices()
     }
 }
 
@@ -344,6 +359,161 @@ async fn a_gpu_whose_registration_fails_is_the_only_one_affected() {
             .state()
             .faults()
             .any(|(g, f)| *g == fake.uuid(1) && f.cause == Cause::Xid(48))
+    );
+    stop.cancel();
+}
+
+/// The devices of `inv`'s slices with a taint, and their first taint as `key=value:effect`.
+fn tainted_devices(
+    inv: &nvdra::inventory::Inventory,
+    opts: &SliceOptions,
+) -> Vec<(String, String)> {
+    desired_slices(inv, opts)
+        .unwrap()
+        .iter()
+        .flat_map(|s| s.devices.clone().unwrap_or_default())
+        .filter_map(|d| {
+            let t = d.taints?.first()?.clone();
+            Some((
+                d.name,
+                format!("{}={}:{}", t.key, t.value.unwrap_or_default(), t.effect),
+            ))
+        })
+        .collect()
+}
+
+/// Through NVML: an XID the fake attributes to GPU 0's 3g.20gb instance (its `gpuInstanceId`
+/// and `computeInstanceId`, as the driver fills them) is that MIG device's fault alone: the
+/// health stream and the partitionable slices show that device, not GPU 0's other instance nor
+/// its free placements. The instance destroyed, its fault ends (though GPU 0's probe still
+/// fails), and the instance made again on the same placement, with the same ids and a new UUID,
+/// is healthy. The fake refuses what the driver would never send: ids on a GPU outside MIG
+/// mode, of an instance that does not exist, or on an event other than an XID.
+#[tokio::test]
+async fn an_xid_in_one_mig_instance_taints_that_device_alone_until_it_is_destroyed() {
+    const DOUBLE_BIT_ECC_EVENT: u64 = 0x2;
+    let _turn = serial().await;
+    let fake = Fake::open();
+    let stop = CancellationToken::new();
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (handle, monitored) = fake.monitor(&stop, gate).await;
+    let svc = NodeHealth::new(monitored.clone(), "n")
+        .with_health(handle.subscribe())
+        .service(Duration::from_secs(3600), stop.clone());
+    let mut stream = svc
+        .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    let inv = fake.backend.snapshot().unwrap();
+    let g0 = inv.gpus[0].clone();
+    let sick = g0
+        .mig
+        .devices
+        .iter()
+        .find(|m| m.profile == "3g.20gb")
+        .unwrap()
+        .clone();
+    assert!(g0.mig.devices.len() >= 2, "another instance beside it");
+
+    assert_ne!(fake.inject_instance(1, XID_EVENT, 94, sick.gi_id, 0), 0);
+    assert_ne!(
+        fake.inject_instance(0, XID_EVENT, 94, sick.gi_id + 40, 0),
+        0
+    );
+    assert_ne!(fake.inject_instance(0, XID_EVENT, 94, sick.gi_id, 5), 0);
+    assert_ne!(
+        fake.inject_instance(0, DOUBLE_BIT_ECC_EVENT, 0, sick.gi_id, 0),
+        0
+    );
+    assert_eq!(
+        fake.inject_instance(0, XID_EVENT, 94, sick.gi_id, sick.ci_id),
+        0
+    );
+    state(&handle, |s| s.mig_faults().count() == 1).await;
+    let s = handle.state();
+    assert_eq!(s.faults().count(), 0, "not the GPU");
+    let f = s
+        .mig(&sick.uuid)
+        .expect("a fault of the instance's MIG device");
+    assert_eq!(
+        (f.gpu.clone(), f.gpu_instance, f.compute_instance),
+        (g0.uuid.clone(), sick.gi_id, Some(sick.ci_id))
+    );
+    assert_eq!(f.fault.cause, Cause::Xid(94));
+
+    let m = tokio::time::timeout(SOON, stream.next())
+        .await
+        .expect("a message on the change")
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.devices.len(), first.devices.len());
+    let sick_names: Vec<(String, String)> = m
+        .devices
+        .iter()
+        .filter(|d| d.health == HealthStatus::Unhealthy as i32)
+        .map(|d| (d.device.clone().unwrap().device_name, d.message.clone()))
+        .collect();
+    assert_eq!(
+        sick_names,
+        [(
+            "gpu-0-mig-3g20gb-9-0".to_string(),
+            format!(
+                "XID 94 (contained ECC error) in GPU instance {}, compute instance {}",
+                sick.gi_id, sick.ci_id
+            )
+        )]
+    );
+
+    let opts = SliceOptions {
+        driver: "gpu.nvidia.com".into(),
+        node_name: "n".into(),
+        partitionable: true,
+        shared_capacity: ConsumableShares::Disabled,
+        dynamic_mig: false,
+        mig_profiles: None,
+        layout: CounterLayout::Separate,
+    };
+    let over = monitored.snapshot().unwrap();
+    assert_eq!(
+        tainted_devices(&over, &opts),
+        [(
+            "gpu-0-mig-3g20gb-9-0".to_string(),
+            "gpu.nvidia.com/xid=94:NoSchedule".to_string()
+        )]
+    );
+    let published = desired_slices(&over, &opts).unwrap();
+    let gpu0_devices = published
+        .iter()
+        .flat_map(|s| s.devices.iter().flatten())
+        .filter(|d| d.name.starts_with("gpu-0-mig-"))
+        .count();
+    assert!(
+        gpu0_devices > 2,
+        "free placements of GPU 0 are published, clean"
+    );
+
+    // Destroyed: the fault ends at the next probe, though GPU 0's probe fails.
+    fake.backend.destroy_mig(&g0.uuid, &sick.uuid).unwrap();
+    state(&handle, |s| s.is_empty()).await;
+    let again = fake
+        .backend
+        .create_mig(&g0.uuid, sick.gi_profile_id, sick.placement)
+        .unwrap();
+    assert_eq!(again.gi_id, sick.gi_id, "the same ids");
+    assert_ne!(again.uuid, sick.uuid, "a new UUID");
+    let over = monitored.snapshot().unwrap();
+    assert!(tainted_devices(&over, &opts).is_empty());
+    let m = tokio::time::timeout(SOON, stream.next())
+        .await
+        .expect("a message on the change")
+        .unwrap()
+        .unwrap();
+    assert!(
+        m.devices
+            .iter()
+            .all(|d| d.health == HealthStatus::Healthy as i32)
     );
     stop.cancel();
 }

@@ -220,7 +220,8 @@ fn physical(
         gpu_index: g.index,
         minor: g.minor,
         numa_node: g.numa_node,
-        health: g.health.clone(),
+        // A GPU in MIG mode listed whole (`migStrategy: none`) takes every instance's slices.
+        health: g.whole_health().clone(),
         nvlink_domain: g.nvlink_domain,
         pcie_root: g.pcie_root.clone(),
         mig: false,

@@ -2,6 +2,8 @@
 //! health stream (`kubelet_plugin::health`) reads. It lists whole GPUs outside MIG mode and
 //! existing MIG devices, each healthy or with the cause, from the inventory as the health
 //! monitor ([`crate::health`]) sees it, and wakes the streams when the monitor's state changes.
+//! A MIG device is unhealthy with its GPU, or alone with a fault of its own instance (an XID
+//! NVML attributed to it, or to an instance on the same memory slices).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -264,12 +266,7 @@ mod tests {
         let tx = handle.events();
         // Ignored first: the next message must be the critical one.
         for kind in [EventKind::Xid(43), EventKind::Xid(94)] {
-            tx.send(Event {
-                gpu: gpu3.uuid.clone(),
-                kind,
-            })
-            .await
-            .unwrap();
+            tx.send(Event::gpu(gpu3.uuid.clone(), kind)).await.unwrap();
         }
         let start = tokio::time::Instant::now();
         let sick = |names: Vec<(String, i32, String)>| {
@@ -377,10 +374,7 @@ mod tests {
         let mut changed = handle.subscribe();
         handle
             .events()
-            .send(Event {
-                gpu: g0.uuid.clone(),
-                kind: EventKind::Xid(94),
-            })
+            .send(Event::gpu(g0.uuid.clone(), EventKind::Xid(94)))
             .await
             .unwrap();
         changed.changed().await.unwrap();

@@ -10,6 +10,8 @@
 //!
 //! ```text
 //! xid 3 79      # a critical (or ignored, per the XID policy) XID on GPU 3
+//! xid 3 94 gi=2 # the same, attributed to GPU instance 2 of GPU 3 (all its compute instances)
+//! xid 3 94 gi=2 ci=0   # ... to compute instance 0 of GPU instance 2
 //! ecc 3         # a double-bit ECC error
 //! lost 3        # GPU 3 stops answering: unhealthy, and its probe fails until `back 3`
 //! back 3        # GPU 3 answers again (it recovers after the quiet period)
@@ -22,6 +24,10 @@
 //! ([`SimBackend::with_process_file`](crate::inventory::sim::SimBackend::with_process_file)),
 //! skipped here.
 //!
+//! An XID with `gi=` is sent as NVML sends one it attributes to a MIG instance: with the MIG
+//! devices of the node's inventory that have those ids when the line is read (none, if there are
+//! none: the monitor then counts it for the whole GPU).
+//!
 //! `#` starts a comment; a line that is not one of these is logged and skipped. A file that
 //! shrinks (truncated or replaced) is read again from its start.
 
@@ -33,8 +39,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{BackendProbe, Event, EventKind, Probe};
-use crate::inventory::{DeviceBackend, GpuUuid, Inventory};
+use super::{BackendProbe, Event, EventKind, Instance, Probe};
+use crate::inventory::{DeviceBackend, GpuUuid, Inventory, MigUuid};
 
 /// How often the file is read.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -50,12 +56,16 @@ pub enum Command {
 /// Why a line was skipped.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LineError {
-    #[error("unknown fault {0:?}; write xid GPU XID, ecc GPU, lost GPU or back GPU")]
+    #[error(
+        "unknown fault {0:?}; write xid GPU XID [gi=ID [ci=ID]], ecc GPU, lost GPU or back GPU"
+    )]
     Unknown(String),
     #[error("no GPU {0:?} on this node (give an index or a UUID)")]
     NoGpu(String),
     #[error("{0:?} is not an XID")]
     BadXid(String),
+    #[error("{0:?} is not a MIG instance id; write gi=ID or ci=ID (a whole number)")]
+    BadInstance(String),
 }
 
 /// Parses one line against the node's GPUs; `Ok(None)` for blank and comment lines.
@@ -72,11 +82,32 @@ pub fn parse_line(line: &str, inv: &Inventory) -> Result<Option<Command>, LineEr
             .map(|g| g.uuid.clone())
             .ok_or_else(|| LineError::NoGpu(w.to_string()))
     };
-    let event = |g, kind| Command::Event(Event { gpu: g, kind });
+    let event = |g, kind| Command::Event(Event::gpu(g, kind));
+    let id = |w: &str, key: &str| {
+        w.strip_prefix(key)
+            .and_then(|n| n.parse::<u32>().ok())
+            .ok_or_else(|| LineError::BadInstance(w.to_string()))
+    };
     Ok(Some(match words.as_slice() {
-        ["xid", g, x] => {
+        ["xid", g, x, ids @ ..] if ids.len() <= 2 => {
             let xid = x.parse().map_err(|_| LineError::BadXid(x.to_string()))?;
-            event(gpu(g)?, EventKind::Xid(xid))
+            let g = gpu(g)?;
+            let instance = match ids {
+                [] => None,
+                [gi] => Some((id(gi, "gi=")?, None)),
+                [gi, ci] => Some((id(gi, "gi=")?, Some(id(ci, "ci=")?))),
+                _ => return Err(LineError::Unknown(line.to_string())),
+            };
+            let instance = instance.map(|(gi, ci)| Instance {
+                gpu_instance: gi,
+                compute_instance: ci,
+                devices: mig_devices(inv, &g, gi, ci),
+            });
+            Command::Event(Event {
+                gpu: g,
+                kind: EventKind::Xid(xid),
+                instance,
+            })
         }
         ["ecc", g] => event(gpu(g)?, EventKind::DoubleBitEcc),
         ["lost", g] => Command::Lost(gpu(g)?),
@@ -85,6 +116,18 @@ pub fn parse_line(line: &str, inv: &Inventory) -> Result<Option<Command>, LineEr
         ["process", ..] | ["holder", ..] | ["exit", ..] => return Ok(None),
         _ => return Err(LineError::Unknown(line.to_string())),
     }))
+}
+
+/// The MIG devices of `gpu` in `inv` with GPU instance id `gi` (and compute instance id `ci`,
+/// where given).
+fn mig_devices(inv: &Inventory, gpu: &GpuUuid, gi: u32, ci: Option<u32>) -> Vec<MigUuid> {
+    inv.gpus
+        .iter()
+        .filter(|g| g.uuid == *gpu)
+        .flat_map(|g| &g.mig.devices)
+        .filter(|m| m.gi_id == gi && ci.is_none_or(|ci| m.ci_id == ci))
+        .map(|m| m.uuid.clone())
+        .collect()
 }
 
 /// The GPUs the fault file says are lost: their probe fails.
@@ -102,6 +145,10 @@ impl Probe for SimProbe {
             return Err("lost (fault file)".into());
         }
         self.inner.probe(gpu)
+    }
+
+    fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
+        self.inner.mig_devices()
     }
 }
 
@@ -185,10 +232,7 @@ impl FaultFile {
             Command::Event(ev) => ev,
             Command::Lost(gpu) => {
                 crate::lock::lock(&self.lost.0).insert(gpu.clone());
-                Event {
-                    gpu,
-                    kind: EventKind::GpuLost,
-                }
+                Event::gpu(gpu, EventKind::GpuLost)
             }
             Command::Back(gpu) => {
                 crate::lock::lock(&self.lost.0).remove(&gpu);

@@ -11,10 +11,18 @@
 //! cause.
 //!
 //! Invariants:
-//! - The state is per physical GPU. What the GPU carries follows it: its MIG devices and its
-//!   replicas are exactly as healthy as it is, wherever the inventory is turned into devices (an
-//!   XID reported on one MIG instance marks the whole GPU — the conservative reading, since the
-//!   XIDs that are critical by default are GPU-wide).
+//! - The state is per physical GPU, and per MIG device for the events NVML attributes to one
+//!   MIG instance. What a GPU carries follows it: its MIG devices and its replicas are exactly
+//!   as healthy as it is, wherever the inventory is turned into devices.
+//! - An XID that NVML attributes to a GPU instance (the event's `gpuInstanceId`, and its
+//!   `computeInstanceId` where set) is a fault of the MIG devices that instance had when the
+//!   event was read ([`MigFault`], keyed by MIG UUID), not of the GPU: it taints those devices
+//!   and every other MIG device on the same memory slices (another compute instance of the same
+//!   GPU instance), nothing else. A GPU-wide event (no instance id), and one naming an instance
+//!   the source found no MIG device for, taints the GPU. A per-instance fault ends when its
+//!   device is gone (the instance destroyed: MIG UUIDs are made anew at each creation, so one
+//!   made later on the same placement or with the same ids starts healthy), or by the GPU's own
+//!   recovery rule (probe and quiet period).
 //! - An event about one GPU changes only that GPU; a source that cannot watch one GPU reports
 //!   that GPU alone ([`Cause::Unmonitored`]), never the node.
 //! - The watch changes only when some GPU's health changes: a repeated event on a GPU already
@@ -36,10 +44,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::inventory::{
-    self, DeviceBackend, GpuUuid, Health, Inventory, Taint, TaintEffect, TaintKey,
+    self, DeviceBackend, GpuUuid, Health, Inventory, MigUuid, Taint, TaintEffect, TaintKey,
 };
 
-pub use crate::inventory::events::{Event, EventKind};
+pub use crate::inventory::events::{Event, EventKind, Instance};
 pub use monitor::{BackendProbe, Monitor, MonitorHandle, Probe, XidCounts};
 
 /// XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin ignores the
@@ -161,10 +169,38 @@ pub enum GpuHealth {
     Unhealthy(Fault),
 }
 
-/// The health of every GPU the monitor has heard about; GPUs absent are healthy.
+/// The fault of one MIG device: an event NVML attributed to its GPU instance (or compute
+/// instance).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigFault {
+    /// The GPU the device is on.
+    pub gpu: GpuUuid,
+    /// The instance ids of the first event that hit it.
+    pub gpu_instance: u32,
+    pub compute_instance: Option<u32>,
+    pub fault: Fault,
+}
+
+impl MigFault {
+    /// The fault's cause and where it was seen, e.g. `XID 94 (contained ECC error) in GPU
+    /// instance 3, compute instance 0`.
+    pub fn reason(&self) -> String {
+        let mut out = format!("{} in GPU instance {}", self.fault.cause, self.gpu_instance);
+        if let Some(ci) = self.compute_instance {
+            out.push_str(&format!(", compute instance {ci}"));
+        }
+        out
+    }
+}
+
+/// The health of every GPU and MIG device the monitor has heard about; those absent are
+/// healthy.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HealthState {
     faults: BTreeMap<GpuUuid, Fault>,
+    /// Faults of single MIG devices (see the module doc); a device that no longer exists lays
+    /// nothing over an inventory, and the monitor forgets it at its next probe.
+    mig_faults: BTreeMap<MigUuid, MigFault>,
     /// GPUs whose share daemon does not answer (reported by the plugin's daemon watch, through
     /// [`MonitorHandle::report_share_daemons`]).
     daemons_down: DaemonsDown,
@@ -187,8 +223,18 @@ impl HealthState {
         self.faults.iter()
     }
 
+    /// The fault of one MIG device, where an event attributed to its instance made one.
+    pub fn mig(&self, uuid: &MigUuid) -> Option<&MigFault> {
+        self.mig_faults.get(uuid)
+    }
+
+    /// The MIG devices with a fault of their own.
+    pub fn mig_faults(&self) -> impl Iterator<Item = (&MigUuid, &MigFault)> {
+        self.mig_faults.iter()
+    }
+
     pub fn is_empty(&self) -> bool {
-        self.faults.is_empty() && self.daemons_down.is_empty()
+        self.faults.is_empty() && self.mig_faults.is_empty() && self.daemons_down.is_empty()
     }
 
     /// The GPUs whose share daemon does not answer.
@@ -202,6 +248,11 @@ impl HealthState {
     /// [`TaintKey::MpsDaemonDown`] `NoSchedule` (one taint per device: a fault's wins), and so
     /// is a healthy MIG device whose share daemon does not answer.
     /// Its MIG devices and replicas follow it where devices are derived.
+    ///
+    /// A MIG device with a fault of its own ([`MigFault`]) is tainted with it, and so is every
+    /// other MIG device of its GPU on any of its memory slices (the reason names the device hit);
+    /// other MIG devices, and the GPU itself, are not. A fault whose device is not in `inv` (its
+    /// instance destroyed) lays nothing.
     pub fn apply(&self, inv: &mut Inventory) {
         let daemon_down = || Health::Tainted {
             reason: "the MPS control daemon of its shares does not answer".into(),
@@ -214,9 +265,37 @@ impl HealthState {
             if g.health.is_withdrawn() {
                 continue;
             }
+            // The MIG devices of this GPU hit by a fault of their own, with their slices.
+            let hit: Vec<(inventory::Placement, &MigUuid, &MigFault)> = g
+                .mig
+                .devices
+                .iter()
+                .filter_map(|m| {
+                    let (uuid, f) = self.mig_faults.get_key_value(&m.uuid)?;
+                    Some((m.placement, uuid, f))
+                })
+                .collect();
             for m in &mut g.mig.devices {
+                if m.health.is_withdrawn() {
+                    continue;
+                }
                 let key = crate::inventory::DeviceUuid::Mig(m.uuid.clone());
-                if m.health.is_healthy() && self.daemons_down.contains_key(&key) {
+                if let Some(f) = self.mig_faults.get(&m.uuid) {
+                    m.health = Health::Tainted {
+                        reason: f.reason(),
+                        taint: f.fault.taint(),
+                    };
+                } else if let Some((_, uuid, f)) =
+                    hit.iter().find(|(p, _, _)| p.overlaps(&m.placement))
+                {
+                    m.health = Health::Tainted {
+                        reason: format!(
+                            "{}, on MIG device {uuid}, which shares its memory slices",
+                            f.reason()
+                        ),
+                        taint: f.fault.taint(),
+                    };
+                } else if m.health.is_healthy() && self.daemons_down.contains_key(&key) {
                     m.health = daemon_down();
                 }
             }
@@ -391,7 +470,7 @@ impl inventory::Wrapper for Monitored {
     /// the common case of a prepare, which then copies nothing.
     fn published(&self) -> Option<Arc<Inventory>> {
         let health = self.health.borrow();
-        if health.faults.is_empty() && health.daemons_down.is_empty() {
+        if health.is_empty() {
             self.backend.published()
         } else {
             None

@@ -1,14 +1,17 @@
-//! The monitor task: events in, per-GPU health out, recovery by probe and quiet period.
+//! The monitor task: events in, per-GPU and per-MIG-device health out, recovery by probe and
+//! quiet period (and, for a MIG device, by its instance being destroyed).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{Cause, DaemonsDown, Event, EventKind, Fault, HealthState, Policy, Watch};
-use crate::inventory::{DeviceBackend, GpuUuid};
+use super::{
+    Cause, DaemonsDown, Event, EventKind, Fault, HealthState, Instance, MigFault, Policy, Watch,
+};
+use crate::inventory::{DeviceBackend, GpuUuid, MigUuid};
 use crate::lock::lock;
 
 /// How many events may wait for the monitor; a source blocks (NVML) or waits (async) beyond.
@@ -18,14 +21,32 @@ const QUEUE: usize = 256;
 pub trait Probe: Send + Sync + 'static {
     /// `Err` with the reason when the GPU still does not answer.
     fn probe(&self, gpu: &GpuUuid) -> Result<(), String>;
+
+    /// The UUIDs of every MIG device on the node now, so that the fault of a MIG device whose
+    /// instance was destroyed ends; `None` when this probe cannot tell (such faults then end
+    /// as a GPU's do, by probe and quiet period).
+    fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
+        None
+    }
 }
 
-/// Probes through a backend ([`DeviceBackend::probe`]).
+/// Probes through a backend ([`DeviceBackend::probe`]); its MIG devices are those of a fresh
+/// inventory.
 pub struct BackendProbe(pub Arc<dyn DeviceBackend>);
 
 impl Probe for BackendProbe {
     fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
         self.0.probe(gpu)
+    }
+
+    fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
+        let inv = self.0.refresh().ok()?;
+        Some(
+            inv.gpus
+                .iter()
+                .flat_map(|g| g.mig.devices.iter().map(|m| m.uuid.clone()))
+                .collect(),
+        )
     }
 }
 
@@ -74,9 +95,9 @@ impl MonitorHandle {
     }
 }
 
-/// What the monitor keeps per unhealthy GPU beyond what it publishes.
-struct Tracked {
-    fault: Fault,
+/// What the monitor keeps per unhealthy GPU (or MIG device) beyond what it publishes.
+struct Tracked<F> {
+    fault: F,
     /// The last critical event: recovery waits for the quiet period after it.
     last_event: Instant,
 }
@@ -89,7 +110,9 @@ pub struct Monitor {
     /// A sender of our own: sources may come and go without closing the channel.
     _own: mpsc::Sender<Event>,
     state: watch::Sender<HealthState>,
-    tracked: BTreeMap<GpuUuid, Tracked>,
+    tracked: BTreeMap<GpuUuid, Tracked<Fault>>,
+    /// MIG devices with a fault of their own (an event attributed to their instance).
+    tracked_mig: BTreeMap<MigUuid, Tracked<MigFault>>,
     xids: Arc<Mutex<XidCounts>>,
     /// What the share-daemon watch reports, laid into the state as it is.
     daemons: watch::Receiver<DaemonsDown>,
@@ -109,6 +132,7 @@ impl Monitor {
                 _own: tx.clone(),
                 state,
                 tracked: BTreeMap::new(),
+                tracked_mig: BTreeMap::new(),
                 xids: xids.clone(),
                 daemons: daemons_rx,
             },
@@ -140,7 +164,11 @@ impl Monitor {
     }
 
     fn on_event(&mut self, ev: Event) {
-        let Event { gpu, kind } = ev;
+        let Event {
+            gpu,
+            kind,
+            instance,
+        } = ev;
         let xid = match kind {
             EventKind::Xid(x) => Some(x),
             EventKind::DoubleBitEcc => Some(super::XID_DOUBLE_BIT_ECC),
@@ -150,24 +178,41 @@ impl Monitor {
             *lock(&self.xids).entry((gpu.clone(), x)).or_default() += 1;
         }
         let Some((cause, effect)) = self.policy.judge(&kind) else {
-            tracing::debug!(gpu.uuid = %gpu, event = ?kind, "ignored health event");
+            tracing::debug!(gpu.uuid = %gpu, event = ?kind, instance = ?instance, "ignored health event");
             return;
         };
         let now = Instant::now();
+        let fault = Fault {
+            xid: cause.xid(),
+            cause,
+            effect,
+            since: now,
+        };
+        match instance {
+            Some(i) if !i.devices.is_empty() => self.on_instance_fault(gpu, i, fault),
+            Some(i) => {
+                tracing::warn!(
+                    gpu.uuid = %gpu,
+                    instance = %i,
+                    cause = %fault.cause,
+                    "a health event names a MIG instance with no MIG device found; the whole GPU counts as hit"
+                );
+                self.on_gpu_fault(gpu, fault);
+            }
+            None => self.on_gpu_fault(gpu, fault),
+        }
+    }
+
+    fn on_gpu_fault(&mut self, gpu: GpuUuid, fault: Fault) {
+        let now = fault.since;
         match self.tracked.get_mut(&gpu) {
             Some(t) => {
                 // Already unhealthy: the first cause stays, recovery waits longer.
                 t.last_event = now;
-                tracing::debug!(gpu.uuid = %gpu, %cause, "another critical event on an unhealthy GPU");
+                tracing::debug!(gpu.uuid = %gpu, cause = %fault.cause, "another critical event on an unhealthy GPU");
             }
             None => {
-                tracing::warn!(gpu.uuid = %gpu, %cause, taint.effect = %effect, "GPU unhealthy");
-                let fault = Fault {
-                    xid: cause.xid(),
-                    cause,
-                    effect,
-                    since: now,
-                };
+                tracing::warn!(gpu.uuid = %gpu, cause = %fault.cause, taint.effect = %fault.effect, "GPU unhealthy");
                 self.tracked.insert(
                     gpu,
                     Tracked {
@@ -180,30 +225,93 @@ impl Monitor {
         }
     }
 
-    /// Probes every unhealthy GPU whose quiet period is over; those that answer are healthy.
+    /// A fault of each MIG device `instance` names.
+    fn on_instance_fault(&mut self, gpu: GpuUuid, instance: Instance, fault: Fault) {
+        let now = fault.since;
+        let Instance {
+            gpu_instance,
+            compute_instance,
+            devices,
+        } = instance;
+        let mut changed = false;
+        for mig in devices {
+            match self.tracked_mig.get_mut(&mig) {
+                Some(t) => {
+                    t.last_event = now;
+                    tracing::debug!(gpu.uuid = %gpu, mig.uuid = %mig, cause = %fault.cause, "another critical event on an unhealthy MIG device");
+                }
+                None => {
+                    let f = MigFault {
+                        gpu: gpu.clone(),
+                        gpu_instance,
+                        compute_instance,
+                        fault: fault.clone(),
+                    };
+                    tracing::warn!(
+                        gpu.uuid = %gpu,
+                        mig.uuid = %mig,
+                        cause = %f.reason(),
+                        taint.effect = %fault.effect,
+                        "MIG device unhealthy"
+                    );
+                    self.tracked_mig.insert(
+                        mig,
+                        Tracked {
+                            fault: f,
+                            last_event: now,
+                        },
+                    );
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            self.publish();
+        }
+    }
+
+    /// Probes every unhealthy GPU, and the GPU of every unhealthy MIG device, whose quiet
+    /// period is over; those that answer are healthy. A MIG device no longer on the node (its
+    /// instance destroyed) is healthy at once.
     async fn probe_all(&mut self) {
         let now = Instant::now();
-        let due: Vec<GpuUuid> = self
+        let quiet_period = self.policy.quiet_period;
+        // A GPU fault recovers by probe only where its cause can end: not `Unmonitored`.
+        let recovers = move |t: &Tracked<Fault>| {
+            !matches!(t.fault.cause, Cause::Unmonitored(_))
+                && now.duration_since(t.last_event) >= quiet_period
+        };
+        let quiet = move |t: &Instant| now.duration_since(*t) >= quiet_period;
+        let mut due: BTreeSet<GpuUuid> = self
             .tracked
             .iter()
-            .filter(|(_, t)| !matches!(t.fault.cause, Cause::Unmonitored(_)))
-            .filter(|(_, t)| now.duration_since(t.last_event) >= self.policy.quiet_period)
+            .filter(|(_, t)| recovers(t))
             .map(|(g, _)| g.clone())
             .collect();
-        if due.is_empty() {
+        due.extend(
+            self.tracked_mig
+                .values()
+                .filter(|t| quiet(&t.last_event))
+                .map(|t| t.fault.gpu.clone()),
+        );
+        let any_mig = !self.tracked_mig.is_empty();
+        if due.is_empty() && !any_mig {
             return;
         }
         let probe = self.probe.clone();
         let answers = tokio::task::spawn_blocking(move || {
-            due.into_iter()
+            let live = if any_mig { probe.mig_devices() } else { None };
+            let answers = due
+                .into_iter()
                 .map(|g| {
                     let r = probe.probe(&g);
                     (g, r)
                 })
-                .collect::<Vec<_>>()
+                .collect::<BTreeMap<_, _>>();
+            (answers, live)
         })
         .await;
-        let answers = match answers {
+        let (answers, live) = match answers {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!(error = %e, "the health probe panicked; GPUs stay unhealthy");
@@ -211,10 +319,12 @@ impl Monitor {
             }
         };
         let mut changed = false;
-        for (gpu, answer) in answers {
+        for (gpu, answer) in &answers {
             match answer {
                 Ok(()) => {
-                    if let Some(t) = self.tracked.remove(&gpu) {
+                    if self.tracked.get(gpu).is_some_and(recovers)
+                        && let Some(t) = self.tracked.remove(gpu)
+                    {
                         tracing::info!(
                             gpu.uuid = %gpu,
                             cause = %t.fault.cause,
@@ -229,6 +339,21 @@ impl Monitor {
                 }
             }
         }
+        self.tracked_mig.retain(|mig, t| {
+            let f = &t.fault;
+            if live.as_ref().is_some_and(|live| !live.contains(mig)) {
+                tracing::info!(gpu.uuid = %f.gpu, mig.uuid = %mig, cause = %f.reason(), "MIG device gone (its instance destroyed); its fault ends");
+                changed = true;
+                return false;
+            }
+            let answered = answers.get(&f.gpu).is_some_and(Result::is_ok);
+            if answered && quiet(&t.last_event) {
+                tracing::info!(gpu.uuid = %f.gpu, mig.uuid = %mig, cause = %f.reason(), quiet_for = ?quiet_period, "MIG device healthy again");
+                changed = true;
+                return false;
+            }
+            true
+        });
         if changed {
             self.publish();
         }
@@ -240,10 +365,16 @@ impl Monitor {
             .iter()
             .map(|(g, t)| (g.clone(), t.fault.clone()))
             .collect();
+        let mig_faults = self
+            .tracked_mig
+            .iter()
+            .map(|(m, t)| (m.clone(), t.fault.clone()))
+            .collect();
         let daemons_down = self.daemons.borrow().clone();
         self.state.send_if_modified(|s| {
             let new = HealthState {
                 faults,
+                mig_faults,
                 daemons_down,
             };
             let modified = *s != new;

@@ -123,18 +123,12 @@ async fn an_xid_makes_exactly_that_gpu_unhealthy_and_recovery_restores_it() {
 
     // An ignored XID first: the first change the watch sees must be the critical one.
     let tx = handle.events();
-    tx.send(Event {
-        gpu: uuid(&sim, 1),
-        kind: EventKind::Xid(13),
-    })
-    .await
-    .unwrap();
-    tx.send(Event {
-        gpu: gpu3.clone(),
-        kind: EventKind::Xid(79),
-    })
-    .await
-    .unwrap();
+    tx.send(Event::gpu(uuid(&sim, 1), EventKind::Xid(13)))
+        .await
+        .unwrap();
+    tx.send(Event::gpu(gpu3.clone(), EventKind::Xid(79)))
+        .await
+        .unwrap();
     watch.changed().await.unwrap();
     let state = watch.borrow_and_update().clone();
     let faults: Vec<(&GpuUuid, &Fault)> = state.faults().collect();
@@ -189,20 +183,14 @@ async fn a_new_critical_event_postpones_recovery_by_the_quiet_period() {
     let gpu = uuid(&sim, 0);
     let tx = handle.events();
     let start = Instant::now();
-    tx.send(Event {
-        gpu: gpu.clone(),
-        kind: EventKind::DoubleBitEcc,
-    })
-    .await
-    .unwrap();
+    tx.send(Event::gpu(gpu.clone(), EventKind::DoubleBitEcc))
+        .await
+        .unwrap();
     watch.changed().await.unwrap();
     tokio::time::sleep(Duration::from_secs(50)).await;
-    tx.send(Event {
-        gpu: gpu.clone(),
-        kind: EventKind::Xid(48),
-    })
-    .await
-    .unwrap();
+    tx.send(Event::gpu(gpu.clone(), EventKind::Xid(48)))
+        .await
+        .unwrap();
     watch.changed().await.unwrap();
     assert!(watch.borrow().is_empty());
     // Healthy no sooner than the quiet period after the second event (paused time: exact).
@@ -221,17 +209,17 @@ fn fault_file_lines_name_gpus_by_index_or_uuid() {
     let g3 = inv.gpus[3].uuid.clone();
     assert_eq!(
         parse_line("xid 3 79  # fell off", &inv),
-        Ok(Some(Command::Event(Event {
-            gpu: g3.clone(),
-            kind: EventKind::Xid(79)
-        })))
+        Ok(Some(Command::Event(Event::gpu(
+            g3.clone(),
+            EventKind::Xid(79)
+        ))))
     );
     assert_eq!(
         parse_line(&format!("ecc {g3}"), &inv),
-        Ok(Some(Command::Event(Event {
-            gpu: g3.clone(),
-            kind: EventKind::DoubleBitEcc
-        })))
+        Ok(Some(Command::Event(Event::gpu(
+            g3.clone(),
+            EventKind::DoubleBitEcc
+        ))))
     );
     assert_eq!(
         parse_line("lost 3", &inv),
@@ -305,12 +293,7 @@ async fn every_xid_is_counted_per_gpu_and_xid_the_ignored_ones_too() {
         // Critical, so the watch moves: every event before it has been handled by then.
         (&g1, EventKind::DoubleBitEcc),
     ] {
-        tx.send(Event {
-            gpu: gpu.clone(),
-            kind,
-        })
-        .await
-        .unwrap();
+        tx.send(Event::gpu(gpu.clone(), kind)).await.unwrap();
     }
     // GpuLost on g0 changes the watch first, then the ECC error on g1.
     while matches!(watch.borrow_and_update().gpu(&g1), GpuHealth::Healthy) {
@@ -349,10 +332,7 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
     watch.changed().await.unwrap();
     handle
         .events()
-        .send(Event {
-            gpu: gpu1.clone(),
-            kind: EventKind::Xid(79),
-        })
+        .send(Event::gpu(gpu1.clone(), EventKind::Xid(79)))
         .await
         .unwrap();
     watch.changed().await.unwrap();
@@ -432,12 +412,9 @@ async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on(
     let (gpu0, gpu1) = (uuid(&sim, 0), uuid(&sim, 1));
     let held = sim.hold(SimCall::Probe);
     let tx = handle.events();
-    tx.send(Event {
-        gpu: gpu0.clone(),
-        kind: EventKind::Xid(79),
-    })
-    .await
-    .unwrap();
+    tx.send(Event::gpu(gpu0.clone(), EventKind::Xid(79)))
+        .await
+        .unwrap();
     // The probe of GPU 0 starts and hangs; the monitor gives up on it and hears the next event.
     let wait = |pred: Box<dyn Fn(&HealthState) -> bool + Send>| {
         let mut w = handle.subscribe();
@@ -456,12 +433,9 @@ async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on(
     })
     .await
     .expect("the probe passes its deadline");
-    tx.send(Event {
-        gpu: gpu1.clone(),
-        kind: EventKind::Xid(79),
-    })
-    .await
-    .unwrap();
+    tx.send(Event::gpu(gpu1.clone(), EventKind::Xid(79)))
+        .await
+        .unwrap();
     let g1 = gpu1.clone();
     wait(Box::new(move |s| {
         matches!(s.gpu(&g1), GpuHealth::Unhealthy(_))
@@ -473,4 +447,364 @@ async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on(
     drop(held);
     wait(Box::new(|s| s.is_empty())).await;
     stop.cancel();
+}
+
+/// a100-mig-mixed with a second compute instance (ci 1) in GPU 1's 3g.20gb GPU instance: two
+/// MIG devices on the same memory slices.
+fn two_compute_instances() -> SimBackend {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    sim.update(|inv| {
+        let g = &mut inv.gpus[1];
+        let mut ci1 = g
+            .mig
+            .devices
+            .iter()
+            .find(|m| m.profile == "3g.20gb")
+            .unwrap()
+            .clone();
+        ci1.ci_id = 1;
+        ci1.uuid = MigUuid("MIG-3g-ci1".into());
+        g.mig.devices.push(ci1);
+    });
+    sim
+}
+
+/// NVML's answer for an XID in GPU 1's MIG device `profile` (its GPU instance, and its compute
+/// instance 0 when `ci`), with the devices the source found for those ids.
+fn instance_event(inv: &Inventory, profile: &str, ci: bool, xid: u64) -> Event {
+    let g = &inv.gpus[1];
+    let m = g
+        .mig
+        .devices
+        .iter()
+        .find(|m| m.profile == profile && m.ci_id == 0)
+        .unwrap();
+    let compute_instance = ci.then_some(0);
+    Event {
+        gpu: g.uuid.clone(),
+        kind: EventKind::Xid(xid),
+        instance: Some(Instance {
+            gpu_instance: m.gi_id,
+            compute_instance,
+            devices: g
+                .mig
+                .devices
+                .iter()
+                .filter(|d| d.gi_id == m.gi_id && compute_instance.is_none_or(|c| c == d.ci_id))
+                .map(|d| d.uuid.clone())
+                .collect(),
+        }),
+    }
+}
+
+/// The taint key of each MIG device of GPU `index`, by profile and compute instance.
+fn mig_taints(inv: &Inventory, index: usize) -> Vec<(String, u32, u32, Option<TaintKey>)> {
+    inv.gpus[index]
+        .mig
+        .devices
+        .iter()
+        .map(|m| {
+            let key = match &m.health {
+                Health::Tainted { taint, .. } => Some(taint.key),
+                _ => None,
+            };
+            (m.profile.clone(), m.placement.start, m.ci_id, key)
+        })
+        .collect()
+}
+
+/// An XID that NVML attributes to one compute instance marks that MIG device, and the one other
+/// compute instance of its GPU instance (same memory slices), and nothing else: not the GPU,
+/// not its other MIG devices, not another GPU. The whole GPU, which takes every slice, counts as
+/// hit where it is handed out whole.
+#[tokio::test(start_paused = true)]
+async fn an_xid_in_one_mig_instance_marks_the_devices_on_its_memory_slices_only() {
+    let sim = two_compute_instances();
+    let inv = sim.snapshot().unwrap();
+    let (monitor, handle) = Monitor::new(policy(), Arc::new(Switch::default()));
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    handle
+        .events()
+        .send(instance_event(&inv, "3g.20gb", true, 94))
+        .await
+        .unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    assert_eq!(state.faults().count(), 0, "no GPU fault");
+    let hit: Vec<(&MigUuid, String)> = state.mig_faults().map(|(m, f)| (m, f.reason())).collect();
+    let gi = inv.gpus[1]
+        .mig
+        .devices
+        .iter()
+        .find(|m| m.profile == "3g.20gb")
+        .unwrap();
+    assert_eq!(
+        hit,
+        [(
+            &gi.uuid,
+            format!(
+                "XID 94 (contained ECC error) in GPU instance {}, compute instance 0",
+                gi.gi_id
+            )
+        )]
+    );
+
+    let mut over = sim.snapshot().unwrap();
+    state.apply(&mut over);
+    assert!(over.gpus.iter().all(|g| g.health.is_healthy()));
+    let x94 = Some(TaintKey::Xid(94));
+    assert_eq!(
+        mig_taints(&over, 1),
+        [
+            ("3g.20gb".into(), 4, 0, x94),
+            ("2g.10gb".into(), 0, 0, None),
+            ("1g.5gb".into(), 2, 0, None),
+            ("1g.5gb".into(), 3, 0, None),
+            ("3g.20gb".into(), 4, 1, x94),
+        ]
+    );
+    let ci1 = over.gpus[1].mig.devices.last().unwrap();
+    assert_eq!(
+        ci1.health.reason().unwrap(),
+        format!(
+            "XID 94 (contained ECC error) in GPU instance {}, compute instance 0, on MIG device {}, which shares its memory slices",
+            gi.gi_id, gi.uuid
+        )
+    );
+    assert!(mig_taints(&over, 2).iter().all(|t| t.3.is_none()));
+    assert_eq!(
+        over.gpus[1].whole_health().reason(),
+        over.gpus[1].mig.devices[0].health.reason(),
+        "the whole GPU takes the instance's slices"
+    );
+    assert!(over.gpus[2].whole_health().is_healthy());
+
+    // A GPU-wide XID on the same GPU: the GPU itself.
+    handle
+        .events()
+        .send(Event::gpu(inv.gpus[1].uuid.clone(), EventKind::Xid(79)))
+        .await
+        .unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    assert!(matches!(
+        state.gpu(&inv.gpus[1].uuid),
+        GpuHealth::Unhealthy(Fault {
+            cause: Cause::Xid(79),
+            ..
+        })
+    ));
+    stop.cancel();
+}
+
+/// An event naming a GPU instance alone marks all its compute instances; one naming an instance
+/// the source found no MIG device for (a GPU instance without a compute instance, or one gone by
+/// the time it was read) marks the whole GPU, as before instance ids were read.
+#[tokio::test(start_paused = true)]
+async fn a_gpu_instance_event_marks_its_compute_instances_and_an_unknown_one_the_gpu() {
+    let sim = two_compute_instances();
+    let inv = sim.snapshot().unwrap();
+    let (monitor, handle) = Monitor::new(policy(), Arc::new(Switch::default()));
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    let tx = handle.events();
+    tx.send(instance_event(&inv, "3g.20gb", false, 94))
+        .await
+        .unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    let mut hit: Vec<String> = state.mig_faults().map(|(m, _)| m.to_string()).collect();
+    hit.sort();
+    let gi = &inv.gpus[1].mig.devices[0];
+    assert_eq!(gi.profile, "3g.20gb");
+    let mut want = vec![gi.uuid.to_string(), "MIG-3g-ci1".to_string()];
+    want.sort();
+    assert_eq!(hit, want);
+    assert!(
+        state
+            .mig_faults()
+            .all(|(_, f)| f.compute_instance.is_none())
+    );
+
+    let gpu2 = inv.gpus[2].uuid.clone();
+    tx.send(Event {
+        gpu: gpu2.clone(),
+        kind: EventKind::Xid(94),
+        instance: Some(Instance {
+            gpu_instance: 13,
+            compute_instance: Some(0),
+            devices: Vec::new(),
+        }),
+    })
+    .await
+    .unwrap();
+    watch.changed().await.unwrap();
+    let state = watch.borrow_and_update().clone();
+    let faults: Vec<_> = state
+        .faults()
+        .map(|(g, f)| (g.clone(), f.cause.clone()))
+        .collect();
+    assert_eq!(faults, [(gpu2, Cause::Xid(94))]);
+    stop.cancel();
+}
+
+/// The recovery probe of these tests, which also reads the node's MIG devices from the
+/// simulated backend, as the backend's probe does.
+struct Live {
+    up: AtomicBool,
+    sim: SimBackend,
+}
+
+impl Probe for Live {
+    fn probe(&self, _: &GpuUuid) -> Result<(), String> {
+        if self.up.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("down".into())
+        }
+    }
+
+    fn mig_devices(&self) -> Option<std::collections::BTreeSet<MigUuid>> {
+        BackendProbe(Arc::new(self.sim.clone())).mig_devices()
+    }
+}
+
+/// A MIG device's fault ends when its instance is destroyed (at the next probe, whatever the
+/// GPU's probe answers; and at once in what is laid over an inventory without it), so an
+/// instance made later on the same placement starts healthy; the fault of one still there ends
+/// as a GPU's does, once the quiet period is over and the GPU answers.
+#[tokio::test(start_paused = true)]
+async fn a_mig_fault_ends_with_its_instance_or_by_the_gpus_recovery_rule() {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let inv = sim.snapshot().unwrap();
+    let probe = Arc::new(Live {
+        up: AtomicBool::new(false),
+        sim: sim.clone(),
+    });
+    let (monitor, handle) = Monitor::new(policy(), probe.clone());
+    let stop = CancellationToken::new();
+    tokio::spawn(monitor.run(stop.clone()));
+    let mut watch = handle.subscribe();
+    let tx = handle.events();
+    tx.send(instance_event(&inv, "3g.20gb", true, 94))
+        .await
+        .unwrap();
+    tx.send(instance_event(&inv, "2g.10gb", true, 94))
+        .await
+        .unwrap();
+    watch
+        .wait_for(|s| s.mig_faults().count() == 2)
+        .await
+        .unwrap();
+    let g1 = &inv.gpus[1];
+    let doomed = g1
+        .mig
+        .devices
+        .iter()
+        .find(|m| m.profile == "2g.10gb")
+        .unwrap();
+    let kept = g1
+        .mig
+        .devices
+        .iter()
+        .find(|m| m.profile == "3g.20gb")
+        .unwrap();
+
+    sim.destroy_mig(&g1.uuid, &doomed.uuid).unwrap();
+    // Laid over an inventory without it, the fault marks nothing, before the monitor knows.
+    let mut over = sim.snapshot().unwrap();
+    handle.state().apply(&mut over);
+    assert_eq!(
+        mig_taints(&over, 1),
+        [
+            ("3g.20gb".into(), 4, 0, Some(TaintKey::Xid(94))),
+            ("1g.5gb".into(), 2, 0, None),
+            ("1g.5gb".into(), 3, 0, None),
+        ]
+    );
+    // The next probe forgets it, long before the quiet period; the probe still fails, so the
+    // other stays.
+    tokio::time::timeout(
+        policy().quiet_period,
+        watch.wait_for(|s| s.mig_faults().count() == 1),
+    )
+    .await
+    .expect("forgotten at the next probe")
+    .unwrap();
+    assert!(handle.state().mig(&kept.uuid).is_some());
+    let again = sim
+        .create_mig(&g1.uuid, doomed.gi_profile_id, doomed.placement)
+        .unwrap();
+    let mut over = sim.snapshot().unwrap();
+    handle.state().apply(&mut over);
+    let (_, made) = over.mig_by_uuid(&again.uuid).unwrap();
+    assert!(made.health.is_healthy());
+
+    // The quiet period over and the GPU answering: the other ends too.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert!(handle.state().mig(&kept.uuid).is_some(), "the probe fails");
+    probe.up.store(true, Ordering::SeqCst);
+    watch.wait_for(HealthState::is_empty).await.unwrap();
+    stop.cancel();
+}
+
+#[test]
+fn fault_file_xid_lines_may_name_a_mig_instance() {
+    let sim = two_compute_instances();
+    let inv = sim.snapshot().unwrap();
+    let g1 = &inv.gpus[1];
+    let gi = g1
+        .mig
+        .devices
+        .iter()
+        .find(|m| m.profile == "3g.20gb")
+        .unwrap();
+    let line = |ids: &str| parse_line(&format!("xid 1 94 {ids}"), &inv);
+    let event = |ci: Option<u32>, devices: Vec<MigUuid>| {
+        Ok(Some(Command::Event(Event {
+            gpu: g1.uuid.clone(),
+            kind: EventKind::Xid(94),
+            instance: Some(Instance {
+                gpu_instance: gi.gi_id,
+                compute_instance: ci,
+                devices,
+            }),
+        })))
+    };
+    assert_eq!(
+        line(&format!("gi={} ci=1", gi.gi_id)),
+        event(Some(1), vec![MigUuid("MIG-3g-ci1".into())])
+    );
+    assert_eq!(
+        line(&format!("gi={}", gi.gi_id)),
+        event(None, vec![gi.uuid.clone(), MigUuid("MIG-3g-ci1".into())])
+    );
+    // Ids of no instance: sent as NVML would, with no device found.
+    assert_eq!(
+        parse_line("xid 1 94 gi=99", &inv),
+        Ok(Some(Command::Event(Event {
+            gpu: g1.uuid.clone(),
+            kind: EventKind::Xid(94),
+            instance: Some(Instance {
+                gpu_instance: 99,
+                compute_instance: None,
+                devices: Vec::new(),
+            }),
+        })))
+    );
+    assert_eq!(line("gi=x"), Err(LineError::BadInstance("gi=x".into())));
+    assert_eq!(line("ci=0"), Err(LineError::BadInstance("ci=0".into())));
+    assert_eq!(
+        line("gi=1 gi=2"),
+        Err(LineError::BadInstance("gi=2".into()))
+    );
+    assert!(matches!(line("gi=1 ci=0 x"), Err(LineError::Unknown(_))));
+    assert!(
+        LineError::BadInstance("gi=x".into())
+            .to_string()
+            .contains("write gi=ID or ci=ID")
+    );
 }

@@ -637,6 +637,20 @@ impl Gpu {
     pub fn in_mig_mode(&self) -> bool {
         self.mig.capable && self.mig.enabled
     }
+
+    /// The health of this GPU taken whole: its own while it is not healthy, else that of a
+    /// MIG device on it the health monitor tainted (the fault of one instance), since the whole
+    /// GPU takes every memory slice that instance takes; healthy otherwise.
+    pub fn whole_health(&self) -> &Health {
+        if !self.health.is_healthy() {
+            return &self.health;
+        }
+        self.mig
+            .devices
+            .iter()
+            .find(|m| matches!(m.health, Health::Tainted { .. }))
+            .map_or(&self.health, |m| &m.health)
+    }
 }
 
 /// The node's GPUs.

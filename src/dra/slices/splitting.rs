@@ -32,6 +32,49 @@ fn tainted(mut d: Device, health: &Health, driver: &str) -> Device {
     d
 }
 
+/// The health a device of `gpu`'s counter group (partitionable or dynamic MIG) is published
+/// with: the GPU's while it is not healthy; else an existing MIG device's own (the health
+/// monitor's fault of its instance, or of an instance on the same memory slices:
+/// `health::HealthState::apply`); else, for a placement or the whole GPU, that of an existing
+/// MIG device the monitor tainted on any of its memory slices. The whole GPU of a dynamic-MIG GPU
+/// takes every memory slice, so any tainted instance taints it, and a placement is tainted with
+/// an instance it overlaps; MIG devices and placements on other slices stay clean. (Neither is
+/// published beside an existing instance it overlaps today — `counters::dynamic`,
+/// `counters::partitioned` — so the rule holds whatever those publish.)
+pub(super) fn group_health<'a>(gpu: &'a Gpu, d: &Device) -> &'a Health {
+    // Most publishes: nothing below the GPU is tainted, and no name is looked up.
+    if !gpu.health.is_healthy() || gpu.mig.devices.iter().all(|m| m.health.is_healthy()) {
+        return &gpu.health;
+    }
+    let name = |profile: &str, gi_profile_id, start| {
+        DeviceName::mig(gpu.minor, profile, gi_profile_id, start)
+    };
+    if let Some(m) = gpu
+        .mig
+        .devices
+        .iter()
+        .find(|m| name(&m.profile, m.gi_profile_id, m.placement.start).as_str() == d.name)
+    {
+        return &m.health;
+    }
+    let placement = gpu.mig.profiles.iter().find_map(|p| {
+        p.placements
+            .iter()
+            .find(|pl| name(&p.name, p.gi_profile_id, pl.start).as_str() == d.name)
+    });
+    match placement {
+        Some(pl) => gpu
+            .mig
+            .devices
+            .iter()
+            .filter(|m| matches!(m.health, Health::Tainted { .. }))
+            .find(|m| pl.overlaps(&m.placement))
+            .map_or(&gpu.health, |m| &m.health),
+        // Not a MIG device: the whole GPU.
+        None => gpu.whole_health(),
+    }
+}
+
 /// `d` with the [`TAINT_MIG_RESET_REQUIRED`] taint added when `reset` (after any health taint).
 fn reset_required(mut d: Device, reset: bool, driver: &str) -> Device {
     if reset {
@@ -300,8 +343,9 @@ pub fn desired_slices_withdrawing(
             .devices
             .into_iter()
             .map(|d| {
+                let health = group_health(gpu, &d);
                 let placement = reset && is_placement(gpu, &d);
-                let d = reset_required(tainted(d, &gpu.health, driver), placement, driver);
+                let d = reset_required(tainted(d, health, driver), placement, driver);
                 match blocked {
                     Some(value) if needs_switch(gpu, &d) => switch_blocked(d, value, driver),
                     _ => d,

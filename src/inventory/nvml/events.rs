@@ -11,6 +11,11 @@
 //! watched GPU is probed and only those NVML no longer finds are reported lost — never "every
 //! device unhealthy" for one error (NVIDIA device plugin #669). Other wait errors are logged
 //! once per kind and retried.
+//!
+//! An XID that the driver attributes to a MIG instance (the event's `gpuInstanceId`, and
+//! `computeInstanceId` where it names one, read through `ffi::wait_event`: nvml-wrapper's wait
+//! drops them) is sent with that [`Instance`] and the UUIDs of the MIG devices it names, read
+//! from NVML at once, so the monitor taints that instance rather than the whole GPU.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -21,8 +26,8 @@ use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 
 use super::ffi;
-use crate::inventory::GpuUuid;
-use crate::inventory::events::{Event, EventKind, EventSink};
+use crate::inventory::events::{Event, EventKind, EventSink, Instance};
+use crate::inventory::{GpuUuid, MigUuid};
 
 /// How long one wait blocks; also how soon the thread notices that nobody listens any more.
 const WAIT_MS: u32 = 500;
@@ -30,6 +35,9 @@ const WAIT_MS: u32 = 500;
 const WATCHED: EventTypes = EventTypes::CRITICAL_XID_ERROR.union(EventTypes::DOUBLE_BIT_ECC_ERROR);
 /// NVML's XID for "an XID it could not read".
 const UNKNOWN_XID: u64 = 999;
+/// An event's `gpuInstanceId` or `computeInstanceId` when it names no instance
+/// (`NVML_GPU_INSTANCE_ID_ANY`, `NVML_COMPUTE_INSTANCE_ID_ANY`).
+const NO_INSTANCE: u32 = u32::MAX;
 
 /// Starts the event thread.
 pub(super) fn start(nvml: Arc<Nvml>, sink: Box<dyn EventSink>) -> std::io::Result<JoinHandle<()>> {
@@ -62,10 +70,7 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
             let reason = format!("nvmlEventSetCreate failed: {e}");
             tracing::warn!(%reason, "GPU health events cannot be watched");
             for g in gpus {
-                if !sink.send(Event {
-                    gpu: g,
-                    kind: EventKind::Unmonitored(reason.clone()),
-                }) {
+                if !sink.send(Event::gpu(g, EventKind::Unmonitored(reason.clone()))) {
                     return;
                 }
             }
@@ -88,7 +93,7 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
                     NvmlError::GpuLost => EventKind::GpuLost,
                     e => EventKind::Unmonitored(format!("nvmlDeviceRegisterEvents failed: {e}")),
                 };
-                if !sink.send(Event { gpu: uuid, kind }) {
+                if !sink.send(Event::gpu(uuid, kind)) {
                     return;
                 }
             }
@@ -96,8 +101,8 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
     }
     let mut last_error: Option<String> = None;
     while !sink.is_closed() {
-        let events = match set.wait(WAIT_MS) {
-            Ok(data) => {
+        let events = match ffi::wait_event(nvml, &set, WAIT_MS) {
+            Ok((data, gi, ci)) => {
                 let Ok(uuid) = data.device.uuid() else {
                     tracing::warn!(
                         "a GPU health event names a GPU whose UUID NVML cannot read; skipped"
@@ -114,13 +119,12 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
                     out.push(Event {
                         gpu: gpu.clone(),
                         kind: EventKind::Xid(xid),
+                        instance: instance(nvml, &data.device, gi, ci),
                     });
                 }
                 if data.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
-                    out.push(Event {
-                        gpu,
-                        kind: EventKind::DoubleBitEcc,
-                    });
+                    // NVML attributes only XIDs to an instance; an ECC error is the GPU's.
+                    out.push(Event::gpu(gpu, EventKind::DoubleBitEcc));
                 }
                 out
             }
@@ -133,10 +137,7 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
                         Err(NvmlError::GpuLost | NvmlError::NotFound)
                     )
                 })
-                .map(|g| Event {
-                    gpu: g.clone(),
-                    kind: EventKind::GpuLost,
-                })
+                .map(|g| Event::gpu(g.clone(), EventKind::GpuLost))
                 .collect(),
             Err(e) => {
                 let text = e.to_string();
@@ -188,4 +189,30 @@ fn register(
         Err(NvmlError::NotSupported) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// The MIG instance an event of `parent` names (`gi`, `ci` as NVML gave them), with the MIG
+/// devices that instance has now; `None` for a GPU-wide event. Read at once, while the
+/// instance the driver meant still exists: its ids may name another one after it is destroyed.
+fn instance(nvml: &Nvml, parent: &nvml_wrapper::Device<'_>, gi: u32, ci: u32) -> Option<Instance> {
+    if gi == NO_INSTANCE {
+        return None;
+    }
+    let compute_instance = (ci != NO_INSTANCE).then_some(ci);
+    let max = parent.mig_device_count().unwrap_or(0);
+    let devices = (0..max)
+        // Empty slots answer NotFound (or InvalidArg on some drivers).
+        .filter_map(|slot| parent.mig_device_by_index(slot).ok())
+        .filter(|m| ffi::gpu_instance_id(nvml, m).is_ok_and(|id| id == gi))
+        .filter(|m| {
+            compute_instance
+                .is_none_or(|ci| ffi::compute_instance_id(nvml, m).is_ok_and(|id| id == ci))
+        })
+        .filter_map(|m| m.uuid().ok().map(MigUuid))
+        .collect();
+    Some(Instance {
+        gpu_instance: gi,
+        compute_instance,
+        devices,
+    })
 }

@@ -12,13 +12,14 @@ use std::path::Path;
 use std::ptr;
 
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
+use nvml_wrapper::struct_wrappers::event::EventData;
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
     nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t, nvmlDevice_t,
-    nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t,
-    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlEventData_t, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t,
+    nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as LINK_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU as LINK_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as LINK_SWITCH,
@@ -55,6 +56,31 @@ pub fn register_events(
     // borrowed for the call from the same `Nvml`; NVML keeps no pointer into our memory. The
     // set's handle is only passed, never freed here.
     nvml_try(unsafe { f(device.handle(), types, set.handle()) })
+}
+
+/// One event of `set` (`nvmlEventSetWait_v2`), with the MIG instance ids nvml-wrapper's
+/// `EventSet::wait` drops: `gpuInstanceId` and `computeInstanceId` as NVML gives them
+/// (`0xFFFFFFFF` where the event is not attributed to an instance).
+pub fn wait_event<'nvml>(
+    nvml: &'nvml Nvml,
+    set: &nvml_wrapper::EventSet<'nvml>,
+    timeout_ms: u32,
+) -> Result<(EventData<'nvml>, u32, u32), NvmlError> {
+    let f = nvml_sym(nvml.lib().nvmlEventSetWait_v2.as_ref())?;
+    let mut data = nvmlEventData_t {
+        device: ptr::null_mut(),
+        eventType: 0,
+        eventData: 0,
+        gpuInstanceId: u32::MAX,
+        computeInstanceId: u32::MAX,
+    };
+    // SAFETY: declared signature; `set` is a live event set borrowed for the call from this
+    // `Nvml` (only passed, never freed here); `data` is a valid, writable struct.
+    nvml_try(unsafe { f(set.handle(), &mut data, timeout_ms) })?;
+    let (gi, ci) = (data.gpuInstanceId, data.computeInstanceId);
+    // SAFETY: NVML filled `data` on success; its device handle belongs to this `Nvml`, which
+    // outlives the returned value (the lifetime says so).
+    Ok((unsafe { EventData::new(data, nvml) }, gi, ci))
 }
 
 /// `nvmlDeviceGetComputeInstanceId` of a MIG device handle.

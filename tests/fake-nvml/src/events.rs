@@ -9,7 +9,14 @@
 //! Test side, C symbols a test resolves from the loaded library (the library's state is shared
 //! only through the very copy NVML loaded, not through the rlib):
 //! - `fake_nvml_inject_event(gpu_index, event_type, event_data)`: every event set that
-//!   registered that GPU for that type gets the event;
+//!   registered that GPU for that type gets the event, GPU-wide (`gpuInstanceId` and
+//!   `computeInstanceId` `0xFFFFFFFF`);
+//! - `fake_nvml_inject_instance_event(gpu_index, event_type, event_data, gpu_instance_id,
+//!   compute_instance_id)`: the same, attributed to a MIG instance as the driver attributes an
+//!   XID (`compute_instance_id` `0xFFFFFFFF` for the GPU instance alone). As NVML documents, only
+//!   a critical XID of a GPU in MIG mode is attributed, to an instance that exists: anything else
+//!   answers `NVML_ERROR_INVALID_ARGUMENT`, so a test cannot make the fake say what the driver
+//!   would not;
 //! - `fake_nvml_set_lost(gpu_index, lost)`: the GPU's handle lookup by UUID fails (or not);
 //! - `fake_nvml_fail_registration(gpu_index, code)`: `nvmlDeviceRegisterEvents` answers `code`
 //!   for that GPU (`NVML_SUCCESS` to undo);
@@ -23,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use nvml_wrapper_sys::bindings::*;
 
-use super::{INVALID, SUCCESS, gpu_count, gpu_handle, gpu_index_of, handle};
+use super::{INVALID, SUCCESS, gpu_count, gpu_handle, gpu_index_of, handle, has_instance};
 
 const TIMEOUT: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_TIMEOUT;
 pub(crate) const GPU_IS_LOST: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST;
@@ -32,11 +39,14 @@ const SUPPORTED: c_ulonglong = (nvmlEventTypeXidCriticalError
     | nvmlEventTypeDoubleBitEccError
     | nvmlEventTypeSingleBitEccError) as c_ulonglong;
 
+/// An event waiting in a set: GPU index, type, data, GPU instance id, compute instance id.
+type Queued = (usize, c_ulonglong, c_ulonglong, c_uint, c_uint);
+
 #[derive(Default)]
 struct Set {
     /// GPU index → registered event types.
     registered: BTreeMap<usize, c_ulonglong>,
-    queue: VecDeque<(usize, c_ulonglong, c_ulonglong)>,
+    queue: VecDeque<Queued>,
 }
 
 #[derive(Default)]
@@ -134,14 +144,14 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         let Some(s) = st.sets.get_mut(&id) else {
             return INVALID;
         };
-        if let Some((gpu, kind, value)) = s.queue.pop_front() {
+        if let Some((gpu, kind, value, gi, ci)) = s.queue.pop_front() {
             drop(st);
             let ev = nvmlEventData_t {
                 device: gpu_handle(gpu),
                 eventType: kind,
                 eventData: value,
-                gpuInstanceId: u32::MAX,
-                computeInstanceId: u32::MAX,
+                gpuInstanceId: gi,
+                computeInstanceId: ci,
             };
             return unsafe { super::put(data, ev) };
         }
@@ -170,14 +180,51 @@ pub extern "C" fn fake_nvml_inject_event(
     event_type: c_ulonglong,
     event_data: c_ulonglong,
 ) -> nvmlReturn_t {
-    let gpu = gpu_index as usize;
+    inject(gpu_index, event_type, event_data, NO_INSTANCE, NO_INSTANCE)
+}
+
+/// `gpuInstanceId` and `computeInstanceId` of an event attributed to no instance.
+const NO_INSTANCE: c_uint = c_uint::MAX;
+
+/// Test hook: as [`fake_nvml_inject_event`], attributed to GPU instance `gpu_instance_id`
+/// (and compute instance `compute_instance_id`, unless `0xFFFFFFFF`) of the GPU; see the
+/// module doc for what is refused.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_nvml_inject_instance_event(
+    gpu_index: c_uint,
+    event_type: c_ulonglong,
+    event_data: c_ulonglong,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+) -> nvmlReturn_t {
+    let xid = event_type == nvmlEventTypeXidCriticalError as c_ulonglong;
+    if !xid || !has_instance(gpu_index as usize, gpu_instance_id, compute_instance_id) {
+        return INVALID;
+    }
+    inject(
+        gpu_index,
+        event_type,
+        event_data,
+        gpu_instance_id,
+        compute_instance_id,
+    )
+}
+
+fn inject(
+    gpu: c_uint,
+    kind: c_ulonglong,
+    data: c_ulonglong,
+    gi: c_uint,
+    ci: c_uint,
+) -> nvmlReturn_t {
+    let gpu = gpu as usize;
     if gpu >= gpu_count() {
         return INVALID;
     }
     let mut st = state();
     for s in st.sets.values_mut() {
-        if s.registered.get(&gpu).is_some_and(|t| t & event_type != 0) {
-            s.queue.push_back((gpu, event_type, event_data));
+        if s.registered.get(&gpu).is_some_and(|t| t & kind != 0) {
+            s.queue.push_back((gpu, kind, data, gi, ci));
         }
     }
     drop(st);

@@ -134,7 +134,7 @@ fn changing(f: impl FnOnce(&mut Model) -> nvmlReturn_t) -> nvmlReturn_t {
     }
 }
 
-// Health events and their test hooks (`events.rs`) see the GPUs only through these three.
+// Health events and their test hooks (`events.rs`) see the GPUs only through these four.
 mod events;
 // Live readings (`usage.rs`): utilization, power, temperature, processes.
 pub mod usage;
@@ -152,6 +152,22 @@ fn gpu_index_of(d: nvmlDevice_t) -> Option<usize> {
         Dev::Gpu(g) => Some(g),
         Dev::Mig(..) => None,
     }
+}
+
+/// Whether GPU `g` is in MIG mode with GPU instance `gi` (and, unless it is `u32::MAX`, compute
+/// instance `ci` in it): what the driver can attribute an XID to.
+fn has_instance(g: usize, gi: c_uint, ci: c_uint) -> bool {
+    let node = node();
+    let Some(gpu) = node.as_ref().and_then(|l| l.model.gpus.get(g)) else {
+        return false;
+    };
+    let in_mig = gpu
+        .mig_mode
+        .is_some_and(|(current, _)| current == NVML_DEVICE_MIG_ENABLE);
+    in_mig
+        && gpu
+            .instance(gi)
+            .is_some_and(|i| ci == c_uint::MAX || i.compute.iter().any(|c| c.id == ci))
 }
 
 // ------------------------------------------------------------------------------------------------

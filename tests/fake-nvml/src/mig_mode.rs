@@ -138,7 +138,7 @@ impl Switching {
         })
     }
 
-    /// GPU `index`'s device file, where there is a device directory.
+    /// The device file of the GPU with minor `minor`, where there is a device directory.
     pub fn device_file(&self, minor: c_uint) -> Option<PathBuf> {
         Some(self.dev_dir.as_ref()?.join(format!("nvidia{minor}")))
     }

@@ -581,6 +581,32 @@ async fn an_xid_in_one_mig_instance_marks_the_devices_on_its_memory_slices_only(
     );
     assert!(over.gpus[2].whole_health().is_healthy());
 
+    // The device plugin's lists say the same: under `mixed` the two MIG devices on those slices,
+    // under `none` (every GPU whole, MIG mode ignored) GPU 1, which takes them.
+    use crate::deviceplugin::{MigStrategy, Options, resources::resources};
+    let unhealthy = |strategy| {
+        let options = Options {
+            mig_strategy: strategy,
+            ..Options::default()
+        };
+        let mut out: Vec<String> = resources(&over, &options)
+            .unwrap()
+            .iter()
+            .flat_map(|r| &r.devices)
+            .filter(|d| !d.health.is_healthy())
+            .map(|d| d.uuid.to_string())
+            .collect();
+        out.sort();
+        out
+    };
+    let mut want = vec![gi.uuid.to_string(), "MIG-3g-ci1".to_string()];
+    want.sort();
+    assert_eq!(unhealthy(MigStrategy::Mixed), want);
+    assert_eq!(
+        unhealthy(MigStrategy::None),
+        [over.gpus[1].uuid.to_string()]
+    );
+
     // A GPU-wide XID on the same GPU: the GPU itself.
     handle
         .events()

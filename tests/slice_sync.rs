@@ -21,6 +21,7 @@ use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{
     self, DeviceBackend, Health, Holder, HolderKind, Inventory, MigDevice, MigUuid, Placement,
+    SwitchBlock,
 };
 use support::apiserver::TestApiServer;
 use support::wait::{SOON, eventually};
@@ -504,6 +505,90 @@ async fn a_dcgm_like_holder_withdraws_its_gpus_placements_within_one_publish() {
         device_names(&node.server.slices()).len() == 8 * 26
     })
     .await;
+}
+
+/// The switch blocks given to the sync are published with each read: after a prepare met
+/// `IN_USE` on GPU 0 its placements are tainted `mig-switch-blocked:NoExecute`, valued with the
+/// holder's name, the whole GPU not; where the server drops device taints they are withdrawn
+/// instead (the GPU whole only). Clearing the block offers them again.
+#[tokio::test]
+async fn a_switch_block_is_published_tainted_or_withdrawn_where_taints_are_dropped() {
+    for drops_taints in [false, true] {
+        let blocks = SwitchBlocks::default();
+        let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+        let mut node = start_sim(
+            sim,
+            |o| o.dynamic_mig = true,
+            |server| {
+                if drops_taints {
+                    server.drop_field("devices[].taints");
+                }
+            },
+            Some(blocks.clone()),
+        )
+        .await;
+        eventually("every GPU whole and in placements", || {
+            device_names(&node.server.slices()).len() == 8 * 26
+        })
+        .await;
+        if drops_taints {
+            // The publisher reports the dropped field once it has written a tainted device; make
+            // it write one (a health taint), then let it heal.
+            node.sim.update(|inv| {
+                inv.gpus[7].health = Health::Tainted {
+                    reason: "XID 79".into(),
+                    taint: inventory::Taint {
+                        key: inventory::TaintKey::Xid(79),
+                        effect: inventory::TaintEffect::NoSchedule,
+                    },
+                }
+            });
+            node.announce_and_wait().await;
+            eventually("the tainted GPU withdrawn", || {
+                !device_names(&node.server.slices()).contains("gpu-7")
+            })
+            .await;
+            node.sim.update(|inv| inv.gpus[7].health = Health::Healthy);
+            node.announce_and_wait().await;
+        }
+        let g0 = node.sim.snapshot().unwrap().gpus[0].uuid.clone();
+        assert!(blocks.set(
+            &g0,
+            SwitchBlock::InUse {
+                holders: vec![Holder {
+                    pid: 4242,
+                    name: "nv-hostengine".into(),
+                    kind: HolderKind::Foreign,
+                }],
+            },
+        ));
+        node.announce_and_wait().await;
+        let blocked = format!("{DRIVER}/mig-switch-blocked=nv-hostengine:NoExecute");
+        if drops_taints {
+            eventually("GPU 0 whole only", || {
+                let gpu0: Vec<String> = of_gpu(&node.server.slices(), 0).into_keys().collect();
+                gpu0 == ["gpu-0"]
+            })
+            .await;
+        } else {
+            eventually("GPU 0's placements tainted", || {
+                let gpu0 = of_gpu(&node.server.slices(), 0);
+                gpu0.len() == 26
+                    && gpu0.iter().all(|(name, taints)| {
+                        (name == "gpu-0") == taints.is_empty()
+                            && (taints.is_empty() || taints == std::slice::from_ref(&blocked))
+                    })
+            })
+            .await;
+        }
+        assert!(blocks.clear(&g0));
+        node.announce_and_wait().await;
+        eventually("offered again, untainted", || {
+            let slices = node.server.slices();
+            of_gpu(&slices, 0).len() == 26 && !any_taint(&slices)
+        })
+        .await;
+    }
 }
 
 /// `--dynamic-mig` where the server drops the counter fields: a GPU offered whole and in MIG

@@ -385,8 +385,8 @@ async fn start_dra(
     Ok(plugin)
 }
 
-/// The DRA gRPC server, the registration socket, the slice publisher and, with
-/// `--shared-capacity`, the share-daemon watch.
+/// The DRA gRPC server, the registration socket, the slice publisher, with
+/// `--shared-capacity` the share-daemon watch, and with `--dynamic-mig` the MIG switch watch.
 #[allow(clippy::too_many_arguments)]
 async fn serve_dra(
     config: &Config,
@@ -440,6 +440,15 @@ async fn serve_dra(
     .await;
     if config.shared_capacity.enabled() {
         spawn_share_daemon_watch(config, plugin, monitor, metrics, tasks);
+    }
+    if config.dynamic_mig.enabled() {
+        // Each read: a pending MIG mode change withdrawn, IN_USE blocks whose holders are gone
+        // cleared.
+        let (plugin, watch) = (plugin.clone(), inventory.subscribe());
+        tasks.spawn("mig-switch-watch", |token| async move {
+            plugin.watch_mig_switches(watch, token).await;
+            Ok::<(), Infallible>(())
+        });
     }
     Ok(())
 }

@@ -658,6 +658,33 @@ impl Ledger {
         f(&mut lock(&self.shared.state).mig_enabled)
     }
 
+    /// Undoes the reservation of `uid` whose first flush failed, before anything on the GPU
+    /// changed: forgets the claim, and the GPUs it added to [`Checkpoint::mig_enabled`]
+    /// (`recorded`) unless another claim records a MIG device on one (whose prepare may rely on
+    /// the record to turn its mode on), in one critical section. So the record follows what the
+    /// file would hold had the write not been tried, and a later flush never writes a GPU as
+    /// turned on by nvdra when nothing turned it on.
+    pub fn withdraw_reservation(&self, uid: &ClaimUid, recorded: &[GpuUuid]) {
+        {
+            let mut state = lock(&self.shared.state);
+            state.claims.remove(uid);
+            let Checkpoint {
+                claims,
+                mig_enabled,
+                ..
+            } = &mut *state;
+            for gpu in recorded {
+                let relied_on = claims
+                    .values()
+                    .any(|e| e.devices.iter().any(|d| d.gpu == *gpu && d.mig.is_some()));
+                if !relied_on {
+                    mig_enabled.remove(gpu);
+                }
+            }
+        }
+        self.changed();
+    }
+
     /// Makes every reservation ([`Ledger::update_with_holds`]) consult `holds` (`--mode both`);
     /// set once.
     pub fn set_held_elsewhere(&self, holds: Arc<dyn HeldElsewhere>) {

@@ -97,6 +97,9 @@ pub struct Metrics {
     info: Mutex<BTreeMap<&'static str, String>>,
     /// Set once the daemon has wired what a scrape reads ([`Metrics::set_source`]).
     source: OnceLock<Arc<dyn Source>>,
+    /// The GPUs whose MIG mode the DRA plugin will not switch now (dynamic MIG), as it records
+    /// them ([`Metrics::set_switch_blocks`]).
+    switch_blocks: OnceLock<crate::dra::switch_blocks::SwitchBlocks>,
     /// The first long-lived task that stopped unexpectedly, and why: never ready again.
     stopped: OnceLock<String>,
 }
@@ -122,6 +125,14 @@ impl Metrics {
     /// GPUs left out (no share any more) leave the metric.
     pub fn set_share_daemons(&self, up: impl IntoIterator<Item = (String, bool)>) {
         *lock(&self.share_daemons) = up.into_iter().collect();
+    }
+
+    /// The DRA plugin's record of the GPUs whose MIG mode it will not switch now, read at each
+    /// scrape (`nvdra_mig_switch_blocked`); set once (a second call is ignored).
+    pub fn set_switch_blocks(&self, blocks: crate::dra::switch_blocks::SwitchBlocks) {
+        if self.switch_blocks.set(blocks).is_err() {
+            tracing::warn!("the metrics already read a record of switch blocks; keeping the first");
+        }
     }
 
     /// What every scrape reads besides the counters; set once (a second call is ignored).
@@ -170,9 +181,27 @@ impl Metrics {
                 .iter()
                 .map(|(g, up)| (g.clone(), *up))
                 .collect(),
+            switch_blocks: self
+                .switch_blocks
+                .get()
+                .map(|b| {
+                    b.all()
+                        .into_iter()
+                        .map(|(gpu, block)| (gpu.to_string(), block_reason(&block)))
+                        .collect()
+                })
+                .unwrap_or_default(),
             scrape: self.source.get().map(|s| s.scrape()),
         };
         encode(snapshot)
+    }
+}
+
+/// The `reason` label of `nvdra_mig_switch_blocked`.
+fn block_reason(block: &crate::inventory::SwitchBlock) -> &'static str {
+    match block {
+        crate::inventory::SwitchBlock::ResetRequired => "reset_required",
+        crate::inventory::SwitchBlock::InUse { .. } => "in_use",
     }
 }
 
@@ -379,6 +408,42 @@ mod tests {
         m.set_share_daemons([("GPU-b".to_string(), true)]);
         let text = m.render();
         assert!(!text.contains("GPU-a"), "{text}");
+    }
+
+    #[test]
+    fn each_gpu_whose_mig_mode_is_not_switched_has_its_blocked_gauge() {
+        use crate::inventory::{GpuUuid, Holder, HolderKind, SwitchBlock};
+        let m = Metrics::new();
+        let blocks = crate::dra::switch_blocks::SwitchBlocks::default();
+        m.set_switch_blocks(blocks.clone());
+        let text = m.render();
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.starts_with("nvdra_mig_switch_blocked{")),
+            "no block, no sample: {text}"
+        );
+        let (a, b) = (GpuUuid("GPU-a".into()), GpuUuid("GPU-b".into()));
+        blocks.set(&a, SwitchBlock::ResetRequired);
+        let holders = vec![Holder {
+            pid: 7,
+            name: "nv-hostengine".into(),
+            kind: HolderKind::Foreign,
+        }];
+        blocks.set(&b, SwitchBlock::InUse { holders });
+        let text = m.render();
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        for want in [
+            "nvdra_mig_switch_blocked{gpu=\"GPU-a\",reason=\"reset_required\"} 1",
+            "nvdra_mig_switch_blocked{gpu=\"GPU-b\",reason=\"in_use\"} 1",
+        ] {
+            assert!(samples.contains(&want), "no sample {want:?} in {text}");
+        }
+        // A block cleared leaves the metric.
+        blocks.clear(&b);
+        let text = m.render();
+        assert!(!text.contains("GPU-b"), "{text}");
+        assert!(text.contains("GPU-a"), "{text}");
     }
 
     async fn get(addr: SocketAddr, path: &str) -> String {

@@ -4,7 +4,10 @@
 //! mode. One GPU goes from whole to two MIG devices (a 3g then a 1g claim switch it into MIG
 //! mode and create both instances), refuses a whole-GPU claim until both are unprepared, and is
 //! whole again (MIG mode off) for that claim; a GPU with a running process (the fault file's
-//! `process` line) answers IN_USE naming it, and the kubelet's retry succeeds once it exits.
+//! `process` line) answers IN_USE naming it, and the kubelet's retry succeeds once it exits. A
+//! GPU held by a DCGM-like process (the fault file's `holder` line) answers IN_USE naming it
+//! too, is blocked (its devices that need a switch are published tainted) until it exits, and
+//! the retry then switches it and lifts the block: no prepare is left retrying for ever.
 //!
 //! What the daemon did to the GPU is read from its checkpoint (the GPUs whose MIG mode nvdra
 //! turned on, the instances' UUIDs) and from its log lines; the published slices are not used,
@@ -29,6 +32,7 @@ const NODE: &str = "node-a";
 const THREE_G: &str = "gpu-0-mig-3g40gb-9-4";
 const ONE_G: &str = "gpu-0-mig-1g10gb-19-0";
 const BUSY: &str = "gpu-1-mig-1g10gb-19-0";
+const HELD: &str = "gpu-2-mig-1g10gb-19-0";
 
 /// `nvdra run --dynamic-mig` against `server`, its stderr collected.
 struct Daemon {
@@ -237,5 +241,49 @@ async fn one_gpu_goes_whole_to_two_mig_devices_and_back_and_a_busy_gpu_answers_i
     k.prepare_ok("busy", BUSY);
     assert_eq!(d.checkpoint()["migEnabled"], json!([gpu_uuid(1)]));
     k.unprepare_ok("busy");
+    assert!(d.checkpoint().get("migEnabled").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_gpu_answers_in_use_naming_the_holder_and_is_blocked_until_it_exits() {
+    if !have_grpcio() {
+        return;
+    }
+    let server = TestApiServer::start().await;
+    server.seed_node(NODE, "uid-node-a");
+    seed(&server, "held", HELD);
+    let d = Daemon::start(&server).await;
+    let mut k = Kubelet::start(d.root.path(), &d.dra_socket());
+    let g2 = gpu_uuid(2);
+
+    // DCGM's host engine holds GPU 2: IN_USE, naming it; the change is withdrawn and the GPU
+    // blocked, once.
+    d.fault("holder 2 4242 nv-hostengine");
+    for _ in 0..2 {
+        let r = k.call("prepare", "held");
+        let err = r["error"].as_str().unwrap();
+        assert!(err.contains("pid 4242 (nv-hostengine)"), "{err}");
+        assert!(err.contains(&format!("gpu-2 ({g2})")), "{err}");
+        assert!(err.contains("tainted NoExecute"), "{err}");
+        assert!(err.contains("retries"), "{err}");
+    }
+    assert_eq!(
+        d.log_count("MIG mode switch refused (IN_USE)"),
+        1,
+        "blocked once"
+    );
+    assert_eq!(d.log_count("pending MIG mode change withdrawn"), 2);
+    let cp = d.checkpoint();
+    assert!(cp.get("migEnabled").is_none(), "rolled back: {cp}");
+
+    // It exits: the kubelet's retry switches the GPU, and the block is lifted (by that switch,
+    // or by a read that found the GPU free first).
+    d.fault("exit 2 4242");
+    k.prepare_ok("held", HELD);
+    assert_eq!(d.checkpoint()["migEnabled"], json!([g2]));
+    let lifted = d.log_count("the GPU's MIG mode switched after all")
+        + d.log_count("the processes that kept the GPU's MIG mode from switching are gone");
+    assert_eq!(lifted, 1, "the block is lifted once");
+    k.unprepare_ok("held");
     assert!(d.checkpoint().get("migEnabled").is_none());
 }

@@ -121,6 +121,9 @@ pub struct Mps {
     answered: Mutex<HashMap<DaemonId, Instant>>,
     /// When this process last wrote each daemon's request.
     requested: Mutex<HashMap<DaemonId, Instant>>,
+    /// The daemons this process released, with the devices each served, until the host has
+    /// quit them and removed their directories ([`Mps::quitting`]).
+    released: Mutex<HashMap<DaemonId, Vec<String>>>,
     /// Whether each GPU's or MIG device's share daemon runs in multi-user mode (`-M`): Volta
     /// and later GPUs (a MIG device as its GPU), where one MPS server serves clients of every
     /// UID; learnt from the inventory.
@@ -138,6 +141,7 @@ impl Mps {
             gpu_locks: Mutex::new(HashMap::new()),
             answered: Mutex::new(HashMap::new()),
             requested: Mutex::new(HashMap::new()),
+            released: Mutex::new(HashMap::new()),
             multi_user: Mutex::new(HashMap::new()),
         }
     }
@@ -318,6 +322,23 @@ impl Mps {
         self.release(&Owner::Claim(claim.clone()))
     }
 
+    /// The daemons this process released that serve any of `devices` (GPU or MIG UUIDs) and
+    /// that the host has not removed yet: their control daemon or MPS server may still hold the
+    /// GPU (the host quits a released daemon asynchronously, killing it after its quit
+    /// deadline, then removes its directory). A daemon asked for again since is not quitting.
+    /// Blocking: a `stat` or two per released daemon.
+    pub fn quitting(&self, devices: &[&str]) -> Vec<DaemonId> {
+        let mut released = lock(&self.released);
+        released.retain(|id, _| self.layout.dir(id).is_dir() && !self.layout.spec(id).is_file());
+        let mut out: Vec<DaemonId> = released
+            .iter()
+            .filter(|(_, served)| served.iter().any(|d| devices.contains(&d.as_str())))
+            .map(|(id, _)| id.clone())
+            .collect();
+        out.sort();
+        out
+    }
+
     fn gpu_lock(&self, device: &DeviceUuid) -> Arc<Mutex<()>> {
         lock(&self.gpu_locks)
             .entry(device.clone())
@@ -402,8 +423,13 @@ impl Mps {
         lock(&self.answered).remove(&id);
         lock(&self.requested).remove(&id);
         let path = self.layout.spec(&id);
+        let served = match self.layout.read_spec(&id) {
+            Ok(Some(spec)) => spec.devices,
+            _ => Vec::new(),
+        };
         match crate::durable::remove(&path) {
             Ok(true) => {
+                lock(&self.released).insert(id.clone(), served);
                 tracing::info!(%owner, daemon = %id, "MPS daemon released");
                 Ok(())
             }

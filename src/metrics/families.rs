@@ -139,6 +139,9 @@ pub struct Snapshot {
     pub ready: bool,
     /// Each GPU with shares (UUID) and whether its share daemon answered the last probe.
     pub share_daemons: Vec<(String, bool)>,
+    /// Each GPU whose MIG mode the DRA plugin will not switch now (UUID), and why
+    /// (`reset_required`, `in_use`).
+    pub switch_blocks: Vec<(String, &'static str)>,
     pub scrape: Option<Scrape>,
 }
 
@@ -265,6 +268,16 @@ impl Collector for Snapshot {
             &self.share_daemons,
             |(gpu, _)| [("gpu", gpu.clone())],
             |(_, up)| Some(u64::from(*up)),
+        )?;
+        gauges(
+            &mut e,
+            "nvdra_mig_switch_blocked",
+            "1 for a GPU whose MIG mode the DRA plugin no longer switches (reason \
+             reset_required: the driver answered a switch with RESET_REQUIRED, until nvdra \
+             restarts) or not now (in_use: processes held it at a switch, until they are gone).",
+            &self.switch_blocks,
+            |(gpu, reason)| [("gpu", gpu.clone()), ("reason", reason.to_string())],
+            |_| Some(1u64),
         )?;
         match &self.scrape {
             Some(s) => encode_scrape(&mut e, s),

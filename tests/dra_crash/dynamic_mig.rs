@@ -6,7 +6,9 @@
 //! destruction, the mode switched off, the spec and the entry removed. After every crash the
 //! restart and the kubelet's retry end consistent: the claim prepared exactly once or not at
 //! all, no instance nobody holds, MIG mode on exactly while an instance is held, and the
-//! checkpoint's record of the GPUs nvdra turned on equal to the GPUs it left on.
+//! checkpoint's record of the GPUs nvdra turned on equal to the GPUs it left on. A switch the
+//! driver refuses (IN_USE, which leaves the change pending as NVML does) is withdrawn at once,
+//! or, killed before that, at the next start: nvdra leaves nothing pending.
 
 use serde_json::json;
 
@@ -210,6 +212,94 @@ async fn crash_in_whole_prepare(point: &str) {
     assert_eq!(d.mig_enabled(), json!([]), "{point}");
     let status = terminate(&mut second).await;
     assert!(status.success(), "{point}: {status}");
+}
+
+/// Kills the daemon between the driver's refusal of claim `a`'s switch (IN_USE or
+/// RESET_REQUIRED: both leave the change pending, as NVML does) and its withdrawal, and restarts
+/// it (`first` sets up the refusal; the second process runs on idle GPUs that switch): start-up
+/// withdraws the change before serving, and the kubelet's retry switches the GPU.
+async fn crash_after_refused(what: &str, first: impl FnOnce(&mut std::process::Command)) {
+    let point = "after-mig-mode-refused";
+    let d = Dirs::dynamic();
+    let mut cmd = d.command(Some(point));
+    first(&mut cmd);
+    let mut first = cmd.spawn().unwrap();
+    wait_ready(&d, &mut first).await;
+    let dra_socket = d.dra_socket();
+    let call = tokio::spawn(async move { super::prepare_at(&dra_socket, "a").await });
+    kill_at_crash_point(&d, &mut first, point).await;
+    assert!(call.await.unwrap().is_err(), "{what}: died mid-call");
+    assert_eq!(d.gpu0_mig_mode(), (false, true), "{what}: left pending");
+    assert_eq!(d.mig_enabled(), json!([gpu0_uuid()]), "{what}");
+
+    let mut second = d.spawn(None);
+    wait_ready(&d, &mut second).await;
+    assert_eq!(d.gpu0_mig_mode(), (false, false), "{what}: withdrawn");
+    assert!(
+        d.checkpoint_json()["claims"]
+            .as_object()
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(d.mig_enabled(), json!([]), "{what}");
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "", "{what}");
+    assert_eq!(d.gpu0_mig_mode(), (true, true), "{what}");
+    assert_eq!(d.gpu0_instances(), 1, "{what}");
+    assert_eq!(unprepare(&d, "a").await, "", "{what}");
+    whole_again(&d, what).await;
+    let status = terminate(&mut second).await;
+    assert!(status.success(), "{what}: {status}");
+}
+
+#[tokio::test]
+async fn dynamic_mig_crash_after_mig_mode_in_use() {
+    // GPU 0's process runs.
+    crash_after_refused("in-use", |c| {
+        c.env_remove("FAKE_NVML_IDLE");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn dynamic_mig_crash_after_mig_mode_reset_required() {
+    // An H100 whose switch waits for a reset, as some hypervisors' passthrough GPUs answer.
+    crash_after_refused("reset-required", |c| {
+        c.env("FAKE_NVML_RESET_REQUIRED", "0");
+    })
+    .await;
+}
+
+/// The same refusal without a crash: the change is withdrawn at once, so nothing is left
+/// pending while the daemon runs on, and the retry succeeds once the GPU is idle (after a
+/// restart here: the fake's GPUs are idle or not per process).
+#[tokio::test]
+async fn dynamic_mig_in_use_leaves_nothing_pending() {
+    let d = Dirs::dynamic();
+    let mut first = d
+        .command(None)
+        .env_remove("FAKE_NVML_IDLE")
+        .spawn()
+        .unwrap();
+    wait_ready(&d, &mut first).await;
+    let r = prepare(&d, "a").await.unwrap();
+    assert!(
+        r.error.contains("cannot turn the MIG mode of GPU gpu-0"),
+        "{}",
+        r.error
+    );
+    assert_eq!(d.gpu0_mig_mode(), (false, false), "withdrawn at once");
+    assert_eq!(d.mig_enabled(), json!([]));
+    let status = terminate(&mut first).await;
+    assert!(status.success(), "{status}");
+    let mut second = d.spawn(None);
+    wait_ready(&d, &mut second).await;
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "");
+    assert_eq!(unprepare(&d, "a").await, "");
+    whole_again(&d, "in-use").await;
+    let status = terminate(&mut second).await;
+    assert!(status.success(), "{status}");
 }
 
 #[tokio::test]

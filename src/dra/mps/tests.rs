@@ -147,6 +147,38 @@ fn a_claims_daemon_is_requested_for_its_devices_waited_for_and_released() {
     );
 }
 
+/// A released daemon stays quitting (its control daemon or server may still hold the GPU)
+/// until the host has removed its directory; one asked for again is not quitting.
+#[test]
+fn a_released_daemon_is_quitting_until_the_host_removes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let driver = dir.path().join("driver");
+    let mps = mps(dir.path());
+    let claim = ClaimUid::parse("c1").unwrap();
+    let (a, b) = (
+        DeviceUuid::Gpu(GpuUuid("GPU-a".into())),
+        DeviceUuid::Gpu(GpuUuid("GPU-b".into())),
+    );
+    // No host yet: the request is written and nobody removes the released directory.
+    mps.ensure(&claim, &[a.clone(), b]).unwrap();
+    assert!(
+        mps.quitting(&["GPU-a"]).is_empty(),
+        "asked for, not released"
+    );
+    mps.stop(&claim).unwrap();
+    let id = DaemonId::claim(&claim);
+    assert_eq!(mps.quitting(&["GPU-b", "GPU-c"]), vec![id.clone()]);
+    assert!(mps.quitting(&["GPU-c"]).is_empty(), "serves neither");
+    mps.ensure(&claim, std::slice::from_ref(&a)).unwrap();
+    assert!(mps.quitting(&["GPU-a"]).is_empty(), "asked for again");
+    mps.stop(&claim).unwrap();
+    assert_eq!(mps.quitting(&["GPU-a"]), vec![id]);
+    let _host = FakeHost::start(&driver, &dir.path().join("mps"));
+    eventually("the host removed it", || {
+        mps.quitting(&["GPU-a"]).is_empty()
+    });
+}
+
 #[test]
 fn missing_control_binary_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();

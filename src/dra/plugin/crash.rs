@@ -28,6 +28,9 @@ pub enum CrashPoint {
     /// Dynamic MIG: the GPU's MIG mode was turned on (recorded durably before, with
     /// `PrepareStarted`); no instance is created.
     AfterMigModeOn,
+    /// Dynamic MIG: the driver refused a MIG mode switch (`IN_USE`, `RESET_REQUIRED`) and left
+    /// the change pending; it is not withdrawn yet.
+    AfterMigModeRefused,
     /// A MIG instance (GPU and compute instance: the backend makes both in one call, and a GPU
     /// instance a crash leaves without its compute instance is nobody's, destroyed when it is
     /// in the way) was created; its UUID is not durable.
@@ -57,9 +60,10 @@ pub enum CrashPoint {
 /// A [`CRASH_ENV`] value that names no crash point.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{CRASH_ENV}={value:?}: expected after-started, after-mig-mode-on, after-mig-created, \
-     after-cdi, before-completed, after-completed, after-undo, before-mig-mode-off, \
-     after-mig-mode-off, after-spec-removed or after-forgotten"
+    "{CRASH_ENV}={value:?}: expected after-started, after-mig-mode-on, \
+     after-mig-mode-refused, after-mig-created, after-cdi, before-completed, after-completed, \
+     after-undo, before-mig-mode-off, after-mig-mode-off, after-spec-removed or \
+     after-forgotten"
 )]
 pub struct BadCrashPoint {
     pub value: String,
@@ -71,6 +75,7 @@ impl std::str::FromStr for CrashPoint {
         Ok(match s {
             "after-started" => Self::AfterStarted,
             "after-mig-mode-on" => Self::AfterMigModeOn,
+            "after-mig-mode-refused" => Self::AfterMigModeRefused,
             "after-mig-created" => Self::AfterMigCreated,
             "before-mig-mode-off" => Self::BeforeMigModeOff,
             "after-mig-mode-off" => Self::AfterMigModeOff,

@@ -286,6 +286,10 @@ impl Plugin {
                         }),
                 };
                 if let Some(mig_uuid) = mig_uuid {
+                    // A daemon of its shares or of this claim, released above, may still run
+                    // on it: the driver refuses to destroy an instance in use.
+                    self.wait_own_mps(&d.gpu, Some(&mig_uuid), "destroy MIG device")
+                        .await?;
                     let gpu = d.gpu.clone();
                     self.blocking(move |i| i.backend.destroy_mig(&gpu, &mig_uuid))
                         .await??;

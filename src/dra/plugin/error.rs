@@ -156,8 +156,11 @@ pub enum ClaimError {
     )]
     MigDevicesLeft { device: String, devices: String },
     #[error(
-        "cannot turn MIG mode {mode} on GPU {gpu}: processes run on it ({processes}); the \
-         kubelet retries this prepare, which succeeds once they exit"
+        "cannot turn the MIG mode of GPU {gpu} {mode}: processes hold the GPU: {processes}. The \
+         change was withdrawn, and until they are gone the node publishes the GPU's devices that \
+         need a switch tainted NoExecute, so that the pod is evicted and a claim made from a \
+         template is allocated elsewhere; meanwhile the kubelet retries this prepare, which \
+         succeeds once they exit"
     )]
     MigModeInUse {
         gpu: String,
@@ -165,15 +168,41 @@ pub enum ClaimError {
         processes: String,
     },
     #[error(
-        "GPU {gpu} needs a reset to change its MIG mode (current {current}, pending {pending}); \
-         nvdra never resets a GPU, so it no longer switches this GPU's MIG mode (published \
-         tainted) until an operator resets it (nvidia-smi -r -i, with no process on it) or \
-         sets the mode back"
+        "GPU {gpu} answered the switch of its MIG mode {pending} with RESET_REQUIRED: the driver \
+         would apply it only at a GPU reset (as in some passthrough VMs), and nvdra never resets \
+         a GPU. The change was withdrawn (the mode stays {current}), and nvdra no longer \
+         switches this GPU's MIG mode until it restarts: the GPU is published as one whose MIG \
+         mode is the operator's. Delete the pod so the scheduler places it again"
     )]
     MigResetRequired {
         gpu: String,
         current: &'static str,
         pending: &'static str,
+    },
+    #[error(
+        "{device} needs GPU {gpu}'s MIG mode turned {mode}, and nvdra no longer switches that \
+         GPU's MIG mode: the driver answered an earlier switch with RESET_REQUIRED (until nvdra \
+         restarts, the GPU is published as one whose MIG mode is the operator's); the \
+         allocation was made against an older state: delete the pod so the scheduler places it \
+         again"
+    )]
+    MigSwitchDisabled {
+        device: String,
+        gpu: String,
+        mode: &'static str,
+    },
+    #[error(
+        "GPU {gpu}: cannot {action}: nvdra's own MPS daemon or server is still there {waited:?} \
+         after its release: {left}. The MPS host quits a released daemon (killing it after \
+         10 s), then removes its directory; check the nvdra-mps-host DaemonSet and the daemon's \
+         log under the MPS root. The kubelet retries"
+    )]
+    OwnMpsLeft {
+        action: String,
+        gpu: String,
+        /// `daemon <id>, its directory not yet removed` or `pid <pid> (<name>)`, comma-separated.
+        left: String,
+        waited: std::time::Duration,
     },
     #[error(
         "{device} cannot be prepared with admin access: {why}; admin access does not create MIG \

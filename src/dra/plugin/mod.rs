@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex};
 
 use super::compute_mode::ComputeModes;
 use super::mps::Mps;
+use super::switch_blocks::SwitchBlocks;
 use crate::api::ClaimReader;
 use crate::cdi::DriverRoot;
 use crate::ids::ClaimUid;
@@ -120,6 +121,9 @@ struct Inner {
     claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
     /// Dynamic MIG: one async mutex per GPU whose MIG mode may change ([`mig_mode`]).
     mig_locks: Mutex<HashMap<crate::inventory::GpuUuid, Arc<tokio::sync::Mutex<()>>>>,
+    /// Dynamic MIG: the GPUs whose MIG mode this plugin will not switch now, and why (set from
+    /// what the driver answered a switch; shared with the slice sync and `/metrics`).
+    switch_blocks: SwitchBlocks,
     #[cfg(feature = "crash-points")]
     crash_at: std::sync::OnceLock<crash::CrashPoint>,
 }
@@ -163,6 +167,8 @@ impl Plugin {
         );
         let node_lock = NodeLock::new(&opts.plugin_dir);
         let compute_modes = ComputeModes::new(&opts.plugin_dir);
+        let switch_blocks = SwitchBlocks::default();
+        metrics.set_switch_blocks(switch_blocks.clone());
         Ok((
             Plugin {
                 inner: Arc::new(Inner {
@@ -179,6 +185,7 @@ impl Plugin {
                     inventory_listener: std::sync::OnceLock::new(),
                     claim_locks: Mutex::new(HashMap::new()),
                     mig_locks: Mutex::new(HashMap::new()),
+                    switch_blocks,
                     #[cfg(feature = "crash-points")]
                     crash_at: std::sync::OnceLock::new(),
                 }),
@@ -210,6 +217,16 @@ impl Plugin {
             .into_iter()
             .map(|(uid, level)| (uid, level.as_str()))
             .collect()
+    }
+
+    /// The GPUs whose MIG mode this plugin will not switch now (dynamic MIG), shared: the slice
+    /// sync applies them to each inventory it publishes
+    /// ([`SwitchBlocks::apply`]), so a GPU that answered `RESET_REQUIRED` is published as one
+    /// whose MIG mode is the operator's, and one whose switch met `IN_USE` has the devices that
+    /// need a switch tainted. The plugin sets and clears them, and asks for a new read
+    /// ([`Plugin::on_inventory_change`]) after each change.
+    pub fn switch_blocks(&self) -> SwitchBlocks {
+        self.inner.switch_blocks.clone()
     }
 
     pub fn ledger(&self) -> &Ledger {

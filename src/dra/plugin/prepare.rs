@@ -18,7 +18,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use super::batch::PendingInventory;
 use super::effects::Partial;
 use super::plan::{self, Plan};
-use super::{ClaimError, ClaimRef, Plugin, crash_point};
+use super::{ClaimError, ClaimRef, Plugin, crash_point, mig_mode};
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, GpuUuid, Inventory, quantity};
 use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
@@ -76,7 +76,14 @@ impl Plugin {
             }
         };
         let (rc, inv) = tokio::join!(rc, inv.get());
-        let (inv, rc) = (inv?, rc?);
+        let (mut inv, rc) = (inv?, rc?);
+        // Dynamic MIG: a change left pending on a GPU nvdra switches (a switch past its deadline
+        // that returned since, a crash) would make the GPU refuse every switch: withdrawn first.
+        let dynamic = self.inner.opts.dynamic_mig;
+        if inv.gpus.iter().any(|g| mig_mode::withdrawable(dynamic, g)) {
+            self.withdraw_pending(&inv).await;
+            inv = std::sync::Arc::new(self.snapshot().await?);
+        }
         let inv = &*inv;
         let plan = plan::plan(
             &self.inner.opts,
@@ -181,14 +188,21 @@ impl Plugin {
         let uid = &claim.uid;
         self.reserve(claim, &plan, ClaimState::PrepareStarted, inv)?;
         // Dynamic MIG: a GPU is nvdra's to turn off again once that is durable, before it is on.
-        let enables = plan.mig_modes.iter().filter(|(_, on)| *on);
-        for (gpu, _) in enables {
-            self.inner
-                .ledger
-                .update_mig_enabled(|s| s.insert(gpu.clone()));
-        }
+        let enables: Vec<GpuUuid> = plan
+            .mig_modes
+            .iter()
+            .filter(|(_, on)| *on)
+            .map(|(gpu, _)| gpu.clone())
+            .collect();
+        let recorded: Vec<GpuUuid> = self.inner.ledger.update_mig_enabled(|s| {
+            enables
+                .into_iter()
+                .filter(|gpu| s.insert(gpu.clone()))
+                .collect()
+        });
         if let Err(e) = self.inner.ledger.flush().await {
-            self.inner.ledger.update(|c| c.remove(uid));
+            // Not durable, and nothing was switched: the record goes with the reservation.
+            self.inner.ledger.withdraw_reservation(uid, &recorded);
             return Err(e.into());
         }
         crash_point!(self, AfterStarted);
@@ -210,6 +224,19 @@ impl Plugin {
         let created = match self.reconfigure(uid, &mut devices, mig_modes).await {
             Ok(created) => created,
             Err(e) => return Err((e, devices)),
+        };
+        // A GPU's minor may change across a MIG mode switch (nvml.h, nvmlDeviceSetMigMode):
+        // the spec's device nodes come from a read made after it.
+        let switched;
+        let inv = if mig_modes.is_empty() {
+            inv
+        } else {
+            switched = match self.snapshot().await {
+                Ok(now) => now,
+                Err(e) => return Err((e, devices)),
+            };
+            log_minor_changes(uid, inv, &switched, mig_modes);
+            &switched
         };
         if let Err(e) = self.write_cdi(uid, &devices, inv, &created).await {
             return Err((e, devices));
@@ -298,6 +325,26 @@ impl Plugin {
         self.rollback(uid, &entry.devices).await?;
         tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
         Ok(())
+    }
+}
+
+/// Logs each GPU of `switched` (the MIG modes a prepare switched) whose minor differs in `now`
+/// from `before`: its devices keep the names they were allocated by (the minor at publish time),
+/// the claim's spec gets the new device node, and the slices are published again with the new
+/// names.
+fn log_minor_changes(
+    uid: &ClaimUid,
+    before: &Inventory,
+    now: &Inventory,
+    switched: &[(GpuUuid, bool)],
+) {
+    for (gpu, on) in switched {
+        let minor = |inv: &Inventory| inv.gpu_by_uuid(gpu.as_str()).map(|g| g.minor);
+        if let (Some(old), Some(new)) = (minor(before), minor(now))
+            && old != new
+        {
+            tracing::warn!(claim.uid = %uid, gpu.uuid = %gpu, mig.mode = crate::inventory::on_off(*on), minor.before = old, minor.after = new, "the GPU's minor changed across its MIG mode switch; the claim's devices keep their allocated names, its spec the new device node");
+        }
     }
 }
 

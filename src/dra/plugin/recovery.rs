@@ -1,5 +1,6 @@
-//! Start-up repair of what a crash or reboot left behind: `PrepareStarted` claims are rolled
-//! back, a MIG mode nvdra turned on and left with no instance is turned off (dynamic MIG), completed claims get their MPS daemon asked for again and their CDI spec rewritten if it is
+//! Start-up repair of what a crash or reboot left behind: a MIG mode change pending on a GPU
+//! nvdra switches is withdrawn, `PrepareStarted` claims are rolled back, a MIG mode nvdra
+//! turned on and left with no instance is turned off (dynamic MIG), completed claims get their MPS daemon asked for again and their CDI spec rewritten if it is
 //! missing, empty or stale (specs are not fsync'd), CDI specs of ours without a ledger entry
 //! are removed; GPUs with shares are put in `EXCLUSIVE_PROCESS` compute mode again and recorded
 //! GPUs without shares get their mode back ([`crate::dra::compute_mode`]). Together with the
@@ -24,6 +25,9 @@ pub struct Recovery {
     /// Dynamic MIG: GPUs whose MIG mode nvdra had turned on, left on with no instance by a
     /// crash, turned off.
     pub mig_modes_off: Vec<crate::inventory::GpuUuid>,
+    /// Dynamic MIG: GPUs nvdra switches (Hopper and later) found with a MIG mode change
+    /// pending (a refused switch a crash kept nvdra from withdrawing, or anyone's), withdrawn.
+    pub pending_withdrawn: Vec<crate::inventory::GpuUuid>,
 }
 
 impl Plugin {
@@ -33,7 +37,13 @@ impl Plugin {
         let mut rec = Recovery::default();
         let entries = self.inner.ledger.read(|c| c.claims.clone());
         self.repair_compute_modes(&entries).await;
-        let inv = self.snapshot().await?;
+        let mut inv = self.snapshot().await?;
+        // First, before any repair switches a GPU: a change left pending on a GPU nvdra
+        // switches would make it refuse every switch until a reset.
+        rec.pending_withdrawn = self.withdraw_pending(&inv).await;
+        if !rec.pending_withdrawn.is_empty() {
+            inv = self.snapshot().await?;
+        }
         self.inner.mps.know_gpus(&inv);
         // One claim's trouble (hardware gone, a daemon that will not start) must not keep the
         // plugin from serving the others: log it, keep its entry, and go on. Its next prepare or

@@ -2,7 +2,10 @@
 
 use super::*;
 use crate::ids::DeviceName;
-use crate::inventory::{DeviceBackend, GpuUuid, MigModeChange, Placement, ProcessUsage};
+use crate::inventory::{
+    DeviceBackend, GpuUuid, Holder, HolderKind, MigModeChange, Placement, ProcessUsage,
+    SwitchBlock, Virtualization,
+};
 
 /// A plugin with dynamic MIG on (`keep_on`: `--dynamic-mig=keep-on`), without
 /// `--partitionable`: dynamic MIG alone creates placements.
@@ -188,15 +191,70 @@ async fn processes_on_the_gpu_answer_in_use_naming_them_and_the_retry_succeeds()
     assert!(msg.contains("pid 4242"), "{msg}");
     assert!(msg.contains("gpu-3"), "{msg}");
     assert!(msg.contains("retries"), "{msg}");
-    // Rolled back: nothing held, nothing recorded, the GPU as it was.
+    assert!(msg.contains("tainted NoExecute"), "{msg}");
+    // Rolled back: nothing held, nothing recorded, the GPU as it was, nothing left pending.
     assert!(e.state("p").is_none());
     assert!(recorded(&e.plugin).is_empty());
     assert!(!mig_mode(&e, 3));
+    assert_eq!(e.sim.snapshot().unwrap().gpus[3].mig.pending, None);
     assert!(!e.spec("p").exists());
+    // The GPU is blocked, naming the process, so the slices taint what needs a switch.
+    let Some(SwitchBlock::InUse { holders }) = e.plugin.switch_blocks().get(&g3) else {
+        panic!("{:?}", e.plugin.switch_blocks().all())
+    };
+    assert_eq!(holders.iter().map(|h| h.pid).collect::<Vec<_>>(), [4242]);
 
+    // The kubelet's retry once it exited switches the GPU, and the block goes.
     e.sim.set_processes(&g3, vec![]);
     e.prepare("p").await.unwrap();
     assert!(mig_mode(&e, 3));
+    assert!(e.plugin.switch_blocks().all().is_empty());
+}
+
+/// Holders the inventory names (a DCGM host engine) are named in the error beside NVML's pids,
+/// the harmless ones (the persistence daemon) left out; the block stays while a read still finds
+/// a holder in the way, and a read that finds none clears it with no prepare.
+#[tokio::test]
+async fn in_use_names_the_holders_and_a_read_without_them_clears_the_block() {
+    let e = env_dynamic("dgx-h100", false).await;
+    let g2 = gpu(&e, 2);
+    let one = placement(&e, 2, "1g.10gb", 0);
+    e.add(claim("p", vec![result("mig", &one)]));
+    let holder = |pid: u32, name: &str, kind| Holder {
+        pid,
+        name: name.into(),
+        kind,
+    };
+    let persistenced = holder(8, "nvidia-persistenced", HolderKind::Harmless);
+    e.sim.set_holders(
+        &g2,
+        vec![
+            holder(7, "nv-hostengine", HolderKind::Foreign),
+            persistenced.clone(),
+        ],
+    );
+    let msg = e.prepare("p").await.unwrap_err().to_string();
+    assert!(msg.contains("pid 7 (nv-hostengine)"), "{msg}");
+    assert!(!msg.contains("pid 8"), "{msg}");
+    assert_eq!(e.sim.snapshot().unwrap().gpus[2].mig.pending, None);
+    let blocked = || e.plugin.switch_blocks().get(&g2);
+    assert_eq!(
+        blocked(),
+        Some(SwitchBlock::InUse {
+            holders: vec![holder(7, "nv-hostengine", HolderKind::Foreign)]
+        })
+    );
+
+    // A read that still finds it keeps the block; one that does not clears it.
+    let inv = e.sim.snapshot().unwrap();
+    assert!(e.plugin.recheck_mig_switches(&inv).await.is_empty());
+    assert!(blocked().is_some());
+    e.sim.set_holders(&g2, vec![persistenced]);
+    let inv = e.sim.snapshot().unwrap();
+    assert_eq!(e.plugin.recheck_mig_switches(&inv).await, vec![g2.clone()]);
+    assert_eq!(blocked(), None);
+    e.prepare("p").await.unwrap();
+    assert!(mig_mode(&e, 2));
 }
 
 #[tokio::test]
@@ -218,11 +276,12 @@ async fn keep_on_leaves_the_mode_on_after_the_last_instance() {
 #[tokio::test]
 async fn a_gpu_that_cannot_toggle_is_refused_saying_why() {
     let e = env_dynamic("dgx-h100", false).await;
-    e.sim.update(|inv| inv.gpus[0].mig.pending = Some(true));
+    e.sim
+        .update(|inv| inv.gpus[0].virtualization = Some(Virtualization::VgpuGuest));
     let one = placement(&e, 0, "1g.10gb", 0);
     e.add(claim("a", vec![result("mig", &one)]));
     let err = e.prepare("a").await.unwrap_err().to_string();
-    assert!(err.contains("reset required"), "{err}");
+    assert!(err.contains("a vGPU guest"), "{err}");
     assert!(switches(&e).is_empty());
     // Without dynamic MIG a placement on a GPU outside MIG mode is refused as before.
     let plain = env("dgx-h100").await;
@@ -273,11 +332,10 @@ async fn start_up_turns_off_a_mode_left_on_with_no_instance() {
     assert_eq!(recorded(&p2), vec![g2], "kept for a later start");
 }
 
-/// A backend whose MIG mode changes wait for a GPU reset (NVML's RESET_REQUIRED), as where
-/// the driver cannot apply one at once: the change is left pending.
-struct ResetRequired(SimBackend);
+/// Counts the MIG mode switches asked of the backend, refused ones included.
+struct CountSwitches(SimBackend, Arc<AtomicUsize>);
 
-impl crate::inventory::Wrapper for ResetRequired {
+impl crate::inventory::Wrapper for CountSwitches {
     fn inner(&self) -> &dyn DeviceBackend {
         &self.0
     }
@@ -287,28 +345,24 @@ impl crate::inventory::Wrapper for ResetRequired {
         gpu: &GpuUuid,
         enabled: bool,
     ) -> crate::inventory::Result<MigModeChange> {
-        let current = self.0.update(|inv| {
-            let g = inv.gpus.iter_mut().find(|g| g.uuid == *gpu).unwrap();
-            g.mig.pending = Some(enabled);
-            g.mig.enabled
-        });
-        Err(crate::inventory::Error::ResetRequired {
-            gpu: gpu.clone(),
-            current,
-            pending: enabled,
-        })
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.set_mig_mode(gpu, enabled)
     }
 }
 
+/// An H100 whose switch waits for a reset (RESET_REQUIRED, as some hypervisors' passthrough
+/// GPUs answer): the change is withdrawn at once, the GPU is no longer switched (not even asked), and it is
+/// still handed out as it is.
 #[tokio::test]
-async fn a_switch_that_needs_a_reset_is_refused_and_the_gpu_no_longer_switches() {
+async fn a_switch_that_needs_a_reset_is_withdrawn_and_the_gpu_no_longer_switches() {
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    let asked = Arc::new(AtomicUsize::new(0));
     let (plugin, _, _stop) = start_with(
         dir.path(),
         api.clone(),
-        ResetRequired(sim.clone()),
+        CountSwitches(sim.clone(), asked.clone()),
         dynamic(false),
     )
     .await;
@@ -319,18 +373,271 @@ async fn a_switch_that_needs_a_reset_is_refused_and_the_gpu_no_longer_switches()
         dir,
         _stop,
     };
-    let one = placement(&e, 0, "1g.10gb", 0);
-    e.add(claim("a", vec![result("mig", &one)]));
+    let g0 = gpu(&e, 0);
+    e.sim.set_reset_required(&g0, true);
+    e.add(claim(
+        "a",
+        vec![result("mig", &placement(&e, 0, "1g.10gb", 0))],
+    ));
+    e.add(claim(
+        "b",
+        vec![result("mig", &placement(&e, 0, "1g.10gb", 1))],
+    ));
+    e.add(claim("w", vec![result("gpu", "gpu-0")]));
     let err = e.prepare("a").await.unwrap_err();
     assert!(matches!(err, ClaimError::MigResetRequired { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("current off, pending on"), "{msg}");
-    assert!(msg.contains("never resets"), "{msg}");
+    for want in [
+        "RESET_REQUIRED",
+        "withdrawn",
+        "mode stays off",
+        "never resets",
+    ] {
+        assert!(msg.contains(want), "{want}: {msg}");
+    }
+    // Withdrawn at once: nothing pending, the mode as it was, nothing recorded or held.
+    let g = e.sim.snapshot().unwrap().gpus[0].clone();
+    assert_eq!((g.mig.enabled, g.mig.pending), (false, None));
     assert!(e.state("a").is_none());
     assert!(recorded(&e.plugin).is_empty(), "rolled back");
-    // The pending change makes the GPU one that does not switch: refused saying so.
-    let err = e.prepare("a").await.unwrap_err().to_string();
-    assert!(err.contains("reset required"), "{err}");
+    assert_eq!(
+        asked.load(Ordering::SeqCst),
+        2,
+        "the switch and its withdrawal"
+    );
+    assert_eq!(
+        e.plugin.switch_blocks().get(&g0),
+        Some(SwitchBlock::ResetRequired)
+    );
+
+    // No longer switched: the next placement is refused without asking the driver, even once
+    // the hypervisor would allow it (until nvdra restarts).
+    e.sim.set_reset_required(&g0, false);
+    let err = e.prepare("b").await.unwrap_err();
+    assert!(matches!(err, ClaimError::MigSwitchDisabled { .. }), "{err}");
+    assert!(err.to_string().contains("delete the pod"), "{err}");
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
+    // The GPU whole needs no switch: still prepared.
+    e.prepare("w").await.unwrap();
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
+    assert!(switches(&e).is_empty());
+}
+
+/// A change pending on a Hopper GPU (a refused switch nobody withdrew) is withdrawn at start-up
+/// and at the next prepare, which then switches the GPU; one on an A100 is the operator's
+/// (applied at the next reset) and stays.
+#[tokio::test]
+async fn a_pending_change_is_withdrawn_on_hopper_and_left_on_ampere() {
+    let e = env_dynamic("dgx-h100", false).await;
+    let (g1, g2) = (gpu(&e, 1), gpu(&e, 2));
+    e.sim.update(|inv| inv.gpus[1].mig.pending = Some(true));
+    let (p2, rec, _g) =
+        start_with(e.dir.path(), e.api.clone(), e.sim.clone(), dynamic(false)).await;
+    assert_eq!(rec.pending_withdrawn, vec![g1]);
+    assert_eq!(e.sim.snapshot().unwrap().gpus[1].mig.pending, None);
+    assert!(!mig_mode(&e, 1));
+
+    // At prepare: withdrawn, then switched as the claim needs.
+    e.sim.update(|inv| inv.gpus[2].mig.pending = Some(true));
+    e.add(claim(
+        "a",
+        vec![result("mig", &placement(&e, 2, "1g.10gb", 0))],
+    ));
+    let mut r = p2.prepare(vec![cref("a")]).await;
+    r.pop().unwrap().1.unwrap();
+    assert_eq!(switches(&e), vec![(g2, true)]);
+    assert_eq!(e.sim.snapshot().unwrap().gpus[2].mig.pending, None);
+
+    let a100 = env_dynamic("a100-mig-mixed", false).await;
+    a100.sim.update(|inv| inv.gpus[0].mig.pending = Some(true));
+    let (_p, rec, _g) = start_with(
+        a100.dir.path(),
+        a100.api.clone(),
+        a100.sim.clone(),
+        dynamic(false),
+    )
+    .await;
+    assert!(rec.pending_withdrawn.is_empty());
+    assert_eq!(a100.sim.snapshot().unwrap().gpus[0].mig.pending, Some(true));
+}
+
+/// The first flush of a prepare that would turn a GPU on fails (here: the checkpoint writer
+/// is gone): the GPU is not left recorded as turned on by nvdra, in memory, so no later write
+/// says so; the file keeps what it held.
+#[tokio::test]
+async fn a_failed_first_flush_leaves_no_gpu_recorded_as_switched() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    let (plugin, _, writer) =
+        start_with(dir.path(), api.clone(), sim.clone(), dynamic(false)).await;
+    let e = Env {
+        plugin,
+        api,
+        sim,
+        dir,
+        _stop: CancellationToken::new().drop_guard(),
+    };
+    e.add(claim(
+        "a",
+        vec![result("mig", &placement(&e, 0, "1g.10gb", 0))],
+    ));
+    let path = e.plugin.ledger().path().to_path_buf();
+    let before = std::fs::read(&path).unwrap();
+    drop(writer);
+    while e.plugin.ledger().flush().await.is_ok() {
+        tokio::task::yield_now().await;
+    }
+    let err = e.prepare("a").await.unwrap_err();
+    assert!(matches!(err, ClaimError::Ledger(_)), "{err}");
+    assert!(switches(&e).is_empty());
+    assert!(e.state("a").is_none());
+    assert!(recorded(&e.plugin).is_empty(), "not durable, not recorded");
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+/// Turns each GPU's MIG mode as asked, then gives the GPU a new minor (`+ 40`), as NVML's
+/// documentation says a switch may.
+struct ShiftMinors(SimBackend);
+
+impl crate::inventory::Wrapper for ShiftMinors {
+    fn inner(&self) -> &dyn DeviceBackend {
+        &self.0
+    }
+
+    fn set_mig_mode(
+        &self,
+        gpu: &GpuUuid,
+        enabled: bool,
+    ) -> crate::inventory::Result<MigModeChange> {
+        let r = self.0.set_mig_mode(gpu, enabled)?;
+        if r == MigModeChange::Applied {
+            self.0.update(|inv| {
+                let g = inv.gpus.iter_mut().find(|g| g.uuid == *gpu).unwrap();
+                g.minor += 40;
+            });
+        }
+        Ok(r)
+    }
+}
+
+/// A minor that changed across the switch: the claim's spec has the GPU's new device node,
+/// its device keeps the name it was allocated by.
+#[tokio::test]
+async fn the_spec_of_a_switched_gpu_has_the_minor_read_after_the_switch() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    let (plugin, _, _stop) = start_with(
+        dir.path(),
+        api.clone(),
+        ShiftMinors(sim.clone()),
+        dynamic(false),
+    )
+    .await;
+    let e = Env {
+        plugin,
+        api,
+        sim,
+        dir,
+        _stop,
+    };
+    let one = placement(&e, 3, "1g.10gb", 0);
+    e.add(claim("a", vec![result("mig", &one)]));
+    let d = e.prepare("a").await.unwrap();
+    assert_eq!(d[0].device, one.as_str(), "the allocated name");
+    assert_eq!(e.sim.snapshot().unwrap().gpus[3].minor, 43);
+    let spec = std::fs::read_to_string(e.spec("a")).unwrap();
+    assert!(spec.contains("/dev/nvidia43"), "{spec}");
+    assert!(!spec.contains("/dev/nvidia3\n"), "{spec}");
+}
+
+/// Clears the holders of GPU `.1` of the wrapped backend after `.2` more snapshots: nvdra's
+/// own MPS server that exits a while after its last share was released.
+struct ExitsAfter(SimBackend, GpuUuid, Arc<AtomicUsize>);
+
+impl crate::inventory::Wrapper for ExitsAfter {
+    fn inner(&self) -> &dyn DeviceBackend {
+        &self.0
+    }
+
+    fn snapshot(&self) -> crate::inventory::Result<Inventory> {
+        let left = self.2.load(Ordering::SeqCst);
+        if left > 0 && self.2.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.set_holders(&self.1, vec![]);
+        }
+        self.0.snapshot()
+    }
+}
+
+fn own_mps_server() -> Holder {
+    Holder {
+        pid: 77,
+        name: "nvidia-cuda-mps-server".into(),
+        kind: HolderKind::OwnMps,
+    }
+}
+
+/// nvdra's own MPS server still on the GPU (released, not yet exited): the switch waits for it
+/// instead of meeting IN_USE.
+#[tokio::test]
+async fn a_switch_waits_for_nvdras_own_mps_server_to_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(FakeApi::default());
+    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    let g4 = sim.snapshot().unwrap().gpus[4].uuid.clone();
+    let snapshots = Arc::new(AtomicUsize::new(0));
+    let (plugin, _, _stop) = start_with(
+        dir.path(),
+        api.clone(),
+        ExitsAfter(sim.clone(), g4.clone(), snapshots.clone()),
+        dynamic(false),
+    )
+    .await;
+    let e = Env {
+        plugin,
+        api,
+        sim,
+        dir,
+        _stop,
+    };
+    e.add(claim(
+        "a",
+        vec![result("mig", &placement(&e, 4, "1g.10gb", 0))],
+    ));
+    e.sim.set_holders(&g4, vec![own_mps_server()]);
+    // Gone after a few more reads (the prepare's own, then the wait's).
+    snapshots.store(5, Ordering::SeqCst);
+    e.prepare("a").await.unwrap();
+    assert_eq!(
+        snapshots.load(Ordering::SeqCst),
+        0,
+        "read until it was gone"
+    );
+    assert_eq!(switches(&e), vec![(g4, true)]);
+    assert!(e.plugin.switch_blocks().all().is_empty(), "no IN_USE met");
+}
+
+/// One that does not exit: past the bound (`OWN_MPS_EXIT`) the prepare fails naming it, and the GPU is
+/// not asked to switch.
+#[tokio::test(start_paused = true)]
+async fn a_switch_fails_naming_nvdras_own_mps_server_that_does_not_exit() {
+    let e = env_dynamic("dgx-h100", false).await;
+    let g4 = gpu(&e, 4);
+    e.add(claim(
+        "a",
+        vec![result("mig", &placement(&e, 4, "1g.10gb", 0))],
+    ));
+    e.sim.set_holders(&g4, vec![own_mps_server()]);
+    let err = e.prepare("a").await.unwrap_err();
+    assert!(matches!(err, ClaimError::OwnMpsLeft { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("pid 77 (nvidia-cuda-mps-server)"), "{msg}");
+    assert!(msg.contains("turn MIG mode on"), "{msg}");
+    assert!(switches(&e).is_empty());
+    assert_eq!(e.sim.snapshot().unwrap().gpus[4].mig.pending, None);
+    assert!(e.plugin.switch_blocks().all().is_empty());
+    assert!(e.state("a").is_none());
 }
 
 /// Claims of one batch run concurrently: two placements of one GPU switch it on once (the

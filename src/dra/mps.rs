@@ -35,6 +35,11 @@ pub use crate::mps::control::CONTROL;
 
 /// How long a prepare waits for a requested daemon to answer.
 pub const START_DEADLINE: Duration = Duration::from_secs(10);
+/// How long after its release a daemon counts as quitting ([`Mps::quitting`]) while its
+/// directory is there: the host quits it and kills it after its quit deadline (10 s), then
+/// removes the directory. Past that the host is not doing it (not running, or stuck), and
+/// waiting longer would only hold up whoever waits.
+pub const QUIT_WAIT: Duration = Duration::from_secs(15);
 /// An answer this recent stands for the daemon being up: a share prepared on a GPU whose daemon
 /// just answered (an earlier prepare, or the watch task's probe) runs no process.
 const ANSWER_FRESH: Duration = Duration::from_secs(2);
@@ -121,9 +126,9 @@ pub struct Mps {
     answered: Mutex<HashMap<DaemonId, Instant>>,
     /// When this process last wrote each daemon's request.
     requested: Mutex<HashMap<DaemonId, Instant>>,
-    /// The daemons this process released, with the devices each served, until the host has
-    /// quit them and removed their directories ([`Mps::quitting`]).
-    released: Mutex<HashMap<DaemonId, Vec<String>>>,
+    /// The daemons this process released, when, and the devices each served, until the host
+    /// has quit them and removed their directories ([`Mps::quitting`]).
+    released: Mutex<HashMap<DaemonId, (Instant, Vec<String>)>>,
     /// Whether each GPU's or MIG device's share daemon runs in multi-user mode (`-M`): Volta
     /// and later GPUs (a MIG device as its GPU), where one MPS server serves clients of every
     /// UID; learnt from the inventory.
@@ -325,14 +330,19 @@ impl Mps {
     /// The daemons this process released that serve any of `devices` (GPU or MIG UUIDs) and
     /// that the host has not removed yet: their control daemon or MPS server may still hold the
     /// GPU (the host quits a released daemon asynchronously, killing it after its quit
-    /// deadline, then removes its directory). A daemon asked for again since is not quitting.
-    /// Blocking: a `stat` or two per released daemon.
+    /// deadline, then removes its directory). A daemon asked for again since is not quitting,
+    /// nor one released more than [`QUIT_WAIT`] ago. Blocking: a `stat` or two per released
+    /// daemon.
     pub fn quitting(&self, devices: &[&str]) -> Vec<DaemonId> {
         let mut released = lock(&self.released);
-        released.retain(|id, _| self.layout.dir(id).is_dir() && !self.layout.spec(id).is_file());
+        released.retain(|id, (at, _)| {
+            at.elapsed() < QUIT_WAIT
+                && self.layout.dir(id).is_dir()
+                && !self.layout.spec(id).is_file()
+        });
         let mut out: Vec<DaemonId> = released
             .iter()
-            .filter(|(_, served)| served.iter().any(|d| devices.contains(&d.as_str())))
+            .filter(|(_, (_, served))| served.iter().any(|d| devices.contains(&d.as_str())))
             .map(|(id, _)| id.clone())
             .collect();
         out.sort();
@@ -429,7 +439,7 @@ impl Mps {
         };
         match crate::durable::remove(&path) {
             Ok(true) => {
-                lock(&self.released).insert(id.clone(), served);
+                lock(&self.released).insert(id.clone(), (Instant::now(), served));
                 tracing::info!(%owner, daemon = %id, "MPS daemon released");
                 Ok(())
             }

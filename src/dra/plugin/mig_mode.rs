@@ -49,8 +49,10 @@ use std::collections::BTreeMap;
 
 /// How long a MIG mode switch or an instance's destruction waits for nvdra's own MPS daemons
 /// and servers on the GPU to exit after their release: the MPS host quits a released daemon
-/// and kills it after its quit deadline (10 s), then removes its directory.
-pub const OWN_MPS_EXIT: Duration = Duration::from_secs(15);
+/// and kills it after its quit deadline (10 s), then removes its directory. (A released
+/// daemon's directory is waited for at most that long after its release,
+/// [`crate::dra::mps::QUIT_WAIT`]: past it the driver is asked and answers for itself.)
+pub const OWN_MPS_EXIT: Duration = crate::dra::mps::QUIT_WAIT;
 /// How often that wait looks again.
 const OWN_MPS_POLL: Duration = Duration::from_millis(100);
 

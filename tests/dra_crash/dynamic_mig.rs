@@ -302,6 +302,28 @@ async fn dynamic_mig_in_use_leaves_nothing_pending() {
     assert!(status.success(), "{status}");
 }
 
+/// The driver gives GPU 0 another minor when its MIG mode switches (NVML's documentation allows
+/// it; `FAKE_NVML_MINOR_XOR`): the claim's spec has the device node of the minor read after the
+/// switch.
+#[tokio::test]
+async fn dynamic_mig_spec_has_the_minor_read_after_the_switch() {
+    let d = Dirs::dynamic();
+    let mut daemon = d
+        .command(None)
+        .env("FAKE_NVML_MINOR_XOR", "64")
+        .spawn()
+        .unwrap();
+    wait_ready(&d, &mut daemon).await;
+    let r = prepare(&d, "a").await.unwrap();
+    assert_eq!(r.error, "");
+    let spec = std::fs::read_to_string(d.p("cdi").join(Dirs::spec_name("a"))).unwrap();
+    assert!(spec.contains("/dev/nvidia64"), "{spec}");
+    assert!(!spec.contains("/dev/nvidia0\n"), "{spec}");
+    assert_eq!(unprepare(&d, "a").await, "");
+    let status = terminate(&mut daemon).await;
+    assert!(status.success(), "{status}");
+}
+
 #[tokio::test]
 async fn dynamic_mig_crash_in_whole_prepare_after_started() {
     crash_in_whole_prepare("after-started").await;

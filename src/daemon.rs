@@ -634,7 +634,8 @@ async fn publish(
     let mut slice_sync = slice_sync
         .with_metrics(metrics.clone())
         .with_health(health)
-        .with_inventory(inventory.subscribe());
+        .with_inventory(inventory.subscribe())
+        .with_switch_blocks(plugin.switch_blocks());
     if let Some(holds) = holds {
         slice_sync = slice_sync.with_holds(holds);
     }

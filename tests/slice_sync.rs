@@ -15,13 +15,15 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
+use nvdra::dra::plugin::{ClaimRef, Options as PluginOptions, Plugin};
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::switch_blocks::SwitchBlocks;
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
+use nvdra::ids::ClaimUid;
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{
     self, DeviceBackend, Health, Holder, HolderKind, Inventory, MigDevice, MigUuid, Placement,
-    SwitchBlock,
+    ProcessUsage, SwitchBlock, Virtualization,
 };
 use support::apiserver::TestApiServer;
 use support::wait::{SOON, eventually};
@@ -589,6 +591,130 @@ async fn a_switch_block_is_published_tainted_or_withdrawn_where_taints_are_dropp
         })
         .await;
     }
+}
+
+fn claim_ref(uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "default".into(),
+        name: format!("claim-{uid}"),
+        uid: ClaimUid::parse(uid).unwrap(),
+    }
+}
+
+/// A cloud H100 node (every GPU in a passthrough VM) with the plugin beside the slice sync, wired
+/// as `nvdra run --dynamic-mig` wires them (the plugin's switch blocks and inventory hook): every
+/// GPU is published whole and in placements; a prepare of a placement switches its GPU into MIG
+/// mode, and the slices follow. A prepare whose switch meets `IN_USE` (a process that no read
+/// saw) taints that GPU's placements `mig-switch-blocked:NoExecute`, so the pod allocated there
+/// is evicted, the whole GPU untainted; the kubelet's retry after the process exits switches it,
+/// and the taint goes.
+#[tokio::test]
+async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements() {
+    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
+    sim.update(|inv| {
+        for g in &mut inv.gpus {
+            g.virtualization = Some(Virtualization::Passthrough);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let api_dir = dir.path().join("api");
+    for (uid, device) in [
+        ("a", "gpu-0-mig-1g10gb-19-0"),
+        ("b", "gpu-1-mig-1g10gb-19-0"),
+    ] {
+        let c = nvdra::api::allocated_claim(
+            "default",
+            &format!("claim-{uid}"),
+            uid,
+            vec![nvdra::api::allocated_device("mig", DRIVER, NODE, device)],
+            vec![],
+        );
+        nvdra::api::dir::write_claim(&api_dir, &c).unwrap();
+    }
+    let api = Arc::new(nvdra::api::dir::DirApi::new(&api_dir).unwrap());
+    let opts = PluginOptions {
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        plugin_dir: dir.path().join("plugin"),
+        cdi_root: dir.path().join("cdi"),
+        driver_root: nvdra::cdi::DriverRoot::at(&dir.path().join("driver")),
+        boot_id: "test".into(),
+        partitionable: false,
+        shared_capacity: ConsumableShares::Disabled,
+        mps_root: dir.path().join("mps"),
+        dynamic_mig: true,
+        keep_mig_on: false,
+    };
+    let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
+    let (plugin, writer, _) =
+        Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new()).unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(writer.run(stop.clone()));
+    plugin.recover().await.unwrap();
+    let node = start_sim(
+        sim.clone(),
+        |o| o.dynamic_mig = true,
+        |_| {},
+        Some(plugin.switch_blocks()),
+    )
+    .await;
+    let hook = node.sync.clone();
+    plugin.on_inventory_change(Arc::new(move || hook.inventory_changed()));
+    eventually("every GPU whole and in placements, untainted", || {
+        let slices = node.server.slices();
+        device_names(&slices).len() == 8 * 26 && !any_taint(&slices)
+    })
+    .await;
+
+    let r = plugin.prepare(vec![claim_ref("a")]).await;
+    if let Err(e) = &r[0].1 {
+        panic!("prepare a: {e}");
+    }
+    assert!(sim.snapshot().unwrap().gpus[0].mig.enabled, "switched on");
+    eventually("GPU 0 in MIG mode: its instance, not the whole GPU", || {
+        let gpu0 = of_gpu(&node.server.slices(), 0);
+        gpu0.contains_key("gpu-0-mig-1g10gb-19-0") && !gpu0.contains_key("gpu-0")
+    })
+    .await;
+
+    let g1 = sim.snapshot().unwrap().gpus[1].uuid.clone();
+    sim.set_processes(
+        &g1,
+        vec![ProcessUsage {
+            pid: 4242,
+            used_memory_bytes: None,
+            gpu_instance: None,
+        }],
+    );
+    let r = plugin.prepare(vec![claim_ref("b")]).await;
+    let e = r[0].1.as_ref().expect_err("IN_USE");
+    assert!(e.to_string().contains("4242"), "{e}");
+    assert!(!sim.snapshot().unwrap().gpus[1].mig.enabled);
+    let blocked = format!("{DRIVER}/mig-switch-blocked:NoExecute");
+    eventually(
+        "GPU 1's placements tainted NoExecute, the whole GPU not",
+        || {
+            let gpu1 = of_gpu(&node.server.slices(), 1);
+            gpu1.len() == 26
+                && gpu1.iter().all(|(name, taints)| {
+                    if name == "gpu-1" {
+                        taints.is_empty()
+                    } else {
+                        taints == std::slice::from_ref(&blocked)
+                    }
+                })
+        },
+    )
+    .await;
+
+    sim.set_processes(&g1, Vec::new());
+    let r = plugin.prepare(vec![claim_ref("b")]).await;
+    if let Err(e) = &r[0].1 {
+        panic!("prepare b again: {e}");
+    }
+    assert!(sim.snapshot().unwrap().gpus[1].mig.enabled, "switched on");
+    eventually("untainted again", || !any_taint(&node.server.slices())).await;
+    stop.cancel();
 }
 
 /// `--dynamic-mig` where the server drops the counter fields: a GPU offered whole and in MIG

@@ -164,10 +164,13 @@ pub struct SliceOptions {
     /// Of a GPU that can, the devices that need a switch now (its placements outside MIG mode,
     /// the whole GPU in MIG mode without an instance) are withdrawn while a process that
     /// blocks a switch holds it ([`Holder::blocks_switch`]), and tainted
-    /// [`TAINT_MIG_SWITCH_BLOCKED`] once a prepare met `IN_USE` ([`SwitchBlock::InUse`]).
+    /// [`TAINT_MIG_SWITCH_BLOCKED`] once a prepare met `IN_USE` ([`SwitchBlock::InUse`]) or
+    /// the GPU answered `RESET_REQUIRED` ([`SwitchBlock::ResetRequired`], value
+    /// `reset-required`; not switched again until nvdra restarts).
     ///
     /// [`Holder::blocks_switch`]: crate::inventory::Holder::blocks_switch
     /// [`SwitchBlock::InUse`]: crate::inventory::SwitchBlock::InUse
+    /// [`SwitchBlock::ResetRequired`]: crate::inventory::SwitchBlock::ResetRequired
     ///
     /// [`Gpu::mig_toggle`]: crate::inventory::Gpu::mig_toggle
     pub dynamic_mig: bool,

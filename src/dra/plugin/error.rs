@@ -171,8 +171,9 @@ pub enum ClaimError {
         "GPU {gpu} answered the switch of its MIG mode {pending} with RESET_REQUIRED: the driver \
          would apply it only at a GPU reset (as in some passthrough VMs), and nvdra never resets \
          a GPU. The change was withdrawn (the mode stays {current}), and nvdra no longer \
-         switches this GPU's MIG mode until it restarts: the GPU is published as one whose MIG \
-         mode is the operator's. Delete the pod so the scheduler places it again"
+         switches this GPU's MIG mode until it restarts: the GPU's devices that need a switch are \
+         published tainted NoExecute (mig-switch-blocked=reset-required), so that the pod is \
+         evicted and a claim made from a template is allocated elsewhere; or delete the pod"
     )]
     MigResetRequired {
         gpu: String,
@@ -182,9 +183,9 @@ pub enum ClaimError {
     #[error(
         "{device} needs GPU {gpu}'s MIG mode turned {mode}, and nvdra no longer switches that \
          GPU's MIG mode: the driver answered an earlier switch with RESET_REQUIRED (until nvdra \
-         restarts, the GPU is published as one whose MIG mode is the operator's); the \
-         allocation was made against an older state: delete the pod so the scheduler places it \
-         again"
+         restarts, the GPU's devices that need a switch are published tainted NoExecute, \
+         mig-switch-blocked=reset-required, so that the pod is evicted); or delete the pod so \
+         the scheduler places it again"
     )]
     MigSwitchDisabled {
         device: String,

@@ -104,8 +104,22 @@ enum Switch {
 }
 
 impl Switch {
-    /// `None` for a GPU that cannot switch at run time ([`Gpu::mig_toggle`]).
+    /// `None` for a GPU that cannot switch at run time ([`Gpu::mig_toggle`]). A GPU that
+    /// answered `RESET_REQUIRED` ([`SwitchBlock::ResetRequired`]) is not switched again, but its
+    /// devices that need a switch stay published, tainted [`RESET_REQUIRED_VALUE`], so that the
+    /// claim allocated on one before the answer is evicted and allocated anew rather than left
+    /// on a device that no longer exists.
     fn of(gpu: &Gpu, withdraw_blocked: bool) -> Option<Switch> {
+        if gpu.mig.switch_block == Some(SwitchBlock::ResetRequired) {
+            let mut g = gpu.clone();
+            g.mig.switch_block = None;
+            g.mig_toggle().ok()?;
+            return Some(if withdraw_blocked {
+                Switch::Withdrawn
+            } else {
+                Switch::Tainted(Some(RESET_REQUIRED_VALUE.to_string()))
+            });
+        }
         gpu.mig_toggle().ok()?;
         Some(match &gpu.mig.switch_block {
             Some(SwitchBlock::InUse { .. }) if withdraw_blocked => Switch::Withdrawn,
@@ -120,6 +134,10 @@ impl Switch {
         })
     }
 }
+
+/// The value of the [`TAINT_MIG_SWITCH_BLOCKED`] taint on the devices that need a switch of a
+/// GPU that answered `RESET_REQUIRED`.
+const RESET_REQUIRED_VALUE: &str = "reset-required";
 
 /// Whether `gpu` is an Ampere (or older) MIG GPU whose MIG mode change waits for a reset.
 fn ampere_pending(gpu: &Gpu) -> bool {

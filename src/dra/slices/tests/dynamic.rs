@@ -795,11 +795,26 @@ fn a_switch_that_met_in_use_taints_the_devices_that_need_one_no_execute() {
     }
     assert!(of_gpu(&specs, 2).iter().all(|d| d.taints.is_none()));
     let plain_specs = desired_slices(&base, &plain()).unwrap();
-    assert_eq!(
-        of_gpu(&specs, 3),
-        [device(&plain_specs, "gpu-3")],
-        "RESET_REQUIRED: as one that cannot switch, untainted"
-    );
+    // RESET_REQUIRED: not switched again, its placements tainted so that a claim allocated on
+    // one is evicted; the GPU whole is offered untainted.
+    let gpu3 = of_gpu(&specs, 3);
+    assert_eq!(gpu3.len(), 26);
+    for d in gpu3 {
+        if d.name == "gpu-3" {
+            assert!(d.taints.is_none(), "never tainted whole");
+        } else {
+            assert_eq!(
+                taint_triples(d),
+                [(
+                    key.clone(),
+                    Some("reset-required".into()),
+                    "NoExecute".into()
+                )],
+                "{}",
+                d.name
+            );
+        }
+    }
     for minor in 4..8 {
         assert_eq!(of_gpu(&specs, minor), of_gpu(&before, minor));
     }
@@ -807,6 +822,7 @@ fn a_switch_that_met_in_use_taints_the_devices_that_need_one_no_execute() {
     // A server that drops taints: withdrawn instead.
     let w = desired_slices_withdrawing(&inv, &o, true).unwrap();
     assert_eq!(of_gpu(&w, 0), [device(&plain_specs, "gpu-0")]);
+    assert_eq!(of_gpu(&w, 3), [device(&plain_specs, "gpu-3")]);
     let gpu1: Vec<&str> = of_gpu(&w, 1).iter().map(|d| d.name.as_str()).collect();
     assert_eq!(gpu1.len(), 25);
     assert!(!gpu1.contains(&"gpu-1"));

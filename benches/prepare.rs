@@ -287,6 +287,7 @@ async fn main() {
             mps_root: dir.path().join("mps"),
             dynamic_mig: false,
             keep_mig_on: false,
+            proc_root: None,
         },
         api.cluster_api(),
         Arc::new(owner::Watched::new(Arc::new(sim), inventory)),

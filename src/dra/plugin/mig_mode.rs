@@ -288,7 +288,14 @@ impl Plugin {
                 let holders = in_use_holders(&processes, &found);
                 let claims = self.inner.ledger.read(|c| c.claims.clone());
                 let described = describe_holders(&holders, &claims, |pid| {
-                    crate::metrics::attribution::pod_uid_of(std::path::Path::new("/proc"), pid)
+                    crate::metrics::attribution::pod_uid_of(
+                        self.inner
+                            .opts
+                            .proc_root
+                            .as_deref()
+                            .unwrap_or(std::path::Path::new("/proc")),
+                        pid,
+                    )
                 });
                 if self
                     .inner

@@ -550,6 +550,7 @@ pub(super) mod tests {
             mps_root: "/nonexistent/mps".into(),
             dynamic_mig: false,
             keep_mig_on: false,
+            proc_root: None,
         }
     }
 

@@ -144,6 +144,7 @@ async fn start_with(
         mps_root: dir.join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
+        proc_root: None,
     };
     tweak(&mut opts);
     let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
@@ -717,6 +718,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         mps_root: dir.path().join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
+        proc_root: None,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
@@ -752,6 +754,7 @@ async fn outcomes_are_counted_in_metrics() {
         mps_root: dir.path().join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
+        proc_root: None,
     };
     let (plugin, writer, _) =
         Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();

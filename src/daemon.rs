@@ -453,6 +453,7 @@ async fn serve_dra(
     }
     Ok(())
 }
+
 /// What a `/metrics` scrape reads: the claims (`ledger`, absent without DRA), what containers
 /// hold through the device plugin, the GPUs' readings, the XID counts, processes' pods.
 fn scrape_source(

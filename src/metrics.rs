@@ -99,7 +99,7 @@ pub struct Metrics {
     source: OnceLock<Arc<dyn Source>>,
     /// The GPUs whose MIG mode the DRA plugin will not switch now (dynamic MIG), as it records
     /// them ([`Metrics::set_switch_blocks`]).
-    switch_blocks: OnceLock<crate::dra::switch_blocks::SwitchBlocks>,
+    switch_blocks: OnceLock<crate::inventory::switch_blocks::SwitchBlocks>,
     /// The first long-lived task that stopped unexpectedly, and why: never ready again.
     stopped: OnceLock<String>,
 }
@@ -129,7 +129,7 @@ impl Metrics {
 
     /// The DRA plugin's record of the GPUs whose MIG mode it will not switch now, read at each
     /// scrape (`nvdra_mig_switch_blocked`); set once (a second call is ignored).
-    pub fn set_switch_blocks(&self, blocks: crate::dra::switch_blocks::SwitchBlocks) {
+    pub fn set_switch_blocks(&self, blocks: crate::inventory::switch_blocks::SwitchBlocks) {
         if self.switch_blocks.set(blocks).is_err() {
             tracing::warn!("the metrics already read a record of switch blocks; keeping the first");
         }
@@ -414,7 +414,7 @@ mod tests {
     fn each_gpu_whose_mig_mode_is_not_switched_has_its_blocked_gauge() {
         use crate::inventory::{GpuUuid, Holder, HolderKind, SwitchBlock};
         let m = Metrics::new();
-        let blocks = crate::dra::switch_blocks::SwitchBlocks::default();
+        let blocks = crate::inventory::switch_blocks::SwitchBlocks::default();
         m.set_switch_blocks(blocks.clone());
         let text = m.render();
         assert!(

@@ -17,10 +17,10 @@ use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::plugin::{ClaimRef, Options as PluginOptions, Plugin};
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
-use nvdra::dra::switch_blocks::SwitchBlocks;
 use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
 use nvdra::ids::ClaimUid;
 use nvdra::inventory::sim::SimBackend;
+use nvdra::inventory::switch_blocks::SwitchBlocks;
 use nvdra::inventory::{
     self, DeviceBackend, Health, Holder, HolderKind, Inventory, MigDevice, MigUuid, Placement,
     ProcessUsage, SwitchBlock, Virtualization,

@@ -19,5 +19,4 @@ pub mod health;
 pub mod mps;
 pub mod plugin;
 pub mod slices;
-pub mod switch_blocks;
 pub mod sync;

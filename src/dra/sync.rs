@@ -33,8 +33,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::slices::{self, ConsumableShares, CounterLayout, SliceOptions};
-use super::switch_blocks::SwitchBlocks;
 use crate::holds::{ContainerHolds, Holder, Occupied};
+use crate::inventory::switch_blocks::SwitchBlocks;
 use crate::inventory::{self, DeviceBackend, Health, Inventory};
 use crate::metrics::Metrics;
 use kubelet_plugin::publisher::PublisherHandle;

@@ -20,6 +20,7 @@ pub mod nvml;
 pub mod owner;
 mod quantity;
 pub mod sim;
+pub mod switch_blocks;
 pub mod table;
 pub mod topology;
 mod usage;

@@ -30,7 +30,7 @@
 //!   is released: a switch, and an instance's destruction, waits for those on its GPU (or MIG
 //!   device), up to [`OWN_MPS_EXIT`].
 //!
-//! [`SwitchBlocks`]: crate::dra::switch_blocks::SwitchBlocks
+//! [`SwitchBlocks`]: crate::inventory::switch_blocks::SwitchBlocks
 
 use std::sync::Arc;
 use std::time::Duration;

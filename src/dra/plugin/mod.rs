@@ -31,10 +31,10 @@ use std::sync::{Arc, Mutex};
 
 use super::compute_mode::ComputeModes;
 use super::mps::Mps;
-use super::switch_blocks::SwitchBlocks;
 use crate::api::ClaimReader;
 use crate::cdi::DriverRoot;
 use crate::ids::ClaimUid;
+use crate::inventory::switch_blocks::SwitchBlocks;
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::{self, Ledger};
 use crate::metrics::Metrics;

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use crate::inventory::{GpuUuid, Inventory, SwitchBlock};
+use super::{GpuUuid, Inventory, SwitchBlock};
 
 /// One node's switch blocks, shared by the plugin (which sets them) and the slice sync.
 #[derive(Clone, Debug, Default)]

@@ -25,6 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -37,6 +38,9 @@ pub const NVIDIA_MAJOR: u32 = 195;
 /// Where `nvidia-persistenced` runs, the kernel keeps the first 15 bytes of a program's name as
 /// its `comm` (`TASK_COMM_LEN` is 16 with the NUL).
 const COMM_LEN: usize = 15;
+
+/// How much of a process's `cmdline` is read for its program's name (`PATH_MAX`).
+const CMDLINE_HEAD: u64 = 4096;
 
 /// Where and how to look for the holders of GPUs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -251,8 +255,13 @@ fn process_name(dir: &Path) -> String {
     if comm.len() < COMM_LEN {
         return comm;
     }
-    let full = fs::read(dir.join("cmdline")).ok().and_then(|c| {
-        let argv0 = c.split(|b| *b == 0).next()?;
+    // A process sets its own command line, of any length: read only as far as a program's
+    // path goes.
+    let mut head = Vec::new();
+    let read = fs::File::open(dir.join("cmdline"))
+        .and_then(|f| f.take(CMDLINE_HEAD).read_to_end(&mut head));
+    let full = read.ok().and_then(|_| {
+        let argv0 = head.split(|b| *b == 0).next()?;
         let name = Path::new(std::str::from_utf8(argv0).ok()?).file_name()?;
         name.to_str().map(str::to_string)
     });

@@ -108,6 +108,16 @@ impl Gpu {
     /// offered again at the next read); so does a switch block of `RESET_REQUIRED`. An
     /// `IN_USE` block does not: the GPU can switch once its holders are gone.
     pub fn mig_toggle(&self) -> Result<(), NoMigToggle> {
+        self.mig_toggle_by_hardware()?;
+        if self.mig.switch_block == Some(SwitchBlock::ResetRequired) {
+            return Err(NoMigToggle::ResetRequired);
+        }
+        Ok(())
+    }
+
+    /// [`Gpu::mig_toggle`] by what the GPU reports alone, whatever the driver answered a
+    /// switch: whether the GPU would switch at run time but for a `RESET_REQUIRED` answer.
+    pub fn mig_toggle_by_hardware(&self) -> Result<(), NoMigToggle> {
         if self.mig.mode_unknown {
             return Err(NoMigToggle::ModeUnknown);
         }
@@ -131,9 +141,6 @@ impl Gpu {
                 current: self.mig.enabled,
                 pending,
             });
-        }
-        if self.mig.switch_block == Some(SwitchBlock::ResetRequired) {
-            return Err(NoMigToggle::ResetRequired);
         }
         Ok(())
     }

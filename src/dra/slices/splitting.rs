@@ -110,18 +110,12 @@ impl Switch {
     /// claim allocated on one before the answer is evicted and allocated anew rather than left
     /// on a device that no longer exists.
     fn of(gpu: &Gpu, withdraw_blocked: bool) -> Option<Switch> {
-        if gpu.mig.switch_block == Some(SwitchBlock::ResetRequired) {
-            let mut g = gpu.clone();
-            g.mig.switch_block = None;
-            g.mig_toggle().ok()?;
-            return Some(if withdraw_blocked {
-                Switch::Withdrawn
-            } else {
-                Switch::Tainted(Some(RESET_REQUIRED_VALUE.to_string()))
-            });
-        }
-        gpu.mig_toggle().ok()?;
+        gpu.mig_toggle_by_hardware().ok()?;
         Some(match &gpu.mig.switch_block {
+            Some(SwitchBlock::ResetRequired) if withdraw_blocked => Switch::Withdrawn,
+            Some(SwitchBlock::ResetRequired) => {
+                Switch::Tainted(Some(RESET_REQUIRED_VALUE.to_string()))
+            }
             Some(SwitchBlock::InUse { .. }) if withdraw_blocked => Switch::Withdrawn,
             Some(SwitchBlock::InUse { holders }) => Switch::Tainted(
                 holders

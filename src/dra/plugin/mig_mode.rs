@@ -344,15 +344,11 @@ impl Plugin {
         let r = self
             .blocking(move |i| i.backend.set_mig_mode(&g, current))
             .await;
-        match r {
-            Ok(Ok(_)) => {
+        match r.and_then(|r| r.map_err(ClaimError::from)) {
+            Ok(_) => {
                 tracing::info!(gpu.uuid = %gpu, mig.mode = on_off(current), "pending MIG mode change withdrawn");
                 self.inventory_changed();
                 true
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(gpu.uuid = %gpu, error = %crate::report::chain(&e), "cannot withdraw the pending MIG mode change; tried again at the next prepare, inventory read or start");
-                false
             }
             Err(e) => {
                 tracing::warn!(gpu.uuid = %gpu, error = %crate::report::chain(&e), "cannot withdraw the pending MIG mode change; tried again at the next prepare, inventory read or start");
@@ -603,34 +599,16 @@ fn pod_of_pid(
     })
 }
 
-/// The processes in the way of a MIG mode change, each with its pod where its cgroup names one
-/// (`pod_of`): by name when a claim in `claims` was prepared for that pod, else by UID.
-pub(super) fn describe_processes(
-    pids: &[u32],
-    claims: &BTreeMap<ClaimUid, ClaimEntry>,
-    pod_of: impl Fn(u32) -> Option<String>,
-) -> String {
-    if pids.is_empty() {
-        return "(NVML named none)".into();
-    }
-    pids.iter()
-        .map(|&pid| match pod_of_pid(pid, claims, &pod_of) {
-            None => format!("pid {pid}"),
-            Some(pod) => format!("pid {pid} ({pod})"),
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// [`describe_processes`] of `holders`, each with its name where known:
-/// `pid 7 (nv-hostengine), pid 10 (python, pod ml/train-0)`.
+/// The processes in the way of a MIG mode change, each with its name where known and its pod
+/// where its cgroup names one (`pod_of`; by name when a claim in `claims` was prepared for that
+/// pod, else by UID): `pid 7 (nv-hostengine), pid 10 (python, pod ml/train-0)`.
 pub(super) fn describe_holders(
     holders: &[Holder],
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     pod_of: impl Fn(u32) -> Option<String>,
 ) -> String {
     if holders.is_empty() {
-        return describe_processes(&[], claims, pod_of);
+        return "(NVML named none)".into();
     }
     holders
         .iter()
@@ -677,14 +655,19 @@ mod tests {
             11 => Some("u-2".to_string()),
             _ => None,
         };
+        let unnamed: Vec<Holder> = [10, 11, 12]
+            .into_iter()
+            .map(|pid| Holder {
+                pid,
+                name: String::new(),
+                kind: HolderKind::Foreign,
+            })
+            .collect();
         assert_eq!(
-            describe_processes(&[10, 11, 12], &claims, pod_of),
+            describe_holders(&unnamed, &claims, pod_of),
             "pid 10 (pod ml/train-0), pid 11 (pod UID u-2), pid 12"
         );
-        assert_eq!(
-            describe_processes(&[], &claims, pod_of),
-            "(NVML named none)"
-        );
+        assert_eq!(describe_holders(&[], &claims, pod_of), "(NVML named none)");
     }
 
     #[test]

@@ -1,10 +1,20 @@
 //! Child processes with a deadline: a driver tool (`nvidia-smi`) that hangs is killed when its
 //! deadline passes, and its caller gets an error naming the command and the deadline instead of
 //! a thread blocked for good. The MPS control client (`mps::control::ask`) runs through it too.
+//!
+//! What a child writes is kept up to [`OUTPUT_LIMIT`] bytes a stream: a child that writes more
+//! (a tool gone wrong, or a binary under the driver root that is not the tool) is killed and
+//! named, and its pipes are drained to their end meanwhile, so it never blocks on a full pipe.
 
 use std::io::Read;
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+/// The most a child may write to its stdout, and to its stderr: far more than any answer of
+/// the tools nvdra runs (`nvidia-cuda-mps-control`'s `get_server_list`, `nvidia-smi`'s settings).
+pub const OUTPUT_LIMIT: usize = 64 * 1024;
 
 /// What a finished child wrote, and how it ended.
 #[derive(Debug)]
@@ -25,6 +35,15 @@ pub enum Error {
     },
     #[error("{command} did not finish within {after:?} and was killed")]
     Deadline { command: String, after: Duration },
+    #[error(
+        "{command} wrote more than {limit} bytes to its {stream} and was killed (no answer of \
+         the tool is that long)"
+    )]
+    TooMuchOutput {
+        command: String,
+        stream: &'static str,
+        limit: usize,
+    },
 }
 
 /// Runs `cmd` (named `command` in errors) with no input, collecting its output, and kills it
@@ -39,6 +58,17 @@ pub fn output_fed(
     command: &str,
     input: Option<&[u8]>,
     deadline: Duration,
+) -> Result<Output, Error> {
+    output_limited(cmd, command, input, deadline, OUTPUT_LIMIT)
+}
+
+/// As [`output_fed`], with `limit` bytes a stream.
+fn output_limited(
+    cmd: &mut Command,
+    command: &str,
+    input: Option<&[u8]>,
+    deadline: Duration,
+    limit: usize,
 ) -> Result<Output, Error> {
     let spawn_err = |source| Error::Spawn {
         command: command.to_string(),
@@ -55,18 +85,38 @@ pub fn output_fed(
         .stderr(Stdio::piped())
         .spawn()
         .map_err(spawn_err)?;
-    // Drained as the child writes (a full pipe would stall it), each by a thread of its own.
-    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+    // Drained as the child writes (a full pipe would stall it), each by a thread of its own,
+    // which keeps `limit` bytes and reads the rest to the end without keeping it, raising
+    // `over` (its stream's name) for the loop below to kill the child.
+    let over: Arc<[AtomicBool; 2]> = Arc::default();
+    let drain = |pipe: Option<Box<dyn Read + Send>>, which: usize| {
+        let over = over.clone();
         std::thread::spawn(move || {
             let mut buf = Vec::new();
             if let Some(mut p) = pipe {
-                let _ = p.read_to_end(&mut buf);
+                let _ = (&mut p).take(limit as u64 + 1).read_to_end(&mut buf);
+                if buf.len() > limit {
+                    buf.truncate(limit);
+                    over[which].store(true, Ordering::Relaxed);
+                    let _ = std::io::copy(&mut p, &mut std::io::sink());
+                }
             }
             buf
         })
     };
-    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
-    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _), 0);
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _), 1);
+    let too_much = |over: &[AtomicBool; 2]| {
+        let stream = ["stdout", "stderr"]
+            .into_iter()
+            .zip(over)
+            .find_map(|(name, o)| o.load(Ordering::Relaxed).then_some(name))?;
+        Some(Error::TooMuchOutput {
+            command: command.to_string(),
+            stream,
+            limit,
+        })
+    };
     if let (Some(bytes), Some(mut pipe)) = (input, child.stdin.take()) {
         // A child that exits before reading closes the pipe: its status says why.
         let _ = std::io::Write::write_all(&mut pipe, bytes);
@@ -74,6 +124,11 @@ pub fn output_fed(
     let start = Instant::now();
     let mut pause = Duration::from_millis(1);
     let status = loop {
+        if let Some(e) = too_much(&over) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) if start.elapsed() >= deadline => {
@@ -97,16 +152,25 @@ pub fn output_fed(
             }
         }
     };
+    let (stdout, stderr) = (
+        stdout.join().unwrap_or_default(),
+        stderr.join().unwrap_or_default(),
+    );
+    // A child that wrote too much and exited before the loop saw it.
+    if let Some(e) = too_much(&over) {
+        return Err(e);
+    }
     Ok(Output {
         status,
-        stdout: stdout.join().unwrap_or_default(),
-        stderr: stderr.join().unwrap_or_default(),
+        stdout,
+        stderr,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn a_child_that_hangs_is_killed_and_named() {
@@ -136,6 +200,51 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.to_string(), "cannot run tool");
+    }
+
+    #[test]
+    fn a_child_that_floods_its_output_is_killed_named_and_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("pid");
+        for (script, stream) in [("exec yes", "stdout"), ("exec yes >&2", "stderr")] {
+            // Writes for ever: only the cap ends it, long before the minute's deadline.
+            let mut cmd = Command::new("sh");
+            cmd.arg("-c")
+                .arg(format!("echo $$ > {}; {script}", pid_file.display()));
+            let e = output(&mut cmd, "yes", Duration::from_secs(60)).unwrap_err();
+            assert!(matches!(e, Error::TooMuchOutput { .. }), "{e:?}");
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "yes wrote more than 65536 bytes to its {stream} and was killed (no answer \
+                     of the tool is that long)"
+                )
+            );
+            // Reaped: no zombie left under its pid.
+            let pid = std::fs::read_to_string(&pid_file).unwrap();
+            assert!(
+                !Path::new(&format!("/proc/{}", pid.trim())).exists(),
+                "{stream}: {pid} is still there"
+            );
+        }
+    }
+
+    #[test]
+    fn output_up_to_the_limit_is_kept_whole_and_one_byte_more_is_refused() {
+        let run = |bytes: usize| {
+            let mut cmd = Command::new("head");
+            cmd.args(["-c", &bytes.to_string(), "/dev/zero"]);
+            output_limited(&mut cmd, "head", None, Duration::from_secs(60), 1000)
+        };
+        let o = run(1000).unwrap();
+        assert_eq!(o.stdout, vec![0; 1000]);
+        // It exits at once: refused all the same, after it ended.
+        let e = run(1001).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "head wrote more than 1000 bytes to its stdout and was killed (no answer of the \
+             tool is that long)"
+        );
     }
 
     #[test]

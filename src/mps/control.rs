@@ -25,6 +25,8 @@ pub enum Error {
     },
     #[error("no answer to {command:?} within {deadline:?}")]
     Timeout { command: String, deadline: Duration },
+    #[error("the answer to {command:?} was longer than {limit} bytes; the client was killed")]
+    TooLong { command: String, limit: usize },
     #[error("{command:?} failed ({status}): {stderr}")]
     Failed {
         command: String,
@@ -48,7 +50,8 @@ pub fn find(driver_root: &Path) -> Result<PathBuf> {
 
 /// Sends `command` to the daemon whose pipe directory is `pipe` and returns its answer (stdout).
 /// The client is killed when it has not finished by `deadline`: a daemon that does not answer in
-/// time counts as not answering.
+/// time counts as not answering. An answer (or error text) longer than
+/// [`crate::child::OUTPUT_LIMIT`] is refused and the client killed.
 pub fn ask(control: &Path, pipe: &Path, command: &str, deadline: Duration) -> Result<String> {
     let mut cmd = Command::new(control);
     cmd.env("CUDA_MPS_PIPE_DIRECTORY", pipe);
@@ -62,6 +65,10 @@ pub fn ask(control: &Path, pipe: &Path, command: &str, deadline: Duration) -> Re
             crate::child::Error::Deadline { .. } => Error::Timeout {
                 command: command.to_string(),
                 deadline,
+            },
+            crate::child::Error::TooMuchOutput { limit, .. } => Error::TooLong {
+                command: command.to_string(),
+                limit,
             },
         })?;
     if out.status.success() {
@@ -86,4 +93,56 @@ pub fn server_pids(answer: &str) -> Vec<u32> {
 /// Whether the daemon of `pipe` answers `get_server_list` within [`ALIVE_DEADLINE`].
 pub fn alive(control: &Path, pipe: &Path) -> Result<()> {
     ask(control, pipe, "get_server_list", ALIVE_DEADLINE).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A driver root whose control client runs `script`.
+    fn driver_root(script: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let control = bin.join(CONTROL);
+        std::fs::write(&control, format!("#!/bin/sh\n{script}\n")).unwrap();
+        std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (dir, control)
+    }
+
+    #[test]
+    fn a_client_that_floods_its_answer_is_refused_by_command() {
+        // `yes` never ends: only the cap stops it, far inside the minute's deadline.
+        let (dir, control) = driver_root("exec yes 4242");
+        assert_eq!(find(dir.path()).unwrap(), control);
+        let e = ask(
+            &control,
+            dir.path(),
+            "get_server_list",
+            Duration::from_secs(60),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::TooLong { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "the answer to \"get_server_list\" was longer than 65536 bytes; the client was killed"
+        );
+    }
+
+    #[test]
+    fn an_answer_under_the_cap_is_read_whole() {
+        // 2000 servers' pids, some 10 KiB: under the cap.
+        let (dir, control) = driver_root("cat >/dev/null; seq 100000 102000");
+        let answer = ask(
+            &control,
+            dir.path(),
+            "get_server_list",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        let pids = server_pids(&answer);
+        assert_eq!(pids.len(), 2001);
+        assert_eq!((pids[0], pids[2000]), (100000, 102000));
+    }
 }

@@ -98,6 +98,15 @@ pub(super) fn set_time_slice(
             crate::child::Error::Deadline { command, after } => {
                 Error::CommandDeadline { command, after }
             }
+            crate::child::Error::TooMuchOutput {
+                command,
+                stream,
+                limit,
+            } => Error::CommandFailed {
+                command,
+                status: "killed".into(),
+                output: format!("it wrote more than {limit} bytes to its {stream}"),
+            },
         })?;
         if !out.status.success() {
             let mut said = String::from_utf8_lossy(&out.stdout).trim().to_string();

@@ -201,15 +201,43 @@ impl Layout {
     }
 
     /// The daemon's `daemon.json`; `Ok(None)` when it has none (released, or never asked for).
+    /// Read only when it is a regular file of at most [`SPEC_LIMIT`] bytes: opened without
+    /// blocking (a FIFO in its place would hold the reader for good) and read no further than
+    /// the limit (a link to `/dev/zero` would never end).
     pub fn read_spec(&self, id: &DaemonId) -> Result<Option<DaemonSpec>, SpecError> {
+        use std::io::Read;
+        use std::os::unix::fs::OpenOptionsExt;
         let path = self.spec(id);
-        match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|source| SpecError::Parse { path, source }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(SpecError::Read { path, source }),
+        let read_err = |path: &PathBuf, source| SpecError::Read {
+            path: path.clone(),
+            source,
+        };
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(read_err(&path, source)),
+        };
+        let meta = file.metadata().map_err(|source| read_err(&path, source))?;
+        if !meta.is_file() {
+            return Err(SpecError::NotAFile { path });
         }
+        let mut bytes = Vec::new();
+        file.take(SPEC_LIMIT + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|source| read_err(&path, source))?;
+        if bytes.len() as u64 > SPEC_LIMIT {
+            return Err(SpecError::TooLarge {
+                path,
+                limit: SPEC_LIMIT,
+            });
+        }
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|source| SpecError::Parse { path, source })
     }
 
     /// Creates (or repairs) the daemon's pipe, shm and log directories with their modes, as
@@ -228,8 +256,15 @@ impl Layout {
     }
 }
 
+/// The most bytes a `daemon.json` may hold: the plugin's requests are some 200 bytes.
+pub const SPEC_LIMIT: u64 = 64 * 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
+    #[error("{path} is larger than {limit} bytes, which no daemon request is; it is not read")]
+    TooLarge { path: PathBuf, limit: u64 },
+    #[error("{path} is not a regular file; it is not read")]
+    NotAFile { path: PathBuf },
     #[error("cannot read {path}")]
     Read {
         path: PathBuf,
@@ -296,6 +331,46 @@ mod tests {
             Some(format!("/run/nvdra/mps/{id}/pipe/control").as_str())
         );
         assert!(len <= 107 - 60, "{} is {len} bytes", control.display());
+    }
+
+    #[test]
+    fn an_oversized_or_odd_request_is_refused_by_name_without_blocking() {
+        let root = tempfile::tempdir().unwrap();
+        let layout = Layout::new(root.path());
+        let id = DaemonId::gpu(&GpuUuid("GPU-a".into()));
+        std::fs::create_dir_all(layout.dir(&id)).unwrap();
+        let spec = layout.spec(&id);
+        // A request padded past the limit with whitespace (valid JSON all the same).
+        let body = r#"{"devices":["GPU-a"],"owner":"o"}"#;
+        let padded = format!("{body}{}", " ".repeat(SPEC_LIMIT as usize));
+        std::fs::write(&spec, &padded).unwrap();
+        let e = layout.read_spec(&id).unwrap_err();
+        assert!(matches!(e, SpecError::TooLarge { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{} is larger than 65536 bytes, which no daemon request is; it is not read",
+                spec.display()
+            )
+        );
+        // One at the limit is read.
+        std::fs::write(&spec, &padded[..SPEC_LIMIT as usize]).unwrap();
+        assert_eq!(layout.read_spec(&id).unwrap().unwrap().owner, "o");
+        // A link to an endless device: not a regular file, not read.
+        std::fs::remove_file(&spec).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &spec).unwrap();
+        let e = layout.read_spec(&id).unwrap_err();
+        assert!(matches!(e, SpecError::NotAFile { .. }), "{e:?}");
+        // A FIFO nobody writes: refused at once rather than waited on.
+        std::fs::remove_file(&spec).unwrap();
+        let c = std::ffi::CString::new(spec.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = layout.read_spec(&id).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("{} is not a regular file; it is not read", spec.display())
+        );
     }
 
     #[test]

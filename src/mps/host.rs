@@ -22,6 +22,15 @@
 //! Before each start the daemon's pipe and shm directories are emptied: a killed daemon leaves
 //! its sockets, pid files and shared-memory segments, and its clients died with it.
 //!
+//! What the host reads and writes on `/run` is bounded: a request (`daemon.json`) is read only
+//! when it is a regular file of at most [`super::dir::SPEC_LIMIT`] bytes, and one that cannot be
+//! read is warned about once, and again only when the file or the reason changes (not at every
+//! scan). Every [`LOG_CHECK`] the files of each daemon's log directory (the daemon's own
+//! `control.log` and `server.log`, which nvdra cannot tell it to rotate, and [`OUT_LOG`]) are
+//! cut back once over [`LOG_LIMIT`]: their newest [`LOG_KEEP`] bytes go to `<name>.1` and the
+//! file is truncated in place (logrotate's `copytruncate`: the daemon keeps its file open, so a
+//! rename would not reach it).
+//!
 //! At start-up the root's `boot_id` tells whether the node rebooted since the host last ran:
 //! if so, every directory whose request was written in another boot is removed (its daemon died
 //! with that boot, and no claim of it is prepared any more). On SIGTERM the host quits every
@@ -53,6 +62,12 @@ const HEALTHY_RUN: Duration = Duration::from_secs(60);
 pub const OUT_LOG: &str = "control.out";
 /// Unanswered probes in a row after which a running daemon is killed and started again.
 pub const PROBE_MISSES: u32 = 3;
+/// How often the daemons' log files are measured.
+pub const LOG_CHECK: Duration = Duration::from_secs(10);
+/// The size past which a file of a daemon's log directory is cut back.
+pub const LOG_LIMIT: u64 = 1024 * 1024;
+/// What is kept of a file cut back, in `<name>.1`: its newest bytes.
+pub const LOG_KEEP: u64 = 256 * 1024;
 
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -170,6 +185,28 @@ pub struct Host {
     /// Whether the control daemon takes `-M`, as found at start ([`multi_user_support`]).
     multi_user: Option<bool>,
     daemons: BTreeMap<DaemonId, Daemon>,
+    /// The requests that could not be read, as last warned about.
+    unreadable: BTreeMap<DaemonId, Unreadable>,
+    /// When the log directories were last measured.
+    logs_checked: Option<Instant>,
+}
+
+/// A request that could not be read, as warned about: warned again only when this changes.
+#[derive(Debug, PartialEq, Eq)]
+struct Unreadable {
+    error: String,
+    /// The file's inode, size and modification time, where it has them.
+    file: Option<(u64, u64, std::time::SystemTime)>,
+}
+
+impl Unreadable {
+    fn of(path: &Path, error: String) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let file = std::fs::symlink_metadata(path)
+            .ok()
+            .and_then(|m| Some((m.ino(), m.len(), m.modified().ok()?)));
+        Self { error, file }
+    }
 }
 
 impl Host {
@@ -220,6 +257,8 @@ impl Host {
             boot_id,
             multi_user,
             daemons: BTreeMap::new(),
+            unreadable: BTreeMap::new(),
+            logs_checked: None,
         })
     }
 
@@ -270,16 +309,34 @@ impl Host {
             }
             _ => true,
         });
+        if self
+            .logs_checked
+            .is_none_or(|t| now.duration_since(t) >= LOG_CHECK)
+        {
+            self.logs_checked = Some(now);
+            for id in &ids {
+                trim_logs(&self.layout.log(id), LOG_LIMIT, LOG_KEEP);
+            }
+        }
+        self.unreadable.retain(|id, _| ids.contains(id));
         let mut seen = Vec::new();
         for id in ids {
             let spec = match self.layout.read_spec(&id) {
                 Ok(spec) => spec,
                 Err(e) => {
-                    tracing::warn!(daemon = %id, error = %crate::report::chain(&e), "cannot read the daemon's request; leaving it as it is");
+                    let error = crate::report::chain(&e).to_string();
+                    let now = Unreadable::of(&self.layout.spec(&id), error);
+                    if self.unreadable.get(&id) != Some(&now) {
+                        tracing::warn!(daemon = %id, error = %now.error, "cannot read the daemon's request; leaving it as it is (warned again when the file changes)");
+                        self.unreadable.insert(id.clone(), now);
+                    }
                     seen.push(id);
                     continue;
                 }
             };
+            if self.unreadable.remove(&id).is_some() {
+                tracing::info!(daemon = %id, "the daemon's request is readable again");
+            }
             seen.push(id.clone());
             match spec {
                 Some(spec) => self.want(id, &spec, now),
@@ -771,10 +828,200 @@ fn remove_leftovers(root: &Path) {
     }
 }
 
+/// Cuts back each file of the log directory `log` over `limit` bytes: its newest `keep` bytes
+/// replace `<name>.1`, and it is truncated in place, so that its writer, which keeps it open,
+/// writes on from its start (with `O_APPEND`, as the host's [`OUT_LOG`]) or past a hole that
+/// takes no space. Returns the files cut back. The `.1` files themselves are left alone.
+fn trim_logs(log: &Path, limit: u64, keep: u64) -> Vec<PathBuf> {
+    let mut cut = Vec::new();
+    let Ok(entries) = std::fs::read_dir(log) else {
+        return cut;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let is_log =
+            e.file_type().is_ok_and(|t| t.is_file()) && path.extension().is_none_or(|x| x != "1");
+        let size = e.metadata().map(|m| m.len()).unwrap_or(0);
+        if !is_log || size <= limit {
+            continue;
+        }
+        match trim_log(&path, size, keep) {
+            Ok(()) => {
+                tracing::info!(file = %path.display(), bytes = size, kept = keep, "cut back a daemon's log file over its limit; its newest bytes are in <name>.1");
+                cut.push(path);
+            }
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "cannot cut back a daemon's log file")
+            }
+        }
+    }
+    cut
+}
+
+fn trim_log(path: &Path, size: u64, keep: u64) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = OpenOptions::new().read(true).write(true).open(path)?;
+    f.seek(SeekFrom::Start(size.saturating_sub(keep)))?;
+    let mut tail = Vec::new();
+    (&mut f).take(keep).read_to_end(&mut tail)?;
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    std::fs::write(PathBuf::from(old), &tail)?;
+    f.set_len(0)
+}
+
 /// A line for whoever reads the daemon's log directory (the plugin's error points there).
 fn note(log: &Path, line: &str) {
     let path = log.join(OUT_LOG);
     if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(path) {
         let _ = writeln!(f, "nvdra mps-host: {line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// The log lines written while `f` runs, as `tracing`'s fmt layer writes them.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        #[derive(Clone, Default)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                crate::lock::lock(&self.0).extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let sink = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || sink.clone())
+            .with_ansi(false)
+            .finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(crate::lock::lock(&buf.0).clone()).unwrap();
+        (out, text)
+    }
+
+    fn host(dir: &Path) -> Host {
+        std::fs::write(dir.join("boot_id"), "boot-1\n").unwrap();
+        Host::start(Options {
+            root: dir.join("mps"),
+            // No control binary there: no daemon is started.
+            driver_root: dir.join("driver"),
+            boot_id_file: dir.join("boot_id"),
+            quit_deadline: Duration::from_secs(10),
+            probe_interval: Duration::from_secs(5),
+            private_shm: false,
+            shm_size: 0,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn an_unreadable_request_is_warned_about_once_until_it_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut host = host(dir.path());
+        let id = DaemonId::parse("g-0123456789ab").unwrap();
+        std::fs::create_dir_all(host.layout.dir(&id)).unwrap();
+        let spec = host.layout.spec(&id);
+        std::fs::write(&spec, "not json").unwrap();
+        let warned = |host: &mut Host, scans: usize| {
+            let ((), text) = logged(|| (0..scans).for_each(|_| host.reconcile()));
+            text.lines()
+                .filter(|l| l.contains("cannot read the daemon's request"))
+                .count()
+        };
+        // A minute of scans (every 200 ms): one warning, not 300.
+        assert_eq!(warned(&mut host, 300), 1);
+        assert_eq!(warned(&mut host, 10), 0);
+        // Another file in its place (another inode, another size): warned about again, once.
+        std::fs::remove_file(&spec).unwrap();
+        std::fs::write(&spec, "not json either").unwrap();
+        assert_eq!(warned(&mut host, 10), 1);
+        // Too large: refused naming the file, once.
+        std::fs::write(
+            &spec,
+            " ".repeat(super::super::dir::SPEC_LIMIT as usize + 1),
+        )
+        .unwrap();
+        let ((), text) = logged(|| (0..10).for_each(|_| host.reconcile()));
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        assert!(
+            lines[0].contains(&format!(
+                "{} is larger than 65536 bytes, which no daemon request is",
+                spec.display()
+            )),
+            "{text}"
+        );
+        // Gone and back: it is a new finding.
+        std::fs::remove_dir_all(host.layout.dir(&id)).unwrap();
+        host.reconcile();
+        assert!(host.unreadable.is_empty());
+        std::fs::create_dir_all(host.layout.dir(&id)).unwrap();
+        std::fs::write(&spec, "not json").unwrap();
+        assert_eq!(warned(&mut host, 10), 1);
+    }
+
+    #[test]
+    fn a_log_over_its_limit_is_cut_back_to_its_newest_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path();
+        // The daemon's log, appended to through a handle it keeps open, as MPS does.
+        let control = log.join("control.log");
+        let mut writer = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&control)
+            .unwrap();
+        let lines: String = (0..300).map(|i| format!("line {i:04}\n")).collect();
+        writer.write_all(lines.as_bytes()).unwrap(); // 3000 bytes
+        std::fs::write(log.join("server.log"), "short\n").unwrap();
+        std::fs::write(log.join("control.log.1"), "x".repeat(5000)).unwrap();
+        let cut = trim_logs(log, 1000, 100);
+        assert_eq!(cut, vec![control.clone()]);
+        assert_eq!(std::fs::read_to_string(&control).unwrap(), "");
+        // The newest 100 bytes: the last ten lines.
+        let kept = std::fs::read_to_string(log.join("control.log.1")).unwrap();
+        let last: String = (290..300).map(|i| format!("line {i:04}\n")).collect();
+        assert_eq!(kept, last);
+        assert_eq!(
+            std::fs::read_to_string(log.join("server.log")).unwrap(),
+            "short\n"
+        );
+        // Its writer goes on at the file's new start.
+        writer.write_all(b"after\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&control).unwrap(), "after\n");
+        assert!(trim_logs(log, 1000, 100).is_empty());
+    }
+
+    #[test]
+    fn the_scan_cuts_back_the_logs_of_every_daemon_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut host = host(dir.path());
+        let id = DaemonId::parse("c-0123456789ab").unwrap();
+        let log = host.layout.log(&id);
+        std::fs::create_dir_all(&log).unwrap();
+        // A request the host leaves alone (unreadable): only the logs are at stake.
+        std::fs::write(host.layout.spec(&id), "not json").unwrap();
+        std::fs::write(log.join("control.log"), vec![b'x'; LOG_LIMIT as usize + 1]).unwrap();
+        host.reconcile();
+        assert_eq!(std::fs::metadata(log.join("control.log")).unwrap().len(), 0);
+        assert_eq!(
+            std::fs::metadata(log.join("control.log.1")).unwrap().len(),
+            LOG_KEEP
+        );
+        // Measured again only after LOG_CHECK.
+        std::fs::write(log.join("control.log"), vec![b'x'; LOG_LIMIT as usize + 1]).unwrap();
+        host.reconcile();
+        assert_eq!(
+            std::fs::metadata(log.join("control.log")).unwrap().len(),
+            LOG_LIMIT + 1
+        );
     }
 }

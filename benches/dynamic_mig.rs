@@ -105,6 +105,7 @@ async fn run(delay: Duration, n: usize) {
         mps_root: dir.path().join("mps"),
         dynamic_mig: true,
         keep_mig_on: false,
+        share_trust_domain: Default::default(),
         proc_root: None,
     };
     let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());

@@ -115,6 +115,7 @@ async fn main() {
                             uid: pod_uid,
                         }],
                         user: None,
+                        trust_label: None,
                     },
                 )
             });

@@ -287,6 +287,7 @@ async fn main() {
             mps_root: dir.path().join("mps"),
             dynamic_mig: false,
             keep_mig_on: false,
+            share_trust_domain: Default::default(),
             proc_root: None,
         },
         api.cluster_api(),
@@ -359,6 +360,7 @@ async fn main() {
             devices: vec![],
             pods: vec![],
             user: None,
+            trust_label: None,
         },
     );
     let mut t = Vec::new();

@@ -156,6 +156,8 @@ pub struct Config {
     pub dynamic_mig: DynamicMig,
     /// The MIG profiles whose placements are published; all when `None` (`--mig-profiles`).
     pub mig_profiles: Option<Vec<String>>,
+    /// Who may hold shares of one GPU together (`--share-trust-domain`).
+    pub share_trust_domain: crate::sharing::trust::TrustDomain,
     /// Set for rolling updates: socket names carry it.
     pub pod_uid: Option<String>,
     /// NVIDIA's device-plugin config file; read when the device-plugin path starts.
@@ -394,6 +396,7 @@ fn validate(settings: Settings) -> Result<Config> {
         )?,
         dynamic_mig: need(plugin.dynamic_mig, "--dynamic-mig")?,
         mig_profiles: mig_profiles(plugin.mig_profiles)?,
+        share_trust_domain: need(plugin.share_trust_domain, "--share-trust-domain")?,
         pod_uid: kubelet.pod_uid,
         device_plugin_config: serve
             .device_plugin_config

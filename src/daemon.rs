@@ -358,6 +358,7 @@ async fn start_dra(
             mps_root: config.mps_root.clone(),
             dynamic_mig: config.dynamic_mig.enabled(),
             keep_mig_on: config.dynamic_mig == crate::config::DynamicMig::KeepOn,
+            share_trust_domain: config.share_trust_domain.clone(),
             proc_root: extras.proc_root.clone(),
         },
         api.clone(),

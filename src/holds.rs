@@ -377,6 +377,7 @@ mod tests {
                     devices: vec![record(0, None)],
                     pods: vec![],
                     user: None,
+                    trust_label: None,
                 },
             )
         });

@@ -294,6 +294,13 @@ pub struct ClaimEntry {
     /// (and with it the check, after a downgrade).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<ShareUser>,
+    /// Under `--share-trust-domain=label:<key>`, the value of that label on the claim's
+    /// namespace when its share was admitted: a later share of its GPU from another namespace
+    /// must come with the same value. Absent otherwise (and for a namespace without the label),
+    /// and in files written before it existed; a build that predates it ignores it (and with it
+    /// the check, after a downgrade).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trust_label: Option<crate::sharing::trust::TrustLabel>,
 }
 
 /// The user a share's pod runs as, as far as the pod says.

@@ -15,6 +15,8 @@
 //! - Configs of other drivers are ignored, never decoded.
 //! - The module is pure: no I/O, no kube client; [`from_allocation`] only converts a value.
 
+pub mod trust;
+
 use std::collections::BTreeMap;
 use std::fmt;
 

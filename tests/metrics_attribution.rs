@@ -564,6 +564,7 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
                         uid: pod.into(),
                     }],
                     user: None,
+                    trust_label: None,
                 },
             );
         }

@@ -644,6 +644,7 @@ async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements
         mps_root: dir.path().join("mps"),
         dynamic_mig: true,
         keep_mig_on: false,
+        share_trust_domain: Default::default(),
         proc_root: None,
     };
     let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());

@@ -256,6 +256,18 @@ impl ClaimReader for KubeApi {
                 .map_err(|e| classify(&format!("get pod {namespace}/{name}"), e))
         })
     }
+
+    fn get_namespace<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<k8s_openapi::api::core::v1::Namespace>> {
+        Box::pin(async move {
+            Api::<k8s_openapi::api::core::v1::Namespace>::all(self.client.clone())
+                .get(name)
+                .await
+                .map_err(|e| classify(&format!("get namespace {name}"), e))
+        })
+    }
 }
 
 /// Whether a watch error is 410 Gone: the watcher re-lists by itself.

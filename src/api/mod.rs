@@ -34,6 +34,20 @@ pub trait ClaimReader: ClaimSource {
             ))
         })
     }
+
+    /// Reads a Namespace: under `--share-trust-domain=label:<key>` a share needs the value of
+    /// that label on its claim's namespace (the Namespace object: a pod's own labels are its
+    /// author's, no trust boundary). APIs that hold no namespaces say so.
+    fn get_namespace<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<k8s_openapi::api::core::v1::Namespace>> {
+        Box::pin(async move {
+            Err(Error::Invalid(
+                format!("this API cannot read namespace {name}").into(),
+            ))
+        })
+    }
 }
 
 /// The API operations nvdra needs. Implementations are cheap to clone behind an `Arc`; an

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 pub use crate::ledger::shares::ConsumableShares;
+pub use crate::sharing::trust::TrustDomain;
 
 use super::{
     BackendKind, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT,
@@ -200,6 +201,13 @@ settings_struct! {
             value_delimiter = ','
         )]
         pub mig_profiles: Option<Vec<String>>,
+
+        /// Who may hold shares of one GPU (one MPS daemon) together: `off` (anyone), `namespace`
+        /// (claims of one namespace), or `label:<key>` (claims of namespaces with one value of that
+        /// label on the Namespace; a namespace without it shares with itself only). A share of
+        /// another domain is refused at prepare, naming the GPU's holders.
+        #[arg(long, env = "NVDRA_SHARE_TRUST_DOMAIN", value_name = "RULE")]
+        pub share_trust_domain: Option<TrustDomain>,
     }
 }
 
@@ -212,6 +220,7 @@ impl Section for PluginSettings {
             consumable_shares: Some(ConsumableShares::Disabled),
             dynamic_mig: Some(DynamicMig::Off),
             mig_profiles: None,
+            share_trust_domain: Some(TrustDomain::Off),
         }
     }
 }

@@ -239,6 +239,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("consumableShares: 4", "consumableShares"),
         ("dynamicMig: keep-on", "dynamicMig"),
         ("migProfiles: [1g.10gb]", "migProfiles"),
+        ("shareTrustDomain: namespace", "shareTrustDomain"),
         ("kubeletRoot: /k", "kubeletRoot"),
         ("cdiRoot: /etc/cdi", "cdiRoot"),
         ("kubeconfig: /kc", "kubeconfig"),
@@ -277,6 +278,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
                 .is_some_and(|m| m.to_string() == "4"),
             "dynamicMig" => s.plugin.dynamic_mig == Some(DynamicMig::KeepOn),
             "migProfiles" => s.plugin.mig_profiles == Some(vec!["1g.10gb".into()]),
+            "shareTrustDomain" => s.plugin.share_trust_domain == Some(TrustDomain::Namespace),
             "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
             "cdiRoot" => s.kubelet.cdi_root.is_some(),
             "kubeconfig" => s.api.cluster.kubeconfig.is_some(),
@@ -324,7 +326,8 @@ fn keys_come_from_the_derive() {
             "sharedCapacity",
             "consumableShares",
             "dynamicMig",
-            "migProfiles"
+            "migProfiles",
+            "shareTrustDomain"
         ]
     );
     // Skipped fields are not file keys.
@@ -700,4 +703,61 @@ fn consumable_shares_is_read_from_the_flag_and_nvidias_env_name() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("1 to 48"), "{e}");
+}
+
+/// `--share-trust-domain`: off by default; the flag, `NVDRA_SHARE_TRUST_DOMAIN` and the file
+/// key `shareTrustDomain` take `off`, `namespace` or `label:<key>`; a bad rule is an error that
+/// names the flag or the file key.
+#[test]
+fn share_trust_domain_is_off_by_default_and_a_bad_rule_names_its_key() {
+    use clap::Parser;
+    let c = resolve(base(), None).unwrap();
+    assert_eq!(c.share_trust_domain, TrustDomain::Off);
+    let c = resolve(
+        base(),
+        Some(file("version: v1\nshareTrustDomain: label:example.com/tenant\n").unwrap()),
+    )
+    .unwrap();
+    assert_eq!(
+        c.share_trust_domain,
+        TrustDomain::Label("example.com/tenant".into())
+    );
+    // The command line over the file.
+    let c = resolve(
+        with(|s| s.plugin.share_trust_domain = Some(TrustDomain::Namespace)),
+        Some(file("version: v1\nshareTrustDomain: \"off\"\n").unwrap()),
+    )
+    .unwrap();
+    assert_eq!(c.share_trust_domain, TrustDomain::Namespace);
+    // A bad value in the file names the key, its line and what to give.
+    let e = file("version: v1\nshareTrustDomain: tenant\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shareTrustDomain"), "{e}");
+    assert!(e.contains("off, namespace, or label:<key>"), "{e}");
+    let e = file("version: v1\nshareTrustDomain: \"label:-x\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("shareTrustDomain") && e.contains("label:-x"),
+        "{e}"
+    );
+    // On the command line, clap names the flag.
+    let cli = crate::cli::Cli::try_parse_from([
+        "nvdra",
+        "run",
+        "--profile",
+        "dgx-h100",
+        "--share-trust-domain=namespace",
+    ])
+    .unwrap();
+    let crate::cli::Command::Run(args) = &cli.command else {
+        panic!("run");
+    };
+    assert_eq!(args.plugin.share_trust_domain, Some(TrustDomain::Namespace));
+    let e = crate::cli::Cli::try_parse_from(["nvdra", "run", "--share-trust-domain=team"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--share-trust-domain"), "{e}");
+    assert!(e.contains("not a trust domain"), "{e}");
 }

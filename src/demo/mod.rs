@@ -65,6 +65,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         shared_capacity: crate::config::ConsumableShares::Memory,
         dynamic_mig: crate::config::DynamicMig::On,
         mig_profiles: None,
+        share_trust_domain: Default::default(),
         pod_uid: None,
         device_plugin_config: None,
         device_plugin_gpu_memory: false,

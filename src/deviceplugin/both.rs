@@ -311,6 +311,7 @@ mod tests {
                     devices: vec![record],
                     pods: vec![],
                     user: None,
+                    trust_label: None,
                 },
             )
         });

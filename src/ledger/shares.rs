@@ -625,6 +625,7 @@ mod tests {
                     devices: vec![share(mig, 30)],
                     pods: vec![],
                     user: None,
+                    trust_label: None,
                 };
                 (ClaimUid::parse(uid).unwrap(), e)
             })

@@ -23,6 +23,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
             .collect(),
         pods: vec![],
         user: None,
+        trust_label: None,
     }
 }
 
@@ -145,6 +146,7 @@ fn fixture_state() -> Checkpoint {
         devices: vec![d],
         pods: vec![],
         user: None,
+        trust_label: None,
     };
     let mig = DeviceRecord {
         admin_access: true,
@@ -540,6 +542,7 @@ proptest! {
                         devices,
                         pods: vec![],
                         user: None,
+                        trust_label: None,
                     })
                 })
                 .collect(),

@@ -366,6 +366,7 @@ mod tests {
                     uid: pod.into(),
                 }],
                 user: None,
+                trust_label: None,
             },
         )]);
         let process = |pid, mig_uuid: &str, bytes| ProcessRow {
@@ -513,6 +514,7 @@ mod tests {
                         uid: UID.into(),
                     }],
                     user: None,
+                    trust_label: None,
                 },
             )
         });

@@ -127,6 +127,36 @@ pub enum ClaimError {
         holders: String,
     },
     #[error(
+        "claim {namespace}/{name} of {domain} cannot have a share of {device}: claim {holder} of \
+         {holder_domain} holds a share of it, and this node keeps the shares of a GPU within one \
+         trust domain (--share-trust-domain={rule}); the scheduler does not know the rule. \
+         Delete the pod so that the scheduler places its claim again (on another GPU, if one \
+         has room), or wait until the GPU's shares of that domain end; to keep tenants off each \
+         other's GPUs ahead of time, give each its own nodes or GPUs (a DeviceClass selector)"
+    )]
+    ShareOfAnotherDomain {
+        device: String,
+        namespace: String,
+        name: String,
+        domain: String,
+        /// `ns/name (uid)`.
+        holder: String,
+        holder_domain: String,
+        rule: String,
+    },
+    #[error(
+        "claim {namespace}/{name} holds a share of {device}, and this node keeps the shares of \
+         a GPU within one trust domain (--share-trust-domain={rule}), but the claim's domain \
+         cannot be told: {reason}. The node's service account needs `get` on namespaces"
+    )]
+    ShareDomainUnknown {
+        namespace: String,
+        name: String,
+        device: String,
+        rule: String,
+        reason: String,
+    },
+    #[error(
         "{device} cannot be prepared as a share: the MPS control daemon of {gpu} has not \
          answered since {since} ({ago} ago), so a share started now would get no limits. The MPS \
          host restarts the daemon; the kubelet retries this prepare (or retry it by recreating \

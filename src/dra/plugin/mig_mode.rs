@@ -648,6 +648,7 @@ mod tests {
                     uid: "u-1".into(),
                 }],
                 user: None,
+                trust_label: None,
             },
         );
         let pod_of = |pid| match pid {

@@ -99,6 +99,9 @@ pub struct Options {
     pub dynamic_mig: bool,
     /// `--dynamic-mig=keep-on`: MIG mode is not turned off after a GPU's last instance.
     pub keep_mig_on: bool,
+    /// `--share-trust-domain`: who may hold shares of one GPU together
+    /// ([`crate::sharing::trust`]); checked at reservation, under the ledger's lock.
+    pub share_trust_domain: crate::sharing::trust::TrustDomain,
     /// `--proc-root`: where the host's processes are seen (the pods of the processes that keep
     /// a GPU from switching MIG mode are found by their cgroups there); `/proc` when `None`.
     pub proc_root: Option<PathBuf>,

@@ -28,6 +28,9 @@ pub(super) struct Plan {
     /// The user its pod runs as, for a share of a GPU whose MPS serves one user at a time
     /// (set by prepare, which reads the pod).
     pub user: Option<crate::ledger::ShareUser>,
+    /// Under `--share-trust-domain=label:<key>`, for a share: the value of that label on the
+    /// claim's namespace (set by prepare, which reads the Namespace; `None` without the label).
+    pub trust_label: Option<crate::sharing::trust::TrustLabel>,
     /// Dynamic MIG: the GPUs whose MIG mode this prepare switches, each once, in order of
     /// their first device: on (`true`) for a placement on a GPU outside MIG mode, off for a
     /// GPU in MIG mode allocated whole.
@@ -215,6 +218,7 @@ pub(super) fn plan(
         devices: out,
         pods: reserved_pods(rc),
         user: None,
+        trust_label: None,
         mig_modes,
     })
 }
@@ -550,6 +554,7 @@ pub(super) mod tests {
             mps_root: "/nonexistent/mps".into(),
             dynamic_mig: false,
             keep_mig_on: false,
+            share_trust_domain: Default::default(),
             proc_root: None,
         }
     }

@@ -98,6 +98,7 @@ impl Plugin {
             self.inner.mps.know_gpus(inv);
         }
         let plan = self.share_user(claim, plan, inv).await?;
+        let plan = self.share_trust_label(claim, plan).await?;
         self.refuse_while_daemon_down(&plan.devices)?;
         let devices = if plan.touches_hardware() {
             self.prepare_reconfiguring(claim, plan, inv).await?
@@ -121,6 +122,7 @@ impl Plugin {
     ) -> Result<(), ClaimError> {
         self.inner.ledger.update_with_holds(|claims, holds| {
             conflict(claims, &claim.uid, &plan.devices)?;
+            one_domain_per_gpu(&self.inner.opts.share_trust_domain, claims, claim, plan)?;
             fits(claims, &claim.uid, &plan.devices, inv)?;
             one_user_per_gpu(claims, &claim.uid, plan)?;
             for d in &plan.devices {
@@ -141,6 +143,7 @@ impl Plugin {
                     devices: plan.devices.clone(),
                     pods: plan.pods.clone(),
                     user: plan.user,
+                    trust_label: plan.trust_label.clone(),
                 },
             );
             Ok(())
@@ -305,6 +308,46 @@ impl Plugin {
         Ok(plan)
     }
 
+    /// Sets the plan's trust label when it holds a share and `--share-trust-domain` is
+    /// `label:<key>`: the value of `<key>` on the claim's Namespace, read through the API (one
+    /// GET, only for such shares). A namespace that cannot be read refuses the share: admitting
+    /// it blind would let it join a GPU of any domain.
+    async fn share_trust_label(
+        &self,
+        claim: &ClaimRef,
+        mut plan: Plan,
+    ) -> Result<Plan, ClaimError> {
+        let rule = &self.inner.opts.share_trust_domain;
+        let Some(key) = rule.label_key() else {
+            return Ok(plan);
+        };
+        let Some(share) = plan.devices.iter().find(|d| is_share(d)) else {
+            return Ok(plan);
+        };
+        let read = self
+            .inner
+            .api
+            .get_namespace(&claim.namespace)
+            .await
+            .map_err(|e| ClaimError::ShareDomainUnknown {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                device: share.device.to_string(),
+                rule: rule.to_string(),
+                reason: format!("reading namespace {}: {e}", claim.namespace),
+            })?;
+        plan.trust_label = read
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(key))
+            .map(|value| crate::sharing::trust::TrustLabel {
+                key: key.to_string(),
+                value: value.clone(),
+            });
+        Ok(plan)
+    }
+
     /// Reads `claim` and checks it as the library does for the claims it hands over
     /// ([`kubelet_plugin::claims::fetch`]), so that a claim is checked in one place whichever
     /// way it came.
@@ -443,6 +486,61 @@ pub(super) fn one_user_per_gpu(
                 many => format!("claims {}", many.join(", ")),
             },
         });
+    }
+    Ok(())
+}
+
+/// A share under the trust-domain rule: a share of a GPU (or MIG device), not an admin's
+/// access to it (admin access is granted only in namespaces the cluster admin marks for it,
+/// and holds nothing).
+fn is_share(d: &DeviceRecord) -> bool {
+    d.consumed.is_some() && !d.admin_access
+}
+
+/// Refuses a share whose claim is of another trust domain ([`crate::sharing::trust`]) than a
+/// claim that holds a share of the same GPU (MIG device), naming that holder, its domain and the
+/// rule. Every holder is compared, not the first: under `label:<key>` a GPU's holders of one
+/// namespace may have been admitted with different values. Runs under the ledger's lock, so
+/// two prepares of different domains cannot both pass against an empty GPU.
+pub(super) fn one_domain_per_gpu(
+    rule: &crate::sharing::trust::TrustDomain,
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    claim: &ClaimRef,
+    plan: &Plan,
+) -> Result<(), ClaimError> {
+    use crate::sharing::trust::Member;
+    if !rule.enabled() {
+        return Ok(());
+    }
+    let me = Member {
+        namespace: &claim.namespace,
+        label: plan.trust_label.as_ref(),
+    };
+    for d in plan.devices.iter().filter(|d| is_share(d)) {
+        let target = d.share_target();
+        let holders = claims.iter().filter(|(u, e)| {
+            **u != claim.uid
+                && e.devices
+                    .iter()
+                    .any(|o| is_share(o) && o.share_target() == target)
+        });
+        for (uid, e) in holders {
+            let them = Member {
+                namespace: &e.namespace,
+                label: e.trust_label.as_ref(),
+            };
+            if !rule.admits(me, them) {
+                return Err(ClaimError::ShareOfAnotherDomain {
+                    device: d.device.to_string(),
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    domain: rule.describe(me),
+                    holder: format!("{}/{} ({uid})", e.namespace, e.name),
+                    holder_domain: rule.describe(them),
+                    rule: rule.to_string(),
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -610,6 +708,7 @@ mod tests {
                 devices: a.devices.clone(),
                 pods: vec![],
                 user: None,
+                trust_label: None,
             },
         );
         // A claim does not conflict with itself (a retried prepare).

@@ -37,6 +37,7 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         shared_capacity: crate::ledger::shares::ConsumableShares::Memory,
         dynamic_mig: false,
         keep_mig_on: false,
+        share_trust_domain: Default::default(),
         proc_root: None,
         mps_root: d.join("mps"),
     };

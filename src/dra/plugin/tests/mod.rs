@@ -25,7 +25,10 @@ const NODE: &str = "node-a";
 struct FakeApi {
     claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
     pods: Mutex<BTreeMap<(String, String), k8s_openapi::api::core::v1::Pod>>,
+    namespaces: Mutex<BTreeMap<String, k8s_openapi::api::core::v1::Namespace>>,
     gets: AtomicUsize,
+    /// Namespace GETs (`--share-trust-domain=label:<key>`).
+    namespace_gets: AtomicUsize,
 }
 
 impl api::ClaimSource for FakeApi {
@@ -53,6 +56,18 @@ impl ClaimReader for FakeApi {
             .get(&(ns.to_string(), name.to_string()))
             .cloned()
             .ok_or_else(|| api::Error::NotFound(format!("pod {ns}/{name}").into()));
+        Box::pin(async move { r })
+    }
+
+    fn get_namespace<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Namespace>> {
+        self.namespace_gets.fetch_add(1, Ordering::SeqCst);
+        let r = lock(&self.namespaces)
+            .get(name)
+            .cloned()
+            .ok_or_else(|| api::Error::NotFound(format!("namespace {name}").into()));
         Box::pin(async move { r })
     }
 }
@@ -144,6 +159,7 @@ async fn start_with(
         mps_root: dir.join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
+        share_trust_domain: Default::default(),
         proc_root: None,
     };
     tweak(&mut opts);
@@ -718,6 +734,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         mps_root: dir.path().join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
+        share_trust_domain: Default::default(),
         proc_root: None,
     };
     let (plugin, writer, _) =
@@ -754,6 +771,7 @@ async fn outcomes_are_counted_in_metrics() {
         mps_root: dir.path().join("mps"),
         dynamic_mig: false,
         keep_mig_on: false,
+        share_trust_domain: Default::default(),
         proc_root: None,
     };
     let (plugin, writer, _) =
@@ -781,3 +799,4 @@ mod mig_shares;
 mod recovery;
 mod share_modes;
 mod shares;
+mod trust;

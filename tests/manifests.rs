@@ -324,6 +324,13 @@ impl ClaimReader for EveryCall {
     ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Pod>> {
         self.0.get_pod(namespace, name)
     }
+
+    fn get_namespace<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Namespace>> {
+        self.0.get_namespace(name)
+    }
 }
 
 impl SliceApi for EveryCall {
@@ -420,6 +427,12 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
     // A share before Volta: its pod's user (the test server holds no pods).
     assert!(matches!(
         api.get_pod("team-a", "pod-1").await,
+        Err(api::Error::NotFound(_))
+    ));
+    // A share under --share-trust-domain=label:<key>: its claim's Namespace (the test server
+    // holds none).
+    assert!(matches!(
+        api.get_namespace("team-a").await,
         Err(api::Error::NotFound(_))
     ));
     let mut watch = api.watch_slices(driver, node);

@@ -157,6 +157,21 @@ fn the_default_values_render_the_kustomize_base_object_for_object() {
         &without_namespace(overlay(kubectl, "plain")),
         "defaults",
     );
+    // The image by the chart's appVersion, which is nvdra's version; no SYS_ADMIN.
+    let app_version = read(&chart().join("Chart.yaml"))
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion: "))
+        .map(|v| v.trim_matches('"').to_string())
+        .expect("Chart.yaml has an appVersion");
+    assert_eq!(app_version, env!("CARGO_PKG_VERSION"));
+    let (_, tag, digest) = assert_image(&rendered, "defaults");
+    assert_eq!((tag, digest), (app_version, None));
+    assert!(!mig_and_shares(&rendered, "defaults"));
+    // Shares turn on what they need by themselves.
+    for set in ["sharedCapacity=true", "consumableShares=4"] {
+        let docs = template(helm, "nvdra", &["--set", set]).unwrap();
+        assert!(mig_and_shares(&docs, set), "{set}");
+    }
     // What the comparison covers: the whole base, every kind of object, the Namespace alone
     // left out.
     let kinds: BTreeSet<&str> = rendered.iter().map(|d| str_at(d, "/kind")).collect();
@@ -206,6 +221,14 @@ fn each_switch_renders_its_overlay_object_for_object() {
             "nodeLabels=true",
             plain_with_component(kubectl, "node-labels"),
         ),
+        (
+            "migAndShares=true",
+            plain_with_component(kubectl, "mig-and-shares"),
+        ),
+        (
+            "metrics.networkPolicy.enabled=true",
+            plain_with_component(kubectl, "metrics-network-policy"),
+        ),
     ]
     .map(|(set, kustomized)| (set, without_namespace(kustomized)));
     for (set, kustomized) in cases {
@@ -241,7 +264,11 @@ fn helm_lints_the_chart_strictly() {
 
 /// Every value of values.yaml set to something other than its default.
 const EVERY_VALUE: &str = r#"
-image: {repository: registry.example.com/nvdra, tag: v0.1.0, pullPolicy: IfNotPresent}
+image:
+  repository: registry.example.com/nvdra
+  tag: v0.1.0
+  digest: sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef
+  pullPolicy: IfNotPresent
 createNamespace: true
 mode: both
 extendedResources: true
@@ -266,8 +293,14 @@ affinity:
 resources:
   requests: {cpu: 20m, memory: 48Mi}
   limits: {memory: 256Mi}
+migAndShares: true
 metrics:
   serviceMonitor: {enabled: true, interval: 15s, labels: {release: prometheus}}
+  networkPolicy:
+    enabled: true
+    from:
+      - {namespaceSelector: {matchLabels: {team: obs}}, podSelector: {matchLabels: {app: vm}}}
+      - ipBlock: {cidr: 10.0.0.0/16}
 "#;
 
 fn every_value(helm: &str) -> Vec<Value> {
@@ -336,7 +369,32 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
     let ds = find(&docs, "DaemonSet", "nvdra").unwrap();
     let pod = &ds["spec"]["template"]["spec"];
     let c = container(&docs);
-    assert_eq!(c["image"], "registry.example.com/nvdra:v0.1.0");
+    assert_eq!(
+        c["image"],
+        "registry.example.com/nvdra:v0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    );
+    assert!(mig_and_shares(&docs, origin));
+    // Every node-labels object the chart renders names the release's service account.
+    let labels_vap = find(&docs, "ValidatingAdmissionPolicy", "nvdra-node-labels").unwrap();
+    assert!(
+        str_at(labels_vap, "/spec/matchConditions/0/expression")
+            .ends_with("== \"system:serviceaccount:gpu-system:nvdra\"")
+    );
+    // The Namespace with its Pod Security level.
+    assert_eq!(
+        str_at(
+            find(&docs, "Namespace", "gpu-system").unwrap(),
+            "/metadata/labels/pod-security.kubernetes.io~1enforce"
+        ),
+        "privileged"
+    );
+    // The NetworkPolicy: the given peers, on the metrics port, in the release's namespace.
+    let np = find(&docs, "NetworkPolicy", "nvdra-metrics").unwrap();
+    assert_eq!(str_at(np, "/metadata/namespace"), "gpu-system");
+    let rule = &np["spec"]["ingress"][0];
+    assert_eq!(rule["from"][1]["ipBlock"]["cidr"], "10.0.0.0/16");
+    assert_eq!(rule["from"][0]["podSelector"]["matchLabels"]["app"], "vm");
+    assert_eq!(rule["ports"][0]["port"], "metrics");
     assert_eq!(c["imagePullPolicy"], "IfNotPresent");
     assert_eq!(
         strings(&c["args"]),
@@ -589,7 +647,14 @@ fn bad_values_are_refused_naming_the_value() {
             "sharing.mps.resources=x,devicePluginConfig.sharing.mps.resources=y",
             "devicePluginConfig.sharing, not both",
         ),
-        ("image.tag=", "/image/tag"),
+        ("image.tag=latest", "/image/tag"),
+        ("image.tag=v1:x", "/image/tag"),
+        ("image.digest=sha256:abc", "/image/digest"),
+        ("image.digest=latest", "/image/digest"),
+        (
+            "metrics.networkPolicy.from[0].ipBlock.except[0]=x",
+            "/metrics/networkPolicy/from/0/ipBlock",
+        ),
         ("imageTag=v1", "imageTag"),
     ] {
         let err = template(helm, "nvdra", &["--set", set]).expect_err(set);

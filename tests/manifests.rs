@@ -203,6 +203,20 @@ fn the_plain_overlay_is_dra_without_options() {
             .iter()
             .any(|(_, r, v)| r == "nodes" && v == "patch")
     );
+    // Neither SYS_ADMIN nor the host's cgroup root without MIG and shares.
+    assert!(!mig_and_shares(&docs, "plain"));
+    // The release's version (the digest is the user's overlay's: see below).
+    let (repository, tag, digest) = assert_image(&docs, "plain");
+    assert_eq!(
+        (repository.as_str(), tag.as_str(), digest),
+        ("ghcr.io/nvdra/nvdra", env!("CARGO_PKG_VERSION"), None)
+    );
+    // The namespace at the one Pod Security level that admits what runs in it.
+    let ns = find(&docs, "Namespace", "nvdra").expect("the Namespace");
+    assert_eq!(
+        ns["metadata"]["labels"],
+        serde_json::json!({"pod-security.kubernetes.io/enforce": "privileged"})
+    );
     // Where the overlay comes from: what the tests below compare the other overlays with.
     assert_eq!(docs, kustomize(kubectl, &manifests().join("base")));
 }
@@ -293,9 +307,182 @@ fn the_node_patch_comes_only_with_the_node_labels_component() {
         env.iter()
             .any(|e| e["name"] == "NVDRA_NODE_LABELS" && e["value"] == "true")
     );
+    // With the policy that narrows the patch to this Node's own labels (tests/admission.rs
+    // evaluates it), bound, for the pod's service account.
+    let vap = find(&docs, "ValidatingAdmissionPolicy", "nvdra-node-labels").expect("its policy");
+    assert_eq!(
+        str_at(vap, "/spec/matchConditions/0/expression"),
+        "request.userInfo.username == \"system:serviceaccount:nvdra:nvdra\""
+    );
+    assert_eq!(str_at(vap, "/spec/failurePolicy"), "Fail");
+    let binding = find(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        "nvdra-node-labels",
+    )
+    .expect("the policy's binding");
+    assert_eq!(str_at(binding, "/spec/policyName"), "nvdra-node-labels");
+    assert_eq!(
+        binding["spec"]["validationActions"],
+        serde_json::json!(["Deny"])
+    );
     // And nowhere else.
     for o in ["plain", "extended-resources", "device-plugin-only"] {
-        assert!(!grants(&overlay(kubectl, o)).contains(&patch), "{o}");
+        let docs = overlay(kubectl, o);
+        assert!(!grants(&docs).contains(&patch), "{o}");
+        assert!(find(&docs, "ValidatingAdmissionPolicy", "nvdra-node-labels").is_none());
+    }
+}
+
+/// An overlay of the user's over a copy of manifests/: `kustomization` in overlays/mine.
+fn user_overlay(kubectl: &str, kustomization: &str) -> Vec<Value> {
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("manifests");
+    copy_tree(&manifests(), &copy);
+    let mine = copy.join("overlays/mine");
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::write(mine.join("kustomization.yaml"), kustomization).unwrap();
+    kustomize(kubectl, &mine)
+}
+
+#[test]
+fn sys_admin_and_the_cgroup_root_come_only_with_mig_and_shares() {
+    let Some(kubectl) = kubectl() else { return };
+    let with = |base: &str| {
+        user_overlay(
+            kubectl,
+            &format!("resources: [../{base}]\ncomponents: [../../components/mig-and-shares]\n"),
+        )
+    };
+    for base in ["plain", "device-plugin-only"] {
+        let docs = with(base);
+        assert_daemonset_contracts(&docs, base);
+        assert!(mig_and_shares(&docs, base), "{base} with mig-and-shares");
+        // Nothing else changes: the plain overlay's objects less what the component adds.
+        let mut docs = docs;
+        let c = &mut docs
+            .iter_mut()
+            .find(|d| id(d) == "DaemonSet/nvdra")
+            .unwrap()["spec"]["template"]["spec"];
+        c["volumes"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|v| v["name"] != "cgroup");
+        let c = &mut c["containers"][0];
+        c["volumeMounts"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|m| m["name"] != "cgroup");
+        let sc = c["securityContext"].as_object_mut().unwrap();
+        sc["capabilities"].as_object_mut().unwrap().remove("add");
+        sc.insert("allowPrivilegeEscalation".into(), false.into());
+        assert_eq!(
+            docs,
+            overlay(kubectl, base),
+            "{base}: more than SYS_ADMIN and the cgroup root"
+        );
+    }
+    for o in ["plain", "extended-resources", "device-plugin-only"] {
+        assert!(!mig_and_shares(&overlay(kubectl, o), o), "{o}");
+    }
+}
+
+#[test]
+fn the_metrics_network_policy_admits_the_named_scrapers_on_the_metrics_port() {
+    let Some(kubectl) = kubectl() else { return };
+    let docs = user_overlay(
+        kubectl,
+        "resources: [../plain]\ncomponents: [../../components/metrics-network-policy]\n",
+    );
+    let np = find(&docs, "NetworkPolicy", "nvdra-metrics").expect("the NetworkPolicy");
+    assert_eq!(str_at(np, "/metadata/namespace"), "nvdra");
+    // It selects nvdra's pods (not the MPS host's, which listens on nothing).
+    let ds = find(&docs, "DaemonSet", "nvdra").unwrap();
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"],
+        ds["spec"]["template"]["metadata"]["labels"]
+    );
+    assert_eq!(np["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    let [rule] = np["spec"]["ingress"].as_array().unwrap().as_slice() else {
+        panic!("one ingress rule");
+    };
+    // Only the metrics port, by the name the probes use too.
+    assert_eq!(
+        rule["ports"],
+        serde_json::json!([{"port": "metrics", "protocol": "TCP"}])
+    );
+    assert!(
+        container(&docs)["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "metrics")
+    );
+    // Named peers, each narrowed by namespace and pod: never everyone.
+    let peers = rule["from"].as_array().expect("named peers");
+    assert!(!peers.is_empty());
+    for p in peers {
+        assert!(
+            p.get("namespaceSelector").is_some() && p.get("podSelector").is_some(),
+            "{p}"
+        );
+    }
+    // Off by default.
+    for o in ["plain", "extended-resources", "device-plugin-only"] {
+        assert!(
+            find(&overlay(kubectl, o), "NetworkPolicy", "nvdra-metrics").is_none(),
+            "{o}"
+        );
+    }
+}
+
+/// The release's image pinned by digest, as the base's kustomization says: both DaemonSets run
+/// `repository:version@sha256:...`.
+#[test]
+fn an_overlay_pins_the_image_by_version_and_digest() {
+    let Some(kubectl) = kubectl() else { return };
+    let digest = format!("sha256:{}", "0123456789abcdef".repeat(4));
+    let version = env!("CARGO_PKG_VERSION");
+    let docs = user_overlay(
+        kubectl,
+        &format!(
+            "resources: [../plain]\nimages: [{{name: ghcr.io/nvdra/nvdra, newTag: \"{version}\", digest: \"{digest}\"}}]\n"
+        ),
+    );
+    assert_eq!(
+        str_at(container(&docs), "/image"),
+        format!("ghcr.io/nvdra/nvdra:{version}@{digest}")
+    );
+    let (_, tag, got) = assert_image(&docs, "digest overlay");
+    assert_eq!(
+        (tag.as_str(), got.as_deref()),
+        (version, Some(digest.as_str()))
+    );
+}
+
+/// The Containerfile's base images are pinned by digest (a tag for the reader, the digest for
+/// the pull), and .ci/image still replaces both with its local stand-ins.
+#[test]
+fn the_containerfile_pins_its_base_images_by_digest() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = read(&root.join("Containerfile"));
+    for arg in ["BUILDER", "RUNTIME"] {
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("ARG {arg}=")))
+            .unwrap_or_else(|| panic!("Containerfile: no ARG {arg}="));
+        let (name, digest) = line
+            .split_once("@sha256:")
+            .unwrap_or_else(|| panic!("Containerfile: ARG {arg}={line} is not pinned by digest"));
+        assert!(name.contains(':'), "{arg}: {name} names no tag");
+        assert!(
+            digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{arg}: {digest}"
+        );
+        assert!(
+            read(&root.join(".ci/image")).contains(&format!("--build-arg {arg}=localhost/")),
+            ".ci/image no longer passes a stand-in for {arg}"
+        );
     }
 }
 

@@ -83,6 +83,7 @@ pub fn check_typed(doc: &Value) -> Result<Vec<String>, String> {
     use k8s_openapi::api::admissionregistration::v1 as admission;
     use k8s_openapi::api::apps::v1 as apps;
     use k8s_openapi::api::core::v1 as core;
+    use k8s_openapi::api::networking::v1 as networking;
     use k8s_openapi::api::rbac::v1 as rbac;
     use k8s_openapi::api::resource::v1 as resource;
     match (str_at(doc, "/apiVersion"), str_at(doc, "/kind")) {
@@ -103,6 +104,7 @@ pub fn check_typed(doc: &Value) -> Result<Vec<String>, String> {
             round_trip::<admission::ValidatingAdmissionPolicyBinding>(doc)
         }
         ("resource.k8s.io/v1", "DeviceClass") => round_trip::<resource::DeviceClass>(doc),
+        ("networking.k8s.io/v1", "NetworkPolicy") => round_trip::<networking::NetworkPolicy>(doc),
         ("resource.k8s.io/v1", "ResourceClaim") => round_trip::<resource::ResourceClaim>(doc),
         ("resource.k8s.io/v1", "ResourceClaimTemplate") => {
             round_trip::<resource::ResourceClaimTemplate>(doc)
@@ -321,8 +323,8 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
         );
     }
     // No wider than it needs: none of the host's PID, IPC or network namespaces (only the MPS
-    // host shares the host's PIDs), not privileged, every capability dropped but SYS_ADMIN
-    // (MIG).
+    // host shares the host's PIDs), not privileged, every capability dropped, SYS_ADMIN (and
+    // the host's cgroup root) added back only for MIG and shares ([`mig_and_shares`]).
     for namespace in ["hostPID", "hostIPC", "hostNetwork"] {
         assert!(
             pod.get(namespace).is_none_or(|v| v == false),
@@ -336,12 +338,9 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
         serde_json::json!(["ALL"]),
         "{origin}"
     );
-    assert_eq!(
-        sc["capabilities"]["add"],
-        serde_json::json!(["SYS_ADMIN"]),
-        "{origin}"
-    );
+    mig_and_shares(docs, origin);
     assert_eq!(sc["readOnlyRootFilesystem"], true, "{origin}");
+    assert_image(docs, origin);
     // GPU nodes only.
     assert_eq!(
         str_at(pod, "/nodeSelector/nvidia.com~1gpu.present"),
@@ -386,6 +385,74 @@ pub fn assert_daemonset_contracts(docs: &[Value], origin: &str) {
             serde_json::json!(["Deny"])
         );
     }
+}
+
+/// Whether nvdra's container has what MIG and shares need (components/mig-and-shares, the
+/// chart's migAndShares): SYS_ADMIN and the host's cgroup root, read-only, both or neither;
+/// without them, no capability at all and no privilege escalation.
+pub fn mig_and_shares(docs: &[Value], origin: &str) -> bool {
+    let c = container(docs);
+    let sc = &c["securityContext"];
+    let cgroup = c["volumeMounts"]
+        .as_array()
+        .expect("volume mounts")
+        .iter()
+        .find(|m| m["mountPath"] == "/sys/fs/cgroup");
+    match sc["capabilities"].get("add") {
+        Some(add) => {
+            assert_eq!(add, &serde_json::json!(["SYS_ADMIN"]), "{origin}");
+            // The API server refuses allowPrivilegeEscalation: false beside SYS_ADMIN.
+            assert!(sc.get("allowPrivilegeEscalation").is_none(), "{origin}");
+            let m = cgroup.unwrap_or_else(|| panic!("{origin}: SYS_ADMIN without the cgroup root"));
+            assert_eq!(
+                m["readOnly"], true,
+                "{origin}: the cgroup root is read-only"
+            );
+            true
+        }
+        None => {
+            assert_eq!(sc["allowPrivilegeEscalation"], false, "{origin}");
+            assert!(
+                cgroup.is_none(),
+                "{origin}: the host's cgroup root without MIG and shares"
+            );
+            false
+        }
+    }
+}
+
+/// The image of both DaemonSets: one image, by version (never `latest`, never untagged), and
+/// by digest where one is given (`repository:tag@sha256:<64 hex>`). Returns (repository, tag,
+/// digest).
+pub fn assert_image(docs: &[Value], origin: &str) -> (String, String, Option<String>) {
+    let image = str_at(container(docs), "/image").to_string();
+    if let Some(host) = find(docs, "DaemonSet", "nvdra-mps-host") {
+        assert_eq!(
+            str_at(host, "/spec/template/spec/containers/0/image"),
+            image,
+            "{origin}: the MPS host runs another image"
+        );
+    }
+    let (name, digest) = match image.split_once('@') {
+        Some((name, digest)) => {
+            let hex = digest.strip_prefix("sha256:").unwrap_or("");
+            assert!(
+                hex.len() == 64
+                    && hex
+                        .bytes()
+                        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()),
+                "{origin}: {image}: not a sha256 digest"
+            );
+            (name, Some(digest.to_string()))
+        }
+        None => (image.as_str(), None),
+    };
+    let (repository, tag) = name
+        .rsplit_once(':')
+        .filter(|(_, tag)| !tag.contains('/'))
+        .unwrap_or_else(|| panic!("{origin}: {image} has no tag"));
+    assert!(!tag.is_empty() && tag != "latest", "{origin}: {image}");
+    (repository.to_string(), tag.to_string(), digest)
 }
 
 /// What the MPS host's DaemonSet must keep: replaced only on purpose (OnDelete: it ends every

@@ -32,3 +32,14 @@
 {{- define "nvdra.user" -}}
 system:serviceaccount:{{ .Release.Namespace }}:nvdra
 {{- end }}
+
+{{/* The image: repository:tag, the tag the chart's appVersion unless set, and @digest when set. */}}
+{{- define "nvdra.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- with .Values.image.digest }}@{{ . }}{{ end }}
+{{- end }}
+
+{{/* Whether nvdra's container gets SYS_ADMIN and the host's cgroup root (MIG, shares). */}}
+{{- define "nvdra.migAndShares" -}}
+{{- if or .Values.migAndShares .Values.sharedCapacity (not (eq (toString .Values.consumableShares) "")) }}true{{ end -}}
+{{- end }}

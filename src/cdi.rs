@@ -125,6 +125,7 @@ pub mod memlimit;
 mod model;
 mod names;
 mod nodes;
+pub mod toolkit;
 mod writer;
 
 pub use binary::{OciState, install_hook};

@@ -31,9 +31,37 @@ use engine::*;
 const VERSION: &str = "550.163.01";
 const LIB: &str = "usr/lib/x86_64-linux-gnu";
 
+/// The toolkit version the stand-in hooks report unless a test says otherwise: the one NVIDIA's
+/// DRA driver vendors.
+const TOOLKIT: &str = "1.19.1";
+
+/// What NVIDIA's hook binary `name` prints for `--version` (urfave/cli's
+/// `<name> version <version>` over `internal/info`'s version and commit lines).
+fn version_output(name: &str, version: &str) -> String {
+    let app = if name == "nvidia-ctk" {
+        "NVIDIA Container Toolkit CLI"
+    } else {
+        "NVIDIA CDI Hook"
+    };
+    format!("{app} version {version}\ncommit: 54af66f4ac1e3a6f3d7c0c1bc3d34a5e5c6d4f12\n")
+}
+
 /// Lays out a driver install under `root`, as the installer (or the Operator's driver container)
-/// leaves it. `hook`: the stand-in hook's path under `root` and the file its script appends to.
+/// leaves it. `hook`: the stand-in hook's path under `root` and the file its script appends to;
+/// it reports toolkit [`TOOLKIT`].
 fn driver_tree(root: &Path, hook: Option<(&str, &Path)>) -> Result<()> {
+    let name = |rel: &str| rel.rsplit('/').next().unwrap_or(rel).to_string();
+    let answer = hook.map(|(rel, _)| version_output(&name(rel), TOOLKIT));
+    driver_tree_answering(root, hook, answer.as_deref())
+}
+
+/// [`driver_tree`], with a stand-in hook that prints `answer` for `--version` (and exits 0), or
+/// records a `--version` call like any other when `answer` is `None`.
+fn driver_tree_answering(
+    root: &Path,
+    hook: Option<(&str, &Path)>,
+    answer: Option<&str>,
+) -> Result<()> {
     let file = |rel: &str, text: &str| -> Result<()> {
         let path = root.join(rel);
         std::fs::create_dir_all(path.parent().context("parent")?)?;
@@ -94,9 +122,16 @@ fn driver_tree(root: &Path, hook: Option<(&str, &Path)>) -> Result<()> {
     if let Some((rel, log)) = hook {
         // Records its arguments (the first, the binary's name, is not visible to a script) and
         // its environment; the OCI state on stdin is read and dropped.
+        let version = match answer {
+            Some(text) => {
+                format!("if [ \"$1\" = --version ]; then printf '%s' '{text}'; exit 0; fi\n")
+            }
+            None => String::new(),
+        };
         let script = format!(
-            "#!/bin/sh\ncat >/dev/null\n{{ printf 'NVIDIA_CTK_DEBUG=%s' \"$NVIDIA_CTK_DEBUG\"; \
-             for a in \"$@\"; do printf ' %s' \"$a\"; done; printf '\\n'; }} >> {}\n",
+            "#!/bin/sh\n{version}cat >/dev/null\n{{ printf 'NVIDIA_CTK_DEBUG=%s' \
+             \"$NVIDIA_CTK_DEBUG\"; for a in \"$@\"; do printf ' %s' \"$a\"; done; \
+             printf '\\n'; }} >> {}\n",
             log.display()
         );
         file(rel, &script)?;

@@ -22,7 +22,8 @@
 //!   server, `nvidia-imex` and `nvidia-imex-ctl`, first found in the bin directories.
 //! - **The hook binary**: `nvidia-cdi-hook`, else `nvidia-ctk` (whose hooks are under `hook`),
 //!   first found in the bin directories and the toolkit's `usr/local/nvidia/toolkit`, and on
-//!   GPU Operator nodes in the host's toolkit directory ([`find_hook`]).
+//!   GPU Operator nodes in the host's toolkit directory ([`find_hook`]); its toolkit version is
+//!   read by running it with `--version` ([`super::toolkit`]).
 //!
 //! - **Graphics and display** files, links and DRM nodes: see [`super::graphics`].
 //!
@@ -39,6 +40,7 @@ use super::DriverRoot;
 use super::graphics::{self, FileMount};
 use super::lookup::Symlink;
 use super::lookup::{BIN_DIRS, LIB_DIRS, matching_in, soname_link};
+use super::toolkit::{self, HookCheck};
 
 /// Where the GPU Operator's toolkit installs `nvidia-cdi-hook` and `nvidia-ctk`.
 const TOOLKIT_DIR: &str = "usr/local/nvidia/toolkit";
@@ -74,6 +76,9 @@ pub struct DriverFiles {
     pub binaries: Vec<PathBuf>,
     /// `nvidia-cdi-hook` or `nvidia-ctk`, if installed.
     pub hook: Option<PathBuf>,
+    /// The hook binary's toolkit version: below 1.17.8 or unreadable, the spec leaves out
+    /// `enable-cuda-compat` and `update-ldcache` ([`super::toolkit`]).
+    pub hook_check: HookCheck,
     /// The graphics and display files ([`super::graphics`]), each at its container path.
     pub graphics: Vec<FileMount>,
     /// What the graphics `create-symlinks` hook makes, in nvcdi's order.
@@ -140,6 +145,11 @@ pub fn discover_driver_files(root: &DriverRoot) -> DriverFiles {
         .map(|p| root.host_path(&p))
         .collect();
     files.hook = find_hook(root, Path::new("/").join(TOOLKIT_DIR).as_path());
+    files.hook_check = files
+        .hook
+        .as_ref()
+        .map(|host| toolkit::check_hook(&root.read_path(host), host))
+        .unwrap_or_default();
     if files.hook.is_none() && !NO_HOOK_LOGGED.swap(true, Ordering::Relaxed) {
         // Info, not a warning: specs without hooks work (the links are mounted instead), and
         // most nodes without NVIDIA's container toolkit are meant to be so.

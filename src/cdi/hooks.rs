@@ -13,6 +13,10 @@
 //! 4. `disable-device-node-modification` — keeps NVML and nvidia-smi from creating device nodes in
 //!    the container.
 //!
+//! Below NVIDIA Container Toolkit 1.17.8, or when the hook binary's version cannot be read,
+//! `enable-cuda-compat` and `update-ldcache` are left out (CVE-2025-23266, CVE-2025-23267;
+//! [`super::toolkit`]); the others stay.
+//!
 //! Each is a `createContainer` hook whose path is the hook binary's host path, whose first
 //! argument is the binary's name (then `hook` for `nvidia-ctk`, whose hooks are a subcommand),
 //! and whose environment is `NVIDIA_CTK_DEBUG=false`.
@@ -42,14 +46,19 @@ pub(super) fn driver_hooks(files: &DriverFiles, lib_dirs: &[String]) -> Vec<Hook
             hooks.push(hook(binary, "create-symlinks", links));
         }
     }
-    if let Some(version) = &files.version {
+    let allowed = |name: &str| files.hook_check.allows(name);
+    if let Some(version) = files
+        .version
+        .as_ref()
+        .filter(|_| allowed("enable-cuda-compat"))
+    {
         hooks.push(hook(
             binary,
             "enable-cuda-compat",
             vec![format!("--host-driver-version={version}")],
         ));
     }
-    if !lib_dirs.is_empty() {
+    if !lib_dirs.is_empty() && allowed("update-ldcache") {
         let folders = lib_dirs
             .iter()
             .flat_map(|d| ["--folder".to_string(), d.clone()])

@@ -11,7 +11,7 @@ fn full_gpu_spec_has_nodes_env_mounts_and_hook() {
     let nvml = host.file("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.163.01");
     let cuda = host.file("usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01");
     let smi = host.file("usr/bin/nvidia-smi");
-    let hook = host.file("usr/bin/nvidia-cdi-hook");
+    let hook = host.hook("usr/bin/nvidia-cdi-hook", TOOLKIT);
     let files = discover_driver_files(&host.opts.root);
     assert_eq!(files.libraries, vec![cuda.clone(), nvml.clone()]);
     assert_eq!(files.binaries, vec![smi.clone()]);

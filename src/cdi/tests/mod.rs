@@ -17,6 +17,7 @@ mod builder;
 mod inputs;
 mod names;
 mod nvidia_form;
+mod toolkit;
 mod writer;
 
 const UID: &str = "dab5ab50-1111-2222-3333-444455556666";
@@ -53,7 +54,41 @@ impl Host {
         fs::write(&path, rel).unwrap();
         path
     }
+
+    /// A stand-in hook binary at `rel` (`…/nvidia-cdi-hook` or `…/nvidia-ctk`) that answers
+    /// `--version` as NVIDIA's toolkit `version` does.
+    fn hook(&self, rel: &str, version: &str) -> PathBuf {
+        let name = rel.rsplit('/').next().unwrap();
+        self.script(
+            rel,
+            &format!("printf '%s' '{}'", version_output(name, version)),
+        )
+    }
+
+    /// An executable `/bin/sh` script at `rel` running `body`.
+    fn script(&self, rel: &str, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.root().join(rel);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
 }
+
+/// What NVIDIA's hook binary `name` prints for `--version`: urfave/cli's
+/// `<name> version <version>`, the version string of `internal/info` (the version, then a
+/// `commit:` line).
+fn version_output(name: &str, version: &str) -> String {
+    let app = match name {
+        "nvidia-ctk" => "NVIDIA Container Toolkit CLI",
+        _ => "NVIDIA CDI Hook",
+    };
+    format!("{app} version {version}\ncommit: f202b80a1b2c3d4e5f60718293a4b5c6d7e8f901\n")
+}
+
+/// The toolkit version stand-in hooks report unless a test says otherwise.
+const TOOLKIT: &str = "1.19.1";
 
 fn null_numbers() -> (i64, i64, u32) {
     let m = fs::metadata("/dev/null").unwrap();

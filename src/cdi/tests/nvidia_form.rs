@@ -57,7 +57,7 @@ fn graphics_host(gpus: &[&Gpu]) -> Host {
     // Under /etc on this host; NVIDIA mounts it at /usr/share all the same.
     host.file("etc/X11/xorg.conf.d/10-nvidia.conf");
     host.file("usr/bin/nvidia-smi");
-    host.file("usr/bin/nvidia-cdi-hook");
+    host.hook("usr/bin/nvidia-cdi-hook", TOOLKIT);
     for n in [
         "nvidiactl",
         "nvidia-uvm",
@@ -496,7 +496,7 @@ fn nothing_graphical_is_added_when_absent() {
     let host = Host::new();
     host.node("nvidia0");
     host.file(&format!("{LIB}/libcuda.so.{VERSION}"));
-    host.file("usr/bin/nvidia-cdi-hook");
+    host.hook("usr/bin/nvidia-cdi-hook", TOOLKIT);
     let files = discover_driver_files(&host.opts.root);
     assert_eq!(files.graphics, vec![]);
     assert_eq!(files.graphics_symlinks, vec![]);

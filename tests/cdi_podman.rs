@@ -464,14 +464,17 @@ fn check_prepared_by_daemon(engine: &Engine, share: bool) -> Result<()> {
     std::fs::create_dir_all(&lib)?;
     std::fs::write(lib.join("libnvidia-ml.so.550.163.01"), "fake NVML\n")?;
     std::os::unix::fs::symlink("libnvidia-ml.so.550.163.01", lib.join("libnvidia-ml.so.1"))?;
-    // A stand-in nvidia-cdi-hook that records which hook ran.
+    // A stand-in nvidia-cdi-hook that records which hook ran, of a toolkit with the fixes of
+    // 1.17.8 (as NVIDIA's `--version` prints it), so that the spec carries all four hooks.
     let hook_log = root.join("hooks.log");
     let hook = driver_root.join("usr/bin/nvidia-cdi-hook");
     std::fs::create_dir_all(hook.parent().context("parent")?)?;
     std::fs::write(
         &hook,
         format!(
-            "#!/bin/sh\ncat >/dev/null\necho \"$1\" >> {}\n",
+            "#!/bin/sh\nif [ \"$1\" = --version ]; then \
+             printf 'NVIDIA CDI Hook version 1.19.1\\ncommit: 0000000\\n'; exit 0; fi\n\
+             cat >/dev/null\necho \"$1\" >> {}\n",
             hook_log.display()
         ),
     )?;

@@ -5,12 +5,18 @@
 //! (feature `kube`) and, for tests, by `testing::MemoryClaims` (feature `testing`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use crate::api;
 use crate::driver::{Claim, PrepareClaim};
+
+/// How long [`fetch`] waits for the API server's answer: well inside the 45 s the kubelet gives
+/// a `NodePrepareResources` call, so that a server that never answers costs the claim its
+/// prepare with an error that says so, not the kubelet's whole call with a bare timeout.
+pub const READ_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Where the plugin reads the ResourceClaims the kubelet names.
 pub trait ClaimSource: Send + Sync + 'static {
@@ -71,6 +77,19 @@ pub enum Error {
         name: String,
         /// Why.
         source: api::Error,
+    },
+    /// The API server did not answer within [`READ_DEADLINE`].
+    #[error(
+        "the API server did not answer the read of resource claim {namespace}/{name} within \
+         {after:?}; the kubelet retries the prepare"
+    )]
+    Deadline {
+        /// The claim's namespace.
+        namespace: String,
+        /// The claim's name.
+        name: String,
+        /// How long it was waited for.
+        after: Duration,
     },
     /// The claim under this name is another one than the kubelet means.
     #[error(
@@ -140,13 +159,24 @@ pub fn check(claim: Claim, rc: ResourceClaim, driver: &str) -> Result<PrepareCla
     })
 }
 
-/// Reads and checks one claim.
+/// Reads and checks one claim, waiting for the read at most [`READ_DEADLINE`].
 pub async fn fetch(
     source: &dyn ClaimSource,
     claim: Claim,
     driver: &str,
 ) -> Result<PrepareClaim, Error> {
-    match source.get_claim(&claim.namespace, &claim.name).await {
+    let read = tokio::time::timeout(
+        READ_DEADLINE,
+        source.get_claim(&claim.namespace, &claim.name),
+    );
+    let Ok(read) = read.await else {
+        return Err(Error::Deadline {
+            namespace: claim.namespace,
+            name: claim.name,
+            after: READ_DEADLINE,
+        });
+    };
+    match read {
         Ok(rc) => check(claim, rc, driver),
         Err(api::Error::NotFound(_)) => Err(Error::NotFound {
             namespace: claim.namespace,
@@ -195,6 +225,56 @@ mod tests {
             .map(|r| (r.request.as_str(), r.device.as_str()))
             .collect();
         assert_eq!(devices, vec![("fpga/small", "fpga-0")]);
+    }
+
+    /// An API server that answers the reads of `answered` and never those of any other claim.
+    struct Silent {
+        answered: MemoryClaims,
+        hang: &'static str,
+    }
+
+    impl ClaimSource for Silent {
+        fn get_claim<'a>(
+            &'a self,
+            namespace: &'a str,
+            name: &'a str,
+        ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
+            if name == self.hang {
+                return Box::pin(futures::future::pending());
+            }
+            self.answered.get_claim(namespace, name)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_read_never_answered_fails_its_claim_alone_at_the_deadline() {
+        let answered = MemoryClaims::default();
+        answered.insert(allocated_claim(
+            "ns",
+            "fine",
+            "u1",
+            vec![allocated_device("fpga", DRIVER, "node-a", "fpga-0")],
+        ));
+        let api = Silent {
+            answered,
+            hang: "silent",
+        };
+        let start = tokio::time::Instant::now();
+        // Read together, as `serve` reads a call's claims.
+        let (silent, fine) = futures::future::join(
+            fetch(&api, Claim::new("ns", "silent", "u2"), DRIVER),
+            fetch(&api, Claim::new("ns", "fine", "u1"), DRIVER),
+        )
+        .await;
+        assert_eq!(start.elapsed(), READ_DEADLINE);
+        assert_eq!(fine.unwrap().results.len(), 1);
+        let e = silent.unwrap_err();
+        assert!(matches!(e, Error::Deadline { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "the API server did not answer the read of resource claim ns/silent within 10s; the \
+             kubelet retries the prepare"
+        );
     }
 
     #[tokio::test]

@@ -288,12 +288,10 @@ impl Plugin {
             .pods
             .first()
             .ok_or_else(|| unknown("the claim is reserved for no pod".into()))?;
-        let read = self
-            .inner
-            .api
-            .get_pod(&claim.namespace, &pod.name)
+        let what = format!("pod {}/{}", claim.namespace, pod.name);
+        let read = api_read(&what, self.inner.api.get_pod(&claim.namespace, &pod.name))
             .await
-            .map_err(|e| unknown(format!("reading pod {}/{}: {e}", claim.namespace, pod.name)))?;
+            .map_err(unknown)?;
         if read.metadata.uid.as_deref() != Some(pod.uid.as_str()) {
             return Err(unknown(format!(
                 "pod {}/{} is not the one the claim is reserved for (UID {}, reserved for {})",
@@ -324,17 +322,15 @@ impl Plugin {
         let Some(share) = plan.devices.iter().find(|d| is_share(d)) else {
             return Ok(plan);
         };
-        let read = self
-            .inner
-            .api
-            .get_namespace(&claim.namespace)
+        let what = format!("namespace {}", claim.namespace);
+        let read = api_read(&what, self.inner.api.get_namespace(&claim.namespace))
             .await
-            .map_err(|e| ClaimError::ShareDomainUnknown {
+            .map_err(|reason| ClaimError::ShareDomainUnknown {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
                 device: share.device.to_string(),
                 rule: rule.to_string(),
-                reason: format!("reading namespace {}: {e}", claim.namespace),
+                reason,
             })?;
         plan.trust_label = read
             .metadata
@@ -368,6 +364,28 @@ impl Plugin {
         self.rollback(uid, &entry.devices).await?;
         tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
         Ok(())
+    }
+}
+
+/// How long a prepare waits for one API read of its own (a pod, a namespace): as long as the
+/// claim's read waits ([`kubelet_plugin::claims::READ_DEADLINE`], inside the kubelet-plugin
+/// library's `fetch`), well inside the kubelet's 45 s. A prepare runs in the node's one turn, so
+/// a read that never ends would hold every later prepare; per call rather than as the kube
+/// client's `read_timeout`, which would also cut the slice and DeviceClass watches.
+pub(super) const API_READ_DEADLINE: std::time::Duration = kubelet_plugin::claims::READ_DEADLINE;
+
+/// Reads `what` through `read`, given up after [`API_READ_DEADLINE`]; the error names `what`.
+async fn api_read<T>(
+    what: &str,
+    read: impl Future<Output = crate::api::Result<T>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(API_READ_DEADLINE, read).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("reading {what}: {e}")),
+        Err(_) => Err(format!(
+            "the API server did not answer the read of {what} within {API_READ_DEADLINE:?}; the \
+             kubelet retries the prepare"
+        )),
     }
 }
 

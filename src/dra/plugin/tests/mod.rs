@@ -29,6 +29,15 @@ struct FakeApi {
     gets: AtomicUsize,
     /// Namespace GETs (`--share-trust-domain=label:<key>`).
     namespace_gets: AtomicUsize,
+    /// Reads never answered: `claim <ns>/<name>`, `pod <ns>/<name>`, `namespace <name>`.
+    silent: Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl FakeApi {
+    /// Whether the read of `what` is never answered.
+    fn silent(&self, what: String) -> bool {
+        lock(&self.silent).contains(&what)
+    }
 }
 
 impl api::ClaimSource for FakeApi {
@@ -38,6 +47,9 @@ impl api::ClaimSource for FakeApi {
         name: &'a str,
     ) -> BoxFuture<'a, api::Result<ResourceClaim>> {
         self.gets.fetch_add(1, Ordering::SeqCst);
+        if self.silent(format!("claim {ns}/{name}")) {
+            return Box::pin(futures::future::pending());
+        }
         let r = lock(&self.claims)
             .get(&(ns.to_string(), name.to_string()))
             .cloned()
@@ -52,6 +64,9 @@ impl ClaimReader for FakeApi {
         ns: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Pod>> {
+        if self.silent(format!("pod {ns}/{name}")) {
+            return Box::pin(futures::future::pending());
+        }
         let r = lock(&self.pods)
             .get(&(ns.to_string(), name.to_string()))
             .cloned()
@@ -64,6 +79,9 @@ impl ClaimReader for FakeApi {
         name: &'a str,
     ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Namespace>> {
         self.namespace_gets.fetch_add(1, Ordering::SeqCst);
+        if self.silent(format!("namespace {name}")) {
+            return Box::pin(futures::future::pending());
+        }
         let r = lock(&self.namespaces)
             .get(name)
             .cloned()
@@ -792,6 +810,7 @@ async fn outcomes_are_counted_in_metrics() {
 }
 
 mod admin_access;
+mod api_deadlines;
 mod deadlines;
 mod dynamic_mig;
 mod enforce;

@@ -626,7 +626,7 @@ async fn a_burstable_share_is_soft_at_what_it_consumes_and_hard_at_its_burst() {
 
 /// A pod `name` (UID `pod-<name>`) whose containers run as `users` (`None`: no runAsUser), the
 /// pod itself as `pod_user`.
-fn pod(
+pub(super) fn pod(
     name: &str,
     pod_user: Option<i64>,
     users: &[Option<i64>],
@@ -666,7 +666,7 @@ fn pod(
 
 impl Env {
     /// Adds `pod` and a share claim `uid` of `memory` of `device` reserved for it.
-    fn add_share_for(
+    pub(super) fn add_share_for(
         &self,
         uid: &str,
         device: &str,

@@ -372,6 +372,164 @@ fn without_a_hook_binary_the_soname_links_are_mounted_instead() -> Result<()> {
     Ok(())
 }
 
+/// NVIDIA's hooks less `enable-cuda-compat` and `update-ldcache`: what a spec carries below
+/// toolkit 1.17.8 or with its version unreadable.
+fn floor_hooks(path: &str, binary: &str) -> Vec<Hook> {
+    nvidia_hooks(path, binary)
+        .into_iter()
+        .filter(|h| {
+            !h.args
+                .iter()
+                .any(|a| a == "enable-cuda-compat" || a == "update-ldcache")
+        })
+        .collect()
+}
+
+/// The spec-wide hooks of the claim spec and of the device-plugin spec (one builder, two
+/// callers) for the driver root `root`.
+fn both_paths_hooks(root: &DriverRoot) -> Result<[Vec<Hook>; 2]> {
+    let (_, claim) = spec_for(root)?;
+    let opts = nvdra::deviceplugin::cdi::options("gpu.nvidia.com", root)?;
+    let files = cdi::discover_driver_files(root);
+    let inv = load_profile("dgx-h100", "n")?;
+    let plugin =
+        nvdra::deviceplugin::cdi::spec(&opts, &inv, nvdra::deviceplugin::IdStrategy::Uuid, &files)?;
+    Ok([claim.container_edits.hooks, plugin.container_edits.hooks])
+}
+
+/// Stand-in hook binaries reporting versions on both sides of the fix: at 1.17.8 and later both
+/// specs carry NVIDIA's four hooks, below it neither carries `enable-cuda-compat` or
+/// `update-ldcache`, and the hooks that stay are NVIDIA's, unchanged.
+#[test]
+fn both_specs_carry_the_guarded_hooks_only_from_toolkit_1_17_8() -> Result<()> {
+    for (binary, rel) in [
+        ("nvidia-cdi-hook", "usr/bin/nvidia-cdi-hook"),
+        ("nvidia-ctk", "usr/local/nvidia/toolkit/nvidia-ctk"),
+    ] {
+        for (version, fixed) in [
+            ("1.17.7", false),
+            ("1.17.8", true),
+            ("1.18.0", true),
+            ("1.19.0", true),
+            ("1.19.1", true),
+        ] {
+            let tmp = tempfile::tempdir()?;
+            let root = tmp.path();
+            let answer = version_output(binary, version);
+            driver_tree_answering(root, Some((rel, &root.join("log"))), Some(&answer))?;
+            let path = root.join(rel).display().to_string();
+            let expected = if fixed {
+                nvidia_hooks(&path, binary)
+            } else {
+                floor_hooks(&path, binary)
+            };
+            let [claim, plugin] = both_paths_hooks(&DriverRoot::at(root))?;
+            assert_eq!(claim, expected, "claim spec, {binary} {version}");
+            assert_eq!(plugin, expected, "device-plugin spec, {binary} {version}");
+            // `--version` was answered, not run as a hook.
+            ensure!(
+                !root.join("log").exists(),
+                "{binary} {version} logged a hook"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A hook binary whose version nvdra cannot read is treated as below 1.17.8: one that prints
+/// garbage, one built without a version, one that hangs (killed at the 5 s deadline), one that
+/// floods its output (killed at 64 KiB), one that is not executable.
+#[test]
+fn an_unreadable_toolkit_version_counts_as_below_the_fix() -> Result<()> {
+    let garbage = "nvidia-cdi-hook: unknown flag --version\n".to_string();
+    let unknown = version_output("nvidia-cdi-hook", "unknown");
+    for (what, prelude) in [
+        ("garbage", format!("printf '%s' '{garbage}'; exit 0")),
+        ("no version", format!("printf '%s' '{unknown}'; exit 0")),
+        ("hung", "exec sleep 600".to_string()),
+        (
+            "flood",
+            "exec yes 'NVIDIA CDI Hook version 1.19.1'".to_string(),
+        ),
+        ("not executable", String::new()),
+    ] {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path();
+        driver_tree_answering(root, None, None)?;
+        let hook = root.join("usr/bin/nvidia-cdi-hook");
+        std::fs::write(
+            &hook,
+            format!("#!/bin/sh\nif [ \"$1\" = --version ]; then {prelude}; fi\nexit 0\n"),
+        )?;
+        let mode = if what == "not executable" {
+            0o644
+        } else {
+            0o755
+        };
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(mode))?;
+        let path = hook.display().to_string();
+        let [claim, plugin] = both_paths_hooks(&DriverRoot::at(root))?;
+        assert_eq!(claim, floor_hooks(&path, "nvidia-cdi-hook"), "{what}");
+        assert_eq!(plugin, floor_hooks(&path, "nvidia-cdi-hook"), "{what}");
+    }
+    Ok(())
+}
+
+/// The GPU Operator (toolkit 1.17.x to 1.19.x) installs `nvidia-cdi-hook` in the host's
+/// `/usr/local/nvidia/toolkit` as a `/bin/sh` wrapper that runs `nvidia-cdi-hook.real`; nvdra
+/// (whose image has no shell) reads the version from the `.real` binary, and the spec names the
+/// wrapper, as NVIDIA's specs on those nodes do.
+#[test]
+fn the_operators_wrapper_is_read_through_its_real_binary() -> Result<()> {
+    for (version, fixed) in [("1.17.7", false), ("1.17.8", true)] {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path();
+        driver_tree_answering(root, None, None)?;
+        let dir = root.join("usr/local/nvidia/toolkit");
+        std::fs::create_dir_all(&dir)?;
+        // NVIDIA's wrapper (cmd/nvidia-ctk-installer/toolkit/installer/executables.go), its
+        // host paths absent here: run itself, it would fail.
+        let wrapper = dir.join("nvidia-cdi-hook");
+        std::fs::write(
+            &wrapper,
+            "#! /bin/sh\nPATH=/usr/local/nvidia/toolkit:$PATH \\\n\t\
+             /usr/local/nvidia/toolkit/nvidia-cdi-hook.real \\\n\t\t\"$@\"\n",
+        )?;
+        let real = dir.join("nvidia-cdi-hook.real");
+        std::fs::write(
+            &real,
+            format!(
+                "#!/bin/sh\nprintf '%s' '{}'\n",
+                version_output("nvidia-cdi-hook", version)
+            ),
+        )?;
+        for f in [&wrapper, &real] {
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755))?;
+        }
+        let path = wrapper.display().to_string();
+        let expected = if fixed {
+            nvidia_hooks(&path, "nvidia-cdi-hook")
+        } else {
+            floor_hooks(&path, "nvidia-cdi-hook")
+        };
+        let [claim, plugin] = both_paths_hooks(&DriverRoot::at(root))?;
+        assert_eq!(claim, expected, "{version}");
+        assert_eq!(plugin, expected, "{version}");
+    }
+    Ok(())
+}
+
+/// podman runs a spec written for toolkit 1.17.7: only `create-symlinks` and
+/// `disable-device-node-modification` run.
+#[test]
+fn podman_runs_only_the_floors_hooks_below_1_17_8() {
+    with_engine(|engine| {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path().join("host");
+        check_hooks_run_on(engine, &root, &DriverRoot::at(&root), tmp.path(), "1.17.7")
+    });
+}
+
 #[test]
 fn podman_runs_every_hook_on_a_host_install() {
     with_engine(|engine| {
@@ -401,8 +559,21 @@ fn podman_runs_every_hook_in_the_operator_layout() {
 /// container with it: every hook ran once, in NVIDIA's order, with NVIDIA's arguments, and the
 /// container sees the GPU, the libraries, firmware, socket and binaries at their paths.
 fn check_hooks_run(engine: &Engine, tree: &Path, root: &DriverRoot, tmp: &Path) -> Result<()> {
+    check_hooks_run_on(engine, tree, root, tmp, TOOLKIT)
+}
+
+/// [`check_hooks_run`] with a hook binary of toolkit `toolkit`: below 1.17.8 only the hooks
+/// of [`floor_hooks`] run.
+fn check_hooks_run_on(
+    engine: &Engine,
+    tree: &Path,
+    root: &DriverRoot,
+    tmp: &Path,
+    toolkit: &str,
+) -> Result<()> {
     let log = tmp.join("hook.log");
-    driver_tree(tree, Some(("usr/bin/nvidia-cdi-hook", &log)))?;
+    let answer = version_output("nvidia-cdi-hook", toolkit);
+    driver_tree_answering(tree, Some(("usr/bin/nvidia-cdi-hook", &log)), Some(&answer))?;
     let device = gpu0()?;
     let minor = device.gpu.minor;
     for node in [format!("dev/nvidia{minor}"), "dev/nvidiactl".into()] {
@@ -433,8 +604,18 @@ fn check_hooks_run(engine: &Engine, tree: &Path, root: &DriverRoot, tmp: &Path) 
     );
 
     let ran = std::fs::read_to_string(&log).context("the stand-in hook never ran")?;
-    let hook_path = root.host().join("usr/bin/nvidia-cdi-hook");
-    let expected: Vec<String> = nvidia_hooks(&hook_path.display().to_string(), "nvidia-cdi-hook")
+    let hook_path = root
+        .host()
+        .join("usr/bin/nvidia-cdi-hook")
+        .display()
+        .to_string();
+    let fixed = nvdra::cdi::toolkit::ToolkitVersion::parse(toolkit).is_some_and(|v| v.is_fixed());
+    let hooks = if fixed {
+        nvidia_hooks(&hook_path, "nvidia-cdi-hook")
+    } else {
+        floor_hooks(&hook_path, "nvidia-cdi-hook")
+    };
+    let expected: Vec<String> = hooks
         .iter()
         .map(|h| format!("{} {}", h.env[0], h.args[1..].join(" ")))
         .collect();

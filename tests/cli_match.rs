@@ -13,6 +13,11 @@ use serde_json::Value;
 use support::apiserver::TestApiServer;
 
 fn nvdra(args: &[&str]) -> Output {
+    nvdra_with(args, &[])
+}
+
+/// [`nvdra`] with `env` set.
+fn nvdra_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nvdra"));
     cmd.args(args).current_dir(env!("CARGO_MANIFEST_DIR"));
     for var in [
@@ -29,10 +34,12 @@ fn nvdra(args: &[&str]) -> Output {
         "CONSUMABLE_SHARES",
         "NVDRA_DYNAMIC_MIG",
         "NVDRA_MIG_PROFILES",
+        "NVDRA_SHARE_TRUST_DOMAIN",
     ] {
         cmd.env_remove(var);
     }
     cmd.env("NODE_NAME", "node-a");
+    cmd.envs(env.iter().copied());
     cmd.output().expect("run nvdra")
 }
 
@@ -1312,4 +1319,117 @@ fn a_withdrawn_placement_is_explained_naming_its_holder() {
         "{}",
         stdout(&free)
     );
+}
+
+/// `--share-trust-domain`: a share on a GPU that a claim of another trust domain holds is
+/// rejected, the reason naming the holder, both domains and the rule (the scheduler, which does
+/// not know the rule, may still allocate it; prepare refuses it); the same namespace, or the
+/// same value of the rule's Namespace label (Namespaces given with -f), fits; without the rule
+/// namespaces share as before. The rule comes from the flag, its env name or the config file.
+#[test]
+fn a_share_beside_another_trust_domain_is_rejected_naming_the_holder_and_the_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let holder = "status:\n  allocation:\n    devices:\n      results:\n      - {request: gpu, driver: gpu.nvidia.com, pool: node-a, device: gpu-0, shareID: 1f0c7e2a-8a5b-4c41-9d4e-3b2f1a0c9d8e, consumedCapacity: {memory: 24Gi, multiprocessors: \"0\"}}\n";
+    let in_ns = |name: &str, ns: &str, status: &str| {
+        on_gpu0(name, "gpu.nvidia.com", "{memory: 16Gi}", status).replace(
+            &format!("metadata: {{name: {name}}}"),
+            &format!("metadata: {{name: {name}, namespace: {ns}}}"),
+        )
+    };
+    let namespaces = "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-a, labels: {team: blue}}\n---\napiVersion: v1\nkind: NamespaceList\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: team-b, labels: {team: blue}}}\n- {apiVersion: v1, kind: Namespace, metadata: {name: team-c, labels: {team: red}}}\n";
+    let file = dir.path().join("claims.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "{namespaces}{}{}{}{}",
+            in_ns("running", "team-a", holder),
+            in_ns("mine", "team-a", ""),
+            in_ns("blue", "team-b", ""),
+            in_ns("red", "team-c", ""),
+        ),
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let base = [
+        "match",
+        "-f",
+        f,
+        "--profile",
+        "dgx-h100",
+        "--shared-capacity",
+        "-o",
+        "json",
+    ];
+    let run = |extra: &[&str], env: &[(&str, &str)]| -> Value {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        json(&nvdra_with(&args, env))
+    };
+    let fits = |v: &Value, claim: &str| -> bool {
+        let c = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == claim)
+            .unwrap();
+        c["satisfiable"].as_bool().unwrap()
+    };
+    let reason = |v: &Value, claim: &str| -> String {
+        let c = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == claim)
+            .unwrap();
+        c["requests"][0]["rejected"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["device"] == "gpu-0")
+            .unwrap_or_else(|| panic!("gpu-0 fits {claim}: {c}"))["reason"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+
+    // Off (the default): every namespace shares gpu-0.
+    let v = run(&[], &[]);
+    for claim in ["mine", "blue", "red"] {
+        assert!(fits(&v, claim), "{claim}: {v}");
+    }
+
+    // namespace: only team-a's own claim fits beside team-a's share; the others say why.
+    let v = run(&["--share-trust-domain=namespace"], &[]);
+    assert!(fits(&v, "mine"), "{v}");
+    assert!(!fits(&v, "blue"), "{v}");
+    assert_eq!(
+        reason(&v, "blue"),
+        "refused at prepare: claim team-a/running of namespace team-a holds a share of it, and \
+         the node keeps a GPU's shares within one trust domain (--share-trust-domain=namespace); \
+         this claim is of namespace team-b"
+    );
+
+    // label:team (from the environment): team-b has team-a's value, team-c another.
+    let v = run(&[], &[("NVDRA_SHARE_TRUST_DOMAIN", "label:team")]);
+    assert!(fits(&v, "mine") && fits(&v, "blue"), "{v}");
+    assert!(!fits(&v, "red"), "{v}");
+    let why = reason(&v, "red");
+    assert!(
+        why.contains("claim team-a/running of team=blue (namespace team-a)")
+            && why.contains("(--share-trust-domain=label:team)")
+            && why.contains("this claim is of team=red (namespace team-c)"),
+        "{why}"
+    );
+
+    // From the config file; and a bad rule there is bad input naming the key.
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, "version: v1\nshareTrustDomain: namespace\n").unwrap();
+    let c = config.to_str().unwrap();
+    let v = run(&[], &[("NVDRA_CONFIG", c)]);
+    assert!(!fits(&v, "blue"), "{v}");
+    std::fs::write(&config, "version: v1\nshareTrustDomain: tenants\n").unwrap();
+    let args: Vec<&str> = base.to_vec();
+    let out = nvdra_with(&args, &[("NVDRA_CONFIG", c)]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("shareTrustDomain"), "{err}");
 }

@@ -143,6 +143,15 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
                 Err(e) => return bad_input(e),
             }
         };
+    // The node's --share-trust-domain (flag, env or the --config file), applied as prepare would.
+    let rule = match share_trust_domain(cli, args) {
+        Ok(r) => r,
+        Err(e) => return bad_input(e),
+    };
+    let trust = matching::Trust {
+        rule,
+        namespace_labels: std::mem::take(&mut objects.namespace_labels),
+    };
     let env = crate::cel::Environment::new();
     let result = matching::compile_classes(&objects.classes).and_then(|classes| {
         let mut reports = Vec::new();
@@ -153,7 +162,9 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
                 &withdrawn.pool,
                 std::mem::take(&mut withdrawn.devices),
             )?;
-            for mut r in matching::explain_all(&env, &objects.claims, &classes, &devices)? {
+            for mut r in
+                matching::explain_all_on(&env, &objects.claims, &classes, &devices, trust.clone())?
+            {
                 if !node.is_empty() {
                     r.node = Some(node.clone());
                 }
@@ -188,6 +199,25 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// `--share-trust-domain` for `match`: the flag or its env name, else the `--config` file's
+/// `shareTrustDomain`, else off.
+fn share_trust_domain(
+    cli: &Cli,
+    args: &MatchArgs,
+) -> Result<crate::sharing::trust::TrustDomain, crate::config::Error> {
+    if let Some(rule) = &args.plugin.share_trust_domain {
+        return Ok(rule.clone());
+    }
+    let file = cli
+        .config
+        .as_deref()
+        .map(crate::config::FileConfig::load)
+        .transpose()?;
+    Ok(file
+        .and_then(|f| f.settings.plugin.share_trust_domain)
+        .unwrap_or_default())
 }
 
 /// The cluster's ResourceSlices (of `node`, when named) and DeviceClasses, read only.

@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::AllocationResult;
 
 use super::{Amounts, Candidate, Node, Pick, format_milli, parse_milli, qualify};
+use crate::sharing::trust::{Member, TrustDomain, TrustLabel};
 
 /// Why a device cannot take one more allocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,19 +38,50 @@ pub(super) struct Busy {
 /// The devices of a node that claims hold, and how much of each.
 #[derive(Debug, Default, Clone)]
 pub struct Held {
-    /// Per device (index into [`Node::devices`]): each holding claim and the capacity it
-    /// consumes (by the capacity's name in the device, in thousandths; empty for an exclusive
-    /// device).
-    by_device: BTreeMap<usize, Vec<(String, Amounts)>>,
+    /// Per device (index into [`Node::devices`]): each holding claim, its namespace and the
+    /// capacity it consumes (by the capacity's name in the device, in thousandths; empty for an
+    /// exclusive device).
+    by_device: BTreeMap<usize, Vec<(String, String, Amounts)>>,
+    /// The node's `--share-trust-domain`, which the scheduler does not know and prepare applies.
+    trust: Trust,
+}
+
+/// `--share-trust-domain` as `nvdra match` applies it: the rule, and the namespaces' labels it
+/// reads (from `kind: Namespace` objects given with `-f`; a namespace not given has none).
+#[derive(Debug, Default, Clone)]
+pub struct Trust {
+    pub rule: TrustDomain,
+    pub namespace_labels: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl Trust {
+    /// The label of `namespace` the rule compares, if it has it.
+    fn label(&self, namespace: &str) -> Option<TrustLabel> {
+        let key = self.rule.label_key()?;
+        let value = self.namespace_labels.get(namespace)?.get(key)?;
+        Some(TrustLabel {
+            key: key.to_string(),
+            value: value.clone(),
+        })
+    }
 }
 
 impl Held {
-    /// Records that `claim` holds device `d`, consuming `consumed` of it.
-    pub fn hold(&mut self, d: usize, claim: &str, consumed: Amounts) {
-        self.by_device
-            .entry(d)
-            .or_default()
-            .push((claim.to_string(), consumed));
+    /// Nothing held, on a node with `trust`.
+    pub fn with_trust(trust: Trust) -> Self {
+        Self {
+            by_device: BTreeMap::new(),
+            trust,
+        }
+    }
+
+    /// Records that `claim` of `namespace` holds device `d`, consuming `consumed` of it.
+    pub fn hold(&mut self, d: usize, claim: &str, namespace: &str, consumed: Amounts) {
+        self.by_device.entry(d).or_default().push((
+            claim.to_string(),
+            namespace.to_string(),
+            consumed,
+        ));
     }
 
     /// Records an allocated claim's results; the devices it names that the node does not have
@@ -58,6 +90,7 @@ impl Held {
         &mut self,
         node: &Node,
         claim: &str,
+        namespace: &str,
         allocation: &AllocationResult,
     ) -> (Vec<Pick>, Vec<String>) {
         let mut found = Vec::new();
@@ -110,7 +143,7 @@ impl Held {
                 });
                 continue;
             }
-            self.hold(d, claim, consumed.clone());
+            self.hold(d, claim, namespace, consumed.clone());
             found.push(Pick {
                 request: r.request.clone(),
                 device: d,
@@ -129,7 +162,7 @@ impl Held {
     /// The claims that hold device `d`, in the order they took it.
     pub(super) fn holders(&self, d: usize) -> Vec<&str> {
         let mut out: Vec<&str> = Vec::new();
-        for (c, _) in self.by_device.get(&d).into_iter().flatten() {
+        for (c, _, _) in self.by_device.get(&d).into_iter().flatten() {
             if !out.contains(&c.as_str()) {
                 out.push(c);
             }
@@ -140,7 +173,7 @@ impl Held {
     /// What the holders of device `d` consume together, by capacity name.
     pub(super) fn consumed(&self, d: usize) -> Amounts {
         let mut out = BTreeMap::new();
-        for (_, c) in self.by_device.get(&d).into_iter().flatten() {
+        for (_, _, c) in self.by_device.get(&d).into_iter().flatten() {
             for (k, v) in c {
                 *out.entry(k.clone()).or_default() += v;
             }
@@ -166,15 +199,17 @@ impl Held {
         out
     }
 
-    /// Why device `d` cannot take one more allocation consuming `want` (by capacity name);
-    /// `None` when it can. With `admin` (an admin-access request), a device held whole is free
-    /// and counters are neither needed nor drawn; a shared device's capacity left still counts.
+    /// Why device `d` cannot take one more allocation consuming `want` (by capacity name) for a
+    /// claim of `namespace`; `None` when it can. With `admin` (an admin-access request), a
+    /// device held whole is free and counters are neither needed nor drawn; a shared device's
+    /// capacity left still counts.
     pub(super) fn why_not(
         &self,
         node: &Node,
         d: usize,
         want: &Amounts,
         admin: bool,
+        namespace: &str,
     ) -> Option<Busy> {
         let dev = &node.devices[d];
         if self.is_held(d) {
@@ -185,6 +220,12 @@ impl Held {
                 return Some(Busy {
                     reason: format!("allocated to {}", claims(&self.holders(d))),
                     in_use: true,
+                });
+            }
+            if !admin && let Some(reason) = self.other_domain(d, namespace) {
+                return Some(Busy {
+                    reason,
+                    in_use: false,
                 });
             }
             let used = self.consumed(d);
@@ -258,6 +299,43 @@ impl Held {
             }
         }
         None
+    }
+}
+
+impl Held {
+    /// Why a share of shared device `d` for a claim of `namespace` would be refused at prepare
+    /// under the node's trust-domain rule: the first holder of another domain, named with both
+    /// domains and the rule. The scheduler, which does not know the rule, may still allocate it.
+    fn other_domain(&self, d: usize, namespace: &str) -> Option<String> {
+        let rule = &self.trust.rule;
+        if !rule.enabled() {
+            return None;
+        }
+        let mine = self.trust.label(namespace);
+        let me = Member {
+            namespace,
+            label: mine.as_ref(),
+        };
+        self.by_device
+            .get(&d)
+            .into_iter()
+            .flatten()
+            .find_map(|(claim, ns, _)| {
+                let theirs = self.trust.label(ns);
+                let them = Member {
+                    namespace: ns,
+                    label: theirs.as_ref(),
+                };
+                (!rule.admits(me, them)).then(|| {
+                    format!(
+                        "refused at prepare: claim {ns}/{claim} of {} holds a share of it, and \
+                         the node keeps a GPU's shares within one trust domain \
+                         (--share-trust-domain={rule}); this claim is of {}",
+                        rule.describe(them),
+                        rule.describe(me)
+                    )
+                })
+            })
     }
 }
 

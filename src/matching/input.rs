@@ -92,6 +92,14 @@ pub struct ClaimInput {
     pub allocation: Option<AllocationResult>,
 }
 
+impl ClaimInput {
+    /// Its namespace; `default` where it names none, as `kubectl apply` would put it with the
+    /// default context.
+    pub fn namespace(&self) -> &str {
+        self.namespace.as_deref().unwrap_or("default")
+    }
+}
+
 /// Everything read from the `-f` files (and `--slices`).
 #[derive(Debug, Default)]
 pub struct Objects {
@@ -100,6 +108,10 @@ pub struct Objects {
     pub slices: Vec<ResourceSlice>,
     /// Workloads whose pods name ResourceClaimTemplates ([`expand_workloads`]).
     pub workloads: Vec<Workload>,
+    /// Namespaces' labels, by name (`kind: Namespace`, as `kubectl get namespace -o yaml`
+    /// prints them): what `--share-trust-domain=label:<key>` compares.
+    pub namespace_labels:
+        std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>,
 }
 
 /// A workload whose pods name ResourceClaimTemplates: each of its `pods` gets a claim from each.
@@ -304,6 +316,7 @@ fn read_value(
         .to_string();
     match kind.as_str() {
         "List"
+        | "NamespaceList"
         | "DeviceClassList"
         | "ResourceSliceList"
         | "ResourceClaimList"
@@ -342,6 +355,11 @@ fn read_value(
             });
         }
         "ResourceSlice" => out.slices.push(typed(value, origin, &kind, &name)?),
+        "Namespace" => {
+            let ns: k8s_openapi::api::core::v1::Namespace = typed(value, origin, &kind, &name)?;
+            out.namespace_labels
+                .insert(name, ns.metadata.labels.unwrap_or_default());
+        }
         // Other objects users keep beside their claims (RBAC, a kustomize build's everything)
         // are not ours to read: skipped, but for the templates a workload's pods name. A
         // document without a kind or apiVersion is not a Kubernetes object at all.

@@ -49,7 +49,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::cel::{Environment, Selector};
-pub use held::Held;
+pub use held::{Held, Trust};
 pub use input::{ClaimInput, FieldError, InputError, Objects, Origin};
 pub use node::{Candidate, CounterSet, Node, WithdrawnCandidate};
 pub use report::{ClaimReport, RequestReport, render_table};
@@ -237,11 +237,23 @@ pub fn explain_all(
     classes: &BTreeMap<String, Class>,
     node: &Node,
 ) -> Result<Vec<ClaimReport>, InputError> {
-    let mut held = Held::default();
+    explain_all_on(env, claims, classes, node, Trust::default())
+}
+
+/// [`explain_all`] on a node with `--share-trust-domain` ([`Trust`]): a shared device that a
+/// claim of another trust domain holds is rejected for a share, with the holder and the rule.
+pub fn explain_all_on(
+    env: &Environment,
+    claims: &[ClaimInput],
+    classes: &BTreeMap<String, Class>,
+    node: &Node,
+    trust: Trust,
+) -> Result<Vec<ClaimReport>, InputError> {
+    let mut held = Held::with_trust(trust);
     let mut reports: Vec<Option<ClaimReport>> = claims.iter().map(|_| None).collect();
     for (i, c) in claims.iter().enumerate() {
         if let Some(a) = &c.allocation {
-            let (found, missing) = held.hold_allocation(node, &c.name, a);
+            let (found, missing) = held.hold_allocation(node, &c.name, c.namespace(), a);
             let mut report = report::allocated(c, node, found.clone(), missing);
             let configs = crate::sharing::from_allocation(a);
             burst::annotate(&mut report, &found, c, classes, node, Some(configs));
@@ -254,7 +266,7 @@ pub fn explain_all(
         }
         let (report, picks) = explain_on(env, c, classes, node, &held)?;
         for p in picks.into_iter().flatten().filter(|p| !p.admin) {
-            held.hold(p.device, &c.name, p.consumed);
+            held.hold(p.device, &c.name, c.namespace(), p.consumed);
         }
         reports[i] = Some(report);
     }
@@ -416,7 +428,7 @@ fn explain_on(
                         continue;
                     }
                 };
-                match held.why_not(node, d, &c, admin) {
+                match held.why_not(node, d, &c, admin, claim.namespace()) {
                     None => {
                         fits.push(d);
                         consumes.insert(d, c);

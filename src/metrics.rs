@@ -191,10 +191,29 @@ impl Metrics {
                         .collect()
                 })
                 .unwrap_or_default(),
+            cdi_hook: cdi_hook_row(),
             scrape: self.source.get().map(|s| s.scrape()),
         };
         encode(snapshot)
     }
+}
+
+/// The CDI hook binary discovery found last and the hooks left out for it.
+fn cdi_hook_row() -> Option<families::HookBinaryRow> {
+    let (path, check) = crate::cdi::toolkit::last_check()?;
+    let reason = check.left_out_reason();
+    Some(families::HookBinaryRow {
+        path: path.display().to_string(),
+        version: check.version_label(),
+        left_out: reason
+            .map(|r| {
+                crate::cdi::toolkit::GUARDED_HOOKS
+                    .iter()
+                    .map(|h| (*h, r.clone()))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    })
 }
 
 /// The `reason` label of `nvdra_mig_switch_blocked`.

@@ -101,6 +101,18 @@ pub struct ShareRow {
     pub level: String,
 }
 
+/// The hook binary nvdra names in CDI specs (`nvidia-cdi-hook` or `nvidia-ctk`): its host path,
+/// the NVIDIA Container Toolkit version it reported (`unreadable` where it reported none nvdra
+/// could read), and each hook left out of the specs for it, with why
+/// ([`crate::cdi::toolkit`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HookBinaryRow {
+    pub path: String,
+    pub version: String,
+    /// `(hook, reason)`: `("enable-cuda-compat", "toolkit 1.17.7 below 1.17.8")`.
+    pub left_out: Vec<(&'static str, String)>,
+}
+
 /// What a scrape reads from the node ([`super::Source`]).
 #[derive(Clone, Debug, Default)]
 pub struct Scrape {
@@ -142,6 +154,8 @@ pub struct Snapshot {
     /// Each GPU whose MIG mode the DRA plugin will not switch now (UUID), and why
     /// (`reset_required`, `in_use`).
     pub switch_blocks: Vec<(String, &'static str)>,
+    /// The CDI hook binary, when one is installed.
+    pub cdi_hook: Option<HookBinaryRow>,
     pub scrape: Option<Scrape>,
 }
 
@@ -277,6 +291,27 @@ impl Collector for Snapshot {
              restarts) or not now (in_use: processes held it at a switch, until they are gone).",
             &self.switch_blocks,
             |(gpu, reason)| [("gpu", gpu.clone()), ("reason", reason.to_string())],
+            |_| Some(1u64),
+        )?;
+        if let Some(hook) = &self.cdi_hook {
+            let mut m = e.encode_descriptor(
+                "nvdra_cdi_hook_toolkit",
+                "The hook binary CDI specs name (nvidia-cdi-hook or nvidia-ctk) and the NVIDIA \
+                 Container Toolkit version it reported (unreadable: none nvdra could read).",
+                None,
+                MetricType::Info,
+            )?;
+            m.encode_info(&[("path", hook.path.as_str()), ("version", &hook.version)])?;
+        }
+        gauges(
+            &mut e,
+            "nvdra_cdi_hook_left_out",
+            "1 for each of NVIDIA's hooks left out of every CDI spec, and why: below NVIDIA \
+             Container Toolkit 1.17.8 (CVE-2025-23266, CVE-2025-23267), or with its version \
+             unreadable, enable-cuda-compat and update-ldcache are not run. Upgrade the toolkit \
+             to 1.17.8 or later and restart nvdra.",
+            self.cdi_hook.iter().flat_map(|h| &h.left_out),
+            |(hook, reason)| [("hook", hook.to_string()), ("reason", reason.clone())],
             |_| Some(1u64),
         )?;
         match &self.scrape {

@@ -1,0 +1,164 @@
+//! `nvdra run` on a node whose NVIDIA Container Toolkit is below 1.17.8 (a stand-in
+//! `nvidia-cdi-hook` under the driver root answering `--version` as NVIDIA's does): it warns
+//! once at start, naming the version, the CVEs and the fix, and `/metrics` (read by Python's
+//! `prometheus_client`, a parser nvdra did not write) says which hooks are left out and why. On
+//! 1.17.8 neither. Counted in the process's own stderr.
+
+mod support;
+
+use std::io::Read;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use support::promclient::{self, Sample, have_promclient};
+
+const NODE: &str = "node-a";
+/// How long the daemon may take to serve `/metrics` (not a speed test).
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Starts `nvdra run --mode dra` on simulated GPUs with a stand-in hook of toolkit `version`,
+/// scrapes `/metrics` until it names the hook binary, stops the daemon, and returns the
+/// samples of the `nvdra_cdi_hook_*` families and the daemon's stderr.
+fn start_with_toolkit(version: &str) -> (Vec<Sample>, String) {
+    let root = tempfile::tempdir().unwrap();
+    let hook = root.path().join("driver/usr/bin/nvidia-cdi-hook");
+    std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
+    std::fs::write(
+        &hook,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = --version ]; then \
+             printf 'NVIDIA CDI Hook version {version}\\ncommit: 0000000\\n'; exit 0; fi\n\
+             cat >/dev/null\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let port = promclient::free_port();
+    let mut child: Child = support::daemon::nvdra_run(root.path(), "dra", NODE)
+        .args(["--profile", "dgx-h100"])
+        .args(["--metrics-address", &format!("127.0.0.1:{port}")])
+        .env("NVDRA_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + WAIT;
+    let mut last = String::new();
+    let samples = loop {
+        if let Ok((status, body)) = promclient::get(&addr, "/metrics") {
+            assert!(status.contains(" 200 "), "{status}\n{body}");
+            let families = promclient::parse(&body);
+            let samples: Vec<Sample> = promclient::samples(&families)
+                .into_iter()
+                .filter(|s| s.name.starts_with("nvdra_cdi_hook_"))
+                .collect();
+            if samples
+                .iter()
+                .any(|s| s.name == "nvdra_cdi_hook_toolkit_info")
+            {
+                break samples;
+            }
+            last = body;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("nvdra exited with {status}: {}", reader.join().unwrap());
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "/metrics never named the hook binary within {WAIT:?}:\n{last}\nstderr:\n{}",
+                reader.join().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    (samples, reader.join().unwrap())
+}
+
+fn warnings(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("CVE-2025-23266"))
+        .collect()
+}
+
+fn labels(s: &Sample) -> Vec<(&str, &str)> {
+    s.labels
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
+}
+
+#[test]
+fn below_1_17_8_nvdra_warns_once_and_says_so_on_metrics() {
+    if !have_promclient() {
+        return;
+    }
+    let (samples, stderr) = start_with_toolkit("1.17.7");
+    let found = warnings(&stderr);
+    assert_eq!(found.len(), 1, "stderr:\n{stderr}");
+    for part in [
+        "1.17.7",
+        "below 1.17.8",
+        "CVE-2025-23266",
+        "CVE-2025-23267",
+        "enable-cuda-compat and update-ldcache",
+        "upgrade the NVIDIA Container Toolkit",
+    ] {
+        assert!(found[0].contains(part), "no {part:?} in {}", found[0]);
+    }
+    let info: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.name == "nvdra_cdi_hook_toolkit_info")
+        .collect();
+    assert_eq!(info.len(), 1, "{samples:?}");
+    assert_eq!(info[0].labels["version"], "1.17.7");
+    assert!(
+        info[0].labels["path"].ends_with("/driver/usr/bin/nvidia-cdi-hook"),
+        "{info:?}"
+    );
+    let mut left_out: Vec<(Vec<(&str, &str)>, f64)> = samples
+        .iter()
+        .filter(|s| s.name == "nvdra_cdi_hook_left_out")
+        .map(|s| (labels(s), s.value))
+        .collect();
+    left_out.sort_by(|a, b| a.0.cmp(&b.0));
+    let reason = "toolkit 1.17.7 below 1.17.8";
+    assert_eq!(
+        left_out,
+        vec![
+            (
+                vec![("hook", "enable-cuda-compat"), ("reason", reason)],
+                1.0
+            ),
+            (vec![("hook", "update-ldcache"), ("reason", reason)], 1.0),
+        ]
+    );
+}
+
+#[test]
+fn on_1_17_8_nothing_is_left_out_and_nothing_warned() {
+    if !have_promclient() {
+        return;
+    }
+    let (samples, stderr) = start_with_toolkit("1.17.8");
+    assert_eq!(warnings(&stderr), Vec::<&str>::new(), "stderr:\n{stderr}");
+    assert!(
+        samples.iter().all(|s| s.name != "nvdra_cdi_hook_left_out"),
+        "{samples:?}"
+    );
+    let versions: Vec<&str> = samples
+        .iter()
+        .filter(|s| s.name == "nvdra_cdi_hook_toolkit_info")
+        .map(|s| s.labels["version"].as_str())
+        .collect();
+    assert_eq!(versions, ["1.17.8"]);
+}

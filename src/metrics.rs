@@ -11,27 +11,26 @@
 //! readings, the health monitor's XID counts, `/proc` for PIDs' pods). A scrape copies the
 //! ledger under its lock and reads everything else after. The text is written by
 //! `prometheus-client` ([`families`]).
+//!
+//! The listener ([`server`]) is open to the pod network: it caps its connections, times out
+//! slow ones, backs off when accepts fail, and renders scrapes on a thread of its own (at most
+//! once a second, whoever asks), never on the blocking pool that prepares use.
 
 pub mod attribution;
 pub mod families;
+pub mod server;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::lock::lock;
-use http_body_util::Full;
-use hyper::body::{Bytes, Incoming};
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use kubelet_plugin::publisher::SliceCounters;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 pub use families::{Allocation, Scrape};
 use families::{HistogramValue, Snapshot};
+pub use server::{bind, serve};
 
 /// Upper bounds (seconds) of the latency histogram buckets.
 const BUCKETS: [f64; 12] = [
@@ -71,7 +70,7 @@ impl Histogram {
 }
 
 /// Reads the node for a scrape: who holds which device, and the GPUs' live readings. Blocking
-/// (NVML); the server calls it off the async runtime.
+/// (NVML); the server calls it on its renderer thread, with no tokio runtime.
 pub trait Source: Send + Sync + 'static {
     fn scrape(&self) -> Scrape;
 }
@@ -236,116 +235,9 @@ fn encode(snapshot: Snapshot) -> String {
     out
 }
 
-/// The answer to `method path`. Blocking for `/metrics` (the scrape source reads the hardware);
-/// the probes only read memory.
-fn respond(metrics: &Metrics, method: &Method, path: &str) -> Response<Full<Bytes>> {
-    let text = |status: StatusCode, body: String, ctype: &'static str| {
-        let mut r = Response::new(Full::new(Bytes::from(body)));
-        *r.status_mut() = status;
-        if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
-            r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-        }
-        r
-    };
-    if method != Method::GET && method != Method::HEAD {
-        return text(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "only GET\n".into(),
-            "text/plain",
-        );
-    }
-    match path {
-        "/metrics" => text(
-            StatusCode::OK,
-            metrics.render(),
-            prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-        ),
-        "/healthz" => text(StatusCode::OK, "ok\n".into(), "text/plain"),
-        "/readyz" if metrics.ready() => text(StatusCode::OK, "ready\n".into(), "text/plain"),
-        "/readyz" => {
-            let mut why = Vec::new();
-            if let Some(stopped) = metrics.stopped.get() {
-                why.push(stopped.as_str());
-            }
-            if !metrics.registered.load(Ordering::Relaxed) {
-                why.push("not registered with the kubelet");
-            }
-            if !metrics.slices.published.load(Ordering::Relaxed) {
-                why.push("ResourceSlices not published yet");
-            }
-            text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: {}\n", why.join("; ")),
-                "text/plain",
-            )
-        }
-        _ => text(StatusCode::NOT_FOUND, "not found\n".into(), "text/plain"),
-    }
-}
-
-/// Binds the metrics listener. Separate from [`serve`] so that a bad address fails at start-up.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
-}
-
-/// Serves until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-    loop {
-        let (stream, _) = tokio::select! {
-            () = shutdown.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics accept failed");
-                    continue;
-                }
-            },
-        };
-        let metrics = metrics.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let (metrics, method) = (metrics.clone(), req.method().clone());
-                let path = req.uri().path().to_string();
-                async move {
-                    // Only a scrape reads the hardware; the probes answer from memory, here,
-                    // also while the process drains and the blocking pool takes no more work.
-                    if path != "/metrics" {
-                        return Ok(respond(&metrics, &method, &path));
-                    }
-                    let resp =
-                        tokio::task::spawn_blocking(move || respond(&metrics, &method, &path))
-                            .await
-                            .unwrap_or_else(|e| {
-                                let (status, body) = if e.is_cancelled() {
-                                    (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
-                                } else {
-                                    tracing::error!(error = %e, "rendering the metrics panicked");
-                                    (StatusCode::INTERNAL_SERVER_ERROR, "internal error\n")
-                                };
-                                let mut r = Response::new(Full::new(Bytes::from(body)));
-                                *r.status_mut() = status;
-                                r
-                            });
-                    Ok::<_, std::convert::Infallible>(resp)
-                }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                r = conn => if let Err(e) = r {
-                    tracing::debug!(error = %e, "metrics connection ended");
-                },
-            }
-        });
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[test]
     fn histogram_buckets_are_cumulative() {
@@ -463,107 +355,5 @@ mod tests {
         let text = m.render();
         assert!(!text.contains("GPU-b"), "{text}");
         assert!(text.contains("GPU-a"), "{text}");
-    }
-
-    async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).await.unwrap();
-        buf
-    }
-
-    /// A scrape that reads no further until the test lets it; `entered` once it is stuck.
-    struct StuckSource {
-        entered: Arc<std::sync::atomic::AtomicBool>,
-        release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
-    }
-
-    impl Source for StuckSource {
-        fn scrape(&self) -> Scrape {
-            self.entered.store(true, Ordering::SeqCst);
-            let _ = lock(&self.release).recv();
-            Scrape::default()
-        }
-    }
-
-    /// The kubelet's probes never wait behind a scrape: with the only blocking thread held by
-    /// a scrape stuck in the hardware, `/healthz` and `/readyz` still answer at once.
-    #[test]
-    fn the_probes_answer_while_a_scrape_is_stuck() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .max_blocking_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let m = Metrics::new();
-            let (release, stuck) = std::sync::mpsc::channel();
-            let entered = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            m.set_source(Arc::new(StuckSource {
-                entered: entered.clone(),
-                release: std::sync::Mutex::new(stuck),
-            }));
-            let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let shutdown = CancellationToken::new();
-            tokio::spawn(serve(listener, m.clone(), shutdown.clone()));
-            let scrape = tokio::spawn(async move { get(addr, "/metrics").await });
-            for _ in 0..500 {
-                if entered.load(Ordering::SeqCst) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            assert!(entered.load(Ordering::SeqCst), "the scrape never started");
-            // Not registered yet: ready says no, and why.
-            for (path, want) in [("/healthz", "HTTP/1.1 200"), ("/readyz", "HTTP/1.1 503")] {
-                let r = tokio::time::timeout(Duration::from_secs(5), get(addr, path))
-                    .await
-                    .unwrap_or_else(|_| panic!("{path} waited behind the stuck scrape"));
-                assert!(r.starts_with(want), "{path}: {r}");
-            }
-            assert!(!scrape.is_finished(), "the scrape answered while stuck");
-            release.send(()).unwrap();
-            let r = scrape.await.unwrap();
-            assert!(r.starts_with("HTTP/1.1 200"), "{r}");
-            shutdown.cancel();
-        });
-    }
-
-    #[tokio::test]
-    async fn endpoints_answer_and_readiness_follows_state() {
-        let m = Metrics::new();
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(serve(listener, m.clone(), shutdown.clone()));
-
-        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
-        let r = get(addr, "/readyz").await;
-        assert!(r.starts_with("HTTP/1.1 503"), "{r}");
-        assert!(r.contains("not registered with the kubelet"), "{r}");
-        m.registered.store(true, Ordering::Relaxed);
-        let r = get(addr, "/readyz").await;
-        assert!(r.contains("ResourceSlices not published yet"), "{r}");
-        m.slices.published.store(true, Ordering::Relaxed);
-        assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 200"));
-        let r = get(addr, "/metrics").await;
-        // The sample line, not the HELP line ("# HELP nvdra_ready 1 when registered ...").
-        assert!(r.lines().any(|l| l == "nvdra_ready 1"), "{r}");
-        assert!(get(addr, "/nope").await.starts_with("HTTP/1.1 404"));
-        // A task that stopped unexpectedly: not ready again, and it is named.
-        m.set_stopped("checkpoint-writer", "ended");
-        let r = get(addr, "/readyz").await;
-        assert!(r.starts_with("HTTP/1.1 503"), "{r}");
-        assert!(r.contains("task checkpoint-writer stopped: ended"), "{r}");
-
-        shutdown.cancel();
-        task.await.unwrap();
     }
 }

@@ -10,6 +10,8 @@ pub const WORKER_THREADS: usize = 2;
 
 /// Most threads of the blocking pool (NVML calls, fsync'd writes, directory-API reads; each
 /// short). A batch of claims larger than this queues instead of starting a thread per claim.
+/// Nothing a network peer asks for runs here: `/metrics` renders on its own thread
+/// ([`crate::metrics::server`]).
 pub const MAX_BLOCKING_THREADS: usize = 8;
 
 /// The runtime `nvdra run` (and the demo's daemon) runs on: [`WORKER_THREADS`] workers,

@@ -336,6 +336,23 @@ fn validate(settings: Settings) -> Result<Config> {
     }
 
     let mode = need(serve.mode, "--mode")?;
+    let share_trust_domain = need(plugin.share_trust_domain, "--share-trust-domain")?;
+    let device_plugin_gpu_memory = need(
+        daemon.device_plugin_gpu_memory,
+        "--device-plugin-gpu-memory",
+    )?;
+    // The device-plugin path's Allocate names no pod: its GPU-memory units of one GPU go to pods
+    // of any namespace, which the rule forbids.
+    if share_trust_domain.enabled() && device_plugin_gpu_memory && mode != Mode::Dra {
+        return Err(invalid(
+            "--share-trust-domain/--device-plugin-gpu-memory",
+            format!(
+                "--device-plugin-gpu-memory shares each GPU between pods of the device-plugin \
+                 path, whose Allocate names no pod or namespace, so --share-trust-domain=\
+                 {share_trust_domain} cannot hold there: give one of them (or --mode dra)"
+            ),
+        ));
+    }
     fn bad(key: &'static str) -> impl Fn(crate::health::Error) -> Error {
         move |e| invalid(key, e.to_string())
     }
@@ -396,16 +413,13 @@ fn validate(settings: Settings) -> Result<Config> {
         )?,
         dynamic_mig: need(plugin.dynamic_mig, "--dynamic-mig")?,
         mig_profiles: mig_profiles(plugin.mig_profiles)?,
-        share_trust_domain: need(plugin.share_trust_domain, "--share-trust-domain")?,
+        share_trust_domain,
         pod_uid: kubelet.pod_uid,
         device_plugin_config: serve
             .device_plugin_config
             .map(|p| absolute("--device-plugin-config", p))
             .transpose()?,
-        device_plugin_gpu_memory: need(
-            daemon.device_plugin_gpu_memory,
-            "--device-plugin-gpu-memory",
-        )?,
+        device_plugin_gpu_memory,
         node_labels: need(daemon.node_labels, "--node-labels")?,
         mps_root: absolute("--mps-root", need(mps.mps_root, "--mps-root")?)?,
     })

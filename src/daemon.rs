@@ -530,6 +530,7 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
         None => deviceplugin::Options::default(),
     };
     options.gpu_memory = config.device_plugin_gpu_memory;
+    trust_domain_beside(config, &options)?;
     // Beside DRA, a GPU whose MIG mode DRA switches is DRA's to shape.
     options.dynamic_mig = config.mode == Mode::Both && config.dynamic_mig.enabled();
     let dp = DevicePlugin::new(
@@ -546,6 +547,34 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
     );
     dp.check().await?;
     Ok(dp)
+}
+
+/// Refuses `--share-trust-domain` beside a device-plugin config that shares GPUs (time-slicing
+/// or MPS replicas): the kubelet's `Allocate` names no pod or namespace, so the device-plugin
+/// path cannot keep a GPU's replicas in one domain, and a rule that silently does not hold on
+/// part of the node is worse than none. (`--device-plugin-gpu-memory` is refused where the
+/// configuration is resolved.)
+fn trust_domain_beside(config: &Config, options: &deviceplugin::Options) -> Result<()> {
+    if !config.share_trust_domain.enabled() || options.sharing.is_none() {
+        return Ok(());
+    }
+    Err(Error::DevicePluginConfig(
+        deviceplugin::nvconfig::ConfigError {
+            file: config
+                .device_plugin_config
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            key: "sharing".into(),
+            message: format!(
+                "shares GPUs between pods (replicas), but --share-trust-domain={} keeps a GPU's \
+             shares within one trust domain, and the kubelet's Allocate names no pod or \
+             namespace, so the device-plugin path cannot hold to it: share GPUs through DRA \
+             only (drop the sharing section, or --mode dra), or set --share-trust-domain=off",
+                config.share_trust_domain
+            ),
+        },
+    ))
 }
 
 /// One warning when a switch that is on meets a Kubernetes version whose scheduler has a known
@@ -779,6 +808,38 @@ mod tests {
         s.backend.node_name = Some("node-a".into());
         s.plugin.partitionable = Some(true);
         crate::config::resolve(s, None).unwrap()
+    }
+
+    /// The device-plugin path cannot keep replicas in one trust domain (its Allocate names no
+    /// pod): a config that shares GPUs there and the rule are refused together, naming the
+    /// file's key and the rule; either alone starts.
+    #[test]
+    fn a_trust_domain_is_refused_beside_device_plugin_replicas() {
+        let config = |rule: &str| {
+            let mut s = crate::config::Settings::default();
+            s.backend.node_name = Some("node-a".into());
+            s.plugin.share_trust_domain = Some(rule.parse().unwrap());
+            s.serve.device_plugin_config = Some("/etc/nvdra/dp.yaml".into());
+            crate::config::resolve(s, None).unwrap()
+        };
+        let replicas = deviceplugin::nvconfig::parse(
+            "dp.yaml",
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+        )
+        .unwrap();
+        let plain = deviceplugin::Options::default();
+        let Err(Error::DevicePluginConfig(e)) =
+            trust_domain_beside(&config("namespace"), &replicas)
+        else {
+            panic!("replicas under a trust domain must be refused");
+        };
+        assert_eq!(
+            (e.file.as_str(), e.key.as_str()),
+            ("/etc/nvdra/dp.yaml", "sharing")
+        );
+        assert!(e.message.contains("--share-trust-domain=namespace"), "{e}");
+        trust_domain_beside(&config("namespace"), &plain).unwrap();
+        trust_domain_beside(&config("off"), &replicas).unwrap();
     }
 
     #[test]

@@ -761,3 +761,24 @@ fn share_trust_domain_is_off_by_default_and_a_bad_rule_names_its_key() {
     assert!(e.contains("--share-trust-domain"), "{e}");
     assert!(e.contains("not a trust domain"), "{e}");
 }
+
+/// The device-plugin path's GPU-memory units go to pods of any namespace (its Allocate names
+/// none): with a trust domain that is refused, naming both flags, unless only DRA serves.
+#[test]
+fn share_trust_domain_beside_device_plugin_gpu_memory_names_both_flags() {
+    let both = |mode: Mode| {
+        resolve(
+            with(|s| {
+                s.plugin.share_trust_domain = Some(TrustDomain::Namespace);
+                s.daemon.device_plugin_gpu_memory = Some(true);
+                s.serve.mode = Some(mode);
+            }),
+            None,
+        )
+    };
+    let e = both(Mode::Both).unwrap_err();
+    assert_eq!(e.key, "--share-trust-domain/--device-plugin-gpu-memory");
+    assert!(e.message.contains("--share-trust-domain=namespace"), "{e}");
+    assert!(both(Mode::Auto).is_err());
+    assert!(both(Mode::Dra).is_ok());
+}

@@ -248,7 +248,7 @@ fn fill_holders(nvml: &Nvml, scan: &HolderScan, inv: &mut Inventory) {
         let held = found.remove(&g.minor).unwrap_or_default();
         let compute: Vec<u32> = nvml
             .device_by_uuid(g.uuid.as_str())
-            .and_then(|d| d.running_compute_processes())
+            .and_then(|d| super::usage::compute_processes(&d))
             .map(|ps| ps.into_iter().map(|p| p.pid).collect())
             .unwrap_or_default();
         g.mig.holders = scan.with_processes(held, &compute);

@@ -26,7 +26,8 @@ use nvml_wrapper_sys::bindings::{
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_UNKNOWN as LINK_UNKNOWN,
     nvmlIntNvLinkDeviceType_t,
     nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH as VERSION_MISMATCH,
-    nvmlReturn_enum_NVML_ERROR_FUNCTION_NOT_FOUND as FUNCTION_NOT_FOUND, nvmlReturn_t,
+    nvmlReturn_enum_NVML_ERROR_FUNCTION_NOT_FOUND as FUNCTION_NOT_FOUND,
+    nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE as INSUFFICIENT_SIZE, nvmlReturn_t,
 };
 
 use super::{FabricState, Placement, RawFabric, RawGpuInstance, RemoteDevice, raw};
@@ -407,18 +408,78 @@ pub fn compute_instance_by_id(
     Ok(ComputeInstance(ci))
 }
 
+/// How many times a list is asked for in all when NVML answers `INSUFFICIENT_SIZE` (it grew
+/// between two calls: instances created by someone else meanwhile).
+const LIST_TRIES: usize = 4;
+
+/// A list NVML writes into the caller's buffer (`count`: its capacity in, the number written
+/// out), read NVML's way: with room for `room` entries first (what NVML's documentation says
+/// the buffer must hold), then, while NVML answers `INSUFFICIENT_SIZE` and writes back the
+/// count it needs, again with that much room, at most [`LIST_TRIES`] calls in all. `call` gets
+/// a buffer of `count` initialized entries (`empty`) and `count`.
+fn read_list<T: Copy>(
+    room: u32,
+    empty: T,
+    mut call: impl FnMut(*mut T, *mut c_uint) -> nvmlReturn_t,
+) -> Result<Vec<T>, NvmlError> {
+    let mut room = room.max(1);
+    for _ in 0..LIST_TRIES {
+        let mut buf = vec![empty; room as usize];
+        let mut count = room;
+        match call(buf.as_mut_ptr(), &mut count) {
+            INSUFFICIENT_SIZE => room = count.max(room.saturating_add(1)),
+            code => {
+                nvml_try(code)?;
+                buf.truncate((count as usize).min(buf.len()));
+                return Ok(buf);
+            }
+        }
+    }
+    Err(NvmlError::InsufficientSize(Some(room as usize)))
+}
+
 /// The number of compute instances in a GPU instance, of every profile
-/// (`nvmlGpuInstanceGetComputeInstances`, which takes a buffer per profile id).
+/// (`nvmlGpuInstanceGetComputeInstances`, which takes a buffer per profile id that NVML's
+/// documentation says must hold the instances the profile supports: its `instanceCount`, from
+/// `nvmlGpuInstanceGetComputeInstanceProfileInfo`).
 pub fn compute_instance_count(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError> {
-    let f = nvml_sym(nvml.lib().nvmlGpuInstanceGetComputeInstances.as_ref())?;
+    let lib = nvml.lib();
+    let f = nvml_sym(lib.nvmlGpuInstanceGetComputeInstances.as_ref())?;
+    let profile_info = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.as_ref())?;
     let mut total = 0;
     for profile in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
-        let mut buf = [ptr::null_mut(); 8];
-        let mut count: c_uint = buf.len() as c_uint;
+        let mut info = nvmlComputeInstanceProfileInfo_t {
+            id: 0,
+            sliceCount: 0,
+            instanceCount: 0,
+            multiprocessorCount: 0,
+            sharedCopyEngineCount: 0,
+            sharedDecoderCount: 0,
+            sharedEncoderCount: 0,
+            sharedJpegCount: 0,
+            sharedOfaCount: 0,
+        };
+        // SAFETY: declared signature; live instance handle; `info` is initialized and writable.
+        let room = match nvml_try(unsafe {
+            profile_info(
+                gi.0,
+                profile,
+                NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                &mut info,
+            )
+        }) {
+            Ok(()) => info.instanceCount,
+            // A profile this instance does not support has no instances.
+            Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::NotFound) => continue,
+            Err(e) => return Err(e),
+        };
         // SAFETY: declared signature; live instance handle; `buf` holds `count` writable slots
         // and NVML writes at most that many, storing the number written into `count`.
-        match nvml_try(unsafe { f(gi.0, profile, buf.as_mut_ptr(), &mut count) }) {
-            Ok(()) => total += count,
+        let listed = read_list(room, ptr::null_mut(), |buf, count| unsafe {
+            f(gi.0, profile, buf, count)
+        });
+        match listed {
+            Ok(cis) => total += cis.len() as u32,
             Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::NotFound) => {}
             Err(e) => return Err(e),
         }
@@ -427,7 +488,8 @@ pub fn compute_instance_count(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlE
 }
 
 /// The GPU instances of one profile on `parent` (`nvmlDeviceGetGpuInstances`), with their ids
-/// and placements.
+/// and placements. The buffer holds as many as the profile has possible placements (no two
+/// instances share one); NVML's call takes no null buffer to ask for the count.
 pub fn gpu_instances(
     nvml: &Nvml,
     parent: &Device<'_>,
@@ -436,12 +498,17 @@ pub fn gpu_instances(
     let lib = nvml.lib();
     let list = nvml_sym(lib.nvmlDeviceGetGpuInstances.as_ref())?;
     let get_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref())?;
-    let mut buf = [ptr::null_mut(); 8];
-    let mut count: c_uint = buf.len() as c_uint;
+    // Where the placements cannot be read, 8 (more than any GPU's instances of one profile
+    // today) and NVML's INSUFFICIENT_SIZE answer if that is too few.
+    let room = possible_placements(nvml, parent, profile_id)
+        .map(|p| p.len() as u32)
+        .unwrap_or(8);
     // SAFETY: declared signature; live parent handle; `buf` holds `count` writable slots.
-    nvml_try(unsafe { list(parent.handle(), profile_id, buf.as_mut_ptr(), &mut count) })?;
+    let listed = read_list(room, ptr::null_mut(), |buf, count| unsafe {
+        list(parent.handle(), profile_id, buf, count)
+    })?;
     let mut out = Vec::new();
-    for &gi in buf.iter().take(count as usize) {
+    for gi in listed {
         if gi.is_null() {
             continue;
         }
@@ -615,4 +682,74 @@ unsafe fn symbol<T: Copy>(nvml: &Nvml, name: &str) -> Result<T, NvmlError> {
     unsafe { nvml.lib().__library.get::<T>(&cname) }
         .map(|s| *s)
         .map_err(|e| NvmlError::FailedToLoadSymbol(format!("{name}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// NVML's side of a listing call over `items` (which `grow` may add to before each call):
+    /// `INSUFFICIENT_SIZE` and the count needed when the buffer is too small, else the items
+    /// and their count, as `nvml.h` documents it and the fake NVML answers.
+    fn nvml_list(
+        items: &RefCell<Vec<u32>>,
+        grow: impl Fn(&mut Vec<u32>),
+    ) -> impl FnMut(*mut u32, *mut c_uint) -> nvmlReturn_t {
+        move |buf, count| {
+            grow(&mut items.borrow_mut());
+            let items = items.borrow();
+            // SAFETY: `read_list` passes a valid count and a buffer of that many entries.
+            unsafe {
+                if (*count as usize) < items.len() {
+                    *count = items.len() as c_uint;
+                    return INSUFFICIENT_SIZE;
+                }
+                for (i, v) in items.iter().enumerate() {
+                    *buf.add(i) = *v;
+                }
+                *count = items.len() as c_uint;
+            }
+            0
+        }
+    }
+
+    #[test]
+    fn a_list_longer_than_its_first_buffer_is_read_whole() {
+        // Twenty entries against room for eight (what the buffers held before).
+        let items = RefCell::new((0..20).collect());
+        let got = read_list(8, 0, nvml_list(&items, |_| {})).unwrap();
+        assert_eq!(got, (0..20).collect::<Vec<_>>());
+        // Room enough at once: one call, the entries NVML wrote.
+        let got = read_list(64, 0, nvml_list(&items, |_| {})).unwrap();
+        assert_eq!(got.len(), 20);
+    }
+
+    #[test]
+    fn a_list_that_grows_between_calls_is_asked_again_a_bounded_number_of_times() {
+        // Two more each call: the second call's room is what the first said, too few again.
+        let items = RefCell::new((0..10).collect());
+        let grow = |v: &mut Vec<u32>| {
+            let n = v.len() as u32;
+            v.extend([n, n + 1]);
+        };
+        let got = read_list(8, 0, nvml_list(&items, grow)).unwrap_err();
+        assert!(
+            matches!(got, NvmlError::InsufficientSize(Some(_))),
+            "{got:?}"
+        );
+        // Once it stops growing it is read whole.
+        let calls = std::cell::Cell::new(0);
+        let items = RefCell::new((0..10).collect());
+        let grow_twice = |v: &mut Vec<u32>| {
+            calls.set(calls.get() + 1);
+            if calls.get() <= 2 {
+                let n = v.len() as u32;
+                v.push(n);
+            }
+        };
+        let got = read_list(8, 0, nvml_list(&items, grow_twice)).unwrap();
+        assert_eq!(got, (0..12).collect::<Vec<_>>());
+        assert_eq!(calls.get(), 3);
+    }
 }

@@ -239,8 +239,7 @@ pub(super) fn set_mig_mode(
         SUCCESS if current == enabled => Ok(MigModeChange::Unchanged),
         SUCCESS => Ok(MigModeChange::Applied),
         IN_USE => {
-            let compute: Vec<u32> = d
-                .running_compute_processes()
+            let compute: Vec<u32> = super::usage::compute_processes(&d)
                 .map(|ps| ps.into_iter().map(|p| p.pid).collect())
                 .unwrap_or_default();
             let (processes, holders) = in_use(&d, compute, holders);

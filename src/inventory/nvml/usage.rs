@@ -6,9 +6,11 @@
 //! A GPU whose UUID or memory cannot be read is left out (logged at debug: a scrape every few
 //! seconds must not flood the log); any other reading it does not give is `None`.
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
 use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::struct_wrappers::device::ProcessInfo;
+use nvml_wrapper::{Device, Nvml};
 
 use crate::inventory::{Error, GpuUsage, GpuUuid, ProcessUsage, Result};
 
@@ -25,8 +27,7 @@ pub fn read_usage(nvml: &Nvml) -> Result<Vec<GpuUsage>> {
             let gpu = GpuUuid(d.uuid()?);
             let memory = d.memory_info()?;
             let utilization = d.utilization_rates().ok();
-            let processes = d
-                .running_compute_processes()
+            let processes = compute_processes(&d)
                 .unwrap_or_default()
                 .into_iter()
                 .map(|p| ProcessUsage {
@@ -55,4 +56,67 @@ pub fn read_usage(nvml: &Nvml) -> Result<Vec<GpuUsage>> {
         }
     }
     Ok(out)
+}
+
+/// How many times the compute processes are asked for in all while NVML answers
+/// `INSUFFICIENT_SIZE`.
+const PROCESS_TRIES: usize = 4;
+
+/// `nvmlDeviceGetComputeRunningProcesses_v3` through nvml-wrapper, which asks NVML for the
+/// count and reads with room for five more; when more than that started in between, NVML
+/// answers `INSUFFICIENT_SIZE` and it is asked again (a count and a read each time), at most
+/// [`PROCESS_TRIES`] times in all.
+pub(super) fn compute_processes(d: &Device<'_>) -> Result<Vec<ProcessInfo>, NvmlError> {
+    retry_insufficient(PROCESS_TRIES, || d.running_compute_processes())
+}
+
+/// `read`, again while it fails with `InsufficientSize`, at most `tries` times in all.
+fn retry_insufficient<T>(
+    tries: usize,
+    mut read: impl FnMut() -> Result<T, NvmlError>,
+) -> Result<T, NvmlError> {
+    let mut last = read();
+    for _ in 1..tries {
+        match last {
+            Err(NvmlError::InsufficientSize(_)) => last = read(),
+            _ => break,
+        }
+    }
+    last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_list_that_outgrew_its_buffer_is_read_again_a_bounded_number_of_times() {
+        // Grew once between the count and the read: the second try reads it.
+        let mut calls = 0;
+        let r = retry_insufficient(PROCESS_TRIES, || {
+            calls += 1;
+            if calls == 1 {
+                Err(NvmlError::InsufficientSize(None))
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(r.unwrap(), 2);
+        // Growing for ever: given up after PROCESS_TRIES calls.
+        let mut calls = 0;
+        let r: Result<(), _> = retry_insufficient(PROCESS_TRIES, || {
+            calls += 1;
+            Err(NvmlError::InsufficientSize(None))
+        });
+        assert!(matches!(r, Err(NvmlError::InsufficientSize(_))), "{r:?}");
+        assert_eq!(calls, PROCESS_TRIES);
+        // Another error is not retried.
+        let mut calls = 0;
+        let r: Result<(), _> = retry_insufficient(PROCESS_TRIES, || {
+            calls += 1;
+            Err(NvmlError::NotSupported)
+        });
+        assert!(matches!(r, Err(NvmlError::NotSupported)), "{r:?}");
+        assert_eq!(calls, 1);
+    }
 }

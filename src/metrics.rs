@@ -200,18 +200,10 @@ impl Metrics {
 /// The CDI hook binary discovery found last and the hooks left out for it.
 fn cdi_hook_row() -> Option<families::HookBinaryRow> {
     let (path, check) = crate::cdi::toolkit::last_check()?;
-    let reason = check.left_out_reason();
     Some(families::HookBinaryRow {
         path: path.display().to_string(),
         version: check.version_label(),
-        left_out: reason
-            .map(|r| {
-                crate::cdi::toolkit::GUARDED_HOOKS
-                    .iter()
-                    .map(|h| (*h, r.clone()))
-                    .collect()
-            })
-            .unwrap_or_default(),
+        left_out: check.left_out(),
     })
 }
 

@@ -372,15 +372,27 @@ fn without_a_hook_binary_the_soname_links_are_mounted_instead() -> Result<()> {
     Ok(())
 }
 
-/// NVIDIA's hooks less `enable-cuda-compat` and `update-ldcache`: what a spec carries below
-/// toolkit 1.17.8 or with its version unreadable.
-fn floor_hooks(path: &str, binary: &str) -> Vec<Hook> {
+/// NVIDIA's hooks that a spec carries for a hook binary of toolkit `version` (`None`: its
+/// version unreadable): `enable-cuda-compat` and `update-ldcache` from 1.17.8 (CVE-2025-23266,
+/// CVE-2025-23267), `disable-device-node-modification` from 1.18.0 (older binaries lack it),
+/// `create-symlinks` always. Stated here by version, not asked of nvdra.
+fn hooks_for(path: &str, binary: &str, version: Option<&str>) -> Vec<Hook> {
+    let allowed: &[&str] = match version {
+        Some("1.18.0" | "1.19.0" | "1.19.1") => &[
+            "create-symlinks",
+            "enable-cuda-compat",
+            "update-ldcache",
+            "disable-device-node-modification",
+        ],
+        Some("1.17.8" | "1.17.9") => &["create-symlinks", "enable-cuda-compat", "update-ldcache"],
+        Some("1.17.7") | None => &["create-symlinks"],
+        Some(other) => panic!("no expectation for toolkit {other}"),
+    };
     nvidia_hooks(path, binary)
         .into_iter()
         .filter(|h| {
-            !h.args
-                .iter()
-                .any(|a| a == "enable-cuda-compat" || a == "update-ldcache")
+            let skip = if binary == "nvidia-ctk" { 2 } else { 1 };
+            allowed.contains(&h.args[skip].as_str())
         })
         .collect()
 }
@@ -397,32 +409,23 @@ fn both_paths_hooks(root: &DriverRoot) -> Result<[Vec<Hook>; 2]> {
     Ok([claim.container_edits.hooks, plugin.container_edits.hooks])
 }
 
-/// Stand-in hook binaries reporting versions on both sides of the fix: at 1.17.8 and later both
-/// specs carry NVIDIA's four hooks, below it neither carries `enable-cuda-compat` or
-/// `update-ldcache`, and the hooks that stay are NVIDIA's, unchanged.
+/// Stand-in hook binaries reporting versions on both sides of the fix: from 1.17.8 both specs
+/// carry `enable-cuda-compat` and `update-ldcache`, below it neither does (nor
+/// `disable-device-node-modification`, from 1.18.0), and the hooks that stay are NVIDIA's,
+/// unchanged.
 #[test]
 fn both_specs_carry_the_guarded_hooks_only_from_toolkit_1_17_8() -> Result<()> {
     for (binary, rel) in [
         ("nvidia-cdi-hook", "usr/bin/nvidia-cdi-hook"),
         ("nvidia-ctk", "usr/local/nvidia/toolkit/nvidia-ctk"),
     ] {
-        for (version, fixed) in [
-            ("1.17.7", false),
-            ("1.17.8", true),
-            ("1.18.0", true),
-            ("1.19.0", true),
-            ("1.19.1", true),
-        ] {
+        for version in ["1.17.7", "1.17.8", "1.17.9", "1.18.0", "1.19.0", "1.19.1"] {
             let tmp = tempfile::tempdir()?;
             let root = tmp.path();
             let answer = version_output(binary, version);
             driver_tree_answering(root, Some((rel, &root.join("log"))), Some(&answer))?;
             let path = root.join(rel).display().to_string();
-            let expected = if fixed {
-                nvidia_hooks(&path, binary)
-            } else {
-                floor_hooks(&path, binary)
-            };
+            let expected = hooks_for(&path, binary, Some(version));
             let [claim, plugin] = both_paths_hooks(&DriverRoot::at(root))?;
             assert_eq!(claim, expected, "claim spec, {binary} {version}");
             assert_eq!(plugin, expected, "device-plugin spec, {binary} {version}");
@@ -469,8 +472,8 @@ fn an_unreadable_toolkit_version_counts_as_below_the_fix() -> Result<()> {
         std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(mode))?;
         let path = hook.display().to_string();
         let [claim, plugin] = both_paths_hooks(&DriverRoot::at(root))?;
-        assert_eq!(claim, floor_hooks(&path, "nvidia-cdi-hook"), "{what}");
-        assert_eq!(plugin, floor_hooks(&path, "nvidia-cdi-hook"), "{what}");
+        assert_eq!(claim, hooks_for(&path, "nvidia-cdi-hook", None), "{what}");
+        assert_eq!(plugin, hooks_for(&path, "nvidia-cdi-hook", None), "{what}");
     }
     Ok(())
 }
@@ -481,7 +484,7 @@ fn an_unreadable_toolkit_version_counts_as_below_the_fix() -> Result<()> {
 /// wrapper, as NVIDIA's specs on those nodes do.
 #[test]
 fn the_operators_wrapper_is_read_through_its_real_binary() -> Result<()> {
-    for (version, fixed) in [("1.17.7", false), ("1.17.8", true)] {
+    for version in ["1.17.7", "1.17.8", "1.19.1"] {
         let tmp = tempfile::tempdir()?;
         let root = tmp.path();
         driver_tree_answering(root, None, None)?;
@@ -507,11 +510,7 @@ fn the_operators_wrapper_is_read_through_its_real_binary() -> Result<()> {
             std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755))?;
         }
         let path = wrapper.display().to_string();
-        let expected = if fixed {
-            nvidia_hooks(&path, "nvidia-cdi-hook")
-        } else {
-            floor_hooks(&path, "nvidia-cdi-hook")
-        };
+        let expected = hooks_for(&path, "nvidia-cdi-hook", Some(version));
         let [claim, plugin] = both_paths_hooks(&DriverRoot::at(root))?;
         assert_eq!(claim, expected, "{version}");
         assert_eq!(plugin, expected, "{version}");
@@ -519,8 +518,7 @@ fn the_operators_wrapper_is_read_through_its_real_binary() -> Result<()> {
     Ok(())
 }
 
-/// podman runs a spec written for toolkit 1.17.7: only `create-symlinks` and
-/// `disable-device-node-modification` run.
+/// podman runs a spec written for toolkit 1.17.7: only `create-symlinks` runs.
 #[test]
 fn podman_runs_only_the_floors_hooks_below_1_17_8() {
     with_engine(|engine| {
@@ -562,8 +560,8 @@ fn check_hooks_run(engine: &Engine, tree: &Path, root: &DriverRoot, tmp: &Path) 
     check_hooks_run_on(engine, tree, root, tmp, TOOLKIT)
 }
 
-/// [`check_hooks_run`] with a hook binary of toolkit `toolkit`: below 1.17.8 only the hooks
-/// of [`floor_hooks`] run.
+/// [`check_hooks_run`] with a hook binary of toolkit `toolkit`: only the hooks of
+/// [`hooks_for`] run.
 fn check_hooks_run_on(
     engine: &Engine,
     tree: &Path,
@@ -609,13 +607,7 @@ fn check_hooks_run_on(
         .join("usr/bin/nvidia-cdi-hook")
         .display()
         .to_string();
-    let fixed = nvdra::cdi::toolkit::ToolkitVersion::parse(toolkit).is_some_and(|v| v.is_fixed());
-    let hooks = if fixed {
-        nvidia_hooks(&hook_path, "nvidia-cdi-hook")
-    } else {
-        floor_hooks(&hook_path, "nvidia-cdi-hook")
-    };
-    let expected: Vec<String> = hooks
+    let expected: Vec<String> = hooks_for(&hook_path, "nvidia-cdi-hook", Some(toolkit))
         .iter()
         .map(|h| format!("{} {}", h.env[0], h.args[1..].join(" ")))
         .collect();

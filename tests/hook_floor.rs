@@ -2,7 +2,8 @@
 //! `nvidia-cdi-hook` under the driver root answering `--version` as NVIDIA's does): it warns
 //! once at start, naming the version, the CVEs and the fix, and `/metrics` (read by Python's
 //! `prometheus_client`, a parser nvdra did not write) says which hooks are left out and why. On
-//! 1.17.8 neither. Counted in the process's own stderr.
+//! 1.17.8 no warning, and only the hook 1.17.8 lacks is left out; from 1.18.0 none. The warning
+//! is counted in the process's own stderr.
 
 mod support;
 
@@ -90,13 +91,6 @@ fn warnings(stderr: &str) -> Vec<&str> {
         .collect()
 }
 
-fn labels(s: &Sample) -> Vec<(&str, &str)> {
-    s.labels
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect()
-}
-
 #[test]
 fn below_1_17_8_nvdra_warns_once_and_says_so_on_metrics() {
     if !have_promclient() {
@@ -125,40 +119,61 @@ fn below_1_17_8_nvdra_warns_once_and_says_so_on_metrics() {
         info[0].labels["path"].ends_with("/driver/usr/bin/nvidia-cdi-hook"),
         "{info:?}"
     );
-    let mut left_out: Vec<(Vec<(&str, &str)>, f64)> = samples
-        .iter()
-        .filter(|s| s.name == "nvdra_cdi_hook_left_out")
-        .map(|s| (labels(s), s.value))
-        .collect();
-    left_out.sort_by(|a, b| a.0.cmp(&b.0));
-    let reason = "toolkit 1.17.7 below 1.17.8";
     assert_eq!(
-        left_out,
-        vec![
+        left_out(&samples),
+        [
             (
-                vec![("hook", "enable-cuda-compat"), ("reason", reason)],
-                1.0
+                "disable-device-node-modification",
+                "toolkit 1.17.7 below 1.18.0"
             ),
-            (vec![("hook", "update-ldcache"), ("reason", reason)], 1.0),
+            ("enable-cuda-compat", "toolkit 1.17.7 below 1.17.8"),
+            ("update-ldcache", "toolkit 1.17.7 below 1.17.8"),
         ]
     );
 }
 
+/// `(hook, reason)` of each `nvdra_cdi_hook_left_out` sample (each 1), sorted.
+fn left_out(samples: &[Sample]) -> Vec<(&str, &str)> {
+    let mut found: Vec<(&str, &str)> = samples
+        .iter()
+        .filter(|s| s.name == "nvdra_cdi_hook_left_out")
+        .map(|s| {
+            assert_eq!(s.value, 1.0, "{s:?}");
+            assert_eq!(s.labels.len(), 2, "{s:?}");
+            (s.labels["hook"].as_str(), s.labels["reason"].as_str())
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+fn versions(samples: &[Sample]) -> Vec<&str> {
+    samples
+        .iter()
+        .filter(|s| s.name == "nvdra_cdi_hook_toolkit_info")
+        .map(|s| s.labels["version"].as_str())
+        .collect()
+}
+
+/// 1.17.8 has the fixes: no warning; only disable-device-node-modification (from 1.18.0) is
+/// left out. From 1.18.0 nothing is.
 #[test]
-fn on_1_17_8_nothing_is_left_out_and_nothing_warned() {
+fn from_1_17_8_nothing_is_warned_and_from_1_18_0_nothing_left_out() {
     if !have_promclient() {
         return;
     }
     let (samples, stderr) = start_with_toolkit("1.17.8");
     assert_eq!(warnings(&stderr), Vec::<&str>::new(), "stderr:\n{stderr}");
-    assert!(
-        samples.iter().all(|s| s.name != "nvdra_cdi_hook_left_out"),
-        "{samples:?}"
+    assert_eq!(versions(&samples), ["1.17.8"]);
+    assert_eq!(
+        left_out(&samples),
+        [(
+            "disable-device-node-modification",
+            "toolkit 1.17.8 below 1.18.0"
+        )]
     );
-    let versions: Vec<&str> = samples
-        .iter()
-        .filter(|s| s.name == "nvdra_cdi_hook_toolkit_info")
-        .map(|s| s.labels["version"].as_str())
-        .collect();
-    assert_eq!(versions, ["1.17.8"]);
+    let (samples, stderr) = start_with_toolkit("1.19.1");
+    assert_eq!(warnings(&stderr), Vec::<&str>::new(), "stderr:\n{stderr}");
+    assert_eq!(versions(&samples), ["1.19.1"]);
+    assert_eq!(left_out(&samples), []);
 }

@@ -14,8 +14,9 @@
 //!    the container.
 //!
 //! Below NVIDIA Container Toolkit 1.17.8, or when the hook binary's version cannot be read,
-//! `enable-cuda-compat` and `update-ldcache` are left out (CVE-2025-23266, CVE-2025-23267;
-//! [`super::toolkit`]); the others stay.
+//! `enable-cuda-compat` and `update-ldcache` are left out (CVE-2025-23266, CVE-2025-23267), and
+//! below 1.18.0 `disable-device-node-modification` (older binaries lack it); see
+//! [`super::toolkit`]. `create-symlinks` stays.
 //!
 //! Each is a `createContainer` hook whose path is the hook binary's host path, whose first
 //! argument is the binary's name (then `hook` for `nvidia-ctk`, whose hooks are a subcommand),
@@ -65,7 +66,9 @@ pub(super) fn driver_hooks(files: &DriverFiles, lib_dirs: &[String]) -> Vec<Hook
             .collect();
         hooks.push(hook(binary, "update-ldcache", folders));
     }
-    hooks.push(hook(binary, "disable-device-node-modification", Vec::new()));
+    if allowed("disable-device-node-modification") {
+        hooks.push(hook(binary, "disable-device-node-modification", Vec::new()));
+    }
     hooks
 }
 

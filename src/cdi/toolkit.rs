@@ -10,6 +10,10 @@
 //! NVIDIA's format, or was built without a version) counts as below the floor: nvdra cannot
 //! tell, and the hooks run as root on the host.
 //!
+//! The version also says which hooks the binary has: `disable-device-node-modification` came
+//! in 1.18.0, and an older binary fails it (urfave/cli's "No help topic", exit status 3), which
+//! fails every container's start; so it too is carried only from that version on ([`MINIMUM`]).
+//!
 //! How the version is read: the binary nvdra already writes into every spec (which the runtime
 //! runs as root on the host for every container anyway) is run with `--version` only: no shell,
 //! an empty environment, `/` as its directory, no input, killed at [`DEADLINE`] and as soon as
@@ -49,6 +53,22 @@ pub const FIXED: ToolkitVersion = ToolkitVersion {
 };
 /// The hooks left out below [`FIXED`].
 pub const GUARDED_HOOKS: [&str; 2] = ["enable-cuda-compat", "update-ldcache"];
+/// The first toolkit whose hook binary has `disable-device-node-modification`: an older one
+/// answers the subcommand with "No help topic" and exit status 3, which fails the container.
+pub const DEVICE_NODE_HOOK_SINCE: ToolkitVersion = ToolkitVersion {
+    major: 1,
+    minor: 18,
+    patch: 0,
+    pre: None,
+};
+/// Each hook the spec carries only from a toolkit version on: the two of [`GUARDED_HOOKS`] from
+/// [`FIXED`], `disable-device-node-modification` from the release that has it. Any other hook
+/// (`create-symlinks`) is in every toolkit that has `nvidia-cdi-hook`.
+pub const MINIMUM: [(&str, ToolkitVersion); 3] = [
+    (GUARDED_HOOKS[0], FIXED),
+    (GUARDED_HOOKS[1], FIXED),
+    ("disable-device-node-modification", DEVICE_NODE_HOOK_SINCE),
+];
 /// The CVEs [`FIXED`] fixes, as the warning and the README name them.
 pub const CVES: &str = "CVE-2025-23266, CVE-2025-23267";
 /// How long `--version` may take: a Go binary answers in milliseconds.
@@ -105,12 +125,17 @@ impl ToolkitVersion {
         })
     }
 
-    /// Whether this version has the fixes of [`FIXED`]: a later release, or 1.17.8 itself; a
-    /// release candidate of 1.17.8 comes before it.
+    /// Whether this version is `release` or later; a release candidate of `release` comes
+    /// before it (`release` is a release, without a tag).
+    pub fn at_least(&self, release: &ToolkitVersion) -> bool {
+        let this = (self.major, self.minor, self.patch);
+        let that = (release.major, release.minor, release.patch);
+        this > that || (this == that && self.pre.is_none())
+    }
+
+    /// Whether this version has the fixes of [`FIXED`].
     pub fn is_fixed(&self) -> bool {
-        let release = (self.major, self.minor, self.patch);
-        let fixed = (FIXED.major, FIXED.minor, FIXED.patch);
-        release > fixed || (release == fixed && self.pre.is_none())
+        self.at_least(&FIXED)
     }
 }
 
@@ -137,10 +162,13 @@ pub enum HookCheck {
 }
 
 impl HookCheck {
-    /// Whether the spec may carry `hook` (a hook's subcommand name): every hook at or above
-    /// [`FIXED`], all but [`GUARDED_HOOKS`] below it or without a readable version.
+    /// Whether the spec may carry `hook` (a hook's subcommand name): one of [`MINIMUM`] only
+    /// when the version is read and at least its minimum, any other always.
     pub fn allows(&self, hook: &str) -> bool {
-        !GUARDED_HOOKS.contains(&hook) || self.is_fixed()
+        match MINIMUM.iter().find(|(h, _)| *h == hook) {
+            Some((_, since)) => matches!(self, Self::Version(v) if v.at_least(since)),
+            None => true,
+        }
     }
 
     /// Whether the binary reported [`FIXED`] or later.
@@ -156,15 +184,21 @@ impl HookCheck {
         }
     }
 
-    /// Why [`GUARDED_HOOKS`] are left out, in a few words (`/metrics` labels it; the start-up
-    /// warning has the details), `None` when they are not.
-    pub fn left_out_reason(&self) -> Option<String> {
-        match self {
-            Self::Version(v) if v.is_fixed() => None,
-            Self::Version(v) => Some(format!("toolkit {v} below {FIXED}")),
-            Self::Unchecked => Some("toolkit version not read".into()),
-            Self::Unreadable(_) => Some("toolkit version unreadable".into()),
-        }
+    /// Each hook of [`MINIMUM`] the spec leaves out, and why in a few words (`/metrics` labels
+    /// it; the start-up log has the details): `toolkit 1.17.7 below 1.17.8`.
+    pub fn left_out(&self) -> Vec<(&'static str, String)> {
+        MINIMUM
+            .iter()
+            .filter(|(hook, _)| !self.allows(hook))
+            .map(|(hook, since)| {
+                let why = match self {
+                    Self::Version(v) => format!("toolkit {v} below {since}"),
+                    Self::Unchecked => "toolkit version not read".into(),
+                    Self::Unreadable(_) => "toolkit version unreadable".into(),
+                };
+                (*hook, why)
+            })
+            .collect()
     }
 }
 
@@ -304,10 +338,17 @@ pub fn last_check() -> Option<(PathBuf, HookCheck)> {
 fn log(host: &Path, check: &HookCheck) {
     let hooks = GUARDED_HOOKS.join(" and ");
     match check {
+        HookCheck::Version(v) if v.at_least(&DEVICE_NODE_HOOK_SINCE) => tracing::info!(
+            hook.path = %host.display(),
+            toolkit.version = %v,
+            "NVIDIA Container Toolkit {v}: CDI specs carry all of NVIDIA's hooks"
+        ),
         HookCheck::Version(v) if v.is_fixed() => tracing::info!(
             hook.path = %host.display(),
             toolkit.version = %v,
-            "NVIDIA Container Toolkit {v} (at least {FIXED}): CDI specs carry all of NVIDIA's hooks"
+            "NVIDIA Container Toolkit {v} has no disable-device-node-modification hook (it came \
+             in {DEVICE_NODE_HOOK_SINCE}; a hook the binary lacks would fail every container's \
+             start): CDI specs leave it out, so NVML in a container may create device nodes there"
         ),
         HookCheck::Version(v) => tracing::warn!(
             hook.path = %host.display(),
@@ -316,8 +357,9 @@ fn log(host: &Path, check: &HookCheck) {
              image can make enable-cuda-compat load its own library as root on the host, and \
              update-ldcache follows links out of the container): CDI specs leave out {hooks} \
              (containers get no CUDA forward compatibility and no ld cache entries for the \
-             driver's libraries); upgrade the NVIDIA Container Toolkit on this node to {FIXED} \
-             or later and restart nvdra"
+             driver's libraries), and disable-device-node-modification, which it lacks; upgrade \
+             the NVIDIA Container Toolkit on this node to {FIXED} or later ({DEVICE_NODE_HOOK_SINCE} \
+             for all four hooks) and restart nvdra"
         ),
         HookCheck::Unchecked | HookCheck::Unreadable(_) => {
             let why = match check {
@@ -330,8 +372,9 @@ fn log(host: &Path, check: &HookCheck) {
                 "cannot read the NVIDIA Container Toolkit version of {}, so it is treated as \
                  below {FIXED}, which fixes {CVES}: CDI specs leave out {hooks} (containers get \
                  no CUDA forward compatibility and no ld cache entries for the driver's \
-                 libraries); install NVIDIA Container Toolkit {FIXED} or later (its \
-                 `--version` prints \"<name> version <version>\") and restart nvdra",
+                 libraries) and disable-device-node-modification; install NVIDIA Container \
+                 Toolkit {FIXED} or later (its `--version` prints \"<name> version <version>\") \
+                 and restart nvdra",
                 host.display()
             )
         }

@@ -308,8 +308,9 @@ impl Collector for Snapshot {
             "nvdra_cdi_hook_left_out",
             "1 for each of NVIDIA's hooks left out of every CDI spec, and why: below NVIDIA \
              Container Toolkit 1.17.8 (CVE-2025-23266, CVE-2025-23267), or with its version \
-             unreadable, enable-cuda-compat and update-ldcache are not run. Upgrade the toolkit \
-             to 1.17.8 or later and restart nvdra.",
+             unreadable, enable-cuda-compat and update-ldcache are not run; below 1.18.0 \
+             disable-device-node-modification, which older hook binaries lack. Upgrade the \
+             toolkit and restart nvdra.",
             self.cdi_hook.iter().flat_map(|h| &h.left_out),
             |(hook, reason)| [("hook", hook.to_string()), ("reason", reason.clone())],
             |_| Some(1u64),

@@ -68,36 +68,67 @@ fn only_1_17_8_and_later_are_fixed() {
 }
 
 #[test]
-fn the_guarded_hooks_are_allowed_only_from_the_fixed_version() {
+fn each_conditional_hook_is_allowed_only_from_its_version() {
     let below = HookCheck::Version(v("1.17.7"));
     let fixed = HookCheck::Version(v("1.17.8"));
+    let rc = HookCheck::Version(v("1.18.0-rc.3"));
+    let all = HookCheck::Version(v("1.18.0"));
     let unreadable = HookCheck::Unreadable("cannot run it".into());
+    let allowed = |check: &HookCheck| -> Vec<&str> {
+        [
+            "create-symlinks",
+            "enable-cuda-compat",
+            "update-ldcache",
+            "disable-device-node-modification",
+        ]
+        .into_iter()
+        .filter(|h| check.allows(h))
+        .collect()
+    };
     for check in [&below, &unreadable, &HookCheck::Unchecked] {
-        assert!(!check.allows("enable-cuda-compat"), "{check:?}");
-        assert!(!check.allows("update-ldcache"), "{check:?}");
-        assert!(check.allows("create-symlinks"), "{check:?}");
-        assert!(
-            check.allows("disable-device-node-modification"),
+        assert_eq!(allowed(check), ["create-symlinks"], "{check:?}");
+    }
+    // 1.17.8 has the fixes but not disable-device-node-modification, which came in 1.18.0.
+    for check in [&fixed, &rc] {
+        assert_eq!(
+            allowed(check),
+            ["create-symlinks", "enable-cuda-compat", "update-ldcache"],
             "{check:?}"
         );
     }
-    for hook in [
-        "enable-cuda-compat",
-        "update-ldcache",
-        "create-symlinks",
-        "disable-device-node-modification",
-    ] {
-        assert!(fixed.allows(hook), "{hook}");
-    }
+    assert_eq!(allowed(&all).len(), 4);
+    let left = |check: &HookCheck| -> Vec<(String, String)> {
+        check
+            .left_out()
+            .into_iter()
+            .map(|(h, why)| (h.to_string(), why))
+            .collect()
+    };
+    let pair = |h: &str, why: &str| (h.to_string(), why.to_string());
     assert_eq!(
-        below.left_out_reason().as_deref(),
-        Some("toolkit 1.17.7 below 1.17.8")
+        left(&below),
+        [
+            pair("enable-cuda-compat", "toolkit 1.17.7 below 1.17.8"),
+            pair("update-ldcache", "toolkit 1.17.7 below 1.17.8"),
+            pair(
+                "disable-device-node-modification",
+                "toolkit 1.17.7 below 1.18.0"
+            ),
+        ]
     );
     assert_eq!(
-        unreadable.left_out_reason().as_deref(),
-        Some("toolkit version unreadable")
+        left(&fixed),
+        [pair(
+            "disable-device-node-modification",
+            "toolkit 1.17.8 below 1.18.0"
+        )]
     );
-    assert_eq!(fixed.left_out_reason(), None);
+    assert_eq!(
+        left(&unreadable)[0],
+        pair("enable-cuda-compat", "toolkit version unreadable")
+    );
+    assert_eq!(left(&unreadable).len(), 3);
+    assert_eq!(left(&all), []);
     assert_eq!(below.version_label(), "1.17.7");
     assert_eq!(unreadable.version_label(), "unreadable");
 }
@@ -333,12 +364,15 @@ fn below_1_17_8_the_spec_leaves_out_enable_cuda_compat_and_update_ldcache() {
         "update-ldcache",
         "disable-device-node-modification",
     ];
-    let floor = ["create-symlinks", "disable-device-node-modification"];
+    let floor = ["create-symlinks"];
+    // 1.17.8 and 1.17.9 have the fixes, and no disable-device-node-modification yet.
+    let fixed = &all[..3];
     for binary in ["nvidia-cdi-hook", "nvidia-ctk"] {
         for (version, expected) in [
             ("1.17.7", &floor[..]),
             ("1.16.2", &floor[..]),
-            ("1.17.8", &all[..]),
+            ("1.17.8", fixed),
+            ("1.17.9", fixed),
             ("1.18.0", &all[..]),
             ("1.19.1", &all[..]),
             ("unknown", &floor[..]),
@@ -349,15 +383,16 @@ fn below_1_17_8_the_spec_leaves_out_enable_cuda_compat_and_update_ldcache() {
     }
     // The hooks that stay are as they were: the same binary, env and arguments.
     let below = spec_with_toolkit("nvidia-cdi-hook", "1.17.7");
-    let fixed = spec_with_toolkit("nvidia-cdi-hook", "1.17.8");
+    let fixed = spec_with_toolkit("nvidia-cdi-hook", "1.18.0");
     let args = |s: &Spec| -> Vec<Vec<String>> {
         s.container_edits
             .hooks
             .iter()
-            .filter(|h| !matches!(h.args[1].as_str(), "enable-cuda-compat" | "update-ldcache"))
+            .filter(|h| h.args[1] == "create-symlinks")
             .map(|h| (h.args.clone(), h.env.clone(), h.hook_name.clone()))
             .map(|(a, e, n)| [a, e, vec![n]].concat())
             .collect()
     };
+    assert_eq!(args(&below).len(), 1);
     assert_eq!(args(&below), args(&fixed));
 }

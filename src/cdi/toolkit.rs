@@ -1,5 +1,5 @@
 //! The version of the node's NVIDIA Container Toolkit, read from the hook binary nvdra names in
-//! every spec, and the floor below which two of its hooks are left out.
+//! every spec, and the versions below which some of its hooks are left out.
 //!
 //! NVIDIA Container Toolkit 1.17.7 and older have CVE-2025-23266 (`enable-cuda-compat`: a
 //! container image can make the hook, run as root on the host, load a library of its own) and

@@ -554,27 +554,28 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
 /// path cannot keep a GPU's replicas in one domain, and a rule that silently does not hold on
 /// part of the node is worse than none. (`--device-plugin-gpu-memory` is refused where the
 /// configuration is resolved.)
-fn trust_domain_beside(config: &Config, options: &deviceplugin::Options) -> Result<()> {
+fn trust_domain_beside(
+    config: &Config,
+    options: &deviceplugin::Options,
+) -> Result<(), deviceplugin::nvconfig::ConfigError> {
     if !config.share_trust_domain.enabled() || options.sharing.is_none() {
         return Ok(());
     }
-    Err(Error::DevicePluginConfig(
-        deviceplugin::nvconfig::ConfigError {
-            file: config
-                .device_plugin_config
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            key: "sharing".into(),
-            message: format!(
-                "shares GPUs between pods (replicas), but --share-trust-domain={} keeps a GPU's \
+    Err(deviceplugin::nvconfig::ConfigError {
+        file: config
+            .device_plugin_config
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+        key: "sharing".into(),
+        message: format!(
+            "shares GPUs between pods (replicas), but --share-trust-domain={} keeps a GPU's \
              shares within one trust domain, and the kubelet's Allocate names no pod or \
              namespace, so the device-plugin path cannot hold to it: share GPUs through DRA \
              only (drop the sharing section, or --mode dra), or set --share-trust-domain=off",
-                config.share_trust_domain
-            ),
-        },
-    ))
+            config.share_trust_domain
+        ),
+    })
 }
 
 /// One warning when a switch that is on meets a Kubernetes version whose scheduler has a known
@@ -828,11 +829,7 @@ mod tests {
         )
         .unwrap();
         let plain = deviceplugin::Options::default();
-        let Err(Error::DevicePluginConfig(e)) =
-            trust_domain_beside(&config("namespace"), &replicas)
-        else {
-            panic!("replicas under a trust domain must be refused");
-        };
+        let e = trust_domain_beside(&config("namespace"), &replicas).unwrap_err();
         assert_eq!(
             (e.file.as_str(), e.key.as_str()),
             ("/etc/nvdra/dp.yaml", "sharing")

@@ -127,8 +127,7 @@ pub enum ClaimError {
         holders: String,
     },
     #[error(
-        "claim {namespace}/{name} of {domain} cannot have a share of {device}: claim {holder} of \
-         {holder_domain} holds a share of it, and this node keeps the shares of a GPU within one \
+        "claim {claim} cannot have a share of {device}: claim {holder} holds a share of it, and this node keeps the shares of a GPU within one \
          trust domain (--share-trust-domain={rule}); the scheduler does not know the rule. \
          Delete the pod so that the scheduler places its claim again (on another GPU, if one \
          has room), or wait until the GPU's shares of that domain end; to keep tenants off each \
@@ -136,12 +135,10 @@ pub enum ClaimError {
     )]
     ShareOfAnotherDomain {
         device: String,
-        namespace: String,
-        name: String,
-        domain: String,
-        /// `ns/name (uid)`.
+        /// `ns/name of <its domain>`.
+        claim: String,
+        /// `ns/name (uid) of <its domain>`.
         holder: String,
-        holder_domain: String,
         rule: String,
     },
     #[error(

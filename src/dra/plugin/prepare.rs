@@ -550,11 +550,18 @@ pub(super) fn one_domain_per_gpu(
             if !rule.admits(me, them) {
                 return Err(ClaimError::ShareOfAnotherDomain {
                     device: d.device.to_string(),
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                    domain: rule.describe(me),
-                    holder: format!("{}/{} ({uid})", e.namespace, e.name),
-                    holder_domain: rule.describe(them),
+                    claim: format!(
+                        "{}/{} of {}",
+                        claim.namespace,
+                        claim.name,
+                        rule.describe(me)
+                    ),
+                    holder: format!(
+                        "{}/{} ({uid}) of {}",
+                        e.namespace,
+                        e.name,
+                        rule.describe(them)
+                    ),
                     rule: rule.to_string(),
                 });
             }

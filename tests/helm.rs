@@ -562,7 +562,13 @@ fn every_flag_and_variable_the_chart_renders_is_one_nvdra_run_declares() {
         }
     };
     let mut checked = 0;
-    for docs in [every_value(helm), template(helm, "nvdra", &[]).unwrap()] {
+    let trust = template(
+        helm,
+        "nvdra",
+        &["--set", "mode=dra,shareTrustDomain=label:example.com/tenant"],
+    )
+    .unwrap();
+    for docs in [every_value(helm), template(helm, "nvdra", &[]).unwrap(), trust] {
         let c = container(&docs);
         let args = strings(&c["args"]);
         assert_eq!(args[0], "run");
@@ -582,6 +588,50 @@ fn every_flag_and_variable_the_chart_renders_is_one_nvdra_run_declares() {
         }
     }
     assert!(checked >= 12, "only {checked} names checked");
+}
+
+/// `shareTrustDomain` reaches nvdra as the variable it reads, and only when set: off renders
+/// nothing, and nvdra run accepts what the chart writes (a rule it refuses fails its check).
+#[test]
+fn the_share_trust_domain_is_rendered_only_when_set_and_nvdra_accepts_it() {
+    let Some(helm) = helm() else { return };
+    for (set, want) in [
+        ("shareTrustDomain=", None),
+        ("shareTrustDomain=off", None),
+        ("shareTrustDomain=namespace", Some("namespace")),
+        (
+            "shareTrustDomain=label:example.com/tenant",
+            Some("label:example.com/tenant"),
+        ),
+    ] {
+        let docs = template(helm, "nvdra", &["--set", set]).unwrap();
+        let c = container(&docs);
+        assert_eq!(env(c, "NVDRA_SHARE_TRUST_DOMAIN"), want, "{set}");
+        let Some(rule) = want else { continue };
+        // nvdra reads it as the chart wrote it (`nvdra match` takes the rule from the same
+        // variable as `nvdra run`); the value the schema lets through but nvdra refuses
+        // would exit 64 here.
+        let example = manifests().join("examples/one-gpu.yaml");
+        let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+            .args(["match", "--profile", "dgx-h100", "-f"])
+            .arg(&example)
+            .env("NVDRA_SHARE_TRUST_DOMAIN", rule)
+            .output()
+            .expect("nvdra runs");
+        assert!(
+            out.status.success(),
+            "{set}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The check above can fail: a rule nvdra refuses.
+    let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args(["match", "--profile", "dgx-h100", "-f"])
+        .arg(manifests().join("examples/one-gpu.yaml"))
+        .env("NVDRA_SHARE_TRUST_DOMAIN", "tenant")
+        .output()
+        .expect("nvdra runs");
+    assert_eq!(out.status.code(), Some(64));
 }
 
 #[test]
@@ -656,6 +706,13 @@ fn bad_values_are_refused_naming_the_value() {
             "/metrics/networkPolicy/from/0/ipBlock",
         ),
         ("imageTag=v1", "imageTag"),
+        ("shareTrustDomain=tenant", "/shareTrustDomain"),
+        ("shareTrustDomain=label:a/b/c", "/shareTrustDomain"),
+        // The device plugin's replicas name no namespace: nvdra would refuse to start.
+        (
+            "shareTrustDomain=namespace,sharing.timeSlicing.resources[0].replicas=2",
+            "shareTrustDomain: the device plugin's shares",
+        ),
     ] {
         let err = template(helm, "nvdra", &["--set", set]).expect_err(set);
         assert!(err.contains(names), "--set {set}: {err}");

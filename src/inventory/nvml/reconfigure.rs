@@ -117,6 +117,14 @@ pub(super) fn set_time_slice(
                 }
                 said.push_str(stderr.trim());
             }
+            // nvidia-smi's refusal without CAP_SYS_ADMIN ("Insufficient Permissions").
+            if said
+                .to_ascii_lowercase()
+                .contains("insufficient permissions")
+            {
+                said.push_str("; ");
+                said.push_str(NEEDS_SYS_ADMIN);
+            }
             return Err(Error::CommandFailed {
                 command,
                 status: out.status.to_string(),
@@ -156,8 +164,8 @@ pub(super) fn set_compute_mode(nvml: &Nvml, gpu: &GpuUuid, mode: ComputeMode) ->
     };
     d.set_compute_mode(to).map_err(|e| match e {
         NvmlError::NoPermission => Error::Refused(format!(
-            "cannot set GPU {gpu} to compute mode {mode}: NVML says no permission; nvdra needs \
-             root (a privileged container) to change compute modes"
+            "cannot set GPU {gpu} to compute mode {mode}: NVML says no permission; \
+             {NEEDS_SYS_ADMIN}"
         )),
         NvmlError::NotSupported => Error::Refused(format!(
             "GPU {gpu} does not support compute mode {mode} (NVML: not supported)"
@@ -283,10 +291,21 @@ fn in_use(d: &Device<'_>, compute: Vec<u32>, scan: Option<&HolderScan>) -> (Vec<
     (processes, holders)
 }
 
+/// What a refused change needs: the deployments give nvdra's container `CAP_SYS_ADMIN`, which
+/// the driver asks of whoever changes MIG devices, MIG mode or a compute mode, only where MIG or
+/// shares are switched on.
+const NEEDS_SYS_ADMIN: &str = "changing a GPU (MIG devices, MIG mode, compute mode) needs \
+    CAP_SYS_ADMIN in nvdra's container: deploy with the kustomize component \
+    components/mig-and-shares, or the Helm value migAndShares=true";
+
 fn nvml_error(call: &str, e: NvmlError) -> Error {
+    let reason = match e {
+        NvmlError::NoPermission => format!("{e}; {NEEDS_SYS_ADMIN}"),
+        e => e.to_string(),
+    };
     Error::Nvml {
         call: call.into(),
-        reason: e.to_string(),
+        reason,
     }
 }
 
@@ -533,6 +552,29 @@ pub(super) fn destroy_mig(nvml: &Nvml, gpu: &GpuUuid, mig: &MigUuid) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The base deployments leave `CAP_SYS_ADMIN` out: a change the driver refuses for it names
+    /// the switch that adds it, whichever call was refused.
+    #[test]
+    fn a_refusal_for_permission_names_the_switch_that_grants_it() {
+        let e = nvml_error(
+            "nvmlDeviceCreateGpuInstanceWithPlacement",
+            NvmlError::NoPermission,
+        );
+        let msg = e.to_string();
+        for want in [
+            "nvmlDeviceCreateGpuInstanceWithPlacement",
+            "CAP_SYS_ADMIN",
+            "components/mig-and-shares",
+            "migAndShares=true",
+        ] {
+            assert!(msg.contains(want), "no {want:?} in {msg}");
+        }
+        let other = nvml_error("nvmlDeviceGetMigMode", NvmlError::GpuLost).to_string();
+        assert!(!other.contains("CAP_SYS_ADMIN"), "{other}");
+        let gi = refused_create(&GpuUuid("GPU-1".into()), 9, "0", NvmlError::NoPermission);
+        assert!(gi.to_string().contains("migAndShares=true"), "{gi}");
+    }
     use std::os::unix::fs::PermissionsExt;
 
     fn script(dir: &Path, body: &str) -> PathBuf {
@@ -542,6 +584,28 @@ mod tests {
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
         p
+    }
+
+    /// nvidia-smi's own words for a refused change (it prints them on stdout and exits 4) get
+    /// the switch that grants the capability.
+    #[test]
+    fn an_nvidia_smi_refused_for_permission_names_the_switch() {
+        let root = tempfile::tempdir().unwrap();
+        let smi = script(
+            root.path(),
+            "echo 'Setting compute mode to DEFAULT for GPU 00000000:18:00.0: Insufficient Permissions'; exit 4",
+        );
+        let gpu = GpuUuid("GPU-1".into());
+        let e = set_time_slice(&smi, None, &gpu, TimeSlice::Short, NVIDIA_SMI_DEADLINE)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Insufficient Permissions"), "{e}");
+        assert!(e.contains("components/mig-and-shares"), "{e}");
+        let smi = script(root.path(), "echo 'GPU is lost'; exit 15");
+        let e = set_time_slice(&smi, None, &gpu, TimeSlice::Short, NVIDIA_SMI_DEADLINE)
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("CAP_SYS_ADMIN"), "{e}");
     }
 
     #[test]

@@ -565,10 +565,17 @@ fn every_flag_and_variable_the_chart_renders_is_one_nvdra_run_declares() {
     let trust = template(
         helm,
         "nvdra",
-        &["--set", "mode=dra,shareTrustDomain=label:example.com/tenant"],
+        &[
+            "--set",
+            "mode=dra,shareTrustDomain=label:example.com/tenant",
+        ],
     )
     .unwrap();
-    for docs in [every_value(helm), template(helm, "nvdra", &[]).unwrap(), trust] {
+    for docs in [
+        every_value(helm),
+        template(helm, "nvdra", &[]).unwrap(),
+        trust,
+    ] {
         let c = container(&docs);
         let args = strings(&c["args"]);
         assert_eq!(args[0], "run");

@@ -137,6 +137,16 @@ fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Confi
         );
         config.partitionable = false;
     }
+    // Dynamic MIG switches modes and makes MIG devices at prepare: said once here, and each
+    // such prepare fails naming the cause.
+    if config.mode != Mode::DevicePlugin
+        && config.dynamic_mig.enabled()
+        && let Some(why) = backend.unavailable(Reconfiguration::Mig)
+    {
+        tracing::warn!(
+            "dynamic MIG cannot change GPUs: {why}; claims that need a MIG mode switch or a new MIG device fail to prepare"
+        );
+    }
     // Only DRA claims ask for time slices.
     if config.mode != Mode::DevicePlugin
         && let Some(why) = backend.unavailable(Reconfiguration::TimeSlice)

@@ -423,6 +423,66 @@ fn sm_counts_nvml_cannot_give_are_omitted_never_zero() {
     }
 }
 
+/// The deployments give nvdra `CAP_SYS_ADMIN` only with MIG or shares switched on: `nvdra run
+/// --partitionable` without it (dropped from the bounding set by util-linux's setpriv, as a
+/// container without the capability has it) says so at start and publishes no placement that
+/// every prepare would refuse, naming the switch that grants it.
+#[test]
+fn partitionable_without_cap_sys_admin_is_turned_off_naming_the_switch() {
+    use std::io::{BufRead, BufReader};
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("setpriv (util-linux) is not installed: skipped");
+        return;
+    }
+    let node = fake_node();
+    let sandbox = tempfile::tempdir().unwrap();
+    let run = support::daemon::nvdra_run(sandbox.path(), "dra", "node-a");
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--bounding-set", "-sys_admin", "--"])
+        .arg(run.get_program())
+        .args(run.get_args())
+        .args(["--backend", "nvml", "--partitionable", "--driver-root"])
+        .arg(node.driver_root.path());
+    for (k, v) in run.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let mut child = cmd
+        .env("NVDRA_LOG", "warn")
+        .env("NVDRA_LOG_FORMAT", "plain")
+        .env_remove("FAKE_NVML_NODE")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("setpriv runs nvdra");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let found = loop {
+        match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(line) if line.contains("partitionable mode is off") => break Some(line),
+            Ok(line) => seen.push(line),
+            Err(_) => break None,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = found.unwrap_or_else(|| panic!("no warning; stderr:\n{}", seen.join("\n")));
+    for want in ["CAP_SYS_ADMIN", "components/mig-and-shares", "migAndShares=true"] {
+        assert!(line.contains(want), "no {want:?} in {line}");
+    }
+}
+
 /// MIG creation through NVML refuses what the GPU cannot do, naming the GPU, and changes
 /// nothing; destroying a MIG device that is not there succeeds (rollbacks repeat it). Only
 /// failing calls here: the default node is shared by every test of this process.

@@ -154,6 +154,8 @@ impl DeviceBackend for NvmlBackend {
                 .err()
                 .map(|symbol| format!("the NVML library lacks {symbol} (a driver older than MIG)")),
         }
+        // Both change the GPU, which the driver allows only with CAP_SYS_ADMIN.
+        .or_else(reconfigure::lacks_sys_admin_now)
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {

@@ -298,6 +298,24 @@ const NEEDS_SYS_ADMIN: &str = "changing a GPU (MIG devices, MIG mode, compute mo
     CAP_SYS_ADMIN in nvdra's container: deploy with the kustomize component \
     components/mig-and-shares, or the Helm value migAndShares=true";
 
+/// Why this process cannot change GPUs for want of `CAP_SYS_ADMIN`, read from its
+/// `/proc/self/status` text (`CapEff:`, hex; the capability is bit 21); `None` when it has it or
+/// the line is missing (not Linux's format: nothing to say).
+pub(super) fn lacks_sys_admin(status: &str) -> Option<String> {
+    const CAP_SYS_ADMIN: u32 = 21;
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))?
+        .trim();
+    let caps = u64::from_str_radix(hex, 16).ok()?;
+    (caps & (1 << CAP_SYS_ADMIN) == 0).then(|| NEEDS_SYS_ADMIN.to_string())
+}
+
+/// [`lacks_sys_admin`] of this process.
+pub(super) fn lacks_sys_admin_now() -> Option<String> {
+    lacks_sys_admin(&std::fs::read_to_string("/proc/self/status").ok()?)
+}
+
 fn nvml_error(call: &str, e: NvmlError) -> Error {
     let reason = match e {
         NvmlError::NoPermission => format!("{e}; {NEEDS_SYS_ADMIN}"),
@@ -584,6 +602,20 @@ mod tests {
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
         p
+    }
+
+    #[test]
+    fn the_capability_is_read_from_the_effective_set() {
+        let status = |eff: &str| format!("Name:\tnvdra\nCapInh:\t0000000000000000\nCapPrm:\t00000000a80425fb\nCapEff:\t{eff}\n");
+        // Docker's default set (no SYS_ADMIN), then the same with bit 21.
+        let why = lacks_sys_admin(&status("00000000a80425fb")).unwrap();
+        assert!(why.contains("components/mig-and-shares"), "{why}");
+        assert_eq!(lacks_sys_admin(&status("00000000a82425fb")), None);
+        assert_eq!(lacks_sys_admin(&status("000001ffffffffff")), None);
+        assert!(lacks_sys_admin(&status("0000000000000000")).is_some());
+        // Not the format: nothing said.
+        assert_eq!(lacks_sys_admin("Name:\tnvdra\n"), None);
+        assert_eq!(lacks_sys_admin(&status("zz")), None);
     }
 
     /// nvidia-smi's own words for a refused change (it prints them on stdout and exits 4) get

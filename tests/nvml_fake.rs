@@ -478,7 +478,11 @@ fn partitionable_without_cap_sys_admin_is_turned_off_naming_the_switch() {
     let _ = child.kill();
     let _ = child.wait();
     let line = found.unwrap_or_else(|| panic!("no warning; stderr:\n{}", seen.join("\n")));
-    for want in ["CAP_SYS_ADMIN", "components/mig-and-shares", "migAndShares=true"] {
+    for want in [
+        "CAP_SYS_ADMIN",
+        "components/mig-and-shares",
+        "migAndShares=true",
+    ] {
         assert!(line.contains(want), "no {want:?} in {line}");
     }
 }

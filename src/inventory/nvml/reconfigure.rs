@@ -606,7 +606,11 @@ mod tests {
 
     #[test]
     fn the_capability_is_read_from_the_effective_set() {
-        let status = |eff: &str| format!("Name:\tnvdra\nCapInh:\t0000000000000000\nCapPrm:\t00000000a80425fb\nCapEff:\t{eff}\n");
+        let status = |eff: &str| {
+            format!(
+                "Name:\tnvdra\nCapInh:\t0000000000000000\nCapPrm:\t00000000a80425fb\nCapEff:\t{eff}\n"
+            )
+        };
         // Docker's default set (no SYS_ADMIN), then the same with bit 21.
         let why = lacks_sys_admin(&status("00000000a80425fb")).unwrap();
         assert!(why.contains("components/mig-and-shares"), "{why}");

@@ -14,6 +14,8 @@
 //! - **Backoff on accept errors**: out of file descriptors (or any error other than a peer that
 //!   went away), the loop sleeps from [`ACCEPT_BACKOFF_FIRST`] doubling to [`ACCEPT_BACKOFF_MAX`]
 //!   instead of spinning, and warns at most once per [`ACCEPT_LOG_EVERY`].
+//! - **A thread of its own** ([`serve`]): the listener and its connections run on a
+//!   single-threaded runtime there, never on the daemon's workers that serve the kubelet's gRPC.
 //! - **Scrapes rendered on one thread of their own** ([`Renderer`]), never on the runtime's
 //!   blocking pool that prepares use for NVML and fsync'd writes; a render serves every scrape
 //!   that asks within [`CACHE_FOR`] of it, so N scrapes at once cost one render.
@@ -92,8 +94,48 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 }
 
 /// Serves with the default [`Limits`] until `shutdown` is cancelled.
+///
+/// The listener runs on a thread of its own with a single-threaded runtime: whatever a peer makes
+/// it do (accepts, heads, closes, answers) runs there, never on the daemon's two workers that
+/// serve the kubelet's gRPC. This future only waits for that thread to end.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-    serve_with(listener, metrics, Limits::default(), shutdown).await;
+    let listener = match listener.into_std() {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot hand the metrics listener to its thread");
+            return;
+        }
+    };
+    let (done, ended) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("nvdra-metrics-io".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the metrics listener's runtime");
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                // Registered with this thread's runtime (it is non-blocking, as into_std left it).
+                match TcpListener::from_std(listener) {
+                    Ok(l) => serve_with(l, metrics, Limits::default(), shutdown).await,
+                    Err(e) => tracing::error!(error = %e, "cannot register the metrics listener"),
+                }
+            });
+            drop(done);
+        });
+    if let Err(e) = thread {
+        // The task ends, which stops the daemon naming it: a node out of threads.
+        tracing::error!(error = %e, "cannot start the metrics listener thread");
+        return;
+    }
+    // Ends when the thread's serving ends (shutdown, or a failure logged above).
+    let _ = ended.await;
 }
 
 /// Serves until `shutdown` is cancelled; connections still open are closed then.

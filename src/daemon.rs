@@ -81,7 +81,7 @@ pub enum Error {
     #[error("cannot start the DRA plugin")]
     Start(#[from] plugin::StartError),
     #[error("recovering the checkpoint failed")]
-    Recover(#[from] plugin::ClaimError),
+    Recover(#[source] Box<plugin::ClaimError>),
     #[error(transparent)]
     Boot(#[from] ledger::Error),
     #[error(transparent)]
@@ -387,7 +387,11 @@ async fn start_dra(
         }
         r
     });
-    let rec = plugin.recover().await?;
+    // Boxed: a claim's error is large, and every start-up result would carry its size.
+    let rec = plugin
+        .recover()
+        .await
+        .map_err(|e| Error::Recover(Box::new(e)))?;
     tracing::info!(
         rolled_back = rec.rolled_back.len(),
         cdi_rewritten = rec.cdi_rewritten.len(),

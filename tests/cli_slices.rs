@@ -575,3 +575,88 @@ fn dynamic_mig_off_or_without_hopper_leaves_the_slices_byte_identical() {
         }
     }
 }
+
+/// The built-in profiles, in `--profile`'s order.
+const PROFILES: [&str; 7] = [
+    "dgx-a100",
+    "dgx-a100-mig",
+    "dgx-h100",
+    "hgx-h200",
+    "l40s-pcie",
+    "a100-mig-mixed",
+    "pcie-pairs",
+];
+
+/// What every profile publishes, plain and in each publishing mode, is byte for byte what it
+/// published when the golden set was written (`tests/data/slices/golden/<profile>-<mode>.yaml`,
+/// `nvdra inventory --profile P --node-name node-a -o slices [--MODE]` at `20f04f7`, before
+/// issue 35's refactor, which must not change a byte). A change on purpose rewrites the files
+/// with that command and says why in its commit.
+#[test]
+fn every_profile_and_mode_publishes_its_golden_slices() {
+    let mut checked = 0;
+    for profile in PROFILES {
+        for mode in ["plain", "partitionable", "shared-capacity", "dynamic-mig"] {
+            let path = format!(
+                "{}/tests/data/slices/golden/{profile}-{mode}.yaml",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let golden = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            let flag = format!("--{mode}");
+            let mut args = vec![
+                "inventory",
+                "--profile",
+                profile,
+                "--node-name",
+                "node-a",
+                "-o",
+                "slices",
+            ];
+            if mode != "plain" {
+                args.push(&flag);
+            }
+            let out = nvdra(&args, &[]);
+            assert!(
+                out.status.success(),
+                "{profile} {mode}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let now = String::from_utf8(out.stdout).unwrap();
+            if now != golden {
+                let line = now
+                    .lines()
+                    .zip(golden.lines())
+                    .position(|(a, b)| a != b)
+                    .unwrap_or_else(|| now.lines().count().min(golden.lines().count()));
+                panic!(
+                    "{profile} {mode}: the slices differ from {path} from line {}: now {:?}, \
+                     golden {:?}",
+                    line + 1,
+                    now.lines().nth(line),
+                    golden.lines().nth(line)
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 28);
+}
+
+/// The golden set covers every built-in profile: a new one gets its files.
+#[test]
+fn the_golden_set_names_every_built_in_profile() {
+    let out = nvdra(&["inventory", "--help"], &[]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    let line = help
+        .lines()
+        .find(|l| l.contains("A built-in simulated node:"))
+        .expect("--profile's help lists the profiles");
+    let listed: Vec<&str> = line
+        .split_once(':')
+        .unwrap()
+        .1
+        .split(',')
+        .map(str::trim)
+        .collect();
+    assert_eq!(listed, PROFILES);
+}

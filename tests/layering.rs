@@ -1,7 +1,8 @@
 //! The modules' dependency graph, from the source: every `crate::…` and `super::…` path (in `use`
-//! trees and inline alike) of every file of nvdra and of the kubelet-plugin library, test code
-//! left out. It must have no circle — neither between files nor between top-level modules — and
-//! the ledger must not import from `dra` (the ledger is below the DRA plugin that uses it).
+//! trees and inline alike) of every file of nvdra and of the kubelet-plugin library, read whole,
+//! test code (each item marked `#[cfg(test)]`, and test modules in files of their own) left
+//! out. It must have no circle — neither between files nor between top-level modules — and the
+//! ledger must not import from `dra` (the ledger is below the DRA plugin that uses it).
 //! A reader cannot see a circle in one file; this test sees all of them at once. The domain
 //! modules (`inventory`, `ledger`, `holds`, `health`, `sharing`, `cdi`) must not name a
 //! transport crate (`tonic`, `kube`): adapters depend on them, never the reverse.
@@ -57,9 +58,8 @@ fn module_of(src: &Path, file: &Path) -> Module {
     m
 }
 
-/// The code of a file without comments, strings and its `#[cfg(test)]` tail.
+/// The code of a file without comments and strings.
 fn code(text: &str) -> String {
-    let text = text.split("#[cfg(test)]").next().unwrap_or_default();
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {
@@ -125,6 +125,51 @@ fn tokens(code: &str) -> Vec<String> {
     out
 }
 
+/// The tokens without the items marked `#[cfg(test)]` (tests may import freely): the attribute,
+/// any attributes after it, and the item up to its `;` or through its brace-balanced body. The
+/// code after a test module is read like any other.
+fn without_test_items(tokens: Vec<String>) -> Vec<String> {
+    const CFG_TEST: [&str; 7] = ["#", "[", "cfg", "(", "test", ")", "]"];
+    let mut out = Vec::with_capacity(tokens.len());
+    let mut i = 0;
+    while i < tokens.len() {
+        if !tokens[i..].starts_with(&CFG_TEST.map(String::from)) {
+            out.push(tokens[i].clone());
+            i += 1;
+            continue;
+        }
+        i += CFG_TEST.len();
+        // The item's head (`mod tests`, `use a::{b, c}`, `fn f() -> [u8; 4]`), up to the `;`
+        // that ends it or the `{` of its body, outside brackets, parentheses and `use` trees.
+        let mut nested = 0usize;
+        let mut use_item = false;
+        while let Some(t) = tokens.get(i) {
+            i += 1;
+            match t.as_str() {
+                "use" => use_item = true,
+                "(" | "[" => nested += 1,
+                "{" if use_item => nested += 1,
+                ")" | "]" | "}" if nested > 0 => nested -= 1,
+                ";" if nested == 0 => break,
+                "{" if nested == 0 => {
+                    let mut depth = 1usize;
+                    while depth > 0 && i < tokens.len() {
+                        match tokens[i].as_str() {
+                            "{" => depth += 1,
+                            "}" => depth -= 1,
+                            _ => {}
+                        }
+                        i += 1;
+                    }
+                    break;
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
 /// The paths of a path or `use` tree starting at `tokens[i]` (after `crate::` or `super::`),
 /// each prefixed by `base`.
 fn paths(tokens: &[String], mut i: usize, base: Module, out: &mut Vec<Module>) -> usize {
@@ -172,7 +217,7 @@ fn scan(src: &Path) -> Graph {
         if module.iter().any(|s| s == "tests" || s.ends_with("_tests")) {
             continue;
         }
-        let tokens = tokens(&code(&std::fs::read_to_string(file).unwrap()));
+        let tokens = without_test_items(tokens(&code(&std::fs::read_to_string(file).unwrap())));
         // Inline `mod name { … }` blocks: (name, brace depth inside it).
         let mut inline: Vec<(String, usize)> = Vec::new();
         let mut depth = 0;
@@ -386,7 +431,7 @@ fn domain_modules_name_neither_tonic_nor_kube() {
 }
 
 /// The scanner itself, on a made-up crate: it finds `use` trees, inline paths, `super::` out of
-/// an inline module, and ignores comments, strings and test code.
+/// an inline module, and ignores comments, strings and test code — but reads on after it.
 #[test]
 fn the_scan_finds_the_paths_a_reader_would() {
     let dir = tempfile::tempdir().unwrap();
@@ -402,7 +447,10 @@ fn the_scan_finds_the_paths_a_reader_would() {
     );
     write(
         "b.rs",
-        "fn f() { let _ = crate::c::g(); }\n#[cfg(test)]\nmod t { use crate::a; }\n",
+        "fn f() { let _ = crate::c::g(); }\n#[cfg(test)]\nmod t { use crate::a; }\n\
+         #[cfg(test)]\nuse crate::{a::{self, N}, d};\n\
+         #[cfg(test)]\n#[allow(dead_code)]\nfn t() -> [u8; 1] { crate::a::M }\n\
+         fn h() -> u8 { crate::d::z() }\n",
     );
     write("c.rs", "mod inner { use super::super::d::Z; }\n");
     write("d.rs", "pub fn z() -> u8 { crate::a::N }\n");
@@ -410,7 +458,8 @@ fn the_scan_finds_the_paths_a_reader_would() {
     let m = |s: &str| vec![s.to_string()];
     let set = |v: &[&str]| v.iter().map(|s| m(s)).collect::<BTreeSet<_>>();
     assert_eq!(g.edges[&m("a")], set(&["b", "c"]));
-    assert_eq!(g.edges[&m("b")], set(&["c"]));
+    // `d` from the code after the test items; `a` from none of them.
+    assert_eq!(g.edges[&m("b")], set(&["c", "d"]));
     assert_eq!(g.edges[&m("c")], set(&["d"]));
     assert_eq!(g.edges[&m("d")], set(&["a"]));
     assert_eq!(circles(&g.edges), vec![vec!["a", "b", "c", "d"]]);

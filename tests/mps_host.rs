@@ -539,8 +539,7 @@ fn a_control_daemon_without_multi_user_mode_runs_single_user_instead_of_failing(
 #[test]
 fn without_cap_sys_admin_the_daemon_is_not_started_and_its_log_says_why() {
     use nvdra::mps::dir::{DaemonId, DaemonSpec, Layout};
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("setpriv (util-linux) is not installed: skipped");
+    if !support::setpriv() {
         return;
     }
     let n = Node::new(&[]);
@@ -721,4 +720,73 @@ fn statfs(path: &std::path::Path) -> (i64, u64) {
 fn statfs_dev(path: &std::path::Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).unwrap().dev()
+}
+
+/// The stand-in control daemon of a temporary pipe directory, killed when dropped.
+struct StandinDaemon(Child);
+
+impl Drop for StandinDaemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A command the control daemon does not know is refused, not answered with an empty list: a
+/// misspelled `get_server_list` would otherwise read as "no servers" and pass for alive. The
+/// stand-in's client exits non-zero with the refusal on stderr, and nvdra's control client
+/// reports it as a failure naming the command and the refusal.
+#[test]
+fn an_unknown_command_is_refused_and_nvdras_client_names_it() {
+    let n = Node::new(&[]);
+    let pipe = n.p("pipe");
+    std::fs::create_dir_all(&pipe).unwrap();
+    let _daemon = StandinDaemon(
+        Command::new(mps::control(&n.driver()))
+            .arg("-f")
+            .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    mps::eventually("the daemon answers", || {
+        mps::ask(&n.driver(), &pipe, "get_server_list").is_some()
+    });
+
+    let mut c = Command::new(mps::control(&n.driver()))
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut c.stdin.take().unwrap(), b"get_sever_list\n").unwrap();
+    let out = c.wait_with_output().unwrap();
+    assert!(!out.status.success(), "an unknown command was answered");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "unknown command: get_sever_list"
+    );
+
+    let control = nvdra::mps::control::find(&n.driver()).unwrap();
+    let e = nvdra::mps::control::ask(
+        &control,
+        &pipe,
+        "get_sever_list",
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, nvdra::mps::control::Error::Failed { .. }),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "\"get_sever_list\" failed (exit status: 1): unknown command: get_sever_list"
+    );
+    // A known command still answers.
+    assert!(nvdra::mps::control::alive(&control, &pipe).is_ok());
 }

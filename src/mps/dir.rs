@@ -319,6 +319,29 @@ mod tests {
         }
     }
 
+    /// The ids are an upgrade contract: the plugin and the MPS host run different versions during
+    /// a rolling update (the host is updated OnDelete), and each computes the id of a daemon's
+    /// directory on its own. Changing how an id is computed (prefix, hash, length, input) makes
+    /// a new plugin look for directories an old host never serves (and the reverse): every
+    /// share's wait for its daemon times out. Do not change these literals; they were worked
+    /// out with Python's hashlib (`"g-" + sha256(uuid).hexdigest()[:12]`), not with this code.
+    #[test]
+    fn ids_of_fixed_inputs_are_fixed_across_versions() {
+        assert_eq!(
+            DaemonId::gpu(&GpuUuid("GPU-4b7f3a1e-0000-4000-8000-000000000000".into())).as_str(),
+            "g-4b0f750335fd"
+        );
+        assert_eq!(
+            DaemonId::mig(&MigUuid("MIG-4b7f3a1e-0000-4000-8000-000000000000".into())).as_str(),
+            "m-6b5e6e75247f"
+        );
+        assert_eq!(
+            DaemonId::claim(&ClaimUid::parse("6d1e0f0a-1111-4222-8333-444455556666").unwrap())
+                .as_str(),
+            "c-d6b5aa00e82e"
+        );
+    }
+
     #[test]
     fn the_control_socket_of_the_default_root_is_far_under_the_socket_limit() {
         // sockaddr_un.sun_path holds 108 bytes with the terminating NUL.

@@ -17,7 +17,8 @@
 //! - `-h`: the usage text, which lists `-M` unless `STANDIN_NO_MULTI_USER=1`; with that set, a
 //!   daemon asked for `-M` exits at once with "invalid option", as an MPS without it would.
 //! - no mode: the command-line client. Sends stdin's lines to the daemon and prints the answers;
-//!   exits 1 with "Cannot find MPS control daemon process" when nothing answers.
+//!   exits 1 with "Cannot find MPS control daemon process" when nothing answers, and exits 1
+//!   with `unknown command: <line>` on stderr when the daemon does not know a command.
 //! - `cuda-client`: stands in for a CUDA process. Asks the daemon for a server, connects, prints
 //!   one line (`connected server=<pid> pinned=<CUDA_MPS_PINNED_DEVICE_MEM_LIMIT>
 //!   threads=<CUDA_MPS_ACTIVE_THREAD_PERCENTAGE> shm=<yes|no>`), stays connected, and exits 2
@@ -44,6 +45,11 @@ use std::time::{Duration, Instant};
 
 const DEFAULT_PIPE: &str = "/tmp/nvidia-mps";
 const NO_DAEMON: &str = "Cannot find MPS control daemon process";
+/// How the daemon answers a command it does not know. NVIDIA documents the commands the control
+/// client takes (nvidia-cuda-mps-control(1)), not its answer to others: the text is the
+/// stand-in's own. What the stand-in promises is that such a command is refused (the client
+/// exits non-zero with the line on stderr), never answered with an empty list.
+const UNKNOWN_COMMAND: &str = "unknown command: ";
 
 /// Runs the stand-in with `args` (those after `mps-standin`).
 pub fn main(args: &[String]) -> ExitCode {
@@ -287,7 +293,7 @@ fn session(conn: UnixStream, servers: &Mutex<Servers>) -> std::io::Result<()> {
                 record(&format!("quit {}", s.pipe.display()));
                 std::process::exit(0);
             }
-            _ => format!("unknown command: {line}\n"),
+            _ => format!("{UNKNOWN_COMMAND}{line}\n"),
         };
         out.write_all(answer.as_bytes())?;
         out.flush()?;
@@ -356,9 +362,21 @@ fn cli(pipe: &Path) -> ExitCode {
         eprintln!("{NO_DAEMON}");
         return ExitCode::FAILURE;
     }
-    print!("{answer}");
+    // A command the daemon does not know is refused: its line goes to stderr and the client
+    // fails, so a caller that misspells a command sees an error, never an empty answer.
+    let (refused, answered): (Vec<&str>, Vec<&str>) =
+        answer.lines().partition(|l| l.starts_with(UNKNOWN_COMMAND));
+    for line in answered {
+        println!("{line}");
+    }
     let _ = std::io::stdout().flush();
-    ExitCode::SUCCESS
+    if refused.is_empty() {
+        return ExitCode::SUCCESS;
+    }
+    for line in refused {
+        eprintln!("{line}");
+    }
+    ExitCode::FAILURE
 }
 
 /// The GPU's context lock (`STANDIN_GPU_DIR/context`), taken without waiting: `Ok(None)` when

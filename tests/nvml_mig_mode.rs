@@ -5,7 +5,8 @@
 //! instances without a compute instance (removed only at the placement being created, named and
 //! kept elsewhere). On a cloud node of passthrough GPUs: the holders a read lists and a switch
 //! meets (real processes holding the fake's device files), RESET_REQUIRED on an Ampere and on a
-//! Hopper whose hypervisor needs a reset, and minors that change across a switch.
+//! Hopper whose hypervisor needs a reset, and minors that change across a switch. IN_USE in
+//! both of NVML's forms (activation status, return code) gives the same refusal.
 //!
 //! The fake's node is process-wide and these checks change it, so they run in a child process
 //! of this test binary with a topology of its own (`FAKE_NVML_TOPOLOGY`), one after another.
@@ -614,5 +615,144 @@ fn holders_passthrough_and_minors_on_the_fake() {
     assert_eq!(
         fake_nvml::state::mig_modes(&state),
         [(0, 1, 1), (1, 0, 0), (2, 1, 0), (3, 1, 1)]
+    );
+}
+
+const IN_USE_CHILD: &str = "NVDRA_TEST_MIG_IN_USE_CHILD";
+
+impl Hooks {
+    fn set_in_use_as_return(&self, on: bool) {
+        // SAFETY: the hook's C signature as the fake's `mig_mode.rs` declares it.
+        let f: libloading::Symbol<extern "C" fn(i32) -> u32> =
+            unsafe { self.0.get(b"fake_nvml_set_in_use_as_return") }.unwrap();
+        assert_eq!(f(i32::from(on)), 0);
+    }
+}
+
+/// NVML answers a GPU that is not idle with IN_USE in either of two forms: the activation status
+/// (nvml.h) or, on some drivers, the call's own return code. The child starts with the second
+/// (`FAKE_NVML_IN_USE_AS_RETURN=1`) and switches the fake to the first: each refusal nvdra
+/// reports is the same in both, holders and processes named, the change left pending for the
+/// caller to withdraw.
+#[test]
+fn child_in_use_both_forms() {
+    use nvdra::inventory::holders::HolderScan;
+    use nvdra::inventory::{Holder, HolderKind};
+    use nvml_wrapper::error::NvmlError;
+    use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_IN_USE as IN_USE;
+    if std::env::var(IN_USE_CHILD).is_err() {
+        return;
+    }
+    let dev = std::path::PathBuf::from(std::env::var("FAKE_NVML_DEV_DIR").unwrap());
+    let driver_root = tempfile::tempdir().unwrap();
+    let lib_dir = driver_root.path().join("usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let lib = lib_dir.join(LIBRARY);
+    std::os::unix::fs::symlink(support::fake_nvml::library(), &lib).unwrap();
+    let sysfs = tempfile::tempdir().unwrap();
+    let backend = NvmlBackend::open(driver_root.path())
+        .unwrap()
+        .with_sysfs_root(sysfs.path())
+        .with_holders(HolderScan::new("/proc").with_device_dir(&dev));
+    // SAFETY: as in `child_toggles_mig_mode`.
+    let hooks = Hooks(unsafe { libloading::Library::new(&lib) }.unwrap());
+    let inv = backend.snapshot().unwrap();
+    let uuid = |i: usize| inv.gpus[i].uuid.clone();
+
+    // GPU 0: DCGM holds its device file; GPU 3: its process runs.
+    let mut holders = Holders {
+        dir: tempfile::tempdir().unwrap(),
+        running: Vec::new(),
+    };
+    let dcgm = holders.start("nv-hostengine", &dev.join("nvidia0"));
+    hooks.set_idle(3, false);
+
+    // What NVML itself answers, in the form the environment picked, then in the other.
+    let raw = |i: u32| {
+        backend
+            .nvml()
+            .device_by_index(i)
+            .unwrap()
+            .set_mig_mode(true)
+    };
+    assert!(matches!(raw(0), Err(NvmlError::InUse)), "{:?}", raw(0));
+    hooks.set_in_use_as_return(false);
+    assert_eq!(raw(0).unwrap(), IN_USE);
+    // Withdrawn again: each form below starts from no change pending.
+    for i in [0, 3] {
+        assert_eq!(
+            backend.set_mig_mode(&uuid(i), false).unwrap(),
+            MigModeChange::Unchanged
+        );
+    }
+
+    let mut outcomes = Vec::new();
+    for as_return in [true, false] {
+        hooks.set_in_use_as_return(as_return);
+        let mut seen = Vec::new();
+        for i in [0, 3] {
+            let e = backend.set_mig_mode(&uuid(i), true).unwrap_err();
+            assert!(matches!(&e, Error::InUse { .. }), "GPU {i}: {e:?}");
+            assert!(e.is_retriable(), "{e:?}");
+            let pending = backend.snapshot().unwrap().gpus[i].mig.pending;
+            assert_eq!(pending, Some(true), "GPU {i}, as return code: {as_return}");
+            assert_eq!(
+                backend.set_mig_mode(&uuid(i), false).unwrap(),
+                MigModeChange::Unchanged
+            );
+            assert_eq!(backend.snapshot().unwrap().gpus[i].mig.pending, None);
+            seen.push((format!("{e:?}"), e.to_string()));
+            if i == 0 {
+                let h_dcgm = Holder {
+                    pid: dcgm,
+                    name: "nv-hostengine".into(),
+                    kind: HolderKind::Foreign,
+                };
+                assert!(
+                    matches!(&e, Error::InUse { processes, holders, .. }
+                        if processes == &[dcgm] && holders == std::slice::from_ref(&h_dcgm)),
+                    "{e:?}"
+                );
+            } else {
+                assert!(
+                    matches!(&e, Error::InUse { processes, .. } if !processes.is_empty()),
+                    "{e:?}"
+                );
+            }
+        }
+        outcomes.push(seen);
+    }
+    assert_eq!(outcomes[0], outcomes[1]);
+    println!("{DONE}");
+}
+
+#[test]
+fn in_use_as_return_code_on_the_fake() {
+    if std::env::var(IN_USE_CHILD).is_ok()
+        || std::env::var(HOLDERS_CHILD).is_ok()
+        || std::env::var(CHILD).is_ok()
+    {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let topology = dir.path().join("topology.yaml");
+    std::fs::write(&topology, CLOUD).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_in_use_both_forms", "--nocapture"])
+        .env(IN_USE_CHILD, "1")
+        .env("FAKE_NVML_TOPOLOGY", &topology)
+        .env("FAKE_NVML_DEV_DIR", dir.path().join("dev"))
+        .env("FAKE_NVML_IDLE", "1")
+        .env("FAKE_NVML_IN_USE_AS_RETURN", "1")
+        .env_remove("FAKE_NVML_NODE")
+        .env_remove("FAKE_NVML_PROFILE")
+        .env_remove("FAKE_NVML_STATE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains(DONE),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

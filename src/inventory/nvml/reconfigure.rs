@@ -181,7 +181,8 @@ pub(super) fn set_compute_mode(nvml: &Nvml, gpu: &GpuUuid, mode: ComputeMode) ->
 /// pending, returns `NVML_SUCCESS`, and reports through its `activationStatus` out-parameter
 /// whether the change took effect: `NVML_SUCCESS`; `NVML_ERROR_IN_USE` when the GPU is not idle
 /// ("the caller of this API is expected to idle the device and retry"); or
-/// `NVML_ERROR_RESET_REQUIRED` where only a reset (a VM reboot) applies it. After IN_USE and
+/// `NVML_ERROR_RESET_REQUIRED` where only a reset (a VM reboot) applies it. Some drivers return
+/// IN_USE as the call's own return code instead: nvdra treats both forms alike. After IN_USE and
 /// RESET_REQUIRED the change is left pending, as NVML leaves it: the caller withdraws it (one
 /// more call, for the current mode: [`Error::InUse`], [`Error::ResetRequired`]), so that the
 /// plugin records its intent around the withdrawal. `holders` (where configured) names what
@@ -240,6 +241,9 @@ pub(super) fn set_mig_mode(
     }
     let status = match d.set_mig_mode(enabled) {
         Ok(status) => status,
+        // Some drivers answer a GPU that is not idle with IN_USE as the call's return code
+        // rather than its activation status: the same refusal, handled as one.
+        Err(NvmlError::InUse) => IN_USE,
         Err(NvmlError::NotSupported) => return Err(fixed(NoMigToggle::NotSupported)),
         Err(e) => return Err(nvml_error("nvmlDeviceSetMigMode", e)),
     };

@@ -43,7 +43,8 @@
 //! (`nvmlDeviceSetMigMode`: at once from Hopper on, pending a reset before or where
 //! `FAKE_NVML_RESET_REQUIRED` names the GPU; refused while a process runs or, with
 //! `FAKE_NVML_DEV_DIR`, another process holds the GPU's device file; minors changed by
-//! `FAKE_NVML_MINOR_XOR`), the virtualization mode (`FAKE_NVML_VIRTUALIZATION`) and their
+//! `FAKE_NVML_MINOR_XOR`; IN_USE as the call's return code with
+//! `FAKE_NVML_IN_USE_AS_RETURN=1`), the virtualization mode (`FAKE_NVML_VIRTUALIZATION`) and their
 //! hooks in `mig_mode.rs`. An applied MIG mode
 //! change takes `FAKE_NVML_MIG_TOGGLE_DELAY_MS` milliseconds (default 0). MIG modes are kept in
 //! the `FAKE_NVML_STATE` file with the instances. Per-cgroup memory limits (R615's
@@ -341,7 +342,8 @@ fn load_node() -> Result<(String, Model), String> {
 /// Reads `FAKE_NVML_NODE`, `FAKE_NVML_PROFILE`, `FAKE_NVML_TOPOLOGY`, `FAKE_NVML_SEED`,
 /// `FAKE_NVML_STATE`, `FAKE_NVML_FABRIC_API`, `FAKE_NVML_MIG_TOGGLE_DELAY_MS`, `FAKE_NVML_IDLE`
 /// and those of MIG mode changes, `FAKE_NVML_DEV_DIR`, `FAKE_NVML_MINOR_XOR`,
-/// `FAKE_NVML_RESET_REQUIRED` and `FAKE_NVML_VIRTUALIZATION` (see the crate doc).
+/// `FAKE_NVML_RESET_REQUIRED`, `FAKE_NVML_IN_USE_AS_RETURN` and `FAKE_NVML_VIRTUALIZATION` (see
+/// the crate doc).
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     let api = match std::env::var("FAKE_NVML_FABRIC_API").as_deref() {

@@ -31,6 +31,12 @@
 //! minor `minor ^ n` (pick `n` above every minor, e.g. 64, so they stay unique); minors are then
 //! kept in the state file.
 //!
+//! IN_USE as a return code: some drivers answer a GPU that is not idle with the call's own
+//! return code `NVML_ERROR_IN_USE` instead of `NVML_SUCCESS` and the activation status.
+//! `FAKE_NVML_IN_USE_AS_RETURN=1` (or the hook [`fake_nvml_set_in_use_as_return`]) makes the
+//! fake answer so, leaving the GPU as the other form does (the change pending, for the caller to
+//! withdraw).
+//!
 //! `FAKE_NVML_VIRTUALIZATION=none|passthrough|vgpu|host-vgpu|host-vsga` gives every GPU that
 //! virtualization mode (a cloud's passthrough VM: `passthrough`), as the hook
 //! [`fake_nvml_set_virtualization`] gives one GPU in-process.
@@ -62,6 +68,9 @@ pub struct Switching {
     /// GPUs (by index) that answer RESET_REQUIRED whatever their architecture
     /// (`FAKE_NVML_RESET_REQUIRED`, [`fake_nvml_set_reset_required`]).
     pub reset_required: BTreeSet<usize>,
+    /// `FAKE_NVML_IN_USE_AS_RETURN=1` ([`fake_nvml_set_in_use_as_return`]): IN_USE is the
+    /// call's return code, not its activation status.
+    pub in_use_as_return: bool,
     /// `FAKE_NVML_VIRTUALIZATION`: every GPU's virtualization mode, where set.
     pub virtualization: Option<nvmlGpuVirtualizationMode_t>,
     /// The device files the fake holds open for its process, by GPU index.
@@ -81,8 +90,8 @@ pub(crate) fn at_init(m: &mut Model) {
 }
 
 impl Switching {
-    /// Reads `FAKE_NVML_DEV_DIR`, `FAKE_NVML_MINOR_XOR` and `FAKE_NVML_RESET_REQUIRED` (GPU
-    /// indices, comma-separated).
+    /// Reads `FAKE_NVML_DEV_DIR`, `FAKE_NVML_MINOR_XOR`, `FAKE_NVML_RESET_REQUIRED` (GPU
+    /// indices, comma-separated) and `FAKE_NVML_IN_USE_AS_RETURN` (`1` or `0`).
     pub(crate) fn from_env() -> Result<Self, String> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let dev_dir = match var("FAKE_NVML_DEV_DIR") {
@@ -109,6 +118,15 @@ impl Switching {
                 })?,
             None => BTreeSet::new(),
         };
+        let in_use_as_return = match var("FAKE_NVML_IN_USE_AS_RETURN").as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(v) => {
+                return Err(format!(
+                    "FAKE_NVML_IN_USE_AS_RETURN={v:?} is neither 1 nor 0"
+                ));
+            }
+        };
         let virtualization = match var("FAKE_NVML_VIRTUALIZATION").as_deref() {
             None => None,
             Some("none") => Some(nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE),
@@ -133,6 +151,7 @@ impl Switching {
             dev_dir,
             minor_xor,
             reset_required,
+            in_use_as_return,
             virtualization,
             own: BTreeMap::new(),
         })
@@ -275,6 +294,10 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
             }
             SUCCESS
         };
+        if status == IN_USE && switching.in_use_as_return {
+            // The pending mode is recorded as in the other form.
+            return IN_USE;
+        }
         unsafe { put(activation_status, status) }
     })
 }
@@ -299,6 +322,16 @@ pub extern "C" fn fake_nvml_set_reset_required(gpu_index: c_uint, on: c_int) -> 
         } else {
             m.switching.reset_required.remove(&index);
         }
+        SUCCESS
+    })
+}
+
+/// Test hook: `nvmlDeviceSetMigMode` answers IN_USE as its return code (`on` non-zero), as some
+/// drivers do, or through its activation status, as nvml.h documents.
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_nvml_set_in_use_as_return(on: c_int) -> nvmlReturn_t {
+    with(|m| {
+        m.switching.in_use_as_return = on != 0;
         SUCCESS
     })
 }

@@ -9,7 +9,9 @@
 //!
 //! Needs root, `podman`, `runc` and `busybox-static` (see `.ci/run`). Without them the test says
 //! why and passes — unless `NVDRA_REQUIRE_PODMAN` is set (CI sets it to 1), in which case an
-//! engine that cannot run is a failure. A spec the engine rejects is always a failure.
+//! engine that cannot run is a failure. A spec the engine rejects is always a failure. The
+//! memory-limit hook's run also needs a cgroup v2 hierarchy, required likewise by
+//! `NVDRA_REQUIRE_CGROUP2`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -175,7 +177,16 @@ fn assert_graphics(out: &str) -> Result<()> {
 /// hook's reason in podman's error.
 fn check_memory_limit_hook(engine: &Engine) -> Result<()> {
     let Some(cgroup2) = cgroup2_mount()? else {
-        eprintln!("skipping the memory-limit hook run: this host has no cgroup v2 hierarchy");
+        ensure!(
+            !engine::require::required("NVDRA_REQUIRE_CGROUP2"),
+            "NVDRA_REQUIRE_CGROUP2 requires a cgroup v2 hierarchy but /proc/self/mountinfo has no \
+             cgroup2 mount: run on a host with cgroup v2 (unified or hybrid), or unset \
+             NVDRA_REQUIRE_CGROUP2"
+        );
+        eprintln!(
+            "skipping the memory-limit hook run: this host has no cgroup v2 hierarchy (set \
+             NVDRA_REQUIRE_CGROUP2=1 to make this a failure)"
+        );
         return Ok(());
     };
     let host = tempfile::tempdir()?;

@@ -430,8 +430,7 @@ fn sm_counts_nvml_cannot_give_are_omitted_never_zero() {
 #[test]
 fn partitionable_without_cap_sys_admin_is_turned_off_naming_the_switch() {
     use std::io::{BufRead, BufReader};
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("setpriv (util-linux) is not installed: skipped");
+    if !support::setpriv() {
         return;
     }
     let node = fake_node();

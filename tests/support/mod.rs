@@ -13,3 +13,27 @@ pub mod python;
 pub mod require;
 #[path = "../../crates/kubelet-plugin/tests/support/wait.rs"]
 pub mod wait;
+
+/// Whether util-linux's `setpriv` runs (the tests that drop `CAP_SYS_ADMIN` from nvdra's
+/// bounding set need it). Without it the calling test is skipped, saying so, or fails when
+/// `NVDRA_REQUIRE_SETPRIV` requires it, as CI does.
+#[allow(dead_code)] // Each test binary uses what it needs.
+pub fn setpriv() -> bool {
+    let found = std::process::Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found && require::required("NVDRA_REQUIRE_SETPRIV") {
+        panic!(
+            "NVDRA_REQUIRE_SETPRIV requires util-linux's setpriv but `setpriv --version` does not \
+             run: install util-linux, or unset NVDRA_REQUIRE_SETPRIV"
+        );
+    }
+    if !found {
+        eprintln!(
+            "setpriv (util-linux) is not installed: skipped (set NVDRA_REQUIRE_SETPRIV=1 to make \
+             this a failure)"
+        );
+    }
+    found
+}

@@ -17,7 +17,7 @@ pub const SYSTEM_CDI_DIR: &str = "/var/run/cdi";
 pub const PODMAN_TIMEOUT_S: &str = "180";
 
 #[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
-mod require;
+pub mod require;
 
 pub fn required() -> bool {
     require::required("NVDRA_REQUIRE_PODMAN")

@@ -128,19 +128,15 @@ async fn main() {
 async fn measure(bin: &Path, cycles: usize) {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
-    let addr = flood::free_address();
+    // `/metrics` on `127.0.0.1:0` (the sandbox's): the port the kernel gave, read back.
     let mut daemon = Daemon(
         daemon::nvdra_run_of(bin, root, "dra", NODE)
-            .args([
-                "--profile",
-                "dgx-h100",
-                "--metrics-address",
-                &addr.to_string(),
-            ])
+            .args(["--profile", "dgx-h100"])
             .spawn()
             .expect("start nvdra"),
     );
     let pid = daemon.0.id();
+    let addr = daemon::metrics_address(pid);
     let dra_socket = root.join("kubelet/plugins").join(DRIVER).join("dra.sock");
     wait::until("the daemon to serve", wait::SOON, || {
         if let Some(status) = daemon.0.try_wait().expect("daemon status") {

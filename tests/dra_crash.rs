@@ -962,18 +962,15 @@ async fn a_dead_checkpoint_writer_fails_readyz_and_the_process_names_it() {
         RegistrationStatus, registration_client::RegistrationClient,
     };
     let mut d = Dirs::new();
-    // A free port, so the test knows where `/readyz` is.
-    d.metrics_address = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
     let mut child = d
         .command(None)
         .env("NVDRA_TEST_KILL_TASK", "checkpoint-writer")
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Bound on `127.0.0.1:0`: the port the kernel gave, read back, so no other test takes it
+    // between a pick and the bind.
+    d.metrics_address = support::daemon::metrics_address(child.id()).to_string();
     wait_ready(&d, &mut child).await;
     let reg = support::dra::unix_channel(&d.reg_socket()).await.unwrap();
     RegistrationClient::new(reg)

@@ -34,10 +34,8 @@ fn start_with_toolkit(version: &str) -> (Vec<Sample>, String) {
     )
     .unwrap();
     std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let port = promclient::free_port();
     let mut child: Child = support::daemon::nvdra_run(root.path(), "dra", NODE)
         .args(["--profile", "dgx-h100"])
-        .args(["--metrics-address", &format!("127.0.0.1:{port}")])
         .env("NVDRA_LOG", "warn")
         .stderr(Stdio::piped())
         .spawn()
@@ -48,7 +46,7 @@ fn start_with_toolkit(version: &str) -> (Vec<Sample>, String) {
         let _ = stderr.read_to_string(&mut text);
         text
     });
-    let addr = format!("127.0.0.1:{port}");
+    let addr = support::daemon::metrics_address(child.id()).to_string();
     let deadline = Instant::now() + WAIT;
     let mut last = String::new();
     let samples = loop {

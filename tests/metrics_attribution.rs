@@ -41,19 +41,22 @@ impl Drop for Procs {
     }
 }
 
-/// `nvdra run` on simulated GPUs.
-fn nvdra(root: &std::path::Path, mode: &str, port: u16) -> Child {
-    nvdra_with(root, mode, port, &["--profile", PROFILE])
+/// `nvdra run` on simulated GPUs, and the port of its `/metrics`.
+fn nvdra(root: &std::path::Path, mode: &str) -> (Child, u16) {
+    nvdra_with(root, mode, &["--profile", PROFILE])
 }
 
-/// `nvdra run` with `backend` (the backend flags), its files under `root`.
-fn nvdra_with(root: &std::path::Path, mode: &str, port: u16, backend: &[&str]) -> Child {
-    support::daemon::nvdra_run(root, mode, NODE)
+/// `nvdra run` with `backend` (the backend flags), its files under `root`, and the port of its
+/// `/metrics`: the sandbox binds `127.0.0.1:0` and the port the kernel gave is read back, so no
+/// other test takes it between a pick and the bind.
+fn nvdra_with(root: &std::path::Path, mode: &str, backend: &[&str]) -> (Child, u16) {
+    let child = support::daemon::nvdra_run(root, mode, NODE)
         .args(backend)
         .env("NVDRA_PROC_ROOT", root.join("proc"))
-        .args(["--metrics-address", &format!("127.0.0.1:{port}")])
         .spawn()
-        .unwrap()
+        .unwrap();
+    let port = support::daemon::metrics_address(child.id()).port();
+    (child, port)
 }
 
 /// The grpcio kubelet stand-in against the daemon nvdra runs under `root`.
@@ -144,8 +147,8 @@ fn a_claim_and_a_device_plugin_container_are_attributed_to_their_pods() {
     let mut call = |cmd: Value| standin.ok(cmd);
     call(json!({"op": "pods", "pods": [], "wait": false}));
 
-    let port = promclient::free_port();
-    let _nvdra = Procs(vec![nvdra(root.path(), "both", port)]);
+    let (child, port) = nvdra(root.path(), "both");
+    let _nvdra = Procs(vec![child]);
     call(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
 
     let sim = SimBackend::from_profile(PROFILE, NODE).unwrap();
@@ -269,8 +272,8 @@ fn device_plugin_mode_attributes_the_containers_podresources_lists() {
         {"name": "cuda", "devices": [{"resource": "nvidia.com/gpu", "ids": [g2]}]}
     ]}], "wait": false}),
     );
-    let port = promclient::free_port();
-    let _nvdra = Procs(vec![nvdra(root.path(), "device-plugin", port)]);
+    let (child, port) = nvdra(root.path(), "device-plugin");
+    let _nvdra = Procs(vec![child]);
     standin.ok(json!({"op": "registered", "names": ["nvidia.com/gpu"]}));
     let families = scrape_until(port, "showed the container", |f| allocations(f).len() == 1);
     assert_eq!(
@@ -320,13 +323,8 @@ fn nvml_readings_on_metrics_are_what_the_fake_nvml_reports() {
     );
     std::fs::write(p("proc/4000/cgroup"), cgroup).unwrap();
 
-    let port = promclient::free_port();
-    let _procs = Procs(vec![nvdra_with(
-        root.path(),
-        "dra",
-        port,
-        &["--backend", "nvml"],
-    )]);
+    let (child, port) = nvdra_with(root.path(), "dra", &["--backend", "nvml"]);
+    let _procs = Procs(vec![child]);
     let families = scrape_until(port, "showed the GPUs' readings", |f| {
         promclient::samples(f)
             .iter()
@@ -437,8 +435,8 @@ fn the_grafana_dashboard_queries_only_metrics_nvdra_exports() {
 
     let root = tempfile::tempdir().unwrap();
     std::fs::write(root.path().join("boot_id"), "boot-1\n").unwrap();
-    let port = promclient::free_port();
-    let _procs = Procs(vec![nvdra(root.path(), "dra", port)]);
+    let (child, port) = nvdra(root.path(), "dra");
+    let _procs = Procs(vec![child]);
     let families = scrape_until(port, "answered", |f| !f.is_empty());
     let mut exported: Vec<String> = families
         .iter()

@@ -90,19 +90,15 @@ async fn cycle(dra: &mut DraPluginClient<tonic::transport::Channel>, root: &Path
 async fn a_flood_of_the_metrics_port_stalls_no_prepare_and_leaks_no_descriptor() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let addr = flood::free_address();
+    // `/metrics` on `127.0.0.1:0` (the sandbox's): the port the kernel gave, read back.
     let mut daemon = Daemon(
         daemon::nvdra_run(root, "dra", NODE)
-            .args([
-                "--profile",
-                "dgx-h100",
-                "--metrics-address",
-                &addr.to_string(),
-            ])
+            .args(["--profile", "dgx-h100"])
             .spawn()
             .expect("start nvdra"),
     );
     let pid = daemon.0.id();
+    let addr = daemon::metrics_address(pid);
     let dra_socket = root.join("kubelet/plugins").join(DRIVER).join("dra.sock");
     // Serving: the DRA socket is there and the listener answers (ready needs a kubelet's
     // registration, which no kubelet here gives).

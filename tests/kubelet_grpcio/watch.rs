@@ -71,15 +71,8 @@ struct Node {
 
 impl Node {
     async fn start() -> Node {
-        let metrics = format!("127.0.0.1:{}", crate::support::promclient::free_port());
         let d = Daemon::start_with(
-            &[
-                "--shared-capacity",
-                "--mps-probe-interval",
-                "100ms",
-                "--metrics-address",
-                &metrics,
-            ],
+            &["--shared-capacity", "--mps-probe-interval", "100ms"],
             |api| {
                 mps::install_standin(&api.parent().unwrap().join("driver"));
                 for (n, uid) in ["w1", "w2"].iter().enumerate() {
@@ -100,6 +93,9 @@ impl Node {
         let (mps_root, driver) = (d.root.path().join("mps"), d.root.path().join("driver"));
         let gpu = gpu0_uuid();
         let pipe = mps::gpu_pipe_dir(&mps_root, &gpu);
+        // `/metrics` on `127.0.0.1:0` (the sandbox's): the port the kernel gave, read back, so
+        // no other test takes it between a pick and the bind.
+        let metrics = crate::support::daemon::metrics_address(d.child.id()).to_string();
         Node {
             d,
             k,

@@ -43,3 +43,52 @@ pub fn nvdra_run_of(bin: &Path, root: &Path, mode: &str, node: &str) -> Command 
         .stdout(Stdio::null());
     cmd
 }
+
+/// The address process `pid` listens on over TCP (`/metrics`: the sandbox binds
+/// `127.0.0.1:0`, so the kernel picks the port and no other test can take it between a pick and
+/// the bind, as a port bound, released and passed on could be), read from `/proc`: the
+/// listening socket among the process's descriptors. Waits up to a minute for the bind; panics
+/// when the process exits first or never listens.
+pub fn metrics_address(pid: u32) -> std::net::SocketAddr {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Some(addr) = tcp_listener_of(pid) {
+            return addr;
+        }
+        assert!(
+            Path::new(&format!("/proc/{pid}/fd")).exists(),
+            "process {pid} exited before it listened on /metrics"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} did not listen on /metrics within a minute"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// The first IPv4 TCP socket of process `pid` in state LISTEN (`0A` in `/proc/<pid>/net/tcp`),
+/// or `None` when it has none yet.
+fn tcp_listener_of(pid: u32) -> Option<std::net::SocketAddr> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?;
+            Some(l.to_string())
+        })
+        .collect();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
+    // `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...`; the
+    // address is the raw `__be32` printed as a native u32 in hex, then `:` and the port in hex.
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.get(3) != Some(&"0A") || !inodes.iter().any(|i| Some(&i.as_str()) == f.get(9)) {
+            return None;
+        }
+        let (ip, port) = f.get(1)?.split_once(':')?;
+        let ip = u32::from_str_radix(ip, 16).ok()?.to_ne_bytes();
+        let port = u16::from_str_radix(port, 16).ok()?;
+        Some(std::net::SocketAddr::from((ip, port)))
+    })
+}

@@ -189,10 +189,3 @@ pub fn fds(pid: u32) -> usize {
         .map(|d| d.count())
         .unwrap_or_else(|e| panic!("cannot list /proc/{pid}/fd: {e}"))
 }
-
-/// A free TCP port on 127.0.0.1 (bound and let go: the daemon binds it next).
-pub fn free_address() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-}

@@ -93,12 +93,3 @@ pub fn get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
         body.to_string(),
     ))
 }
-
-/// A port nothing listens on now (bound and released), for a daemon's `--metrics-address`.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}

@@ -64,6 +64,18 @@ pub enum ClaimError {
         holders: String,
     },
     #[error(
+        "the scheduler placed MIG device {device} on GPU {gpu}, which shares of {holders} hold; \
+         the node refuses it rather than split a GPU in use into MIG devices (the allocation was \
+         made against an older state): delete the pod so the scheduler places it again, or wait \
+         until those shares end"
+    )]
+    MigOnShares {
+        device: String,
+        gpu: String,
+        /// As [`ClaimError::WholeGpuOnShares`]'s.
+        holders: String,
+    },
+    #[error(
         "the scheduler placed this share of {wanted} memory on GPU {gpu}, which has {total} in \
          all, and its other shares hold {held} ({holders}): more than the GPU has (the \
          allocation was made against an older state), so the node refuses it rather than \

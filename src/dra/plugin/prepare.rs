@@ -571,8 +571,8 @@ pub(super) fn one_domain_per_gpu(
 }
 
 /// The first of `devices` that another claim in `claims` holds, as that claim's error: a share
-/// meeting a claim that holds its GPU whole, a whole GPU meeting shares of it, or a device in
-/// use.
+/// meeting a claim that holds its GPU whole, a whole GPU or a MIG placement meeting shares of
+/// it, or a device in use.
 pub(super) fn conflict(
     claims: &BTreeMap<ClaimUid, ClaimEntry>,
     uid: &ClaimUid,
@@ -630,9 +630,18 @@ pub(super) fn conflict(
             [one] => format!("claim {one}"),
             many => format!("claims {}", many.join(", ")),
         };
-        return Err(ClaimError::WholeGpuOnShares {
-            device: d.device.to_string(),
-            holders,
+        // A MIG placement to be created on a GPU that shares hold is no whole-GPU claim: its
+        // own words. (An existing MIG device allocated whole beside shares of it is whole.)
+        return Err(match (&d.mig, d.share_target()) {
+            (Some(_), DeviceUuid::Gpu(_)) => ClaimError::MigOnShares {
+                device: d.device.to_string(),
+                gpu: d.gpu.to_string(),
+                holders,
+            },
+            _ => ClaimError::WholeGpuOnShares {
+                device: d.device.to_string(),
+                holders,
+            },
         });
     }
     Err(ClaimError::DeviceInUse {

@@ -141,6 +141,42 @@ async fn a_3g_then_a_1g_claim_switch_the_gpu_on_and_whole_waits_for_both() {
     assert!(e.spec("w").exists());
 }
 
+/// A MIG placement the scheduler allocated on a GPU that shares hold (`--shared-capacity`;
+/// the allocation was made against an older state) is refused at prepare, naming the share's
+/// claim and saying what was placed: a MIG device, not the GPU whole. Nothing is switched,
+/// created or recorded; once the share ends, the same prepare succeeds.
+#[tokio::test]
+async fn a_mig_placement_beside_a_share_is_refused_naming_the_share() {
+    let e = env_dynamic("dgx-h100", false).await;
+    let _host = e.mps_host();
+    let three = placement(&e, 0, "3g.40gb", 4);
+    e.add(claim("s", vec![super::shares::share("nb", "gpu-0", "8Gi")]));
+    e.add(claim("m", vec![result("mig", &three)]));
+    e.prepare("s").await.unwrap();
+
+    let err = e.prepare("m").await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the scheduler placed MIG device {three} on GPU {}, which shares of claim \
+             default/claim-s (s) hold; the node refuses it rather than split a GPU in use into \
+             MIG devices (the allocation was made against an older state): delete the pod so \
+             the scheduler places it again, or wait until those shares end",
+            gpu(&e, 0)
+        )
+    );
+    assert!(matches!(err, ClaimError::MigOnShares { .. }), "{err:?}");
+    assert!(e.state("m").is_none());
+    assert!(!e.spec("m").exists());
+    assert!(switches(&e).is_empty(), "no MIG mode switch");
+    assert_eq!(creates(&e), 0);
+
+    e.unprepare("s").await.unwrap();
+    let d = e.prepare("m").await.unwrap();
+    assert_eq!(d[0].device, three.as_str());
+    assert_eq!(switches(&e), vec![(gpu(&e, 0), true)]);
+}
+
 #[tokio::test]
 async fn a_whole_gpu_claim_turns_mig_mode_off_but_keeps_foreign_instances() {
     let e = env_dynamic("dgx-h100", false).await;

@@ -335,4 +335,68 @@ mod tests {
         let order: Vec<&str> = stopped.try_iter().collect();
         assert_eq!(order, ["server", "writer"]);
     }
+
+    /// `GET path` on `addr`: the whole answer.
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        buf
+    }
+
+    /// While the serving tasks drain after a task died, `/readyz` (served by the last task, as
+    /// the daemon runs it) answers 503 naming the dead task. Asserted unconditionally: the
+    /// serving task here holds its drain until the answer is read, where the crash test of the
+    /// whole process (`tests/dra_crash.rs`) sees the 503 only when its poll lands before the
+    /// process exits.
+    #[tokio::test]
+    async fn while_the_others_drain_readyz_answers_503_naming_the_dead_task() {
+        let metrics = ready_metrics();
+        let stop = CancellationToken::new();
+        let mut s = Supervisor::new(&stop, metrics.clone());
+        let listener = crate::metrics::server::bind(([127, 0, 0, 1], 0).into())
+            .await
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let m = metrics.clone();
+        s.spawn_last("metrics", |token| async move {
+            crate::metrics::server::serve(listener, m, token).await;
+            Ok::<(), Infallible>(())
+        });
+        let (draining, drain_started) = tokio::sync::oneshot::channel::<()>();
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        s.spawn("server", |token| async move {
+            token.cancelled().await;
+            draining.send(()).unwrap();
+            released.await.unwrap();
+            Ok::<(), Infallible>(())
+        });
+        let r = get(addr, "/readyz").await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        s.spawn("doomed", |_| async move {
+            if true {
+                panic!("boom");
+            }
+            Ok::<(), Infallible>(())
+        });
+        let probe = async {
+            drain_started.await.unwrap();
+            let r = get(addr, "/readyz").await;
+            release.send(()).unwrap();
+            r
+        };
+        let (result, r) = tokio::join!(s.run(), probe);
+        assert!(r.starts_with("HTTP/1.1 503"), "{r}");
+        assert!(r.contains("task doomed stopped"), "{r}");
+        assert!(
+            matches!(result, Err(Error::TaskDied { task: "doomed", .. })),
+            "{result:?}"
+        );
+    }
 }

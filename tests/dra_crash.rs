@@ -4,12 +4,18 @@
 //! reboot (new boot id), a corrupt checkpoint at start-up, two instances during a rolling update,
 //! SIGTERM twice, bad flags, and starts that fail (one line, no socket left behind). `shares`:
 //! the same for consumable-capacity shares of a GPU and their MPS daemon, unprepare included;
-//! `dynamic_mig`: for a GPU's MIG mode switched by its claims (`--dynamic-mig`).
+//! `dynamic_mig`: for a GPU's MIG mode switched by its claims (`--dynamic-mig`);
+//! `compute_mode`: a share's `EXCLUSIVE_PROCESS` on the fake NVML across a SIGKILL; `fsync`:
+//! what no SIGKILL shows, that a prepare syncs its checkpoint (under strace).
 
 mod support;
 
+#[path = "dra_crash/compute_mode.rs"]
+mod compute_mode;
 #[path = "dra_crash/dynamic_mig.rs"]
 mod dynamic_mig;
+#[path = "dra_crash/fsync.rs"]
+mod fsync;
 #[path = "dra_crash/shares.rs"]
 mod shares;
 

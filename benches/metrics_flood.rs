@@ -12,7 +12,6 @@
 //! of those binaries in turn instead of the one the bench builds; `FLOOD_CYCLES=N` per round).
 
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -38,15 +37,6 @@ const SHAPE: flood::Shape = flood::Shape {
 };
 /// The kubelet's default probe timeout.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 type Client = DraPluginClient<tonic::transport::Channel>;
 
@@ -129,31 +119,11 @@ async fn measure(bin: &Path, cycles: usize) {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
     // `/metrics` on `127.0.0.1:0` (the sandbox's): the port the kernel gave, read back.
-    let mut daemon = Daemon(
-        daemon::nvdra_run_of(bin, root, "dra", NODE)
-            .args(["--profile", "dgx-h100"])
-            .spawn()
-            .expect("start nvdra"),
-    );
-    let pid = daemon.0.id();
-    let addr = daemon::metrics_address(pid);
+    let mut run = daemon::nvdra_run_of(bin, root, "dra", NODE);
+    run.args(["--profile", "dgx-h100"]);
     let dra_socket = root.join("kubelet/plugins").join(DRIVER).join("dra.sock");
-    wait::until("the daemon to serve", wait::SOON, || {
-        if let Some(status) = daemon.0.try_wait().expect("daemon status") {
-            panic!("the daemon exited ({status}) before it served");
-        }
-        let socket = dra_socket.exists();
-        async move {
-            let healthz = flood::get(addr, "/healthz").await;
-            healthz.filter(|r| socket && r.starts_with("HTTP/1.1 200"))
-        }
-    })
-    .await;
-    let mut dra = DraPluginClient::new(
-        kubelet_plugin::socket::connect(&dra_socket)
-            .await
-            .expect("connect to the DRA socket"),
-    );
+    let (daemon, addr, mut dra) = flood::serving(run, &dra_socket).await;
+    let pid = daemon.0.id();
     let mut i = 0;
     for _ in 0..20 {
         cycle(&mut dra, root, i).await;

@@ -6,7 +6,6 @@
 //! (What the flood costs a prepare is measured in `benches/metrics_flood.rs`.)
 
 use std::path::Path;
-use std::process::Child;
 use std::time::Duration;
 
 use kubelet_plugin::proto::dra::v1;
@@ -28,16 +27,6 @@ const CYCLES: usize = 20;
 /// spec files and their directories, a claim read), and the one accepted socket waiting for a
 /// place.
 const TRANSIENT_FDS: usize = 16;
-
-/// Kills the daemon however the test ends.
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn write_claim(root: &Path, name: &str, uid: &str, device: &str) {
     let claim = nvdra::api::allocated_claim(
@@ -91,33 +80,11 @@ async fn a_flood_of_the_metrics_port_stalls_no_prepare_and_leaks_no_descriptor()
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     // `/metrics` on `127.0.0.1:0` (the sandbox's): the port the kernel gave, read back.
-    let mut daemon = Daemon(
-        daemon::nvdra_run(root, "dra", NODE)
-            .args(["--profile", "dgx-h100"])
-            .spawn()
-            .expect("start nvdra"),
-    );
-    let pid = daemon.0.id();
-    let addr = daemon::metrics_address(pid);
+    let mut run = daemon::nvdra_run(root, "dra", NODE);
+    run.args(["--profile", "dgx-h100"]);
     let dra_socket = root.join("kubelet/plugins").join(DRIVER).join("dra.sock");
-    // Serving: the DRA socket is there and the listener answers (ready needs a kubelet's
-    // registration, which no kubelet here gives).
-    wait::until("the daemon to serve", wait::SOON, || {
-        if let Some(status) = daemon.0.try_wait().expect("daemon status") {
-            panic!("the daemon exited ({status}) before it served");
-        }
-        let socket = dra_socket.exists();
-        async move {
-            let healthz = flood::get(addr, "/healthz").await;
-            healthz.filter(|r| socket && r.starts_with("HTTP/1.1 200"))
-        }
-    })
-    .await;
-    let mut dra = DraPluginClient::new(
-        kubelet_plugin::socket::connect(&dra_socket)
-            .await
-            .expect("connect to the DRA socket"),
-    );
+    let (daemon, addr, mut dra) = flood::serving(run, &dra_socket).await;
+    let pid = daemon.0.id();
     // Warm: a cycle and a scrape, so that what stays open after them is in the baseline.
     cycle(&mut dra, root, 0).await;
     assert!(

@@ -7,13 +7,60 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use kubelet_plugin::proto::dra::v1::dra_plugin_client::DraPluginClient;
+
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
+
+/// The daemon under the flood, killed however the test or bench ends.
+pub struct Daemon(pub Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `cmd` (a sandboxed `nvdra run`, `crate::daemon`'s, with `/metrics` on `127.0.0.1:0`)
+/// started and serving: its DRA socket `dra_socket` is there and its listener answers
+/// `/healthz` (ready would need a kubelet's registration, which none gives here). The daemon,
+/// the address the kernel gave its listener, and a client of its DRA socket.
+pub async fn serving(
+    mut cmd: Command,
+    dra_socket: &Path,
+) -> (
+    Daemon,
+    SocketAddr,
+    DraPluginClient<tonic::transport::Channel>,
+) {
+    let mut daemon = Daemon(cmd.spawn().expect("start nvdra"));
+    let addr = crate::daemon::metrics_address(daemon.0.id());
+    crate::wait::until("the daemon to serve", crate::wait::SOON, || {
+        if let Some(status) = daemon.0.try_wait().expect("daemon status") {
+            panic!("the daemon exited ({status}) before it served");
+        }
+        let socket = dra_socket.exists();
+        async move {
+            let healthz = get(addr, "/healthz").await;
+            healthz.filter(|r| socket && r.starts_with("HTTP/1.1 200"))
+        }
+    })
+    .await;
+    let dra = DraPluginClient::new(
+        kubelet_plugin::socket::connect(dra_socket)
+            .await
+            .expect("connect to the DRA socket"),
+    );
+    (daemon, addr, dra)
+}
 
 /// How many of each kind of connection the flood keeps open.
 #[derive(Debug, Clone, Copy)]

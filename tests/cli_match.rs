@@ -54,6 +54,23 @@ fn json(o: &Output) -> Value {
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
 }
 
+/// Asserts that `out` exited 0 and that its stdout contains `text`; either failure prints the
+/// stdout.
+fn assert_succeeds_with(out: &Output, text: &str) {
+    let printed = stdout(out);
+    assert!(out.status.success(), "{printed}");
+    assert!(printed.contains(text), "{printed}");
+}
+
+/// The claim named `name` in `nvdra match -o json` output `v`.
+fn claim_named<'a>(v: &'a Value, name: &str) -> &'a Value {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap()
+}
+
 #[test]
 fn two_nvlinked_gpus_fit_a_dgx_h100() {
     let out = nvdra(&[
@@ -1216,17 +1233,23 @@ fn a_withdrawn_placement_is_explained_naming_its_holder() {
     );
     let why = "placements of gpu-0 withdrawn: held by pid 4242 (nv-hostengine), which blocks a \
                MIG mode switch";
+    // `nvdra --config <config> match -f <file> --profile dgx-h100 --dynamic-mig <extra>`.
+    let dynamic_mig = |file: &str, extra: &[&str]| {
+        let base = [
+            "--config",
+            config,
+            "match",
+            "-f",
+            file,
+            "--profile",
+            "dgx-h100",
+            "--dynamic-mig",
+        ];
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        nvdra(&args)
+    };
 
-    let held = nvdra(&[
-        "--config",
-        config,
-        "match",
-        "-f",
-        claims,
-        "--profile",
-        "dgx-h100",
-        "--dynamic-mig",
-    ]);
+    let held = dynamic_mig(claims, &[]);
     let table = stdout(&held);
     assert_eq!(
         held.status.code(),
@@ -1249,18 +1272,7 @@ fn a_withdrawn_placement_is_explained_naming_its_holder() {
             "{device}: {table}"
         );
     }
-    let v = json(&nvdra(&[
-        "--config",
-        config,
-        "match",
-        "-f",
-        claims,
-        "--profile",
-        "dgx-h100",
-        "--dynamic-mig",
-        "-o",
-        "json",
-    ]));
+    let v = json(&dynamic_mig(claims, &["-o", "json"]));
     let named = v[0]["requests"][0]["rejected"]
         .as_array()
         .unwrap()
@@ -1269,22 +1281,7 @@ fn a_withdrawn_placement_is_explained_naming_its_holder() {
         .count();
     assert_eq!(named, 7, "{v}");
 
-    let whole_gpu = nvdra(&[
-        "--config",
-        config,
-        "match",
-        "-f",
-        whole,
-        "--profile",
-        "dgx-h100",
-        "--dynamic-mig",
-    ]);
-    assert!(whole_gpu.status.success(), "{}", stdout(&whole_gpu));
-    assert!(
-        stdout(&whole_gpu).contains("  satisfiable: g → gpu-0\n"),
-        "{}",
-        stdout(&whole_gpu)
-    );
+    assert_succeeds_with(&dynamic_mig(whole, &[]), "  satisfiable: g → gpu-0\n");
 
     let inv = nvdra(&[
         "--config",
@@ -1303,21 +1300,9 @@ fn a_withdrawn_placement_is_explained_naming_its_holder() {
 
     // Without the holder the claim fits gpu-0.
     std::fs::write(&faults, "").unwrap();
-    let free = nvdra(&[
-        "--config",
-        config,
-        "match",
-        "-f",
-        claims,
-        "--profile",
-        "dgx-h100",
-        "--dynamic-mig",
-    ]);
-    assert!(free.status.success(), "{}", stdout(&free));
-    assert!(
-        stdout(&free).contains("  satisfiable: m → gpu-0-mig-1g10gb-19-0\n"),
-        "{}",
-        stdout(&free)
+    assert_succeeds_with(
+        &dynamic_mig(claims, &[]),
+        "  satisfiable: m → gpu-0-mig-1g10gb-19-0\n",
     );
 }
 
@@ -1360,26 +1345,16 @@ fn a_share_beside_another_trust_domain_is_rejected_naming_the_holder_and_the_rul
         "-o",
         "json",
     ];
-    let run = |extra: &[&str], env: &[(&str, &str)]| -> Value {
+    let output = |extra: &[&str], env: &[(&str, &str)]| -> Output {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();
-        json(&nvdra_with(&args, env))
+        nvdra_with(&args, env)
     };
+    let run = |extra: &[&str], env: &[(&str, &str)]| -> Value { json(&output(extra, env)) };
     let fits = |v: &Value, claim: &str| -> bool {
-        let c = v
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == claim)
-            .unwrap();
-        c["satisfiable"].as_bool().unwrap()
+        claim_named(v, claim)["satisfiable"].as_bool().unwrap()
     };
     let reason = |v: &Value, claim: &str| -> String {
-        let c = v
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == claim)
-            .unwrap();
+        let c = claim_named(v, claim);
         c["requests"][0]["rejected"]
             .as_array()
             .unwrap()
@@ -1427,8 +1402,7 @@ fn a_share_beside_another_trust_domain_is_rejected_naming_the_holder_and_the_rul
     let v = run(&[], &[("NVDRA_CONFIG", c)]);
     assert!(!fits(&v, "blue"), "{v}");
     std::fs::write(&config, "version: v1\nshareTrustDomain: tenants\n").unwrap();
-    let args: Vec<&str> = base.to_vec();
-    let out = nvdra_with(&args, &[("NVDRA_CONFIG", c)]);
+    let out = output(&[], &[("NVDRA_CONFIG", c)]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("shareTrustDomain"), "{err}");

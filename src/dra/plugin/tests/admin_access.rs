@@ -9,21 +9,11 @@ use crate::inventory::DeviceBackend;
 
 /// A plugin with dynamic MIG on, without `--partitionable`.
 async fn env_dynamic() -> Env {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
-    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
-    let (plugin, _, stop) = start_with(dir.path(), api.clone(), sim.clone(), |o| {
+    env_tweaked("dgx-h100", |o| {
         o.partitionable = false;
         o.dynamic_mig = true;
     })
-    .await;
-    Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop: stop,
-    }
+    .await
 }
 
 fn admin(device: &str) -> DeviceRequestAllocationResult {

@@ -10,18 +10,28 @@ use crate::inventory::{
 /// A plugin with dynamic MIG on (`keep_on`: `--dynamic-mig=keep-on`), without
 /// `--partitionable`: dynamic MIG alone creates placements.
 async fn env_dynamic(profile: &str, keep_on: bool) -> Env {
+    env_tweaked(profile, dynamic(keep_on)).await
+}
+
+/// [`env_dynamic`] without keep-on over `backend`, a wrapper of `sim` (`Env::sim`) that counts
+/// or changes what the plugin asks of it.
+async fn env_over(sim: &SimBackend, backend: impl DeviceBackend + 'static) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(FakeApi::default());
-    let sim = SimBackend::from_profile(profile, NODE).unwrap();
-    let (plugin, _, stop) =
-        start_with(dir.path(), api.clone(), sim.clone(), dynamic(keep_on)).await;
+    let (plugin, _, _stop) = start_with(dir.path(), api.clone(), backend, dynamic(false)).await;
     Env {
         plugin,
         api,
-        sim,
+        sim: sim.clone(),
         dir,
-        _stop: stop,
+        _stop,
     }
+}
+
+/// A second plugin with dynamic MIG on (without keep-on) over `e`'s directory, API and sim, as
+/// after a restart: the plugin, what its start-up recovered, and the guard that stops it.
+async fn restart(e: &Env) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+    start_with(e.dir.path(), e.api.clone(), e.sim.clone(), dynamic(false)).await
 }
 
 fn dynamic(keep_on: bool) -> impl FnOnce(&mut Options) {
@@ -353,8 +363,7 @@ async fn start_up_turns_off_a_mode_left_on_with_no_instance() {
     });
     e.plugin.ledger().flush().await.unwrap();
 
-    let (p2, rec, _g) =
-        start_with(e.dir.path(), e.api.clone(), e.sim.clone(), dynamic(false)).await;
+    let (p2, rec, _g) = restart(&e).await;
     assert_eq!(rec.rolled_back, vec![ClaimUid::parse("half").unwrap()]);
     // GPU 1 went off in the rollback, after its instance; GPU 0 after the rollbacks.
     assert_eq!(rec.mig_modes_off, vec![g0.clone()]);
@@ -391,24 +400,9 @@ impl crate::inventory::Wrapper for CountSwitches {
 /// still handed out as it is.
 #[tokio::test]
 async fn a_switch_that_needs_a_reset_is_withdrawn_and_the_gpu_no_longer_switches() {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let asked = Arc::new(AtomicUsize::new(0));
-    let (plugin, _, _stop) = start_with(
-        dir.path(),
-        api.clone(),
-        CountSwitches(sim.clone(), asked.clone()),
-        dynamic(false),
-    )
-    .await;
-    let e = Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop,
-    };
+    let e = env_over(&sim, CountSwitches(sim.clone(), asked.clone())).await;
     let g0 = gpu(&e, 0);
     e.sim.set_reset_required(&g0, true);
     e.add(claim(
@@ -467,8 +461,7 @@ async fn a_pending_change_is_withdrawn_on_hopper_and_left_on_ampere() {
     let e = env_dynamic("dgx-h100", false).await;
     let (g1, g2) = (gpu(&e, 1), gpu(&e, 2));
     e.sim.update(|inv| inv.gpus[1].mig.pending = Some(true));
-    let (p2, rec, _g) =
-        start_with(e.dir.path(), e.api.clone(), e.sim.clone(), dynamic(false)).await;
+    let (p2, rec, _g) = restart(&e).await;
     assert_eq!(rec.pending_withdrawn, vec![g1]);
     assert_eq!(e.sim.snapshot().unwrap().gpus[1].mig.pending, None);
     assert!(!mig_mode(&e, 1));
@@ -486,13 +479,7 @@ async fn a_pending_change_is_withdrawn_on_hopper_and_left_on_ampere() {
 
     let a100 = env_dynamic("a100-mig-mixed", false).await;
     a100.sim.update(|inv| inv.gpus[0].mig.pending = Some(true));
-    let (_p, rec, _g) = start_with(
-        a100.dir.path(),
-        a100.api.clone(),
-        a100.sim.clone(),
-        dynamic(false),
-    )
-    .await;
+    let (_p, rec, _g) = restart(&a100).await;
     assert!(rec.pending_withdrawn.is_empty());
     assert_eq!(a100.sim.snapshot().unwrap().gpus[0].mig.pending, Some(true));
 }
@@ -502,18 +489,8 @@ async fn a_pending_change_is_withdrawn_on_hopper_and_left_on_ampere() {
 /// says so; the file keeps what it held.
 #[tokio::test]
 async fn a_failed_first_flush_leaves_no_gpu_recorded_as_switched() {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
-    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
-    let (plugin, _, writer) =
-        start_with(dir.path(), api.clone(), sim.clone(), dynamic(false)).await;
-    let e = Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop: CancellationToken::new().drop_guard(),
-    };
+    let mut e = env_dynamic("dgx-h100", false).await;
+    let writer = std::mem::replace(&mut e._stop, CancellationToken::new().drop_guard());
     e.add(claim(
         "a",
         vec![result("mig", &placement(&e, 0, "1g.10gb", 0))],
@@ -561,23 +538,8 @@ impl crate::inventory::Wrapper for ShiftMinors {
 /// its device keeps the name it was allocated by.
 #[tokio::test]
 async fn the_spec_of_a_switched_gpu_has_the_minor_read_after_the_switch() {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
-    let (plugin, _, _stop) = start_with(
-        dir.path(),
-        api.clone(),
-        ShiftMinors(sim.clone()),
-        dynamic(false),
-    )
-    .await;
-    let e = Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop,
-    };
+    let e = env_over(&sim, ShiftMinors(sim.clone())).await;
     let one = placement(&e, 3, "1g.10gb", 0);
     e.add(claim("a", vec![result("mig", &one)]));
     let d = e.prepare("a").await.unwrap();
@@ -618,25 +580,10 @@ fn own_mps_server() -> Holder {
 /// instead of meeting IN_USE.
 #[tokio::test]
 async fn a_switch_waits_for_nvdras_own_mps_server_to_exit() {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let g4 = sim.snapshot().unwrap().gpus[4].uuid.clone();
     let snapshots = Arc::new(AtomicUsize::new(0));
-    let (plugin, _, _stop) = start_with(
-        dir.path(),
-        api.clone(),
-        ExitsAfter(sim.clone(), g4.clone(), snapshots.clone()),
-        dynamic(false),
-    )
-    .await;
-    let e = Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop,
-    };
+    let e = env_over(&sim, ExitsAfter(sim.clone(), g4.clone(), snapshots.clone())).await;
     e.add(claim(
         "a",
         vec![result("mig", &placement(&e, 4, "1g.10gb", 0))],

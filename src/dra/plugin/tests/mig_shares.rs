@@ -12,22 +12,12 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 /// A plugin in share `mode` on the a100-mig-mixed profile (GPU 1 in MIG mode, with a 3g.20gb
 /// device at placement 4 among others).
 async fn env_in(mode: &str) -> Env {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
-    let sim = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
     let mode: ConsumableShares = mode.parse().unwrap();
-    let (plugin, _, stop) = start_with(dir.path(), api.clone(), sim.clone(), |o| {
+    env_tweaked("a100-mig-mixed", |o| {
         o.shared_capacity = mode;
         o.partitionable = false;
     })
-    .await;
-    Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop: stop,
-    }
+    .await
 }
 
 /// GPU 1's MIG devices, each with its published name.

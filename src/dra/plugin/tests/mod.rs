@@ -190,10 +190,15 @@ async fn start_with(
 }
 
 async fn env(profile: &str) -> Env {
+    env_tweaked(profile, |_| {}).await
+}
+
+/// [`env`] with the plugin's options changed by `tweak` first (a mode, a rule).
+async fn env_tweaked(profile: &str, tweak: impl FnOnce(&mut Options)) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile(profile, NODE).unwrap();
-    let (plugin, _, stop) = start(dir.path(), api.clone(), sim.clone()).await;
+    let (plugin, _, stop) = start_with(dir.path(), api.clone(), sim.clone(), tweak).await;
     Env {
         plugin,
         api,

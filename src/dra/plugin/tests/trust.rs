@@ -6,20 +6,7 @@ use super::*;
 use crate::sharing::trust::{TrustDomain, TrustLabel};
 
 async fn env_with(rule: TrustDomain) -> Env {
-    let dir = tempfile::tempdir().unwrap();
-    let api = Arc::new(FakeApi::default());
-    let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
-    let (plugin, _, stop) = start_with(dir.path(), api.clone(), sim.clone(), |o| {
-        o.share_trust_domain = rule
-    })
-    .await;
-    Env {
-        plugin,
-        api,
-        sim,
-        dir,
-        _stop: stop,
-    }
+    env_tweaked("dgx-h100", |o| o.share_trust_domain = rule).await
 }
 
 fn cref_in(namespace: &str, uid: &str) -> ClaimRef {

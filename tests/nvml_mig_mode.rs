@@ -13,8 +13,11 @@
 
 mod support;
 
+use std::ffi::OsStr;
+use std::path::Path;
 use std::process::Command;
 
+use nvdra::inventory::holders::HolderScan;
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
 use nvdra::inventory::{
     DeviceBackend, Error, MigModeChange, NoMigToggle, Placement, Virtualization,
@@ -162,23 +165,60 @@ fn gpu_instances(backend: &NvmlBackend, index: u32) -> Vec<(u32, u32, u32)> {
     out
 }
 
-#[test]
-fn child_toggles_mig_mode() {
-    if std::env::var(CHILD).is_err() {
-        return;
-    }
+/// The NVML backend over the fake (linked into a driver root of its own, with a sysfs root of
+/// its own and, where `dev` names the fake's device directory, holders read there through
+/// `/proc`), and the fake's test hooks. The two directories go with the first element: bound
+/// first, they outlive the backend and the hooks.
+fn fake_backend(dev: Option<&Path>) -> ([tempfile::TempDir; 2], NvmlBackend, Hooks) {
     let driver_root = tempfile::tempdir().unwrap();
     let lib_dir = driver_root.path().join("usr/lib64");
     std::fs::create_dir_all(&lib_dir).unwrap();
     let lib = lib_dir.join(LIBRARY);
     std::os::unix::fs::symlink(support::fake_nvml::library(), &lib).unwrap();
     let sysfs = tempfile::tempdir().unwrap();
-    let backend = NvmlBackend::open(driver_root.path())
+    let mut backend = NvmlBackend::open(driver_root.path())
         .unwrap()
         .with_sysfs_root(sysfs.path());
+    if let Some(dev) = dev {
+        backend = backend.with_holders(HolderScan::new("/proc").with_device_dir(dev));
+    }
     // SAFETY: the fake's initialisers are Rust statics; loading it again returns the copy NVML
     // already loaded.
     let hooks = Hooks(unsafe { libloading::Library::new(&lib) }.unwrap());
+    ([driver_root, sysfs], backend, hooks)
+}
+
+/// Runs this binary's test `test` alone (`--exact`, `--nocapture`) as a child process with
+/// `child` set, `FAKE_NVML_TOPOLOGY` naming `topology` written into `dir`, this process's
+/// `FAKE_NVML_NODE`, `FAKE_NVML_PROFILE` and `FAKE_NVML_STATE` removed and then each of `env`
+/// set; and asserts that it passed and printed [`DONE`].
+fn run_child(child: &str, test: &str, dir: &Path, topology: &str, env: &[(&str, &OsStr)]) {
+    let path = dir.join("topology.yaml");
+    std::fs::write(&path, topology).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture"])
+        .env(child, "1")
+        .env("FAKE_NVML_TOPOLOGY", &path)
+        .env_remove("FAKE_NVML_NODE")
+        .env_remove("FAKE_NVML_PROFILE")
+        .env_remove("FAKE_NVML_STATE")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains(DONE),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn child_toggles_mig_mode() {
+    if std::env::var(CHILD).is_err() {
+        return;
+    }
+    let (_dirs, backend, hooks) = fake_backend(None);
 
     // A Hopper with a process on it: nvidia-smi (or any NVML client) asking for MIG mode leaves
     // the change pending (activation status IN_USE).
@@ -354,24 +394,13 @@ fn mig_mode_through_nvml_on_the_fake() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let topology = dir.path().join("topology.yaml");
-    std::fs::write(&topology, TOPOLOGY).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_toggles_mig_mode", "--nocapture"])
-        .env(CHILD, "1")
-        .env("FAKE_NVML_TOPOLOGY", &topology)
+    run_child(
+        CHILD,
+        "child_toggles_mig_mode",
+        dir.path(),
+        TOPOLOGY,
         // Exercises the setting; what it does is not timed here.
-        .env("FAKE_NVML_MIG_TOGGLE_DELAY_MS", "1")
-        .env_remove("FAKE_NVML_NODE")
-        .env_remove("FAKE_NVML_PROFILE")
-        .env_remove("FAKE_NVML_STATE")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains(DONE),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        &[("FAKE_NVML_MIG_TOGGLE_DELAY_MS", "1".as_ref())],
     );
 }
 
@@ -436,24 +465,12 @@ impl Drop for Holders {
 
 #[test]
 fn child_holders_passthrough_and_minors() {
-    use nvdra::inventory::holders::HolderScan;
     use nvdra::inventory::{Holder, HolderKind};
     if std::env::var(HOLDERS_CHILD).is_err() {
         return;
     }
     let dev = std::path::PathBuf::from(std::env::var("FAKE_NVML_DEV_DIR").unwrap());
-    let driver_root = tempfile::tempdir().unwrap();
-    let lib_dir = driver_root.path().join("usr/lib64");
-    std::fs::create_dir_all(&lib_dir).unwrap();
-    let lib = lib_dir.join(LIBRARY);
-    std::os::unix::fs::symlink(support::fake_nvml::library(), &lib).unwrap();
-    let sysfs = tempfile::tempdir().unwrap();
-    let backend = NvmlBackend::open(driver_root.path())
-        .unwrap()
-        .with_sysfs_root(sysfs.path())
-        .with_holders(HolderScan::new("/proc").with_device_dir(&dev));
-    // SAFETY: as in `child_toggles_mig_mode`.
-    let hooks = Hooks(unsafe { libloading::Library::new(&lib) }.unwrap());
+    let (_dirs, backend, hooks) = fake_backend(Some(&dev));
 
     let inv = backend.snapshot().unwrap();
     let uuid = |i: usize| inv.gpus[i].uuid.clone();
@@ -580,32 +597,21 @@ fn holders_passthrough_and_minors_on_the_fake() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let topology = dir.path().join("topology.yaml");
-    std::fs::write(&topology, CLOUD).unwrap();
     let state = dir.path().join("state");
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_holders_passthrough_and_minors",
-            "--nocapture",
-        ])
-        .env(HOLDERS_CHILD, "1")
-        .env("FAKE_NVML_TOPOLOGY", &topology)
-        .env("FAKE_NVML_STATE", &state)
-        .env("FAKE_NVML_DEV_DIR", dir.path().join("dev"))
-        .env("FAKE_NVML_MINOR_XOR", "64")
-        .env("FAKE_NVML_RESET_REQUIRED", "2")
-        .env("FAKE_NVML_VIRTUALIZATION", "passthrough")
-        .env("FAKE_NVML_IDLE", "1")
-        .env_remove("FAKE_NVML_NODE")
-        .env_remove("FAKE_NVML_PROFILE")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains(DONE),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let dev = dir.path().join("dev");
+    run_child(
+        HOLDERS_CHILD,
+        "child_holders_passthrough_and_minors",
+        dir.path(),
+        CLOUD,
+        &[
+            ("FAKE_NVML_STATE", state.as_ref()),
+            ("FAKE_NVML_DEV_DIR", dev.as_ref()),
+            ("FAKE_NVML_MINOR_XOR", "64".as_ref()),
+            ("FAKE_NVML_RESET_REQUIRED", "2".as_ref()),
+            ("FAKE_NVML_VIRTUALIZATION", "passthrough".as_ref()),
+            ("FAKE_NVML_IDLE", "1".as_ref()),
+        ],
     );
     // The GPUs keep what the switches did beyond the process: modes and minors.
     assert_eq!(
@@ -636,7 +642,6 @@ impl Hooks {
 /// caller to withdraw.
 #[test]
 fn child_in_use_both_forms() {
-    use nvdra::inventory::holders::HolderScan;
     use nvdra::inventory::{Holder, HolderKind};
     use nvml_wrapper::error::NvmlError;
     use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_IN_USE as IN_USE;
@@ -644,18 +649,7 @@ fn child_in_use_both_forms() {
         return;
     }
     let dev = std::path::PathBuf::from(std::env::var("FAKE_NVML_DEV_DIR").unwrap());
-    let driver_root = tempfile::tempdir().unwrap();
-    let lib_dir = driver_root.path().join("usr/lib64");
-    std::fs::create_dir_all(&lib_dir).unwrap();
-    let lib = lib_dir.join(LIBRARY);
-    std::os::unix::fs::symlink(support::fake_nvml::library(), &lib).unwrap();
-    let sysfs = tempfile::tempdir().unwrap();
-    let backend = NvmlBackend::open(driver_root.path())
-        .unwrap()
-        .with_sysfs_root(sysfs.path())
-        .with_holders(HolderScan::new("/proc").with_device_dir(&dev));
-    // SAFETY: as in `child_toggles_mig_mode`.
-    let hooks = Hooks(unsafe { libloading::Library::new(&lib) }.unwrap());
+    let (_dirs, backend, hooks) = fake_backend(Some(&dev));
     let inv = backend.snapshot().unwrap();
     let uuid = |i: usize| inv.gpus[i].uuid.clone();
 
@@ -735,24 +729,16 @@ fn in_use_as_return_code_on_the_fake() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let topology = dir.path().join("topology.yaml");
-    std::fs::write(&topology, CLOUD).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_in_use_both_forms", "--nocapture"])
-        .env(IN_USE_CHILD, "1")
-        .env("FAKE_NVML_TOPOLOGY", &topology)
-        .env("FAKE_NVML_DEV_DIR", dir.path().join("dev"))
-        .env("FAKE_NVML_IDLE", "1")
-        .env("FAKE_NVML_IN_USE_AS_RETURN", "1")
-        .env_remove("FAKE_NVML_NODE")
-        .env_remove("FAKE_NVML_PROFILE")
-        .env_remove("FAKE_NVML_STATE")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains(DONE),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let dev = dir.path().join("dev");
+    run_child(
+        IN_USE_CHILD,
+        "child_in_use_both_forms",
+        dir.path(),
+        CLOUD,
+        &[
+            ("FAKE_NVML_DEV_DIR", dev.as_ref()),
+            ("FAKE_NVML_IDLE", "1".as_ref()),
+            ("FAKE_NVML_IN_USE_AS_RETURN", "1".as_ref()),
+        ],
     );
 }

@@ -319,35 +319,11 @@ pub fn gpu_instance_id_of(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError
 /// The id of the largest compute-instance profile of a GPU instance (the one spanning all of
 /// its slices), with shared engines.
 pub fn spanning_compute_profile(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError> {
-    let f = nvml_sym(
-        nvml.lib()
-            .nvmlGpuInstanceGetComputeInstanceProfileInfo
-            .as_ref(),
-    )?;
     let mut best: Option<(u32, u32)> = None;
     let mut last_error = NvmlError::NotSupported;
     for profile in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
-        let mut info = nvmlComputeInstanceProfileInfo_t {
-            id: 0,
-            sliceCount: 0,
-            instanceCount: 0,
-            multiprocessorCount: 0,
-            sharedCopyEngineCount: 0,
-            sharedDecoderCount: 0,
-            sharedEncoderCount: 0,
-            sharedJpegCount: 0,
-            sharedOfaCount: 0,
-        };
-        // SAFETY: declared signature; live instance handle; `info` is initialized and writable.
-        match nvml_try(unsafe {
-            f(
-                gi.0,
-                profile,
-                NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                &mut info,
-            )
-        }) {
-            Ok(()) => {
+        match compute_profile_info(nvml, gi, profile) {
+            Ok(info) => {
                 if best.is_none_or(|(slices, _)| info.sliceCount > slices) {
                     best = Some((info.sliceCount, info.id));
                 }
@@ -356,6 +332,41 @@ pub fn spanning_compute_profile(nvml: &Nvml, gi: GpuInstance) -> Result<u32, Nvm
         }
     }
     best.map(|(_, id)| id).ok_or(last_error)
+}
+
+/// `nvmlGpuInstanceGetComputeInstanceProfileInfo` of compute profile `profile` (an index,
+/// `NVML_COMPUTE_INSTANCE_PROFILE_*`) with shared engines, in `gi`.
+fn compute_profile_info(
+    nvml: &Nvml,
+    gi: GpuInstance,
+    profile: u32,
+) -> Result<nvmlComputeInstanceProfileInfo_t, NvmlError> {
+    let f = nvml_sym(
+        nvml.lib()
+            .nvmlGpuInstanceGetComputeInstanceProfileInfo
+            .as_ref(),
+    )?;
+    let mut info = nvmlComputeInstanceProfileInfo_t {
+        id: 0,
+        sliceCount: 0,
+        instanceCount: 0,
+        multiprocessorCount: 0,
+        sharedCopyEngineCount: 0,
+        sharedDecoderCount: 0,
+        sharedEncoderCount: 0,
+        sharedJpegCount: 0,
+        sharedOfaCount: 0,
+    };
+    // SAFETY: declared signature; live instance handle; `info` is initialized and writable.
+    nvml_try(unsafe {
+        f(
+            gi.0,
+            profile,
+            NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+            &mut info,
+        )
+    })?;
+    Ok(info)
 }
 
 /// `nvmlGpuInstanceCreateComputeInstance`; returns the handle and the new instance's id.
@@ -445,30 +456,10 @@ fn read_list<T: Copy>(
 pub fn compute_instance_count(nvml: &Nvml, gi: GpuInstance) -> Result<u32, NvmlError> {
     let lib = nvml.lib();
     let f = nvml_sym(lib.nvmlGpuInstanceGetComputeInstances.as_ref())?;
-    let profile_info = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.as_ref())?;
     let mut total = 0;
     for profile in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
-        let mut info = nvmlComputeInstanceProfileInfo_t {
-            id: 0,
-            sliceCount: 0,
-            instanceCount: 0,
-            multiprocessorCount: 0,
-            sharedCopyEngineCount: 0,
-            sharedDecoderCount: 0,
-            sharedEncoderCount: 0,
-            sharedJpegCount: 0,
-            sharedOfaCount: 0,
-        };
-        // SAFETY: declared signature; live instance handle; `info` is initialized and writable.
-        let room = match nvml_try(unsafe {
-            profile_info(
-                gi.0,
-                profile,
-                NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                &mut info,
-            )
-        }) {
-            Ok(()) => info.instanceCount,
+        let room = match compute_profile_info(nvml, gi, profile) {
+            Ok(info) => info.instanceCount,
             // A profile this instance does not support has no instances.
             Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::NotFound) => continue,
             Err(e) => return Err(e),

@@ -747,13 +747,18 @@ struct HealthMonitor {
     monitor: crate::health::Monitor,
     handle: crate::health::MonitorHandle,
     faults: Option<crate::health::faults::FaultFile>,
+    /// The backend's event thread (NVML's), supervised once spawned.
+    events: Option<crate::inventory::events::EventThread>,
 }
 
 impl HealthMonitor {
     /// The source is the backend's own (NVML's event thread, started here), or the fault file
     /// for simulated GPUs; the recovery probe is the fault file's or the backend's. A backend
     /// whose event source cannot start still serves: its GPUs are then only as healthy as its
-    /// inventory says, which is logged. The event thread ends once the monitor is gone.
+    /// inventory says, which is logged. The event thread ends once the monitor is gone; its
+    /// death before is the daemon's ([`Supervisor::spawn_thread`]): a process restart opens NVML
+    /// and registers the events again, as an in-process restart could not where NVML itself
+    /// failed (and no event that came while it was down is replayed either way).
     fn start(config: &Config, backend: &Arc<dyn DeviceBackend>) -> Self {
         let faults = config
             .fault_file
@@ -764,20 +769,28 @@ impl HealthMonitor {
             None => Arc::new(crate::health::BackendProbe(backend.clone())),
         };
         let (monitor, handle) = crate::health::Monitor::new(config.health.clone(), probe);
-        match backend.start_health_events(Box::new(handle.events())) {
-            None => tracing::debug!(backend = backend.name(), "no hardware health events"),
-            Some(Ok(_thread)) => {
-                tracing::info!(backend = backend.name(), "watching GPU health events")
+        let events = match backend.start_health_events(Box::new(handle.events())) {
+            None => {
+                tracing::debug!(backend = backend.name(), "no hardware health events");
+                None
             }
-            Some(Err(e)) => tracing::warn!(
-                error = %e,
-                "cannot start the GPU health-event thread; GPU health is not monitored"
-            ),
-        }
+            Some(Ok(thread)) => {
+                tracing::info!(backend = backend.name(), "watching GPU health events");
+                Some(thread)
+            }
+            Some(Err(e)) => {
+                tracing::warn!(
+                    error = %e,
+                    "cannot start the GPU health-event thread; GPU health is not monitored"
+                );
+                None
+            }
+        };
         Self {
             monitor,
             handle,
             faults,
+            events,
         }
     }
 
@@ -786,7 +799,11 @@ impl HealthMonitor {
             monitor,
             handle,
             faults,
+            events,
         } = self;
+        if let Some(thread) = events {
+            tasks.spawn_thread("health-events", thread);
+        }
         if let Some(f) = faults {
             let events = handle.events();
             tasks.spawn("fault-file", |token| async move {

@@ -6,6 +6,10 @@
 //!   returning, failing or panicking — is a failure: `/readyz` fails at once naming it, every
 //!   task is stopped, and [`Supervisor::run`] returns [`Error::TaskDied`] naming it, so the
 //!   process exits non-zero and the DaemonSet restarts it.
+//! - Every long-lived thread is supervised the same way, as a task that watches it
+//!   ([`Supervisor::spawn_thread`]): a thread that panics or ends with an error is a dead task.
+//!   Threads that serve a task end that task when they die instead (the inventory owner's reader,
+//!   the metrics listener's thread).
 //! - Shutdown is in two stages: the serving tasks first (servers drain, sockets go); the
 //!   `last` tasks (the checkpoint writer flushing what the servers recorded, the metrics
 //!   endpoint answering `/readyz` meanwhile) only once every serving task has stopped.
@@ -104,6 +108,33 @@ impl Supervisor {
     {
         let token = self.last.clone();
         self.add(name, Stage::Last, task(token));
+    }
+
+    /// Supervises `thread` as a serving task named `name`: its panic, or its end with an error,
+    /// is a dead task; its end with `Ok` (nothing left to do) is not.
+    pub(super) fn spawn_thread(
+        &mut self,
+        name: &'static str,
+        thread: std::thread::JoinHandle<Result<(), String>>,
+    ) {
+        self.spawn(name, |token| async move {
+            // A std thread cannot be awaited: it is looked at every THREAD_CHECK.
+            let mut check = tokio::time::interval(THREAD_CHECK);
+            while !thread.is_finished() {
+                tokio::select! {
+                    () = token.cancelled() => return Ok(()),
+                    _ = check.tick() => {}
+                }
+            }
+            match thread.join() {
+                Ok(Ok(())) => {
+                    token.cancelled().await;
+                    Ok(())
+                }
+                Ok(Err(reason)) => Err(ThreadDied(reason)),
+                Err(panic) => Err(ThreadDied(format!("panicked: {}", panic_text(panic)))),
+            }
+        });
     }
 
     fn add<F, E>(&mut self, name: &'static str, stage: Stage, task: F)
@@ -221,12 +252,24 @@ impl Supervisor {
     }
 }
 
+/// How often a supervised thread is looked at: how late its death may be noticed.
+const THREAD_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Why a supervised thread is dead.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct ThreadDied(String);
+
 /// The panic's message, where it is a string.
 fn panic_message(e: JoinError) -> String {
     if !e.is_panic() {
         return e.to_string();
     }
-    let payload = e.into_panic();
+    panic_text(e.into_panic())
+}
+
+/// A panic payload's message, where it is a string.
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
     match payload.downcast_ref::<&str>() {
         Some(s) => (*s).to_string(),
         None => match payload.downcast_ref::<String>() {
@@ -334,6 +377,48 @@ mod tests {
         assert!(metrics.ready(), "a stop asked for is no failure");
         let order: Vec<&str> = stopped.try_iter().collect();
         assert_eq!(order, ["server", "writer"]);
+    }
+
+    /// A supervised thread that panics or ends with an error is a dead task, named with why; one
+    /// that ends `Ok` (nothing to watch) is not, and shutdown goes on as asked.
+    #[tokio::test]
+    async fn a_thread_that_panics_or_fails_is_a_dead_task_and_one_that_is_done_is_not() {
+        let panics = std::thread::spawn(|| -> Result<(), String> { panic!("boom") });
+        let fails = std::thread::spawn(|| Err("the event set is gone".to_string()));
+        for (thread, reason) in [(panics, "panicked: boom"), (fails, "the event set is gone")] {
+            let metrics = ready_metrics();
+            let stop = CancellationToken::new();
+            let mut s = Supervisor::new(&stop, metrics.clone());
+            let stopped = two_stages(&mut s);
+            s.spawn_thread("events", thread);
+            match s.run().await.unwrap_err() {
+                Error::TaskDied { task, reason: r } => {
+                    assert_eq!((task, r.as_str()), ("events", reason));
+                }
+                e => panic!("{e:?}"),
+            }
+            assert!(!metrics.ready(), "/readyz fails");
+            let order: Vec<&str> = stopped.try_iter().collect();
+            assert_eq!(order, ["server", "writer"]);
+        }
+
+        let metrics = ready_metrics();
+        let stop = CancellationToken::new();
+        let mut s = Supervisor::new(&stop, metrics.clone());
+        let _stopped = two_stages(&mut s);
+        let done = std::thread::spawn(|| Ok(()));
+        while !done.is_finished() {
+            std::thread::yield_now();
+        }
+        s.spawn_thread("events", done);
+        // Past the thread's end (THREAD_CHECK): the run goes on until asked to stop.
+        let stopper = tokio::spawn(async move {
+            tokio::time::sleep(2 * THREAD_CHECK).await;
+            stop.cancel();
+        });
+        s.run().await.unwrap();
+        stopper.await.unwrap();
+        assert!(metrics.ready(), "a thread done with its work is no failure");
     }
 
     /// `GET path` on `addr`: the whole answer.

@@ -188,7 +188,7 @@ pub trait DeviceBackend: Send + Sync + 'static {
     fn start_health_events(
         &self,
         sink: Box<dyn super::events::EventSink>,
-    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+    ) -> Option<std::io::Result<super::events::EventThread>> {
         let _ = sink;
         None
     }
@@ -349,7 +349,7 @@ impl<W: Wrapper> DeviceBackend for W {
     fn start_health_events(
         &self,
         sink: Box<dyn super::events::EventSink>,
-    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+    ) -> Option<std::io::Result<super::events::EventThread>> {
         self.inner().start_health_events(sink)
     }
 

@@ -63,6 +63,10 @@ impl Event {
     }
 }
 
+/// A backend's event thread. It ends `Ok` once nobody listens (or when there is nothing to
+/// watch), `Err` naming why it cannot watch any more; the daemon supervises it.
+pub type EventThread = std::thread::JoinHandle<Result<(), String>>;
+
 /// Where a backend's event thread sends events (from a plain thread: sending may block).
 pub trait EventSink: Send + 'static {
     /// Delivers `event`; `false` when nobody listens any more and the thread should end.

@@ -457,7 +457,7 @@ impl DeviceBackend for Watched {
     fn start_health_events(
         &self,
         sink: Box<dyn super::events::EventSink>,
-    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+    ) -> Option<std::io::Result<super::events::EventThread>> {
         self.backend.start_health_events(sink)
     }
 

@@ -227,7 +227,7 @@ impl DeviceBackend for NvmlBackend {
     fn start_health_events(
         &self,
         sink: Box<dyn crate::inventory::events::EventSink>,
-    ) -> Option<std::io::Result<std::thread::JoinHandle<()>>> {
+    ) -> Option<std::io::Result<crate::inventory::events::EventThread>> {
         Some(super::events::start(self.nvml.clone(), sink))
     }
 

@@ -9,24 +9,24 @@
 //! alone, as NVIDIA's plugin does (and a driver without event sets at all is logged, not
 //! tainted). A wait that answers `GPU_IS_LOST` names no GPU, so every
 //! watched GPU is probed and only those NVML no longer finds are reported lost — never "every
-//! device unhealthy" for one error (NVIDIA device plugin #669). Other wait errors are logged
-//! once per kind and retried.
+//! device unhealthy" for one error (NVIDIA device plugin #669). A wait NVML refuses for good
+//! (`UNINITIALIZED`, `INVALID_ARGUMENT`: the library or the event set is gone, as after a driver
+//! reload) ends the thread with that error, which stops the daemon (a supervised thread, see
+//! `src/daemon/supervise.rs`); other wait errors are logged once per kind and retried.
 //!
 //! An XID that the driver attributes to a MIG instance (the event's `gpuInstanceId`, and
 //! `computeInstanceId` where it names one, read through `ffi::wait_event`: nvml-wrapper's wait
 //! drops them) is sent with that [`Instance`] and the UUIDs of the MIG devices it names, read
 //! from NVML at once, so the monitor taints that instance rather than the whole GPU.
 
-use std::sync::Arc;
-use std::thread::JoinHandle;
-
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use std::sync::Arc;
 
 use super::ffi;
-use crate::inventory::events::{Event, EventKind, EventSink, Instance};
+use crate::inventory::events::{Event, EventKind, EventSink, EventThread, Instance};
 use crate::inventory::{GpuUuid, MigUuid};
 
 /// How long one wait blocks; also how soon the thread notices that nobody listens any more.
@@ -40,7 +40,7 @@ const UNKNOWN_XID: u64 = 999;
 const NO_INSTANCE: u32 = u32::MAX;
 
 /// Starts the event thread.
-pub(super) fn start(nvml: Arc<Nvml>, sink: Box<dyn EventSink>) -> std::io::Result<JoinHandle<()>> {
+pub(super) fn start(nvml: Arc<Nvml>, sink: Box<dyn EventSink>) -> std::io::Result<EventThread> {
     std::thread::Builder::new()
         .name("nvml-events".into())
         .spawn(move || run(&nvml, sink.as_ref()))
@@ -52,7 +52,9 @@ pub(super) fn probe(nvml: &Nvml, gpu: &GpuUuid) -> Result<(), NvmlError> {
     d.uuid().map(|_| ())
 }
 
-fn run(nvml: &Nvml, sink: &dyn EventSink) {
+/// Watches until nobody listens (`Ok`, also when there is nothing to watch), or until NVML
+/// refuses the wait for good (`Err` naming the error).
+fn run(nvml: &Nvml, sink: &dyn EventSink) -> Result<(), String> {
     let gpus = gpus(nvml);
     let set = match nvml.create_event_set() {
         Ok(set) => set,
@@ -64,17 +66,17 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
             | NvmlError::NotSupported),
         ) => {
             tracing::warn!(error = %e, "this driver reports no GPU health events; GPU health is not monitored");
-            return;
+            return Ok(());
         }
         Err(e) => {
             let reason = format!("nvmlEventSetCreate failed: {e}");
             tracing::warn!(%reason, "GPU health events cannot be watched");
             for g in gpus {
                 if !sink.send(Event::gpu(g, EventKind::Unmonitored(reason.clone()))) {
-                    return;
+                    return Ok(());
                 }
             }
-            return;
+            return Ok(());
         }
     };
     let mut watched = Vec::new();
@@ -94,7 +96,7 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
                     e => EventKind::Unmonitored(format!("nvmlDeviceRegisterEvents failed: {e}")),
                 };
                 if !sink.send(Event::gpu(uuid, kind)) {
-                    return;
+                    return Ok(());
                 }
             }
         }
@@ -139,6 +141,12 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
                 })
                 .map(|g| Event::gpu(g.clone(), EventKind::GpuLost))
                 .collect(),
+            Err(e @ (NvmlError::Uninitialized | NvmlError::InvalidArg)) => {
+                return Err(format!(
+                    "NVML refuses to wait for GPU health events ({e}): the event set or the \
+                     library is gone, and a restart opens NVML again"
+                ));
+            }
             Err(e) => {
                 let text = e.to_string();
                 if last_error.as_deref() != Some(text.as_str()) {
@@ -152,11 +160,12 @@ fn run(nvml: &Nvml, sink: &dyn EventSink) {
         };
         for ev in events {
             if !sink.send(ev) {
-                return;
+                return Ok(());
             }
         }
     }
     tracing::debug!("GPU health-event thread stopped");
+    Ok(())
 }
 
 /// The UUIDs of the GPUs NVML lists (a GPU whose UUID cannot be read is left out, as the

@@ -22,6 +22,10 @@
 //!   for that GPU (`NVML_SUCCESS` to undo);
 //! - `fake_nvml_registrations(gpu_index)`: how many live event sets registered the GPU (a test
 //!   waits for its monitor's registration before injecting).
+//!
+//! Across processes: `FAKE_NVML_EVENT_WAIT_ERROR=<file>` makes every `nvmlEventSetWait_v2` answer
+//! at once the NVML return code the file holds, while it exists (as a driver that lost its event
+//! sets answers `NVML_ERROR_INVALID_ARGUMENT`): a test of a running daemon writes it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::os::raw::{c_int, c_uint, c_ulonglong};
@@ -138,6 +142,9 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     let Some(id) = set_id(set) else {
         return INVALID;
     };
+    if let Some(code) = wait_error() {
+        return code;
+    }
     let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
     let mut st = state();
     loop {
@@ -164,6 +171,12 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
             .unwrap_or_else(|p| p.into_inner())
             .0;
     }
+}
+
+/// The return code in the file `FAKE_NVML_EVENT_WAIT_ERROR` names, while it exists.
+fn wait_error() -> Option<nvmlReturn_t> {
+    let file = std::env::var_os("FAKE_NVML_EVENT_WAIT_ERROR")?;
+    std::fs::read_to_string(file).ok()?.trim().parse().ok()
 }
 
 /// Whether a test marked GPU `index` lost (`nvmlDeviceGetHandleByUUID` then answers

@@ -4,8 +4,8 @@
 //! driver (`dra`: slices, prepare, health) on the `kubelet-plugin` library, the device plugin
 //! (`deviceplugin`), CDI specs (`cdi`) and the checkpoint (`ledger`, typed ids from `ids`).
 //! Domain modules know nothing of gRPC, kube or NVML; adapters depend on them, and no module
-//! imports in a circle (`tests/layering.rs`). `cel`, `matching` and `demo` are the tools for
-//! people, built with the default `tools` feature only.
+//! imports in a circle (`tests/integration/layering.rs`). `cel`, `matching` and `demo` are the
+//! tools for people, built with the default `tools` feature only.
 
 pub mod api;
 pub mod cdi;

@@ -6,7 +6,7 @@
 //! resolve to something else — the PCI address `0000:07:00.0` (base 60), `on`/`no`/`y`, `~`,
 //! `1_000`, `0o17`, `2001-12-14`, `.inf`, `<<`, `=` — is written quoted. serde-saphyr does this
 //! when its `yaml_12` option is off; [`to_string`] is the one place that sets it, and the tests
-//! below and `tests/yaml_readers.rs` (PyYAML) hold it to that.
+//! below and `tests/integration/yaml_readers.rs` (PyYAML) hold it to that.
 //!
 //! Reading is YAML 1.2, as before: a plain `yes` or `on` is a string, and a `bool` field takes
 //! only `true`/`false`. Reading keeps serde's key path (`gpus[0].numaNode`) and the parser's line and column apart
@@ -131,7 +131,7 @@ mod tests {
     use super::*;
 
     /// Strings a YAML 1.1 or 1.2 reader would take for something else when written plain; shared
-    /// with `tests/yaml_readers.rs`, which has PyYAML read them.
+    /// with `tests/integration/yaml_readers.rs`, which has PyYAML read them.
     fn hostile() -> Vec<String> {
         serde_json::from_str(include_str!("../tests/data/yaml-hostile-strings.json")).unwrap()
     }

@@ -2,7 +2,8 @@
 //! `nvmlDeviceSetMemoryLimits_v1` and `nvmlDeviceGetMemoryLimits_v1` through nvdra's raw calls,
 //! the backend's probe, and `nvdra memory-limit-hook` run as the container runtime runs it (the
 //! OCI state on stdin) on a fake cgroup tree, with the fake's limits kept in its state file.
-//! `tests/cdi_podman.rs` runs the same hook under podman and runc on the host's cgroups.
+//! `tests/integration/cdi_podman.rs` runs the same hook under podman and runc on the host's
+//! cgroups.
 //!
 //! The hook runs as a child process with its own environment; in this process the fake serves
 //! its default node with the default (working) limits.

@@ -438,8 +438,8 @@ mod tests {
     /// While the serving tasks drain after a task died, `/readyz` (served by the last task, as
     /// the daemon runs it) answers 503 naming the dead task. Asserted unconditionally: the
     /// serving task here holds its drain until the answer is read, where the crash test of the
-    /// whole process (`tests/dra_crash.rs`) sees the 503 only when its poll lands before the
-    /// process exits.
+    /// whole process (`tests/integration/dra_crash.rs`) sees the 503 only when its poll lands
+    /// before the process exits.
     #[tokio::test]
     async fn while_the_others_drain_readyz_answers_503_naming_the_dead_task() {
         let metrics = ready_metrics();

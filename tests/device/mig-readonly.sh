@@ -38,18 +38,18 @@
 #
 # Settings (environment): NVDRA (nvdra's binary, also the first argument; target/release/nvdra),
 # NVDRA_ARGS (more `nvdra inventory` arguments, word-split; e.g. "--profile dgx-h100" runs it on
-# the simulated node, as tests/device_check.rs does), NVML_LIB (the library the ctypes probe
-# loads; libnvidia-ml.so.1), PYTHON (python3; without it the NVML reads are skipped with a SKIP
-# line), DEV_ROOT (where the device files are; /dev), GPUS (NVML indexes, comma-separated; all),
-# REPEAT (5), WAIT_MS (100), OUT (where the report goes; /tmp). Exit 0 when nothing failed, 1
-# when a check failed, 2 when this is not a GPU node or a setting is malformed. Takes a few
-# seconds per GPU (nvidia-smi -q is the slowest part without persistence mode).
+# the simulated node, as tests/integration/device_check.rs does), NVML_LIB (the library the ctypes
+# probe loads; libnvidia-ml.so.1), PYTHON (python3; without it the NVML reads are skipped with a
+# SKIP line), DEV_ROOT (where the device files are; /dev), GPUS (NVML indexes, comma-separated;
+# all), REPEAT (5), WAIT_MS (100), OUT (where the report goes; /tmp). Exit 0 when nothing failed, 1
+# when a check failed, 2 when this is not a GPU node or a setting is malformed. Takes a few seconds
+# per GPU (nvidia-smi -q is the slowest part without persistence mode).
 #
 # On the device tool, whose carried paths hold 64 MiB at most, carry a stripped nvdra:
 #   strip -o target/nvdra-stripped target/release/nvdra   # here; then run with carry
 #   ["target/nvdra-stripped"]: OUT=$OUT bash tests/device/mig-readonly.sh target/nvdra-stripped
 #
-# tests/device_check.rs runs it here on stand-ins (a stand-in nvidia-smi answering in
+# tests/integration/device_check.rs runs it here on stand-ins (a stand-in nvidia-smi answering in
 # nvidia-smi's documented formats, nvdra's simulated backend, the fake NVML, a process named
 # nv-hostengine holding a stand-in device file), so that a lent GPU's time is not spent on a
 # broken script.

@@ -53,8 +53,9 @@
 # on a GPU). Exit 0 when it ran (whatever it measured), 1 when a GPU setting changed, 2 when this
 # is not a GPU node with MPS or a setting is malformed.
 #
-# tests/device_check.rs runs it here end to end on stand-ins (a fake nvidia-smi, the MPS stand-in,
-# a cgroup directory, no CUDA), so the one run a lent GPU allows is not spent on a broken script.
+# tests/integration/device_check.rs runs it here end to end on stand-ins (a fake nvidia-smi, the MPS
+# stand-in, a cgroup directory, no CUDA), so the one run a lent GPU allows is not spent on a broken
+# script.
 set -uo pipefail
 
 # ---------------------------------------------------------------------------------------------

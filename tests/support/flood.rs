@@ -1,7 +1,7 @@
 //! A flood of the metrics port such as any pod on the pod network can send: connections that
 //! send nothing, connections that send a request head a byte at a time and never finish it,
 //! and scrapes back to back. A connection the server closes is opened again after a short
-//! pause, so the pressure lasts. Shared by `tests/metrics_flood.rs` and
+//! pause, so the pressure lasts. Shared by `tests/integration/metrics_flood.rs` and
 //! `benches/metrics_flood.rs` (included by `#[path]`), with the probe the kubelet sends.
 // Each user takes what it needs.
 #![allow(dead_code)]
@@ -29,7 +29,7 @@ impl Drop for Daemon {
     }
 }
 
-/// `cmd` (a sandboxed `nvdra run`, `crate::daemon`'s, with `/metrics` on `127.0.0.1:0`)
+/// `cmd` (a sandboxed `nvdra run`, `super::daemon`'s, with `/metrics` on `127.0.0.1:0`)
 /// started and serving: its DRA socket `dra_socket` is there and its listener answers
 /// `/healthz` (ready would need a kubelet's registration, which none gives here). The daemon,
 /// the address the kernel gave its listener, and a client of its DRA socket.
@@ -42,8 +42,8 @@ pub async fn serving(
     DraPluginClient<tonic::transport::Channel>,
 ) {
     let mut daemon = Daemon(cmd.spawn().expect("start nvdra"));
-    let addr = crate::daemon::metrics_address(daemon.0.id());
-    crate::wait::until("the daemon to serve", crate::wait::SOON, || {
+    let addr = super::daemon::metrics_address(daemon.0.id());
+    super::wait::until("the daemon to serve", super::wait::SOON, || {
         if let Some(status) = daemon.0.try_wait().expect("daemon status") {
             panic!("the daemon exited ({status}) before it served");
         }

@@ -1,5 +1,6 @@
 //! The manifests' objects and the checks every build of them must pass, whoever builds them:
-//! `kubectl kustomize` (tests/manifests.rs) or `helm template` (tests/helm.rs).
+//! `kubectl kustomize` (tests/integration/manifests.rs) or `helm template`
+//! (tests/integration/helm.rs).
 // Each test binary uses what it needs.
 #![allow(dead_code)]
 

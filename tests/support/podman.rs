@@ -1,6 +1,5 @@
 //! A real container engine for CDI tests: podman, runc and a busybox image imported from a
-//! local root filesystem. Included by the CDI test binaries with `#[path]`, so that test
-//! binaries without podman do not compile it.
+//! local root filesystem, for the CDI tests of the integration binary (`support::podman`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -16,8 +15,7 @@ pub const SYSTEM_CDI_DIR: &str = "/var/run/cdi";
 /// Generous bound on one podman command, so a wedged engine fails the test instead of hanging it.
 pub const PODMAN_TIMEOUT_S: &str = "180";
 
-#[path = "../../crates/kubelet-plugin/tests/support/require.rs"]
-pub mod require;
+pub use super::require;
 
 pub fn required() -> bool {
     require::required("NVDRA_REQUIRE_PODMAN")

@@ -1,6 +1,6 @@
 //! The hook's arguments, the runtime's state, the container's cgroup on a fake cgroup v2 tree,
 //! the spec's hooks and the enforcement level. The NVML side runs on the fake NVML in
-//! `tests/memory_limits.rs`, and under podman and runc in `tests/cdi_podman.rs`.
+//! `tests/memory_limits.rs`, and under podman and runc in `tests/integration/cdi_podman.rs`.
 
 use std::fs;
 
@@ -110,8 +110,8 @@ fn the_hook_reads_its_arguments() {
 
 #[test]
 fn the_runtimes_state_gives_the_pid_at_create_and_none_at_poststop() {
-    // What runc 1.1 gave a createRuntime hook under podman 4.3 (tests/cdi_podman.rs runs the hook
-    // that way), and what it gives a poststop hook: status stopped, no pid.
+    // What runc 1.1 gave a createRuntime hook under podman 4.3 (tests/integration/cdi_podman.rs
+    // runs the hook that way), and what it gives a poststop hook: status stopped, no pid.
     let created = r#"{"ociVersion":"1.0.2-dev","id":"01c4f60a79c1","status":"creating","pid":16666,"bundle":"/var/lib/containers/storage/overlay-containers/01c4f60a79c1/userdata","annotations":{"io.container.manager":"libpod"}}"#;
     let s = OciState::parse(created).unwrap();
     assert_eq!(s.pid().unwrap(), 16666);

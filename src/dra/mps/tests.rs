@@ -1,7 +1,8 @@
 //! The plugin's side of the directory protocol, against a model of the MPS host: a thread that
 //! does what `nvdra mps-host` does to the directory (a daemon per request, its directory removed
 //! on release) and a fake `nvidia-cuda-mps-control` client that answers while that "daemon" runs.
-//! The real host and the stand-in daemon, as processes, are tested in `tests/mps_host.rs`.
+//! The real host and the stand-in daemon, as processes, are tested in
+//! `tests/integration/mps_host.rs`.
 
 use super::*;
 use crate::inventory::GpuUuid;

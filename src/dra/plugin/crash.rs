@@ -1,4 +1,4 @@
-//! Crash points for the SIGKILL tests (`tests/dra_crash.rs`), compiled only with the
+//! Crash points for the SIGKILL tests (`tests/integration/dra_crash.rs`), compiled only with the
 //! `crash-points` feature (which `cargo test` turns on through the package's dev-dependency on
 //! itself); a release build has none of this.
 //!

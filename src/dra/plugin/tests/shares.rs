@@ -422,8 +422,8 @@ async fn a_restart_brings_the_gpus_daemon_back_for_its_shares() {
 /// answers `nvmlDeviceGetMemoryLimits_v1`), the plugin installs its binary and a share's spec
 /// carries the hooks that set its soft and hard limit on its container's own cgroup through the
 /// driver's NVML library, beside the per-process limit (`src/cdi/memlimit.rs`;
-/// `tests/cdi_podman.rs` runs the hook under runc). Where it does not, the spec has no hook and
-/// the share is held per process.
+/// `tests/integration/cdi_podman.rs` runs the hook under runc). Where it does not, the spec has no
+/// hook and the share is held per process.
 #[tokio::test]
 async fn where_the_driver_partitions_memory_a_shares_limits_cover_its_container() {
     let e = env("dgx-h100").await;

@@ -14,7 +14,7 @@
 //!
 //! Runs as root (the host gives each daemon its own mount namespace), as the CI does.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -6,9 +6,9 @@
 //! queries is one a real scrape exports.
 //!
 //! Needs python3 with `prometheus_client` (skipped unless `NVDRA_REQUIRE_PROMCLIENT` is set) and,
-//! for the `both` test, the stand-in's grpcio packages (as tests/both_grpcio.rs).
+//! for the `both` test, the stand-in's grpcio packages (as tests/integration/both_grpcio.rs).
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::process::Child;

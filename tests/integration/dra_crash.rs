@@ -8,15 +8,11 @@
 //! `compute_mode`: a share's `EXCLUSIVE_PROCESS` on the fake NVML across a SIGKILL; `fsync`:
 //! what no SIGKILL shows, that a prepare syncs its checkpoint (under strace).
 
-mod support;
+use crate::support;
 
-#[path = "dra_crash/compute_mode.rs"]
 mod compute_mode;
-#[path = "dra_crash/dynamic_mig.rs"]
 mod dynamic_mig;
-#[path = "dra_crash/fsync.rs"]
 mod fsync;
-#[path = "dra_crash/shares.rs"]
 mod shares;
 
 use std::path::{Path, PathBuf};

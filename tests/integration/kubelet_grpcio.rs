@@ -11,11 +11,9 @@
 //! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (see `.ci/run`). Without them the
 //! tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set (CI sets it to 1).
 
-mod support;
+use crate::support;
 
-#[path = "kubelet_grpcio/shares.rs"]
 mod shares;
-#[path = "kubelet_grpcio/watch.rs"]
 mod watch;
 
 use std::path::{Path, PathBuf};
@@ -484,7 +482,7 @@ async fn readme_socket_check_snippet() {
     if !have_grpcio() {
         return;
     }
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let begin = "<!-- kubelet-socket-check:begin -->";
     let end = "<!-- kubelet-socket-check:end -->";
     let block = readme

@@ -2,7 +2,7 @@
 //! sockets `nvdra::daemon::run` creates in a temp dir, a simulated backend, and the test API
 //! server reached through the real `KubeApi` client.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

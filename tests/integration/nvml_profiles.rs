@@ -12,7 +12,7 @@
 //! lists MIG devices by placement, a topology in the order it names them. PCIe root and NUMA
 //! node come from sysfs, which the child lays out from the profile.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::Command;
@@ -165,7 +165,11 @@ fn every_builtin_profile_reads_back_equal_through_nvml() {
     assert!(names.len() >= 7, "{names:?}");
     for name in names {
         let out = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child_reads_one_profile", "--nocapture"])
+            .args([
+                "--exact",
+                &support::test_name(module_path!(), "child_reads_one_profile"),
+                "--nocapture",
+            ])
             .env(CHILD, name)
             .env("FAKE_NVML_PROFILE", name)
             .env("FAKE_NVML_SEED", NODE)

@@ -11,12 +11,7 @@ use std::time::Duration;
 use kubelet_plugin::proto::dra::v1;
 use kubelet_plugin::proto::dra::v1::dra_plugin_client::DraPluginClient;
 
-#[path = "support/daemon.rs"]
-mod daemon;
-#[path = "support/flood.rs"]
-mod flood;
-#[path = "../crates/kubelet-plugin/tests/support/wait.rs"]
-mod wait;
+use crate::support::{daemon, flood, wait};
 
 const NODE: &str = "flood-node";
 const DRIVER: &str = "gpu.nvidia.com";

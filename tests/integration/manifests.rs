@@ -19,7 +19,7 @@
 //! The overlays are built with `kubectl kustomize`; without kubectl those tests skip, unless
 //! `NVDRA_REQUIRE_KUBECTL=1` (which `.ci/run` sets) makes them fail.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -307,8 +307,8 @@ fn the_node_patch_comes_only_with_the_node_labels_component() {
         env.iter()
             .any(|e| e["name"] == "NVDRA_NODE_LABELS" && e["value"] == "true")
     );
-    // With the policy that narrows the patch to this Node's own labels (tests/admission.rs
-    // evaluates it), bound, for the pod's service account.
+    // With the policy that narrows the patch to this Node's own labels
+    // (tests/integration/admission.rs evaluates it), bound, for the pod's service account.
     let vap = find(&docs, "ValidatingAdmissionPolicy", "nvdra-node-labels").expect("its policy");
     assert_eq!(
         str_at(vap, "/spec/matchConditions/0/expression"),

@@ -6,10 +6,11 @@
 //! `failRequestsGreaterThanOne`, MIG strategies, and a kubelet restart → re-registration.
 //! Expected IDs come from the same simulated inventory, read through nvdra's library.
 //!
-//! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as tests/kubelet_grpcio.rs).
-//! Without them the tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set.
+//! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as
+//! tests/integration/kubelet_grpcio.rs). Without them the tests say why and pass — unless
+//! `NVDRA_REQUIRE_GRPCIO` is set.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

@@ -1,7 +1,7 @@
 //! `--node-labels`: gpu-feature-discovery's labels on the Node, through the real `KubeApi` on the
 //! test API server (JSON merge patches) and on the directory API.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -16,7 +16,7 @@
 //! Needs python3 with grpcio (see `.ci/run`); without it the test says why and passes, unless
 //! `NVDRA_REQUIRE_GRPCIO` is set.
 
-mod support;
+use crate::support;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

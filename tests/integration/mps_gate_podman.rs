@@ -14,14 +14,8 @@
 //! Needs root, podman, runc and busybox-static (see `.ci/run`); skips without them unless
 //! `NVDRA_REQUIRE_PODMAN` is set.
 
-// support/ and support/podman.rs each include the library's require.rs.
-#![allow(clippy::duplicate_mod)]
-
-// Shared with tests/cdi_podman.rs, which uses all of it.
-#[allow(dead_code)]
-#[path = "support/podman.rs"]
-mod engine;
-mod support;
+use crate::support;
+use crate::support::podman as engine;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

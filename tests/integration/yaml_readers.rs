@@ -27,8 +27,7 @@ use serde_json::Value;
 
 const NODE: &str = "node-a";
 
-#[path = "../crates/kubelet-plugin/tests/support/require.rs"]
-mod require;
+use crate::support::require;
 
 fn required() -> bool {
     require::required("NVDRA_REQUIRE_PYYAML")
@@ -149,7 +148,7 @@ fn nvdra(args: &[&str]) -> String {
 }
 
 fn hostile() -> Vec<String> {
-    serde_json::from_str(include_str!("data/yaml-hostile-strings.json")).unwrap()
+    serde_json::from_str(include_str!("../data/yaml-hostile-strings.json")).unwrap()
 }
 
 #[test]

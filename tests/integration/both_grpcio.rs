@@ -3,10 +3,11 @@
 //! `kubelet.sock` and PodResources and plays the kubelet's DRA and device-manager calls as the
 //! test tells it. The slices are read from the daemon's API directory.
 //!
-//! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as tests/kubelet_grpcio.rs).
-//! Without them the tests say why and pass — unless `NVDRA_REQUIRE_GRPCIO` is set.
+//! Needs python3 with grpcio, grpcio-tools, protobuf and hpack (as
+//! tests/integration/kubelet_grpcio.rs). Without them the tests say why and pass — unless
+//! `NVDRA_REQUIRE_GRPCIO` is set.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -5,7 +5,7 @@
 //! passthrough H100 offered and switched at prepare, a holder that blocks a switch withdrawing
 //! its GPU's placements at the next read, and a prepare that met `IN_USE` tainting them.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

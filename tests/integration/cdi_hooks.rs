@@ -24,8 +24,7 @@ use nvdra::cdi::{self, CdiOptions, DriverRoot, Hook, PreparedDevice};
 use nvdra::inventory::topology::load_profile;
 use nvdra::sharing::Sharing;
 
-#[path = "support/podman.rs"]
-mod engine;
+use crate::support::podman as engine;
 use engine::*;
 
 const VERSION: &str = "550.163.01";

@@ -22,14 +22,9 @@ use nvdra::inventory::MemoryLimits;
 use nvdra::inventory::topology::load_profile;
 use nvdra::sharing::{MpsSettings, Sharing};
 
-#[path = "support/daemon.rs"]
-mod daemon;
-#[path = "support/podman.rs"]
-mod engine;
-#[path = "support/fake_nvml.rs"]
-mod fake_nvml_lib;
-#[path = "support/mps.rs"]
-mod mps;
+use crate::support::fake_nvml as fake_nvml_lib;
+use crate::support::podman as engine;
+use crate::support::{daemon, mps};
 use engine::*;
 
 #[test]

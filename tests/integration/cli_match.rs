@@ -4,7 +4,7 @@
 //! GPU kept out unless the claim tolerates its taint, NVIDIA's consumable-shares demos as they
 //! allocate on NVIDIA's driver, and validation errors with their object, field path and column.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

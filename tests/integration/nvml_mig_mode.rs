@@ -11,7 +11,7 @@
 //! The fake's node is process-wide and these checks change it, so they run in a child process
 //! of this test binary with a topology of its own (`FAKE_NVML_TOPOLOGY`), one after another.
 
-mod support;
+use crate::support;
 
 use std::ffi::OsStr;
 use std::path::Path;
@@ -196,7 +196,11 @@ fn run_child(child: &str, test: &str, dir: &Path, topology: &str, env: &[(&str, 
     let path = dir.join("topology.yaml");
     std::fs::write(&path, topology).unwrap();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture"])
+        .args([
+            "--exact",
+            &support::test_name(module_path!(), test),
+            "--nocapture",
+        ])
         .env(child, "1")
         .env("FAKE_NVML_TOPOLOGY", &path)
         .env_remove("FAKE_NVML_NODE")

@@ -1,8 +1,8 @@
 //! The admission policies nvdra ships, evaluated by a CEL nvdra did not write: Google's cel-cpp
 //! through the `cel-expr-python` bindings (`tests/support/vap.py`, pinned in `.ci/run`), with
 //! the optional syntax and the strings extension of Kubernetes' CEL environment. Each policy is
-//! read from the file users apply (tests/helm.rs holds the chart's to the same objects) and run
-//! on admission requests as the API server builds them, allowed and denied ones:
+//! read from the file users apply (tests/integration/helm.rs holds the chart's to the same objects)
+//! and run on admission requests as the API server builds them, allowed and denied ones:
 //!
 //! - `nvdra-resourceslices` (manifests/base/admission.yaml): this node's slices only, of its
 //!   driver, in the pool named after the node, of 1 to `maxSlices` slices; deletes of this node's
@@ -16,7 +16,7 @@
 //! Without the Python bindings these tests skip, unless `NVDRA_REQUIRE_CEL=1` (which `.ci/run`
 //! sets) makes them fail.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -89,7 +89,7 @@ enum Decision {
 
 fn decide(policy: &Value, samples: &[Value]) -> Vec<Decision> {
     let input = json!({"policy": policy, "requests": samples}).to_string();
-    let script = include_str!("support/vap.py");
+    let script = include_str!("../support/vap.py");
     let out = support::python::json_of(script, &[], &input, "the CEL evaluator");
     out.as_array()
         .expect("one answer per sample")

@@ -15,8 +15,7 @@ use nvdra::inventory::Health;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
-#[path = "../crates/kubelet-plugin/tests/support/wait.rs"]
-mod wait;
+use crate::support::wait;
 
 /// The plugin's settings in a test directory: kubelet.sock and the plugin sockets under
 /// `<root>/device-plugins`, sockets checked every 20 ms, the inventory polled every `poll`.

@@ -24,7 +24,7 @@
 //! helm is the genuine binary `.ci/helm` installs. Without helm (or kubectl) these tests skip,
 //! unless `NVDRA_REQUIRE_HELM=1` (or `NVDRA_REQUIRE_KUBECTL=1`), which `.ci/run` sets.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! that a known scheduler bug of that version hits, the process warns once, naming the bug and
 //! the fix; on a fixed version it does not. Counted in the process's own stderr.
 
-mod support;
+use crate::support;
 
 use std::io::Read;
 use std::process::{Child, Stdio};

@@ -7,7 +7,7 @@
 //! in paused time, are tested next to it in `src/dra/health.rs`; the same through NVML on the fake
 //! library in `health_nvml.rs`.)
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

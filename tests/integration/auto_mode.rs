@@ -4,7 +4,7 @@
 //! through the device plugin where DRA is absent. What is served is read from the sockets the
 //! daemon binds: one per device-plugin resource, and the DRA socket.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! 1.17.8 no warning, and only the hook 1.17.8 lacks is left out; from 1.18.0 none. The warning
 //! is counted in the process's own stderr.
 
-mod support;
+use crate::support;
 
 use std::io::Read;
 use std::process::{Child, Stdio};

@@ -28,7 +28,7 @@
 //! a virtualization mode and settings that differ from nvdra's each fail it with the difference
 //! named; an `nvidia-smi mig` silent with MIG off and a missing Python are recorded, not failed.
 
-mod support;
+use crate::support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};

@@ -1,5 +1,8 @@
-//! A node-level fact in `--mode both`: which GPUs (or MIG devices) containers hold through the
-//! legacy device plugin. The device plugin records them, and the ledger, DRA's slice sync and
+//! Who holds a device: the one rule for whether two uses of a GPU meet (`overlap`) and the one
+//! scan of the claims holding a device ([`claims_holding`]), which a claim's reservation, the
+//! device plugin's Allocate and ListAndWatch, and the compute-mode release ask. And a node-level
+//! fact in `--mode both`: which GPUs (or MIG devices) containers hold through the legacy device
+//! plugin. The device plugin records them, and the ledger, DRA's slice sync and
 //! the metrics' attribution read them, so they live beside the ledger rather than inside any one
 //! of those paths. Kept in memory only, here and not in the ledger (which owns the checkpoint
 //! only): the kubelet's PodResources API is the durable record of them, and is read again after
@@ -19,6 +22,7 @@
 //! that same lock ([`Ledger::read`]), so a claim and a container never get one exclusive GPU.
 //! Lock order: the ledger's, then the holds'.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -40,21 +44,58 @@ pub struct Occupied {
     pub mig: Option<(MigUuid, Placement)>,
 }
 
-impl Occupied {
-    /// Whether a DRA record and this device are the same hardware (or overlap): a whole GPU
-    /// overlaps everything on it; two MIG devices overlap when they are the same device or their
-    /// placements share a memory slice. An admin-access record occupies nothing.
-    pub fn overlaps(&self, r: &DeviceRecord) -> bool {
-        if r.admin_access || r.gpu != self.gpu {
-            return false;
-        }
-        match (&r.mig, &self.mig) {
-            (Some(rm), Some((uuid, placement))) => {
-                rm.uuid.as_ref() == Some(uuid) || rm.placement.overlaps(placement)
-            }
+/// The hardware one use of a GPU takes: the GPU, and the MIG device (its UUID once it exists)
+/// and placement where it is not the GPU whole.
+type Footprint<'a> = (&'a GpuUuid, Option<(Option<&'a MigUuid>, Placement)>);
+
+/// The one rule: two uses meet on the same GPU when either takes it whole, or they are the same
+/// MIG device, or their placements share a memory slice.
+fn overlap((g, m): Footprint, (h, n): Footprint) -> bool {
+    g == h
+        && match (m, n) {
+            (Some((a, pa)), Some((b, pb))) => (a.is_some() && a == b) || pa.overlaps(&pb),
             _ => true,
         }
+}
+
+/// What a record takes ([`Footprint`]); `None` for admin access, which holds nothing.
+fn footprint(r: &DeviceRecord) -> Option<Footprint<'_>> {
+    let mig = r.mig.as_ref().map(|m| (m.uuid.as_ref(), m.placement));
+    (!r.admin_access).then_some((&r.gpu, mig))
+}
+
+impl Occupied {
+    /// Whether a DRA record needs hardware this device takes (`overlap`).
+    pub fn overlaps(&self, r: &DeviceRecord) -> bool {
+        let mine = self.mig.as_ref().map(|(uuid, p)| (Some(uuid), *p));
+        footprint(r).is_some_and(|f| overlap(f, (&self.gpu, mine)))
     }
+}
+
+impl DeviceRecord {
+    /// Whether `self` and `other` need the same hardware (`overlap`) and may not share it:
+    /// they may when both are shares of the same device (whether they fit together is
+    /// [`crate::ledger::shares::overcommitted`]'s question). A whole GPU or MIG device allocated
+    /// with a `shareID` (all of a shareable device's memory) conflicts with every share of it.
+    pub fn conflicts_with(&self, other: &DeviceRecord) -> bool {
+        let shares_of_one = self.consumed.is_some()
+            && other.consumed.is_some()
+            && self.share_target() == other.share_target();
+        !shares_of_one
+            && matches!((footprint(self), footprint(other)), (Some(a), Some(b)) if overlap(a, b))
+    }
+}
+
+/// The one scan of who holds what: the claims of `claims`, other than `except`, with a device
+/// that `holds` picks, in UID order.
+pub fn claims_holding<'a>(
+    claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
+    except: Option<&'a ClaimUid>,
+    holds: impl Fn(&DeviceRecord) -> bool + 'a,
+) -> impl Iterator<Item = (&'a ClaimUid, &'a ClaimEntry)> + 'a {
+    claims
+        .iter()
+        .filter(move |(u, e)| Some(*u) != except && e.devices.iter().any(&holds))
 }
 
 impl fmt::Display for Occupied {
@@ -125,14 +166,13 @@ impl fmt::Display for ClaimHolder {
     }
 }
 
-/// The first claim (other than `except`) of `claims` whose devices overlap `occ`.
-pub fn claim_holding<'a>(
-    claims: impl IntoIterator<Item = (&'a ClaimUid, &'a ClaimEntry)>,
+/// The first claim of `claims` whose devices overlap `occ`.
+pub fn claim_holding(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
     occ: &Occupied,
 ) -> Option<ClaimHolder> {
-    claims
-        .into_iter()
-        .find(|(_, e)| e.devices.iter().any(|r| occ.overlaps(r)))
+    claims_holding(claims, None, |r| occ.overlaps(r))
+        .next()
         .map(|(uid, e)| ClaimHolder {
             namespace: e.namespace.clone(),
             name: e.name.clone(),

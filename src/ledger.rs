@@ -215,31 +215,6 @@ pub struct DeviceRecord {
 }
 
 impl DeviceRecord {
-    /// Whether `self` and `other` need the same hardware and may not share it: the same GPU,
-    /// whole or by overlapping MIG placements, unless either has admin access or both are shares
-    /// of the same device (`consumed`, [`DeviceRecord::share_target`]; whether shares fit
-    /// together is [`shares::overcommitted`]'s question). A whole GPU or MIG device allocated
-    /// with a `shareID` (it consumed all of a shareable device's memory) is whole: it conflicts
-    /// with every share of the device.
-    pub fn conflicts_with(&self, other: &DeviceRecord) -> bool {
-        if self.admin_access
-            || other.admin_access
-            || (self.consumed.is_some()
-                && other.consumed.is_some()
-                && self.share_target() == other.share_target())
-        {
-            return false;
-        }
-        let placement = |r: &DeviceRecord| r.mig.as_ref().map(|m| m.placement);
-        self.gpu == other.gpu
-            && match (placement(self), placement(other)) {
-                (Some(x), Some(y)) => x.overlaps(&y),
-                _ => true,
-            }
-    }
-}
-
-impl DeviceRecord {
     /// The device a share of this record is of, which its MPS daemon, its count and its memory
     /// are keyed by: the MIG device for a MIG device's share (an existing one: only those are
     /// published shareable), else the GPU.
@@ -249,23 +224,6 @@ impl DeviceRecord {
             None => DeviceUuid::Gpu(self.gpu.clone()),
         }
     }
-}
-
-/// The first of `devices` (in order) that a claim of `claims` other than `uid` holds, with that
-/// claim: what a reservation of `devices` for `uid` must refuse.
-pub fn held_by_another<'a>(
-    claims: &'a BTreeMap<ClaimUid, ClaimEntry>,
-    uid: &ClaimUid,
-    devices: &'a [DeviceRecord],
-) -> Option<(&'a DeviceRecord, &'a ClaimUid, &'a ClaimEntry)> {
-    devices.iter().find_map(|d| {
-        claims
-            .iter()
-            .find(|(other_uid, other)| {
-                *other_uid != uid && other.devices.iter().any(|o| d.conflicts_with(o))
-            })
-            .map(|(other_uid, other)| (d, other_uid, other))
-    })
 }
 
 /// A pod a claim is reserved for (its `status.reservedFor`, in the claim's namespace).

@@ -4,7 +4,6 @@
 //! been prepared) without reaching the plugin. Device records are destructured exhaustively,
 //! so a new field must be decided on here.
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
 use kubelet_plugin::{
     BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,
 };
@@ -81,15 +80,8 @@ fn prepared(d: DeviceRecord) -> PreparedDevice {
 
 impl Driver for Plugin {
     async fn prepare(&self, claims: Vec<PrepareClaim>) -> Result<PrepareResults, BoxError> {
-        let read = claims.into_iter().map(|c| {
-            let PrepareClaim {
-                claim,
-                resource_claim,
-                ..
-            } = c;
-            (claim, resource_claim)
-        });
-        let Claims::<ResourceClaim> { valid, rejected } = read.collect();
+        let read = claims.into_iter().map(|c| (c.claim.clone(), c));
+        let Claims::<PrepareClaim> { valid, rejected } = read.collect();
         let results = Plugin::prepare_read(self, valid).await;
         let results = results.into_iter().map(|(uid, r)| {
             let devices = r

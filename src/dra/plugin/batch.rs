@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use kubelet_plugin::PrepareClaim;
 
 use super::{ClaimError, ClaimRef, Plugin};
 use crate::inventory::{DeviceBackend, Inventory};
@@ -59,11 +59,11 @@ impl Plugin {
             .await
     }
 
-    /// Prepares a batch of claims already read (and checked) by the kubelet-plugin library;
-    /// one result per claim, in order.
+    /// Prepares a batch of claims already read (and checked, their results for this driver
+    /// picked) by the kubelet-plugin library; one result per claim, in order.
     pub async fn prepare_read(
         &self,
-        claims: Vec<(ClaimRef, ResourceClaim)>,
+        claims: Vec<(ClaimRef, PrepareClaim)>,
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
         self.prepare_claims(claims.into_iter().map(|(c, rc)| (c, Some(rc))).collect())
             .await
@@ -72,7 +72,7 @@ impl Plugin {
     /// Prepares a batch; a claim without its ResourceClaim is read from the API.
     async fn prepare_claims(
         &self,
-        claims: Vec<(ClaimRef, Option<ResourceClaim>)>,
+        claims: Vec<(ClaimRef, Option<PrepareClaim>)>,
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
         // One snapshot per batch: MIG devices created by this batch are tracked in the ledger,
         // which is what conflict checks read.

@@ -108,9 +108,9 @@ pub(super) fn held_by_another(
     owner: &ClaimUid,
     gpu: &GpuUuid,
 ) -> bool {
-    claims
-        .iter()
-        .any(|(u, e)| u != owner && e.devices.iter().any(|o| one_context(o) && o.gpu == *gpu))
+    crate::holds::claims_holding(claims, Some(owner), |o| one_context(o) && o.gpu == *gpu)
+        .next()
+        .is_some()
 }
 
 /// How long one probe of a GPU's share daemon may take, end to end, before it counts as down

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
+use kubelet_plugin::PrepareClaim;
 
 use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions};
@@ -38,6 +39,12 @@ pub(super) struct Plan {
 }
 
 impl Plan {
+    /// Whether the claim holds shares of a GPU or MIG device (`consumed`): only then do their
+    /// checks, their daemon and their GPU's compute mode concern it.
+    pub fn has_shares(&self) -> bool {
+        self.devices.iter().any(|d| d.consumed.is_some())
+    }
+
     /// Whether preparing changes GPU state (creates a MIG instance, starts the claim's MPS
     /// daemon, sets a time slice), which must be recorded durably before it happens so that a
     /// crash can be undone. A share of a GPU (`consumed`) does not count: its daemon is the GPU's,
@@ -51,28 +58,23 @@ impl Plan {
     }
 }
 
-/// Turns the results of our driver in `rc` into device records. `rc` was checked where it was
-/// read (`kubelet_plugin::claims::check`: the claim the kubelet named, allocated), so it is not
-/// checked again here.
+/// Turns the claim's results into device records. The claim was checked and its results for
+/// this driver picked where it was read (`kubelet_plugin::claims::check`: the claim the kubelet
+/// named, allocated), so neither is done again here.
 pub(super) fn plan(
     opts: &Options,
     cdi: &CdiOptions,
     claim: &ClaimRef,
-    rc: &ResourceClaim,
+    read: &PrepareClaim,
     inv: &Inventory,
 ) -> Result<Plan, ClaimError> {
+    let rc = &read.resource_claim;
     let allocation = rc.status.as_ref().and_then(|s| s.allocation.as_ref());
     let entries = allocation.map(sharing::from_allocation).unwrap_or_default();
-    let results = allocation
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_deref());
     let mut out: Vec<DeviceRecord> = Vec::new();
     let mut mig_modes: Vec<(GpuUuid, bool)> = Vec::new();
     let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
-    for r in results.unwrap_or_default() {
-        if r.driver != opts.driver {
-            continue;
-        }
+    for r in &read.results {
         let unknown = |reason: String| ClaimError::UnknownDevice {
             pool: r.pool.clone(),
             device: r.device.clone(),
@@ -82,12 +84,7 @@ pub(super) fn plan(
         if r.pool != opts.pool {
             return Err(unknown("the pool is another node's".into()));
         }
-        let base = r
-            .request
-            .split('/')
-            .next()
-            .unwrap_or(&r.request)
-            .to_string();
+        let base = kubelet_plugin::claims::base_request(&r.request).to_string();
         if let Some(&i) = index.get(&(r.pool.as_str(), r.device.as_str())) {
             if out[i].share_id.is_some() || r.share_id.is_some() {
                 return Err(ClaimError::BadShare {
@@ -581,6 +578,18 @@ pub(super) mod tests {
         }
     }
 
+    /// `rc` as the library hands it over: checked, with its results for [`DRIVER`].
+    pub(in crate::dra::plugin) fn checked(rc: ResourceClaim) -> PrepareClaim {
+        let m = &rc.metadata;
+        let (ns, name, uid) = (m.namespace.clone(), m.name.clone(), m.uid.clone());
+        let claim = kubelet_plugin::Claim::new(
+            ns.unwrap_or_default(),
+            name.unwrap_or_default(),
+            uid.unwrap_or_default(),
+        );
+        kubelet_plugin::claims::check(claim, rc, DRIVER).unwrap()
+    }
+
     /// The plan is a function of its arguments: no API, no files, no GPU.
     #[test]
     fn plans_our_results_once_per_device_and_says_what_touches_the_gpu() {
@@ -602,7 +611,7 @@ pub(super) mod tests {
             ],
             vec![],
         );
-        let p = plan(&opts(true), &cdi, &claim_ref("u1"), &rc, &inv).unwrap();
+        let p = plan(&opts(true), &cdi, &claim_ref("u1"), &checked(rc), &inv).unwrap();
         let names: Vec<_> = p
             .devices
             .iter()
@@ -631,7 +640,7 @@ pub(super) mod tests {
             vec![result("gpu", DRIVER, "gpu-0")],
             vec![],
         );
-        let p = plan(&opts(false), &cdi, &claim_ref("u2"), &rc, &inv).unwrap();
+        let p = plan(&opts(false), &cdi, &claim_ref("u2"), &checked(rc), &inv).unwrap();
         assert!(!p.touches_hardware());
     }
 
@@ -658,7 +667,7 @@ pub(super) mod tests {
         )
         .unwrap();
         let rc = crate::api::allocated_claim("ns", "c", "u1", results, vec![]);
-        plan(opts, &cdi, &claim_ref("u1"), &rc, inv)
+        plan(opts, &cdi, &claim_ref("u1"), &checked(rc), inv)
     }
 
     /// Admin access is outside every conflict check, so it must not change a GPU: a placement

@@ -1,115 +1,322 @@
-//! One claim's prepare and unprepare: read the claim, [`plan`](super::plan) it, reserve its
-//! devices in the ledger (atomically with the conflict check), run the [effects](super::effects)
-//! and record the outcome durably — on the path the claim needs:
+//! One claim's prepare, in order; the steps it calls follow it in this file, in the same order.
 //!
-//! - **A claim that changes GPU state** (creates a MIG instance, starts an MPS daemon, sets a
-//!   time slice) records `PrepareStarted` durably first, so that a crash can be undone at
-//!   start-up; then reconfigures, writes its CDI spec and records `PrepareCompleted`.
-//! - **A claim that changes nothing on the GPU** is recorded `PrepareCompleted` at once, and its
-//!   CDI spec and that record are written in parallel: one durable write on the critical path.
-//!   Shares of a GPU take this path too: their GPU's MPS daemon usually runs already; where it
-//!   does not, the completed record is made durable before the daemon starts, so a crash leaves
-//!   a recorded share whose daemon and spec start-up brings back.
-//!   Whichever half a crash leaves, start-up repairs: a spec without an entry is removed, a
-//!   completed entry without a spec gets its spec rewritten.
+//! 1. **Already prepared?** A completed claim is answered from the checkpoint (its CDI spec
+//!    rewritten if damaged); a started one, a prepare that could not roll back, is rolled back
+//!    before starting over.
+//! 2. **Read** the claim (the library read and checked it, and picked this driver's results)
+//!    and the node's inventory.
+//! 3. **Plan and check**: the device records to reserve ([`plan`](super::plan)); for a claim
+//!    with shares, the checks that need no lock (a share for one pod, the user its pod runs as
+//!    and its namespace's trust label, read from the API, its daemon up).
+//! 4. **Record**: reserve the devices in the ledger, atomically with the check that no other
+//!    claim or container holds them ([`crate::holds`]) and that shares fit beside the GPU's
+//!    other shares (user, trust domain, memory, count).
+//! 5. **Effects and spec**, on the path the claim needs:
+//!    - a claim that changes GPU state (creates a MIG instance, starts an MPS daemon, sets a
+//!      time slice, switches MIG mode) records `PrepareStarted` durably first, so that a crash
+//!      can be undone at start-up; then reconfigures ([effects](super::effects)), writes its CDI
+//!      spec and records `PrepareCompleted`;
+//!    - a claim that changes nothing on the GPU is recorded `PrepareCompleted` at once, and its
+//!      CDI spec and that record are written in parallel: one durable write on the critical
+//!      path. Shares of a GPU take this path too: their GPU's MPS daemon usually runs already;
+//!      where it does not, the completed record is made durable before the daemon starts, so a
+//!      crash leaves a recorded share whose daemon and spec start-up brings back.
+//!      Whichever half a crash leaves, start-up repairs: a spec without an entry is removed, a
+//!      completed entry without a spec gets its spec rewritten.
+//! 6. **Answer**: the device records, which the kubelet gets as CDI device IDs.
+//!
+//! Any failure after step 4 rolls back what was done.
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kubelet_plugin::PrepareClaim;
 
 use super::batch::PendingInventory;
 use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point, mig_mode};
+use crate::holds::claims_holding;
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, GpuUuid, Inventory, quantity};
-use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, ShareUser};
-use std::collections::BTreeMap;
+use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, PodRef, ShareUser};
 
 impl Plugin {
-    /// Prepares `claim`; `read` is its ResourceClaim when the caller read it already.
+    /// Prepares `claim`; `read` is the claim as the library read and checked it, when it did.
     pub(super) async fn prepare_one(
         &self,
         claim: &ClaimRef,
-        read: Option<ResourceClaim>,
+        read: Option<PrepareClaim>,
         inv: &PendingInventory,
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
-        let uid = &claim.uid;
-        // Idempotency: a completed claim is answered from the ledger.
-        if let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) {
-            if entry.state == ClaimState::PrepareCompleted {
-                // A pod that joins a prepared share claim is checked as the first was: the
-                // share's limit applies per CUDA process, so a second pod would double it.
-                if let Some(share) = entry.devices.iter().find(|d| d.consumed.is_some()) {
-                    let rc = match read {
-                        Some(rc) => rc,
-                        None => self.read_claim(claim).await?,
-                    };
-                    let pods = plan::reserved_pods(&rc);
-                    if pods.len() > 1 {
-                        return Err(ClaimError::ShareForManyPods {
-                            namespace: claim.namespace.clone(),
-                            name: claim.name.clone(),
-                            device: share.device.to_string(),
-                            pods: pods
-                                .iter()
-                                .map(|p| p.name.as_str())
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                        });
-                    }
-                }
-                let inv = inv.get().await?;
-                if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, &inv).await? {
-                    tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten");
-                }
-                tracing::debug!(claim.uid = %uid, "already prepared");
-                return Ok(entry.devices);
-            }
-            // A `Started` entry outside recovery is a prepare that failed and could not roll
-            // back completely; roll back again before starting over.
-            self.rollback(uid, &entry.devices).await?;
+        if let Some(devices) = self.already_prepared(claim, read.as_ref(), inv).await? {
+            return Ok(devices);
         }
-
-        let rc = async {
-            match read {
-                Some(rc) => Ok(rc),
-                None => self.read_claim(claim).await,
-            }
-        };
-        let (rc, inv) = tokio::join!(rc, inv.get());
-        let (mut inv, rc) = (inv?, rc?);
-        // Dynamic MIG: a change left pending on a GPU nvdra switches (a switch past its deadline
-        // that returned since, a crash) would make the GPU refuse every switch: withdrawn first.
-        let dynamic = self.inner.opts.dynamic_mig;
-        if inv.gpus.iter().any(|g| mig_mode::withdrawable(dynamic, g)) {
-            self.withdraw_pending(&inv).await;
-            inv = std::sync::Arc::new(self.snapshot().await?);
-        }
-        let inv = &*inv;
-        let plan = plan::plan(
-            &self.inner.opts,
-            self.inner.specs.options(),
-            claim,
-            &rc,
-            inv,
-        )?;
-        one_pod_per_share(claim, &plan)?;
-        if plan.devices.iter().any(|d| d.consumed.is_some()) {
-            // Whether its GPU serves every UID: for the check of its user and its daemon's request.
-            self.inner.mps.know_gpus(inv);
-        }
-        let plan = self.share_user(claim, plan, inv).await?;
-        let plan = self.share_trust_label(claim, plan).await?;
-        self.refuse_while_daemon_down(&plan.devices)?;
+        let (read, inv) = self.read_claim_and_node(claim, read, inv).await?;
+        let plan = self.plan_and_check(claim, &read, &inv).await?;
         let devices = if plan.touches_hardware() {
-            self.prepare_reconfiguring(claim, plan, inv).await?
+            self.prepare_reconfiguring(claim, plan, &inv).await?
         } else {
-            self.prepare_without_hardware(claim, plan, inv).await?
+            self.prepare_without_hardware(claim, plan, &inv).await?
         };
         crash_point!(self, AfterCompleted);
-        tracing::info!(claim.uid = %uid, devices = devices.len(), "claim prepared");
+        tracing::info!(claim.uid = %claim.uid, devices = devices.len(), "claim prepared");
         Ok(devices)
     }
 
+    /// Step 1: the devices of a claim the checkpoint holds completed; `None` for one to prepare.
+    async fn already_prepared(
+        &self,
+        claim: &ClaimRef,
+        read: Option<&PrepareClaim>,
+        inv: &PendingInventory,
+    ) -> Result<Option<Vec<DeviceRecord>>, ClaimError> {
+        let uid = &claim.uid;
+        let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
+            return Ok(None);
+        };
+        if entry.state != ClaimState::PrepareCompleted {
+            self.rollback(uid, &entry.devices).await?;
+            return Ok(None);
+        }
+        // A pod that joins a prepared share claim is checked as the first was: the share's
+        // limit applies per CUDA process, so a second pod would double it.
+        if entry.devices.iter().any(|d| d.consumed.is_some()) {
+            let pods = match read {
+                Some(read) => plan::reserved_pods(&read.resource_claim),
+                None => plan::reserved_pods(&self.read_claim(claim).await?.resource_claim),
+            };
+            one_pod_per_share(claim, &entry.devices, &pods)?;
+        }
+        let inv = inv.get().await?;
+        if !entry.devices.is_empty() && self.ensure_cdi(uid, &entry.devices, &inv).await? {
+            tracing::info!(claim.uid = %uid, "CDI spec was missing or damaged; rewritten");
+        }
+        tracing::debug!(claim.uid = %uid, "already prepared");
+        Ok(Some(entry.devices))
+    }
+
+    /// Step 2: the claim (read here unless the library did) and the batch's inventory. Dynamic
+    /// MIG: a change left pending on a GPU nvdra switches (a switch past its deadline that
+    /// returned since, a crash) would make the GPU refuse every switch: withdrawn first.
+    async fn read_claim_and_node(
+        &self,
+        claim: &ClaimRef,
+        read: Option<PrepareClaim>,
+        inv: &PendingInventory,
+    ) -> Result<(PrepareClaim, Arc<Inventory>), ClaimError> {
+        let read = async {
+            match read {
+                Some(read) => Ok(read),
+                None => self.read_claim(claim).await,
+            }
+        };
+        let (read, inv) = tokio::join!(read, inv.get());
+        let (mut inv, read) = (inv?, read?);
+        let dynamic = self.inner.opts.dynamic_mig;
+        if dynamic && inv.gpus.iter().any(|g| mig_mode::withdrawable(dynamic, g)) {
+            self.withdraw_pending(&inv).await;
+            inv = Arc::new(self.snapshot().await?);
+        }
+        Ok((read, inv))
+    }
+
+    /// Reads `claim` and checks it as the library does for the claims it hands over
+    /// ([`kubelet_plugin::claims::fetch`]), so that a claim is checked, and its results for this
+    /// driver picked, in one place whichever way it came.
+    async fn read_claim(&self, claim: &ClaimRef) -> Result<PrepareClaim, ClaimError> {
+        let named = kubelet_plugin::Claim::new(&claim.namespace, &claim.name, claim.uid.as_str());
+        Ok(kubelet_plugin::claims::fetch(&*self.inner.api, named, self.driver()).await?)
+    }
+
+    /// Step 3: the claim's [`Plan`]; a share's checks and what it needs from the API.
+    async fn plan_and_check(
+        &self,
+        claim: &ClaimRef,
+        read: &PrepareClaim,
+        inv: &Inventory,
+    ) -> Result<Plan, ClaimError> {
+        let opts = &self.inner.opts;
+        let plan = plan::plan(opts, self.inner.specs.options(), claim, read, inv)?;
+        if !plan.has_shares() {
+            return Ok(plan);
+        }
+        one_pod_per_share(claim, &plan.devices, &plan.pods)?;
+        // Whether its GPU serves every UID: for the check of its user and its daemon's request.
+        self.inner.mps.know_gpus(inv);
+        let plan = self.share_user(claim, plan, inv).await?;
+        let plan = self.share_trust_label(claim, plan).await?;
+        self.refuse_while_daemon_down(&plan.devices)?;
+        Ok(plan)
+    }
+
+    /// Sets the plan's user when it holds a share of a GPU whose MPS serves one user at a time:
+    /// the user its pod runs as, read from the pod (the kubelet's call names none).
+    async fn share_user(
+        &self,
+        claim: &ClaimRef,
+        mut plan: Plan,
+        inv: &Inventory,
+    ) -> Result<Plan, ClaimError> {
+        let Some(share) = plan.devices.iter().find(|d| {
+            let gpu = inv.gpu_by_uuid(d.gpu.as_str());
+            d.consumed.is_some() && gpu.is_some_and(|g| !self.inner.mps.multi_user(g))
+        }) else {
+            return Ok(plan);
+        };
+        let unknown = |reason: String| ClaimError::ShareUserUnknown {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            device: share.device.to_string(),
+            reason,
+        };
+        let pod = plan
+            .pods
+            .first()
+            .ok_or_else(|| unknown("the claim is reserved for no pod".into()))?;
+        let what = format!("pod {}/{}", claim.namespace, pod.name);
+        let read = api_read(&what, self.inner.api.get_pod(&claim.namespace, &pod.name))
+            .await
+            .map_err(unknown)?;
+        if read.metadata.uid.as_deref() != Some(pod.uid.as_str()) {
+            return Err(unknown(format!(
+                "pod {}/{} is not the one the claim is reserved for (UID {}, reserved for {})",
+                claim.namespace,
+                pod.name,
+                read.metadata.uid.as_deref().unwrap_or("none"),
+                pod.uid
+            )));
+        }
+        let user = pod_user(&read).map_err(unknown)?;
+        plan.user = Some(user);
+        Ok(plan)
+    }
+
+    /// Sets the plan's trust label when it holds a share and `--share-trust-domain` is
+    /// `label:<key>`: the value of `<key>` on the claim's Namespace, read through the API (one
+    /// GET, only for such shares). A namespace that cannot be read refuses the share: admitting
+    /// it blind would let it join a GPU of any domain.
+    async fn share_trust_label(
+        &self,
+        claim: &ClaimRef,
+        mut plan: Plan,
+    ) -> Result<Plan, ClaimError> {
+        let rule = &self.inner.opts.share_trust_domain;
+        let Some(key) = rule.label_key() else {
+            return Ok(plan);
+        };
+        let Some(share) = plan.devices.iter().find(|d| is_share(d)) else {
+            return Ok(plan);
+        };
+        let what = format!("namespace {}", claim.namespace);
+        let read = api_read(&what, self.inner.api.get_namespace(&claim.namespace))
+            .await
+            .map_err(|reason| ClaimError::ShareDomainUnknown {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                device: share.device.to_string(),
+                rule: rule.to_string(),
+                reason,
+            })?;
+        plan.trust_label = read
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(key))
+            .map(|value| crate::sharing::trust::TrustLabel {
+                key: key.to_string(),
+                value: value.clone(),
+            });
+        Ok(plan)
+    }
+}
+
+/// Refuses a claim with a GPU share that is reserved for more than one pod. The share's memory
+/// limit (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) is applied per CUDA process, so every pod of the
+/// claim would get the whole limit: together more than the scheduler counted for the claim.
+/// Checked where the kubelet prepares the claim (its first pod); a pod that joins an already
+/// prepared claim is checked when it is found already prepared.
+fn one_pod_per_share(
+    claim: &ClaimRef,
+    devices: &[DeviceRecord],
+    pods: &[PodRef],
+) -> Result<(), ClaimError> {
+    let Some(share) = devices.iter().find(|d| d.consumed.is_some()) else {
+        return Ok(());
+    };
+    if pods.len() <= 1 {
+        return Ok(());
+    }
+    Err(ClaimError::ShareForManyPods {
+        namespace: claim.namespace.clone(),
+        name: claim.name.clone(),
+        device: share.device.to_string(),
+        pods: pods
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+/// The user `pod` runs as: its containers' `runAsUser`, each falling back to the pod's. One
+/// user, or an error naming the containers of each when they differ (MPS would serve one and
+/// make the others wait).
+pub(super) fn pod_user(pod: &k8s_openapi::api::core::v1::Pod) -> Result<ShareUser, String> {
+    let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
+    let pod_level = spec.security_context.as_ref().and_then(|s| s.run_as_user);
+    let mut users: BTreeMap<Option<i64>, Vec<&str>> = BTreeMap::new();
+    for c in spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+    {
+        let user = c
+            .security_context
+            .as_ref()
+            .and_then(|s| s.run_as_user)
+            .or(pod_level);
+        users.entry(user).or_default().push(c.name.as_str());
+    }
+    let as_share_user = |u: Option<i64>| u.map_or(ShareUser::ImageDefault, ShareUser::Uid);
+    match users.len() {
+        0 => Ok(as_share_user(pod_level)),
+        1 => Ok(as_share_user(*users.keys().next().unwrap_or(&None))),
+        _ => Err(format!(
+            "its containers run as different users ({})",
+            users
+                .iter()
+                .map(|(u, names)| format!("{}: {}", as_share_user(*u), names.join(", ")))
+                .collect::<Vec<_>>()
+                .join("; ")
+        )),
+    }
+}
+
+/// How long a prepare waits for one API read of its own (a pod, a namespace): as long as the
+/// claim's read waits ([`kubelet_plugin::claims::READ_DEADLINE`], inside the kubelet-plugin
+/// library's `fetch`), well inside the kubelet's 45 s. A prepare runs in the node's one turn, so
+/// a read that never ends would hold every later prepare; per call rather than as the kube
+/// client's `read_timeout`, which would also cut the slice and DeviceClass watches.
+pub(super) const API_READ_DEADLINE: std::time::Duration = kubelet_plugin::claims::READ_DEADLINE;
+
+/// Reads `what` through `read`, given up after [`API_READ_DEADLINE`]; the error names `what`.
+async fn api_read<T>(
+    what: &str,
+    read: impl Future<Output = crate::api::Result<T>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(API_READ_DEADLINE, read).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("reading {what}: {e}")),
+        Err(_) => Err(format!(
+            "the API server did not answer the read of {what} within {API_READ_DEADLINE:?}; the \
+             kubelet retries the prepare"
+        )),
+    }
+}
+
+impl Plugin {
     /// Records the claim in memory, atomically with the check that no other claim, and no
     /// container of the device-plugin path (`--mode both`), holds its devices.
     /// Shares of a GPU must fit beside the shares other claims hold of it.
@@ -122,9 +329,11 @@ impl Plugin {
     ) -> Result<(), ClaimError> {
         self.inner.ledger.update_with_holds(|claims, holds| {
             conflict(claims, &claim.uid, &plan.devices)?;
-            one_domain_per_gpu(&self.inner.opts.share_trust_domain, claims, claim, plan)?;
-            fits(claims, &claim.uid, &plan.devices, inv)?;
-            one_user_per_gpu(claims, &claim.uid, plan)?;
+            if plan.has_shares() {
+                one_domain_per_gpu(&self.inner.opts.share_trust_domain, claims, claim, plan)?;
+                fits(claims, &claim.uid, &plan.devices, inv)?;
+                one_user_per_gpu(claims, &claim.uid, plan)?;
+            }
             for d in &plan.devices {
                 if let Some(h) = holds.holder_of(d) {
                     return Err(ClaimError::HeldByContainer {
@@ -149,7 +358,233 @@ impl Plugin {
             Ok(())
         })
     }
+}
 
+/// The first of `devices` that another claim in `claims` holds, as that claim's error: a share
+/// meeting a claim that holds its GPU whole, a whole GPU or a MIG placement meeting shares of
+/// it, or a device in use.
+pub(super) fn conflict(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+) -> Result<(), ClaimError> {
+    let held = devices.iter().find_map(|d| {
+        let (u, e) = claims_holding(claims, Some(uid), |o| d.conflicts_with(o)).next()?;
+        Some((d, u, e))
+    });
+    let Some((d, other_uid, other)) = held else {
+        return Ok(());
+    };
+    if d.consumed.is_some() {
+        return Err(ClaimError::ShareOnWholeGpu {
+            device: d.device.to_string(),
+            namespace: other.namespace.clone(),
+            name: other.name.clone(),
+            uid: other_uid.clone(),
+        });
+    }
+    let share_of_gpu =
+        |o: &DeviceRecord| o.consumed.is_some() && o.share_target() == d.share_target();
+    // A whole GPU (dynamic MIG) meeting MIG devices of it: name every claim that holds one.
+    let mig_of_gpu = |o: &DeviceRecord| o.gpu == d.gpu && o.mig.is_some();
+    if d.mig.is_none() && other.devices.iter().any(mig_of_gpu) {
+        let holders: Vec<String> = claims_holding(claims, Some(uid), mig_of_gpu)
+            .map(|(u, e)| {
+                let migs: Vec<&str> = e
+                    .devices
+                    .iter()
+                    .filter(|o| mig_of_gpu(o))
+                    .map(|o| o.device.as_str())
+                    .collect();
+                format!(
+                    "{} by claim {}/{} ({u})",
+                    migs.join(", "),
+                    e.namespace,
+                    e.name
+                )
+            })
+            .collect();
+        return Err(ClaimError::WholeGpuOnMig {
+            device: d.device.to_string(),
+            holders: holders.join("; "),
+        });
+    }
+    if other.devices.iter().any(share_of_gpu) {
+        let holders = claims_named(claims_holding(claims, Some(uid), share_of_gpu));
+        // A MIG placement to be created on a GPU that shares hold is no whole-GPU claim: its
+        // own words. (An existing MIG device allocated whole beside shares of it is whole.)
+        return Err(match (&d.mig, d.share_target()) {
+            (Some(_), DeviceUuid::Gpu(_)) => ClaimError::MigOnShares {
+                device: d.device.to_string(),
+                gpu: d.gpu.to_string(),
+                holders,
+            },
+            _ => ClaimError::WholeGpuOnShares {
+                device: d.device.to_string(),
+                holders,
+            },
+        });
+    }
+    Err(ClaimError::DeviceInUse {
+        device: d.device.to_string(),
+        namespace: other.namespace.clone(),
+        name: other.name.clone(),
+        uid: other_uid.clone(),
+    })
+}
+
+/// The first share of `devices` that does not fit on its GPU beside the other shares of it (by
+/// memory, or beyond the clients MPS serves), as that claim's error naming the GPU, what is held
+/// and by whom.
+pub(super) fn fits(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+    inv: &Inventory,
+) -> Result<(), ClaimError> {
+    let memory_of = |d: &DeviceUuid| inv.memory_of(d).map(ledger::shares::shareable_memory);
+    let name = |d: &DeviceUuid| match d {
+        DeviceUuid::Gpu(gpu) => inv
+            .gpu_by_uuid(gpu.as_str())
+            .map(|g| format!("gpu-{} ({gpu})", g.minor))
+            .unwrap_or_else(|| gpu.to_string()),
+        DeviceUuid::Mig(mig) => inv
+            .mig_by_uuid(mig)
+            .map(|(g, m)| {
+                let name = crate::ids::DeviceName::mig(
+                    g.minor,
+                    &m.profile,
+                    m.gi_profile_id,
+                    m.placement.start,
+                );
+                format!("{name} ({mig})")
+            })
+            .unwrap_or_else(|| mig.to_string()),
+    };
+    if let Some((gpu, shares)) = ledger::shares::too_many_shares(claims, uid, devices) {
+        return Err(ClaimError::TooManyShares {
+            gpu: name(&gpu),
+            shares,
+            max: ledger::shares::MAX_SHARES,
+        });
+    }
+    match ledger::shares::overcommitted(claims, uid, devices, memory_of) {
+        Some(o) => Err(ClaimError::OverCapacity {
+            gpu: name(&o.gpu),
+            wanted: quantity(o.wanted),
+            total: quantity(o.total),
+            held: quantity(o.held),
+            holders: if o.holders.is_empty() {
+                "no other share".into()
+            } else {
+                o.holders.join("; ")
+            },
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a share of a single-user GPU (its MPS serves one user at a time:
+/// [`crate::dra::mps::Mps::multi_user`]) whose pod runs as another user than the GPU's other shares, naming both users and the claims.
+pub(super) fn one_user_per_gpu(
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    uid: &ClaimUid,
+    plan: &Plan,
+) -> Result<(), ClaimError> {
+    let Some(user) = plan.user else {
+        return Ok(());
+    };
+    for d in plan.devices.iter().filter(|d| d.consumed.is_some()) {
+        let shares_gpu =
+            |o: &DeviceRecord| o.consumed.is_some() && o.share_target() == d.share_target();
+        let others = || claims_holding(claims, Some(uid), shares_gpu);
+        // The GPU's shares all run as one user (this check held for each), so the first
+        // other user found is theirs.
+        let Some(holder_user) = others().find_map(|(_, e)| e.user.filter(|u| *u != user)) else {
+            continue;
+        };
+        let holders = others().filter(|(_, e)| e.user == Some(holder_user));
+        return Err(ClaimError::ShareOfAnotherUser {
+            device: d.device.to_string(),
+            user,
+            holder_user,
+            holders: claims_named(holders),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a share whose claim is of another trust domain ([`crate::sharing::trust`]) than a
+/// claim that holds a share of the same GPU (MIG device), naming that holder, its domain and the
+/// rule. Every holder is compared, not the first: under `label:<key>` a GPU's holders of one
+/// namespace may have been admitted with different values. Runs under the ledger's lock, so
+/// two prepares of different domains cannot both pass against an empty GPU.
+pub(super) fn one_domain_per_gpu(
+    rule: &crate::sharing::trust::TrustDomain,
+    claims: &BTreeMap<ClaimUid, ClaimEntry>,
+    claim: &ClaimRef,
+    plan: &Plan,
+) -> Result<(), ClaimError> {
+    use crate::sharing::trust::Member;
+    if !rule.enabled() {
+        return Ok(());
+    }
+    let me = Member {
+        namespace: &claim.namespace,
+        label: plan.trust_label.as_ref(),
+    };
+    for d in plan.devices.iter().filter(|d| is_share(d)) {
+        let target = d.share_target();
+        let holders = claims_holding(claims, Some(&claim.uid), |o| {
+            is_share(o) && o.share_target() == target
+        });
+        for (uid, e) in holders {
+            let them = Member {
+                namespace: &e.namespace,
+                label: e.trust_label.as_ref(),
+            };
+            if !rule.admits(me, them) {
+                return Err(ClaimError::ShareOfAnotherDomain {
+                    device: d.device.to_string(),
+                    claim: format!(
+                        "{}/{} of {}",
+                        claim.namespace,
+                        claim.name,
+                        rule.describe(me)
+                    ),
+                    holder: format!(
+                        "{}/{} ({uid}) of {}",
+                        e.namespace,
+                        e.name,
+                        rule.describe(them)
+                    ),
+                    rule: rule.to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `claim ns/name (uid)`, or `claims a, b` for several.
+fn claims_named<'a>(claims: impl Iterator<Item = (&'a ClaimUid, &'a ClaimEntry)>) -> String {
+    let named: Vec<String> = claims
+        .map(|(u, e)| format!("{}/{} ({u})", e.namespace, e.name))
+        .collect();
+    match named.as_slice() {
+        [one] => format!("claim {one}"),
+        many => format!("claims {}", many.join(", ")),
+    }
+}
+
+/// A share under the trust-domain rule: a share of a GPU (or MIG device), not an admin's
+/// access to it (admin access is granted only in namespaces the cluster admin marks for it,
+/// and holds nothing).
+fn is_share(d: &DeviceRecord) -> bool {
+    d.consumed.is_some() && !d.admin_access
+}
+
+impl Plugin {
     /// The fast path: one durable write (spec and record in parallel).
     async fn prepare_without_hardware(
         &self,
@@ -160,7 +595,9 @@ impl Plugin {
         let uid = &claim.uid;
         self.reserve(claim, &plan, ClaimState::PrepareCompleted, inv)?;
         crash_point!(self, AfterStarted);
-        if let Err(e) = self.ensure_share_daemons(&plan.devices).await {
+        if plan.has_shares()
+            && let Err(e) = self.ensure_share_daemons(&plan.devices).await
+        {
             return Err(self.rollback_after(uid, (e, plan.devices)).await);
         }
         let spec = async {
@@ -257,102 +694,6 @@ impl Plugin {
         Ok(devices)
     }
 
-    /// Whether `gpu`'s MPS serves one user at a time ([`crate::dra::mps::Mps::multi_user`]).
-    fn single_user(&self, inv: &Inventory, gpu: &crate::inventory::GpuUuid) -> bool {
-        inv.gpu_by_uuid(gpu.as_str())
-            .is_some_and(|g| !self.inner.mps.multi_user(g))
-    }
-
-    /// Sets the plan's user when it holds a share of a GPU whose MPS serves one user at a time:
-    /// the user its pod runs as, read from the pod (the kubelet's call names none).
-    async fn share_user(
-        &self,
-        claim: &ClaimRef,
-        mut plan: Plan,
-        inv: &Inventory,
-    ) -> Result<Plan, ClaimError> {
-        let Some(share) = plan
-            .devices
-            .iter()
-            .find(|d| d.consumed.is_some() && self.single_user(inv, &d.gpu))
-        else {
-            return Ok(plan);
-        };
-        let unknown = |reason: String| ClaimError::ShareUserUnknown {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            device: share.device.to_string(),
-            reason,
-        };
-        let pod = plan
-            .pods
-            .first()
-            .ok_or_else(|| unknown("the claim is reserved for no pod".into()))?;
-        let what = format!("pod {}/{}", claim.namespace, pod.name);
-        let read = api_read(&what, self.inner.api.get_pod(&claim.namespace, &pod.name))
-            .await
-            .map_err(unknown)?;
-        if read.metadata.uid.as_deref() != Some(pod.uid.as_str()) {
-            return Err(unknown(format!(
-                "pod {}/{} is not the one the claim is reserved for (UID {}, reserved for {})",
-                claim.namespace,
-                pod.name,
-                read.metadata.uid.as_deref().unwrap_or("none"),
-                pod.uid
-            )));
-        }
-        let user = pod_user(&read).map_err(unknown)?;
-        plan.user = Some(user);
-        Ok(plan)
-    }
-
-    /// Sets the plan's trust label when it holds a share and `--share-trust-domain` is
-    /// `label:<key>`: the value of `<key>` on the claim's Namespace, read through the API (one
-    /// GET, only for such shares). A namespace that cannot be read refuses the share: admitting
-    /// it blind would let it join a GPU of any domain.
-    async fn share_trust_label(
-        &self,
-        claim: &ClaimRef,
-        mut plan: Plan,
-    ) -> Result<Plan, ClaimError> {
-        let rule = &self.inner.opts.share_trust_domain;
-        let Some(key) = rule.label_key() else {
-            return Ok(plan);
-        };
-        let Some(share) = plan.devices.iter().find(|d| is_share(d)) else {
-            return Ok(plan);
-        };
-        let what = format!("namespace {}", claim.namespace);
-        let read = api_read(&what, self.inner.api.get_namespace(&claim.namespace))
-            .await
-            .map_err(|reason| ClaimError::ShareDomainUnknown {
-                namespace: claim.namespace.clone(),
-                name: claim.name.clone(),
-                device: share.device.to_string(),
-                rule: rule.to_string(),
-                reason,
-            })?;
-        plan.trust_label = read
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(key))
-            .map(|value| crate::sharing::trust::TrustLabel {
-                key: key.to_string(),
-                value: value.clone(),
-            });
-        Ok(plan)
-    }
-
-    /// Reads `claim` and checks it as the library does for the claims it hands over
-    /// ([`kubelet_plugin::claims::fetch`]), so that a claim is checked in one place whichever
-    /// way it came.
-    async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
-        let named = kubelet_plugin::Claim::new(&claim.namespace, &claim.name, claim.uid.as_str());
-        let checked = kubelet_plugin::claims::fetch(&*self.inner.api, named, self.driver()).await?;
-        Ok(checked.resource_claim)
-    }
-
     pub(super) async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
         let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
             // Unknown claims succeed; a stray spec of ours for it goes too.
@@ -364,28 +705,6 @@ impl Plugin {
         self.rollback(uid, &entry.devices).await?;
         tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
         Ok(())
-    }
-}
-
-/// How long a prepare waits for one API read of its own (a pod, a namespace): as long as the
-/// claim's read waits ([`kubelet_plugin::claims::READ_DEADLINE`], inside the kubelet-plugin
-/// library's `fetch`), well inside the kubelet's 45 s. A prepare runs in the node's one turn, so
-/// a read that never ends would hold every later prepare; per call rather than as the kube
-/// client's `read_timeout`, which would also cut the slice and DeviceClass watches.
-pub(super) const API_READ_DEADLINE: std::time::Duration = kubelet_plugin::claims::READ_DEADLINE;
-
-/// Reads `what` through `read`, given up after [`API_READ_DEADLINE`]; the error names `what`.
-async fn api_read<T>(
-    what: &str,
-    read: impl Future<Output = crate::api::Result<T>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(API_READ_DEADLINE, read).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(format!("reading {what}: {e}")),
-        Err(_) => Err(format!(
-            "the API server did not answer the read of {what} within {API_READ_DEADLINE:?}; the \
-             kubelet retries the prepare"
-        )),
     }
 }
 
@@ -409,300 +728,6 @@ fn log_minor_changes(
     }
 }
 
-/// Refuses a claim with a GPU share that is reserved for more than one pod. The share's memory
-/// limit (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) is applied per CUDA process, so every pod of the
-/// claim would get the whole limit: together more than the scheduler counted for the claim.
-/// Checked where the kubelet prepares the claim (its first pod); a pod that joins an already
-/// prepared claim is checked on the idempotent path of [`Plugin::prepare_one`].
-pub(super) fn one_pod_per_share(claim: &ClaimRef, plan: &Plan) -> Result<(), ClaimError> {
-    let Some(share) = plan.devices.iter().find(|d| d.consumed.is_some()) else {
-        return Ok(());
-    };
-    if plan.pods.len() <= 1 {
-        return Ok(());
-    }
-    Err(ClaimError::ShareForManyPods {
-        namespace: claim.namespace.clone(),
-        name: claim.name.clone(),
-        device: share.device.to_string(),
-        pods: plan
-            .pods
-            .iter()
-            .map(|p| p.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
-    })
-}
-
-/// The user `pod` runs as: its containers' `runAsUser`, each falling back to the pod's. One
-/// user, or an error naming the containers of each when they differ (MPS would serve one and
-/// make the others wait).
-pub(super) fn pod_user(pod: &k8s_openapi::api::core::v1::Pod) -> Result<ShareUser, String> {
-    let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
-    let pod_level = spec.security_context.as_ref().and_then(|s| s.run_as_user);
-    let mut users: BTreeMap<Option<i64>, Vec<&str>> = BTreeMap::new();
-    for c in spec
-        .init_containers
-        .iter()
-        .flatten()
-        .chain(spec.containers.iter())
-    {
-        let user = c
-            .security_context
-            .as_ref()
-            .and_then(|s| s.run_as_user)
-            .or(pod_level);
-        users.entry(user).or_default().push(c.name.as_str());
-    }
-    let as_share_user = |u: Option<i64>| u.map_or(ShareUser::ImageDefault, ShareUser::Uid);
-    match users.len() {
-        0 => Ok(as_share_user(pod_level)),
-        1 => Ok(as_share_user(*users.keys().next().unwrap_or(&None))),
-        _ => Err(format!(
-            "its containers run as different users ({})",
-            users
-                .iter()
-                .map(|(u, names)| format!("{}: {}", as_share_user(*u), names.join(", ")))
-                .collect::<Vec<_>>()
-                .join("; ")
-        )),
-    }
-}
-
-/// Refuses a share of a single-user GPU ([`Plugin::single_user`]) whose pod runs as another user than
-/// the GPU's other shares, naming both users and the claims.
-pub(super) fn one_user_per_gpu(
-    claims: &BTreeMap<ClaimUid, ClaimEntry>,
-    uid: &ClaimUid,
-    plan: &Plan,
-) -> Result<(), ClaimError> {
-    let Some(user) = plan.user else {
-        return Ok(());
-    };
-    for d in plan.devices.iter().filter(|d| d.consumed.is_some()) {
-        let shares_gpu = |e: &ClaimEntry| {
-            e.devices
-                .iter()
-                .any(|o| o.consumed.is_some() && o.share_target() == d.share_target())
-        };
-        let others = || claims.iter().filter(|(u, e)| *u != uid && shares_gpu(e));
-        // The GPU's shares all run as one user (this check held for each), so the first
-        // other user found is theirs.
-        let Some(holder_user) = others().find_map(|(_, e)| e.user.filter(|u| *u != user)) else {
-            continue;
-        };
-        let holders: Vec<String> = others()
-            .filter(|(_, e)| e.user == Some(holder_user))
-            .map(|(u, e)| format!("{}/{} ({u})", e.namespace, e.name))
-            .collect();
-        return Err(ClaimError::ShareOfAnotherUser {
-            device: d.device.to_string(),
-            user,
-            holder_user,
-            holders: match holders.as_slice() {
-                [one] => format!("claim {one}"),
-                many => format!("claims {}", many.join(", ")),
-            },
-        });
-    }
-    Ok(())
-}
-
-/// A share under the trust-domain rule: a share of a GPU (or MIG device), not an admin's
-/// access to it (admin access is granted only in namespaces the cluster admin marks for it,
-/// and holds nothing).
-fn is_share(d: &DeviceRecord) -> bool {
-    d.consumed.is_some() && !d.admin_access
-}
-
-/// Refuses a share whose claim is of another trust domain ([`crate::sharing::trust`]) than a
-/// claim that holds a share of the same GPU (MIG device), naming that holder, its domain and the
-/// rule. Every holder is compared, not the first: under `label:<key>` a GPU's holders of one
-/// namespace may have been admitted with different values. Runs under the ledger's lock, so
-/// two prepares of different domains cannot both pass against an empty GPU.
-pub(super) fn one_domain_per_gpu(
-    rule: &crate::sharing::trust::TrustDomain,
-    claims: &BTreeMap<ClaimUid, ClaimEntry>,
-    claim: &ClaimRef,
-    plan: &Plan,
-) -> Result<(), ClaimError> {
-    use crate::sharing::trust::Member;
-    if !rule.enabled() {
-        return Ok(());
-    }
-    let me = Member {
-        namespace: &claim.namespace,
-        label: plan.trust_label.as_ref(),
-    };
-    for d in plan.devices.iter().filter(|d| is_share(d)) {
-        let target = d.share_target();
-        let holders = claims.iter().filter(|(u, e)| {
-            **u != claim.uid
-                && e.devices
-                    .iter()
-                    .any(|o| is_share(o) && o.share_target() == target)
-        });
-        for (uid, e) in holders {
-            let them = Member {
-                namespace: &e.namespace,
-                label: e.trust_label.as_ref(),
-            };
-            if !rule.admits(me, them) {
-                return Err(ClaimError::ShareOfAnotherDomain {
-                    device: d.device.to_string(),
-                    claim: format!(
-                        "{}/{} of {}",
-                        claim.namespace,
-                        claim.name,
-                        rule.describe(me)
-                    ),
-                    holder: format!(
-                        "{}/{} ({uid}) of {}",
-                        e.namespace,
-                        e.name,
-                        rule.describe(them)
-                    ),
-                    rule: rule.to_string(),
-                });
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The first of `devices` that another claim in `claims` holds, as that claim's error: a share
-/// meeting a claim that holds its GPU whole, a whole GPU or a MIG placement meeting shares of
-/// it, or a device in use.
-pub(super) fn conflict(
-    claims: &BTreeMap<ClaimUid, ClaimEntry>,
-    uid: &ClaimUid,
-    devices: &[DeviceRecord],
-) -> Result<(), ClaimError> {
-    let Some((d, other_uid, other)) = ledger::held_by_another(claims, uid, devices) else {
-        return Ok(());
-    };
-    if d.consumed.is_some() {
-        return Err(ClaimError::ShareOnWholeGpu {
-            device: d.device.to_string(),
-            namespace: other.namespace.clone(),
-            name: other.name.clone(),
-            uid: other_uid.clone(),
-        });
-    }
-    let shares_of_gpu = |e: &ClaimEntry| {
-        e.devices
-            .iter()
-            .any(|o| o.consumed.is_some() && o.share_target() == d.share_target())
-    };
-    // A whole GPU (dynamic MIG) meeting MIG devices of it: name every claim that holds one.
-    let mig_of_gpu = |e: &ClaimEntry| e.devices.iter().any(|o| o.gpu == d.gpu && o.mig.is_some());
-    if d.mig.is_none() && mig_of_gpu(other) {
-        let holders: Vec<String> = claims
-            .iter()
-            .filter(|(u, e)| *u != uid && mig_of_gpu(e))
-            .map(|(u, e)| {
-                let migs: Vec<&str> = e
-                    .devices
-                    .iter()
-                    .filter(|o| o.gpu == d.gpu && o.mig.is_some())
-                    .map(|o| o.device.as_str())
-                    .collect();
-                format!(
-                    "{} by claim {}/{} ({u})",
-                    migs.join(", "),
-                    e.namespace,
-                    e.name
-                )
-            })
-            .collect();
-        return Err(ClaimError::WholeGpuOnMig {
-            device: d.device.to_string(),
-            holders: holders.join("; "),
-        });
-    }
-    if shares_of_gpu(other) {
-        let holders: Vec<String> = claims
-            .iter()
-            .filter(|(u, e)| *u != uid && shares_of_gpu(e))
-            .map(|(u, e)| format!("{}/{} ({u})", e.namespace, e.name))
-            .collect();
-        let holders = match holders.as_slice() {
-            [one] => format!("claim {one}"),
-            many => format!("claims {}", many.join(", ")),
-        };
-        // A MIG placement to be created on a GPU that shares hold is no whole-GPU claim: its
-        // own words. (An existing MIG device allocated whole beside shares of it is whole.)
-        return Err(match (&d.mig, d.share_target()) {
-            (Some(_), DeviceUuid::Gpu(_)) => ClaimError::MigOnShares {
-                device: d.device.to_string(),
-                gpu: d.gpu.to_string(),
-                holders,
-            },
-            _ => ClaimError::WholeGpuOnShares {
-                device: d.device.to_string(),
-                holders,
-            },
-        });
-    }
-    Err(ClaimError::DeviceInUse {
-        device: d.device.to_string(),
-        namespace: other.namespace.clone(),
-        name: other.name.clone(),
-        uid: other_uid.clone(),
-    })
-}
-
-/// The first share of `devices` that does not fit on its GPU beside the other shares of it (by
-/// memory, or beyond the clients MPS serves), as that claim's error naming the GPU, what is held
-/// and by whom.
-pub(super) fn fits(
-    claims: &BTreeMap<ClaimUid, ClaimEntry>,
-    uid: &ClaimUid,
-    devices: &[DeviceRecord],
-    inv: &Inventory,
-) -> Result<(), ClaimError> {
-    let memory_of = |d: &DeviceUuid| inv.memory_of(d).map(ledger::shares::shareable_memory);
-    let name = |d: &DeviceUuid| match d {
-        DeviceUuid::Gpu(gpu) => inv
-            .gpu_by_uuid(gpu.as_str())
-            .map(|g| format!("gpu-{} ({gpu})", g.minor))
-            .unwrap_or_else(|| gpu.to_string()),
-        DeviceUuid::Mig(mig) => inv
-            .mig_by_uuid(mig)
-            .map(|(g, m)| {
-                let name = crate::ids::DeviceName::mig(
-                    g.minor,
-                    &m.profile,
-                    m.gi_profile_id,
-                    m.placement.start,
-                );
-                format!("{name} ({mig})")
-            })
-            .unwrap_or_else(|| mig.to_string()),
-    };
-    if let Some((gpu, shares)) = ledger::shares::too_many_shares(claims, uid, devices) {
-        return Err(ClaimError::TooManyShares {
-            gpu: name(&gpu),
-            shares,
-            max: ledger::shares::MAX_SHARES,
-        });
-    }
-    match ledger::shares::overcommitted(claims, uid, devices, memory_of) {
-        Some(o) => Err(ClaimError::OverCapacity {
-            gpu: name(&o.gpu),
-            wanted: quantity(o.wanted),
-            total: quantity(o.total),
-            held: quantity(o.held),
-            holders: if o.holders.is_empty() {
-                "no other share".into()
-            } else {
-                o.holders.join("; ")
-            },
-        }),
-        None => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -710,7 +735,7 @@ mod tests {
     use super::*;
     use crate::cdi::CdiOptions;
     use crate::dra::plugin::plan::plan;
-    use crate::dra::plugin::plan::tests::{DRIVER, claim_ref, opts, result};
+    use crate::dra::plugin::plan::tests::{DRIVER, checked, claim_ref, opts, result};
     use crate::inventory::topology::load_profile;
 
     #[test]
@@ -722,13 +747,13 @@ mod tests {
         )
         .unwrap();
         let rc = |uid: &str| {
-            crate::api::allocated_claim(
+            checked(crate::api::allocated_claim(
                 "ns",
                 "c",
                 uid,
                 vec![result("gpu", DRIVER, "gpu-3")],
                 vec![],
-            )
+            ))
         };
         let a = plan(&opts(false), &cdi, &claim_ref("a"), &rc("a"), &inv).unwrap();
         let b = plan(&opts(false), &cdi, &claim_ref("b"), &rc("b"), &inv).unwrap();

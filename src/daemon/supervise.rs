@@ -9,7 +9,9 @@
 //! - Every long-lived thread is supervised the same way, as a task that watches it
 //!   ([`Supervisor::spawn_thread`]): a thread that panics or ends with an error is a dead task.
 //!   Threads that serve a task end that task when they die instead (the inventory owner's reader,
-//!   the metrics listener's thread).
+//!   the metrics listener's thread); the metrics renderer cannot die (its render runs under
+//!   `catch_unwind`, a panic answers 503). Threads that live for one call (a backend call's
+//!   deadline, a child's pipes, the CEL parser) are waited on by that call.
 //! - Shutdown is in two stages: the serving tasks first (servers drain, sockets go); the
 //!   `last` tasks (the checkpoint writer flushing what the servers recorded, the metrics
 //!   endpoint answering `/readyz` meanwhile) only once every serving task has stopped.

@@ -960,20 +960,58 @@ async fn readyz(addr: &str) -> Option<String> {
 /// and the process exits non-zero naming it, instead of serving prepares that cannot be recorded.
 #[tokio::test]
 async fn a_dead_checkpoint_writer_fails_readyz_and_the_process_names_it() {
+    let mut d = Dirs::new();
+    let mut cmd = d.command(None);
+    cmd.env("NVDRA_TEST_KILL_TASK", "checkpoint-writer");
+    dies_when_ready(&mut d, cmd, "checkpoint-writer", |child| {
+        let ok = Command::new("kill")
+            .args(["-USR1", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    })
+    .await;
+}
+
+/// NVML's health-event thread dies under a ready plugin (the fake NVML refuses its wait for good,
+/// as a driver that lost the event set does): `/readyz` stops answering 200 and the process exits
+/// non-zero naming it and NVML's error, instead of serving on with no GPU health monitored.
+#[tokio::test]
+async fn a_dead_nvml_event_thread_fails_readyz_and_the_process_names_it() {
+    const NVML_ERROR_INVALID_ARGUMENT: u32 = 2;
+    let mut d = Dirs::new();
+    d.nvml = true;
+    let wait_error = d.p("nvml-wait-error");
+    let mut cmd = d.command(None);
+    cmd.env("FAKE_NVML_EVENT_WAIT_ERROR", &wait_error);
+    let err = dies_when_ready(&mut d, cmd, "health-events", |_| {
+        std::fs::write(&wait_error, NVML_ERROR_INVALID_ARGUMENT.to_string()).unwrap();
+    })
+    .await;
+    assert!(
+        err.contains("NVML refuses to wait for GPU health events (a supplied argument was invalid)"),
+        "the cause is not named: {err}"
+    );
+}
+
+/// Starts `cmd` (the daemon of `d`), waits until it is registered and `/readyz` answers 200, has
+/// `kill` kill the task (or thread) named `task`, then asserts that `/readyz` stops answering 200
+/// (a 503 names the task) and the process exits non-zero naming it, leaving no socket. Its
+/// stderr.
+async fn dies_when_ready(
+    d: &mut Dirs,
+    mut cmd: Command,
+    task: &str,
+    kill: impl FnOnce(&Child),
+) -> String {
     use kubelet_plugin::proto::pluginregistration::{
         RegistrationStatus, registration_client::RegistrationClient,
     };
-    let mut d = Dirs::new();
-    let mut child = d
-        .command(None)
-        .env("NVDRA_TEST_KILL_TASK", "checkpoint-writer")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
     // Bound on `127.0.0.1:0`: the port the kernel gave, read back, so no other test takes it
     // between a pick and the bind.
     d.metrics_address = support::daemon::metrics_address(child.id()).to_string();
-    wait_ready(&d, &mut child).await;
+    wait_ready(d, &mut child).await;
     let reg = support::dra::unix_channel(&d.reg_socket()).await.unwrap();
     RegistrationClient::new(reg)
         .notify_registration_status(RegistrationStatus {
@@ -995,11 +1033,7 @@ async fn a_dead_checkpoint_writer_fails_readyz_and_the_process_names_it() {
     }
     assert!(ready, "/readyz did not answer 200 within 30 s");
 
-    let ok = Command::new("kill")
-        .args(["-USR1", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    kill(&child);
     let mut failed = None;
     for _ in 0..3000 {
         match readyz(&d.metrics_address).await {
@@ -1011,26 +1045,25 @@ async fn a_dead_checkpoint_writer_fails_readyz_and_the_process_names_it() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let failed = failed.expect("/readyz still answers 200 30 s after the writer died");
+    let failed =
+        failed.unwrap_or_else(|| panic!("/readyz still answers 200 30 s after {task} died"));
     // `None`: the process drained and exited before a poll landed (no hook holds its drain
     // here). The 503 itself is asserted unconditionally in-process, with the drain held:
     // `daemon::supervise::tests::while_the_others_drain_readyz_answers_503_naming_the_dead_task`.
     if let Some(answer) = failed {
         // Answered while the other tasks drain: it says why.
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
-        assert!(
-            answer.contains("task checkpoint-writer stopped"),
-            "{answer}"
-        );
+        assert!(answer.contains(&format!("task {task} stopped")), "{answer}");
     }
     let status = wait_exit(&mut child).await;
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(!status.success(), "{status}: {err}");
     assert!(
-        err.contains("task checkpoint-writer stopped unexpectedly"),
+        err.contains(&format!("task {task} stopped unexpectedly")),
         "the task is not named: {err}"
     );
     let sockets = sockets_under(&d.p("kubelet"));
     assert!(sockets.is_empty(), "left behind: {sockets:?}");
+    err
 }

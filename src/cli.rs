@@ -508,7 +508,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 InventoryOutput::Paths => {
                     let runtime = crate::daemon::runtime().map_err(anyhow::Error::from)?;
                     runtime
-                        .block_on(crate::deviceplugin::auto::render_paths(&config, &inv))
+                        .block_on(crate::daemon::auto::render_paths(&config, &inv))
                         .map_err(anyhow::Error::from)?
                 }
             };

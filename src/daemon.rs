@@ -18,7 +18,7 @@
 //! holds is unhealthy to the device manager, and one a container holds (PodResources) is hidden
 //! from the slices. `auto` asks the API server first: without `resource.k8s.io/v1` it runs as
 //! `device-plugin`; with it as `both`, the device plugin serving only the resource names no
-//! DeviceClass maps ([`crate::deviceplugin::auto`]). Either way NVIDIA's config file is read and
+//! DeviceClass maps ([`auto`]). Either way NVIDIA's config file is read and
 //! checked against the inventory before anything is served.
 //!
 //! A start that fails leaves nothing behind: each socket this instance binds is owned by an
@@ -62,6 +62,8 @@ use crate::versions;
 use kubelet_plugin::publisher::{self, Publisher};
 use kubelet_plugin::socket;
 
+pub mod auto;
+pub mod labels;
 mod runtime;
 mod supervise;
 pub use runtime::{MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
@@ -268,8 +270,8 @@ async fn start(
         };
         let (api, backend, node) = (api.clone(), backend.clone(), config.node_name.clone());
         tasks.spawn("node-labels", |token| async move {
-            let interval = deviceplugin::labels::INTERVAL;
-            deviceplugin::labels::run(api, backend, options, node, interval, token).await;
+            let interval = labels::INTERVAL;
+            labels::run(api, backend, options, node, interval, token).await;
             Ok::<(), Infallible>(())
         });
     }
@@ -505,7 +507,7 @@ pub const FIRST_CLASSES: Duration = Duration::from_secs(10);
 async fn decide_auto(
     api: &Arc<dyn ClusterApi>,
     tasks: &mut Supervisor,
-) -> (Mode, Option<watch::Receiver<deviceplugin::auto::Mapped>>) {
+) -> (Mode, Option<watch::Receiver<deviceplugin::Mapped>>) {
     let served = api.dra_served().await.unwrap_or_else(|e| {
         tracing::warn!(error = %report::chain(&e), "cannot ask the API server for resource.k8s.io/v1; assuming DRA is served");
         true
@@ -516,10 +518,10 @@ async fn decide_auto(
         );
         return (Mode::DevicePlugin, None);
     }
-    let (tx, mut rx) = watch::channel(deviceplugin::auto::Mapped::new());
+    let (tx, mut rx) = watch::channel(deviceplugin::Mapped::new());
     let api = api.clone();
     tasks.spawn("deviceclass-follow", |token| async move {
-        deviceplugin::auto::follow(api, tx, token).await;
+        auto::follow(api, tx, token).await;
         Ok::<(), Infallible>(())
     });
     if tokio::time::timeout(FIRST_CLASSES, rx.changed())

@@ -11,8 +11,8 @@
 //! - [`allocate`]: one container's device IDs → what the container gets, per list strategy (pure);
 //! - [`preferred`]: topology-aware preferred allocation (pure);
 //! - [`cdi`]: the per-node CDI spec naming every device this path hands out;
-//! - [`auto`]: `--mode auto`: the names DeviceClasses map to DRA (`spec.extendedResourceName`);
-//! - [`labels`]: `--node-labels`: gpu-feature-discovery's node labels;
+//! - [`Mapped`]: in `--mode auto`, the names DeviceClasses map to DRA, which it leaves to DRA
+//!   (the DeviceClass watch and the node labels are the daemon's: [`crate::daemon`]);
 //! - [`both`]: `--mode both`: the ledger shared with DRA, and what PodResources says containers
 //!   hold;
 //! - what containers hold through this path is a node-level fact, [`crate::holds`], which the
@@ -27,10 +27,8 @@
 //! The module keeps no device list of its own beyond the last computed one.
 
 pub mod allocate;
-pub mod auto;
 pub mod both;
 pub mod cdi;
-pub mod labels;
 pub mod nvconfig;
 pub mod preferred;
 pub mod resources;
@@ -38,12 +36,29 @@ pub mod server;
 mod service;
 pub mod wire;
 
+use std::collections::BTreeMap;
+
 use serde::Deserialize;
 
 pub use server::DevicePlugin;
 
 /// The resource-name domain of every resource nvdra advertises.
 pub const DOMAIN: &str = "nvidia.com";
+
+/// `--mode auto`: extended resource name → the DeviceClasses that map it to DRA (sorted, never
+/// empty); the device plugin does not serve these names ([`crate::daemon::auto`] follows them).
+pub type Mapped = BTreeMap<String, Vec<String>>;
+
+/// Which path serves `name`, for logs and `nvdra inventory`.
+pub fn path_for(mapped: &Mapped, name: &str) -> String {
+    match mapped.get(name) {
+        Some(classes) => format!(
+            "DRA (DeviceClass {} maps it via spec.extendedResourceName)",
+            classes.join(", ")
+        ),
+        None => "device plugin".to_string(),
+    }
+}
 
 /// How MIG devices are advertised (NVIDIA's `flags.migStrategy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]

@@ -41,10 +41,9 @@ use crate::holds::ContainerHolds;
 use crate::inventory::{self, DeviceBackend, Inventory};
 use crate::ledger::Ledger;
 
-use super::Options;
-use super::auto::Mapped;
 use super::both::{Both, PodWatch};
 use super::resources::{self, Resource};
+use super::{Mapped, Options};
 
 /// How often the sockets are checked.
 pub const WATCH: Duration = Duration::from_millis(250);
@@ -136,7 +135,7 @@ impl DevicePlugin {
             .map(|m| m.borrow().clone())
             .unwrap_or_default();
         for r in res {
-            tracing::info!(resource = %r.name, path = %super::auto::path_for(&mapped, r.name.as_str()), "serving path");
+            tracing::info!(resource = %r.name, path = %super::path_for(&mapped, r.name.as_str()), "serving path");
         }
     }
 

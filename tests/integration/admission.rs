@@ -439,7 +439,7 @@ fn the_node_labels_policy_admits_only_this_nodes_own_labels() {
 /// for a real inventory, applied as the API server applies a merge patch, is admitted.
 #[test]
 fn the_node_labels_policy_admits_what_nvdra_patches() {
-    use nvdra::deviceplugin::labels;
+    use nvdra::daemon::labels;
     use nvdra::inventory::DeviceBackend;
     let policy = policy("components/node-labels/admission.yaml", "nvdra-node-labels");
     let owned = policy["spec"]["variables"]

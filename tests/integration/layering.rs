@@ -426,7 +426,10 @@ fn domain_modules_name_neither_tonic_nor_kube() {
     // The scan sees the transport crates where they belong.
     assert!(g.transports[&vec!["api".to_string(), "kube".to_string()]].contains("kube"));
     assert!(
-        g.transports[&vec!["deviceplugin".to_string(), "server".to_string()]].contains("tonic")
+        g.transports[&["deviceplugin", "server", "sockets"]
+            .map(String::from)
+            .to_vec()]
+            .contains("tonic")
     );
 }
 

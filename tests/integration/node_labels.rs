@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
-use nvdra::deviceplugin::{Options, labels};
+use nvdra::daemon::labels;
+use nvdra::deviceplugin::Options;
 use nvdra::inventory::sim::SimBackend;
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;

@@ -6,7 +6,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::deviceplugin::auto::Mapped;
+use crate::deviceplugin::Mapped;
 use crate::inventory;
 
 use super::DevicePlugin;

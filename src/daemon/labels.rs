@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::ClusterApi;
 use crate::inventory::{self, DeviceBackend, Inventory};
 
-use super::{MigStrategy, Options, ShareKind};
+use crate::deviceplugin::{MigStrategy, Options, ShareKind};
 
 /// How often the labels are recomputed.
 pub const INTERVAL: Duration = Duration::from_secs(60);
@@ -304,7 +304,7 @@ mod tests {
 
     #[test]
     fn time_slicing_replicas_mark_the_product_shared_unless_renamed() {
-        let opts = super::super::nvconfig::parse(
+        let opts = crate::deviceplugin::nvconfig::parse(
             "config.yaml",
             "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
         )

@@ -9,7 +9,6 @@
 //! watch; the device plugin stops serving a name once a class maps it and serves it again when
 //! none does.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,9 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
-
-/// Extended resource name → the DeviceClasses that map it (sorted, never empty).
-pub type Mapped = BTreeMap<String, Vec<String>>;
+use crate::deviceplugin::{Mapped, Options, nvconfig, path_for, resources};
 
 const RETRY_START: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -40,17 +37,6 @@ pub fn mapped(classes: &[DeviceClass]) -> Mapped {
         v.sort();
     }
     out
-}
-
-/// Which path serves `name`, for logs and `nvdra inventory`.
-pub fn path_for(mapped: &Mapped, name: &str) -> String {
-    match mapped.get(name) {
-        Some(classes) => format!(
-            "DRA (DeviceClass {} maps it via spec.extendedResourceName)",
-            classes.join(", ")
-        ),
-        None => "device plugin".to_string(),
-    }
 }
 
 /// Follows the DeviceClasses until `shutdown`, sending the mapped names whenever they change.
@@ -106,9 +92,9 @@ pub async fn follow(
 #[derive(Debug, thiserror::Error)]
 pub enum PathsError {
     #[error(transparent)]
-    Config(#[from] super::nvconfig::ConfigError),
+    Config(#[from] nvconfig::ConfigError),
     #[error("cannot compute the device-plugin resources")]
-    Resources(#[from] super::resources::Error),
+    Resources(#[from] resources::Error),
     #[error("cannot ask the API server which path serves what (mode auto)")]
     Api(#[from] crate::api::Error),
 }
@@ -121,13 +107,13 @@ pub async fn render_paths(
 ) -> Result<String, PathsError> {
     use crate::config::Mode;
     let mut options = match &config.device_plugin_config {
-        Some(p) => super::nvconfig::load(p)?,
-        None => super::Options::default(),
+        Some(p) => nvconfig::load(p)?,
+        None => Options::default(),
     };
     // As `nvdra run` computes them beside DRA (`daemon::device_plugin`).
     options.dynamic_mig =
         matches!(config.mode, Mode::Both | Mode::Auto) && config.dynamic_mig.enabled();
-    let res = super::resources::resources(inv, &options)?;
+    let res = resources::resources(inv, &options)?;
     let (dra, mapped) = match config.mode {
         Mode::Dra => (Ok(()), None),
         Mode::DevicePlugin => (Err("mode device-plugin"), Some(Mapped::new())),

@@ -376,6 +376,58 @@ mod tests {
         assert!(!whole(0).overlaps(&admin));
     }
 
+    /// One rule (issue 35 item 4): whether a container's device is held by a claim (the device
+    /// plugin's Allocate and ListAndWatch) and whether two claims' devices conflict (a
+    /// reservation) agree for every pair of whole GPUs, MIG devices and placements to create.
+    #[test]
+    fn the_device_plugin_and_the_ledger_answer_who_holds_alike() {
+        let occupied = [
+            whole(0),
+            whole(1),
+            mig(0, "MIG-a", 0, 1),
+            mig(0, "MIG-b", 0, 2),
+            mig(0, "MIG-c", 2, 2),
+            mig(0, "MIG-d", 6, 1),
+        ];
+        let mut records: Vec<DeviceRecord> = vec![
+            record(0, None),
+            record(1, None),
+            record(0, Some(("MIG-a", 0, 1))),
+            record(0, Some(("MIG-e", 1, 1))),
+            record(0, Some(("MIG-c", 2, 2))),
+            record(0, Some(("MIG-f", 4, 2))),
+        ];
+        let mut to_create = record(0, Some(("", 5, 2)));
+        to_create.mig.as_mut().unwrap().uuid = None;
+        records.push(to_create);
+        // What a container's device is, as a claim's record of the same hardware.
+        let as_record = |o: &Occupied| match &o.mig {
+            None => record(0, None).with_gpu(&o.gpu),
+            Some((u, p)) => record(0, Some((u.0.as_str(), p.start, p.size))).with_gpu(&o.gpu),
+        };
+        let mut meets = 0;
+        for o in &occupied {
+            for r in &records {
+                let plugin = o.overlaps(r);
+                assert_eq!(plugin, as_record(o).conflicts_with(r), "{o} and {r:?}");
+                assert_eq!(plugin, r.conflicts_with(&as_record(o)), "{r:?} and {o}");
+                meets += usize::from(plugin);
+            }
+        }
+        // Both answers occur: the pairs are not all alike.
+        assert!(
+            meets > 0 && meets < occupied.len() * records.len(),
+            "{meets}"
+        );
+    }
+
+    impl DeviceRecord {
+        fn with_gpu(mut self, gpu: &GpuUuid) -> Self {
+            self.gpu = gpu.clone();
+            self
+        }
+    }
+
     #[test]
     fn pending_holds_end_when_observed_or_expired_and_observed_ones_follow_the_pods() {
         let mut h = Holds::default();

@@ -80,9 +80,9 @@ fn prepared(d: DeviceRecord) -> PreparedDevice {
 
 impl Driver for Plugin {
     async fn prepare(&self, claims: Vec<PrepareClaim>) -> Result<PrepareResults, BoxError> {
-        let read = claims.into_iter().map(|c| (c.claim.clone(), c));
-        let Claims::<PrepareClaim> { valid, rejected } = read.collect();
-        let results = Plugin::prepare_read(self, valid).await;
+        let read = claims.into_iter().map(|c| (c.claim.clone(), Some(c)));
+        let Claims::<Option<PrepareClaim>> { valid, rejected } = read.collect();
+        let results = Plugin::prepare_claims(self, valid).await;
         let results = results.into_iter().map(|(uid, r)| {
             let devices = r
                 .map(|records| records.into_iter().map(prepared).collect())

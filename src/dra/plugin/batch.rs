@@ -59,18 +59,9 @@ impl Plugin {
             .await
     }
 
-    /// Prepares a batch of claims already read (and checked, their results for this driver
-    /// picked) by the kubelet-plugin library; one result per claim, in order.
-    pub async fn prepare_read(
-        &self,
-        claims: Vec<(ClaimRef, PrepareClaim)>,
-    ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
-        self.prepare_claims(claims.into_iter().map(|(c, rc)| (c, Some(rc))).collect())
-            .await
-    }
-
-    /// Prepares a batch; a claim without its ResourceClaim is read from the API.
-    async fn prepare_claims(
+    /// Prepares a batch; a claim the kubelet-plugin library did not read (and check, and pick
+    /// its results for this driver) is read from the API.
+    pub(crate) async fn prepare_claims(
         &self,
         claims: Vec<(ClaimRef, Option<PrepareClaim>)>,
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {

@@ -241,22 +241,19 @@ fn one_pod_per_share(
     devices: &[DeviceRecord],
     pods: &[PodRef],
 ) -> Result<(), ClaimError> {
-    let Some(share) = devices.iter().find(|d| d.consumed.is_some()) else {
-        return Ok(());
-    };
-    if pods.len() <= 1 {
-        return Ok(());
+    match devices.iter().find(|d| d.consumed.is_some()) {
+        Some(share) if pods.len() > 1 => Err(ClaimError::ShareForManyPods {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            device: share.device.to_string(),
+            pods: pods
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+        _ => Ok(()),
     }
-    Err(ClaimError::ShareForManyPods {
-        namespace: claim.namespace.clone(),
-        name: claim.name.clone(),
-        device: share.device.to_string(),
-        pods: pods
-            .iter()
-            .map(|p| p.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
-    })
 }
 
 /// The user `pod` runs as: its containers' `runAsUser`, each falling back to the pod's. One

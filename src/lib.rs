@@ -26,12 +26,13 @@ pub mod holds;
 pub mod ids;
 pub mod inventory;
 pub mod ledger;
-pub mod lock;
 #[cfg(feature = "tools")]
 pub mod matching;
 pub mod metrics;
 pub mod mps;
-pub mod report;
 pub mod sharing;
 pub mod versions;
 pub mod yaml;
+
+// How errors are printed and poison-ignoring locks are taken: the library's, as it does.
+pub use kubelet_plugin::{lock, report};

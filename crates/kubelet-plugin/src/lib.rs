@@ -15,6 +15,9 @@
 //! - [`validate`]: the API server's rules for ResourceSlices, to check desired slices before
 //!   publishing them;
 //! - [`paths`]: the kubelet's directory layout;
+//! - [`report`] and [`lock`]: small helpers the library uses and exports for its drivers, so that
+//!   they print errors and take locks as it does: an error with its sources in one line, and a
+//!   `Mutex` taken ignoring poison;
 //! - [`proto`]: the generated kubelet APIs (DRA, DRA health, plugin registration, device plugin,
 //!   PodResources);
 //! - `testing` (feature `testing`): in-memory claims and slices, and a kubelet client.
@@ -26,14 +29,14 @@ pub mod claims;
 mod driver;
 mod error;
 pub mod health;
-mod lock;
+pub mod lock;
 mod names;
 pub mod nodelock;
 pub mod paths;
 pub mod proto;
 pub mod publisher;
 pub mod registration;
-mod report;
+pub mod report;
 mod service;
 pub mod socket;
 #[cfg(feature = "testing")]

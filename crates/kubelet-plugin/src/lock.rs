@@ -9,7 +9,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 /// Locks `m`, ignoring poison (see the module doc).
-pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 #[cfg(test)]

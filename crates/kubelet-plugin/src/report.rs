@@ -1,20 +1,21 @@
-//! How the library prints an error: its message, then each source's, joined by ": ".
+//! How an error is printed for a person: its message, then each source's, joined by ": ".
 //!
 //! Messages never interpolate their source (it is a `#[source]`), so walking the chain once says
-//! everything exactly once. Every place that turns an error into text for a person — the CLI's
-//! one-line error, a kubelet response, a log field — goes through [`chain`].
+//! everything exactly once. Every place that turns an error into text for a person — a CLI's
+//! one-line error, a kubelet response, a log field — goes through [`chain`], in the library and
+//! in the drivers built on it.
 
 use std::error::Error;
 use std::fmt;
 
 /// Displays `e` and its sources, `outer: inner: innermost`.
-pub(crate) fn chain<'a>(e: &'a (dyn Error + 'static)) -> Chain<'a> {
+pub fn chain<'a>(e: &'a (dyn Error + 'static)) -> Chain<'a> {
     Chain(e)
 }
 
 /// See [`chain`].
 #[derive(Clone, Copy)]
-pub(crate) struct Chain<'a>(&'a (dyn Error + 'static));
+pub struct Chain<'a>(&'a (dyn Error + 'static));
 
 impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

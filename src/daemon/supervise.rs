@@ -393,7 +393,9 @@ mod tests {
             let mut s = Supervisor::new(&stop, metrics.clone());
             let stopped = two_stages(&mut s);
             s.spawn_thread("events", thread);
-            match s.run().await.unwrap_err() {
+            // A deadline, not a timing: without supervision the run would wait for a signal.
+            let run = tokio::time::timeout(std::time::Duration::from_secs(60), s.run());
+            match run.await.expect("the dead thread is noticed").unwrap_err() {
                 Error::TaskDied { task, reason: r } => {
                     assert_eq!((task, r.as_str()), ("events", reason));
                 }
@@ -453,7 +455,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let m = metrics.clone();
         s.spawn_last("metrics", |token| async move {
-            crate::metrics::server::serve(listener, m, token).await;
+            crate::metrics::server::serve(listener, m, None, token).await;
             Ok::<(), Infallible>(())
         });
         let (draining, drain_started) = tokio::sync::oneshot::channel::<()>();

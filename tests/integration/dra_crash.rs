@@ -989,7 +989,9 @@ async fn a_dead_nvml_event_thread_fails_readyz_and_the_process_names_it() {
     })
     .await;
     assert!(
-        err.contains("NVML refuses to wait for GPU health events (a supplied argument was invalid)"),
+        err.contains(
+            "NVML refuses to wait for GPU health events (a supplied argument was invalid)"
+        ),
         "the cause is not named: {err}"
     );
 }

@@ -10,7 +10,7 @@
 use crate::support;
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 use support::grpcio::{NodeStandin, have_grpcio};
 
@@ -66,7 +66,6 @@ impl Node {
     fn start_with(claims: &[(&str, &str)], pods: Value, args: &[&std::ffi::OsStr]) -> Node {
         let root = tempfile::tempdir().unwrap();
         let p = |s: &str| root.path().join(s);
-        std::fs::write(p("boot_id"), "boot-1\n").unwrap();
         for (uid, device) in claims {
             let c = nvdra::api::allocated_claim(
                 "default",
@@ -80,23 +79,9 @@ impl Node {
         let dra = p(&format!("kubelet/plugins/{DRIVER}/dra.sock"));
         let mut standin = NodeStandin::start(&p("kubelet"), &dra);
         standin.ok(json!({"op": "pods", "pods": pods, "wait": false}));
-        let nvdra = Command::new(env!("CARGO_BIN_EXE_nvdra"))
-            .args(["run", "--mode", "both", "--profile", PROFILE])
-            .env("NVDRA_BOOT_ID_FILE", p("boot_id"))
-            .args(["--node-name", NODE])
-            .arg("--kubelet-root")
-            .arg(p("kubelet"))
-            .arg("--cdi-root")
-            .arg(p("cdi"))
-            .arg("--driver-root")
-            .arg(p("driver"))
-            .arg("--api-dir")
-            .arg(p("api"))
-            .args(["--metrics-address", "127.0.0.1:0"])
+        let nvdra = support::daemon::nvdra_run(root.path(), "both", NODE)
+            .args(["--profile", PROFILE])
             .args(args)
-            .env("NVDRA_LOG", "error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
             .spawn()
             .unwrap();
         let mut node = Node {

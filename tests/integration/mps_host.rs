@@ -90,33 +90,8 @@ impl Node {
     /// `nvdra run` as the pod `pod`, serving.
     async fn run(&self, pod: &str) -> Running {
         let mut r = Running(
-            Command::new(env!("CARGO_BIN_EXE_nvdra"))
-                .args([
-                    "run",
-                    "--mode",
-                    "dra",
-                    "--profile",
-                    PROFILE,
-                    "--shared-capacity",
-                ])
-                .args(["--node-name", NODE, "--pod-uid", pod])
-                .arg("--api-dir")
-                .arg(self.p("api"))
-                .arg("--kubelet-root")
-                .arg(self.p("kubelet"))
-                .arg("--cdi-root")
-                .arg(self.p("cdi"))
-                .arg("--driver-root")
-                .arg(self.p("driver"))
-                .arg("--mps-root")
-                .arg(self.p("mps"))
-                .args(["--metrics-address", "127.0.0.1:0"])
-                .env("NVDRA_BOOT_ID_FILE", self.p("boot_id"))
-                .env_remove("NVDRA_TEST_CRASH_AT")
-                .env("NVDRA_LOG", "error")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
+            support::daemon::nvdra_run(self.root.path(), "dra", NODE)
+                .args(["--profile", PROFILE, "--shared-capacity", "--pod-uid", pod])
                 .spawn()
                 .unwrap(),
         );

@@ -132,17 +132,17 @@ async fn main() {
     }
 
     let m = Metrics::new();
-    m.set_source(Arc::new(
+    let source = Arc::new(
         Attribution::new(Arc::new(sim.clone()))
             .with_ledger(ledger.clone())
             .with_monitor(handle.clone())
             .with_proc_root(&proc_root),
-    ));
+    );
     // The XID events reach the monitor's counts.
     while handle.xid_counts().len() < 56 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let text = m.render();
+    let text = m.render(Some(&*source));
     let series = |name: &str| text.lines().filter(|l| l.starts_with(name)).count();
     assert_eq!(series("nvdra_device_allocation_info{"), 56, "{text}");
     assert_eq!(series("nvdra_gpu_process_memory_used_bytes{"), 56, "{text}");
@@ -153,11 +153,12 @@ async fn main() {
         text.len()
     );
 
+    let rendered = source.clone();
     let render = tokio::task::spawn_blocking(move || {
         let mut render = Vec::with_capacity(RUNS);
         for _ in 0..RUNS {
             let t = Instant::now();
-            std::hint::black_box(m.render());
+            std::hint::black_box(m.render(Some(&*rendered)));
             render.push(t.elapsed());
         }
         (render, m)
@@ -178,7 +179,7 @@ async fn main() {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(metrics::serve(listener, m, stop.clone()));
+    tokio::spawn(metrics::serve(listener, m, Some(source), stop.clone()));
     let http = tokio::task::spawn_blocking(move || {
         let mut http = Vec::with_capacity(RUNS / 4);
         for _ in 0..RUNS / 4 {

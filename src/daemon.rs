@@ -315,13 +315,13 @@ async fn start(
         Some(plugin)
     };
     // What a scrape reads: the claims, the containers, readings, XIDs, processes' pods.
-    metrics.set_source(scrape_source(
+    let source = scrape_source(
         &backend,
         plugin.as_ref(),
         &monitor,
         device_plugin.as_ref(),
         extras,
-    ));
+    );
     if let Some(plugin) = &plugin {
         let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
         serve_dra(
@@ -336,7 +336,7 @@ async fn start(
     // Last to stop: `/readyz` answers (failing) while the others drain.
     let m = metrics.clone();
     tasks.spawn_last("metrics", |token| async move {
-        metrics::serve(metrics_listener, m, token).await;
+        metrics::serve(metrics_listener, m, Some(source), token).await;
         Ok::<(), Infallible>(())
     });
     Ok(())

@@ -23,6 +23,8 @@ pub mod server;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::inventory::switch_blocks::SwitchBlocks;
 use std::time::Duration;
 
 use crate::lock::lock;
@@ -94,11 +96,9 @@ pub struct Metrics {
     share_daemons: Mutex<BTreeMap<String, bool>>,
     /// Free-form build info labels (version, backend, mode).
     info: Mutex<BTreeMap<&'static str, String>>,
-    /// Set once the daemon has wired what a scrape reads ([`Metrics::set_source`]).
-    source: OnceLock<Arc<dyn Source>>,
-    /// The GPUs whose MIG mode the DRA plugin will not switch now (dynamic MIG), as it records
-    /// them ([`Metrics::set_switch_blocks`]).
-    switch_blocks: OnceLock<crate::inventory::switch_blocks::SwitchBlocks>,
+    /// The GPUs whose MIG mode the DRA plugin will not switch now (dynamic MIG): shared with
+    /// the plugin, which records them in it.
+    pub switch_blocks: SwitchBlocks,
     /// The first long-lived task that stopped unexpectedly, and why: never ready again.
     stopped: OnceLock<String>,
 }
@@ -126,21 +126,6 @@ impl Metrics {
         *lock(&self.share_daemons) = up.into_iter().collect();
     }
 
-    /// The DRA plugin's record of the GPUs whose MIG mode it will not switch now, read at each
-    /// scrape (`nvdra_mig_switch_blocked`); set once (a second call is ignored).
-    pub fn set_switch_blocks(&self, blocks: crate::inventory::switch_blocks::SwitchBlocks) {
-        if self.switch_blocks.set(blocks).is_err() {
-            tracing::warn!("the metrics already read a record of switch blocks; keeping the first");
-        }
-    }
-
-    /// What every scrape reads besides the counters; set once (a second call is ignored).
-    pub fn set_source(&self, source: Arc<dyn Source>) {
-        if self.source.set(source).is_err() {
-            tracing::warn!("the metrics already have a scrape source; keeping the first");
-        }
-    }
-
     /// A long-lived task stopped unexpectedly (the process is stopping): `/readyz` fails from
     /// now on, naming it. The first one is kept.
     pub fn set_stopped(&self, task: &str, reason: &str) {
@@ -155,8 +140,9 @@ impl Metrics {
             && self.stopped.get().is_none()
     }
 
-    /// The Prometheus text exposition format, version 0.0.4. Blocking: it reads the source.
-    pub fn render(&self) -> String {
+    /// The Prometheus text exposition format, version 0.0.4, with what `source` reads besides
+    /// the counters (the daemon's [`attribution::Attribution`]). Blocking: it reads the source.
+    pub fn render(&self, source: Option<&dyn Source>) -> String {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let snapshot = Snapshot {
             info: lock(&self.info)
@@ -182,16 +168,12 @@ impl Metrics {
                 .collect(),
             switch_blocks: self
                 .switch_blocks
-                .get()
-                .map(|b| {
-                    b.all()
-                        .into_iter()
-                        .map(|(gpu, block)| (gpu.to_string(), block_reason(&block)))
-                        .collect()
-                })
-                .unwrap_or_default(),
+                .all()
+                .into_iter()
+                .map(|(gpu, block)| (gpu.to_string(), block_reason(&block)))
+                .collect(),
             cdi_hook: cdi_hook_row(),
-            scrape: self.source.get().map(|s| s.scrape()),
+            scrape: source.map(|s| s.scrape()),
         };
         encode(snapshot)
     }
@@ -237,7 +219,7 @@ mod tests {
         m.prepare_seconds.observe(Duration::from_micros(300));
         m.prepare_seconds.observe(Duration::from_millis(3));
         m.prepare_seconds.observe(Duration::from_secs(10));
-        let out = m.render();
+        let out = m.render(None);
         let x = "nvdra_prepare_duration_seconds";
         for want in [
             format!("{x}_bucket{{le=\"0.0005\"}} 1\n"),
@@ -258,7 +240,7 @@ mod tests {
         m.slices.creates.fetch_add(1, Ordering::Relaxed);
         m.slices.errors.fetch_add(3, Ordering::Relaxed);
         m.set_info("backend", "simulated \"x\"");
-        let text = m.render();
+        let text = m.render(None);
         // Whole sample lines: a `# HELP` line naming the family cannot satisfy these.
         let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         for want in [
@@ -293,13 +275,13 @@ mod tests {
     #[test]
     fn each_gpu_with_shares_has_its_daemon_up_gauge() {
         let m = Metrics::new();
-        let text = m.render();
+        let text = m.render(None);
         assert!(
             !text.lines().any(|l| l.starts_with("nvdra_mps_daemon_up{")),
             "no GPU with shares, no sample: {text}"
         );
         m.set_share_daemons([("GPU-a".to_string(), true), ("GPU-b".to_string(), false)]);
-        let text = m.render();
+        let text = m.render(None);
         let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         for want in [
             "nvdra_mps_daemon_up{gpu=\"GPU-a\"} 1",
@@ -309,7 +291,7 @@ mod tests {
         }
         // A GPU whose last share went leaves the metric.
         m.set_share_daemons([("GPU-b".to_string(), true)]);
-        let text = m.render();
+        let text = m.render(None);
         assert!(!text.contains("GPU-a"), "{text}");
     }
 
@@ -317,9 +299,8 @@ mod tests {
     fn each_gpu_whose_mig_mode_is_not_switched_has_its_blocked_gauge() {
         use crate::inventory::{GpuUuid, Holder, HolderKind, SwitchBlock};
         let m = Metrics::new();
-        let blocks = crate::inventory::switch_blocks::SwitchBlocks::default();
-        m.set_switch_blocks(blocks.clone());
-        let text = m.render();
+        let blocks = m.switch_blocks.clone();
+        let text = m.render(None);
         assert!(
             !text
                 .lines()
@@ -334,7 +315,7 @@ mod tests {
             kind: HolderKind::Foreign,
         }];
         blocks.set(&b, SwitchBlock::InUse { holders });
-        let text = m.render();
+        let text = m.render(None);
         let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         for want in [
             "nvdra_mig_switch_blocked{gpu=\"GPU-a\",reason=\"reset_required\"} 1",
@@ -344,7 +325,7 @@ mod tests {
         }
         // A block cleared leaves the metric.
         blocks.clear(&b);
-        let text = m.render();
+        let text = m.render(None);
         assert!(!text.contains("GPU-b"), "{text}");
         assert!(text.contains("GPU-a"), "{text}");
     }

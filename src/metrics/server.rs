@@ -36,7 +36,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::Metrics;
+use super::{Metrics, Source};
 use crate::lock::lock;
 
 /// Connections served at once: Prometheus (two in an HA pair), the kubelet's two probes and
@@ -93,12 +93,18 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves with the default [`Limits`] until `shutdown` is cancelled.
+/// Serves with the default [`Limits`] until `shutdown` is cancelled; each render reads `source`
+/// besides the counters ([`Metrics::render`]).
 ///
 /// The listener runs on a thread of its own with a single-threaded runtime: whatever a peer makes
 /// it do (accepts, heads, closes, answers) runs there, never on the daemon's two workers that
 /// serve the kubelet's gRPC. This future only waits for that thread to end.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: CancellationToken) {
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    source: Option<Arc<dyn Source>>,
+    shutdown: CancellationToken,
+) {
     let listener = match listener.into_std() {
         Ok(l) => l,
         Err(e) => {
@@ -123,7 +129,7 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: Cance
             runtime.block_on(async move {
                 // Registered with this thread's runtime (it is non-blocking, as into_std left it).
                 match TcpListener::from_std(listener) {
-                    Ok(l) => serve_with(l, metrics, Limits::default(), shutdown).await,
+                    Ok(l) => serve_with(l, metrics, source, Limits::default(), shutdown).await,
                     Err(e) => tracing::error!(error = %e, "cannot register the metrics listener"),
                 }
             });
@@ -142,21 +148,23 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: Cance
 pub async fn serve_with(
     listener: TcpListener,
     metrics: Arc<Metrics>,
+    source: Option<Arc<dyn Source>>,
     limits: Limits,
     shutdown: CancellationToken,
 ) {
     let slots = Arc::new(Slots::new(limits.connections));
-    serve_on(listener, metrics, limits, slots, shutdown).await;
+    serve_on(listener, metrics, source, limits, slots, shutdown).await;
 }
 
 async fn serve_on(
     listener: TcpListener,
     metrics: Arc<Metrics>,
+    source: Option<Arc<dyn Source>>,
     limits: Limits,
     slots: Arc<Slots>,
     shutdown: CancellationToken,
 ) {
-    let renderer = match Renderer::start(metrics.clone()) {
+    let renderer = match Renderer::start(metrics.clone(), source) {
         Ok(r) => Arc::new(r),
         Err(e) => {
             // The task ends, which stops the daemon naming it: a node out of threads.
@@ -372,7 +380,7 @@ struct Renderer {
 }
 
 impl Renderer {
-    fn start(metrics: Arc<Metrics>) -> std::io::Result<Self> {
+    fn start(metrics: Arc<Metrics>, source: Option<Arc<dyn Source>>) -> std::io::Result<Self> {
         let (asks, asked) = std::sync::mpsc::sync_channel::<()>(1);
         let (publish, rendered) = watch::channel(None);
         std::thread::Builder::new()
@@ -384,7 +392,7 @@ impl Renderer {
                         continue;
                     }
                     let started = Instant::now();
-                    let render = std::panic::AssertUnwindSafe(|| metrics.render());
+                    let render = std::panic::AssertUnwindSafe(|| metrics.render(source.as_deref()));
                     let text = std::panic::catch_unwind(render).ok().map(Bytes::from);
                     if text.is_none() {
                         tracing::error!("rendering the metrics panicked");

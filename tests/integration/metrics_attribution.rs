@@ -568,7 +568,7 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         }
     });
     let metrics = Metrics::new();
-    metrics.set_source(Arc::new(
+    let source = Arc::new(
         Attribution::new(Arc::new(sim))
             .with_ledger(ledger)
             .with_proc_root(proc_root.path())
@@ -579,8 +579,8 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
                     .map(|(uid, level)| (ClaimUid::parse(uid).unwrap(), level))
                     .collect()
             })),
-    ));
-    let families = promclient::parse(&metrics.render());
+    );
+    let families = promclient::parse(&metrics.render(Some(&*source)));
     let samples = promclient::samples(&families);
     for (claim, level) in [("nb-a", "container"), ("nb-b", "process")] {
         let found: Vec<&Sample> = samples

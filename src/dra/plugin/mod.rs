@@ -173,8 +173,8 @@ impl Plugin {
         );
         let node_lock = NodeLock::new(&opts.plugin_dir);
         let compute_modes = ComputeModes::new(&opts.plugin_dir);
-        let switch_blocks = SwitchBlocks::default();
-        metrics.set_switch_blocks(switch_blocks.clone());
+        // The metrics' record: `/metrics` reads what the plugin records in it.
+        let switch_blocks = metrics.switch_blocks.clone();
         Ok((
             Plugin {
                 inner: Arc::new(Inner {

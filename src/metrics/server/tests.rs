@@ -1,5 +1,5 @@
 use super::*;
-use crate::metrics::{Scrape, Source};
+use crate::metrics::Scrape;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Polls until `cond` holds; panics naming `what` after 30 s (a bound on a failure, not a speed).
@@ -59,7 +59,7 @@ struct Server {
 }
 
 impl Server {
-    async fn start(metrics: Arc<Metrics>, limits: Limits) -> Self {
+    async fn start(metrics: Arc<Metrics>, source: Option<Arc<dyn Source>>, limits: Limits) -> Self {
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let slots = Arc::new(Slots::new(limits.connections));
@@ -67,6 +67,7 @@ impl Server {
         let task = tokio::spawn(serve_on(
             listener,
             metrics,
+            source,
             limits,
             slots.clone(),
             shutdown.clone(),
@@ -157,12 +158,12 @@ fn the_probes_answer_while_a_scrape_is_stuck() {
         let m = Metrics::new();
         let (source, release) = StuckSource::new();
         let entered = source.entered.clone();
-        m.set_source(Arc::new(source));
+        let source: Arc<dyn Source> = Arc::new(source);
         // The blocking pool's one thread is taken for as long as the test runs: scrapes must
         // not need it.
         let (hold, held) = std::sync::mpsc::channel::<()>();
         let blocker = tokio::task::spawn_blocking(move || held.recv());
-        let server = Server::start(m.clone(), Limits::default()).await;
+        let server = Server::start(m.clone(), Some(source), Limits::default()).await;
         let addr = server.addr;
         let scrape = tokio::spawn(async move { get(addr, "/metrics").await });
         wait::eventually("the scrape to start", || entered.load(Ordering::SeqCst)).await;
@@ -186,7 +187,7 @@ fn the_probes_answer_while_a_scrape_is_stuck() {
 #[tokio::test]
 async fn endpoints_answer_and_readiness_follows_state() {
     let m = Metrics::new();
-    let server = Server::start(m.clone(), Limits::default()).await;
+    let server = Server::start(m.clone(), None, Limits::default()).await;
     let addr = server.addr;
 
     assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
@@ -225,8 +226,8 @@ async fn concurrent_scrapes_share_one_render() {
     let m = Metrics::new();
     let (source, release) = StuckSource::new();
     let (entered, calls) = (source.entered.clone(), source.calls.clone());
-    m.set_source(Arc::new(source));
-    let server = Server::start(m.clone(), Limits::default()).await;
+    let source: Arc<dyn Source> = Arc::new(source);
+    let server = Server::start(m.clone(), Some(source), Limits::default()).await;
     let addr = server.addr;
     let first = tokio::spawn(async move { get(addr, "/metrics").await });
     wait::eventually("the first scrape to start", || {
@@ -262,12 +263,12 @@ async fn concurrent_scrapes_share_one_render() {
 async fn scrapes_over_the_cap_are_refused_at_once() {
     let m = Metrics::new();
     let (source, release) = StuckSource::new();
-    m.set_source(Arc::new(source));
+    let source: Arc<dyn Source> = Arc::new(source);
     let limits = Limits {
         waiting_scrapes: 2,
         ..Limits::default()
     };
-    let server = Server::start(m.clone(), limits).await;
+    let server = Server::start(m.clone(), Some(source), limits).await;
     let addr = server.addr;
     let waiting: Vec<_> = (0..2)
         .map(|_| tokio::spawn(async move { get(addr, "/metrics").await }))
@@ -291,8 +292,8 @@ async fn scrapes_over_the_cap_are_refused_at_once() {
 async fn a_stuck_render_answers_unavailable_after_the_render_wait() {
     let m = Metrics::new();
     let (source, release) = StuckSource::new();
-    m.set_source(Arc::new(source));
-    let server = Server::start(m.clone(), Limits::default()).await;
+    let source: Arc<dyn Source> = Arc::new(source);
+    let server = Server::start(m.clone(), Some(source), Limits::default()).await;
     let start = tokio::time::Instant::now();
     let r = get(server.addr, "/metrics").await;
     assert!(r.starts_with("HTTP/1.1 503"), "{r}");
@@ -306,7 +307,7 @@ async fn a_stuck_render_answers_unavailable_after_the_render_wait() {
 /// [`HEADER_TIMEOUT`] (paused time: the clock only moves when everything waits).
 #[tokio::test(start_paused = true)]
 async fn half_a_head_is_closed_after_the_header_timeout() {
-    let server = Server::start(Metrics::new(), Limits::default()).await;
+    let server = Server::start(Metrics::new(), None, Limits::default()).await;
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         .await
@@ -328,7 +329,7 @@ async fn half_a_head_is_closed_after_the_header_timeout() {
 /// header timeout runs again while it waits for the next request.
 #[tokio::test(start_paused = true)]
 async fn an_idle_kept_alive_connection_is_closed_after_the_header_timeout() {
-    let server = Server::start(Metrics::new(), Limits::default()).await;
+    let server = Server::start(Metrics::new(), None, Limits::default()).await;
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     for _ in 0..2 {
         let r = request_on(&mut s, "/healthz").await;
@@ -348,7 +349,7 @@ async fn an_idle_kept_alive_connection_is_closed_after_the_header_timeout() {
 /// [`CONNECTION_LIFETIME`] is up.
 #[tokio::test(start_paused = true)]
 async fn a_busy_connection_is_closed_at_the_end_of_its_lifetime() {
-    let server = Server::start(Metrics::new(), Limits::default()).await;
+    let server = Server::start(Metrics::new(), None, Limits::default()).await;
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     let start = tokio::time::Instant::now();
     let mut answered = 0;
@@ -377,7 +378,7 @@ async fn a_new_connection_takes_the_place_of_the_oldest_idle_one() {
         connections: 3,
         ..Limits::default()
     };
-    let server = Server::start(Metrics::new(), limits).await;
+    let server = Server::start(Metrics::new(), None, limits).await;
     let addr = server.addr;
     let mut idle = Vec::new();
     for _ in 0..3 {
@@ -413,13 +414,13 @@ async fn a_new_connection_takes_the_place_of_the_oldest_idle_one() {
 async fn over_the_cap_a_connection_waits_for_a_place() {
     let m = Metrics::new();
     let (source, release) = StuckSource::new();
-    m.set_source(Arc::new(source));
+    let source: Arc<dyn Source> = Arc::new(source);
     let limits = Limits {
         connections: 2,
         waiting_scrapes: 2,
         ..Limits::default()
     };
-    let server = Server::start(m, limits).await;
+    let server = Server::start(m, Some(source), limits).await;
     let addr = server.addr;
     let scrapes: Vec<_> = (0..2)
         .map(|_| tokio::spawn(async move { get(addr, "/metrics").await }))

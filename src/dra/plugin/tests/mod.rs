@@ -809,7 +809,7 @@ async fn outcomes_are_counted_in_metrics() {
     assert_eq!(metrics.prepare_failed.load(Relaxed), 1);
     assert_eq!(metrics.unprepare_ok.load(Relaxed), 1);
     assert_eq!(metrics.unprepare_failed.load(Relaxed), 0);
-    let text = metrics.render();
+    let text = metrics.render(None);
     assert!(text.contains("prepare"), "{text}");
     stop.cancel();
 }

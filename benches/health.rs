@@ -31,8 +31,9 @@ use nvdra::api::kube::KubeApi;
 use nvdra::dra::health::NodeHealth;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
-use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Monitored, Policy};
+use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Policy};
 use nvdra::inventory::DeviceBackend;
+use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
@@ -84,9 +85,13 @@ async fn main() {
             },
             Arc::new(BackendProbe(inner.clone())),
         );
-        let backend = Arc::new(Monitored::new(inner, mh.subscribe()));
-        let (sync, _) = SliceSync::new(
-            backend.clone(),
+        let token = CancellationToken::new();
+        let hour = Duration::from_secs(3600);
+        let node = owner::start(inner, hour, mh.subscribe(), token.clone())
+            .await
+            .expect("the owner");
+        let sync = SliceSync::new(
+            node.subscribe(),
             handle,
             SliceOptions {
                 driver: DRIVER.into(),
@@ -97,13 +102,11 @@ async fn main() {
                 mig_profiles: None,
                 layout: CounterLayout::Separate,
             },
-            Duration::from_secs(3600),
         );
-        let token = CancellationToken::new();
         tokio::spawn(monitor.run(token.clone()));
         tokio::spawn(publisher.run(token.clone()));
-        tokio::spawn(sync.with_health(mh.subscribe()).run(token.clone()));
-        let mut stream = health_stream(backend, NODE, mh.subscribe(), &token).await;
+        tokio::spawn(sync.run(token.clone()));
+        let mut stream = health_stream(node.subscribe(), NODE, &token).await;
         server
             .wait_for(Duration::from_secs(10), |s| gpu3_tainted(s) == Some(false))
             .await;
@@ -180,16 +183,14 @@ async fn main() {
     );
 }
 
-/// The health stream of `backend` with its first message (the full list) already read.
+/// The health stream of the owner's publications `published` with its first message (the full
+/// list) already read.
 async fn health_stream(
-    backend: Arc<dyn DeviceBackend>,
+    published: owner::Watch,
     node: &str,
-    health: nvdra::health::Watch,
     token: &CancellationToken,
 ) -> <HealthService as DraResourceHealth>::NodeWatchResourcesStream {
-    let svc = NodeHealth::new(backend, node)
-        .with_health(health)
-        .service(Duration::from_secs(3600), token.clone());
+    let svc = NodeHealth::new(published, node).service(Duration::from_secs(3600), token.clone());
     let mut stream = svc
         .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
         .await
@@ -235,8 +236,11 @@ async fn nvml_path() -> Vec<Duration> {
         while registrations(0) <= before {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let backend = Arc::new(Monitored::new(backend.clone(), mh.subscribe()));
-        let mut stream = health_stream(backend, "n", mh.subscribe(), &token).await;
+        let hour = Duration::from_secs(3600);
+        let node = owner::start(backend.clone(), hour, mh.subscribe(), token.clone())
+            .await
+            .expect("the owner");
+        let mut stream = health_stream(node.subscribe(), "n", &token).await;
         let t = Instant::now();
         assert_eq!(inject(0, 0x8, 79), 0);
         let m = stream.next().await.expect("message").expect("ok");

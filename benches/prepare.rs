@@ -261,7 +261,7 @@ async fn main() {
     )
     .expect("owner");
     owner.read().await.expect("first inventory read");
-    tokio::spawn(owner.run(stop.clone()));
+    tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), stop.clone()));
     // A node with the driver installed: its files are found once, at start, and every spec
     // mounts them. (Without any, each prepare would look for them again, as on a node whose
     // driver container is not up yet: about 140 failed lookups per claim.)
@@ -300,8 +300,11 @@ async fn main() {
     // Served as the daemon serves it: through the library, which reads the claims, with
     // nvdra's own ordering of calls.
     let claims: Arc<dyn nvdra::api::ClaimReader> = api.cluster_api();
-    let health =
-        nvdra::dra::health::NodeHealth::new(Arc::new(SimBackend::new(wide_inventory())), NODE);
+    let (_node, published) = tokio::sync::watch::channel(nvdra::inventory::owner::Published {
+        node: Some(Arc::new(wide_inventory())),
+        ..Default::default()
+    });
+    let health = nvdra::dra::health::NodeHealth::new(published, NODE);
     let opts = kubelet_plugin::Options::new(DRIVER, NODE, claims)
         .expect("names")
         .kubelet_root(dir.path().join("kubelet"))

@@ -239,17 +239,13 @@ async fn start(
     let watched: Arc<dyn DeviceBackend> = Arc::new(Watched::new(backend, inventory.clone()));
     let config = without_unavailable(config, watched.as_ref());
     let monitor = HealthMonitor::start(&config, &watched);
-    // Every consumer reads the inventory with the health monitor's state laid over it.
-    let backend: Arc<dyn DeviceBackend> = Arc::new(crate::health::Monitored::new(
-        watched,
-        monitor.handle.subscribe(),
-    ));
-    let transitions = tokio_stream::wrappers::WatchStream::from_changes(monitor.handle.subscribe());
-    let owner = owner.with_changes(futures::StreamExt::boxed(futures::StreamExt::map(
-        transitions,
-        |_| (),
-    )));
-    tasks.spawn("inventory", |token| async move { owner.run(token).await });
+    // The owner lays the monitor's state over every publication: every consumer reads the node
+    // with its health.
+    let health = monitor.handle.subscribe();
+    tasks.spawn("inventory", |token| async move {
+        owner.run(health, token).await
+    });
+    let backend = watched;
     metrics.set_info("backend", backend.name());
     metrics.set_info("driver", config.driver_name.clone());
 
@@ -325,7 +321,7 @@ async fn start(
     if let Some(plugin) = &plugin {
         let holds = device_plugin.as_ref().and_then(DevicePlugin::holds);
         serve_dra(
-            &config, plugin, holds, &monitor, &api, &backend, &inventory, &metrics, owned, tasks,
+            &config, plugin, holds, &monitor, &api, &inventory, &metrics, owned, tasks,
         )
         .await?;
     }
@@ -412,7 +408,6 @@ async fn serve_dra(
     holds: Option<ContainerHolds>,
     monitor: &HealthMonitor,
     api: &Arc<dyn ClusterApi>,
-    backend: &Arc<dyn DeviceBackend>,
     inventory: &InventoryHandle,
     metrics: &Arc<Metrics>,
     owned: &mut socket::OwnedSockets,
@@ -426,9 +421,7 @@ async fn serve_dra(
     // rolling update's other instance may have changed), so the library's serialization is off.
     let claims: Arc<dyn crate::api::ClaimReader> = api.clone();
     let registered = metrics.registered.clone();
-    let health = NodeHealth::new(backend.clone(), config.node_name.clone())
-        .with_health(monitor.handle.subscribe())
-        .with_owner(inventory.clone());
+    let health = NodeHealth::new(inventory.subscribe(), config.node_name.clone());
     let mut opts = kubelet_plugin::Options::new(&config.driver_name, &config.node_name, claims)?
         .kubelet_root(&config.kubelet_root)
         .serialize(false)
@@ -444,18 +437,7 @@ async fn serve_dra(
     owned.adopt(&sockets.registration);
     tasks.spawn("dra-server", |_token| async move { serving.wait().await });
 
-    publish(
-        config,
-        plugin,
-        holds,
-        api,
-        backend,
-        inventory,
-        metrics,
-        monitor.handle.subscribe(),
-        tasks,
-    )
-    .await;
+    publish(config, plugin, holds, api, inventory, metrics, tasks).await;
     if config.shared_capacity.enabled() {
         spawn_share_daemon_watch(config, plugin, monitor, metrics, tasks);
     }
@@ -621,7 +603,7 @@ fn warn_of_known_bugs(config: &Config, version: &versions::KubeVersion) {
 /// Names the `--mig-profiles` entries no GPU of the node has, once at start (a typo publishes no
 /// placement of that profile, silently otherwise).
 fn warn_of_unlisted_profiles(config: &Config, read: &owner::Published) {
-    let (Some(allowed), Some(inv)) = (&config.mig_profiles, &read.inventory) else {
+    let (Some(allowed), Some(inv)) = (&config.mig_profiles, &read.node) else {
         return;
     };
     if !(config.partitionable || config.dynamic_mig.enabled()) {
@@ -637,23 +619,16 @@ fn warn_of_unlisted_profiles(config: &Config, read: &owner::Published) {
     }
 }
 
-/// How often the inventory is re-read for changes nobody announced.
-pub const RESCAN: Duration = Duration::from_secs(60);
-
 /// Starts the ResourceSlice publisher (counting into the metrics, readiness included) and the
-/// task feeding it the inventory (woken by each of the owner's reads, and by health
-/// transitions). `holds`: in `both`, what containers hold through the device
-/// plugin, hidden from the slices.
-#[allow(clippy::too_many_arguments)]
+/// task feeding it the owner's publications. `holds`: in `both`, what containers hold through
+/// the device plugin, hidden from the slices.
 async fn publish(
     config: &Config,
     plugin: &Plugin,
     holds: Option<ContainerHolds>,
     api: &Arc<dyn ClusterApi>,
-    backend: &Arc<dyn DeviceBackend>,
     inventory: &InventoryHandle,
     metrics: &Arc<Metrics>,
-    health: crate::health::Watch,
     tasks: &mut Supervisor,
 ) {
     let version = api.server_version().await.unwrap_or_else(|e| {
@@ -679,20 +654,17 @@ async fn publish(
         publisher::Options::default(),
         metrics.slices.clone(),
     );
-    let (slice_sync, _) = SliceSync::new(backend.clone(), handle, opts, RESCAN);
-    let mut slice_sync = slice_sync
+    let mut slice_sync = SliceSync::new(inventory.subscribe(), handle, opts)
         .with_metrics(metrics.clone())
-        .with_health(health)
-        .with_inventory(inventory.subscribe())
         .with_switch_blocks(plugin.switch_blocks());
-    if let Some(holds) = holds {
-        slice_sync = slice_sync.with_holds(holds);
-    }
-    // A MIG device created or destroyed: the owner reads again, and every consumer follows.
+    // The plugin asks the owner for a read where a write alone does not (its MPS daemons gone).
     let owner = inventory.clone();
     plugin.on_inventory_change(Arc::new(move || {
         owner.request();
     }));
+    if let Some(holds) = holds {
+        slice_sync = slice_sync.with_holds(holds);
+    }
     tasks.spawn("publisher", |token| async move {
         publisher.run(token).await;
         Ok::<(), Infallible>(())

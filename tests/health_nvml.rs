@@ -19,8 +19,9 @@ use kubelet_plugin::proto::health::v1alpha1::{
 };
 use nvdra::dra::health::NodeHealth;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
-use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Monitored, Policy};
+use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Policy};
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
+use nvdra::inventory::owner::{self, InventoryHandle};
 use nvdra::inventory::{DeviceBackend, GpuUuid};
 use tokio_util::sync::CancellationToken;
 
@@ -122,7 +123,7 @@ impl Fake {
         &self,
         stop: &CancellationToken,
         gate: Arc<std::sync::atomic::AtomicBool>,
-    ) -> (MonitorHandle, Arc<Monitored>) {
+    ) -> (MonitorHandle, InventoryHandle) {
         let backend: Arc<dyn DeviceBackend> = self.backend.clone();
         let (monitor, handle) = Monitor::new(
             Policy {
@@ -137,10 +138,11 @@ impl Fake {
         );
         tokio::spawn(monitor.run(stop.clone()));
         self.start_events(&backend, &handle).await;
-        (
-            handle.clone(),
-            Arc::new(Monitored::new(backend, handle.subscribe())),
-        )
+        let hour = Duration::from_secs(3600);
+        let owner = owner::start(backend, hour, handle.subscribe(), stop.clone())
+            .await
+            .unwrap();
+        (handle.clone(), owner)
     }
 }
 
@@ -179,8 +181,7 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
     let stop = CancellationToken::new();
     let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (handle, monitored) = fake.monitor(&stop, gate.clone()).await;
-    let svc = NodeHealth::new(monitored.clone(), "n")
-        .with_health(handle.subscribe())
+    let svc = NodeHealth::new(monitored.subscribe(), "n")
         .service(Duration::from_secs(3600), stop.clone());
     let mut stream = svc
         .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
@@ -218,7 +219,7 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
     assert_eq!(m.devices.len(), first.devices.len());
 
     // The slices: the same two devices tainted, nothing withdrawn.
-    let inv = monitored.snapshot().unwrap();
+    let inv = monitored.refresh().await.unwrap();
     let opts = SliceOptions {
         driver: "gpu.nvidia.com".into(),
         node_name: "n".into(),
@@ -397,8 +398,7 @@ async fn an_xid_in_one_mig_instance_taints_that_device_alone_until_it_is_destroy
     let stop = CancellationToken::new();
     let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (handle, monitored) = fake.monitor(&stop, gate).await;
-    let svc = NodeHealth::new(monitored.clone(), "n")
-        .with_health(handle.subscribe())
+    let svc = NodeHealth::new(monitored.subscribe(), "n")
         .service(Duration::from_secs(3600), stop.clone());
     let mut stream = svc
         .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
@@ -475,7 +475,7 @@ async fn an_xid_in_one_mig_instance_taints_that_device_alone_until_it_is_destroy
         mig_profiles: None,
         layout: CounterLayout::Separate,
     };
-    let over = monitored.snapshot().unwrap();
+    let over = monitored.refresh().await.unwrap();
     assert_eq!(
         tainted_devices(&over, &opts),
         [(
@@ -503,7 +503,7 @@ async fn an_xid_in_one_mig_instance_taints_that_device_alone_until_it_is_destroy
         .unwrap();
     assert_eq!(again.gi_id, sick.gi_id, "the same ids");
     assert_ne!(again.uuid, sick.uuid, "a new UUID");
-    let over = monitored.snapshot().unwrap();
+    let over = monitored.refresh().await.unwrap();
     assert!(tainted_devices(&over, &opts).is_empty());
     let m = tokio::time::timeout(SOON, stream.next())
         .await

@@ -1,7 +1,8 @@
 //! DRA resource health (KEP-4680) for nvdra's devices: the [`HealthSource`] the library's
 //! health stream (`kubelet_plugin::health`) reads. It lists whole GPUs outside MIG mode and
-//! existing MIG devices, each healthy or with the cause, from the inventory as the health
-//! monitor ([`crate::health`]) sees it, and wakes the streams when the monitor's state changes.
+//! existing MIG devices, each healthy or with the cause, from the inventory owner's latest
+//! publication (the node with the health monitor's state laid over it), and wakes the streams
+//! on each publication.
 //! A MIG device is unhealthy with its GPU, or alone with a fault of its own instance (an XID
 //! NVML attributed to it, or to an instance on the same memory slices).
 
@@ -15,7 +16,8 @@ use kubelet_plugin::health::{self as plugin_health, HealthSource};
 use tokio_util::sync::CancellationToken;
 
 use crate::ids::DeviceName;
-use crate::inventory::{self, DeviceBackend, Health, Inventory};
+use crate::inventory::owner::Watch;
+use crate::inventory::{Health, Inventory};
 
 pub use kubelet_plugin::health::{HealthService, INTERVAL};
 
@@ -49,37 +51,19 @@ fn devices(inv: &Inventory, pool: &str) -> Vec<plugin_health::DeviceHealth> {
     out
 }
 
-/// The node's devices as a [`HealthSource`]: their health is read from `backend` (which should
-/// carry the monitor's health, [`crate::health::Monitored`]) on each message.
+/// The node's devices as a [`HealthSource`]: their health is the owner's latest publication's.
 #[derive(Clone)]
 pub struct NodeHealth {
-    backend: Arc<dyn DeviceBackend>,
+    node: Watch,
     pool: String,
-    health: Option<crate::health::Watch>,
-    owner: Option<inventory::owner::InventoryHandle>,
 }
 
 impl NodeHealth {
-    pub fn new(backend: Arc<dyn DeviceBackend>, pool: impl Into<String>) -> Self {
+    pub fn new(node: Watch, pool: impl Into<String>) -> Self {
         Self {
-            backend,
+            node,
             pool: pool.into(),
-            health: None,
-            owner: None,
         }
-    }
-
-    /// Each message is read from a fresh inventory: one the owner read after it was asked
-    /// (`backend` being the owner's, [`inventory::owner::Watched`]).
-    pub fn with_owner(mut self, owner: inventory::owner::InventoryHandle) -> Self {
-        self.owner = Some(owner);
-        self
-    }
-
-    /// Streams re-send as soon as the monitor's state changes, not only every interval.
-    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
-        self.health = Some(health);
-        self
     }
 
     /// The library's health service over this source.
@@ -93,32 +77,27 @@ impl HealthSource for NodeHealth {
         &self,
     ) -> BoxFuture<'_, Result<Vec<plugin_health::DeviceHealth>, plugin_health::Error>> {
         Box::pin(async move {
-            if let Some(owner) = &self.owner {
-                owner.refresh().await?;
-            }
-            let inv = inventory::refresh(self.backend.clone()).await?;
-            Ok(devices(&inv, &self.pool))
+            let node = self.node.borrow().node()?;
+            Ok(devices(&node, &self.pool))
         })
     }
 
+    /// Every publication: a health transition, a MIG change, a rescan.
     fn changes(&self) -> BoxStream<'static, ()> {
-        match &self.health {
-            Some(h) => {
-                let mut h = h.clone();
-                h.mark_unchanged();
-                tokio_stream::wrappers::WatchStream::from_changes(h)
-                    .map(|_| ())
-                    .boxed()
-            }
-            None => futures::stream::pending().boxed(),
-        }
+        let mut node = self.node.clone();
+        node.mark_unchanged();
+        tokio_stream::wrappers::WatchStream::from_changes(node)
+            .map(|_| ())
+            .boxed()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::health::{BackendProbe, Event, EventKind, Monitor, Monitored, Policy};
+    use crate::health::{BackendProbe, Event, EventKind, Monitor, Policy};
+    use crate::inventory::DeviceBackend;
+    use crate::inventory::owner::{InventoryHandle, Owner, Published};
     use crate::inventory::sim::SimBackend;
     use futures::StreamExt;
     use kubelet_plugin::health::{HealthV1, HealthV1beta1};
@@ -129,6 +108,29 @@ mod tests {
     use kubelet_plugin::proto::health::v1beta1::dra_resource_health_server::DraResourceHealth as _;
     use kubelet_plugin::proto::health::{v1, v1beta1};
     use tonic::Request;
+
+    /// `inv` published as an owner would, and the sender of the next publications.
+    fn published(inv: Inventory) -> (tokio::sync::watch::Sender<Published>, Watch) {
+        tokio::sync::watch::channel(Published {
+            node: Some(Arc::new(inv)),
+            ..Published::default()
+        })
+    }
+
+    /// `sim`'s owner, read once and following `health` (no rescan: reads only when asked).
+    async fn owner(
+        sim: &SimBackend,
+        health: crate::health::Watch,
+        stop: &CancellationToken,
+    ) -> InventoryHandle {
+        // Reads answer in real time, while a paused clock jumps from timer to timer (the
+        // monitor's probes): a deadline that none of those jumps reaches.
+        let (hour, year) = (Duration::from_secs(3600), Duration::from_secs(365 * 86400));
+        let (mut owner, handle) = Owner::new(Arc::new(sim.clone()), hour, year).unwrap();
+        owner.read().await.unwrap();
+        tokio::spawn(owner.run(health, stop.clone()));
+        handle
+    }
 
     /// The health of every device on the node, in name order, as the stream sends it.
     fn device_health(inv: &Inventory, pool: &str, now_unix: i64) -> Vec<DeviceHealth> {
@@ -184,8 +186,8 @@ mod tests {
     async fn stream_resends_the_full_list_and_ends_on_shutdown() {
         let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
         let stop = CancellationToken::new();
-        let svc = NodeHealth::new(Arc::new(sim.clone()), "n")
-            .service(Duration::from_secs(10), stop.clone());
+        let (tx, node) = published(sim.snapshot().unwrap());
+        let svc = NodeHealth::new(node, "n").service(Duration::from_secs(10), stop.clone());
         let mut stream = svc
             .node_watch_resources(Request::new(NodeWatchResourcesRequest {}))
             .await
@@ -204,6 +206,7 @@ mod tests {
                 reason: "XID 48".into(),
             }
         });
+        tx.send_modify(|p| p.node = Some(Arc::new(sim.snapshot().unwrap())));
         let second = stream.next().await.unwrap().unwrap();
         assert_eq!(second.devices.len(), 4, "always the full list");
         assert_eq!(second.devices[1].health, HealthStatus::Unhealthy as i32);
@@ -233,10 +236,8 @@ mod tests {
         );
         let stop = CancellationToken::new();
         tokio::spawn(monitor.run(stop.clone()));
-        let backend = Arc::new(Monitored::new(inner, handle.subscribe()));
-        let svc = NodeHealth::new(backend, "n")
-            .with_health(handle.subscribe())
-            .service(INTERVAL, stop.clone());
+        let node = owner(&sim, handle.subscribe(), &stop).await.subscribe();
+        let svc = NodeHealth::new(node, "n").service(INTERVAL, stop.clone());
         let mut alpha = svc
             .node_watch_resources(Request::new(NodeWatchResourcesRequest {}))
             .await
@@ -361,7 +362,8 @@ mod tests {
         );
         let stop = CancellationToken::new();
         tokio::spawn(monitor.run(stop.clone()));
-        let source = NodeHealth::new(Arc::new(Monitored::new(inner, handle.subscribe())), "n");
+        let owner = owner(&sim, handle.subscribe(), &stop).await;
+        let source = NodeHealth::new(owner.subscribe(), "n");
         let sick = || async {
             let list = source.device_health().await.unwrap();
             plugin_health::message(list, 0)
@@ -371,7 +373,8 @@ mod tests {
                 .map(|d| d.device.unwrap().device_name)
                 .collect::<Vec<_>>()
         };
-        let mut changed = handle.subscribe();
+        let mut changed = owner.subscribe();
+        changed.mark_unchanged();
         handle
             .events()
             .send(Event::gpu(g0.uuid.clone(), EventKind::Xid(94)))
@@ -380,6 +383,9 @@ mod tests {
         changed.changed().await.unwrap();
         assert_eq!(sick().await, vec!["gpu-0".to_string()]);
 
+        // The owner's reads below answer in real time: a paused clock would jump past the
+        // quiet period meanwhile.
+        tokio::time::resume();
         sim.set_mig_mode(&g0.uuid, true).unwrap();
         let p = g0
             .mig
@@ -390,11 +396,13 @@ mod tests {
         let m = sim
             .create_mig(&g0.uuid, p.gi_profile_id, p.placements[0])
             .unwrap();
+        owner.refresh().await.unwrap();
         let name = DeviceName::mig(g0.minor, &m.profile, m.gi_profile_id, m.placement.start);
         assert_eq!(sick().await, vec![name.as_str().to_string()]);
 
         sim.destroy_mig(&g0.uuid, &m.uuid).unwrap();
         sim.set_mig_mode(&g0.uuid, false).unwrap();
+        owner.refresh().await.unwrap();
         assert_eq!(sick().await, vec!["gpu-0".to_string()]);
         stop.cancel();
     }

@@ -1,10 +1,10 @@
 //! Keeps the published slices a function of the inventory.
 //!
-//! [`SliceSync`] re-reads the inventory when told it may have changed (a MIG instance created or
-//! destroyed at prepare, a health event) and on a slow rescan, recomputes the desired slices with
-//! [`slices::desired_slices`], and hands them to the publisher only when they differ from the ones
-//! it holds — so an unchanged node costs one inventory read per rescan and no API writes. The
-//! desired slices are kept once, by the publisher; this task keeps only the last inventory.
+//! [`SliceSync`] follows the inventory owner's publications ([`crate::inventory::owner`]: a MIG
+//! instance created or destroyed at prepare, a health transition, a rescan), recomputes the
+//! desired slices with [`slices::desired_slices`] from each, and hands them to the publisher only
+//! when they differ from the ones it holds — so an unchanged node costs no API writes. The
+//! desired slices are kept once, by the publisher; this task keeps no inventory.
 //!
 //! It also owns the one decision that needs the API server's answers: when the server drops the
 //! partitionable fields (`sharedCounters`, `consumesCounters`: the DRAPartitionableDevices gate is
@@ -19,23 +19,18 @@
 //! Likewise for the devices of a dynamic-MIG GPU on which a prepare met `IN_USE` (tainted
 //! `mig-switch-blocked` where taints reach the scheduler): withdrawn.
 //!
-//! Given the health monitor's watch ([`SliceSync::with_health`]), every health transition
-//! re-reads the inventory at once; given the inventory owner's ([`SliceSync::with_inventory`]),
-//! so does every read the owner publishes (a MIG device created at prepare among them). Given
-//! the plugin's switch blocks ([`SliceSync::with_switch_blocks`]), each inventory read carries
-//! them ([`SwitchBlocks::apply`]), so a change of them (which the plugin announces as an
-//! inventory change) is published at the next read.
+//! Given the plugin's switch blocks ([`SliceSync::with_switch_blocks`]), each publication
+//! carries them ([`SwitchBlocks::apply`]), and each change of them is published at once.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::slices::{self, ConsumableShares, CounterLayout, SliceOptions};
 use crate::holds::{ContainerHolds, Holder, Occupied};
+use crate::inventory::owner::{self, Watch};
 use crate::inventory::switch_blocks::SwitchBlocks;
-use crate::inventory::{self, DeviceBackend, Health, Inventory};
+use crate::inventory::{Health, Inventory};
 use crate::metrics::Metrics;
 use kubelet_plugin::publisher::PublisherHandle;
 
@@ -56,36 +51,16 @@ pub fn layout_for(minor: Option<u32>) -> CounterLayout {
     }
 }
 
-/// Tells a running [`SliceSync`] to re-read the inventory now.
-#[derive(Clone, Debug)]
-pub struct SyncHandle {
-    trigger: Arc<Notify>,
-}
-
-impl SyncHandle {
-    /// The hardware may have changed (MIG instance created, health event): re-read it soon.
-    pub fn inventory_changed(&self) {
-        self.trigger.notify_one();
-    }
-}
-
 /// The task that feeds the publisher.
 pub struct SliceSync {
-    backend: Arc<dyn DeviceBackend>,
+    /// The owner's publications: the node, health applied.
+    node: Watch,
     publisher: PublisherHandle,
     options: SliceOptions,
-    rescan: Duration,
-    trigger: Arc<Notify>,
-    last_inventory: Option<Inventory>,
-    /// The next read recomputes the slices even if the inventory is unchanged (at start, after
-    /// the layout changed, after the publisher refused them).
-    stale: bool,
     /// Set once the partitionable layout was abandoned.
     fell_back: bool,
     /// Set once the server was seen dropping taints: tainted devices are withdrawn instead.
     withdraw_tainted: bool,
-    health: Option<crate::health::Watch>,
-    inventory: Option<inventory::owner::Watch>,
     metrics: Option<Arc<Metrics>>,
     /// `--mode both`: the device-plugin holds, hidden from the slices.
     holds: Option<ContainerHolds>,
@@ -94,46 +69,18 @@ pub struct SliceSync {
 }
 
 impl SliceSync {
-    /// `rescan` bounds how long a change nobody announced (a GPU falling off the bus under NVML)
-    /// takes to reach the API server.
-    pub fn new(
-        backend: Arc<dyn DeviceBackend>,
-        publisher: PublisherHandle,
-        options: SliceOptions,
-        rescan: Duration,
-    ) -> (Self, SyncHandle) {
-        let trigger = Arc::new(Notify::new());
-        (
-            Self {
-                backend,
-                publisher,
-                options,
-                rescan,
-                trigger: trigger.clone(),
-                last_inventory: None,
-                stale: true,
-                fell_back: false,
-                withdraw_tainted: false,
-                health: None,
-                inventory: None,
-                metrics: None,
-                holds: None,
-                switch_blocks: None,
-            },
-            SyncHandle { trigger },
-        )
-    }
-
-    /// Re-reads the inventory on every transition of the health monitor.
-    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
-        self.health = Some(health);
-        self
-    }
-
-    /// Re-reads the inventory on every read the inventory owner publishes.
-    pub fn with_inventory(mut self, inventory: inventory::owner::Watch) -> Self {
-        self.inventory = Some(inventory);
-        self
+    /// Publishes the slices of each node `node` publishes.
+    pub fn new(node: Watch, publisher: PublisherHandle, options: SliceOptions) -> Self {
+        Self {
+            node,
+            publisher,
+            options,
+            fell_back: false,
+            withdraw_tainted: false,
+            metrics: None,
+            holds: None,
+            switch_blocks: None,
+        }
     }
 
     /// Reports the GPU count and unhealthy devices of every inventory read.
@@ -152,22 +99,21 @@ impl SliceSync {
     /// `--dynamic-mig`: publishes each GPU with the plugin's switch block
     /// ([`Mig::switch_block`](crate::inventory::Mig::switch_block)): one that answered
     /// `RESET_REQUIRED` as one that cannot switch, one where a prepare met `IN_USE` with its
-    /// switch-needing devices tainted. The plugin announces each change through its inventory
-    /// hook, which makes the owner read again and this task follow.
+    /// switch-needing devices tainted; each change of them is published at once.
     pub fn with_switch_blocks(mut self, blocks: SwitchBlocks) -> Self {
         self.switch_blocks = Some(blocks);
         self
     }
 
-    /// Runs until `shutdown`. Failures to read the inventory or to build slices are logged and
-    /// retried at the next trigger or rescan; the last published state stays in place meanwhile.
+    /// Runs until `shutdown`. A node the owner could not read, or slices that cannot be built,
+    /// are logged and the next publication tried; the last published state stays in place
+    /// meanwhile.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
-        let mut health = self.health.take();
-        let mut published = self.inventory.take();
+        let mut node = Some(self.node.clone());
         let mut changes = self.holds.as_ref().map(ContainerHolds::changes);
-        let mut tick = tokio::time::interval(self.rescan);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut blocks = self.switch_blocks.as_ref().map(SwitchBlocks::changes);
+        self.sync_once().await;
         loop {
             tokio::select! {
                 biased;
@@ -184,16 +130,19 @@ impl SliceSync {
                         .collect();
                     self.on_dropped(&fields);
                 }
-                () = self.trigger.notified() => {}
-                Some(()) = crate::health::changed(&mut health) => {}
-                Some(()) = inventory::owner::changed(&mut published) => {}
+                Some(()) = owner::changed(&mut node) => {}
                 Ok(()) = async {
                     match &mut changes {
                         Some(c) => c.changed().await,
                         None => std::future::pending().await,
                     }
                 } => {}
-                _ = tick.tick() => {}
+                Ok(()) = async {
+                    match &mut blocks {
+                        Some(b) => b.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
             }
             self.sync_once().await;
         }
@@ -207,7 +156,6 @@ impl SliceSync {
                  IN_USE, are withdrawn from the slices instead of published tainted"
             );
             self.withdraw_tainted = true;
-            self.stale = true;
         }
         let lost: Vec<&str> = fields
             .iter()
@@ -231,7 +179,6 @@ impl SliceSync {
                  --shared-capacity and --consumable-shares to silence this"
             );
             self.options.shared_capacity = ConsumableShares::Disabled;
-            self.stale = true;
         }
         let counting = self.options.partitionable || self.options.dynamic_mig;
         if counting && !self.fell_back && !lost.is_empty() {
@@ -255,17 +202,16 @@ impl SliceSync {
             self.options.partitionable = false;
             self.options.dynamic_mig = false;
             self.fell_back = true;
-            // Force a recompute even though the inventory did not change.
-            self.stale = true;
         }
     }
 
-    /// Reads the inventory and publishes new desired slices if anything changed.
+    /// Publishes new desired slices from the latest node if they changed.
     pub async fn sync_once(&mut self) {
-        let mut inv = match inventory::refresh(self.backend.clone()).await {
-            Ok(inv) => inv,
+        let node = self.node.borrow_and_update().node();
+        let mut inv = match node {
+            Ok(inv) => Inventory::clone(&inv),
             Err(e) => {
-                tracing::warn!(error = %crate::report::chain(&e), backend = self.backend.name(), "cannot read the inventory; keeping the published slices");
+                tracing::warn!(error = %crate::report::chain(&e), "cannot read the inventory; keeping the published slices");
                 return;
             }
         };
@@ -295,9 +241,6 @@ impl SliceSync {
         if let Some(holds) = &self.holds {
             hide_held(&mut inv, &holds.all());
         }
-        if !self.stale && self.last_inventory.as_ref() == Some(&inv) {
-            return;
-        }
         let desired = match slices::desired_slices_withdrawing(
             &inv,
             &self.options,
@@ -309,9 +252,7 @@ impl SliceSync {
                 return;
             }
         };
-        self.last_inventory = Some(inv);
         if self.publisher.desired().is_some_and(|d| *d == desired) {
-            self.stale = false;
             return;
         }
         let (count, devices) = (
@@ -324,7 +265,6 @@ impl SliceSync {
         match self.publisher.set_desired(desired) {
             Ok(_) => {
                 tracing::info!(slices = count, devices, "desired ResourceSlices updated");
-                self.stale = false;
             }
             Err(e) => {
                 tracing::error!(error = %crate::report::chain(&e), "bug: the publisher refused the desired slices")
@@ -375,6 +315,7 @@ mod tests {
     use super::*;
     use crate::api::dir::DirApi;
     use crate::inventory::DeviceBackend;
+    use crate::inventory::owner::Owner;
     use crate::inventory::sim::SimBackend;
     use kubelet_plugin::publisher::Publisher;
     use std::sync::atomic::Ordering::Relaxed;
@@ -395,13 +336,11 @@ mod tests {
             mig_profiles: None,
             layout: CounterLayout::Separate,
         };
-        let (sync, _) = SliceSync::new(
-            Arc::new(sim.clone()),
-            handle,
-            options,
-            Duration::from_secs(60),
-        );
-        let mut sync = sync.with_metrics(metrics.clone());
+        let hour = std::time::Duration::from_secs(3600);
+        let (mut owner, inventory) = Owner::new(Arc::new(sim.clone()), hour, hour).unwrap();
+        owner.read().await.unwrap();
+        let mut sync =
+            SliceSync::new(inventory.subscribe(), handle, options).with_metrics(metrics.clone());
         sync.sync_once().await;
         assert_eq!(metrics.gpus.load(Relaxed), 4);
         assert_eq!(metrics.unhealthy_devices.load(Relaxed), 0);
@@ -414,6 +353,7 @@ mod tests {
                 reason: "XID 94".into(),
             };
         });
+        owner.read().await.unwrap();
         sync.sync_once().await;
         assert_eq!(metrics.unhealthy_devices.load(Relaxed), 2);
         let desired = sync.publisher.desired().unwrap();

@@ -1,8 +1,13 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
 use super::faults::{Command, FaultFile, LineError, parse_line};
 use super::*;
 use crate::inventory::sim::SimBackend;
+use crate::inventory::{DeviceBackend, GpuUuid, Health, Inventory, MigUuid, Taint, TaintKey};
 use tokio_util::sync::CancellationToken;
 
 fn sim() -> SimBackend {

@@ -241,7 +241,7 @@ pub trait DeviceBackend: Send + Sync + 'static {
 }
 
 /// A backend over another that changes some of what it does: the health overlay
-/// ([`Monitored`](crate::health::Monitored)). A wrapper implements [`Wrapper::inner`] and the
+/// (the test backends of dynamic MIG). A wrapper implements [`Wrapper::inner`] and the
 /// methods it changes; every other [`DeviceBackend`] method goes to `inner` unchanged, through
 /// the one implementation below instead of a forwarding method per wrapper.
 pub trait Wrapper: Send + Sync + 'static {

@@ -14,6 +14,7 @@ mod backend;
 pub mod deadline;
 mod domains;
 pub mod events;
+pub mod health;
 pub mod holders;
 mod mig_mode;
 pub mod nvml;

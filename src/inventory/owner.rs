@@ -2,12 +2,13 @@
 //! watch on which every consumer (prepare, slices, device plugin, health stream, labels,
 //! metrics) reads what it published.
 //!
-//! [`Owner::run`] reads on a rescan, when asked ([`InventoryHandle::request`]: a MIG device
-//! created or destroyed, a health transition) and publishes each result on a
-//! `tokio::sync::watch` ([`Published`]). Consumers read through [`Watched`], a backend whose
-//! snapshots are the latest publication, and wake on the watch ([`changed`]) instead of polling
-//! the hardware on a trigger of their own; so a MIG change reaches every consumer from the same
-//! read.
+//! [`Owner::run`] reads on a rescan and when asked ([`InventoryHandle::request`]: a MIG device
+//! created or destroyed), lays the health monitor's state over each read
+//! ([`HealthState::apply`]), and publishes the node on a `tokio::sync::watch` ([`Published`]:
+//! one `Arc`, a generation). A health transition publishes the last read again with the new
+//! state, without reading the hardware. Consumers follow the watch ([`changed`]) and nothing
+//! else; so a MIG change or a health transition reaches every consumer from the same
+//! publication.
 //!
 //! Invariants:
 //! - Only the owner's reader thread calls [`DeviceBackend::refresh`] on the backend. It is a
@@ -29,6 +30,7 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::deadline::{Deadlines, Lane};
+use super::health::HealthState;
 use super::{
     ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MemoryLimits, MigDevice,
     MigUuid, Placement, Reconfiguration, Result, TimeSlice,
@@ -43,8 +45,9 @@ const CALL: &str = "refresh (the inventory read)";
 /// What the owner last published.
 #[derive(Clone, Debug, Default)]
 pub struct Published {
-    /// The last inventory read; `None` until a read succeeded.
-    pub inventory: Option<Arc<Inventory>>,
+    /// The node: the last inventory read with the health monitor's state laid over it; `None`
+    /// until a read succeeded.
+    pub node: Option<Arc<Inventory>>,
     /// Why the latest read failed; `None` once one succeeds.
     pub error: Option<Arc<Error>>,
     /// The asks ([`InventoryHandle::request`]) that the latest read answers: it started after
@@ -52,13 +55,15 @@ pub struct Published {
     pub answered: u64,
     /// Reads published so far, failed ones included.
     pub reads: u64,
+    /// Publications so far: every read and every health transition.
+    pub generation: u64,
 }
 
 impl Published {
-    /// The last inventory read, or why there is none.
-    pub fn inventory(&self) -> Result<Inventory> {
-        match (&self.inventory, &self.error) {
-            (Some(inv), _) => Ok(Inventory::clone(inv)),
+    /// The node, or why there is none.
+    pub fn node(&self) -> Result<Arc<Inventory>> {
+        match (&self.node, &self.error) {
+            (Some(inv), _) => Ok(inv.clone()),
             (None, Some(e)) => Err(Error::Read(e.clone())),
             (None, None) => Err(Error::NotRead),
         }
@@ -68,10 +73,29 @@ impl Published {
 /// A subscription to the owner's publications.
 pub type Watch = watch::Receiver<Published>;
 
+/// An owner over `backend` after its first read, following `health` and reading every `rescan`
+/// (and when asked) until `shutdown`: its handle. For tools and tests that start no daemon.
+pub async fn start(
+    backend: Arc<dyn DeviceBackend>,
+    rescan: Duration,
+    health: watch::Receiver<HealthState>,
+    shutdown: CancellationToken,
+) -> std::io::Result<InventoryHandle> {
+    let (mut owner, handle) = Owner::new(backend, rescan, DEADLINE)?;
+    let _ = owner.read().await;
+    tokio::spawn(owner.run(health, shutdown));
+    Ok(handle)
+}
+
+/// A health state that never changes, for an owner no health monitor feeds ([`Owner::run`]).
+pub fn no_health() -> watch::Receiver<HealthState> {
+    watch::channel(HealthState::default()).1
+}
+
 /// `Some` when the owner published again; never ready without a watch or once the owner is
-/// gone. For a `select!` branch of a consumer that re-reads on every publication.
-pub async fn changed(inventory: &mut Option<Watch>) -> Option<()> {
-    if let Some(w) = inventory
+/// gone. For a `select!` branch of a consumer that follows the publications.
+pub async fn changed(node: &mut Option<Watch>) -> Option<()> {
+    if let Some(w) = node
         && w.changed().await.is_ok()
     {
         return Some(());
@@ -123,9 +147,9 @@ impl InventoryHandle {
     }
 
     /// Asks for a read and waits for it.
-    pub async fn refresh(&self) -> Result<Inventory> {
+    pub async fn refresh(&self) -> Result<Arc<Inventory>> {
         let ticket = self.request();
-        self.wait(ticket).await?.inventory()
+        self.wait(ticket).await?.node()
     }
 }
 
@@ -140,8 +164,10 @@ pub struct Owner {
     asks: Arc<Asks>,
     rescan: Duration,
     deadline: Duration,
-    /// Other news that the hardware may have changed (the health monitor's transitions).
-    changes: Option<futures::stream::BoxStream<'static, ()>>,
+    /// The last inventory read, as the backend answered it (no health laid over it).
+    last: Option<Arc<Inventory>>,
+    /// The health monitor's state, laid over each publication ([`Owner::run`]).
+    health: Option<watch::Receiver<HealthState>>,
 }
 
 impl Owner {
@@ -174,17 +200,35 @@ impl Owner {
                 asks: asks.clone(),
                 rescan,
                 deadline,
-                changes: None,
+                last: None,
+                health: None,
             },
             InventoryHandle { watch, asks },
         ))
     }
 
-    /// Reads again on every item of `changes`: the health monitor's transitions (a GPU lost or
-    /// back may change what the backend lists), which this module does not know by type.
-    pub fn with_changes(mut self, changes: futures::stream::BoxStream<'static, ()>) -> Self {
-        self.changes = Some(changes);
-        self
+    /// The last read with the health state laid over it.
+    fn node(&self) -> Option<Arc<Inventory>> {
+        let last = self.last.as_ref()?;
+        match &self.health {
+            Some(h) if !h.borrow().is_empty() => {
+                let mut node = Inventory::clone(last);
+                h.borrow().apply(&mut node);
+                Some(Arc::new(node))
+            }
+            // Nothing to lay over it: the read itself, not a copy.
+            _ => Some(last.clone()),
+        }
+    }
+
+    /// Publishes the last read again with the health state as it is now (a transition): no
+    /// hardware read.
+    fn republish(&mut self) {
+        let node = self.node();
+        self.tx.send_modify(|p| {
+            p.node = node;
+            p.generation += 1;
+        });
     }
 
     /// Reads the inventory once and publishes the result, which is also returned.
@@ -195,11 +239,14 @@ impl Owner {
                 // A read that started before some asks answers only those made before it.
                 let answered = started;
                 let inv = Arc::new(inv);
+                self.last = Some(inv.clone());
+                let node = self.node();
                 self.tx.send_modify(|p| {
-                    p.inventory = Some(inv.clone());
+                    p.node = node;
                     p.error = None;
                     p.answered = p.answered.max(answered);
                     p.reads += 1;
+                    p.generation += 1;
                 });
                 if self.asks.count.load(Ordering::SeqCst) > answered {
                     // Asks made meanwhile get a read of their own.
@@ -217,6 +264,7 @@ impl Owner {
                     p.error = Some(e.clone());
                     p.answered = p.answered.max(answered);
                     p.reads += 1;
+                    p.generation += 1;
                 });
                 Err(e)
             }
@@ -251,14 +299,25 @@ impl Owner {
         (started, result)
     }
 
-    /// Reads on every rescan, ask and health transition until `shutdown`. Read failures are
-    /// published, not returned: the owner ends before shutdown only when its reader thread is
-    /// gone ([`Error::ReaderGone`]: the backend panicked), as nothing could be read again.
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<()> {
+    /// Reads on every rescan and ask, and publishes again on every transition of `health` (the
+    /// health monitor's state), until `shutdown`. Read failures are published, not returned:
+    /// the owner ends before shutdown only when its reader thread is gone
+    /// ([`Error::ReaderGone`]: the backend panicked), as nothing could be read again.
+    pub async fn run(
+        mut self,
+        health: watch::Receiver<HealthState>,
+        shutdown: CancellationToken,
+    ) -> Result<()> {
         let start = tokio::time::Instant::now() + self.rescan;
         let mut tick = tokio::time::interval_at(start, self.rescan);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut changes = self.changes.take();
+        let mut transitions = health.clone();
+        let mut following = true;
+        self.health = Some(health);
+        if self.tx.borrow().node.is_some() && !transitions.borrow().is_empty() {
+            // Read before the owner followed the monitor: published without its state.
+            self.republish();
+        }
         let asks = self.asks.clone();
         if self.tx.borrow().reads == 0 {
             tokio::select! {
@@ -272,17 +331,13 @@ impl Owner {
                 biased;
                 () = shutdown.cancelled() => return Ok(()),
                 () = asks.notify.notified() => {}
-                ended = async {
-                    match &mut changes {
-                        Some(c) => futures::StreamExt::next(c).await.is_none(),
-                        None => std::future::pending().await,
+                changed = transitions.changed(), if following => {
+                    match changed {
+                        Ok(()) => self.republish(),
+                        // The monitor is gone: its last state stays laid over every read.
+                        Err(_) => following = false,
                     }
-                } => {
-                    if ended {
-                        // Nothing will change any more that way.
-                        changes = None;
-                        continue;
-                    }
+                    continue;
                 }
                 _ = tick.tick() => {}
             }
@@ -382,11 +437,13 @@ impl DeviceBackend for Watched {
     /// deadline.
     fn snapshot(&self) -> Result<Inventory> {
         let ticket = self.changed.load(Ordering::SeqCst);
-        if self.handle.latest().answered >= ticket {
-            return self.handle.latest().inventory();
-        }
-        // tokio's watch needs no runtime to be waited on.
-        futures::executor::block_on(self.handle.wait(ticket))?.inventory()
+        let node = if self.handle.latest().answered >= ticket {
+            self.handle.latest().node()
+        } else {
+            // tokio's watch needs no runtime to be waited on.
+            futures::executor::block_on(self.handle.wait(ticket))?.node()
+        };
+        node.map(|n| Inventory::clone(&n))
     }
 
     /// The latest publication as published, unless a reconfiguration waits for its read (then
@@ -396,7 +453,7 @@ impl DeviceBackend for Watched {
         if latest.answered < self.changed.load(Ordering::SeqCst) {
             return None;
         }
-        latest.inventory.clone()
+        latest.node.clone()
     }
 
     /// The same as [`Watched::snapshot`]: only the owner reads the hardware.

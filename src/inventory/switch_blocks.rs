@@ -6,21 +6,47 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::watch;
+
 use super::{GpuUuid, Inventory, SwitchBlock};
 
-/// One node's switch blocks, shared by the plugin (which sets them) and the slice sync.
-#[derive(Clone, Debug, Default)]
-pub struct SwitchBlocks(Arc<Mutex<BTreeMap<GpuUuid, SwitchBlock>>>);
+/// One node's switch blocks, shared by the plugin (which sets them) and the slice sync (which
+/// follows their [`changes`](SwitchBlocks::changes)).
+#[derive(Clone, Debug)]
+pub struct SwitchBlocks(
+    Arc<Mutex<BTreeMap<GpuUuid, SwitchBlock>>>,
+    Arc<watch::Sender<u64>>,
+);
+
+impl Default for SwitchBlocks {
+    fn default() -> Self {
+        Self(Arc::default(), Arc::new(watch::Sender::new(0)))
+    }
+}
 
 impl SwitchBlocks {
     /// Records why `gpu` is not switched now; whether that changed anything.
     pub fn set(&self, gpu: &GpuUuid, block: SwitchBlock) -> bool {
-        crate::lock::lock(&self.0).insert(gpu.clone(), block.clone()) != Some(block)
+        let changed = crate::lock::lock(&self.0).insert(gpu.clone(), block.clone()) != Some(block);
+        self.changed(changed)
     }
 
     /// Forgets `gpu`'s block; whether it had one.
     pub fn clear(&self, gpu: &GpuUuid) -> bool {
-        crate::lock::lock(&self.0).remove(gpu).is_some()
+        let changed = crate::lock::lock(&self.0).remove(gpu).is_some();
+        self.changed(changed)
+    }
+
+    fn changed(&self, changed: bool) -> bool {
+        if changed {
+            self.1.send_modify(|n| *n += 1);
+        }
+        changed
+    }
+
+    /// Changes once per block set or cleared.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.1.subscribe()
     }
 
     pub fn get(&self, gpu: &GpuUuid) -> Option<SwitchBlock> {

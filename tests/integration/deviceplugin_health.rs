@@ -234,7 +234,7 @@ async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_invento
     .unwrap();
     owner.read().await.unwrap();
     let stop = CancellationToken::new();
-    let owner_task = tokio::spawn(owner.run(stop.clone()));
+    let owner_task = tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), stop.clone()));
     let watched = Arc::new(Watched::new(Arc::new(sim.clone()), inventory.clone()));
     let dp = DevicePlugin::new(
         settings(root.path(), Duration::from_secs(3600)),

@@ -49,6 +49,16 @@ async fn wait_for(path: &Path) {
 }
 
 async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> TestNode {
+    start_as(profile, pod_uid, partitionable, |_| {}).await
+}
+
+/// [`start`], the simulated GPUs as `setup` leaves them before the daemon's first read.
+async fn start_as(
+    profile: &str,
+    pod_uid: Option<&str>,
+    partitionable: bool,
+    setup: impl FnOnce(&SimBackend),
+) -> TestNode {
     let dir = tempfile::tempdir().unwrap();
     let boot = dir.path().join("boot_id");
     std::fs::write(&boot, "boot-1\n").unwrap();
@@ -70,6 +80,7 @@ async fn start(profile: &str, pod_uid: Option<&str>, partitionable: bool) -> Tes
         pod_uid,
     );
     let sim = SimBackend::from_profile(profile, NODE).unwrap();
+    setup(&sim);
     let api = TestApiServer::start().await;
     let stop = CancellationToken::new();
     let daemon = tokio::spawn(nvdra::daemon::run(
@@ -427,12 +438,15 @@ async fn health_stream_lists_devices_and_ends_at_shutdown() {
         HealthStatus, NodeWatchResourcesRequest,
         dra_resource_health_client::DraResourceHealthClient,
     };
-    let node = start("a100-mig-mixed", None, false).await;
-    node.sim.update(|inv| {
-        inv.gpus[3].health = nvdra::inventory::Health::Unhealthy {
-            reason: "XID 79: fallen off the bus".into(),
-        }
-    });
+    // The stream sends what the inventory owner published: the GPU lost before its first read.
+    let node = start_as("a100-mig-mixed", None, false, |sim| {
+        sim.update(|inv| {
+            inv.gpus[3].health = nvdra::inventory::Health::Unhealthy {
+                reason: "XID 79: fallen off the bus".into(),
+            }
+        })
+    })
+    .await;
     let mut client = DraResourceHealthClient::new(unix_channel(&node.dra_socket).await);
     let mut stream = client
         .node_watch_resources(NodeWatchResourcesRequest {})

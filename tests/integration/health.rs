@@ -25,7 +25,8 @@ use nvdra::deviceplugin::server::Settings;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::faults::FaultFile;
-use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Monitored, Policy};
+use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Policy};
+use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{DeviceBackend, MigUuid};
 use support::apiserver::TestApiServer;
@@ -131,9 +132,13 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
     let answers = Arc::new(AtomicBool::new(false));
     let (monitor, handle) = Monitor::new(policy(), Arc::new(Gate(answers.clone())));
-    let backend = Arc::new(Monitored::new(inner, handle.subscribe()));
-    let (sync, _) = SliceSync::new(
-        backend,
+    let token = CancellationToken::new();
+    let hour = Duration::from_secs(3600);
+    let owner = owner::start(inner, hour, handle.subscribe(), token.clone())
+        .await
+        .unwrap();
+    let sync = SliceSync::new(
+        owner.subscribe(),
         publisher_handle,
         SliceOptions {
             driver: DRIVER.into(),
@@ -144,10 +149,7 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
             mig_profiles: None,
             layout: CounterLayout::Separate,
         },
-        Duration::from_secs(3600),
     );
-    let sync = sync.with_health(handle.subscribe());
-    let token = CancellationToken::new();
     tokio::spawn(monitor.run(token.clone()));
     tokio::spawn(publisher.run(token.clone()));
     tokio::spawn(sync.run(token.clone()));
@@ -269,6 +271,11 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
     let file = FaultFile::new(faults.clone(), inner.clone());
     let (monitor, handle) = Monitor::new(policy(), file.probe());
+    let stop = CancellationToken::new();
+    let hour = Duration::from_secs(3600);
+    let inventory = owner::start(inner.clone(), hour, handle.subscribe(), stop.clone())
+        .await
+        .unwrap();
     let options = nvdra::deviceplugin::nvconfig::parse(
         "config.yaml",
         "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
@@ -284,10 +291,9 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
             poll: Duration::from_secs(3600),
         },
         options,
-        Arc::new(Monitored::new(inner, handle.subscribe())),
+        Arc::new(owner::Watched::new(inner, inventory.clone())),
     )
-    .with_health(handle.subscribe());
-    let stop = CancellationToken::new();
+    .with_inventory(inventory.subscribe());
     tokio::spawn(monitor.run(stop.clone()));
     tokio::spawn(file.run(handle.events(), stop.clone()));
     let task = tokio::spawn(dp.run(stop.clone()));
@@ -462,8 +468,12 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
     let file = FaultFile::new(faults.clone(), inner.clone());
     let (monitor, handle) = Monitor::new(policy(), file.probe());
-    let monitored = Arc::new(Monitored::new(inner, handle.subscribe()));
     let stop = CancellationToken::new();
+    let hour = Duration::from_secs(3600);
+    let owner = owner::start(inner, hour, handle.subscribe(), stop.clone())
+        .await
+        .unwrap();
+    let mut node = owner.subscribe();
     tokio::spawn(monitor.run(stop.clone()));
     tokio::spawn(file.run(handle.events(), stop.clone()));
     let opts = SliceOptions {
@@ -475,9 +485,9 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
         mig_profiles: None,
         layout: CounterLayout::Separate,
     };
-    let published = |backend: &Monitored| {
+    let published = |node: &owner::Watch| {
         let specs =
-            nvdra::dra::slices::desired_slices(&backend.snapshot().unwrap(), &opts).unwrap();
+            nvdra::dra::slices::desired_slices(&node.borrow().node().unwrap(), &opts).unwrap();
         let slices: Vec<ResourceSlice> = specs
             .into_iter()
             .map(|spec| ResourceSlice {
@@ -487,7 +497,8 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
             .collect();
         taints(&slices)
     };
-    let before = published(&monitored);
+    let before = published(&node);
+    node.mark_unchanged();
     assert!(before.values().all(Vec::is_empty));
     let (sick_name, well_name) = ("gpu-0-mig-3g40gb-9-0", "gpu-0-mig-1g10gb-19-6");
     assert!(before.contains_key(sick_name) && before.contains_key(well_name));
@@ -507,7 +518,9 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
     })
     .await;
     assert_eq!(handle.state().faults().count(), 0, "not GPU 0's");
-    let after = published(&monitored);
+    // The owner's publication of that transition.
+    node.changed().await.unwrap();
+    let after = published(&node);
     assert_eq!(
         after.keys().collect::<Vec<_>>(),
         before.keys().collect::<Vec<_>>(),
@@ -520,7 +533,7 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
             assert!(t.is_empty(), "{name}: {t:?}");
         }
     }
-    let health = nvdra::dra::health::NodeHealth::new(monitored.clone(), NODE)
+    let health = nvdra::dra::health::NodeHealth::new(node.clone(), NODE)
         .device_health()
         .await
         .unwrap();
@@ -547,7 +560,8 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
     )
     .unwrap();
     eventually("GPU 0's fault", || handle.state().faults().count() == 1).await;
-    for (name, t) in &published(&monitored) {
+    node.changed().await.unwrap();
+    for (name, t) in &published(&node) {
         let want: &[&str] = if name.starts_with("gpu-0-") {
             &["gpu.nvidia.com/xid=79:NoSchedule"]
         } else {

@@ -17,8 +17,9 @@ use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
 use nvdra::dra::plugin::{ClaimRef, Options as PluginOptions, Plugin};
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
-use nvdra::dra::sync::{SliceSync, SyncHandle, layout_for};
+use nvdra::dra::sync::{SliceSync, layout_for};
 use nvdra::ids::ClaimUid;
+use nvdra::inventory::owner::{InventoryHandle, Owner, Watched};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::switch_blocks::SwitchBlocks;
 use nvdra::inventory::{
@@ -35,7 +36,8 @@ const NODE: &str = "node-a";
 struct Node {
     server: TestApiServer,
     sim: SimBackend,
-    sync: SyncHandle,
+    /// The inventory owner the sync follows.
+    sync: InventoryHandle,
     publisher: PublisherHandle,
     /// Inventory reads so far.
     reads: tokio::sync::watch::Receiver<u64>,
@@ -69,7 +71,7 @@ impl Node {
     async fn announce_and_wait(&mut self) {
         for _ in 0..2 {
             let n = *self.reads.borrow_and_update();
-            self.sync.inventory_changed();
+            self.sync.request();
             tokio::time::timeout(SOON, self.reads.wait_for(|r| *r > n))
                 .await
                 .expect("the sync reads the inventory")
@@ -126,15 +128,16 @@ async fn start_opts(
     prepare: impl FnOnce(&TestApiServer),
 ) -> Node {
     let sim = SimBackend::from_profile(profile, NODE).unwrap();
-    start_sim(sim, shape, prepare, None).await
+    start_sim(sim, shape, prepare, |_| None).await
 }
 
-/// Starts a node on `sim`, publishing with `blocks` (a plugin's switch blocks) where given.
+/// Starts a node on `sim`, publishing with the switch blocks `blocks` gives (a plugin's, made
+/// over the node's inventory owner) where it gives some.
 async fn start_sim(
     sim: SimBackend,
     shape: impl FnOnce(&mut SliceOptions),
     prepare: impl FnOnce(&TestApiServer),
-    blocks: Option<SwitchBlocks>,
+    blocks: impl FnOnce(&InventoryHandle) -> Option<SwitchBlocks>,
 ) -> Node {
     let server = TestApiServer::start().await;
     server.seed_node(NODE, "uid-node-a");
@@ -163,18 +166,17 @@ async fn start_sim(
         layout,
     };
     shape(&mut slice_options);
-    let (sync, sync_handle) = SliceSync::new(
-        Arc::new(backend),
-        handle.clone(),
-        slice_options,
-        // Long enough that only announced changes are picked up during a test.
-        Duration::from_secs(3600),
-    );
-    let sync = match blocks {
+    let token = CancellationToken::new();
+    // A rescan long enough that only announced changes are picked up during a test.
+    let hour = Duration::from_secs(3600);
+    let (owner, sync_handle) =
+        Owner::new(Arc::new(backend), hour, nvdra::inventory::owner::DEADLINE).unwrap();
+    tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), token.clone()));
+    let sync = SliceSync::new(sync_handle.subscribe(), handle.clone(), slice_options);
+    let sync = match blocks(&sync_handle) {
         Some(b) => sync.with_switch_blocks(b),
         None => sync,
     };
-    let token = CancellationToken::new();
     tokio::spawn(publisher.run(token.clone()));
     tokio::spawn(sync.run(token.clone()));
     Node {
@@ -218,7 +220,7 @@ async fn an_unhealthy_gpu_is_one_update_with_a_generation_bump() {
             reason: "XID 79".into(),
         }
     });
-    node.sync.inventory_changed();
+    node.sync.request();
     let mut expected = gpus(8);
     expected.remove("gpu-3");
     eventually("gpu-3 withdrawn", || {
@@ -266,7 +268,7 @@ async fn a_new_mig_device_is_published() {
             health: Health::Healthy,
         });
     });
-    node.sync.inventory_changed();
+    node.sync.request();
     eventually("the new MIG device", || {
         device_names(&node.server.slices()).contains("gpu-2-mig-1g10gb-15-6")
     })
@@ -526,7 +528,7 @@ async fn a_switch_block_is_published_tainted_or_withdrawn_where_taints_are_dropp
                     server.drop_field("devices[].taints");
                 }
             },
-            Some(blocks.clone()),
+            |_| Some(blocks.clone()),
         )
         .await;
         eventually("every GPU whole and in placements", || {
@@ -647,21 +649,30 @@ async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements
         share_trust_domain: Default::default(),
         proc_root: None,
     };
-    let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let (plugin, writer, _) =
-        Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new()).unwrap();
-    let stop = CancellationToken::new();
-    tokio::spawn(writer.run(stop.clone()));
-    plugin.recover().await.unwrap();
+    // The plugin writes through the node's inventory owner and asks it for reads, as in `nvdra
+    // run`; the sync follows its publications.
+    let mut made = None;
     let node = start_sim(
         sim.clone(),
         |o| o.dynamic_mig = true,
         |_| {},
-        Some(plugin.switch_blocks()),
+        |owner| {
+            let backend: Arc<dyn DeviceBackend> =
+                Arc::new(Watched::new(Arc::new(sim.clone()), owner.clone()));
+            let made = made
+                .insert(Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new()).unwrap());
+            Some(made.0.switch_blocks())
+        },
     )
     .await;
+    let (plugin, writer, _) = made.unwrap();
     let hook = node.sync.clone();
-    plugin.on_inventory_change(Arc::new(move || hook.inventory_changed()));
+    plugin.on_inventory_change(Arc::new(move || {
+        hook.request();
+    }));
+    let stop = CancellationToken::new();
+    tokio::spawn(writer.run(stop.clone()));
+    plugin.recover().await.unwrap();
     eventually("every GPU whole and in placements, untainted", || {
         let slices = node.server.slices();
         device_names(&slices).len() == 8 * 26 && !any_taint(&slices)

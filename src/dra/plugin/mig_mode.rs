@@ -440,7 +440,7 @@ impl Plugin {
                     if changed.is_err() {
                         return;
                     }
-                    let inv = inventory.borrow_and_update().inventory.clone();
+                    let inv = inventory.borrow_and_update().node.clone();
                     if let Some(inv) = inv {
                         self.recheck_mig_switches(&inv).await;
                     }

@@ -26,7 +26,7 @@ fn running_with_short_deadline(
 ) -> (Arc<Watched>, InventoryHandle, CancellationToken) {
     let (owner, handle) = owner(sim);
     let stop = CancellationToken::new();
-    tokio::spawn(owner.run(stop.clone()));
+    tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
     let watched = Arc::new(
         Watched::new(Arc::new(sim.clone()), handle.clone())
             .with_call_deadline(Duration::from_secs(2)),
@@ -62,7 +62,7 @@ async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (owner, handle) = owner(&sim);
     let stop = CancellationToken::new();
-    let task = tokio::spawn(owner.run(stop.clone()));
+    let task = tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
     let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
     let before = handle.refresh().await.unwrap();
     let gpu2 = before.gpus[2].uuid.clone();
@@ -97,7 +97,7 @@ async fn a_mig_mode_change_even_refused_is_seen_by_the_next_snapshot() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (owner, handle) = owner(&sim);
     let stop = CancellationToken::new();
-    let task = tokio::spawn(owner.run(stop.clone()));
+    let task = tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
     let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
     let gpu3 = handle.refresh().await.unwrap().gpus[3].uuid.clone();
     let g = gpu3.clone();
@@ -148,7 +148,7 @@ async fn a_read_past_its_deadline_is_an_error_naming_the_call_and_the_owner_goes
     );
     let published = handle.latest();
     assert_eq!(published.reads, 1, "the failure is published");
-    assert!(matches!(published.inventory(), Err(Error::Read(_))));
+    assert!(matches!(published.node(), Err(Error::Read(_))));
 
     // An ask made while the read is stuck.
     let ticket = handle.request();
@@ -192,7 +192,7 @@ async fn a_failed_read_keeps_the_last_inventory_and_names_what_failed() {
     let e = owner.read().await.unwrap_err();
     assert!(matches!(*e, Error::ReaderGone), "{e:?}");
     let p = handle.latest();
-    assert_eq!(p.inventory().unwrap(), *first, "the last inventory stays");
+    assert_eq!(p.node().unwrap(), first, "the last inventory stays");
     assert!(p.error.is_some());
 }
 

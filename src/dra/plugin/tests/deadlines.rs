@@ -19,7 +19,7 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         crate::inventory::owner::DEADLINE,
     )
     .unwrap();
-    tokio::spawn(owner.run(stop.clone()));
+    tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
     handle.refresh().await.unwrap();
     let watched = Arc::new(
         Watched::new(Arc::new(sim.clone()), handle)

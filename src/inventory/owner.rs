@@ -314,7 +314,7 @@ impl Owner {
         let mut transitions = health.clone();
         let mut following = true;
         self.health = Some(health);
-        if self.tx.borrow().node.is_some() && !transitions.borrow().is_empty() {
+        if self.tx.borrow().node.is_some() && !transitions.borrow_and_update().is_empty() {
             // Read before the owner followed the monitor: published without its state.
             self.republish();
         }

@@ -353,3 +353,60 @@ async fn the_publication_is_shared_unless_a_reconfiguration_waits_for_its_read()
     owner.read().await.unwrap();
     assert!(watched.published().is_some());
 }
+
+/// A backend counting its reads.
+struct Reads(std::sync::atomic::AtomicU64, SimBackend);
+
+impl DeviceBackend for Reads {
+    fn name(&self) -> &'static str {
+        "reads"
+    }
+    fn snapshot(&self) -> Result<Inventory> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        self.1.snapshot()
+    }
+}
+
+/// A health transition is published once, laid over the last read, with no hardware read: the
+/// consumers of the watch see it in the next generation.
+#[tokio::test]
+async fn a_health_transition_is_published_without_a_hardware_read() {
+    use crate::inventory::health::{Cause, Fault, HealthState};
+    let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+    let reads = Arc::new(Reads(std::sync::atomic::AtomicU64::new(0), sim.clone()));
+    let (mut owner, handle) =
+        Owner::new(reads.clone(), Duration::from_secs(3600), DEADLINE).unwrap();
+    owner.read().await.unwrap();
+    let (health, watch) = watch::channel(HealthState::default());
+    let stop = CancellationToken::new();
+    tokio::spawn(owner.run(watch, stop.clone()));
+    // The owner runs (and waits) before the transition.
+    tokio::task::yield_now().await;
+    let mut node = handle.subscribe();
+    node.mark_unchanged();
+    let before = handle.latest().generation;
+    let gpu = sim.snapshot().unwrap().gpus[1].uuid.clone();
+    health.send_modify(|s| {
+        s.faults.insert(
+            gpu.clone(),
+            Fault {
+                cause: Cause::Xid(79),
+                xid: Some(79),
+                effect: crate::inventory::TaintEffect::NoSchedule,
+                since: tokio::time::Instant::now(),
+            },
+        );
+    });
+    tokio::time::timeout(SOON, node.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    let p = handle.latest();
+    assert_eq!(p.generation, before + 1);
+    assert!(matches!(
+        p.node().unwrap().gpus[1].health,
+        Health::Tainted { .. }
+    ));
+    assert_eq!(reads.0.load(Ordering::SeqCst), 1, "one read: the first");
+    stop.cancel();
+}

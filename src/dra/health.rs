@@ -16,7 +16,7 @@ use kubelet_plugin::health::{self as plugin_health, HealthSource};
 use tokio_util::sync::CancellationToken;
 
 use crate::ids::DeviceName;
-use crate::inventory::owner::Watch;
+use crate::inventory::owner::{Published, Watch};
 use crate::inventory::{Health, Inventory};
 
 pub use kubelet_plugin::health::{HealthService, INTERVAL};
@@ -82,12 +82,20 @@ impl HealthSource for NodeHealth {
         })
     }
 
-    /// Every publication: a health transition, a MIG change, a rescan.
+    /// Every publication that changes the list: a health transition, a MIG change. A rescan
+    /// that finds the node as it was sends nothing before the interval's resend.
     fn changes(&self) -> BoxStream<'static, ()> {
         let mut node = self.node.clone();
-        node.mark_unchanged();
+        let pool = self.pool.clone();
+        let list = move |p: &Published| p.node().ok().map(|inv| devices(&inv, &pool));
+        let mut last = list(&node.borrow_and_update());
         tokio_stream::wrappers::WatchStream::from_changes(node)
-            .map(|_| ())
+            .filter_map(move |p| {
+                let now = list(&p);
+                let changed = now != last;
+                last = now;
+                std::future::ready(changed.then_some(()))
+            })
             .boxed()
     }
 }
@@ -97,7 +105,7 @@ mod tests {
     use super::*;
     use crate::health::{BackendProbe, Event, EventKind, Monitor, Policy};
     use crate::inventory::DeviceBackend;
-    use crate::inventory::owner::{InventoryHandle, Owner, Published};
+    use crate::inventory::owner::{InventoryHandle, Owner};
     use crate::inventory::sim::SimBackend;
     use futures::StreamExt;
     use kubelet_plugin::health::{HealthV1, HealthV1beta1};

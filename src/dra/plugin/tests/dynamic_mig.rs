@@ -380,7 +380,7 @@ async fn start_up_turns_off_a_mode_left_on_with_no_instance() {
 /// Counts the MIG mode switches asked of the backend, refused ones included.
 struct CountSwitches(SimBackend, Arc<AtomicUsize>);
 
-impl crate::inventory::Wrapper for CountSwitches {
+impl super::wrapper::Wrapper for CountSwitches {
     fn inner(&self) -> &dyn DeviceBackend {
         &self.0
     }
@@ -513,7 +513,7 @@ async fn a_failed_first_flush_leaves_no_gpu_recorded_as_switched() {
 /// documentation says a switch may.
 struct ShiftMinors(SimBackend);
 
-impl crate::inventory::Wrapper for ShiftMinors {
+impl super::wrapper::Wrapper for ShiftMinors {
     fn inner(&self) -> &dyn DeviceBackend {
         &self.0
     }
@@ -554,7 +554,7 @@ async fn the_spec_of_a_switched_gpu_has_the_minor_read_after_the_switch() {
 /// own MPS server that exits a while after its last share was released.
 struct ExitsAfter(SimBackend, GpuUuid, Arc<AtomicUsize>);
 
-impl crate::inventory::Wrapper for ExitsAfter {
+impl super::wrapper::Wrapper for ExitsAfter {
     fn inner(&self) -> &dyn DeviceBackend {
         &self.0
     }

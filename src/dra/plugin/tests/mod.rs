@@ -824,3 +824,4 @@ mod recovery;
 mod share_modes;
 mod shares;
 mod trust;
+mod wrapper;

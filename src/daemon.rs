@@ -264,10 +264,9 @@ async fn start(
             Some(path) => deviceplugin::nvconfig::load(path)?,
             None => deviceplugin::Options::default(),
         };
-        let (api, backend, node) = (api.clone(), backend.clone(), config.node_name.clone());
+        let (api, watch, node) = (api.clone(), inventory.subscribe(), config.node_name.clone());
         tasks.spawn("node-labels", |token| async move {
-            let interval = labels::INTERVAL;
-            labels::run(api, backend, options, node, interval, token).await;
+            labels::run(api, watch, options, node, labels::RETRY, token).await;
             Ok::<(), Infallible>(())
         });
     }

@@ -4,8 +4,8 @@
 //!
 //! nvdra owns exactly the keys of [`OWNED`]: every patch sets the ones [`labels`] computes and
 //! removes (JSON merge patch `null`) the owned ones it no longer computes; no other label is ever
-//! touched. [`run`] re-reads the inventory every [`INTERVAL`] (GFD's `sleepInterval`) and sends
-//! one patch per change — none while nothing changed.
+//! touched. [`run`] follows the inventory owner's publications and sends one patch per change —
+//! none while nothing changed.
 //!
 //! Differences from GFD: no `gfd.timestamp` (it would make every pass a change), no
 //! `gpu.machine`, `gpu.mode`, `gpu.clique`, vGPU or per-profile `mig-<profile>.*` labels.
@@ -17,12 +17,12 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ClusterApi;
-use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::inventory::{Inventory, owner};
 
 use crate::deviceplugin::{MigStrategy, Options, ShareKind};
 
-/// How often the labels are recomputed.
-pub const INTERVAL: Duration = Duration::from_secs(60);
+/// How long after a failed API call the labels are tried again (GFD's `sleepInterval`).
+pub const RETRY: Duration = Duration::from_secs(60);
 
 /// Every label key nvdra sets and removes.
 pub const OWNED: &[&str] = &[
@@ -206,65 +206,79 @@ pub fn patch(
     (!out.is_empty()).then_some(out)
 }
 
-/// Keeps the Node's labels current until `shutdown`, re-reading the inventory every `interval`
-/// ([`INTERVAL`] in the daemon). The Node's own labels are read once at
-/// start (and again after a failed patch), so a label left by an earlier run or by GFD is
-/// corrected or removed; after that the last applied state is the reference.
+/// Keeps the Node's labels current until `shutdown`, following the inventory owner's
+/// publications (`node`): labels are computed from the first one and from every later one, and
+/// a patch is sent only when they differ from what the Node has. The Node's own labels are read
+/// once at start (and again after a failed patch), so a label left by an earlier run or by GFD
+/// is corrected or removed; after that the last applied state is the reference. A failed API
+/// call is tried again `retry` later ([`RETRY`] in the daemon) or on the next publication.
 pub async fn run(
     api: Arc<dyn ClusterApi>,
-    backend: Arc<dyn DeviceBackend>,
+    node: owner::Watch,
     options: Options,
-    node: String,
-    interval: Duration,
+    name: String,
+    retry: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut watch = Some(node);
     let mut current: Option<BTreeMap<String, String>> = None;
     loop {
+        let published = watch.as_mut().map(|w| w.borrow_and_update().node());
+        let failed = match published {
+            Some(Ok(inv)) => !apply(&*api, &name, &labels(&inv, &options), &mut current).await,
+            Some(Err(e)) => {
+                tracing::warn!(error = %crate::report::chain(&e), "node labels: cannot read the inventory");
+                false
+            }
+            None => false,
+        };
         tokio::select! {
             biased;
             () = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
+            _ = owner::changed(&mut watch) => {}
+            () = tokio::time::sleep(retry), if failed => {}
         }
-        let inv = match inventory::refresh(backend.clone()).await {
-            Ok(inv) => inv,
+    }
+}
+
+/// Brings the Node's owned labels to `want`, `current` being what it has of them (`None`:
+/// read the Node first). `false` when an API call failed (`current` is then `None`).
+async fn apply(
+    api: &dyn ClusterApi,
+    node: &str,
+    want: &BTreeMap<String, String>,
+    current: &mut Option<BTreeMap<String, String>>,
+) -> bool {
+    let have = match current.take() {
+        Some(c) => c,
+        None => match api.get_node(node).await {
+            Ok(n) => n
+                .metadata
+                .labels
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|(k, _)| OWNED.contains(&k.as_str()))
+                .collect(),
+            Err(crate::api::Error::NotFound(_)) => BTreeMap::new(),
             Err(e) => {
-                tracing::warn!(error = %crate::report::chain(&e), "node labels: cannot read the inventory");
-                continue;
+                tracing::warn!(error = %crate::report::chain(&e), node, "node labels: cannot read the Node");
+                return false;
             }
-        };
-        let have = match &current {
-            Some(c) => c.clone(),
-            None => match api.get_node(&node).await {
-                Ok(n) => n
-                    .metadata
-                    .labels
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter(|(k, _)| OWNED.contains(&k.as_str()))
-                    .collect(),
-                Err(crate::api::Error::NotFound(_)) => BTreeMap::new(),
-                Err(e) => {
-                    tracing::warn!(error = %crate::report::chain(&e), node, "node labels: cannot read the Node");
-                    continue;
-                }
-            },
-        };
-        let want = labels(&inv, &options);
-        let Some(p) = patch(&have, &want) else {
-            current = Some(have);
-            continue;
-        };
-        match api.patch_node_labels(&node, &p).await {
-            Ok(()) => {
-                tracing::info!(node, changed = p.len(), "node labels updated");
-                current = Some(want);
-            }
-            Err(e) => {
-                tracing::warn!(error = %crate::report::chain(&e), node, "node labels: patch failed; retrying");
-                current = None;
-            }
+        },
+    };
+    let Some(p) = patch(&have, want) else {
+        *current = Some(have);
+        return true;
+    };
+    match api.patch_node_labels(node, &p).await {
+        Ok(()) => {
+            tracing::info!(node, changed = p.len(), "node labels updated");
+            *current = Some(want.clone());
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %crate::report::chain(&e), node, "node labels: patch failed; retrying");
+            false
         }
     }
 }
@@ -272,6 +286,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inventory::DeviceBackend;
     use crate::inventory::sim::SimBackend;
 
     fn inv(profile: &str) -> Inventory {

@@ -13,6 +13,7 @@ use kubelet_plugin::proto::deviceplugin::v1beta1::{
 };
 use nvdra::deviceplugin::server::Settings;
 use nvdra::deviceplugin::{DevicePlugin, Options};
+use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
@@ -46,6 +47,16 @@ fn main() {
         let root = tempfile::tempdir().expect("tempdir");
         let dir = root.path().join("device-plugins");
         let sim = SimBackend::from_profile("dgx-h100", "bench").expect("profile");
+        let stop = CancellationToken::new();
+        let node = owner::start(
+            Arc::new(sim),
+            Duration::from_secs(5),
+            owner::no_health(),
+            stop.clone(),
+        )
+        .await
+        .expect("inventory owner")
+        .subscribe();
         let dp = DevicePlugin::new(
             Settings {
                 dir: dir.clone(),
@@ -53,12 +64,10 @@ fn main() {
                 driver_root: nvdra::cdi::DriverRoot::at(&root.path().join("driver")),
                 cdi_root: root.path().join("cdi"),
                 watch: Duration::from_millis(250),
-                poll: Duration::from_secs(5),
             },
             Options::default(),
-            Arc::new(sim),
+            node,
         );
-        let stop = CancellationToken::new();
         let task = tokio::spawn(dp.run(stop.clone()));
         let sock = dir.join("nvidia-gpu.sock");
         let socket = &sock;

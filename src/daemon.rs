@@ -271,12 +271,7 @@ async fn start(
         });
     }
     let device_plugin = match config.mode {
-        Mode::DevicePlugin | Mode::Both => Some(
-            device_plugin(&config, backend.clone())
-                .await?
-                .with_health(monitor.handle.subscribe())
-                .with_inventory(inventory.subscribe()),
-        ),
+        Mode::DevicePlugin | Mode::Both => Some(device_plugin(&config, inventory.subscribe())?),
         Mode::Dra | Mode::Auto => None,
     };
     let mut device_plugin = match mapped {
@@ -521,7 +516,7 @@ async fn decide_auto(
 
 /// NVIDIA's config file (or its defaults) and the device plugin for it, checked against the
 /// inventory: a MIG setup the strategy refuses fails the start.
-async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Result<DevicePlugin> {
+fn device_plugin(config: &Config, node: owner::Watch) -> Result<DevicePlugin> {
     let mut options = match &config.device_plugin_config {
         Some(path) => deviceplugin::nvconfig::load(path)?,
         None => deviceplugin::Options::default(),
@@ -537,12 +532,11 @@ async fn device_plugin(config: &Config, backend: Arc<dyn DeviceBackend>) -> Resu
             driver_root: config.driver_root.clone(),
             cdi_root: config.cdi_root.clone(),
             watch: deviceplugin::server::WATCH,
-            poll: deviceplugin::server::POLL,
         },
         options,
-        backend,
+        node,
     );
-    dp.check().await?;
+    dp.check()?;
     Ok(dp)
 }
 

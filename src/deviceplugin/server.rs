@@ -16,11 +16,10 @@
 //! dependency (polling also sees what inotify misses: a socket directory that was itself
 //! re-created, or an event lost in a full queue).
 //!
-//! The inventory is re-read every [`Settings::poll`], at once on every transition of the
-//! health monitor when one is given ([`DevicePlugin::with_health`]), and at once on every read
-//! the inventory owner publishes when its watch is given ([`DevicePlugin::with_inventory`]: a
-//! MIG device created at prepare reaches the lists from the same read as the slices): a changed
-//! device list (health, MIG instances) is sent whole to the open streams; a resource that appears
+//! The lists follow the inventory owner's publications (the node with health applied): each
+//! one, a read or a health transition, is looked at once (a MIG device created at prepare
+//! reaches the lists from the same read as the slices): a changed device list (health, MIG
+//! instances) is sent whole to the open streams; a resource that appears
 //! (a MIG reconfiguration) gets its server and registration on the next tick; one that
 //! disappears is sent empty. The CDI spec is rewritten when the devices (not their health)
 //! change. Streams end on shutdown and when their server is replaced.
@@ -38,7 +37,7 @@ use kubelet_plugin::socket;
 use tokio::sync::watch;
 
 use crate::holds::ContainerHolds;
-use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::inventory::{self, Inventory, owner};
 use crate::ledger::Ledger;
 
 use super::both::{Both, PodWatch};
@@ -47,7 +46,8 @@ use super::{Mapped, Options};
 
 /// How often the sockets are checked.
 pub const WATCH: Duration = Duration::from_millis(250);
-/// How often the inventory is re-read for health and device changes.
+/// How often the inventory owner re-reads the hardware where the device plugin runs (the
+/// plugin's own poll before there was one owner).
 pub const POLL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -74,7 +74,6 @@ pub struct Settings {
     pub driver_root: crate::cdi::DriverRoot,
     pub cdi_root: PathBuf,
     pub watch: Duration,
-    pub poll: Duration,
 }
 
 /// Told `true` once every resource is registered with the current kubelet, `false` when one
@@ -85,10 +84,9 @@ pub type OnRegistered = Arc<dyn Fn(bool) + Send + Sync>;
 pub struct DevicePlugin {
     settings: Settings,
     options: Options,
-    backend: Arc<dyn DeviceBackend>,
+    /// The inventory owner's publications: the node the lists are computed from.
+    node: owner::Watch,
     on_registered: Option<OnRegistered>,
-    health: Option<crate::health::Watch>,
-    inventory: Option<inventory::owner::Watch>,
     /// `--mode both`: the ledger shared with DRA ([`super::both`]).
     both: Option<Both>,
     /// `--mode device-plugin`: what containers hold, read from PodResources for `/metrics` only.
@@ -98,14 +96,13 @@ pub struct DevicePlugin {
 }
 
 impl DevicePlugin {
-    pub fn new(settings: Settings, options: Options, backend: Arc<dyn DeviceBackend>) -> Self {
+    /// A plugin serving the node the inventory owner publishes on `node`.
+    pub fn new(settings: Settings, options: Options, node: owner::Watch) -> Self {
         Self {
             settings,
             options,
-            backend,
+            node,
             on_registered: None,
-            health: None,
-            inventory: None,
             both: None,
             watched: None,
             mapped: None,
@@ -183,7 +180,7 @@ impl DevicePlugin {
     /// A kubelet that does not answer is logged; the poll catches up when it does.
     pub async fn observe_once(&self) {
         let Some(both) = &self.both else { return };
-        let res = match self.check().await {
+        let res = match self.check() {
             Ok((_, res)) => res,
             Err(e) => {
                 tracing::warn!(error = %crate::report::chain(&e), "cannot compute the device-plugin resources");
@@ -212,38 +209,24 @@ impl DevicePlugin {
         }
     }
 
-    /// Re-reads the inventory (and re-sends changed lists) on every transition of the health
-    /// monitor, instead of waiting for the next poll.
-    pub fn with_health(mut self, health: crate::health::Watch) -> Self {
-        self.health = Some(health);
-        self
-    }
-
-    /// Re-reads the inventory (and re-sends changed lists) on every read the inventory owner
-    /// publishes, instead of waiting for the next poll.
-    pub fn with_inventory(mut self, inventory: inventory::owner::Watch) -> Self {
-        self.inventory = Some(inventory);
-        self
-    }
-
     /// Calls `f` whenever "all resources registered" changes (for readiness).
     pub fn on_registered(mut self, f: OnRegistered) -> Self {
         self.on_registered = Some(f);
         self
     }
 
-    /// The resources for the backend's current inventory; an invalid MIG setup for the
+    /// The resources for the owner's latest publication; an invalid MIG setup for the
     /// configured strategy is an error here, before anything is served.
-    pub async fn check(&self) -> Result<(Inventory, Vec<Resource>), Error> {
-        let (inv, lists) = self.read().await?;
+    pub fn check(&self) -> Result<(Arc<Inventory>, Vec<Resource>), Error> {
+        let (inv, lists) = self.read()?;
         Ok((inv, lists.resources))
     }
 
-    /// The backend's current inventory and its lists, leaving out the GPUs DRA's dynamic MIG
+    /// The owner's latest publication and its lists, leaving out the GPUs DRA's dynamic MIG
     /// shapes: those that can switch at run time (with `--dynamic-mig`) and, in `both`, those
     /// the shared ledger records as switched on by DRA.
-    async fn read(&self) -> Result<(Inventory, resources::Lists), Error> {
-        let inv = inventory::refresh(self.backend.clone()).await?;
+    fn read(&self) -> Result<(Arc<Inventory>, resources::Lists), Error> {
+        let inv = self.node.borrow().node()?;
         let switched = self
             .both
             .as_ref()

@@ -12,22 +12,35 @@ use kubelet_plugin::proto::deviceplugin::v1beta1::{
 use nvdra::deviceplugin::server::Settings;
 use nvdra::deviceplugin::{DevicePlugin, Options};
 use nvdra::inventory::Health;
+use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::wait;
 
 /// The plugin's settings in a test directory: kubelet.sock and the plugin sockets under
-/// `<root>/device-plugins`, sockets checked every 20 ms, the inventory polled every `poll`.
-fn settings(root: &std::path::Path, poll: Duration) -> Settings {
+/// `<root>/device-plugins`, sockets checked every 20 ms.
+fn settings(root: &std::path::Path) -> Settings {
     Settings {
         dir: root.join("device-plugins"),
         driver: "gpu.nvidia.com".into(),
         driver_root: nvdra::cdi::DriverRoot::at(&root.join("driver")),
         cdi_root: root.join("cdi"),
         watch: Duration::from_millis(20),
-        poll,
     }
+}
+
+/// An inventory owner over `sim` reading it every `rescan` until `stop`: its publications.
+async fn owner_of(sim: &SimBackend, rescan: Duration, stop: &CancellationToken) -> owner::Watch {
+    owner::start(
+        Arc::new(sim.clone()),
+        rescan,
+        owner::no_health(),
+        stop.clone(),
+    )
+    .await
+    .unwrap()
+    .subscribe()
 }
 
 #[tokio::test]
@@ -35,12 +48,12 @@ async fn a_health_change_sends_a_new_list_and_allocate_refuses_the_gpu() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("device-plugins");
     let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
-    let dp = DevicePlugin::new(
-        settings(root.path(), Duration::from_millis(20)),
-        Options::default(),
-        Arc::new(sim.clone()),
-    );
     let stop = CancellationToken::new();
+    let dp = DevicePlugin::new(
+        settings(root.path()),
+        Options::default(),
+        owner_of(&sim, Duration::from_millis(20), &stop).await,
+    );
     let task = tokio::spawn(dp.run(stop.clone()));
     let sock = dir.join("nvidia-gpu.sock");
     // The server binds on its first tick; no kubelet is needed for it to serve.
@@ -119,15 +132,16 @@ async fn a_removed_plugin_socket_is_served_and_registered_again() {
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
     let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
+    let sim = SimBackend::from_profile("l40s-pcie", "n").unwrap();
+    let stop = CancellationToken::new();
     let dp = DevicePlugin::new(
-        settings(root.path(), Duration::from_secs(3600)),
+        settings(root.path()),
         Options::default(),
-        Arc::new(SimBackend::from_profile("l40s-pcie", "n").unwrap()),
+        owner_of(&sim, Duration::from_secs(3600), &stop).await,
     )
     .on_registered(Arc::new(move |all| {
         let _ = ready_tx.send(all);
     }));
-    let stop = CancellationToken::new();
     let task = tokio::spawn(dp.run(stop.clone()));
     assert_eq!(
         registrations.recv().await.unwrap(),
@@ -161,15 +175,15 @@ async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("device-plugins");
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let stop = CancellationToken::new();
     let dp = DevicePlugin::new(
-        settings(root.path(), Duration::from_millis(20)),
+        settings(root.path()),
         Options {
             mig_strategy: nvdra::deviceplugin::MigStrategy::Mixed,
             ..Options::default()
         },
-        Arc::new(sim.clone()),
+        owner_of(&sim, Duration::from_millis(20), &stop).await,
     );
-    let stop = CancellationToken::new();
     let task = tokio::spawn(dp.run(stop.clone()));
     let connect = |sock: std::path::PathBuf| async move {
         for _ in 0..1000 {
@@ -220,7 +234,7 @@ async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
 /// asked of the owner — not left to the slices alone.
 #[tokio::test]
 async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_inventory_read() {
-    use nvdra::inventory::owner::{self, Owner, Watched};
+    use nvdra::inventory::owner::{Owner, Watched};
     use nvdra::inventory::{DeviceBackend, Placement};
     const SOON: Duration = Duration::from_secs(10);
     let root = tempfile::tempdir().unwrap();
@@ -237,14 +251,13 @@ async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_invento
     let owner_task = tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), stop.clone()));
     let watched = Arc::new(Watched::new(Arc::new(sim.clone()), inventory.clone()));
     let dp = DevicePlugin::new(
-        settings(root.path(), Duration::from_secs(3600)),
+        settings(root.path()),
         Options {
             mig_strategy: nvdra::deviceplugin::MigStrategy::Mixed,
             ..Options::default()
         },
-        watched.clone(),
-    )
-    .with_inventory(inventory.subscribe());
+        inventory.subscribe(),
+    );
     let task = tokio::spawn(dp.run(stop.clone()));
     let sock = dir.join("nvidia-mig-1g.10gb.sock");
     let channel = tokio::time::timeout(SOON, async {

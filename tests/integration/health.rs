@@ -288,12 +288,10 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
             driver_root: nvdra::cdi::DriverRoot::at(&root.path().join("driver")),
             cdi_root: root.path().join("cdi"),
             watch: Duration::from_millis(20),
-            poll: Duration::from_secs(3600),
         },
         options,
-        Arc::new(owner::Watched::new(inner, inventory.clone())),
-    )
-    .with_inventory(inventory.subscribe());
+        inventory.subscribe(),
+    );
     tokio::spawn(monitor.run(stop.clone()));
     tokio::spawn(file.run(handle.events(), stop.clone()));
     let task = tokio::spawn(dp.run(stop.clone()));

@@ -50,7 +50,7 @@ fn cdi_identity(inv: &Inventory) -> Vec<(String, u32, Vec<String>)> {
 impl DevicePlugin {
     /// Serves until `shutdown`; then stops every server and removes its socket.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let (inv, lists) = self.read().await?;
+        let (inv, lists) = self.read()?;
         let res = lists.resources;
         let mut left_out = Vec::new();
         log_left_out(&mut left_out, lists.left_out);
@@ -95,7 +95,7 @@ impl DevicePlugin {
             left_out,
             served_tx,
         };
-        let mut wake = Wakers::new(&self, changes, pods).await;
+        let mut wake = Wakers::new(&self, changes, pods);
         let result = loop {
             match wake.next(&shutdown).await {
                 Wake::Shutdown => break Ok(()),
@@ -180,7 +180,7 @@ impl DevicePlugin {
     /// [`Wake::Reread`]: reads the inventory again; sends changed device lists, rewrites the CDI
     /// spec when the devices changed, and keeps the last lists when the read fails.
     async fn reread(&self, st: &mut State, cdi_opts: &crate::cdi::CdiOptions, wants_cdi: bool) {
-        match self.read().await {
+        match self.read() {
             Ok((inv, lists)) => {
                 let res = lists.resources;
                 log_left_out(&mut st.left_out, lists.left_out);

@@ -22,49 +22,41 @@ pub(super) enum Wake {
     Classes,
     /// The PodResources poll ended, with why.
     PodsEnded(String),
-    /// Time to re-read the inventory: the poll ([`Settings::poll`](super::Settings::poll)), a health transition, or a
-    /// new read of the inventory owner.
+    /// The inventory owner published again (a read or a health transition): time to look at
+    /// its node.
     Reread,
 }
 
 /// Everything the serving loop waits on; each mode adds its own.
 pub(super) struct Wakers {
     tick: tokio::time::Interval,
-    poll: tokio::time::Interval,
     /// `--mode both`: the ledger's changes.
     changes: Option<watch::Receiver<u64>>,
     /// `--mode auto`: the resource names DeviceClasses map to DRA.
     pub(super) mapped: Option<watch::Receiver<Mapped>>,
     /// The PodResources poll, when one runs.
     pods: Option<JoinHandle<()>>,
-    health: Option<crate::health::Watch>,
+    /// The inventory owner's publications; `None` once the owner is gone.
     published: Option<inventory::owner::Watch>,
 }
 
 impl Wakers {
-    pub(super) async fn new(
+    pub(super) fn new(
         plugin: &DevicePlugin,
         changes: Option<watch::Receiver<u64>>,
         pods: Option<JoinHandle<()>>,
     ) -> Self {
         let mut tick = tokio::time::interval(plugin.settings.watch);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut poll = tokio::time::interval(plugin.settings.poll);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        poll.tick().await;
-        let mut published = plugin.inventory.clone();
-        if let Some(p) = &mut published {
-            // The lists the loop starts with are from the latest publication already.
-            p.mark_unchanged();
-        }
+        let mut published = plugin.node.clone();
+        // The lists the loop starts with are from the latest publication already.
+        published.mark_unchanged();
         Wakers {
             tick,
-            poll,
             changes,
             mapped: plugin.mapped.clone(),
             pods,
-            health: plugin.health.clone(),
-            published,
+            published: Some(published),
         }
     }
 
@@ -95,17 +87,7 @@ impl Wakers {
                 Ok(()) => "ended".to_string(),
                 Err(e) => e.to_string(),
             }),
-            _ = self.poll.tick() => Wake::Reread,
-            // A health transition re-reads at once instead of at the next poll.
-            Some(()) = crate::health::changed(&mut self.health) => {
-                self.poll.reset();
-                Wake::Reread
-            }
-            // So does a new read of the inventory owner.
-            Some(()) = inventory::owner::changed(&mut self.published) => {
-                self.poll.reset();
-                Wake::Reread
-            }
+            Some(()) = inventory::owner::changed(&mut self.published) => Wake::Reread,
         }
     }
 }

@@ -245,10 +245,3 @@ pub async fn snapshot(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inve
         .await
         .map_err(Error::Task)?
 }
-
-/// [`DeviceBackend::refresh`] off the async runtime.
-pub async fn refresh(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
-    tokio::task::spawn_blocking(move || backend.refresh())
-        .await
-        .map_err(Error::Task)?
-}

@@ -32,7 +32,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use backend::{
-    ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration, refresh, snapshot,
+    ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration, snapshot,
 };
 pub use domains::assign_nvlink_domains;
 pub use mig_mode::{

@@ -169,8 +169,11 @@ async fn start_sim(
     let token = CancellationToken::new();
     // A rescan long enough that only announced changes are picked up during a test.
     let hour = Duration::from_secs(3600);
-    let (owner, sync_handle) =
+    let (mut owner, sync_handle) =
         Owner::new(Arc::new(backend), hour, nvdra::inventory::owner::DEADLINE).unwrap();
+    // Its first read taken before anything reads the publication, as `nvdra run` does: a
+    // plugin's recovery must not find the node not yet read.
+    let _ = owner.read().await;
     tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), token.clone()));
     let sync = SliceSync::new(sync_handle.subscribe(), handle.clone(), slice_options);
     let sync = match blocks(&sync_handle) {

@@ -19,8 +19,8 @@
 //!   ledger consults when a claim reserves devices;
 //! - [`wire`]: proto ↔ domain, the only place that touches the generated types' fields;
 //! - [`server`]: one gRPC server per resource on `<kubelet root>/device-plugins/nvidia-<name>.sock`,
-//!   registration on `kubelet.sock` with re-registration when the kubelet restarts, and the
-//!   inventory poll that feeds `ListAndWatch`.
+//!   registration on `kubelet.sock` with re-registration when the kubelet restarts, and
+//!   `ListAndWatch` following the inventory owner's publications (health applied).
 //!
 //! Invariants: the device list of a resource is a function of the inventory and the options, and
 //! is sent whole on every change; Allocate answers only for IDs the current list has, healthy.

@@ -66,6 +66,10 @@ pub mod auto;
 pub mod labels;
 mod runtime;
 mod supervise;
+
+#[cfg(test)]
+mod one_publication;
+
 pub use runtime::{MAX_BLOCKING_THREADS, WORKER_THREADS, runtime};
 #[cfg(feature = "crash-points")]
 pub use supervise::KILL_ENV;

@@ -214,28 +214,26 @@ pub fn patch(
 /// call is tried again `retry` later ([`RETRY`] in the daemon) or on the next publication.
 pub async fn run(
     api: Arc<dyn ClusterApi>,
-    node: owner::Watch,
+    mut node: owner::Watch,
     options: Options,
     name: String,
     retry: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut watch = Some(node);
     let mut current: Option<BTreeMap<String, String>> = None;
     loop {
-        let published = watch.as_mut().map(|w| w.borrow_and_update().node());
+        let published = node.borrow_and_update().node();
         let failed = match published {
-            Some(Ok(inv)) => !apply(&*api, &name, &labels(&inv, &options), &mut current).await,
-            Some(Err(e)) => {
+            Ok(inv) => !apply(&*api, &name, &labels(&inv, &options), &mut current).await,
+            Err(e) => {
                 tracing::warn!(error = %crate::report::chain(&e), "node labels: cannot read the inventory");
                 false
             }
-            None => false,
         };
         tokio::select! {
             biased;
             () = shutdown.cancelled() => return,
-            _ = owner::changed(&mut watch) => {}
+            () = owner::changed(&mut node) => {}
             () = tokio::time::sleep(retry), if failed => {}
         }
     }

@@ -110,7 +110,7 @@ impl SliceSync {
     /// meanwhile.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut dropped = self.publisher.dropped_fields();
-        let mut node = Some(self.node.clone());
+        let mut node = self.node.clone();
         let mut changes = self.holds.as_ref().map(ContainerHolds::changes);
         let mut blocks = self.switch_blocks.as_ref().map(SwitchBlocks::changes);
         self.sync_once().await;
@@ -130,7 +130,7 @@ impl SliceSync {
                         .collect();
                     self.on_dropped(&fields);
                 }
-                Some(()) = owner::changed(&mut node) => {}
+                () = owner::changed(&mut node) => {}
                 Ok(()) = async {
                     match &mut changes {
                         Some(c) => c.changed().await,

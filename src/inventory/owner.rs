@@ -92,15 +92,13 @@ pub fn no_health() -> watch::Receiver<HealthState> {
     watch::channel(HealthState::default()).1
 }
 
-/// `Some` when the owner published again; never ready without a watch or once the owner is
-/// gone. For a `select!` branch of a consumer that follows the publications.
-pub async fn changed(node: &mut Option<Watch>) -> Option<()> {
-    if let Some(w) = node
-        && w.changed().await.is_ok()
-    {
-        return Some(());
+/// Ready when the owner published again; never once the owner is gone (a consumer then keeps
+/// its last publication instead of spinning). For a `select!` branch of a consumer that follows
+/// the publications.
+pub async fn changed(node: &mut Watch) {
+    if node.changed().await.is_err() {
+        std::future::pending::<()>().await;
     }
-    std::future::pending().await
 }
 
 /// Asks and waits for the owner's reads.

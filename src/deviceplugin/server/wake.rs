@@ -37,7 +37,7 @@ pub(super) struct Wakers {
     /// The PodResources poll, when one runs.
     pods: Option<JoinHandle<()>>,
     /// The inventory owner's publications; `None` once the owner is gone.
-    published: Option<inventory::owner::Watch>,
+    published: inventory::owner::Watch,
 }
 
 impl Wakers {
@@ -56,7 +56,7 @@ impl Wakers {
             changes,
             mapped: plugin.mapped.clone(),
             pods,
-            published: Some(published),
+            published,
         }
     }
 
@@ -87,7 +87,7 @@ impl Wakers {
                 Ok(()) => "ended".to_string(),
                 Err(e) => e.to_string(),
             }),
-            Some(()) = inventory::owner::changed(&mut self.published) => Wake::Reread,
+            () = inventory::owner::changed(&mut self.published) => Wake::Reread,
         }
     }
 }

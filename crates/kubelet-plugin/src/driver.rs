@@ -54,7 +54,7 @@ pub struct PrepareClaim {
 }
 
 /// One device prepared for a claim: what the kubelet passes on to the container runtime.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct PreparedDevice {
     /// The claim's request names this device satisfies. A `request/subrequest` name is sent as
@@ -69,6 +69,10 @@ pub struct PreparedDevice {
     /// The allocation's share ID, for a device allocated more than once (consumable capacity).
     /// Sent on `v1` only: `v1beta1` has no such field.
     pub share_id: Option<String>,
+    /// What the device's metadata file tells the container, when the plugin writes them
+    /// ([`Options::device_metadata`](crate::Options::device_metadata)); without it the file
+    /// names the device only.
+    pub metadata: Option<crate::metadata::DeviceMetadata>,
 }
 
 impl PreparedDevice {
@@ -85,7 +89,15 @@ impl PreparedDevice {
             device: device.into(),
             cdi_ids,
             share_id: None,
+            metadata: None,
         }
+    }
+
+    /// The same device, with the metadata its container reads (KEP-5304, see
+    /// [`crate::metadata`]).
+    pub fn with_metadata(mut self, metadata: crate::metadata::DeviceMetadata) -> Self {
+        self.metadata = Some(metadata);
+        self
     }
 
     /// The same device, as the allocation's share `share_id`.

@@ -74,6 +74,8 @@ struct Handler<D> {
     claims: Arc<dyn ClaimSource>,
     turns: Arc<Turns>,
     on_error: ErrorHandler,
+    /// The device metadata files, when the plugin writes them.
+    metadata: Option<Arc<crate::metadata::Files>>,
 }
 
 impl<D> Clone for Handler<D> {
@@ -84,6 +86,7 @@ impl<D> Clone for Handler<D> {
             claims: self.claims.clone(),
             turns: self.turns.clone(),
             on_error: self.on_error.clone(),
+            metadata: self.metadata.clone(),
         }
     }
 }
@@ -147,8 +150,23 @@ impl<D: Driver> Handler<D> {
         }
         let uids: Vec<String> = ready.iter().map(|c| c.claim.uid.clone()).collect();
         let driver = self.driver.clone();
+        let metadata = self.metadata.clone().map(|files| {
+            let claims = ready.iter().map(|c| {
+                let pod = crate::metadata::pod_claim_name(&c.resource_claim).map(String::from);
+                (c.claim.clone(), pod)
+            });
+            (files, claims.collect())
+        });
         let outcome = self
-            .run("prepare", async move { driver.prepare(ready).await })
+            .run("prepare", async move {
+                let results = driver.prepare(ready).await?;
+                match metadata {
+                    Some((files, claims)) => {
+                        crate::metadata::after_prepare(files, claims, results).await
+                    }
+                    None => Ok(results),
+                }
+            })
             .await;
         answers.extend(settle(&uids, outcome));
         answers
@@ -160,8 +178,15 @@ impl<D: Driver> Handler<D> {
         }
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let driver = self.driver.clone();
+        let metadata = self.metadata.clone();
         let outcome = self
-            .run("unprepare", async move { driver.unprepare(claims).await })
+            .run("unprepare", async move {
+                let results = driver.unprepare(claims).await?;
+                match metadata {
+                    Some(files) => crate::metadata::after_unprepare(files, results).await,
+                    None => Ok(results),
+                }
+            })
             .await;
         settle(&uids, outcome)
     }
@@ -289,6 +314,8 @@ pub struct Options {
     health_interval: Duration,
     on_error: ErrorHandler,
     on_registered: Option<RegistrationHook>,
+    device_metadata: bool,
+    cdi_dir: PathBuf,
 }
 
 impl std::fmt::Debug for Options {
@@ -334,6 +361,8 @@ impl Options {
             health_interval: crate::health::INTERVAL,
             on_error: Arc::new(crate::error::log_error),
             on_registered: None,
+            device_metadata: false,
+            cdi_dir: PathBuf::from(crate::metadata::DEFAULT_CDI_DIR),
         })
     }
 
@@ -393,6 +422,28 @@ impl Options {
     pub fn on_registered(mut self, hook: impl Fn(bool) + Send + Sync + 'static) -> Self {
         self.on_registered = Some(Arc::new(hook));
         self
+    }
+
+    /// Whether prepare writes device metadata files (KEP-5304) for its claims and unprepare
+    /// removes them (default `false`, as in Go): see [`crate::metadata`]. The container
+    /// runtime must read CDI specs from [`Options::cdi_dir`].
+    pub fn device_metadata(mut self, on: bool) -> Self {
+        self.device_metadata = on;
+        self
+    }
+
+    /// Where the device metadata files' CDI specs go ([`crate::metadata::DEFAULT_CDI_DIR`] by
+    /// default), a directory the container runtime reads specs from.
+    pub fn cdi_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cdi_dir = dir.into();
+        self
+    }
+
+    /// The device metadata files of this plugin, when it writes them: for the start-up repair
+    /// ([`crate::metadata::Files::retain`]) the driver runs before serving.
+    pub fn metadata_files(&self) -> Option<crate::metadata::Files> {
+        self.device_metadata
+            .then(|| crate::metadata::Files::new(&self.driver, &self.plugin_dir(), &self.cdi_dir))
     }
 
     /// The driver name.
@@ -521,6 +572,7 @@ pub fn start<D: Driver>(
         claims: opts.claims.clone(),
         turns: Arc::new(opts.turns()),
         on_error: opts.on_error.clone(),
+        metadata: opts.metadata_files().map(Arc::new),
     };
     let on_error = opts.on_error;
     Ok(Serving(Box::pin(async move {

@@ -27,6 +27,8 @@ fn device_v1(d: PreparedDevice) -> v1::Device {
         device,
         cdi_ids,
         share_id,
+        // Written to files by the service before the answer is made.
+        metadata: _,
     } = d;
     v1::Device {
         request_names: base_requests(requests),
@@ -45,6 +47,7 @@ fn device_v1beta1(d: PreparedDevice) -> v1beta1::Device {
         cdi_ids,
         // v1beta1 has no share id: kubelets that speak only v1beta1 do not allocate shares.
         share_id: _,
+        metadata: _,
     } = d;
     v1beta1::Device {
         request_names: base_requests(requests),
@@ -161,6 +164,7 @@ mod tests {
             device: "gpu-0".into(),
             cdi_ids: vec!["k8s.example.com/claim=u-gpu-0".into()],
             share_id: share.map(String::from),
+            metadata: None,
         }
     }
 

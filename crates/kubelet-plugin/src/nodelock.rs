@@ -1,14 +1,27 @@
 //! Serialization between plugin instances on one node (rolling updates): prepare and unprepare
-//! hold an exclusive `flock` (`File::lock`) on `<plugin data dir>/serialize.lock`.
+//! hold two exclusive locks on the whole of `<lock dir>/serialize.lock` (the plugin data
+//! directory by default):
 //!
-//! Within one process the lock is shared: the first operation to start takes the flock (polling
-//! a non-blocking `flock`, giving up with a clear error after [`TIMEOUT`]), later ones join it,
+//! - the open file description (OFD) `fcntl` write lock that Go's `kubeletplugin` helper takes
+//!   (`F_OFD_SETLKW`, whole file, through etcd's `fileutil.LockFile`), so a Go instance and a Rust
+//!   one, say the old and the new pod of a rolling update from a Go driver, take turns;
+//! - the `flock` this library took before, so an instance built with an older version of it
+//!   takes turns too.
+//!
+//! The two kinds of lock do not see each other on Linux: each alone would let the other kind's
+//! holder in. Each attempt takes the OFD lock, then the `flock`; when the second is held
+//! elsewhere it releases the first and tries again later. So it never waits while holding one of
+//! them, and cannot deadlock with a peer that takes either kind, or both in any order.
+//!
+//! Within one process the lock is shared: the first operation to start takes the locks (polling
+//! non-blocking attempts, giving up with a clear error after [`TIMEOUT`]), later ones join it,
 //! and the last to finish releases it.
 //! So claims of one process are still prepared concurrently, while two processes take turns.
 //! Whenever the lock is newly taken, `on_acquire` runs (the plugin reloads the checkpoint, which
 //! the other instance may have changed meanwhile).
 
 use std::fs::{File, TryLockError};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -122,18 +135,18 @@ impl NodeLock {
                 .map_err(Error::Task)??
             }
         };
-        // Poll with a non-blocking flock instead of blocking a thread, so a stuck peer costs a
+        // Poll with non-blocking attempts instead of blocking a thread, so a stuck peer costs a
         // clear error after `timeout` rather than a hung call.
         let started = tokio::time::Instant::now();
         let mut pause = Duration::from_millis(1);
         loop {
-            match file.try_lock() {
-                Ok(()) => break,
-                Err(TryLockError::WouldBlock) if started.elapsed() < self.timeout => {
+            match try_lock_both(&file) {
+                Ok(true) => break,
+                Ok(false) if started.elapsed() < self.timeout => {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(50));
                 }
-                Err(TryLockError::WouldBlock) => {
+                Ok(false) => {
                     lock(&self.state).file = Some(file);
                     return Err(Error::Busy {
                         path: self.path.clone(),
@@ -141,7 +154,7 @@ impl NodeLock {
                     }
                     .into());
                 }
-                Err(TryLockError::Error(source)) => {
+                Err(source) => {
                     return Err(Error::Lock {
                         path: self.path.clone(),
                         source,
@@ -176,15 +189,72 @@ impl NodeLock {
     }
 }
 
+/// One attempt at both locks, OFD first (see the module doc): `Ok(true)` holding both,
+/// `Ok(false)` holding neither because a peer holds one.
+fn try_lock_both(file: &File) -> io::Result<bool> {
+    if !ofd::try_lock(file)? {
+        return Ok(false);
+    }
+    match file.try_lock() {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            // Never wait holding one of the two; closing the descriptor would release it too.
+            ofd::unlock(file)?;
+            match e {
+                TryLockError::WouldBlock => Ok(false),
+                TryLockError::Error(e) => Err(e),
+            }
+        }
+    }
+}
+
+/// Go's kind of lock: an exclusive open file description lock on the whole file, as etcd's
+/// `fileutil.LockFile` takes it for Go's helper (`F_OFD_SETLKW`, `F_WRLCK`, from offset 0 with
+/// length 0: the whole file however it grows). Here non-blocking (`F_OFD_SETLK`), polled.
+mod ofd {
+    use std::fs::File;
+    use std::io;
+
+    use nix::errno::Errno;
+    use nix::fcntl::{FcntlArg, fcntl};
+    use nix::libc;
+
+    fn whole_file(kind: libc::c_int) -> libc::flock {
+        // SAFETY: `flock` is a C struct of integers (and, on some targets, integer padding), for
+        // which all-zero bytes are a valid value: start 0, length 0 (to the end of the file),
+        // pid 0 (which OFD locks require).
+        let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+        // The constants are 0..=2 and whence 0: the casts to `c_short` are lossless.
+        lock.l_type = kind as libc::c_short;
+        lock.l_whence = libc::SEEK_SET as libc::c_short;
+        lock
+    }
+
+    /// Takes the write lock: `Ok(false)` when a peer holds a lock on the file.
+    pub(super) fn try_lock(file: &File) -> io::Result<bool> {
+        match fcntl(file, FcntlArg::F_OFD_SETLK(&whole_file(libc::F_WRLCK))) {
+            Ok(_) => Ok(true),
+            Err(Errno::EAGAIN | Errno::EACCES) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Releases it (closing the last descriptor of the open file description does too).
+    pub(super) fn unlock(file: &File) -> io::Result<()> {
+        fcntl(file, FcntlArg::F_OFD_SETLK(&whole_file(libc::F_UNLCK)))?;
+        Ok(())
+    }
+}
+
 impl Drop for Guard {
     fn drop(&mut self) {
         let mut s = lock(&self.state);
         s.holders = s.holders.saturating_sub(1);
         if s.holders == 0
             && let Some(file) = &s.file
-            && file.unlock().is_err()
+            && (file.unlock().is_err() | ofd::unlock(file).is_err())
         {
-            // Closing the descriptor releases the flock too.
+            // Closing the descriptor releases both locks.
             s.file = None;
         }
     }

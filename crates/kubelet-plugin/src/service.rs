@@ -4,7 +4,7 @@
 //!
 //! A prepare reads and checks its claims first ([`crate::claims`]; a refused claim never reaches
 //! the driver), then waits its turn (one call at a time by default; with a pod UID, also the
-//! `flock` that the other instance of a rolling update takes), then calls the driver in a task
+//! node lock that the other instance of a rolling update takes), then calls the driver in a task
 //! of its own: when the kubelet gives up waiting, the call still runs to its end, and the next
 //! call sees what it did. Errors of a claim travel in its response entry; the RPC itself never
 //! fails for a claim.
@@ -32,7 +32,7 @@ use crate::wire::{self, Answers};
 use crate::{names, socket};
 
 /// How calls take turns: not at all, or one at a time in this process, and with a rolling
-/// update's pod UID also across the node's instances (Go's `Serialize` and its flock).
+/// update's pod UID also across the node's instances (Go's `Serialize` and its file lock).
 enum Turns {
     Concurrent,
     OneAtATime {
@@ -389,7 +389,8 @@ impl Options {
     }
 
     /// Whether serialized calls also take `<plugin dir>/serialize.lock` when a pod UID is set
-    /// (default `true`): the `flock` the other instance of a rolling update takes too.
+    /// (default `true`): the lock the other instance of a rolling update takes too
+    /// ([`crate::nodelock`]).
     pub fn node_lock(mut self, on: bool) -> Self {
         self.node_lock = on;
         self

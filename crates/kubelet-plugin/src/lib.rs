@@ -16,6 +16,8 @@
 //!   publishing them;
 //! - [`metadata`]: the device metadata files (KEP-5304) a container reads, written after
 //!   prepare and removed after unprepare;
+//! - [`status`]: a driver's entries in a claim's `status.devices` (KEP-4817), written with
+//!   server-side apply over the small [`api::ClaimStatusApi`] trait;
 //! - [`paths`]: the kubelet's directory layout;
 //! - [`report`] and [`lock`]: small helpers the library uses and exports for its drivers, so that
 //!   they print errors and take locks as it does: an error with its sources in one line, and a
@@ -42,6 +44,7 @@ pub mod registration;
 pub mod report;
 mod service;
 pub mod socket;
+pub mod status;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod validate;

@@ -1,4 +1,5 @@
-//! [`SliceApi`] over a real API server, through kube-rs: `impl SliceApi for kube::Client`.
+//! [`SliceApi`] and [`ClaimStatusApi`] over a real API server, through kube-rs: both are
+//! implemented for `kube::Client`.
 //!
 //! Invariants: every call is one HTTP request (no client-side rate limiting, no retries here: the
 //! caller owns backoff); HTTP status codes map onto [`Error`]'s classes (409 → `Conflict`,
@@ -10,12 +11,12 @@
 use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher::{self, watcher};
 
-use super::{Error, Failure, Result, SliceApi, SliceEvent};
+use super::{ClaimStatusApi, Error, Failure, Result, SliceApi, SliceEvent};
 
 /// How long one watch request may stay open before the server closes it and we re-watch.
 pub const WATCH_TIMEOUT_SECS: u32 = 290;
@@ -168,6 +169,29 @@ impl SliceApi for Client {
                 .get(name)
                 .await
                 .map_err(|e| classify(&format!("get node {name}"), e))
+        })
+    }
+}
+
+impl ClaimStatusApi for Client {
+    fn apply_claim_status<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        field_manager: &'a str,
+        patch: &'a serde_json::Value,
+    ) -> BoxFuture<'a, Result<ResourceClaim>> {
+        Box::pin(async move {
+            let params = PatchParams::apply(field_manager).force();
+            Api::<ResourceClaim>::namespaced(self.clone(), namespace)
+                .patch_status(name, &params, &Patch::Apply(patch))
+                .await
+                .map_err(|e| {
+                    classify(
+                        &format!("apply status of resourceclaim {namespace}/{name}"),
+                        e,
+                    )
+                })
         })
     }
 }

@@ -1,5 +1,6 @@
 //! The API server as a publisher sees it: ResourceSlices and the Node that owns them, behind the
-//! small [`SliceApi`] trait, with errors classified by what the caller should do about them.
+//! small [`SliceApi`] trait, and as a claim status writer sees it ([`ClaimStatusApi`]), with
+//! errors classified by what the caller should do about them.
 //! With the `kube` feature (on by default), a `kube::Client` is one ([`kube`]).
 
 #[cfg(feature = "kube")]
@@ -8,7 +9,7 @@ pub mod kube;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 
 /// Errors from the API, classified by what the caller should do about them. Each carries a
 /// [`Failure`]: what failed, and the error that made it fail as its source (never also in the
@@ -145,4 +146,34 @@ pub trait SliceApi: Send + Sync + 'static {
     /// Reads a Node (for the owner reference of published slices). `NotFound` means the slices
     /// are published without an owner.
     fn get_node<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Node>>;
+}
+
+/// What a [`crate::status::StatusWriter`] needs of the API server: server-side apply of a
+/// ResourceClaim's status. Implementations are shared behind an `Arc`.
+pub trait ClaimStatusApi: Send + Sync + 'static {
+    /// Applies `patch`, a ResourceClaim apply configuration (`apiVersion`, `kind`,
+    /// `metadata.name`, `namespace` and `uid`, and the `status` fields `field_manager` owns),
+    /// to the claim's `status` subresource: a `PATCH` of type `application/apply-patch+yaml`
+    /// as `field_manager`, conflicts forced. Returns the claim as stored. A missing claim is
+    /// [`Error::NotFound`]; one whose UID differs from `metadata.uid` (deleted and re-created),
+    /// [`Error::Conflict`].
+    fn apply_claim_status<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        field_manager: &'a str,
+        patch: &'a serde_json::Value,
+    ) -> BoxFuture<'a, Result<ResourceClaim>>;
+}
+
+impl<T: ClaimStatusApi + ?Sized> ClaimStatusApi for std::sync::Arc<T> {
+    fn apply_claim_status<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        field_manager: &'a str,
+        patch: &'a serde_json::Value,
+    ) -> BoxFuture<'a, Result<ResourceClaim>> {
+        (**self).apply_claim_status(namespace, name, field_manager, patch)
+    }
 }

@@ -11,8 +11,9 @@
 //! `Status` body. For tests: a count of write requests, external edits that bypass the counters,
 //! fault injection (the next N requests fail with 500, the next update fails with 409), and dropped
 //! fields (as when a feature gate is off). DeviceClasses (list, and a watch of changes from its
-//! start), API discovery of `resource.k8s.io/v1` (absent on request), `/version`, and JSON merge
-//! patches of a Node's labels.
+//! start), API discovery of `resource.k8s.io/v1` (absent on request), `/version`, JSON merge
+//! patches of a Node's labels, and server-side apply of a ResourceClaim's `status.devices` (per
+//! field manager; deallocation drops the entries; the field dropped on request).
 
 use futures::StreamExt;
 use http_body_util::combinators::BoxBody;
@@ -21,10 +22,12 @@ use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    AllocatedDeviceStatus, DeviceClass, ResourceClaim, ResourceSlice,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -110,6 +113,22 @@ struct State {
     dra_absent: bool,
     /// Accepted merge patches of Nodes.
     node_patches: u64,
+    /// Who applied which of each claim's `status.devices` entries: per claim, per field manager.
+    claim_status_owners: BTreeMap<(String, String), BTreeMap<String, BTreeSet<DeviceKey>>>,
+    /// `status.devices` is dropped on write, as by a server without the field.
+    claim_status_dropped: bool,
+}
+
+/// A `status.devices` entry's key: driver, pool, device, share ID.
+type DeviceKey = (String, String, String, Option<String>);
+
+fn device_key(d: &AllocatedDeviceStatus) -> DeviceKey {
+    (
+        d.driver.clone(),
+        d.pool.clone(),
+        d.device.clone(),
+        d.share_id.clone(),
+    )
 }
 
 impl State {
@@ -152,8 +171,10 @@ fn event_line(kind: &str, obj: &ResourceSlice) -> Bytes {
 /// (409 on a stale resourceVersion); no-op updates that store nothing; monotonically increasing
 /// resourceVersions; the [`crate::validate`] rules the server shares, as 422 `Invalid`; every
 /// error a `Status` body. Nodes and ResourceClaims to GET (stored with [`ApiServer::seed_node`]
-/// and [`ApiServer::seed_claim`]), JSON merge patches of a Node's labels, DeviceClasses (list,
-/// and a watch of changes from its start), API discovery of `resource.k8s.io/v1` and `/version`.
+/// and [`ApiServer::seed_claim`]), JSON merge patches of a Node's labels, server-side apply of a
+/// claim's `status.devices` ([`ApiServer::claim`], [`ApiServer::deallocate_claim`],
+/// [`ApiServer::drop_claim_device_status`]), DeviceClasses (list, and a watch of changes from its
+/// start), API discovery of `resource.k8s.io/v1` and `/version`.
 ///
 /// For tests: counts of requests ([`ApiServer::counts`]) and the requests themselves, external
 /// edits that bypass the counters ([`ApiServer::insert_slice`], [`ApiServer::edit_slice`],
@@ -359,11 +380,46 @@ impl ApiServer {
         self.set_device_class(class);
     }
 
-    /// Stores a ResourceClaim under its namespace and name (read with GET, never written).
+    /// Stores a ResourceClaim under its namespace and name (read with GET; its status written
+    /// by server-side apply only).
     pub fn seed_claim(&self, claim: ResourceClaim) {
         let ns = claim.metadata.namespace.clone().unwrap_or_default();
         let name = claim.metadata.name.clone().unwrap_or_default();
         self.lock().claims.insert((ns, name), claim);
+    }
+
+    /// A ResourceClaim as stored.
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<ResourceClaim> {
+        let key = (namespace.to_string(), name.to_string());
+        self.lock().claims.get(&key).cloned()
+    }
+
+    /// Deallocates a claim as the resourceclaim controller does once no pod holds it: its
+    /// allocation and reservations go, and with them, by the API server's own rule, the
+    /// `status.devices` entries of the devices that were allocated (all of them: an entry must
+    /// be of an allocated device). False when there is no such claim.
+    pub fn deallocate_claim(&self, namespace: &str, name: &str) -> bool {
+        let key = (namespace.to_string(), name.to_string());
+        let mut st = self.lock();
+        let rv = st.next_rv();
+        st.claim_status_owners.remove(&key);
+        let Some(claim) = st.claims.get_mut(&key) else {
+            return false;
+        };
+        if let Some(status) = claim.status.as_mut() {
+            status.allocation = None;
+            status.reserved_for = None;
+            status.devices = None;
+        }
+        claim.metadata.managed_fields = None;
+        claim.metadata.resource_version = Some(rv.to_string());
+        true
+    }
+
+    /// Drops `status.devices` on every write from now on, as a server without the field does
+    /// (before Kubernetes 1.32, or with the `DRAResourceClaimDeviceStatus` feature gate off).
+    pub fn drop_claim_device_status(&self) {
+        self.lock().claim_status_dropped = true;
     }
 
     /// Stores a slice as someone else would (not counted); `metadata.name` must be set.
@@ -870,6 +926,31 @@ impl Server {
                     (true, Ok(bytes)) => self.patch_node(&name, &bytes),
                 }
             }
+            (
+                Method::PATCH,
+                [
+                    "apis",
+                    "resource.k8s.io",
+                    "v1",
+                    "namespaces",
+                    ns,
+                    "resourceclaims",
+                    name,
+                    "status",
+                ],
+            ) => {
+                let key = (ns.to_string(), name.to_string());
+                let apply = req
+                    .headers()
+                    .get("content-type")
+                    .is_some_and(|v| v.as_bytes().starts_with(b"application/apply-patch"));
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                match (apply, body) {
+                    (false, _) => error(415, "UnsupportedMediaType", "only apply patches here"),
+                    (true, Err(_)) => error(400, "BadRequest", "unreadable body"),
+                    (true, Ok(bytes)) => self.apply_claim_status(key, &q, &bytes),
+                }
+            }
             (Method::GET, ["api", "v1", "nodes", name]) => match self.lock().nodes.get(*name) {
                 Some(n) => ok_json(StatusCode::OK, n),
                 None => not_found("nodes", name),
@@ -902,6 +983,169 @@ impl Server {
             self.changed.send_modify(|n| *n += 1);
         }
         resp
+    }
+
+    /// A server-side apply of a claim's `status.devices` by one field manager, close enough to the
+    /// real server's: the claim must exist (404) and have the patch's `metadata.uid` (409); each
+    /// entry must be of one of the allocation's results, with at most 10 KiB of `data` and 8
+    /// conditions (422). The manager's entries are replaced as a whole (forced: they are its
+    /// alone after), its earlier entries it no longer applies are removed unless another
+    /// manager applied them too, and other managers' entries stay; `metadata.managedFields`
+    /// says who applied which. A server that drops the field stores nothing and answers 200.
+    fn apply_claim_status(
+        &self,
+        key: (String, String),
+        q: &BTreeMap<String, String>,
+        body: &[u8],
+    ) -> Response<Body> {
+        let Some(manager) = q.get("fieldManager").filter(|m| !m.is_empty()).cloned() else {
+            return error(
+                400,
+                "BadRequest",
+                "fieldManager is required for apply requests",
+            );
+        };
+        // An apply patch is YAML; JSON is YAML, and what kube-rs sends.
+        let patch: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return error(400, "BadRequest", format!("bad apply patch: {e}")),
+        };
+        let entries: Vec<AllocatedDeviceStatus> = match patch
+            .pointer("/status/devices")
+            .cloned()
+            .map(serde_json::from_value)
+            .transpose()
+        {
+            Ok(d) => d.unwrap_or_default(),
+            Err(e) => return error(400, "BadRequest", format!("bad status.devices: {e}")),
+        };
+        let mut st = self.lock();
+        st.counts.write_requests += 1;
+        let Some(mut claim) = st.claims.get(&key).cloned() else {
+            return not_found("resourceclaims.resource.k8s.io", &key.1);
+        };
+        let have = claim.metadata.uid.clone().unwrap_or_default();
+        if let Some(uid) = patch.pointer("/metadata/uid").and_then(Value::as_str)
+            && uid != have
+        {
+            return error(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on resourceclaims.resource.k8s.io \"{}\": \
+                     Precondition failed: UID in precondition: {uid}, UID in object meta: {have}",
+                    key.1
+                ),
+            );
+        }
+        if st.claim_status_dropped {
+            st.counts.updates += 1;
+            return ok_json(StatusCode::OK, &claim);
+        }
+        let allocated: BTreeSet<DeviceKey> = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (
+                    r.driver.clone(),
+                    r.pool.clone(),
+                    r.device.clone(),
+                    r.share_id.clone(),
+                )
+            })
+            .collect();
+        let mut causes = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            let field = format!("status.devices[{i}]");
+            if !allocated.contains(&device_key(e)) {
+                causes.push(format!(
+                    "{field}: Invalid value: {:?}: must be an allocated device in the claim",
+                    device_key(e)
+                ));
+            }
+            let data = e.data.as_ref().map_or(0, |d| d.0.to_string().len());
+            if data > 10 * 1024 {
+                causes.push(format!(
+                    "{field}.data: Too long: may not be more than 10240 bytes"
+                ));
+            }
+            if e.conditions.as_ref().is_some_and(|c| c.len() > 8) {
+                causes.push(format!(
+                    "{field}.conditions: Too many: must have at most 8 items"
+                ));
+            }
+        }
+        if !causes.is_empty() {
+            return error(
+                422,
+                "Invalid",
+                format!(
+                    "ResourceClaim.resource.k8s.io \"{}\" is invalid: {}",
+                    key.1,
+                    causes.join(", ")
+                ),
+            );
+        }
+        let applied: BTreeSet<DeviceKey> = entries.iter().map(device_key).collect();
+        let owners = st.claim_status_owners.entry(key.clone()).or_default();
+        let before = owners
+            .insert(manager.clone(), applied.clone())
+            .unwrap_or_default();
+        for (m, keys) in owners.iter_mut() {
+            if *m != manager {
+                keys.retain(|k| !applied.contains(k));
+            }
+        }
+        owners.retain(|_, keys| !keys.is_empty());
+        let owned: BTreeSet<DeviceKey> = owners.values().flatten().cloned().collect();
+        let managed: Vec<_> = owners
+            .iter()
+            .map(|(m, keys)| {
+                let devices: serde_json::Map<String, Value> = keys
+                    .iter()
+                    .map(|(driver, pool, device, share)| {
+                        let mut k = json!({"driver": driver, "pool": pool, "device": device});
+                        if let Some(share) = share {
+                            k["shareID"] = share.clone().into();
+                        }
+                        (format!("k:{k}"), json!({}))
+                    })
+                    .collect();
+                json!({
+                    "manager": m, "operation": "Apply", "apiVersion": "resource.k8s.io/v1",
+                    "subresource": "status", "fieldsType": "FieldsV1",
+                    "fieldsV1": {"f:status": {"f:devices": devices}},
+                })
+            })
+            .collect();
+        let status = claim.status.get_or_insert_with(Default::default);
+        let old = status.devices.clone();
+        let mut devices = status.devices.take().unwrap_or_default();
+        devices.retain(|d| {
+            let k = device_key(d);
+            applied.contains(&k) || !before.contains(&k) || owned.contains(&k)
+        });
+        for e in entries {
+            match devices.iter_mut().find(|d| device_key(d) == device_key(&e)) {
+                Some(d) => *d = e,
+                None => devices.push(e),
+            }
+        }
+        status.devices = (!devices.is_empty()).then_some(devices);
+        let changed = status.devices != old;
+        claim.metadata.managed_fields = (!managed.is_empty())
+            .then(|| serde_json::from_value(Value::Array(managed)).expect("managed fields parse"));
+        if changed {
+            claim.metadata.resource_version = Some(st.next_rv().to_string());
+        }
+        st.counts.updates += 1;
+        st.claims.insert(key, claim.clone());
+        ok_json(StatusCode::OK, &claim)
     }
 
     /// A JSON merge patch of `metadata.labels` (the only part of a Node this server patches).

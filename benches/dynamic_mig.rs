@@ -110,7 +110,7 @@ async fn run(delay: Duration, n: usize) {
     };
     let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
     let (plugin, writer, _) =
-        Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new()).unwrap();
+        Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new(), None).unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();

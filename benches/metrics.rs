@@ -49,7 +49,8 @@ async fn main() {
     let sim = SimBackend::from_profile("dgx-a100-mig", NODE).expect("profile");
     let dir = tempfile::tempdir().expect("tempdir");
     let proc_root = dir.path().join("proc");
-    let (ledger, _writer, _) = Ledger::open(&dir.path().join("plugin"), "boot").expect("ledger");
+    let (ledger, _writer, _) =
+        Ledger::open(&dir.path().join("plugin"), "boot", None).expect("ledger");
     let (monitor, handle) = Monitor::new(
         Policy::default(),
         Arc::new(BackendProbe(Arc::new(sim.clone()))),

@@ -293,6 +293,7 @@ async fn main() {
         api.cluster_api(),
         Arc::new(owner::Watched::new(Arc::new(sim), inventory)),
         Metrics::new(),
+        None,
     )
     .expect("plugin");
     tokio::spawn(writer.run(stop.clone()));

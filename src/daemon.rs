@@ -299,10 +299,19 @@ async fn start(
         });
         None
     } else {
-        let plugin = start_dra(&config, extras, &api, &backend, &metrics, tasks).await?;
-        // `both`: one ledger for both paths.
-        device_plugin = device_plugin
-            .map(|dp| dp.with_ledger(plugin.ledger().clone(), config.pod_resources_socket()));
+        // `both`: one ledger for both paths, consulting what containers hold.
+        let holds = device_plugin.as_ref().map(|_| ContainerHolds::default());
+        let elsewhere = holds
+            .clone()
+            .map(|h| Arc::new(h) as Arc<dyn ledger::HeldElsewhere>);
+        let plugin = start_dra(&config, extras, &api, &backend, &metrics, elsewhere, tasks).await?;
+        device_plugin = device_plugin.zip(holds).map(|(dp, holds)| {
+            dp.with_ledger(
+                plugin.ledger().clone(),
+                holds,
+                config.pod_resources_socket(),
+            )
+        });
         if let Some(dp) = &device_plugin {
             dp.observe_once().await;
         }
@@ -336,14 +345,16 @@ async fn start(
     Ok(())
 }
 
-/// The DRA plugin over its checkpoint, the checkpoint writer (stopping last, so it flushes
-/// what the servers recorded), and recovery of what a crash or reboot left behind.
+/// The DRA plugin over its checkpoint (consulting `elsewhere` at each reservation), the
+/// checkpoint writer (stopping last, so it flushes what the servers recorded), and recovery of
+/// what a crash or reboot left behind.
 async fn start_dra(
     config: &Config,
     extras: &Extras,
     api: &Arc<dyn ClusterApi>,
     backend: &Arc<dyn DeviceBackend>,
     metrics: &Arc<Metrics>,
+    elsewhere: Option<Arc<dyn ledger::HeldElsewhere>>,
     tasks: &mut Supervisor,
 ) -> Result<Plugin> {
     let boot_id_file = extras
@@ -370,6 +381,7 @@ async fn start_dra(
         api.clone(),
         backend.clone(),
         metrics.clone(),
+        elsewhere,
     )?;
     #[cfg(feature = "crash-points")]
     if let Some(at) = extras.crash_at {
@@ -654,11 +666,6 @@ async fn publish(
     let mut slice_sync = SliceSync::new(inventory.subscribe(), handle, opts)
         .with_metrics(metrics.clone())
         .with_switch_blocks(plugin.switch_blocks());
-    // The plugin asks the owner for a read where a write alone does not (its MPS daemons gone).
-    let owner = inventory.clone();
-    plugin.on_inventory_change(Arc::new(move || {
-        owner.request();
-    }));
     if let Some(holds) = holds {
         slice_sync = slice_sync.with_holds(holds);
     }

@@ -456,7 +456,7 @@ mod tests {
     #[tokio::test]
     async fn allocate_of_a_claimed_gpu_is_refused_naming_the_claim_and_holds_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot", None).unwrap();
         let holds = ContainerHolds::default();
         let mut changes = ledger.changes();
         ledger.update(|c| {

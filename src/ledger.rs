@@ -52,7 +52,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -551,7 +551,7 @@ struct Shared {
     writes: AtomicU64,
     /// What another path holds (`--mode both`), consulted under the `state` lock: lock order
     /// `state`, then whatever lock it takes; never across an `.await`.
-    elsewhere: OnceLock<Arc<dyn HeldElsewhere>>,
+    elsewhere: Arc<dyn HeldElsewhere>,
     /// Bumped on every change of the claims, for the device plugin.
     changes: watch::Sender<u64>,
 }
@@ -572,8 +572,14 @@ pub struct Writer {
 }
 
 impl Ledger {
-    /// Loads (or starts) the checkpoint in `dir`, creating the directory.
-    pub fn open(dir: &Path, boot_id: &str) -> Result<(Ledger, Writer, LoadOutcome)> {
+    /// Loads (or starts) the checkpoint in `dir`, creating the directory. Every reservation
+    /// ([`Ledger::update_with_holds`]) consults `elsewhere` (`--mode both`: what containers
+    /// hold), or nothing.
+    pub fn open(
+        dir: &Path,
+        boot_id: &str,
+        elsewhere: Option<Arc<dyn HeldElsewhere>>,
+    ) -> Result<(Ledger, Writer, LoadOutcome)> {
         std::fs::create_dir_all(dir).map_err(|source| Error::CreateDir {
             path: dir.to_path_buf(),
             source,
@@ -585,7 +591,7 @@ impl Ledger {
             path,
             state: Mutex::new(cp),
             writes: AtomicU64::new(0),
-            elsewhere: OnceLock::new(),
+            elsewhere: elsewhere.unwrap_or_else(|| Arc::new(NothingElsewhere)),
             changes: watch::channel(0).0,
         });
         let (tx, rx) = mpsc::unbounded_channel();
@@ -650,14 +656,6 @@ impl Ledger {
         self.changed();
     }
 
-    /// Makes every reservation ([`Ledger::update_with_holds`]) consult `holds` (`--mode both`);
-    /// set once.
-    pub fn set_held_elsewhere(&self, holds: Arc<dyn HeldElsewhere>) {
-        if self.shared.elsewhere.set(holds).is_err() {
-            tracing::warn!("the ledger already consults another path's holds; keeping the first");
-        }
-    }
-
     /// Like [`Ledger::update`], with what another path holds ([`HeldElsewhere`]) consulted in
     /// the same critical section, so a claim's reservation and an Allocate cannot both take one
     /// device.
@@ -667,11 +665,7 @@ impl Ledger {
     ) -> R {
         let r = {
             let mut state = lock(&self.shared.state);
-            let elsewhere: &dyn HeldElsewhere = match self.shared.elsewhere.get() {
-                Some(holds) => holds.as_ref(),
-                None => &NothingElsewhere,
-            };
-            f(&mut state.claims, elsewhere)
+            f(&mut state.claims, &*self.shared.elsewhere)
         };
         self.changed();
         r

@@ -55,7 +55,7 @@ pub enum ListError {
 #[derive(Clone)]
 pub struct Both {
     pub ledger: Ledger,
-    /// What containers hold; the ledger consults them (set up by [`Both::new`]).
+    /// What containers hold; the ledger consults them (it was opened with them).
     pub holds: ContainerHolds,
     pub pod_resources: PathBuf,
     /// Poked after each Allocate: read PodResources now.
@@ -63,10 +63,8 @@ pub struct Both {
 }
 
 impl Both {
-    /// Holds of this path that `ledger` consults whenever a claim reserves devices.
-    pub fn new(ledger: Ledger, pod_resources: PathBuf) -> Self {
-        let holds = ContainerHolds::default();
-        ledger.set_held_elsewhere(Arc::new(holds.clone()));
+    /// `holds`: those `ledger` was opened to consult whenever a claim reserves devices.
+    pub fn new(ledger: Ledger, holds: ContainerHolds, pod_resources: PathBuf) -> Self {
         Both {
             ledger,
             holds,
@@ -352,7 +350,7 @@ mod tests {
     #[test]
     fn a_claimed_mig_device_or_its_whole_gpu_is_unhealthy_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
-        let (ledger, _w, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (ledger, _w, _) = Ledger::open(dir.path(), "boot", None).unwrap();
         let (inv, res) = resources();
         let mig_gpu = inv.gpus.iter().find(|g| g.mig.devices.len() > 1).unwrap();
         let (m0, m1) = (&mig_gpu.mig.devices[0], &mig_gpu.mig.devices[1]);
@@ -392,7 +390,7 @@ mod tests {
     #[test]
     fn a_gpu_with_a_capacity_share_is_held_for_the_device_plugin() {
         let dir = tempfile::tempdir().unwrap();
-        let (ledger, _w, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (ledger, _w, _) = Ledger::open(dir.path(), "boot", None).unwrap();
         let (inv, res) = resources();
         let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
         let share = DeviceRecord {
@@ -429,7 +427,7 @@ mod tests {
     #[test]
     fn a_dynamic_mig_instance_holds_its_whole_gpu_both_ways() {
         let dir = tempfile::tempdir().unwrap();
-        let (ledger, _w, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (ledger, _w, _) = Ledger::open(dir.path(), "boot", None).unwrap();
         let (inv, res) = resources();
         let whole = inv.gpus.iter().find(|g| !g.in_mig_mode()).unwrap();
         let p = &whole.mig.profiles[0];

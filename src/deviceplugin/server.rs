@@ -137,10 +137,15 @@ impl DevicePlugin {
     }
 
     /// `--mode both`: devices DRA claims hold are sent unhealthy, Allocate holds its devices
-    /// (atomically with `ledger`'s claims, which consults these holds in turn), and PodResources
-    /// on `pod_resources` says what containers hold.
-    pub fn with_ledger(mut self, ledger: Ledger, pod_resources: PathBuf) -> Self {
-        self.both = Some(Both::new(ledger, pod_resources));
+    /// in `holds` (atomically with `ledger`'s claims, which was opened to consult `holds` in
+    /// turn), and PodResources on `pod_resources` says what containers hold.
+    pub fn with_ledger(
+        mut self,
+        ledger: Ledger,
+        holds: ContainerHolds,
+        pod_resources: PathBuf,
+    ) -> Self {
+        self.both = Some(Both::new(ledger, holds, pod_resources));
         self
     }
 

@@ -30,8 +30,8 @@ pub trait Probe: Send + Sync + 'static {
     }
 }
 
-/// Probes through a backend ([`DeviceBackend::probe`]); its MIG devices are those of a fresh
-/// inventory.
+/// Probes through a backend ([`DeviceBackend::probe`]); its MIG devices are those of its
+/// snapshot (through the owner, its latest publication: a probe reads no inventory).
 pub struct BackendProbe(pub Arc<dyn DeviceBackend>);
 
 impl Probe for BackendProbe {
@@ -40,7 +40,7 @@ impl Probe for BackendProbe {
     }
 
     fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
-        let inv = self.0.refresh().ok()?;
+        let inv = self.0.snapshot().ok()?;
         Some(
             inv.gpus
                 .iter()

@@ -20,7 +20,9 @@
 //!   stuck one — so at most one thread is ever stuck in the backend.
 //! - A failed read keeps the last inventory published; only the error is new.
 //! - A reconfiguration through [`Watched`] asks for a read, and the next snapshot through it
-//!   waits for that read: prepare never resolves devices against hardware it just changed.
+//!   waits for that read: prepare never resolves devices against hardware it just changed. A
+//!   refresh through it asks for a read of its own (the plugin, waiting for its MPS processes
+//!   to leave a GPU).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -454,9 +456,11 @@ impl DeviceBackend for Watched {
         latest.node.clone()
     }
 
-    /// The same as [`Watched::snapshot`]: only the owner reads the hardware.
+    /// A read the owner makes now, asked for and waited for (bounded by its deadline): only
+    /// the owner reads the hardware. Blocks; callers run it off the runtime.
     fn refresh(&self) -> Result<Inventory> {
-        self.snapshot()
+        let node = futures::executor::block_on(self.handle.refresh())?;
+        Ok(Inventory::clone(&node))
     }
 
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {

@@ -28,7 +28,7 @@ fn entry(state: ClaimState, devices: &[&str]) -> ClaimEntry {
 }
 
 fn open(dir: &Path, boot: &str) -> (Ledger, LoadOutcome, CancellationToken) {
-    let (l, w, o) = Ledger::open(dir, boot).unwrap();
+    let (l, w, o) = Ledger::open(dir, boot, None).unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(w.run(stop.clone()));
     (l, o, stop)
@@ -271,7 +271,7 @@ async fn a_newer_version_is_refused_and_left_in_place() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(FILE_NAME);
     std::fs::write(&path, newer).unwrap();
-    let Err(e) = Ledger::open(dir.path(), "b") else {
+    let Err(e) = Ledger::open(dir.path(), "b", None) else {
         panic!("a version 4 checkpoint was accepted");
     };
     assert!(matches!(e, Error::TooNew { found: 4, .. }), "{e:?}");

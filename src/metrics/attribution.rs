@@ -486,7 +486,7 @@ mod tests {
         sim.set_processes(&g3, vec![proc(200, 3)]);
 
         let dir = tempfile::tempdir().unwrap();
-        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+        let (ledger, _writer, _) = Ledger::open(dir.path(), "boot", None).unwrap();
         let record = DeviceRecord {
             requests: vec!["gpu".into()],
             pool: "n".into(),

@@ -517,7 +517,7 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         ],
     );
     let dir = tempfile::tempdir().unwrap();
-    let (ledger, _writer, _) = Ledger::open(dir.path(), "boot").unwrap();
+    let (ledger, _writer, _) = Ledger::open(dir.path(), "boot", None).unwrap();
     let share = |memory, shares| DeviceRecord {
         requests: vec!["nb".into()],
         pool: NODE.into(),

@@ -662,17 +662,14 @@ async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements
         |owner| {
             let backend: Arc<dyn DeviceBackend> =
                 Arc::new(Watched::new(Arc::new(sim.clone()), owner.clone()));
-            let made = made
-                .insert(Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new()).unwrap());
+            let made = made.insert(
+                Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new(), None).unwrap(),
+            );
             Some(made.0.switch_blocks())
         },
     )
     .await;
     let (plugin, writer, _) = made.unwrap();
-    let hook = node.sync.clone();
-    plugin.on_inventory_change(Arc::new(move || {
-        hook.request();
-    }));
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();

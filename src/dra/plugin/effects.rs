@@ -75,7 +75,6 @@ impl Plugin {
                     .blocking(move |i| i.backend.create_mig(&gpu, gi, placement))
                     .await??;
                 tracing::info!(claim.uid = %uid, device = %d.device, mig.uuid = %dev.uuid, "MIG device created");
-                self.inventory_changed();
                 m.uuid = Some(dev.uuid.clone());
                 created.push(dev);
                 crash_point!(self, AfterMigCreated);
@@ -294,7 +293,6 @@ impl Plugin {
                     self.blocking(move |i| i.backend.destroy_mig(&gpu, &mig_uuid))
                         .await??;
                     tracing::info!(claim.uid = %uid, device = %d.device, "MIG device destroyed");
-                    self.inventory_changed();
                 }
             }
         }

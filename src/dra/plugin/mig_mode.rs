@@ -125,7 +125,6 @@ impl Plugin {
             let changed = self.set_mig_mode(gpu, *enable).await?;
             if changed == MigModeChange::Applied {
                 tracing::info!(claim.uid = %uid, gpu.uuid = %gpu, mig.mode = on_off(*enable), "MIG mode switched");
-                self.inventory_changed();
             }
             if *enable {
                 crash_point!(self, AfterMigModeOn);
@@ -207,9 +206,6 @@ impl Plugin {
         self.wait_own_mps(gpu, None, "turn MIG mode off").await?;
         let changed = self.set_mig_mode(gpu, false).await?;
         self.inner.ledger.update_mig_enabled(|s| s.remove(gpu));
-        if changed == MigModeChange::Applied {
-            self.inventory_changed();
-        }
         Ok(changed == MigModeChange::Applied)
     }
 
@@ -266,7 +262,6 @@ impl Plugin {
                 ) && self.inner.switch_blocks.clear(gpu)
                 {
                     tracing::info!(gpu.uuid = %gpu, "the GPU's MIG mode switched after all; its devices are offered again");
-                    self.inventory_changed();
                 }
                 Ok(c)
             }
@@ -303,7 +298,6 @@ impl Plugin {
                     .set(&gpu, SwitchBlock::InUse { holders })
                 {
                     tracing::warn!(gpu.uuid = %gpu, holders = %described, "MIG mode switch refused (IN_USE); the GPU's devices that need a switch are published tainted until the holders are gone");
-                    self.inventory_changed();
                 }
                 Err(ClaimError::MigModeInUse {
                     gpu: self.gpu_name(&gpu).await,
@@ -324,7 +318,6 @@ impl Plugin {
                     .set(&gpu, SwitchBlock::ResetRequired)
                 {
                     tracing::warn!(gpu.uuid = %gpu, mig.mode = on_off(current), "MIG mode switch answered RESET_REQUIRED (withdrawn): nvdra no longer switches this GPU's MIG mode until it restarts; it is published as a GPU whose MIG mode is the operator's");
-                    self.inventory_changed();
                 }
                 Err(ClaimError::MigResetRequired {
                     gpu: self.gpu_name(&gpu).await,
@@ -347,7 +340,6 @@ impl Plugin {
         match r.and_then(|r| r.map_err(ClaimError::from)) {
             Ok(_) => {
                 tracing::info!(gpu.uuid = %gpu, mig.mode = on_off(current), "pending MIG mode change withdrawn");
-                self.inventory_changed();
                 true
             }
             Err(e) => {
@@ -418,10 +410,6 @@ impl Plugin {
                 cleared.push(gpu);
             }
         }
-        if !cleared.is_empty() {
-            // The slices were computed from this read with the blocks still set.
-            self.inventory_changed();
-        }
         cleared
     }
 
@@ -463,7 +451,8 @@ impl Plugin {
         let start = tokio::time::Instant::now();
         let mut waited = false;
         loop {
-            let left = self.own_mps_left(gpu, mig).await?;
+            // The holders come from the owner's reads: after the first look, a fresh one.
+            let left = self.own_mps_left(gpu, mig, waited).await?;
             if left.is_empty() {
                 if waited {
                     tracing::info!(gpu.uuid = %gpu, waited = ?start.elapsed(), "nvdra's own MPS daemon and server exited; going on to {action}");
@@ -482,22 +471,25 @@ impl Plugin {
                 tracing::info!(gpu.uuid = %gpu, left = %left.join(", "), "waiting for nvdra's own MPS daemon and server to exit before it can {action}");
                 waited = true;
             }
-            // The holders come from the owner's reads: ask for one.
-            self.inventory_changed();
             tokio::time::sleep(OWN_MPS_POLL).await;
         }
     }
 
-    /// What [`Plugin::wait_own_mps`] waits for, named.
+    /// What [`Plugin::wait_own_mps`] waits for, named; from a `fresh` read of the hardware or
+    /// the latest.
     async fn own_mps_left(
         &self,
         gpu: &GpuUuid,
         mig: Option<&MigUuid>,
+        fresh: bool,
     ) -> Result<Vec<String>, ClaimError> {
         let (devices, holders) = match mig {
             Some(m) => (vec![m.to_string()], Vec::new()),
             None => {
-                let inv = self.snapshot().await?;
+                let inv = match fresh {
+                    true => self.blocking(|i| i.backend.refresh()).await??,
+                    false => self.snapshot().await?,
+                };
                 match inv.gpu_by_uuid(gpu.as_str()) {
                     Some(g) => (
                         std::iter::once(gpu.to_string())

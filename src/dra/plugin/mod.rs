@@ -121,8 +121,6 @@ struct Inner {
     daemons_down: Mutex<crate::health::DaemonsDown>,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
-    /// Told when prepare or unprepare changed the hardware (MIG devices), so slices follow.
-    inventory_listener: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     /// One async mutex per claim being worked on.
     claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
     /// Dynamic MIG: one async mutex per GPU whose MIG mode may change ([`mig_mode`]).
@@ -141,13 +139,15 @@ pub struct Plugin {
 }
 
 impl Plugin {
-    /// Opens the ledger in `opts.plugin_dir`. Spawn the returned writer, then call
+    /// Opens the ledger in `opts.plugin_dir`, consulting `elsewhere` at each reservation
+    /// (`--mode both`: what containers hold). Spawn the returned writer, then call
     /// [`Plugin::recover`] before serving.
     pub fn new(
         opts: Options,
         api: Arc<dyn ClaimReader>,
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
+        elsewhere: Option<Arc<dyn ledger::HeldElsewhere>>,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let mut specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         if opts.shared_capacity.enabled() {
@@ -164,7 +164,7 @@ impl Plugin {
                 "cannot install the MPS start gate; MPS claims and shares will be refused"
             ),
         }
-        let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id)?;
+        let (ledger, writer, outcome) = Ledger::open(&opts.plugin_dir, &opts.boot_id, elsewhere)?;
         // The MPS control client runs here, so it is found where nvdra reads the driver.
         let mps = Mps::new(
             opts.mps_root.clone(),
@@ -188,7 +188,6 @@ impl Plugin {
                     daemons_down: Mutex::new(Default::default()),
                     node_lock,
                     metrics,
-                    inventory_listener: std::sync::OnceLock::new(),
                     claim_locks: Mutex::new(HashMap::new()),
                     mig_locks: Mutex::new(HashMap::new()),
                     switch_blocks,
@@ -199,19 +198,6 @@ impl Plugin {
             writer,
             outcome,
         ))
-    }
-
-    /// Sets the function called after MIG devices were created or destroyed (once).
-    pub fn on_inventory_change(&self, f: Arc<dyn Fn() + Send + Sync>) {
-        if self.inner.inventory_listener.set(f).is_err() {
-            tracing::warn!("inventory listener already set; keeping the first");
-        }
-    }
-
-    fn inventory_changed(&self) {
-        if let Some(f) = self.inner.inventory_listener.get() {
-            f();
-        }
     }
 
     /// Which limit holds each prepared share claim's memory: `container` (the driver's limits on
@@ -229,8 +215,8 @@ impl Plugin {
     /// sync applies them to each inventory it publishes
     /// ([`SwitchBlocks::apply`]), so a GPU that answered `RESET_REQUIRED` is published as one
     /// whose MIG mode is the operator's, and one whose switch met `IN_USE` has the devices that
-    /// need a switch tainted. The plugin sets and clears them, and asks for a new read
-    /// ([`Plugin::on_inventory_change`]) after each change.
+    /// need a switch tainted. The plugin sets and clears them; the slice sync follows their
+    /// changes ([`SwitchBlocks::changes`]).
     pub fn switch_blocks(&self) -> SwitchBlocks {
         self.inner.switch_blocks.clone()
     }

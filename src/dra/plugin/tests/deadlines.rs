@@ -42,7 +42,7 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         mps_root: d.join("mps"),
     };
     let (plugin, writer, _) =
-        Plugin::new(opts, api.clone(), watched.clone(), Metrics::new()).unwrap();
+        Plugin::new(opts, api.clone(), watched.clone(), Metrics::new(), None).unwrap();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();
     let env = Env {

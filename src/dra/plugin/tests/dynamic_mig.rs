@@ -550,13 +550,18 @@ async fn the_spec_of_a_switched_gpu_has_the_minor_read_after_the_switch() {
     assert!(!spec.contains("/dev/nvidia3\n"), "{spec}");
 }
 
-/// Clears the holders of GPU `.1` of the wrapped backend after `.2` more snapshots: nvdra's
-/// own MPS server that exits a while after its last share was released.
+/// Clears the holders of GPU `.1` of the wrapped backend after `.2` more reads (snapshots and
+/// fresh reads alike): nvdra's own MPS server that exits a while after its last share was
+/// released.
 struct ExitsAfter(SimBackend, GpuUuid, Arc<AtomicUsize>);
 
 impl super::wrapper::Wrapper for ExitsAfter {
     fn inner(&self) -> &dyn DeviceBackend {
         &self.0
+    }
+
+    fn refresh(&self) -> crate::inventory::Result<Inventory> {
+        super::wrapper::Wrapper::snapshot(self)
     }
 
     fn snapshot(&self) -> crate::inventory::Result<Inventory> {

@@ -181,7 +181,8 @@ async fn start_with(
         proc_root: None,
     };
     tweak(&mut opts);
-    let (plugin, writer, outcome) = Plugin::new(opts, api, Arc::new(sim), Metrics::new()).unwrap();
+    let (plugin, writer, outcome) =
+        Plugin::new(opts, api, Arc::new(sim), Metrics::new(), None).unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     let mut rec = plugin.recover().await.unwrap();
@@ -760,8 +761,14 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         share_trust_domain: Default::default(),
         proc_root: None,
     };
-    let (plugin, writer, _) =
-        Plugin::new(opts, api.clone(), Arc::new(sim.clone()), Metrics::new()).unwrap();
+    let (plugin, writer, _) = Plugin::new(
+        opts,
+        api.clone(),
+        Arc::new(sim.clone()),
+        Metrics::new(),
+        None,
+    )
+    .unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     let c = claim("x", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]);
@@ -798,7 +805,7 @@ async fn outcomes_are_counted_in_metrics() {
         proc_root: None,
     };
     let (plugin, writer, _) =
-        Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone()).unwrap();
+        Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone(), None).unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     let c = claim("ok", vec![result("gpu", "gpu-1")]);

@@ -29,6 +29,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod api;
+pub mod call;
 pub mod claims;
 mod driver;
 mod error;
@@ -56,7 +57,9 @@ pub use driver::{
 pub use error::{Error, ErrorHandler, ErrorKind, log_error};
 pub use names::InvalidName;
 pub use registration::RegistrationHook;
-pub use service::{Options, Serving, serve, start};
+pub use service::{
+    GrpcRequest, GrpcResponse, GrpcService, Options, ServerLayer, Serving, serve, start,
+};
 
 // The foreign crates whose types are part of this API, so a driver uses the very versions the
 // library was built with.

@@ -124,11 +124,16 @@ impl NodeLock {
             None => {
                 let path = self.path.clone();
                 tokio::task::spawn_blocking(move || {
-                    File::options()
-                        .create(true)
-                        .truncate(false)
-                        .write(true)
-                        .open(&path)
+                    // A lock directory set apart may not exist yet (the plugin's own is there).
+                    path.parent()
+                        .map_or(Ok(()), std::fs::create_dir_all)
+                        .and_then(|()| {
+                            File::options()
+                                .create(true)
+                                .truncate(false)
+                                .write(true)
+                                .open(&path)
+                        })
                         .map_err(|source| Error::Lock { path, source })
                 })
                 .await

@@ -359,8 +359,9 @@ impl Publisher {
     }
 
     /// Sends the publisher's failures to `hook` instead of the log: a slice the API server
-    /// rejects is [`ErrorKind::Fatal`](crate::ErrorKind::Fatal) (retrying cannot help), anything
-    /// else [`Recoverable`](crate::ErrorKind::Recoverable). They are retried either way.
+    /// rejects or a request it refuses (401/403: credentials or RBAC) is
+    /// [`ErrorKind::Fatal`](crate::ErrorKind::Fatal) (retrying cannot help), anything else
+    /// [`Recoverable`](crate::ErrorKind::Recoverable). They are retried either way.
     pub fn on_error(mut self, hook: crate::error::ErrorHandler) -> Self {
         self.on_error = Some(hook);
         self
@@ -376,7 +377,9 @@ impl Publisher {
         match on_error {
             Some(hook) => {
                 let kind = match e {
-                    api::Error::Invalid(_) => crate::error::ErrorKind::Fatal,
+                    api::Error::Invalid(_) | api::Error::Denied(_) => {
+                        crate::error::ErrorKind::Fatal
+                    }
                     _ => crate::error::ErrorKind::Recoverable,
                 };
                 hook(kind, e, what);

@@ -128,6 +128,8 @@ pub(crate) struct Registrar {
     pub(crate) sockets: Sockets,
     /// Hears the kubelet's verdict on the registration (a readiness input).
     pub(crate) registered: Option<RegistrationHook>,
+    /// The driver's layer around the server ([`crate::Options::layer`]).
+    pub(crate) layer: Option<crate::service::ServerLayer>,
 }
 
 impl Registrar {
@@ -150,6 +152,7 @@ impl Registrar {
             registered: self.registered,
         };
         let result = tonic::transport::Server::builder()
+            .layer(crate::service::server_layer(self.layer))
             .add_service(RegistrationServer::new(service))
             .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
             .await;

@@ -8,6 +8,9 @@
 //! of its own: when the kubelet gives up waiting, the call still runs to its end, and the next
 //! call sees what it did. Errors of a claim travel in its response entry; the RPC itself never
 //! fails for a claim.
+//!
+//! Each call runs in a tracing span (`dra_call`: method, version, request id, claim UIDs) with
+//! its [`Call`] as the driver's [`call::current`]; each claim that fails is logged at `warn`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,7 +19,9 @@ use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
+use crate::call::{self, Call};
 use crate::claims::{self, ClaimSource};
 use crate::driver::{BoxError, Claim, Driver, PrepareClaim, PreparedDevice};
 use crate::error::{Error, ErrorHandler, ErrorKind};
@@ -76,6 +81,8 @@ struct Handler<D> {
     on_error: ErrorHandler,
     /// The device metadata files, when the plugin writes them.
     metadata: Option<Arc<crate::metadata::Files>>,
+    /// Cancelled when the plugin stops: every call's token is its child.
+    stop: CancellationToken,
 }
 
 impl<D> Clone for Handler<D> {
@@ -87,6 +94,48 @@ impl<D> Clone for Handler<D> {
             turns: self.turns.clone(),
             on_error: self.on_error.clone(),
             metadata: self.metadata.clone(),
+            stop: self.stop.clone(),
+        }
+    }
+}
+
+/// A call's span: what the kubelet asked, the request id, and the claims' UIDs.
+fn call_span(
+    method: &'static str,
+    version: &'static str,
+    call: &Call,
+    claims: &[Claim],
+) -> tracing::Span {
+    let uids: Vec<&str> = claims.iter().map(|c| c.uid.as_str()).collect();
+    tracing::info_span!(
+        "dra_call",
+        method,
+        version,
+        request_id = call.id(),
+        claims = %uids.join(","),
+    )
+}
+
+/// The namespace and name of the claim `uid` among those the kubelet named.
+fn named<'a>(claims: &'a [Claim], uid: &str) -> (&'a str, &'a str) {
+    claims
+        .iter()
+        .find(|c| c.uid == uid)
+        .map_or(("", ""), |c| (c.namespace.as_str(), c.name.as_str()))
+}
+
+/// A span naming the claim `uid`, for what is logged about it alone.
+fn claim_span(claims: &[Claim], uid: &str) -> tracing::Span {
+    let (namespace, name) = named(claims, uid);
+    tracing::warn_span!("claim", namespace, name, uid)
+}
+
+/// Logs each claim the driver failed at `warn`, naming it (the call's span adds the request id).
+fn log_failures<T>(what: &str, claims: &[Claim], answers: &Answers<T>) {
+    for (uid, answer) in answers {
+        if let Err(error) = answer {
+            let (namespace, name) = named(claims, uid);
+            tracing::warn!(namespace, name, uid = %uid, %error, "{what} failed for a claim");
         }
     }
 }
@@ -109,26 +158,47 @@ fn settle<T>(uids: &[String], outcome: Result<Returned<T>, String>) -> Answers<T
 }
 
 impl<D: Driver> Handler<D> {
-    /// Runs `call` in a task of its own once it is this call's turn, so that a caller that gives
-    /// up (the kubelet's deadline) does not cancel it halfway. `Err` is a panic, in words.
-    async fn run<T, F>(&self, what: &'static str, call: F) -> Result<Result<T, BoxError>, String>
+    /// A new call: its request id, the deadline its `grpc-timeout` sets, a token that the
+    /// plugin's stop cancels.
+    fn begin(&self, metadata: &tonic::metadata::MetadataMap) -> Call {
+        let deadline = call::grpc_timeout(metadata).map(|t| tokio::time::Instant::now() + t);
+        Call::new(call::new_id(), deadline, self.stop.child_token())
+    }
+
+    /// Runs `work` in a task of its own once it is this call's turn, so that a caller that gives
+    /// up (the kubelet's deadline) does not cancel it halfway; `call` is its
+    /// [`call::current`], cancelled when this future is dropped before the task ends (the
+    /// kubelet gave up). `Err` is a panic, in words.
+    async fn run<T, F>(
+        &self,
+        what: &'static str,
+        call: Call,
+        work: F,
+    ) -> Result<Result<T, BoxError>, String>
     where
         T: Send + 'static,
         F: Future<Output = Result<T, BoxError>> + Send + 'static,
     {
         let turns = self.turns.clone();
-        let task = tokio::spawn(async move {
-            let _turn = turns.take().await.map_err(BoxError::from)?;
-            call.await
-        });
-        task.await.map_err(|join| {
+        let gave_up = call.token().clone().drop_guard();
+        let task = tokio::spawn(
+            call.scope(async move {
+                let _turn = turns.take().await.map_err(BoxError::from)?;
+                work.await
+            })
+            .in_current_span(),
+        );
+        let ended = task.await;
+        gave_up.disarm();
+        ended.map_err(|join| {
             let e = format!("the driver's {what} failed: {join}");
             (self.on_error)(ErrorKind::Fatal, &join, &e);
             e
         })
     }
 
-    async fn prepare(&self, claims: Vec<Claim>) -> Answers<Vec<PreparedDevice>> {
+    async fn prepare(&self, claims: Vec<Claim>, call: Call) -> Answers<Vec<PreparedDevice>> {
+        let asked = claims.clone();
         let fetched = futures::future::join_all(claims.into_iter().map(|c| async {
             let uid = c.uid.clone();
             (uid, claims::fetch(&*self.claims, c, &self.name).await)
@@ -140,7 +210,17 @@ impl<D: Driver> Handler<D> {
             match r {
                 Ok(c) => ready.push(c),
                 Err(e) => {
-                    (self.on_error)(ErrorKind::Recoverable, &e, "claim refused before prepare");
+                    // RBAC or credentials: not passing by itself, unlike an unavailable server.
+                    let kind = match &e {
+                        claims::Error::Api {
+                            source: crate::api::Error::Denied(_),
+                            ..
+                        } => ErrorKind::Fatal,
+                        _ => ErrorKind::Recoverable,
+                    };
+                    // The hook (by default a `warn`) hears it inside a span naming the claim.
+                    claim_span(&asked, &uid)
+                        .in_scope(|| (self.on_error)(kind, &e, "claim refused before prepare"));
                     answers.push((uid, Err(chain(&e).to_string())));
                 }
             }
@@ -158,7 +238,7 @@ impl<D: Driver> Handler<D> {
             (files, claims.collect())
         });
         let outcome = self
-            .run("prepare", async move {
+            .run("prepare", call, async move {
                 let results = driver.prepare(ready).await?;
                 match metadata {
                     Some((files, claims)) => {
@@ -168,19 +248,22 @@ impl<D: Driver> Handler<D> {
                 }
             })
             .await;
-        answers.extend(settle(&uids, outcome));
+        let settled = settle(&uids, outcome);
+        log_failures("prepare", &asked, &settled);
+        answers.extend(settled);
         answers
     }
 
-    async fn unprepare(&self, claims: Vec<Claim>) -> Answers<()> {
+    async fn unprepare(&self, claims: Vec<Claim>, call: Call) -> Answers<()> {
         if claims.is_empty() {
             return Vec::new();
         }
+        let asked = claims.clone();
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let driver = self.driver.clone();
         let metadata = self.metadata.clone();
         let outcome = self
-            .run("unprepare", async move {
+            .run("unprepare", call, async move {
                 let results = driver.unprepare(claims).await?;
                 match metadata {
                     Some(files) => crate::metadata::after_unprepare(files, results).await,
@@ -188,7 +271,9 @@ impl<D: Driver> Handler<D> {
                 }
             })
             .await;
-        settle(&uids, outcome)
+        let answers = settle(&uids, outcome);
+        log_failures("unprepare", &asked, &answers);
+        answers
     }
 }
 
@@ -203,30 +288,36 @@ macro_rules! serve_version {
                 &self,
                 request: Request<$ver::NodePrepareResourcesRequest>,
             ) -> Result<Response<$ver::NodePrepareResourcesResponse>, Status> {
+                let call = self.0.begin(request.metadata());
                 let $ver::NodePrepareResourcesRequest { claims } = request.into_inner();
-                tracing::debug!(
-                    claims = claims.len(),
-                    concat!(stringify!($ver), " NodePrepareResources")
-                );
                 let claims = wire::$claims(claims);
-                let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-                let results = self.0.prepare(claims).await;
-                Ok(Response::new(wire::$prepare(&asked, results)))
+                let span = call_span("NodePrepareResources", stringify!($ver), &call, &claims);
+                async move {
+                    tracing::debug!(deadline = ?call.deadline(), "NodePrepareResources");
+                    let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+                    let results = self.0.prepare(claims, call).await;
+                    Ok(Response::new(wire::$prepare(&asked, results)))
+                }
+                .instrument(span)
+                .await
             }
 
             async fn node_unprepare_resources(
                 &self,
                 request: Request<$ver::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$ver::NodeUnprepareResourcesResponse>, Status> {
+                let call = self.0.begin(request.metadata());
                 let $ver::NodeUnprepareResourcesRequest { claims } = request.into_inner();
-                tracing::debug!(
-                    claims = claims.len(),
-                    concat!(stringify!($ver), " NodeUnprepareResources")
-                );
                 let claims = wire::$claims(claims);
-                let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-                let results = self.0.unprepare(claims).await;
-                Ok(Response::new(wire::$unprepare(&asked, results)))
+                let span = call_span("NodeUnprepareResources", stringify!($ver), &call, &claims);
+                async move {
+                    tracing::debug!(deadline = ?call.deadline(), "NodeUnprepareResources");
+                    let asked: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+                    let results = self.0.unprepare(claims, call).await;
+                    Ok(Response::new(wire::$unprepare(&asked, results)))
+                }
+                .instrument(span)
+                .await
             }
         }
     };
@@ -255,8 +346,10 @@ async fn serve_dra<D: Driver>(
     listener: UnixListener,
     bound: socket::Bound,
     shutdown: CancellationToken,
+    layer: Option<ServerLayer>,
 ) -> Result<(), Error> {
     let result = tonic::transport::Server::builder()
+        .layer(server_layer(layer))
         .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(
             handler.clone()
         )))
@@ -286,6 +379,36 @@ async fn serve_dra<D: Driver>(
     })
 }
 
+/// A request as a layer around the plugin's servers sees it ([`Options::layer`]).
+pub type GrpcRequest = http::Request<tonic::body::Body>;
+/// A response as a layer around the plugin's servers sees it.
+pub type GrpcResponse = http::Response<tonic::body::Body>;
+/// The service a layer around the plugin's servers wraps: all of one server's gRPC services,
+/// type-erased.
+pub type GrpcService = tower::util::BoxCloneSyncService<GrpcRequest, GrpcResponse, BoxError>;
+/// A layer around both of the plugin's servers (the DRA socket's and registration), boxed
+/// ([`Options::layer`]).
+pub type ServerLayer =
+    tower::util::BoxCloneSyncServiceLayer<GrpcService, GrpcRequest, GrpcResponse, BoxError>;
+
+/// The layer every server of the plugin is built with: the driver's ([`Options::layer`]) around
+/// the server's routes, or none.
+pub(crate) fn server_layer(
+    layer: Option<ServerLayer>,
+) -> impl tower::Layer<tonic::service::Routes, Service = GrpcService> + Clone {
+    tower::layer::layer_fn(move |routes: tonic::service::Routes| {
+        use tower::ServiceExt;
+        let inner = GrpcService::new(ServiceExt::<GrpcRequest>::map_err(
+            routes,
+            |never| match never {},
+        ));
+        match &layer {
+            Some(layer) => tower::Layer::layer(layer, inner),
+            None => inner,
+        }
+    })
+}
+
 /// Everything about a plugin but its driver: the names, where it serves, how calls take turns,
 /// where claims are read, and the hooks. Built once, from the driver and node names, which
 /// every part (sockets, claim checks, [publisher](Options::publisher)) takes from here.
@@ -307,6 +430,12 @@ pub struct Options {
     node: String,
     claims: Arc<dyn ClaimSource>,
     kubelet_root: PathBuf,
+    /// Set apart from the kubelet root (Go's `RegistrarDirectoryPath`, `PluginDataDirectoryPath`,
+    /// `FlockDirectoryPath`).
+    registry_dir: Option<PathBuf>,
+    plugin_dir: Option<PathBuf>,
+    lock_dir: Option<PathBuf>,
+    layer: Option<ServerLayer>,
     pod_uid: Option<String>,
     serialize: bool,
     node_lock: bool,
@@ -324,6 +453,10 @@ impl std::fmt::Debug for Options {
             .field("driver", &self.driver)
             .field("node", &self.node)
             .field("kubelet_root", &self.kubelet_root)
+            .field("registry_dir", &self.registry_dir)
+            .field("plugin_dir", &self.plugin_dir)
+            .field("lock_dir", &self.lock_dir)
+            .field("layer", &self.layer.is_some())
             .field("pod_uid", &self.pod_uid)
             .field("serialize", &self.serialize)
             .field("node_lock", &self.node_lock)
@@ -354,6 +487,10 @@ impl Options {
             node,
             claims: Arc::new(claims),
             kubelet_root: PathBuf::from(crate::paths::DEFAULT_KUBELET_ROOT),
+            registry_dir: None,
+            plugin_dir: None,
+            lock_dir: None,
+            layer: None,
             pod_uid: None,
             serialize: true,
             node_lock: true,
@@ -366,9 +503,70 @@ impl Options {
         })
     }
 
-    /// The kubelet's directory (`--root-dir`), `/var/lib/kubelet` by default.
+    /// The kubelet's directory (`--root-dir`), `/var/lib/kubelet` by default: the registry and
+    /// plugin data directories are under it unless set apart.
     pub fn kubelet_root(mut self, dir: impl Into<PathBuf>) -> Self {
         self.kubelet_root = dir.into();
+        self
+    }
+
+    /// Where the kubelet watches for registration sockets, instead of
+    /// `<kubelet root>/plugins_registry` (Go's `RegistrarDirectoryPath`; NVIDIA's
+    /// `--kubelet-registrar-directory-path`). The same path inside and outside the driver's
+    /// container.
+    pub fn registrar_directory(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.registry_dir = Some(dir.into());
+        self
+    }
+
+    /// This driver's directory, for the DRA socket the kubelet dials (its path is what
+    /// registration announces), the device metadata files, and by default the node lock,
+    /// instead of `<kubelet root>/plugins/<driver>` (Go's `PluginDataDirectoryPath`). Not shared
+    /// with another plugin; the same path inside and outside the driver's container.
+    pub fn plugin_data_directory(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.plugin_dir = Some(dir.into());
+        self
+    }
+
+    /// Where the node lock's `serialize.lock` is, instead of the plugin data directory (Go's
+    /// `FlockDirectoryPath`): the directory both instances of a rolling update see. Created
+    /// when missing.
+    pub fn lock_directory(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.lock_dir = Some(dir.into());
+        self
+    }
+
+    /// A tower layer around both servers of the plugin, the DRA socket's (DRA and health
+    /// services) and registration's: it sees every gRPC request (its path names the method)
+    /// before the library's services do (Go's `GRPCInterceptor`). One layer; compose several
+    /// with `tower::ServiceBuilder`. A layer whose responses have another body type maps them
+    /// with `tonic::body::Body::new`.
+    ///
+    /// ```
+    /// # use kubelet_plugin::testing::MemoryClaims;
+    /// use kubelet_plugin::{GrpcRequest, Options};
+    /// use tower::ServiceBuilder;
+    ///
+    /// let logged = ServiceBuilder::new()
+    ///     .map_request(|r: GrpcRequest| {
+    ///         tracing::info!(method = r.uri().path(), "kubelet call");
+    ///         r
+    ///     })
+    ///     .into_inner();
+    /// let opts = Options::new("fpga.example.com", "node-a", MemoryClaims::default())?.layer(logged);
+    /// # Ok::<(), kubelet_plugin::InvalidName>(())
+    /// ```
+    pub fn layer<L>(mut self, layer: L) -> Self
+    where
+        L: tower::Layer<GrpcService> + Send + Sync + 'static,
+        L::Service: tower::Service<GrpcRequest, Response = GrpcResponse, Error = BoxError>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        <L::Service as tower::Service<GrpcRequest>>::Future: Send + 'static,
+    {
+        self.layer = Some(ServerLayer::new(layer));
         self
     }
 
@@ -462,14 +660,26 @@ impl Options {
         self.on_error.clone()
     }
 
-    /// `<kubelet root>/plugins/<driver>`: the DRA socket's directory, and the driver's own.
+    /// The DRA socket's directory, and the driver's own: `<kubelet root>/plugins/<driver>`
+    /// unless [set apart](Options::plugin_data_directory).
     pub fn plugin_dir(&self) -> PathBuf {
-        crate::paths::plugin_dir(&self.kubelet_root, &self.driver)
+        self.plugin_dir
+            .clone()
+            .unwrap_or_else(|| crate::paths::plugin_dir(&self.kubelet_root, &self.driver))
     }
 
-    /// `<kubelet root>/plugins_registry`, which the kubelet watches for registration sockets.
+    /// Where the kubelet watches for registration sockets: `<kubelet root>/plugins_registry`
+    /// unless [set apart](Options::registrar_directory).
     pub fn registry_dir(&self) -> PathBuf {
-        crate::paths::registry_dir(&self.kubelet_root)
+        self.registry_dir
+            .clone()
+            .unwrap_or_else(|| crate::paths::registry_dir(&self.kubelet_root))
+    }
+
+    /// The node lock's directory: the plugin directory unless
+    /// [set apart](Options::lock_directory).
+    pub fn lock_dir(&self) -> PathBuf {
+        self.lock_dir.clone().unwrap_or_else(|| self.plugin_dir())
     }
 
     /// This instance's socket paths.
@@ -501,7 +711,7 @@ impl Options {
             return Turns::Concurrent;
         }
         let node =
-            (self.node_lock && self.pod_uid.is_some()).then(|| NodeLock::new(&self.plugin_dir()));
+            (self.node_lock && self.pod_uid.is_some()).then(|| NodeLock::new(&self.lock_dir()));
         Turns::OneAtATime {
             here: tokio::sync::Mutex::new(()),
             node,
@@ -555,6 +765,7 @@ pub fn start<D: Driver>(
         driver: opts.driver.clone(),
         sockets: sockets.clone(),
         registered: opts.on_registered.clone(),
+        layer: opts.layer.clone(),
     };
     let reg_listener = registrar.bind()?;
     let reg_bound = owned.adopt(&sockets.registration);
@@ -574,10 +785,19 @@ pub fn start<D: Driver>(
         turns: Arc::new(opts.turns()),
         on_error: opts.on_error.clone(),
         metadata: opts.metadata_files().map(Arc::new),
+        stop: stop.clone(),
     };
     let on_error = opts.on_error;
+    let layer = opts.layer;
     Ok(Serving(Box::pin(async move {
-        let dra = serve_dra(handler, health, dra_listener, dra_bound, stop.clone());
+        let dra = serve_dra(
+            handler,
+            health,
+            dra_listener,
+            dra_bound,
+            stop.clone(),
+            layer,
+        );
         let reg = registrar.run(reg_listener, reg_bound, stop.clone());
         // Whichever server ends first (shutdown, or an error) stops the other.
         let ended = |r: Result<(), Error>| {

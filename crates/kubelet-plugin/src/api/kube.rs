@@ -3,8 +3,8 @@
 //!
 //! Invariants: every call is one HTTP request (no client-side rate limiting, no retries here: the
 //! caller owns backoff); HTTP status codes map onto [`Error`]'s classes (409 → `Conflict`,
-//! 404 → `NotFound`, 400/422 and other 4xx → `Invalid`, 401/403/429/5xx and transport failures →
-//! `Transient`). The slice watch is kube-runtime's [`watcher()`]: it lists, follows
+//! 404 → `NotFound`, 401/403 → `Denied` (credentials, RBAC), 400/422 and other 4xx → `Invalid`,
+//! 408/429/5xx and transport failures → `Transient`). The slice watch is kube-runtime's [`watcher()`]: it lists, follows
 //! `resourceVersion` and bookmarks across reconnects, and re-lists when the server answers
 //! 410 Gone; each completed (re-)list is a [`SliceEvent::Restarted`].
 
@@ -48,7 +48,21 @@ fn classify_status(what: &str, status: &kube::core::Status) -> Error {
     match status.code {
         409 => Error::Conflict(msg.into()),
         404 => Error::NotFound(msg.into()),
-        401 | 403 | 408 | 429 => Error::Transient(msg.into()),
+        401 => Error::Denied(
+            format!(
+                "{msg}; the server did not accept the plugin's credentials: check its \
+                 ServiceAccount token (or kubeconfig) is mounted, current and of this cluster"
+            )
+            .into(),
+        ),
+        403 => Error::Denied(
+            format!(
+                "{msg}; check RBAC: a Role or ClusterRole bound to the plugin's ServiceAccount \
+                 must allow this request"
+            )
+            .into(),
+        ),
+        408 | 429 => Error::Transient(msg.into()),
         c if c >= 500 => Error::Transient(msg.into()),
         _ => Error::Invalid(msg.into()),
     }
@@ -226,11 +240,40 @@ mod tests {
             classify("x", status(400, "BadRequest")),
             Error::Invalid(_)
         ));
-        for code in [401, 403, 429, 500, 503, 504] {
+        for code in [408, 429, 500, 503, 504] {
             assert!(
                 matches!(classify("x", status(code, "")), Error::Transient(_)),
                 "{code}"
             );
+        }
+        for code in [401, 403] {
+            assert!(
+                matches!(classify("x", status(code, "")), Error::Denied(_)),
+                "{code}"
+            );
+        }
+    }
+
+    /// 401 and 403 say what to check, and not that the server is unavailable.
+    #[test]
+    fn refusals_name_credentials_or_rbac() {
+        let forbidden = crate::report::chain(&classify(
+            "create resourceslice s1",
+            status(403, "Forbidden"),
+        ))
+        .to_string();
+        assert!(
+            forbidden.starts_with("denied by the API server: create resourceslice s1: boom"),
+            "{forbidden}"
+        );
+        assert!(forbidden.contains("check RBAC"), "{forbidden}");
+        assert!(forbidden.contains("ServiceAccount"), "{forbidden}");
+        let unauthorized =
+            crate::report::chain(&classify("get node n", status(401, "Unauthorized"))).to_string();
+        assert!(unauthorized.contains("credentials"), "{unauthorized}");
+        assert!(unauthorized.contains("token"), "{unauthorized}");
+        for text in [forbidden, unauthorized] {
+            assert!(!text.contains("unavailable"), "{text}");
         }
     }
 

@@ -24,6 +24,11 @@ pub enum Error {
     Invalid(Failure),
     /// No API client could be built (no in-cluster config, unreadable kubeconfig, bad URL).
     Setup(Failure),
+    /// The API server refused the caller: HTTP 401 (its credentials: a missing, expired or
+    /// foreign ServiceAccount token or kubeconfig) or 403 (RBAC: no Role or ClusterRole bound to
+    /// it allows the request). The message says which and what to check; retrying cannot help
+    /// until an administrator fixes it.
+    Denied(Failure),
     /// Anything that may pass: connection refused, 5xx, timeouts. Retry with backoff.
     Transient(Failure),
 }
@@ -35,6 +40,7 @@ impl Error {
             Error::NotFound(f) => ("not found", f),
             Error::Invalid(f) => ("rejected by the API server", f),
             Error::Setup(f) => ("cannot set up the API client", f),
+            Error::Denied(f) => ("denied by the API server", f),
             Error::Transient(f) => ("API server unavailable", f),
         }
     }

@@ -49,12 +49,44 @@ async fn consumers_read_the_last_publication_until_the_owner_reads_again() {
         }
     });
     // Not read yet: every consumer still sees the same inventory.
-    assert_eq!(watched.refresh().unwrap(), *first);
+    assert_eq!(watched.snapshot().unwrap(), *first);
     let mut w = handle.subscribe();
     w.mark_unchanged();
     owner.read().await.unwrap();
     assert!(w.has_changed().unwrap(), "a read wakes the consumers");
     assert!(!watched.snapshot().unwrap().gpus[0].health.is_healthy());
+}
+
+/// A refresh through [`Watched`] is a read the owner makes for it, asked for and waited for
+/// (the plugin waiting for its MPS processes to leave a GPU): the only consumer read that
+/// reaches the hardware, and still the owner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refresh_through_watched_is_a_read_the_owner_makes() {
+    let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
+    let stop = CancellationToken::new();
+    let handle = crate::inventory::owner::start(
+        Arc::new(sim.clone()),
+        Duration::from_secs(3600),
+        crate::inventory::owner::no_health(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
+    sim.update(|inv| {
+        inv.gpus[0].health = Health::Unhealthy {
+            reason: "XID 79".into(),
+        }
+    });
+    assert!(watched.snapshot().unwrap().gpus[0].health.is_healthy());
+    let w = watched.clone();
+    let fresh = tokio::task::spawn_blocking(move || w.refresh())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!fresh.gpus[0].health.is_healthy(), "a fresh read");
+    assert_eq!(handle.latest().reads, 2, "the owner's second read");
+    stop.cancel();
 }
 
 #[tokio::test]

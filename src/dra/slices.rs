@@ -59,6 +59,10 @@ pub use kubelet_plugin::validate::{
 pub const ATTR_PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// The standard attribute for a device's PCIe root complex (`pci<domain>:<bus>`).
 pub const ATTR_PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// The standard attribute for a device's NUMA node (an int, KEP-6072), which other drivers (NICs,
+/// CPUs, memory) publish too, so one `matchAttribute` aligns devices of several drivers. The
+/// bare `numaNode` beside it stays for claims written against NVIDIA's names.
+pub const ATTR_NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 /// The NVLink fabric cluster a GPU (and its MIG devices) registered with, a canonical UUID.
 /// NVIDIA's DRA driver publishes no fabric attribute (its clique is only the
 /// `nvidia.com/gpu.clique` node label, `<clusterUUID>.<cliqueID>`), so the name is ours.

@@ -71,6 +71,29 @@ fn selectors_over_builtin_profiles() {
             "cel.bind(g, device.attributes['gpu.nvidia.com'], g.cudaComputeCapability.major() == 9 && g.numaNode == 1)",
             4,
         ),
+        // The standard NUMA attribute (KEP-6072) beside NVIDIA's bare name, on GPUs and MIG
+        // devices alike, with the same value; bracket and field selection read it the same.
+        (
+            "dgx-h100",
+            "device.attributes['resource.kubernetes.io'].numaNode == 1",
+            4,
+        ),
+        (
+            "a100-mig-mixed",
+            "device.attributes['resource.kubernetes.io']['numaNode'] == device.attributes['gpu.nvidia.com'].numaNode",
+            9,
+        ),
+        (
+            "a100-mig-mixed",
+            "device.attributes['gpu.nvidia.com'].type == 'mig' && device.attributes['resource.kubernetes.io'].numaNode == 0",
+            4,
+        ),
+        // The domain is the attribute's, not the driver's: the standard name is not in it.
+        (
+            "dgx-h100",
+            "!('resource.kubernetes.io/numaNode' in device.attributes['gpu.nvidia.com'])",
+            8,
+        ),
         (
             "dgx-h100",
             "device.attributes['gpu.nvidia.com'].productName.split(' ')[1].upperAscii() == 'H100'",

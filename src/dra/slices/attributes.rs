@@ -8,8 +8,8 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{
-    ATTR_FABRIC_CLIQUE_ID, ATTR_FABRIC_CLUSTER_UUID, ATTR_PCI_BUS_ID, ATTR_PCIE_ROOT,
-    MAX_ATTRIBUTES_AND_CAPACITIES, MAX_VALUE_LENGTH, is_semver,
+    ATTR_FABRIC_CLIQUE_ID, ATTR_FABRIC_CLUSTER_UUID, ATTR_NUMA_NODE, ATTR_PCI_BUS_ID,
+    ATTR_PCIE_ROOT, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_VALUE_LENGTH, is_semver,
 };
 use crate::ids::DeviceName;
 use crate::inventory::{Engines, Gpu, MigDevice, MigProfile, MigUuid, Placement, quantity};
@@ -145,6 +145,7 @@ pub(super) fn silicon_attributes(gpu: &Gpu) -> Attributes {
     }
     if let Some(numa) = gpu.numa_node {
         a.insert("numaNode".into(), int(numa));
+        a.insert(ATTR_NUMA_NODE.into(), int(numa));
     }
     a.insert("nvlinkDomain".into(), int(gpu.nvlink_domain));
     if let Some(f) = &gpu.fabric {
@@ -246,8 +247,7 @@ pub(super) fn shareable_gpu_device(gpu: &Gpu, mode: ConsumableShares) -> Option<
 /// steps of 1, so that a share that does not ask for them is charged none and a second one
 /// fits (NVIDIA publishes them without a policy, so under the 1.36 allocator each claim that
 /// does not ask for them consumes all of each). Where `shares` would take a device past the
-/// API's 32 attributes and capacities (a 7g device on an 8-slice GPU with a fabric), the fabric
-/// attributes, which are nvdra's and not NVIDIA's, are left out of it.
+/// API's limit, the fabric attributes go as in [`mig_device`].
 ///
 /// `None` when `mode` is disabled, for a placement with no MIG device yet, and for a MIG
 /// device too small to share: it is published as without the switch.
@@ -275,16 +275,7 @@ pub(super) fn shareable_mig_device(
         }
     }
     share_capacities(c, m.memory_bytes, mode);
-    let width = |d: &Device| {
-        d.attributes.as_ref().map_or(0, BTreeMap::len)
-            + d.capacity.as_ref().map_or(0, BTreeMap::len)
-    };
-    if width(&d) > MAX_ATTRIBUTES_AND_CAPACITIES
-        && let Some(a) = d.attributes.as_mut()
-    {
-        a.remove(ATTR_FABRIC_CLUSTER_UUID);
-        a.remove(ATTR_FABRIC_CLIQUE_ID);
-    }
+    fit_attribute_limit(&mut d);
     d.allow_multiple_allocations = Some(true);
     Some(d)
 }
@@ -387,8 +378,7 @@ pub(super) fn mig_device(gpu: &Gpu, m: &MigShape<'_>) -> Device {
     a.insert("parentUUID".into(), string(gpu.uuid.as_str()));
     a.insert("profile".into(), string(m.profile));
     // No `parentMinor`: the device name carries it, NVIDIA's driver does not publish it, and a
-    // 7g device on an 8-slice GPU needs the room (16 attributes + 15 capacities + 2 fabric
-    // attributes would break the limit of 32).
+    // 7g device on an 8-slice GPU needs the room (see `fit_attribute_limit`).
     a.insert("parentIndex".into(), int(gpu.index));
 
     let mut c = Capacities::new();
@@ -401,10 +391,28 @@ pub(super) fn mig_device(gpu: &Gpu, m: &MigShape<'_>) -> Device {
     for slice in m.placement.slices() {
         c.insert(format!("memorySlice{slice}"), capacity("1".into()));
     }
-    Device {
+    let mut d = Device {
         name: DeviceName::mig(gpu.minor, m.profile, m.gi_profile_id, m.placement.start).into(),
         attributes: Some(a),
         capacity: Some(c),
         ..Default::default()
+    };
+    fit_attribute_limit(&mut d);
+    d
+}
+
+/// Keeps a MIG device within the API's 32 attributes and capacities: the widest, an existing
+/// 7g device on an 8-slice GPU (16 attributes, 15 capacities, `shares` in integer mode) with
+/// a fabric's 2 attributes, would break it. The fabric attributes go: they are nvdra's, not
+/// NVIDIA's, and a MIG device has no NVLink peer-to-peer to align by them. Everything else
+/// (the standard attributes, NVIDIA's names) stays.
+fn fit_attribute_limit(d: &mut Device) {
+    let width = d.attributes.as_ref().map_or(0, BTreeMap::len)
+        + d.capacity.as_ref().map_or(0, BTreeMap::len);
+    if width > MAX_ATTRIBUTES_AND_CAPACITIES
+        && let Some(a) = d.attributes.as_mut()
+    {
+        a.remove(ATTR_FABRIC_CLUSTER_UUID);
+        a.remove(ATTR_FABRIC_CLIQUE_ID);
     }
 }

@@ -29,6 +29,7 @@ fn full_gpu_attributes_have_the_right_types() {
         ATTR_PCI_BUS_ID,
         ATTR_PCIE_ROOT,
         "numaNode",
+        ATTR_NUMA_NODE,
         "nvlinkDomain",
         "migCapable",
     ]
@@ -47,6 +48,8 @@ fn full_gpu_attributes_have_the_right_types() {
     assert_eq!(attr(d, ATTR_PCI_BUS_ID), &s(g.pci_bus_id.as_str()));
     assert_eq!(attr(d, ATTR_PCIE_ROOT), &s(g.pcie_root.as_deref().unwrap()));
     assert_eq!(attr(d, "numaNode"), &int(0));
+    assert_eq!(attr(d, ATTR_NUMA_NODE), &int(0));
+    assert_eq!(attr(device(&specs, "gpu-7"), ATTR_NUMA_NODE), &int(1));
     assert_eq!(attr(d, "nvlinkDomain"), &int(0));
     assert_eq!(attr(d, "migCapable"), &boolean(true));
     let caps: BTreeMap<&str, String> = d
@@ -115,7 +118,8 @@ fn fabric_registration_is_published_on_gpus_and_their_mig_devices() {
 
 /// The fullest device there is, a 7g instance spanning all 8 memory slices of a GPU with a PCIe
 /// root, a NUMA node and a fabric, stays within the API's 32 attributes and capacities, in
-/// plain and in partitionable mode.
+/// plain and in partitionable mode: an existing one (with its `uuid`) gives up the fabric
+/// attributes for the room, and keeps both NUMA attributes.
 #[test]
 fn the_largest_mig_device_with_a_fabric_fits_the_attribute_limit() {
     let mut inv = mig_ready("dgx-a100");
@@ -148,21 +152,37 @@ fn the_largest_mig_device_with_a_fabric_fits_the_attribute_limit() {
         }
         let specs = desired_slices(&inv, &opts(partitionable, CounterLayout::Separate))
             .unwrap_or_else(|e| panic!("partitionable={partitionable}: {e}"));
-        let widest = all_devices(&specs)
-            .into_iter()
-            .map(|d| {
-                d.attributes.as_ref().map_or(0, BTreeMap::len)
-                    + d.capacity.as_ref().map_or(0, BTreeMap::len)
-            })
-            .max()
-            .unwrap();
-        // An existing device (with its `uuid`) is the widest there is: exactly at the limit.
+        let devices = all_devices(&specs);
+        let width = |d: &Device| {
+            d.attributes.as_ref().map_or(0, BTreeMap::len)
+                + d.capacity.as_ref().map_or(0, BTreeMap::len)
+        };
+        let widest = devices.iter().map(|d| width(d)).max().unwrap();
+        // A placement not yet created (no `uuid`) keeps its fabric and is exactly at the limit;
+        // the existing device would be one over with it, so it goes without.
         let want = if partitionable {
-            MAX_ATTRIBUTES_AND_CAPACITIES - 1
-        } else {
             MAX_ATTRIBUTES_AND_CAPACITIES
+        } else {
+            MAX_ATTRIBUTES_AND_CAPACITIES - 1
         };
         assert_eq!(widest, want, "partitionable={partitionable}");
+        if !partitionable {
+            let d = devices.iter().find(|d| d.name.contains("-mig-7g")).unwrap();
+            let attrs = d.attributes.as_ref().unwrap();
+            assert!(attrs.contains_key("uuid"));
+            assert!(
+                !attrs.contains_key(ATTR_FABRIC_CLIQUE_ID)
+                    && !attrs.contains_key(ATTR_FABRIC_CLUSTER_UUID)
+            );
+        }
+        for d in &devices {
+            let attrs = d.attributes.as_ref().unwrap();
+            assert!(
+                attrs.contains_key("numaNode") && attrs.contains_key(ATTR_NUMA_NODE),
+                "{}",
+                d.name
+            );
+        }
     }
 }
 

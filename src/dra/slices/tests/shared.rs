@@ -423,8 +423,9 @@ fn every_mode_shares_existing_mig_devices_and_leaves_small_devices_plain() {
 
 /// The widest MIG device, a 7g instance over all 8 memory slices of a GPU with a PCIe root, a
 /// NUMA node and a fabric, stays within the API's 32 attributes and capacities when shared in
-/// every mode, plain and partitionable: in integer mode `shares` takes the place of the fabric
-/// attributes (nvdra's, not NVIDIA's), which the other modes keep.
+/// every mode, plain and partitionable: beside the standard `resource.kubernetes.io/numaNode`
+/// it has no room for the fabric attributes (nvdra's, not NVIDIA's) in any mode, and in integer
+/// mode `shares` takes the last place.
 #[test]
 fn the_widest_shared_mig_device_fits_the_attribute_limit() {
     let mut inv = mig_ready("dgx-a100");
@@ -472,13 +473,14 @@ fn the_widest_shared_mig_device_fits_the_attribute_limit() {
             assert_eq!(d.allow_multiple_allocations, Some(true));
             let attrs = d.attributes.as_ref().unwrap();
             let width = attrs.len() + d.capacity.as_ref().unwrap().len();
-            // At the limit; in integer mode one under it (`shares` in, both fabric attributes,
-            // which go together, out).
-            let want = MAX_ATTRIBUTES_AND_CAPACITIES - usize::from(m == "4");
+            // One under the limit; in integer mode at it (`shares` in). Both fabric attributes,
+            // which go together, out.
+            let want = MAX_ATTRIBUTES_AND_CAPACITIES - usize::from(m != "4");
             assert_eq!(width, want, "partitionable={partitionable} {m}");
-            assert_eq!(
-                attrs.contains_key(ATTR_FABRIC_CLIQUE_ID),
-                m != "4",
+            assert!(
+                !attrs.contains_key(ATTR_FABRIC_CLIQUE_ID)
+                    && !attrs.contains_key(ATTR_FABRIC_CLUSTER_UUID)
+                    && attrs.contains_key(ATTR_NUMA_NODE),
                 "partitionable={partitionable} {m}"
             );
             assert_eq!(

@@ -134,10 +134,13 @@ async fn main() {
 
     let m = Metrics::new();
     let source = Arc::new(
-        Attribution::new(Arc::new(sim.clone()))
-            .with_ledger(ledger.clone())
-            .with_monitor(handle.clone())
-            .with_proc_root(&proc_root),
+        Attribution::new(
+            nvdra::inventory::owner::fixed(sim.snapshot().expect("inventory")),
+            Arc::new(sim.clone()),
+        )
+        .with_ledger(ledger.clone())
+        .with_monitor(handle.clone())
+        .with_proc_root(&proc_root),
     );
     // The XID events reach the monitor's counts.
     while handle.xid_counts().len() < 56 {

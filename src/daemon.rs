@@ -319,6 +319,7 @@ async fn start(
     };
     // What a scrape reads: the claims, the containers, readings, XIDs, processes' pods.
     let source = scrape_source(
+        inventory.subscribe(),
         &backend,
         plugin.as_ref(),
         &monitor,
@@ -449,7 +450,7 @@ async fn serve_dra(
 
     publish(config, plugin, holds, api, inventory, metrics, tasks).await;
     if config.shared_capacity.enabled() {
-        spawn_share_daemon_watch(config, plugin, monitor, metrics, tasks);
+        spawn_share_daemon_watch(config, plugin, monitor, tasks);
     }
     if config.dynamic_mig.enabled() {
         // Each read: a pending MIG mode change withdrawn, IN_USE blocks whose holders are gone
@@ -463,16 +464,18 @@ async fn serve_dra(
     Ok(())
 }
 
-/// What a `/metrics` scrape reads: the claims (`ledger`, absent without DRA), what containers
-/// hold through the device plugin, the GPUs' readings, the XID counts, processes' pods.
+/// What a `/metrics` scrape reads: the owner's publications (`node`), the claims (`ledger`,
+/// absent without DRA), what containers hold through the device plugin, the GPUs' readings,
+/// the XID counts, processes' pods.
 fn scrape_source(
+    node: owner::Watch,
     backend: &Arc<dyn DeviceBackend>,
     plugin: Option<&Plugin>,
     monitor: &HealthMonitor,
     device_plugin: Option<&DevicePlugin>,
     extras: &Extras,
 ) -> Arc<Attribution> {
-    let mut source = Attribution::new(backend.clone()).with_monitor(monitor.handle.clone());
+    let mut source = Attribution::new(node, backend.clone()).with_monitor(monitor.handle.clone());
     if let Some(plugin) = plugin {
         let levels = plugin.clone();
         source = source
@@ -679,22 +682,12 @@ async fn publish(
     });
 }
 
-/// Where the daemon watch's rounds go: `nvdra_mps_daemon_up` and the health monitor, whose
-/// state taints a GPU whose share daemon does not answer (the slices follow its transitions).
-struct ShareDaemonReport {
-    metrics: Arc<Metrics>,
-    monitor: crate::health::MonitorHandle,
-}
-
-impl plugin::DaemonReport for ShareDaemonReport {
-    fn report(
-        &self,
-        up: &std::collections::BTreeMap<crate::inventory::DeviceUuid, bool>,
-        down: &crate::health::DaemonsDown,
-    ) {
-        self.metrics
-            .set_share_daemons(up.iter().map(|(g, up)| (g.to_string(), *up)));
-        self.monitor.report_share_daemons(down.clone());
+/// Where the daemon watch's rounds go: the health monitor, whose state taints a GPU whose share
+/// daemon does not answer; the owner publishes it, and every consumer (the slices,
+/// `nvdra_mps_daemon_up`) follows the publication.
+impl plugin::DaemonReport for crate::health::MonitorHandle {
+    fn report(&self, up: &crate::health::DaemonsAsked, down: &crate::health::DaemonsDown) {
+        self.report_share_daemons(up.clone(), down.clone());
     }
 }
 
@@ -704,13 +697,9 @@ fn spawn_share_daemon_watch(
     config: &Config,
     plugin: &Plugin,
     monitor: &HealthMonitor,
-    metrics: &Arc<Metrics>,
     tasks: &mut Supervisor,
 ) {
-    let report = Arc::new(ShareDaemonReport {
-        metrics: metrics.clone(),
-        monitor: monitor.handle.clone(),
-    });
+    let report = Arc::new(monitor.handle.clone());
     let (plugin, interval) = (plugin.clone(), config.mps_probe_interval);
     tracing::debug!(?interval, "watching the share daemons");
     tasks.spawn("share-daemon-watch", |token| async move {

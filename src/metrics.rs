@@ -91,9 +91,6 @@ pub struct Metrics {
     pub gpus: AtomicU64,
     pub unhealthy_devices: AtomicU64,
     pub registered: Arc<AtomicBool>,
-    /// Whether the share daemon of each GPU with shares answered the last probe, by GPU UUID
-    /// ([`Metrics::set_share_daemons`]).
-    share_daemons: Mutex<BTreeMap<String, bool>>,
     /// Free-form build info labels (version, backend, mode).
     info: Mutex<BTreeMap<&'static str, String>>,
     /// The GPUs whose MIG mode the DRA plugin will not switch now (dynamic MIG): shared with
@@ -120,12 +117,6 @@ impl Metrics {
         lock(&self.info).insert(key, value.into());
     }
 
-    /// The daemon watch's last round: each GPU with shares and whether its daemon answered.
-    /// GPUs left out (no share any more) leave the metric.
-    pub fn set_share_daemons(&self, up: impl IntoIterator<Item = (String, bool)>) {
-        *lock(&self.share_daemons) = up.into_iter().collect();
-    }
-
     /// A long-lived task stopped unexpectedly (the process is stopping): `/readyz` fails from
     /// now on, naming it. The first one is kept.
     pub fn set_stopped(&self, task: &str, reason: &str) {
@@ -144,6 +135,7 @@ impl Metrics {
     /// the counters (the daemon's [`attribution::Attribution`]). Blocking: it reads the source.
     pub fn render(&self, source: Option<&dyn Source>) -> String {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let scrape = source.map(|s| s.scrape());
         let snapshot = Snapshot {
             info: lock(&self.info)
                 .iter()
@@ -162,10 +154,10 @@ impl Metrics {
             gpus: load(&self.gpus),
             unhealthy_devices: load(&self.unhealthy_devices),
             ready: self.ready(),
-            share_daemons: lock(&self.share_daemons)
-                .iter()
-                .map(|(g, up)| (g.clone(), *up))
-                .collect(),
+            share_daemons: scrape
+                .as_ref()
+                .map(|s| s.share_daemons.clone())
+                .unwrap_or_default(),
             switch_blocks: self
                 .switch_blocks
                 .all()
@@ -173,7 +165,7 @@ impl Metrics {
                 .map(|(gpu, block)| (gpu.to_string(), block_reason(&block)))
                 .collect(),
             cdi_hook: cdi_hook_row(),
-            scrape: source.map(|s| s.scrape()),
+            scrape,
         };
         encode(snapshot)
     }
@@ -272,16 +264,30 @@ mod tests {
         }
     }
 
+    /// The gauge follows the owner's publications: each GPU the share-daemon watch asked in
+    /// its last round, as the published health carries it.
     #[test]
     fn each_gpu_with_shares_has_its_daemon_up_gauge() {
+        use crate::inventory::{DeviceUuid, GpuUuid, owner};
+        let sim = crate::inventory::sim::SimBackend::from_profile("dgx-h100", "n").unwrap();
+        let (tx, node) = tokio::sync::watch::channel(owner::Published::default());
+        let source = attribution::Attribution::new(node, Arc::new(sim));
+        let round = |answers: &[(&str, bool)]| {
+            tx.send_modify(|p| {
+                p.health.daemons_asked = answers
+                    .iter()
+                    .map(|(g, up)| (DeviceUuid::Gpu(GpuUuid((*g).into())), *up))
+                    .collect();
+            })
+        };
         let m = Metrics::new();
-        let text = m.render(None);
+        let text = m.render(Some(&source));
         assert!(
             !text.lines().any(|l| l.starts_with("nvdra_mps_daemon_up{")),
             "no GPU with shares, no sample: {text}"
         );
-        m.set_share_daemons([("GPU-a".to_string(), true), ("GPU-b".to_string(), false)]);
-        let text = m.render(None);
+        round(&[("GPU-a", true), ("GPU-b", false)]);
+        let text = m.render(Some(&source));
         let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         for want in [
             "nvdra_mps_daemon_up{gpu=\"GPU-a\"} 1",
@@ -290,9 +296,9 @@ mod tests {
             assert!(samples.contains(&want), "no sample {want:?} in {text}");
         }
         // A GPU whose last share went leaves the metric.
-        m.set_share_daemons([("GPU-b".to_string(), true)]);
-        let text = m.render(None);
-        assert!(!text.contains("GPU-a"), "{text}");
+        round(&[("GPU-b", true)]);
+        let text = m.render(Some(&source));
+        assert!(!text.contains("gpu=\"GPU-a\""), "{text}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! Issue 35 item 2: one MIG change and one health transition each reach the four consumers of
-//! the inventory owner's watch (slices, `ListAndWatch`, the DRA health stream, the node labels)
-//! from the same publication, the MIG change with one hardware read and the health transition
-//! with none.
+//! Issue 35 item 2: one MIG change and one health transition each reach the consumers of the
+//! inventory owner's watch (slices, `ListAndWatch`, the DRA health stream, the node labels,
+//! `/metrics`) from the same publication, the MIG change with one hardware read and the health
+//! transition with none.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,8 @@ use crate::dra::sync::SliceSync;
 use crate::inventory::health::{Cause, Fault, HealthState};
 use crate::inventory::owner;
 use crate::inventory::sim::SimBackend;
-use crate::inventory::{DeviceBackend, Placement, TaintEffect};
+use crate::inventory::{DeviceBackend, DeviceUuid, Placement, ProcessUsage, TaintEffect};
+use crate::metrics::{Source, attribution::Attribution};
 
 const NODE: &str = "n";
 /// The new MIG device: a 1g.10gb (profile 15) in the free slots 6-7 of GPU 2.
@@ -72,7 +73,7 @@ fn slice_taints(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mig_change_and_a_health_transition_reach_all_four_consumers_from_one_publication() {
+async fn a_mig_change_and_a_health_transition_reach_every_consumer_from_one_publication() {
     let root = tempfile::tempdir().unwrap();
     let sim = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
     let stop = CancellationToken::new();
@@ -139,6 +140,15 @@ async fn a_mig_change_and_a_health_transition_reach_all_four_consumers_from_one_
         Duration::from_millis(20),
         stop.clone(),
     ));
+    // `/metrics` (its readings are the backend's own, live).
+    let metrics = Attribution::new(owner.subscribe(), Arc::new(sim.clone()));
+    let mig_of = |pid: u32| {
+        let s = metrics.scrape();
+        s.processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .map(|p| p.mig_uuid.clone())
+    };
 
     // Everyone has the first read.
     let first = list.message().await.unwrap().unwrap();
@@ -163,6 +173,17 @@ async fn a_mig_change_and_a_health_transition_reach_all_four_consumers_from_one_
     let created = sim
         .create_mig(&gpu2, 15, Placement { start: 6, size: 2 })
         .unwrap();
+    // A process in the new instance: `/metrics` names its MIG device only once a publication
+    // lists the device (it reads no inventory of its own).
+    sim.set_processes(
+        &gpu2,
+        vec![ProcessUsage {
+            pid: 4242,
+            used_memory_bytes: Some(1 << 30),
+            gpu_instance: Some(created.gi_id),
+        }],
+    );
+    assert_eq!(mig_of(4242), Some(String::new()), "not yet published");
     let ticket = owner.request();
     let read = owner.wait(ticket).await.unwrap();
     assert_eq!(read.reads, before.reads + 1);
@@ -187,6 +208,7 @@ async fn a_mig_change_and_a_health_transition_reach_all_four_consumers_from_one_
         (gpu_count(&*api).await.as_deref() == Some("8")).then_some(())
     })
     .await;
+    assert_eq!(mig_of(4242), Some(created.uuid.to_string()), "/metrics");
     let after_mig = owner.latest();
     assert_eq!(
         (after_mig.reads, after_mig.generation),
@@ -194,8 +216,12 @@ async fn a_mig_change_and_a_health_transition_reach_all_four_consumers_from_one_
         "one hardware read, one publication, for the MIG change"
     );
 
-    // (b) GPU 2 falls off the bus: republished without a read.
+    // (b) GPU 2 falls off the bus, and the share-daemon watch's round says GPU 0's daemon
+    // answers: republished without a read.
+    assert!(metrics.scrape().share_daemons.is_empty());
+    let gpu0 = before.node.as_ref().unwrap().gpus[0].uuid.clone();
     health.send_modify(|h| {
+        h.daemons_asked.insert(DeviceUuid::Gpu(gpu0.clone()), true);
         h.faults.insert(
             gpu2.clone(),
             Fault {
@@ -225,6 +251,11 @@ async fn a_mig_change_and_a_health_transition_reach_all_four_consumers_from_one_
     })
     .await;
     assert_eq!(taints.len(), 1, "{taints:?}");
+    assert_eq!(
+        metrics.scrape().share_daemons,
+        vec![(gpu0.to_string(), true)],
+        "nvdra_mps_daemon_up"
+    );
     // The node labels carry no health: nothing of (b) to see there.
     let after_fault = owner.latest();
     assert_eq!(

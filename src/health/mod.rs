@@ -46,7 +46,7 @@ use crate::inventory::TaintEffect;
 
 pub use crate::inventory::events::{Event, EventKind, Instance};
 pub use crate::inventory::health::{
-    Cause, DaemonsDown, Fault, GpuHealth, HealthState, MigFault, XID_DOUBLE_BIT_ECC,
+    Cause, DaemonsAsked, DaemonsDown, Fault, GpuHealth, HealthState, MigFault, XID_DOUBLE_BIT_ECC,
     XID_FALLEN_OFF_BUS,
 };
 pub use monitor::{BackendProbe, Monitor, MonitorHandle, Probe, XidCounts};

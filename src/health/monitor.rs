@@ -9,7 +9,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Cause, DaemonsDown, Event, EventKind, Fault, HealthState, Instance, MigFault, Policy, Watch,
+    Cause, DaemonsAsked, DaemonsDown, Event, EventKind, Fault, HealthState, Instance, MigFault,
+    Policy, Watch,
 };
 use crate::inventory::{DeviceBackend, GpuUuid, MigUuid};
 use crate::lock::lock;
@@ -60,7 +61,7 @@ pub struct MonitorHandle {
     events: mpsc::Sender<Event>,
     state: watch::Receiver<HealthState>,
     xids: Arc<Mutex<XidCounts>>,
-    daemons: Arc<watch::Sender<DaemonsDown>>,
+    daemons: Arc<watch::Sender<(DaemonsAsked, DaemonsDown)>>,
 }
 
 impl MonitorHandle {
@@ -84,12 +85,15 @@ impl MonitorHandle {
         lock(&self.xids).clone()
     }
 
-    /// The GPUs whose share daemon does not answer now (all of them: a GPU left out is up).
-    /// The state changes, and its subscribers wake, only when the set does.
-    pub fn report_share_daemons(&self, down: DaemonsDown) {
+    /// The daemon watch's round: each GPU and MIG device with shares it asked and whether its
+    /// daemon answered, and those whose daemon does not answer now with since when (all of
+    /// them: one left out is up). The state changes, and its subscribers wake, only when the
+    /// round's answers do.
+    pub fn report_share_daemons(&self, asked: DaemonsAsked, down: DaemonsDown) {
+        let round = (asked, down);
         self.daemons.send_if_modified(|d| {
-            let modified = *d != down;
-            *d = down;
+            let modified = *d != round;
+            *d = round;
             modified
         });
     }
@@ -115,7 +119,7 @@ pub struct Monitor {
     tracked_mig: BTreeMap<MigUuid, Tracked<MigFault>>,
     xids: Arc<Mutex<XidCounts>>,
     /// What the share-daemon watch reports, laid into the state as it is.
-    daemons: watch::Receiver<DaemonsDown>,
+    daemons: watch::Receiver<(DaemonsAsked, DaemonsDown)>,
 }
 
 impl Monitor {
@@ -123,7 +127,7 @@ impl Monitor {
         let (tx, rx) = mpsc::channel(QUEUE);
         let (state, state_rx) = watch::channel(HealthState::default());
         let xids = Arc::new(Mutex::new(XidCounts::new()));
-        let (daemons, daemons_rx) = watch::channel(DaemonsDown::new());
+        let (daemons, daemons_rx) = watch::channel(Default::default());
         (
             Self {
                 policy,
@@ -370,12 +374,13 @@ impl Monitor {
             .iter()
             .map(|(m, t)| (m.clone(), t.fault.clone()))
             .collect();
-        let daemons_down = self.daemons.borrow().clone();
+        let (daemons_asked, daemons_down) = self.daemons.borrow().clone();
         self.state.send_if_modified(|s| {
             let new = HealthState {
                 faults,
                 mig_faults,
                 daemons_down,
+                daemons_asked,
             };
             let modified = *s != new;
             *s = new;

@@ -330,10 +330,13 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
     let (gpu0, gpu1) = (uuid(&sim, 0), uuid(&sim, 1));
     let since = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
 
-    handle.report_share_daemons(DaemonsDown::from([
-        (crate::inventory::DeviceUuid::Gpu(gpu0.clone()), since),
-        (crate::inventory::DeviceUuid::Gpu(gpu1.clone()), since),
-    ]));
+    handle.report_share_daemons(
+        Default::default(),
+        DaemonsDown::from([
+            (crate::inventory::DeviceUuid::Gpu(gpu0.clone()), since),
+            (crate::inventory::DeviceUuid::Gpu(gpu1.clone()), since),
+        ]),
+    );
     watch.changed().await.unwrap();
     handle
         .events()
@@ -375,10 +378,10 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
     assert_eq!(taints[0].value, None);
 
     // GPU 0's daemon back up lifts its taint.
-    handle.report_share_daemons(DaemonsDown::from([(
-        crate::inventory::DeviceUuid::Gpu(gpu1.clone()),
-        since,
-    )]));
+    handle.report_share_daemons(
+        Default::default(),
+        DaemonsDown::from([(crate::inventory::DeviceUuid::Gpu(gpu1.clone()), since)]),
+    );
     watch.changed().await.unwrap();
     let state = watch.borrow_and_update().clone();
     let mut inv = sim.snapshot().unwrap();

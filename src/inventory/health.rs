@@ -142,11 +142,17 @@ pub struct HealthState {
     /// GPUs whose share daemon does not answer (reported by the plugin's daemon watch, through
     /// `health::MonitorHandle::report_share_daemons`).
     pub(crate) daemons_down: DaemonsDown,
+    /// The daemon watch's last round: each GPU and MIG device with shares it asked, and whether
+    /// its daemon answered (`nvdra_mps_daemon_up`). Lays nothing over an inventory.
+    pub(crate) daemons_asked: DaemonsAsked,
 }
 
 /// The GPUs and MIG devices whose MPS share daemon does not answer, each with when it was first
 /// seen down.
 pub type DaemonsDown = BTreeMap<super::DeviceUuid, std::time::SystemTime>;
+
+/// The GPUs and MIG devices with shares, and whether each one's MPS share daemon answered.
+pub type DaemonsAsked = BTreeMap<super::DeviceUuid, bool>;
 
 impl HealthState {
     pub fn gpu(&self, uuid: &GpuUuid) -> GpuHealth {
@@ -178,6 +184,11 @@ impl HealthState {
     /// The GPUs whose share daemon does not answer.
     pub fn daemons_down(&self) -> &DaemonsDown {
         &self.daemons_down
+    }
+
+    /// The GPUs and MIG devices the daemon watch asked last, and whether each one answered.
+    pub fn daemons_asked(&self) -> &DaemonsAsked {
+        &self.daemons_asked
     }
 
     /// Lays this state over `inv`: every GPU with a fault becomes [`Health::Tainted`] with the

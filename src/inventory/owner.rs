@@ -59,6 +59,8 @@ pub struct Published {
     pub reads: u64,
     /// Publications so far: every read and every health transition.
     pub generation: u64,
+    /// The health monitor's state laid over `node` (with the share daemons' last round).
+    pub health: HealthState,
 }
 
 impl Published {
@@ -87,6 +89,18 @@ pub async fn start(
     let _ = owner.read().await;
     tokio::spawn(owner.run(health, shutdown));
     Ok(handle)
+}
+
+/// A publication of `node` that never changes, read once: for tests and benches that start no
+/// owner.
+pub fn fixed(node: Inventory) -> Watch {
+    let published = Published {
+        node: Some(Arc::new(node)),
+        reads: 1,
+        generation: 1,
+        ..Published::default()
+    };
+    watch::channel(published).1
 }
 
 /// A health state that never changes, for an owner no health monitor feeds ([`Owner::run`]).
@@ -221,12 +235,21 @@ impl Owner {
         }
     }
 
+    /// The health state as it is now.
+    fn health(&self) -> HealthState {
+        self.health
+            .as_ref()
+            .map(|h| h.borrow().clone())
+            .unwrap_or_default()
+    }
+
     /// Publishes the last read again with the health state as it is now (a transition): no
     /// hardware read.
     fn republish(&mut self) {
-        let node = self.node();
+        let (node, health) = (self.node(), self.health());
         self.tx.send_modify(|p| {
             p.node = node;
+            p.health = health;
             p.generation += 1;
         });
     }
@@ -240,9 +263,10 @@ impl Owner {
                 let answered = started;
                 let inv = Arc::new(inv);
                 self.last = Some(inv.clone());
-                let node = self.node();
+                let (node, health) = (self.node(), self.health());
                 self.tx.send_modify(|p| {
                     p.node = node;
+                    p.health = health;
                     p.error = None;
                     p.answered = p.answered.max(answered);
                     p.reads += 1;

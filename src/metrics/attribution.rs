@@ -1,7 +1,8 @@
 //! Which pod uses which GPU: the [`Source`] a scrape reads. Allocations come from the one ledger
 //! (DRA claims, with the pods they were reserved for) and from the device plugin's holds (what
-//! PodResources lists per container); live readings from the backend ([`DeviceBackend::usage`]);
-//! XID counts from the health monitor; a process's pod from the pod UID its cgroup names under
+//! PodResources lists per container); the node, and the share daemons' last round, from the
+//! inventory owner's latest publication (its watch); live readings from the backend
+//! ([`DeviceBackend::usage`]); XID counts from the health monitor; a process's pod from the pod UID its cgroup names under
 //! `/proc` (a root tests replace).
 //!
 //! Locks: the ledger's only for a copy of its claims, the holds' only for a copy of them; the
@@ -15,11 +16,13 @@ use super::Source;
 use super::families::{Allocation, GpuRow, ProcessRow, Scrape, ShareRow};
 use crate::health::MonitorHandle;
 use crate::holds::{ContainerHolds, Holder};
-use crate::inventory::{DeviceBackend, Inventory};
+use crate::inventory::{DeviceBackend, Inventory, owner};
 use crate::ledger::{ClaimEntry, Ledger};
 
 /// The scrape source of a running nvdra.
 pub struct Attribution {
+    node: owner::Watch,
+    /// Read for live readings only.
     backend: Arc<dyn DeviceBackend>,
     ledger: Option<Ledger>,
     holds: Option<ContainerHolds>,
@@ -33,8 +36,10 @@ pub struct Attribution {
 pub type ShareLevels = Arc<dyn Fn() -> BTreeMap<crate::ids::ClaimUid, &'static str> + Send + Sync>;
 
 impl Attribution {
-    pub fn new(backend: Arc<dyn DeviceBackend>) -> Self {
+    /// The node as `node` publishes it, the readings from `backend`.
+    pub fn new(node: owner::Watch, backend: Arc<dyn DeviceBackend>) -> Self {
         Self {
+            node,
             backend,
             ledger: None,
             holds: None,
@@ -87,13 +92,14 @@ impl Source for Attribution {
             .map(|l| l.read(|cp| cp.claims.clone()))
             .unwrap_or_default();
         let holds = self.holds.as_ref().map(ContainerHolds::all);
-        let inv = match self.backend.snapshot() {
-            Ok(inv) => inv,
-            Err(e) => {
-                tracing::warn!(error = %crate::report::chain(&e), "cannot read the inventory for a scrape");
-                Inventory::default()
-            }
+        let (inv, daemons) = {
+            let published = self.node.borrow();
+            (published.node(), published.health.daemons_asked().clone())
         };
+        let inv = inv.unwrap_or_else(|e| {
+            tracing::warn!(error = %crate::report::chain(&e), "cannot read the inventory for a scrape");
+            Arc::default()
+        });
         let mut allocations = dra_allocations(&claims);
         for (occ, holder) in holds.into_iter().flatten() {
             let Holder::Container(c) = holder else {
@@ -185,6 +191,10 @@ impl Source for Attribution {
             .map(|((gpu, xid), n)| ((gpu.to_string(), xid), n))
             .collect();
         Scrape {
+            share_daemons: daemons
+                .into_iter()
+                .map(|(gpu, up)| (gpu.to_string(), up))
+                .collect(),
             allocations: allocations.into_iter().collect(),
             gpus,
             processes,
@@ -440,11 +450,11 @@ mod tests {
         .unwrap();
         owner.read().await.unwrap();
         let watched = Arc::new(
-            Watched::new(Arc::new(sim.clone()), handle)
+            Watched::new(Arc::new(sim.clone()), handle.clone())
                 .with_call_deadline(std::time::Duration::from_secs(2)),
         );
         let _held = sim.hold(SimCall::Usage);
-        let source = Attribution::new(watched.clone());
+        let source = Attribution::new(handle.subscribe(), watched.clone());
         let s = tokio::task::spawn_blocking(move || source.scrape())
             .await
             .unwrap();
@@ -518,7 +528,7 @@ mod tests {
                 },
             )
         });
-        let source = Attribution::new(Arc::new(sim.clone()))
+        let source = Attribution::new(owner::fixed(inv.clone()), Arc::new(sim.clone()))
             .with_ledger(ledger)
             .with_proc_root(proc_root.path());
         let s = source.scrape();

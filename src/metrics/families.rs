@@ -126,6 +126,9 @@ pub struct Scrape {
     pub shares: Vec<ShareRow>,
     /// Whether the GPUs' readings could be read (`false`: none are exported this scrape).
     pub usage_ok: bool,
+    /// Each GPU (or MIG device) with shares (UUID) and whether its share daemon answered the
+    /// last probe.
+    pub share_daemons: Vec<(String, bool)>,
 }
 
 /// A histogram's state: the count per bucket (not cumulative; the encoder sums them), sum, count.
@@ -149,7 +152,7 @@ pub struct Snapshot {
     pub gpus: u64,
     pub unhealthy_devices: u64,
     pub ready: bool,
-    /// Each GPU with shares (UUID) and whether its share daemon answered the last probe.
+    /// The scrape's [`Scrape::share_daemons`].
     pub share_daemons: Vec<(String, bool)>,
     /// Each GPU whose MIG mode the DRA plugin will not switch now (UUID), and why
     /// (`reset_required`, `in_use`).

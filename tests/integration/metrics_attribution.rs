@@ -569,7 +569,7 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
     });
     let metrics = Metrics::new();
     let source = Arc::new(
-        Attribution::new(Arc::new(sim))
+        Attribution::new(nvdra::inventory::owner::fixed(inv.clone()), Arc::new(sim))
             .with_ledger(ledger)
             .with_proc_root(proc_root.path())
             // One share whose container the driver limits, one limited per process only.

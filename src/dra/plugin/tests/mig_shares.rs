@@ -212,7 +212,7 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));
     let mut watch = handle.subscribe();
-    handle.report_share_daemons(down);
+    handle.report_share_daemons(Default::default(), down);
     watch.changed().await.unwrap();
     let mut inv = e.sim.snapshot().unwrap();
     watch.borrow_and_update().apply(&mut inv);

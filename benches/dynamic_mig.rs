@@ -109,8 +109,15 @@ async fn run(delay: Duration, n: usize) {
         proc_root: None,
     };
     let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let (plugin, writer, _) =
-        Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new(), None).unwrap();
+    let (plugin, writer, _) = Plugin::new(
+        opts,
+        api,
+        backend,
+        nvdra::metrics::Metrics::new(),
+        None,
+        tokio::sync::watch::channel(Default::default()).1,
+    )
+    .unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();

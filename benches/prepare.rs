@@ -291,9 +291,10 @@ async fn main() {
             proc_root: None,
         },
         api.cluster_api(),
-        Arc::new(owner::Watched::new(Arc::new(sim), inventory)),
+        Arc::new(owner::Watched::new(Arc::new(sim), inventory.clone())),
         Metrics::new(),
         None,
+        inventory.subscribe(),
     )
     .expect("plugin");
     tokio::spawn(writer.run(stop.clone()));

@@ -304,7 +304,11 @@ async fn start(
         let elsewhere = holds
             .clone()
             .map(|h| Arc::new(h) as Arc<dyn ledger::HeldElsewhere>);
-        let plugin = start_dra(&config, extras, &api, &backend, &metrics, elsewhere, tasks).await?;
+        let node = inventory.subscribe();
+        let plugin = start_dra(
+            &config, extras, &api, &backend, &metrics, elsewhere, node, tasks,
+        )
+        .await?;
         device_plugin = device_plugin.zip(holds).map(|(dp, holds)| {
             dp.with_ledger(
                 plugin.ledger().clone(),
@@ -349,6 +353,7 @@ async fn start(
 /// The DRA plugin over its checkpoint (consulting `elsewhere` at each reservation), the
 /// checkpoint writer (stopping last, so it flushes what the servers recorded), and recovery of
 /// what a crash or reboot left behind.
+#[allow(clippy::too_many_arguments)]
 async fn start_dra(
     config: &Config,
     extras: &Extras,
@@ -356,6 +361,7 @@ async fn start_dra(
     backend: &Arc<dyn DeviceBackend>,
     metrics: &Arc<Metrics>,
     elsewhere: Option<Arc<dyn ledger::HeldElsewhere>>,
+    node: owner::Watch,
     tasks: &mut Supervisor,
 ) -> Result<Plugin> {
     let boot_id_file = extras
@@ -383,6 +389,7 @@ async fn start_dra(
         backend.clone(),
         metrics.clone(),
         elsewhere,
+        node,
     )?;
     #[cfg(feature = "crash-points")]
     if let Some(at) = extras.crash_at {

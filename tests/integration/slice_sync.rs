@@ -662,8 +662,17 @@ async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements
         |owner| {
             let backend: Arc<dyn DeviceBackend> =
                 Arc::new(Watched::new(Arc::new(sim.clone()), owner.clone()));
+            let node = owner.subscribe();
             let made = made.insert(
-                Plugin::new(opts, api, backend, nvdra::metrics::Metrics::new(), None).unwrap(),
+                Plugin::new(
+                    opts,
+                    api,
+                    backend,
+                    nvdra::metrics::Metrics::new(),
+                    None,
+                    node,
+                )
+                .unwrap(),
             );
             Some(made.0.switch_blocks())
         },

@@ -4,7 +4,9 @@
 //! back after the GPU's last such claim; and the daemon watch, which
 //! asks each such GPU's daemon every few seconds whether it answers. One that does not is
 //! reported (a `NoSchedule` device taint through the health monitor, `nvdra_mps_daemon_up` 0)
-//! and new shares of its GPU are refused until it answers again.
+//! and new shares of its GPU are refused until it answers again. Which daemons are down, and
+//! since when, is the health monitor's record alone, as the inventory owner publishes it: the
+//! plugin reads it there, for its refusals and the next round.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -18,7 +20,6 @@ use crate::health::DaemonsDown;
 use crate::ids::ClaimUid;
 use crate::inventory::{DeviceUuid, GpuUuid};
 use crate::ledger::{ClaimEntry, ClaimState, DeviceRecord};
-use crate::lock::lock;
 use crate::sharing::Sharing;
 
 impl Plugin {
@@ -118,19 +119,21 @@ pub(super) fn held_by_another(
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(3);
 
 /// What the daemon watch tells the rest of the node after each round: the GPUs and MIG devices
-/// with shares and whether each one's daemon answered, and those that do not with since when.
+/// with shares and whether each one's daemon answered, and those that do not with since when
+/// (in `nvdra run`, the health monitor, whose state the owner publishes).
 pub trait DaemonReport: Send + Sync + 'static {
     fn report(&self, up: &BTreeMap<DeviceUuid, bool>, down: &DaemonsDown);
 }
 
 impl Plugin {
     /// Refuses a new share of a GPU or MIG device whose share daemon did not answer the watch's
-    /// last probe.
+    /// last probe (as the owner's latest publication says).
     pub(super) fn refuse_while_daemon_down(
         &self,
         devices: &[crate::ledger::DeviceRecord],
     ) -> Result<(), ClaimError> {
-        let down = lock(&self.inner.daemons_down);
+        let published = self.inner.node.borrow();
+        let down = published.health.daemons_down();
         let Some((d, since)) = devices
             .iter()
             .filter(|d| d.consumed.is_some())
@@ -157,8 +160,9 @@ impl Plugin {
 
     /// Asks the share daemon of every GPU or MIG device that holds shares, each under
     /// [`PROBE_DEADLINE`],
-    /// whether it answers, and reports the result. Runs with no lock a prepare waits on: the
-    /// ledger is copied, the probes run on the blocking pool, the state is swapped at the end.
+    /// whether it answers, and reports the result, with since when each one that does not is
+    /// down (the published record's time, or now). Runs with no lock a prepare waits on: the
+    /// ledger is copied, the probes run on the blocking pool.
     pub async fn probe_share_daemons(&self, report: &dyn DaemonReport) {
         let shared: BTreeSet<DeviceUuid> = self.inner.ledger.read(|c| {
             c.claims
@@ -193,11 +197,11 @@ impl Plugin {
             })
             .collect();
         let now = SystemTime::now();
+        let before = self.inner.node.borrow().health.daemons_down().clone();
         let down = {
-            let mut state = lock(&self.inner.daemons_down);
             let mut next = DaemonsDown::new();
             for (gpu, answers) in &up {
-                match (answers, state.get(gpu)) {
+                match (answers, before.get(gpu)) {
                     (true, Some(since)) => {
                         let since = k8s_openapi::jiff::Timestamp::try_from(*since)
                             .map(|t| t.to_string())
@@ -214,7 +218,6 @@ impl Plugin {
                     }
                 }
             }
-            *state = next.clone();
             next
         };
         report.report(&up, &down);

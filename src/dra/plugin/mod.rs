@@ -116,9 +116,10 @@ struct Inner {
     mps: Mps,
     /// The compute mode of GPUs that hold shares, and its record.
     compute_modes: ComputeModes,
-    /// GPUs whose share daemon did not answer the watch's last probe, and since when
-    /// ([`Plugin::watch_share_daemons`]); their new shares are refused.
-    daemons_down: Mutex<crate::health::DaemonsDown>,
+    /// The inventory owner's publications: the health monitor's record of the share daemons
+    /// that do not answer ([`Plugin::watch_share_daemons`] reports to it), whose GPUs' new
+    /// shares are refused.
+    node: crate::inventory::owner::Watch,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
     /// One async mutex per claim being worked on.
@@ -140,14 +141,15 @@ pub struct Plugin {
 
 impl Plugin {
     /// Opens the ledger in `opts.plugin_dir`, consulting `elsewhere` at each reservation
-    /// (`--mode both`: what containers hold). Spawn the returned writer, then call
-    /// [`Plugin::recover`] before serving.
+    /// (`--mode both`: what containers hold); `node`: the owner's publications. Spawn the
+    /// returned writer, then call [`Plugin::recover`] before serving.
     pub fn new(
         opts: Options,
         api: Arc<dyn ClaimReader>,
         backend: Arc<dyn DeviceBackend>,
         metrics: Arc<Metrics>,
         elsewhere: Option<Arc<dyn ledger::HeldElsewhere>>,
+        node: crate::inventory::owner::Watch,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let mut specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         if opts.shared_capacity.enabled() {
@@ -185,7 +187,7 @@ impl Plugin {
                     specs,
                     mps,
                     compute_modes,
-                    daemons_down: Mutex::new(Default::default()),
+                    node,
                     node_lock,
                     metrics,
                     claim_locks: Mutex::new(HashMap::new()),

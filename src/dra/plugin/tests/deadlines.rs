@@ -21,6 +21,7 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
     .unwrap();
     tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
     handle.refresh().await.unwrap();
+    let node = handle.subscribe();
     let watched = Arc::new(
         Watched::new(Arc::new(sim.clone()), handle)
             .with_call_deadline(std::time::Duration::from_secs(2)),
@@ -41,8 +42,15 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         proc_root: None,
         mps_root: d.join("mps"),
     };
-    let (plugin, writer, _) =
-        Plugin::new(opts, api.clone(), watched.clone(), Metrics::new(), None).unwrap();
+    let (plugin, writer, _) = Plugin::new(
+        opts,
+        api.clone(),
+        watched.clone(),
+        Metrics::new(),
+        None,
+        node,
+    )
+    .unwrap();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();
     let env = Env {
@@ -50,7 +58,10 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         api,
         sim,
         dir,
-        _stop: stop.drop_guard(),
+        _stop: Running {
+            _stop: stop.drop_guard(),
+            node: tokio::sync::watch::Sender::new(Default::default()),
+        },
     };
     (env, watched)
 }

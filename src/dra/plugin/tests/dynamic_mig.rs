@@ -30,7 +30,7 @@ async fn env_over(sim: &SimBackend, backend: impl DeviceBackend + 'static) -> En
 
 /// A second plugin with dynamic MIG on (without keep-on) over `e`'s directory, API and sim, as
 /// after a restart: the plugin, what its start-up recovered, and the guard that stops it.
-async fn restart(e: &Env) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+async fn restart(e: &Env) -> (Plugin, Recovery, super::Running) {
     start_with(e.dir.path(), e.api.clone(), e.sim.clone(), dynamic(false)).await
 }
 
@@ -490,7 +490,7 @@ async fn a_pending_change_is_withdrawn_on_hopper_and_left_on_ampere() {
 #[tokio::test]
 async fn a_failed_first_flush_leaves_no_gpu_recorded_as_switched() {
     let mut e = env_dynamic("dgx-h100", false).await;
-    let writer = std::mem::replace(&mut e._stop, CancellationToken::new().drop_guard());
+    let writer = std::mem::replace(&mut e._stop._stop, CancellationToken::new().drop_guard());
     e.add(claim(
         "a",
         vec![result("mig", &placement(&e, 0, "1g.10gb", 0))],

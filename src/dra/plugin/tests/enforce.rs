@@ -170,9 +170,13 @@ type Round = (
 );
 
 /// What the watch reported, round by round, with the (paused) time of each report; `rounds`
-/// counts them, for a test to wait on.
-#[derive(Default)]
-struct Reports(Mutex<Vec<Round>>, tokio::sync::watch::Sender<usize>);
+/// counts them, for a test to wait on. Each round is published to the plugin
+/// ([`publish_round`]).
+struct Reports(
+    Mutex<Vec<Round>>,
+    tokio::sync::watch::Sender<usize>,
+    tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+);
 
 impl DaemonReport for Reports {
     fn report(
@@ -183,10 +187,20 @@ impl DaemonReport for Reports {
         let mut r = lock(&self.0);
         r.push((tokio::time::Instant::now(), up.clone(), down.clone()));
         self.1.send_replace(r.len());
+        publish_round(&self.2, up, down);
     }
 }
 
 impl Reports {
+    /// Rounds of `e`'s plugin.
+    fn of(e: &Env) -> Self {
+        Self(
+            Mutex::default(),
+            tokio::sync::watch::Sender::new(0),
+            e._stop.node.clone(),
+        )
+    }
+
     fn last(
         &self,
     ) -> (
@@ -208,7 +222,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     for uid in ["s1", "s2"] {
         e.add(claim(uid, vec![share("nb", "gpu-0", "8Gi")]));
     }
-    let reports = Reports::default();
+    let reports = Reports::of(&e);
     e.plugin.probe_share_daemons(&reports).await;
     assert_eq!(
         reports.last(),
@@ -271,7 +285,7 @@ async fn the_watch_puts_a_gpu_with_shares_back_in_exclusive_process() {
     e.prepare("s").await.unwrap();
     // Reset behind nvdra's back.
     e.sim.set_compute_mode(&gpu, ComputeMode::Default).unwrap();
-    let reports = Reports::default();
+    let reports = Reports::of(&e);
     e.plugin.probe_share_daemons(&reports).await;
     assert_eq!(
         e.sim.compute_mode(&gpu).unwrap(),
@@ -307,7 +321,7 @@ async fn the_watch_probes_every_interval_from_one_interval_after_start_until_shu
     let gpu = e.sim.snapshot().unwrap().gpus[0].uuid.clone();
     e.add(claim("s", vec![share("nb", "gpu-0", "8Gi")]));
     e.prepare("s").await.unwrap();
-    let reports = Arc::new(Reports::default());
+    let reports = Arc::new(Reports::of(&e));
     let stop = CancellationToken::new();
     let start = tokio::time::Instant::now();
     let every = std::time::Duration::from_secs(5);

@@ -160,13 +160,16 @@ async fn a_mig_share_and_the_whole_mig_device_exclude_each_other_and_fit_its_mem
     assert!(matches!(err, ClaimError::ShareOnWholeGpu { .. }), "{err}");
 }
 
-/// The last round the watch reported.
-#[derive(Default)]
-struct LastRound(Mutex<Option<(BTreeMap<DeviceUuid, bool>, crate::health::DaemonsDown)>>);
+/// The last round the watch reported, published to the plugin ([`publish_round`]).
+struct LastRound(
+    Mutex<Option<(BTreeMap<DeviceUuid, bool>, crate::health::DaemonsDown)>>,
+    tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+);
 
 impl DaemonReport for LastRound {
     fn report(&self, up: &BTreeMap<DeviceUuid, bool>, down: &crate::health::DaemonsDown) {
         *lock(&self.0) = Some((up.clone(), down.clone()));
+        publish_round(&self.1, up, down);
     }
 }
 
@@ -183,7 +186,7 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
     e.add(claim("b", vec![share("nb", name, "4Gi")]));
     e.prepare("a").await.unwrap();
     let key = DeviceUuid::Mig(mig.uuid.clone());
-    let report = LastRound::default();
+    let report = LastRound(Mutex::default(), e._stop.node.clone());
     e.plugin.probe_share_daemons(&report).await;
     let (up, down) = lock(&report.0).clone().unwrap();
     assert_eq!(up, BTreeMap::from([(key.clone(), true)]));

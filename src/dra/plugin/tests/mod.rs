@@ -95,7 +95,33 @@ struct Env {
     api: Arc<FakeApi>,
     sim: SimBackend,
     dir: tempfile::TempDir,
+    _stop: Running,
+}
+
+/// What keeps a test plugin going: its checkpoint writer's stop, and the publications it reads,
+/// which stand in for the inventory owner's (the tests' share-daemon rounds land there, as the
+/// health monitor's record does in `nvdra run`: [`publish_round`]).
+struct Running {
     _stop: tokio_util::sync::DropGuard,
+    node: tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+}
+
+/// A share-daemon round as `nvdra run` publishes it: the health monitor's record, in the
+/// owner's publication, where the plugin reads it back.
+fn publish_round(
+    node: &tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+    up: &crate::health::DaemonsAsked,
+    down: &crate::health::DaemonsDown,
+) {
+    node.send_modify(|p| {
+        p.health.daemons_asked = up.clone();
+        p.health.daemons_down = down.clone();
+    });
+}
+
+/// Publications no test drives.
+fn unwatched() -> crate::inventory::owner::Watch {
+    tokio::sync::watch::channel(Default::default()).1
 }
 
 impl Env {
@@ -137,7 +163,7 @@ impl Env {
         r.pop().unwrap().1
     }
     /// A second plugin on the same directories, as after a restart.
-    async fn restart(&self, sim: SimBackend) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+    async fn restart(&self, sim: SimBackend) -> (Plugin, Recovery, Running) {
         start(self.dir.path(), self.api.clone(), sim).await
     }
 }
@@ -154,7 +180,7 @@ async fn start(
     dir: &std::path::Path,
     api: Arc<FakeApi>,
     sim: SimBackend,
-) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+) -> (Plugin, Recovery, Running) {
     start_with(dir, api, sim, |_| {}).await
 }
 
@@ -164,7 +190,7 @@ async fn start_with(
     api: Arc<FakeApi>,
     sim: impl DeviceBackend + 'static,
     tweak: impl FnOnce(&mut Options),
-) -> (Plugin, Recovery, tokio_util::sync::DropGuard) {
+) -> (Plugin, Recovery, Running) {
     let mut opts = Options {
         driver: DRIVER.into(),
         pool: NODE.into(),
@@ -181,13 +207,18 @@ async fn start_with(
         proc_root: None,
     };
     tweak(&mut opts);
+    let (node, watch) = tokio::sync::watch::channel(Default::default());
     let (plugin, writer, outcome) =
-        Plugin::new(opts, api, Arc::new(sim), Metrics::new(), None).unwrap();
+        Plugin::new(opts, api, Arc::new(sim), Metrics::new(), None, watch).unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     let mut rec = plugin.recover().await.unwrap();
     rec.loaded = Some(outcome);
-    (plugin, rec, stop.drop_guard())
+    let running = Running {
+        _stop: stop.drop_guard(),
+        node,
+    };
+    (plugin, rec, running)
 }
 
 async fn env(profile: &str) -> Env {
@@ -767,6 +798,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         Arc::new(sim.clone()),
         Metrics::new(),
         None,
+        unwatched(),
     )
     .unwrap();
     let stop = CancellationToken::new();
@@ -804,8 +836,15 @@ async fn outcomes_are_counted_in_metrics() {
         share_trust_domain: Default::default(),
         proc_root: None,
     };
-    let (plugin, writer, _) =
-        Plugin::new(opts, api.clone(), Arc::new(sim), metrics.clone(), None).unwrap();
+    let (plugin, writer, _) = Plugin::new(
+        opts,
+        api.clone(),
+        Arc::new(sim),
+        metrics.clone(),
+        None,
+        unwatched(),
+    )
+    .unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(writer.run(stop.clone()));
     let c = claim("ok", vec![result("gpu", "gpu-1")]);

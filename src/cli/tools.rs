@@ -190,9 +190,9 @@ pub(super) fn run_match(cli: &Cli, args: &MatchArgs) -> ExitCode {
     }
     // Satisfiable when every claim fits on some node.
     let fits = objects.claims.iter().all(|c| {
-        reports
-            .iter()
-            .any(|r| r.satisfiable && r.name == c.name && r.kind == c.kind)
+        reports.iter().any(|r| {
+            r.satisfiable && r.name == c.name && r.kind == c.kind && r.namespace == c.namespace()
+        })
     });
     if fits && !reports.is_empty() {
         ExitCode::SUCCESS
@@ -246,7 +246,9 @@ struct Withdrawn {
 
 /// The node's ResourceSlices: from `--slices`, from the `-f` files when they hold some and no
 /// backend is named, or built in-process from the backend as the publisher would (with the
-/// devices it withdrew, which slices from elsewhere do not tell).
+/// devices it withdrew, which slices from elsewhere do not tell). Beside `--slices` or a
+/// backend, the `-f` files' slices of other drivers on the same node (a NIC driver's, say)
+/// join them, so a claim can ask for a GPU and another driver's device together.
 fn node_slices(
     cli: &Cli,
     args: &MatchArgs,
@@ -258,7 +260,11 @@ fn node_slices(
     use k8s_openapi::api::resource::v1::ResourceSlice;
     if let Some(file) = &args.slices {
         let read = crate::matching::input::read_files(std::slice::from_ref(file))?;
-        return Ok((read.slices, Withdrawn::default()));
+        let node = read.slices.iter().find_map(|s| s.spec.node_name.clone());
+        return Ok((
+            with_other_drivers(read.slices, &objects.slices, node.as_deref()),
+            Withdrawn::default(),
+        ));
     }
     let named = args.backend.backend.is_some()
         || args.backend.profile.is_some()
@@ -298,7 +304,32 @@ fn node_slices(
             spec,
         })
         .collect();
-    Ok((slices, withdrawn))
+    Ok((
+        with_other_drivers(slices, &objects.slices, Some(&opts.node_name)),
+        withdrawn,
+    ))
+}
+
+/// `own` and those of `given` whose driver has no slice in `own`, and which are `node`'s or
+/// not tied to one node (all nodes, a node selector): the other drivers' devices on the node.
+fn with_other_drivers(
+    mut own: Vec<k8s_openapi::api::resource::v1::ResourceSlice>,
+    given: &[k8s_openapi::api::resource::v1::ResourceSlice],
+    node: Option<&str>,
+) -> Vec<k8s_openapi::api::resource::v1::ResourceSlice> {
+    let drivers: std::collections::BTreeSet<String> =
+        own.iter().map(|s| s.spec.driver.clone()).collect();
+    own.extend(
+        given
+            .iter()
+            .filter(|s| !drivers.contains(&s.spec.driver))
+            .filter(|s| match (s.spec.node_name.as_deref(), node) {
+                (Some(theirs), Some(ours)) => theirs == ours,
+                _ => true,
+            })
+            .cloned(),
+    );
+    own
 }
 
 pub(super) fn run_validate(args: &ValidateArgs) -> ExitCode {

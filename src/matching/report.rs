@@ -13,6 +13,9 @@ use super::{ClaimInput, Node, Pick, Request, Want, format_milli};
 pub struct ClaimReport {
     pub kind: String,
     pub name: String,
+    /// `metadata.namespace`, `default` where the object names none (as `kubectl apply` puts
+    /// it): two claims of one name in two namespaces are two claims.
+    pub namespace: String,
     pub file: String,
     /// The node, when several were explained (`--kubeconfig`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -87,6 +90,7 @@ pub(super) fn build(
     ClaimReport {
         kind: claim.kind.to_string(),
         name: claim.name.clone(),
+        namespace: claim.namespace().to_string(),
         file: claim.origin.file.display().to_string(),
         node: None,
         satisfiable: allocation.is_some(),
@@ -173,6 +177,7 @@ pub(super) fn allocated(
     ClaimReport {
         kind: claim.kind.to_string(),
         name: claim.name.clone(),
+        namespace: claim.namespace().to_string(),
         file: claim.origin.file.display().to_string(),
         node: None,
         satisfiable: missing.is_empty(),
@@ -197,13 +202,12 @@ pub fn render_table(reports: &[ClaimReport]) -> String {
         if i > 0 {
             out.push('\n');
         }
+        let _ = write!(out, "{} {}/{} ({})", r.kind, r.namespace, r.name, r.file);
         match &r.node {
             Some(n) => {
-                let _ = writeln!(out, "{} {} ({}) on node {n}", r.kind, r.name, r.file);
+                let _ = writeln!(out, " on node {n}");
             }
-            None => {
-                let _ = writeln!(out, "{} {} ({})", r.kind, r.name, r.file);
-            }
+            None => out.push('\n'),
         }
         for q in &r.requests {
             let admin = if q.admin_access {

@@ -1407,3 +1407,216 @@ fn a_share_beside_another_trust_domain_is_rejected_naming_the_holder_and_the_rul
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("shareTrustDomain"), "{err}");
 }
+
+const GPUS_AND_NIC: &str = "manifests/examples/two-gpus-and-a-nic-one-numa-node.yaml";
+const NICS: &str = "tests/data/dranet-nics.yaml";
+
+/// The (request, driver, device) picks of the first claim in `nvdra match -o json` output.
+fn picks(v: &Value) -> Vec<(String, String, String)> {
+    v[0]["allocation"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no allocation: {v}"))
+        .iter()
+        .map(|a| {
+            (
+                a["request"].as_str().unwrap().to_string(),
+                a["driver"].as_str().unwrap().to_string(),
+                a["device"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Two GPUs and another driver's NIC, aligned by the standard `resource.kubernetes.io/numaNode`
+/// that both publish: the NIC driver's slice given with -f joins the profile's GPUs, and only
+/// the RDMA NIC (NUMA node 1) with two GPUs of NUMA node 1 satisfies the claim.
+#[test]
+fn a_gpu_and_another_drivers_nic_align_by_the_standard_numa_attribute() {
+    let out = nvdra(&[
+        "match",
+        "-f",
+        GPUS_AND_NIC,
+        "-f",
+        NICS,
+        "--profile",
+        "dgx-h100",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let v = json(&out);
+    let picks = picks(&v);
+    assert_eq!(picks.len(), 3, "{picks:?}");
+    // dgx-h100: gpu-0..3 on NUMA node 0, gpu-4..7 on 1; nic-1 is the RDMA NIC, on 1.
+    for (request, driver, device) in &picks {
+        match request.as_str() {
+            "gpus" => {
+                assert_eq!(driver, "gpu.nvidia.com");
+                let minor: u32 = device.strip_prefix("gpu-").unwrap().parse().unwrap();
+                assert!(minor >= 4, "{device} is not on NUMA node 1");
+            }
+            "nic" => assert_eq!((driver.as_str(), device.as_str()), ("dra.net", "nic-1")),
+            other => panic!("request {other}"),
+        }
+    }
+    // nic-0 is left out by the class (no RDMA), not by the constraint.
+    let nic = v[0]["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "nic")
+        .unwrap();
+    assert_eq!(nic["fits"], serde_json::json!(["nic-1"]));
+
+    // a100-mig-mixed: its two whole GPUs are on different NUMA nodes.
+    let out = nvdra(&[
+        "match",
+        "-f",
+        GPUS_AND_NIC,
+        "-f",
+        NICS,
+        "--profile",
+        "a100-mig-mixed",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("not satisfiable: matchAttribute resource.kubernetes.io/numaNode"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+/// NVIDIA's bare `numaNode` (`gpu.nvidia.com/numaNode`) cannot align a GPU with another
+/// driver's device: the NIC has no attribute of that name. That is what the standard name is
+/// for.
+#[test]
+fn the_bare_numa_attribute_cannot_align_another_drivers_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let claim = dir.path().join("bare.yaml");
+    let text = std::fs::read_to_string(GPUS_AND_NIC).unwrap().replace(
+        "matchAttribute: resource.kubernetes.io/numaNode",
+        "matchAttribute: gpu.nvidia.com/numaNode",
+    );
+    std::fs::write(&claim, text).unwrap();
+    let out = nvdra(&[
+        "match",
+        "-f",
+        claim.to_str().unwrap(),
+        "-f",
+        NICS,
+        "--profile",
+        "dgx-h100",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("not satisfiable: matchAttribute gpu.nvidia.com/numaNode"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+/// Another driver's slices given with -f join the backend's node only when they are that
+/// node's (or for any node): a NIC of node-b is no device of node-a.
+#[test]
+fn another_drivers_slices_of_another_node_are_left_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let nics = dir.path().join("nics-b.yaml");
+    let text = std::fs::read_to_string(NICS)
+        .unwrap()
+        .replace("nodeName: node-a", "nodeName: node-b");
+    std::fs::write(&nics, text).unwrap();
+    let out = nvdra(&[
+        "match",
+        "-f",
+        GPUS_AND_NIC,
+        "-f",
+        nics.to_str().unwrap(),
+        "--profile",
+        "dgx-h100",
+        "--node-name",
+        "node-a",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let v = json(&out);
+    let nic = v[0]["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "nic")
+        .unwrap();
+    assert_eq!(nic["fits"], serde_json::json!([]), "{v}");
+}
+
+/// `-o json` names each claim's namespace (`default` where the object names none), so two
+/// claims of one name in two namespaces are told apart, and one that does not fit is not
+/// hidden by its namesake that does (exit 1).
+#[test]
+fn match_json_names_each_claims_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let claims = dir.path().join("claims.yaml");
+    let claim = |ns: &str, memory: &str| {
+        format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: train{ns}}}\n\
+             spec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        \
+             deviceClassName: gpu.nvidia.com\n        selectors:\n        - cel: {{expression: \
+             \"device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('{memory}')) >= 0\"}}\n"
+        )
+    };
+    std::fs::write(
+        &claims,
+        [
+            claim(", namespace: team-a", "40Gi"),
+            claim(", namespace: team-b", "100Gi"),
+            claim("", "40Gi"),
+        ]
+        .join("---\n"),
+    )
+    .unwrap();
+    let out = nvdra(&[
+        "match",
+        "-f",
+        claims.to_str().unwrap(),
+        "--profile",
+        "dgx-h100",
+        "-o",
+        "json",
+    ]);
+    let v = json(&out);
+    let got: Vec<(&str, &str, bool)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["namespace"].as_str().unwrap(),
+                c["name"].as_str().unwrap(),
+                c["satisfiable"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("team-a", "train", true),
+            ("team-b", "train", false),
+            ("default", "train", true)
+        ]
+    );
+    assert_eq!(out.status.code(), Some(1), "team-b/train does not fit");
+    // The table names them apart too.
+    let out = nvdra(&[
+        "match",
+        "-f",
+        claims.to_str().unwrap(),
+        "--profile",
+        "dgx-h100",
+    ]);
+    let text = stdout(&out);
+    assert!(
+        text.contains("ResourceClaim team-a/train (")
+            && text.contains("ResourceClaim team-b/train ("),
+        "{text}"
+    );
+}

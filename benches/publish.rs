@@ -64,13 +64,13 @@ fn ms(d: Duration) -> String {
 
 #[tokio::main]
 async fn main() {
-    let desired = desired();
-    let n = desired.len();
-    let devices: usize = desired
+    let specs = desired();
+    let n = specs.len();
+    let devices: usize = specs
         .iter()
         .map(|s| s.devices.as_ref().map_or(0, Vec::len))
         .sum();
-    let bytes: usize = desired
+    let bytes: usize = specs
         .iter()
         .map(|s| serde_json::to_vec(s).unwrap().len())
         .sum();
@@ -78,6 +78,7 @@ async fn main() {
         "publish: {n} slices, {devices} devices, {:.0} KiB of JSON; {RUNS} runs",
         bytes as f64 / 1024.0
     );
+    let desired = nvdra::dra::sync::pools(specs);
 
     let opts = Options {
         settle: Duration::ZERO,

@@ -20,7 +20,7 @@ use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Preconditions, Time};
 use rand::Rng;
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
@@ -178,7 +178,8 @@ impl Inner {
             let Some(slice) = read_yaml_opt::<ResourceSlice>(&path)? else {
                 continue;
             };
-            if slice.spec.driver == driver && slice.spec.node_name.as_deref() == Some(node) {
+            if slice.spec.driver == driver && slice.spec.node_name.as_deref().unwrap_or("") == node
+            {
                 out.push(slice);
             }
         }
@@ -270,10 +271,30 @@ impl Inner {
         Ok(stored)
     }
 
-    fn delete_slice(&self, name: &str) -> Result<()> {
+    fn delete_slice(&self, name: &str, pre: &Preconditions) -> Result<()> {
         let _guard = lock(&self.write_lock);
         check_slice_name(name)?;
         let path = self.slice_path(name);
+        if pre.uid.is_some() || pre.resource_version.is_some() {
+            // A slice gone already is NotFound below; one changed since is left in place.
+            if let Some(have) = read_yaml_opt::<ResourceSlice>(&path)? {
+                let held = |want: &Option<String>, have: &Option<String>| {
+                    want.as_ref().is_none_or(|w| Some(w) == have.as_ref())
+                };
+                if !held(&pre.uid, &have.metadata.uid)
+                    || !held(&pre.resource_version, &have.metadata.resource_version)
+                {
+                    return Err(Error::Conflict(
+                        format!(
+                            "delete resourceslice {name}: it changed since it was read (uid \
+                             {:?}, resourceVersion {:?}); re-read and retry",
+                            have.metadata.uid, have.metadata.resource_version
+                        )
+                        .into(),
+                    ));
+                }
+            }
+        }
         match std::fs::remove_file(&path) {
             Ok(()) => fsync_dir(&self.slices_dir()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::NotFound(
@@ -448,7 +469,9 @@ fn scan(
                 old.ours
             }
             _ => match read_yaml_opt::<ResourceSlice>(&path) {
-                Ok(Some(s)) => s.spec.driver == driver && s.spec.node_name.as_deref() == Some(node),
+                Ok(Some(s)) => {
+                    s.spec.driver == driver && s.spec.node_name.as_deref().unwrap_or("") == node
+                }
                 Ok(None) => continue,
                 Err(_) => true,
             },
@@ -525,9 +548,13 @@ impl SliceApi for DirApi {
         Box::pin(self.blocking(move |i| i.replace_slice(&slice)))
     }
 
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>> {
-        let name = name.to_string();
-        Box::pin(self.blocking(move |i| i.delete_slice(&name)))
+    fn delete_slice<'a>(
+        &'a self,
+        name: &'a str,
+        preconditions: &'a Preconditions,
+    ) -> BoxFuture<'a, Result<()>> {
+        let (name, pre) = (name.to_string(), preconditions.clone());
+        Box::pin(self.blocking(move |i| i.delete_slice(&name, &pre)))
     }
 
     fn watch_slices<'a>(

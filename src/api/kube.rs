@@ -127,8 +127,12 @@ impl SliceApi for KubeApi {
         self.client.replace_slice(slice)
     }
 
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>> {
-        self.client.delete_slice(name)
+    fn delete_slice<'a>(
+        &'a self,
+        name: &'a str,
+        preconditions: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions,
+    ) -> BoxFuture<'a, Result<()>> {
+        self.client.delete_slice(name, preconditions)
     }
 
     fn watch_slices<'a>(

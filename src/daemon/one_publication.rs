@@ -59,8 +59,10 @@ fn slice_taints(
 ) -> Option<Vec<String>> {
     let desired = handle.desired()?;
     let device = desired
-        .iter()
-        .flat_map(|s| s.devices.iter().flatten())
+        .pools
+        .values()
+        .flat_map(|p| &p.slices)
+        .flat_map(|s| &s.devices)
         .find(|d| d.name == name)?;
     Some(
         device

@@ -32,7 +32,8 @@ use crate::inventory::owner::{self, Watch};
 use crate::inventory::switch_blocks::SwitchBlocks;
 use crate::inventory::{Health, Inventory};
 use crate::metrics::Metrics;
-use kubelet_plugin::publisher::PublisherHandle;
+use k8s_openapi::api::resource::v1::ResourceSliceSpec;
+use kubelet_plugin::publisher::{PublisherHandle, Resources, Slice};
 
 /// The fields whose loss means partitionable devices cannot work on this cluster.
 const PARTITIONABLE_FIELDS: [&str; 2] = ["sharedCounters", "consumesCounters"];
@@ -246,7 +247,7 @@ impl SliceSync {
             &self.options,
             self.withdraw_tainted,
         ) {
-            Ok(d) => d,
+            Ok(d) => pools(d),
             Err(e) => {
                 tracing::error!(error = %e, "bug: the desired slices break an API rule; keeping the published ones (please report this)");
                 return;
@@ -256,10 +257,12 @@ impl SliceSync {
             return;
         }
         let (count, devices) = (
-            desired.len(),
+            desired.slice_count(),
             desired
-                .iter()
-                .map(|s| s.devices.as_ref().map_or(0, Vec::len))
+                .pools
+                .values()
+                .flat_map(|p| &p.slices)
+                .map(|s| s.devices.len())
                 .sum::<usize>(),
         );
         match self.publisher.set_desired(desired) {
@@ -271,6 +274,25 @@ impl SliceSync {
             }
         }
     }
+}
+
+/// nvdra's slices as the publisher's input: each pool (there is one, named after the node) with
+/// its slices' devices and counter sets in the order `desired_slices` made them, which is the
+/// order the publisher names them in and so the scheduler's order of preference. The publisher
+/// fills in driver, node, pool, generation and count as `desired_slices` did.
+pub fn pools(specs: Vec<ResourceSliceSpec>) -> Resources {
+    let mut out = Resources::default();
+    for s in specs {
+        out.pools
+            .entry(s.pool.name)
+            .or_default()
+            .slices
+            .push(Slice {
+                devices: s.devices.unwrap_or_default(),
+                shared_counters: s.shared_counters.unwrap_or_default(),
+            });
+    }
+    out
 }
 
 /// Tainted GPUs and MIG devices become withdrawn ones (for a server that drops taints).
@@ -358,8 +380,10 @@ mod tests {
         assert_eq!(metrics.unhealthy_devices.load(Relaxed), 2);
         let desired = sync.publisher.desired().unwrap();
         let names: Vec<&str> = desired
-            .iter()
-            .flat_map(|s| s.devices.iter().flatten())
+            .pools
+            .values()
+            .flat_map(|p| &p.slices)
+            .flat_map(|s| &s.devices)
             .map(|d| d.name.as_str())
             .collect();
         assert!(!names.contains(&"gpu-0"), "{names:?}");

@@ -126,6 +126,7 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
             backoff_base: Duration::from_millis(20),
             backoff_cap: Duration::from_millis(200),
             conflict_retries: 5,
+            ..Options::default()
         },
     );
     let sim = node();

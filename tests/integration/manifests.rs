@@ -540,8 +540,12 @@ impl SliceApi for EveryCall {
     ) -> BoxFuture<'a, api::Result<ResourceSlice>> {
         self.0.replace_slice(slice)
     }
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<()>> {
-        self.0.delete_slice(name)
+    fn delete_slice<'a>(
+        &'a self,
+        name: &'a str,
+        preconditions: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions,
+    ) -> BoxFuture<'a, api::Result<()>> {
+        self.0.delete_slice(name, preconditions)
     }
     fn watch_slices<'a>(
         &'a self,
@@ -640,7 +644,12 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
     assert_eq!(api.list_slices(driver, node).await.unwrap().len(), 1);
     created.spec.pool.generation = 2;
     let replaced = api.replace_slice(&created).await.unwrap();
-    api.delete_slice(replaced.metadata.name.as_deref().unwrap())
+    // As the publisher deletes: only the slice it read.
+    let held = k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions {
+        uid: replaced.metadata.uid.clone(),
+        resource_version: replaced.metadata.resource_version.clone(),
+    };
+    api.delete_slice(replaced.metadata.name.as_deref().unwrap(), &held)
         .await
         .unwrap();
     // `--node-labels` (the node-labels component's rule).

@@ -149,6 +149,7 @@ async fn start_sim(
         backoff_base: Duration::from_millis(20),
         backoff_cap: Duration::from_millis(200),
         conflict_retries: 5,
+        ..Options::default()
     };
     let (publisher, handle) = Publisher::with_options(api, DRIVER, NODE, options);
     let (reads_tx, reads) = tokio::sync::watch::channel(0);
@@ -209,7 +210,7 @@ fn gpus(n: u32) -> BTreeSet<String> {
 }
 
 #[tokio::test]
-async fn an_unhealthy_gpu_is_one_update_with_a_generation_bump() {
+async fn an_unhealthy_gpu_is_one_update_that_keeps_the_generation() {
     let mut node = start("dgx-h100", false, |_| {}).await;
     eventually("first publish", || {
         device_names(&node.server.slices()) == gpus(8)
@@ -234,7 +235,9 @@ async fn an_unhealthy_gpu_is_one_update_with_a_generation_bump() {
     assert_eq!(after.updates - before.updates, 1, "{after:?}");
     assert_eq!(after.creates, before.creates);
     assert_eq!(after.deletes, before.deletes);
-    assert_eq!(generations(&node.server.slices()), BTreeSet::from([2]));
+    // One slice rewritten is one atomic write: the pool keeps its generation (as Go's
+    // resourceslice controller has it), so the scheduler never sees it half old, half new.
+    assert_eq!(generations(&node.server.slices()), BTreeSet::from([1]));
 
     // Announcing a change that is not one writes nothing.
     node.assert_announcing_writes_nothing().await;
@@ -418,12 +421,18 @@ fn any_taint(slices: &[ResourceSlice]) -> bool {
 }
 
 /// `desired` as the slices the server would store.
-fn as_slices(desired: &[k8s_openapi::api::resource::v1::ResourceSliceSpec]) -> Vec<ResourceSlice> {
+fn as_slices(desired: &kubelet_plugin::publisher::Resources) -> Vec<ResourceSlice> {
     desired
-        .iter()
-        .map(|spec| ResourceSlice {
+        .pools
+        .values()
+        .flat_map(|p| &p.slices)
+        .map(|s| ResourceSlice {
             metadata: Default::default(),
-            spec: spec.clone(),
+            spec: k8s_openapi::api::resource::v1::ResourceSliceSpec {
+                devices: Some(s.devices.clone()),
+                shared_counters: Some(s.shared_counters.clone()),
+                ..Default::default()
+            },
         })
         .collect()
 }
@@ -843,7 +852,9 @@ async fn dropped_consumable_capacity_falls_back_to_whole_gpus() {
     )
     .unwrap();
     eventually("plain whole GPUs desired", || {
-        node.publisher.desired().is_some_and(|d| *d == plain)
+        node.publisher
+            .desired()
+            .is_some_and(|d| *d == nvdra::dra::sync::pools(plain.clone()))
     })
     .await;
     eventually("plain whole GPUs stored", || {

@@ -16,9 +16,8 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use kubelet_plugin::claims::ClaimSource;
 use kubelet_plugin::health::{self, DeviceHealth, HealthSource};
-use kubelet_plugin::k8s_openapi::api::resource::v1::{
-    Device, ResourceClaim, ResourcePool, ResourceSliceSpec,
-};
+use kubelet_plugin::k8s_openapi::api::resource::v1::{Device, ResourceClaim};
+use kubelet_plugin::publisher::{Resources, Slice};
 use kubelet_plugin::testing::MemoryClaims;
 use kubelet_plugin::{
     BoxError, CancellationToken, Claim, Driver, Options, PrepareClaim, PrepareResults,
@@ -107,21 +106,16 @@ async fn main() -> Result<(), BoxError> {
     match client {
         Ok(client) => {
             let (publisher, handle) = opts.publisher(Arc::new(client));
-            let mut spec = ResourceSliceSpec {
-                driver: driver.clone(),
-                node_name: Some(node.clone()),
-                pool: ResourcePool {
-                    name: node.clone(),
-                    generation: 0,
-                    resource_slice_count: 1,
-                },
-                ..ResourceSliceSpec::default()
+            // One pool named after the node, with one slice; the publisher fills in driver,
+            // node, pool, generation and count.
+            let slice = Slice {
+                devices: vec![Device {
+                    name: DEVICE.into(),
+                    ..Device::default()
+                }],
+                ..Slice::default()
             };
-            spec.devices = Some(vec![Device {
-                name: DEVICE.into(),
-                ..Device::default()
-            }]);
-            handle.set_desired(vec![spec])?;
+            handle.set_desired(Resources::node_local(&node, vec![slice]))?;
             tokio::spawn(publisher.run(shutdown.clone()));
         }
         Err(e) => tracing::warn!(error = %e, "no API server: the device is not published"),

@@ -1,15 +1,30 @@
-//! Keeps the API server's ResourceSlices for this driver and node exactly equal to the desired
-//! ones, without churn.
+//! Keeps the API server's ResourceSlices for this driver exactly equal to the desired pools,
+//! without churn (Go's `k8s.io/dynamic-resource-allocation/resourceslice` controller).
 //!
-//! [`Publisher::run`] reconciles: list this driver's slices on this node, `plan::plan` the
-//! difference (matching, generation, owner reference), write it. It reconciles when the desired
-//! slices change, when the watch reports a change by anyone (the kubelet wipes slices on restart,
+//! The driver hands [`Resources`]: pools by name, each a list of [`Slice`]s (devices, shared
+//! counters) and the nodes that reach it ([`Nodes`]). The publisher fills in the rest of each
+//! ResourceSlice: driver, node (or node selection), pool name, generation, `resourceSliceCount`,
+//! a name and the Node as owner.
+//!
+//! [`Publisher::run`] reconciles: list this publisher's slices (those on its node, and those of
+//! its network-attached pools, [`Options::network_pools`]), `plan::plan` the difference (matching
+//! by index, generation, owner reference, validation), write it. It reconciles when the desired
+//! pools change, when the watch reports a change by anyone (the kubelet wipes slices on restart,
 //! admins delete or edit them), and after a failure (exponential backoff with jitter).
 //!
 //! Invariants:
 //! - Nothing is published before the first [`PublisherHandle::set_desired`].
+//! - Slice `i` of a pool is named `<i in hex, 5 digits or more>-<driver>-<node>-<random>`, so the
+//!   API server lists a pool's slices in the driver's order, and the scheduler, which tries
+//!   slices in name order, prefers earlier ones (see the crate README, "Slice order").
 //! - The steady state writes nothing: there is no periodic republish, and comparisons are
-//!   semantic (see `publisher/plan.rs`).
+//!   semantic (see `publisher/plan.rs`). A change to one slice is one update, and keeps the
+//!   pool's generation.
+//! - Obsolete slices are deleted first, each only if it still has the uid and resourceVersion
+//!   the publisher saw.
+//! - A pool whose slices break the API server's rules ([`crate::validate`]) is not written: it is
+//!   reported once (the error hook, [`InvalidPool`]) and left as it is until the next desired
+//!   state; the other pools are published.
 //! - Errors never end the task: transient ones back off (base 0.5 s, ×2, cap 30 s, jitter),
 //!   conflicts re-read and retry at once (a few times, then back off).
 //! - Fields the server drops (a feature gate is off) are logged once each, exposed through
@@ -20,12 +35,14 @@ mod plan;
 pub use plan::FieldPath;
 
 use crate::api::{self, SliceApi, SliceEvent};
+use crate::validate::Violation;
 use futures::stream::{BoxStream, StreamExt};
-use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::api::core::v1::NodeSelector;
+use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use plan::{Inputs, Plan, Written};
 use rand::Rng;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -53,34 +70,130 @@ pub struct SliceCounters {
     pub published: AtomicBool,
 }
 
+/// What a driver publishes: its pools, by name. The scheduler tries pools in name order (see the
+/// crate README, "Slice order").
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Resources {
+    /// The pools, by name (a DNS subdomain, or several joined by `/`).
+    pub pools: BTreeMap<String, Pool>,
+}
+
+impl Resources {
+    /// One pool named after `node`, reached from that node only: what most node-local drivers
+    /// publish.
+    pub fn node_local(node: &str, slices: Vec<Slice>) -> Self {
+        Self {
+            pools: BTreeMap::from([(
+                node.to_string(),
+                Pool {
+                    nodes: Nodes::ThisNode,
+                    slices,
+                },
+            )]),
+        }
+    }
+
+    /// How many slices all pools have.
+    pub fn slice_count(&self) -> usize {
+        self.pools.values().map(|p| p.slices.len()).sum()
+    }
+}
+
+/// The devices of one pool, and where they can be used.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pool {
+    /// The nodes that reach the pool's devices.
+    pub nodes: Nodes,
+    /// The pool's slices in the driver's order of preference: slice `i` is published under a
+    /// name starting with `i`, and the scheduler tries slices in name order, and the devices of
+    /// a slice in their order. Drivers should publish at least one slice, even an empty one,
+    /// for a pool they serve: an empty pool says "no devices", no pool says nothing.
+    pub slices: Vec<Slice>,
+}
+
+/// Which nodes can use a pool's devices (the ResourceSlice's node selection).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Nodes {
+    /// The publisher's node (`spec.nodeName`).
+    #[default]
+    ThisNode,
+    /// The nodes matching a selector of exactly one term (`spec.nodeSelector`):
+    /// network-attached devices. The pool must be one of [`Options::network_pools`].
+    Selector(NodeSelector),
+    /// Every node (`spec.allNodes`). The pool must be one of [`Options::network_pools`].
+    All,
+    /// Each device names its nodes (`nodeName`, `nodeSelector` or `allNodes` on the device;
+    /// `spec.perDeviceNodeSelection`). The pool must be one of [`Options::network_pools`].
+    PerDevice,
+}
+
+/// What one ResourceSlice holds; the publisher fills in the rest.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Slice {
+    /// The devices, in the driver's order of preference (at most 128, or 64 when any consumes
+    /// counters or has taints).
+    pub devices: Vec<Device>,
+    /// Counter sets the pool's devices consume from (Kubernetes 1.35+: in a slice without
+    /// devices).
+    pub shared_counters: Vec<CounterSet>,
+}
+
 /// Errors of the publisher's handle.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A desired slice is not for this publisher's driver and node.
+    /// A network-attached pool this publisher was not set up to publish.
     #[error(
-        "desired slice {index} is for driver {driver:?} on node {node:?}, but this publisher \
-         publishes driver {want_driver:?} on node {want_node:?}; build slices with the same names"
+        "pool {pool:?} is network-attached (nodeSelector, allNodes or per-device node \
+         selection), but is not one of this publisher's network pools {declared:?}; name it in \
+         publisher::Options::network_pools"
     )]
-    ForeignSlice {
-        /// The slice's index in the desired list.
-        index: usize,
-        /// Its driver.
-        driver: String,
-        /// Its node.
-        node: String,
-        /// The publisher's driver.
-        want_driver: String,
-        /// The publisher's node.
-        want_node: String,
+    UndeclaredNetworkPool {
+        /// The pool.
+        pool: String,
+        /// The network pools the publisher was given.
+        declared: BTreeSet<String>,
     },
+}
+
+/// A pool the publisher will not write because its slices break the API server's rules, reported
+/// once per desired state through the error hook ([`crate::ErrorKind::Fatal`]).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error(
+    "pool {pool:?} is not published, its slices break the API's rules: {}; fix the slices the \
+     driver hands the publisher",
+    describe(violations)
+)]
+pub struct InvalidPool {
+    /// The pool.
+    pub pool: String,
+    /// What is wrong, each with its slice's index in [`Pool::slices`] (`None`: the pool's).
+    pub violations: Vec<(Option<usize>, Violation)>,
+}
+
+fn describe(violations: &[(Option<usize>, Violation)]) -> String {
+    violations
+        .iter()
+        .map(|(slice, v)| match slice {
+            Some(i) => format!("slice {i}: {v}"),
+            None => v.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The publisher handle's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Timings; the defaults suit production, tests shorten them.
+/// Settings; the default timings suit production, tests shorten them.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// The node's UID, for the owner reference of the slices; `None`: read from the Node (slices
+    /// are published without an owner while it does not exist).
+    pub node_uid: Option<String>,
+    /// The network-attached pools (those not [`Nodes::ThisNode`]) this publisher owns among the
+    /// driver's slices that name no node: it deletes their slices when they are no longer
+    /// desired, and never touches other pools' (Go's `ReconcilePoolWithName`, for any number).
+    pub network_pools: BTreeSet<String>,
     /// How long to wait after a watch event or a desired change for more to arrive, so a burst
     /// (e.g. the echo of our own writes) costs one reconcile.
     pub settle: Duration,
@@ -95,6 +208,8 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
+            node_uid: None,
+            network_pools: BTreeSet::new(),
             settle: Duration::from_millis(100),
             backoff_base: Duration::from_millis(500),
             backoff_cap: Duration::from_secs(30),
@@ -154,12 +269,13 @@ pub struct Status {
     pub synced: Option<u64>,
     /// Slices published by that success.
     pub slices: usize,
-    /// The last reconcile's error; `None` after a success.
+    /// The last reconcile's error, or why a pool is not published ([`InvalidPool`]); `None`
+    /// after a complete success.
     pub last_error: Option<String>,
 }
 
-/// The desired slices with their sequence number.
-type Desired = Option<(u64, Arc<Vec<ResourceSliceSpec>>)>;
+/// The desired pools with their sequence number.
+type Desired = Option<(u64, Arc<Resources>)>;
 
 struct Shared {
     counters: Arc<SliceCounters>,
@@ -170,39 +286,35 @@ struct Shared {
 /// Sets what to publish and observes the publisher. Cheap to clone.
 #[derive(Clone)]
 pub struct PublisherHandle {
-    driver: Arc<str>,
-    node: Arc<str>,
+    network_pools: Arc<BTreeSet<String>>,
     desired: Arc<watch::Sender<Desired>>,
     shared: Arc<Shared>,
 }
 
 impl PublisherHandle {
-    /// Replaces the desired slices (`pool.generation` and `resourceSliceCount` are the
-    /// publisher's to set). Returns the sequence number that [`Status::synced`] reaches once they
-    /// are published.
-    pub fn set_desired(&self, specs: Vec<ResourceSliceSpec>) -> Result<u64> {
-        for (index, s) in specs.iter().enumerate() {
-            if s.driver != *self.driver || s.node_name.as_deref() != Some(&*self.node) {
-                return Err(Error::ForeignSlice {
-                    index,
-                    driver: s.driver.clone(),
-                    node: s.node_name.clone().unwrap_or_default(),
-                    want_driver: self.driver.to_string(),
-                    want_node: self.node.to_string(),
+    /// Replaces the desired pools. Returns the sequence number that [`Status::synced`] reaches
+    /// once they are published. Pools that break the API's rules are not refused here: the
+    /// publisher reports them ([`InvalidPool`]) and publishes the others.
+    pub fn set_desired(&self, resources: Resources) -> Result<u64> {
+        for (name, pool) in &resources.pools {
+            if pool.nodes != Nodes::ThisNode && !self.network_pools.contains(name) {
+                return Err(Error::UndeclaredNetworkPool {
+                    pool: name.clone(),
+                    declared: (*self.network_pools).clone(),
                 });
             }
         }
-        let specs = Arc::new(specs);
+        let resources = Arc::new(resources);
         let mut seq = 0;
         self.desired.send_modify(|d| {
             seq = d.as_ref().map_or(1, |(n, _)| n + 1);
-            *d = Some((seq, specs));
+            *d = Some((seq, resources));
         });
         Ok(seq)
     }
 
-    /// The latest desired slices; `None` before the first [`set_desired`](Self::set_desired).
-    pub fn desired(&self) -> Option<Arc<Vec<ResourceSliceSpec>>> {
+    /// The latest desired pools; `None` before the first [`set_desired`](Self::set_desired).
+    pub fn desired(&self) -> Option<Arc<Resources>> {
         self.desired.borrow().as_ref().map(|(_, d)| d.clone())
     }
 
@@ -298,6 +410,8 @@ pub struct Publisher {
     owner: Option<OwnerReference>,
     /// Hears failures instead of the log ([`Publisher::on_error`]).
     on_error: Option<crate::error::ErrorHandler>,
+    /// The desired state whose invalid pools were reported.
+    reported: Option<u64>,
 }
 
 impl Publisher {
@@ -337,10 +451,15 @@ impl Publisher {
             dropped: watch::channel(BTreeSet::new()).0,
             status: watch::channel(Status::default()).0,
         });
+        let handle = PublisherHandle {
+            network_pools: Arc::new(opts.network_pools.clone()),
+            desired: Arc::new(desired_tx),
+            shared: shared.clone(),
+        };
         let publisher = Publisher {
             api,
-            driver: driver.clone(),
-            node: node.clone(),
+            driver,
+            node,
             opts,
             desired: desired_rx,
             shared: shared.clone(),
@@ -348,20 +467,15 @@ impl Publisher {
             dropped: BTreeSet::new(),
             owner: None,
             on_error: None,
-        };
-        let handle = PublisherHandle {
-            driver,
-            node,
-            desired: Arc::new(desired_tx),
-            shared,
+            reported: None,
         };
         (publisher, handle)
     }
 
-    /// Sends the publisher's failures to `hook` instead of the log: a slice the API server
-    /// rejects or a request it refuses (401/403: credentials or RBAC) is
-    /// [`ErrorKind::Fatal`](crate::ErrorKind::Fatal) (retrying cannot help), anything else
-    /// [`Recoverable`](crate::ErrorKind::Recoverable). They are retried either way.
+    /// Sends the publisher's failures to `hook` instead of the log: a pool that breaks the API's
+    /// rules ([`InvalidPool`], reported once per desired state and not retried), a slice the
+    /// API server rejects, or a request it refuses (401/403: credentials or RBAC) is
+    /// [`ErrorKind::Fatal`](crate::ErrorKind::Fatal) (retrying cannot help), anything else [`Recoverable`](crate::ErrorKind::Recoverable) (retried).
     pub fn on_error(mut self, hook: crate::error::ErrorHandler) -> Self {
         self.on_error = Some(hook);
         self
@@ -394,7 +508,16 @@ impl Publisher {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let api = self.api.clone();
         let (driver, node) = (self.driver.clone(), self.node.clone());
-        let open_watch = || api.watch_slices(&driver, &node);
+        let network = !self.opts.network_pools.is_empty();
+        // This node's slices, and (for network pools) the driver's slices that name no node.
+        let open_watch = || -> BoxStream<'_, api::Result<SliceEvent>> {
+            let local = api.watch_slices(&driver, &node);
+            if network {
+                futures::stream::select(local, api.watch_slices(&driver, "")).boxed()
+            } else {
+                local
+            }
+        };
         let mut watch: Option<BoxStream<'_, api::Result<SliceEvent>>> = Some(open_watch());
         let mut watch_retry: Option<Instant> = None;
         let mut watch_backoff = Backoff::new(self.opts.backoff_base, self.opts.backoff_cap);
@@ -482,18 +605,27 @@ impl Publisher {
             return Ok(());
         };
         bump(&self.shared.counters.reconciles);
-        let existing = self
+        let mut existing = self
             .api
             .list_slices(&self.driver, &self.node)
             .await
             .map_err(Failure::Backoff)?;
+        if !self.opts.network_pools.is_empty() {
+            let network = self
+                .api
+                .list_slices(&self.driver, "")
+                .await
+                .map_err(Failure::Backoff)?;
+            let ours = |s: &ResourceSlice| self.opts.network_pools.contains(&s.spec.pool.name);
+            existing.extend(network.into_iter().filter(ours));
+        }
         let names: BTreeSet<String> = existing
             .iter()
             .filter_map(|s| s.metadata.name.clone())
             .collect();
         self.written.retain(|n, _| names.contains(n));
         let owner = self.owner().await.map_err(Failure::Backoff)?;
-        let plan = plan::plan(&Inputs {
+        let mut plan = plan::plan(&Inputs {
             driver: &self.driver,
             node: &self.node,
             desired: &desired,
@@ -502,20 +634,46 @@ impl Publisher {
             written: &self.written,
             dropped: &self.dropped,
         });
+        let invalid = std::mem::take(&mut plan.invalid);
+        if self.reported != Some(seq) {
+            self.reported = Some(seq);
+            for bad in &invalid {
+                self.report_invalid(bad);
+            }
+        }
         if plan.is_empty() {
-            tracing::debug!(slices = desired.len(), "resourceslices up to date");
+            tracing::debug!(pools = desired.pools.len(), "resourceslices up to date");
         } else {
             self.execute(plan).await?;
         }
+        if !invalid.is_empty() {
+            let msg = invalid
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ");
+            self.shared.status.send_modify(|s| s.last_error = Some(msg));
+            return Ok(());
+        }
+        let slices = desired.slice_count();
         self.shared.status.send_replace(Status {
             synced: Some(seq),
-            slices: desired.len(),
+            slices,
             last_error: None,
         });
         if !self.shared.counters.published.swap(true, Ordering::Relaxed) {
-            tracing::info!(slices = desired.len(), "ResourceSlices published");
+            tracing::info!(slices, "ResourceSlices published");
         }
         Ok(())
+    }
+
+    /// Tells the hook of a pool left unpublished, or logs it.
+    fn report_invalid(&self, bad: &InvalidPool) {
+        let what = "resourceslices not published";
+        match &self.on_error {
+            Some(hook) => hook(crate::error::ErrorKind::Fatal, bad, what),
+            None => tracing::error!(error = %bad, "{what}"),
+        }
     }
 
     async fn execute(&mut self, plan: Plan) -> Result<(), Failure> {
@@ -526,6 +684,24 @@ impl Publisher {
             .map(|s| s.spec.pool.generation)
             .max();
         let (u, c, d) = (plan.updates.len(), plan.creates.len(), plan.deletes.len());
+        // Deletes first: devices the driver no longer has go even if the new slices fail.
+        for obsolete in plan.deletes {
+            match self
+                .api
+                .delete_slice(&obsolete.name, &obsolete.preconditions)
+                .await
+            {
+                Ok(()) => bump(&self.shared.counters.deletes),
+                Err(api::Error::NotFound(_)) => {}
+                Err(e @ api::Error::Conflict(_)) => {
+                    // Someone changed it since the list: decide again on what is there now.
+                    bump(&self.shared.counters.conflicts);
+                    return Err(Failure::Retry(e));
+                }
+                Err(e) => return Err(Failure::Backoff(e)),
+            }
+            self.written.remove(&obsolete.name);
+        }
         for slice in plan.updates {
             match self.api.replace_slice(&slice).await {
                 Ok(got) => {
@@ -552,18 +728,10 @@ impl Publisher {
                 Err(e) => return Err(Failure::Backoff(e)),
             }
         }
-        for name in plan.deletes {
-            match self.api.delete_slice(&name).await {
-                Ok(()) => bump(&self.shared.counters.deletes),
-                Err(api::Error::NotFound(_)) => {}
-                Err(e) => return Err(Failure::Backoff(e)),
-            }
-            self.written.remove(&name);
-        }
         tracing::info!(
+            deletes = d,
             updates = u,
             creates = c,
-            deletes = d,
             generation = ?generation,
             "published resourceslices"
         );
@@ -604,23 +772,26 @@ impl Publisher {
         }
     }
 
-    /// The controller reference to our Node; `None` while the Node does not exist.
+    /// The controller reference to our Node (by [`Options::node_uid`], else read once); `None`
+    /// while the Node does not exist.
     async fn owner(&mut self) -> api::Result<Option<OwnerReference>> {
         if self.owner.is_none() {
-            match self.api.get_node(&self.node).await {
-                Ok(node) => {
-                    self.owner = node.metadata.uid.map(|uid| OwnerReference {
-                        api_version: "v1".into(),
-                        kind: "Node".into(),
-                        name: self.node.to_string(),
-                        uid,
-                        controller: Some(true),
-                        block_owner_deletion: None,
-                    });
-                }
-                Err(api::Error::NotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
+            let uid = match &self.opts.node_uid {
+                Some(uid) => Some(uid.clone()),
+                None => match self.api.get_node(&self.node).await {
+                    Ok(node) => node.metadata.uid,
+                    Err(api::Error::NotFound(_)) => None,
+                    Err(e) => return Err(e),
+                },
+            };
+            self.owner = uid.map(|uid| OwnerReference {
+                api_version: "v1".into(),
+                kind: "Node".into(),
+                name: self.node.to_string(),
+                uid,
+                controller: Some(true),
+                block_owner_deletion: None,
+            });
         }
         Ok(self.owner.clone())
     }

@@ -182,7 +182,9 @@ impl SliceApi for MemorySlices {
         let found = lock(&self.store)
             .by_name
             .values()
-            .filter(|s| s.spec.driver == driver && s.spec.node_name.as_deref() == Some(node))
+            .filter(|s| {
+                s.spec.driver == driver && s.spec.node_name.as_deref().unwrap_or("") == node
+            })
             .cloned()
             .collect();
         Box::pin(async move { Ok(found) })
@@ -235,8 +237,28 @@ impl SliceApi for MemorySlices {
         Box::pin(async move { result })
     }
 
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, api::Result<()>> {
-        let removed = lock(&self.store).by_name.remove(name).is_some();
+    fn delete_slice<'a>(
+        &'a self,
+        name: &'a str,
+        pre: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions,
+    ) -> BoxFuture<'a, api::Result<()>> {
+        let mut s = lock(&self.store);
+        let stale = s.by_name.get(name).is_some_and(|have| {
+            let differs = |want: &Option<String>, have: &Option<String>| {
+                want.as_ref().is_some_and(|w| Some(w) != have.as_ref())
+            };
+            differs(&pre.uid, &have.metadata.uid)
+                || differs(&pre.resource_version, &have.metadata.resource_version)
+        });
+        if stale {
+            return Box::pin(async move {
+                Err(api::Error::Conflict(
+                    format!("delete resourceslice {name}: the preconditions do not hold").into(),
+                ))
+            });
+        }
+        let removed = s.by_name.remove(name).is_some();
+        drop(s);
         let result = if removed {
             let _ = self.events.send(SliceEvent::Deleted(name.to_string()));
             Ok(())

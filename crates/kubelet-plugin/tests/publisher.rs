@@ -13,10 +13,12 @@ use k8s_openapi::api::resource::v1::{
     ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Preconditions};
 use kubelet_plugin::api::{self, SliceApi};
 use kubelet_plugin::claims::ClaimSource;
-use kubelet_plugin::publisher::{Options, Publisher, PublisherHandle};
+use kubelet_plugin::publisher::{
+    Nodes, Options, Pool, Publisher, PublisherHandle, Resources, Slice,
+};
 use kubelet_plugin::testing::ApiServer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -59,6 +61,7 @@ fn device(name: &str, memory: &str) -> Device {
     }
 }
 
+/// A whole spec, for slices the tests store themselves.
 fn spec(devices: Vec<Device>) -> ResourceSliceSpec {
     ResourceSliceSpec {
         driver: DRIVER.into(),
@@ -73,17 +76,30 @@ fn spec(devices: Vec<Device>) -> ResourceSliceSpec {
     }
 }
 
-/// Two slices: dev-0..3 and dev-4..7.
-fn two_slices() -> Vec<ResourceSliceSpec> {
-    (0..2)
+fn slice(devices: Vec<Device>) -> Slice {
+    Slice {
+        devices,
+        ..Default::default()
+    }
+}
+
+/// Two slices: dev-0..3 and dev-4..7, in the pool named after the node.
+fn two_slices() -> Resources {
+    let slices = (0..2)
         .map(|s| {
-            spec(
+            slice(
                 (0..4)
                     .map(|i| device(&format!("dev-{}", s * 4 + i), "80Gi"))
                     .collect(),
             )
         })
-        .collect()
+        .collect();
+    Resources::node_local(NODE, slices)
+}
+
+/// The slices of the pool named after the node.
+fn slices_of(r: &mut Resources) -> &mut Vec<Slice> {
+    &mut r.pools.get_mut(NODE).expect("the node's pool").slices
 }
 
 fn device_names(slices: &[ResourceSlice]) -> BTreeSet<String> {
@@ -114,6 +130,7 @@ fn fast() -> Options {
         backoff_base: Duration::from_millis(20),
         backoff_cap: Duration::from_millis(200),
         conflict_retries: 5,
+        ..Options::default()
     }
 }
 
@@ -135,8 +152,11 @@ impl Running {
         }
     }
 
-    async fn publish(&self, specs: Vec<ResourceSliceSpec>) {
-        let seq = self.handle.set_desired(specs).expect("specs for our node");
+    async fn publish(&self, resources: Resources) {
+        let seq = self
+            .handle
+            .set_desired(resources)
+            .expect("pools for our node");
         tokio::time::timeout(SOON, self.handle.wait_synced(seq))
             .await
             .unwrap_or_else(|_| panic!("not published: {:?}", self.handle.status().borrow()));
@@ -178,10 +198,14 @@ async fn first_publish_creates_a_complete_pool_owned_by_the_node() {
 
     let slices = server.slices();
     assert!(complete(&slices, 2, &all_device_names()), "{slices:#?}");
-    for s in &slices {
+    for (i, s) in slices.iter().enumerate() {
         let name = s.metadata.name.as_deref().unwrap();
-        let suffix = name.strip_prefix("node-a-fpga.example.com-").expect(name);
+        let prefix = format!("0000{i}-fpga.example.com-node-a-");
+        let suffix = name.strip_prefix(&prefix).expect(name);
         assert_eq!(suffix.len(), 5, "{name}");
+        assert_eq!(s.spec.driver, DRIVER);
+        assert_eq!(s.spec.node_name.as_deref(), Some(NODE));
+        assert_eq!(s.spec.pool.name, NODE);
         assert_eq!(s.spec.pool.generation, 1);
         assert_eq!(
             s.metadata.owner_references,
@@ -267,23 +291,21 @@ async fn an_external_edit_is_reverted() {
                     .all(|d| d.capacity.as_ref().unwrap()["memory"].value.0 == "80Gi")
         })
         .await;
-    assert!(slices.iter().all(|s| s.spec.pool.generation == 2));
+    // One slice to put back: one update, the generation kept.
+    assert!(slices.iter().all(|s| s.spec.pool.generation == 1));
+    assert_eq!(server.counts().updates, 1);
     running.stop().await;
 }
 
 #[tokio::test]
-async fn one_changed_device_is_one_update_with_a_new_generation() {
+async fn one_changed_device_is_one_update_that_keeps_the_generation() {
     let (server, running) = kube_setup().await;
-    let mut desired = vec![spec(
-        (0..8)
-            .map(|i| device(&format!("dev-{i}"), "80Gi"))
-            .collect(),
-    )];
+    let mut desired = two_slices();
     running.publish(desired.clone()).await;
     let before = server.slices();
     let counts = server.counts();
 
-    desired[0].devices.as_mut().unwrap()[3] = device("dev-3", "40Gi");
+    slices_of(&mut desired)[0].devices[3] = device("dev-3", "40Gi");
     running.publish(desired).await;
 
     let after = server.slices();
@@ -296,12 +318,15 @@ async fn one_changed_device_is_one_update_with_a_new_generation() {
         ),
         (0, 1, 0)
     );
-    assert_eq!(after.len(), 1);
+    assert_eq!(after.len(), 2);
     assert_eq!(after[0].metadata.name, before[0].metadata.name);
+    // The one write is atomic, so the pool never looks half old, half new: Go's controller
+    // keeps the generation then, and so does this one.
     assert_eq!(
         after[0].spec.pool.generation,
-        before[0].spec.pool.generation + 1
+        before[0].spec.pool.generation
     );
+    assert_eq!(after[1], before[1]);
     let dev3 = &after[0].spec.devices.as_ref().unwrap()[3];
     assert_eq!(dev3.capacity.as_ref().unwrap()["memory"].value.0, "40Gi");
     running.stop().await;
@@ -324,7 +349,7 @@ async fn server_errors_are_retried_until_the_server_recovers() {
     // Failures in the middle of a change: it still converges, without duplicates.
     server.fail_next(3);
     let mut three = two_slices();
-    three.push(spec(vec![device("dev-8", "80Gi")]));
+    slices_of(&mut three).push(slice(vec![device("dev-8", "80Gi")]));
     running.publish(three).await;
     let mut want = all_device_names();
     want.insert("dev-8".into());
@@ -369,17 +394,18 @@ async fn a_conflict_on_update_is_re_read_and_retried() {
     running.publish(desired.clone()).await;
 
     server.conflict_next_update();
-    desired[1].devices.as_mut().unwrap()[0] = device("dev-4", "40Gi");
+    slices_of(&mut desired)[1].devices[0] = device("dev-4", "40Gi");
     running.publish(desired).await;
 
     let c = running.handle.counters();
     assert_eq!(c.conflicts, 1, "{c:?}");
     let slices = server.slices();
     assert!(complete(&slices, 2, &all_device_names()));
-    assert!(
-        slices.iter().all(|s| s.spec.pool.generation == 2),
-        "{slices:#?}"
-    );
+    let memory = &slices[1].spec.devices.as_ref().unwrap()[0]
+        .capacity
+        .as_ref()
+        .unwrap()["memory"];
+    assert_eq!(memory.value.0, "40Gi", "{slices:#?}");
     running.stop().await;
 }
 
@@ -388,7 +414,7 @@ async fn fields_dropped_by_the_server_are_reported_once_and_cause_no_churn() {
     let (server, running) = kube_setup().await;
     server.drop_field("devices[].taints");
     let mut desired = two_slices();
-    desired[0].devices.as_mut().unwrap()[0].taints = Some(vec![DeviceTaint {
+    slices_of(&mut desired)[0].devices[0].taints = Some(vec![DeviceTaint {
         key: "fpga.example.com/unhealthy".into(),
         value: Some("xid-79".into()),
         effect: "NoSchedule".into(),
@@ -441,16 +467,23 @@ async fn a_stale_slice_of_an_old_generation_is_deleted() {
     let current: Vec<Device> = (0..2)
         .map(|i| device(&format!("dev-{i}"), "80Gi"))
         .collect();
-    stored("leftover", 3, vec![device("dev-9", "80Gi")]);
-    stored("current", 4, current.clone());
+    let current_name = "00000-fpga.example.com-node-a-cur00";
+    stored(
+        "00000-fpga.example.com-node-a-old00",
+        3,
+        vec![device("dev-9", "80Gi")],
+    );
+    stored(current_name, 4, current.clone());
 
     let api = server.client().unwrap();
     let running = Running::start(Arc::new(api));
-    running.publish(vec![spec(current)]).await;
+    running
+        .publish(Resources::node_local(NODE, vec![slice(current)]))
+        .await;
 
     let slices = server.slices();
     assert_eq!(slices.len(), 1);
-    assert_eq!(slices[0].metadata.name.as_deref(), Some("current"));
+    assert_eq!(slices[0].metadata.name.as_deref(), Some(current_name));
     assert_eq!(slices[0].spec.pool.generation, 4, "no bump for a delete");
     let counts = server.counts();
     assert_eq!((counts.creates, counts.updates, counts.deletes), (0, 0, 1));
@@ -474,14 +507,17 @@ async fn a_compacted_watch_re_lists_and_still_sees_deletes() {
 }
 
 #[tokio::test]
-async fn an_invalid_slice_is_reported_not_fatal() {
+async fn an_invalid_slice_is_reported_and_never_sent() {
     let (server, running) = kube_setup().await;
-    let too_many = spec(
+    let too_many = slice(
         (0..129)
             .map(|i| device(&format!("dev-{i}"), "1Gi"))
             .collect(),
     );
-    running.handle.set_desired(vec![too_many]).unwrap();
+    running
+        .handle
+        .set_desired(Resources::node_local(NODE, vec![too_many]))
+        .unwrap();
     let mut status = running.handle.status();
     let st = tokio::time::timeout(SOON, status.wait_for(|s| s.last_error.is_some()))
         .await
@@ -490,7 +526,11 @@ async fn an_invalid_slice_is_reported_not_fatal() {
         .clone();
     let err = st.last_error.unwrap();
     assert!(err.contains("at most 128"), "{err}");
-    assert!(err.contains("422"), "{err}");
+    // The crate's own validation caught it: the server never saw it (no 422 retried).
+    assert!(!err.contains("422"), "{err}");
+    force_reconcile(&server, &running).await;
+    assert_eq!(server.counts().write_requests, 0);
+    assert_eq!(running.handle.counters().errors, 0, "not a retried failure");
     assert!(server.slices().is_empty());
 
     // A valid layout afterwards is published.
@@ -547,7 +587,7 @@ async fn kube_api_reads_claims_and_maps_errors() {
         Err(api::Error::NotFound(_))
     ));
     assert!(matches!(
-        api.delete_slice("nope").await,
+        api.delete_slice("nope", &Preconditions::default()).await,
         Err(api::Error::NotFound(_))
     ));
     server.fail_next(1);
@@ -581,4 +621,243 @@ async fn kube_api_reads_claims_and_maps_errors() {
             .unwrap()
             .is_empty()
     );
+    // The empty node selects the slices that name none.
+    assert!(api.list_slices(DRIVER, "").await.unwrap().is_empty());
+
+    // Deletes with preconditions: a stale resourceVersion or another uid leaves the slice.
+    let name = created.metadata.name.clone().unwrap();
+    let current = api.list_slices(DRIVER, NODE).await.unwrap().remove(0);
+    let held = |uid: Option<String>, rv: Option<String>| Preconditions {
+        uid,
+        resource_version: rv,
+    };
+    for stale in [
+        held(None, created.metadata.resource_version.clone()),
+        held(Some("another-uid".into()), None),
+    ] {
+        assert!(
+            matches!(
+                api.delete_slice(&name, &stale).await,
+                Err(api::Error::Conflict(_))
+            ),
+            "{stale:?}"
+        );
+    }
+    assert_eq!(server.slices().len(), 1);
+    let exact = held(
+        current.metadata.uid.clone(),
+        current.metadata.resource_version.clone(),
+    );
+    api.delete_slice(&name, &exact).await.unwrap();
+    assert!(server.slices().is_empty());
+}
+
+/// The order in which the scheduler's allocator tries devices, as the crate README states it
+/// (Kubernetes 1.36+, the "incubating" and "experimental" allocators of
+/// `k8s.io/dynamic-resource-allocation/structured`, `pools_*.go`: `sortPoolsByID`,
+/// `sortSlicesByName`): pools by driver and pool name, a pool's slices by name, a slice's devices
+/// in their order; first fit. Here each claim asks for one device and takes the first one free.
+fn allocation_order(slices: &[ResourceSlice]) -> Vec<String> {
+    let mut sorted: Vec<&ResourceSlice> = slices.iter().collect();
+    sorted.sort_by_key(|s| (&s.spec.driver, &s.spec.pool.name, &s.metadata.name));
+    let devices: Vec<&str> = sorted
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.as_str())
+        .collect();
+    let mut taken: Vec<String> = Vec::new();
+    for _claim in 0..devices.len() {
+        let free = devices
+            .iter()
+            .find(|d| !taken.iter().any(|t| t == *d))
+            .expect("a free device");
+        taken.push(free.to_string());
+    }
+    taken
+}
+
+#[tokio::test]
+async fn list_order_is_name_order_is_allocation_order_is_the_drivers_order() {
+    let (server, running) = kube_setup().await;
+    // 17 slices, so the last index is 0x10: "00010" sorts after "0000f" where "16" would sort
+    // before "2". Device names deliberately out of order, so nothing else can explain the order.
+    let slices: Vec<Slice> = (0..17)
+        .map(|i| {
+            let d = (i * 7) % 17;
+            slice(vec![
+                device(&format!("dev-{d}-x"), "80Gi"),
+                device(&format!("dev-{d}-a"), "80Gi"),
+            ])
+        })
+        .collect();
+    let mut desired = Resources::node_local(NODE, slices);
+    // A second pool whose name sorts first: the scheduler tries it first.
+    desired.pools.insert(
+        "a-pool".into(),
+        Pool {
+            nodes: Nodes::ThisNode,
+            slices: vec![slice(vec![device("preferred", "80Gi")])],
+        },
+    );
+    running.publish(desired.clone()).await;
+
+    let drivers_order: Vec<String> = desired
+        .pools
+        .values()
+        .flat_map(|p| &p.slices)
+        .flat_map(|s| &s.devices)
+        .map(|d| d.name.clone())
+        .collect();
+    let api = server.client().unwrap();
+    let listed = api.list_slices(DRIVER, NODE).await.unwrap();
+    let names: Vec<&str> = listed
+        .iter()
+        .map(|s| s.metadata.name.as_deref().unwrap())
+        .collect();
+    let mut sorted = names.clone();
+    sorted.sort();
+    assert_eq!(names, sorted, "the API server lists by name");
+    // Within the node's pool, list order is the driver's order of slices.
+    let pool_order: Vec<String> = listed
+        .iter()
+        .filter(|s| s.spec.pool.name == NODE)
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect();
+    let drivers_pool_order: Vec<String> = desired.pools[NODE]
+        .slices
+        .iter()
+        .flat_map(|s| &s.devices)
+        .map(|d| d.name.clone())
+        .collect();
+    assert_eq!(pool_order, drivers_pool_order);
+    assert_eq!(allocation_order(&listed), drivers_order);
+    assert_eq!(allocation_order(&listed)[0], "preferred");
+
+    // The driver moves its last slice to the front: the names follow, and so does allocation.
+    let node_pool = desired.pools.get_mut(NODE).unwrap();
+    let last = node_pool.slices.pop().unwrap();
+    node_pool.slices.insert(0, last);
+    running.publish(desired.clone()).await;
+    let listed = api.list_slices(DRIVER, NODE).await.unwrap();
+    let drivers_order: Vec<String> = desired
+        .pools
+        .values()
+        .flat_map(|p| &p.slices)
+        .flat_map(|s| &s.devices)
+        .map(|d| d.name.clone())
+        .collect();
+    assert_eq!(allocation_order(&listed), drivers_order);
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn network_pools_are_published_watched_and_removed_and_others_left_alone() {
+    let server = ApiServer::start().await;
+    server.seed_node(NODE, NODE_UID);
+    // Another publisher's network pool: never touched.
+    let mut foreign = spec(vec![device("nic-9", "1Gi")]);
+    foreign.node_name = None;
+    foreign.all_nodes = Some(true);
+    foreign.pool = ResourcePool {
+        name: "rack-2".into(),
+        generation: 1,
+        resource_slice_count: 1,
+    };
+    server.insert_slice(ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some("00000-fpga.example.com-node-b-zzzzz".into()),
+            ..Default::default()
+        },
+        spec: foreign,
+    });
+    let api = server.client().unwrap();
+    let opts = Options {
+        network_pools: BTreeSet::from(["rack-1".to_string()]),
+        ..fast()
+    };
+    let (publisher, handle) = Publisher::with_options(Arc::new(api), DRIVER, NODE, opts);
+    let token = CancellationToken::new();
+    let task = tokio::spawn(publisher.run(token.clone()));
+    let running = Running {
+        handle,
+        token,
+        task,
+    };
+    let mut desired = two_slices();
+    desired.pools.insert(
+        "rack-1".into(),
+        Pool {
+            nodes: Nodes::All,
+            slices: vec![slice(vec![device("nic-0", "1Gi")])],
+        },
+    );
+    running.publish(desired.clone()).await;
+    let rack = |s: &[ResourceSlice], pool: &str| -> Vec<ResourceSlice> {
+        s.iter()
+            .filter(|s| s.spec.pool.name == pool)
+            .cloned()
+            .collect()
+    };
+    let rack1 = rack(&server.slices(), "rack-1");
+    assert_eq!(rack1.len(), 1);
+    assert_eq!(rack1[0].spec.all_nodes, Some(true));
+    assert_eq!(rack1[0].spec.node_name, None);
+    assert_eq!(
+        rack1[0].metadata.owner_references.as_ref().unwrap()[0].uid,
+        NODE_UID
+    );
+
+    // Deleted by someone: the watch of node-less slices sees it and it is put back.
+    let name = rack1[0].metadata.name.clone().unwrap();
+    server.delete_slice(&name);
+    server
+        .wait_for(SOON, |s| rack(s, "rack-1").len() == 1)
+        .await;
+
+    // No longer desired: deleted; the other publisher's pool stays.
+    desired.pools.remove("rack-1");
+    running.publish(desired).await;
+    let slices = server.slices();
+    assert!(rack(&slices, "rack-1").is_empty());
+    assert_eq!(rack(&slices, "rack-2").len(), 1);
+    assert!(complete(&rack(&slices, NODE), 2, &all_device_names()));
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn slices_of_the_unprefixed_naming_are_replaced_once() {
+    let server = ApiServer::start().await;
+    server.seed_node(NODE, NODE_UID);
+    let mut old = spec(vec![device("dev-0", "80Gi")]);
+    old.pool.generation = 1;
+    old.pool.resource_slice_count = 1;
+    server.insert_slice(ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some("node-a-fpga.example.com-abcde".into()),
+            ..Default::default()
+        },
+        spec: old,
+    });
+    let running = Running::start(Arc::new(server.client().unwrap()));
+    running
+        .publish(Resources::node_local(
+            NODE,
+            vec![slice(vec![device("dev-0", "80Gi")])],
+        ))
+        .await;
+    let slices = server.slices();
+    assert_eq!(slices.len(), 1);
+    assert!(
+        slices[0]
+            .metadata
+            .name
+            .as_deref()
+            .unwrap()
+            .starts_with("00000-fpga.example.com-node-a-")
+    );
+    assert_eq!(slices[0].spec.pool.generation, 2);
+    let counts = server.counts();
+    assert_eq!((counts.creates, counts.updates, counts.deletes), (1, 0, 1));
+    running.stop().await;
 }

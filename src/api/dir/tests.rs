@@ -88,16 +88,24 @@ async fn replace_checks_the_resource_version() {
         api.replace_slice(&edit).await,
         Err(Error::Conflict(_))
     ));
-    api.delete_slice(created.metadata.name.as_deref().unwrap())
-        .await
-        .unwrap();
+    // A delete with the preconditions of the stale copy leaves the slice; with the current ones,
+    // deletes it.
+    let name = created.metadata.name.as_deref().unwrap();
+    let held = |s: &ResourceSlice| Preconditions {
+        uid: s.metadata.uid.clone(),
+        resource_version: s.metadata.resource_version.clone(),
+    };
+    assert!(matches!(
+        api.delete_slice(name, &held(&created)).await,
+        Err(Error::Conflict(_))
+    ));
+    api.delete_slice(name, &held(&updated)).await.unwrap();
     assert!(matches!(
         api.replace_slice(&updated).await,
         Err(Error::NotFound(_))
     ));
     assert!(matches!(
-        api.delete_slice(created.metadata.name.as_deref().unwrap())
-            .await,
+        api.delete_slice(name, &Preconditions::default()).await,
         Err(Error::NotFound(_))
     ));
 }
@@ -110,7 +118,8 @@ async fn names_that_are_not_dns_subdomains_are_rejected() {
     s.metadata.name = Some("../escape".into());
     assert!(matches!(api.create_slice(&s).await, Err(Error::Invalid(_))));
     assert!(matches!(
-        api.delete_slice("../../etc/passwd").await,
+        api.delete_slice("../../etc/passwd", &Preconditions::default())
+            .await,
         Err(Error::Invalid(_))
     ));
 }
@@ -267,8 +276,8 @@ mod publishing {
     use super::super::DirApi;
     use super::wait::{SOON, eventually};
     use crate::api::SliceApi;
-    use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
-    use kubelet_plugin::publisher::{Options, Publisher};
+    use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+    use kubelet_plugin::publisher::{Options, Publisher, Resources, Slice};
     use std::collections::BTreeSet;
     use std::sync::Arc;
     use std::time::Duration;
@@ -277,27 +286,19 @@ mod publishing {
     const NODE: &str = "node-a";
 
     /// Two slices: gpu-0..3 and gpu-4..7.
-    fn two_slices() -> Vec<ResourceSliceSpec> {
-        (0..2)
-            .map(|s| ResourceSliceSpec {
-                driver: DRIVER.into(),
-                node_name: Some(NODE.into()),
-                pool: ResourcePool {
-                    name: NODE.into(),
-                    generation: 0,
-                    resource_slice_count: 0,
-                },
-                devices: Some(
-                    (0..4)
-                        .map(|i| Device {
-                            name: format!("gpu-{}", s * 4 + i),
-                            ..Default::default()
-                        })
-                        .collect(),
-                ),
+    fn two_slices() -> Resources {
+        let slices = (0..2)
+            .map(|s| Slice {
+                devices: (0..4)
+                    .map(|i| Device {
+                        name: format!("gpu-{}", s * 4 + i),
+                        ..Default::default()
+                    })
+                    .collect(),
                 ..Default::default()
             })
-            .collect()
+            .collect();
+        Resources::node_local(NODE, slices)
     }
 
     /// `n` slices of one generation that hold gpu-0..7.
@@ -324,6 +325,7 @@ mod publishing {
             backoff_base: Duration::from_millis(20),
             backoff_cap: Duration::from_millis(200),
             conflict_retries: 5,
+            ..Options::default()
         };
         let (publisher, handle) =
             Publisher::with_options(Arc::new(api.clone()), DRIVER, NODE, fast);

@@ -21,7 +21,8 @@ use super::{ClaimStatusApi, Error, Failure, Result, SliceApi, SliceEvent};
 /// How long one watch request may stay open before the server closes it and we re-watch.
 pub const WATCH_TIMEOUT_SECS: u32 = 290;
 
-/// `spec.driver=…,spec.nodeName=…`, the field selector the API server indexes for slices.
+/// `spec.driver=…,spec.nodeName=…`, the field selector the API server indexes for slices (an
+/// empty node selects the slices that name none).
 fn slice_selector(driver: &str, node: &str) -> String {
     format!("spec.driver={driver},spec.nodeName={node}")
 }
@@ -154,10 +155,23 @@ impl SliceApi for Client {
         })
     }
 
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>> {
+    fn delete_slice<'a>(
+        &'a self,
+        name: &'a str,
+        preconditions: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions,
+    ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            let dp = DeleteParams {
+                preconditions: (preconditions.uid.is_some()
+                    || preconditions.resource_version.is_some())
+                .then(|| kube::api::Preconditions {
+                    uid: preconditions.uid.clone(),
+                    resource_version: preconditions.resource_version.clone(),
+                }),
+                ..DeleteParams::default()
+            };
             Api::<ResourceSlice>::all(self.clone())
-                .delete(name, &DeleteParams::default())
+                .delete(name, &dp)
                 .await
                 .map(|_| ())
                 .map_err(|e| classify(&format!("delete resourceslice {name}"), e))

@@ -10,6 +10,7 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions;
 
 /// Errors from the API, classified by what the caller should do about them. Each carries a
 /// [`Failure`]: what failed, and the error that made it fail as its source (never also in the
@@ -120,7 +121,8 @@ pub enum SliceEvent {
 
 /// What the publisher needs of the API server. Implementations are shared behind an `Arc`.
 pub trait SliceApi: Send + Sync + 'static {
-    /// Slices with `spec.driver == driver` and `spec.nodeName == node`.
+    /// Slices with `spec.driver == driver` and `spec.nodeName == node`; with `node` empty, the
+    /// driver's slices that name no node (network-attached pools).
     fn list_slices<'a>(
         &'a self,
         driver: &'a str,
@@ -137,12 +139,19 @@ pub trait SliceApi: Send + Sync + 'static {
         slice: &'a ResourceSlice,
     ) -> BoxFuture<'a, Result<ResourceSlice>>;
 
-    /// Deletes a slice by name; deleting a missing slice is `NotFound`.
-    fn delete_slice<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<()>>;
+    /// Deletes a slice by name; deleting a missing slice is `NotFound`. When `preconditions`
+    /// names a uid or resourceVersion, a slice that no longer has them is left in place:
+    /// `Conflict`.
+    fn delete_slice<'a>(
+        &'a self,
+        name: &'a str,
+        preconditions: &'a Preconditions,
+    ) -> BoxFuture<'a, Result<()>>;
 
-    /// Changes to this driver's slices on this node, by anyone. The first item is `Restarted`,
-    /// and so is any item after which events may have been missed (e.g. a re-list after 410
-    /// Gone). The stream ends or yields errors when the connection drops; callers restart it.
+    /// Changes to this driver's slices on this node (`node` empty: that name no node), by
+    /// anyone. The first item is `Restarted`, and so is any item after which events may have
+    /// been missed (e.g. a re-list after 410 Gone). The stream ends or yields errors when the
+    /// connection drops; callers restart it.
     fn watch_slices<'a>(
         &'a self,
         driver: &'a str,

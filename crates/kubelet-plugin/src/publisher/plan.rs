@@ -1,21 +1,28 @@
 //! The publisher's decisions, as pure functions: which existing slice becomes which desired slice,
-//! whether the pool needs a new generation, and what to create, update and delete.
+//! whether the pool needs a new generation, and what to delete, update and create.
 //!
-//! Invariants (mirroring Go's `k8s.io/dynamic-resource-allocation/resourceslice` controller):
-//! - Per pool, the highest existing `pool.generation` is current; slices of older generations are
-//!   deleted. Pools that are no longer desired are deleted entirely.
-//! - Existing slices are matched to desired ones by identical spec, then by identical device-name
-//!   set, then 1:1 when exactly one of each is left.
-//! - When everything matches there are no creates or updates (deletes of obsolete slices only):
-//!   the steady state writes nothing. Otherwise the pool gets generation `highest + 1` (1 for a new
-//!   pool) in every slice, and `resourceSliceCount` = the number of desired slices in the pool.
-//! - "Matches" is semantic: JSON with empty and null values removed, fields the server is known to
+//! Invariants (the rules of Go's `k8s.io/dynamic-resource-allocation/resourceslice` controller):
+//! - Slice `i` of a pool is published under a name that starts with `i` in hexadecimal, padded to
+//!   [`index_width`] digits, then `-<driver>-<node>-` and the API server's random suffix. Existing
+//!   slices are matched to desired ones by that index, and nothing else.
+//! - Per pool, the highest existing `pool.generation` is current. Obsolete are: slices of an older
+//!   generation, slices whose name carries no index of the current width, a second slice with the
+//!   same index, an index past the desired count, and a slice whose `nodeName` differs from the
+//!   desired one (the field is immutable). Pools no longer desired are deleted entirely.
+//! - The generation is kept when no slice is new and at most one matched slice changes (one write
+//!   is atomic: nobody sees a pool half old, half new); otherwise every slice gets
+//!   `highest + 1` (1 for a new pool). `resourceSliceCount` is the number of desired slices.
+//! - A pool whose slices break the API server's rules ([`crate::validate`]) is left as it is and
+//!   reported, not written.
+//! - "Changes" is semantic: JSON with empty and null values removed, fields the server is known to
 //!   drop ignored, the server-set taint `timeAdded` carried over; and a slice whose
 //!   resourceVersion is the one our own write returned, for the same desired spec, matches by
 //!   definition (so server-side normalisation can never cause a write loop).
 
-use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use super::{InvalidPool, Nodes, Pool, Resources};
+use crate::validate::{self, Violation};
+use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Preconditions};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -72,7 +79,8 @@ pub struct Written {
 pub struct Inputs<'a> {
     pub driver: &'a str,
     pub node: &'a str,
-    pub desired: &'a [ResourceSliceSpec],
+    pub desired: &'a Resources,
+    /// This publisher's slices on the server: those on its node and those of its network pools.
     pub existing: &'a [ResourceSlice],
     /// The Node as controller owner, when it is known.
     pub owner: Option<&'a OwnerReference>,
@@ -82,30 +90,109 @@ pub struct Inputs<'a> {
     pub dropped: &'a BTreeSet<FieldPath>,
 }
 
-/// What to do, in this order: updates, creates, deletes.
+/// A slice to delete: its name, and the uid and resourceVersion it must still have.
+#[derive(Debug, PartialEq)]
+pub struct Obsolete {
+    pub name: String,
+    pub preconditions: Preconditions,
+}
+
+/// What to do, in this order: deletes, updates, creates; and the pools left alone because their
+/// slices break the API's rules.
 #[derive(Debug, Default, PartialEq)]
 pub struct Plan {
+    pub deletes: Vec<Obsolete>,
     pub updates: Vec<ResourceSlice>,
     pub creates: Vec<ResourceSlice>,
-    pub deletes: Vec<String>,
+    pub invalid: Vec<InvalidPool>,
 }
 
 impl Plan {
+    /// No writes (invalid pools aside).
     pub fn is_empty(&self) -> bool {
         self.updates.is_empty() && self.creates.is_empty() && self.deletes.is_empty()
     }
 }
 
+/// The fewest hexadecimal digits of a slice index in a pool of `count` slices: 5, or more when
+/// the highest index needs them, so that names sort as indices do.
+pub fn index_width(count: usize) -> usize {
+    let highest = count.saturating_sub(1);
+    let digits = format!("{highest:x}").len();
+    digits.max(5)
+}
+
+/// The index a slice's name starts with, when it is `width` hexadecimal digits and a `-`.
+pub fn name_index(name: &str, width: usize) -> Option<usize> {
+    let (prefix, _) = name.split_at_checked(width)?;
+    if !name[width..].starts_with('-') || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    usize::from_str_radix(prefix, 16).ok()
+}
+
+/// `generateName` of slice `index` of a pool of `count`: `<index>-<driver>-<node>-`.
+pub fn generate_name(index: usize, count: usize, driver: &str, node: &str) -> String {
+    let width = index_width(count);
+    format!("{index:0width$x}-{driver}-{node}-")
+}
+
+/// The spec of slice `index` of `pool` as published.
+pub fn slice_spec(
+    inp: &Inputs<'_>,
+    name: &str,
+    pool: &Pool,
+    index: usize,
+    generation: i64,
+) -> ResourceSliceSpec {
+    let slice = &pool.slices[index];
+    let mut spec = ResourceSliceSpec {
+        driver: inp.driver.to_string(),
+        pool: ResourcePool {
+            name: name.to_string(),
+            generation,
+            resource_slice_count: i64::try_from(pool.slices.len()).unwrap_or(i64::MAX),
+        },
+        devices: some(&slice.devices),
+        shared_counters: some(&slice.shared_counters),
+        ..Default::default()
+    };
+    match &pool.nodes {
+        Nodes::ThisNode => spec.node_name = Some(inp.node.to_string()),
+        Nodes::Selector(sel) => spec.node_selector = Some(sel.clone()),
+        Nodes::All => spec.all_nodes = Some(true),
+        Nodes::PerDevice => spec.per_device_node_selection = Some(true),
+    }
+    spec
+}
+
+/// An empty list as absent, as Go's `omitempty` sends it.
+fn some<T: Clone>(v: &[T]) -> Option<Vec<T>> {
+    (!v.is_empty()).then(|| v.to_vec())
+}
+
+/// What the API server (or the allocator, for what spans slices) would refuse in `pool`: each
+/// with the index of its slice (`None`: the pool's).
+pub fn violations(inp: &Inputs<'_>, name: &str, pool: &Pool) -> Vec<(Option<usize>, Violation)> {
+    let specs: Vec<ResourceSliceSpec> = (0..pool.slices.len())
+        .map(|i| slice_spec(inp, name, pool, i, 1))
+        .collect();
+    let per_slice = specs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| validate::validate(s).into_iter().map(move |v| (Some(i), v)));
+    let pool_wide = validate::validate_pool(&specs)
+        .into_iter()
+        .map(|v| (None, v));
+    per_slice
+        .chain(pool_wide)
+        .filter(|(_, v)| v.server_rejects())
+        .collect()
+}
+
 /// Decides what to write so that the API server holds exactly `desired`.
 pub fn plan(inp: &Inputs<'_>) -> Plan {
     let mut out = Plan::default();
-    let mut desired_pools: BTreeMap<&str, Vec<&ResourceSliceSpec>> = BTreeMap::new();
-    for spec in inp.desired {
-        desired_pools
-            .entry(spec.pool.name.as_str())
-            .or_default()
-            .push(spec);
-    }
     let mut existing_pools: BTreeMap<&str, Vec<&ResourceSlice>> = BTreeMap::new();
     for slice in inp.existing {
         existing_pools
@@ -114,13 +201,24 @@ pub fn plan(inp: &Inputs<'_>) -> Plan {
             .push(slice);
     }
     for (pool, existing) in &existing_pools {
-        if !desired_pools.contains_key(pool) {
-            out.deletes.extend(existing.iter().map(|s| name(s)));
+        if !inp.desired.pools.contains_key(*pool) {
+            out.deletes.extend(existing.iter().map(|s| obsolete(s)));
         }
     }
-    for (pool, desired) in &desired_pools {
-        let existing = existing_pools.get(pool).map(Vec::as_slice).unwrap_or(&[]);
-        plan_pool(inp, desired, existing, &mut out);
+    for (name, pool) in &inp.desired.pools {
+        let existing = existing_pools
+            .get(name.as_str())
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        let bad = violations(inp, name, pool);
+        if bad.is_empty() {
+            plan_pool(inp, name, pool, existing, &mut out);
+        } else {
+            out.invalid.push(InvalidPool {
+                pool: name.clone(),
+                violations: bad,
+            });
+        }
     }
     out
 }
@@ -129,55 +227,72 @@ fn name(slice: &ResourceSlice) -> String {
     slice.metadata.name.clone().unwrap_or_default()
 }
 
+fn obsolete(slice: &ResourceSlice) -> Obsolete {
+    Obsolete {
+        name: name(slice),
+        preconditions: Preconditions {
+            uid: slice.metadata.uid.clone(),
+            resource_version: slice.metadata.resource_version.clone(),
+        },
+    }
+}
+
 fn plan_pool(
     inp: &Inputs<'_>,
-    desired: &[&ResourceSliceSpec],
+    pool_name: &str,
+    pool: &Pool,
     existing: &[&ResourceSlice],
     out: &mut Plan,
 ) {
-    let highest = existing.iter().map(|s| s.spec.pool.generation).max();
-    let (current, obsolete): (Vec<&ResourceSlice>, Vec<&ResourceSlice>) = existing
+    let count = pool.slices.len();
+    let highest = existing
         .iter()
-        .partition(|s| Some(s.spec.pool.generation) == highest);
-    out.deletes.extend(obsolete.iter().map(|s| name(s)));
-
-    let count = i64::try_from(desired.len()).unwrap_or(i64::MAX);
-    let matches = match_slices(inp, desired, &current);
-    let unmatched_current = |matches: &[Option<usize>]| {
-        (0..current.len())
-            .filter(|j| !matches.contains(&Some(*j)))
-            .map(|j| name(current[j]))
-            .collect::<Vec<_>>()
-    };
-
-    if let Some(generation) = highest {
-        let all_match = desired.iter().zip(&matches).all(|(spec, m)| {
-            m.is_some_and(|j| {
-                let want = with_pool(spec, generation, count);
-                same(inp, current[j], &want) && owner_ok(inp.owner, current[j])
-            })
-        });
-        if all_match {
-            out.deletes.extend(unmatched_current(&matches));
-            return;
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    let width = index_width(count);
+    let node_name = matches!(pool.nodes, Nodes::ThisNode).then_some(inp.node);
+    let mut matched: Vec<Option<&ResourceSlice>> = vec![None; count];
+    for slice in existing {
+        let index = (slice.spec.pool.generation == highest
+            && slice.spec.node_name.as_deref() == node_name)
+            .then(|| name_index(&name(slice), width))
+            .flatten()
+            .filter(|&i| i < count && matched[i].is_none());
+        match index {
+            Some(i) => matched[i] = Some(slice),
+            None => out.deletes.push(obsolete(slice)),
         }
     }
 
-    let generation = highest.map_or(1, |g| g + 1);
-    for (spec, m) in desired.iter().zip(&matches) {
-        let mut want = with_pool(spec, generation, count);
-        match m {
-            Some(j) => {
-                let have = current[*j];
+    let changed: Vec<usize> = (0..count)
+        .filter(|&i| {
+            matched[i].is_some_and(|have| {
+                let want = slice_spec(inp, pool_name, pool, i, highest);
+                !same(inp, have, &want) || !owner_ok(inp.owner, have)
+            })
+        })
+        .collect();
+    let new = matched.iter().any(Option::is_none);
+    let generation = if !new && changed.len() <= 1 {
+        highest
+    } else {
+        highest + 1
+    };
+    for (i, have) in matched.iter().enumerate() {
+        let mut want = slice_spec(inp, pool_name, pool, i, generation);
+        match have {
+            Some(have) if generation != highest || changed.contains(&i) => {
                 carry_taint_times(&mut want, &have.spec);
                 out.updates.push(ResourceSlice {
                     metadata: updated_meta(&have.metadata, inp.owner),
                     spec: want,
                 });
             }
+            Some(_) => {}
             None => out.creates.push(ResourceSlice {
                 metadata: ObjectMeta {
-                    generate_name: Some(format!("{}-{}-", inp.node, inp.driver)),
+                    generate_name: Some(generate_name(i, count, inp.driver, inp.node)),
                     owner_references: inp.owner.map(|o| vec![o.clone()]),
                     ..Default::default()
                 },
@@ -185,69 +300,6 @@ fn plan_pool(
             }),
         }
     }
-    out.deletes.extend(unmatched_current(&matches));
-}
-
-fn with_pool(spec: &ResourceSliceSpec, generation: i64, count: i64) -> ResourceSliceSpec {
-    let mut s = spec.clone();
-    s.pool.generation = generation;
-    s.pool.resource_slice_count = count;
-    s
-}
-
-/// Pairs each desired slice with at most one current slice (index into `current`).
-fn match_slices(
-    inp: &Inputs<'_>,
-    desired: &[&ResourceSliceSpec],
-    current: &[&ResourceSlice],
-) -> Vec<Option<usize>> {
-    let mut m: Vec<Option<usize>> = vec![None; desired.len()];
-    let mut used = vec![false; current.len()];
-    let names: Vec<BTreeSet<&str>> = desired.iter().map(|s| device_names(s)).collect();
-    let have_names: Vec<BTreeSet<&str>> = current.iter().map(|s| device_names(&s.spec)).collect();
-    // Pass 1: identical content (generation and count aside), so equal device sets (e.g. several
-    // counter-only slices without devices) pair up without needless updates.
-    for (i, spec) in desired.iter().enumerate() {
-        let found = (0..current.len()).find(|&j| {
-            !used[j] && names[i] == have_names[j] && {
-                let p = &current[j].spec.pool;
-                same(
-                    inp,
-                    current[j],
-                    &with_pool(spec, p.generation, p.resource_slice_count),
-                )
-            }
-        });
-        if let Some(j) = found {
-            m[i] = Some(j);
-            used[j] = true;
-        }
-    }
-    // Pass 2: identical device-name sets.
-    for i in 0..desired.len() {
-        if m[i].is_some() {
-            continue;
-        }
-        if let Some(j) = (0..current.len()).find(|&j| !used[j] && names[i] == have_names[j]) {
-            m[i] = Some(j);
-            used[j] = true;
-        }
-    }
-    // Pass 3: one left on each side.
-    let free_desired: Vec<usize> = (0..desired.len()).filter(|&i| m[i].is_none()).collect();
-    let free_current: Vec<usize> = (0..current.len()).filter(|&j| !used[j]).collect();
-    if let ([i], [j]) = (free_desired.as_slice(), free_current.as_slice()) {
-        m[*i] = Some(*j);
-    }
-    m
-}
-
-fn device_names(spec: &ResourceSliceSpec) -> BTreeSet<&str> {
-    spec.devices
-        .iter()
-        .flatten()
-        .map(|d| d.name.as_str())
-        .collect()
 }
 
 /// Whether the existing slice already holds `want` (semantically).

@@ -840,7 +840,11 @@ impl Server {
                 }
             }
             (Method::DELETE, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
-                self.delete(name)
+                let name = name.to_string();
+                match read_preconditions(req).await {
+                    Ok(pre) => self.delete(&name, pre),
+                    Err(r) => r,
+                }
             }
             (Method::GET, ["apis", "resource.k8s.io", "v1"]) => {
                 if self.lock().dra_absent {
@@ -1378,9 +1382,29 @@ impl Server {
         ok_json(StatusCode::OK, &s)
     }
 
-    fn delete(&self, name: &str) -> Response<Body> {
+    /// DELETE, honouring `preconditions` as the API server does (409 when they do not hold).
+    fn delete(&self, name: &str, pre: Option<serde_json::Value>) -> Response<Body> {
         let mut st = self.lock();
         st.counts.write_requests += 1;
+        let Some(have) = st.slices.get(name) else {
+            return not_found("resourceslices.resource.k8s.io", name);
+        };
+        let pre = pre.unwrap_or_default();
+        let (uid, rv) = (&have.metadata.uid, &have.metadata.resource_version);
+        if let Some(want) = pre.get("uid").and_then(|v| v.as_str())
+            && uid.as_deref() != Some(want)
+        {
+            let msg = format!(
+                "Precondition failed: UID in precondition: {want}, UID in object meta: {}",
+                uid.as_deref().unwrap_or("")
+            );
+            return error(409, "Conflict", msg);
+        }
+        if let Some(want) = pre.get("resourceVersion").and_then(|v| v.as_str())
+            && rv.as_deref() != Some(want)
+        {
+            return conflict(name);
+        }
         let Some(mut obj) = st.slices.remove(name) else {
             return not_found("resourceslices.resource.k8s.io", name);
         };
@@ -1400,6 +1424,24 @@ fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>) -> Response<Body> {
         .header("content-type", "application/json")
         .body(BodyExt::boxed(StreamBody::new(frames)))
         .expect("a valid response")
+}
+
+/// The `preconditions` of a DELETE's DeleteOptions body, if it has any.
+async fn read_preconditions(
+    req: Request<Incoming>,
+) -> Result<Option<serde_json::Value>, Response<Body>> {
+    let bytes = req
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| error(400, "BadRequest", format!("reading the body: {e}")))?
+        .to_bytes();
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    let options: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| error(400, "BadRequest", format!("decoding DeleteOptions: {e}")))?;
+    Ok(options.get("preconditions").cloned())
 }
 
 async fn read_slice(req: Request<Incoming>) -> Result<ResourceSlice, Response<Body>> {

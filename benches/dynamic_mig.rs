@@ -107,6 +107,7 @@ async fn run(delay: Duration, n: usize) {
         keep_mig_on: false,
         share_trust_domain: Default::default(),
         proc_root: None,
+        claim_status: false,
     };
     let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
     let (plugin, writer, _) = Plugin::new(

@@ -289,6 +289,7 @@ async fn main() {
             keep_mig_on: false,
             share_trust_domain: Default::default(),
             proc_root: None,
+            claim_status: false,
         },
         api.cluster_api(),
         Arc::new(owner::Watched::new(Arc::new(sim), inventory.clone())),

@@ -172,6 +172,8 @@ pub struct Config {
     pub mps_probe_interval: std::time::Duration,
     /// Keep gpu-feature-discovery's labels on the Node current.
     pub node_labels: bool,
+    /// After a prepare, write the claim's `status.devices` entries.
+    pub claim_status: bool,
     /// Where the MPS control daemons' directories are (`crate::mps::dir`).
     pub mps_root: PathBuf,
 }
@@ -421,6 +423,7 @@ fn validate(settings: Settings) -> Result<Config> {
             .transpose()?,
         device_plugin_gpu_memory,
         node_labels: need(daemon.node_labels, "--node-labels")?,
+        claim_status: need(daemon.claim_status, "--claim-status")?,
         mps_root: absolute("--mps-root", need(mps.mps_root, "--mps-root")?)?,
     })
 }

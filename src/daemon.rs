@@ -384,6 +384,7 @@ async fn start_dra(
             keep_mig_on: config.dynamic_mig == crate::config::DynamicMig::KeepOn,
             share_trust_domain: config.share_trust_domain.clone(),
             proc_root: extras.proc_root.clone(),
+            claim_status: config.claim_status,
         },
         api.clone(),
         backend.clone(),

@@ -272,6 +272,10 @@ impl ClaimReader for KubeApi {
                 .map_err(|e| classify(&format!("get namespace {name}"), e))
         })
     }
+
+    fn claim_status(&self) -> Option<&dyn super::ClaimStatusApi> {
+        Some(&self.client)
+    }
 }
 
 /// Whether a watch error is 410 Gone: the watcher re-lists by itself.

@@ -17,13 +17,15 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-pub use kubelet_plugin::api::{Cause, Error, Failure, Result, SliceApi, SliceEvent};
+pub use kubelet_plugin::api::{
+    Cause, ClaimStatusApi, Error, Failure, Result, SliceApi, SliceEvent,
+};
 
 pub use kubelet_plugin::claims::ClaimSource;
 
 /// What prepare needs of the API server: the claim the kubelet names (the library's
-/// [`ClaimSource`], through which `serve` reads claims) and, for a share of a GPU whose MPS
-/// serves one user at a time, the pod it is reserved for.
+/// [`ClaimSource`], through which `serve` reads claims), for a share of a GPU whose MPS
+/// serves one user at a time the pod it is reserved for, and where the claim's status goes.
 pub trait ClaimReader: ClaimSource {
     /// Reads a Pod: a share of a GPU whose MPS serves one user at a time needs the user its
     /// pod runs as ([`crate::dra`]'s prepare). APIs that hold no pods say so.
@@ -47,6 +49,12 @@ pub trait ClaimReader: ClaimSource {
                 format!("this API cannot read namespace {name}").into(),
             ))
         })
+    }
+
+    /// Where prepare writes a claim's `status.devices` (server-side apply of its status). APIs
+    /// that keep no claim status (the directory API) answer `None`, and nothing is written.
+    fn claim_status(&self) -> Option<&dyn ClaimStatusApi> {
+        None
     }
 }
 

@@ -370,6 +370,18 @@ settings_struct! {
             default_missing_value = "true"
         )]
         pub node_labels: Option<bool>,
+
+        /// After a prepare, write nvdra's entries in the claim's status.devices (a Ready
+        /// condition and the device's UUIDs and share limits), for other components to read.
+        #[arg(
+            long,
+            env = "NVDRA_CLAIM_STATUS",
+            value_name = "BOOL",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true"
+        )]
+        pub claim_status: Option<bool>,
     }
 }
 
@@ -379,6 +391,7 @@ impl Section for DaemonSettings {
             metrics_address: Some(DEFAULT_METRICS_ADDRESS.into()),
             device_plugin_gpu_memory: Some(false),
             node_labels: Some(false),
+            claim_status: Some(true),
         }
     }
 }

@@ -256,6 +256,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("faultFile: /faults", "faultFile"),
         ("mpsProbeInterval: 2s", "mpsProbeInterval"),
         ("nodeLabels: true", "nodeLabels"),
+        ("claimStatus: false", "claimStatus"),
         ("mpsRoot: /run/mps", "mpsRoot"),
     ];
     let mut covered: Vec<&str> = vec!["version"];
@@ -288,6 +289,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "devicePluginConfig" => s.serve.device_plugin_config.is_some(),
             "devicePluginGpuMemory" => s.daemon.device_plugin_gpu_memory == Some(true),
             "nodeLabels" => s.daemon.node_labels.is_some(),
+            "claimStatus" => s.daemon.claim_status == Some(false),
             "logFormat" => s.log.log_format == Some(LogFormat::Json),
             "ignoredXids" => s.health.ignored_xids.as_deref() == Some("13"),
             "xidOverrides" => s.health.xid_overrides.is_some(),

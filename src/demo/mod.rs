@@ -73,6 +73,8 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         fault_file: Some(root.join("faults")),
         mps_probe_interval: Duration::from_secs(5),
         node_labels: false,
+        // The directory API keeps no claim status.
+        claim_status: false,
         mps_root: root.join("mps"),
     };
     let sim = SimBackend::from_profile(PROFILE, NODE)?;

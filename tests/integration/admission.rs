@@ -503,3 +503,198 @@ fn the_node_labels_policy_admits_what_nvdra_patches() {
     );
     assert_eq!(got, [Decision::Allowed]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Claim status.
+
+/// A claim allocated to `node` (the node selector the scheduler writes for a node's devices),
+/// with `entries` in `status.devices` (`(driver, pool, device)`).
+fn claim(node: Option<&str>, entries: &[(&str, &str, &str)]) -> Value {
+    let devices: Vec<Value> = entries
+        .iter()
+        .map(|(driver, pool, device)| {
+            json!({"driver": driver, "pool": pool, "device": device,
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "DevicePrepared",
+                                   "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+                   "data": {"uuid": format!("GPU-{device}")}})
+        })
+        .collect();
+    let mut c = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "claim-1", "namespace": "team-a", "uid": "uid-1"},
+        "spec": {"devices": {"requests": [{"name": "gpu"}]}},
+        "status": {
+            "reservedFor": [{"resource": "pods", "name": "pod-1", "uid": "pod-uid-1"}],
+        },
+    });
+    if let Some(node) = node {
+        c["status"]["allocation"] = json!({
+            "devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": node, "device": "gpu-0"},
+                {"request": "gpu", "driver": DRIVER, "pool": node, "device": "gpu-1"},
+                {"request": "nic", "driver": "net.example.com", "pool": node, "device": "nic-0"},
+            ]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}]}]},
+        });
+    }
+    if !devices.is_empty() {
+        c["status"]["devices"] = Value::Array(devices);
+    }
+    c
+}
+
+fn status_request(node: Option<&str>, new: Value, old: Value) -> Value {
+    json!({
+        "request": request(USER, node, "UPDATE", "resource.k8s.io", "resourceclaims", "status"),
+        "object": new,
+        "oldObject": old,
+    })
+}
+
+#[test]
+fn the_claim_status_policy_admits_this_nodes_entries_of_its_driver_only() {
+    if !have_cel() {
+        return;
+    }
+    let policy = policy("base/admission.yaml", "nvdra-resourceclaim-status");
+    let a = Some("node-a");
+    let here = |e: &[(&str, &str, &str)]| claim(a, e);
+    let ours = [(DRIVER, "node-a", "gpu-0"), (DRIVER, "node-a", "gpu-1")];
+    let nic = ("net.example.com", "node-a", "nic-0");
+    let with_nic = [ours[0], ours[1], nic];
+    let changed = |mut c: Value, edit: fn(&mut Value)| {
+        edit(&mut c);
+        c
+    };
+    let cases = [
+        // Allowed: nvdra's entries added, beside another driver's; changed; removed; a no-op.
+        status_request(a, here(&ours), here(&[])),
+        status_request(a, here(&with_nic), here(&[nic])),
+        status_request(
+            a,
+            changed(here(&ours), |c| {
+                c["status"]["devices"][0]["conditions"][0]["status"] = "False".into()
+            }),
+            here(&ours),
+        ),
+        status_request(a, here(&[nic]), here(&with_nic)),
+        status_request(a, here(&ours), here(&ours)),
+        // Denied: a claim allocated to another node, or not allocated.
+        status_request(
+            a,
+            claim(Some("node-b"), &[(DRIVER, "node-b", "gpu-0")]),
+            claim(Some("node-b"), &[]),
+        ),
+        status_request(a, claim(None, &[]), claim(None, &[])),
+        // A node selector wider than this node alone.
+        status_request(
+            a,
+            changed(here(&ours), |c| {
+                c["status"]["allocation"]["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"]
+                    [0]["values"] = json!(["node-a", "node-b"])
+            }),
+            changed(here(&[]), |c| {
+                c["status"]["allocation"]["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"]
+                    [0]["values"] = json!(["node-a", "node-b"])
+            }),
+        ),
+        // The allocation or the reservations changed.
+        status_request(
+            a,
+            changed(here(&ours), |c| {
+                c["status"]["allocation"]["devices"]["results"][0]["device"] = "gpu-7".into()
+            }),
+            here(&[]),
+        ),
+        status_request(
+            a,
+            changed(here(&[]), |c| {
+                c["status"]["reservedFor"] = json!([]);
+            }),
+            here(&[]),
+        ),
+        // Another driver's entry added, changed or removed; an entry of another pool.
+        status_request(a, here(&with_nic), here(&ours)),
+        status_request(
+            a,
+            changed(here(&with_nic), |c| {
+                c["status"]["devices"][2]["data"] = json!({"evil": true})
+            }),
+            here(&with_nic),
+        ),
+        status_request(a, here(&ours), here(&with_nic)),
+        status_request(a, here(&[(DRIVER, "node-b", "gpu-0")]), here(&[])),
+        // No node-name claim.
+        status_request(None, here(&ours), here(&[])),
+    ];
+    let got = decide(&policy, &cases);
+    for (i, d) in got[..5].iter().enumerate() {
+        assert_eq!(*d, Decision::Allowed, "case {i}");
+    }
+    for d in &got[5..8] {
+        denied(
+            d,
+            1,
+            "may write the status only of claims allocated to that node, not of team-a/claim-1",
+        );
+    }
+    for d in &got[8..10] {
+        denied(d, 2, "not its allocation or reservedFor");
+    }
+    denied(&got[10], 3, "not net.example.com/node-a/nic-0");
+    denied(&got[11], 3, "not net.example.com/node-a/nic-0");
+    denied(&got[12], 3, "not net.example.com/node-a/nic-0");
+    denied(
+        &got[13],
+        3,
+        "gpu.nvidia.com in pool 'node-a', not gpu.nvidia.com/node-b/gpu-0",
+    );
+    denied(&got[14], 0, "no node-name claim");
+
+    // The claim itself (not its status), and anyone else: not this policy's business.
+    let spec = json!({
+        "request": request(USER, a, "UPDATE", "resource.k8s.io", "resourceclaims", ""),
+        "object": here(&[]), "oldObject": here(&[]),
+    });
+    let scheduler = json!({
+        "request": request("system:kube-scheduler", None, "UPDATE", "resource.k8s.io",
+                           "resourceclaims", "status"),
+        "object": here(&[]), "oldObject": claim(None, &[]),
+    });
+    assert_eq!(
+        decide(&policy, &[spec, scheduler]),
+        [Decision::NotMatched, Decision::NotMatched]
+    );
+}
+
+/// The entries nvdra writes, as the API server stores them after its apply, pass the policy.
+#[tokio::test]
+async fn the_claim_status_policy_admits_what_nvdra_applies() {
+    if !have_cel() {
+        return;
+    }
+    use kubelet_plugin::status::{StatusWriter, ready};
+    let server = support::apiserver::TestApiServer::start().await;
+    let mut old = claim(Some("node-a"), &[]);
+    let stored: k8s_openapi::api::resource::v1::ResourceClaim =
+        serde_json::from_value(old.clone()).unwrap();
+    server.seed_claim(stored);
+    let writer = StatusWriter::new(std::sync::Arc::new(server.client().unwrap()), DRIVER);
+    let entry = |device: &str| k8s_openapi::api::resource::v1::AllocatedDeviceStatus {
+        conditions: Some(vec![ready("DevicePrepared", "prepared on node node-a")]),
+        ..writer.entry("node-a", device, None)
+    };
+    let named = kubelet_plugin::Claim::new("team-a", "claim-1", "uid-1");
+    writer
+        .apply(&named, vec![entry("gpu-0"), entry("gpu-1")])
+        .await
+        .unwrap();
+    let new = serde_json::to_value(server.claim("team-a", "claim-1").unwrap()).unwrap();
+    old["metadata"] = new["metadata"].clone();
+    let got = decide(
+        &policy("base/admission.yaml", "nvdra-resourceclaim-status"),
+        &[status_request(Some("node-a"), new, old)],
+    );
+    assert_eq!(got, [Decision::Allowed]);
+}

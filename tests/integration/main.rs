@@ -20,6 +20,7 @@ mod auto_mode;
 mod both_grpcio;
 mod cdi_hooks;
 mod cdi_podman;
+mod claim_status;
 // `nvdra demo`, `match` and `validate` are built with the `tools` feature only.
 #[cfg(feature = "tools")]
 mod cli_demo;

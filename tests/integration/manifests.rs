@@ -184,8 +184,9 @@ fn the_plain_overlay_is_dra_without_options() {
         ("DeviceClass", 4),
         ("Namespace", 1),
         ("ServiceAccount", 1),
-        ("ValidatingAdmissionPolicy", 1),
-        ("ValidatingAdmissionPolicyBinding", 1),
+        // Slices, and claims' status.
+        ("ValidatingAdmissionPolicy", 2),
+        ("ValidatingAdmissionPolicyBinding", 2),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_string(), n))
@@ -518,6 +519,10 @@ impl ClaimReader for EveryCall {
     ) -> BoxFuture<'a, api::Result<k8s_openapi::api::core::v1::Namespace>> {
         self.0.get_namespace(name)
     }
+
+    fn claim_status(&self) -> Option<&dyn api::ClaimStatusApi> {
+        self.0.claim_status()
+    }
 }
 
 impl SliceApi for EveryCall {
@@ -615,6 +620,19 @@ async fn drive(api: &EveryCall, server: &TestApiServer) {
     drop(classes);
     api.get_node(node).await.unwrap();
     api.get_claim("team-a", "claim-1").await.unwrap();
+    // After a prepare: nvdra's entries in the claim's status.devices (server-side apply).
+    let status = api
+        .claim_status()
+        .expect("the Kubernetes API keeps claim status");
+    let patch = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "claim-1", "namespace": "team-a", "uid": "uid-1"},
+        "status": {"devices": []},
+    });
+    status
+        .apply_claim_status("team-a", "claim-1", driver, &patch)
+        .await
+        .unwrap();
     // A share before Volta: its pod's user (the test server holds no pods).
     assert!(matches!(
         api.get_pod("team-a", "pod-1").await,

@@ -660,6 +660,7 @@ async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements
         keep_mig_on: false,
         share_trust_domain: Default::default(),
         proc_root: None,
+        claim_status: false,
     };
     // The plugin writes through the node's inventory owner and asks it for reads, as in `nvdra
     // run`; the sync follows its publications.

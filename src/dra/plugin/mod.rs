@@ -51,6 +51,7 @@ mod plan;
 mod prepare;
 mod recovery;
 mod specs;
+mod status;
 
 pub use enforce::{DaemonReport, PROBE_DEADLINE};
 pub use error::{ClaimError, StartError};
@@ -105,6 +106,9 @@ pub struct Options {
     /// `--proc-root`: where the host's processes are seen (the pods of the processes that keep
     /// a GPU from switching MIG mode are found by their cgroups there); `/proc` when `None`.
     pub proc_root: Option<PathBuf>,
+    /// `--claim-status`: after a prepare, the claim's `status.devices` entries are written
+    /// where the API keeps them ([`status`]).
+    pub claim_status: bool,
 }
 
 struct Inner {
@@ -122,6 +126,8 @@ struct Inner {
     node: crate::inventory::owner::Watch,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
+    /// Writes claims' `status.devices` after prepare; `None` where none is written.
+    status: Option<status::ClaimStatus>,
     /// One async mutex per claim being worked on.
     claim_locks: Mutex<HashMap<ClaimUid, Arc<tokio::sync::Mutex<()>>>>,
     /// Dynamic MIG: one async mutex per GPU whose MIG mode may change ([`mig_mode`]).
@@ -174,6 +180,10 @@ impl Plugin {
             opts.boot_id.clone(),
         );
         let node_lock = NodeLock::new(&opts.plugin_dir);
+        let status = opts
+            .claim_status
+            .then(|| status::ClaimStatus::new(&api, &opts.driver, &opts.pool))
+            .flatten();
         let compute_modes = ComputeModes::new(&opts.plugin_dir);
         // The metrics' record: `/metrics` reads what the plugin records in it.
         let switch_blocks = metrics.switch_blocks.clone();
@@ -190,6 +200,7 @@ impl Plugin {
                     node,
                     node_lock,
                     metrics,
+                    status,
                     claim_locks: Mutex::new(HashMap::new()),
                     mig_locks: Mutex::new(HashMap::new()),
                     switch_blocks,

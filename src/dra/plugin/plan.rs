@@ -553,6 +553,7 @@ pub(super) mod tests {
             keep_mig_on: false,
             share_trust_domain: Default::default(),
             proc_root: None,
+            claim_status: false,
         }
     }
 

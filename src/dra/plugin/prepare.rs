@@ -23,7 +23,8 @@
 //!      crash leaves a recorded share whose daemon and spec start-up brings back.
 //!      Whichever half a crash leaves, start-up repairs: a spec without an entry is removed, a
 //!      completed entry without a spec gets its spec rewritten.
-//! 6. **Answer**: the device records, which the kubelet gets as CDI device IDs.
+//! 6. **Answer**: the device records, which the kubelet gets as CDI device IDs; the claim's
+//!    `status.devices` entries are written on their own task ([`status`](super::status)).
 //!
 //! Any failure after step 4 rolls back what was done.
 
@@ -50,6 +51,8 @@ impl Plugin {
         inv: &PendingInventory,
     ) -> Result<Vec<DeviceRecord>, ClaimError> {
         if let Some(devices) = self.already_prepared(claim, read.as_ref(), inv).await? {
+            // (The inventory was read for the check above: no wait.)
+            self.report_prepared(claim, &devices, inv.get().await.ok());
             return Ok(devices);
         }
         let (read, inv) = self.read_claim_and_node(claim, read, inv).await?;
@@ -61,6 +64,7 @@ impl Plugin {
         };
         crash_point!(self, AfterCompleted);
         tracing::info!(claim.uid = %claim.uid, devices = devices.len(), "claim prepared");
+        self.report_prepared(claim, &devices, Some(inv));
         Ok(devices)
     }
 
@@ -700,6 +704,7 @@ impl Plugin {
             return Ok(());
         };
         self.rollback(uid, &entry.devices).await?;
+        self.forget_status(uid);
         tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
         Ok(())
     }

@@ -40,6 +40,7 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         keep_mig_on: false,
         share_trust_domain: Default::default(),
         proc_root: None,
+        claim_status: false,
         mps_root: d.join("mps"),
     };
     let (plugin, writer, _) = Plugin::new(

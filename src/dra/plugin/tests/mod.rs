@@ -205,6 +205,7 @@ async fn start_with(
         keep_mig_on: false,
         share_trust_domain: Default::default(),
         proc_root: None,
+        claim_status: false,
     };
     tweak(&mut opts);
     let (node, watch) = tokio::sync::watch::channel(Default::default());
@@ -791,6 +792,7 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         keep_mig_on: false,
         share_trust_domain: Default::default(),
         proc_root: None,
+        claim_status: false,
     };
     let (plugin, writer, _) = Plugin::new(
         opts,
@@ -835,6 +837,7 @@ async fn outcomes_are_counted_in_metrics() {
         keep_mig_on: false,
         share_trust_domain: Default::default(),
         proc_root: None,
+        claim_status: false,
     };
     let (plugin, writer, _) = Plugin::new(
         opts,

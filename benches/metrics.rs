@@ -135,7 +135,11 @@ async fn main() {
     let m = Metrics::new();
     let source = Arc::new(
         Attribution::new(
-            nvdra::inventory::owner::fixed(sim.snapshot().expect("inventory")),
+            tokio::sync::watch::channel(nvdra::inventory::owner::Published {
+                node: Some(Arc::new(sim.snapshot().expect("inventory"))),
+                ..Default::default()
+            })
+            .1,
             Arc::new(sim.clone()),
         )
         .with_ledger(ledger.clone())

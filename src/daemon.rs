@@ -337,7 +337,7 @@ async fn start(
         )
         .await?;
     }
-    monitor.spawn(tasks);
+    monitor.spawn(inventory.subscribe(), tasks);
     if let Some(dp) = device_plugin {
         tasks.spawn("device-plugin", |token| dp.run(token));
     }
@@ -769,7 +769,7 @@ impl HealthMonitor {
         }
     }
 
-    fn spawn(self, tasks: &mut Supervisor) {
+    fn spawn(self, node: owner::Watch, tasks: &mut Supervisor) {
         let Self {
             monitor,
             handle,
@@ -782,7 +782,7 @@ impl HealthMonitor {
         if let Some(f) = faults {
             let events = handle.events();
             tasks.spawn("fault-file", |token| async move {
-                f.run(events, token).await;
+                f.run(events, node, token).await;
                 Ok::<(), Infallible>(())
             });
         }

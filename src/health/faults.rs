@@ -25,7 +25,8 @@
 //! skipped here.
 //!
 //! An XID with `gi=` is sent as NVML sends one it attributes to a MIG instance: with the MIG
-//! devices of the node's inventory that have those ids when the line is read (none, if there are
+//! devices of the node (the inventory owner's latest publication) that have those ids when the
+//! line is read (none, if there are
 //! none: the monitor then counts it for the whole GPU).
 //!
 //! `#` starts a comment; a line that is not one of these is logged and skipped. A file that
@@ -40,7 +41,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{BackendProbe, Event, EventKind, Instance, Probe};
-use crate::inventory::{DeviceBackend, GpuUuid, Inventory, MigUuid};
+use crate::inventory::{DeviceBackend, GpuUuid, Inventory, MigUuid, owner};
 
 /// How often the file is read.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -178,8 +179,14 @@ impl FaultFile {
         })
     }
 
-    /// Reads the file every [`POLL`] until `shutdown`, sending what new lines say.
-    pub async fn run(self, events: mpsc::Sender<Event>, shutdown: CancellationToken) {
+    /// Reads the file every [`POLL`] until `shutdown`, sending what new lines say about the
+    /// GPUs of `node`'s latest publication.
+    pub async fn run(
+        self,
+        events: mpsc::Sender<Event>,
+        node: owner::Watch,
+        shutdown: CancellationToken,
+    ) {
         let mut offset = 0usize;
         let mut tick = tokio::time::interval(self.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -204,7 +211,8 @@ impl FaultFile {
             };
             let new = &text[offset..end];
             offset = end;
-            let inv = match crate::inventory::snapshot(self.backend.clone()).await {
+            let inv = node.borrow().node();
+            let inv = match inv {
                 Ok(inv) => inv,
                 Err(e) => {
                     tracing::warn!(error = %crate::report::chain(&e), "fault injection: cannot read the inventory; lines skipped");

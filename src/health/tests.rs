@@ -260,7 +260,12 @@ async fn the_fault_file_drives_the_monitor_and_lost_gpus_fail_their_probe() {
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));
-    tokio::spawn(file.run(handle.events(), stop.clone()));
+    let node = crate::inventory::owner::Published {
+        node: Some(Arc::new(sim.snapshot().unwrap())),
+        ..Default::default()
+    };
+    let node = tokio::sync::watch::channel(node).1;
+    tokio::spawn(file.run(handle.events(), node, stop.clone()));
     let mut watch = handle.subscribe();
 
     std::fs::write(&path, "xid 2 13\nlost 3\n").unwrap();

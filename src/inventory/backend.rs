@@ -1,4 +1,4 @@
-//! The backend seam: [`DeviceBackend`], and its snapshot and refresh run off the async runtime.
+//! The backend seam: [`DeviceBackend`].
 
 use std::path::Path;
 
@@ -93,7 +93,7 @@ impl std::fmt::Display for MemoryLimits {
 }
 
 /// A source of inventory snapshots, and the few reconfigurations prepare needs. Implementations
-/// block (NVML is synchronous); async callers run them on the blocking pool ([`snapshot`]).
+/// block (NVML is synchronous); async callers run them on the blocking pool.
 ///
 /// The reconfiguration methods default to [`Error::Unsupported`], so a backend opts in to each.
 pub trait DeviceBackend: Send + Sync + 'static {
@@ -237,11 +237,4 @@ pub trait DeviceBackend: Send + Sync + 'static {
             operation: "reading GPU usage",
         })
     }
-}
-
-/// [`DeviceBackend::snapshot`] off the async runtime.
-pub async fn snapshot(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<Inventory> {
-    tokio::task::spawn_blocking(move || backend.snapshot())
-        .await
-        .map_err(Error::Task)?
 }

@@ -31,9 +31,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{
-    ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration, snapshot,
-};
+pub use backend::{ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration};
 pub use domains::assign_nvlink_domains;
 pub use mig_mode::{
     HOPPER, Holder, HolderKind, MigModeChange, NoMigToggle, SwitchBlock, Virtualization, on_off,

@@ -91,18 +91,6 @@ pub async fn start(
     Ok(handle)
 }
 
-/// A publication of `node` that never changes, read once: for tests and benches that start no
-/// owner.
-pub fn fixed(node: Inventory) -> Watch {
-    let published = Published {
-        node: Some(Arc::new(node)),
-        reads: 1,
-        generation: 1,
-        ..Published::default()
-    };
-    watch::channel(published).1
-}
-
 /// A health state that never changes, for an owner no health monitor feeds ([`Owner::run`]).
 pub fn no_health() -> watch::Receiver<HealthState> {
     watch::channel(HealthState::default()).1
@@ -457,8 +445,7 @@ impl DeviceBackend for Watched {
     }
 
     /// The latest publication; after a reconfiguration, the first read that saw it. Blocks only
-    /// then (callers run it off the runtime, [`super::snapshot`]), for at most the owner's
-    /// deadline.
+    /// then (callers run it off the runtime), for at most the owner's deadline.
     fn snapshot(&self) -> Result<Inventory> {
         let ticket = self.changed.load(Ordering::SeqCst);
         let node = if self.handle.latest().answered >= ticket {

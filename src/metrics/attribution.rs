@@ -528,7 +528,12 @@ mod tests {
                 },
             )
         });
-        let source = Attribution::new(owner::fixed(inv.clone()), Arc::new(sim.clone()))
+        let node = owner::Published {
+            node: Some(Arc::new(inv.clone())),
+            ..Default::default()
+        };
+        let node = tokio::sync::watch::channel(node).1;
+        let source = Attribution::new(node, Arc::new(sim.clone()))
             .with_ledger(ledger)
             .with_proc_root(proc_root.path());
         let s = source.scrape();

@@ -294,7 +294,7 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
         inventory.subscribe(),
     );
     tokio::spawn(monitor.run(stop.clone()));
-    tokio::spawn(file.run(handle.events(), stop.clone()));
+    tokio::spawn(file.run(handle.events(), inventory.subscribe(), stop.clone()));
     let task = tokio::spawn(dp.run(stop.clone()));
     let sock = root.path().join("device-plugins/nvidia-gpu.sock");
     let (socket, running) = (&sock, &task);
@@ -474,7 +474,7 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
         .unwrap();
     let mut node = owner.subscribe();
     tokio::spawn(monitor.run(stop.clone()));
-    tokio::spawn(file.run(handle.events(), stop.clone()));
+    tokio::spawn(file.run(handle.events(), owner.subscribe(), stop.clone()));
     let opts = SliceOptions {
         driver: DRIVER.into(),
         node_name: NODE.into(),

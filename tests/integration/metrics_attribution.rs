@@ -568,8 +568,13 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         }
     });
     let metrics = Metrics::new();
+    let node = nvdra::inventory::owner::Published {
+        node: Some(Arc::new(inv.clone())),
+        ..Default::default()
+    };
+    let node = tokio::sync::watch::channel(node).1;
     let source = Arc::new(
-        Attribution::new(nvdra::inventory::owner::fixed(inv.clone()), Arc::new(sim))
+        Attribution::new(node, Arc::new(sim))
             .with_ledger(ledger)
             .with_proc_root(proc_root.path())
             // One share whose container the driver limits, one limited per process only.

@@ -35,7 +35,7 @@ use crate::api::ClaimReader;
 use crate::cdi::DriverRoot;
 use crate::ids::ClaimUid;
 use crate::inventory::switch_blocks::SwitchBlocks;
-use crate::inventory::{self, DeviceBackend, Inventory};
+use crate::inventory::{DeviceBackend, Inventory};
 use crate::ledger::{self, Ledger};
 use crate::metrics::Metrics;
 use kubelet_plugin::nodelock::{self, NodeLock};
@@ -256,7 +256,7 @@ impl Plugin {
     }
 
     async fn snapshot(&self) -> Result<Inventory, ClaimError> {
-        Ok(inventory::snapshot(self.inner.backend.clone()).await?)
+        Ok(self.blocking(|i| i.backend.snapshot()).await??)
     }
 
     async fn blocking<R: Send + 'static>(

@@ -106,7 +106,7 @@ async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
     .await
     .unwrap();
     // The owner's rescan is an hour away: only the reconfiguration's ask reads again.
-    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
         .await
         .expect("the owner answers the ask")
         .unwrap();
@@ -135,7 +135,7 @@ async fn a_mig_mode_change_even_refused_is_seen_by_the_next_snapshot() {
     let g = gpu3.clone();
     let refused = blocking(&watched, move |w| w.set_mig_mode(&g, true)).await;
     assert!(refused.is_err(), "an Ampere needs a reset: {refused:?}");
-    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
         .await
         .expect("the owner answers the ask")
         .unwrap();
@@ -271,7 +271,7 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
     // It returns: the device exists, and the next snapshot is read after it.
     drop(held);
     until_returned(&watched);
-    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
         .await
         .expect("the owner answers the late write's ask")
         .unwrap();
@@ -320,7 +320,7 @@ async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_i
 
     drop(held);
     until_returned(&watched);
-    let after = tokio::time::timeout(SOON, crate::inventory::snapshot(watched.clone()))
+    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
         .await
         .expect("the owner answers the late switch's ask")
         .unwrap();

@@ -135,7 +135,6 @@ impl Metrics {
     /// the counters (the daemon's [`attribution::Attribution`]). Blocking: it reads the source.
     pub fn render(&self, source: Option<&dyn Source>) -> String {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let scrape = source.map(|s| s.scrape());
         let snapshot = Snapshot {
             info: lock(&self.info)
                 .iter()
@@ -154,10 +153,6 @@ impl Metrics {
             gpus: load(&self.gpus),
             unhealthy_devices: load(&self.unhealthy_devices),
             ready: self.ready(),
-            share_daemons: scrape
-                .as_ref()
-                .map(|s| s.share_daemons.clone())
-                .unwrap_or_default(),
             switch_blocks: self
                 .switch_blocks
                 .all()
@@ -165,7 +160,7 @@ impl Metrics {
                 .map(|(gpu, block)| (gpu.to_string(), block_reason(&block)))
                 .collect(),
             cdi_hook: cdi_hook_row(),
-            scrape,
+            scrape: source.map(|s| s.scrape()),
         };
         encode(snapshot)
     }

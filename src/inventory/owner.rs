@@ -209,32 +209,26 @@ impl Owner {
         ))
     }
 
-    /// The last read with the health state laid over it.
-    fn node(&self) -> Option<Arc<Inventory>> {
-        let last = self.last.as_ref()?;
-        match &self.health {
-            Some(h) if !h.borrow().is_empty() => {
-                let mut node = Inventory::clone(last);
-                h.borrow().apply(&mut node);
-                Some(Arc::new(node))
+    /// The last read with the health state as it is now laid over it, and that state.
+    fn node(&self) -> (Option<Arc<Inventory>>, HealthState) {
+        let health = self.health.as_ref().map(|h| h.borrow().clone());
+        let health = health.unwrap_or_default();
+        let node = self.last.as_ref().map(|last| {
+            if health.is_empty() {
+                // Nothing to lay over it: the read itself, not a copy.
+                return last.clone();
             }
-            // Nothing to lay over it: the read itself, not a copy.
-            _ => Some(last.clone()),
-        }
-    }
-
-    /// The health state as it is now.
-    fn health(&self) -> HealthState {
-        self.health
-            .as_ref()
-            .map(|h| h.borrow().clone())
-            .unwrap_or_default()
+            let mut node = Inventory::clone(last);
+            health.apply(&mut node);
+            Arc::new(node)
+        });
+        (node, health)
     }
 
     /// Publishes the last read again with the health state as it is now (a transition): no
     /// hardware read.
     fn republish(&mut self) {
-        let (node, health) = (self.node(), self.health());
+        let (node, health) = self.node();
         self.tx.send_modify(|p| {
             p.node = node;
             p.health = health;
@@ -251,7 +245,7 @@ impl Owner {
                 let answered = started;
                 let inv = Arc::new(inv);
                 self.last = Some(inv.clone());
-                let (node, health) = (self.node(), self.health());
+                let (node, health) = self.node();
                 self.tx.send_modify(|p| {
                     p.node = node;
                     p.health = health;

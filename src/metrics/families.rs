@@ -152,8 +152,6 @@ pub struct Snapshot {
     pub gpus: u64,
     pub unhealthy_devices: u64,
     pub ready: bool,
-    /// The scrape's [`Scrape::share_daemons`].
-    pub share_daemons: Vec<(String, bool)>,
     /// Each GPU whose MIG mode the DRA plugin will not switch now (UUID), and why
     /// (`reset_required`, `in_use`).
     pub switch_blocks: Vec<(String, &'static str)>,
@@ -282,7 +280,7 @@ impl Collector for Snapshot {
             "nvdra_mps_daemon_up",
             "1 when the MPS daemon of a GPU's shares answered its last probe, 0 when it did not \
              (the GPU is then tainted mps-daemon-down and refuses new shares).",
-            &self.share_daemons,
+            self.scrape.iter().flat_map(|s| &s.share_daemons),
             |(gpu, _)| [("gpu", gpu.clone())],
             |(_, up)| Some(u64::from(*up)),
         )?;

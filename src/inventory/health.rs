@@ -186,11 +186,6 @@ impl HealthState {
         &self.daemons_down
     }
 
-    /// The GPUs and MIG devices the daemon watch asked last, and whether each one answered.
-    pub fn daemons_asked(&self) -> &DaemonsAsked {
-        &self.daemons_asked
-    }
-
     /// Lays this state over `inv`: every GPU with a fault becomes [`Health::Tainted`] with the
     /// fault's cause as the reason (a GPU the backend already knows as withdrawn stays so); a
     /// GPU without one whose share daemon does not answer is tainted

@@ -94,7 +94,7 @@ impl Source for Attribution {
         let holds = self.holds.as_ref().map(ContainerHolds::all);
         let (inv, daemons) = {
             let published = self.node.borrow();
-            (published.node(), published.health.daemons_asked().clone())
+            (published.node(), published.health.daemons_asked.clone())
         };
         let inv = inv.unwrap_or_else(|e| {
             tracing::warn!(error = %crate::report::chain(&e), "cannot read the inventory for a scrape");

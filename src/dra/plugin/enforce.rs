@@ -198,28 +198,25 @@ impl Plugin {
             .collect();
         let now = SystemTime::now();
         let before = self.inner.node.borrow().health.daemons_down().clone();
-        let down = {
-            let mut next = DaemonsDown::new();
-            for (gpu, answers) in &up {
-                match (answers, before.get(gpu)) {
-                    (true, Some(since)) => {
-                        let since = k8s_openapi::jiff::Timestamp::try_from(*since)
-                            .map(|t| t.to_string())
-                            .unwrap_or_default();
-                        tracing::info!(gpu.uuid = %gpu, down_since = %since, "the MPS daemon of the GPU's shares answers again; new shares are accepted");
-                    }
-                    (true, None) => {}
-                    (false, Some(since)) => {
-                        next.insert(gpu.clone(), *since);
-                    }
-                    (false, None) => {
-                        tracing::warn!(gpu.uuid = %gpu, "the MPS daemon of the GPU's shares does not answer; the GPU is tainted mps-daemon-down and new shares are refused until it answers (the MPS host restarts it)");
-                        next.insert(gpu.clone(), now);
-                    }
+        let mut down = DaemonsDown::new();
+        for (gpu, answers) in &up {
+            match (answers, before.get(gpu)) {
+                (true, Some(since)) => {
+                    let since = k8s_openapi::jiff::Timestamp::try_from(*since)
+                        .map(|t| t.to_string())
+                        .unwrap_or_default();
+                    tracing::info!(gpu.uuid = %gpu, down_since = %since, "the MPS daemon of the GPU's shares answers again; new shares are accepted");
+                }
+                (true, None) => {}
+                (false, Some(since)) => {
+                    down.insert(gpu.clone(), *since);
+                }
+                (false, None) => {
+                    tracing::warn!(gpu.uuid = %gpu, "the MPS daemon of the GPU's shares does not answer; the GPU is tainted mps-daemon-down and new shares are refused until it answers (the MPS host restarts it)");
+                    down.insert(gpu.clone(), now);
                 }
             }
-            next
-        };
+        }
         report.report(&up, &down);
     }
 

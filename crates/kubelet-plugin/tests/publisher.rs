@@ -808,7 +808,10 @@ async fn network_pools_are_published_watched_and_removed_and_others_left_alone()
         NODE_UID
     );
 
-    // Deleted by someone: the watch of node-less slices sees it and it is put back.
+    // Deleted by someone: the watch of node-less slices sees it and it is put back. First let
+    // the echoes of our own writes pass (each settles in 20 ms), so that only the watch can
+    // bring the repair.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let name = rack1[0].metadata.name.clone().unwrap();
     server.delete_slice(&name);
     server

@@ -34,6 +34,7 @@ pub mod claims;
 mod driver;
 mod error;
 pub mod health;
+mod layer;
 pub mod lock;
 pub mod metadata;
 mod names;
@@ -57,9 +58,8 @@ pub use driver::{
 pub use error::{Error, ErrorHandler, ErrorKind, log_error};
 pub use names::InvalidName;
 pub use registration::RegistrationHook;
-pub use service::{
-    GrpcRequest, GrpcResponse, GrpcService, Options, ServerLayer, Serving, serve, start,
-};
+pub use layer::{GrpcRequest, GrpcResponse, GrpcService, ServerLayer};
+pub use service::{Options, Serving, serve, start};
 
 // The foreign crates whose types are part of this API, so a driver uses the very versions the
 // library was built with.

@@ -129,7 +129,7 @@ pub(crate) struct Registrar {
     /// Hears the kubelet's verdict on the registration (a readiness input).
     pub(crate) registered: Option<RegistrationHook>,
     /// The driver's layer around the server ([`crate::Options::layer`]).
-    pub(crate) layer: Option<crate::service::ServerLayer>,
+    pub(crate) layer: Option<crate::layer::ServerLayer>,
 }
 
 impl Registrar {
@@ -152,7 +152,7 @@ impl Registrar {
             registered: self.registered,
         };
         let result = tonic::transport::Server::builder()
-            .layer(crate::service::server_layer(self.layer))
+            .layer(crate::layer::server_layer(self.layer))
             .add_service(RegistrationServer::new(service))
             .serve_with_incoming_shutdown(socket::incoming(listener), shutdown.cancelled())
             .await;

@@ -26,6 +26,7 @@ use crate::claims::{self, ClaimSource};
 use crate::driver::{BoxError, Claim, Driver, PrepareClaim, PreparedDevice};
 use crate::error::{Error, ErrorHandler, ErrorKind};
 use crate::health::{HealthService, HealthSource, HealthV1, HealthV1beta1};
+use crate::layer::{GrpcRequest, GrpcResponse, GrpcService, ServerLayer, server_layer};
 use crate::nodelock::NodeLock;
 use crate::proto::dra::{v1, v1beta1};
 use crate::proto::health::{
@@ -376,36 +377,6 @@ async fn serve_dra<D: Driver>(
     result.map_err(|source| Error::Serve {
         path: bound.path().to_path_buf(),
         source,
-    })
-}
-
-/// A request as a layer around the plugin's servers sees it ([`Options::layer`]).
-pub type GrpcRequest = http::Request<tonic::body::Body>;
-/// A response as a layer around the plugin's servers sees it.
-pub type GrpcResponse = http::Response<tonic::body::Body>;
-/// The service a layer around the plugin's servers wraps: all of one server's gRPC services,
-/// type-erased.
-pub type GrpcService = tower::util::BoxCloneSyncService<GrpcRequest, GrpcResponse, BoxError>;
-/// A layer around both of the plugin's servers (the DRA socket's and registration), boxed
-/// ([`Options::layer`]).
-pub type ServerLayer =
-    tower::util::BoxCloneSyncServiceLayer<GrpcService, GrpcRequest, GrpcResponse, BoxError>;
-
-/// The layer every server of the plugin is built with: the driver's ([`Options::layer`]) around
-/// the server's routes, or none.
-pub(crate) fn server_layer(
-    layer: Option<ServerLayer>,
-) -> impl tower::Layer<tonic::service::Routes, Service = GrpcService> + Clone {
-    tower::layer::layer_fn(move |routes: tonic::service::Routes| {
-        use tower::ServiceExt;
-        let inner = GrpcService::new(ServiceExt::<GrpcRequest>::map_err(
-            routes,
-            |never| match never {},
-        ));
-        match &layer {
-            Some(layer) => tower::Layer::layer(layer, inner),
-            None => inner,
-        }
     })
 }
 

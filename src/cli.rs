@@ -620,11 +620,19 @@ fn render_slices(
         layout: layout.into(),
     };
     let mut out = String::new();
-    for mut spec in slices::desired_slices(inv, &opts)? {
+    let specs = slices::desired_slices(inv, &opts)?;
+    let count = specs.len();
+    for (index, mut spec) in specs.into_iter().enumerate() {
         spec.pool.generation = 1;
         let slice = ResourceSlice {
             metadata: ObjectMeta {
-                generate_name: Some(format!("{}-{}-", opts.node_name, opts.driver)),
+                // As the publisher names them: the index first, so the order is the scheduler's.
+                generate_name: Some(kubelet_plugin::publisher::generate_name(
+                    index,
+                    count,
+                    &opts.driver,
+                    &opts.node_name,
+                )),
                 ..Default::default()
             },
             spec,

@@ -103,7 +103,7 @@ fn dgx_h100_slices_are_valid_resource_slices() {
     let s = &slices[0];
     assert_eq!(
         s.metadata.generate_name.as_deref(),
-        Some("node-a-gpu.nvidia.com-")
+        Some("00000-gpu.nvidia.com-node-a-")
     );
     assert!(s.metadata.name.is_none());
     assert_eq!(s.spec.driver, "gpu.nvidia.com");
@@ -233,7 +233,7 @@ fn driver_name_is_configurable() {
     assert_eq!(slices[0].spec.driver, "gpu.example.com");
     assert_eq!(
         slices[0].metadata.generate_name.as_deref(),
-        Some("node-b-gpu.example.com-")
+        Some("00000-gpu.example.com-node-b-")
     );
 
     let bad = nvdra(

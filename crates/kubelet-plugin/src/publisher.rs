@@ -32,7 +32,7 @@
 
 mod plan;
 
-pub use plan::FieldPath;
+pub use plan::{FieldPath, generate_name};
 
 use crate::api::{self, SliceApi, SliceEvent};
 use crate::validate::Violation;

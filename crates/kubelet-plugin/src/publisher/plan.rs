@@ -131,7 +131,9 @@ pub fn name_index(name: &str, width: usize) -> Option<usize> {
     usize::from_str_radix(prefix, 16).ok()
 }
 
-/// `generateName` of slice `index` of a pool of `count`: `<index>-<driver>-<node>-`.
+/// The `generateName` the publisher gives slice `index` of a pool of `count` slices:
+/// `<index>-<driver>-<node>-`, the index in hexadecimal padded to 5 digits or more (e.g. for a
+/// dry run that shows what it would publish).
 pub fn generate_name(index: usize, count: usize, driver: &str, node: &str) -> String {
     let width = index_width(count);
     format!("{index:0width$x}-{driver}-{node}-")

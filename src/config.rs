@@ -144,6 +144,8 @@ pub struct Config {
     pub driver_root: DriverRoot,
     pub kubelet_root: PathBuf,
     pub cdi_root: PathBuf,
+    /// Write device metadata files for prepared claims (`--device-metadata`).
+    pub device_metadata: bool,
     pub api: Api,
     pub metrics_address: SocketAddr,
     pub log_format: LogFormat,
@@ -405,6 +407,7 @@ fn validate(settings: Settings) -> Result<Config> {
         driver_root,
         kubelet_root,
         cdi_root,
+        device_metadata: need(kubelet.device_metadata, "--device-metadata")?,
         api,
         metrics_address,
         log_format: need(log.log_format, "--log-format")?,

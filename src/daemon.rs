@@ -445,10 +445,19 @@ async fn serve_dra(
         .kubelet_root(&config.kubelet_root)
         .serialize(false)
         .health(Arc::new(health))
-        .on_registered(move |ok| registered.store(ok, std::sync::atomic::Ordering::Relaxed));
+        .on_registered(move |ok| registered.store(ok, std::sync::atomic::Ordering::Relaxed))
+        // With --device-metadata, each prepared device's metadata file (KEP-5304), its CDI spec
+        // beside the claims'.
+        .device_metadata(config.device_metadata)
+        .cdi_dir(&config.cdi_root);
     if let Some(uid) = &config.pod_uid {
         opts = opts.pod_uid(uid);
     }
+    // Also with the flag off: files left from when it was on go.
+    let files = opts.metadata_files().unwrap_or_else(|| {
+        kubelet_plugin::metadata::Files::new(opts.driver(), &opts.plugin_dir(), &config.cdi_root)
+    });
+    plugin.retain_metadata(&files).await;
     let sockets = opts.sockets();
     let serving = kubelet_plugin::start(Arc::new(plugin.clone()), opts, tasks.shutdown().clone())?;
     // nvdra's own guard too: a forced exit (a second signal) leaves no socket behind either.

@@ -239,6 +239,18 @@ settings_struct! {
         #[arg(long, env = "NVDRA_CDI_ROOT", value_name = "DIR")]
         pub cdi_root: Option<PathBuf>,
 
+        /// Write each prepared claim's device metadata files (KEP-5304, beta in Kubernetes 1.37)
+        /// that its containers read: one per request, bind-mounted by a CDI spec in --cdi-root.
+        #[arg(
+            long,
+            env = "NVDRA_DEVICE_METADATA",
+            value_name = "BOOL",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true"
+        )]
+        pub device_metadata: Option<bool>,
+
         /// This pod's UID (downward API), for rolling updates: socket names carry it so two
         /// instances can serve side by side.
         // Not a file key: it differs for every pod of the DaemonSet.
@@ -253,6 +265,7 @@ impl Section for KubeletSettings {
         Self {
             kubelet_root: Some(DEFAULT_KUBELET_ROOT.into()),
             cdi_root: Some(DEFAULT_CDI_ROOT.into()),
+            device_metadata: Some(false),
             pod_uid: None,
         }
     }

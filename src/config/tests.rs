@@ -242,6 +242,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
         ("shareTrustDomain: namespace", "shareTrustDomain"),
         ("kubeletRoot: /k", "kubeletRoot"),
         ("cdiRoot: /etc/cdi", "cdiRoot"),
+        ("deviceMetadata: true", "deviceMetadata"),
         ("kubeconfig: /kc", "kubeconfig"),
         ("apiDir: /api", "apiDir"),
         ("mode: dra", "mode"),
@@ -282,6 +283,7 @@ fn every_file_key_lands_in_the_struct_that_declares_it() {
             "shareTrustDomain" => s.plugin.share_trust_domain == Some(TrustDomain::Namespace),
             "kubeletRoot" => s.kubelet.kubelet_root.is_some(),
             "cdiRoot" => s.kubelet.cdi_root.is_some(),
+            "deviceMetadata" => s.kubelet.device_metadata == Some(true),
             "kubeconfig" => s.api.cluster.kubeconfig.is_some(),
             "apiDir" => s.api.api_dir.is_some(),
             "mode" => s.serve.mode == Some(Mode::Dra),
@@ -333,7 +335,10 @@ fn keys_come_from_the_derive() {
         ]
     );
     // Skipped fields are not file keys.
-    assert_eq!(keys_of::<KubeletSettings>(), ["kubeletRoot", "cdiRoot"]);
+    assert_eq!(
+        keys_of::<KubeletSettings>(),
+        ["kubeletRoot", "cdiRoot", "deviceMetadata"]
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

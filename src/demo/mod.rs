@@ -58,6 +58,7 @@ pub async fn run(out: &mut (dyn Write + Send)) -> Result<()> {
         driver_root: crate::cdi::DriverRoot::at(&root.join("driver")),
         kubelet_root: root.join("kubelet"),
         cdi_root: root.join("cdi"),
+        device_metadata: false,
         api: Api::Dir(root.join("api")),
         metrics_address: "127.0.0.1:0".parse().context("loopback address")?,
         log_format: LogFormat::Plain,

@@ -4,12 +4,14 @@
 //! been prepared) without reaching the plugin. Device records are destructured exhaustively,
 //! so a new field must be decided on here.
 
+use kubelet_plugin::metadata::DeviceMetadata;
 use kubelet_plugin::{
     BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,
 };
 
 use super::plugin::{ClaimError, ClaimRef, Plugin};
 use crate::ids::ClaimUid;
+use crate::inventory::Inventory;
 use crate::ledger::DeviceRecord;
 
 /// The claims of a request: those the plugin works on (with what was read of each), and those
@@ -57,8 +59,12 @@ impl<T> FromIterator<(Claim, T)> for Claims<T> {
     }
 }
 
-/// What the kubelet is told of one prepared device.
-fn prepared(d: DeviceRecord) -> PreparedDevice {
+/// What the kubelet is told of one prepared device, with the metadata its container reads
+/// (KEP-5304) from `inv` when there is one.
+fn prepared(d: DeviceRecord, inv: Option<&Inventory>) -> PreparedDevice {
+    let metadata = inv
+        .and_then(|inv| crate::dra::slices::device_metadata(inv, &d))
+        .map(DeviceMetadata::new);
     let DeviceRecord {
         requests,
         pool,
@@ -71,9 +77,12 @@ fn prepared(d: DeviceRecord) -> PreparedDevice {
         consumed: _,
         sharing: _,
     } = d;
-    let device = PreparedDevice::new(requests, pool, device, cdi_ids);
-    match share_id {
-        Some(share) => device.with_share_id(share),
+    let mut device = PreparedDevice::new(requests, pool, device, cdi_ids);
+    if let Some(share) = share_id {
+        device = device.with_share_id(share);
+    }
+    match metadata {
+        Some(m) => device.with_metadata(m),
         None => device,
     }
 }
@@ -83,9 +92,19 @@ impl Driver for Plugin {
         let read = claims.into_iter().map(|c| (c.claim.clone(), Some(c)));
         let Claims::<Option<PrepareClaim>> { valid, rejected } = read.collect();
         let results = Plugin::prepare_claims(self, valid).await;
+        // Once per batch, after its prepares (a MIG device one of them created and this read
+        // does not see yet is described from its record).
+        let inv = if results.iter().any(|(_, r)| r.is_ok()) {
+            self.metadata_inventory().await
+        } else {
+            None
+        };
         let results = results.into_iter().map(|(uid, r)| {
             let devices = r
-                .map(|records| records.into_iter().map(prepared).collect())
+                .map(|records| {
+                    let prepared = |d| prepared(d, inv.as_deref());
+                    records.into_iter().map(prepared).collect()
+                })
                 .map_err(BoxError::from);
             (String::from(uid), devices)
         });
@@ -138,7 +157,7 @@ mod tests {
 
     #[test]
     fn a_record_tells_the_kubelet_its_device_and_share() {
-        let d = prepared(record(Some("s1")));
+        let d = prepared(record(Some("s1")), None);
         assert_eq!(d.device, "gpu-0");
         assert_eq!(d.pool, "node");
         assert_eq!(d.requests, vec!["gpu".to_string()]);

@@ -34,6 +34,7 @@
 
 mod attributes;
 mod counters;
+mod metadata;
 mod names;
 mod splitting;
 
@@ -41,6 +42,7 @@ use std::fmt;
 
 pub use crate::ledger::shares::ConsumableShares;
 pub use attributes::normalize_version;
+pub use metadata::device_metadata;
 pub use names::{PublishedDevice, counter_set_name, find_device};
 #[cfg(test)]
 use splitting::is_advanced;

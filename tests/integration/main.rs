@@ -30,6 +30,7 @@ mod cli_match;
 mod cli_paths;
 mod cli_slices;
 mod device_check;
+mod device_metadata;
 mod deviceplugin_grpcio;
 mod deviceplugin_health;
 mod dra_crash;

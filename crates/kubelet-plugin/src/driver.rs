@@ -1,8 +1,11 @@
 //! What a DRA driver implements, in the library's own terms (no protos).
 
+use std::collections::BTreeMap;
 use std::future::Future;
 
-use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
+use k8s_openapi::api::resource::v1::{
+    DeviceAttribute, DeviceRequestAllocationResult, NetworkDeviceData, ResourceClaim,
+};
 
 /// Any error: what a driver's claim or batch fails with. `anyhow::Error`, a `String` and every
 /// `std::error::Error + Send + Sync` convert into it with `?` or `.into()`. Its
@@ -72,7 +75,7 @@ pub struct PreparedDevice {
     /// What the device's metadata file tells the container, when the plugin writes them
     /// ([`Options::device_metadata`](crate::Options::device_metadata)); without it the file
     /// names the device only.
-    pub metadata: Option<crate::metadata::DeviceMetadata>,
+    pub metadata: Option<DeviceMetadata>,
 }
 
 impl PreparedDevice {
@@ -95,7 +98,7 @@ impl PreparedDevice {
 
     /// The same device, with the metadata its container reads (KEP-5304, see
     /// [`crate::metadata`]).
-    pub fn with_metadata(mut self, metadata: crate::metadata::DeviceMetadata) -> Self {
+    pub fn with_metadata(mut self, metadata: DeviceMetadata) -> Self {
         self.metadata = Some(metadata);
         self
     }
@@ -103,6 +106,36 @@ impl PreparedDevice {
     /// The same device, as the allocation's share `share_id`.
     pub fn with_share_id(mut self, share_id: impl Into<String>) -> Self {
         self.share_id = Some(share_id.into());
+        self
+    }
+}
+
+/// What a driver tells about one prepared device in its metadata file (KEP-5304, see
+/// [`crate::metadata`]; Go's `kubeletplugin.DeviceMetadata`). Best
+/// practice, as Go's documentation puts it: every attribute the device's ResourceSlice
+/// publishes, plus what only the node knows.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct DeviceMetadata {
+    /// Attributes in a ResourceSlice's format, by qualified name (`model`,
+    /// `resource.kubernetes.io/pciBusID`); each value sets exactly one field.
+    pub attributes: BTreeMap<String, DeviceAttribute>,
+    /// A network device's data (interface, addresses).
+    pub network_data: Option<NetworkDeviceData>,
+}
+
+impl DeviceMetadata {
+    /// Metadata made of `attributes`.
+    pub fn new(attributes: BTreeMap<String, DeviceAttribute>) -> Self {
+        Self {
+            attributes,
+            network_data: None,
+        }
+    }
+
+    /// The same, with a network device's data.
+    pub fn with_network_data(mut self, data: NetworkDeviceData) -> Self {
+        self.network_data = Some(data);
         self
     }
 }

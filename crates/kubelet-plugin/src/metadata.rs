@@ -48,6 +48,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 
 use crate::claims::base_request;
+pub use crate::driver::DeviceMetadata;
 use crate::driver::{Claim, PreparedDevice};
 
 /// Where the files are mounted in a container.
@@ -70,35 +71,6 @@ pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
 pub const CDI_VERSION: &str = "0.5.0";
 /// Mode of the files written.
 const FILE_MODE: u32 = 0o644;
-
-/// What a driver tells about one prepared device (Go's `kubeletplugin.DeviceMetadata`). Best
-/// practice, as Go's documentation puts it: every attribute the device's ResourceSlice
-/// publishes, plus what only the node knows.
-#[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct DeviceMetadata {
-    /// Attributes in a ResourceSlice's format, by qualified name (`model`,
-    /// `resource.kubernetes.io/pciBusID`); each value sets exactly one field.
-    pub attributes: BTreeMap<String, DeviceAttribute>,
-    /// A network device's data (interface, addresses).
-    pub network_data: Option<NetworkDeviceData>,
-}
-
-impl DeviceMetadata {
-    /// Metadata made of `attributes`.
-    pub fn new(attributes: BTreeMap<String, DeviceAttribute>) -> Self {
-        Self {
-            attributes,
-            network_data: None,
-        }
-    }
-
-    /// The same, with a network device's data.
-    pub fn with_network_data(mut self, data: NetworkDeviceData) -> Self {
-        self.network_data = Some(data);
-        self
-    }
-}
 
 /// The `metadata.resource.k8s.io/v1alpha1` file format, field for field Go's
 /// `k8s.io/dynamic-resource-allocation/api/metadata/v1alpha1` (serialize to write it, deserialize
@@ -878,7 +850,7 @@ mod tests {
         std::fs::write(&foreign, "{}").unwrap();
 
         let removed = f.retain(|uid| uid == UID).unwrap();
-        assert_eq!(removed, vec!["ns_old-claim".to_string(), stale.to_string()]);
+        assert_eq!(removed, vec![stale.to_string(), "ns_old-claim".to_string()]);
         assert!(f.host_path(UID, "gpu").exists() && f.cdi_spec_path(UID, "nic").exists());
         assert!(!f.cdi_spec_path(stale, "gpu").exists());
         assert!(!f.host_dir().join(stale).exists());

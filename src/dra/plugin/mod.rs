@@ -46,6 +46,7 @@ pub mod crash;
 mod effects;
 mod enforce;
 mod error;
+mod metadata;
 mod mig_mode;
 mod plan;
 mod prepare;

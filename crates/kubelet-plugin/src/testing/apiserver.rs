@@ -1023,8 +1023,8 @@ impl Server {
             Ok(d) => d.unwrap_or_default(),
             Err(e) => return error(400, "BadRequest", format!("bad status.devices: {e}")),
         };
+        // Not in `counts`, which are the slices' (as Node patches): see `requests`.
         let mut st = self.lock();
-        st.counts.write_requests += 1;
         let Some(mut claim) = st.claims.get(&key).cloned() else {
             return not_found("resourceclaims.resource.k8s.io", &key.1);
         };
@@ -1043,7 +1043,6 @@ impl Server {
             );
         }
         if st.claim_status_dropped {
-            st.counts.updates += 1;
             return ok_json(StatusCode::OK, &claim);
         }
         let allocated: BTreeSet<DeviceKey> = claim
@@ -1147,7 +1146,6 @@ impl Server {
         if changed {
             claim.metadata.resource_version = Some(st.next_rv().to_string());
         }
-        st.counts.updates += 1;
         st.claims.insert(key, claim.clone());
         ok_json(StatusCode::OK, &claim)
     }

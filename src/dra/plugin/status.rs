@@ -3,7 +3,7 @@
 //! [`StatusWriter`] (server-side apply, field manager the driver name, forced). Each entry has a
 //! `Ready` condition, `True`, and `data` in the shape of [`DeviceData`] (README, "Claim status").
 //!
-//! - **Never in the prepare's way.** The write runs on its own task after the prepare answered;
+//! - **Never in the prepare's way.** The write runs on its own task, spawned as the prepare answers;
 //!   a failure is logged at warn, never the claim's error. A transient one (5xx, timeouts, no
 //!   connection) is tried again within [`ATTEMPTS`] tries, a second apart and doubling; after
 //!   that, and after any other failure, the claim's next prepare (a kubelet restart, another pod

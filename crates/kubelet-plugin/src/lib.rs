@@ -56,9 +56,9 @@ pub use driver::{
     BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,
 };
 pub use error::{Error, ErrorHandler, ErrorKind, log_error};
+pub use layer::{GrpcRequest, GrpcResponse, GrpcService, ServerLayer};
 pub use names::InvalidName;
 pub use registration::RegistrationHook;
-pub use layer::{GrpcRequest, GrpcResponse, GrpcService, ServerLayer};
 pub use service::{Options, Serving, serve, start};
 
 // The foreign crates whose types are part of this API, so a driver uses the very versions the

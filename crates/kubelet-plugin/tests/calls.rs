@@ -42,6 +42,13 @@ struct Observer {
     cancelled: mpsc::UnboundedSender<bool>,
 }
 
+/// The span test sets a subscriber for its own thread, while tracing caches each callsite's
+/// interest process-wide: a call made by a test running beside it can compute a callsite's
+/// interest while that subscriber is being registered, cache "never", and the span goes missing
+/// (seen once in a whole-suite run with four test threads). The span test takes this lock alone; every
+/// other test shares it.
+static CALLSITES: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 fn observer(
     wait: bool,
 ) -> (
@@ -141,6 +148,7 @@ async fn start(
 
 #[tokio::test]
 async fn the_driver_sees_its_call_with_the_kubelets_deadline() {
+    let _callsites = CALLSITES.read().await;
     let root = tempfile::tempdir().unwrap();
     let stop = CancellationToken::new();
     let (driver, mut seen, _) = observer(false);
@@ -187,6 +195,7 @@ async fn the_driver_sees_its_call_with_the_kubelets_deadline() {
 /// driver is not aborted: it sees the cancellation and answers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kubelet_giving_up_cancels_the_call() {
+    let _callsites = CALLSITES.read().await;
     let root = tempfile::tempdir().unwrap();
     let stop = CancellationToken::new();
     let (driver, mut seen, mut cancelled) = observer(true);
@@ -220,6 +229,7 @@ async fn the_kubelet_giving_up_cancels_the_call() {
 /// The plugin stops while a call is inside the driver: the call's token is cancelled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_plugin_stopping_cancels_the_call() {
+    let _callsites = CALLSITES.read().await;
     let root = tempfile::tempdir().unwrap();
     let stop = CancellationToken::new();
     let (driver, mut seen, mut cancelled) = observer(true);
@@ -286,6 +296,7 @@ except grpc.RpcError as e:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpcio_client_giving_up_cancels_the_call() {
+    let _callsites = CALLSITES.read().await;
     if !have_grpcio() {
         return;
     }
@@ -348,6 +359,7 @@ impl Captured {
 /// `warn` naming it, inside that span.
 #[tokio::test]
 async fn calls_have_spans_and_failed_claims_are_warnings() {
+    let _callsites = CALLSITES.write().await;
     let out = Captured::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer({
@@ -404,6 +416,7 @@ async fn calls_have_spans_and_failed_claims_are_warnings() {
 /// A tower layer sees the requests of both servers: the DRA socket's and registration's.
 #[tokio::test]
 async fn a_layer_sees_both_servers_requests() {
+    let _callsites = CALLSITES.read().await;
     let root = tempfile::tempdir().unwrap();
     let stop = CancellationToken::new();
     let paths = Arc::new(Mutex::new(Vec::<String>::new()));
@@ -445,6 +458,7 @@ async fn a_layer_sees_both_servers_requests() {
 /// flags set them: the sockets, registration's endpoint and the node lock follow them.
 #[tokio::test]
 async fn the_three_directories_can_be_set_apart() {
+    let _callsites = CALLSITES.read().await;
     let base = tempfile::tempdir().unwrap();
     let d = |name: &str| -> PathBuf { base.path().join(name) };
     let stop = CancellationToken::new();
@@ -519,6 +533,7 @@ async fn forbidding_server() -> String {
 /// server), and the error hook hears it as fatal.
 #[tokio::test]
 async fn a_forbidden_claim_read_names_rbac() {
+    let _callsites = CALLSITES.read().await;
     let url = forbidding_server().await;
     let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
     let root = tempfile::tempdir().unwrap();

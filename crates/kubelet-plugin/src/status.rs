@@ -17,7 +17,8 @@
 //! - An API server that drops the field (older than 1.32, or the `DRAResourceClaimDeviceStatus`
 //!   feature off) answers the write without the entries: that is [`Applied::Dropped`], logged
 //!   once at warn (and once at info when a later write is kept), not an error.
-//! - No retries here: the caller decides (the write should not hold up a prepare).
+//! - No retries here: the caller decides (the write should not hold up a prepare). A write the
+//!   API server does not answer within [`WRITE_DEADLINE`] is [`api::Error::Transient`].
 //!
 //! The API server validates each entry against the claim's allocation (the driver, pool, device
 //! and share ID of one of its results), `data` to at most 10 KiB ([`MAX_DATA`]), and at most 8
@@ -37,6 +38,10 @@ use crate::api::{self, ClaimStatusApi};
 
 /// The most bytes the API server takes in an entry's `data`.
 pub const MAX_DATA: usize = 10 * 1024;
+
+/// How long a write waits for the API server's answer (as a claim's read does,
+/// [`claims::READ_DEADLINE`](crate::claims::READ_DEADLINE)).
+pub const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The condition type that says a device is configured as its class and the claim ask.
 pub const READY: &str = "Ready";
@@ -138,10 +143,22 @@ impl StatusWriter {
             "metadata": {"name": claim.name, "namespace": claim.namespace, "uid": claim.uid},
             "status": {"devices": entries},
         });
-        let stored = self
-            .api
-            .apply_claim_status(&claim.namespace, &claim.name, &self.field_manager, &patch)
-            .await?;
+        let write =
+            self.api
+                .apply_claim_status(&claim.namespace, &claim.name, &self.field_manager, &patch);
+        let stored = tokio::time::timeout(WRITE_DEADLINE, write)
+            .await
+            .map_err(|_| {
+                api::Error::Transient(
+                    format!(
+                        "status of resourceclaim {}/{}: no answer within {} s",
+                        claim.namespace,
+                        claim.name,
+                        WRITE_DEADLINE.as_secs()
+                    )
+                    .into(),
+                )
+            })??;
         let kept = stored
             .status
             .as_ref()

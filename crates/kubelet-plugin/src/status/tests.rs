@@ -248,3 +248,34 @@ async fn deallocation_drops_the_entries_as_the_api_server_does() {
     assert!(entries(&stored).is_empty());
     assert!(stored.status.unwrap().allocation.is_none());
 }
+
+/// An API server that takes the write and never answers.
+struct Silent;
+
+impl ClaimStatusApi for Silent {
+    fn apply_claim_status<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+        _: &'a str,
+        _: &'a serde_json::Value,
+    ) -> futures::future::BoxFuture<'a, api::Result<ResourceClaim>> {
+        Box::pin(futures::future::pending())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_never_answered_is_transient_at_the_deadline() {
+    let w = StatusWriter::new(Arc::new(Silent), GPU);
+    let claim = Claim::new("ns", "c", "u-1");
+    let start = tokio::time::Instant::now();
+    // Bounded here too, so a writer without its deadline fails this test instead of hanging it.
+    let write = w.apply(&claim, vec![ready_entry(&w, "gpu-0", None)]);
+    let e = tokio::time::timeout(WRITE_DEADLINE * 2, write)
+        .await
+        .expect("the writer waits for ever without its deadline")
+        .unwrap_err();
+    assert!(matches!(e, api::Error::Transient(_)), "{e:?}");
+    assert!(e.to_string().contains("ns/c: no answer within 10 s"), "{e}");
+    assert_eq!(start.elapsed(), WRITE_DEADLINE);
+}

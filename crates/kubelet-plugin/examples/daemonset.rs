@@ -23,6 +23,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kubelet_plugin::health::{self, DeviceHealth, HealthSource};
@@ -115,9 +116,10 @@ async fn answer_probes(
         };
         let ready = ready.clone();
         tokio::spawn(async move {
-            // The request itself does not matter: read what arrives, answer, close.
+            // The request itself does not matter: read what arrives (a client that sends
+            // nothing is answered after a second, so no connection outlives it), answer, close.
             let mut request = [0u8; 1024];
-            let _ = conn.read(&mut request).await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), conn.read(&mut request)).await;
             let answer: &[u8] = if ready.ready() {
                 b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n"
             } else {

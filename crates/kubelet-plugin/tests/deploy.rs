@@ -12,8 +12,8 @@
 #![cfg(feature = "kube")]
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::DaemonSet;
@@ -24,6 +24,8 @@ use kubelet_plugin::Claim;
 use kubelet_plugin::testing::{ApiServer, KubeletClient, allocated_claim, allocated_device};
 use serde_json::Value;
 
+#[path = "support/example.rs"]
+mod example;
 #[path = "support/require.rs"]
 mod require;
 
@@ -210,28 +212,6 @@ fn the_manifests_keep_the_deploy_contracts() {
     }
 }
 
-/// The example binary cargo built beside this test (`target/<profile>/examples/`).
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = profile_dir.join("examples").join("daemonset");
-    assert!(
-        path.is_file(),
-        "{} is not built: run `cargo test` (which builds examples) or `cargo build --examples`",
-        path.display()
-    );
-    path
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The readiness endpoint's status code; `None` when nothing answers.
 async fn probe(addr: &str) -> Option<u16> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -340,8 +320,8 @@ async fn the_example_publishes_serves_and_stops_on_sigterm_within_its_rbac() {
         .unwrap()
         .port();
     let ready_addr = format!("127.0.0.1:{port}");
-    let mut child = Killed(
-        Command::new(example())
+    let mut child = example::Killed(
+        Command::new(example::path("daemonset"))
             .env("KUBECONFIG", &kubeconfig)
             .env_remove("KUBERNETES_SERVICE_HOST")
             .env("NODE_NAME", NODE)

@@ -7,10 +7,11 @@
 //! test skips without them unless `KUBELET_PLUGIN_REQUIRE_GRPCIO=1` (CI sets it). `cargo test`
 //! builds the example; after `cargo test --test example_grpcio` alone, `cargo build --examples`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/example.rs"]
+mod example;
 #[path = "support/require.rs"]
 mod require;
 
@@ -42,28 +43,6 @@ fn have_grpcio() -> bool {
         eprintln!("skipped: the grpcio kubelet stand-in needs: {PIP}");
     }
     ok
-}
-
-/// The example binary cargo built beside this test (`target/<profile>/examples/`).
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = profile_dir.join("examples").join("one-device");
-    assert!(
-        path.is_file(),
-        "{} is not built: run `cargo test` (which builds examples) or `cargo build --examples`",
-        path.display()
-    );
-    path
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// The rule every `*_REQUIRE_*` variable is read by, nvdra's included: the three spellings of
@@ -110,8 +89,8 @@ fn the_example_driver_is_registered_and_prepared_by_the_grpcio_kubelet() {
         .collect();
     let claims_file = root.path().join("claims.json");
     std::fs::write(&claims_file, serde_json::to_vec(&claims).unwrap()).unwrap();
-    let mut child = Killed(
-        Command::new(example())
+    let mut child = example::Killed(
+        Command::new(example::path("one-device"))
             .args(["--driver", DRIVER, "--node", NODE, "--kubelet-root"])
             .arg(&kubelet)
             .arg("--claims")

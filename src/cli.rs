@@ -68,6 +68,10 @@ pub enum Command {
     /// Run the node's MPS control daemons (for shared GPUs) in their own DaemonSet: one per
     /// request the plugin writes under --mps-root, restarted when it exits, quit when released.
     MpsHost(Box<MpsHostArgs>),
+    /// ComputeDomains (multi-node NVLink through IMEX): the compute-domain kubelet plugin, its
+    /// controller and the per-node IMEX daemon, as NVIDIA's compute-domain driver runs them.
+    #[command(subcommand)]
+    ComputeDomain(crate::computedomain::Command),
     /// The container runtime's hooks that set a GPU share's memory limits on its container's
     /// own cgroup through NVML (`createRuntime`) and clear them (`poststop`), written into share
     /// specs by the plugin where the driver partitions memory per cgroup.
@@ -368,6 +372,14 @@ pub fn main() -> ExitCode {
             }
         };
     }
+    if let Command::ComputeDomain(command) = cli.command {
+        init_logging(
+            cli.log.log_format.unwrap_or(LogFormat::Plain),
+            cli.log.log_filter.as_deref(),
+            "info",
+        );
+        return crate::computedomain::main(command);
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Config(e)) => {
@@ -520,9 +532,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
         // Dispatched by `main` before `run`: they have exit codes of their own.
         #[cfg(feature = "tools")]
         Command::Match(_) | Command::Validate(_) | Command::MpsStandin { .. } => Ok(()),
-        Command::MemoryLimitHook { .. } | Command::DmemHook { .. } | Command::MpsGate { .. } => {
-            Ok(())
-        }
+        Command::MemoryLimitHook { .. }
+        | Command::DmemHook { .. }
+        | Command::MpsGate { .. }
+        | Command::ComputeDomain(_) => Ok(()),
         Command::MpsHost(args) => {
             let config = load_config(&cli, args.settings(&cli.log))?;
             init_logging(config.log_format, cli.log.log_filter.as_deref(), "info");

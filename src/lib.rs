@@ -13,6 +13,7 @@ pub mod cdi;
 pub mod cel;
 pub mod child;
 pub mod cli;
+pub mod computedomain;
 pub mod config;
 pub mod daemon;
 #[cfg(feature = "tools")]

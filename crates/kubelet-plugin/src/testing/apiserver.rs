@@ -14,6 +14,11 @@
 //! start), API discovery of `resource.k8s.io/v1` (absent on request), `/version`, JSON merge
 //! patches of a Node's labels, and server-side apply of a ResourceClaim's `status.devices` (per
 //! field manager; deallocation drops the entries; the field dropped on request).
+//!
+//! Every other resource a controller, daemon or plugin needs (Pods, Nodes, Namespaces, Events,
+//! ConfigMaps, Secrets, ServiceAccounts, DaemonSets, Deployments, Leases, ResourceClaims,
+//! ResourceClaimTemplates, ComputeDomains, ComputeDomainCliques) is a generic JSON object with
+//! every verb, watches, finalizers, owner cascade and the `status` subresource: see `objects.rs`.
 
 use futures::StreamExt;
 use http_body_util::combinators::BoxBody;
@@ -33,6 +38,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
+
+mod objects;
+#[cfg(test)]
+mod tests;
+
+/// The typed code's resources, for API discovery: (apiVersion, plural, kind, namespaced).
+const TYPED: &[(&str, &str, &str, bool)] = &[
+    ("resource.k8s.io/v1", "deviceclasses", "DeviceClass", false),
+    (
+        "resource.k8s.io/v1",
+        "resourceslices",
+        "ResourceSlice",
+        false,
+    ),
+];
 
 const NAME_ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
 
@@ -88,8 +108,8 @@ struct Watcher {
 #[derive(Default)]
 struct State {
     slices: BTreeMap<String, ResourceSlice>,
-    nodes: BTreeMap<String, Node>,
-    claims: BTreeMap<(String, String), ResourceClaim>,
+    /// Every other resource, Nodes and ResourceClaims included (objects.rs).
+    objects: objects::Objects,
     rv: u64,
     /// (resourceVersion, event type, object) of every slice change since `compacted`.
     history: Vec<(u64, &'static str, ResourceSlice)>,
@@ -341,7 +361,7 @@ impl ApiServer {
 
     /// A Node as stored.
     pub fn node(&self, name: &str) -> Option<Node> {
-        self.lock().nodes.get(name).cloned()
+        self.get::<Node>("", name)
     }
 
     /// Accepted Node merge patches so far.
@@ -351,12 +371,12 @@ impl ApiServer {
 
     /// Sets a Node label directly (as another controller would).
     pub fn set_node_label(&self, name: &str, key: &str, value: &str) {
-        let mut st = self.lock();
-        if let Some(n) = st.nodes.get_mut(name) {
+        if let Some(mut n) = self.get::<Node>("", name) {
             n.metadata
                 .labels
                 .get_or_insert_with(Default::default)
                 .insert(key.into(), value.into());
+            self.put(&n);
         }
     }
 
@@ -370,9 +390,7 @@ impl ApiServer {
             },
             ..Default::default()
         };
-        let mut st = self.lock();
-        st.next_rv();
-        st.nodes.insert(name.into(), node);
+        self.put(&node);
     }
 
     /// Stores a DeviceClass (listed and watched, never written through HTTP).
@@ -383,15 +401,12 @@ impl ApiServer {
     /// Stores a ResourceClaim under its namespace and name (read with GET; its status written
     /// by server-side apply only).
     pub fn seed_claim(&self, claim: ResourceClaim) {
-        let ns = claim.metadata.namespace.clone().unwrap_or_default();
-        let name = claim.metadata.name.clone().unwrap_or_default();
-        self.lock().claims.insert((ns, name), claim);
+        self.put(&claim);
     }
 
     /// A ResourceClaim as stored.
     pub fn claim(&self, namespace: &str, name: &str) -> Option<ResourceClaim> {
-        let key = (namespace.to_string(), name.to_string());
-        self.lock().claims.get(&key).cloned()
+        self.get::<ResourceClaim>(namespace, name)
     }
 
     /// Deallocates a claim as the resourceclaim controller does once no pod holds it: its
@@ -400,10 +415,8 @@ impl ApiServer {
     /// be of an allocated device). False when there is no such claim.
     pub fn deallocate_claim(&self, namespace: &str, name: &str) -> bool {
         let key = (namespace.to_string(), name.to_string());
-        let mut st = self.lock();
-        let rv = st.next_rv();
-        st.claim_status_owners.remove(&key);
-        let Some(claim) = st.claims.get_mut(&key) else {
+        self.lock().claim_status_owners.remove(&key);
+        let Some(mut claim) = self.get::<ResourceClaim>(namespace, name) else {
             return false;
         };
         if let Some(status) = claim.status.as_mut() {
@@ -412,8 +425,115 @@ impl ApiServer {
             status.devices = None;
         }
         claim.metadata.managed_fields = None;
-        claim.metadata.resource_version = Some(rv.to_string());
+        self.put(&claim);
         true
+    }
+
+    /// An object of a built-in kind as stored (`namespace` empty for a cluster-scoped one), for
+    /// the kinds the generic store serves (see [`ApiServer::object`]).
+    pub fn get<K>(&self, namespace: &str, name: &str) -> Option<K>
+    where
+        K: k8s_openapi::Resource + serde::de::DeserializeOwned,
+    {
+        let v = self.object(K::API_VERSION, K::URL_PATH_SEGMENT, namespace, name)?;
+        Some(serde_json::from_value(v).expect("a stored object parses as its kind"))
+    }
+
+    /// Stores an object of a built-in kind as someone else would (see [`ApiServer::put_object`]).
+    pub fn put<K>(&self, obj: &K) -> K
+    where
+        K: k8s_openapi::Resource + serde::Serialize + serde::de::DeserializeOwned,
+    {
+        let v = serde_json::to_value(obj).expect("an object serialises");
+        let stored = self.put_object(K::API_VERSION, K::URL_PATH_SEGMENT, v);
+        serde_json::from_value(stored).expect("a stored object parses as its kind")
+    }
+
+    /// An object of the generic store as stored: `api_version` as in `apiVersion` (`v1`,
+    /// `apps/v1`, `resource.nvidia.com/v1beta1`), the resource's plural, and `namespace` empty
+    /// for a cluster-scoped one. The store serves Pods, Nodes, Namespaces, Events (both
+    /// groups), ConfigMaps, Secrets, ServiceAccounts, DaemonSets, Deployments, Leases,
+    /// ResourceClaims, ResourceClaimTemplates, ComputeDomains and ComputeDomainCliques.
+    pub fn object(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Option<Value> {
+        let res = objects::resource(api_version, plural)?;
+        self.lock().objects.get(res, namespace, name).cloned()
+    }
+
+    /// Every stored object of a resource of the generic store.
+    pub fn objects(&self, api_version: &str, plural: &str) -> Vec<Value> {
+        match objects::resource(api_version, plural) {
+            Some(res) => self.lock().objects.all(res),
+            None => Vec::new(),
+        }
+    }
+
+    /// Stores an object as someone else would (a scheduler, a kubelet, the test itself): created
+    /// or replaced whole, status included, with `uid`, `creationTimestamp`, `generation` and a
+    /// new `resourceVersion` filled in; watches are told. Not counted. Returns it as stored.
+    ///
+    /// # Panics
+    ///
+    /// On a resource the store does not serve (a test's mistake).
+    pub fn put_object(&self, api_version: &str, plural: &str, obj: Value) -> Value {
+        let Some(res) = objects::resource(api_version, plural) else {
+            panic!("the test API server does not serve {plural} of {api_version}");
+        };
+        let stored = self.lock().obj_put(res, obj);
+        self.notify();
+        stored
+    }
+
+    /// Deletes an object as someone else would: with finalizers it is only marked
+    /// (`deletionTimestamp`), else removed with what it owns. False if there was none.
+    pub fn delete_object(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+    ) -> bool {
+        let Some(res) = objects::resource(api_version, plural) else {
+            return false;
+        };
+        let mut st = self.lock();
+        let Some(obj) = st.objects.get(res, namespace, name).cloned() else {
+            return false;
+        };
+        st.obj_delete(res, obj);
+        drop(st);
+        self.notify();
+        true
+    }
+
+    /// Waits until `pred` holds of the server (checked after every write); panics naming `what`
+    /// after `timeout`.
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&ApiServer) -> bool,
+    ) {
+        let mut rx = self.changed.subscribe();
+        let wait = async {
+            loop {
+                rx.borrow_and_update();
+                if pred(self) {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        if tokio::time::timeout(timeout, wait).await.is_err() {
+            panic!("{what}: not within {timeout:?}");
+        }
     }
 
     /// Drops `status.devices` on every write from now on, as a server without the field does
@@ -544,12 +664,15 @@ impl ApiServer {
     pub fn compact(&self) {
         let mut st = self.lock();
         st.history.clear();
+        st.objects.forget_history();
         st.compacted = st.next_rv();
     }
 
     /// Ends every open watch (as a server restart or a load balancer would).
     pub fn close_watches(&self) {
-        self.lock().watchers.clear();
+        let mut st = self.lock();
+        st.watchers.clear();
+        st.objects.close_watches();
     }
 
     /// Open watches.
@@ -812,6 +935,12 @@ impl Server {
         let method = req.method().clone();
         let q = query(&req);
         let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let content_type = req
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
         let resp = match (method.clone(), segs.as_slice()) {
             (Method::GET, ["apis", "resource.k8s.io", "v1", "resourceslices"]) => {
                 if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
@@ -850,23 +979,7 @@ impl Server {
                 if self.lock().dra_absent {
                     not_found("resource.k8s.io/v1", "v1")
                 } else {
-                    let r = |name: &str, kind: &str, namespaced: bool| {
-                        json!({"name": name, "singularName": "", "namespaced": namespaced,
-                               "kind": kind, "verbs": ["get", "list", "watch"]})
-                    };
-                    ok_json(
-                        StatusCode::OK,
-                        &json!({
-                            "kind": "APIResourceList",
-                            "apiVersion": "v1",
-                            "groupVersion": "resource.k8s.io/v1",
-                            "resources": [
-                                r("deviceclasses", "DeviceClass", false),
-                                r("resourceclaims", "ResourceClaim", true),
-                                r("resourceslices", "ResourceSlice", false),
-                            ],
-                        }),
-                    )
+                    objects::discovery(Some("resource.k8s.io/v1"), false, TYPED)
                 }
             }
             (Method::GET, ["apis", "resource.k8s.io", "v1", "deviceclasses"]) => {
@@ -917,19 +1030,6 @@ impl Server {
                     }),
                 )
             }
-            (Method::PATCH, ["api", "v1", "nodes", name]) => {
-                let name = name.to_string();
-                let json_merge = req
-                    .headers()
-                    .get("content-type")
-                    .is_some_and(|v| v.as_bytes().starts_with(b"application/merge-patch+json"));
-                let body = req.into_body().collect().await.map(|b| b.to_bytes());
-                match (json_merge, body) {
-                    (false, _) => error(415, "UnsupportedMediaType", "only merge patches here"),
-                    (true, Err(_)) => error(400, "BadRequest", "unreadable body"),
-                    (true, Ok(bytes)) => self.patch_node(&name, &bytes),
-                }
-            }
             (
                 Method::PATCH,
                 [
@@ -942,46 +1042,14 @@ impl Server {
                     name,
                     "status",
                 ],
-            ) => {
+            ) if content_type.starts_with("application/apply-patch") => {
                 let key = (ns.to_string(), name.to_string());
-                let apply = req
-                    .headers()
-                    .get("content-type")
-                    .is_some_and(|v| v.as_bytes().starts_with(b"application/apply-patch"));
-                let body = req.into_body().collect().await.map(|b| b.to_bytes());
-                match (apply, body) {
-                    (false, _) => error(415, "UnsupportedMediaType", "only apply patches here"),
-                    (true, Err(_)) => error(400, "BadRequest", "unreadable body"),
-                    (true, Ok(bytes)) => self.apply_claim_status(key, &q, &bytes),
+                match req.into_body().collect().await.map(|b| b.to_bytes()) {
+                    Err(_) => error(400, "BadRequest", "unreadable body"),
+                    Ok(bytes) => self.apply_claim_status(key, &q, &bytes),
                 }
             }
-            (Method::GET, ["api", "v1", "nodes", name]) => match self.lock().nodes.get(*name) {
-                Some(n) => ok_json(StatusCode::OK, n),
-                None => not_found("nodes", name),
-            },
-            (
-                Method::GET,
-                [
-                    "apis",
-                    "resource.k8s.io",
-                    "v1",
-                    "namespaces",
-                    ns,
-                    "resourceclaims",
-                    name,
-                ],
-            ) => {
-                let key = (ns.to_string(), name.to_string());
-                match self.lock().claims.get(&key) {
-                    Some(c) => ok_json(StatusCode::OK, c),
-                    None => not_found("resourceclaims.resource.k8s.io", name),
-                }
-            }
-            _ => error(
-                404,
-                "NotFound",
-                format!("the server could not find the requested resource ({method} {path})"),
-            ),
+            _ => self.generic(&method, &segs, &q, &content_type, req).await,
         };
         if resp.status().is_success() && method != Method::GET {
             self.changed.send_modify(|n| *n += 1);
@@ -1025,7 +1093,11 @@ impl Server {
         };
         // Not in `counts`, which are the slices' (as Node patches): see `requests`.
         let mut st = self.lock();
-        let Some(mut claim) = st.claims.get(&key).cloned() else {
+        let res = objects::resource("resource.k8s.io/v1", "resourceclaims")
+            .expect("the store serves claims");
+        let Some(mut claim) = st.objects.get(res, &key.0, &key.1).map(|v| {
+            serde_json::from_value::<ResourceClaim>(v.clone()).expect("a stored claim parses")
+        }) else {
             return not_found("resourceclaims.resource.k8s.io", &key.1);
         };
         let have = claim.metadata.uid.clone().unwrap_or_default();
@@ -1141,43 +1213,75 @@ impl Server {
         }
         status.devices = (!devices.is_empty()).then_some(devices);
         let changed = status.devices != old;
-        claim.metadata.managed_fields = (!managed.is_empty())
+        let managed_fields = (!managed.is_empty())
             .then(|| serde_json::from_value(Value::Array(managed)).expect("managed fields parse"));
-        if changed {
-            claim.metadata.resource_version = Some(st.next_rv().to_string());
+        if !changed && claim.metadata.managed_fields == managed_fields {
+            return ok_json(StatusCode::OK, &claim);
         }
-        st.claims.insert(key, claim.clone());
-        ok_json(StatusCode::OK, &claim)
+        claim.metadata.managed_fields = managed_fields;
+        let res = objects::resource("resource.k8s.io/v1", "resourceclaims")
+            .expect("the store serves claims");
+        let old = st.objects.get(res, &key.0, &key.1).cloned();
+        let new = serde_json::to_value(&claim).expect("a claim serialises");
+        let stored = st.obj_commit(res, old, Some(new));
+        ok_json(StatusCode::OK, &stored)
     }
 
-    /// A JSON merge patch of `metadata.labels` (the only part of a Node this server patches).
-    fn patch_node(&self, name: &str, body: &[u8]) -> Response<Body> {
-        let patch: Value = match serde_json::from_slice(body) {
-            Ok(v) => v,
-            Err(e) => return error(400, "BadRequest", format!("bad patch: {e}")),
+    /// Any request of the generic store (objects.rs): discovery, or a verb on an object or a
+    /// collection.
+    async fn generic(
+        &self,
+        method: &Method,
+        segs: &[&str],
+        q: &BTreeMap<String, String>,
+        content_type: &str,
+        req: Request<Incoming>,
+    ) -> Response<Body> {
+        let t = match objects::parse_path(segs) {
+            objects::Path::Discovery(api, core) => {
+                if *method != Method::GET {
+                    return error(
+                        405,
+                        "MethodNotAllowed",
+                        format!("{method} of a discovery document"),
+                    );
+                }
+                return objects::discovery(api.as_deref(), core, TYPED);
+            }
+            objects::Path::Target(t) => t,
+            objects::Path::Unknown => {
+                return error(
+                    404,
+                    "NotFound",
+                    format!(
+                        "the server could not find the requested resource ({method} /{})",
+                        segs.join("/")
+                    ),
+                );
+            }
+        };
+        let body = match req.into_body().collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error(400, "BadRequest", format!("reading the body: {e}")),
         };
         let mut st = self.lock();
-        let rv = st.next_rv();
-        let Some(node) = st.nodes.get_mut(name) else {
-            return not_found("nodes", name);
+        let resp = match (method, &t.name) {
+            (&Method::GET, _) => st.obj_read(&t, q),
+            (&Method::POST, None) if !t.status => st.obj_create(&t, &body),
+            (&Method::PUT, Some(_)) => st.obj_update(&t, &body),
+            (&Method::PATCH, Some(_)) => st.obj_patch(&t, content_type, q, &body),
+            (&Method::DELETE, Some(_)) if !t.status => st.obj_delete_req(&t, &body),
+            (&Method::DELETE, None) => st.obj_delete_collection(&t, q),
+            _ => error(
+                405,
+                "MethodNotAllowed",
+                format!("{method} is not allowed on /{}", segs.join("/")),
+            ),
         };
-        if let Some(labels) = patch["metadata"]["labels"].as_object() {
-            let have = node.metadata.labels.get_or_insert_with(Default::default);
-            for (k, v) in labels {
-                match v.as_str() {
-                    Some(v) => {
-                        have.insert(k.clone(), v.to_string());
-                    }
-                    None => {
-                        have.remove(k);
-                    }
-                }
-            }
+        if *method == Method::PATCH && t.res.plural == "nodes" && resp.status().is_success() {
+            st.node_patches += 1;
         }
-        node.metadata.resource_version = Some(rv.to_string());
-        let node = node.clone();
-        st.node_patches += 1;
-        ok_json(StatusCode::OK, &node)
+        resp
     }
 
     fn list(&self, q: &BTreeMap<String, String>) -> Response<Body> {

@@ -45,19 +45,19 @@ def read_hosts(path):
     return hosts
 
 
-def hosts_path():
-    """The hosts file names resolve through: $FAKE_IMEX_HOSTS, else /etc/hosts."""
-    return os.environ.get("FAKE_IMEX_HOSTS", "/etc/hosts")
+def knob(cfg, key, default=""):
+    """A test knob: the config file's key, else the environment's, else the default."""
+    return cfg.get(key) or os.environ.get(key) or default
 
 
-def resolve(name):
-    """An IP literal stays; a name resolves through the hosts file, else None."""
+def resolve(name, hosts):
+    """An IP literal stays; a name resolves through `hosts` (name -> IP), else None."""
     try:
         socket.inet_aton(name)
         return name
     except OSError:
         pass
-    return read_hosts(hosts_path()).get(name)
+    return hosts.get(name)
 
 
 def nodes_key(nodes):

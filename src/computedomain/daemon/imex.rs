@@ -1,0 +1,281 @@
+//! The host's `nvidia-imex` as a child of the daemon, and `nvidia-imex-ctl -q`.
+//!
+//! - A child that exits is started again after a backoff (1 s, doubling to the configured
+//!   maximum, back to 1 s once IMEX is ready): the daemon stays up and reports, it never exits
+//!   because IMEX does (no crash loop of the pod).
+//! - A change of the peers is a `SIGUSR1` (IMEX restarts its outgoing connections, resolving
+//!   the names again) instead of a restart. IMEX handles at most one `SIGUSR1` every 5 seconds
+//!   and drops the others, so a change within that window is held and signalled when it ends.
+//! - Its output (IMEX logs to stderr in the daemon's config) is copied to the daemon's log,
+//!   and its last error line is kept: it is the reason people read when the node is NotReady.
+
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+/// The first restart delay; it doubles per exit up to the configured maximum.
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+
+/// The longest an `nvidia-imex-ctl -q` may take before it is killed.
+pub const CTL_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The last error line IMEX wrote, shared with the tasks that read its output.
+#[derive(Clone, Default)]
+pub struct LastError(Arc<Mutex<Option<String>>>);
+
+impl LastError {
+    pub fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, line: &str) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(line.to_string());
+    }
+}
+
+/// Whether a line of IMEX's log is an error worth showing (`[ERROR]`, `[CRITICAL]`, a fatal).
+pub fn is_error_line(line: &str) -> bool {
+    let l = line.to_ascii_lowercase();
+    l.contains("[error]") || l.contains("[critical]") || l.contains("fatal")
+}
+
+/// What happened to the child since the last look.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Exit {
+    Running,
+    /// It exited (status as the OS tells it); the next start waits `retry_in`.
+    Exited {
+        status: String,
+        retry_in: Duration,
+    },
+    NotStarted,
+}
+
+/// The supervised `nvidia-imex`.
+pub struct Imex {
+    program: String,
+    args: Vec<String>,
+    child: Option<Child>,
+    backoff: Duration,
+    max_backoff: Duration,
+    not_before: Instant,
+    usr1_interval: Duration,
+    last_usr1: Option<Instant>,
+    reload_pending: bool,
+    last_error: LastError,
+    starts: u64,
+}
+
+impl Imex {
+    pub fn new(
+        program: String,
+        args: Vec<String>,
+        max_backoff: Duration,
+        usr1_interval: Duration,
+    ) -> Self {
+        Self {
+            program,
+            args,
+            child: None,
+            backoff: FIRST_BACKOFF,
+            max_backoff: max_backoff.max(FIRST_BACKOFF),
+            not_before: Instant::now(),
+            usr1_interval,
+            last_usr1: None,
+            reload_pending: false,
+            last_error: LastError::default(),
+            starts: 0,
+        }
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.get()
+    }
+
+    /// How often it was started.
+    pub fn starts(&self) -> u64 {
+        self.starts
+    }
+
+    /// Reaps a child that exited and schedules its restart.
+    pub fn poll(&mut self) -> Exit {
+        let Some(child) = self.child.as_mut() else {
+            return Exit::NotStarted;
+        };
+        match child.try_wait() {
+            Ok(None) => Exit::Running,
+            Ok(Some(status)) => self.exited(status.to_string()),
+            Err(e) => self.exited(format!("unknown ({e})")),
+        }
+    }
+
+    fn exited(&mut self, status: String) -> Exit {
+        self.child = None;
+        let retry_in = self.backoff;
+        self.not_before = Instant::now() + retry_in;
+        self.backoff = (self.backoff * 2).min(self.max_backoff);
+        tracing::warn!(%status, retry_in = ?retry_in, "nvidia-imex exited; starting it again after the backoff");
+        Exit::Exited { status, retry_in }
+    }
+
+    /// IMEX answered READY: the next exit restarts it after the first delay again.
+    pub fn healthy(&mut self) {
+        self.backoff = FIRST_BACKOFF;
+    }
+
+    /// Starts the child unless it runs or its backoff has not passed; `Ok(true)` when it was
+    /// started now (a fresh IMEX reads the peers itself: no reload needed).
+    pub fn ensure_started(&mut self) -> std::io::Result<bool> {
+        if self.child.is_some() || Instant::now() < self.not_before {
+            return Ok(false);
+        }
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().inspect_err(|_| {
+            self.not_before = Instant::now() + self.backoff;
+            self.backoff = (self.backoff * 2).min(self.max_backoff);
+        })?;
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(copy_log(out, self.last_error.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(copy_log(err, self.last_error.clone()));
+        }
+        tracing::info!(pid = child.id(), program = %self.program, "nvidia-imex started");
+        self.child = Some(child);
+        self.starts += 1;
+        self.reload_pending = false;
+        Ok(true)
+    }
+
+    /// The peers changed: IMEX must reconnect (see [`Imex::flush_reload`]).
+    pub fn request_reload(&mut self) {
+        if self.child.is_some() {
+            self.reload_pending = true;
+        }
+    }
+
+    /// Sends the pending `SIGUSR1` unless the last one is too recent for IMEX to take another;
+    /// true when it was sent.
+    pub fn flush_reload(&mut self) -> bool {
+        if !self.reload_pending {
+            return false;
+        }
+        if self
+            .last_usr1
+            .is_some_and(|t| t.elapsed() < self.usr1_interval)
+        {
+            return false;
+        }
+        let Some(pid) = self.child.as_ref().and_then(Child::id) else {
+            self.reload_pending = false;
+            return false;
+        };
+        self.reload_pending = false;
+        self.last_usr1 = Some(Instant::now());
+        match signal(pid, libc::SIGUSR1) {
+            Ok(()) => {
+                tracing::info!(pid, "peers changed: SIGUSR1 sent to nvidia-imex");
+                true
+            }
+            Err(e) => {
+                // The child exited meanwhile: the next poll restarts it, and a fresh one reads
+                // the peers itself.
+                tracing::warn!(pid, error = %e, "cannot send SIGUSR1 to nvidia-imex");
+                false
+            }
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    pub async fn stop(&mut self, grace: Duration) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Some(pid) = child.id() {
+            let _ = signal(pid, libc::SIGTERM);
+        }
+        match tokio::time::timeout(grace, child.wait()).await {
+            Ok(status) => tracing::info!(status = ?status, "nvidia-imex stopped"),
+            Err(_) => {
+                tracing::warn!(grace = ?grace, "nvidia-imex did not stop after SIGTERM: killing it");
+                let _ = child.kill().await;
+            }
+        }
+    }
+}
+
+fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
+    // SAFETY: kill(2) takes two integers and touches no memory of this process.
+    if unsafe { libc::kill(pid, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+async fn copy_log(stream: impl AsyncRead + Unpin, last_error: LastError) {
+    let mut lines = BufReader::new(stream).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if is_error_line(&line) {
+            last_error.set(&line);
+            tracing::warn!(target: "nvidia-imex", "{line}");
+        } else {
+            tracing::info!(target: "nvidia-imex", "{line}");
+        }
+    }
+}
+
+/// What `nvidia-imex-ctl -q` said.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Readiness {
+    Ready,
+    /// Its state (`WAITING_FOR_PEERS`, `INIT_GPU`, `UNAVAILABLE`, …) or why it gave none.
+    NotReady(String),
+}
+
+/// Reads the answer of `nvidia-imex-ctl -q`: ready only on exit status 0 and `READY`.
+pub fn readiness(output: Result<crate::child::Output, crate::child::Error>) -> Readiness {
+    match output {
+        Ok(o) => {
+            let text = String::from_utf8_lossy(&o.stdout).trim().to_string();
+            if o.status.success() && text == "READY" {
+                Readiness::Ready
+            } else if text.is_empty() {
+                let err = String::from_utf8_lossy(&o.stderr).trim().to_string();
+                Readiness::NotReady(
+                    format!("nvidia-imex-ctl -q: {} {err}", o.status)
+                        .trim_end()
+                        .to_string(),
+                )
+            } else {
+                Readiness::NotReady(format!("nvidia-imex-ctl -q: {text}"))
+            }
+        }
+        Err(e) => Readiness::NotReady(format!("{e}")),
+    }
+}
+
+/// Runs `<ctl> -c <config> -q` with [`CTL_DEADLINE`] on the blocking pool.
+pub async fn query(ctl: &str, config: &str) -> Readiness {
+    let (ctl, config) = (ctl.to_string(), config.to_string());
+    let out = tokio::task::spawn_blocking(move || {
+        let mut cmd = std::process::Command::new(&ctl);
+        cmd.args(["-c", &config, "-q"]);
+        crate::child::output(&mut cmd, &format!("{ctl} -q"), CTL_DEADLINE)
+    })
+    .await;
+    match out {
+        Ok(o) => readiness(o),
+        Err(e) => Readiness::NotReady(format!("nvidia-imex-ctl -q did not finish: {e}")),
+    }
+}

@@ -1,0 +1,417 @@
+//! `nvdra compute-domain daemon` (issue 37 item 4) with the fake `nvidia-imex` and
+//! `nvidia-imex-ctl` of `tests/data/fake-imex/`: real IMEX stand-in processes talking TCP on
+//! loopback (each node its own `127.<test>.0.<node>`), the daemons driven round by round in this
+//! process and sharing one clique store ([`MemoryCliques`], with the API server's
+//! resourceVersion conflicts). What a node's entry says, what the events on the clique object
+//! say, what the fakes recorded (starts, SIGUSR1) and what `nvidia-imex-ctl` answers are the
+//! observations; every wait has a deadline and asserts no speed.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use nvdra::computedomain::api::{STATUS_NOT_READY, STATUS_READY};
+use nvdra::computedomain::daemon::clique::{Me, MemoryCliques};
+use nvdra::computedomain::daemon::{
+    Daemon, EVENT_NOT_READY, FabricProbe, Mode, NoFabricCheck, Report, Settings,
+};
+
+use crate::support::wait::SOON;
+
+const CLIQUE: &str = "6c1f0a3e-0000-4000-8000-000000000001.1";
+const OBJECT: &str = "uid-1.6c1f0a3e-0000-4000-8000-000000000001.1";
+
+fn fake(tool: &str) -> String {
+    format!("{}/tests/data/fake-imex/{tool}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// One node's files and settings.
+struct Node {
+    settings: Settings,
+    record: PathBuf,
+}
+
+/// Node `i` of test `t`: IP `127.<t>.0.<i+1>`, its own config dir (with an NVIDIA-shaped
+/// template carrying the fake's knobs) and hosts file.
+fn node(dir: &Path, t: u8, i: u8, knobs: &str) -> Node {
+    let ip = format!("127.{t}.0.{}", i + 1);
+    let root = dir.join(format!("node-{i}"));
+    let config_dir = root.join("imexd");
+    std::fs::create_dir_all(&config_dir).unwrap();
+    let hosts = root.join("hosts");
+    std::fs::write(&hosts, "127.0.0.1\tlocalhost\n").unwrap();
+    let record = root.join("record");
+    std::fs::write(
+        config_dir.join("imexd.cfg.tmpl"),
+        format!(
+            "LOG_FILE_NAME=\nDAEMONIZE=0\nBIND_INTERFACE_IP=\nSERVER_PORT=50000\n\
+             IMEX_NODE_CONFIG_FILE={{{{ .IMEXDaemonNodesConfigPath }}}}\n\
+             IMEX_CMD_ENABLED=1\nIMEX_CMD_BIND_INTERFACE_IP={{{{ .IMEXCmdBindInterfaceIP }}}}\n\
+             IMEX_CMD_PORT=50005\nFAKE_IMEX_HOSTS={}\nFAKE_IMEX_RECORD={}\n\
+             FAKE_IMEX_SIGUSR1_WINDOW=0\n{knobs}",
+            hosts.display(),
+            record.display()
+        ),
+    )
+    .unwrap();
+    Node {
+        settings: Settings {
+            me: Me {
+                node_name: format!("node-{i}"),
+                ip,
+                clique_id: CLIQUE.into(),
+                max_nodes: 4,
+            },
+            object: OBJECT.into(),
+            namespace: "nvdra".into(),
+            domain_uid: "uid-1".into(),
+            mode: Mode::Managed {
+                imex: fake("nvidia-imex"),
+                ctl: fake("nvidia-imex-ctl"),
+            },
+            config_dir,
+            hosts_file: hosts,
+            interval: Duration::from_millis(50),
+            usr1_interval: Duration::ZERO,
+            max_backoff: Duration::from_secs(2),
+        },
+        record,
+    }
+}
+
+/// The lines `event` of a fake's record file, by pid.
+fn recorded(record: &Path, event: &str) -> Vec<String> {
+    std::fs::read_to_string(record)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("{event} ")).map(str::to_string))
+        .collect()
+}
+
+/// A fabric registration a test completes when it wants.
+#[derive(Clone, Default)]
+struct Registration(Arc<AtomicBool>);
+
+impl FabricProbe for Registration {
+    fn check(&self, clique_id: &str) -> Result<(), String> {
+        if self.0.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(format!(
+                "fabric registration in progress for clique {clique_id}"
+            ))
+        }
+    }
+}
+
+/// Steps every daemon, round after round, until `cond` holds of their reports (panics naming
+/// `what` after [`SOON`]); returns the last reports.
+async fn rounds(
+    daemons: &mut [&mut Daemon<MemoryCliques>],
+    what: &str,
+    mut cond: impl FnMut(&[Report]) -> bool,
+) -> Vec<Report> {
+    let deadline = Instant::now() + SOON;
+    loop {
+        let mut reports = Vec::new();
+        for d in daemons.iter_mut() {
+            reports.push(d.step().await);
+        }
+        if cond(&reports) {
+            return reports;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "waited {SOON:?} for {what}, in vain: {reports:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn entry_status(store: &MemoryCliques, node: &str) -> String {
+    let c = store.object(OBJECT).expect("the clique object");
+    let d = c
+        .daemons
+        .iter()
+        .find(|d| d.node_name == node)
+        .expect("the node's entry");
+    d.status.clone()
+}
+
+fn ctl(settings: &Settings, query: &str) -> String {
+    let out = std::process::Command::new(fake("nvidia-imex-ctl"))
+        .args([
+            "-c",
+            &settings.config_dir.join("imexd.cfg").display().to_string(),
+            query,
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_flips_to_ready_when_the_peers_connect() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCliques::default());
+    let (a, b) = (node(dir.path(), 61, 0, ""), node(dir.path(), 61, 1, ""));
+    let b_fabric = Registration::default();
+    let mut da = Daemon::new(a.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    let mut db = Daemon::new(
+        b.settings.clone(),
+        store.clone(),
+        Box::new(b_fabric.clone()),
+    );
+
+    // B's GPUs are still registering with the fabric: B writes its entry, NotReady with that
+    // reason, and runs no IMEX; A, which waits for B, is NotReady too.
+    let r = rounds(&mut [&mut db], "B's entry", |r| !r[0].status.is_empty()).await;
+    assert_eq!(r[0].status, STATUS_NOT_READY);
+    assert!(
+        r[0].reason.contains("fabric registration in progress"),
+        "{r:?}"
+    );
+    assert_eq!(db.imex_starts(), 0);
+    let r = rounds(&mut [&mut da, &mut db], "A waiting for B", |r| {
+        r[0].reason.contains("WAITING_FOR_PEERS")
+    })
+    .await;
+    assert_eq!(r[0].status, STATUS_NOT_READY);
+    assert_eq!(entry_status(&store, "node-0"), STATUS_NOT_READY);
+    assert!(
+        store.events().iter().any(|e| e.reason == EVENT_NOT_READY
+            && e.message.contains("node-1")
+            && e.message.contains("fabric registration in progress")),
+        "{:?}",
+        store.events()
+    );
+
+    // The registration completes: B starts IMEX, both connect, both Ready.
+    b_fabric.0.store(true, Ordering::SeqCst);
+    rounds(&mut [&mut da, &mut db], "both Ready", |r| {
+        r.iter().all(|r| r.status == STATUS_READY)
+    })
+    .await;
+    assert_eq!(entry_status(&store, "node-0"), STATUS_READY);
+    assert_eq!(entry_status(&store, "node-1"), STATUS_READY);
+    // Each is the other's peer under its per-domain name (B wrote its entry first: index 0),
+    // in its own hosts file.
+    let hosts = std::fs::read_to_string(&a.settings.hosts_file).unwrap();
+    assert!(
+        hosts.contains("127.61.0.2\tcompute-domain-daemon-0000\n"),
+        "{hosts}"
+    );
+    assert!(
+        hosts.contains("127.61.0.1\tcompute-domain-daemon-0001\n"),
+        "{hosts}"
+    );
+    assert!(hosts.starts_with("127.0.0.1\tlocalhost\n"), "{hosts}");
+    assert_eq!(
+        ctl(&a.settings, "-N"),
+        "0 compute-domain-daemon-0000 C\n1 compute-domain-daemon-0001 C\n\
+         2 compute-domain-daemon-0002 I\n3 compute-domain-daemon-0003 I\n"
+    );
+
+    // A's pod ends: its IMEX stops and its entry leaves the object.
+    da.stop().await;
+    let c = store.object(OBJECT).unwrap();
+    assert_eq!(
+        c.daemons
+            .iter()
+            .map(|d| d.node_name.as_str())
+            .collect::<Vec<_>>(),
+        ["node-1"]
+    );
+    db.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_joins_is_reached_through_sigusr1_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCliques::default());
+    let (a, b) = (node(dir.path(), 62, 0, ""), node(dir.path(), 62, 1, ""));
+    let mut da = Daemon::new(a.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    // A alone: Ready (no peer to wait for).
+    rounds(&mut [&mut da], "A Ready alone", |r| {
+        r[0].status == STATUS_READY
+    })
+    .await;
+    assert!(recorded(&a.record, "sigusr1").is_empty());
+
+    // B joins. A's IMEX resolved the names when it started, so only the SIGUSR1 the daemon
+    // sends on the peer change makes it reach B.
+    let mut db = Daemon::new(b.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    rounds(&mut [&mut da, &mut db], "A connected to B", |r| {
+        r.iter().all(|r| r.status == STATUS_READY) && ctl(&a.settings, "-N").contains("0001 C")
+    })
+    .await;
+    let starts = recorded(&a.record, "start");
+    assert_eq!(starts.len(), 1, "A's IMEX was not restarted");
+    assert_eq!(
+        recorded(&a.record, "sigusr1"),
+        starts,
+        "one SIGUSR1, to A's IMEX"
+    );
+    da.stop().await;
+    db.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_never_gets_ready_reports_why_and_stays_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCliques::default());
+    let a = node(
+        dir.path(),
+        63,
+        0,
+        "FAKE_IMEX_NEVER_READY=GPU fabric probe failed: NVLink fabric manager unreachable\n",
+    );
+    let mut da = Daemon::new(a.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    let r = rounds(&mut [&mut da], "the IMEX error in the reason", |r| {
+        r[0].reason.contains("fabric manager unreachable")
+    })
+    .await;
+    assert_eq!(r[0].status, STATUS_NOT_READY);
+    assert!(
+        r[0].reason
+            .starts_with("nvidia-imex-ctl -q: INITIALIZING; last IMEX error: "),
+        "{r:?}"
+    );
+    assert_eq!(entry_status(&store, "node-0"), STATUS_NOT_READY);
+    let events = store.events();
+    let e = events
+        .iter()
+        .rfind(|e| e.reason == EVENT_NOT_READY)
+        .unwrap();
+    assert!(
+        e.warning && e.object == OBJECT && e.message.contains("fabric manager unreachable"),
+        "{e:?}"
+    );
+
+    // Many more rounds: the daemon goes on reporting, IMEX is never restarted (it runs, it is
+    // just not ready), and the reason is not written again and again.
+    let writes = store.writes();
+    let events = store.events().len();
+    for _ in 0..20 {
+        assert_eq!(da.step().await, r[0]);
+    }
+    assert_eq!(da.imex_starts(), 1);
+    assert_eq!(recorded(&a.record, "start").len(), 1);
+    assert_eq!(store.writes(), writes, "no write while nothing changes");
+    assert_eq!(
+        store.events().len(),
+        events,
+        "no new event while the reason stays"
+    );
+    da.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imex_that_exits_is_started_again_with_a_growing_backoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCliques::default());
+    let a = node(dir.path(), 64, 0, "FAKE_IMEX_CRASH_AFTER=0.3\n");
+    let mut da = Daemon::new(a.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    let r = rounds(&mut [&mut da], "a second exit", |r| {
+        r[0].reason.contains("started again after 2s")
+    })
+    .await;
+    assert_eq!(r[0].status, STATUS_NOT_READY);
+    assert!(r[0].reason.contains("exit status: 3"), "{r:?}");
+    assert!(
+        r[0].reason.contains("last IMEX error: ") && r[0].reason.contains("crashing after"),
+        "{r:?}"
+    );
+    let seen = store.events();
+    assert!(
+        seen.iter()
+            .any(|e| e.message.contains("started again after 1s")),
+        "{seen:?}"
+    );
+    assert!(recorded(&a.record, "crash").len() >= 2);
+    da.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_imex_is_started_again_and_the_node_gets_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCliques::default());
+    let a = node(dir.path(), 65, 0, "");
+    let mut da = Daemon::new(a.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    rounds(&mut [&mut da], "Ready", |r| r[0].status == STATUS_READY).await;
+    let pid: i32 = recorded(&a.record, "start")[0].parse().unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    rounds(&mut [&mut da], "the exit seen", |r| {
+        r[0].reason.contains("signal: 9")
+    })
+    .await;
+    rounds(&mut [&mut da], "Ready again", |r| {
+        r[0].status == STATUS_READY
+    })
+    .await;
+    assert_eq!(recorded(&a.record, "start").len(), 2);
+    assert_eq!(da.imex_starts(), 2);
+    assert_eq!(entry_status(&store, "node-0"), STATUS_READY);
+    da.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_managed_only_checks_the_hosts_imex() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCliques::default());
+    let mut a = node(dir.path(), 66, 0, "");
+    // The admin's IMEX, with the admin's config (no template rendering by nvdra).
+    let config = dir.path().join("host-imex.cfg");
+    std::fs::write(
+        &config,
+        format!(
+            "LOG_FILE_NAME=\nSERVER_PORT=50000\nIMEX_NODE_CONFIG_FILE={}\nIMEX_CMD_ENABLED=1\n\
+             IMEX_CMD_BIND_INTERFACE_IP=127.66.0.1\nIMEX_CMD_PORT=50005\nFAKE_IMEX_RECORD={}\n",
+            dir.path().join("host-nodes.cfg").display(),
+            a.record.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("host-nodes.cfg"), "127.66.0.1\n").unwrap();
+    a.settings.mode = Mode::HostManaged {
+        ctl: fake("nvidia-imex-ctl"),
+        config: config.clone(),
+    };
+    let mut da = Daemon::new(a.settings.clone(), store.clone(), Box::new(NoFabricCheck));
+    let r = rounds(&mut [&mut da], "NotReady without the host's IMEX", |r| {
+        !r[0].status.is_empty()
+    })
+    .await;
+    assert_eq!(r[0].status, STATUS_NOT_READY);
+    assert!(r[0].reason.contains("UNAVAILABLE"), "{r:?}");
+
+    let mut host = std::process::Command::new(fake("nvidia-imex"))
+        .args(["-c", &config.display().to_string()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    rounds(&mut [&mut da], "Ready with the host's IMEX", |r| {
+        r[0].status == STATUS_READY
+    })
+    .await;
+    assert_eq!(entry_status(&store, "node-0"), STATUS_READY);
+    host.kill().unwrap();
+    host.wait().unwrap();
+    rounds(&mut [&mut da], "NotReady again", |r| {
+        r[0].status == STATUS_NOT_READY
+    })
+    .await;
+    // nvdra started no IMEX and wrote no IMEX files.
+    assert_eq!(da.imex_starts(), 0);
+    assert_eq!(
+        recorded(&a.record, "start").len(),
+        1,
+        "the admin's start only"
+    );
+    assert!(!a.settings.config_dir.join("imexd.cfg").exists());
+    da.stop().await;
+}

@@ -18,6 +18,7 @@ mod support;
 mod admission;
 mod auto_mode;
 mod both_grpcio;
+mod cd_daemon;
 mod cdi_hooks;
 mod cdi_podman;
 mod claim_status;

@@ -1,5 +1,5 @@
 //! Publisher loop tests on an in-memory API with paused time (timings are exact here); the
-//! HTTP-level behaviour is tested in `tests/publisher.rs` against the test API server.
+//! HTTP-level behaviour is tested in `tests/integration/publisher.rs` against the test API server.
 
 use super::*;
 use futures::future::BoxFuture;

@@ -18,10 +18,7 @@ use kubelet_plugin::{
 };
 use tokio::sync::mpsc;
 
-#[path = "support/require.rs"]
-mod require;
-#[path = "support/wait.rs"]
-mod wait;
+use crate::{require, wait};
 
 const DRIVER: &str = "fpga.example.com";
 const NODE: &str = "node-a";
@@ -46,7 +43,8 @@ struct Observer {
 /// interest process-wide: a call made by a test running beside it can compute a callsite's
 /// interest while that subscriber is being registered, cache "never", and the span goes missing
 /// (seen once in a whole-suite run with four test threads). The span test takes this lock alone; every
-/// other test shares it.
+/// other test of this module shares it. The other modules of this binary do not take it: the
+/// span test also registers a second subscriber (see there).
 static CALLSITES: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 fn observer(
@@ -360,6 +358,13 @@ impl Captured {
 #[tokio::test]
 async fn calls_have_spans_and_failed_claims_are_warnings() {
     let _callsites = CALLSITES.write().await;
+    // While only one subscriber is registered in the process, tracing works out the interest of a
+    // callsite reached for the first time from the subscriber of the thread that reaches it. A
+    // test of another module of this binary (which does not take CALLSITES) reaching one of the
+    // plugin's callsites first, on its own thread, would cache "never" for it, for this test too
+    // (it did, every time, beside `serve::` and `metadata::`). A second subscriber, registered
+    // for the test's length, makes tracing ask every registered subscriber, this test's included.
+    let _second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
     let out = Captured::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer({
@@ -371,6 +376,8 @@ async fn calls_have_spans_and_failed_claims_are_warnings() {
         .finish();
     // The test's runtime has one thread: the plugin's tasks log on it.
     let _default = tracing::subscriber::set_default(subscriber);
+    // And what a thread worked out while this subscriber was being registered, worked out again.
+    tracing::callsite::rebuild_interest_cache();
     let root = tempfile::tempdir().unwrap();
     let stop = CancellationToken::new();
     let (driver, mut seen, _) = observer(false);

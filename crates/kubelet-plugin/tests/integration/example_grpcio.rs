@@ -5,15 +5,12 @@
 //!
 //! Needs python3 with `grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2 hpack==4.2.0`; the
 //! test skips without them unless `KUBELET_PLUGIN_REQUIRE_GRPCIO=1` (CI sets it). `cargo test`
-//! builds the example; after `cargo test --test example_grpcio` alone, `cargo build --examples`.
+//! builds the example; after `cargo test --test integration example_grpcio::` alone, `cargo build --examples`.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "support/example.rs"]
-mod example;
-#[path = "support/require.rs"]
-mod require;
+use crate::{example, require};
 
 const DRIVER: &str = "example.com";
 const NODE: &str = "node-1";

@@ -24,10 +24,7 @@ use kubelet_plugin::Claim;
 use kubelet_plugin::testing::{ApiServer, KubeletClient, allocated_claim, allocated_device};
 use serde_json::Value;
 
-#[path = "support/example.rs"]
-mod example;
-#[path = "support/require.rs"]
-mod require;
+use crate::{example, require};
 
 const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/deploy");
 const DRIVER: &str = "devices.example.com";

@@ -4,10 +4,7 @@
 // which would make the image's build (Containerfile) stub this file too.
 #![cfg(feature = "kube")]
 
-mod support {
-    pub mod wait;
-}
-
+use crate::wait::{SOON, eventually};
 use k8s_openapi::api::resource::v1::{
     Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourceClaim, ResourcePool,
     ResourceSlice, ResourceSliceSpec,
@@ -23,7 +20,6 @@ use kubelet_plugin::testing::ApiServer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
-use support::wait::{SOON, eventually};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 

@@ -14,8 +14,7 @@ use std::time::Duration;
 
 use kubelet_plugin::nodelock::{self, NodeLock};
 
-#[path = "support/wait.rs"]
-mod wait;
+use crate::wait;
 
 /// `hold LOCK LOG`: takes the lock (blocking, as Go does), says `locked`, waits for a line on
 /// stdin, logs `peer released`, releases it. `take LOCK LOG`: says `busy` or `free` after one

@@ -11,13 +11,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use nvdra::computedomain::api::{STATUS_NOT_READY, STATUS_READY};
+use nvdra::computedomain::api::{ComputeDomainClique, STATUS_NOT_READY, STATUS_READY};
 use nvdra::computedomain::daemon::clique::{Me, MemoryCliques};
 use nvdra::computedomain::daemon::{
     Daemon, EVENT_NOT_READY, FabricProbe, Mode, NoFabricCheck, Report, Settings,
 };
 
-use crate::support::wait::SOON;
+use crate::support::apiserver::TestApiServer;
+use crate::support::wait::{self, SOON};
 
 const CLIQUE: &str = "6c1f0a3e-0000-4000-8000-000000000001.1";
 const OBJECT: &str = "uid-1.6c1f0a3e-0000-4000-8000-000000000001.1";
@@ -414,4 +415,147 @@ async fn host_managed_only_checks_the_hosts_imex() {
     );
     assert!(!a.settings.config_dir.join("imexd.cfg").exists());
     da.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// `nvdra compute-domain daemon` as a process, against the test API server
+
+/// A running `nvdra compute-domain daemon`: SIGTERMed and reaped when dropped, so its IMEX goes
+/// too.
+struct Process(std::process::Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+/// `nvdra compute-domain daemon` for `n` with NVIDIA's environment, talking to `server`.
+fn spawn(n: &Node, server: &TestApiServer, dir: &Path) -> Process {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
+    let s = &n.settings;
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args(["compute-domain", "daemon"])
+        .env("CLIQUE_ID", CLIQUE)
+        .env("COMPUTE_DOMAIN_UUID", "uid-1")
+        .env("COMPUTE_DOMAIN_NAME", "imex-domain")
+        .env("COMPUTE_DOMAIN_NAMESPACE", "default")
+        .env("NODE_NAME", &s.me.node_name)
+        .env("POD_IP", &s.me.ip)
+        .env("POD_NAMESPACE", "nvdra")
+        .env("MAX_NODES_PER_IMEX_DOMAIN", "4")
+        .env("NVDRA_CD_CONFIG_DIR", &s.config_dir)
+        .env("NVDRA_CD_HOSTS_FILE", &s.hosts_file)
+        .env("NVDRA_CD_IMEX", fake("nvidia-imex"))
+        .env("NVDRA_CD_IMEX_CTL", fake("nvidia-imex-ctl"))
+        .env("NVDRA_CD_FABRIC_CHECK", "off")
+        .env("NVDRA_CD_CHECK_INTERVAL_MS", "100")
+        .env("NVDRA_CD_SIGUSR1_INTERVAL_MS", "0")
+        .env("KUBECONFIG", &kubeconfig)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    Process(child)
+}
+
+/// The statuses of the clique object's entries, by node, as the API server holds them.
+fn statuses(server: &TestApiServer) -> Vec<(String, String)> {
+    server
+        .get::<ComputeDomainClique>("nvdra", OBJECT)
+        .map(|c| {
+            c.daemons
+                .into_iter()
+                .map(|d| (d.node_name, d.status))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_daemon_processes_form_their_clique_on_the_api_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestApiServer::start().await;
+    let (a, b) = (node(dir.path(), 71, 0, ""), node(dir.path(), 71, 1, ""));
+    let _pa = spawn(&a, &server, dir.path());
+    let _pb = spawn(&b, &server, dir.path());
+    let ready = |n: &str| (n.to_string(), STATUS_READY.to_string());
+    wait::eventually("both entries Ready in the clique object", || {
+        let mut s = statuses(&server);
+        s.sort();
+        s == [ready("node-0"), ready("node-1")]
+    })
+    .await;
+    let c: ComputeDomainClique = server.get("nvdra", OBJECT).unwrap();
+    let labels = c.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("resource.nvidia.com/computeDomain")
+            .map(String::as_str),
+        Some("uid-1")
+    );
+    let mut indices: Vec<i64> = c.daemons.iter().map(|d| d.index).collect();
+    indices.sort();
+    assert_eq!(indices, [0, 1]);
+
+    // B's pod ends (SIGTERM): its entry leaves the object, and its IMEX stops.
+    drop(_pb);
+    assert_eq!(statuses(&server), [ready("node-0")]);
+    assert_eq!(recorded(&b.record, "stop"), recorded(&b.record, "start"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_never_ready_daemon_process_reports_the_imex_error_and_stays_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestApiServer::start().await;
+    let a = node(
+        dir.path(),
+        72,
+        0,
+        "FAKE_IMEX_NEVER_READY=cannot open /dev/nvidia-caps/nvidia-cap1: no fabric-imex-mgmt\n",
+    );
+    let mut p = spawn(&a, &server, dir.path());
+    let event = wait::until("an event with IMEX's error", SOON, || {
+        let found = server.objects("v1", "events").into_iter().find(|e| {
+            e["reason"] == EVENT_NOT_READY
+                && e["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("no fabric-imex-mgmt"))
+        });
+        std::future::ready(found)
+    })
+    .await;
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["involvedObject"]["name"], OBJECT);
+    assert_eq!(event["involvedObject"]["kind"], "ComputeDomainClique");
+    assert_eq!(
+        statuses(&server),
+        [("node-0".to_string(), STATUS_NOT_READY.to_string())]
+    );
+
+    // It goes on: twenty more rounds (each reads the clique object) and it still runs, with the
+    // IMEX it started once, and one event for the one reason.
+    let reads = || {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.ends_with(OBJECT))
+            .count()
+    };
+    let seen = reads();
+    wait::eventually("twenty more rounds", || reads() >= seen + 20).await;
+    assert!(p.0.try_wait().unwrap().is_none(), "the daemon exited");
+    assert_eq!(recorded(&a.record, "start").len(), 1);
+    let events = server.objects("v1", "events");
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e["reason"] == EVENT_NOT_READY)
+            .count(),
+        1,
+        "{events:?}"
+    );
 }

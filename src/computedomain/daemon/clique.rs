@@ -16,12 +16,9 @@ use std::sync::Mutex;
 use futures::future::BoxFuture;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::computedomain::api::{CliqueDaemon, ComputeDomainClique, STATUS_NOT_READY};
-
-/// The label on a clique object naming its domain (NVIDIA's `computeDomainLabelKey`).
-pub const DOMAIN_LABEL: &str = "resource.nvidia.com/computeDomain";
-/// The label on a clique object naming its clique (NVIDIA's `computeDomainCliqueLabelKey`).
-pub const CLIQUE_LABEL: &str = "resource.nvidia.com/computeDomain.cliqueID";
+use crate::computedomain::api::{
+    CLIQUE_ID_LABEL, CliqueDaemon, ComputeDomainClique, DOMAIN_LABEL, STATUS_NOT_READY,
+};
 /// The prefix of the clique object of the per-clique daemon (one IMEX daemon per fabric node,
 /// serving every domain of the clique): `fabric.<cliqueID>`.
 pub const PER_CLIQUE_PREFIX: &str = "fabric";
@@ -115,7 +112,7 @@ pub fn new_object(
     if !domain_uid.is_empty() {
         labels.insert(DOMAIN_LABEL.to_string(), domain_uid.to_string());
     }
-    labels.insert(CLIQUE_LABEL.to_string(), clique_id.to_string());
+    labels.insert(CLIQUE_ID_LABEL.to_string(), clique_id.to_string());
     ComputeDomainClique {
         metadata: ObjectMeta {
             name: Some(name.into()),

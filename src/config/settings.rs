@@ -82,7 +82,7 @@ settings_struct! {
         pub backend: Option<BackendKind>,
 
         /// A built-in simulated node: dgx-a100, dgx-a100-mig, dgx-h100, hgx-h200, l40s-pcie,
-        /// a100-mig-mixed, pcie-pairs.
+        /// a100-mig-mixed, pcie-pairs, gb200-nvl72.
         #[arg(
             long,
             env = "NVDRA_PROFILE",

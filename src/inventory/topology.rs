@@ -62,6 +62,11 @@ pub const PROFILES: &[(&str, &str, &str)] = &[
         "4x A100-PCIE-40GB as two NVLink-bridged pairs",
         include_str!("profiles/pcie-pairs.yaml"),
     ),
+    (
+        "gb200-nvl72",
+        "GB200 NVL72 compute tray: 4x GB200 in a fabric clique of 18 trays by node number",
+        include_str!("profiles/gb200-nvl72.yaml"),
+    ),
 ];
 
 /// A problem in a topology file.

@@ -577,7 +577,7 @@ fn dynamic_mig_off_or_without_hopper_leaves_the_slices_byte_identical() {
 }
 
 /// The built-in profiles, in `--profile`'s order.
-const PROFILES: [&str; 7] = [
+const PROFILES: [&str; 8] = [
     "dgx-a100",
     "dgx-a100-mig",
     "dgx-h100",
@@ -585,6 +585,7 @@ const PROFILES: [&str; 7] = [
     "l40s-pcie",
     "a100-mig-mixed",
     "pcie-pairs",
+    "gb200-nvl72",
 ];
 
 /// What every profile publishes, plain and in each publishing mode, is byte for byte what it
@@ -639,7 +640,7 @@ fn every_profile_and_mode_publishes_its_golden_slices() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 28);
+    assert_eq!(checked, 32);
 }
 
 /// The golden set covers every built-in profile: a new one gets its files.

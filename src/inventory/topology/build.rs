@@ -157,7 +157,16 @@ pub fn parse(source_name: &str, text: &str, seed: &str) -> Result<Inventory, Err
                         ),
                     )
                 })?,
-                clique_id: f.clique_id,
+                clique_id: match f.trays_per_clique {
+                    None => f.clique_id,
+                    Some(0) => {
+                        return Err(err(
+                            at("fabric.traysPerClique"),
+                            "traysPerClique must be at least 1 (NVL72: 18)".into(),
+                        ));
+                    }
+                    Some(n) => f.clique_id.saturating_add(tray_number(seed) / n),
+                },
             }),
         };
 
@@ -342,6 +351,12 @@ pub(super) fn fnv1a(parts: &[&str], salt: u8) -> u64 {
     h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     h ^ (h >> 31)
+}
+
+/// The trailing number of a node name (`node-17` → 17, `gb200-rack1-tray03` → 3); 0 without one.
+fn tray_number(seed: &str) -> u32 {
+    let digits = seed.len() - seed.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    seed[seed.len() - digits..].parse().unwrap_or(0)
 }
 
 /// A deterministic UUID-shaped string from `parts`.

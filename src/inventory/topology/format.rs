@@ -123,6 +123,11 @@ pub(super) struct FabricSpec {
     /// The fabric cluster's UUID, 8-4-4-4-12 hex digits.
     pub(super) cluster_uuid: String,
     pub(super) clique_id: u32,
+    /// Nodes per clique, for a profile shared by the trays of several racks: the node's tray
+    /// number is the trailing number of its name (the seed; none: 0), and its clique is
+    /// `cliqueId + tray / traysPerClique`.
+    #[serde(default)]
+    pub(super) trays_per_clique: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -64,6 +64,49 @@ fn minimal_file_fills_model_figures() {
 }
 
 #[test]
+fn gb200_trays_form_cliques_of_18_by_node_number() {
+    let clique = |node: &str| {
+        let inv = load_profile("gb200-nvl72", node).unwrap();
+        assert_eq!(inv.gpus.len(), 4, "{node}");
+        let f: Vec<_> = inv.gpus.iter().map(|g| g.fabric.clone().unwrap()).collect();
+        assert!(f.iter().all(|x| *x == f[0]), "one clique per tray: {f:?}");
+        assert_eq!(
+            f[0].cluster_uuid.as_str(),
+            "0b4c7e1a-52d3-4f86-9a1e-3c5d7f90b2e4"
+        );
+        f[0].clique_id
+    };
+    assert_eq!(
+        ["node-0", "node-17", "node-18", "node-35", "tray"].map(clique),
+        [1, 1, 2, 2, 1]
+    );
+    let (a, b) = (
+        load_profile("gb200-nvl72", "node-0").unwrap(),
+        load_profile("gb200-nvl72", "node-1").unwrap(),
+    );
+    assert_ne!(a.gpus[0].uuid, b.gpus[0].uuid, "GPU UUIDs differ per node");
+    let g = &a.gpus[3];
+    assert_eq!(
+        (g.product_name.as_str(), g.memory_bytes),
+        ("NVIDIA GB200", 186 << 30)
+    );
+    assert_eq!(g.cuda_compute_capability.to_string(), "10.0");
+    assert_eq!(g.architecture.as_deref(), Some("Blackwell"));
+    assert_eq!(g.pci_bus_id.as_str(), "0019:01:00.0");
+    assert_eq!(g.numa_node, Some(1));
+}
+
+#[test]
+fn trays_per_clique_must_be_positive() {
+    let text = MINIMAL.replace(
+        "numaNode: 0",
+        "numaNode: 0\n    fabric: {clusterUuid: 0b4c7e1a-52d3-4f86-9a1e-3c5d7f90b2e4, cliqueId: 1, traysPerClique: 0}",
+    );
+    let e = parse_err(&text);
+    assert_eq!(e.key, "gpus[0].fabric.traysPerClique");
+}
+
+#[test]
 fn uuids_are_stable_per_seed_and_differ_between_nodes() {
     let a1 = parse("t.yaml", MINIMAL, "node-a").unwrap();
     let a2 = parse("t.yaml", MINIMAL, "node-a").unwrap();

@@ -19,6 +19,7 @@ mod admission;
 mod auto_mode;
 mod both_grpcio;
 mod cd_daemon;
+mod cd_plugin;
 mod cdi_hooks;
 mod cdi_podman;
 mod claim_status;

@@ -49,6 +49,7 @@ mod metrics_flood;
 mod mps_gate_podman;
 mod mps_host;
 mod node_labels;
+mod nvml_fabric;
 mod nvml_mig_mode;
 mod nvml_profiles;
 mod slice_sync;

@@ -21,6 +21,9 @@ pub enum CallError {
     NotFound,
     /// The installed driver's library lacks the function (older than the feature).
     Missing(String),
+    /// `NVML_ERROR_NOT_READY`: not yet (a fabric registration in progress); a later read may
+    /// succeed.
+    NotReady,
     /// Any other failure, as NVML describes it.
     Failed(String),
 }
@@ -30,6 +33,7 @@ impl fmt::Display for CallError {
         match self {
             CallError::NotSupported => f.write_str("not supported"),
             CallError::NotFound => f.write_str("not found"),
+            CallError::NotReady => f.write_str("not ready (NVML_ERROR_NOT_READY)"),
             CallError::Missing(s) => write!(f, "function missing from the NVML library ({s})"),
             CallError::Failed(s) => f.write_str(s),
         }
@@ -43,6 +47,10 @@ impl From<NvmlError> for CallError {
             NvmlError::NotFound => CallError::NotFound,
             NvmlError::FailedToLoadSymbol(s) => CallError::Missing(s),
             NvmlError::FunctionNotFound => CallError::Missing("function not found".into()),
+            // nvml-wrapper has no variant of its own for it.
+            NvmlError::UnexpectedVariant(
+                nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_NOT_READY,
+            ) => CallError::NotReady,
             other => CallError::Failed(other.to_string()),
         }
     }

@@ -183,6 +183,11 @@ pub(super) fn map_nvlinks(
     peers
 }
 
+/// The note of a registration in transition: nothing is published, nothing fails; each read
+/// asks again (NVIDIA's plugin crashed on these at start-up, its issue 1264).
+const TRANSITION: &str = "registration in transition, no fabric published until the fabric \
+                          manager completes it (asked again at the next rescan)";
+
 /// The fabric to publish for one GPU, or `None` with a note saying why not.
 pub(super) fn map_fabric(
     gpu: (u32, &GpuUuid),
@@ -202,6 +207,13 @@ pub(super) fn map_fabric(
         Ok(f) => f,
         Err(CallError::NotSupported) => {
             note(Level::DEBUG, "the GPU has no NVLink fabric support".into());
+            return None;
+        }
+        Err(CallError::NotReady) => {
+            note(
+                Level::INFO,
+                format!("{TRANSITION} (NVML answers not ready)"),
+            );
             return None;
         }
         Err(e @ CallError::Missing(_)) => {
@@ -226,14 +238,7 @@ pub(super) fn map_fabric(
             return None;
         }
         FabricState::NotStarted | FabricState::InProgress => {
-            note(
-                Level::INFO,
-                format!(
-                    "registration not completed (state {:?}); the attributes appear once \
-                     the fabric manager completes it",
-                    f.state
-                ),
-            );
+            note(Level::INFO, format!("{TRANSITION} (state {:?})", f.state));
             return None;
         }
         FabricState::Other(n) => {
@@ -241,9 +246,19 @@ pub(super) fn map_fabric(
             return None;
         }
     }
-    if let Err(e) = f.status {
-        note(Level::WARN, format!("registration failed: {e}"));
-        return None;
+    match f.status {
+        Ok(()) => {}
+        Err(CallError::NotReady) => {
+            note(
+                Level::INFO,
+                format!("{TRANSITION} (completed, status not ready)"),
+            );
+            return None;
+        }
+        Err(e) => {
+            note(Level::WARN, format!("registration failed: {e}"));
+            return None;
+        }
     }
     if f.cluster_uuid == [0; 16] {
         note(

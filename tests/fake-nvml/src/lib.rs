@@ -35,6 +35,9 @@
 //! versioned call takes v2 and v3 structs), `v2` (it answers ARGUMENT_VERSION_MISMATCH to v3,
 //! like R550) or `v1` (it answers FUNCTION_NOT_FOUND; only `nvmlDeviceGetGpuFabricInfo`).
 //!
+//! `FAKE_NVML_FABRIC_FILE=<file>` overrides the fabric registrations of any node (state,
+//! status, the call's return code), read again at every call: see [`fabric`](mod@fabric).
+//!
 //! Driver 550.163.01, CUDA 12.4. `nvmlDeviceGetNumaNodeId` is deliberately not exported, so the
 //! backend's handling of a symbol missing from an older driver is exercised too.
 //!
@@ -60,6 +63,7 @@
 // The safety contract of every export is nvml.h's, stated once above.
 #![allow(clippy::missing_safety_doc)]
 
+pub mod fabric;
 pub mod model;
 pub mod profile;
 pub mod state;
@@ -1242,19 +1246,32 @@ const fn fabric_version<T>(v: u32) -> c_uint {
 const FABRIC_V2: c_uint = fabric_version::<nvmlGpuFabricInfo_v2_t>(2);
 const FABRIC_V3: c_uint = fabric_version::<nvmlGpuFabricInfo_v3_t>(3);
 
-/// (cluster UUID, status, clique, state) of a GPU's registration.
+/// (cluster UUID, status, clique, state) of a GPU's registration, as the node has it or as
+/// `FAKE_NVML_FABRIC_FILE` overrides it ([`fabric`](mod@fabric)).
 fn fabric(d: nvmlDevice_t) -> Result<([u8; 16], nvmlReturn_t, c_uint, u8), nvmlReturn_t> {
     let n = node();
     let m = &n.as_ref().ok_or(UNINITIALIZED)?.model;
-    let g = gpu(m, d).ok_or(INVALID)?;
-    match g.fabric {
-        Fabric::NotSupported => Err(NOT_SUPPORTED),
-        Fabric::State {
-            cluster,
-            clique,
-            state,
-        } => Ok((cluster, SUCCESS, clique, state as u8)),
+    let Some(Dev::Gpu(index)) = device(m, d) else {
+        return Err(INVALID);
+    };
+    let g = m.gpus.get(index).ok_or(INVALID)?;
+    let over = fabric::lookup(index as c_uint);
+    if let Some(code) = over.call {
+        return Err(code);
     }
+    let (cluster, clique, state) = match (g.fabric, over.state) {
+        (Fabric::NotSupported, None) => return Err(NOT_SUPPORTED),
+        (Fabric::NotSupported, Some(state)) => ([0; 16], 0, state),
+        (
+            Fabric::State {
+                cluster,
+                clique,
+                state,
+            },
+            over_state,
+        ) => (cluster, clique, over_state.unwrap_or(state)),
+    };
+    Ok((cluster, over.status.unwrap_or(SUCCESS), clique, state as u8))
 }
 
 /// Takes a v2 or v3 struct (the `version` field says which), as drivers from R570 do; with

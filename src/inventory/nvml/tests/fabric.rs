@@ -56,6 +56,12 @@ fn only_completed_successful_fabric_registrations_are_kept() {
             Err(CallError::Failed("gpu is lost".into())),
             Some(Level::WARN),
         ),
+        // In transition (NVIDIA's issue 1264): the call or the status answers not ready.
+        (Err(CallError::NotReady), Some(Level::INFO)),
+        (
+            fabric_of(FabricState::Completed, Err(CallError::NotReady), CLUSTER),
+            Some(Level::INFO),
+        ),
     ];
     let gpus: Vec<RawGpu> = cases
         .iter()
@@ -89,6 +95,27 @@ fn only_completed_successful_fabric_registrations_are_kept() {
         failed.reason.contains("insufficient resources"),
         "{}",
         failed.reason
+    );
+    for i in [1, 2, 10, 11] {
+        let note = omissions
+            .iter()
+            .find(|o| o.gpu_index == i && o.field == "fabric")
+            .unwrap();
+        assert!(
+            note.reason.contains("in transition"),
+            "case {i}: {}",
+            note.reason
+        );
+    }
+}
+
+#[test]
+fn nvml_not_ready_is_a_transition_not_a_failure() {
+    use nvml_wrapper::error::NvmlError;
+    let not_ready = nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_NOT_READY;
+    assert_eq!(
+        CallError::from(NvmlError::from(not_ready)),
+        CallError::NotReady
     );
 }
 

@@ -18,6 +18,7 @@ mod support;
 mod admission;
 mod auto_mode;
 mod both_grpcio;
+mod cd_controller;
 mod cd_daemon;
 mod cd_plugin;
 mod cdi_hooks;

@@ -1,0 +1,209 @@
+use super::*;
+use crate::computedomain::api::{ChannelSpec, ComputeDomainSpec, TemplateRef};
+use serde_json::json;
+
+fn domain(mode: Option<AllocationMode>) -> ComputeDomain {
+    let mut cd = ComputeDomain::new(
+        "team-a",
+        "imex-channel-injection",
+        ComputeDomainSpec {
+            num_nodes: 2,
+            channel: Some(ChannelSpec {
+                resource_claim_template: TemplateRef {
+                    name: "imex-channel-0".into(),
+                },
+                allocation_mode: mode,
+                other: Default::default(),
+            }),
+            other: Default::default(),
+        },
+    );
+    cd.metadata.uid = Some("7f3c".into());
+    cd
+}
+
+fn settings() -> Settings {
+    Settings {
+        namespace: "nvdra".into(),
+        image: "registry.example/nvdra:1.2".into(),
+        daemon_service_account: "nvdra-compute-domain-daemon".into(),
+        image_pull_secrets: vec!["regcred".into()],
+        max_nodes_per_imex_domain: 18,
+    }
+}
+
+/// NVIDIA's `compute-domain-workload-claim-template.tmpl.yaml`, rendered for the domain.
+#[test]
+fn the_workload_template_is_nvidias() {
+    let t = workload_template(&domain(None)).unwrap();
+    assert_eq!(
+        serde_json::to_value(&t).unwrap(),
+        json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {
+                "namespace": "team-a",
+                "name": "imex-channel-0",
+                "finalizers": ["resource.nvidia.com/computeDomain"],
+                "labels": {
+                    "resource.nvidia.com/computeDomain": "7f3c",
+                    "resource.nvidia.com/computeDomainTarget": "Workload",
+                },
+            },
+            "spec": {"spec": {"devices": {
+                "requests": [{"name": "channel", "exactly": {
+                    "deviceClassName": "compute-domain-default-channel.nvidia.com"}}],
+                "config": [{"requests": ["channel"], "opaque": {
+                    "driver": "compute-domain.nvidia.com",
+                    "parameters": {
+                        "apiVersion": "resource.nvidia.com/v1beta1",
+                        "kind": "ComputeDomainChannelConfig",
+                        "domainID": "7f3c",
+                        "allocationMode": "Single",
+                    }}}],
+            }}},
+        })
+    );
+    // The mode is the domain's.
+    let all = workload_template(&domain(Some(AllocationMode::All))).unwrap();
+    let v = serde_json::to_value(&all).unwrap();
+    assert_eq!(
+        v["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]["allocationMode"],
+        "All"
+    );
+    // The plugin reads the parameters as the channel config.
+    let p = &v["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"];
+    let config: crate::computedomain::api::ChannelConfig =
+        serde_json::from_value(p.clone()).unwrap();
+    assert_eq!(config.domain_id, "7f3c");
+    // Without a UID (not read from the API server) nothing is made.
+    let mut no_uid = domain(None);
+    no_uid.metadata.uid = None;
+    assert!(workload_template(&no_uid).is_none());
+}
+
+/// NVIDIA's `compute-domain-daemon-claim-template.tmpl.yaml` and `compute-domain-daemon.tmpl.yaml`.
+#[test]
+fn the_daemon_template_and_daemonset_are_nvidias_running_nvdra() {
+    let t = daemon_template("7f3c", &settings());
+    let v = serde_json::to_value(&t).unwrap();
+    assert_eq!(v["metadata"]["name"], "computedomain-daemon-7f3c");
+    assert_eq!(v["metadata"]["namespace"], "nvdra");
+    assert_eq!(
+        v["metadata"]["labels"],
+        json!({"resource.nvidia.com/computeDomain": "7f3c",
+               "resource.nvidia.com/computeDomainTarget": "Daemon"})
+    );
+    assert_eq!(
+        v["spec"]["spec"]["devices"],
+        json!({
+            "requests": [{"name": "daemon", "exactly": {
+                "deviceClassName": "compute-domain-daemon.nvidia.com"}}],
+            "config": [{"requests": ["daemon"], "opaque": {
+                "driver": "compute-domain.nvidia.com",
+                "parameters": {"apiVersion": "resource.nvidia.com/v1beta1",
+                               "kind": "ComputeDomainDaemonConfig", "domainID": "7f3c"}}}],
+        })
+    );
+
+    let ds = serde_json::to_value(daemon_set("7f3c", &settings())).unwrap();
+    assert_eq!(ds["metadata"]["name"], "computedomain-daemon-7f3c");
+    assert_eq!(ds["metadata"]["namespace"], "nvdra");
+    assert_eq!(
+        ds["metadata"]["finalizers"],
+        json!(["resource.nvidia.com/computeDomain"])
+    );
+    let label = json!({"resource.nvidia.com/computeDomain": "7f3c"});
+    assert_eq!(ds["metadata"]["labels"], label);
+    assert_eq!(ds["spec"]["selector"]["matchLabels"], label);
+    let pod = &ds["spec"]["template"];
+    assert_eq!(pod["metadata"]["labels"], label);
+    assert_eq!(pod["spec"]["nodeSelector"], label);
+    assert_eq!(
+        pod["spec"]["serviceAccountName"],
+        "nvdra-compute-domain-daemon"
+    );
+    assert_eq!(
+        pod["spec"]["imagePullSecrets"],
+        json!([{"name": "regcred"}])
+    );
+    assert_eq!(
+        pod["spec"]["resourceClaims"],
+        json!([{"name": "compute-domain-daemon",
+                "resourceClaimTemplateName": "computedomain-daemon-7f3c"}])
+    );
+    let c = &pod["spec"]["containers"][0];
+    assert_eq!(c["image"], "registry.example/nvdra:1.2");
+    assert_eq!(c["command"], json!(["nvdra", "compute-domain", "daemon"]));
+    assert_eq!(
+        c["resources"]["claims"],
+        json!([{"name": "compute-domain-daemon"}])
+    );
+    let env: BTreeMap<String, serde_json::Value> = c["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_string(), e.clone()))
+        .collect();
+    assert_eq!(env["MAX_NODES_PER_IMEX_DOMAIN"]["value"], "18");
+    assert_eq!(
+        env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"],
+        "spec.nodeName"
+    );
+    assert_eq!(
+        env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"],
+        "status.podIP"
+    );
+    assert_eq!(env["NVIDIA_VISIBLE_DEVICES"]["value"], "void");
+    for key in ["POD_UID", "POD_NAME", "POD_NAMESPACE"] {
+        assert!(env.contains_key(key), "{key}");
+    }
+    // Every taint tolerated, as NVIDIA's (a daemon must run where its workload runs).
+    assert_eq!(
+        pod["spec"]["tolerations"],
+        json!([{"operator": "Exists", "effect": "NoSchedule"},
+               {"operator": "Exists", "effect": "NoExecute"},
+               {"operator": "Exists", "effect": "PreferNoSchedule"}])
+    );
+}
+
+#[test]
+fn a_clique_domain_is_one_claim_of_the_clique_channel_class() {
+    let mut cd = domain(Some(AllocationMode::All));
+    assert_eq!(channel_mode(&cd), Ok(ChannelMode::PerNode));
+    cd.metadata.annotations = Some(BTreeMap::from([(
+        CHANNELS_ANNOTATION.to_string(),
+        "clique".to_string(),
+    )]));
+    assert_eq!(channel_mode(&cd), Ok(ChannelMode::Clique));
+    let claim = clique_claim(&cd).unwrap();
+    let v = serde_json::to_value(&claim).unwrap();
+    assert_eq!(v["metadata"]["namespace"], "team-a");
+    assert_eq!(v["metadata"]["name"], "imex-channel-0");
+    assert_eq!(
+        v["metadata"]["labels"]["resource.nvidia.com/computeDomain"],
+        "7f3c"
+    );
+    assert_eq!(
+        v["spec"]["devices"]["requests"],
+        json!([{"name": "channel", "exactly": {
+            "deviceClassName": "compute-domain-channel.nvidia.com"}}])
+    );
+    // One channel whatever the domain asked: the pool's channel is the domain's isolation.
+    assert_eq!(
+        v["spec"]["devices"]["config"][0]["opaque"]["parameters"],
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainChannelConfig",
+               "domainID": "7f3c", "allocationMode": "Single"})
+    );
+
+    cd.metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(CHANNELS_ANNOTATION.into(), "rack".into());
+    let err = channel_mode(&cd).unwrap_err();
+    assert!(
+        err.contains("\"rack\"") && err.contains(CHANNELS_ANNOTATION),
+        "{err}"
+    );
+}

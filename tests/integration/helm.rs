@@ -273,6 +273,7 @@ createNamespace: true
 mode: both
 extendedResources: true
 nodeLabels: true
+computeDomains: {enabled: true}
 sharedCapacity: true
 consumableShares: memory
 devicePluginConfig:
@@ -353,6 +354,12 @@ fn every_value_lands_where_it_should_and_keeps_the_contracts() {
     allowed.extend(grants(&documents(
         &read(&manifests().join("components/node-labels/rbac.yaml")),
         "node-labels/rbac.yaml",
+    )));
+    // And the compute-domain plugin's, controller's and daemons' (tests/integration/cd_manifests.rs
+    // holds each to what it touches).
+    allowed.extend(grants(&documents(
+        &read(&manifests().join("components/compute-domains/rbac.yaml")),
+        "compute-domains/rbac.yaml",
     )));
     assert_eq!(grants(&docs), allowed);
     let vap = find(&docs, "ValidatingAdmissionPolicy", "nvdra-resourceslices").unwrap();

@@ -53,7 +53,7 @@ where
 }
 
 /// Where `input` and `output` differ. A number written where the type holds a string (a
-/// quantity `1`, which k8s-openapi keeps as `"1"`) is the same value.
+/// quantity `1`, which k8s-openapi keeps as `"1"`) or a float is the same value.
 pub fn diff(input: &Value, output: &Value, path: String, out: &mut Vec<String>) {
     match (input, output) {
         (Value::Object(a), Value::Object(b)) => {
@@ -74,6 +74,8 @@ pub fn diff(input: &Value, output: &Value, path: String, out: &mut Vec<String>) 
             }
         }
         (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
+        // A number the type holds as a float (a CRD schema's `minimum: 0`, read back `0.0`).
+        (Value::Number(a), Value::Number(b)) if a.as_f64() == b.as_f64() => {}
         (a, b) if a == b => {}
         (a, b) => out.push(format!("{path}: {a} became {b}")),
     }
@@ -94,6 +96,12 @@ pub fn check_typed(doc: &Value) -> Result<Vec<String>, String> {
         ("v1", "Service") => round_trip::<core::Service>(doc),
         ("v1", "Pod") => round_trip::<core::Pod>(doc),
         ("apps/v1", "DaemonSet") => round_trip::<apps::DaemonSet>(doc),
+        ("apps/v1", "Deployment") => round_trip::<apps::Deployment>(doc),
+        ("rbac.authorization.k8s.io/v1", "Role") => round_trip::<rbac::Role>(doc),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => round_trip::<rbac::RoleBinding>(doc),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
+            round_trip::<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>(doc)
+        }
         ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<rbac::ClusterRole>(doc),
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
             round_trip::<rbac::ClusterRoleBinding>(doc)

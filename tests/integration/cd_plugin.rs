@@ -137,9 +137,18 @@ impl Node {
 
     /// The domain's clique with this node's daemon `status`.
     fn daemon(&self, status: &str) {
+        self.clique_object(&self.domain.clone(), status);
+    }
+
+    /// The per-clique daemon's object (`fabric.<clique>`) with this node's entry `status`.
+    fn fabric(&self, status: &str) {
+        self.clique_object("fabric", status);
+    }
+
+    fn clique_object(&self, object: &str, status: &str) {
         let mut c = ComputeDomainClique::default();
         c.metadata.namespace = Some(DRIVER_NS.into());
-        c.metadata.name = Some(ComputeDomainClique::name_for(&self.domain, CLIQUE));
+        c.metadata.name = Some(ComputeDomainClique::name_for(object, CLIQUE));
         c.daemons = vec![CliqueDaemon {
             node_name: NODE.into(),
             ip_address: "10.0.0.1".into(),
@@ -323,6 +332,15 @@ async fn a_restart_keeps_prepared_claims_and_unprepare_works_after_it() {
         "ComputeDomainChannelConfig",
         serde_json::json!({"allocationMode": "All"}),
     );
+    // A clique pool's channel waits for the node's per-clique daemon (`fabric.<clique>`), not
+    // the domain's.
+    let first = kubelet.prepare(std::slice::from_ref(&all)).await.unwrap();
+    let e = first[&all.uid].clone().unwrap_err();
+    assert!(
+        e.contains(&format!("no ComputeDomainClique nvdra/fabric.{CLIQUE}")),
+        "{e}"
+    );
+    node.fabric("Ready");
     let first = kubelet
         .prepare(&[claim.clone(), all.clone()])
         .await
@@ -432,7 +450,7 @@ fn podman_sees_the_channel_as_a_char_device_with_the_known_major_and_minor() {
             // Without --cdi-spec-dir podman reads the system directory only.
             let cdi_root = (!e.has_spec_dir_flag).then(|| PathBuf::from(engine::SYSTEM_CDI_DIR));
             let mut node = Node::new(cdi_root).await;
-            node.daemon("Ready");
+            node.fabric("Ready");
             let mut kubelet = node.start(BindingConditions::Off).await;
             let claim = node.claim(
                 "pool",

@@ -34,6 +34,7 @@ use crate::computedomain::api::{
     ChannelConfig, ComputeDomain, ComputeDomainClique, DAEMON_CONFIG_KIND, DRIVER_NAME,
     DaemonConfig, NODE_LABEL, STATUS_READY,
 };
+use crate::computedomain::daemon::clique::PER_CLIQUE_PREFIX;
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
 
@@ -138,8 +139,9 @@ impl Plugin {
         Ok(labels.get(CLIQUE_LABEL).cloned().unwrap_or_default())
     }
 
-    /// Whether the node's daemon for `domain` is Ready in the domain's clique object; `Err`
-    /// says why not, in words.
+    /// Whether the node's daemon is Ready in the clique object `<object>.<clique>` (`object`: the
+    /// domain's UID, or [`PER_CLIQUE_PREFIX`] for the one daemon of a fabric node that serves the
+    /// clique pools' channels); `Err` says why not, in words.
     pub async fn daemon_ready(
         &self,
         domain: &str,
@@ -327,7 +329,14 @@ impl Plugin {
                 }
             }
         }
-        if let Err(why) = self.daemon_ready(&domain_uid, clique).await? {
+        // A clique pool's channel is served by the node's per-clique daemon, whose entry is in
+        // `fabric.<clique>`; the node's own channel by the domain's daemon.
+        let object = if node_channel {
+            domain_uid.as_str()
+        } else {
+            PER_CLIQUE_PREFIX
+        };
+        if let Err(why) = self.daemon_ready(object, clique).await? {
             return Err(anyhow!(
                 "ComputeDomain {domain_name} ({domain_uid}) is not ready on node {}: {why}; this \
                  prepare does not wait, the kubelet retries it",

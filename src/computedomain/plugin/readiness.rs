@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use super::devices::{self, BINDING_CONDITION, BINDING_FAILURE_CONDITION, Kind};
 use super::prepare::{Config, Plugin, configs, pick};
 use crate::computedomain::api::{ComputeDomainClique, DRIVER_NAME, NODE_LABEL, STATUS_READY};
+use crate::computedomain::daemon::clique::PER_CLIQUE_PREFIX;
 
 /// The node's desired slices: its two devices, the channel's binding conditions and taint.
 pub fn resources(node: &str, binding_conditions: bool, not_ready: Option<&str>) -> Resources {
@@ -191,7 +192,12 @@ pub async fn pass(plugin: &Plugin) -> anyhow::Result<Option<String>> {
                 }
             }
         }
-        if plugin.daemon_ready(&h.domain, &clique).await?.is_ok() {
+        let object = if h.node_channel {
+            h.domain.as_str()
+        } else {
+            PER_CLIQUE_PREFIX
+        };
+        if plugin.daemon_ready(object, &clique).await?.is_ok() {
             let msg = format!("the IMEX daemon of node {node} is Ready");
             let e = entries(h, BINDING_CONDITION, "DaemonReady", &msg);
             cluster.set_device_status(&h.claim, e).await?;

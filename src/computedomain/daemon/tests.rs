@@ -209,3 +209,47 @@ fn a_fabric_in_registration_is_a_reason_naming_the_gpu() {
     inv.gpus[1].fabric = Some(f);
     assert_eq!(fabric_reason(&inv, &clique), None);
 }
+
+fn args(extra: &[&str]) -> Args {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+    let mut argv = vec![
+        "daemon",
+        "--cliqueid",
+        "c.1",
+        "--node-name",
+        "n",
+        "--pod-ip",
+        "10.0.0.1",
+        "--pod-namespace",
+        "nvdra",
+    ];
+    argv.extend_from_slice(extra);
+    Cli::try_parse_from(argv).unwrap().args
+}
+
+#[test]
+fn a_domains_daemon_writes_to_its_domains_clique_object() {
+    let s = Settings::from_args(&args(&["--compute-domain-uuid", "uid-1"])).unwrap();
+    assert_eq!(s.object, "uid-1.c.1");
+    assert_eq!(s.domain_uid, "uid-1");
+    assert!(matches!(s.mode, Mode::Managed { .. }));
+    // Without the domain's UID the CDI edits did not apply: said so, not a clique "<empty>.c.1".
+    let e = Settings::from_args(&args(&[])).unwrap_err().to_string();
+    assert!(
+        e.contains("COMPUTE_DOMAIN_UUID") && e.contains("CDI"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_per_clique_daemon_writes_to_the_fabric_cliques_object() {
+    let s = Settings::from_args(&args(&["--per-clique", "--host-managed"])).unwrap();
+    assert_eq!(s.object, "fabric.c.1");
+    assert_eq!(s.domain_uid, "");
+    assert!(matches!(s.mode, Mode::HostManaged { .. }));
+}

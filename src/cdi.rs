@@ -20,7 +20,7 @@
 //!   when present), read-only bind mounts of the driver's libraries, firmware and binaries and
 //!   mounts of its IPC sockets (found as NVIDIA's CDI library finds them, `driver`), its
 //!   graphics and display files (`graphics`), NVIDIA's
-//!   `createContainer` hooks when `nvidia-cdi-hook` or `nvidia-ctk` is installed (`hooks`), the
+//!   `createContainer` hooks when `nvidia-cdi-hook` or `nvidia-ctk` is installed (`builder`), the
 //!   MPS environment and `NVIDIA_VISIBLE_DEVICES=void`.
 //!
 //! Host paths and read paths: the spec names host paths, under `--driver-root`; nvdra reads the
@@ -118,26 +118,22 @@ mod builder;
 mod driver;
 pub mod gate;
 mod graphics;
-mod hooks;
 mod inputs;
 mod lookup;
 pub mod memlimit;
-mod model;
-mod names;
-mod nodes;
+mod spec;
 pub mod toolkit;
-mod writer;
 
 pub use binary::{OciState, install_hook};
 pub use builder::{claim_spec, device_id};
 pub use driver::{DriverFiles, discover_driver_files};
 pub use graphics::FileMount;
-pub use inputs::{CdiOptions, DriverRoot, PreparedDevice};
+pub use inputs::{CdiOptions, DriverRoot, PreparedDevice, existing_node, host_node};
 pub use lookup::Symlink;
-pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
-pub use names::{validate_class, validate_device_name, validate_vendor};
-pub use nodes::{existing_node, host_node};
-pub use writer::{list_claim_specs, remove_spec, spec_path, write_spec, write_spec_text};
+pub use spec::{
+    ContainerEdits, Device, DeviceNode, Hook, Mount, Spec, list_claim_specs, remove_spec,
+    spec_path, validate_class, validate_device_name, validate_vendor, write_spec, write_spec_text,
+};
 
 #[cfg(test)]
 mod tests;

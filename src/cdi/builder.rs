@@ -3,18 +3,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::graphics::{drm_by_path_links, drm_nodes};
-use super::hooks::{device_links_hook, driver_hooks};
+use super::inputs::host_node;
 use super::memlimit::{Enforcement, GpuLimit};
-use super::names::validate_claim_uid;
-use super::nodes::host_node;
+use super::spec::validate_claim_uid;
 use super::{
     CDI_VERSION, CONTROL_NODES, CdiOptions, ContainerEdits, Device, DeviceNode, DriverFiles, Error,
-    IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, MPS_SHM_CONTAINER_DIR, Mount, NVIDIA_MAJOR, PreparedDevice,
-    READ_ONLY_MOUNT, Result, Spec, VISIBLE_DEVICES_VOID, validate_class, validate_device_name,
-    validate_vendor,
+    Hook, IPC_MOUNT, MPS_PIPE_CONTAINER_DIR, MPS_SHM_CONTAINER_DIR, Mount, NVIDIA_MAJOR,
+    PreparedDevice, READ_ONLY_MOUNT, Result, Spec, VISIBLE_DEVICES_VOID, validate_class,
+    validate_device_name, validate_vendor,
 };
 use crate::inventory::{Gpu, MigDevice};
 use crate::sharing::{MpsSettings, Sharing};
@@ -239,6 +237,80 @@ pub(super) fn cap_node_from_proc(proc_root: &Path, key: &str) -> Option<DeviceNo
         file_mode: Some(mode),
         permissions: None,
     })
+}
+
+/// The DRM device nodes of `gpu` that exist on the host (`/dev/dri/card<N>`, `renderD<N>`), found
+/// as NVIDIA's toolkit finds them (`internal/discover/graphics.go`): the entries of the GPU's
+/// `drm/` directory in sysfs (`<sysfs>/bus/pci/devices/<PCI bus ID>/drm/`), by PCI bus ID, in name
+/// order, that exist as device nodes; a per-device `create-symlinks` hook makes their
+/// `/dev/dri/by-path` links ([`drm_by_path_links`]).
+pub(super) fn drm_nodes(opts: &CdiOptions, gpu: &Gpu) -> Vec<DeviceNode> {
+    let dir = opts
+        .sys_root
+        .join("bus/pci/devices")
+        .join(&gpu.pci_bus_id.0)
+        .join("drm");
+    let Ok(entries) = fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .filter_map(|n| {
+            host_node(
+                opts,
+                &opts.dev_root.join("dri").join(n),
+                &format!("/dev/dri/{n}"),
+            )
+        })
+        .collect()
+}
+
+/// The `/dev/dri/by-path` links of `gpu` whose node is among `nodes` (its DRM nodes), as
+/// `target::link` arguments of `create-symlinks`, as NVIDIA's toolkit adds them per GPU
+/// (`byPathHookDiscoverer` in `internal/platform-support/dgpu`): `pci-<bus id>-card` and
+/// `-render`, read on the host, kept when they resolve to a node the device is given.
+pub(super) fn drm_by_path_links(opts: &CdiOptions, gpu: &Gpu, nodes: &[DeviceNode]) -> Vec<String> {
+    let given: BTreeSet<&str> = nodes
+        .iter()
+        .filter_map(|n| n.host_path.as_deref())
+        .collect();
+    let mut links = Vec::new();
+    for kind in ["card", "render"] {
+        let name = format!("pci-{}-{kind}", gpu.pci_bus_id.0);
+        let host = opts.dev_root.join("dri/by-path").join(&name);
+        let Ok(target) = fs::read_link(opts.root.read_path(&host)) else {
+            continue;
+        };
+        let resolved = match host.parent() {
+            Some(dir) if target.is_relative() => clean(&dir.join(&target)),
+            _ => target.clone(),
+        };
+        if given.contains(resolved.display().to_string().as_str()) {
+            links.push(format!("{}::/dev/dri/by-path/{name}", target.display()));
+        }
+    }
+    links
+}
+
+/// `path` with `.` and `..` resolved lexically, as Go's `filepath.Join` leaves it.
+fn clean(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 /// Mounts of the driver files at their path relative to the driver root (read-only; the IPC
@@ -511,4 +583,109 @@ pub(super) fn mps_edits(
             .extend(partitioning.hooks(&opts.cgroup_root, &container_limits));
     }
     Ok(())
+}
+
+// NVIDIA's createContainer hooks: the driver files' (spec-wide) and a device's DRM links.
+
+/// The OCI hook point of every NVIDIA hook.
+const CREATE_CONTAINER: &str = "createContainer";
+/// The hooks' environment (nvcdi's default: no debug logging).
+const HOOK_ENV: &str = "NVIDIA_CTK_DEBUG=false";
+
+/// The hooks for `files`, given the container directories of the mounted libraries (in mount
+/// order); none without a hook binary.
+///
+///  NVIDIA's CDI hooks, in the form and order nvcdi (nvidia-container-toolkit v1.19, the version
+///  NVIDIA's DRA driver vendors) writes them into a claim spec's spec-wide edits:
+///
+///  0. `create-symlinks` for the graphics links (`gbm/nvidia-drm_gbm.so`,
+///     `libnvidia-vulkan-producer.so`, `libglxserver_nvidia.so`), nvcdi's graphics discoverer
+///     coming before its driver one (only when there is a link to make);
+///  1. `create-symlinks --link <target>::<link> …` — the driver's soname and `.so` links, and
+///     `libcuda.so` (only when there is a link to make);
+///  2. `enable-cuda-compat --host-driver-version=<version>` — lets a container whose CUDA is newer
+///     than the driver use its forward-compatibility libraries (only when the version is known);
+///  3. `update-ldcache --folder <dir> …` — the container's ld cache learns the mounted libraries'
+///     directories (only when libraries are mounted);
+///  4. `disable-device-node-modification` — keeps NVML and nvidia-smi from creating device nodes in
+///     the container.
+///
+///  Below NVIDIA Container Toolkit 1.17.8, or when the hook binary's version cannot be read,
+///  `enable-cuda-compat` and `update-ldcache` are left out (CVE-2025-23266, CVE-2025-23267), and
+///  below 1.18.0 `disable-device-node-modification` (older binaries lack it); see
+///  [`super::toolkit`]. `create-symlinks` stays.
+///
+///  Each is a `createContainer` hook whose path is the hook binary's host path, whose first
+///  argument is the binary's name (then `hook` for `nvidia-ctk`, whose hooks are a subcommand),
+///  and whose environment is `NVIDIA_CTK_DEBUG=false`.
+pub(super) fn driver_hooks(files: &DriverFiles, lib_dirs: &[String]) -> Vec<Hook> {
+    let Some(binary) = &files.hook else {
+        return Vec::new();
+    };
+    let mut hooks = Vec::new();
+    for symlinks in [&files.graphics_symlinks, &files.symlinks] {
+        let links: Vec<String> = symlinks
+            .iter()
+            .flat_map(|l| ["--link".to_string(), l.arg()])
+            .collect();
+        if !links.is_empty() {
+            hooks.push(hook(binary, "create-symlinks", links));
+        }
+    }
+    let allowed = |name: &str| files.hook_check.allows(name);
+    if let Some(version) = files
+        .version
+        .as_ref()
+        .filter(|_| allowed("enable-cuda-compat"))
+    {
+        hooks.push(hook(
+            binary,
+            "enable-cuda-compat",
+            vec![format!("--host-driver-version={version}")],
+        ));
+    }
+    if !lib_dirs.is_empty() && allowed("update-ldcache") {
+        let folders = lib_dirs
+            .iter()
+            .flat_map(|d| ["--folder".to_string(), d.clone()])
+            .collect();
+        hooks.push(hook(binary, "update-ldcache", folders));
+    }
+    if allowed("disable-device-node-modification") {
+        hooks.push(hook(binary, "disable-device-node-modification", Vec::new()));
+    }
+    hooks
+}
+
+/// A device's own `create-symlinks` hook for `links` (`target::link`); none without a hook
+/// binary or links.
+pub(super) fn device_links_hook(files: &DriverFiles, links: &[String]) -> Option<Hook> {
+    let binary = files.hook.as_ref()?;
+    if links.is_empty() {
+        return None;
+    }
+    let args = links
+        .iter()
+        .flat_map(|l| ["--link".to_string(), l.clone()])
+        .collect();
+    Some(hook(binary, "create-symlinks", args))
+}
+
+fn hook(binary: &Path, name: &str, args: Vec<String>) -> Hook {
+    let base = binary
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut all = vec![base.clone()];
+    if base == "nvidia-ctk" {
+        all.push("hook".into());
+    }
+    all.push(name.into());
+    all.extend(args);
+    Hook {
+        hook_name: CREATE_CONTAINER.into(),
+        path: binary.display().to_string(),
+        args: all,
+        env: vec![HOOK_ENV.into()],
+    }
 }

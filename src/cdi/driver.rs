@@ -25,7 +25,8 @@
 //!   GPU Operator nodes in the host's toolkit directory ([`find_hook`]); its toolkit version is
 //!   read by running it with `--version` ([`super::toolkit`]).
 //!
-//! - **Graphics and display** files, links and DRM nodes: see [`super::graphics`].
+//! - **Graphics and display** files and links: see [`super::graphics`] (each GPU's DRM nodes
+//!   are per device, in the claim spec builder).
 //!
 //! Without a hook binary the soname links are mounted as files instead (as before hooks), so
 //! `libcuda.so.1` still resolves in the container; with one, only the versioned files are

@@ -17,21 +17,15 @@
 //! - **Links** a `create-symlinks` hook of their own makes (nvcdi's graphics hook, the first of a
 //!   spec): `gbm/nvidia-drm_gbm.so` → `../libnvidia-allocator.so.1`,
 //!   `libnvidia-vulkan-producer.so` and `libglxserver_nvidia.so` → their versioned files.
-//! - **DRM nodes** per GPU ([`drm_nodes`]): `/dev/dri/card<N>` and `renderD<N>`, the entries of
-//!   `<sysfs>/bus/pci/devices/<PCI bus ID>/drm/` that exist as device nodes, and a per-device
-//!   `create-symlinks` hook for their `/dev/dri/by-path` links ([`drm_by_path_links`]).
+//! - (Each GPU's **DRM nodes**, per device, are the claim spec builder's: `builder::drm_nodes`.)
 //!
 //! nvcdi reads `XDG_DATA_DIRS` of its own process for the share directories; nvdra uses the
 //! default (`/usr/local/share:/usr/share`), the value on the hosts NVIDIA's driver runs on.
 
 use std::collections::BTreeSet;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::lookup::{BIN_DIRS, LIB_DIRS, Symlink, matching_in, soname_link};
-use super::nodes::host_node;
-use super::{CdiOptions, DeviceNode};
-use crate::inventory::Gpu;
 
 /// A file mounted read-only at `container`, from `host` (a host path).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -227,76 +221,4 @@ pub(super) fn discover(base: &Path, version: &str, lib_dir: &Path) -> Found {
 
 fn first_file(candidates: impl IntoIterator<Item = PathBuf>) -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
-}
-
-/// The DRM device nodes of `gpu` that exist on the host (`/dev/dri/card<N>`, `renderD<N>`), found
-/// as NVIDIA's toolkit finds them: the entries of the GPU's `drm/` directory in sysfs, by PCI bus
-/// ID, in name order.
-pub(super) fn drm_nodes(opts: &CdiOptions, gpu: &Gpu) -> Vec<DeviceNode> {
-    let dir = opts
-        .sys_root
-        .join("bus/pci/devices")
-        .join(&gpu.pci_bus_id.0)
-        .join("drm");
-    let Ok(entries) = fs::read_dir(&dir) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
-    names.sort();
-    names
-        .iter()
-        .filter_map(|n| {
-            host_node(
-                opts,
-                &opts.dev_root.join("dri").join(n),
-                &format!("/dev/dri/{n}"),
-            )
-        })
-        .collect()
-}
-
-/// The `/dev/dri/by-path` links of `gpu` whose node is among `nodes` (its DRM nodes), as
-/// `target::link` arguments of `create-symlinks`, as NVIDIA's toolkit adds them per GPU
-/// (`byPathHookDiscoverer` in `internal/platform-support/dgpu`): `pci-<bus id>-card` and
-/// `-render`, read on the host, kept when they resolve to a node the device is given.
-pub(super) fn drm_by_path_links(opts: &CdiOptions, gpu: &Gpu, nodes: &[DeviceNode]) -> Vec<String> {
-    let given: BTreeSet<&str> = nodes
-        .iter()
-        .filter_map(|n| n.host_path.as_deref())
-        .collect();
-    let mut links = Vec::new();
-    for kind in ["card", "render"] {
-        let name = format!("pci-{}-{kind}", gpu.pci_bus_id.0);
-        let host = opts.dev_root.join("dri/by-path").join(&name);
-        let Ok(target) = fs::read_link(opts.root.read_path(&host)) else {
-            continue;
-        };
-        let resolved = match host.parent() {
-            Some(dir) if target.is_relative() => clean(&dir.join(&target)),
-            _ => target.clone(),
-        };
-        if given.contains(resolved.display().to_string().as_str()) {
-            links.push(format!("{}::/dev/dri/by-path/{name}", target.display()));
-        }
-    }
-    links
-}
-
-/// `path` with `.` and `..` resolved lexically, as Go's `filepath.Join` leaves it.
-fn clean(path: &Path) -> PathBuf {
-    use std::path::Component;
-    let mut out = PathBuf::new();
-    for c in path.components() {
-        match c {
-            Component::ParentDir => {
-                out.pop();
-            }
-            Component::CurDir => {}
-            other => out.push(other),
-        }
-    }
-    out
 }

@@ -7,7 +7,7 @@ use std::os::unix::fs::{MetadataExt, symlink};
 use std::path::PathBuf;
 
 use super::builder::parse_mig_minors;
-use super::nodes::split_dev;
+use super::inputs::split_dev;
 use super::*;
 use crate::inventory::Gpu;
 use crate::inventory::topology::load_profile;

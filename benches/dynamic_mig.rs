@@ -109,17 +109,20 @@ async fn run(delay: Duration, n: usize) {
         proc_root: None,
         claim_status: false,
     };
-    let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let (plugin, writer, _) = Plugin::new(
-        opts,
-        api,
-        backend,
-        nvdra::metrics::Metrics::new(),
-        None,
-        tokio::sync::watch::channel(Default::default()).1,
-    )
-    .unwrap();
+    // As `nvdra run` wires it: the owner reads the hardware, the plugin writes through its
+    // handle and waits for the read after each change.
     let stop = CancellationToken::new();
+    let inventory = nvdra::inventory::owner::start(
+        Arc::new(sim.clone()),
+        Duration::from_secs(3600),
+        nvdra::inventory::owner::no_health(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let writes = nvdra::inventory::owner::Writes::new(Arc::new(sim.clone()), inventory);
+    let (plugin, writer, _) =
+        Plugin::new(opts, api, writes, nvdra::metrics::Metrics::new(), None).unwrap();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();
     // GPU 1 stays in MIG mode for its holder's instance.

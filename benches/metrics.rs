@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Policy};
 use nvdra::ids::{ClaimUid, DeviceName};
 use nvdra::inventory::sim::SimBackend;
-use nvdra::inventory::{DeviceBackend, Placement, ProcessUsage};
+use nvdra::inventory::{DeviceBackend, Placement, ProcessUsage, Reconfigure};
 use nvdra::ledger::{ClaimEntry, ClaimState, DeviceRecord, Ledger, MigRecord, PodRef};
 use nvdra::metrics::attribution::Attribution;
 use nvdra::metrics::{self, Metrics};

@@ -292,10 +292,9 @@ async fn main() {
             claim_status: false,
         },
         api.cluster_api(),
-        Arc::new(owner::Watched::new(Arc::new(sim), inventory.clone())),
+        owner::Writes::new(Arc::new(sim), inventory.clone()),
         Metrics::new(),
         None,
-        inventory.subscribe(),
     )
     .expect("plugin");
     tokio::spawn(writer.run(stop.clone()));

@@ -21,7 +21,7 @@ pub use tools::{MatchArgs, MatchOutput, ValidateArgs};
 /// `nvdra demo`, `match` and `validate`: in the default build, not in the DaemonSet's image.
 #[cfg(feature = "tools")]
 mod tools;
-use crate::inventory::{self, DeviceBackend, nvml::NvmlBackend, sim::SimBackend};
+use crate::inventory::{self, nvml::NvmlBackend, sim::SimBackend};
 
 /// Exit code for invalid configuration (EX_USAGE).
 pub const EXIT_CONFIG: u8 = 64;
@@ -463,7 +463,7 @@ fn init_logging(format: LogFormat, filter: Option<&OsStr>, default: &str) {
 }
 
 /// Opens the backend the configuration names.
-pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>> {
+pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn inventory::Backend>> {
     open_backend_with(config, None)
 }
 
@@ -472,7 +472,7 @@ pub fn open_backend(config: &Config) -> inventory::Result<Arc<dyn DeviceBackend>
 pub fn open_backend_with(
     config: &Config,
     proc_root: Option<&std::path::Path>,
-) -> inventory::Result<Arc<dyn DeviceBackend>> {
+) -> inventory::Result<Arc<dyn inventory::Backend>> {
     Ok(match &config.backend {
         Backend::Nvml { .. } => {
             let backend = NvmlBackend::open(config.driver_root.ctr())?;

@@ -52,8 +52,8 @@ use crate::dra::plugin::{self, Plugin};
 use crate::dra::slices;
 use crate::dra::sync::{self, SliceSync};
 use crate::holds::ContainerHolds;
-use crate::inventory::DeviceBackend;
-use crate::inventory::owner::{self, InventoryHandle, Owner, Watched};
+use crate::inventory::owner::{self, InventoryHandle, Owner, Writes};
+use crate::inventory::{Backend, Reconfigure};
 use crate::ledger;
 use crate::metrics::attribution::Attribution;
 use crate::metrics::{self, Metrics};
@@ -133,7 +133,7 @@ pub struct Extras {
 /// Turns off what the backend cannot do on this node, saying so once: partitionable mode
 /// without MIG creation would publish placements that every prepare refuses. Time slicing is
 /// asked per claim, so it is only announced: such claims fail to prepare, naming the cause.
-fn without_unavailable(mut config: Config, backend: &dyn DeviceBackend) -> Config {
+fn without_unavailable(mut config: Config, backend: &dyn Reconfigure) -> Config {
     use crate::inventory::Reconfiguration;
     if config.partitionable
         && let Some(why) = backend.unavailable(Reconfiguration::Mig)
@@ -178,7 +178,7 @@ fn rescan(config: &Config) -> Duration {
 pub async fn run(
     config: Config,
     extras: Extras,
-    backend: Arc<dyn DeviceBackend>,
+    backend: Arc<dyn Backend>,
     api: Arc<dyn ClusterApi>,
     stop: CancellationToken,
 ) -> Result<()> {
@@ -226,7 +226,7 @@ pub async fn run(
 async fn start(
     config: Config,
     extras: &Extras,
-    backend: Arc<dyn DeviceBackend>,
+    backend: Arc<dyn Backend>,
     api: Arc<dyn ClusterApi>,
     metrics: Arc<Metrics>,
     metrics_listener: tokio::net::TcpListener,
@@ -240,17 +240,17 @@ async fn start(
         Owner::new(backend.clone(), rescan(&config), owner::DEADLINE).map_err(Error::Thread)?;
     let _ = owner.read().await;
     warn_of_unlisted_profiles(&config, &inventory.latest());
-    let watched: Arc<dyn DeviceBackend> = Arc::new(Watched::new(backend, inventory.clone()));
-    let config = without_unavailable(config, watched.as_ref());
-    let monitor = HealthMonitor::start(&config, &watched);
+    // The write side, for the DRA plugin alone.
+    let writes = Writes::new(backend, inventory.clone());
+    let config = without_unavailable(config, &writes);
+    let monitor = HealthMonitor::start(&config, &inventory);
     // The owner lays the monitor's state over every publication: every consumer reads the node
     // with its health.
     let health = monitor.handle.subscribe();
     tasks.spawn("inventory", |token| async move {
         owner.run(health, token).await
     });
-    let backend = watched;
-    metrics.set_info("backend", backend.name());
+    metrics.set_info("backend", inventory.backend());
     metrics.set_info("driver", config.driver_name.clone());
 
     // `auto` becomes `device-plugin` without DRA, else `both` with the names DeviceClasses map
@@ -304,11 +304,7 @@ async fn start(
         let elsewhere = holds
             .clone()
             .map(|h| Arc::new(h) as Arc<dyn ledger::HeldElsewhere>);
-        let node = inventory.subscribe();
-        let plugin = start_dra(
-            &config, extras, &api, &backend, &metrics, elsewhere, node, tasks,
-        )
-        .await?;
+        let plugin = start_dra(&config, extras, &api, writes, &metrics, elsewhere, tasks).await?;
         device_plugin = device_plugin.zip(holds).map(|(dp, holds)| {
             dp.with_ledger(
                 plugin.ledger().clone(),
@@ -323,8 +319,7 @@ async fn start(
     };
     // What a scrape reads: the claims, the containers, readings, XIDs, processes' pods.
     let source = scrape_source(
-        inventory.subscribe(),
-        &backend,
+        &inventory,
         plugin.as_ref(),
         &monitor,
         device_plugin.as_ref(),
@@ -358,10 +353,9 @@ async fn start_dra(
     config: &Config,
     extras: &Extras,
     api: &Arc<dyn ClusterApi>,
-    backend: &Arc<dyn DeviceBackend>,
+    writes: Writes,
     metrics: &Arc<Metrics>,
     elsewhere: Option<Arc<dyn ledger::HeldElsewhere>>,
-    node: owner::Watch,
     tasks: &mut Supervisor,
 ) -> Result<Plugin> {
     let boot_id_file = extras
@@ -387,10 +381,9 @@ async fn start_dra(
             claim_status: config.claim_status,
         },
         api.clone(),
-        backend.clone(),
+        writes,
         metrics.clone(),
         elsewhere,
-        node,
     )?;
     #[cfg(feature = "crash-points")]
     if let Some(at) = extras.crash_at {
@@ -481,18 +474,18 @@ async fn serve_dra(
     Ok(())
 }
 
-/// What a `/metrics` scrape reads: the owner's publications (`node`), the claims (`ledger`,
-/// absent without DRA), what containers hold through the device plugin, the GPUs' readings,
-/// the XID counts, processes' pods.
+/// What a `/metrics` scrape reads: the owner's publications and the GPUs' readings (through
+/// `inventory`), the claims (`ledger`, absent without DRA), what containers hold through the
+/// device plugin, the XID counts, processes' pods.
 fn scrape_source(
-    node: owner::Watch,
-    backend: &Arc<dyn DeviceBackend>,
+    inventory: &InventoryHandle,
     plugin: Option<&Plugin>,
     monitor: &HealthMonitor,
     device_plugin: Option<&DevicePlugin>,
     extras: &Extras,
 ) -> Arc<Attribution> {
-    let mut source = Attribution::new(node, backend.clone()).with_monitor(monitor.handle.clone());
+    let mut source = Attribution::new(inventory.subscribe(), Arc::new(inventory.clone()))
+        .with_monitor(monitor.handle.clone());
     if let Some(plugin) = plugin {
         let levels = plugin.clone();
         source = source
@@ -743,23 +736,26 @@ impl HealthMonitor {
     /// death before is the daemon's ([`Supervisor::spawn_thread`]): a process restart opens NVML
     /// and registers the events again, as an in-process restart could not where NVML itself
     /// failed (and no event that came while it was down is replayed either way).
-    fn start(config: &Config, backend: &Arc<dyn DeviceBackend>) -> Self {
+    fn start(config: &Config, inventory: &InventoryHandle) -> Self {
+        // Probes go through the owner's handle, each under its deadline.
+        let probe: Arc<dyn crate::health::Probe> = Arc::new(inventory.clone());
         let faults = config
             .fault_file
             .clone()
-            .map(|path| crate::health::faults::FaultFile::new(path, backend.clone()));
-        let probe: Arc<dyn crate::health::Probe> = match &faults {
+            .map(|path| crate::health::faults::FaultFile::new(path, probe.clone()));
+        let probe = match &faults {
             Some(f) => f.probe(),
-            None => Arc::new(crate::health::BackendProbe(backend.clone())),
+            None => probe,
         };
         let (monitor, handle) = crate::health::Monitor::new(config.health.clone(), probe);
-        let events = match backend.start_health_events(Box::new(handle.events())) {
+        let backend = inventory.backend();
+        let events = match inventory.start_health_events(Box::new(handle.events())) {
             None => {
-                tracing::debug!(backend = backend.name(), "no hardware health events");
+                tracing::debug!(backend, "no hardware health events");
                 None
             }
             Some(Ok(thread)) => {
-                tracing::info!(backend = backend.name(), "watching GPU health events");
+                tracing::info!(backend, "watching GPU health events");
                 Some(thread)
             }
             Some(Err(e)) => {
@@ -805,17 +801,14 @@ impl HealthMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inventory::Reconfiguration;
     use crate::inventory::sim::SimBackend;
-    use crate::inventory::{Inventory, Reconfiguration};
 
-    /// A backend that can do nothing (the trait's defaults).
+    /// A backend that can change nothing (the trait's defaults).
     struct Plain;
-    impl DeviceBackend for Plain {
+    impl Reconfigure for Plain {
         fn name(&self) -> &'static str {
             "plain"
-        }
-        fn snapshot(&self) -> crate::inventory::Result<Inventory> {
-            Ok(Inventory::default())
         }
     }
 

@@ -22,7 +22,7 @@ use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_
 use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Policy};
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
 use nvdra::inventory::owner::{self, InventoryHandle};
-use nvdra::inventory::{DeviceBackend, GpuUuid};
+use nvdra::inventory::{DeviceBackend, GpuUuid, Reconfigure};
 use tokio_util::sync::CancellationToken;
 
 const SOON: Duration = Duration::from_secs(10);

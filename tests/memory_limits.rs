@@ -17,7 +17,7 @@ use std::process::{Command, Output, Stdio};
 use fake_nvml::state::CgroupLimits;
 use nvdra::inventory::nvml::memory_limits::{memory_limits, set_memory_limits};
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
-use nvdra::inventory::{DeviceBackend, GpuUuid, MEMORY_LIMIT_MAX, MemoryLimits};
+use nvdra::inventory::{GpuUuid, MEMORY_LIMIT_MAX, MemoryLimits, Reconfigure};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 

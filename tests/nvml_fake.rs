@@ -14,7 +14,7 @@ use std::process::Command;
 
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use nvdra::inventory::nvml::{self, CallError, LIBRARY, NvmlBackend, RemoteDevice};
-use nvdra::inventory::{DeviceBackend, NODE_NVSWITCHES, NvLinkPeer, Placement};
+use nvdra::inventory::{DeviceBackend, NODE_NVSWITCHES, NvLinkPeer, Placement, Reconfigure};
 use serde_json::Value;
 
 /// A driver root whose `usr/lib64/libnvidia-ml.so.1` is the fake, and a sysfs tree placing the
@@ -138,7 +138,7 @@ fn read_raw_captures_every_answer_including_failures() {
 fn snapshot_of_the_fake_node() {
     let node = fake_node();
     let backend = open(&node);
-    assert_eq!(backend.name(), "nvml");
+    assert_eq!(DeviceBackend::name(&backend), "nvml");
     let inv = backend.snapshot().unwrap();
     assert_eq!(inv.gpus.len(), 3);
 

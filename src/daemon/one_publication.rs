@@ -27,7 +27,7 @@ use crate::dra::sync::SliceSync;
 use crate::inventory::health::{Cause, Fault, HealthState};
 use crate::inventory::owner;
 use crate::inventory::sim::SimBackend;
-use crate::inventory::{DeviceBackend, DeviceUuid, Placement, ProcessUsage, TaintEffect};
+use crate::inventory::{DeviceUuid, Placement, ProcessUsage, Reconfigure, TaintEffect};
 use crate::metrics::{Source, attribution::Attribution};
 
 const NODE: &str = "n";

@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use crate::inventory::{self, ComputeMode, DeviceBackend, GpuUuid};
+use crate::inventory::{self, ComputeMode, GpuUuid, Reconfigure};
 use crate::lock::lock;
 
 /// The record's file name in the plugin directory.
@@ -115,7 +115,7 @@ impl ComputeModes {
     /// Puts `gpu` in `EXCLUSIVE_PROCESS` for a share: its mode before is recorded durably
     /// first. A GPU already recorded is left as it is (it was set when recorded; start-up sets
     /// it again), so a share beside others costs no NVML call.
-    pub fn hold(&self, backend: &dyn DeviceBackend, gpu: &GpuUuid) -> Result<()> {
+    pub fn hold(&self, backend: &dyn Reconfigure, gpu: &GpuUuid) -> Result<()> {
         let mut g = lock(&self.record);
         if self.loaded(&mut g)?.contains_key(gpu) {
             return Ok(());
@@ -128,7 +128,7 @@ impl ComputeModes {
     /// recorded is left alone.
     pub fn release(
         &self,
-        backend: &dyn DeviceBackend,
+        backend: &dyn Reconfigure,
         gpu: &GpuUuid,
         still_shared: impl FnOnce() -> bool,
     ) -> Result<()> {
@@ -147,7 +147,7 @@ impl ComputeModes {
     /// it, after the others were done.
     pub fn repair(
         &self,
-        backend: &dyn DeviceBackend,
+        backend: &dyn Reconfigure,
         shared: &BTreeSet<GpuUuid>,
     ) -> (Repaired, Vec<Error>) {
         let mut done = Repaired::default();
@@ -196,10 +196,7 @@ impl ComputeModes {
     /// — a GPU reset, a driver reload, another agent — is put back. Returns those put back, with
     /// the mode they were found in, and those that could not be read or put back (their shares
     /// then have no guard against a process outside MPS: the caller refuses new ones).
-    pub fn recheck(
-        &self,
-        backend: &dyn DeviceBackend,
-    ) -> (Vec<(GpuUuid, ComputeMode)>, Vec<Error>) {
+    pub fn recheck(&self, backend: &dyn Reconfigure) -> (Vec<(GpuUuid, ComputeMode)>, Vec<Error>) {
         let mut restored = Vec::new();
         let mut failed = Vec::new();
         let mut g = lock(&self.record);
@@ -226,7 +223,7 @@ impl ComputeModes {
 
     fn set_exclusive(
         &self,
-        backend: &dyn DeviceBackend,
+        backend: &dyn Reconfigure,
         gpu: &GpuUuid,
         g: &mut Option<BTreeMap<GpuUuid, ComputeMode>>,
     ) -> Result<()> {
@@ -250,7 +247,7 @@ impl ComputeModes {
 
     fn set_back(
         &self,
-        backend: &dyn DeviceBackend,
+        backend: &dyn Reconfigure,
         gpu: &GpuUuid,
         before: ComputeMode,
         g: &mut Option<BTreeMap<GpuUuid, ComputeMode>>,
@@ -322,6 +319,7 @@ fn read(path: &Path) -> Result<BTreeMap<GpuUuid, ComputeMode>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inventory::DeviceBackend;
     use crate::inventory::sim::{SimAction, SimBackend};
 
     fn setup() -> (tempfile::TempDir, SimBackend, GpuUuid, GpuUuid) {

@@ -104,9 +104,9 @@ impl HealthSource for NodeHealth {
 mod tests {
     use super::*;
     use crate::health::{BackendProbe, Event, EventKind, Monitor, Policy};
-    use crate::inventory::DeviceBackend;
     use crate::inventory::owner::{InventoryHandle, Owner};
     use crate::inventory::sim::SimBackend;
+    use crate::inventory::{DeviceBackend, Reconfigure};
     use futures::StreamExt;
     use kubelet_plugin::health::{HealthV1, HealthV1beta1};
     use kubelet_plugin::proto::health::v1::dra_resource_health_server::DraResourceHealth as _;

@@ -40,8 +40,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{BackendProbe, Event, EventKind, Instance, Probe};
-use crate::inventory::{DeviceBackend, GpuUuid, Inventory, MigUuid, owner};
+use super::{Event, EventKind, Instance, Probe};
+use crate::inventory::{GpuUuid, Inventory, MigUuid, owner};
 
 /// How often the file is read.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -137,7 +137,7 @@ struct Lost(Arc<Mutex<BTreeSet<GpuUuid>>>);
 
 struct SimProbe {
     lost: Lost,
-    inner: BackendProbe,
+    inner: Arc<dyn Probe>,
 }
 
 impl Probe for SimProbe {
@@ -156,26 +156,27 @@ impl Probe for SimProbe {
 /// The watcher of one fault file.
 pub struct FaultFile {
     path: PathBuf,
-    backend: Arc<dyn DeviceBackend>,
+    /// The hardware's probe, which the file's lost GPUs fail.
+    probe: Arc<dyn Probe>,
     lost: Lost,
     poll: Duration,
 }
 
 impl FaultFile {
-    pub fn new(path: PathBuf, backend: Arc<dyn DeviceBackend>) -> Self {
+    pub fn new(path: PathBuf, probe: Arc<dyn Probe>) -> Self {
         Self {
             path,
-            backend,
+            probe,
             lost: Lost::default(),
             poll: POLL,
         }
     }
 
-    /// The probe the monitor should use: the backend's, failing for GPUs the file lost.
+    /// The probe the monitor should use: the hardware's, failing for GPUs the file lost.
     pub fn probe(&self) -> Arc<dyn Probe> {
         Arc::new(SimProbe {
             lost: self.lost.clone(),
-            inner: BackendProbe(self.backend.clone()),
+            inner: self.probe.clone(),
         })
     }
 

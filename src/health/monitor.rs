@@ -12,6 +12,7 @@ use super::{
     Cause, DaemonsAsked, DaemonsDown, Event, EventKind, Fault, HealthState, Instance, MigFault,
     Policy, Watch,
 };
+use crate::inventory::owner::InventoryHandle;
 use crate::inventory::{DeviceBackend, GpuUuid, MigUuid};
 use crate::lock::lock;
 
@@ -31,8 +32,28 @@ pub trait Probe: Send + Sync + 'static {
     }
 }
 
-/// Probes through a backend ([`DeviceBackend::probe`]); its MIG devices are those of its
-/// snapshot (through the owner, its latest publication: a probe reads no inventory).
+/// Probes through the inventory owner (`nvdra run`): the hardware's probe under the owner's
+/// deadline; its MIG devices are those of the latest publication (a probe reads no inventory).
+impl Probe for InventoryHandle {
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
+        InventoryHandle::probe(self, gpu)
+    }
+
+    fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
+        let inv = self.latest().node().ok()?;
+        Some(mig_devices(&inv))
+    }
+}
+
+fn mig_devices(inv: &crate::inventory::Inventory) -> BTreeSet<MigUuid> {
+    inv.gpus
+        .iter()
+        .flat_map(|g| g.mig.devices.iter().map(|m| m.uuid.clone()))
+        .collect()
+}
+
+/// Probes a backend no owner reads (tools, tests) directly ([`DeviceBackend::probe`]); its MIG
+/// devices are those of a read.
 pub struct BackendProbe(pub Arc<dyn DeviceBackend>);
 
 impl Probe for BackendProbe {
@@ -41,13 +62,7 @@ impl Probe for BackendProbe {
     }
 
     fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
-        let inv = self.0.snapshot().ok()?;
-        Some(
-            inv.gpus
-                .iter()
-                .flat_map(|g| g.mig.devices.iter().map(|m| m.uuid.clone()))
-                .collect(),
-        )
+        Some(mig_devices(&self.0.snapshot().ok()?))
     }
 }
 

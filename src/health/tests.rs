@@ -7,7 +7,9 @@ use tokio::time::Instant;
 use super::faults::{Command, FaultFile, LineError, parse_line};
 use super::*;
 use crate::inventory::sim::SimBackend;
-use crate::inventory::{DeviceBackend, GpuUuid, Health, Inventory, MigUuid, Taint, TaintKey};
+use crate::inventory::{
+    DeviceBackend, GpuUuid, Health, Inventory, MigUuid, Reconfigure, Taint, TaintKey,
+};
 use tokio_util::sync::CancellationToken;
 
 fn sim() -> SimBackend {
@@ -256,7 +258,7 @@ async fn the_fault_file_drives_the_monitor_and_lost_gpus_fail_their_probe() {
     let path = dir.path().join("faults");
     let sim = sim();
     let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let file = FaultFile::new(path.clone(), backend);
+    let file = FaultFile::new(path.clone(), Arc::new(BackendProbe(backend)));
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));
@@ -397,11 +399,11 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
 }
 
 /// A recovery probe that hangs (NVML stuck) does not stop the monitor: through the inventory
-/// owner's backend it gives up at the deadline, the GPU stays unhealthy, and the monitor goes on
+/// owner's handle it gives up at the deadline, the GPU stays unhealthy, and the monitor goes on
 /// judging events; once the probe returns, the GPU can recover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on() {
-    use crate::inventory::owner::{Owner, Watched};
+    use crate::inventory::owner::Owner;
     use crate::inventory::sim::SimCall;
     let sim = sim();
     let (mut owner, inventory) = Owner::new(
@@ -411,15 +413,13 @@ async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on(
     )
     .unwrap();
     owner.read().await.unwrap();
-    let watched = Arc::new(
-        Watched::new(Arc::new(sim.clone()), inventory).with_call_deadline(Duration::from_secs(2)),
-    );
+    let watched = inventory.with_call_deadline(Duration::from_secs(2));
     let policy = Policy {
         quiet_period: Duration::ZERO,
         probe_interval: Duration::from_millis(20),
         ..Policy::default()
     };
-    let (monitor, handle) = Monitor::new(policy, Arc::new(BackendProbe(watched.clone())));
+    let (monitor, handle) = Monitor::new(policy, Arc::new(watched.clone()));
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));
     let (gpu0, gpu1) = (uuid(&sim, 0), uuid(&sim, 1));

@@ -1,4 +1,5 @@
-//! The backend seam: [`DeviceBackend`].
+//! The backend seams: [`DeviceBackend`], the hardware side the inventory owner reads, and
+//! [`Reconfigure`], the write side the DRA plugin holds.
 
 use std::path::Path;
 
@@ -10,9 +11,9 @@ use super::{
 /// A reconfiguration prepare may ask of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reconfiguration {
-    /// [`DeviceBackend::set_time_slice`].
+    /// [`Reconfigure::set_time_slice`].
     TimeSlice,
-    /// [`DeviceBackend::create_mig`] and [`DeviceBackend::destroy_mig`].
+    /// [`Reconfigure::create_mig`] and [`Reconfigure::destroy_mig`].
     Mig,
 }
 
@@ -92,31 +93,65 @@ impl std::fmt::Display for MemoryLimits {
     }
 }
 
-/// A source of inventory snapshots, and the few reconfigurations prepare needs. Implementations
-/// block (NVML is synchronous); async callers run them on the blocking pool.
-///
-/// The reconfiguration methods default to [`Error::Unsupported`], so a backend opts in to each.
+/// The hardware side: the node's inventory, its live readings and health. Only the inventory
+/// owner ([`owner`](super::owner)) calls it: consumers read its publication, and what the
+/// hardware is asked beyond a read (live readings, recovery probes) goes through its handle.
+/// Implementations block (NVML is synchronous).
 pub trait DeviceBackend: Send + Sync + 'static {
     /// A short name for logs (`nvml`, `simulated`).
     fn name(&self) -> &'static str;
-    /// The current inventory. May be the inventory owner's last read
-    /// ([`owner::Watched`](super::owner::Watched)).
+    /// The inventory, read from the hardware now.
     fn snapshot(&self) -> Result<Inventory>;
 
-    /// The inventory [`snapshot`](Self::snapshot) would return, when it is already read and
-    /// can be shared without blocking or copying (the owner's publication, through
-    /// [`owner::Watched`](super::owner::Watched)); `None` otherwise, and by default. Prepare
-    /// takes this first: a snapshot on the blocking pool costs a thread hand-off and a copy of
-    /// the whole inventory on every call.
-    fn published(&self) -> Option<std::sync::Arc<Inventory>> {
+    /// Starts the backend's own source of health events (NVML: an event set waited on by a
+    /// thread of its own), which sends each event to `sink` until `sink` is closed.
+    /// `None` when the backend has none (simulated GPUs get faults from the fault file).
+    fn start_health_events(
+        &self,
+        sink: Box<dyn super::events::EventSink>,
+    ) -> Option<std::io::Result<super::events::EventThread>> {
+        let _ = sink;
         None
     }
 
-    /// Reads the inventory from the hardware, bypassing any cache (through
-    /// [`owner::Watched`](super::owner::Watched), the owner's last read: only the owner reads).
-    fn refresh(&self) -> Result<Inventory> {
-        self.snapshot()
+    /// Whether `gpu` answers again (the health monitor's recovery probe); `Err` says why not.
+    /// By default: a fresh inventory lists it and does not withdraw it.
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        let inv = self
+            .snapshot()
+            .map_err(|e| crate::report::chain(&e).to_string())?;
+        match inv.gpu_by_uuid(gpu.as_str()) {
+            Some(g) if !g.health.is_withdrawn() => Ok(()),
+            Some(g) => Err(g.health.to_string()),
+            None => Err("the GPU is no longer listed".into()),
+        }
     }
+
+    /// Each GPU's live readings ([`GpuUsage`]), read from the hardware now (never cached): for
+    /// a `/metrics` scrape, never on the prepare path. Read-only.
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        Err(Error::Unsupported {
+            backend: self.name(),
+            operation: "reading GPU usage",
+        })
+    }
+}
+
+/// A backend of both sides (NVML, simulated), as it is opened: `nvdra run` hands its hardware
+/// side to the inventory owner and its write side to the DRA plugin's write handle.
+pub trait Backend: DeviceBackend + Reconfigure {}
+
+impl<T: DeviceBackend + Reconfigure> Backend for T {}
+
+/// The write side: the few reconfigurations prepare makes (MIG devices and modes, time slices,
+/// compute modes) and the driver state they decide on. Only the DRA plugin holds it, through
+/// the owner's write handle ([`owner::Writes`](super::owner::Writes)), which asks the owner
+/// for a read after each change. Implementations block.
+///
+/// Each method defaults to [`Error::Unsupported`], so a backend opts in to each.
+pub trait Reconfigure: Send + Sync + 'static {
+    /// A short name for logs (`nvml`, `simulated`).
+    fn name(&self) -> &'static str;
 
     /// Why this backend cannot do `what` on this node, or `None` when it can. Checked at start-up,
     /// so that nothing is published that prepare would refuse.
@@ -181,31 +216,7 @@ pub trait DeviceBackend: Send + Sync + 'static {
         })
     }
 
-    /// Starts the backend's own source of health events (NVML: an event set waited on by a
-    /// thread of its own), which sends each event to `sink` until `sink` is closed.
-    /// `None` when the backend has none (simulated GPUs get faults from the fault file).
-    fn start_health_events(
-        &self,
-        sink: Box<dyn super::events::EventSink>,
-    ) -> Option<std::io::Result<super::events::EventThread>> {
-        let _ = sink;
-        None
-    }
-
-    /// Whether `gpu` answers again (the health monitor's recovery probe); `Err` says why not.
-    /// By default: a fresh inventory lists it and does not withdraw it.
-    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        let inv = self
-            .refresh()
-            .map_err(|e| crate::report::chain(&e).to_string())?;
-        match inv.gpu_by_uuid(gpu.as_str()) {
-            Some(g) if !g.health.is_withdrawn() => Ok(()),
-            Some(g) => Err(g.health.to_string()),
-            None => Err("the GPU is no longer listed".into()),
-        }
-    }
-
-    /// Destroys a MIG device created by [`DeviceBackend::create_mig`]. Destroying one that no
+    /// Destroys a MIG device created by [`Reconfigure::create_mig`]. Destroying one that no
     /// longer exists succeeds, so rollbacks can repeat it.
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
         let _ = (gpu, mig);
@@ -226,15 +237,6 @@ pub trait DeviceBackend: Send + Sync + 'static {
         Err(Error::Unsupported {
             backend: self.name(),
             operation: "changing the MIG mode",
-        })
-    }
-
-    /// Each GPU's live readings ([`GpuUsage`]), read from the hardware now (never cached): for
-    /// a `/metrics` scrape, never on the prepare path. Read-only.
-    fn usage(&self) -> Result<Vec<GpuUsage>> {
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "reading GPU usage",
         })
     }
 }

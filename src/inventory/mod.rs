@@ -31,7 +31,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use backend::{ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration};
+pub use backend::{
+    Backend, ComputeMode, DeviceBackend, MEMORY_LIMIT_MAX, MemoryLimits, Reconfiguration,
+    Reconfigure,
+};
 pub use domains::assign_nvlink_domains;
 pub use mig_mode::{
     HOPPER, Holder, HolderKind, MigModeChange, NoMigToggle, SwitchBlock, Virtualization, on_off,

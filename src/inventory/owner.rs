@@ -11,7 +11,8 @@
 //! publication.
 //!
 //! Invariants:
-//! - Only the owner's reader thread calls [`DeviceBackend::refresh`] on the backend. It is a
+//! - Only the owner reads the hardware ([`DeviceBackend`]): its reader thread reads the
+//!   inventory, and its handle asks for live readings and recovery probes. The reader is a
 //!   thread of its own, not the blocking pool, so a slow or stuck NVML read never takes a thread
 //!   a `/metrics` scrape or a prepare needs.
 //! - Every read has a deadline ([`DEADLINE`]): one that passes it is published as
@@ -19,10 +20,9 @@
 //!   still answered). The next cycle waits on the same read again — never a second one behind a
 //!   stuck one — so at most one thread is ever stuck in the backend.
 //! - A failed read keeps the last inventory published; only the error is new.
-//! - A reconfiguration through [`Watched`] asks for a read, and the next snapshot through it
-//!   waits for that read: prepare never resolves devices against hardware it just changed. A
-//!   refresh through it asks for a read of its own (the plugin, waiting for its MPS processes
-//!   to leave a GPU).
+//! - Writes go through the write handle ([`Writes`]), which only the DRA plugin holds: each
+//!   asks for a read, and the plugin's next look at the node waits for that read, so prepare
+//!   never resolves devices against hardware it just changed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,7 +35,7 @@ use super::deadline::{Deadlines, Lane};
 use super::health::HealthState;
 use super::{
     ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MemoryLimits, MigDevice,
-    MigUuid, Placement, Reconfiguration, Result, TimeSlice,
+    MigUuid, Placement, Reconfiguration, Reconfigure, Result, TimeSlice,
 };
 
 /// How long one inventory read may take before it is reported as failed.
@@ -105,11 +105,16 @@ pub async fn changed(node: &mut Watch) {
     }
 }
 
-/// Asks and waits for the owner's reads.
-#[derive(Clone, Debug)]
+/// Asks and waits for the owner's reads, and asks the hardware what a read does not hold
+/// (live readings, recovery probes), each call under a deadline ([`Deadlines`], [`DEADLINE`] by
+/// default): a stuck `/metrics` reading or probe is reported as such instead of hanging its
+/// caller.
+#[derive(Clone)]
 pub struct InventoryHandle {
     watch: Watch,
     asks: Arc<Asks>,
+    hardware: Arc<dyn DeviceBackend>,
+    deadlines: Deadlines,
 }
 
 #[derive(Debug, Default)]
@@ -153,6 +158,49 @@ impl InventoryHandle {
         let ticket = self.request();
         self.wait(ticket).await?.node()
     }
+
+    /// The same handle, with the hardware's calls waited for at most `after` (tests).
+    pub fn with_call_deadline(mut self, after: Duration) -> Self {
+        self.deadlines = Deadlines::new(self.hardware.name(), after);
+        self
+    }
+
+    /// The hardware's name (`nvml`, `simulated`).
+    pub fn backend(&self) -> &'static str {
+        self.hardware.name()
+    }
+
+    /// The hardware calls past their deadline that still run.
+    pub fn overdue(&self) -> Vec<String> {
+        self.deadlines.overdue()
+    }
+
+    /// Each GPU's live readings, read now, under the deadline: a `/metrics` scrape reports
+    /// readings it could not get in time as unreadable instead of waiting for them.
+    pub fn usage(&self) -> Result<Vec<GpuUsage>> {
+        let hardware = self.hardware.clone();
+        self.deadlines
+            .call(Lane::Usage, "usage".into(), move || hardware.usage())
+    }
+
+    /// Whether `gpu` answers again (the health monitor's recovery probe), under the deadline:
+    /// a probe that does not answer in time says so.
+    pub fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        let (hardware, g) = (self.hardware.clone(), gpu.clone());
+        self.deadlines
+            .call(Lane::Probe, format!("probe (GPU {gpu})"), move || {
+                Ok(hardware.probe(&g))
+            })
+            .unwrap_or_else(|e| Err(crate::report::chain(&e).to_string()))
+    }
+
+    /// Starts the hardware's own health events ([`DeviceBackend::start_health_events`]).
+    pub fn start_health_events(
+        &self,
+        sink: Box<dyn super::events::EventSink>,
+    ) -> Option<std::io::Result<super::events::EventThread>> {
+        self.hardware.start_health_events(sink)
+    }
 }
 
 /// The task that owns the backend's reads.
@@ -183,12 +231,13 @@ impl Owner {
     ) -> std::io::Result<(Self, InventoryHandle)> {
         let (reader, requests) = std::sync::mpsc::channel::<oneshot::Sender<Result<Inventory>>>();
         let backend_name = backend.name();
+        let hardware = backend.clone();
         std::thread::Builder::new()
             .name("nvdra-inventory".into())
             .spawn(move || {
                 for reply in requests {
                     // The owner may have stopped waiting (deadline, shutdown).
-                    let _ = reply.send(backend.refresh());
+                    let _ = reply.send(backend.snapshot());
                 }
             })?;
         let (tx, watch) = watch::channel(Published::default());
@@ -205,7 +254,12 @@ impl Owner {
                 last: None,
                 health: None,
             },
-            InventoryHandle { watch, asks },
+            InventoryHandle {
+                watch,
+                asks,
+                deadlines: Deadlines::new(backend_name, DEADLINE),
+                hardware,
+            },
         ))
     }
 
@@ -365,111 +419,101 @@ fn gone(read: Result<Arc<Inventory>, Arc<Error>>) -> Result<()> {
     }
 }
 
-/// A backend whose reads are the owner's latest publication: what every consumer is given
-/// instead of the hardware. Reconfigurations go to the backend (prepare's few writes) and ask
-/// the owner for a read; the next snapshot waits for it. Live readings ([`DeviceBackend::usage`])
-/// and health probes are the backend's own. Every call that reaches the backend from here has
-/// a deadline ([`Deadlines`], [`DEADLINE`] by default): a stuck reconfiguration, `/metrics`
-/// reading or recovery probe is reported as such instead of hanging its caller.
-pub struct Watched {
-    backend: Arc<dyn DeviceBackend>,
+/// The write handle: the reconfigurations prepare makes ([`Reconfigure`]), held by the DRA
+/// plugin alone, and the node as the owner publishes it. Every reconfiguration runs under a
+/// deadline ([`Deadlines`], [`DEADLINE`] by default: a stuck one is reported as such instead of
+/// hanging its caller) and asks the owner for a read; [`Writes::node`] then waits for that read.
+#[derive(Clone)]
+pub struct Writes {
+    gpus: Arc<dyn Reconfigure>,
     handle: InventoryHandle,
-    /// The ask made after the last reconfiguration, which the next snapshot waits for.
+    /// The ask made after the last reconfiguration, which the next [`Writes::node`] waits for.
     changed: Arc<AtomicU64>,
     deadlines: Deadlines,
 }
 
-impl Watched {
-    pub fn new(backend: Arc<dyn DeviceBackend>, handle: InventoryHandle) -> Self {
-        let deadlines = Deadlines::new(backend.name(), DEADLINE);
+impl Writes {
+    pub fn new(gpus: Arc<dyn Reconfigure>, handle: InventoryHandle) -> Self {
+        let deadlines = Deadlines::new(gpus.name(), DEADLINE);
         Self {
-            backend,
+            gpus,
             handle,
             changed: Arc::new(AtomicU64::new(0)),
             deadlines,
         }
     }
 
-    /// The same, with backend calls waited for at most `after` (tests).
+    /// The same, with the calls waited for at most `after` (tests).
     pub fn with_call_deadline(mut self, after: Duration) -> Self {
-        self.deadlines = Deadlines::new(self.backend.name(), after);
+        self.deadlines = Deadlines::new(self.gpus.name(), after);
         self
     }
 
-    /// The backend calls past their deadline that still run.
+    /// The calls past their deadline that still run.
     pub fn overdue(&self) -> Vec<String> {
         self.deadlines.overdue()
     }
 
+    /// The owner's publications.
+    pub fn subscribe(&self) -> Watch {
+        self.handle.subscribe()
+    }
+
+    /// The node as the owner last published it, shared (no copy); after a reconfiguration, the
+    /// first read that saw it, waited for (bounded by the owner's deadline): prepare never
+    /// resolves devices against hardware it just changed.
+    pub async fn node(&self) -> Result<Arc<Inventory>> {
+        let ticket = self.changed.load(Ordering::SeqCst);
+        {
+            let latest = self.handle.watch.borrow();
+            if latest.answered >= ticket {
+                return latest.node();
+            }
+        }
+        self.handle.wait(ticket).await?.node()
+    }
+
+    /// A read the owner makes now, asked for and waited for (bounded by its deadline): the
+    /// plugin waiting for its MPS processes to leave a GPU.
+    pub async fn refresh(&self) -> Result<Arc<Inventory>> {
+        self.handle.refresh().await
+    }
+
     /// A reconfiguration, under the deadline. Once it returns (even after its caller gave up,
-    /// even refused: a refused change may still have left one pending), the next snapshot waits
-    /// for a read that saw it.
+    /// even refused: a refused change may still have left one pending), the next
+    /// [`Writes::node`] waits for a read that saw it.
     fn reconfigure<T: Send + 'static>(
         &self,
         call: String,
-        f: impl FnOnce(&dyn DeviceBackend) -> Result<T> + Send + 'static,
+        f: impl FnOnce(&dyn Reconfigure) -> Result<T> + Send + 'static,
     ) -> Result<T> {
-        let (backend, handle, changed) = (
-            self.backend.clone(),
-            self.handle.clone(),
-            self.changed.clone(),
-        );
+        let (gpus, handle, changed) =
+            (self.gpus.clone(), self.handle.clone(), self.changed.clone());
         self.deadlines.call(Lane::Write, call, move || {
-            let r = f(&*backend);
+            let r = f(&*gpus);
             changed.fetch_max(handle.request(), Ordering::SeqCst);
             r
         })
     }
 
-    /// A call that changes no inventory, under the deadline.
+    /// A driver call that changes no inventory, under the deadline.
     fn call<T: Send + 'static>(
         &self,
-        lane: Lane,
         call: String,
-        f: impl FnOnce(&dyn DeviceBackend) -> Result<T> + Send + 'static,
+        f: impl FnOnce(&dyn Reconfigure) -> Result<T> + Send + 'static,
     ) -> Result<T> {
-        let backend = self.backend.clone();
-        self.deadlines.call(lane, call, move || f(&*backend))
+        let gpus = self.gpus.clone();
+        self.deadlines.call(Lane::Write, call, move || f(&*gpus))
     }
 }
 
-impl DeviceBackend for Watched {
+impl Reconfigure for Writes {
     fn name(&self) -> &'static str {
-        self.backend.name()
-    }
-
-    /// The latest publication; after a reconfiguration, the first read that saw it. Blocks only
-    /// then (callers run it off the runtime), for at most the owner's deadline.
-    fn snapshot(&self) -> Result<Inventory> {
-        let ticket = self.changed.load(Ordering::SeqCst);
-        let node = if self.handle.latest().answered >= ticket {
-            self.handle.latest().node()
-        } else {
-            // tokio's watch needs no runtime to be waited on.
-            futures::executor::block_on(self.handle.wait(ticket))?.node()
-        };
-        node.map(|n| Inventory::clone(&n))
-    }
-
-    /// The latest publication as published, unless a reconfiguration waits for its read (then
-    /// [`Watched::snapshot`] must wait).
-    fn published(&self) -> Option<Arc<Inventory>> {
-        let latest = self.handle.watch.borrow();
-        if latest.answered < self.changed.load(Ordering::SeqCst) {
-            return None;
-        }
-        latest.node.clone()
-    }
-
-    /// A read the owner makes now, asked for and waited for (bounded by its deadline): only
-    /// the owner reads the hardware. Blocks; callers run it off the runtime.
-    fn refresh(&self) -> Result<Inventory> {
-        let node = futures::executor::block_on(self.handle.refresh())?;
-        Ok(Inventory::clone(&node))
+        self.gpus.name()
     }
 
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {
-        self.backend.unavailable(what)
+        self.gpus.unavailable(what)
     }
 
     fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
@@ -481,7 +525,7 @@ impl DeviceBackend for Watched {
 
     fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
         let gpu = gpu.clone();
-        self.call(Lane::Write, format!("compute_mode (GPU {gpu})"), move |b| {
+        self.call(format!("compute_mode (GPU {gpu})"), move |b| {
             b.compute_mode(&gpu)
         })
     }
@@ -489,20 +533,16 @@ impl DeviceBackend for Watched {
     /// Under the write lane's deadline: a driver call like the compute-mode read.
     fn memory_limits(&self, gpu: &GpuUuid, cgroup: &std::path::Path) -> Result<MemoryLimits> {
         let (gpu, cgroup) = (gpu.clone(), cgroup.to_path_buf());
-        self.call(
-            Lane::Write,
-            format!("memory_limits (GPU {gpu})"),
-            move |b| b.memory_limits(&gpu, &cgroup),
-        )
+        self.call(format!("memory_limits (GPU {gpu})"), move |b| {
+            b.memory_limits(&gpu, &cgroup)
+        })
     }
 
     fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
         let gpu = gpu.clone();
-        self.call(
-            Lane::Write,
-            format!("set_compute_mode {mode} (GPU {gpu})"),
-            move |b| b.set_compute_mode(&gpu, mode),
-        )
+        self.call(format!("set_compute_mode {mode} (GPU {gpu})"), move |b| {
+            b.set_compute_mode(&gpu, mode)
+        })
     }
 
     fn create_mig(
@@ -516,22 +556,6 @@ impl DeviceBackend for Watched {
             format!("create_mig of profile {gi_profile_id} (GPU {gpu})"),
             move |b| b.create_mig(&gpu, gi_profile_id, placement),
         )
-    }
-
-    fn start_health_events(
-        &self,
-        sink: Box<dyn super::events::EventSink>,
-    ) -> Option<std::io::Result<super::events::EventThread>> {
-        self.backend.start_health_events(sink)
-    }
-
-    /// Under the deadline: a probe that does not answer in time says so.
-    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        let gpu = gpu.clone();
-        self.call(Lane::Probe, format!("probe (GPU {gpu})"), move |b| {
-            Ok(b.probe(&gpu))
-        })
-        .unwrap_or_else(|e| Err(crate::report::chain(&e).to_string()))
     }
 
     fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
@@ -550,12 +574,6 @@ impl DeviceBackend for Watched {
             format!("set_mig_mode {} (GPU {gpu})", super::on_off(enabled)),
             move |b| b.set_mig_mode(&gpu, enabled),
         )
-    }
-
-    /// Under the deadline: a `/metrics` scrape reports readings it could not get in time as
-    /// unreadable instead of waiting for them.
-    fn usage(&self) -> Result<Vec<GpuUsage>> {
-        self.call(Lane::Usage, "usage".into(), |b| b.usage())
     }
 }
 

@@ -34,8 +34,8 @@ use std::time::Duration;
 
 use super::{
     ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, HOPPER, Health, Holder, HolderKind,
-    Inventory, MigDevice, MigModeChange, MigUuid, NoMigToggle, Placement, ProcessUsage, Result,
-    TimeSlice, Virtualization, holders, on_off, topology,
+    Inventory, MigDevice, MigModeChange, MigUuid, NoMigToggle, Placement, ProcessUsage,
+    Reconfigure, Result, TimeSlice, Virtualization, holders, on_off, topology,
 };
 
 /// A reconfiguration the simulated hardware went through, in order; tests read them with
@@ -387,6 +387,33 @@ impl DeviceBackend for SimBackend {
         Ok(inv)
     }
 
+    /// As by default (the GPU is listed and not withdrawn), unless held.
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        self.pass(SimCall::Probe);
+        match self.lock().inventory.gpu_by_uuid(gpu.as_str()) {
+            Some(g) if !g.health.is_withdrawn() => Ok(()),
+            Some(g) => Err(g.health.to_string()),
+            None => Err("the GPU is no longer listed".into()),
+        }
+    }
+
+    fn usage(&self) -> Result<Vec<GpuUsage>> {
+        self.pass(SimCall::Usage);
+        let m = self.lock();
+        let file = m.process_file();
+        Ok(m.inventory
+            .gpus
+            .iter()
+            .map(|g| sim_usage(g, m.running(&g.uuid, &file)))
+            .collect())
+    }
+}
+
+impl Reconfigure for SimBackend {
+    fn name(&self) -> &'static str {
+        "simulated"
+    }
+
     fn unavailable(&self, _what: super::Reconfiguration) -> Option<String> {
         None
     }
@@ -418,7 +445,7 @@ impl DeviceBackend for SimBackend {
         let m = self.lock();
         if !m.memory_limits {
             return Err(Error::Unsupported {
-                backend: self.name(),
+                backend: Reconfigure::name(self),
                 operation: "reading per-cgroup memory limits",
             });
         }
@@ -642,27 +669,6 @@ impl DeviceBackend for SimBackend {
             delay,
         });
         Ok(MigModeChange::Applied)
-    }
-
-    /// As by default (the GPU is listed and not withdrawn), unless held.
-    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        self.pass(SimCall::Probe);
-        match self.lock().inventory.gpu_by_uuid(gpu.as_str()) {
-            Some(g) if !g.health.is_withdrawn() => Ok(()),
-            Some(g) => Err(g.health.to_string()),
-            None => Err("the GPU is no longer listed".into()),
-        }
-    }
-
-    fn usage(&self) -> Result<Vec<GpuUsage>> {
-        self.pass(SimCall::Usage);
-        let m = self.lock();
-        let file = m.process_file();
-        Ok(m.inventory
-            .gpus
-            .iter()
-            .map(|g| sim_usage(g, m.running(&g.uuid, &file)))
-            .collect())
     }
 }
 

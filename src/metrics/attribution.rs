@@ -1,8 +1,8 @@
 //! Which pod uses which GPU: the [`Source`] a scrape reads. Allocations come from the one ledger
 //! (DRA claims, with the pods they were reserved for) and from the device plugin's holds (what
 //! PodResources lists per container); the node, and the share daemons' last round, from the
-//! inventory owner's latest publication (its watch); live readings from the backend
-//! ([`DeviceBackend::usage`]); XID counts from the health monitor; a process's pod from the pod UID its cgroup names under
+//! inventory owner's latest publication (its watch); live readings through the owner's handle
+//! ([`InventoryHandle::usage`]); XID counts from the health monitor; a process's pod from the pod UID its cgroup names under
 //! `/proc` (a root tests replace).
 //!
 //! Locks: the ledger's only for a copy of its claims, the holds' only for a copy of them; the
@@ -16,14 +16,14 @@ use super::Source;
 use super::families::{Allocation, GpuRow, ProcessRow, Scrape, ShareRow};
 use crate::health::MonitorHandle;
 use crate::holds::{ContainerHolds, Holder};
-use crate::inventory::{DeviceBackend, Inventory, owner};
+use crate::inventory::owner::InventoryHandle;
+use crate::inventory::{DeviceBackend, GpuUsage, Inventory, owner};
 use crate::ledger::{ClaimEntry, Ledger};
 
 /// The scrape source of a running nvdra.
 pub struct Attribution {
     node: owner::Watch,
-    /// Read for live readings only.
-    backend: Arc<dyn DeviceBackend>,
+    readings: Arc<dyn Readings>,
     ledger: Option<Ledger>,
     holds: Option<ContainerHolds>,
     monitor: Option<MonitorHandle>,
@@ -32,15 +32,33 @@ pub struct Attribution {
     share_levels: Option<ShareLevels>,
 }
 
+/// Where a scrape's live readings come from: the owner's handle in `nvdra run` (under its
+/// deadline), a backend no owner reads in tools and tests.
+pub trait Readings: Send + Sync {
+    fn usage(&self) -> crate::inventory::Result<Vec<GpuUsage>>;
+}
+
+impl Readings for InventoryHandle {
+    fn usage(&self) -> crate::inventory::Result<Vec<GpuUsage>> {
+        InventoryHandle::usage(self)
+    }
+}
+
+impl<T: DeviceBackend> Readings for T {
+    fn usage(&self) -> crate::inventory::Result<Vec<GpuUsage>> {
+        DeviceBackend::usage(self)
+    }
+}
+
 /// Which limit holds each prepared share claim's memory (`container` or `process`).
 pub type ShareLevels = Arc<dyn Fn() -> BTreeMap<crate::ids::ClaimUid, &'static str> + Send + Sync>;
 
 impl Attribution {
-    /// The node as `node` publishes it, the readings from `backend`.
-    pub fn new(node: owner::Watch, backend: Arc<dyn DeviceBackend>) -> Self {
+    /// The node as `node` publishes it, the live readings from `readings`.
+    pub fn new(node: owner::Watch, readings: Arc<dyn Readings>) -> Self {
         Self {
             node,
-            backend,
+            readings,
             ledger: None,
             holds: None,
             monitor: None,
@@ -126,7 +144,7 @@ impl Source for Attribution {
                 ..Allocation::default()
             });
         }
-        let (usage, usage_ok) = match self.backend.usage() {
+        let (usage, usage_ok) = match self.readings.usage() {
             Ok(u) => (u, true),
             Err(e) => {
                 tracing::debug!(error = %crate::report::chain(&e), "cannot read the GPUs' usage");
@@ -438,7 +456,7 @@ mod tests {
     /// (`nvdra_gpu_usage_readable` 0); the call left running is named.
     #[tokio::test]
     async fn a_scrape_reports_usage_it_could_not_read_in_time_as_unreadable() {
-        use crate::inventory::owner::{Owner, Watched};
+        use crate::inventory::owner::Owner;
         use crate::inventory::sim::{SimBackend, SimCall};
 
         let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
@@ -449,12 +467,9 @@ mod tests {
         )
         .unwrap();
         owner.read().await.unwrap();
-        let watched = Arc::new(
-            Watched::new(Arc::new(sim.clone()), handle.clone())
-                .with_call_deadline(std::time::Duration::from_secs(2)),
-        );
+        let watched = handle.with_call_deadline(std::time::Duration::from_secs(2));
         let _held = sim.hold(SimCall::Usage);
-        let source = Attribution::new(handle.subscribe(), watched.clone());
+        let source = Attribution::new(watched.subscribe(), Arc::new(watched.clone()));
         let s = tokio::task::spawn_blocking(move || source.scrape())
             .await
             .unwrap();
@@ -573,7 +588,7 @@ mod tests {
         assert!(s.usage_ok);
         assert_eq!(s.gpus.len(), inv.gpus.len());
         assert_eq!(s.gpus[2].device, format!("gpu-{}", inv.gpus[2].minor));
-        assert_eq!(s.gpus[2].usage, sim.usage().unwrap()[2]);
+        assert_eq!(s.gpus[2].usage, DeviceBackend::usage(&sim).unwrap()[2]);
         assert_eq!(s.gpus[2].usage.memory_used_bytes, 3 << 30);
     }
 }

@@ -230,12 +230,12 @@ async fn a_mig_reconfiguration_serves_the_new_resource_and_shrinks_the_old() {
 
 /// The daemon's wiring: the device plugin reads the inventory owner's watch, with a poll far
 /// beyond the test. A MIG device created the way prepare creates one (through the owner's
-/// backend) is in the very next list of its resource, from the one read that the creation
+/// write handle) is in the very next list of its resource, from the one read that the creation
 /// asked of the owner — not left to the slices alone.
 #[tokio::test]
 async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_inventory_read() {
-    use nvdra::inventory::owner::{Owner, Watched};
-    use nvdra::inventory::{DeviceBackend, Placement};
+    use nvdra::inventory::owner::{Owner, Writes};
+    use nvdra::inventory::{DeviceBackend, Placement, Reconfigure};
     const SOON: Duration = Duration::from_secs(10);
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("device-plugins");
@@ -249,7 +249,7 @@ async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_invento
     owner.read().await.unwrap();
     let stop = CancellationToken::new();
     let owner_task = tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), stop.clone()));
-    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), inventory.clone()));
+    let watched = Arc::new(Writes::new(Arc::new(sim.clone()), inventory.clone()));
     let dp = DevicePlugin::new(
         settings(root.path()),
         Options {

@@ -25,10 +25,10 @@ use nvdra::deviceplugin::server::Settings;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::faults::FaultFile;
-use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Policy};
+use nvdra::health::{BackendProbe, Event, EventKind, Monitor, MonitorHandle, Policy};
 use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
-use nvdra::inventory::{DeviceBackend, MigUuid};
+use nvdra::inventory::{DeviceBackend, MigUuid, Reconfigure};
 use support::apiserver::TestApiServer;
 use support::wait::{SOON, eventually, until};
 use tokio_util::sync::CancellationToken;
@@ -270,7 +270,7 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
     let faults = dir.path().join("faults");
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let file = FaultFile::new(faults.clone(), inner.clone());
+    let file = FaultFile::new(faults.clone(), Arc::new(BackendProbe(inner.clone())));
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
     let hour = Duration::from_secs(3600);
@@ -465,7 +465,7 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
         .unwrap();
 
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let file = FaultFile::new(faults.clone(), inner.clone());
+    let file = FaultFile::new(faults.clone(), Arc::new(BackendProbe(inner.clone())));
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
     let hour = Duration::from_secs(3600);

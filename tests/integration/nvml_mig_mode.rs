@@ -20,7 +20,7 @@ use std::process::Command;
 use nvdra::inventory::holders::HolderScan;
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
 use nvdra::inventory::{
-    DeviceBackend, Error, MigModeChange, NoMigToggle, Placement, Virtualization,
+    DeviceBackend, Error, MigModeChange, NoMigToggle, Placement, Reconfigure, Virtualization,
 };
 
 const CHILD: &str = "NVDRA_TEST_MIG_MODE_CHILD";

@@ -19,7 +19,7 @@ use nvdra::dra::plugin::{ClaimRef, Options as PluginOptions, Plugin};
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
 use nvdra::dra::sync::{SliceSync, layout_for};
 use nvdra::ids::ClaimUid;
-use nvdra::inventory::owner::{InventoryHandle, Owner, Watched};
+use nvdra::inventory::owner::{InventoryHandle, Owner, Writes};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::switch_blocks::SwitchBlocks;
 use nvdra::inventory::{
@@ -55,10 +55,7 @@ impl DeviceBackend for Counting {
         self.sim.name()
     }
     fn snapshot(&self) -> inventory::Result<Inventory> {
-        self.refresh()
-    }
-    fn refresh(&self) -> inventory::Result<Inventory> {
-        let inv = self.sim.refresh();
+        let inv = self.sim.snapshot();
         self.reads.send_modify(|n| *n += 1);
         inv
     }
@@ -670,19 +667,9 @@ async fn a_passthrough_h100_switches_at_prepare_and_in_use_taints_its_placements
         |o| o.dynamic_mig = true,
         |_| {},
         |owner| {
-            let backend: Arc<dyn DeviceBackend> =
-                Arc::new(Watched::new(Arc::new(sim.clone()), owner.clone()));
-            let node = owner.subscribe();
+            let writes = Writes::new(Arc::new(sim.clone()), owner.clone());
             let made = made.insert(
-                Plugin::new(
-                    opts,
-                    api,
-                    backend,
-                    nvdra::metrics::Metrics::new(),
-                    None,
-                    node,
-                )
-                .unwrap(),
+                Plugin::new(opts, api, writes, nvdra::metrics::Metrics::new(), None).unwrap(),
             );
             Some(made.0.switch_blocks())
         },

@@ -10,7 +10,8 @@ use futures::future::{BoxFuture, Shared};
 use kubelet_plugin::PrepareClaim;
 
 use super::{ClaimError, ClaimRef, Plugin};
-use crate::inventory::{DeviceBackend, Inventory};
+use crate::inventory::Inventory;
+use crate::inventory::owner::Writes;
 // The claim-lock map sees inserts and removes only, so ignoring poison is sound.
 use crate::ids::ClaimUid;
 use crate::ledger::DeviceRecord;
@@ -18,29 +19,18 @@ use crate::lock::lock;
 use crate::metrics::Histogram;
 
 /// A batch's inventory snapshot, taken as the batch starts (under the node lock): the owner's
-/// publication when the backend has one ready ([`DeviceBackend::published`]: no copy, no
-/// thread), else read on the blocking pool and awaited by each claim only when it needs it, so
-/// a claim's own GET goes out meanwhile instead of after it.
+/// publication (no copy, no thread), or the read that follows this plugin's last
+/// reconfiguration, awaited by each claim only when it needs it, so a claim's own GET goes out
+/// meanwhile instead of after it.
 #[derive(Clone)]
 pub(super) struct PendingInventory(
     Shared<BoxFuture<'static, Result<Arc<Inventory>, Arc<ClaimError>>>>,
 );
 
 impl PendingInventory {
-    fn start(backend: Arc<dyn DeviceBackend>) -> Self {
-        if let Some(inv) = backend.published() {
-            return Self(futures::future::ready(Ok(inv)).boxed().shared());
-        }
-        // Started now (a blocking-pool task runs whether or not it is awaited).
-        let snapshot = tokio::task::spawn_blocking(move || backend.snapshot());
-        let result = async move {
-            match snapshot.await {
-                Ok(Ok(inv)) => Ok(Arc::new(inv)),
-                Ok(Err(e)) => Err(Arc::new(ClaimError::from(e))),
-                Err(e) => Err(Arc::new(ClaimError::Task(e))),
-            }
-        };
-        Self(result.boxed().shared())
+    fn start(gpus: Writes) -> Self {
+        let node = async move { gpus.node().await.map_err(|e| Arc::new(ClaimError::from(e))) };
+        Self(node.boxed().shared())
     }
 
     /// The snapshot; its failure fails every claim of the batch alike.
@@ -67,8 +57,8 @@ impl Plugin {
     ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
         // One snapshot per batch: MIG devices created by this batch are tracked in the ledger,
         // which is what conflict checks read.
-        let backend = self.inner.backend.clone();
-        let setup = async move { Ok(PendingInventory::start(backend)) };
+        let gpus = self.inner.gpus.clone();
+        let setup = async move { Ok(PendingInventory::start(gpus)) };
         let m = &self.inner.metrics;
         let outcome = (&m.prepare_ok, &m.prepare_failed, &m.prepare_seconds);
         self.batch(claims, "prepare", outcome, setup, |c, rc, inv| async move {

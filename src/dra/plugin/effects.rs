@@ -9,7 +9,7 @@
 use crate::cdi::PreparedDevice;
 use crate::dra::mps::Mps;
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, TimeSlice};
+use crate::inventory::{DeviceUuid, GpuUuid, Inventory, MigDevice, Reconfigure, TimeSlice};
 use crate::ledger::DeviceRecord;
 use crate::sharing::{Sharing, TimeSliceInterval};
 
@@ -72,7 +72,7 @@ impl Plugin {
             {
                 let (gpu, gi, placement) = (d.gpu.clone(), m.gi_profile_id, m.placement);
                 let dev = self
-                    .blocking(move |i| i.backend.create_mig(&gpu, gi, placement))
+                    .blocking(move |i| i.gpus.create_mig(&gpu, gi, placement))
                     .await??;
                 tracing::info!(claim.uid = %uid, device = %d.device, mig.uuid = %dev.uuid, "MIG device created");
                 m.uuid = Some(dev.uuid.clone());
@@ -82,7 +82,7 @@ impl Plugin {
             if let (Sharing::TimeSlicing { interval }, None) = (&d.sharing, &d.mig) {
                 // MIG devices are not time-sliced by interval; only whole GPUs are.
                 let (gpu, interval) = (d.gpu.clone(), time_slice(*interval));
-                self.blocking(move |i| i.backend.set_time_slice(&gpu, interval))
+                self.blocking(move |i| i.gpus.set_time_slice(&gpu, interval))
                     .await??;
             }
         }
@@ -260,7 +260,7 @@ impl Plugin {
                 });
                 if !others {
                     let gpu = d.gpu.clone();
-                    self.blocking(move |i| i.backend.set_time_slice(&gpu, TimeSlice::Default))
+                    self.blocking(move |i| i.gpus.set_time_slice(&gpu, TimeSlice::Default))
                         .await??;
                 }
             }
@@ -290,7 +290,7 @@ impl Plugin {
                     self.wait_own_mps(&d.gpu, Some(&mig_uuid), "destroy MIG device")
                         .await?;
                     let gpu = d.gpu.clone();
-                    self.blocking(move |i| i.backend.destroy_mig(&gpu, &mig_uuid))
+                    self.blocking(move |i| i.gpus.destroy_mig(&gpu, &mig_uuid))
                         .await??;
                     tracing::info!(claim.uid = %uid, device = %d.device, "MIG device destroyed");
                 }

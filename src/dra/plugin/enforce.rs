@@ -30,7 +30,7 @@ impl Plugin {
         devices: &[DeviceRecord],
     ) -> Result<(), ClaimError> {
         for gpu in one_context_gpus(devices) {
-            self.blocking(move |i| i.compute_modes.hold(&*i.backend, &gpu))
+            self.blocking(move |i| i.compute_modes.hold(&i.gpus, &gpu))
                 .await??;
         }
         Ok(())
@@ -46,7 +46,7 @@ impl Plugin {
         for gpu in one_context_gpus(devices) {
             let (ledger, owner) = (self.inner.ledger.clone(), uid.clone());
             self.blocking(move |i| {
-                i.compute_modes.release(&*i.backend, &gpu, || {
+                i.compute_modes.release(&i.gpus, &gpu, || {
                     ledger.read(|c| held_by_another(&c.claims, &owner, &gpu))
                 })
             })
@@ -65,7 +65,7 @@ impl Plugin {
             .flat_map(|e| one_context_gpus(&e.devices))
             .collect();
         let repaired = self
-            .blocking(move |i| i.compute_modes.repair(&*i.backend, &shared))
+            .blocking(move |i| i.compute_modes.repair(&i.gpus, &shared))
             .await;
         match repaired {
             Ok((done, failed)) => {
@@ -225,9 +225,7 @@ impl Plugin {
     /// shares). Returns the GPUs that could not be put back: the watch reports them as it does
     /// a daemon that does not answer (tainted, new shares refused).
     async fn recheck_compute_modes(&self) -> BTreeSet<GpuUuid> {
-        let checked = self
-            .blocking(|i| i.compute_modes.recheck(&*i.backend))
-            .await;
+        let checked = self.blocking(|i| i.compute_modes.recheck(&i.gpus)).await;
         let (restored, failed) = match checked {
             Ok(r) => r,
             Err(e) => {

@@ -13,15 +13,11 @@ use crate::inventory::Inventory;
 use crate::report::chain;
 
 impl Plugin {
-    /// The inventory prepared devices' metadata is read from: the owner's publication when it
-    /// has one, else a read; `None` (logged) when neither is there, and the files then name
-    /// the devices only.
+    /// The inventory prepared devices' metadata is read from: the owner's publication; `None`
+    /// (logged) when there is none, and the files then name the devices only.
     pub(crate) async fn metadata_inventory(&self) -> Option<Arc<Inventory>> {
-        if let Some(inv) = self.inner.backend.published() {
-            return Some(inv);
-        }
         match self.snapshot().await {
-            Ok(inv) => Some(Arc::new(inv)),
+            Ok(inv) => Some(inv),
             Err(e) => {
                 tracing::warn!(error = %chain(&e), "cannot read the inventory; the device metadata files name the devices only");
                 None

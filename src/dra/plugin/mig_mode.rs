@@ -42,7 +42,7 @@ use super::{ClaimError, Plugin, crash_point};
 use crate::ids::ClaimUid;
 use crate::inventory::{
     self, Gpu, GpuUuid, Holder, HolderKind, Inventory, MigModeChange, MigUuid, NoMigToggle,
-    SwitchBlock, on_off,
+    Reconfigure, SwitchBlock, on_off,
 };
 use crate::ledger::{ClaimEntry, DeviceRecord};
 use std::collections::BTreeMap;
@@ -252,7 +252,7 @@ impl Plugin {
     async fn set_mig_mode(&self, gpu: &GpuUuid, enable: bool) -> Result<MigModeChange, ClaimError> {
         let g = gpu.clone();
         let r = self
-            .blocking(move |i| i.backend.set_mig_mode(&g, enable))
+            .blocking(move |i| i.gpus.set_mig_mode(&g, enable))
             .await?;
         match r {
             Ok(c) => {
@@ -335,7 +335,7 @@ impl Plugin {
     async fn withdraw(&self, gpu: &GpuUuid, current: bool) -> bool {
         let g = gpu.clone();
         let r = self
-            .blocking(move |i| i.backend.set_mig_mode(&g, current))
+            .blocking(move |i| i.gpus.set_mig_mode(&g, current))
             .await;
         match r.and_then(|r| r.map_err(ClaimError::from)) {
             Ok(_) => {
@@ -487,7 +487,7 @@ impl Plugin {
             Some(m) => (vec![m.to_string()], Vec::new()),
             None => {
                 let inv = match fresh {
-                    true => self.blocking(|i| i.backend.refresh()).await??,
+                    true => self.inner.gpus.refresh().await?,
                     false => self.snapshot().await?,
                 };
                 match inv.gpu_by_uuid(gpu.as_str()) {

@@ -34,8 +34,9 @@ use super::mps::Mps;
 use crate::api::ClaimReader;
 use crate::cdi::DriverRoot;
 use crate::ids::ClaimUid;
+use crate::inventory::Inventory;
+use crate::inventory::owner::{Watch, Writes};
 use crate::inventory::switch_blocks::SwitchBlocks;
-use crate::inventory::{DeviceBackend, Inventory};
 use crate::ledger::{self, Ledger};
 use crate::metrics::Metrics;
 use kubelet_plugin::nodelock::{self, NodeLock};
@@ -115,7 +116,8 @@ pub struct Options {
 struct Inner {
     opts: Options,
     api: Arc<dyn ClaimReader>,
-    backend: Arc<dyn DeviceBackend>,
+    /// The write handle: the plugin's reconfigurations, and the node the owner publishes.
+    gpus: Writes,
     ledger: Ledger,
     specs: Specs,
     mps: Mps,
@@ -124,7 +126,7 @@ struct Inner {
     /// The inventory owner's publications: the health monitor's record of the share daemons
     /// that do not answer ([`Plugin::watch_share_daemons`] reports to it), whose GPUs' new
     /// shares are refused.
-    node: crate::inventory::owner::Watch,
+    node: Watch,
     node_lock: NodeLock,
     metrics: Arc<Metrics>,
     /// Writes claims' `status.devices` after prepare; `None` where none is written.
@@ -148,19 +150,18 @@ pub struct Plugin {
 
 impl Plugin {
     /// Opens the ledger in `opts.plugin_dir`, consulting `elsewhere` at each reservation
-    /// (`--mode both`: what containers hold); `node`: the owner's publications. Spawn the
-    /// returned writer, then call [`Plugin::recover`] before serving.
+    /// (`--mode both`: what containers hold); `gpus`: the write handle, over the owner's
+    /// publications. Spawn the returned writer, then call [`Plugin::recover`] before serving.
     pub fn new(
         opts: Options,
         api: Arc<dyn ClaimReader>,
-        backend: Arc<dyn DeviceBackend>,
+        gpus: Writes,
         metrics: Arc<Metrics>,
         elsewhere: Option<Arc<dyn ledger::HeldElsewhere>>,
-        node: crate::inventory::owner::Watch,
     ) -> Result<(Plugin, ledger::Writer, ledger::LoadOutcome), StartError> {
         let mut specs = Specs::new(&opts.driver, &opts.driver_root, opts.cdi_root.clone())?;
         if opts.shared_capacity.enabled() {
-            specs.enable_memory_limits(&opts.plugin_dir.join("bin"), backend.clone());
+            specs.enable_memory_limits(&opts.plugin_dir.join("bin"), Arc::new(gpus.clone()));
         }
         match specs.enable_mps_gate(&opts.plugin_dir.join("bin")) {
             Ok(true) => tracing::info!(
@@ -188,12 +189,13 @@ impl Plugin {
         let compute_modes = ComputeModes::new(&opts.plugin_dir);
         // The metrics' record: `/metrics` reads what the plugin records in it.
         let switch_blocks = metrics.switch_blocks.clone();
+        let node = gpus.subscribe();
         Ok((
             Plugin {
                 inner: Arc::new(Inner {
                     opts,
                     api,
-                    backend,
+                    gpus,
                     ledger,
                     specs,
                     mps,
@@ -256,8 +258,10 @@ impl Plugin {
             .await
     }
 
-    async fn snapshot(&self) -> Result<Inventory, ClaimError> {
-        Ok(self.blocking(|i| i.backend.snapshot()).await??)
+    /// The node as the owner published it; after one of this plugin's reconfigurations, the
+    /// first read that saw it.
+    async fn snapshot(&self) -> Result<Arc<Inventory>, ClaimError> {
+        Ok(self.inner.gpus.node().await?)
     }
 
     async fn blocking<R: Send + 'static>(

@@ -120,7 +120,7 @@ impl Plugin {
         let dynamic = self.inner.opts.dynamic_mig;
         if dynamic && inv.gpus.iter().any(|g| mig_mode::withdrawable(dynamic, g)) {
             self.withdraw_pending(&inv).await;
-            inv = Arc::new(self.snapshot().await?);
+            inv = self.snapshot().await?;
         }
         Ok((read, inv))
     }

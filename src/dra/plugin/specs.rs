@@ -10,7 +10,7 @@ use crate::cdi::memlimit::{Enforcement, Partitioning};
 use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
-use crate::inventory::{DeviceBackend, GpuUuid};
+use crate::inventory::{GpuUuid, Reconfigure};
 use crate::lock::lock;
 
 pub(super) struct Specs {
@@ -57,10 +57,10 @@ impl Specs {
     /// where they can hold: a cgroup v2 hierarchy at the cgroup root, the driver's NVML library
     /// found under the driver root, and nvdra's binary installed in `dir` (a host directory).
     /// Each whole GPU is then asked through `backend` at its first share whether its driver
-    /// partitions memory per cgroup ([`DeviceBackend::memory_limits`] on the cgroup root), and
+    /// partitions memory per cgroup ([`Reconfigure::memory_limits`] on the cgroup root), and
     /// the answer kept: a node's driver does not change under the plugin. Anywhere else a
     /// share's limit is per CUDA process only, as logged.
-    pub fn enable_memory_limits(&mut self, dir: &Path, backend: Arc<dyn DeviceBackend>) {
+    pub fn enable_memory_limits(&mut self, dir: &Path, backend: Arc<dyn Reconfigure>) {
         const PER_PROCESS: &str =
             "a share's memory limit is per CUDA process (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)";
         let cgroups = self.opts.root.read_path(&self.opts.cgroup_root);
@@ -295,7 +295,7 @@ impl Specs {
 
 /// How each GPU is asked whether its driver partitions memory per cgroup, and the answers.
 struct Probe {
-    backend: Arc<dyn DeviceBackend>,
+    backend: Arc<dyn Reconfigure>,
     /// The cgroup root as nvdra reads it: the cgroup asked about.
     cgroup: PathBuf,
     answers: Mutex<BTreeMap<GpuUuid, bool>>,

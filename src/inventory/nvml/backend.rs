@@ -15,7 +15,7 @@ use super::{
 use crate::inventory::holders::HolderScan;
 use crate::inventory::{
     ComputeMode, DeviceBackend, Error, GpuUsage, GpuUuid, Inventory, MemoryLimits, MigDevice,
-    MigModeChange, MigUuid, Placement, Reconfiguration, Result, TimeSlice,
+    MigModeChange, MigUuid, Placement, Reconfiguration, Reconfigure, Result, TimeSlice,
 };
 
 pub struct NvmlBackend {
@@ -144,6 +144,23 @@ impl DeviceBackend for NvmlBackend {
         read_usage(&self.nvml)
     }
 
+    fn start_health_events(
+        &self,
+        sink: Box<dyn crate::inventory::events::EventSink>,
+    ) -> Option<std::io::Result<crate::inventory::events::EventThread>> {
+        Some(super::events::start(self.nvml.clone(), sink))
+    }
+
+    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
+        super::events::probe(&self.nvml, gpu).map_err(|e| e.to_string())
+    }
+}
+
+impl Reconfigure for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {
         match what {
             Reconfiguration::TimeSlice => self
@@ -222,17 +239,6 @@ impl DeviceBackend for NvmlBackend {
     fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
         let _one = crate::lock::lock(&self.reconfiguring);
         reconfigure::set_mig_mode(&self.nvml, gpu, enabled, self.holders.as_ref())
-    }
-
-    fn start_health_events(
-        &self,
-        sink: Box<dyn crate::inventory::events::EventSink>,
-    ) -> Option<std::io::Result<crate::inventory::events::EventThread>> {
-        Some(super::events::start(self.nvml.clone(), sink))
-    }
-
-    fn probe(&self, gpu: &GpuUuid) -> std::result::Result<(), String> {
-        super::events::probe(&self.nvml, gpu).map_err(|e| e.to_string())
     }
 }
 

@@ -9,26 +9,26 @@ fn owner(sim: &SimBackend) -> (Owner, InventoryHandle) {
     Owner::new(Arc::new(sim.clone()), Duration::from_secs(3600), DEADLINE).unwrap()
 }
 
-/// `f` on `watched` from a blocking thread, as prepare calls the backend (a call held in the
-/// simulated backend blocks its caller).
+/// `f` on `watched` from a blocking thread, as prepare calls the write handle (a call held in
+/// the simulated backend blocks its caller).
 async fn blocking<T: Send + 'static>(
-    watched: &Arc<Watched>,
-    f: impl FnOnce(&Watched) -> T + Send + 'static,
+    watched: &Arc<Writes>,
+    f: impl FnOnce(&Writes) -> T + Send + 'static,
 ) -> T {
     let w = watched.clone();
     tokio::task::spawn_blocking(move || f(&w)).await.unwrap()
 }
 
-/// `sim`'s owner running (until the token is cancelled), and its calls under a deadline of two
-/// seconds, against calls the tests hold until they let them go.
+/// `sim`'s owner running (until the token is cancelled), and the write handle's calls under a
+/// deadline of two seconds, against calls the tests hold until they let them go.
 fn running_with_short_deadline(
     sim: &SimBackend,
-) -> (Arc<Watched>, InventoryHandle, CancellationToken) {
+) -> (Arc<Writes>, InventoryHandle, CancellationToken) {
     let (owner, handle) = owner(sim);
     let stop = CancellationToken::new();
     tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
     let watched = Arc::new(
-        Watched::new(Arc::new(sim.clone()), handle.clone())
+        Writes::new(Arc::new(sim.clone()), handle.clone())
             .with_call_deadline(Duration::from_secs(2)),
     );
     (watched, handle, stop)
@@ -38,10 +38,10 @@ fn running_with_short_deadline(
 async fn consumers_read_the_last_publication_until_the_owner_reads_again() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (mut owner, handle) = owner(&sim);
-    let watched = Watched::new(Arc::new(sim.clone()), handle.clone());
-    assert!(matches!(watched.snapshot(), Err(Error::NotRead)));
+    let watched = Writes::new(Arc::new(sim.clone()), handle.clone());
+    assert!(matches!(watched.node().await, Err(Error::NotRead)));
     let first = owner.read().await.unwrap();
-    assert_eq!(watched.snapshot().unwrap(), *first);
+    assert_eq!(*watched.node().await.unwrap(), *first);
 
     sim.update(|inv| {
         inv.gpus[0].health = Health::Unhealthy {
@@ -49,19 +49,19 @@ async fn consumers_read_the_last_publication_until_the_owner_reads_again() {
         }
     });
     // Not read yet: every consumer still sees the same inventory.
-    assert_eq!(watched.snapshot().unwrap(), *first);
+    assert_eq!(*watched.node().await.unwrap(), *first);
     let mut w = handle.subscribe();
     w.mark_unchanged();
     owner.read().await.unwrap();
     assert!(w.has_changed().unwrap(), "a read wakes the consumers");
-    assert!(!watched.snapshot().unwrap().gpus[0].health.is_healthy());
+    assert!(!watched.node().await.unwrap().gpus[0].health.is_healthy());
 }
 
-/// A refresh through [`Watched`] is a read the owner makes for it, asked for and waited for
-/// (the plugin waiting for its MPS processes to leave a GPU): the only consumer read that
-/// reaches the hardware, and still the owner's.
+/// A refresh through the write handle ([`Writes`]) is a read the owner makes for it, asked for
+/// and waited for (the plugin waiting for its MPS processes to leave a GPU): the only consumer
+/// read that reaches the hardware, and still the owner's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refresh_through_watched_is_a_read_the_owner_makes() {
+async fn a_refresh_through_the_write_handle_is_a_read_the_owner_makes() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let stop = CancellationToken::new();
     let handle = crate::inventory::owner::start(
@@ -72,18 +72,14 @@ async fn a_refresh_through_watched_is_a_read_the_owner_makes() {
     )
     .await
     .unwrap();
-    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
+    let watched = Writes::new(Arc::new(sim.clone()), handle.clone());
     sim.update(|inv| {
         inv.gpus[0].health = Health::Unhealthy {
             reason: "XID 79".into(),
         }
     });
-    assert!(watched.snapshot().unwrap().gpus[0].health.is_healthy());
-    let w = watched.clone();
-    let fresh = tokio::task::spawn_blocking(move || w.refresh())
-        .await
-        .unwrap()
-        .unwrap();
+    assert!(watched.node().await.unwrap().gpus[0].health.is_healthy());
+    let fresh = watched.refresh().await.unwrap();
     assert!(!fresh.gpus[0].health.is_healthy(), "a fresh read");
     assert_eq!(handle.latest().reads, 2, "the owner's second read");
     stop.cancel();
@@ -95,7 +91,7 @@ async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
     let (owner, handle) = owner(&sim);
     let stop = CancellationToken::new();
     let task = tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
-    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
+    let watched = Arc::new(Writes::new(Arc::new(sim.clone()), handle.clone()));
     let before = handle.refresh().await.unwrap();
     let gpu2 = before.gpus[2].uuid.clone();
 
@@ -106,7 +102,7 @@ async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
     .await
     .unwrap();
     // The owner's rescan is an hour away: only the reconfiguration's ask reads again.
-    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
+    let after = tokio::time::timeout(SOON, watched.node())
         .await
         .expect("the owner answers the ask")
         .unwrap();
@@ -130,12 +126,12 @@ async fn a_mig_mode_change_even_refused_is_seen_by_the_next_snapshot() {
     let (owner, handle) = owner(&sim);
     let stop = CancellationToken::new();
     let task = tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
-    let watched = Arc::new(Watched::new(Arc::new(sim.clone()), handle.clone()));
+    let watched = Arc::new(Writes::new(Arc::new(sim.clone()), handle.clone()));
     let gpu3 = handle.refresh().await.unwrap().gpus[3].uuid.clone();
     let g = gpu3.clone();
     let refused = blocking(&watched, move |w| w.set_mig_mode(&g, true)).await;
     assert!(refused.is_err(), "an Ampere needs a reset: {refused:?}");
-    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
+    let after = tokio::time::timeout(SOON, watched.node())
         .await
         .expect("the owner answers the ask")
         .unwrap();
@@ -229,7 +225,7 @@ async fn a_failed_read_keeps_the_last_inventory_and_names_what_failed() {
 }
 
 /// Waits (at most [`SOON`]) until no call of `watched` is past its deadline.
-fn until_returned(watched: &Watched) {
+fn until_returned(watched: &Writes) {
     let start = std::time::Instant::now();
     while !watched.overdue().is_empty() {
         assert!(start.elapsed() < SOON, "{:?} still runs", watched.overdue());
@@ -271,7 +267,7 @@ async fn a_stuck_reconfiguration_is_an_error_naming_it_and_blocks_other_writes_u
     // It returns: the device exists, and the next snapshot is read after it.
     drop(held);
     until_returned(&watched);
-    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
+    let after = tokio::time::timeout(SOON, watched.node())
         .await
         .expect("the owner answers the late write's ask")
         .unwrap();
@@ -320,7 +316,7 @@ async fn a_stuck_mig_mode_switch_is_an_error_naming_it_and_the_mode_shows_once_i
 
     drop(held);
     until_returned(&watched);
-    let after = tokio::time::timeout(SOON, blocking(&watched, |w| w.snapshot()))
+    let after = tokio::time::timeout(SOON, watched.node())
         .await
         .expect("the owner answers the late switch's ask")
         .unwrap();
@@ -339,13 +335,14 @@ async fn a_stuck_usage_read_or_probe_is_reported_and_not_waited_for() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (mut owner, handle) = owner(&sim);
     owner.read().await.unwrap();
-    let watched = Arc::new(
-        Watched::new(Arc::new(sim.clone()), handle).with_call_deadline(Duration::from_secs(2)),
-    );
+    let handle = handle.with_call_deadline(Duration::from_secs(2));
     let gpu0 = sim.snapshot().unwrap().gpus[0].uuid.clone();
     let held = (sim.hold(SimCall::Usage), sim.hold(SimCall::Probe));
+    let h = handle.clone();
     let (usage, probe, again) =
-        blocking(&watched, move |w| (w.usage(), w.probe(&gpu0), w.usage())).await;
+        tokio::task::spawn_blocking(move || (h.usage(), h.probe(&gpu0), h.usage()))
+            .await
+            .unwrap();
     let e = usage.unwrap_err();
     assert!(matches!(e, Error::CallDeadline { .. }), "{e:?}");
     assert!(
@@ -360,18 +357,26 @@ async fn a_stuck_usage_read_or_probe_is_reported_and_not_waited_for() {
     // The next scrape does not start a second read behind the stuck one.
     assert!(matches!(again, Err(Error::Overdue { .. })), "{again:?}");
     drop(held);
-    until_returned(&watched);
-    assert!(watched.usage().is_ok());
+    let start = std::time::Instant::now();
+    while !handle.overdue().is_empty() {
+        assert!(start.elapsed() < SOON, "{:?} still runs", handle.overdue());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(handle.usage().is_ok());
 }
 
 #[tokio::test]
 async fn the_publication_is_shared_unless_a_reconfiguration_waits_for_its_read() {
+    use futures::FutureExt;
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (mut owner, handle) = owner(&sim);
-    let watched = Watched::new(Arc::new(sim.clone()), handle.clone());
-    assert!(watched.published().is_none(), "nothing read yet");
+    let watched = Writes::new(Arc::new(sim.clone()), handle.clone());
+    assert!(
+        matches!(watched.node().now_or_never(), Some(Err(Error::NotRead))),
+        "nothing read yet"
+    );
     let first = owner.read().await.unwrap();
-    let shared = watched.published().expect("published");
+    let shared = watched.node().now_or_never().expect("published").unwrap();
     assert!(
         Arc::ptr_eq(&shared, &first),
         "the publication itself, not a copy"
@@ -379,11 +384,11 @@ async fn the_publication_is_shared_unless_a_reconfiguration_waits_for_its_read()
     let gpu = first.gpus[0].uuid.clone();
     watched.set_time_slice(&gpu, TimeSlice::Short).unwrap();
     assert!(
-        watched.published().is_none(),
+        watched.node().now_or_never().is_none(),
         "the read after the change is awaited"
     );
     owner.read().await.unwrap();
-    assert!(watched.published().is_some());
+    assert!(watched.node().now_or_never().is_some());
 }
 
 /// A backend counting its reads.

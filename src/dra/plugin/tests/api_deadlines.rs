@@ -15,6 +15,7 @@ async fn a_read_never_answered_fails_its_claim_alone_at_the_deadline() {
     // A Pascal GPU: its MPS serves one user at a time, so a share's pod is read.
     e.sim
         .update(|inv| inv.gpus[1].cuda_compute_capability.major = 6);
+    e.reread().await;
     e.add(claim("w", vec![result("gpu", "gpu-2")]));
     e.add(claim("h", vec![result("gpu", "gpu-3")]));
     e.add_share_for("s", "gpu-1", "8Gi", pod("nb-s", Some(1000), &[None]));

@@ -1,31 +1,20 @@
-//! Prepare's writes to the GPU under the backend's deadline ([`Watched`], as in `nvdra run`): a
-//! write that hangs fails its prepare with an error naming it, and what the checkpoint says
-//! stays true of the hardware once it returns.
+//! Prepare's writes to the GPU under the write handle's deadline ([`Writes`], as in `nvdra
+//! run`): a write that hangs fails its prepare with an error naming it, and what the checkpoint
+//! says stays true of the hardware once it returns.
 
 use super::*;
-use crate::inventory::owner::{Owner, Watched};
+use crate::inventory::owner::Writes;
 use crate::inventory::sim::SimCall;
 
-/// A plugin whose backend is the inventory owner's, with backend calls waited for at most two
-/// seconds (what the tests hold is held until they let it go).
-async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
+/// A plugin whose write handle waits for the hardware at most two seconds (what the tests hold
+/// is held until they let it go), and that handle.
+async fn watched_env(profile: &str) -> (Env, Writes) {
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(FakeApi::default());
     let sim = SimBackend::from_profile(profile, NODE).unwrap();
-    let stop = CancellationToken::new();
-    let (owner, handle) = Owner::new(
-        Arc::new(sim.clone()),
-        std::time::Duration::from_secs(3600),
-        crate::inventory::owner::DEADLINE,
-    )
-    .unwrap();
-    tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
-    handle.refresh().await.unwrap();
-    let node = handle.subscribe();
-    let watched = Arc::new(
-        Watched::new(Arc::new(sim.clone()), handle)
-            .with_call_deadline(std::time::Duration::from_secs(2)),
-    );
+    let (writes, inventory, health, stop) =
+        owned(Arc::new(sim.clone()), Arc::new(sim.clone())).await;
+    let watched = writes.with_call_deadline(std::time::Duration::from_secs(2));
     let d = dir.path();
     let opts = Options {
         driver: DRIVER.into(),
@@ -43,15 +32,8 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         claim_status: false,
         mps_root: d.join("mps"),
     };
-    let (plugin, writer, _) = Plugin::new(
-        opts,
-        api.clone(),
-        watched.clone(),
-        Metrics::new(),
-        None,
-        node,
-    )
-    .unwrap();
+    let (plugin, writer, _) =
+        Plugin::new(opts, api.clone(), watched.clone(), Metrics::new(), None).unwrap();
     tokio::spawn(writer.run(stop.clone()));
     plugin.recover().await.unwrap();
     let env = Env {
@@ -61,14 +43,15 @@ async fn watched_env(profile: &str) -> (Env, Arc<Watched>) {
         dir,
         _stop: Running {
             _stop: stop.drop_guard(),
-            node: tokio::sync::watch::Sender::new(Default::default()),
+            health,
+            inventory,
         },
     };
     (env, watched)
 }
 
 /// Waits (at most a minute) until no backend call is past its deadline.
-async fn until_returned(watched: &Watched) {
+async fn until_returned(watched: &Writes) {
     let start = std::time::Instant::now();
     while !watched.overdue().is_empty() {
         assert!(

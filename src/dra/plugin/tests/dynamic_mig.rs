@@ -4,7 +4,7 @@ use super::*;
 use crate::ids::DeviceName;
 use crate::inventory::{
     DeviceBackend, GpuUuid, Holder, HolderKind, MigModeChange, Placement, ProcessUsage,
-    SwitchBlock, Virtualization,
+    Reconfigure, SwitchBlock, Virtualization,
 };
 
 /// A plugin with dynamic MIG on (`keep_on`: `--dynamic-mig=keep-on`), without
@@ -13,12 +13,18 @@ async fn env_dynamic(profile: &str, keep_on: bool) -> Env {
     env_tweaked(profile, dynamic(keep_on)).await
 }
 
-/// [`env_dynamic`] without keep-on over `backend`, a wrapper of `sim` (`Env::sim`) that counts
-/// or changes what the plugin asks of it.
-async fn env_over(sim: &SimBackend, backend: impl DeviceBackend + 'static) -> Env {
+/// [`env_dynamic`] without keep-on over `hardware` and `gpus`, `sim` (`Env::sim`) or a wrapper
+/// of it that counts or changes what the owner reads or the plugin asks of it.
+async fn env_over(
+    sim: &SimBackend,
+    hardware: impl DeviceBackend,
+    gpus: impl crate::inventory::Reconfigure,
+) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(FakeApi::default());
-    let (plugin, _, _stop) = start_with(dir.path(), api.clone(), backend, dynamic(false)).await;
+    let (hardware, gpus) = (Arc::new(hardware), Arc::new(gpus));
+    let (plugin, _, _stop) =
+        start_over(dir.path(), api.clone(), hardware, gpus, dynamic(false)).await;
     Env {
         plugin,
         api,
@@ -198,6 +204,7 @@ async fn a_whole_gpu_claim_turns_mig_mode_off_but_keeps_foreign_instances() {
         .sim
         .create_mig(&g2, one_g(&e), Placement { start: 0, size: 1 })
         .unwrap();
+    e.reread().await;
     e.add(claim("w1", vec![result("gpu", "gpu-1")]));
     e.add(claim("w2", vec![result("gpu", "gpu-2")]));
 
@@ -231,6 +238,7 @@ async fn processes_on_the_gpu_answer_in_use_naming_them_and_the_retry_succeeds()
             gpu_instance: None,
         }],
     );
+    e.reread().await;
     let err = e.prepare("p").await.unwrap_err();
     assert!(matches!(err, ClaimError::MigModeInUse { .. }), "{err}");
     let msg = err.to_string();
@@ -252,6 +260,7 @@ async fn processes_on_the_gpu_answer_in_use_naming_them_and_the_retry_succeeds()
 
     // The kubelet's retry once it exited switches the GPU, and the block goes.
     e.sim.set_processes(&g3, vec![]);
+    e.reread().await;
     e.prepare("p").await.unwrap();
     assert!(mig_mode(&e, 3));
     assert!(e.plugin.switch_blocks().all().is_empty());
@@ -279,6 +288,7 @@ async fn in_use_names_the_holders_and_a_read_without_them_clears_the_block() {
             persistenced.clone(),
         ],
     );
+    e.reread().await;
     let msg = e.prepare("p").await.unwrap_err().to_string();
     assert!(msg.contains("pid 7 (nv-hostengine)"), "{msg}");
     assert!(!msg.contains("pid 8"), "{msg}");
@@ -299,6 +309,7 @@ async fn in_use_names_the_holders_and_a_read_without_them_clears_the_block() {
     let inv = e.sim.snapshot().unwrap();
     assert_eq!(e.plugin.recheck_mig_switches(&inv).await, vec![g2.clone()]);
     assert_eq!(blocked(), None);
+    e.reread().await;
     e.prepare("p").await.unwrap();
     assert!(mig_mode(&e, 2));
 }
@@ -324,6 +335,7 @@ async fn a_gpu_that_cannot_toggle_is_refused_saying_why() {
     let e = env_dynamic("dgx-h100", false).await;
     e.sim
         .update(|inv| inv.gpus[0].virtualization = Some(Virtualization::VgpuGuest));
+    e.reread().await;
     let one = placement(&e, 0, "1g.10gb", 0);
     e.add(claim("a", vec![result("mig", &one)]));
     let err = e.prepare("a").await.unwrap_err().to_string();
@@ -381,7 +393,7 @@ async fn start_up_turns_off_a_mode_left_on_with_no_instance() {
 struct CountSwitches(SimBackend, Arc<AtomicUsize>);
 
 impl super::wrapper::Wrapper for CountSwitches {
-    fn inner(&self) -> &dyn DeviceBackend {
+    fn inner(&self) -> &dyn Reconfigure {
         &self.0
     }
 
@@ -402,7 +414,7 @@ impl super::wrapper::Wrapper for CountSwitches {
 async fn a_switch_that_needs_a_reset_is_withdrawn_and_the_gpu_no_longer_switches() {
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let asked = Arc::new(AtomicUsize::new(0));
-    let e = env_over(&sim, CountSwitches(sim.clone(), asked.clone())).await;
+    let e = env_over(&sim, sim.clone(), CountSwitches(sim.clone(), asked.clone())).await;
     let g0 = gpu(&e, 0);
     e.sim.set_reset_required(&g0, true);
     e.add(claim(
@@ -468,6 +480,7 @@ async fn a_pending_change_is_withdrawn_on_hopper_and_left_on_ampere() {
 
     // At prepare: withdrawn, then switched as the claim needs.
     e.sim.update(|inv| inv.gpus[2].mig.pending = Some(true));
+    clock_held(_g.inventory.refresh()).await.unwrap();
     e.add(claim(
         "a",
         vec![result("mig", &placement(&e, 2, "1g.10gb", 0))],
@@ -514,7 +527,7 @@ async fn a_failed_first_flush_leaves_no_gpu_recorded_as_switched() {
 struct ShiftMinors(SimBackend);
 
 impl super::wrapper::Wrapper for ShiftMinors {
-    fn inner(&self) -> &dyn DeviceBackend {
+    fn inner(&self) -> &dyn Reconfigure {
         &self.0
     }
 
@@ -539,7 +552,7 @@ impl super::wrapper::Wrapper for ShiftMinors {
 #[tokio::test]
 async fn the_spec_of_a_switched_gpu_has_the_minor_read_after_the_switch() {
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
-    let e = env_over(&sim, ShiftMinors(sim.clone())).await;
+    let e = env_over(&sim, sim.clone(), ShiftMinors(sim.clone())).await;
     let one = placement(&e, 3, "1g.10gb", 0);
     e.add(claim("a", vec![result("mig", &one)]));
     let d = e.prepare("a").await.unwrap();
@@ -550,18 +563,13 @@ async fn the_spec_of_a_switched_gpu_has_the_minor_read_after_the_switch() {
     assert!(!spec.contains("/dev/nvidia3\n"), "{spec}");
 }
 
-/// Clears the holders of GPU `.1` of the wrapped backend after `.2` more reads (snapshots and
-/// fresh reads alike): nvdra's own MPS server that exits a while after its last share was
-/// released.
+/// Clears the holders of GPU `.1` of the wrapped hardware after `.2` more reads (the owner's):
+/// nvdra's own MPS server that exits a while after its last share was released.
 struct ExitsAfter(SimBackend, GpuUuid, Arc<AtomicUsize>);
 
-impl super::wrapper::Wrapper for ExitsAfter {
-    fn inner(&self) -> &dyn DeviceBackend {
-        &self.0
-    }
-
-    fn refresh(&self) -> crate::inventory::Result<Inventory> {
-        super::wrapper::Wrapper::snapshot(self)
+impl DeviceBackend for ExitsAfter {
+    fn name(&self) -> &'static str {
+        "simulated"
     }
 
     fn snapshot(&self) -> crate::inventory::Result<Inventory> {
@@ -588,12 +596,18 @@ async fn a_switch_waits_for_nvdras_own_mps_server_to_exit() {
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let g4 = sim.snapshot().unwrap().gpus[4].uuid.clone();
     let snapshots = Arc::new(AtomicUsize::new(0));
-    let e = env_over(&sim, ExitsAfter(sim.clone(), g4.clone(), snapshots.clone())).await;
+    let e = env_over(
+        &sim,
+        ExitsAfter(sim.clone(), g4.clone(), snapshots.clone()),
+        sim.clone(),
+    )
+    .await;
     e.add(claim(
         "a",
         vec![result("mig", &placement(&e, 4, "1g.10gb", 0))],
     ));
     e.sim.set_holders(&g4, vec![own_mps_server()]);
+    e.reread().await;
     // Gone after a few more reads (the prepare's own, then the wait's).
     snapshots.store(5, Ordering::SeqCst);
     e.prepare("a").await.unwrap();
@@ -617,6 +631,7 @@ async fn a_switch_fails_naming_nvdras_own_mps_server_that_does_not_exit() {
         vec![result("mig", &placement(&e, 4, "1g.10gb", 0))],
     ));
     e.sim.set_holders(&g4, vec![own_mps_server()]);
+    e.reread().await;
     let err = e.prepare("a").await.unwrap_err();
     assert!(matches!(err, ClaimError::OwnMpsLeft { .. }), "{err}");
     let msg = err.to_string();

@@ -175,7 +175,7 @@ type Round = (
 struct Reports(
     Mutex<Vec<Round>>,
     tokio::sync::watch::Sender<usize>,
-    tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+    tokio::sync::watch::Sender<crate::inventory::health::HealthState>,
 );
 
 impl DaemonReport for Reports {
@@ -197,7 +197,7 @@ impl Reports {
         Self(
             Mutex::default(),
             tokio::sync::watch::Sender::new(0),
-            e._stop.node.clone(),
+            e._stop.health.clone(),
         )
     }
 
@@ -224,6 +224,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     }
     let reports = Reports::of(&e);
     e.plugin.probe_share_daemons(&reports).await;
+    e.settled().await;
     assert_eq!(
         reports.last(),
         (BTreeMap::new(), BTreeMap::new()),
@@ -232,6 +233,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
 
     e.prepare("s1").await.unwrap();
     e.plugin.probe_share_daemons(&reports).await;
+    e.settled().await;
     assert_eq!(reports.last().0, BTreeMap::from([(key.clone(), true)]));
     assert!(reports.last().1.is_empty());
 
@@ -242,6 +244,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     std::fs::remove_file(pipe.join("answering")).unwrap();
     assert!(e.plugin.inner.mps.gpu_requested(&gpu));
     e.plugin.probe_share_daemons(&reports).await;
+    e.settled().await;
     let (up, down) = reports.last();
     assert_eq!(up, BTreeMap::from([(key.clone(), false)]));
     let since = down[&key];
@@ -256,6 +259,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
     assert_eq!(e.state("s2"), None);
     // Still down: the time it went down stays.
     e.plugin.probe_share_daemons(&reports).await;
+    e.settled().await;
     assert_eq!(reports.last().1, BTreeMap::from([(key.clone(), since)]));
     // The MPS host is back and starts the daemon again.
     let _host = e.mps_host();
@@ -263,6 +267,7 @@ async fn a_daemon_that_stops_answering_is_reported_and_refuses_new_shares_until_
         pipe.join("answering").exists()
     });
     e.plugin.probe_share_daemons(&reports).await;
+    e.settled().await;
     assert_eq!(
         reports.last(),
         (BTreeMap::from([(key.clone(), true)]), BTreeMap::new())
@@ -287,6 +292,7 @@ async fn the_watch_puts_a_gpu_with_shares_back_in_exclusive_process() {
     e.sim.set_compute_mode(&gpu, ComputeMode::Default).unwrap();
     let reports = Reports::of(&e);
     e.plugin.probe_share_daemons(&reports).await;
+    e.settled().await;
     assert_eq!(
         e.sim.compute_mode(&gpu).unwrap(),
         ComputeMode::ExclusiveProcess,

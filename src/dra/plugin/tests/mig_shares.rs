@@ -163,7 +163,7 @@ async fn a_mig_share_and_the_whole_mig_device_exclude_each_other_and_fit_its_mem
 /// The last round the watch reported, published to the plugin ([`publish_round`]).
 struct LastRound(
     Mutex<Option<(BTreeMap<DeviceUuid, bool>, crate::health::DaemonsDown)>>,
-    tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+    tokio::sync::watch::Sender<crate::inventory::health::HealthState>,
 );
 
 impl DaemonReport for LastRound {
@@ -186,8 +186,9 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
     e.add(claim("b", vec![share("nb", name, "4Gi")]));
     e.prepare("a").await.unwrap();
     let key = DeviceUuid::Mig(mig.uuid.clone());
-    let report = LastRound(Mutex::default(), e._stop.node.clone());
+    let report = LastRound(Mutex::default(), e._stop.health.clone());
     e.plugin.probe_share_daemons(&report).await;
+    e.settled().await;
     let (up, down) = lock(&report.0).clone().unwrap();
     assert_eq!(up, BTreeMap::from([(key.clone(), true)]));
     assert!(down.is_empty());
@@ -196,6 +197,7 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
     let pipe = e.plugin.inner.mps.shares_pipe_dir(&key);
     std::fs::remove_file(pipe.join("answering")).unwrap();
     e.plugin.probe_share_daemons(&report).await;
+    e.settled().await;
     let (up, down) = lock(&report.0).clone().unwrap();
     assert_eq!(up, BTreeMap::from([(key.clone(), false)]));
     assert_eq!(down.keys().collect::<Vec<_>>(), vec![&key]);
@@ -237,6 +239,7 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
         pipe.join("answering").exists()
     });
     e.plugin.probe_share_daemons(&report).await;
+    e.settled().await;
     assert!(lock(&report.0).as_ref().unwrap().1.is_empty());
     e.prepare("b").await.unwrap();
 }

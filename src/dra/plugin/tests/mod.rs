@@ -1,8 +1,8 @@
 use super::*;
 use crate::api;
 use crate::dra::mps;
-use crate::inventory::TimeSlice;
 use crate::inventory::sim::{SimAction, SimBackend};
+use crate::inventory::{DeviceBackend, Reconfigure, TimeSlice};
 use crate::ledger::shares::ConsumableShares;
 use crate::ledger::{ClaimState, DeviceRecord};
 use crate::lock::lock;
@@ -98,30 +98,76 @@ struct Env {
     _stop: Running,
 }
 
-/// What keeps a test plugin going: its checkpoint writer's stop, and the publications it reads,
-/// which stand in for the inventory owner's (the tests' share-daemon rounds land there, as the
-/// health monitor's record does in `nvdra run`: [`publish_round`]).
+/// What keeps a test plugin going: its checkpoint writer's and inventory owner's stop, and
+/// the owner's inputs. The plugin reads the node as `nvdra run`'s does, from an inventory owner
+/// over the simulated hardware: a test that changes the hardware behind the plugin's back has
+/// the owner read it ([`Env::reread`]); the tests' share-daemon rounds land in the health
+/// state the owner lays over its publications, as the health monitor's record does
+/// ([`publish_round`], [`Env::settled`]).
 struct Running {
     _stop: tokio_util::sync::DropGuard,
-    node: tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+    health: tokio::sync::watch::Sender<crate::inventory::health::HealthState>,
+    inventory: crate::inventory::owner::InventoryHandle,
 }
 
-/// A share-daemon round as `nvdra run` publishes it: the health monitor's record, in the
-/// owner's publication, where the plugin reads it back.
+impl Running {
+    /// Until the owner published the health state as the tests last set it.
+    async fn settled(&self) {
+        let want = self.health.borrow().clone();
+        let mut node = self.inventory.subscribe();
+        node.wait_for(|p| p.health == want).await.unwrap();
+    }
+}
+
+/// A share-daemon round as `nvdra run` publishes it: the health monitor's record, laid by the
+/// owner over its next publication, where the plugin reads it back ([`Running::settled`]).
 fn publish_round(
-    node: &tokio::sync::watch::Sender<crate::inventory::owner::Published>,
+    health: &tokio::sync::watch::Sender<crate::inventory::health::HealthState>,
     up: &crate::health::DaemonsAsked,
     down: &crate::health::DaemonsDown,
 ) {
-    node.send_modify(|p| {
-        p.health.daemons_asked = up.clone();
-        p.health.daemons_down = down.clone();
+    health.send_modify(|h| {
+        h.daemons_asked = up.clone();
+        h.daemons_down = down.clone();
     });
 }
 
-/// Publications no test drives.
-fn unwatched() -> crate::inventory::owner::Watch {
-    tokio::sync::watch::channel(Default::default()).1
+/// `f`, with a paused clock (the tests with paused time) held still meanwhile: the owner reads
+/// on a thread of its own, which a paused clock does not wait for; a running blocking task
+/// holds it.
+async fn clock_held<T>(f: impl Future<Output = T>) -> T {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let hold = tokio::task::spawn_blocking(move || held.recv());
+    let out = f.await;
+    drop(release);
+    let _ = hold.await;
+    out
+}
+
+/// An inventory owner over `hardware`, after its first read, and the write handle over
+/// `gpus`, as `nvdra run` wires them: the write handle, the owner's handle and health input,
+/// and its stop.
+async fn owned(
+    hardware: Arc<dyn crate::inventory::DeviceBackend>,
+    gpus: Arc<dyn crate::inventory::Reconfigure>,
+) -> (
+    crate::inventory::owner::Writes,
+    crate::inventory::owner::InventoryHandle,
+    tokio::sync::watch::Sender<crate::inventory::health::HealthState>,
+    CancellationToken,
+) {
+    use crate::inventory::owner::{self, Owner, Writes};
+    let (mut owner, handle) = Owner::new(
+        hardware,
+        std::time::Duration::from_secs(3600),
+        owner::DEADLINE,
+    )
+    .unwrap();
+    clock_held(owner.read()).await.unwrap();
+    let (health, watch) = tokio::sync::watch::channel(Default::default());
+    let stop = CancellationToken::new();
+    tokio::spawn(owner.run(watch, stop.clone()));
+    (Writes::new(gpus, handle.clone()), handle, health, stop)
 }
 
 impl Env {
@@ -166,6 +212,15 @@ impl Env {
     async fn restart(&self, sim: SimBackend) -> (Plugin, Recovery, Running) {
         start(self.dir.path(), self.api.clone(), sim).await
     }
+    /// Has the owner read the simulated hardware a test just changed, and waits for its
+    /// publication: what the plugin sees next.
+    async fn reread(&self) {
+        clock_held(self._stop.inventory.refresh()).await.unwrap();
+    }
+    /// Until the owner published the tests' last share-daemon round.
+    async fn settled(&self) {
+        self._stop.settled().await;
+    }
 }
 
 fn cref(uid: &str) -> ClaimRef {
@@ -184,11 +239,23 @@ async fn start(
     start_with(dir, api, sim, |_| {}).await
 }
 
-/// [`start`] with `tweak` applied to the options, on any backend.
+/// [`start`] with `tweak` applied to the options.
 async fn start_with(
     dir: &std::path::Path,
     api: Arc<FakeApi>,
-    sim: impl DeviceBackend + 'static,
+    sim: SimBackend,
+    tweak: impl FnOnce(&mut Options),
+) -> (Plugin, Recovery, Running) {
+    let (hardware, gpus) = (Arc::new(sim.clone()), Arc::new(sim));
+    start_over(dir, api, hardware, gpus, tweak).await
+}
+
+/// [`start_with`] over any hardware and write side (test doubles of either).
+async fn start_over(
+    dir: &std::path::Path,
+    api: Arc<FakeApi>,
+    hardware: Arc<dyn crate::inventory::DeviceBackend>,
+    gpus: Arc<dyn crate::inventory::Reconfigure>,
     tweak: impl FnOnce(&mut Options),
 ) -> (Plugin, Recovery, Running) {
     let mut opts = Options {
@@ -208,16 +275,15 @@ async fn start_with(
         claim_status: false,
     };
     tweak(&mut opts);
-    let (node, watch) = tokio::sync::watch::channel(Default::default());
-    let (plugin, writer, outcome) =
-        Plugin::new(opts, api, Arc::new(sim), Metrics::new(), None, watch).unwrap();
-    let stop = CancellationToken::new();
+    let (writes, inventory, health, stop) = owned(hardware, gpus).await;
+    let (plugin, writer, outcome) = Plugin::new(opts, api, writes, Metrics::new(), None).unwrap();
     tokio::spawn(writer.run(stop.clone()));
     let mut rec = plugin.recover().await.unwrap();
     rec.loaded = Some(outcome);
     let running = Running {
         _stop: stop.drop_guard(),
-        node,
+        health,
+        inventory,
     };
     (plugin, rec, running)
 }
@@ -794,16 +860,8 @@ async fn mig_placements_are_created_only_in_partitionable_mode() {
         proc_root: None,
         claim_status: false,
     };
-    let (plugin, writer, _) = Plugin::new(
-        opts,
-        api.clone(),
-        Arc::new(sim.clone()),
-        Metrics::new(),
-        None,
-        unwatched(),
-    )
-    .unwrap();
-    let stop = CancellationToken::new();
+    let (writes, _, _health, stop) = owned(Arc::new(sim.clone()), Arc::new(sim.clone())).await;
+    let (plugin, writer, _) = Plugin::new(opts, api.clone(), writes, Metrics::new(), None).unwrap();
     tokio::spawn(writer.run(stop.clone()));
     let c = claim("x", vec![result("mig", "gpu-2-mig-1g10gb-15-6")]);
     lock(&api.claims).insert(("default".into(), "claim-x".into()), c);
@@ -839,16 +897,9 @@ async fn outcomes_are_counted_in_metrics() {
         proc_root: None,
         claim_status: false,
     };
-    let (plugin, writer, _) = Plugin::new(
-        opts,
-        api.clone(),
-        Arc::new(sim),
-        metrics.clone(),
-        None,
-        unwatched(),
-    )
-    .unwrap();
-    let stop = CancellationToken::new();
+    let (writes, _, _health, stop) = owned(Arc::new(sim.clone()), Arc::new(sim)).await;
+    let (plugin, writer, _) =
+        Plugin::new(opts, api.clone(), writes, metrics.clone(), None).unwrap();
     tokio::spawn(writer.run(stop.clone()));
     let c = claim("ok", vec![result("gpu", "gpu-1")]);
     lock(&api.claims).insert(("default".into(), "claim-ok".into()), c);

@@ -697,6 +697,7 @@ async fn before_volta_a_share_for_another_user_is_refused_naming_both() {
     let _host = e.mps_host();
     e.sim
         .update(|inv| inv.gpus[1].cuda_compute_capability.major = 6); // a Pascal GPU
+    e.reread().await;
     e.add_share_for("a", "gpu-1", "8Gi", pod("nb-a", Some(1000), &[None]));
     e.add_share_for("b", "gpu-1", "8Gi", pod("nb-b", None, &[Some(2000)]));
     e.add_share_for(

@@ -20,6 +20,7 @@ mod auto_mode;
 mod both_grpcio;
 mod cd_controller;
 mod cd_daemon;
+mod cd_e2e;
 mod cd_manifests;
 mod cd_plugin;
 mod cdi_hooks;

@@ -801,14 +801,39 @@ impl HealthMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::Reconfiguration;
     use crate::inventory::sim::SimBackend;
+    use crate::inventory::{
+        self, ComputeMode, GpuUuid, MemoryLimits, MigDevice, MigModeChange, MigUuid, Placement,
+        Reconfiguration, TimeSlice,
+    };
+    use std::path::Path;
 
-    /// A backend that can change nothing (the trait's defaults).
+    /// A backend that can change nothing.
     struct Plain;
     impl Reconfigure for Plain {
-        fn name(&self) -> &'static str {
-            "plain"
+        fn unavailable(&self, what: Reconfiguration) -> Option<String> {
+            Some(format!("the plain backend does not support {what}"))
+        }
+        fn set_time_slice(&self, _: &GpuUuid, _: TimeSlice) -> inventory::Result<()> {
+            unreachable!()
+        }
+        fn compute_mode(&self, _: &GpuUuid) -> inventory::Result<ComputeMode> {
+            unreachable!()
+        }
+        fn set_compute_mode(&self, _: &GpuUuid, _: ComputeMode) -> inventory::Result<()> {
+            unreachable!()
+        }
+        fn memory_limits(&self, _: &GpuUuid, _: &Path) -> inventory::Result<MemoryLimits> {
+            unreachable!()
+        }
+        fn create_mig(&self, _: &GpuUuid, _: u32, _: Placement) -> inventory::Result<MigDevice> {
+            unreachable!()
+        }
+        fn destroy_mig(&self, _: &GpuUuid, _: &MigUuid) -> inventory::Result<()> {
+            unreachable!()
+        }
+        fn set_mig_mode(&self, _: &GpuUuid, _: bool) -> inventory::Result<MigModeChange> {
+            unreachable!()
         }
     }
 

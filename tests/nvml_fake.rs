@@ -138,7 +138,7 @@ fn read_raw_captures_every_answer_including_failures() {
 fn snapshot_of_the_fake_node() {
     let node = fake_node();
     let backend = open(&node);
-    assert_eq!(DeviceBackend::name(&backend), "nvml");
+    assert_eq!(backend.name(), "nvml");
     let inv = backend.snapshot().unwrap();
     assert_eq!(inv.gpus.len(), 3);
 

@@ -147,59 +147,25 @@ impl<T: DeviceBackend + Reconfigure> Backend for T {}
 /// compute modes) and the driver state they decide on. Only the DRA plugin holds it, through
 /// the owner's write handle ([`owner::Writes`](super::owner::Writes)), which asks the owner
 /// for a read after each change. Implementations block.
-///
-/// Each method defaults to [`Error::Unsupported`], so a backend opts in to each.
 pub trait Reconfigure: Send + Sync + 'static {
-    /// A short name for logs (`nvml`, `simulated`).
-    fn name(&self) -> &'static str;
-
     /// Why this backend cannot do `what` on this node, or `None` when it can. Checked at start-up,
     /// so that nothing is published that prepare would refuse.
-    fn unavailable(&self, what: Reconfiguration) -> Option<String> {
-        Some(format!(
-            "the {} backend does not support {what}",
-            self.name()
-        ))
-    }
+    fn unavailable(&self, what: Reconfiguration) -> Option<String>;
 
     /// Sets the compute time slice of a whole GPU.
-    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()> {
-        let _ = (gpu, interval);
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "setting the time slice",
-        })
-    }
+    fn set_time_slice(&self, gpu: &GpuUuid, interval: TimeSlice) -> Result<()>;
 
     /// The compute mode of a whole GPU.
-    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode> {
-        let _ = gpu;
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "reading the compute mode",
-        })
-    }
+    fn compute_mode(&self, gpu: &GpuUuid) -> Result<ComputeMode>;
 
     /// Sets the compute mode of a whole GPU (needs root on real hardware).
-    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()> {
-        let _ = (gpu, mode);
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "setting the compute mode",
-        })
-    }
+    fn set_compute_mode(&self, gpu: &GpuUuid, mode: ComputeMode) -> Result<()>;
 
     /// The limits `cgroup` (a cgroup v2 directory, as this process sees it) has on `gpu`'s
     /// memory, read with `nvmlDeviceGetMemoryLimits_v1`: an answer means the driver partitions
     /// the GPU's memory per cgroup (MPS v3 memory partitioning); an error says why it does not,
     /// or cannot tell (a driver older than R615, a MIG device, the call refused).
-    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &Path) -> Result<MemoryLimits> {
-        let _ = (gpu, cgroup);
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "reading per-cgroup memory limits",
-        })
-    }
+    fn memory_limits(&self, gpu: &GpuUuid, cgroup: &Path) -> Result<MemoryLimits>;
 
     /// Creates a MIG device (GPU instance plus one compute instance spanning it) of the GPU-instance
     /// profile `gi_profile_id` at `placement`, and returns it.
@@ -208,23 +174,11 @@ pub trait Reconfigure: Send + Sync + 'static {
         gpu: &GpuUuid,
         gi_profile_id: u32,
         placement: Placement,
-    ) -> Result<MigDevice> {
-        let _ = (gpu, gi_profile_id, placement);
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "creating MIG devices",
-        })
-    }
+    ) -> Result<MigDevice>;
 
     /// Destroys a MIG device created by [`Reconfigure::create_mig`]. Destroying one that no
     /// longer exists succeeds, so rollbacks can repeat it.
-    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()> {
-        let _ = (gpu, mig);
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "destroying MIG devices",
-        })
-    }
+    fn destroy_mig(&self, gpu: &GpuUuid, mig: &MigUuid) -> Result<()>;
 
     /// Turns a whole GPU's MIG mode on or off, as dynamic MIG does at a GPU's first MIG claim
     /// and after its last. Turning it on leaves no MIG devices; turning it off is refused while
@@ -232,11 +186,5 @@ pub trait Reconfigure: Send + Sync + 'static {
     /// retriable; [`Error::ResetRequired`] (the change waits for a GPU reset, as on Ampere) is
     /// not. Callers check [`Gpu::mig_toggle`](super::Gpu::mig_toggle) first; the backend does
     /// what the hardware does.
-    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange> {
-        let _ = (gpu, enabled);
-        Err(Error::Unsupported {
-            backend: self.name(),
-            operation: "changing the MIG mode",
-        })
-    }
+    fn set_mig_mode(&self, gpu: &GpuUuid, enabled: bool) -> Result<MigModeChange>;
 }

@@ -434,7 +434,7 @@ pub struct Writes {
 
 impl Writes {
     pub fn new(gpus: Arc<dyn Reconfigure>, handle: InventoryHandle) -> Self {
-        let deadlines = Deadlines::new(gpus.name(), DEADLINE);
+        let deadlines = Deadlines::new(handle.backend(), DEADLINE);
         Self {
             gpus,
             handle,
@@ -445,7 +445,7 @@ impl Writes {
 
     /// The same, with the calls waited for at most `after` (tests).
     pub fn with_call_deadline(mut self, after: Duration) -> Self {
-        self.deadlines = Deadlines::new(self.gpus.name(), after);
+        self.deadlines = Deadlines::new(self.handle.backend(), after);
         self
     }
 
@@ -508,10 +508,6 @@ impl Writes {
 }
 
 impl Reconfigure for Writes {
-    fn name(&self) -> &'static str {
-        self.gpus.name()
-    }
-
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {
         self.gpus.unavailable(what)
     }

@@ -410,10 +410,6 @@ impl DeviceBackend for SimBackend {
 }
 
 impl Reconfigure for SimBackend {
-    fn name(&self) -> &'static str {
-        "simulated"
-    }
-
     fn unavailable(&self, _what: super::Reconfiguration) -> Option<String> {
         None
     }
@@ -445,7 +441,7 @@ impl Reconfigure for SimBackend {
         let m = self.lock();
         if !m.memory_limits {
             return Err(Error::Unsupported {
-                backend: Reconfigure::name(self),
+                backend: "simulated",
                 operation: "reading per-cgroup memory limits",
             });
         }

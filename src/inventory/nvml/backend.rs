@@ -157,10 +157,6 @@ impl DeviceBackend for NvmlBackend {
 }
 
 impl Reconfigure for NvmlBackend {
-    fn name(&self) -> &'static str {
-        "nvml"
-    }
-
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {
         match what {
             Reconfiguration::TimeSlice => self

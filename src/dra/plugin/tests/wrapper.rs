@@ -22,14 +22,9 @@ pub trait Wrapper: Send + Sync + 'static {
     }
 }
 
-/// Every method is spelled out, those with a default included: a default here would be the
-/// trait's own (`Unsupported`), not the wrapped one's. A method added to [`Reconfigure`] is
-/// added here, and to [`Wrapper`] if a wrapper may change it.
+/// Every method goes to the wrapped one but those [`Wrapper`] changes. A method added to
+/// [`Reconfigure`] is added here, and to [`Wrapper`] if a wrapper may change it.
 impl<W: Wrapper> Reconfigure for W {
-    fn name(&self) -> &'static str {
-        self.inner().name()
-    }
-
     fn unavailable(&self, what: Reconfiguration) -> Option<String> {
         self.inner().unavailable(what)
     }

@@ -74,8 +74,9 @@ pub struct Args {
         default_value = "/proc/driver/nvidia/capabilities"
     )]
     pub capabilities_root: PathBuf,
-    /// The node's NVLink clique, `<clusterUUID>.<cliqueID>`; without it, the node's
-    /// `nvidia.com/gpu.clique` label (none: the node is on no fabric).
+    /// The node's NVLink clique, `<clusterUUID>.<cliqueID>`; without it, what nvdra's GPU driver
+    /// publishes for the node's GPUs, else the node's `nvidia.com/gpu.clique` label (none: the
+    /// node is on no fabric).
     #[arg(long, env = "CLIQUE_ID")]
     pub clique_id: Option<String>,
     /// Binding conditions on the node's channel: auto, on or off.

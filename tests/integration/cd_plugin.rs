@@ -536,3 +536,66 @@ fn the_grpcio_kubelet_prepares_and_unprepares_a_channel() {
         node.stop().await;
     });
 }
+
+#[tokio::test]
+async fn the_clique_comes_from_the_gpu_drivers_slices_and_labels_the_node() {
+    use k8s_openapi::api::resource::v1::{
+        Device, DeviceAttribute, ResourcePool, ResourceSliceSpec,
+    };
+    let mut node = Node::new(None).await;
+    let attr = |s: Option<&str>, i: Option<i64>| DeviceAttribute {
+        string: s.map(String::from),
+        int: i,
+        ..DeviceAttribute::default()
+    };
+    let gpu = |name: &str| Device {
+        name: name.into(),
+        attributes: Some(
+            [
+                (
+                    "fabricClusterUUID".to_string(),
+                    attr(Some("7c2f0a55-1111-4222-8333-944455556666"), None),
+                ),
+                ("fabricCliqueID".to_string(), attr(None, Some(3))),
+            ]
+            .into(),
+        ),
+        ..Device::default()
+    };
+    node.api.insert_slice(ResourceSlice {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("node-a-gpu".into()),
+            ..Default::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: "gpu.nvidia.com".into(),
+            node_name: Some(NODE.into()),
+            pool: ResourcePool {
+                name: NODE.into(),
+                generation: 1,
+                resource_slice_count: 1,
+            },
+            devices: Some(vec![gpu("gpu-0"), gpu("gpu-1")]),
+            ..ResourceSliceSpec::default()
+        },
+    });
+    let mut args = node.args(BindingConditions::Off);
+    args.clique_id = None;
+    node.stop = CancellationToken::new();
+    node.plugin = Some(tokio::spawn(plugin::serve(
+        args,
+        node.api.client().unwrap(),
+        node.stop.clone(),
+    )));
+    let want = "7c2f0a55-1111-4222-8333-944455556666.3";
+    node.wait("the clique label", |n| {
+        n.api
+            .node(NODE)
+            .and_then(|x| x.metadata.labels)
+            .and_then(|l| l.get("nvidia.com/gpu.clique").cloned())
+            .as_deref()
+            == Some(want)
+    })
+    .await;
+    node.stop().await;
+}

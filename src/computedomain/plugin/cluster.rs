@@ -11,7 +11,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, Store};
@@ -23,6 +23,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::computedomain::api::{ComputeDomain, ComputeDomainClique};
+use crate::dra::slices::{ATTR_FABRIC_CLIQUE_ID, ATTR_FABRIC_CLUSTER_UUID};
 
 /// The cluster as the plugin sees it.
 pub trait Cluster: Send + Sync + 'static {
@@ -46,6 +47,10 @@ pub trait Cluster: Send + Sync + 'static {
         key: &'a str,
         value: Option<&'a str>,
     ) -> BoxFuture<'a, anyhow::Result<()>>;
+    /// The NVLink clique nvdra's GPU driver (`gpu.nvidia.com`) publishes for the node's GPUs
+    /// (`fabricClusterUUID`.`fabricCliqueID`, the form of the `nvidia.com/gpu.clique` label);
+    /// `None` when its slices name none, or several.
+    fn gpu_clique<'a>(&'a self, node: &'a str) -> BoxFuture<'a, anyhow::Result<Option<String>>>;
     /// The ResourceClaims (all of them, as last seen); `None` until they were read once.
     fn claims(&self) -> Option<Vec<ResourceClaim>>;
     /// Makes `entries` the driver's entries in `claim`'s `status.devices`.
@@ -56,6 +61,30 @@ pub trait Cluster: Send + Sync + 'static {
     ) -> BoxFuture<'a, anyhow::Result<()>>;
     /// Resolves when something the plugin follows (claims) may have changed.
     fn changed(&self) -> BoxFuture<'_, ()>;
+}
+
+/// nvdra's GPU driver, whose slices carry the GPUs' fabric registration.
+pub const GPU_DRIVER: &str = "gpu.nvidia.com";
+
+/// The one clique of the GPUs in `slices`, `<fabricClusterUUID>.<fabricCliqueID>`; `None` when
+/// no GPU has one or they disagree (NVIDIA's plugin refuses a node whose GPUs do).
+pub fn clique_of(slices: &[ResourceSlice]) -> Option<String> {
+    let mut found = std::collections::BTreeSet::new();
+    for d in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+        let Some(attrs) = &d.attributes else { continue };
+        let cluster = attrs
+            .get(ATTR_FABRIC_CLUSTER_UUID)
+            .and_then(|a| a.string.clone());
+        let clique = attrs.get(ATTR_FABRIC_CLIQUE_ID).and_then(|a| a.int);
+        if let (Some(u), Some(c)) = (cluster, clique) {
+            found.insert(format!("{u}.{c}"));
+        }
+    }
+    if found.len() > 1 {
+        tracing::warn!(cliques = ?found, "the node's GPUs name several NVLink cliques; none is used");
+        return None;
+    }
+    found.pop_first()
 }
 
 /// The cluster through kube-rs: claims from a watch (a reflector), everything else one request
@@ -166,6 +195,19 @@ impl Cluster for KubeCluster {
         })
     }
 
+    fn gpu_clique<'a>(&'a self, node: &'a str) -> BoxFuture<'a, anyhow::Result<Option<String>>> {
+        Box::pin(async move {
+            let fields = format!("spec.nodeName={node},spec.driver={GPU_DRIVER}");
+            let slices = Api::<ResourceSlice>::all(self.client.clone())
+                .list(&ListParams::default().fields(&fields))
+                .await
+                .with_context(|| {
+                    format!("cannot list the resourceslices of {GPU_DRIVER} on {node}")
+                })?;
+            Ok(clique_of(&slices.items))
+        })
+    }
+
     fn claims(&self) -> Option<Vec<ResourceClaim>> {
         self.synced
             .load(Ordering::Relaxed)
@@ -208,6 +250,7 @@ struct Memory {
     claims: Vec<ResourceClaim>,
     status: BTreeMap<(String, String), Vec<AllocatedDeviceStatus>>,
     label_writes: u64,
+    gpu_clique: Option<String>,
 }
 
 impl MemoryCluster {
@@ -328,6 +371,11 @@ impl Cluster for MemoryCluster {
             };
         }
         Box::pin(async { Ok(()) })
+    }
+
+    fn gpu_clique<'a>(&'a self, _node: &'a str) -> BoxFuture<'a, anyhow::Result<Option<String>>> {
+        let c = lock(&self.inner).gpu_clique.clone();
+        Box::pin(async move { Ok(c) })
     }
 
     fn claims(&self) -> Option<Vec<ResourceClaim>> {

@@ -130,10 +130,14 @@ impl Plugin {
     }
 
     /// The node's clique (`<clusterUUID>.<cliqueID>`), empty where the node has none (its GPUs
-    /// are on no multi-node NVLink fabric): the flag, else the node's label.
+    /// are on no multi-node NVLink fabric): the flag, else what nvdra's GPU driver publishes for
+    /// the node's GPUs, else the node's label.
     pub async fn clique_id(&self) -> anyhow::Result<String> {
         if let Some(c) = &self.clique_override {
             return Ok(c.clone());
+        }
+        if let Some(c) = self.cluster.gpu_clique(&self.node).await? {
+            return Ok(c);
         }
         let labels = self.cluster.node_labels(&self.node).await?;
         Ok(labels.get(CLIQUE_LABEL).cloned().unwrap_or_default())

@@ -30,7 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::devices::{self, BINDING_CONDITION, BINDING_FAILURE_CONDITION, Kind};
 use super::prepare::{Config, Plugin, configs, pick};
-use crate::computedomain::api::{ComputeDomainClique, DRIVER_NAME, NODE_LABEL, STATUS_READY};
+use crate::computedomain::api::{
+    CLIQUE_LABEL, ComputeDomainClique, DRIVER_NAME, NODE_LABEL, STATUS_READY,
+};
 use crate::computedomain::daemon::clique::PER_CLIQUE_PREFIX;
 
 /// The node's desired slices: its two devices, the channel's binding conditions and taint.
@@ -159,6 +161,15 @@ pub async fn pass(plugin: &Plugin) -> anyhow::Result<Option<String>> {
     let cp = plugin.prepared().await;
     let mut labels = cluster.node_labels(&node).await?;
     let clique = plugin.clique_id().await?;
+    // The clique label, as NVIDIA's plugin sets it (gpu-feature-discovery's key): the
+    // controller's clique pools select their nodes by it.
+    if !clique.is_empty() && labels.get(CLIQUE_LABEL) != Some(&clique) {
+        cluster
+            .set_node_label(&node, CLIQUE_LABEL, Some(&clique))
+            .await?;
+        labels.insert(CLIQUE_LABEL.into(), clique.clone());
+        tracing::info!(%clique, "node labelled with its NVLink clique");
+    }
     let claims = cluster.claims();
     let allocated: Vec<Here> = claims
         .iter()
@@ -456,6 +467,13 @@ mod tests {
         let p = plugin(dir.path(), &cluster);
         cluster.put_clique(clique("NotReady"));
         assert_eq!(pass(&p).await.unwrap(), None);
-        assert_eq!(cluster.label_writes(), 0);
+        // Only its clique label, once.
+        assert_eq!(cluster.labels(NODE).get(NODE_LABEL), None);
+        assert_eq!(
+            cluster.labels(NODE).get(CLIQUE_LABEL).map(String::as_str),
+            Some(CLIQUE)
+        );
+        assert_eq!(pass(&p).await.unwrap(), None);
+        assert_eq!(cluster.label_writes(), 1);
     }
 }

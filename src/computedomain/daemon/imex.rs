@@ -139,6 +139,18 @@ impl Imex {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
+        // IMEX ends with the daemon even when the daemon is SIGKILLed (no orphan IMEX holding
+        // the node's ports for the next daemon to trip over).
+        // SAFETY: prctl(2) is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
         let mut child = cmd.spawn().inspect_err(|_| {
             self.not_before = Instant::now() + self.backoff;
             self.backoff = (self.backoff * 2).min(self.max_backoff);

@@ -43,14 +43,14 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// The driver's namespace: the DaemonSets, daemon claim templates and cliques live there.
-    #[arg(long, env = "NAMESPACE", default_value = "default")]
+    #[arg(long, env = "NAMESPACE", default_value = "nvdra")]
     pub namespace: String,
     /// The image of the daemon pods (nvdra's image: they run `nvdra compute-domain daemon`).
     #[arg(long, env = "IMAGE_NAME")]
     pub image_name: String,
     /// imagePullSecrets of the daemon pods, comma-separated.
-    #[arg(long, env = "CD_DAEMON_IMAGE_PULL_SECRET_NAMES", default_value = "")]
-    pub cd_daemon_image_pull_secret_names: String,
+    #[arg(long, env = "CD_DAEMON_IMAGE_PULL_SECRET_NAMES")]
+    pub cd_daemon_image_pull_secret_names: Option<String>,
     /// The most nodes of one IMEX domain (18 on GB200 and GB300), handed to the daemons.
     #[arg(long, env = "MAX_NODES_PER_IMEX_DOMAIN", default_value_t = 18)]
     pub max_nodes_per_imex_domain: u32,
@@ -155,6 +155,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         daemon_service_account: args.daemon_service_account.clone(),
         image_pull_secrets: args
             .cd_daemon_image_pull_secret_names
+            .as_deref()
+            .unwrap_or_default()
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
@@ -240,4 +242,50 @@ async fn lead(ctx: Arc<reconcile::Context>, args: &Args, shutdown: CancellationT
         publish::run(ctx.client.clone(), args.clique_channels, shutdown.clone()),
         sweep,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::Args,
+    }
+
+    /// The README's table of the controller's flags is the flags: names, env names, defaults.
+    #[test]
+    fn the_readme_table_lists_every_flag() {
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        let table: Vec<&str> = readme
+            .split("<!-- compute-domain controller flags -->")
+            .nth(1)
+            .expect("README has the controller's flag table after its marker")
+            .lines()
+            .skip_while(|l| !l.starts_with("| flag |"))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .collect();
+        let mut rows = 0;
+        for arg in Cli::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            let env = arg.get_env().unwrap().to_string_lossy().into_owned();
+            let row = table
+                .iter()
+                .find(|l| l.starts_with(&format!("| `--{long}`")))
+                .unwrap_or_else(|| panic!("README has no row for --{long}"));
+            assert!(
+                row.contains(&format!("`{env}`")),
+                "--{long}: env {env} in {row}"
+            );
+            if let Some(d) = arg.get_default_values().first() {
+                let d = format!("`{}`", d.to_string_lossy());
+                assert!(row.contains(&d), "--{long}: default {d} in {row}");
+            }
+            rows += 1;
+        }
+        assert_eq!(rows, table.len(), "a README row names no flag");
+    }
 }

@@ -33,8 +33,10 @@ pub fn pool_name(clique: &str) -> String {
 /// Whether `clique` can name a pool and its slices (DNS subdomains: lower-case letters, digits,
 /// `-` and `.`).
 pub fn valid_clique(clique: &str) -> bool {
+    use kubelet_plugin::validate::is_dns_subdomain;
     !clique.is_empty()
-        && kubelet_plugin::validate::is_dns_subdomain(&slice_name(clique, usize::MAX), 253)
+        && is_dns_subdomain(&pool_name(clique), 253)
+        && is_dns_subdomain(&slice_name(clique, usize::MAX), 253)
 }
 
 /// The cliques of the nodes (their `nvidia.com/gpu.clique` labels); invalid values come back

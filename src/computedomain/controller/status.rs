@@ -121,10 +121,12 @@ fn last_line(s: &str) -> &str {
 
 /// Each node's latest word on the domain's clique objects: the events the daemons record there
 /// (`involvedObject` the clique `<uid>.<cliqueID>`, `source.host` the node, the message
-/// `node <name>: <why>`), by node, the prefix taken off.
+/// `node <name>: <why>`), by node, the prefix taken off; a node whose latest event is not a
+/// warning (it recovered) has none.
 pub fn event_reasons(uid: &str, events: &[Event]) -> BTreeMap<String, String> {
     let prefix = format!("{uid}.");
-    let mut latest: BTreeMap<String, (Option<Timestamp>, String)> = BTreeMap::new();
+    // Per node, its latest event: a warning's message, or nothing once it said it is ready.
+    let mut latest: BTreeMap<String, (Option<Timestamp>, Option<String>)> = BTreeMap::new();
     for e in events {
         let ours = e.involved_object.kind.as_deref() == Some("ComputeDomainClique")
             && e.involved_object
@@ -145,10 +147,12 @@ pub fn event_reasons(uid: &str, events: &[Event]) -> BTreeMap<String, String> {
             .map(|t| t.0)
             .or_else(|| e.event_time.as_ref().map(|t| t.0))
             .or_else(|| e.metadata.creation_timestamp.as_ref().map(|t| t.0));
-        let why = message
-            .strip_prefix(&format!("node {node}: "))
-            .unwrap_or(message)
-            .to_string();
+        let why = (e.type_.as_deref() == Some("Warning")).then(|| {
+            message
+                .strip_prefix(&format!("node {node}: "))
+                .unwrap_or(message)
+                .to_string()
+        });
         match latest.get(&node) {
             Some((seen, _)) if *seen > at => {}
             _ => {
@@ -156,7 +160,10 @@ pub fn event_reasons(uid: &str, events: &[Event]) -> BTreeMap<String, String> {
             }
         }
     }
-    latest.into_iter().map(|(n, (_, why))| (n, why)).collect()
+    latest
+        .into_iter()
+        .filter_map(|(n, (_, why))| Some((n, why?)))
+        .collect()
 }
 
 /// `status.nodes` from the domain's cliques (those labelled with its UID, as NVIDIA's controller

@@ -307,7 +307,13 @@ fn a_clique_domain_says_where_its_channel_is() {
 #[test]
 fn the_daemons_events_on_their_clique_are_the_reasons() {
     let event = |clique: &str, node: &str, at: i64, message: &str| -> Event {
+        let type_ = if message.ends_with("ready") {
+            "Normal"
+        } else {
+            "Warning"
+        };
         serde_json::from_value(json!({
+            "type": type_,
             "metadata": {"name": format!("{clique}.{at}"), "namespace": "nvdra"},
             "involvedObject": {"kind": "ComputeDomainClique", "name": clique,
                                "apiVersion": "resource.nvidia.com/v1beta1"},
@@ -327,8 +333,11 @@ fn the_daemons_events_on_their_clique_are_the_reasons() {
             "node n2: nvidia-imex-ctl -q: UNAVAILABLE; last error: [ERROR] bind failed",
         ),
         event("u1.c.1", "n2", 10, "node n2: old"),
-        // Another domain's clique, and an event about something else.
+        // Another domain's clique.
         event("u10.c.1", "n3", 40, "node n3: not ours"),
+        // Recovered: no reason.
+        event("u1.c.1", "n1", 10, "node n1: failing"),
+        event("u1.c.1", "n1", 11, "node n1: IMEX is ready"),
     ];
     let reasons = event_reasons("u1", &events);
     assert_eq!(

@@ -276,7 +276,9 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
         ev.iter().any(|(r, _)| r == "Created")
             && ev.iter().any(|(r, _)| r == "WaitingForNodes")
             && ev.iter().any(|(r, _)| r == "AllNodesReady")
-            && ev.iter().any(|(r, n)| r == "DaemonNotReady" && n.contains(line))
+            && ev
+                .iter()
+                .any(|(r, n)| r == "DaemonNotReady" && n.contains(line))
     })
     .await;
 

@@ -442,10 +442,6 @@ fn logs(nodes: &[Node], controller: &Path) -> String {
 }
 
 #[test]
-#[ignore = "the compute-domain plugin refuses the daemon claim: its prepare requires every claim \
-            to be in its ComputeDomain's namespace, but NVIDIA's daemon claims (and nvdra's \
-            controller's) live in the driver's namespace; NVIDIA asserts the namespace for \
-            channel claims only. Passes with that check on channel claims only."]
 fn a_domain_goes_ready_across_four_plugins_and_a_pod_gets_its_channel_under_podman() {
     engine::with_engine(|e| {
         let rt = tokio::runtime::Runtime::new()?;

@@ -159,7 +159,9 @@ impl Node {
         self.api.put(&c);
     }
 
-    /// A claim allocated `device` of `pool` with the domain's config of `kind`; seeded.
+    /// A claim allocated `device` of `pool` with the domain's config of `kind`; seeded in the
+    /// namespace the controller would create it in (a daemon's in the driver's, a channel's in
+    /// the domain's).
     fn claim(
         &self,
         name: &str,
@@ -168,9 +170,27 @@ impl Node {
         kind: &str,
         extra: serde_json::Value,
     ) -> Claim {
+        let ns = if kind == "ComputeDomainDaemonConfig" {
+            DRIVER_NS
+        } else {
+            NS
+        };
+        self.claim_in(ns, name, pool, device, kind, extra)
+    }
+
+    /// [`Node::claim`] in namespace `ns`.
+    fn claim_in(
+        &self,
+        ns: &str,
+        name: &str,
+        pool: &str,
+        device: &str,
+        kind: &str,
+        extra: serde_json::Value,
+    ) -> Claim {
         let uid = format!("cd-plugin-{name}-{:08x}", rand::random::<u32>());
         let mut c: ResourceClaim = allocated_claim(
-            NS,
+            ns,
             name,
             &uid,
             vec![allocated_device("req", DRIVER_NAME, pool, device)],
@@ -193,7 +213,7 @@ impl Node {
             }),
         }]);
         self.api.seed_claim(c);
-        Claim::new(NS, name, uid)
+        Claim::new(ns, name, uid)
     }
 
     fn channel_claim(&self, name: &str) -> Claim {
@@ -394,6 +414,22 @@ async fn a_restart_keeps_prepared_claims_and_unprepare_works_after_it() {
 async fn a_daemon_claim_gets_what_nvidias_daemon_container_gets() {
     let mut node = Node::new(None).await;
     let mut kubelet = node.start(BindingConditions::Off).await;
+    // The daemon device carries the node's IMEX management capability: a workload namespace
+    // cannot have it, only the driver's, where the controller creates the daemons' claims.
+    let stray = node.claim_in(
+        NS,
+        "stray-daemon",
+        NODE,
+        "daemon-0",
+        "ComputeDomainDaemonConfig",
+        serde_json::json!({}),
+    );
+    let refused = kubelet.prepare(std::slice::from_ref(&stray)).await.unwrap();
+    let err = refused[&stray.uid].clone().unwrap_err();
+    assert!(
+        err.contains("daemon claims are served only in the driver's namespace nvdra"),
+        "{err}"
+    );
     let claim = node.claim(
         "daemon",
         NODE,

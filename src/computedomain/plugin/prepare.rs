@@ -249,7 +249,7 @@ impl Plugin {
             }
         }
         let domain_uid = domain_uid.unwrap_or_default();
-        let domain = self.domain(&domain_uid, &c.claim).await?;
+        let domain = self.domain(&domain_uid, &c.claim, channel).await?;
         let clique = self.clique_id().await?;
         let prepared = if channel {
             self.prepare_channels(cp, c, &uid, &domain, &clique, &picked)
@@ -267,18 +267,36 @@ impl Plugin {
         Ok(devices)
     }
 
-    /// The domain `uid`, which must be in the claim's namespace.
-    async fn domain(&self, uid: &str, claim: &Claim) -> anyhow::Result<ComputeDomain> {
+    /// The domain `uid`. A channel claim must be in the domain's namespace (a workload uses only
+    /// its own namespace's domains); a daemon claim must be in the driver's, where the
+    /// controller creates the daemons' templates: the daemon device carries the node's IMEX
+    /// management capability, which no workload namespace may ask for.
+    async fn domain(
+        &self,
+        uid: &str,
+        claim: &Claim,
+        channel: bool,
+    ) -> anyhow::Result<ComputeDomain> {
         let domain = self.cluster.domain(uid).await?.ok_or_else(|| {
             anyhow!("ComputeDomain {uid} (the claim's domainID) does not exist (yet)")
         })?;
         let ns = domain.metadata.namespace.clone().unwrap_or_default();
-        ensure!(
-            ns == claim.namespace,
-            "ComputeDomain {uid} is in namespace {ns}, the claim in {}: a claim may only use a \
-             domain of its own namespace",
-            claim.namespace
-        );
+        if channel {
+            ensure!(
+                ns == claim.namespace,
+                "ComputeDomain {uid} is in namespace {ns}, the claim in {}: a claim may only use \
+                 a domain of its own namespace",
+                claim.namespace
+            );
+        } else {
+            ensure!(
+                claim.namespace == self.namespace,
+                "a daemon claim for ComputeDomain {uid} is in namespace {}: daemon claims are \
+                 served only in the driver's namespace {}",
+                claim.namespace,
+                self.namespace
+            );
+        }
         Ok(domain)
     }
 

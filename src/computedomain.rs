@@ -45,3 +45,59 @@ pub fn main(command: Command) -> ExitCode {
         }
     }
 }
+
+/// The README's flag table of one subcommand (after `<!-- compute-domain NAME flags -->`) is
+/// its flags: a row per flag naming its env name and its default (an empty default reads as
+/// anything, `false` as `off`), and no row for a flag that does not exist.
+#[cfg(test)]
+fn assert_readme_lists_the_flags(name: &str, command: clap::Command) {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md reads");
+    let marker = format!("<!-- compute-domain {name} flags -->");
+    let table: Vec<&str> = readme
+        .split(&marker)
+        .nth(1)
+        .unwrap_or_else(|| panic!("README has the {name}'s flag table after {marker}"))
+        .lines()
+        .skip_while(|l| !l.starts_with("| flag |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    let mut rows = 0;
+    for arg in command.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        let row = table
+            .iter()
+            .find(|l| l.starts_with(&format!("| `--{long}`")))
+            .unwrap_or_else(|| panic!("README has no row for {name} --{long}"));
+        let env = arg
+            .get_env()
+            .unwrap_or_else(|| panic!("{name} --{long} has no env name"))
+            .to_string_lossy();
+        assert!(
+            row.contains(&format!("`{env}`")),
+            "{name} --{long}: env {env} in {row}"
+        );
+        match arg
+            .get_default_values()
+            .first()
+            .map(|d| d.to_string_lossy())
+        {
+            None => {}
+            Some(d) if d.is_empty() => {}
+            Some(d) if d == "false" => {
+                assert!(row.contains("off"), "{name} --{long}: default off in {row}")
+            }
+            Some(d) => assert!(
+                row.contains(&format!("`{d}`")),
+                "{name} --{long}: default `{d}` in {row}"
+            ),
+        }
+        rows += 1;
+    }
+    assert_eq!(
+        rows,
+        table.len(),
+        "a README row of the {name} names no flag"
+    );
+}

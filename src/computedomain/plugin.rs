@@ -224,39 +224,6 @@ mod tests {
     /// The README's table of the plugin's flags is the flags: names, env names, defaults.
     #[test]
     fn the_readme_table_lists_every_flag() {
-        let readme =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-        let table: Vec<&str> = readme
-            .split("<!-- compute-domain plugin flags -->")
-            .nth(1)
-            .expect("README has the plugin's flag table after its marker")
-            .lines()
-            .skip_while(|l| !l.starts_with("| flag |"))
-            .skip(2)
-            .take_while(|l| l.starts_with('|'))
-            .collect();
-        let cmd = Cli::command();
-        let mut rows = 0;
-        for arg in cmd.get_arguments() {
-            let Some(long) = arg.get_long() else { continue };
-            let env = arg.get_env().unwrap().to_string_lossy().into_owned();
-            let default = arg
-                .get_default_values()
-                .first()
-                .map(|v| format!("`{}`", v.to_string_lossy()));
-            let row = table
-                .iter()
-                .find(|l| l.starts_with(&format!("| `--{long}`")))
-                .unwrap_or_else(|| panic!("README has no row for --{long}"));
-            assert!(
-                row.contains(&format!("`{env}`")),
-                "--{long}: env {env} in {row}"
-            );
-            if let Some(d) = default {
-                assert!(row.contains(&d), "--{long}: default {d} in {row}");
-            }
-            rows += 1;
-        }
-        assert_eq!(rows, table.len(), "a README row names no flag");
+        crate::computedomain::assert_readme_lists_the_flags("plugin", Cli::command());
     }
 }

@@ -253,3 +253,16 @@ fn the_per_clique_daemon_writes_to_the_fabric_cliques_object() {
     assert_eq!(s.domain_uid, "");
     assert!(matches!(s.mode, Mode::HostManaged { .. }));
 }
+
+/// The README's table of the daemon's flags is the flags: names, env names, defaults.
+#[test]
+fn the_readme_table_lists_every_flag() {
+    use clap::CommandFactory;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+    crate::computedomain::assert_readme_lists_the_flags("daemon", Cli::command());
+}

@@ -118,14 +118,24 @@ impl Node {
         let args = self.args(bc);
         let client = self.api.client().unwrap();
         self.plugin = Some(tokio::spawn(plugin::serve(args, client, self.stop.clone())));
+        // The socket's file exists from its bind, before it listens: connect until it answers
+        // (the deadline only bounds a failure).
         let socket = self.plugin_dir().join("dra.sock");
-        for _ in 0..200 {
-            if socket.exists() {
-                break;
+        let mut tries = 0;
+        loop {
+            match KubeletClient::connect(&socket).await {
+                Ok(client) => return client,
+                Err(e) if tries < 400 => {
+                    tries += 1;
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+                Err(e) => panic!(
+                    "the plugin's DRA socket {} never answered: {e}",
+                    socket.display()
+                ),
             }
-            tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        KubeletClient::connect(&socket).await.unwrap()
     }
 
     async fn stop(&mut self) {

@@ -618,27 +618,11 @@ async fn run(spec_dir_flag: bool) -> anyhow::Result<()> {
 
     // The pod on node-0 runs with its channel: the CDI spec's char device, of the known major.
     let ids = workload[0].1.clone().unwrap();
-    let dir_arg = cdi_root.display().to_string();
-    let global: Vec<&str> = if spec_dir_flag {
-        vec!["--cdi-spec-dir", &dir_arg]
-    } else {
-        vec![]
+    let runner = engine::Engine {
+        has_spec_dir_flag: spec_dir_flag,
     };
-    let out = engine::podman(
-        &global,
-        &[
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "--device",
-            &ids[0],
-            engine::IMAGE,
-            "sh",
-            "-c",
-            "ls -l /dev/nvidia-caps-imex-channels/",
-        ],
-    )?;
+    let out =
+        runner.run_with_device(&cdi_root, &ids[0], "ls -l /dev/nvidia-caps-imex-channels/")?;
     // The workload's claims go as the kubelet would unprepare them (their spec files too).
     for (i, (claim, _)) in workload.iter().enumerate() {
         let answers = nodes[i]

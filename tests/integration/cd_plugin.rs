@@ -125,9 +125,8 @@ impl Node {
         loop {
             match KubeletClient::connect(&socket).await {
                 Ok(client) => return client,
-                Err(e) if tries < 400 => {
+                Err(_) if tries < 400 => {
                     tries += 1;
-                    let _ = e;
                     tokio::time::sleep(Duration::from_millis(25)).await;
                 }
                 Err(e) => panic!(
@@ -507,26 +506,10 @@ fn podman_sees_the_channel_as_a_char_device_with_the_known_major_and_minor() {
             );
             let answers = kubelet.prepare(std::slice::from_ref(&claim)).await?;
             let ids = answers[&claim.uid].clone().map_err(anyhow::Error::msg)?;
-            let dir_arg = node.cdi_root.display().to_string();
-            let global: Vec<&str> = if e.has_spec_dir_flag {
-                vec!["--cdi-spec-dir", &dir_arg]
-            } else {
-                vec![]
-            };
-            let out = engine::podman(
-                &global,
-                &[
-                    "run",
-                    "--rm",
-                    "--network",
-                    "none",
-                    "--device",
-                    &ids[0],
-                    engine::IMAGE,
-                    "sh",
-                    "-c",
-                    "ls -l /dev/nvidia-caps-imex-channels/",
-                ],
+            let out = e.run_with_device(
+                &node.cdi_root,
+                &ids[0],
+                "ls -l /dev/nvidia-caps-imex-channels/",
             )?;
             let unprepared = kubelet.unprepare(std::slice::from_ref(&claim)).await?;
             node.stop().await;

@@ -54,6 +54,34 @@ pub fn podman(global: &[&str], args: &[&str]) -> Result<Output> {
         .context("cannot start podman (through timeout)")
 }
 
+impl Engine {
+    /// Runs `sh -c script` in the test image with the CDI device `device`, its spec read from
+    /// `cdi_root` (where this podman can be told a spec directory; else the system's).
+    pub fn run_with_device(&self, cdi_root: &Path, device: &str, script: &str) -> Result<Output> {
+        let dir_arg = cdi_root.display().to_string();
+        let global: Vec<&str> = if self.has_spec_dir_flag {
+            vec!["--cdi-spec-dir", &dir_arg]
+        } else {
+            vec![]
+        };
+        podman(
+            &global,
+            &[
+                "run",
+                "--rm",
+                "--network",
+                "none",
+                "--device",
+                device,
+                IMAGE,
+                "sh",
+                "-c",
+                script,
+            ],
+        )
+    }
+}
+
 pub fn ok(out: &Output, what: &str) -> Result<String> {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     ensure!(

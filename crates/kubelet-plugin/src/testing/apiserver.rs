@@ -76,6 +76,9 @@ pub struct ApiCounts {
     pub deletes: u64,
     /// Write requests of any outcome (create, update, delete).
     pub write_requests: u64,
+    /// Requests of any resource answered 409 Conflict (a stale resourceVersion, an object that
+    /// already exists, a failed precondition).
+    pub conflicts: u64,
 }
 
 /// One HTTP request as the server received it, for tests that check what a client asks
@@ -1053,6 +1056,9 @@ impl Server {
         };
         if resp.status().is_success() && method != Method::GET {
             self.changed.send_modify(|n| *n += 1);
+        }
+        if resp.status() == StatusCode::CONFLICT {
+            self.lock().counts.conflicts += 1;
         }
         resp
     }

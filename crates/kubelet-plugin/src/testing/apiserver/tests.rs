@@ -94,6 +94,8 @@ async fn create_get_update_conflict_and_generate_name() {
         .await
         .unwrap_err();
     assert_eq!(code(err), (409, "Conflict".into()));
+    // Both 409s (the existing name, the stale update) are counted; the 404 below is not.
+    assert_eq!(server.counts().conflicts, 2);
     let err = api.get("nope").await.unwrap_err();
     assert_eq!(code(err), (404, "NotFound".into()));
 

@@ -50,7 +50,6 @@ pub mod status;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod validate;
-mod wire;
 
 pub use driver::{
     BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,

@@ -132,20 +132,25 @@ async fn binding_conditions(mode: BindingConditions, client: &kube::Client) -> b
     match mode {
         BindingConditions::On => true,
         BindingConditions::Off => false,
-        BindingConditions::Auto => match client.apiserver_version().await {
-            Ok(v) => {
-                let minor: u32 = v
-                    .minor
-                    .trim_end_matches(|c: char| !c.is_ascii_digit())
-                    .parse()
-                    .unwrap_or(0);
-                v.major == "1" && minor >= 36
+        BindingConditions::Auto => {
+            match cluster::within("read the API server's version", client.apiserver_version())
+                .await
+                .and_then(|r| r.context("cannot read the API server's version"))
+            {
+                Ok(v) => {
+                    let minor: u32 = v
+                        .minor
+                        .trim_end_matches(|c: char| !c.is_ascii_digit())
+                        .parse()
+                        .unwrap_or(0);
+                    v.major == "1" && minor >= 36
+                }
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "binding conditions off");
+                    false
+                }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the API server's version: binding conditions off");
-                false
-            }
-        },
+        }
     }
 }
 
@@ -155,7 +160,12 @@ pub async fn serve(
     client: kube::Client,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
-    let cluster = cluster::KubeCluster::start(client.clone(), DRIVER_NAME, stop.clone());
+    let cluster = cluster::KubeCluster::start(
+        client.clone(),
+        &args.namespace,
+        &args.node_name,
+        stop.clone(),
+    );
     let bc = binding_conditions(args.binding_conditions, &client).await;
     serve_with(args, client.clone(), Arc::new(client), cluster, bc, stop).await
 }

@@ -628,3 +628,121 @@ async fn the_clique_comes_from_the_gpu_drivers_slices_and_labels_the_node() {
     .await;
     node.stop().await;
 }
+
+/// The API server's requests for computedomains: (lists, watches).
+fn domain_requests(api: &TestApiServer) -> (usize, usize) {
+    let reads: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with("/computedomains"))
+        .collect();
+    let watches = reads
+        .iter()
+        .filter(|r| r.query.contains("watch=true"))
+        .count();
+    (reads.len() - watches, watches)
+}
+
+#[tokio::test]
+async fn prepares_read_domains_from_the_watch_and_find_a_domain_created_after_start() {
+    let mut node = Node::new(None).await;
+    node.daemon("Ready");
+    let mut kubelet = node.start(BindingConditions::Off).await;
+    // The watch starts once its list is stored.
+    node.wait("the computedomains watch", |n| {
+        domain_requests(&n.api).1 > 0
+    })
+    .await;
+    let (lists, _) = domain_requests(&node.api);
+    for i in 0..10 {
+        let claim = node.channel_claim(&format!("workload-{i}"));
+        let answers = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+        assert!(answers[&claim.uid].is_ok(), "{answers:?}");
+        let gone = kubelet
+            .unprepare(std::slice::from_ref(&claim))
+            .await
+            .unwrap();
+        assert!(gone[&claim.uid].is_ok(), "{gone:?}");
+    }
+    assert_eq!(
+        domain_requests(&node.api).0,
+        lists,
+        "10 prepares listed computedomains"
+    );
+
+    // A domain created now, its claim prepared at once: found (from the watch, or the one list
+    // a store that has not seen it yet makes).
+    let spec = ComputeDomainSpec {
+        channel: Some(ChannelSpec {
+            resource_claim_template: TemplateRef {
+                name: "later-channel".into(),
+            },
+            ..ChannelSpec::default()
+        }),
+        ..ComputeDomainSpec::default()
+    };
+    let later = node.api.put(&ComputeDomain::new(NS, "later", spec));
+    let later_uid = later.metadata.uid.unwrap();
+    node.clique_object(&later_uid, "Ready");
+    let claim = node.claim(
+        "later",
+        NODE,
+        "channel-0",
+        "ComputeDomainChannelConfig",
+        serde_json::json!({"domainID": later_uid}),
+    );
+    let answers = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    assert!(answers[&claim.uid].is_ok(), "{answers:?}");
+    assert!(domain_requests(&node.api).0 <= lists + 1);
+    assert_eq!(node.node_label().as_deref(), Some(later_uid.as_str()));
+    node.stop().await;
+}
+
+/// An API server that accepts connections and never answers: every call of the plugin's fails at
+/// its deadline with an error naming it, and a prepare answers instead of hanging. Paused time:
+/// the deadline passes without the test waiting for it.
+#[tokio::test(start_paused = true)]
+async fn a_prepare_against_a_stalled_api_server_fails_at_the_deadline_naming_the_call() {
+    use kubelet_plugin::Driver;
+    use nvdra::computedomain::plugin::cluster::{CALL_DEADLINE, KubeCluster};
+    use nvdra::computedomain::plugin::prepare::{Paths, Plugin};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    let client = kube::Client::try_from(config).unwrap();
+    let node = Node::new(None).await;
+    let stop = CancellationToken::new();
+    let cluster = KubeCluster::start(client, DRIVER_NS, NODE, stop.clone());
+    let paths = Paths {
+        plugin_dir: node.plugin_dir(),
+        cdi_root: node.cdi_root.clone(),
+        proc_devices: node.dir.path().join("devices"),
+        capabilities_root: node.dir.path().join("caps"),
+    };
+    let plugin = Plugin::new(NODE, DRIVER_NS, Some(CLIQUE.into()), paths, cluster).unwrap();
+    let claim = node.channel_claim("workload");
+    let rc = node.api.claim(NS, "workload").unwrap();
+    let prepare = kubelet_plugin::claims::check(claim.clone(), rc, DRIVER_NAME).unwrap();
+
+    let start = tokio::time::Instant::now();
+    // Bounded here too, so that a call without a deadline fails the test instead of hanging it.
+    let answers = tokio::time::timeout(CALL_DEADLINE * 3, plugin.prepare(vec![prepare]))
+        .await
+        .expect("the prepare answers")
+        .unwrap();
+    assert!(start.elapsed() >= CALL_DEADLINE);
+    let e = answers[0].1.as_ref().unwrap_err().to_string();
+    assert!(
+        e.contains("the API server did not answer the call to list computedomains within 10s"),
+        "{e}"
+    );
+    stop.cancel();
+    held.abort();
+}

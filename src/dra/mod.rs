@@ -10,11 +10,10 @@
 //! - [`sync`] — keeps the desired slices following the inventory and its health, and hands them
 //!   to the library's publisher.
 //! - [`plugin`] — the prepare/unprepare state machine (with [`mps`] daemons and the
-//!   [`compute_mode`] of GPUs that hold shares), the library's
-//!   [`kubelet_plugin::Driver`] through [`driver`], and device [`health`] for the health stream.
+//!   [`compute_mode`] of GPUs that hold shares), the library's [`kubelet_plugin::Driver`]
+//!   (`plugin/prepare.rs`), and device [`health`] for the health stream.
 
 pub mod compute_mode;
-pub mod driver;
 pub mod health;
 pub mod mps;
 pub mod plugin;

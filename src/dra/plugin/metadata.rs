@@ -1,30 +1,16 @@
-//! Device metadata (KEP-5304) of nvdra's claims: the inventory each prepared device's file is
-//! read from ([`crate::dra::slices::device_metadata`] says what it holds; the kubelet-plugin
-//! library writes and removes the files), and the start-up repair of the files of claims the
-//! checkpoint no longer holds.
+//! Device metadata (KEP-5304) of nvdra's claims: the start-up repair of the files of claims the
+//! checkpoint no longer holds. What each prepared device's file holds is
+//! [`crate::dra::slices::device_metadata`], read from the node at a prepare's answer
+//! (`prepare.rs`); the kubelet-plugin library writes and removes the files.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use kubelet_plugin::metadata::Files;
 
 use super::Plugin;
-use crate::inventory::Inventory;
 use crate::report::chain;
 
 impl Plugin {
-    /// The inventory prepared devices' metadata is read from: the owner's publication; `None`
-    /// (logged) when there is none, and the files then name the devices only.
-    pub(crate) async fn metadata_inventory(&self) -> Option<Arc<Inventory>> {
-        match self.snapshot().await {
-            Ok(inv) => Some(inv),
-            Err(e) => {
-                tracing::warn!(error = %chain(&e), "cannot read the inventory; the device metadata files name the devices only");
-                None
-            }
-        }
-    }
-
     /// Removes the device metadata files of every claim the checkpoint does not hold (prepared
     /// ones are kept), under the node lock, so that a rolling update's other instance cannot
     /// prepare a claim between the read of the checkpoint and the removal. Call once at start-up,

@@ -1,12 +1,13 @@
-//! The prepare/unprepare state machine of the DRA kubelet plugin, free of gRPC (see `grpc` and
-//! `wire` for the edge). Read top-down:
+//! The prepare/unprepare state machine of the DRA kubelet plugin, free of gRPC (the
+//! kubelet-plugin library is the edge). Read top-down:
 //!
+//! - [`prepare`]: a prepare in order, read top to bottom: the library's `Driver` (the kubelet's
+//!   batch of claims, one entry per claim, and the answer), each claim's steps, the order of its
+//!   writes and its rollback; and unprepare;
 //! - [`plan`]: pure — claim + inventory + settings → the device records to reserve;
 //! - [`effects`]: MIG create/destroy, time slices, MPS, CDI specs, each with its undo;
-//! - [`prepare`]: one claim's prepare and unprepare, the order of its writes and its rollback;
 //! - [`mig_mode`]: dynamic MIG, a GPU's MIG mode switched by the claims it is prepared for;
-//! - [`recovery`]: start-up repair of what a crash left;
-//! - [`batch`]: the kubelet's batch of claims, one entry per claim.
+//! - [`recovery`]: start-up repair of what a crash left.
 //!
 //! Prepare of one claim: read the ResourceClaim from the API server, check its UID and
 //! allocation, take the results whose driver is ours, resolve each device in the inventory
@@ -41,7 +42,6 @@ use crate::ledger::{self, Ledger};
 use crate::metrics::Metrics;
 use kubelet_plugin::nodelock::{self, NodeLock};
 
-mod batch;
 #[cfg(feature = "crash-points")]
 pub mod crash;
 mod effects;

@@ -1,4 +1,15 @@
-//! One claim's prepare, in order; the steps it calls follow it in this file, in the same order.
+//! A prepare, in order, from the kubelet's batch to its answer: the library's call
+//! ([`Driver::prepare`]) first, then the steps it calls, in this file in the same order;
+//! unprepare, which shares the batch, at the end.
+//!
+//! **The batch.** The claims' UIDs are parsed here, once: a claim whose UID is not one gets its
+//! error (prepare) or its success (unprepare: it cannot have been prepared) without reaching the
+//! plugin. The batch takes the node lock (which reloads the checkpoint a rolling update's other
+//! instance may have changed) and the node's inventory as the owner published it, then runs each
+//! claim under its own lock, different claims concurrently, each with an entry of its own
+//! whatever happens to the others.
+//!
+//! **One claim's prepare:**
 //!
 //! 1. **Already prepared?** A completed claim is answered from the checkpoint (its CDI spec
 //!    rewritten if damaged); a started one, a prepare that could not roll back, is rolled back
@@ -27,20 +38,272 @@
 //!    `status.devices` entries are written on their own task ([`status`](super::status)).
 //!
 //! Any failure after step 4 rolls back what was done.
+//!
+//! **The answer.** Each claim's device records as the kubelet is told them, with the metadata
+//! its container reads (KEP-5304), read from the node once per batch. Device records are
+//! destructured exhaustively, so a new field must be decided on here.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
 
-use kubelet_plugin::PrepareClaim;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use kubelet_plugin::metadata::DeviceMetadata;
+use kubelet_plugin::{
+    BoxError, Claim, Driver, PrepareClaim, PrepareResults, PreparedDevice, UnprepareResults,
+};
 
-use super::batch::PendingInventory;
 use super::effects::Partial;
 use super::plan::{self, Plan};
 use super::{ClaimError, ClaimRef, Plugin, crash_point, mig_mode};
 use crate::holds::claims_holding;
 use crate::ids::ClaimUid;
+use crate::inventory::owner::Writes;
 use crate::inventory::{DeviceUuid, GpuUuid, Inventory, quantity};
 use crate::ledger::{self, ClaimEntry, ClaimState, DeviceRecord, PodRef, ShareUser};
+// The claim-lock map sees inserts and removes only, so ignoring poison is sound.
+use crate::lock::lock;
+use crate::metrics::Histogram;
+use crate::report::chain;
+
+impl Driver for Plugin {
+    async fn prepare(&self, claims: Vec<PrepareClaim>) -> Result<PrepareResults, BoxError> {
+        let read = claims.into_iter().map(|c| (c.claim.clone(), Some(c)));
+        let Claims::<Option<PrepareClaim>> { valid, rejected } = read.collect();
+        let results = Plugin::prepare_claims(self, valid).await;
+        // Once per batch, after its prepares (a MIG device one of them created and this read
+        // does not see yet is described from its record).
+        let inv = if results.iter().any(|(_, r)| r.is_ok()) {
+            self.metadata_inventory().await
+        } else {
+            None
+        };
+        let results = results.into_iter().map(|(uid, r)| {
+            let devices = r
+                .map(|records| {
+                    let prepared = |d| prepared(d, inv.as_deref());
+                    records.into_iter().map(prepared).collect()
+                })
+                .map_err(BoxError::from);
+            (String::from(uid), devices)
+        });
+        Ok(rejected
+            .into_iter()
+            .map(|(uid, e)| (uid, Err(e.into())))
+            .chain(results)
+            .collect())
+    }
+
+    async fn unprepare(&self, claims: Vec<Claim>) -> Result<UnprepareResults, BoxError> {
+        let Claims::<()> { valid, rejected } = claims.into_iter().map(|c| (c, ())).collect();
+        let valid = valid.into_iter().map(|(c, ())| c).collect();
+        let results = Plugin::unprepare(self, valid).await;
+        // With an invalid UID, a claim was never prepared, and unprepare of an unknown claim
+        // succeeds.
+        Ok(rejected
+            .into_iter()
+            .map(|(uid, _)| (uid, Ok(())))
+            .chain(
+                results
+                    .into_iter()
+                    .map(|(uid, r)| (String::from(uid), r.map_err(BoxError::from))),
+            )
+            .collect())
+    }
+}
+
+/// The claims of a request: those the plugin works on (with what was read of each), and those
+/// whose UID is invalid, under the UID the kubelet sent.
+#[derive(Debug)]
+struct Claims<T> {
+    valid: Vec<(ClaimRef, T)>,
+    rejected: Vec<(String, ClaimError)>,
+}
+
+impl<T> Default for Claims<T> {
+    fn default() -> Self {
+        Self {
+            valid: Vec::new(),
+            rejected: Vec::new(),
+        }
+    }
+}
+
+impl<T> FromIterator<(Claim, T)> for Claims<T> {
+    fn from_iter<I: IntoIterator<Item = (Claim, T)>>(iter: I) -> Self {
+        let mut claims = Claims::default();
+        for (claim, read) in iter {
+            let Claim {
+                namespace,
+                name,
+                uid,
+                ..
+            } = claim;
+            match ClaimUid::parse(uid.as_str()) {
+                Ok(uid) => claims.valid.push((
+                    ClaimRef {
+                        namespace,
+                        name,
+                        uid,
+                    },
+                    read,
+                )),
+                Err(source) => claims
+                    .rejected
+                    .push((uid.clone(), ClaimError::BadUid { uid, source })),
+            }
+        }
+        claims
+    }
+}
+
+/// A batch's inventory snapshot, taken as the batch starts (under the node lock): the owner's
+/// publication (no copy, no thread), or the read that follows this plugin's last
+/// reconfiguration, awaited by each claim only when it needs it, so a claim's own GET goes out
+/// meanwhile instead of after it.
+#[derive(Clone)]
+pub(super) struct PendingInventory(
+    Shared<BoxFuture<'static, Result<Arc<Inventory>, Arc<ClaimError>>>>,
+);
+
+impl PendingInventory {
+    fn start(gpus: Writes) -> Self {
+        let node = async move { gpus.node().await.map_err(|e| Arc::new(ClaimError::from(e))) };
+        Self(node.boxed().shared())
+    }
+
+    /// The snapshot; its failure fails every claim of the batch alike.
+    pub(super) async fn get(&self) -> Result<Arc<Inventory>, ClaimError> {
+        self.0.clone().await.map_err(ClaimError::Unavailable)
+    }
+}
+
+impl Plugin {
+    /// Prepares a batch, reading each claim from the API; one result per claim, in order.
+    pub async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
+        self.prepare_claims(claims.into_iter().map(|c| (c, None)).collect())
+            .await
+    }
+
+    /// Prepares a batch; a claim the kubelet-plugin library did not read (and check, and pick
+    /// its results for this driver) is read from the API.
+    pub(crate) async fn prepare_claims(
+        &self,
+        claims: Vec<(ClaimRef, Option<PrepareClaim>)>,
+    ) -> Vec<(ClaimUid, Result<Vec<DeviceRecord>, ClaimError>)> {
+        // One snapshot per batch: MIG devices created by this batch are tracked in the ledger,
+        // which is what conflict checks read.
+        let gpus = self.inner.gpus.clone();
+        let setup = async move { Ok(PendingInventory::start(gpus)) };
+        let m = &self.inner.metrics;
+        let outcome = (&m.prepare_ok, &m.prepare_failed, &m.prepare_seconds);
+        self.batch(claims, "prepare", outcome, setup, |c, rc, inv| async move {
+            self.prepare_one(&c, rc, &inv).await
+        })
+        .await
+    }
+
+    /// Unprepares a batch; one result per claim, in order.
+    pub async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimUid, Result<(), ClaimError>)> {
+        let m = &self.inner.metrics;
+        let outcome = (&m.unprepare_ok, &m.unprepare_failed, &m.unprepare_seconds);
+        self.batch(
+            claims.into_iter().map(|c| (c, ())).collect(),
+            "unprepare",
+            outcome,
+            async { Ok(()) },
+            |c, (), ()| async move { self.unprepare_one(&c.uid).await },
+        )
+        .await
+    }
+
+    /// Runs `op` for each claim of a batch: under the node lock, each claim under its own lock,
+    /// different claims concurrently, after `setup` (whose value every claim gets). When the
+    /// batch cannot start (lock, setup), every claim fails with that reason, so the kubelet still
+    /// gets an entry per claim. Counts outcomes and the batch's duration.
+    async fn batch<X, S, T, Setup, Op, Fut>(
+        &self,
+        claims: Vec<(ClaimRef, X)>,
+        what: &'static str,
+        (ok, failed, seconds): (&AtomicU64, &AtomicU64, &Histogram),
+        setup: Setup,
+        op: Op,
+    ) -> Vec<(ClaimUid, Result<T, ClaimError>)>
+    where
+        S: Clone,
+        Setup: Future<Output = Result<S, ClaimError>>,
+        Op: Fn(ClaimRef, X, S) -> Fut,
+        Fut: Future<Output = Result<T, ClaimError>>,
+    {
+        if claims.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let state = match self.enter().await {
+            Ok(guard) => setup.await.map(|s| (guard, s)),
+            Err(e) => Err(e),
+        };
+        let results = match state {
+            Err(e) => {
+                let cause = std::sync::Arc::new(e);
+                claims
+                    .into_iter()
+                    .map(|(c, _)| (c.uid, Err(ClaimError::Unavailable(cause.clone()))))
+                    .collect()
+            }
+            Ok((_guard, shared)) => {
+                let futs = claims.into_iter().map(|(c, x)| {
+                    let (shared, op) = (shared.clone(), &op);
+                    async move {
+                        let uid = c.uid.clone();
+                        let who = format!("{}/{}", c.namespace, c.name);
+                        let l = self.claim_lock(&uid);
+                        let r = {
+                            let _held = l.lock().await;
+                            op(c, x, shared).await
+                        };
+                        self.release_claim_lock(&uid, l);
+                        if let Err(e) = &r {
+                            tracing::warn!(claim.uid = %uid, claim = %who, error = %crate::report::chain(e), "{what} failed");
+                        }
+                        (uid, r)
+                    }
+                });
+                futures::future::join_all(futs).await
+            }
+        };
+        for (_, r) in &results {
+            let c = if r.is_ok() { ok } else { failed };
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        seconds.observe(started.elapsed());
+        results
+    }
+
+    fn claim_lock(&self, uid: &ClaimUid) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.inner.claim_locks)
+            .entry(uid.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn release_claim_lock(&self, uid: &ClaimUid, l: Arc<tokio::sync::Mutex<()>>) {
+        let mut locks = lock(&self.inner.claim_locks);
+        drop(l);
+        // The map's own reference is the last one: nobody else waits on this claim.
+        if locks.get(uid).is_some_and(|l| Arc::strong_count(l) == 1) {
+            locks.remove(uid);
+        }
+    }
+}
 
 impl Plugin {
     /// Prepares `claim`; `read` is the claim as the library read and checked it, when it did.
@@ -694,20 +957,6 @@ impl Plugin {
         }
         Ok(devices)
     }
-
-    pub(super) async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
-        let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
-            // Unknown claims succeed; a stray spec of ours for it goes too.
-            if self.inner.specs.remove(uid)? {
-                tracing::warn!(claim.uid = %uid, "removed a CDI spec of a claim not in the checkpoint");
-            }
-            return Ok(());
-        };
-        self.rollback(uid, &entry.devices).await?;
-        self.forget_status(uid);
-        tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
-        Ok(())
-    }
 }
 
 /// Logs each GPU of `switched` (the MIG modes a prepare switched) whose minor differs in `now`
@@ -730,6 +979,64 @@ fn log_minor_changes(
     }
 }
 
+impl Plugin {
+    /// The inventory prepared devices' metadata is read from: the owner's publication; `None`
+    /// (logged) when there is none, and the files then name the devices only.
+    pub(crate) async fn metadata_inventory(&self) -> Option<Arc<Inventory>> {
+        match self.snapshot().await {
+            Ok(inv) => Some(inv),
+            Err(e) => {
+                tracing::warn!(error = %chain(&e), "cannot read the inventory; the device metadata files name the devices only");
+                None
+            }
+        }
+    }
+}
+
+/// What the kubelet is told of one prepared device, with the metadata its container reads
+/// (KEP-5304) from `inv` when there is one.
+fn prepared(d: DeviceRecord, inv: Option<&Inventory>) -> PreparedDevice {
+    let metadata = inv
+        .and_then(|inv| crate::dra::slices::device_metadata(inv, &d))
+        .map(DeviceMetadata::new);
+    let DeviceRecord {
+        requests,
+        pool,
+        device,
+        cdi_ids,
+        share_id,
+        admin_access: _,
+        gpu: _,
+        mig: _,
+        consumed: _,
+        sharing: _,
+    } = d;
+    let mut device = PreparedDevice::new(requests, pool, device, cdi_ids);
+    if let Some(share) = share_id {
+        device = device.with_share_id(share);
+    }
+    match metadata {
+        Some(m) => device.with_metadata(m),
+        None => device,
+    }
+}
+
+impl Plugin {
+    pub(super) async fn unprepare_one(&self, uid: &ClaimUid) -> Result<(), ClaimError> {
+        let Some(entry) = self.inner.ledger.read(|c| c.claims.get(uid).cloned()) else {
+            // Unknown claims succeed; a stray spec of ours for it goes too.
+            if self.inner.specs.remove(uid)? {
+                tracing::warn!(claim.uid = %uid, "removed a CDI spec of a claim not in the checkpoint");
+            }
+            return Ok(());
+        };
+        self.rollback(uid, &entry.devices).await?;
+        self.forget_status(uid);
+        tracing::info!(claim.uid = %uid, claim = %format!("{}/{}", entry.namespace, entry.name), "claim unprepared");
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -738,7 +1045,64 @@ mod tests {
     use crate::cdi::CdiOptions;
     use crate::dra::plugin::plan::plan;
     use crate::dra::plugin::plan::tests::{DRIVER, checked, claim_ref, opts, result};
+    use crate::inventory::GpuUuid;
     use crate::inventory::topology::load_profile;
+    use crate::sharing::Sharing;
+
+    fn record(share: Option<&str>) -> DeviceRecord {
+        DeviceRecord {
+            requests: vec!["gpu".into()],
+            pool: "node".into(),
+            device: crate::ids::DeviceName::gpu(0),
+            cdi_ids: vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".into()],
+            share_id: share.map(String::from),
+            admin_access: false,
+            gpu: GpuUuid("GPU-0".into()),
+            mig: None,
+            consumed: None,
+            sharing: Sharing::Exclusive,
+        }
+    }
+
+    #[test]
+    fn a_record_tells_the_kubelet_its_device_and_share() {
+        let d = prepared(record(Some("s1")), None);
+        assert_eq!(d.device, "gpu-0");
+        assert_eq!(d.pool, "node");
+        assert_eq!(d.requests, vec!["gpu".to_string()]);
+        assert_eq!(d.share_id.as_deref(), Some("s1"));
+        assert_eq!(
+            d.cdi_ids,
+            vec!["k8s.gpu.nvidia.com/claim=u-gpu-0".to_string()]
+        );
+    }
+
+    #[test]
+    fn a_bad_uid_is_that_claims_entry_and_never_reaches_the_plugin() {
+        let claim = |uid: &str| (Claim::new("ns", format!("c-{}", uid.len()), uid), ());
+        let claims: Claims<()> = vec![claim("good-1"), claim("a/b"), claim("")]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            claims.valid,
+            vec![(
+                ClaimRef {
+                    namespace: "ns".into(),
+                    name: "c-6".into(),
+                    uid: ClaimUid::parse("good-1").unwrap(),
+                },
+                ()
+            )]
+        );
+        let rejected: Vec<&str> = claims.rejected.iter().map(|(u, _)| u.as_str()).collect();
+        assert_eq!(rejected, vec!["a/b", ""]);
+        let e = chain(&claims.rejected[0].1).to_string();
+        assert!(
+            e.starts_with("claim UID \"a/b\" cannot name a CDI device"),
+            "{e}"
+        );
+        assert!(!chain(&claims.rejected[1].1).to_string().is_empty());
+    }
 
     #[test]
     fn a_conflict_names_the_claim_that_holds_the_device() {

@@ -48,11 +48,6 @@ impl Deadlines {
         }
     }
 
-    /// The calls past their deadline that still run (empty when none is).
-    pub fn overdue(&self) -> Vec<String> {
-        lock(&self.overdue).values().cloned().collect()
-    }
-
     /// Runs `f` (named `call` in errors) on a thread of its own and waits for it at most the
     /// deadline.
     pub fn call<T: Send + 'static>(
@@ -116,6 +111,13 @@ impl Deadlines {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Deadlines {
+        /// The calls past their deadline that still run (empty when none is).
+        pub(crate) fn overdue(&self) -> Vec<String> {
+            lock(&self.overdue).values().cloned().collect()
+        }
+    }
 
     /// A call held until the test lets it go: past any deadline, whatever the machine's speed.
     fn held() -> (

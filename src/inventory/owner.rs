@@ -159,20 +159,9 @@ impl InventoryHandle {
         self.wait(ticket).await?.node()
     }
 
-    /// The same handle, with the hardware's calls waited for at most `after` (tests).
-    pub fn with_call_deadline(mut self, after: Duration) -> Self {
-        self.deadlines = Deadlines::new(self.hardware.name(), after);
-        self
-    }
-
     /// The hardware's name (`nvml`, `simulated`).
     pub fn backend(&self) -> &'static str {
         self.hardware.name()
-    }
-
-    /// The hardware calls past their deadline that still run.
-    pub fn overdue(&self) -> Vec<String> {
-        self.deadlines.overdue()
     }
 
     /// Each GPU's live readings, read now, under the deadline: a `/metrics` scrape reports
@@ -441,17 +430,6 @@ impl Writes {
             changed: Arc::new(AtomicU64::new(0)),
             deadlines,
         }
-    }
-
-    /// The same, with the calls waited for at most `after` (tests).
-    pub fn with_call_deadline(mut self, after: Duration) -> Self {
-        self.deadlines = Deadlines::new(self.handle.backend(), after);
-        self
-    }
-
-    /// The calls past their deadline that still run.
-    pub fn overdue(&self) -> Vec<String> {
-        self.deadlines.overdue()
     }
 
     /// The owner's publications.

@@ -5,6 +5,33 @@ use crate::inventory::sim::SimBackend;
 /// Generous bound for what takes milliseconds; only reached when something is broken.
 const SOON: Duration = Duration::from_secs(10);
 
+/// Test-only knobs of the handles: a shorter deadline than [`DEADLINE`], and what is past it.
+impl InventoryHandle {
+    /// The same handle, with the hardware's calls waited for at most `after`.
+    pub(crate) fn with_call_deadline(mut self, after: Duration) -> Self {
+        self.deadlines = Deadlines::new(self.hardware.name(), after);
+        self
+    }
+
+    /// The hardware calls past their deadline that still run.
+    pub(crate) fn overdue(&self) -> Vec<String> {
+        self.deadlines.overdue()
+    }
+}
+
+impl Writes {
+    /// The same, with the calls waited for at most `after`.
+    pub(crate) fn with_call_deadline(mut self, after: Duration) -> Self {
+        self.deadlines = Deadlines::new(self.handle.backend(), after);
+        self
+    }
+
+    /// The calls past their deadline that still run.
+    pub(crate) fn overdue(&self) -> Vec<String> {
+        self.deadlines.overdue()
+    }
+}
+
 fn owner(sim: &SimBackend) -> (Owner, InventoryHandle) {
     Owner::new(Arc::new(sim.clone()), Duration::from_secs(3600), DEADLINE).unwrap()
 }

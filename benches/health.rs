@@ -31,7 +31,7 @@ use nvdra::api::kube::KubeApi;
 use nvdra::dra::health::NodeHealth;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
-use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Policy};
+use nvdra::health::{Event, EventKind, Monitor, Policy};
 use nvdra::inventory::DeviceBackend;
 use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
@@ -77,19 +77,20 @@ async fn main() {
         );
         let sim = SimBackend::from_profile("dgx-h100", NODE).expect("profile");
         let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
+        // As `nvdra run` wires them: the monitor probes through the owner, which follows it.
+        let hour = Duration::from_secs(3600);
+        let (mut owner, node) = owner::Owner::new(inner, hour, owner::DEADLINE).expect("the owner");
+        owner.read().await.expect("the first read");
         let (monitor, mh) = Monitor::new(
             Policy {
                 quiet_period: Duration::ZERO,
                 probe_interval: Duration::from_millis(100),
                 ..Policy::default()
             },
-            Arc::new(BackendProbe(inner.clone())),
+            Arc::new(node.clone()),
         );
         let token = CancellationToken::new();
-        let hour = Duration::from_secs(3600);
-        let node = owner::start(inner, hour, mh.subscribe(), token.clone())
-            .await
-            .expect("the owner");
+        tokio::spawn(owner.run(mh.subscribe(), token.clone()));
         let sync = SliceSync::new(
             node.subscribe(),
             handle,
@@ -218,13 +219,18 @@ async fn nvml_path() -> Vec<Duration> {
         unsafe { lib.get(b"fake_nvml_registrations") }.expect("hook");
     let mut out = Vec::new();
     for _ in 0..RUNS {
+        // As `nvdra run` wires them: the monitor probes through the owner, which follows it.
+        let hour = Duration::from_secs(3600);
+        let (mut owner, node) =
+            owner::Owner::new(backend.clone(), hour, owner::DEADLINE).expect("the owner");
+        owner.read().await.expect("the first read");
         let (monitor, mh) = Monitor::new(
             Policy {
                 quiet_period: Duration::ZERO,
                 probe_interval: Duration::from_millis(20),
                 ..Policy::default()
             },
-            Arc::new(BackendProbe(backend.clone())),
+            Arc::new(node.clone()),
         );
         let token = CancellationToken::new();
         tokio::spawn(monitor.run(token.clone()));
@@ -236,10 +242,7 @@ async fn nvml_path() -> Vec<Duration> {
         while registrations(0) <= before {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let hour = Duration::from_secs(3600);
-        let node = owner::start(backend.clone(), hour, mh.subscribe(), token.clone())
-            .await
-            .expect("the owner");
+        tokio::spawn(owner.run(mh.subscribe(), token.clone()));
         let mut stream = health_stream(node.subscribe(), "n", &token).await;
         let t = Instant::now();
         assert_eq!(inject(0, 0x8, 79), 0);

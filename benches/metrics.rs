@@ -12,8 +12,9 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvdra::health::{BackendProbe, Event, EventKind, Monitor, Policy};
+use nvdra::health::{Event, EventKind, Monitor, Policy};
 use nvdra::ids::{ClaimUid, DeviceName};
+use nvdra::inventory::owner::{self, Owner};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{DeviceBackend, Placement, ProcessUsage, Reconfigure};
 use nvdra::ledger::{ClaimEntry, ClaimState, DeviceRecord, Ledger, MigRecord, PodRef};
@@ -51,10 +52,12 @@ async fn main() {
     let proc_root = dir.path().join("proc");
     let (ledger, _writer, _) =
         Ledger::open(&dir.path().join("plugin"), "boot", None).expect("ledger");
-    let (monitor, handle) = Monitor::new(
-        Policy::default(),
-        Arc::new(BackendProbe(Arc::new(sim.clone()))),
-    );
+    // The owner's handle: the monitor's probes and the scrape's live readings go through it,
+    // as in `nvdra run` (its publications are the bench's own, below).
+    let hour = Duration::from_secs(3600);
+    let (_owner, inventory) =
+        Owner::new(Arc::new(sim.clone()), hour, owner::DEADLINE).expect("owner");
+    let (monitor, handle) = Monitor::new(Policy::default(), Arc::new(inventory.clone()));
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));
 
@@ -140,7 +143,7 @@ async fn main() {
                 ..Default::default()
             })
             .1,
-            Arc::new(sim.clone()),
+            inventory.clone(),
         )
         .with_ledger(ledger.clone())
         .with_monitor(handle.clone())

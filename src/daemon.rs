@@ -484,7 +484,7 @@ fn scrape_source(
     device_plugin: Option<&DevicePlugin>,
     extras: &Extras,
 ) -> Arc<Attribution> {
-    let mut source = Attribution::new(inventory.subscribe(), Arc::new(inventory.clone()))
+    let mut source = Attribution::new(inventory.subscribe(), inventory.clone())
         .with_monitor(monitor.handle.clone());
     if let Some(plugin) = plugin {
         let levels = plugin.clone();

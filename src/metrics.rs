@@ -266,7 +266,10 @@ mod tests {
         use crate::inventory::{DeviceUuid, GpuUuid, owner};
         let sim = crate::inventory::sim::SimBackend::from_profile("dgx-h100", "n").unwrap();
         let (tx, node) = tokio::sync::watch::channel(owner::Published::default());
-        let source = attribution::Attribution::new(node, Arc::new(sim));
+        // Live readings through an owner's handle over `sim`; the publications are the test's.
+        let hour = std::time::Duration::from_secs(3600);
+        let (_owner, readings) = owner::Owner::new(Arc::new(sim), hour, owner::DEADLINE).unwrap();
+        let source = attribution::Attribution::new(node, readings);
         let round = |answers: &[(&str, bool)]| {
             tx.send_modify(|p| {
                 p.health.daemons_asked = answers

@@ -19,9 +19,9 @@ use kubelet_plugin::proto::health::v1alpha1::{
 };
 use nvdra::dra::health::NodeHealth;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions, desired_slices};
-use nvdra::health::{BackendProbe, Cause, Monitor, MonitorHandle, Policy};
+use nvdra::health::{Cause, Monitor, MonitorHandle, Policy};
 use nvdra::inventory::nvml::{LIBRARY, NvmlBackend};
-use nvdra::inventory::owner::{self, InventoryHandle};
+use nvdra::inventory::owner::{self, InventoryHandle, Owner, Writes};
 use nvdra::inventory::{DeviceBackend, GpuUuid, Reconfigure};
 use tokio_util::sync::CancellationToken;
 
@@ -125,6 +125,9 @@ impl Fake {
         gate: Arc<std::sync::atomic::AtomicBool>,
     ) -> (MonitorHandle, InventoryHandle) {
         let backend: Arc<dyn DeviceBackend> = self.backend.clone();
+        // As `nvdra run` wires them: the monitor probes through the owner, which follows it.
+        let hour = Duration::from_secs(3600);
+        let (mut owner, inventory) = Owner::new(backend.clone(), hour, owner::DEADLINE).unwrap();
         let (monitor, handle) = Monitor::new(
             Policy {
                 quiet_period: Duration::from_millis(300),
@@ -133,23 +136,22 @@ impl Fake {
             },
             Arc::new(Gated {
                 open: gate,
-                inner: BackendProbe(backend.clone()),
+                inner: inventory.clone(),
             }),
         );
         tokio::spawn(monitor.run(stop.clone()));
         self.start_events(&backend, &handle).await;
-        let hour = Duration::from_secs(3600);
-        let owner = owner::start(backend, hour, handle.subscribe(), stop.clone())
-            .await
-            .unwrap();
-        (handle.clone(), owner)
+        // A failed first read is published, for the consumers to report.
+        let _ = owner.read().await;
+        tokio::spawn(owner.run(handle.subscribe(), stop.clone()));
+        (handle.clone(), inventory)
     }
 }
 
 /// NVML's probe, failing until the test opens the gate (recovery when the test says).
 struct Gated {
     open: Arc<std::sync::atomic::AtomicBool>,
-    inner: BackendProbe,
+    inner: InventoryHandle,
 }
 
 impl nvdra::health::Probe for Gated {
@@ -273,7 +275,7 @@ async fn an_xid_on_the_mig_gpu_reaches_the_stream_and_the_slices_and_recovery_re
 
 /// Counts the probes of one GPU that failed.
 struct Counting {
-    inner: BackendProbe,
+    inner: InventoryHandle,
     failed: tokio::sync::watch::Sender<u32>,
 }
 
@@ -297,6 +299,9 @@ async fn a_lost_gpu_stays_unhealthy_until_nvml_finds_it() {
     let stop = CancellationToken::new();
     let backend: Arc<dyn DeviceBackend> = fake.backend.clone();
     let (failed, mut failures) = tokio::sync::watch::channel(0);
+    // The probe `nvdra run`'s monitor uses: the owner's (which need not have read for it).
+    let hour = Duration::from_secs(3600);
+    let (_owner, inventory) = Owner::new(backend.clone(), hour, owner::DEADLINE).unwrap();
     let (monitor, handle) = Monitor::new(
         Policy {
             quiet_period: Duration::from_millis(100),
@@ -304,7 +309,7 @@ async fn a_lost_gpu_stays_unhealthy_until_nvml_finds_it() {
             ..Policy::default()
         },
         Arc::new(Counting {
-            inner: BackendProbe(backend.clone()),
+            inner: inventory,
             failed,
         }),
     );
@@ -494,8 +499,10 @@ async fn an_xid_in_one_mig_instance_taints_that_device_alone_until_it_is_destroy
         "free placements of GPU 0 are published, clean"
     );
 
-    // Destroyed: the fault ends at the next probe, though GPU 0's probe fails.
-    fake.backend.destroy_mig(&g0.uuid, &sick.uuid).unwrap();
+    // Destroyed (through the write handle, as prepare's undo does: the owner reads again): the
+    // fault ends at the next probe, though GPU 0's probe fails.
+    let writes = Writes::new(fake.backend.clone(), monitored.clone());
+    writes.destroy_mig(&g0.uuid, &sick.uuid).unwrap();
     state(&handle, |s| s.is_empty()).await;
     let again = fake
         .backend

@@ -142,8 +142,8 @@ async fn a_mig_change_and_a_health_transition_reach_every_consumer_from_one_publ
         Duration::from_millis(20),
         stop.clone(),
     ));
-    // `/metrics` (its readings are the backend's own, live).
-    let metrics = Attribution::new(owner.subscribe(), Arc::new(sim.clone()));
+    // `/metrics` (its readings live, through the owner's handle: no inventory read).
+    let metrics = Attribution::new(owner.subscribe(), owner.clone());
     let mig_of = |pid: u32| {
         let s = metrics.scrape();
         s.processes

@@ -103,7 +103,7 @@ impl HealthSource for NodeHealth {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::health::{BackendProbe, Event, EventKind, Monitor, Policy};
+    use crate::health::{Event, EventKind, Monitor, MonitorHandle, Policy};
     use crate::inventory::owner::{InventoryHandle, Owner};
     use crate::inventory::sim::SimBackend;
     use crate::inventory::{DeviceBackend, Reconfigure};
@@ -125,19 +125,23 @@ mod tests {
         })
     }
 
-    /// `sim`'s owner, read once and following `health` (no rescan: reads only when asked).
-    async fn owner(
+    /// `sim`'s owner, read once, and a health monitor under `policy` probing through it; the
+    /// owner follows the monitor (no rescan: reads only when asked), as in `nvdra run`.
+    async fn monitored(
         sim: &SimBackend,
-        health: crate::health::Watch,
+        policy: Policy,
         stop: &CancellationToken,
-    ) -> InventoryHandle {
+    ) -> (MonitorHandle, InventoryHandle) {
         // Reads answer in real time, while a paused clock jumps from timer to timer (the
-        // monitor's probes): a deadline that none of those jumps reaches.
+        // monitor's probes, so it runs before the first read): a deadline that none of those
+        // jumps reaches.
         let (hour, year) = (Duration::from_secs(3600), Duration::from_secs(365 * 86400));
-        let (mut owner, handle) = Owner::new(Arc::new(sim.clone()), hour, year).unwrap();
+        let (mut owner, inventory) = Owner::new(Arc::new(sim.clone()), hour, year).unwrap();
+        let (monitor, handle) = Monitor::new(policy, Arc::new(inventory.clone()));
+        tokio::spawn(monitor.run(stop.clone()));
         owner.read().await.unwrap();
-        tokio::spawn(owner.run(health, stop.clone()));
-        handle
+        tokio::spawn(owner.run(handle.subscribe(), stop.clone()));
+        (handle, inventory)
     }
 
     /// The health of every device on the node, in name order, as the stream sends it.
@@ -233,18 +237,14 @@ mod tests {
             sim.create_mig(&g.uuid, p.gi_profile_id, *pl).unwrap();
         }
         let gpu3 = sim.snapshot().unwrap().gpus[3].clone();
-        let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-        let (monitor, handle) = Monitor::new(
-            Policy {
-                quiet_period: Duration::from_secs(60),
-                probe_interval: Duration::from_secs(5),
-                ..Policy::default()
-            },
-            Arc::new(BackendProbe(inner.clone())),
-        );
+        let policy = Policy {
+            quiet_period: Duration::from_secs(60),
+            probe_interval: Duration::from_secs(5),
+            ..Policy::default()
+        };
         let stop = CancellationToken::new();
-        tokio::spawn(monitor.run(stop.clone()));
-        let node = owner(&sim, handle.subscribe(), &stop).await.subscribe();
+        let (handle, owner) = monitored(&sim, policy, &stop).await;
+        let node = owner.subscribe();
         let svc = NodeHealth::new(node, "n").service(INTERVAL, stop.clone());
         let mut alpha = svc
             .node_watch_resources(Request::new(NodeWatchResourcesRequest {}))
@@ -360,17 +360,12 @@ mod tests {
     async fn a_gpu_fault_follows_the_gpu_through_mig_mode_changes() {
         let sim = SimBackend::from_profile("dgx-h100", "n").unwrap();
         let g0 = sim.snapshot().unwrap().gpus[0].clone();
-        let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-        let (monitor, handle) = Monitor::new(
-            Policy {
-                quiet_period: Duration::from_secs(3600),
-                ..Policy::default()
-            },
-            Arc::new(BackendProbe(inner.clone())),
-        );
+        let policy = Policy {
+            quiet_period: Duration::from_secs(3600),
+            ..Policy::default()
+        };
         let stop = CancellationToken::new();
-        tokio::spawn(monitor.run(stop.clone()));
-        let owner = owner(&sim, handle.subscribe(), &stop).await;
+        let (handle, owner) = monitored(&sim, policy, &stop).await;
         let source = NodeHealth::new(owner.subscribe(), "n");
         let sick = || async {
             let list = source.device_health().await.unwrap();

@@ -49,7 +49,7 @@ pub use crate::inventory::health::{
     Cause, DaemonsAsked, DaemonsDown, Fault, GpuHealth, HealthState, MigFault, XID_DOUBLE_BIT_ECC,
     XID_FALLEN_OFF_BUS,
 };
-pub use monitor::{BackendProbe, Monitor, MonitorHandle, Probe, XidCounts};
+pub use monitor::{Monitor, MonitorHandle, Probe, XidCounts};
 
 /// XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin ignores the
 /// same): 13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped processing,

@@ -13,7 +13,7 @@ use super::{
     Policy, Watch,
 };
 use crate::inventory::owner::InventoryHandle;
-use crate::inventory::{DeviceBackend, GpuUuid, MigUuid};
+use crate::inventory::{GpuUuid, MigUuid};
 use crate::lock::lock;
 
 /// How many events may wait for the monitor; a source blocks (NVML) or waits (async) beyond.
@@ -41,28 +41,8 @@ impl Probe for InventoryHandle {
 
     fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
         let inv = self.latest().node().ok()?;
-        Some(mig_devices(&inv))
-    }
-}
-
-fn mig_devices(inv: &crate::inventory::Inventory) -> BTreeSet<MigUuid> {
-    inv.gpus
-        .iter()
-        .flat_map(|g| g.mig.devices.iter().map(|m| m.uuid.clone()))
-        .collect()
-}
-
-/// Probes a backend no owner reads (tools, tests) directly ([`DeviceBackend::probe`]); its MIG
-/// devices are those of a read.
-pub struct BackendProbe(pub Arc<dyn DeviceBackend>);
-
-impl Probe for BackendProbe {
-    fn probe(&self, gpu: &GpuUuid) -> Result<(), String> {
-        self.0.probe(gpu)
-    }
-
-    fn mig_devices(&self) -> Option<BTreeSet<MigUuid>> {
-        Some(mig_devices(&self.0.snapshot().ok()?))
+        let migs = inv.gpus.iter().flat_map(|g| &g.mig.devices);
+        Some(migs.map(|m| m.uuid.clone()).collect())
     }
 }
 

@@ -6,6 +6,7 @@ use tokio::time::Instant;
 
 use super::faults::{Command, FaultFile, LineError, parse_line};
 use super::*;
+use crate::inventory::owner::{InventoryHandle, Owner};
 use crate::inventory::sim::SimBackend;
 use crate::inventory::{
     DeviceBackend, GpuUuid, Health, Inventory, MigUuid, Reconfigure, Taint, TaintKey,
@@ -14,6 +15,14 @@ use tokio_util::sync::CancellationToken;
 
 fn sim() -> SimBackend {
     SimBackend::from_profile("dgx-a100-mig", "n").unwrap()
+}
+
+/// `sim`'s inventory owner, not read yet, and its handle: the probe `nvdra run`'s monitor uses.
+fn owner(sim: &SimBackend) -> (Owner, InventoryHandle) {
+    // Reads answer in real time, while a paused clock jumps from timer to timer (the
+    // monitor's probes): a deadline that none of those jumps reaches.
+    let (hour, year) = (Duration::from_secs(3600), Duration::from_secs(365 * 86400));
+    Owner::new(Arc::new(sim.clone()), hour, year).unwrap()
 }
 
 fn uuid(sim: &SimBackend, index: usize) -> GpuUuid {
@@ -257,11 +266,12 @@ async fn the_fault_file_drives_the_monitor_and_lost_gpus_fail_their_probe() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("faults");
     let sim = sim();
-    let backend: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let file = FaultFile::new(path.clone(), Arc::new(BackendProbe(backend)));
+    let (mut owner, inventory) = owner(&sim);
+    let file = FaultFile::new(path.clone(), Arc::new(inventory));
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));
+    owner.read().await.unwrap();
     let node = crate::inventory::owner::Published {
         node: Some(Arc::new(sim.snapshot().unwrap())),
         ..Default::default()
@@ -403,7 +413,6 @@ async fn a_share_daemon_down_taints_its_gpu_until_reported_up() {
 /// judging events; once the probe returns, the GPU can recover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_that_hangs_is_given_up_at_its_deadline_and_the_monitor_goes_on() {
-    use crate::inventory::owner::Owner;
     use crate::inventory::sim::SimCall;
     let sim = sim();
     let (mut owner, inventory) = Owner::new(
@@ -691,7 +700,7 @@ async fn a_gpu_instance_event_marks_its_compute_instances_and_an_unknown_one_the
 }
 
 /// The recovery probe of these tests, which also reads the node's MIG devices from the
-/// simulated backend, as the backend's probe does.
+/// simulated backend, fresh at each probe.
 struct Live {
     up: AtomicBool,
     sim: SimBackend,
@@ -707,7 +716,9 @@ impl Probe for Live {
     }
 
     fn mig_devices(&self) -> Option<std::collections::BTreeSet<MigUuid>> {
-        BackendProbe(Arc::new(self.sim.clone())).mig_devices()
+        let inv = self.sim.snapshot().ok()?;
+        let migs = inv.gpus.iter().flat_map(|g| &g.mig.devices);
+        Some(migs.map(|m| m.uuid.clone()).collect())
     }
 }
 

@@ -17,13 +17,14 @@ use super::families::{Allocation, GpuRow, ProcessRow, Scrape, ShareRow};
 use crate::health::MonitorHandle;
 use crate::holds::{ContainerHolds, Holder};
 use crate::inventory::owner::InventoryHandle;
-use crate::inventory::{DeviceBackend, GpuUsage, Inventory, owner};
+use crate::inventory::{Inventory, owner};
 use crate::ledger::{ClaimEntry, Ledger};
 
 /// The scrape source of a running nvdra.
 pub struct Attribution {
     node: owner::Watch,
-    readings: Arc<dyn Readings>,
+    /// The owner's handle, for live readings under its deadline.
+    readings: InventoryHandle,
     ledger: Option<Ledger>,
     holds: Option<ContainerHolds>,
     monitor: Option<MonitorHandle>,
@@ -32,30 +33,12 @@ pub struct Attribution {
     share_levels: Option<ShareLevels>,
 }
 
-/// Where a scrape's live readings come from: the owner's handle in `nvdra run` (under its
-/// deadline), a backend no owner reads in tools and tests.
-pub trait Readings: Send + Sync {
-    fn usage(&self) -> crate::inventory::Result<Vec<GpuUsage>>;
-}
-
-impl Readings for InventoryHandle {
-    fn usage(&self) -> crate::inventory::Result<Vec<GpuUsage>> {
-        InventoryHandle::usage(self)
-    }
-}
-
-impl<T: DeviceBackend> Readings for T {
-    fn usage(&self) -> crate::inventory::Result<Vec<GpuUsage>> {
-        DeviceBackend::usage(self)
-    }
-}
-
 /// Which limit holds each prepared share claim's memory (`container` or `process`).
 pub type ShareLevels = Arc<dyn Fn() -> BTreeMap<crate::ids::ClaimUid, &'static str> + Send + Sync>;
 
 impl Attribution {
-    /// The node as `node` publishes it, the live readings from `readings`.
-    pub fn new(node: owner::Watch, readings: Arc<dyn Readings>) -> Self {
+    /// The node as `node` publishes it, the live readings through `readings`.
+    pub fn new(node: owner::Watch, readings: InventoryHandle) -> Self {
         Self {
             node,
             readings,
@@ -346,6 +329,15 @@ pub fn pod_uid_in(line: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inventory::DeviceBackend;
+
+    /// The readings of `sim` through an owner's handle, as `nvdra run` reads them.
+    fn readings(sim: &crate::inventory::sim::SimBackend) -> InventoryHandle {
+        let hour = std::time::Duration::from_secs(3600);
+        let (_owner, handle) = owner::Owner::new(Arc::new(sim.clone()), hour, owner::DEADLINE)
+            .expect("the owner's reader thread");
+        handle
+    }
 
     /// A share of a MIG device counts only its pods' processes on that MIG device, not those on
     /// the GPU's other MIG devices; its limit is its burst limit, else what it is held to.
@@ -469,7 +461,7 @@ mod tests {
         owner.read().await.unwrap();
         let watched = handle.with_call_deadline(std::time::Duration::from_secs(2));
         let _held = sim.hold(SimCall::Usage);
-        let source = Attribution::new(watched.subscribe(), Arc::new(watched.clone()));
+        let source = Attribution::new(watched.subscribe(), watched.clone());
         let s = tokio::task::spawn_blocking(move || source.scrape())
             .await
             .unwrap();
@@ -548,7 +540,7 @@ mod tests {
             ..Default::default()
         };
         let node = tokio::sync::watch::channel(node).1;
-        let source = Attribution::new(node, Arc::new(sim.clone()))
+        let source = Attribution::new(node, readings(&sim))
             .with_ledger(ledger)
             .with_proc_root(proc_root.path());
         let s = source.scrape();

@@ -25,8 +25,8 @@ use nvdra::deviceplugin::server::Settings;
 use nvdra::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use nvdra::dra::sync::SliceSync;
 use nvdra::health::faults::FaultFile;
-use nvdra::health::{BackendProbe, Event, EventKind, Monitor, MonitorHandle, Policy};
-use nvdra::inventory::owner;
+use nvdra::health::{Event, EventKind, Monitor, MonitorHandle, Policy};
+use nvdra::inventory::owner::{self, Owner};
 use nvdra::inventory::sim::SimBackend;
 use nvdra::inventory::{DeviceBackend, MigUuid, Reconfigure};
 use support::apiserver::TestApiServer;
@@ -270,13 +270,14 @@ async fn list_and_watch_resends_at_once_with_exactly_gpu_3s_replicas_unhealthy()
     let faults = dir.path().join("faults");
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let file = FaultFile::new(faults.clone(), Arc::new(BackendProbe(inner.clone())));
+    // As `nvdra run` wires them: the monitor probes through the owner, which follows it.
+    let hour = Duration::from_secs(3600);
+    let (mut reader, inventory) = Owner::new(inner.clone(), hour, owner::DEADLINE).unwrap();
+    reader.read().await.unwrap();
+    let file = FaultFile::new(faults.clone(), Arc::new(inventory.clone()));
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
-    let hour = Duration::from_secs(3600);
-    let inventory = owner::start(inner.clone(), hour, handle.subscribe(), stop.clone())
-        .await
-        .unwrap();
+    tokio::spawn(reader.run(handle.subscribe(), stop.clone()));
     let options = nvdra::deviceplugin::nvconfig::parse(
         "config.yaml",
         "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
@@ -465,13 +466,14 @@ async fn an_xid_in_one_mig_instance_of_a_dynamic_mig_gpu_taints_that_device_alon
         .unwrap();
 
     let inner: Arc<dyn DeviceBackend> = Arc::new(sim.clone());
-    let file = FaultFile::new(faults.clone(), Arc::new(BackendProbe(inner.clone())));
+    // As `nvdra run` wires them: the monitor probes through the owner, which follows it.
+    let hour = Duration::from_secs(3600);
+    let (mut reader, owner) = Owner::new(inner, hour, owner::DEADLINE).unwrap();
+    reader.read().await.unwrap();
+    let file = FaultFile::new(faults.clone(), Arc::new(owner.clone()));
     let (monitor, handle) = Monitor::new(policy(), file.probe());
     let stop = CancellationToken::new();
-    let hour = Duration::from_secs(3600);
-    let owner = owner::start(inner, hour, handle.subscribe(), stop.clone())
-        .await
-        .unwrap();
+    tokio::spawn(reader.run(handle.subscribe(), stop.clone()));
     let mut node = owner.subscribe();
     tokio::spawn(monitor.run(stop.clone()));
     tokio::spawn(file.run(handle.events(), owner.subscribe(), stop.clone()));

@@ -478,6 +478,7 @@ fn the_grafana_dashboard_queries_only_metrics_nvdra_exports() {
 fn each_share_shows_its_used_memory_beside_what_it_consumed() {
     use nvdra::ids::{ClaimUid, DeviceName};
     use nvdra::inventory::ProcessUsage;
+    use nvdra::inventory::owner::{self, Owner};
     use nvdra::ledger::{ClaimEntry, ClaimState, Consumed, DeviceRecord, Ledger, PodRef, Shares};
     use nvdra::metrics::{Metrics, attribution::Attribution};
     use std::sync::Arc;
@@ -573,8 +574,11 @@ fn each_share_shows_its_used_memory_beside_what_it_consumed() {
         ..Default::default()
     };
     let node = tokio::sync::watch::channel(node).1;
+    // Live readings through an owner's handle over `sim`, as `nvdra run` reads them.
+    let hour = Duration::from_secs(3600);
+    let (_owner, readings) = Owner::new(Arc::new(sim), hour, owner::DEADLINE).unwrap();
     let source = Arc::new(
-        Attribution::new(node, Arc::new(sim))
+        Attribution::new(node, readings)
             .with_ledger(ledger)
             .with_proc_root(proc_root.path())
             // One share whose container the driver limits, one limited per process only.

@@ -212,7 +212,7 @@ async fn the_watch_reports_a_mig_devices_daemon_and_taints_only_that_mig_device(
     // and the GPU's other MIG devices are not.
     let (monitor, handle) = crate::health::Monitor::new(
         crate::health::Policy::default(),
-        Arc::new(crate::health::BackendProbe(Arc::new(e.sim.clone()))),
+        Arc::new(e._stop.inventory.clone()),
     );
     let stop = CancellationToken::new();
     tokio::spawn(monitor.run(stop.clone()));

@@ -78,10 +78,15 @@ pub struct Args {
     /// How often candidates try to take the lease and the leader renews it.
     #[arg(long, env = "LEADER_ELECTION_RETRY_PERIOD", default_value = "2s", value_parser = duration)]
     pub leader_election_retry_period: Duration,
-    /// IMEX channels per NVLink clique pool (channels 1..=N of each clique's nodes; 0: no pools,
-    /// so no domain can use clique channels).
+    /// IMEX channels per NVLink clique pool (channels 1..=N of each clique's nodes), each clique
+    /// with a DaemonSet of long-running per-clique IMEX daemons; 0: no pools and no per-clique
+    /// daemons, so no domain can use clique channels.
     #[arg(long, env = "CLIQUE_CHANNELS", default_value_t = 0)]
     pub clique_channels: u32,
+    /// The host's driver root (where `usr/bin/nvidia-imex` is), mounted read-only into the
+    /// per-clique daemons.
+    #[arg(long, env = "CLIQUE_DAEMON_DRIVER_ROOT", default_value = "/")]
+    pub clique_daemon_driver_root: String,
     /// How often to look for objects of domains that are gone.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value = "10m", value_parser = duration)]
     pub cleanup_interval: Duration,
@@ -163,6 +168,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .map(String::from)
             .collect(),
         max_nodes_per_imex_domain: args.max_nodes_per_imex_domain,
+        clique_daemon_driver_root: args.clique_daemon_driver_root.clone(),
     };
     let recorder = Recorder::new(
         client.clone(),
@@ -239,7 +245,12 @@ async fn lead(ctx: Arc<reconcile::Context>, args: &Args, shutdown: CancellationT
     };
     tokio::join!(
         reconcile::run(ctx.clone(), shutdown.clone()),
-        publish::run(ctx.client.clone(), args.clique_channels, shutdown.clone()),
+        publish::run(
+            ctx.client.clone(),
+            &ctx.settings,
+            args.clique_channels,
+            shutdown.clone()
+        ),
         sweep,
     );
 }

@@ -547,6 +547,150 @@ async fn clique_pools_and_one_shared_claim_per_domain() {
     }
 }
 
+/// The controller runs a DaemonSet of per-clique IMEX daemons per clique (with
+/// `--clique-channels`), and a clique-channel domain whose claim is allocated follows the
+/// per-clique daemons of its channel's clique (`fabric.<clique>`): NotReady with the node and
+/// its daemon's line, Ready once enough of them are.
+#[tokio::test]
+async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique() {
+    let env = env().await;
+    let s = &env.server;
+    let (a, b) = (
+        "9c0ffee0-0000-4000-8000-000000000002.1",
+        "9c0ffee0-0000-4000-8000-000000000002.2",
+    );
+    for (node, clique) in [("a1", a), ("a2", a), ("b1", b)] {
+        s.put::<Node>(
+            &serde_json::from_value(json!({"metadata": {"name": node,
+                "labels": {"nvidia.com/gpu.clique": clique}}}))
+            .unwrap(),
+        );
+    }
+    let _ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
+    let daemons = |clique: &str| format!("computedomain-daemon-fabric.{clique}");
+    s.wait_until(WAIT, "a per-clique DaemonSet per clique", |s| {
+        s.get::<DaemonSet>(NS, &daemons(a)).is_some()
+            && s.get::<DaemonSet>(NS, &daemons(b)).is_some()
+    })
+    .await;
+    let ds = s.get::<DaemonSet>(NS, &daemons(a)).unwrap();
+    assert!(
+        !ds.metadata
+            .labels
+            .unwrap()
+            .contains_key("resource.nvidia.com/computeDomain"),
+        "no domain's: the domains' cleanup leaves it alone"
+    );
+    let pod = ds.spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.node_selector.unwrap()["nvidia.com/gpu.clique"], a);
+    let c = &pod.containers[0];
+    assert_eq!(c.image.as_deref(), Some("registry.example/nvdra:test"));
+    let env_of = |name: &str| {
+        c.env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(env_of("CLIQUE_ID").as_deref(), Some(a));
+    assert_eq!(
+        c.command.as_deref().unwrap().last().map(String::as_str),
+        Some("--per-clique")
+    );
+
+    env.create_domain(
+        "job",
+        2,
+        &[("compute-domain.nvidia.com/channels", "clique")],
+    )
+    .await;
+    let reason = |s: &TestApiServer| {
+        s.get::<ComputeDomain>("default", "job")
+            .and_then(|cd| ready_condition(&cd))
+            .map(|c| {
+                (
+                    c["reason"].as_str().unwrap_or_default().to_string(),
+                    c["message"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .unwrap_or_default()
+    };
+    s.wait_until(WAIT, "the claim, not allocated yet", |s| {
+        reason(s).0 == "ChannelNotAllocated"
+    })
+    .await;
+
+    // The scheduler allocates the claim to channel 3 of clique a's pool; no daemon of the
+    // clique has registered yet.
+    let mut claim = s.get::<ResourceClaim>("default", "job-channel").unwrap();
+    claim.status = Some(
+        serde_json::from_value(json!({"allocation": {"devices": {"results": [{
+            "request": "channel", "driver": "compute-domain.nvidia.com",
+            "pool": format!("clique-{a}"), "device": "channel-3"}]}}}))
+        .unwrap(),
+    );
+    s.put(&claim);
+    s.wait_until(WAIT, "waiting for the clique's daemons", |s| {
+        let (r, m) = reason(s);
+        r == "WaitingForNodes"
+            && m.starts_with(&format!("channel-3 of pool clique-{a}: 0 of the 2"))
+    })
+    .await;
+
+    // The per-clique daemons register in fabric.<a>; a2's is not ready and says why.
+    let fabric = |daemons: &[(&str, &str)]| {
+        let mut c = clique("fabric", a, daemons);
+        c.metadata.labels = None;
+        c
+    };
+    let line = "nvidia-imex-ctl -q: UNAVAILABLE; last error: [ERROR] bind failed";
+    s.put::<CoreEvent>(
+        &serde_json::from_value(json!({
+            "metadata": {"name": format!("fabric.{a}.1"), "namespace": NS},
+            "involvedObject": {"apiVersion": "resource.nvidia.com/v1beta1",
+                               "kind": "ComputeDomainClique", "name": format!("fabric.{a}"),
+                               "namespace": NS},
+            "reason": "NotReady", "type": "Warning", "message": format!("node a2: {line}"),
+            "source": {"component": "nvdra-compute-domain-daemon", "host": "a2"},
+            "lastTimestamp": "2026-01-01T00:00:00Z",
+        }))
+        .unwrap(),
+    );
+    s.put(&fabric(&[("a1", "Ready"), ("a2", "NotReady")]));
+    s.wait_until(WAIT, "NotReady with a2's line", |s| {
+        let (r, m) = reason(s);
+        r == "DaemonNotReady" && m.ends_with(&format!("a2: {line}"))
+    })
+    .await;
+    let st = env.domain("default", "job").unwrap().status.unwrap();
+    assert_eq!(st.status, "NotReady");
+    assert_eq!(
+        st.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(),
+        ["a1", "a2"]
+    );
+
+    // Both ready: the domain is.
+    s.put(&fabric(&[("a1", "Ready"), ("a2", "Ready")]));
+    s.wait_until(WAIT, "Ready", |s| {
+        reason(s).0 == "CliqueReady"
+            && s.get::<ComputeDomain>("default", "job")
+                .and_then(|cd| cd.status)
+                .is_some_and(|st| st.status == "Ready")
+    })
+    .await;
+
+    // A rack gone: its per-clique DaemonSet goes.
+    Api::<Node>::all(env.client())
+        .delete("b1", &DeleteParams::default())
+        .await
+        .unwrap();
+    s.wait_until(WAIT, "clique b's DaemonSet gone", |s| {
+        s.get::<DaemonSet>(NS, &daemons(b)).is_none()
+            && s.get::<DaemonSet>(NS, &daemons(a)).is_some()
+    })
+    .await;
+}
+
 /// Multi-document YAML (each document JSON, which is YAML).
 fn documents(docs: &[Value]) -> String {
     docs.iter()

@@ -417,14 +417,23 @@ fn nvdras_crds_are_nvidias_but_for_the_descriptions_and_the_domains_conditions()
 
 /// The plain overlay with the compute-domains component.
 fn with_component(kubectl: &str) -> Vec<Value> {
+    with_components(kubectl, &["compute-domains"])
+}
+
+/// The plain overlay with these components.
+fn with_components(kubectl: &str, components: &[&str]) -> Vec<Value> {
     let tmp = tempfile::tempdir().unwrap();
     let copy = tmp.path().join("manifests");
     copy_tree(&manifests(), &copy);
     let mine = copy.join("overlays/mine");
     std::fs::create_dir_all(&mine).unwrap();
+    let list: Vec<String> = components
+        .iter()
+        .map(|c| format!("../../components/{c}"))
+        .collect();
     std::fs::write(
         mine.join("kustomization.yaml"),
-        "resources: [../plain]\ncomponents: [../../components/compute-domains]\n",
+        format!("resources: [../plain]\ncomponents: [{}]\n", list.join(", ")),
     )
     .unwrap();
     kustomize(kubectl, &mine)
@@ -850,6 +859,146 @@ fn the_chart_renders_the_component_and_is_off_by_default() {
     }
 }
 
+/// The controller container's variables, by name.
+fn controller_env(docs: &[Value], origin: &str) -> BTreeMap<String, String> {
+    let dep = find(docs, "Deployment", api::CONTROLLER_NAME)
+        .unwrap_or_else(|| panic!("{origin}: no controller"));
+    dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let value = e["value"].as_str().unwrap_or("(from a field)").to_string();
+            (str_at(e, "/name").to_string(), value)
+        })
+        .collect()
+}
+
+/// The per-clique IMEX daemons (issue 37 item 5) are opt-in: components/compute-domain-cliques
+/// and computeDomains.cliqueChannels turn on the controller's clique pools and per-clique
+/// DaemonSets, and change nothing else; off by default in both.
+#[test]
+fn the_per_clique_daemons_are_opt_in_and_the_same_from_helm_and_kustomize() {
+    let Some(kubectl) = kubectl() else { return };
+    let off = with_component(kubectl);
+    let on = with_components(kubectl, &["compute-domains", "compute-domain-cliques"]);
+    let clique_vars = |env: &BTreeMap<String, String>| -> Vec<(String, String)> {
+        env.iter()
+            .filter(|(k, _)| k.starts_with("CLIQUE_"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    assert_eq!(clique_vars(&controller_env(&off, "kustomize")), []);
+    assert_eq!(
+        clique_vars(&controller_env(&on, "kustomize, cliques")),
+        [
+            ("CLIQUE_CHANNELS".to_string(), "127".to_string()),
+            ("CLIQUE_DAEMON_DRIVER_ROOT".to_string(), "/".to_string()),
+        ]
+    );
+    // Nothing else differs: the same objects, the controller's other variables kept.
+    assert_eq!(
+        off.iter().map(id).collect::<Vec<_>>(),
+        on.iter().map(id).collect::<Vec<_>>()
+    );
+    for d in &off {
+        if id(d) != format!("Deployment/{}", api::CONTROLLER_NAME) {
+            assert!(on.contains(d), "{}", id(d));
+        }
+    }
+    let mut rest = controller_env(&on, "kustomize, cliques");
+    rest.retain(|k, _| !k.starts_with("CLIQUE_"));
+    assert_eq!(rest, controller_env(&off, "kustomize"));
+    // The component alone (without compute-domains) adds nothing: it only patches the
+    // controller.
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("manifests");
+    copy_tree(&manifests(), &copy);
+    let alone = copy.join("overlays/alone");
+    std::fs::create_dir_all(&alone).unwrap();
+    std::fs::write(
+        alone.join("kustomization.yaml"),
+        "resources: [../plain]\ncomponents: [../../components/compute-domain-cliques]\n",
+    )
+    .unwrap();
+    assert_eq!(kustomize(kubectl, &alone), overlay(kubectl, "plain"));
+
+    let Some(helm) = helm() else { return };
+    let chart_on = helm_template(
+        helm,
+        "nvdra",
+        &[
+            "--set",
+            "computeDomains.enabled=true,computeDomains.cliqueChannels=127",
+        ],
+    );
+    let key = |d: &Value| format!("{} {}", str_at(d, "/metadata/namespace"), id(d));
+    let mut kustomized = on.clone();
+    kustomized.retain(|d| str_at(d, "/kind") != "Namespace");
+    let h: BTreeMap<String, &Value> = chart_on.iter().map(|d| (key(d), d)).collect();
+    let k: BTreeMap<String, &Value> = kustomized.iter().map(|d| (key(d), d)).collect();
+    assert_eq!(
+        h.keys().collect::<Vec<_>>(),
+        k.keys().collect::<Vec<_>>(),
+        "helm and kustomize build other objects"
+    );
+    for (name, object) in &k {
+        assert_eq!(&h[name], object, "{name} (left: helm, right: kustomize)");
+    }
+    let chart_off = helm_template(helm, "nvdra", &["--set", "computeDomains.enabled=true"]);
+    assert_eq!(clique_vars(&controller_env(&chart_off, "helm")), []);
+    // The chart's driver root reaches the per-clique daemons.
+    let moved = helm_template(
+        helm,
+        "nvdra",
+        &[
+            "--set",
+            "computeDomains.enabled=true,computeDomains.cliqueChannels=8,driverRoot=/run/nvidia/driver",
+        ],
+    );
+    assert_eq!(
+        clique_vars(&controller_env(&moved, "helm, driver root")),
+        [
+            ("CLIQUE_CHANNELS".to_string(), "8".to_string()),
+            (
+                "CLIQUE_DAEMON_DRIVER_ROOT".to_string(),
+                "/run/nvidia/driver".to_string()
+            ),
+        ]
+    );
+    let lint = Command::new(helm)
+        .args(["lint", "--strict"])
+        .arg(chart())
+        .args([
+            "--set",
+            "computeDomains.enabled=true,computeDomains.cliqueChannels=127",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        lint.status.success(),
+        "{}",
+        String::from_utf8_lossy(&lint.stdout)
+    );
+    for set in [
+        "computeDomains.enabled=true,computeDomains.cliqueChannels=-1",
+        "computeDomains.enabled=true,computeDomains.cliqueChannels=2048",
+        "computeDomains.enabled=true,computeDomains.cliqueChannels=many",
+    ] {
+        let out = Command::new(helm)
+            .args(["template", "nvdra"])
+            .arg(chart())
+            .args(["--set", set])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("cliqueChannels"),
+            "{set}: {err}"
+        );
+    }
+}
+
 #[test]
 fn every_cel_expression_of_the_component_compiles_in_nvdras_cel() {
     let out = Command::new(env!("CARGO_BIN_EXE_nvdra"))
@@ -998,11 +1147,17 @@ fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
 #[test]
 fn every_variable_the_containers_get_is_one_nvdra_declares() {
     let Some(kubectl) = kubectl() else { return };
-    let mut builds = vec![("kustomize", with_component(kubectl))];
+    let mut builds = vec![
+        ("kustomize", with_component(kubectl)),
+        (
+            "kustomize, cliques",
+            with_components(kubectl, &["compute-domains", "compute-domain-cliques"]),
+        ),
+    ];
     if let Some(helm) = helm() {
         let args = [
             "--set",
-            "computeDomains.enabled=true,kubeletRoot=/var/lib/k0s/kubelet",
+            "computeDomains.enabled=true,computeDomains.cliqueChannels=4,kubeletRoot=/var/lib/k0s/kubelet",
         ];
         builds.push(("helm, k0s", helm_template(helm, "gpu", &args)));
     }

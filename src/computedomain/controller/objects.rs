@@ -24,8 +24,8 @@ use serde_json::json;
 
 use crate::computedomain::api::{
     API_VERSION, AllocationMode, CHANNEL_CLASS, CHANNEL_CONFIG_KIND, CLIQUE_CHANNEL_CLASS,
-    ComputeDomain, DAEMON_CLASS, DAEMON_CONFIG_KIND, DOMAIN_LABEL, DRIVER_NAME, FINALIZER,
-    TARGET_DAEMON, TARGET_WORKLOAD, TEMPLATE_TARGET_LABEL,
+    CLIQUE_LABEL, ComputeDomain, DAEMON_CLASS, DAEMON_CONFIG_KIND, DOMAIN_LABEL, DRIVER_NAME,
+    FINALIZER, TARGET_DAEMON, TARGET_WORKLOAD, TEMPLATE_TARGET_LABEL,
 };
 
 /// The annotation by which a domain opts in to a channel from its clique's pool (issue 37 item
@@ -80,7 +80,22 @@ pub struct Settings {
     pub image_pull_secrets: Vec<String>,
     /// `MAX_NODES_PER_IMEX_DOMAIN` of the daemons (18 on GB200/GB300).
     pub max_nodes_per_imex_domain: u32,
+    /// The host's driver root, mounted read-only into the per-clique daemons at
+    /// [`CLIQUE_DAEMON_DRIVER_ROOT`]: their `nvidia-imex`, `nvidia-imex-ctl` and NVML.
+    pub clique_daemon_driver_root: String,
 }
+
+/// The label on a per-clique daemon's DaemonSet and pods: its clique (a node label's value, so
+/// a label value too).
+pub const CLIQUE_DAEMON_LABEL: &str = "compute-domain.nvidia.com/clique";
+/// Where a per-clique daemon sees the host's driver root.
+pub const CLIQUE_DAEMON_DRIVER_ROOT: &str = "/driver-root";
+/// The host directory of a per-clique IMEX daemon's state (`/var/run/nvidia-imex` in its
+/// container: IMEX's `persist.dat`); nvdra's own, not the host IMEX service's.
+pub const CLIQUE_DAEMON_STATE_DIR: &str = "/var/lib/nvdra/compute-domain/imex";
+/// The annotation on a per-clique DaemonSet with a digest of what the controller rendered: a
+/// different digest (a new image, driver root…) means the controller replaces it.
+pub const CLIQUE_DAEMON_DIGEST: &str = "compute-domain.nvidia.com/rendered";
 
 /// `computedomain-daemon-<UID>`: the DaemonSet and its claim template, as NVIDIA names them.
 pub fn daemon_name(uid: &str) -> String {
@@ -236,6 +251,110 @@ pub fn daemon_set(uid: &str, settings: &Settings) -> DaemonSet {
         spec: Some(typed(spec)),
         status: None,
     }
+}
+
+/// `computedomain-daemon-fabric.<clique>`: the DaemonSet of a clique's long-running daemons,
+/// named after the clique object they write (`fabric.<clique>`).
+pub fn clique_daemon_name(clique: &str) -> String {
+    format!("computedomain-daemon-fabric.{clique}")
+}
+
+/// The DaemonSet of one NVLink clique's long-running IMEX daemons (issue 37 item 5; driver's
+/// namespace): on every node labelled `nvidia.com/gpu.clique=<clique>`, `nvdra compute-domain
+/// daemon --per-clique`, which writes its entry in `fabric.<clique>` and serves every
+/// clique-channel domain of the clique. The controller makes one per clique because the daemon
+/// needs its clique's ID (`CLIQUE_ID`), which a static pod template cannot give: the downward
+/// API has no node labels, and there is no daemon claim to carry it.
+///
+/// Privileged with the host's driver root mounted read-only: with no daemon claim, nothing hands
+/// it the `fabric-imex-mgmt` capability node, the channel nodes or the host's `nvidia-imex`
+/// (the per-domain daemons get the first from their claim). Tolerates every taint, as the
+/// per-domain daemons do.
+pub fn clique_daemon_set(clique: &str, settings: &Settings) -> DaemonSet {
+    let labels = BTreeMap::from([(CLIQUE_DAEMON_LABEL.to_string(), clique.to_string())]);
+    let field = |path: &str| json!({"fieldRef": {"fieldPath": path}});
+    let pull_secrets: Vec<serde_json::Value> = settings
+        .image_pull_secrets
+        .iter()
+        .map(|name| json!({ "name": name }))
+        .collect();
+    let tolerations: Vec<serde_json::Value> = ["NoSchedule", "NoExecute", "PreferNoSchedule"]
+        .iter()
+        .map(|effect| json!({"operator": "Exists", "effect": effect}))
+        .collect();
+    let tool = |name: &str| format!("{CLIQUE_DAEMON_DRIVER_ROOT}/usr/bin/{name}");
+    let spec = json!({
+        "selector": {"matchLabels": labels},
+        "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                "serviceAccountName": settings.daemon_service_account,
+                "imagePullSecrets": pull_secrets,
+                "priorityClassName": "system-node-critical",
+                "nodeSelector": {CLIQUE_LABEL: clique},
+                "containers": [{
+                    "name": DAEMON_CONTAINER,
+                    "image": settings.image,
+                    "command": ["nvdra", "compute-domain", "daemon", "--per-clique"],
+                    "env": [
+                        {"name": "CLIQUE_ID", "value": clique},
+                        {"name": "MAX_NODES_PER_IMEX_DOMAIN",
+                         "value": settings.max_nodes_per_imex_domain.to_string()},
+                        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
+                        {"name": "POD_IP", "valueFrom": field("status.podIP")},
+                        {"name": "POD_UID", "valueFrom": field("metadata.uid")},
+                        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+                        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+                        {"name": "NVIDIA_DRIVER_ROOT", "value": CLIQUE_DAEMON_DRIVER_ROOT},
+                        {"name": "NVDRA_CD_IMEX", "value": tool("nvidia-imex")},
+                        {"name": "NVDRA_CD_IMEX_CTL", "value": tool("nvidia-imex-ctl")},
+                        {"name": "NVDRA_CD_CONFIG_DIR", "value": "/imexd"},
+                    ],
+                    "securityContext": {"privileged": true},
+                    "volumeMounts": [
+                        {"name": "driver-root", "mountPath": CLIQUE_DAEMON_DRIVER_ROOT,
+                         "readOnly": true},
+                        {"name": "imexd", "mountPath": "/imexd"},
+                        {"name": "imex-state", "mountPath": "/var/run/nvidia-imex"},
+                    ],
+                }],
+                "volumes": [
+                    {"name": "driver-root", "hostPath": {
+                        "path": settings.clique_daemon_driver_root, "type": "Directory"}},
+                    {"name": "imexd", "emptyDir": {}},
+                    // IMEX's persist.dat (the nodes that imported memory from it): kept on
+                    // the host, so a daemon restarted after an unclean stop waits for them to
+                    // reconnect and clean up, as the IMEX guide's recovery quorum describes.
+                    {"name": "imex-state", "hostPath": {
+                        "path": CLIQUE_DAEMON_STATE_DIR, "type": "DirectoryOrCreate"}},
+                ],
+                "tolerations": tolerations,
+            },
+        },
+    });
+    let mut ds = DaemonSet {
+        metadata: ObjectMeta {
+            namespace: Some(settings.namespace.clone()),
+            name: Some(clique_daemon_name(clique)),
+            labels: Some(labels),
+            ..ObjectMeta::default()
+        },
+        spec: Some(typed(spec)),
+        status: None,
+    };
+    let digest = digest(&ds);
+    ds.metadata.annotations = Some(BTreeMap::from([(CLIQUE_DAEMON_DIGEST.into(), digest)]));
+    ds
+}
+
+/// A digest of what was rendered (FNV-1a over its JSON): stable across processes and builds.
+fn digest(ds: &DaemonSet) -> String {
+    let text = serde_json::to_string(ds).unwrap_or_default();
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{hash:016x}")
 }
 
 #[cfg(test)]

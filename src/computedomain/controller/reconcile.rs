@@ -25,12 +25,14 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 use super::cleanup;
+use super::objects::CLIQUE_DAEMON_LABEL;
 use super::objects::{self, ChannelMode, Settings};
-use super::status::{self, ClaimState};
+use super::status::{self, ClaimState, CliqueDaemons};
 use crate::computedomain::api::{
     ComputeDomain, ComputeDomainClique, ComputeDomainStatus, DOMAIN_LABEL, FINALIZER,
     STATUS_NOT_READY, STATUS_READY,
 };
+use crate::computedomain::daemon::clique::PER_CLIQUE_PREFIX;
 
 /// The events the daemons record on their clique objects.
 const CLIQUE_EVENTS: &str = "involvedObject.kind=ComputeDomainClique";
@@ -90,7 +92,8 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let controller = Controller::new(domains, watcher::Config::default());
     let store = controller.store();
     let labelled = watcher::Config::default().labels(DOMAIN_LABEL);
-    let (s1, s2, s3, s4, s5) = (
+    let (s1, s2, s3, s4, s5, s6) = (
+        store.clone(),
         store.clone(),
         store.clone(),
         store.clone(),
@@ -102,9 +105,16 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
         .watches(
             Api::<ComputeDomainClique>::namespaced(client.clone(), &ns),
             watcher::Config::default(),
-            move |c: ComputeDomainClique| {
-                domain_ref(&s1, c.labels().get(DOMAIN_LABEL).map(String::as_str))
+            move |c: ComputeDomainClique| match c.labels().get(DOMAIN_LABEL) {
+                Some(uid) => domain_ref(&s1, Some(uid)).into_iter().collect(),
+                // A per-clique daemons' object (`fabric.<clique>`): the clique-channel domains.
+                None => clique_domains(&s1),
             },
+        )
+        .watches(
+            Api::<Pod>::namespaced(client.clone(), &ns),
+            watcher::Config::default().labels(CLIQUE_DAEMON_LABEL),
+            move |_: Pod| clique_domains(&s6),
         )
         .watches(
             Api::<Pod>::namespaced(client.clone(), &ns),
@@ -128,7 +138,10 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
             watcher::Config::default().fields(CLIQUE_EVENTS),
             move |e: CoreEvent| {
                 let name = e.involved_object.name.unwrap_or_default();
-                domain_ref(&s5, cleanup::clique_domain(&name))
+                match cleanup::clique_domain(&name) {
+                    Some(PER_CLIQUE_PREFIX) => clique_domains(&s5),
+                    uid => domain_ref(&s5, uid).into_iter().collect(),
+                }
             },
         )
         .graceful_shutdown_on(async move { stop.cancelled().await })
@@ -150,6 +163,16 @@ fn domain_ref(store: &Store<ComputeDomain>, uid: Option<&str>) -> Option<ObjectR
         .into_iter()
         .find(|cd| cd.metadata.uid.as_deref() == Some(uid))
         .map(|cd| ObjectRef::from_obj(&*cd))
+}
+
+/// The domains in the clique-channel form: those a per-clique daemon's change may concern.
+fn clique_domains(store: &Store<ComputeDomain>) -> Vec<ObjectRef<ComputeDomain>> {
+    store
+        .state()
+        .into_iter()
+        .filter(|cd| objects::channel_mode(cd) == Ok(ChannelMode::Clique))
+        .map(|cd| ObjectRef::from_obj(&*cd))
+        .collect()
 }
 
 fn error_policy(cd: Arc<ComputeDomain>, error: &Error, _ctx: Arc<Context>) -> Action {
@@ -297,11 +320,46 @@ async fn reconcile(cd: Arc<ComputeDomain>, ctx: Arc<Context>) -> Result<Action, 
                 Some(c) => claim_state(ensure(&ctx, &cd, &api, &c, &uid).await?),
                 None => ClaimState::Missing,
             };
-            status::clique_mode(&cd, &claim_name, &state, now)
+            let daemons = match &state {
+                ClaimState::Allocated { pool, .. } => {
+                    clique_daemons(&ctx, status::pool_clique(pool)).await?
+                }
+                _ => CliqueDaemons::default(),
+            };
+            status::clique_mode(&cd, &claim_name, &state, &daemons, now)
         }
     };
     write_status(&ctx, &api, &cd, status).await?;
     Ok(Action::requeue(RESYNC))
+}
+
+/// What the per-clique daemons of `clique` report: their clique object `fabric.<clique>`, their
+/// pods, the events they recorded on the object.
+async fn clique_daemons(ctx: &Context, clique: &str) -> Result<CliqueDaemons, Error> {
+    let ns = &ctx.settings.namespace;
+    let name = ComputeDomainClique::name_for(PER_CLIQUE_PREFIX, clique);
+    let object = Api::<ComputeDomainClique>::namespaced(ctx.client.clone(), ns)
+        .get_opt(&name)
+        .await
+        .map_err(kube(format!("cannot read compute domain clique {name}")))?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default().labels(&format!("{CLIQUE_DAEMON_LABEL}={clique}")))
+        .await
+        .map_err(kube("cannot list the per-clique daemon pods"))?
+        .items;
+    let events: Vec<CoreEvent> = Api::<CoreEvent>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default().fields(&format!("{CLIQUE_EVENTS},involvedObject.name={name}")))
+        .await
+        .map_err(kube("cannot list the per-clique daemons' events"))?
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name.as_str()))
+        .collect();
+    Ok(CliqueDaemons {
+        object,
+        pods: pods.iter().map(status::report).collect(),
+        reasons: status::event_reasons(PER_CLIQUE_PREFIX, &events),
+    })
 }
 
 /// Where the shared claim stands.

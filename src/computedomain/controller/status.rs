@@ -5,14 +5,17 @@
 //!   controller builds it.
 //! - `status.status`: `NotReady` while fewer than `spec.numNodes` nodes are listed or any is
 //!   `NotReady`, else `Ready` (NVIDIA's rule). A clique-channel domain has no daemons of its own:
-//!   it is `Ready` once its claim exists (as NVIDIA's host-managed mode is once its template does).
+//!   it is `Ready` once its claim exists (as NVIDIA's host-managed mode is once its template does)
+//!   until the claim is allocated; then it follows the per-clique daemons of its channel's clique
+//!   ([`clique_mode`]).
 //! - `status.conditions` (nvdra's; NVIDIA's CRD prunes it, nvdra's keeps it):
 //!   - `Ready`, with reason `AllNodesReady`, `WaitingForNodes` (how many, and the daemon pods
 //!     that have not registered, with their pods' own reasons: Pending, CrashLoopBackOff,
 //!     ImagePullBackOff…) or `DaemonNotReady` (each node with what its daemon last said: the
 //!     event it records on its clique object, with IMEX's answer and last error line, else
 //!     [`DAEMON_REASON_ANNOTATION`] on its pod, else its pod's state); for a clique-channel domain
-//!     `ChannelAllocated` or `ChannelNotAllocated`;
+//!     `ClaimMissing`, `ChannelNotAllocated`, then `CliqueReady`, `DaemonNotReady` or
+//!     `WaitingForNodes` about its clique's per-clique daemons;
 //!   - `PeersConnected`: `AllPeersConnected`, or `PeersMissing` naming, per node, the nodes of
 //!     its clique its daemon does not see (the peer matrix, from [`DAEMON_PEERS_ANNOTATION`]).
 //!
@@ -24,10 +27,12 @@ use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+use super::pools::POOL_PREFIX;
 use crate::computedomain::api::{
-    ComputeDomain, ComputeDomainClique, ComputeDomainStatus, DAEMON_PEERS_ANNOTATION,
+    CliqueDaemon, ComputeDomain, ComputeDomainClique, ComputeDomainStatus, DAEMON_PEERS_ANNOTATION,
     DAEMON_REASON_ANNOTATION, DOMAIN_LABEL, DomainNode, STATUS_NOT_READY, STATUS_READY,
 };
+use crate::computedomain::daemon::clique::PER_CLIQUE_PREFIX;
 
 /// The condition types.
 pub const READY: &str = "Ready";
@@ -179,20 +184,67 @@ pub fn nodes_from_cliques(uid: &str, cliques: &[ComputeDomainClique]) -> Vec<Dom
                 .is_some_and(|u| u == uid)
         })
         .flat_map(|c| &c.daemons)
-        .map(|d| DomainNode {
-            name: d.node_name.clone(),
-            ip_address: d.ip_address.clone(),
-            clique_id: d.clique_id.clone(),
-            index: d.index,
-            status: if d.status.is_empty() {
-                STATUS_NOT_READY.into()
-            } else {
-                d.status.clone()
-            },
-        })
+        .map(domain_node)
         .collect();
     nodes.sort_by(|a, b| (&a.clique_id, a.index, &a.name).cmp(&(&b.clique_id, b.index, &b.name)));
     nodes
+}
+
+/// A clique entry as a `status.nodes` entry (no status yet is NotReady).
+fn domain_node(d: &CliqueDaemon) -> DomainNode {
+    DomainNode {
+        name: d.node_name.clone(),
+        ip_address: d.ip_address.clone(),
+        clique_id: d.clique_id.clone(),
+        index: d.index,
+        status: if d.status.is_empty() {
+            STATUS_NOT_READY.into()
+        } else {
+            d.status.clone()
+        },
+    }
+}
+
+/// `<node>: <why>` for each node that is not ready: its latest event's line, else its pod's
+/// reason.
+fn not_ready_lines(
+    nodes: &[DomainNode],
+    reasons: &BTreeMap<String, String>,
+    pods: &[DaemonReport],
+) -> Vec<String> {
+    let by_node: BTreeMap<&str, &DaemonReport> =
+        pods.iter().map(|p| (p.node.as_str(), p)).collect();
+    nodes
+        .iter()
+        .filter(|n| n.status != STATUS_READY)
+        .map(|n| {
+            let why = reasons
+                .get(&n.name)
+                .cloned()
+                .or_else(|| by_node.get(n.name.as_str()).and_then(|p| p.reason.clone()))
+                .unwrap_or_else(|| "its IMEX daemon is not ready (it reported no reason)".into());
+            format!("{}: {why}", n.name)
+        })
+        .collect()
+}
+
+/// For each daemon pod whose node has no entry yet: where it is and why it has not registered.
+fn pending_lines(nodes: &[DomainNode], pods: &[DaemonReport]) -> Vec<String> {
+    let listed: BTreeSet<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+    pods.iter()
+        .filter(|p| !listed.contains(p.node.as_str()))
+        .map(|p| {
+            let at = if p.node.is_empty() {
+                format!("pod {}", p.pod)
+            } else {
+                format!("{} (pod {})", p.node, p.pod)
+            };
+            match &p.reason {
+                Some(r) => format!("{at}: {r}"),
+                None => format!("{at}: not registered in its clique yet"),
+            }
+        })
+        .collect()
 }
 
 /// NVIDIA's rule for `status.status`.
@@ -253,21 +305,7 @@ pub fn per_node(
     let status = overall(cd.spec.num_nodes, &nodes);
     let previous = conditions_of(cd);
     let generation = cd.metadata.generation;
-    let by_node: BTreeMap<&str, &DaemonReport> =
-        pods.iter().map(|p| (p.node.as_str(), p)).collect();
-
-    let not_ready: Vec<String> = nodes
-        .iter()
-        .filter(|n| n.status != STATUS_READY)
-        .map(|n| {
-            let why = reasons
-                .get(&n.name)
-                .cloned()
-                .or_else(|| by_node.get(n.name.as_str()).and_then(|p| p.reason.clone()))
-                .unwrap_or_else(|| "its IMEX daemon is not ready (it reported no reason)".into());
-            format!("{}: {why}", n.name)
-        })
-        .collect();
+    let not_ready = not_ready_lines(&nodes, reasons, pods);
     let ready = if status == STATUS_READY {
         condition(
             &previous,
@@ -289,22 +327,7 @@ pub fn per_node(
             now,
         )
     } else {
-        let listed: BTreeSet<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
-        let pending: Vec<String> = pods
-            .iter()
-            .filter(|p| !listed.contains(p.node.as_str()))
-            .map(|p| {
-                let at = if p.node.is_empty() {
-                    format!("pod {}", p.pod)
-                } else {
-                    format!("{} (pod {})", p.node, p.pod)
-                };
-                match &p.reason {
-                    Some(r) => format!("{at}: {r}"),
-                    None => format!("{at}: not registered in its clique yet"),
-                }
-            })
-            .collect();
+        let pending = pending_lines(&nodes, pods);
         let mut message = format!(
             "{} of {} nodes have registered an IMEX daemon; a node gets one when a pod using \
              the domain's channel is scheduled there",
@@ -402,57 +425,113 @@ pub enum ClaimState {
     Allocated { pool: String, device: String },
 }
 
-/// The status of a clique-channel domain.
+/// The clique a pool serves (`clique-<clique>`).
+pub fn pool_clique(pool: &str) -> &str {
+    pool.strip_prefix(POOL_PREFIX).unwrap_or(pool)
+}
+
+/// What the per-clique daemons of the clique an allocated channel belongs to report.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CliqueDaemons {
+    /// `fabric.<clique>`, absent until a daemon of the clique has registered.
+    pub object: Option<ComputeDomainClique>,
+    /// The per-clique daemon pods of the clique.
+    pub pods: Vec<DaemonReport>,
+    /// Each node's latest word, from the events on `fabric.<clique>` ([`event_reasons`]).
+    pub reasons: BTreeMap<String, String>,
+}
+
+/// The status of a clique-channel domain: where its claim stands and, once its channel is
+/// allocated to a clique, that clique's per-clique daemons (`fabric.<clique>`): `Ready` while at
+/// least `spec.numNodes` (at least one) of them are Ready, as many nodes as the domain's pods
+/// need, else `NotReady` naming the nodes and their reasons as for NVIDIA's shape. Every node of
+/// the clique is listed in `status.nodes`: the scheduler may place the domain's pods on any.
 pub fn clique_mode(
     cd: &ComputeDomain,
     claim_name: &str,
     claim: &ClaimState,
+    daemons: &CliqueDaemons,
     now: Timestamp,
 ) -> ComputeDomainStatus {
     let previous = conditions_of(cd);
     let generation = cd.metadata.generation;
-    let (status, ready) = match claim {
-        ClaimState::Missing => (
-            STATUS_NOT_READY,
-            condition(
-                &previous,
-                READY,
+    let cond = |ok: bool, reason: &str, message: String| {
+        condition(&previous, READY, ok, reason, message, generation, now)
+    };
+    let (pool, device) = match claim {
+        ClaimState::Missing => {
+            let c = cond(
                 false,
                 "ClaimMissing",
                 format!("the domain's ResourceClaim {claim_name} does not exist yet"),
-                generation,
-                now,
-            ),
-        ),
-        ClaimState::Pending => (
-            STATUS_READY,
-            condition(
-                &previous,
-                READY,
+            );
+            return with_conditions(cd, STATUS_NOT_READY, Vec::new(), vec![c]);
+        }
+        ClaimState::Pending => {
+            let c = cond(
                 true,
                 "ChannelNotAllocated",
                 format!(
                     "pods sharing ResourceClaim {claim_name} (resourceClaimName) get one channel \
                      of one clique's pool when the first of them is scheduled"
                 ),
-                generation,
-                now,
-            ),
-        ),
-        ClaimState::Allocated { pool, device } => (
-            STATUS_READY,
-            condition(
-                &previous,
-                READY,
-                true,
-                "ChannelAllocated",
-                format!("{device} of pool {pool}: every pod of the domain runs in that clique"),
-                generation,
-                now,
-            ),
-        ),
+            );
+            return with_conditions(cd, STATUS_READY, Vec::new(), vec![c]);
+        }
+        ClaimState::Allocated { pool, device } => (pool, device),
     };
-    with_conditions(cd, status, Vec::new(), vec![ready])
+    let clique = pool_clique(pool);
+    let object = ComputeDomainClique::name_for(PER_CLIQUE_PREFIX, clique);
+    let mut nodes: Vec<DomainNode> = daemons
+        .object
+        .iter()
+        .flat_map(|o| &o.daemons)
+        .map(domain_node)
+        .collect();
+    nodes.sort_by(|a, b| (a.index, &a.name).cmp(&(b.index, &b.name)));
+    let need = usize::try_from(cd.spec.num_nodes.max(1)).unwrap_or(usize::MAX);
+    let ready_count = nodes.iter().filter(|n| n.status == STATUS_READY).count();
+    let not_ready = not_ready_lines(&nodes, &daemons.reasons, &daemons.pods);
+    let at = format!("{device} of pool {pool}");
+    let (status, ready) = if ready_count >= need {
+        let mut message = format!(
+            "{at}: {ready_count} of the {} nodes of clique {clique} have a ready IMEX daemon \
+             (the domain needs {need})",
+            nodes.len()
+        );
+        if !not_ready.is_empty() {
+            message = format!("{message}; not ready: {}", not_ready.join("; "));
+        }
+        (STATUS_READY, cond(true, "CliqueReady", message))
+    } else if !not_ready.is_empty() {
+        let message = format!(
+            "{at}: {ready_count} of the {need} nodes the domain needs have a ready IMEX daemon in \
+             clique {clique}; {}",
+            not_ready.join("; ")
+        );
+        (STATUS_NOT_READY, cond(false, "DaemonNotReady", message))
+    } else {
+        let mut message = format!(
+            "{at}: {} of the {need} nodes the domain needs have registered a per-clique IMEX \
+             daemon in ComputeDomainClique {object}",
+            nodes.len()
+        );
+        let pending = pending_lines(&nodes, &daemons.pods);
+        if !pending.is_empty() {
+            message = format!("{message}; {}", pending.join("; "));
+        } else if daemons.pods.is_empty() {
+            message = format!(
+                "{message}; no per-clique daemon pod runs in the clique: the controller runs them \
+                 (DaemonSet computedomain-daemon-{object}) while its --clique-channels is above 0"
+            );
+        }
+        (STATUS_NOT_READY, cond(false, "WaitingForNodes", message))
+    };
+    let mut conditions = vec![ready];
+    if let Some(peers) = peer_condition(&nodes, &daemons.pods, &previous, generation, now) {
+        conditions.push(peers);
+    }
+    with_conditions(cd, status, nodes, conditions)
 }
 
 fn with_conditions(

@@ -29,6 +29,7 @@ fn settings() -> Settings {
         daemon_service_account: "nvdra-compute-domain-daemon".into(),
         image_pull_secrets: vec!["regcred".into()],
         max_nodes_per_imex_domain: 18,
+        clique_daemon_driver_root: "/run/nvidia/driver".into(),
     }
 }
 
@@ -155,9 +156,7 @@ fn the_daemon_template_and_daemonset_are_nvidias_running_nvdra() {
         "status.podIP"
     );
     assert_eq!(env["NVIDIA_VISIBLE_DEVICES"]["value"], "void");
-    for key in ["POD_UID", "POD_NAME", "POD_NAMESPACE"] {
-        assert!(env.contains_key(key), "{key}");
-    }
+    assert_downward_api(&env);
     // Every taint tolerated, as NVIDIA's (a daemon must run where its workload runs).
     assert_eq!(
         pod["spec"]["tolerations"],
@@ -165,6 +164,130 @@ fn the_daemon_template_and_daemonset_are_nvidias_running_nvdra() {
                {"operator": "Exists", "effect": "NoExecute"},
                {"operator": "Exists", "effect": "PreferNoSchedule"}])
     );
+}
+
+fn env_of(container: &serde_json::Value) -> BTreeMap<String, serde_json::Value> {
+    container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_string(), e.clone()))
+        .collect()
+}
+
+/// What the daemon reads of its own pod through the downward API (NVIDIA's daemon's env): its
+/// node, address and pod, which it patches with its reason and peers.
+fn assert_downward_api(env: &BTreeMap<String, serde_json::Value>) {
+    for (key, path) in [
+        ("NODE_NAME", "spec.nodeName"),
+        ("POD_IP", "status.podIP"),
+        ("POD_UID", "metadata.uid"),
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ] {
+        assert_eq!(
+            env.get(key)
+                .map(|e| &e["valueFrom"]["fieldRef"]["fieldPath"]),
+            Some(&json!(path)),
+            "{key}"
+        );
+    }
+}
+
+#[test]
+fn a_cliques_daemon_set_runs_the_per_clique_daemon_on_the_cliques_nodes() {
+    let clique = "6f1c2d3e-0000-4000-8000-00000000abcd.7";
+    let ds = serde_json::to_value(clique_daemon_set(clique, &settings())).unwrap();
+    assert_eq!(
+        ds["metadata"]["name"],
+        "computedomain-daemon-fabric.6f1c2d3e-0000-4000-8000-00000000abcd.7"
+    );
+    assert_eq!(ds["metadata"]["namespace"], "nvdra");
+    // No domain's label and no finalizer: the domains' cleanup never touches it.
+    let label = json!({"compute-domain.nvidia.com/clique": clique});
+    assert_eq!(ds["metadata"]["labels"], label);
+    assert!(ds["metadata"].get("finalizers").is_none());
+    assert_eq!(ds["spec"]["selector"]["matchLabels"], label);
+    let pod = &ds["spec"]["template"];
+    assert_eq!(pod["metadata"]["labels"], label);
+    assert_eq!(
+        pod["spec"]["nodeSelector"],
+        json!({"nvidia.com/gpu.clique": clique})
+    );
+    assert_eq!(
+        pod["spec"]["serviceAccountName"],
+        "nvdra-compute-domain-daemon"
+    );
+    assert_eq!(
+        pod["spec"]["imagePullSecrets"],
+        json!([{"name": "regcred"}])
+    );
+    assert!(pod["spec"].get("resourceClaims").is_none());
+    let c = &pod["spec"]["containers"][0];
+    assert_eq!(c["image"], "registry.example/nvdra:1.2");
+    assert_eq!(
+        c["command"],
+        json!(["nvdra", "compute-domain", "daemon", "--per-clique"])
+    );
+    assert_eq!(c["securityContext"], json!({"privileged": true}));
+    let env = env_of(c);
+    assert_downward_api(&env);
+    for (key, value) in [
+        ("CLIQUE_ID", clique),
+        ("MAX_NODES_PER_IMEX_DOMAIN", "18"),
+        ("NVIDIA_VISIBLE_DEVICES", "void"),
+        ("NVIDIA_DRIVER_ROOT", "/driver-root"),
+        ("NVDRA_CD_IMEX", "/driver-root/usr/bin/nvidia-imex"),
+        ("NVDRA_CD_IMEX_CTL", "/driver-root/usr/bin/nvidia-imex-ctl"),
+        ("NVDRA_CD_CONFIG_DIR", "/imexd"),
+    ] {
+        assert_eq!(env[key]["value"], value, "{key}");
+    }
+    assert_eq!(
+        pod["spec"]["volumes"],
+        json!([
+            {"name": "driver-root", "hostPath": {"path": "/run/nvidia/driver", "type": "Directory"}},
+            {"name": "imexd", "emptyDir": {}},
+            {"name": "imex-state", "hostPath": {"path": "/var/lib/nvdra/compute-domain/imex",
+                                                "type": "DirectoryOrCreate"}},
+        ])
+    );
+    assert_eq!(
+        c["volumeMounts"],
+        json!([
+            {"name": "driver-root", "mountPath": "/driver-root", "readOnly": true},
+            {"name": "imexd", "mountPath": "/imexd"},
+            {"name": "imex-state", "mountPath": "/var/run/nvidia-imex"},
+        ])
+    );
+    assert_eq!(
+        pod["spec"]["tolerations"],
+        json!([{"operator": "Exists", "effect": "NoSchedule"},
+               {"operator": "Exists", "effect": "NoExecute"},
+               {"operator": "Exists", "effect": "PreferNoSchedule"}])
+    );
+}
+
+#[test]
+fn a_cliques_daemon_set_carries_a_digest_of_what_was_rendered() {
+    let digest = |s: &Settings| {
+        clique_daemon_set("c.1", s)
+            .metadata
+            .annotations
+            .unwrap()
+            .remove(CLIQUE_DAEMON_DIGEST)
+            .unwrap()
+    };
+    let a = digest(&settings());
+    assert_eq!(a.len(), 16);
+    assert_eq!(
+        digest(&settings()),
+        a,
+        "the same rendering, the same digest"
+    );
+    let mut other = settings();
+    other.image = "registry.example/nvdra:1.3".into();
+    assert_ne!(digest(&other), a, "a new image is a new digest");
 }
 
 #[test]

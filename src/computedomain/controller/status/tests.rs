@@ -280,27 +280,120 @@ fn a_condition_keeps_its_transition_time_while_its_status_holds() {
 fn a_clique_domain_says_where_its_channel_is() {
     let now = Timestamp::now();
     let cd = domain(4);
-    let s = clique_mode(&cd, "ch", &ClaimState::Missing, now);
+    let none = CliqueDaemons::default();
+    let s = clique_mode(&cd, "ch", &ClaimState::Missing, &none, now);
     assert_eq!(s.status, STATUS_NOT_READY);
-    let s = clique_mode(&cd, "ch", &ClaimState::Pending, now);
+    let s = clique_mode(&cd, "ch", &ClaimState::Pending, &none, now);
     assert_eq!(
         (s.status.as_str(), ready(&s).reason.as_str()),
         (STATUS_READY, "ChannelNotAllocated")
     );
-    let s = clique_mode(
-        &cd,
-        "ch",
-        &ClaimState::Allocated {
-            pool: "clique-abc.1".into(),
-            device: "channel-7".into(),
-        },
-        now,
+    // Allocated, and no per-clique daemon has registered in the clique.
+    let s = clique_mode(&cd, "ch", &allocated(), &none, now);
+    assert_eq!(
+        (s.status.as_str(), ready(&s).reason.as_str()),
+        (STATUS_NOT_READY, "WaitingForNodes")
     );
-    assert_eq!(ready(&s).reason, "ChannelAllocated");
+    let message = ready(&s).message;
+    assert!(
+        message.starts_with("channel-7 of pool clique-abc.1: 0 of the 4 nodes"),
+        "{message}"
+    );
+    assert!(
+        message.contains("DaemonSet computedomain-daemon-fabric.abc.1"),
+        "{message}"
+    );
+}
+
+fn allocated() -> ClaimState {
+    ClaimState::Allocated {
+        pool: "clique-abc.1".into(),
+        device: "channel-7".into(),
+    }
+}
+
+/// The clique's per-clique daemons: n1 and n3 Ready, n2 NotReady with its IMEX line (an event
+/// on `fabric.abc.1`), n4's pod pending.
+fn fabric_daemons() -> CliqueDaemons {
+    let mut object = clique(
+        "fabric.abc.1",
+        &[
+            ("n2", "abc.1", 1, "NotReady"),
+            ("n1", "abc.1", 0, "Ready"),
+            ("n3", "abc.1", 2, "Ready"),
+        ],
+    );
+    object.metadata.labels = None;
+    let mut pending = pod("n4", &[], json!({"phase": "Pending"}));
+    pending.metadata.name = Some("computedomain-daemon-fabric.abc.1-x4".into());
+    CliqueDaemons {
+        object: Some(object),
+        pods: vec![
+            report(&pod("n1", &[], json!({}))),
+            report(&pod("n2", &[], json!({}))),
+            report(&pending),
+        ],
+        reasons: BTreeMap::from([(
+            "n2".to_string(),
+            "IMEX answered UNAVAILABLE; last error: bind failed".to_string(),
+        )]),
+    }
+}
+
+#[test]
+fn an_allocated_clique_domain_follows_its_cliques_daemons() {
+    let now = Timestamp::now();
+    let daemons = fabric_daemons();
+    // Two ready daemons are enough for a domain of two nodes; the one that is not is named.
+    let s = clique_mode(&domain(2), "ch", &allocated(), &daemons, now);
+    assert_eq!(
+        (s.status.as_str(), ready(&s).reason.as_str()),
+        (STATUS_READY, "CliqueReady")
+    );
+    assert_eq!(
+        ready(&s).message,
+        "channel-7 of pool clique-abc.1: 2 of the 3 nodes of clique abc.1 have a ready IMEX \
+         daemon (the domain needs 2); not ready: n2: IMEX answered UNAVAILABLE; last error: bind \
+         failed"
+    );
+    let names: Vec<_> = s.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["n1", "n2", "n3"]);
+    // Three are not.
+    let s = clique_mode(&domain(3), "ch", &allocated(), &daemons, now);
+    assert_eq!(
+        (s.status.as_str(), ready(&s).reason.as_str()),
+        (STATUS_NOT_READY, "DaemonNotReady")
+    );
     assert!(
         ready(&s)
             .message
-            .starts_with("channel-7 of pool clique-abc.1")
+            .ends_with("in clique abc.1; n2: IMEX answered UNAVAILABLE; last error: bind failed"),
+        "{}",
+        ready(&s).message
+    );
+    // A domain of numNodes 0 still needs one ready daemon: no channel of the clique can be
+    // prepared without one.
+    let mut down = fabric_daemons();
+    for d in &mut down.object.as_mut().unwrap().daemons {
+        d.status = "NotReady".into();
+    }
+    let s = clique_mode(&domain(0), "ch", &allocated(), &down, now);
+    assert_eq!(s.status, STATUS_NOT_READY);
+    // Fewer entries than needed, all ready: the pods that have not registered, with why.
+    let mut few = fabric_daemons();
+    few.object
+        .as_mut()
+        .unwrap()
+        .daemons
+        .retain(|d| d.node_name == "n1");
+    let s = clique_mode(&domain(2), "ch", &allocated(), &few, now);
+    assert_eq!(ready(&s).reason, "WaitingForNodes");
+    assert!(
+        ready(&s)
+            .message
+            .contains("n4 (pod computedomain-daemon-fabric.abc.1-x4): Pending"),
+        "{}",
+        ready(&s).message
     );
 }
 

@@ -342,15 +342,10 @@ impl<S: Cliques> Daemon<S> {
             Ok(()) => self.run_imex(clique.as_ref()).await,
         };
         let report = match readiness {
-            Readiness::Ready => {
-                if let Some(imex) = self.imex.as_mut() {
-                    imex.healthy();
-                }
-                Report {
-                    status: STATUS_READY.into(),
-                    reason: String::new(),
-                }
-            }
+            Readiness::Ready => Report {
+                status: STATUS_READY.into(),
+                reason: String::new(),
+            },
             Readiness::NotReady(answer) => Report {
                 status: STATUS_NOT_READY.into(),
                 reason: self.reason(answer),

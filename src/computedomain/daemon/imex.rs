@@ -1,8 +1,10 @@
 //! The host's `nvidia-imex` as a child of the daemon, and `nvidia-imex-ctl -q`.
 //!
 //! - A child that exits is started again after a backoff (1 s, doubling to the configured
-//!   maximum, back to 1 s once IMEX is ready): the daemon stays up and reports, it never exits
-//!   because IMEX does (no crash loop of the pod).
+//!   maximum): the daemon stays up and reports, it never exits because IMEX does (no crash loop
+//!   of the pod). The backoff goes back to 1 s only for a child that ran at least that maximum
+//!   before it exited, as the kubelet resets a container's restart backoff after a long enough
+//!   run: an IMEX that is READY for a moment and then dies is not started again every second.
 //! - A change of the peers is a `SIGUSR1` (IMEX restarts its outgoing connections, resolving
 //!   the names again) instead of a restart. IMEX handles at most one `SIGUSR1` every 5 seconds
 //!   and drops the others, so a change within that window is held and signalled when it ends.
@@ -60,6 +62,8 @@ pub struct Imex {
     program: String,
     args: Vec<String>,
     child: Option<Child>,
+    /// When the running child was started.
+    started_at: Instant,
     backoff: Duration,
     max_backoff: Duration,
     not_before: Instant,
@@ -81,6 +85,7 @@ impl Imex {
             program,
             args,
             child: None,
+            started_at: Instant::now(),
             backoff: FIRST_BACKOFF,
             max_backoff: max_backoff.max(FIRST_BACKOFF),
             not_before: Instant::now(),
@@ -115,16 +120,15 @@ impl Imex {
 
     fn exited(&mut self, status: String) -> Exit {
         self.child = None;
+        // A long run is a fresh start; a short one (ready or not) grows the wait.
+        if self.started_at.elapsed() >= self.max_backoff {
+            self.backoff = FIRST_BACKOFF;
+        }
         let retry_in = self.backoff;
         self.not_before = Instant::now() + retry_in;
         self.backoff = (self.backoff * 2).min(self.max_backoff);
         tracing::warn!(%status, retry_in = ?retry_in, "nvidia-imex exited; starting it again after the backoff");
         Exit::Exited { status, retry_in }
-    }
-
-    /// IMEX answered READY: the next exit restarts it after the first delay again.
-    pub fn healthy(&mut self) {
-        self.backoff = FIRST_BACKOFF;
     }
 
     /// Starts the child unless it runs or its backoff has not passed; `Ok(true)` when it was
@@ -163,6 +167,7 @@ impl Imex {
         }
         tracing::info!(pid = child.id(), program = %self.program, "nvidia-imex started");
         self.child = Some(child);
+        self.started_at = Instant::now();
         self.starts += 1;
         self.reload_pending = false;
         Ok(true)

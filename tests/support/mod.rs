@@ -1,6 +1,7 @@
 //! Shared helpers for integration tests.
 
 pub mod apiserver;
+pub mod cd_cluster;
 pub mod daemon;
 pub mod dra;
 pub mod fake_nvml;

@@ -5,7 +5,8 @@
 //!   batch of claims, one entry per claim, and the answer), each claim's steps, the order of its
 //!   writes and its rollback; and unprepare;
 //! - [`plan`]: pure — claim + inventory + settings → the device records to reserve;
-//! - [`effects`]: MIG create/destroy, time slices, MPS, CDI specs, each with its undo;
+//! - [`effects`]: MIG create/destroy, time slices, MPS, each with its undo, and the rollback;
+//! - [`specs`]: the claim's CDI spec: what it names, written, checked and removed;
 //! - [`mig_mode`]: dynamic MIG, a GPU's MIG mode switched by the claims it is prepared for;
 //! - [`recovery`]: start-up repair of what a crash left.
 //!

@@ -1,17 +1,143 @@
-//! The plugin's claim CDI specs: the directory they live in, the options that name them and the
-//! driver files they mount, as one value, so that no call can pair a root with the wrong options.
+//! The plugin's claim CDI specs: what a claim's spec names, from its device records
+//! ([`cdi_devices`]), written and checked on the blocking pool ([`Plugin::write_cdi`],
+//! [`Plugin::ensure_cdi`]); and the specs themselves ([`Specs`]): the directory they live in, the
+//! options that name them and the driver files they mount, as one value, so that no call can pair
+//! a root with the wrong options.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use super::{ClaimError, Plugin};
 use crate::cdi::memlimit::{Enforcement, Partitioning};
 use crate::cdi::{self, CdiOptions, DriverFiles, DriverRoot, PreparedDevice};
+use crate::dra::mps::Mps;
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
-use crate::inventory::{GpuUuid, Reconfigure};
+use crate::inventory::{GpuUuid, Inventory, MigDevice, Reconfigure};
+use crate::ledger::DeviceRecord;
 use crate::lock::lock;
+use crate::sharing::Sharing;
+
+impl Plugin {
+    /// Builds and writes the claim's CDI spec on the blocking pool (it reads the host).
+    /// `created`: MIG devices made since `inv` was taken.
+    pub(super) async fn write_cdi(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+        created: &[MigDevice],
+    ) -> Result<(), ClaimError> {
+        let prepared = self.cdi_devices(uid, devices, inv, created)?;
+        let uid = uid.clone();
+        Ok(self
+            .blocking(move |i| i.specs.write(&uid, &prepared))
+            .await??)
+    }
+
+    /// Rewrites a completed claim's CDI spec unless it is intact (the spec is not fsync'd:
+    /// [`Specs::write`]); whether it wrote.
+    pub(super) async fn ensure_cdi(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+    ) -> Result<bool, ClaimError> {
+        let prepared = match self.cdi_devices(uid, devices, inv, &[]) {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                // The devices cannot be resolved now (a MIG device the backend no longer
+                // lists): a spec that still reads as one stays, as the checkpoint's record does.
+                let owner = uid.clone();
+                if self.blocking(move |i| i.specs.readable(&owner)).await? {
+                    tracing::warn!(claim.uid = %uid, error = %crate::report::chain(&e), "cannot rebuild the CDI spec to check it; keeping the one on disk");
+                    return Ok(false);
+                }
+                return Err(e);
+            }
+        };
+        let uid = uid.clone();
+        Ok(self
+            .blocking(move |i| i.specs.ensure(&uid, &prepared))
+            .await??)
+    }
+
+    /// The devices of `uid`'s spec, as [`cdi_devices`] resolves them on this node.
+    fn cdi_devices(
+        &self,
+        uid: &ClaimUid,
+        devices: &[DeviceRecord],
+        inv: &Inventory,
+        created: &[MigDevice],
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let (pool, mps) = (&self.inner.opts.pool, &self.inner.mps);
+        cdi_devices(pool, uid, devices, inv, created, mps)
+    }
+}
+
+/// The devices of a claim's CDI spec: each record with its GPU, and its MIG device looked up in
+/// `inv` or among `created` (the MIG devices this prepare made, which `inv` predates).
+pub(super) fn cdi_devices(
+    pool: &str,
+    uid: &ClaimUid,
+    devices: &[DeviceRecord],
+    inv: &Inventory,
+    created: &[MigDevice],
+    mps: &Mps,
+) -> Result<Vec<PreparedDevice>, ClaimError> {
+    let gone = |d: &DeviceRecord, reason: String| ClaimError::UnknownDevice {
+        pool: d.pool.clone(),
+        device: d.device.to_string(),
+        ours: pool.to_string(),
+        reason,
+    };
+    devices
+        .iter()
+        .map(|d| {
+            let gpu = inv
+                .gpu_by_uuid(d.gpu.as_str())
+                .ok_or_else(|| gone(d, format!("GPU {} is gone", d.gpu)))?;
+            let mig = match &d.mig {
+                None => None,
+                Some(m) => Some(
+                    gpu.mig
+                        .devices
+                        .iter()
+                        .chain(created)
+                        .find(|x| Some(&x.uuid) == m.uuid.as_ref())
+                        .ok_or_else(|| gone(d, "the MIG device is gone".into()))?
+                        .clone(),
+                ),
+            };
+            // What a share divides: its MIG device's memory for a share of one.
+            let memory = mig.as_ref().map_or(gpu.memory_bytes, |m| m.memory_bytes);
+            Ok(PreparedDevice {
+                name: d.device.to_string(),
+                gpu: gpu.clone(),
+                mig,
+                mps_pipe_dir: match (&d.sharing, d.consumed) {
+                    (Sharing::Mps(_), Some(_)) => Some(mps.shares_pipe_dir(&d.share_target())),
+                    (Sharing::Mps(_), None) => Some(mps.pipe_dir(uid)),
+                    _ => None,
+                },
+                mps_shm_dir: match (&d.sharing, d.consumed) {
+                    (Sharing::Mps(_), Some(_)) => Some(mps.shares_shm_dir(&d.share_target())),
+                    (Sharing::Mps(_), None) => Some(mps.shm_dir(uid)),
+                    _ => None,
+                },
+                sharing: d.sharing.clone(),
+                // Soft: what the share is held to (what the scheduler counted, or its part of the
+                // GPU in integer mode), guaranteed; hard: its burst limit, else the soft one. None
+                // for an `unlimited` share that asked for no memory and no burst limit.
+                memory_limits: d
+                    .consumed
+                    .and_then(|c| c.memory_limits(crate::ledger::shares::shareable_memory(memory))),
+            })
+        })
+        .collect()
+}
 
 pub(super) struct Specs {
     root: PathBuf,

@@ -186,14 +186,6 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-impl Error {
-    /// Whether the same call may succeed later without anyone changing the node (processes on
-    /// the GPU exit by themselves).
-    pub fn is_retriable(&self) -> bool {
-        matches!(self, Error::InUse { .. })
-    }
-}
-
 macro_rules! string_newtype {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*

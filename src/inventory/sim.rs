@@ -871,7 +871,7 @@ mod tests {
             ),
             "{e:?}"
         );
-        assert!(!e.is_retriable());
+        assert!(!matches!(e, Error::InUse { .. }));
         assert!(e.to_string().contains("reset"), "{e}");
         let pending = sim.snapshot().unwrap().gpus[3].clone();
         assert!(!pending.mig.enabled);
@@ -926,7 +926,7 @@ mod tests {
                     && holders.iter().map(|h| (h.pid, h.kind)).eq([(4242, HolderKind::Foreign), (4343, HolderKind::Foreign)])),
             "{e:?}"
         );
-        assert!(e.is_retriable());
+        assert!(matches!(e, Error::InUse { .. }));
         assert!(e.to_string().contains("4242, 4343"), "{e}");
         // Processes are no read's holders: they started since.
         assert_eq!(sim.snapshot().unwrap().gpus[1].mig.holders, []);

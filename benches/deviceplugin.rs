@@ -13,7 +13,6 @@ use kubelet_plugin::proto::deviceplugin::v1beta1::{
 };
 use nvdra::deviceplugin::server::Settings;
 use nvdra::deviceplugin::{DevicePlugin, Options};
-use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use tokio_util::sync::CancellationToken;
 
@@ -48,10 +47,10 @@ fn main() {
         let dir = root.path().join("device-plugins");
         let sim = SimBackend::from_profile("dgx-h100", "bench").expect("profile");
         let stop = CancellationToken::new();
-        let node = owner::start(
+        let node = nvdra::testing::start_owner(
             Arc::new(sim),
             Duration::from_secs(5),
-            owner::no_health(),
+            nvdra::testing::no_health(),
             stop.clone(),
         )
         .await

@@ -112,10 +112,10 @@ async fn run(delay: Duration, n: usize) {
     // As `nvdra run` wires it: the owner reads the hardware, the plugin writes through its
     // handle and waits for the read after each change.
     let stop = CancellationToken::new();
-    let inventory = nvdra::inventory::owner::start(
+    let inventory = nvdra::testing::start_owner(
         Arc::new(sim.clone()),
         Duration::from_secs(3600),
-        nvdra::inventory::owner::no_health(),
+        nvdra::testing::no_health(),
         stop.clone(),
     )
     .await

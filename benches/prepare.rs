@@ -261,7 +261,7 @@ async fn main() {
     )
     .expect("owner");
     owner.read().await.expect("first inventory read");
-    tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), stop.clone()));
+    tokio::spawn(owner.run(nvdra::testing::no_health(), stop.clone()));
     // A node with the driver installed: its files are found once, at start, and every spec
     // mounts them. (Without any, each prepare would look for them again, as on a node whose
     // driver container is not up yet: about 140 failed lookups per claim.)

@@ -32,6 +32,8 @@ pub mod matching;
 pub mod metrics;
 pub mod mps;
 pub mod sharing;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod versions;
 pub mod yaml;
 

@@ -25,7 +25,6 @@ use crate::dra::health::NodeHealth;
 use crate::dra::slices::{ConsumableShares, CounterLayout, SliceOptions};
 use crate::dra::sync::SliceSync;
 use crate::inventory::health::{Cause, Fault, HealthState};
-use crate::inventory::owner;
 use crate::inventory::sim::SimBackend;
 use crate::inventory::{DeviceUuid, Placement, ProcessUsage, Reconfigure, TaintEffect};
 use crate::metrics::{Source, attribution::Attribution};
@@ -81,7 +80,7 @@ async fn a_mig_change_and_a_health_transition_reach_every_consumer_from_one_publ
     let stop = CancellationToken::new();
     let (health, health_rx) = watch::channel(HealthState::default());
     let hour = Duration::from_secs(3600);
-    let owner = owner::start(Arc::new(sim.clone()), hour, health_rx, stop.clone())
+    let owner = crate::testing::start_owner(Arc::new(sim.clone()), hour, health_rx, stop.clone())
         .await
         .unwrap();
 

@@ -77,25 +77,6 @@ impl Published {
 /// A subscription to the owner's publications.
 pub type Watch = watch::Receiver<Published>;
 
-/// An owner over `backend` after its first read, following `health` and reading every `rescan`
-/// (and when asked) until `shutdown`: its handle. For tools and tests that start no daemon.
-pub async fn start(
-    backend: Arc<dyn DeviceBackend>,
-    rescan: Duration,
-    health: watch::Receiver<HealthState>,
-    shutdown: CancellationToken,
-) -> std::io::Result<InventoryHandle> {
-    let (mut owner, handle) = Owner::new(backend, rescan, DEADLINE)?;
-    let _ = owner.read().await;
-    tokio::spawn(owner.run(health, shutdown));
-    Ok(handle)
-}
-
-/// A health state that never changes, for an owner no health monitor feeds ([`Owner::run`]).
-pub fn no_health() -> watch::Receiver<HealthState> {
-    watch::channel(HealthState::default()).1
-}
-
 /// Ready when the owner published again; never once the owner is gone (a consumer then keeps
 /// its last publication instead of spinning). For a `select!` branch of a consumer that follows
 /// the publications.

@@ -32,10 +32,10 @@ fn settings(root: &std::path::Path) -> Settings {
 
 /// An inventory owner over `sim` reading it every `rescan` until `stop`: its publications.
 async fn owner_of(sim: &SimBackend, rescan: Duration, stop: &CancellationToken) -> owner::Watch {
-    owner::start(
+    nvdra::testing::start_owner(
         Arc::new(sim.clone()),
         rescan,
-        owner::no_health(),
+        nvdra::testing::no_health(),
         stop.clone(),
     )
     .await
@@ -248,7 +248,7 @@ async fn a_mig_device_created_at_prepare_reaches_list_and_watch_from_one_invento
     .unwrap();
     owner.read().await.unwrap();
     let stop = CancellationToken::new();
-    let owner_task = tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), stop.clone()));
+    let owner_task = tokio::spawn(owner.run(nvdra::testing::no_health(), stop.clone()));
     let watched = Arc::new(Writes::new(Arc::new(sim.clone()), inventory.clone()));
     let dp = DevicePlugin::new(
         settings(root.path()),

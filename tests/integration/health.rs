@@ -135,7 +135,7 @@ async fn publish(prepare: impl FnOnce(&TestApiServer)) -> Published {
     let (monitor, handle) = Monitor::new(policy(), Arc::new(Gate(answers.clone())));
     let token = CancellationToken::new();
     let hour = Duration::from_secs(3600);
-    let owner = owner::start(inner, hour, handle.subscribe(), token.clone())
+    let owner = nvdra::testing::start_owner(inner, hour, handle.subscribe(), token.clone())
         .await
         .unwrap();
     let sync = SliceSync::new(

@@ -10,7 +10,6 @@ use nvdra::api::ClusterApi;
 use nvdra::api::kube::KubeApi;
 use nvdra::daemon::labels;
 use nvdra::deviceplugin::Options;
-use nvdra::inventory::owner;
 use nvdra::inventory::sim::SimBackend;
 use support::apiserver::TestApiServer;
 use tokio_util::sync::CancellationToken;
@@ -41,10 +40,10 @@ async fn labels_are_set_in_one_patch_kept_current_and_others_left_alone() {
     let sim = SimBackend::from_profile("dgx-h100", NODE).unwrap();
     let api: Arc<dyn ClusterApi> = Arc::new(KubeApi::from_url(server.url()).unwrap());
     let stop = CancellationToken::new();
-    let owner = owner::start(
+    let owner = nvdra::testing::start_owner(
         Arc::new(sim.clone()),
         Duration::from_millis(20),
-        owner::no_health(),
+        nvdra::testing::no_health(),
         stop.clone(),
     )
     .await
@@ -104,10 +103,10 @@ async fn the_directory_api_keeps_the_labels_in_the_node_file() {
     let api: Arc<dyn ClusterApi> = Arc::new(nvdra::api::dir::DirApi::new(dir.path()).unwrap());
     let sim = SimBackend::from_profile("a100-mig-mixed", NODE).unwrap();
     let stop = CancellationToken::new();
-    let owner = owner::start(
+    let owner = nvdra::testing::start_owner(
         Arc::new(sim),
         Duration::from_millis(20),
-        owner::no_health(),
+        nvdra::testing::no_health(),
         stop.clone(),
     )
     .await

@@ -172,7 +172,7 @@ async fn start_sim(
     // Its first read taken before anything reads the publication, as `nvdra run` does: a
     // plugin's recovery must not find the node not yet read.
     let _ = owner.read().await;
-    tokio::spawn(owner.run(nvdra::inventory::owner::no_health(), token.clone()));
+    tokio::spawn(owner.run(nvdra::testing::no_health(), token.clone()));
     let sync = SliceSync::new(sync_handle.subscribe(), handle.clone(), slice_options);
     let sync = match blocks(&sync_handle) {
         Some(b) => sync.with_switch_blocks(b),

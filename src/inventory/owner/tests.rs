@@ -53,7 +53,7 @@ fn running_with_short_deadline(
 ) -> (Arc<Writes>, InventoryHandle, CancellationToken) {
     let (owner, handle) = owner(sim);
     let stop = CancellationToken::new();
-    tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
+    tokio::spawn(owner.run(crate::testing::no_health(), stop.clone()));
     let watched = Arc::new(
         Writes::new(Arc::new(sim.clone()), handle.clone())
             .with_call_deadline(Duration::from_secs(2)),
@@ -91,10 +91,10 @@ async fn consumers_read_the_last_publication_until_the_owner_reads_again() {
 async fn a_refresh_through_the_write_handle_is_a_read_the_owner_makes() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let stop = CancellationToken::new();
-    let handle = crate::inventory::owner::start(
+    let handle = crate::testing::start_owner(
         Arc::new(sim.clone()),
         Duration::from_secs(3600),
-        crate::inventory::owner::no_health(),
+        crate::testing::no_health(),
         stop.clone(),
     )
     .await
@@ -117,7 +117,7 @@ async fn a_reconfiguration_is_seen_by_the_next_snapshot() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (owner, handle) = owner(&sim);
     let stop = CancellationToken::new();
-    let task = tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
+    let task = tokio::spawn(owner.run(crate::testing::no_health(), stop.clone()));
     let watched = Arc::new(Writes::new(Arc::new(sim.clone()), handle.clone()));
     let before = handle.refresh().await.unwrap();
     let gpu2 = before.gpus[2].uuid.clone();
@@ -152,7 +152,7 @@ async fn a_mig_mode_change_even_refused_is_seen_by_the_next_snapshot() {
     let sim = SimBackend::from_profile("a100-mig-mixed", "n").unwrap();
     let (owner, handle) = owner(&sim);
     let stop = CancellationToken::new();
-    let task = tokio::spawn(owner.run(crate::inventory::owner::no_health(), stop.clone()));
+    let task = tokio::spawn(owner.run(crate::testing::no_health(), stop.clone()));
     let watched = Arc::new(Writes::new(Arc::new(sim.clone()), handle.clone()));
     let gpu3 = handle.refresh().await.unwrap().gpus[3].uuid.clone();
     let g = gpu3.clone();

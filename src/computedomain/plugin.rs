@@ -10,6 +10,8 @@
 //!   container gets; a channel whose daemon is not ready fails at once, never waits.
 //! - [`readiness`]: the node label, the binding conditions (KEP-5007) and the taint that keep a
 //!   pod from binding where its domain's daemon is not ready.
+//! - [`base`]: what a daemon claim's container gets besides its domain (NVIDIA's base spec:
+//!   the node's NVIDIA device nodes and the driver's files).
 //! - [`checkpoint`]: the plugin's own checkpoint (prepared claims survive a restart).
 //! - [`cluster`]: the ComputeDomain objects, Node labels and claims the plugin reads and writes,
 //!   behind a trait (kube-rs, or in memory for tests).
@@ -27,6 +29,7 @@ use kubelet_plugin::{CancellationToken, Options};
 
 use crate::computedomain::api::DRIVER_NAME;
 
+pub mod base;
 pub mod checkpoint;
 pub mod cluster;
 pub mod devices;
@@ -74,6 +77,17 @@ pub struct Args {
         default_value = "/proc/driver/nvidia/capabilities"
     )]
     pub capabilities_root: PathBuf,
+    /// Root of the NVIDIA driver installation on the host (`/`, or `/run/nvidia/driver` with
+    /// the GPU Operator's driver container): a daemon's container gets its files.
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+    /// Host root whose dev/ holds the NVIDIA device nodes (/dev when it has none); defaults to
+    /// the driver root.
+    #[arg(long, env = "NVIDIA_DEV_ROOT")]
+    pub dev_root: Option<PathBuf>,
+    /// Where the host's driver root is mounted in this container; defaults to the driver root.
+    #[arg(long, env = "DRIVER_ROOT_CTR_PATH")]
+    pub driver_root_ctr_path: Option<PathBuf>,
     /// The node's NVLink clique, `<clusterUUID>.<cliqueID>`; without it, what nvdra's GPU driver
     /// publishes for the node's GPUs, else the node's `nvidia.com/gpu.clique` label (none: the
     /// node is on no fabric).
@@ -191,6 +205,15 @@ pub async fn serve_with(
         cdi_root: args.cdi_root.clone(),
         proc_devices: args.proc_devices.clone(),
         capabilities_root: args.capabilities_root.clone(),
+        driver_root: crate::cdi::DriverRoot::new(
+            args.driver_root.clone(),
+            args.driver_root_ctr_path
+                .clone()
+                .unwrap_or_else(|| args.driver_root.clone()),
+            args.dev_root
+                .clone()
+                .unwrap_or_else(|| args.driver_root.clone()),
+        ),
     };
     let plugin = Arc::new(prepare::Plugin::new(
         &args.node_name,

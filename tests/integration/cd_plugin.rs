@@ -64,6 +64,7 @@ impl Node {
             "DeviceFileMinor: 2\nDeviceFileMode: 256\nDeviceFileModify: 1\n",
         )
         .unwrap();
+        fake_driver(&dir.path().join("driver"));
         let cdi_root = cdi_root.unwrap_or_else(|| dir.path().join("cdi"));
         let api = TestApiServer::start().await;
         api.seed_node(NODE, "node-a-uid");
@@ -105,6 +106,9 @@ impl Node {
             cdi_root: self.cdi_root.clone(),
             proc_devices: self.dir.path().join("devices"),
             capabilities_root: self.dir.path().join("caps"),
+            driver_root: self.dir.path().join("driver"),
+            dev_root: None,
+            driver_root_ctr_path: None,
             clique_id: Some(CLIQUE.into()),
             binding_conditions,
             resync_seconds: 1,
@@ -259,6 +263,37 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         panic!("timed out waiting for {what}");
+    }
+}
+
+/// A driver root as the node's: its device nodes under `dev/` (links to the host's own
+/// character devices, whose numbers are known: `/dev/zero` is 1:5, `/dev/full` 1:7, `/dev/null`
+/// 1:3, `/dev/urandom` 1:9), one NVSwitch node nvcdi's management mode leaves out, the driver's
+/// libraries and its binaries (scripts saying their name).
+fn fake_driver(root: &Path) {
+    let dev = root.join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    for (name, host) in [
+        ("nvidiactl", "/dev/zero"),
+        ("nvidia-uvm", "/dev/full"),
+        ("nvidia0", "/dev/null"),
+        ("nvidia1", "/dev/urandom"),
+        ("nvidia-nvswitch0", "/dev/random"),
+    ] {
+        std::os::unix::fs::symlink(host, dev.join(name)).unwrap();
+    }
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).unwrap();
+    for name in ["libcuda.so.550.54.15", "libnvidia-ml.so.550.54.15"] {
+        std::fs::write(lib.join(name), b"").unwrap();
+    }
+    let bin = root.join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for name in ["nvidia-smi", "nvidia-imex", "nvidia-imex-ctl"] {
+        let path = bin.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\necho {name} ran\n")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
 }
 
@@ -470,6 +505,7 @@ async fn a_daemon_claim_gets_what_nvidias_daemon_container_gets() {
             format!("COMPUTE_DOMAIN_UUID={}", node.domain),
             "COMPUTE_DOMAIN_NAME=imex".into(),
             format!("COMPUTE_DOMAIN_NAMESPACE={NS}"),
+            "NVIDIA_VISIBLE_DEVICES=void".into(),
         ]
     );
     let dir = node.plugin_dir().join("domains").join(&node.domain);
@@ -482,6 +518,47 @@ async fn a_daemon_claim_gets_what_nvidias_daemon_container_gets() {
         (mgmt["major"].as_u64(), mgmt["minor"].as_u64()),
         (Some(u64::from(CAPS_MAJOR)), Some(2))
     );
+    // NVIDIA's base spec: the node's NVIDIA device nodes (not the NVSwitch's) with the host's
+    // numbers, and the driver's files at their path under the driver root.
+    let nodes: Vec<(&str, u64, u64)> = edits["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["path"].as_str().unwrap(),
+                n["major"].as_u64().unwrap(),
+                n["minor"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        nodes,
+        [
+            ("/dev/nvidia-caps/nvidia-cap2", u64::from(CAPS_MAJOR), 2),
+            ("/dev/nvidia-uvm", 1, 7),
+            ("/dev/nvidia0", 1, 3),
+            ("/dev/nvidia1", 1, 9),
+            ("/dev/nvidiactl", 1, 5),
+        ]
+    );
+    let mounts: Vec<&str> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["containerPath"].as_str().unwrap())
+        .collect();
+    for path in [
+        "/usr/bin/nvidia-imex",
+        "/usr/bin/nvidia-imex-ctl",
+        "/usr/bin/nvidia-smi",
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54.15",
+    ] {
+        assert!(mounts.contains(&path), "{path} not in {mounts:?}");
+    }
+    // The IMEX config template, in the domain's directory as NVIDIA's plugin writes it.
+    let template = std::fs::read_to_string(dir.join("imexd.cfg.tmpl")).unwrap();
+    assert!(template.contains("IMEX_CMD_PORT=50005"), "{template}");
     // A daemon claim never labels the node (its domain's workload does).
     assert_eq!(node.node_label(), None);
     node.stop().await;
@@ -725,6 +802,7 @@ async fn a_prepare_against_a_stalled_api_server_fails_at_the_deadline_naming_the
         cdi_root: node.cdi_root.clone(),
         proc_devices: node.dir.path().join("devices"),
         capabilities_root: node.dir.path().join("caps"),
+        driver_root: nvdra::cdi::DriverRoot::at(&node.dir.path().join("driver")),
     };
     let plugin = Plugin::new(NODE, DRIVER_NS, Some(CLIQUE.into()), paths, cluster).unwrap();
     let claim = node.channel_claim("workload");
@@ -745,4 +823,63 @@ async fn a_prepare_against_a_stalled_api_server_fails_at_the_deadline_naming_the
     );
     stop.cancel();
     held.abort();
+}
+
+#[test]
+fn podman_runs_the_drivers_imex_in_a_daemon_claims_container_with_the_nodes_devices() {
+    engine::with_engine(|e| {
+        let rt = tokio::runtime::Runtime::new()?;
+        rt.block_on(async {
+            let cdi_root = (!e.has_spec_dir_flag).then(|| PathBuf::from(engine::SYSTEM_CDI_DIR));
+            let mut node = Node::new(cdi_root).await;
+            let mut kubelet = node.start(BindingConditions::Off).await;
+            let claim = node.claim(
+                "daemon",
+                NODE,
+                "daemon-0",
+                "ComputeDomainDaemonConfig",
+                serde_json::json!({}),
+            );
+            let answers = kubelet.prepare(std::slice::from_ref(&claim)).await?;
+            let ids = answers[&claim.uid].clone().map_err(anyhow::Error::msg)?;
+            let out = e.run_with_device(
+                &node.cdi_root,
+                &ids[0],
+                "ls -l /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia0 /dev/nvidia1 \
+                 /dev/nvidia-caps/nvidia-cap2 && /usr/bin/nvidia-imex && /usr/bin/nvidia-imex-ctl \
+                 && cat /imexd/imexd.cfg.tmpl",
+            )?;
+            let unprepared = kubelet.unprepare(std::slice::from_ref(&claim)).await?;
+            node.stop().await;
+            let stdout = engine::ok(&out, &format!("podman run --device {}", ids[0]))?;
+            eprintln!("container output:\n{stdout}");
+            for (path, major, minor) in [
+                ("/dev/nvidiactl", 1, 5),
+                ("/dev/nvidia-uvm", 1, 7),
+                ("/dev/nvidia0", 1, 3),
+                ("/dev/nvidia1", 1, 9),
+                ("/dev/nvidia-caps/nvidia-cap2", CAPS_MAJOR, 2),
+            ] {
+                let line = stdout
+                    .lines()
+                    .find(|l| l.ends_with(&format!(" {path}")))
+                    .ok_or_else(|| anyhow::anyhow!("no {path} in the container:\n{stdout}"))?;
+                anyhow::ensure!(
+                    line.starts_with('c')
+                        && line.contains(&format!(" {major},"))
+                        && line.contains(&format!(" {minor} ")),
+                    "{path} is not the char device {major}:{minor} in the container: {line}"
+                );
+            }
+            for ran in [
+                "nvidia-imex ran",
+                "nvidia-imex-ctl ran",
+                "IMEX_CMD_PORT=50005",
+            ] {
+                anyhow::ensure!(stdout.contains(ran), "no {ran:?} in:\n{stdout}");
+            }
+            anyhow::ensure!(unprepared[&claim.uid].is_ok(), "{unprepared:?}");
+            Ok(())
+        })
+    });
 }

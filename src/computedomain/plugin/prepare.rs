@@ -28,7 +28,7 @@ use kubelet_plugin::{
 use super::checkpoint::{self, Checkpoint, Prepared};
 use super::cluster::Cluster;
 use super::devices::{self, CAPS_MAJOR_NAME, FABRIC_IMEX_MGMT, Kind};
-use crate::cdi::{ContainerEdits, Device, Mount, Spec};
+use crate::cdi::{ContainerEdits, Device, DriverRoot, Mount, Spec};
 use crate::computedomain::api::{
     API_VERSION, AllocationMode, CHANNEL_CONFIG_KIND, CHANNEL_MAJOR_NAME, CLIQUE_LABEL,
     ChannelConfig, ComputeDomain, ComputeDomainClique, DAEMON_CONFIG_KIND, DRIVER_NAME,
@@ -48,6 +48,9 @@ const CDI_VERSION: &str = "0.5.0";
 pub const DAEMON_DIR: &str = "/imexd";
 /// The subdirectory of the plugin's directory holding one directory per domain (NVIDIA's).
 pub const DOMAINS_DIR: &str = "domains";
+/// The IMEX config template the plugin writes into a domain's directory (NVIDIA's file name),
+/// which the daemon renders into `imexd.cfg`.
+pub const CONFIG_TEMPLATE: &str = "imexd.cfg.tmpl";
 
 /// Where the plugin reads and writes on its node.
 #[derive(Clone, Debug)]
@@ -61,6 +64,9 @@ pub struct Paths {
     pub proc_devices: PathBuf,
     /// `/proc/driver/nvidia/capabilities` (or a test's directory).
     pub capabilities_root: PathBuf,
+    /// The NVIDIA driver's root and device nodes, for what a daemon's container gets
+    /// ([`super::base`]).
+    pub driver_root: DriverRoot,
 }
 
 /// The plugin's node side.
@@ -422,8 +428,9 @@ impl Plugin {
     }
 
     /// What NVIDIA's plugin hands the daemon container: the domain in the environment, the
-    /// domain's directory at `/imexd`, and (on a fabric node) the `fabric-imex-mgmt` capability
-    /// node that lets `nvidia-imex` run.
+    /// domain's directory at `/imexd` with the IMEX config template in it, (on a fabric node)
+    /// the `fabric-imex-mgmt` capability node that lets `nvidia-imex` run, and the node's NVIDIA
+    /// device nodes and driver files ([`super::base`]).
     fn prepare_daemon(
         &self,
         c: &PrepareClaim,
@@ -435,6 +442,13 @@ impl Plugin {
         let dir = self.paths.plugin_dir.join(DOMAINS_DIR).join(&domain_uid);
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create the daemon's directory {}", dir.display()))?;
+        // As NVIDIA's plugin: written at each prepare, the daemon reads it when IMEX starts.
+        let template = dir.join(CONFIG_TEMPLATE);
+        crate::durable::write_as(
+            &template,
+            crate::computedomain::daemon::files::DEFAULT_TEMPLATE.as_bytes(),
+            Durability::Atomic,
+        )?;
         let mut edits = ContainerEdits {
             env: vec![
                 format!("CLIQUE_ID={clique}"),
@@ -469,6 +483,15 @@ impl Plugin {
                 .ok_or_else(|| anyhow!("{} names no DeviceFileMinor", file.display()))?;
             edits.device_nodes.push(node);
         }
+        let base = super::base::edits(&self.paths.driver_root);
+        for node in base.device_nodes {
+            // The capability node above is the one IMEX needs; the base lists it too.
+            if !edits.device_nodes.iter().any(|n| n.path == node.path) {
+                edits.device_nodes.push(node);
+            }
+        }
+        edits.env.extend(base.env);
+        edits.mounts.extend(base.mounts);
         let mut spec_devices = Vec::new();
         let mut answered = Vec::new();
         for r in &c.results {

@@ -331,6 +331,7 @@ mod tests {
             cdi_root: dir.join("cdi"),
             proc_devices: dir.join("devices"),
             capabilities_root: dir.join("caps"),
+            driver_root: crate::cdi::DriverRoot::at(&dir.join("driver")),
         };
         Plugin::new(
             NODE,

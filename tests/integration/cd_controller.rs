@@ -669,17 +669,9 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
         ["a1", "a2"]
     );
 
-    // Both ready: the domain is.
-    s.put(&fabric(&[("a1", "Ready"), ("a2", "Ready")]));
-    s.wait_until(WAIT, "Ready", |s| {
-        reason(s).0 == "CliqueReady"
-            && s.get::<ComputeDomain>("default", "job")
-                .and_then(|cd| cd.status)
-                .is_some_and(|st| st.status == "Ready")
-    })
-    .await;
-
-    // A rack gone: its per-clique DaemonSet goes.
+    // A rack gone: its per-clique DaemonSet goes. (Also the pause that lets the reconcile
+    // its own status write caused finish, so that only the clique object's change below can
+    // make the domain Ready.)
     Api::<Node>::all(env.client())
         .delete("b1", &DeleteParams::default())
         .await
@@ -687,6 +679,17 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
     s.wait_until(WAIT, "clique b's DaemonSet gone", |s| {
         s.get::<DaemonSet>(NS, &daemons(b)).is_none()
             && s.get::<DaemonSet>(NS, &daemons(a)).is_some()
+    })
+    .await;
+    assert_eq!(reason(s).0, "DaemonNotReady");
+
+    // Both ready: the domain is, on the clique object's change alone.
+    s.put(&fabric(&[("a1", "Ready"), ("a2", "Ready")]));
+    s.wait_until(WAIT, "Ready", |s| {
+        reason(s).0 == "CliqueReady"
+            && s.get::<ComputeDomain>("default", "job")
+                .and_then(|cd| cd.status)
+                .is_some_and(|st| st.status == "Ready")
     })
     .await;
 }

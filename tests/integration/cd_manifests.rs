@@ -741,6 +741,7 @@ fn assert_compute_domains(docs: &[Value], ns: &str, origin: &str) {
                 &["get", "list", "watch", "create", "update", "patch"],
             ),
             ("", "events", &["create"]),
+            ("", "pods", &["patch"]),
         ]),
         "{origin}: the daemons in their namespace"
     );

@@ -6,7 +6,8 @@
 //!   name), and cannot hold an invalid value; code that holds one never checks it again.
 //! - A [`DeviceName`] is made from stable hardware facts ([`DeviceName::gpu`],
 //!   [`DeviceName::mig`]) or parsed by the same grammar, so a name read back from a checkpoint is
-//!   one this driver makes.
+//!   one this driver makes; [`find_device`], the inverse of the naming, finds what a name stands
+//!   for in an inventory.
 //!
 //! GPU and MIG UUIDs are not here: they are what the inventory reports, and every module above
 //! reads them from [`crate::inventory`].
@@ -14,6 +15,8 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+use crate::inventory::{Gpu, Inventory, MigDevice, MigProfile, Placement};
 
 /// A ResourceClaim UID. It prefixes the claim's CDI device names and names its CDI spec file, so
 /// it follows the CDI device-name grammar, `[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?` (which
@@ -111,7 +114,7 @@ impl DeviceName {
     }
 
     /// Checks the grammar only; whether the device exists is the inventory's question
-    /// (`dra::slices::find_device`).
+    /// ([`find_device`]).
     pub fn parse(name: &str) -> Result<Self, InvalidDeviceName> {
         let number = |s: &str| {
             !s.is_empty()
@@ -170,6 +173,68 @@ impl fmt::Display for DeviceName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
+}
+
+/// What a published device name stands for on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishedDevice<'a> {
+    /// A whole GPU (with `--shared-capacity`, also what a share of it is allocated from).
+    Gpu(&'a Gpu),
+    /// A MIG device: one that exists, or (in partitionable mode) a placement that could be
+    /// created.
+    Mig {
+        parent: &'a Gpu,
+        /// Set when the MIG device exists.
+        existing: Option<&'a MigDevice>,
+        /// Set when the parent lists the profile.
+        profile: Option<&'a MigProfile>,
+        placement: Placement,
+    },
+}
+
+/// Looks up what `name` stands for, the inverse of the naming in [`DeviceName`]. It does not say
+/// whether the device is published (health, MIG mode and partitioning decide that).
+pub fn find_device<'a>(inv: &'a Inventory, name: &str) -> Option<PublishedDevice<'a>> {
+    let rest = name.strip_prefix("gpu-")?;
+    let (minor, mig) = match rest.split_once('-') {
+        Some((minor, mig)) => (minor, Some(mig.strip_prefix("mig-")?)),
+        None => (rest, None),
+    };
+    if minor.len() > 1 && minor.starts_with('0') {
+        return None;
+    }
+    let parent = inv.gpu_by_minor(minor.parse().ok()?)?;
+    if mig.is_none() {
+        return Some(PublishedDevice::Gpu(parent));
+    }
+    let minor = parent.minor;
+    if let Some(d) =
+        parent.mig.devices.iter().find(|d| {
+            DeviceName::mig(minor, &d.profile, d.gi_profile_id, d.placement.start) == name
+        })
+    {
+        return Some(PublishedDevice::Mig {
+            parent,
+            existing: Some(d),
+            profile: parent
+                .mig
+                .profiles
+                .iter()
+                .find(|p| p.gi_profile_id == d.gi_profile_id),
+            placement: d.placement,
+        });
+    }
+    parent.mig.profiles.iter().find_map(|p| {
+        p.placements
+            .iter()
+            .find(|pl| DeviceName::mig(minor, &p.name, p.gi_profile_id, pl.start) == name)
+            .map(|pl| PublishedDevice::Mig {
+                parent,
+                existing: None,
+                profile: Some(p),
+                placement: *pl,
+            })
+    })
 }
 
 /// A MIG profile name as it appears in device names: lower case, only `[a-z0-9-]`, no leading or

@@ -40,10 +40,12 @@ mod splitting;
 
 use std::fmt;
 
+#[cfg(test)]
+use crate::ids::{PublishedDevice, find_device};
 pub use crate::ledger::shares::ConsumableShares;
 pub use attributes::normalize_version;
 pub use metadata::device_metadata;
-pub use names::{PublishedDevice, counter_set_name, find_device};
+pub use names::counter_set_name;
 #[cfg(test)]
 use splitting::is_advanced;
 pub use splitting::{Withdrawn, desired_slices, desired_slices_withdrawing, withdrawn_devices};

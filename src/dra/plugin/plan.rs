@@ -12,8 +12,7 @@ use kubelet_plugin::PrepareClaim;
 
 use super::{ClaimError, ClaimRef, Options};
 use crate::cdi::{self, CdiOptions};
-use crate::dra::slices::{self, PublishedDevice};
-use crate::ids::DeviceName;
+use crate::ids::{DeviceName, PublishedDevice, find_device};
 use crate::inventory::{self, DeviceUuid, Gpu, GpuUuid, Inventory, MigDevice, Placement, quantity};
 use crate::ledger::shares::{self, ConsumableShares, Shares};
 use crate::ledger::{Consumed, DeviceRecord, MigRecord, PodRef};
@@ -476,7 +475,7 @@ fn resolve_device<'a>(
     let toggle = |g: &Gpu| opts.dynamic_mig.then(|| g.mig_toggle());
     // Dynamic MIG creates the placements of a GPU it may switch, as partitionable mode does.
     let creates = |g: &Gpu| opts.partitionable || matches!(toggle(g), Some(Ok(())));
-    match slices::find_device(inv, name) {
+    match find_device(inv, name) {
         None => Err(
             "no such GPU, MIG device or MIG placement (names look like gpu-<minor> \
                      or gpu-<minor>-mig-<profile>-<giProfileId>-<start>)"
@@ -726,7 +725,7 @@ pub(super) mod tests {
             })
             .find(|n| {
                 matches!(
-                    slices::find_device(&inv, n),
+                    find_device(&inv, n),
                     Some(PublishedDevice::Mig { existing: None, .. })
                 )
             })

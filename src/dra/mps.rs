@@ -184,12 +184,6 @@ impl Mps {
         gpu.mps_multi_user() && host != Some(false)
     }
 
-    /// How long a request waits for its daemon to answer (tests shorten it).
-    pub fn with_start_deadline(mut self, deadline: Duration) -> Self {
-        self.start_deadline = deadline;
-        self
-    }
-
     /// The claim's `CUDA_MPS_PIPE_DIRECTORY` on the host.
     pub fn pipe_dir(&self, claim: &ClaimUid) -> PathBuf {
         self.layout.pipe(&DaemonId::claim(claim))
@@ -208,16 +202,6 @@ impl Mps {
     /// The `/dev/shm` of a GPU's or MIG device's share daemon and its clients on the host.
     pub fn shares_shm_dir(&self, device: &DeviceUuid) -> PathBuf {
         self.layout.shm(&DaemonId::shares(device))
-    }
-
-    /// [`Mps::shares_pipe_dir`] of a GPU.
-    pub fn gpu_pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.shares_pipe_dir(&DeviceUuid::Gpu(gpu.clone()))
-    }
-
-    /// [`Mps::shares_shm_dir`] of a GPU.
-    pub fn gpu_shm_dir(&self, gpu: &GpuUuid) -> PathBuf {
-        self.shares_shm_dir(&DeviceUuid::Gpu(gpu.clone()))
     }
 
     /// Asks for the claim's daemon for `devices` (GPU or MIG UUIDs) and waits until it answers;
@@ -290,36 +274,6 @@ impl Mps {
             return Ok(());
         }
         self.release(&Owner::shares(device))
-    }
-
-    /// [`Mps::ensure_shares`] of a GPU.
-    pub fn ensure_gpu(&self, gpu: &GpuUuid) -> Result<PathBuf> {
-        self.ensure_shares(&DeviceUuid::Gpu(gpu.clone()))
-    }
-
-    /// [`Mps::request_shares`] of a GPU.
-    pub fn request_gpu(&self, gpu: &GpuUuid) -> Result<()> {
-        self.request_shares(&DeviceUuid::Gpu(gpu.clone()))
-    }
-
-    /// [`Mps::shares_requested`] of a GPU.
-    pub fn gpu_requested(&self, gpu: &GpuUuid) -> bool {
-        self.shares_requested(&DeviceUuid::Gpu(gpu.clone()))
-    }
-
-    /// [`Mps::alive_shares`] of a GPU.
-    pub fn alive_gpu(&self, gpu: &GpuUuid) -> bool {
-        self.alive_shares(&DeviceUuid::Gpu(gpu.clone()))
-    }
-
-    /// [`Mps::starting_shares`] of a GPU.
-    pub fn starting_gpu(&self, gpu: &GpuUuid) -> bool {
-        self.starting_shares(&DeviceUuid::Gpu(gpu.clone()))
-    }
-
-    /// [`Mps::stop_shares`] of a GPU.
-    pub fn stop_gpu(&self, gpu: &GpuUuid, still_shared: impl FnOnce() -> bool) -> Result<()> {
-        self.stop_shares(&DeviceUuid::Gpu(gpu.clone()), still_shared)
     }
 
     /// Releases the claim's daemon. A claim without one is a no-op.

@@ -411,3 +411,56 @@ fn multi_user_needs_the_gpu_and_the_hosts_control_daemon() {
     mps.know_gpus(&inv);
     assert!(mps.multi_user(hopper));
 }
+
+/// Test-only shorthands: a shorter start deadline, and the shares daemon of a whole GPU.
+impl Mps {
+    /// How long a request waits for its daemon to answer (tests shorten it).
+    pub(crate) fn with_start_deadline(mut self, deadline: Duration) -> Self {
+        self.start_deadline = deadline;
+        self
+    }
+
+    /// [`Mps::shares_pipe_dir`] of a GPU.
+    pub(crate) fn gpu_pipe_dir(&self, gpu: &GpuUuid) -> PathBuf {
+        self.shares_pipe_dir(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::shares_shm_dir`] of a GPU.
+    pub(crate) fn gpu_shm_dir(&self, gpu: &GpuUuid) -> PathBuf {
+        self.shares_shm_dir(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::ensure_shares`] of a GPU.
+    pub(crate) fn ensure_gpu(&self, gpu: &GpuUuid) -> Result<PathBuf> {
+        self.ensure_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::request_shares`] of a GPU.
+    pub(crate) fn request_gpu(&self, gpu: &GpuUuid) -> Result<()> {
+        self.request_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::shares_requested`] of a GPU.
+    pub(crate) fn gpu_requested(&self, gpu: &GpuUuid) -> bool {
+        self.shares_requested(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::alive_shares`] of a GPU.
+    pub(crate) fn alive_gpu(&self, gpu: &GpuUuid) -> bool {
+        self.alive_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::starting_shares`] of a GPU.
+    pub(crate) fn starting_gpu(&self, gpu: &GpuUuid) -> bool {
+        self.starting_shares(&DeviceUuid::Gpu(gpu.clone()))
+    }
+
+    /// [`Mps::stop_shares`] of a GPU.
+    pub(crate) fn stop_gpu(
+        &self,
+        gpu: &GpuUuid,
+        still_shared: impl FnOnce() -> bool,
+    ) -> Result<()> {
+        self.stop_shares(&DeviceUuid::Gpu(gpu.clone()), still_shared)
+    }
+}

@@ -45,9 +45,43 @@ async fn env() -> Env {
     }
 }
 
+/// Waits as `wait_until`, but fails at once, with its exit status, when the controller exits
+/// first: a leader that cannot renew its lease within the renew deadline exits by design (its
+/// Deployment restarts it), and nothing reconciles after it here.
+async fn alive(
+    ctl: &mut Child,
+    s: &TestApiServer,
+    what: &str,
+    pred: impl Fn(&TestApiServer) -> bool,
+) {
+    tokio::select! {
+        () = s.wait_until(WAIT, what, pred) => {}
+        status = ctl.wait() => panic!("the controller exited ({status:?}) while waiting for {what}"),
+    }
+}
+
 impl Env {
-    /// A controller process (killed when dropped) named `pod`, with short lease timings.
+    /// A controller process (killed when dropped) named `pod`, with the default lease timings
+    /// (a renew deadline of 10 s: a loaded machine does not make the leader give up).
     fn controller(&self, pod: &str, extra: &[&str]) -> Child {
+        self.controller_with(pod, &[], extra)
+    }
+
+    /// A controller with short lease timings, for the takeover: a lease of 4 s, renewed every
+    /// 250 ms and given up after 3 s without renewal.
+    fn controller_short_lease(&self, pod: &str) -> Child {
+        let lease = [
+            "--leader-election-lease-duration",
+            "4s",
+            "--leader-election-renew-deadline",
+            "3s",
+            "--leader-election-retry-period",
+            "250ms",
+        ];
+        self.controller_with(pod, &lease, &[])
+    }
+
+    fn controller_with(&self, pod: &str, lease: &[&str], extra: &[&str]) -> Child {
         Command::new(env!("CARGO_BIN_EXE_nvdra"))
             .args(["compute-domain", "controller", "--kubeconfig"])
             .arg(&self.kubeconfig)
@@ -58,13 +92,8 @@ impl Env {
                 "registry.example/nvdra:test",
                 "--pod-name",
                 pod,
-                "--leader-election-lease-duration",
-                "2s",
-                "--leader-election-renew-deadline",
-                "1500ms",
-                "--leader-election-retry-period",
-                "200ms",
             ])
+            .args(lease)
             .args(extra)
             .env_remove("KUBECONFIG")
             .env("RUST_LOG", "info")
@@ -160,12 +189,13 @@ fn events(server: &TestApiServer, name: &str) -> Vec<(String, String)> {
 #[tokio::test]
 async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deletion_cleans_up() {
     let env = env().await;
-    let _ctl = env.controller("ctl-a", &[]);
+    let mut ctl = env.controller("ctl-a", &[]);
     let uid = env.create_domain("job", 2, &[]).await;
     let s = &env.server;
 
-    s.wait_until(
-        WAIT,
+    alive(
+        &mut ctl,
+        s,
         "the workload template, daemon template and DaemonSet",
         |s| {
             s.get::<ResourceClaimTemplate>("default", "job-channel")
@@ -200,7 +230,7 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
         pod.containers[0].image.as_deref(),
         Some("registry.example/nvdra:test")
     );
-    s.wait_until(WAIT, "the finalizer and a NotReady status", |s| {
+    alive(&mut ctl, s, "the finalizer and a NotReady status", |s| {
         s.get::<ComputeDomain>("default", "job").is_some_and(|cd| {
             cd.metadata.finalizers == Some(vec!["resource.nvidia.com/computeDomain".into()])
                 && cd.status.as_ref().is_some_and(|st| st.status == "NotReady")
@@ -216,7 +246,7 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
 
     // The daemons register in their clique: Ready.
     s.put(&clique(&uid, "c.1", &[("n1", "Ready"), ("n2", "Ready")]));
-    s.wait_until(WAIT, "the domain Ready", |s| {
+    alive(&mut ctl, s, "the domain Ready", |s| {
         s.get::<ComputeDomain>("default", "job")
             .and_then(|cd| cd.status)
             .is_some_and(|st| st.status == "Ready" && st.nodes.len() == 2)
@@ -248,11 +278,16 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
         .unwrap(),
     );
     s.put(&clique(&uid, "c.1", &[("n1", "Ready"), ("n2", "NotReady")]));
-    s.wait_until(WAIT, "the domain NotReady with the daemon's line", |s| {
-        s.get::<ComputeDomain>("default", "job").is_some_and(|cd| {
-            ready_condition(&cd).is_some_and(|c| c["message"] == format!("n2: {line}"))
-        })
-    })
+    alive(
+        &mut ctl,
+        s,
+        "the domain NotReady with the daemon's line",
+        |s| {
+            s.get::<ComputeDomain>("default", "job").is_some_and(|cd| {
+                ready_condition(&cd).is_some_and(|c| c["message"] == format!("n2: {line}"))
+            })
+        },
+    )
     .await;
     let cd = env.domain("default", "job").unwrap();
     assert_eq!(cd.status.as_ref().unwrap().status, "NotReady");
@@ -271,7 +306,7 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
             .starts_with("n2 does not see n1"),
         "{peers}"
     );
-    s.wait_until(WAIT, "the events", |s| {
+    alive(&mut ctl, s, "the events", |s| {
         let ev = events(s, "job");
         ev.iter().any(|(r, _)| r == "Created")
             && ev.iter().any(|(r, _)| r == "WaitingForNodes")
@@ -287,7 +322,7 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
         .delete("job", &DeleteParams::default())
         .await
         .unwrap();
-    s.wait_until(WAIT, "the domain and its objects gone", |s| {
+    alive(&mut ctl, s, "the domain and its objects gone", |s| {
         s.get::<ComputeDomain>("default", "job").is_none()
             && s.get::<ResourceClaimTemplate>("default", "job-channel")
                 .is_none()
@@ -335,9 +370,9 @@ async fn a_gone_domains_objects_are_swept_without_the_domain() {
         .unwrap(),
     );
 
-    let _ctl = env.controller("ctl-a", &[]);
+    let mut ctl = env.controller("ctl-a", &[]);
     let live = env.create_domain("live", 0, &[]).await;
-    s.wait_until(WAIT, "the gone domain's objects removed", |s| {
+    alive(&mut ctl, s, "the gone domain's objects removed", |s| {
         s.get::<ResourceClaimTemplate>("team", "old-channel")
             .is_none()
             && s.get::<DaemonSet>(NS, &format!("computedomain-daemon-{gone}"))
@@ -350,7 +385,7 @@ async fn a_gone_domains_objects_are_swept_without_the_domain() {
             })
     })
     .await;
-    s.wait_until(WAIT, "the live domain's objects", |s| {
+    alive(&mut ctl, s, "the live domain's objects", |s| {
         s.get::<DaemonSet>(NS, &format!("computedomain-daemon-{live}"))
             .is_some()
             && s.get::<ComputeDomain>("default", "live")
@@ -372,10 +407,10 @@ async fn two_controllers_one_leader_and_the_other_takes_over() {
             .and_then(|sp| sp.holder_identity)
             .unwrap_or_default()
     };
-    let mut a = env.controller("ctl-a", &[]);
+    let mut a = env.controller_short_lease("ctl-a");
     s.wait_until(WAIT, "ctl-a leads", |s| holder(s).starts_with("ctl-a_"))
         .await;
-    let _b = env.controller("ctl-b", &[]);
+    let _b = env.controller_short_lease("ctl-b");
     let first = env.create_domain("one", 0, &[]).await;
     s.wait_until(WAIT, "the leader reconciles", |s| {
         s.get::<DaemonSet>(NS, &format!("computedomain-daemon-{first}"))
@@ -438,15 +473,17 @@ async fn clique_pools_and_one_shared_claim_per_domain() {
             .unwrap(),
         );
     }
-    let _ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
+    let mut ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
     let pool_slices = |s: &TestApiServer| -> Vec<ResourceSlice> {
         s.slices()
             .into_iter()
             .filter(|sl| sl.spec.pool.name.starts_with("clique-"))
             .collect()
     };
-    s.wait_until(WAIT, "two clique pools", |s| pool_slices(s).len() == 2)
-        .await;
+    alive(&mut ctl, s, "two clique pools", |s| {
+        pool_slices(s).len() == 2
+    })
+    .await;
     let slices = pool_slices(s);
     for sl in &slices {
         assert_eq!(sl.spec.devices.as_ref().unwrap().len(), 4);
@@ -467,7 +504,7 @@ async fn clique_pools_and_one_shared_claim_per_domain() {
             &[("compute-domain.nvidia.com/channels", "clique")],
         )
         .await;
-    s.wait_until(WAIT, "a shared claim per domain", |s| {
+    alive(&mut ctl, s, "a shared claim per domain", |s| {
         s.get::<ResourceClaim>("default", "one-channel").is_some()
             && s.get::<ResourceClaim>("default", "two-channel").is_some()
             && s.get::<ComputeDomain>("default", "two")
@@ -490,8 +527,10 @@ async fn clique_pools_and_one_shared_claim_per_domain() {
         .delete("b1", &DeleteParams::default())
         .await
         .unwrap();
-    s.wait_until(WAIT, "one clique pool left", |s| pool_slices(s).len() == 1)
-        .await;
+    alive(&mut ctl, s, "one clique pool left", |s| {
+        pool_slices(s).len() == 1
+    })
+    .await;
 
     // The scheduler's view: the two claims, the clique channel class, the published pool.
     let dir = tempfile::tempdir().unwrap();
@@ -566,9 +605,9 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
             .unwrap(),
         );
     }
-    let _ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
+    let mut ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
     let daemons = |clique: &str| format!("computedomain-daemon-fabric.{clique}");
-    s.wait_until(WAIT, "a per-clique DaemonSet per clique", |s| {
+    alive(&mut ctl, s, "a per-clique DaemonSet per clique", |s| {
         s.get::<DaemonSet>(NS, &daemons(a)).is_some()
             && s.get::<DaemonSet>(NS, &daemons(b)).is_some()
     })
@@ -615,7 +654,7 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
             })
             .unwrap_or_default()
     };
-    s.wait_until(WAIT, "the claim, not allocated yet", |s| {
+    alive(&mut ctl, s, "the claim, not allocated yet", |s| {
         reason(s).0 == "ChannelNotAllocated"
     })
     .await;
@@ -630,7 +669,7 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
         .unwrap(),
     );
     s.put(&claim);
-    s.wait_until(WAIT, "waiting for the clique's daemons", |s| {
+    alive(&mut ctl, s, "waiting for the clique's daemons", |s| {
         let (r, m) = reason(s);
         r == "WaitingForNodes"
             && m.starts_with(&format!("channel-3 of pool clique-{a}: 0 of the 2"))
@@ -657,7 +696,7 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
         .unwrap(),
     );
     s.put(&fabric(&[("a1", "Ready"), ("a2", "NotReady")]));
-    s.wait_until(WAIT, "NotReady with a2's line", |s| {
+    alive(&mut ctl, s, "NotReady with a2's line", |s| {
         let (r, m) = reason(s);
         r == "DaemonNotReady" && m.ends_with(&format!("a2: {line}"))
     })
@@ -676,7 +715,7 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
         .delete("b1", &DeleteParams::default())
         .await
         .unwrap();
-    s.wait_until(WAIT, "clique b's DaemonSet gone", |s| {
+    alive(&mut ctl, s, "clique b's DaemonSet gone", |s| {
         s.get::<DaemonSet>(NS, &daemons(b)).is_none()
             && s.get::<DaemonSet>(NS, &daemons(a)).is_some()
     })
@@ -685,7 +724,7 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
 
     // Both ready: the domain is, on the clique object's change alone.
     s.put(&fabric(&[("a1", "Ready"), ("a2", "Ready")]));
-    s.wait_until(WAIT, "Ready", |s| {
+    alive(&mut ctl, s, "Ready", |s| {
         reason(s).0 == "CliqueReady"
             && s.get::<ComputeDomain>("default", "job")
                 .and_then(|cd| cd.status)

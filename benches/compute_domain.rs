@@ -12,8 +12,11 @@
 //! server's version and the stand-ins for the scheduler and the kubelet differ:
 //!
 //! - **nvdra**: binding conditions (KEP-5007) on a 1.36 API server. Each pod stays unbound until
-//!   the plugin sets `ComputeDomainReady` on its claim's device (its node's daemon is Ready); then
-//!   the scheduler stand-in binds it and the kubelet stand-in prepares it, once.
+//!   the plugin sets `ComputeDomainReady` on its claim's device (its node's daemon is Ready); the
+//!   scheduler stand-in sees it as kube-scheduler's PreBind does, polling the claim at once and
+//!   then every 5 s (`wait.PollUntilContextTimeout(ctx, 5*time.Second, bindingTimeout, true, …)`,
+//!   pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go), binds the pod, and the
+//!   kubelet stand-in prepares it, once.
 //! - **kubelet retries**: nvdra's plugin without binding conditions (a 1.35 server): each pod is
 //!   bound at once and its prepare fails at once, with the reason, until the daemon is ready; the
 //!   kubelet stand-in retries a failed NodePrepareResources on the kubelet's cadence: its pod
@@ -63,6 +66,8 @@ const NVIDIA_MAX: Duration = Duration::from_secs(3);
 const NVIDIA_CALL: Duration = Duration::from_secs(45);
 /// The binding condition nvdra's plugin sets once the node's daemon is Ready.
 const READY_CONDITION: &str = "ComputeDomainReady";
+/// How often kube-scheduler's PreBind reads a claim whose binding conditions it waits for.
+const PREBIND_POLL: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Flow {
@@ -184,7 +189,7 @@ async fn run(flow: Flow, nodes: usize, net: u8) -> Figures {
     let t0 = Instant::now();
     c.create_domain(DOMAIN, nodes, TEMPLATE).await;
     let template = c.template(TEMPLATE).await;
-    // Pods waiting for their binding condition: (pod, node index, claim).
+    // Pods waiting for their binding condition: (pod, node index, claim, next PreBind poll).
     let mut waiting = Vec::new();
     let mut kubelets = Vec::new();
     for i in 0..nodes {
@@ -201,17 +206,20 @@ async fn run(flow: Flow, nodes: usize, net: u8) -> Figures {
                 failures.clone(),
             )));
         } else {
-            waiting.push((pod, i, claim));
+            waiting.push((pod, i, claim, Instant::now()));
         }
     }
     let deadline = t0 + cd_cluster::DEADLINE;
     let mut ready = None;
     loop {
         c.run_daemonsets().await;
-        // The scheduler stand-in binds a pod once its claim's binding condition is True.
+        // The scheduler stand-in binds a pod once its PreBind poll finds the claim's binding
+        // condition True.
         let mut still = Vec::new();
-        for (mut pod, i, claim) in waiting {
-            if cd_cluster::device_condition(&c.api, &claim, READY_CONDITION) {
+        for (mut pod, i, claim, poll) in waiting {
+            if poll > Instant::now() {
+                still.push((pod, i, claim, poll));
+            } else if cd_cluster::device_condition(&c.api, &claim, READY_CONDITION) {
                 let current = c
                     .api
                     .object("v1", "pods", NS, pod["metadata"]["name"].as_str().unwrap())
@@ -227,7 +235,7 @@ async fn run(flow: Flow, nodes: usize, net: u8) -> Figures {
                     failures.clone(),
                 )));
             } else {
-                still.push((pod, i, claim));
+                still.push((pod, i, claim, poll + PREBIND_POLL));
             }
         }
         waiting = still;

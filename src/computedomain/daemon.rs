@@ -17,7 +17,11 @@
 //! 4. asks `nvidia-imex-ctl -q`: `READY` is Ready; anything else is NotReady, the reason being
 //!    its answer, how IMEX last exited and IMEX's last error line;
 //! 5. writes the status into its entry when it changed, and an event on the clique object when
-//!    the reason changed, so people see why a node is NotReady.
+//!    the reason changed, so people see why a node is NotReady;
+//! 6. asks `nvidia-imex-ctl -N` which nodes its IMEX is connected to (IMEX's addresses mapped
+//!    back to node names through the clique's entries) and, when the reason or the peers
+//!    changed, annotates its own pod with both ([`DAEMON_REASON_ANNOTATION`],
+//!    [`DAEMON_PEERS_ANNOTATION`]), which the controller turns into the domain's conditions.
 //!
 //! Nothing here exits because IMEX misbehaves: the process stays up and reports (NVIDIA's pod
 //! is killed by its liveness probe after 20 minutes of NotReady and crash-loops). On SIGTERM it
@@ -30,7 +34,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::computedomain::api::{ComputeDomainClique, STATUS_NOT_READY, STATUS_READY};
+use crate::computedomain::api::{
+    CliqueDaemon, ComputeDomainClique, STATUS_NOT_READY, STATUS_READY,
+};
+#[cfg(doc)]
+use crate::computedomain::api::{DAEMON_PEERS_ANNOTATION, DAEMON_REASON_ANNOTATION};
 use crate::inventory::{DeviceBackend, Inventory};
 
 pub mod clique;
@@ -40,8 +48,8 @@ pub mod kube;
 #[cfg(test)]
 mod tests;
 
-use clique::{Cliques, Me, StoreError};
-use imex::{Exit, Imex, Readiness};
+use clique::{Cliques, Me, RecordedNotes, StoreError};
+use imex::{DomainStatus, Exit, Imex, Readiness};
 
 /// Whether the daemon checks the node's fabric registration before IMEX runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -80,6 +88,10 @@ pub struct Args {
     /// The driver's namespace, where the clique objects live.
     #[arg(long, env = "POD_NAMESPACE")]
     pub pod_namespace: String,
+    /// This pod's name, annotated with why the node is not ready and which peers IMEX sees;
+    /// empty: not annotated.
+    #[arg(long, env = "POD_NAME", default_value = "")]
+    pub pod_name: String,
     /// The most nodes a domain holds in one clique: the names `nodes.cfg` lists.
     #[arg(long, env = "MAX_NODES_PER_IMEX_DOMAIN", default_value_t = 18)]
     pub max_nodes_per_imex_domain: u32,
@@ -297,6 +309,11 @@ pub struct Daemon<S: Cliques> {
     last_exit: Option<String>,
     reported: Option<Report>,
     written_status: Option<String>,
+    /// The pod annotations last written, and the last failure to read IMEX's node table or to
+    /// write them (each logged once).
+    annotated: Option<RecordedNotes>,
+    table_error: Option<String>,
+    annotate_error: Option<String>,
 }
 
 impl<S: Cliques> Daemon<S> {
@@ -320,6 +337,9 @@ impl<S: Cliques> Daemon<S> {
             last_exit: None,
             reported: None,
             written_status: None,
+            annotated: None,
+            table_error: None,
+            annotate_error: None,
         }
     }
 
@@ -337,9 +357,9 @@ impl<S: Cliques> Daemon<S> {
                 None
             }
         };
-        let readiness = match self.probe.check(&self.settings.me.clique_id) {
-            Err(reason) => Readiness::NotReady(reason),
-            Ok(()) => self.run_imex(clique.as_ref()).await,
+        let (readiness, asked) = match self.probe.check(&self.settings.me.clique_id) {
+            Err(reason) => (Readiness::NotReady(reason), false),
+            Ok(()) => (self.run_imex(clique.as_ref()).await, true),
         };
         let report = match readiness {
             Readiness::Ready => Report {
@@ -351,10 +371,71 @@ impl<S: Cliques> Daemon<S> {
                 reason: self.reason(answer),
             },
         };
+        let peers = match &clique {
+            Some(c) if asked => self.peers(c).await,
+            _ => None,
+        };
         if let Some(c) = clique {
             self.publish(c, &report).await;
         }
+        self.annotate(&report, peers).await;
         report
+    }
+
+    /// The nodes IMEX is connected to, comma-separated, from `nvidia-imex-ctl -N`; `None`
+    /// when it cannot tell (logged once per reason, never fatal).
+    async fn peers(&mut self, clique: &ComputeDomainClique) -> Option<String> {
+        let (ctl, config) = match &self.settings.mode {
+            Mode::Managed { ctl, .. } => (ctl.clone(), self.settings.imex_config()),
+            Mode::HostManaged { ctl, config } => (ctl.clone(), config.clone()),
+        };
+        let names = imex::domain_status(&ctl, &config.display().to_string())
+            .await
+            .and_then(|status| {
+                peer_names(&status, &clique.daemons, &self.settings.me).ok_or_else(|| {
+                    format!(
+                        "this node ({} or its name) is not in IMEX's node table",
+                        self.settings.me.ip
+                    )
+                })
+            });
+        match names {
+            Ok(names) => {
+                if self.table_error.take().is_some() {
+                    tracing::info!("IMEX's node table reads again");
+                }
+                Some(names.join(","))
+            }
+            Err(e) => {
+                if self.table_error.as_ref() != Some(&e) {
+                    tracing::warn!(error = %e, "cannot tell which peers IMEX sees: the pod's peer list is left out (retrying each round)");
+                    self.table_error = Some(e);
+                }
+                None
+            }
+        }
+    }
+
+    /// Writes the reason and the peers on this daemon's pod when either changed; a failure is
+    /// logged (once per error) and tried again at the next round.
+    async fn annotate(&mut self, report: &Report, peers: Option<String>) {
+        let notes = (report.reason.replace('\n', " "), peers);
+        if self.annotated.as_ref() == Some(&notes) {
+            return;
+        }
+        match self.store.annotate(&notes.0, notes.1.as_deref()).await {
+            Ok(()) => {
+                self.annotated = Some(notes);
+                self.annotate_error = None;
+            }
+            Err(e) => {
+                let e = e.to_string();
+                if self.annotate_error.as_ref() != Some(&e) {
+                    tracing::warn!(error = %e, "cannot annotate this daemon's pod (does its Role allow patch on pods?); retrying each round");
+                    self.annotate_error = Some(e);
+                }
+            }
+        }
     }
 
     fn reason(&self, answer: String) -> String {
@@ -593,10 +674,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             return Ok(());
         }
         let probe = fabric_probe(args.fabric_check, &args.driver_root)?;
+        if args.pod_name.is_empty() {
+            tracing::warn!(
+                "POD_NAME is empty: the pod is not annotated with the reason and the peers"
+            );
+        }
         let store = kube::KubeCliques::new(
             args.kubeconfig.as_deref(),
             &settings.namespace,
             &settings.me.node_name,
+            &args.pod_name,
         )
         .await?;
         tracing::info!(
@@ -628,4 +715,32 @@ fn fabric_probe(
             }
         },
     })
+}
+
+/// The names of the nodes of this clique that IMEX's node table shows this node connected to
+/// (sorted; itself left out); IMEX's addresses are the entries' IPs or their per-domain DNS
+/// names. `None` when this node is not in the table.
+pub fn peer_names(status: &DomainStatus, daemons: &[CliqueDaemon], me: &Me) -> Option<Vec<String>> {
+    let mine: Vec<&CliqueDaemon> = daemons
+        .iter()
+        .filter(|d| d.clique_id == me.clique_id)
+        .collect();
+    let my_name = mine
+        .iter()
+        .find(|d| d.node_name == me.node_name)
+        .map(|d| files::dns_name(d.index));
+    let mut addresses = vec![me.ip.as_str()];
+    addresses.extend(my_name.as_deref());
+    let from = status.index_of(&addresses)?;
+    let names: std::collections::BTreeSet<String> = status
+        .connected_from(from)
+        .into_iter()
+        .filter_map(|a| {
+            mine.iter()
+                .find(|d| d.ip_address == a || files::dns_name(d.index) == a)
+        })
+        .filter(|d| d.node_name != me.node_name)
+        .map(|d| d.node_name.clone())
+        .collect();
+    Some(names.into_iter().collect())
 }

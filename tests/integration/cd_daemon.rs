@@ -11,8 +11,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use nvdra::computedomain::api::{ComputeDomainClique, STATUS_NOT_READY, STATUS_READY};
+use k8s_openapi::api::core::v1::Pod;
+use nvdra::computedomain::api::{
+    ComputeDomainClique, DAEMON_PEERS_ANNOTATION, DAEMON_REASON_ANNOTATION, STATUS_NOT_READY,
+    STATUS_READY,
+};
+use nvdra::computedomain::controller::status::report;
 use nvdra::computedomain::daemon::clique::{Me, MemoryCliques};
+use nvdra::computedomain::daemon::imex;
 use nvdra::computedomain::daemon::{
     Daemon, EVENT_NOT_READY, FabricProbe, Mode, NoFabricCheck, Report, Settings,
 };
@@ -236,11 +242,14 @@ async fn readiness_flips_to_ready_when_the_peers_connect() {
         "{hosts}"
     );
     assert!(hosts.starts_with("127.0.0.1\tlocalhost\n"), "{hosts}");
-    assert_eq!(
-        ctl(&a.settings, "-N"),
-        "0 compute-domain-daemon-0000 C\n1 compute-domain-daemon-0001 C\n\
-         2 compute-domain-daemon-0002 I\n3 compute-domain-daemon-0003 I\n"
-    );
+    // IMEX's node table (`nvidia-imex-ctl -N`, the real tool's shape): each sees the other;
+    // the two names no daemon holds do not answer.
+    let table = imex::parse_domain_status(&ctl(&a.settings, "-N")).unwrap();
+    assert_eq!(table.nodes.len(), 4);
+    assert_eq!(table.connected_from(0), ["compute-domain-daemon-0001"]);
+    assert_eq!(table.connected_from(1), ["compute-domain-daemon-0000"]);
+    assert_eq!(table.links[&(2, 0)], "I");
+    assert_eq!(table.nodes[&3].1, "UNAVAILABLE");
 
     // A's pod ends: its IMEX stops and its entry leaves the object.
     da.stop().await;
@@ -272,7 +281,9 @@ async fn a_peer_that_joins_is_reached_through_sigusr1_without_a_restart() {
     // sends on the peer change makes it reach B.
     let mut db = Daemon::new(b.settings.clone(), store.clone(), Box::new(NoFabricCheck));
     rounds(&mut [&mut da, &mut db], "A connected to B", |r| {
-        r.iter().all(|r| r.status == STATUS_READY) && ctl(&a.settings, "-N").contains("0001 C")
+        r.iter().all(|r| r.status == STATUS_READY)
+            && imex::parse_domain_status(&ctl(&a.settings, "-N"))
+                .is_ok_and(|t| t.connected_from(0).contains(&"compute-domain-daemon-0001"))
     })
     .await;
     let starts = recorded(&a.record, "start");
@@ -678,4 +689,99 @@ async fn a_fabric_registration_in_progress_is_not_ready_until_it_completes() {
     })
     .await;
     assert_eq!(recorded(&a.record, "start").len(), 1);
+}
+
+/// The annotations the controller reads on a daemon's pod: (reason, peers).
+fn pod_notes(server: &TestApiServer, pod: &str) -> (Option<String>, Option<String>) {
+    let Some(p) = server.get::<Pod>("nvdra", pod) else {
+        return (None, None);
+    };
+    let a = p.metadata.annotations.unwrap_or_default();
+    (
+        a.get(DAEMON_REASON_ANNOTATION).cloned(),
+        a.get(DAEMON_PEERS_ANNOTATION).cloned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_daemon_annotates_its_pod_with_why_and_the_peers_imex_sees() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestApiServer::start().await;
+    // A's IMEX cannot reach B (a cut link: the fake reads its fault file at every try).
+    let faults = dir.path().join("faults.json");
+    std::fs::write(&faults, r#"{"unreachable": ["127.244.0.2"]}"#).unwrap();
+    let a = node(
+        dir.path(),
+        244,
+        0,
+        &format!("FAKE_IMEX_FAULTS={}\n", faults.display()),
+    );
+    let b = node(dir.path(), 244, 1, "");
+    let mut processes = Vec::new();
+    for n in [&a, &b] {
+        let pod = format!("daemon-{}", n.settings.me.node_name);
+        server.put_object(
+            "v1",
+            "pods",
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "namespace": "nvdra"},
+                "spec": {"nodeName": n.settings.me.node_name,
+                         "containers": [{"name": "daemon", "image": "nvdra"}]},
+            }),
+        );
+        let mut cmd = spawn_command(n, &server, dir.path());
+        cmd.env("POD_NAME", &pod);
+        processes.push(Process(cmd.spawn().unwrap()));
+    }
+
+    // A says why it is not ready, and its peers lack B; B sees A and is ready.
+    wait::eventually("A's pod: the reason, no peer", || {
+        let (reason, peers) = pod_notes(&server, "daemon-node-0");
+        reason.is_some_and(|r| r.contains("WAITING_FOR_PEERS") && r.contains("no route"))
+            && peers.as_deref() == Some("")
+    })
+    .await;
+    wait::eventually("B's pod: ready, A as its peer", || {
+        pod_notes(&server, "daemon-node-1") == (Some(String::new()), Some("node-0".into()))
+    })
+    .await;
+    // As the controller reads it.
+    let seen = report(&server.get::<Pod>("nvdra", "daemon-node-0").unwrap());
+    assert_eq!(seen.peers, Some(Default::default()));
+    assert!(
+        seen.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("cannot connect to node")),
+        "{seen:?}"
+    );
+
+    // Rounds go on (each reads the clique object): the pods are patched on a change only. (A
+    // query that times out under load is a change: a few patches, never one per round.)
+    let count = |method: &str, tail: &str| {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.method == method && r.path.ends_with(tail))
+            .count()
+    };
+    let patches = || count("PATCH", "/pods/daemon-node-0") + count("PATCH", "/pods/daemon-node-1");
+    let (reads, patched) = (count("GET", OBJECT), patches());
+    wait::eventually("twenty more rounds", || count("GET", OBJECT) >= reads + 40).await;
+    assert!(
+        patches() <= patched + 3,
+        "{} patches in twenty rounds",
+        patches() - patched
+    );
+
+    // The link is mended: A is ready, with B as its peer.
+    std::fs::write(&faults, "{}").unwrap();
+    wait::eventually("A's pod: ready, B as its peer", || {
+        pod_notes(&server, "daemon-node-0") == (Some(String::new()), Some("node-1".into()))
+    })
+    .await;
+    let seen = report(&server.get::<Pod>("nvdra", "daemon-node-0").unwrap());
+    assert_eq!(seen.reason, None);
+    assert_eq!(seen.peers, Some(["node-1".to_string()].into()));
+    drop(processes);
 }

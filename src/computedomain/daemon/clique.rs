@@ -158,7 +158,17 @@ pub trait Cliques: Send + Sync + 'static {
         reason: &'a str,
         message: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Sets this daemon's own pod's annotations: why it is not ready (empty when ready) and the
+    /// nodes its IMEX is connected to, comma-separated (`None`: unknown, the annotation goes).
+    fn annotate<'a>(
+        &'a self,
+        reason: &'a str,
+        peers: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
+
+/// The annotations [`MemoryCliques`] was given, in order: (reason, peers).
+pub type RecordedNotes = (String, Option<String>);
 
 /// One recorded event of [`MemoryCliques`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -182,6 +192,7 @@ struct MemoryState {
     version: u64,
     events: Vec<RecordedEvent>,
     writes: u64,
+    notes: Vec<RecordedNotes>,
 }
 
 impl MemoryCliques {
@@ -193,6 +204,11 @@ impl MemoryCliques {
     /// Every event recorded so far, in order.
     pub fn events(&self) -> Vec<RecordedEvent> {
         self.lock().events.clone()
+    }
+
+    /// Every pod annotation written so far, in order.
+    pub fn notes(&self) -> Vec<RecordedNotes> {
+        self.lock().notes.clone()
     }
 
     /// Successful creates and replaces so far.
@@ -277,6 +293,16 @@ impl Cliques for MemoryCliques {
             reason: reason.into(),
             message: message.into(),
         });
+        Box::pin(async { Ok(()) })
+    }
+    fn annotate<'a>(
+        &'a self,
+        reason: &'a str,
+        peers: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.lock()
+            .notes
+            .push((reason.to_string(), peers.map(str::to_string)));
         Box::pin(async { Ok(()) })
     }
 }

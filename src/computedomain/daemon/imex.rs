@@ -296,3 +296,117 @@ pub async fn query(ctl: &str, config: &str) -> Readiness {
         Err(e) => Readiness::NotReady(format!("nvidia-imex-ctl -q did not finish: {e}")),
     }
 }
+
+/// What `nvidia-imex-ctl -N` says about the IMEX domain: each node of the nodes config (its
+/// address as written there, and its state) and the table of who is connected to whom.
+///
+/// The text's shape (IMEX's; the legend lines are skipped):
+/// ```text
+/// Nodes:
+/// Node #0   - 172.31.48.81    - READY                - Version: 570.172
+/// Node #1   - 172.31.48.98    - READY                - Version: 570.172
+///
+///  Nodes From\To  0   1
+///        0        C   C
+///        1        C   C
+///
+/// Domain State: UP
+/// ```
+/// A cell is `C` (connected), `N` (never connected), `I` (the node did not answer), `R`, `D`,
+/// `A` or `!V!`/`!M!` (version or node-map mismatch).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DomainStatus {
+    /// By node index: its address and its state.
+    pub nodes: std::collections::BTreeMap<i64, (String, String)>,
+    /// By (from, to): the table's cell.
+    pub links: std::collections::BTreeMap<(i64, i64), String>,
+}
+
+impl DomainStatus {
+    /// The index of the node with one of `addresses`.
+    pub fn index_of(&self, addresses: &[&str]) -> Option<i64> {
+        self.nodes
+            .iter()
+            .find(|(_, (a, _))| addresses.contains(&a.as_str()))
+            .map(|(i, _)| *i)
+    }
+
+    /// The addresses of the nodes `from` is connected to (`C`), itself left out.
+    pub fn connected_from(&self, from: i64) -> Vec<&str> {
+        self.nodes
+            .iter()
+            .filter(|(to, _)| **to != from)
+            .filter(|(to, _)| self.links.get(&(from, **to)).is_some_and(|c| c == "C"))
+            .map(|(_, (a, _))| a.as_str())
+            .collect()
+    }
+}
+
+/// Reads the text of `nvidia-imex-ctl -N` (see [`DomainStatus`]); an error names what is
+/// missing and quotes the text's first line.
+pub fn parse_domain_status(text: &str) -> Result<DomainStatus, String> {
+    let mut status = DomainStatus::default();
+    let mut columns: Option<Vec<i64>> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("Node #") {
+            let parts: Vec<&str> = rest.split(" - ").map(str::trim).collect();
+            let (Some(index), Some(address), Some(state)) = (
+                parts.first().and_then(|i| i.parse::<i64>().ok()),
+                parts.get(1).and_then(|a| a.split_whitespace().next()),
+                parts.get(2),
+            ) else {
+                return Err(format!(
+                    "nvidia-imex-ctl -N: cannot read the node line {line:?}"
+                ));
+            };
+            status
+                .nodes
+                .insert(index, (address.to_string(), state.to_string()));
+        } else if let Some(rest) = line.strip_prefix("Nodes From\\To") {
+            columns = Some(
+                rest.split_whitespace()
+                    .map(|c| c.parse::<i64>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| format!("nvidia-imex-ctl -N: the table's header {line:?}: {e}"))?,
+            );
+        } else if line.starts_with("Domain State:") {
+            columns = None;
+        } else if let Some(columns) = &columns {
+            let mut cells = line.split_whitespace();
+            let Some(from) = cells.next().and_then(|f| f.parse::<i64>().ok()) else {
+                continue;
+            };
+            for (to, cell) in columns.iter().zip(cells) {
+                status.links.insert((from, *to), cell.to_string());
+            }
+        }
+    }
+    if status.nodes.is_empty() {
+        let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+        return Err(format!(
+            "nvidia-imex-ctl -N printed no node list (first line: {first:?})"
+        ));
+    }
+    Ok(status)
+}
+
+/// Runs `<ctl> -c <config> -N` with [`CTL_DEADLINE`] on the blocking pool.
+pub async fn domain_status(ctl: &str, config: &str) -> Result<DomainStatus, String> {
+    let (ctl, config) = (ctl.to_string(), config.to_string());
+    let out = tokio::task::spawn_blocking(move || {
+        let mut cmd = std::process::Command::new(&ctl);
+        cmd.args(["-c", &config, "-N"]);
+        crate::child::output(&mut cmd, &format!("{ctl} -N"), CTL_DEADLINE)
+    })
+    .await
+    .map_err(|e| format!("nvidia-imex-ctl -N did not finish: {e}"))?
+    .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "nvidia-imex-ctl -N: {} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    parse_domain_status(&String::from_utf8_lossy(&out.stdout))
+}

@@ -6,15 +6,17 @@
 use std::path::Path;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
 use super::clique::{Cliques, StoreError};
-use crate::computedomain::api::{API_VERSION, ComputeDomainClique};
+use crate::computedomain::api::{
+    API_VERSION, ComputeDomainClique, DAEMON_PEERS_ANNOTATION, DAEMON_REASON_ANNOTATION,
+};
 
 /// The component events name as their source.
 pub const COMPONENT: &str = "nvdra-compute-domain-daemon";
@@ -23,15 +25,20 @@ pub const COMPONENT: &str = "nvdra-compute-domain-daemon";
 pub struct KubeCliques {
     api: Api<ComputeDomainClique>,
     events: Api<Event>,
+    /// This daemon's own pod (the downward API's `POD_NAME`), whose annotations say why the
+    /// node is not ready and which peers IMEX sees; `None`: not annotated.
+    pod: Option<(Api<Pod>, String)>,
     node: String,
 }
 
 impl KubeCliques {
-    /// The kubeconfig's API server, or (without one) the in-cluster config.
+    /// The kubeconfig's API server, or (without one) the in-cluster config; `pod` is this
+    /// daemon's pod in `namespace` (empty: none to annotate).
     pub async fn new(
         kubeconfig: Option<&Path>,
         namespace: &str,
         node: &str,
+        pod: &str,
     ) -> anyhow::Result<Self> {
         let config = match kubeconfig {
             Some(path) => {
@@ -47,7 +54,8 @@ impl KubeCliques {
         let client = Client::try_from(config)?;
         Ok(Self {
             api: Api::namespaced(client.clone(), namespace),
-            events: Api::namespaced(client, namespace),
+            events: Api::namespaced(client.clone(), namespace),
+            pod: (!pod.is_empty()).then(|| (Api::namespaced(client, namespace), pod.to_string())),
             node: node.into(),
         })
     }
@@ -135,6 +143,25 @@ impl Cliques for KubeCliques {
             };
             self.events
                 .create(&PostParams::default(), &event)
+                .await
+                .map(|_| ())
+                .map_err(classify)
+        })
+    }
+    fn annotate<'a>(
+        &'a self,
+        reason: &'a str,
+        peers: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let Some((pods, name)) = &self.pod else {
+                return Ok(());
+            };
+            let patch = serde_json::json!({"metadata": {"annotations": {
+                DAEMON_REASON_ANNOTATION: reason,
+                DAEMON_PEERS_ANNOTATION: peers,
+            }}});
+            pods.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map(|_| ())
                 .map_err(classify)

@@ -266,3 +266,95 @@ fn the_readme_table_lists_every_flag() {
     }
     crate::computedomain::assert_readme_lists_the_flags("daemon", Cli::command());
 }
+
+/// The shape of `nvidia-imex-ctl -N` on a real rack: the sample in AWS's "Configure UltraServer
+/// instances" page of the AWS PCS User Guide
+/// (<https://docs.aws.amazon.com/pcs/latest/userguide/capacity-blocks-nvidia-imex.html>,
+/// "Validate the IMEX setup"; IMEX 570.172, 18 GB200 trays), cut to its first four nodes, with
+/// node 2's link to node 1 lost (`D`) and node 3 not answering (`I`, `UNAVAILABLE`).
+const NODE_TABLE: &str = "\
+Connectivity Table Legend:
+I - Invalid - Node wasn't reachable, no connection status available
+N - Never Connected
+R - Recovering - Connection was lost, but clean up has not yet been triggered.
+D - Disconnected - Connection was lost, and clean up has been triggreed.
+A - Authenticating - If GSSAPI enabled, client has initiated mutual authentication.
+!V! - Version mismatch, communication disabled.
+!M! - Node map mismatch, communication disabled.
+C - Connected - Ready for operation
+
+5/4/2026 06:08:10.580
+Nodes:
+Node #0   - 172.31.48.81    - READY                - Version: 570.172
+Node #1   - 172.31.48.98    - READY                - Version: 570.172
+Node #2   - 172.31.48.221   - READY                - Version: 570.172
+Node #3   - 172.31.49.228   - UNAVAILABLE          - Version: 570.172
+
+ Nodes From\\To  0   1   2   3
+       0        C   C   C   C
+       1        C   C   C   C
+       2        C   D   C   C
+       3        I   I   I   I
+
+Domain State: DEGRADED
+";
+
+#[test]
+fn the_node_table_of_nvidia_imex_ctl_is_read() {
+    let s = imex::parse_domain_status(NODE_TABLE).unwrap();
+    assert_eq!(s.nodes.len(), 4);
+    assert_eq!(
+        s.nodes[&3],
+        ("172.31.49.228".to_string(), "UNAVAILABLE".to_string())
+    );
+    assert_eq!(s.index_of(&["172.31.48.221"]), Some(2));
+    assert_eq!(
+        s.connected_from(0),
+        ["172.31.48.98", "172.31.48.221", "172.31.49.228"]
+    );
+    assert_eq!(s.connected_from(2), ["172.31.48.81", "172.31.49.228"]);
+    assert!(s.connected_from(3).is_empty());
+    assert_eq!(s.links[&(2, 1)], "D");
+    // Not the table: the error quotes what it got.
+    let e = imex::parse_domain_status("UNAVAILABLE\n").unwrap_err();
+    assert!(
+        e.contains("no node list") && e.contains("UNAVAILABLE"),
+        "{e}"
+    );
+}
+
+#[test]
+fn imex_addresses_map_back_to_node_names_through_the_clique_entries() {
+    let s = imex::parse_domain_status(NODE_TABLE).unwrap();
+    let mut daemons = vec![
+        entry("tray-0", "172.31.48.81", 0),
+        entry("tray-1", "172.31.48.98", 1),
+        entry("tray-2", "172.31.48.221", 2),
+        entry("tray-3", "172.31.49.228", 3),
+    ];
+    // Node 2 lost node 1: its peers lack it.
+    assert_eq!(
+        peer_names(&s, &daemons, &me("tray-2", "172.31.48.221")),
+        Some(vec!["tray-0".to_string(), "tray-3".to_string()])
+    );
+    // Only this clique's entries name a node; an address no entry holds is left out.
+    daemons[3].clique_id = "c.2".into();
+    assert_eq!(
+        peer_names(&s, &daemons, &me("tray-0", "172.31.48.81")),
+        Some(vec!["tray-1".to_string(), "tray-2".to_string()])
+    );
+    // A node absent from the table cannot say.
+    assert_eq!(peer_names(&s, &daemons, &me("tray-9", "10.9.9.9")), None);
+
+    // nvdra's nodes.cfg lists per-domain DNS names: the table then shows those.
+    let by_name = NODE_TABLE
+        .replace("172.31.48.81 ", &files::dns_name(0))
+        .replace("172.31.48.98 ", &files::dns_name(1))
+        .replace("172.31.48.221", &files::dns_name(2))
+        .replace("172.31.49.228", &files::dns_name(3));
+    let s = imex::parse_domain_status(&by_name).unwrap();
+    assert_eq!(
+        peer_names(&s, &daemons[..3], &me("tray-2", "172.31.48.221")),
+        Some(vec!["tray-0".to_string()])
+    );
+}

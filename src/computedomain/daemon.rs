@@ -372,7 +372,7 @@ impl<S: Cliques> Daemon<S> {
             },
         };
         let peers = match &clique {
-            Some(c) if asked => self.peers(c).await,
+            Some(c) if asked && self.store.annotates() => self.peers(c).await,
             _ => None,
         };
         if let Some(c) = clique {

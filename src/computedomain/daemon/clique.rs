@@ -165,6 +165,11 @@ pub trait Cliques: Send + Sync + 'static {
         reason: &'a str,
         peers: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Whether [`Cliques::annotate`] writes anywhere (no pod name: the daemon does not ask IMEX
+    /// for its peers at all).
+    fn annotates(&self) -> bool {
+        true
+    }
 }
 
 /// The annotations [`MemoryCliques`] was given, in order: (reason, peers).

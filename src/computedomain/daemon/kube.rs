@@ -148,6 +148,10 @@ impl Cliques for KubeCliques {
                 .map_err(classify)
         })
     }
+    fn annotates(&self) -> bool {
+        self.pod.is_some()
+    }
+
     fn annotate<'a>(
         &'a self,
         reason: &'a str,

@@ -46,7 +46,7 @@
 //!   and end in `.tmp`, which CDI registries ignore, and are removed on failure.
 
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The spec-wide env of a claim spec (see the module docs).
 pub const VISIBLE_DEVICES_VOID: &str = "NVIDIA_VISIBLE_DEVICES=void";
@@ -104,14 +104,6 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Error + 'a {
-    move |source| Error::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
-    }
-}
 
 mod binary;
 mod builder;

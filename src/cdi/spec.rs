@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{CdiOptions, Error, Result, io_err};
+use super::{CdiOptions, Error, Result};
 use crate::durable::Durability;
 use crate::ids::ClaimUid;
 
@@ -191,6 +191,15 @@ pub(super) fn validate_claim_uid(claim_uid: &str) -> Result<()> {
 }
 
 // The file: names, atomic replace, removal and listing.
+
+/// Turns an I/O error of `action` on `path` into an [`Error::Io`].
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
 
 pub(super) fn file_prefix(opts: &CdiOptions) -> String {
     format!("{}-{}_", opts.vendor, opts.class)

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, symlink};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::builder::parse_mig_minors;
 use super::inputs::split_dev;

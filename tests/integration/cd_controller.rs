@@ -230,6 +230,7 @@ async fn a_domain_gets_nvidias_objects_its_status_follows_the_cliques_and_deleti
         pod.containers[0].image.as_deref(),
         Some("registry.example/nvdra:test")
     );
+    assert_the_daemon_reads_its_env(&pod.containers[0]);
     alive(&mut ctl, s, "the finalizer and a NotReady status", |s| {
         s.get::<ComputeDomain>("default", "job").is_some_and(|cd| {
             cd.metadata.finalizers == Some(vec!["resource.nvidia.com/computeDomain".into()])
@@ -632,6 +633,7 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
             .and_then(|e| e.value.clone())
     };
     assert_eq!(env_of("CLIQUE_ID").as_deref(), Some(a));
+    assert_the_daemon_reads_its_env(c);
     assert_eq!(
         c.command.as_deref().unwrap().last().map(String::as_str),
         Some("--per-clique")
@@ -731,6 +733,32 @@ async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique()
                 .is_some_and(|st| st.status == "Ready")
     })
     .await;
+}
+
+/// Every variable a daemon container gets is one `nvdra compute-domain daemon` reads (its
+/// `--help` lists `[env: NAME=]`), but for NVIDIA's container toolkit's and `POD_UID` (NVIDIA's
+/// daemon's, kept in the pod template); POD_NAME and POD_NAMESPACE among them, for the daemon's
+/// patch of its own pod.
+fn assert_the_daemon_reads_its_env(c: &k8s_openapi::api::core::v1::Container) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nvdra"))
+        .args(["compute-domain", "daemon", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    let names: Vec<&str> = c.env.iter().flatten().map(|e| e.name.as_str()).collect();
+    for name in &names {
+        if name.starts_with("NVIDIA_VISIBLE") || *name == "POD_UID" {
+            continue;
+        }
+        assert!(
+            help.contains(&format!("[env: {name}=")),
+            "the daemon gets {name}, which `nvdra compute-domain daemon` does not read"
+        );
+    }
+    for name in ["POD_NAME", "POD_NAMESPACE", "NODE_NAME", "POD_IP"] {
+        assert!(names.contains(&name), "{name} missing: {names:?}");
+    }
 }
 
 /// Multi-document YAML (each document JSON, which is YAML).

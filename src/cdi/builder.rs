@@ -34,7 +34,7 @@ pub(super) fn device_name(claim_uid: &str, device: &str) -> String {
 /// Builds the CDI spec of one prepared claim (see the module docs for what goes where).
 ///
 /// Reads the host (device nodes under `dev_root`, the MIG capability table): blocking, so async
-/// callers run it with `spawn_blocking`, like [`write_spec`].
+/// callers run it with `spawn_blocking`, like [`write_spec`](super::write_spec).
 pub fn claim_spec(
     opts: &CdiOptions,
     claim_uid: &str,

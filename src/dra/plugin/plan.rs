@@ -2,8 +2,9 @@
 //! and the plugin's settings to the device records to reserve. No I/O here; every function is a
 //! function of its arguments. A claim's prepare calls [`plan`] once and works from the records it
 //! returns: what the GPU changes and what the CDI spec names are functions of records (the
-//! [effects](super::effects)), which recovery and a repeated prepare read from the checkpoint,
-//! and whether another claim holds a device is the ledger's answer at reservation.
+//! [effects](super::effects) and the [specs](super::specs)), which recovery and a repeated
+//! prepare read from the checkpoint, and whether another claim holds a device is the ledger's
+//! answer at reservation.
 
 use std::collections::BTreeMap;
 

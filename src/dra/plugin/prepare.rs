@@ -26,7 +26,7 @@
 //!    - a claim that changes GPU state (creates a MIG instance, starts an MPS daemon, sets a
 //!      time slice, switches MIG mode) records `PrepareStarted` durably first, so that a crash
 //!      can be undone at start-up; then reconfigures ([effects](super::effects)), writes its CDI
-//!      spec and records `PrepareCompleted`;
+//!      spec ([specs](super::specs)) and records `PrepareCompleted`;
 //!    - a claim that changes nothing on the GPU is recorded `PrepareCompleted` at once, and its
 //!      CDI spec and that record are written in parallel: one durable write on the critical
 //!      path. Shares of a GPU take this path too: their GPU's MPS daemon usually runs already;

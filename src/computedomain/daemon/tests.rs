@@ -358,3 +358,62 @@ fn imex_addresses_map_back_to_node_names_through_the_clique_entries() {
         Some(vec!["tray-0".to_string()])
     );
 }
+
+#[test]
+fn imex_config_comes_from_the_domains_template_else_the_built_in_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let config_dir = dir.path().to_str().unwrap();
+    let settings = Settings::from_args(&args(&[
+        "--compute-domain-uuid",
+        "uid-1",
+        "--config-dir",
+        config_dir,
+    ]))
+    .unwrap();
+    let daemon = || {
+        Daemon::new(
+            settings.clone(),
+            Arc::new(clique::MemoryCliques::default()),
+            Box::new(NoFabricCheck),
+        )
+    };
+    let nodes = dir.path().join("nodes.cfg").display().to_string();
+    let written = || std::fs::read_to_string(dir.path().join("imexd.cfg")).unwrap();
+
+    // No /imexd/imexd.cfg.tmpl (a plugin that writes none): the built-in template.
+    daemon().write_config().unwrap();
+    assert_eq!(
+        written(),
+        files::render(files::DEFAULT_TEMPLATE, "10.0.0.1", &nodes).unwrap()
+    );
+    assert!(written().contains("IMEX_CMD_PORT=50005\n"), "{}", written());
+    assert_eq!(
+        std::fs::read_to_string(&nodes).unwrap(),
+        files::nodes_config(18)
+    );
+
+    // The template NVIDIA's plugin puts there (its two fields, Go's spacing either way) wins.
+    std::fs::write(
+        dir.path().join("imexd.cfg.tmpl"),
+        "SERVER_PORT=50123\nIMEX_NODE_CONFIG_FILE={{ .IMEXDaemonNodesConfigPath }}\n\
+         IMEX_CMD_BIND_INTERFACE_IP={{.IMEXCmdBindInterfaceIP}}\n",
+    )
+    .unwrap();
+    daemon().write_config().unwrap();
+    assert_eq!(
+        written(),
+        format!(
+            "SERVER_PORT=50123\nIMEX_NODE_CONFIG_FILE={nodes}\nIMEX_CMD_BIND_INTERFACE_IP=10.0.0.1\n"
+        )
+    );
+
+    // A field the daemon does not know is refused naming it, and no config is half written.
+    std::fs::write(
+        dir.path().join("imexd.cfg.tmpl"),
+        "X={{ .IMEXServerPort }}\n",
+    )
+    .unwrap();
+    let e = daemon().write_config().unwrap_err();
+    assert!(e.contains(".IMEXServerPort"), "{e}");
+    assert!(written().contains("SERVER_PORT=50123"), "{}", written());
+}

@@ -198,21 +198,51 @@ pub fn daemon_template(uid: &str, settings: &Settings) -> ResourceClaimTemplate 
     }
 }
 
+/// The image pull secrets of a daemon pod.
+fn pull_secrets(settings: &Settings) -> Vec<serde_json::Value> {
+    settings
+        .image_pull_secrets
+        .iter()
+        .map(|name| json!({ "name": name }))
+        .collect()
+}
+
+/// Every taint tolerated, as NVIDIA's daemons do: a daemon must run where the workload does.
+fn tolerate_all() -> Vec<serde_json::Value> {
+    ["NoSchedule", "NoExecute", "PreferNoSchedule"]
+        .iter()
+        .map(|effect| json!({"operator": "Exists", "effect": effect}))
+        .collect()
+}
+
+/// What every daemon container gets (the downward API's node, IP and pod names, which it
+/// writes into its clique entry and its pod's annotations; no GPU from the container runtime's
+/// NVIDIA hook), then `extra`.
+fn daemon_env<const N: usize>(
+    settings: &Settings,
+    extra: [serde_json::Value; N],
+) -> serde_json::Value {
+    let field = |path: &str| json!({"fieldRef": {"fieldPath": path}});
+    let mut env = vec![
+        json!({"name": "MAX_NODES_PER_IMEX_DOMAIN",
+               "value": settings.max_nodes_per_imex_domain.to_string()}),
+        json!({"name": "NODE_NAME", "valueFrom": field("spec.nodeName")}),
+        json!({"name": "POD_IP", "valueFrom": field("status.podIP")}),
+        json!({"name": "POD_UID", "valueFrom": field("metadata.uid")}),
+        json!({"name": "POD_NAME", "valueFrom": field("metadata.name")}),
+        json!({"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")}),
+        json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}),
+    ];
+    env.extend(extra);
+    serde_json::Value::Array(env)
+}
+
 /// The DaemonSet of a domain's IMEX daemons (driver's namespace): on the nodes labelled with the
 /// domain's UID, `nvdra compute-domain daemon` with the daemon claim, tolerating every taint (as
 /// NVIDIA's: a daemon must run where the workload does).
 pub fn daemon_set(uid: &str, settings: &Settings) -> DaemonSet {
     let labels = domain_labels(uid);
-    let field = |path: &str| json!({"fieldRef": {"fieldPath": path}});
-    let pull_secrets: Vec<serde_json::Value> = settings
-        .image_pull_secrets
-        .iter()
-        .map(|name| json!({ "name": name }))
-        .collect();
-    let tolerations: Vec<serde_json::Value> = ["NoSchedule", "NoExecute", "PreferNoSchedule"]
-        .iter()
-        .map(|effect| json!({"operator": "Exists", "effect": effect}))
-        .collect();
+    let (pull_secrets, tolerations) = (pull_secrets(settings), tolerate_all());
     let spec = json!({
         "selector": {"matchLabels": labels},
         "template": {
@@ -225,17 +255,7 @@ pub fn daemon_set(uid: &str, settings: &Settings) -> DaemonSet {
                     "name": DAEMON_CONTAINER,
                     "image": settings.image,
                     "command": ["nvdra", "compute-domain", "daemon"],
-                    "env": [
-                        {"name": "MAX_NODES_PER_IMEX_DOMAIN",
-                         "value": settings.max_nodes_per_imex_domain.to_string()},
-                        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
-                        {"name": "POD_IP", "valueFrom": field("status.podIP")},
-                        {"name": "POD_UID", "valueFrom": field("metadata.uid")},
-                        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
-                        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
-                        // The container runtime's NVIDIA hook: no GPU for this container.
-                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
-                    ],
+                    "env": daemon_env(settings, []),
                     "resources": {"claims": [{"name": DAEMON_CONTAINER}]},
                 }],
                 "tolerations": tolerations,
@@ -272,16 +292,7 @@ pub fn clique_daemon_name(clique: &str) -> String {
 /// per-domain daemons do.
 pub fn clique_daemon_set(clique: &str, settings: &Settings) -> DaemonSet {
     let labels = BTreeMap::from([(CLIQUE_DAEMON_LABEL.to_string(), clique.to_string())]);
-    let field = |path: &str| json!({"fieldRef": {"fieldPath": path}});
-    let pull_secrets: Vec<serde_json::Value> = settings
-        .image_pull_secrets
-        .iter()
-        .map(|name| json!({ "name": name }))
-        .collect();
-    let tolerations: Vec<serde_json::Value> = ["NoSchedule", "NoExecute", "PreferNoSchedule"]
-        .iter()
-        .map(|effect| json!({"operator": "Exists", "effect": effect}))
-        .collect();
+    let (pull_secrets, tolerations) = (pull_secrets(settings), tolerate_all());
     let tool = |name: &str| format!("{CLIQUE_DAEMON_DRIVER_ROOT}/usr/bin/{name}");
     let spec = json!({
         "selector": {"matchLabels": labels},
@@ -296,21 +307,13 @@ pub fn clique_daemon_set(clique: &str, settings: &Settings) -> DaemonSet {
                     "name": DAEMON_CONTAINER,
                     "image": settings.image,
                     "command": ["nvdra", "compute-domain", "daemon", "--per-clique"],
-                    "env": [
-                        {"name": "CLIQUE_ID", "value": clique},
-                        {"name": "MAX_NODES_PER_IMEX_DOMAIN",
-                         "value": settings.max_nodes_per_imex_domain.to_string()},
-                        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
-                        {"name": "POD_IP", "valueFrom": field("status.podIP")},
-                        {"name": "POD_UID", "valueFrom": field("metadata.uid")},
-                        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
-                        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
-                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
-                        {"name": "NVIDIA_DRIVER_ROOT", "value": CLIQUE_DAEMON_DRIVER_ROOT},
-                        {"name": "NVDRA_CD_IMEX", "value": tool("nvidia-imex")},
-                        {"name": "NVDRA_CD_IMEX_CTL", "value": tool("nvidia-imex-ctl")},
-                        {"name": "NVDRA_CD_CONFIG_DIR", "value": "/imexd"},
-                    ],
+                    "env": daemon_env(settings, [
+                        json!({"name": "CLIQUE_ID", "value": clique}),
+                        json!({"name": "NVIDIA_DRIVER_ROOT", "value": CLIQUE_DAEMON_DRIVER_ROOT}),
+                        json!({"name": "NVDRA_CD_IMEX", "value": tool("nvidia-imex")}),
+                        json!({"name": "NVDRA_CD_IMEX_CTL", "value": tool("nvidia-imex-ctl")}),
+                        json!({"name": "NVDRA_CD_CONFIG_DIR", "value": "/imexd"}),
+                    ]),
                     "securityContext": {"privileged": true},
                     "volumeMounts": [
                         {"name": "driver-root", "mountPath": CLIQUE_DAEMON_DRIVER_ROOT,

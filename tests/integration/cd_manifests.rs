@@ -556,7 +556,38 @@ fn assert_compute_domains(docs: &[Value], ns: &str, origin: &str) {
     assert_eq!(sc["allowPrivilegeEscalation"], false, "{origin}");
     assert_eq!(sc["capabilities"], json!({"drop": ["ALL"]}), "{origin}");
     assert_eq!(sc["readOnlyRootFilesystem"], true, "{origin}");
-    // The kubelet's directories at the paths the GPU container mounts them (same-path mounts).
+    // The host's driver root, read-only at the path its DRIVER_ROOT_CTR_PATH names, the volume
+    // the host path its NVIDIA_DRIVER_ROOT names: a daemon claim's base spec (NVIDIA's
+    // device=all) lists the node's NVIDIA device nodes under its dev/ and the driver's files
+    // there. No NVIDIA_DEV_ROOT: a dev root outside the driver root would be read at the
+    // container's own /dev, which has no NVIDIA node (NVIDIA_VISIBLE_DEVICES=void).
+    let ctr_path = env.get("DRIVER_ROOT_CTR_PATH").copied();
+    assert_eq!(ctr_path, Some(DRIVER_ROOT_CTR_PATH), "{origin}");
+    assert!(!env.contains_key("NVIDIA_DEV_ROOT"), "{origin}");
+    let driver_root = plugin["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| Some(str_at(m, "/mountPath")) == ctr_path)
+        .unwrap_or_else(|| panic!("{origin}: the plugin does not mount the driver root"));
+    assert_eq!(driver_root["readOnly"], true, "{origin}: the driver root");
+    assert_eq!(
+        driver_root["mountPropagation"], "HostToContainer",
+        "{origin}: the driver root"
+    );
+    let volume = ds["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == driver_root["name"])
+        .unwrap_or_else(|| panic!("{origin}: no volume {}", driver_root["name"]));
+    assert_eq!(
+        Some(str_at(volume, "/hostPath/path")),
+        env.get("NVIDIA_DRIVER_ROOT").copied(),
+        "{origin}: the driver root's volume"
+    );
+    // The kubelet's directories at the paths the GPU container mounts them (same-path mounts);
+    // the driver root the GPU container mounts only when it is not / (its toolkit injects it).
     let gpu_mounts: BTreeMap<&str, &str> = container(docs)["volumeMounts"]
         .as_array()
         .unwrap()
@@ -565,6 +596,9 @@ fn assert_compute_domains(docs: &[Value], ns: &str, origin: &str) {
         .collect();
     for m in plugin["volumeMounts"].as_array().unwrap() {
         let name = str_at(m, "/name");
+        if name == str_at(driver_root, "/name") && !gpu_mounts.contains_key(name) {
+            continue;
+        }
         assert_eq!(
             gpu_mounts.get(name),
             Some(&str_at(m, "/mountPath")),
@@ -800,6 +834,11 @@ fn the_component_adds_compute_domains_and_is_off_by_default() {
         .as_array_mut()
         .unwrap()
         .retain(|c| c["name"] != api::PLUGIN_CONTAINER);
+    // And its volume, the host's driver root (the GPU container's toolkit injects the driver).
+    ds["spec"]["template"]["spec"]["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|v| v["name"] != "driver-root");
     assert_eq!(Some(&ds), find(&plain, "DaemonSet", "nvdra"));
     for o in ["plain", "extended-resources", "device-plugin-only"] {
         assert_no_compute_domains(&overlay(kubectl, o), o);
@@ -828,6 +867,26 @@ fn the_chart_renders_the_component_and_is_off_by_default() {
     // In another namespace, everything follows it.
     let elsewhere = helm_template(helm, "gpu", &["--set", "computeDomains.enabled=true"]);
     assert_compute_domains(&elsewhere, "gpu", "helm, namespace gpu");
+    // The GPU Operator's driver root: one volume of it, which both containers mount (and the
+    // device root only nvdra's, whose toolkit puts the nodes in its own /dev).
+    let operator = helm_template(
+        helm,
+        "nvdra",
+        &[
+            "--set",
+            "computeDomains.enabled=true,driverRoot=/run/nvidia/driver,devRoot=/",
+        ],
+    );
+    assert_compute_domains(&operator, "nvdra", "helm, GPU Operator");
+    let ds = find(&operator, "DaemonSet", "nvdra").unwrap();
+    let roots: Vec<&str> = ds["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["name"] == "driver-root")
+        .map(|v| str_at(v, "/hostPath/path"))
+        .collect();
+    assert_eq!(roots, ["/run/nvidia/driver"]);
     assert_no_compute_domains(&helm_template(helm, "nvdra", &[]), "helm defaults");
     // Lint, and the value refused beside the device plugin alone or with a typo.
     let lint = Command::new(helm)

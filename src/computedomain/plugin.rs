@@ -185,8 +185,7 @@ pub async fn serve(
 }
 
 /// Serves the plugin with the given parts until `stop`: claims read through `claims`, slices
-/// written through `slices`, the rest through `cluster` (tests pass a
-/// [`cluster::MemoryCluster`]).
+/// written through `slices`, the rest through `cluster` (unit tests pass a `MemoryCluster`).
 pub async fn serve_with(
     args: Args,
     claims: impl kubelet_plugin::claims::ClaimSource,

@@ -1,14 +1,14 @@
 //! What the plugin reads and writes in the cluster besides slices and claims' reads (which are
 //! the library's): ComputeDomains (by UID), its node's entries in ComputeDomainCliques, its Node's
 //! labels, the claims allocated on its node, and their device conditions. One trait, so the
-//! plugin's logic runs against [`MemoryCluster`] in tests and [`KubeCluster`] in a cluster.
+//! plugin's logic runs against `MemoryCluster` in unit tests and [`KubeCluster`] in a cluster.
 //!
 //! [`KubeCluster`] reads from watches where it can (a prepare lists nothing) and puts every call
 //! under [`CALL_DEADLINE`], the error naming the call.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow};
@@ -21,7 +21,6 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher;
 use kubelet_plugin::Claim;
-use kubelet_plugin::lock::lock;
 use kubelet_plugin::status::StatusWriter;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -427,165 +426,183 @@ impl Cluster for KubeCluster {
     }
 }
 
-/// The cluster in memory, for tests: what a test puts in is what the plugin sees.
-#[derive(Clone, Default)]
-pub struct MemoryCluster {
-    inner: Arc<Mutex<Memory>>,
-    changed: Arc<Notify>,
-}
+#[cfg(test)]
+pub use memory::MemoryCluster;
 
-#[derive(Default)]
-struct Memory {
-    domains: Vec<ComputeDomain>,
-    cliques: BTreeMap<(String, String), ComputeDomainClique>,
-    labels: BTreeMap<String, BTreeMap<String, String>>,
-    claims: Vec<ResourceClaim>,
-    status: BTreeMap<(String, String), Vec<AllocatedDeviceStatus>>,
-    label_writes: u64,
-    gpu_clique: Option<String>,
-}
+#[cfg(test)]
+mod memory {
+    use std::sync::Mutex;
 
-impl MemoryCluster {
-    /// Adds (or replaces, by UID) a ComputeDomain.
-    pub fn put_domain(&self, d: ComputeDomain) {
-        let mut m = lock(&self.inner);
-        m.domains.retain(|x| x.metadata.uid != d.metadata.uid);
-        m.domains.push(d);
+    use kubelet_plugin::lock::lock;
+
+    use super::*;
+
+    /// The cluster in memory, for tests: what a test puts in is what the plugin sees.
+    #[derive(Clone, Default)]
+    pub struct MemoryCluster {
+        inner: Arc<Mutex<Memory>>,
+        changed: Arc<Notify>,
     }
 
-    /// Adds or replaces a ComputeDomainClique.
-    pub fn put_clique(&self, c: ComputeDomainClique) {
-        let key = (
-            c.metadata.namespace.clone().unwrap_or_default(),
-            c.metadata.name.clone().unwrap_or_default(),
-        );
-        lock(&self.inner).cliques.insert(key, c);
+    #[derive(Default)]
+    struct Memory {
+        domains: Vec<ComputeDomain>,
+        cliques: BTreeMap<(String, String), ComputeDomainClique>,
+        labels: BTreeMap<String, BTreeMap<String, String>>,
+        claims: Vec<ResourceClaim>,
+        status: BTreeMap<(String, String), Vec<AllocatedDeviceStatus>>,
+        label_writes: u64,
+        gpu_clique: Option<String>,
     }
 
-    /// Adds or replaces (by namespace and name) a claim, and tells the plugin.
-    pub fn put_claim(&self, c: ResourceClaim) {
-        {
+    impl MemoryCluster {
+        /// Adds (or replaces, by UID) a ComputeDomain.
+        pub fn put_domain(&self, d: ComputeDomain) {
             let mut m = lock(&self.inner);
-            m.claims.retain(|x| {
-                (&x.metadata.namespace, &x.metadata.name)
-                    != (&c.metadata.namespace, &c.metadata.name)
+            m.domains.retain(|x| x.metadata.uid != d.metadata.uid);
+            m.domains.push(d);
+        }
+
+        /// Adds or replaces a ComputeDomainClique.
+        pub fn put_clique(&self, c: ComputeDomainClique) {
+            let key = (
+                c.metadata.namespace.clone().unwrap_or_default(),
+                c.metadata.name.clone().unwrap_or_default(),
+            );
+            lock(&self.inner).cliques.insert(key, c);
+        }
+
+        /// Adds or replaces (by namespace and name) a claim, and tells the plugin.
+        pub fn put_claim(&self, c: ResourceClaim) {
+            {
+                let mut m = lock(&self.inner);
+                m.claims.retain(|x| {
+                    (&x.metadata.namespace, &x.metadata.name)
+                        != (&c.metadata.namespace, &c.metadata.name)
+                });
+                m.claims.push(c);
+            }
+            self.changed.notify_waiters();
+        }
+
+        /// Removes a claim, and tells the plugin.
+        pub fn remove_claim(&self, namespace: &str, name: &str) {
+            lock(&self.inner).claims.retain(|x| {
+                (x.metadata.namespace.as_deref(), x.metadata.name.as_deref())
+                    != (Some(namespace), Some(name))
             });
-            m.claims.push(c);
+            self.changed.notify_waiters();
         }
-        self.changed.notify_waiters();
-    }
 
-    /// Removes a claim, and tells the plugin.
-    pub fn remove_claim(&self, namespace: &str, name: &str) {
-        lock(&self.inner).claims.retain(|x| {
-            (x.metadata.namespace.as_deref(), x.metadata.name.as_deref())
-                != (Some(namespace), Some(name))
-        });
-        self.changed.notify_waiters();
-    }
-
-    /// A node's labels.
-    pub fn labels(&self, node: &str) -> BTreeMap<String, String> {
-        lock(&self.inner)
-            .labels
-            .get(node)
-            .cloned()
-            .unwrap_or_default()
-    }
-
-    /// Sets a node label, as someone else would.
-    pub fn put_label(&self, node: &str, key: &str, value: &str) {
-        lock(&self.inner)
-            .labels
-            .entry(node.into())
-            .or_default()
-            .insert(key.into(), value.into());
-    }
-
-    /// How many label writes the plugin made.
-    pub fn label_writes(&self) -> u64 {
-        lock(&self.inner).label_writes
-    }
-
-    /// The driver's entries in a claim's `status.devices`, as last written.
-    pub fn device_status(&self, namespace: &str, name: &str) -> Vec<AllocatedDeviceStatus> {
-        lock(&self.inner)
-            .status
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned()
-            .unwrap_or_default()
-    }
-}
-
-impl Cluster for MemoryCluster {
-    fn domain<'a>(&'a self, uid: &'a str) -> BoxFuture<'a, anyhow::Result<Option<ComputeDomain>>> {
-        let found = lock(&self.inner)
-            .domains
-            .iter()
-            .find(|d| d.metadata.uid.as_deref() == Some(uid))
-            .cloned();
-        Box::pin(async move { Ok(found) })
-    }
-
-    fn clique<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, anyhow::Result<Option<ComputeDomainClique>>> {
-        let found = lock(&self.inner)
-            .cliques
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned();
-        Box::pin(async move { Ok(found) })
-    }
-
-    fn node_labels<'a>(
-        &'a self,
-        node: &'a str,
-    ) -> BoxFuture<'a, anyhow::Result<BTreeMap<String, String>>> {
-        let labels = self.labels(node);
-        Box::pin(async move { Ok(labels) })
-    }
-
-    fn set_node_label<'a>(
-        &'a self,
-        node: &'a str,
-        key: &'a str,
-        value: Option<&'a str>,
-    ) -> BoxFuture<'a, anyhow::Result<()>> {
-        {
-            let mut m = lock(&self.inner);
-            m.label_writes += 1;
-            let labels = m.labels.entry(node.into()).or_default();
-            match value {
-                Some(v) => labels.insert(key.into(), v.into()),
-                None => labels.remove(key),
-            };
+        /// A node's labels.
+        pub fn labels(&self, node: &str) -> BTreeMap<String, String> {
+            lock(&self.inner)
+                .labels
+                .get(node)
+                .cloned()
+                .unwrap_or_default()
         }
-        Box::pin(async { Ok(()) })
+
+        /// Sets a node label, as someone else would.
+        pub fn put_label(&self, node: &str, key: &str, value: &str) {
+            lock(&self.inner)
+                .labels
+                .entry(node.into())
+                .or_default()
+                .insert(key.into(), value.into());
+        }
+
+        /// How many label writes the plugin made.
+        pub fn label_writes(&self) -> u64 {
+            lock(&self.inner).label_writes
+        }
+
+        /// The driver's entries in a claim's `status.devices`, as last written.
+        pub fn device_status(&self, namespace: &str, name: &str) -> Vec<AllocatedDeviceStatus> {
+            lock(&self.inner)
+                .status
+                .get(&(namespace.to_string(), name.to_string()))
+                .cloned()
+                .unwrap_or_default()
+        }
     }
 
-    fn gpu_clique<'a>(&'a self, _node: &'a str) -> BoxFuture<'a, anyhow::Result<Option<String>>> {
-        let c = lock(&self.inner).gpu_clique.clone();
-        Box::pin(async move { Ok(c) })
-    }
+    impl Cluster for MemoryCluster {
+        fn domain<'a>(
+            &'a self,
+            uid: &'a str,
+        ) -> BoxFuture<'a, anyhow::Result<Option<ComputeDomain>>> {
+            let found = lock(&self.inner)
+                .domains
+                .iter()
+                .find(|d| d.metadata.uid.as_deref() == Some(uid))
+                .cloned();
+            Box::pin(async move { Ok(found) })
+        }
 
-    fn claims(&self) -> Option<Vec<ResourceClaim>> {
-        Some(lock(&self.inner).claims.clone())
-    }
+        fn clique<'a>(
+            &'a self,
+            namespace: &'a str,
+            name: &'a str,
+        ) -> BoxFuture<'a, anyhow::Result<Option<ComputeDomainClique>>> {
+            let found = lock(&self.inner)
+                .cliques
+                .get(&(namespace.to_string(), name.to_string()))
+                .cloned();
+            Box::pin(async move { Ok(found) })
+        }
 
-    fn set_device_status<'a>(
-        &'a self,
-        claim: &'a Claim,
-        entries: Vec<AllocatedDeviceStatus>,
-    ) -> BoxFuture<'a, anyhow::Result<()>> {
-        lock(&self.inner)
-            .status
-            .insert((claim.namespace.clone(), claim.name.clone()), entries);
-        Box::pin(async { Ok(()) })
-    }
+        fn node_labels<'a>(
+            &'a self,
+            node: &'a str,
+        ) -> BoxFuture<'a, anyhow::Result<BTreeMap<String, String>>> {
+            let labels = self.labels(node);
+            Box::pin(async move { Ok(labels) })
+        }
 
-    fn changed(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.changed.notified())
+        fn set_node_label<'a>(
+            &'a self,
+            node: &'a str,
+            key: &'a str,
+            value: Option<&'a str>,
+        ) -> BoxFuture<'a, anyhow::Result<()>> {
+            {
+                let mut m = lock(&self.inner);
+                m.label_writes += 1;
+                let labels = m.labels.entry(node.into()).or_default();
+                match value {
+                    Some(v) => labels.insert(key.into(), v.into()),
+                    None => labels.remove(key),
+                };
+            }
+            Box::pin(async { Ok(()) })
+        }
+
+        fn gpu_clique<'a>(
+            &'a self,
+            _node: &'a str,
+        ) -> BoxFuture<'a, anyhow::Result<Option<String>>> {
+            let c = lock(&self.inner).gpu_clique.clone();
+            Box::pin(async move { Ok(c) })
+        }
+
+        fn claims(&self) -> Option<Vec<ResourceClaim>> {
+            Some(lock(&self.inner).claims.clone())
+        }
+
+        fn set_device_status<'a>(
+            &'a self,
+            claim: &'a Claim,
+            entries: Vec<AllocatedDeviceStatus>,
+        ) -> BoxFuture<'a, anyhow::Result<()>> {
+            lock(&self.inner)
+                .status
+                .insert((claim.namespace.clone(), claim.name.clone()), entries);
+            Box::pin(async { Ok(()) })
+        }
+
+        fn changed(&self) -> BoxFuture<'_, ()> {
+            Box::pin(self.changed.notified())
+        }
     }
 }

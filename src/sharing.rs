@@ -656,7 +656,9 @@ fn decode_entry(index: usize, entry: &ConfigEntry) -> Result<DeviceConfig> {
 
 /// The config that applies to `request` (a result's request name, `req` or `req/sub`) of
 /// `driver`, whatever the device kind: the last applicable entry by precedence. Every applicable
-/// entry is decoded, so a broken entry is reported even when a later one overrides it.
+/// entry is decoded, so a broken entry is reported even when a later one overrides it. Tests
+/// only: prepare and `match` know the device's kind ([`config_for_device`]).
+#[cfg(test)]
 pub fn config_for(
     entries: &[ConfigEntry],
     driver: &str,

@@ -97,11 +97,6 @@ impl KubeApi {
             .map_err(|e| Error::Setup(Failure::caused("cannot build a kube client", e)))?;
         Ok(Self { client })
     }
-
-    /// Wraps an existing client.
-    pub fn from_client(client: Client) -> Self {
-        Self { client }
-    }
 }
 
 impl SliceApi for KubeApi {

@@ -46,7 +46,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
-use super::{CdiOptions, Hook, OciState, PreparedDevice, Spec};
+use super::{CdiOptions, Hook, OciState, PreparedDevice};
 use crate::inventory::nvml::memory_limits::{
     GET_MEMORY_LIMITS, SET_MEMORY_LIMITS, memory_limits, set_memory_limits,
 };
@@ -155,8 +155,10 @@ pub fn enforcement(opts: &CdiOptions, device: &PreparedDevice) -> Option<Enforce
     })
 }
 
-/// Whether a written spec carries the memory-limit hook: [`Enforcement::Container`] if so.
-pub fn spec_enforcement(spec: &Spec) -> Enforcement {
+/// Whether a written spec carries the memory-limit hook: [`Enforcement::Container`] if so
+/// (what the builder's tests check a spec by).
+#[cfg(test)]
+pub fn spec_enforcement(spec: &super::Spec) -> Enforcement {
     let hooked = spec
         .container_edits
         .hooks

@@ -52,8 +52,6 @@ use super::dir::{DaemonId, DaemonSpec, Layout};
 
 /// How often the root is read.
 pub const SCAN: Duration = Duration::from_millis(200);
-/// How long a released daemon gets to quit before it is killed.
-pub const QUIT_DEADLINE: Duration = Duration::from_secs(10);
 const BACKOFF_FIRST: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A daemon that ran this long before it exited starts again without waiting.

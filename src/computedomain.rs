@@ -50,7 +50,8 @@ pub fn main(command: Command) -> ExitCode {
 /// its flags: a row per flag naming its env name and its default (an empty default reads as
 /// anything, `false` as `off`), and no row for a flag that does not exist.
 #[cfg(test)]
-fn assert_readme_lists_the_flags(name: &str, command: clap::Command) {
+fn assert_readme_lists_the_flags<A: clap::Args>(name: &str) {
+    let command = A::augment_args(clap::Command::new("compute-domain"));
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
         .expect("README.md reads");
     let marker = format!("<!-- compute-domain {name} flags -->");
@@ -100,4 +101,13 @@ fn assert_readme_lists_the_flags(name: &str, command: clap::Command) {
         table.len(),
         "a README row of the {name} names no flag"
     );
+}
+
+/// The README's tables of the three parts' flags are their flags.
+#[cfg(test)]
+#[test]
+fn the_readme_tables_list_every_flag() {
+    assert_readme_lists_the_flags::<plugin::Args>("plugin");
+    assert_readme_lists_the_flags::<controller::Args>("controller");
+    assert_readme_lists_the_flags::<daemon::Args>("daemon");
 }

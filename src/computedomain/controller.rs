@@ -254,20 +254,3 @@ async fn lead(ctx: Arc<reconcile::Context>, args: &Args, shutdown: CancellationT
         sweep,
     );
 }
-
-#[cfg(test)]
-mod tests {
-    use clap::CommandFactory;
-
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: super::Args,
-    }
-
-    /// The README's table of the controller's flags is the flags: names, env names, defaults.
-    #[test]
-    fn the_readme_table_lists_every_flag() {
-        crate::computedomain::assert_readme_lists_the_flags("controller", Cli::command());
-    }
-}

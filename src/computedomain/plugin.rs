@@ -242,20 +242,3 @@ pub async fn serve_with(
     let _ = publishing.await;
     served.context("the kubelet plugin stopped")
 }
-
-#[cfg(test)]
-mod tests {
-    use clap::CommandFactory;
-
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: super::Args,
-    }
-
-    /// The README's table of the plugin's flags is the flags: names, env names, defaults.
-    #[test]
-    fn the_readme_table_lists_every_flag() {
-        crate::computedomain::assert_readme_lists_the_flags("plugin", Cli::command());
-    }
-}

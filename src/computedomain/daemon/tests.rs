@@ -254,19 +254,6 @@ fn the_per_clique_daemon_writes_to_the_fabric_cliques_object() {
     assert!(matches!(s.mode, Mode::HostManaged { .. }));
 }
 
-/// The README's table of the daemon's flags is the flags: names, env names, defaults.
-#[test]
-fn the_readme_table_lists_every_flag() {
-    use clap::CommandFactory;
-
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: Args,
-    }
-    crate::computedomain::assert_readme_lists_the_flags("daemon", Cli::command());
-}
-
 /// The shape of `nvidia-imex-ctl -N` on a real rack: the sample in AWS's "Configure UltraServer
 /// instances" page of the AWS PCS User Guide
 /// (<https://docs.aws.amazon.com/pcs/latest/userguide/capacity-blocks-nvidia-imex.html>,

@@ -453,6 +453,20 @@ async fn two_controllers_one_leader_and_the_other_takes_over() {
     .await;
 }
 
+/// Nodes a1 and a2 in clique `<cluster>.1`, b1 in `<cluster>.2` (by the label nvdra's plugin
+/// sets); returns the two cliques.
+fn two_cliques(s: &TestApiServer, cluster: &str) -> (String, String) {
+    let (a, b) = (format!("{cluster}.1"), format!("{cluster}.2"));
+    for (node, clique) in [("a1", &a), ("a2", &a), ("b1", &b)] {
+        s.put::<Node>(
+            &serde_json::from_value(json!({"metadata": {"name": node,
+                "labels": {"nvidia.com/gpu.clique": clique}}}))
+            .unwrap(),
+        );
+    }
+    (a, b)
+}
+
 /// With `--clique-channels`, each clique of labelled nodes gets a pool of channels; a domain
 /// with the clique annotation gets one shared ResourceClaim of the clique channel class and no
 /// DaemonSet. Two such claims, matched against the published pools by `nvdra match` as the
@@ -463,17 +477,8 @@ async fn two_controllers_one_leader_and_the_other_takes_over() {
 async fn clique_pools_and_one_shared_claim_per_domain() {
     let env = env().await;
     let s = &env.server;
-    let (a, b) = (
-        "9c0ffee0-0000-4000-8000-000000000001.1",
-        "9c0ffee0-0000-4000-8000-000000000001.2",
-    );
-    for (node, clique) in [("a1", a), ("a2", a), ("b1", b)] {
-        s.put::<Node>(
-            &serde_json::from_value(json!({"metadata": {"name": node,
-                "labels": {"nvidia.com/gpu.clique": clique}}}))
-            .unwrap(),
-        );
-    }
+    let (a, b) = two_cliques(s, "9c0ffee0-0000-4000-8000-000000000001");
+    let (a, b) = (a.as_str(), b.as_str());
     let mut ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
     let pool_slices = |s: &TestApiServer| -> Vec<ResourceSlice> {
         s.slices()
@@ -595,17 +600,8 @@ async fn clique_pools_and_one_shared_claim_per_domain() {
 async fn a_clique_domain_follows_the_per_clique_daemons_of_its_channels_clique() {
     let env = env().await;
     let s = &env.server;
-    let (a, b) = (
-        "9c0ffee0-0000-4000-8000-000000000002.1",
-        "9c0ffee0-0000-4000-8000-000000000002.2",
-    );
-    for (node, clique) in [("a1", a), ("a2", a), ("b1", b)] {
-        s.put::<Node>(
-            &serde_json::from_value(json!({"metadata": {"name": node,
-                "labels": {"nvidia.com/gpu.clique": clique}}}))
-            .unwrap(),
-        );
-    }
+    let (a, b) = two_cliques(s, "9c0ffee0-0000-4000-8000-000000000002");
+    let (a, b) = (a.as_str(), b.as_str());
     let mut ctl = env.controller("ctl-a", &["--clique-channels", "4"]);
     let daemons = |clique: &str| format!("computedomain-daemon-fabric.{clique}");
     alive(&mut ctl, s, "a per-clique DaemonSet per clique", |s| {

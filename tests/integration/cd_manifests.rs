@@ -477,6 +477,20 @@ fn helm_template(helm: &str, namespace: &str, args: &[&str]) -> Vec<Value> {
 }
 
 /// (apiGroup, resource, verb) of the rules of one Role or ClusterRole.
+/// A container's env: each name with its value, or the pod field it comes from.
+fn env_of(container: &Value) -> BTreeMap<&str, &str> {
+    let entries = container["env"].as_array().expect("the container has env");
+    entries
+        .iter()
+        .map(|e| {
+            let v = e
+                .pointer("/valueFrom/fieldRef/fieldPath")
+                .or(e.get("value"));
+            (str_at(e, "/name"), v.and_then(Value::as_str).unwrap_or(""))
+        })
+        .collect()
+}
+
 fn rules(role: &Value) -> BTreeSet<(String, String, String)> {
     grants(&[json!({"kind": "ClusterRole", "rules": role["rules"].clone()})])
 }
@@ -532,17 +546,7 @@ fn assert_compute_domains(docs: &[Value], ns: &str, origin: &str) {
         json!(["compute-domain", "plugin"]),
         "{origin}"
     );
-    let env: BTreeMap<&str, &str> = plugin["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let v = e
-                .pointer("/valueFrom/fieldRef/fieldPath")
-                .or(e.get("value"));
-            (str_at(e, "/name"), v.and_then(Value::as_str).unwrap_or(""))
-        })
-        .collect();
+    let env = env_of(plugin);
     assert_eq!(env.get("NODE_NAME"), Some(&"spec.nodeName"), "{origin}");
     assert_eq!(env.get("POD_UID"), Some(&"metadata.uid"), "{origin}");
     // NVIDIA's variable: the driver's namespace, where the clique objects are.
@@ -633,17 +637,7 @@ fn assert_compute_domains(docs: &[Value], ns: &str, origin: &str) {
         json!(["compute-domain", "controller"]),
         "{origin}"
     );
-    let env: BTreeMap<&str, &str> = c["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let v = e
-                .pointer("/valueFrom/fieldRef/fieldPath")
-                .or(e.get("value"));
-            (str_at(e, "/name"), v.and_then(Value::as_str).unwrap_or(""))
-        })
-        .collect();
+    let env = env_of(c);
     // NVIDIA's variables, which `nvdra compute-domain controller` reads: its identity in the
     // election, its namespace, and the daemons' image, its own.
     assert_eq!(env.get("POD_NAME"), Some(&"metadata.name"), "{origin}");

@@ -439,44 +439,33 @@ fn with_components(kubectl: &str, components: &[&str]) -> Vec<Value> {
     kustomize(kubectl, &mine)
 }
 
-fn helm() -> Option<&'static str> {
-    let required = support::require::required("NVDRA_REQUIRE_HELM");
-    let found = Command::new("helm")
-        .args(["version", "--short"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found && required {
-        panic!("NVDRA_REQUIRE_HELM requires helm but `helm version` does not run");
-    }
-    found.then_some("helm")
-}
-
-fn chart() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("deployments/helm/nvdra")
-}
-
 fn helm_template(helm: &str, namespace: &str, args: &[&str]) -> Vec<Value> {
-    let out = Command::new(helm)
-        .args(["template", "nvdra"])
-        .arg(chart())
-        .args(["--namespace", namespace])
-        .args(args)
-        .output()
-        .expect("helm runs");
-    assert!(
-        out.status.success(),
-        "helm template {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let docs = documents(
-        &String::from_utf8(out.stdout).unwrap(),
-        &format!("helm template {args:?}"),
-    );
+    let docs =
+        template(helm, namespace, args).unwrap_or_else(|e| panic!("helm template {args:?}: {e}"));
     assert_typed(&docs, &format!("helm template {args:?}"));
     docs
 }
 
-/// (apiGroup, resource, verb) of the rules of one Role or ClusterRole.
+/// Helm's objects are kustomize's (but its Namespace, which the chart leaves to helm), keyed
+/// by namespace, kind and name.
+fn assert_same_objects(helm: &[Value], kustomize: &[Value]) {
+    let key = |d: &Value| format!("{} {}", str_at(d, "/metadata/namespace"), id(d));
+    let h: BTreeMap<String, &Value> = helm.iter().map(|d| (key(d), d)).collect();
+    let k: BTreeMap<String, &Value> = kustomize
+        .iter()
+        .filter(|d| str_at(d, "/kind") != "Namespace")
+        .map(|d| (key(d), d))
+        .collect();
+    assert_eq!(
+        h.keys().collect::<Vec<_>>(),
+        k.keys().collect::<Vec<_>>(),
+        "helm and kustomize build other objects"
+    );
+    for (name, object) in &k {
+        assert_eq!(&h[name], object, "{name} (left: helm, right: kustomize)");
+    }
+}
+
 /// A container's env: each name with its value, or the pod field it comes from.
 fn env_of(container: &Value) -> BTreeMap<&str, &str> {
     let entries = container["env"].as_array().expect("the container has env");
@@ -491,6 +480,7 @@ fn env_of(container: &Value) -> BTreeMap<&str, &str> {
         .collect()
 }
 
+/// (apiGroup, resource, verb) of the rules of one Role or ClusterRole.
 fn rules(role: &Value) -> BTreeSet<(String, String, String)> {
     grants(&[json!({"kind": "ClusterRole", "rules": role["rules"].clone()})])
 }
@@ -845,19 +835,7 @@ fn the_chart_renders_the_component_and_is_off_by_default() {
         return;
     };
     let on = helm_template(helm, "nvdra", &["--set", "computeDomains.enabled=true"]);
-    let mut kustomized = with_component(kubectl);
-    kustomized.retain(|d| str_at(d, "/kind") != "Namespace");
-    let key = |d: &Value| format!("{} {}", str_at(d, "/metadata/namespace"), id(d));
-    let h: BTreeMap<String, &Value> = on.iter().map(|d| (key(d), d)).collect();
-    let k: BTreeMap<String, &Value> = kustomized.iter().map(|d| (key(d), d)).collect();
-    assert_eq!(
-        h.keys().collect::<Vec<_>>(),
-        k.keys().collect::<Vec<_>>(),
-        "helm and kustomize build other objects"
-    );
-    for (name, object) in &k {
-        assert_eq!(&h[name], object, "{name} (left: helm, right: kustomize)");
-    }
+    assert_same_objects(&on, &with_component(kubectl));
     // In another namespace, everything follows it.
     let elsewhere = helm_template(helm, "gpu", &["--set", "computeDomains.enabled=true"]);
     assert_compute_domains(&elsewhere, "gpu", "helm, namespace gpu");
@@ -986,19 +964,7 @@ fn the_per_clique_daemons_are_opt_in_and_the_same_from_helm_and_kustomize() {
             "computeDomains.enabled=true,computeDomains.cliqueChannels=127",
         ],
     );
-    let key = |d: &Value| format!("{} {}", str_at(d, "/metadata/namespace"), id(d));
-    let mut kustomized = on.clone();
-    kustomized.retain(|d| str_at(d, "/kind") != "Namespace");
-    let h: BTreeMap<String, &Value> = chart_on.iter().map(|d| (key(d), d)).collect();
-    let k: BTreeMap<String, &Value> = kustomized.iter().map(|d| (key(d), d)).collect();
-    assert_eq!(
-        h.keys().collect::<Vec<_>>(),
-        k.keys().collect::<Vec<_>>(),
-        "helm and kustomize build other objects"
-    );
-    for (name, object) in &k {
-        assert_eq!(&h[name], object, "{name} (left: helm, right: kustomize)");
-    }
+    assert_same_objects(&chart_on, &on);
     let chart_off = helm_template(helm, "nvdra", &["--set", "computeDomains.enabled=true"]);
     assert_eq!(clique_vars(&controller_env(&chart_off, "helm")), []);
     // The chart's driver root reaches the per-clique daemons.

@@ -555,3 +555,42 @@ pub fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// nvdra's Helm chart.
+pub fn chart() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deployments/helm/nvdra")
+}
+
+/// `helm`, when it runs here (required with `NVDRA_REQUIRE_HELM`).
+pub fn helm() -> Option<&'static str> {
+    let required = super::require::required("NVDRA_REQUIRE_HELM");
+    let found = Command::new("helm")
+        .args(["version", "--short"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found && required {
+        panic!(
+            "NVDRA_REQUIRE_HELM requires helm but `helm version` does not run (bash .ci/helm installs it)"
+        );
+    }
+    if !found {
+        eprintln!("helm is not installed: skipped (bash .ci/helm installs it)");
+    }
+    found.then_some("helm")
+}
+
+/// `helm template nvdra <chart> --namespace <ns> <args>`: the objects, or helm's error.
+pub fn template(helm: &str, namespace: &str, args: &[&str]) -> Result<Vec<Value>, String> {
+    let out = Command::new(helm)
+        .args(["template", "nvdra"])
+        .arg(chart())
+        .args(["--namespace", namespace])
+        .args(args)
+        .output()
+        .expect("helm runs");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let text = String::from_utf8(out.stdout).expect("helm prints UTF-8");
+    Ok(documents(&text, &format!("helm template {args:?}")))
+}
